@@ -1,0 +1,208 @@
+//! Agent configuration: a JSON file, every path derived from one root unless set.
+
+use std::path::{Path, PathBuf};
+
+use ipnetwork::IpNetwork;
+use serde::Deserialize;
+
+use crate::cni::result::Dns;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {0}: {1}")]
+    Read(PathBuf, std::io::Error),
+    #[error("parsing {0}: {1}")]
+    Parse(PathBuf, serde_json::Error),
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DnsConfig {
+    #[serde(default)]
+    pub nameservers: Vec<String>,
+    pub domain: Option<String>,
+    #[serde(default)]
+    pub search: Vec<String>,
+    #[serde(default)]
+    pub options: Vec<String>,
+}
+
+/// The file format. Paths left out derive from `root`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FileConfig {
+    pub node_name: String,
+    /// Prefix for every default path ("/" in production; a temp dir per simulated node).
+    #[serde(default)]
+    pub root: Option<PathBuf>,
+    /// Pod address blocks of this node (one IPv4 and/or one IPv6 block in standalone mode).
+    #[serde(default)]
+    pub pod_cidrs: Vec<IpNetwork>,
+    /// Cluster-wide pod/service ranges: traffic to them is never masqueraded.
+    #[serde(default)]
+    pub cluster_cidrs: Vec<IpNetwork>,
+    #[serde(default = "default_mtu")]
+    pub mtu: u32,
+    #[serde(default = "default_bridge")]
+    pub bridge: String,
+    #[serde(default = "yes")]
+    pub masquerade: bool,
+    #[serde(default)]
+    pub dns: Option<DnsConfig>,
+    /// Extra plugin entries appended to the conflist after nodeplane (portmap, bandwidth…).
+    #[serde(default)]
+    pub chained_plugins: Vec<serde_json::Value>,
+    pub cni_socket: Option<PathBuf>,
+    pub state_dir: Option<PathBuf>,
+    pub cni_bin_dir: Option<PathBuf>,
+    pub cni_conf_dir: Option<PathBuf>,
+    /// The shim binary to install; default: `nodeplane-cni` next to the agent binary.
+    pub shim_source: Option<PathBuf>,
+    /// Where the kernel boot id is read (tests point this elsewhere to simulate a reboot).
+    pub boot_id_file: Option<PathBuf>,
+}
+
+fn default_mtu() -> u32 {
+    1500
+}
+fn default_bridge() -> String {
+    "np0".into()
+}
+fn yes() -> bool {
+    true
+}
+
+/// Resolved configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub node_name: String,
+    pub pod_cidrs: Vec<IpNetwork>,
+    pub cluster_cidrs: Vec<IpNetwork>,
+    pub mtu: u32,
+    pub bridge: String,
+    pub masquerade: bool,
+    pub dns: Dns,
+    pub chained_plugins: Vec<serde_json::Value>,
+    pub cni_socket: PathBuf,
+    pub state_dir: PathBuf,
+    pub cni_bin_dir: PathBuf,
+    pub cni_conf_dir: PathBuf,
+    pub shim_source: PathBuf,
+    pub boot_id_file: PathBuf,
+}
+
+fn under(root: &Path, abs: &str) -> PathBuf {
+    root.join(abs.trim_start_matches('/'))
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let raw = std::fs::read(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
+        let file: FileConfig = serde_json::from_slice(&raw).map_err(|e| ConfigError::Parse(path.to_path_buf(), e))?;
+        Self::resolve(file)
+    }
+
+    pub fn resolve(f: FileConfig) -> Result<Self, ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if f.node_name.is_empty() {
+            return bad("nodeName must not be empty".into());
+        }
+        if !crate::cni::request::valid_ifname(&f.bridge) {
+            return bad(format!("bridge {:?} is not a valid interface name", f.bridge));
+        }
+        if !(68..=65535).contains(&f.mtu) {
+            return bad(format!("mtu {} is outside 68..65535", f.mtu));
+        }
+        let v4 = f.pod_cidrs.iter().filter(|c| c.is_ipv4()).count();
+        let v6 = f.pod_cidrs.len() - v4;
+        if v4 > 1 || v6 > 1 {
+            return bad("podCidrs takes at most one IPv4 and one IPv6 block".into());
+        }
+        for c in &f.pod_cidrs {
+            crate::ipam::Block::new(*c).map_err(|e| ConfigError::Invalid(format!("podCidrs: {e}")))?;
+        }
+        for ns in f.dns.iter().flat_map(|d| &d.nameservers) {
+            if ns.parse::<std::net::IpAddr>().is_err() {
+                return bad(format!("dns.nameservers: {ns:?} is not an IP address"));
+            }
+        }
+        for (i, p) in f.chained_plugins.iter().enumerate() {
+            if p.get("type").and_then(|t| t.as_str()).is_none() {
+                return bad(format!("chainedPlugins[{i}] needs a string \"type\""));
+            }
+        }
+        let root = f.root.clone().unwrap_or_else(|| PathBuf::from("/"));
+        if !root.is_absolute() {
+            return bad(format!("root {} must be absolute", root.display()));
+        }
+        let cluster_cidrs = if f.cluster_cidrs.is_empty() {
+            f.pod_cidrs.iter().map(|c| IpNetwork::new(c.network(), c.prefix()).unwrap()).collect()
+        } else {
+            f.cluster_cidrs.clone()
+        };
+        let shim_source = match f.shim_source {
+            Some(p) => p,
+            None => std::env::current_exe()
+                .map_err(|e| ConfigError::Invalid(format!("cannot locate own binary: {e}")))?
+                .with_file_name("nodeplane-cni"),
+        };
+        let dns = f
+            .dns
+            .map(|d| Dns { nameservers: d.nameservers, domain: d.domain, search: d.search, options: d.options })
+            .unwrap_or_default();
+        Ok(Config {
+            node_name: f.node_name,
+            pod_cidrs: f.pod_cidrs,
+            cluster_cidrs,
+            mtu: f.mtu,
+            bridge: f.bridge,
+            masquerade: f.masquerade,
+            dns,
+            chained_plugins: f.chained_plugins,
+            cni_socket: f.cni_socket.unwrap_or_else(|| under(&root, "/run/nodeplane/cni.sock")),
+            state_dir: f.state_dir.unwrap_or_else(|| under(&root, "/var/lib/nodeplane")),
+            cni_bin_dir: f.cni_bin_dir.unwrap_or_else(|| under(&root, "/opt/cni/bin")),
+            cni_conf_dir: f.cni_conf_dir.unwrap_or_else(|| under(&root, "/etc/cni/net.d")),
+            shim_source,
+            boot_id_file: f.boot_id_file.unwrap_or_else(|| PathBuf::from("/proc/sys/kernel/random/boot_id")),
+        })
+    }
+
+    pub fn lease_dir(&self) -> PathBuf {
+        self.state_dir.join("ipam")
+    }
+    pub fn pending_delete_dir(&self) -> PathBuf {
+        self.state_dir.join("pending-del")
+    }
+    pub fn conflist_path(&self) -> PathBuf {
+        self.cni_conf_dir.join("10-nodeplane.conflist")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<Config, ConfigError> {
+        Config::resolve(serde_json::from_str(s).map_err(|e| ConfigError::Invalid(e.to_string()))?)
+    }
+
+    #[test]
+    fn paths_derive_from_root() {
+        let c = parse(r#"{"nodeName":"n1","root":"/tmp/n1","podCidrs":["10.5.0.0/24"],"shimSource":"/x"}"#).unwrap();
+        assert_eq!(c.cni_socket, PathBuf::from("/tmp/n1/run/nodeplane/cni.sock"));
+        assert_eq!(c.conflist_path(), PathBuf::from("/tmp/n1/etc/cni/net.d/10-nodeplane.conflist"));
+        assert_eq!(c.cluster_cidrs, vec!["10.5.0.0/24".parse::<IpNetwork>().unwrap()]);
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        assert!(parse(r#"{"nodeName":"n","podCidrs":["10.0.0.0/24","10.1.0.0/24"],"shimSource":"/x"}"#).is_err());
+        assert!(parse(r#"{"nodeName":"n","mtu":10,"shimSource":"/x"}"#).is_err());
+        assert!(parse(r#"{"nodeName":"n","bridge":"way-too-long-bridge","shimSource":"/x"}"#).is_err());
+        assert!(parse(r#"{"nodeName":"n","unknownKey":1}"#).is_err());
+        assert!(parse(r#"{"nodeName":"n","chainedPlugins":[{"x":1}],"shimSource":"/x"}"#).is_err());
+    }
+}

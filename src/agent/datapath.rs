@@ -1,0 +1,577 @@
+//! The pod datapath: what ADD, DEL, CHECK, GC and STATUS do to the kernel and the leases.
+//!
+//! All functions here are blocking; the server calls them on the blocking pool. Namespace
+//! switching only ever happens inside [`crate::netns::netlink_in`].
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::AsFd;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use ipnetwork::IpNetwork;
+
+use super::config::Config;
+use super::reaper::{Reaper, is_graveyard_name};
+use crate::cni::request::Request;
+use crate::cni::result::{Interface, IpConfig, ResultModel, Route};
+use crate::cni::{CniError, Code};
+use crate::ipam::{Ipam, IpamError, Lease, LeaseState, Owner};
+use crate::netlink::{Link, Netlink, NetlinkError, VethSpec, format_mac, random_mac};
+use crate::netns::{Netns, NetnsError};
+
+/// Host-side veth name of an attachment: "np" + 13 hex digits of a stable hash.
+pub fn host_ifname(owner: &Owner) -> String {
+    let h = crate::util::fnv1a(&[owner.container_id.as_bytes(), owner.ifname.as_bytes()]);
+    format!("np{:013x}", h & 0x1f_ffff_ffff_ffff)
+}
+
+pub fn is_host_ifname(name: &str) -> bool {
+    name.len() == 15 && name.starts_with("np") && name[2..].bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+fn internal(context: &str, e: impl std::fmt::Display) -> CniError {
+    CniError::new(Code::Internal, format!("{context}: {e}"))
+}
+
+fn netlink_err(context: &str, e: NetlinkError) -> CniError {
+    internal(context, e)
+}
+
+fn ipam_err(e: IpamError) -> CniError {
+    match e {
+        IpamError::NoBlock(_) | IpamError::Exhausted { .. } => CniError::new(Code::TryAgainLater, e.to_string()),
+        IpamError::Io { .. } => CniError::new(Code::Io, e.to_string()),
+        IpamError::BadBlock(..) => CniError::new(Code::Internal, e.to_string()),
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct BridgeInfo {
+    index: u32,
+    mac: [u8; 6],
+}
+
+/// Serializes work on one attachment (ADD/DEL/CHECK of the same container+ifname).
+#[derive(Default)]
+struct KeyedLocks {
+    map: Mutex<HashMap<Owner, Arc<Mutex<()>>>>,
+}
+
+impl KeyedLocks {
+    fn run<T>(&self, key: &Owner, f: impl FnOnce() -> T) -> T {
+        let lock = self.map.lock().unwrap().entry(key.clone()).or_default().clone();
+        let out = {
+            let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+            f()
+        };
+        let mut map = self.map.lock().unwrap();
+        // Two references: the map's and ours. Nobody else waits: drop the entry.
+        if Arc::strong_count(&lock) == 2 {
+            map.remove(key);
+        }
+        out
+    }
+}
+
+pub struct Datapath {
+    pub cfg: Arc<Config>,
+    pub ipam: Ipam,
+    pub reaper: Reaper,
+    bridge: Mutex<Option<BridgeInfo>>,
+    locks: KeyedLocks,
+}
+
+/// What a startup reconcile did (logged by the agent, used by tests through the logs).
+#[derive(Debug, Default)]
+pub struct ReconcileReport {
+    pub kept: usize,
+    pub freed: Vec<String>,
+    pub reaped_links: usize,
+}
+
+impl Datapath {
+    pub fn new(cfg: Arc<Config>, ipam: Ipam, reaper: Reaper) -> Self {
+        Datapath { cfg, ipam, reaper, bridge: Mutex::new(None), locks: KeyedLocks::default() }
+    }
+
+    // ----- node setup -----
+
+    /// Create (or adopt) the node bridge with one gateway address per block, and turn on
+    /// forwarding in the agent's own network namespace.
+    pub fn ensure_bridge(&self) -> Result<(), CniError> {
+        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        let name = &self.cfg.bridge;
+        let link = match nl.link_by_name(name).map_err(|e| netlink_err("bridge lookup", e))? {
+            Some(l) => l,
+            None => {
+                match nl.create_bridge(name, None) {
+                    Ok(()) => {}
+                    Err(e) if e.is(libc::EEXIST) => {}
+                    Err(e) => return Err(netlink_err(&format!("creating bridge {name}"), e)),
+                }
+                nl.link_by_name(name)
+                    .map_err(|e| netlink_err("bridge lookup", e))?
+                    .ok_or_else(|| internal("bridge", format!("{name} vanished after creation")))?
+            }
+        };
+        if link.kind.as_deref() != Some("bridge") {
+            return Err(internal("bridge", format!("{name} exists but is a {:?}, not a bridge", link.kind)));
+        }
+        if !link.up {
+            nl.set_link(link.index, Some(true), None, None).map_err(|e| netlink_err("bridge up", e))?;
+        }
+        let have = nl.addresses(Some(link.index)).map_err(|e| netlink_err("bridge addresses", e))?;
+        for block in self.ipam.blocks() {
+            let gw = block.gateway_net();
+            if !have.iter().any(|a| a.ip == gw.ip() && a.prefix == gw.prefix()) {
+                match nl.add_address(link.index, gw.ip(), gw.prefix()) {
+                    Ok(()) => {}
+                    Err(e) if e.is(libc::EEXIST) => {}
+                    Err(e) => return Err(netlink_err(&format!("gateway {gw} on {name}"), e)),
+                }
+            }
+        }
+        for key in ["net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"] {
+            crate::netns::write_sysctl(key, "1").map_err(|e| CniError::new(Code::Io, e.to_string()))?;
+        }
+        let mac = link.mac.unwrap_or_default();
+        *self.bridge.lock().unwrap() = Some(BridgeInfo { index: link.index, mac });
+        Ok(())
+    }
+
+    fn bridge(&self) -> Result<BridgeInfo, CniError> {
+        if let Some(b) = *self.bridge.lock().unwrap() {
+            return Ok(b);
+        }
+        self.ensure_bridge()?;
+        Ok(self.bridge.lock().unwrap().expect("set by ensure_bridge"))
+    }
+
+    /// Bring leases and kernel state back in line after a start (crash, upgrade, reboot).
+    pub fn reconcile(&self, boot_changed: bool) -> Result<ReconcileReport, CniError> {
+        let mut report = ReconcileReport::default();
+        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        let links = nl.links().map_err(|e| netlink_err("listing links", e))?;
+        let by_name: HashMap<&str, &Link> = links.iter().map(|l| (l.name.as_str(), l)).collect();
+        let mut keep_links = HashSet::new();
+        for lease in self.ipam.leases() {
+            let why = if boot_changed {
+                Some("node rebooted")
+            } else if lease.state != LeaseState::Ready {
+                Some("ADD never completed")
+            } else if !netns_matches(&lease) {
+                Some("pod network namespace is gone")
+            } else if !by_name.contains_key(lease.host_if.as_str()) {
+                Some("host veth is gone")
+            } else {
+                None
+            };
+            match why {
+                None => {
+                    keep_links.insert(lease.host_if.clone());
+                    report.kept += 1;
+                }
+                Some(reason) => {
+                    self.ipam.release(&lease.owner).map_err(ipam_err)?;
+                    report.freed.push(format!(
+                        "{}/{} {:?}: {reason}",
+                        lease.owner.container_id, lease.owner.ifname, lease.ips
+                    ));
+                }
+            }
+        }
+        for link in &links {
+            let ours = is_host_ifname(&link.name) && !keep_links.contains(&link.name);
+            if ours || is_graveyard_name(&link.name) {
+                self.retire_link(&mut nl, link)?;
+                report.reaped_links += 1;
+            }
+        }
+        Ok(report)
+    }
+
+    /// Take a host veth off the bridge and down (synchronously), rename it into the
+    /// graveyard and queue its deletion.
+    fn retire_link(&self, nl: &mut Netlink, link: &Link) -> Result<(), CniError> {
+        if is_graveyard_name(&link.name) {
+            self.reaper.reap(link.name.clone());
+            return Ok(());
+        }
+        match nl.set_link(link.index, Some(false), Some(0), None) {
+            Ok(()) => {}
+            Err(e) if e.is(libc::ENODEV) => return Ok(()),
+            Err(e) => return Err(netlink_err(&format!("detaching {}", link.name), e)),
+        }
+        for _ in 0..8 {
+            let grave = self.reaper.next_name();
+            match nl.set_link(link.index, None, None, Some(&grave)) {
+                Ok(()) => {
+                    self.reaper.reap(grave);
+                    return Ok(());
+                }
+                Err(e) if e.is(libc::EEXIST) => continue,
+                Err(e) if e.is(libc::ENODEV) => return Ok(()),
+                Err(e) => return Err(netlink_err(&format!("renaming {}", link.name), e)),
+            }
+        }
+        // Could not find a free graveyard name: delete synchronously instead.
+        match nl.delete_link(link.index) {
+            Ok(()) => Ok(()),
+            Err(e) if e.is(libc::ENODEV) => Ok(()),
+            Err(e) => Err(netlink_err(&format!("deleting {}", link.name), e)),
+        }
+    }
+
+    // ----- CNI commands -----
+
+    pub fn add(&self, req: &Request) -> Result<ResultModel, CniError> {
+        let owner = Owner { container_id: req.container_id.clone(), ifname: req.ifname.clone() };
+        self.locks.run(&owner, || self.add_locked(req, &owner))
+    }
+
+    fn add_locked(&self, req: &Request, owner: &Owner) -> Result<ResultModel, CniError> {
+        if let Some(existing) = self.ipam.get(owner) {
+            return Err(CniError::new(
+                Code::AlreadyExists,
+                format!(
+                    "container {} already has interface {} attached ({:?}); DEL it first",
+                    owner.container_id, owner.ifname, existing.ips
+                ),
+            ));
+        }
+        let netns_path = req.netns.as_deref().expect("validated: ADD has CNI_NETNS");
+        let netns = open_netns(netns_path)?;
+        let host_if = host_ifname(owner);
+        let lease = self
+            .ipam
+            .reserve(Lease {
+                owner: owner.clone(),
+                state: LeaseState::Adding,
+                netns: netns_path.display().to_string(),
+                netns_inode: netns.inode().unwrap_or(0),
+                host_if: host_if.clone(),
+                ips: Vec::new(),
+                pod: format!("{}/{}", req.pod_namespace(), req.pod_name()),
+            })
+            .map_err(ipam_err)?;
+        let mtu = req.conf.mtu.unwrap_or(self.cfg.mtu);
+        let mut nl = match Netlink::open() {
+            Ok(nl) => nl,
+            Err(e) => {
+                let _ = self.ipam.release(owner);
+                return Err(netlink_err("netlink", e));
+            }
+        };
+        match self.plumb(&mut nl, &netns, req, &host_if, &lease, mtu) {
+            Ok(result) => {
+                self.ipam.commit(owner).map_err(ipam_err).inspect_err(|_| {
+                    self.undo_add(&mut nl, owner, &host_if);
+                })?;
+                tracing::info!(
+                    container = %owner.container_id, ifname = %owner.ifname, pod = %lease.pod,
+                    ips = ?lease.ips, host_if = %host_if, "attached"
+                );
+                Ok(match &req.conf.prev_result {
+                    Some(prev) => prev.clone().chain(result),
+                    None => result,
+                })
+            }
+            Err(e) => {
+                self.undo_add(&mut nl, owner, &host_if);
+                Err(e)
+            }
+        }
+    }
+
+    fn undo_add(&self, nl: &mut Netlink, owner: &Owner, host_if: &str) {
+        if let Ok(Some(link)) = nl.link_by_name(host_if) {
+            if let Err(e) = self.retire_link(nl, &link) {
+                tracing::warn!(error = %e, host_if, "rolling back veth");
+            }
+        }
+        if let Err(e) = self.ipam.release(owner) {
+            tracing::warn!(error = %e, "rolling back lease");
+        }
+    }
+
+    /// Create and configure the veth pair; returns this plugin's own result.
+    fn plumb(
+        &self,
+        nl: &mut Netlink,
+        netns: &Netns,
+        req: &Request,
+        host_if: &str,
+        lease: &Lease,
+        mtu: u32,
+    ) -> Result<ResultModel, CniError> {
+        let bridge = self.bridge()?;
+        let host_mac = random_mac();
+        let peer_mac = random_mac();
+        let mut spec = VethSpec {
+            host_name: host_if,
+            host_mac,
+            peer_name: &req.ifname,
+            peer_mac,
+            peer_netns: netns.as_fd(),
+            mtu,
+            master: Some(bridge.index),
+        };
+        let mut pod_nl = None;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match nl.create_veth(&spec) {
+                Ok(()) => break,
+                Err(e) if e.is(libc::EEXIST) && attempt <= 2 => {
+                    // Either a stale host end (no lease holds it: we checked under the
+                    // attachment lock) or the name is taken inside the pod.
+                    if let Some(stale) = nl.link_by_name(host_if).map_err(|e| netlink_err("lookup", e))? {
+                        nl.delete_link(stale.index).map_err(|e| netlink_err("removing stale veth", e))?;
+                        continue;
+                    }
+                    let pnl = pod_nl.get_or_insert(netns.netlink().map_err(netns_err)?);
+                    if pnl.link_by_name(&req.ifname).map_err(|e| netlink_err("lookup", e))?.is_some() {
+                        // Maybe the old end of a veth we just retired: let the reaper finish.
+                        self.reaper.flush();
+                        if pnl.link_by_name(&req.ifname).map_err(|e| netlink_err("lookup", e))?.is_some() {
+                            return Err(CniError::new(
+                                Code::AlreadyExists,
+                                format!(
+                                    "interface {} already exists in network namespace {}",
+                                    req.ifname,
+                                    netns.path().display()
+                                ),
+                            ));
+                        }
+                    }
+                }
+                Err(e) if (e.is(libc::ENODEV) || e.is(libc::EINVAL)) && attempt <= 2 => {
+                    // The bridge went away under us: recreate it once.
+                    *self.bridge.lock().unwrap() = None;
+                    spec.master = Some(self.bridge()?.index);
+                }
+                Err(e) => return Err(netlink_err(&format!("creating veth for {}", req.ifname), e)),
+            }
+        }
+        let mut pod_nl = match pod_nl {
+            Some(p) => p,
+            None => netns.netlink().map_err(netns_err)?,
+        };
+        let peer = pod_nl
+            .link_by_name(&req.ifname)
+            .map_err(|e| netlink_err("lookup", e))?
+            .ok_or_else(|| internal("veth", format!("{} missing in pod after creation", req.ifname)))?;
+        // Loopback is always ifindex 1 in a network namespace.
+        pod_nl.set_link(1, Some(true), None, None).map_err(|e| netlink_err("bringing lo up", e))?;
+        let mut ips = Vec::new();
+        let mut routes = Vec::new();
+        for ip in &lease.ips {
+            pod_nl
+                .add_address(peer.index, ip.ip(), ip.prefix())
+                .map_err(|e| netlink_err(&format!("adding {ip} to {}", req.ifname), e))?;
+            let block = self.ipam.block_of(ip.ip()).ok_or_else(|| internal("ipam", format!("{ip} has no block")))?;
+            let gw = block.gateway();
+            pod_nl
+                .add_route(None, Some(gw), peer.index, ip.is_ipv6())
+                .map_err(|e| netlink_err(&format!("default route via {gw}"), e))?;
+            ips.push(IpConfig { address: *ip, gateway: Some(gw), interface: Some(2) });
+            let any = if ip.is_ipv4() { "0.0.0.0/0" } else { "::/0" };
+            routes.push(Route { dst: any.parse().expect("literal"), gw: Some(gw) });
+        }
+        let conf_dns = req.conf.dns.clone().unwrap_or_default();
+        Ok(ResultModel {
+            interfaces: vec![
+                Interface { name: self.cfg.bridge.clone(), mac: format_mac(&self.bridge()?.mac), mtu: None, sandbox: None },
+                Interface { name: host_if.to_string(), mac: format_mac(&host_mac), mtu: Some(mtu), sandbox: None },
+                Interface {
+                    name: req.ifname.clone(),
+                    mac: format_mac(&peer_mac),
+                    mtu: Some(mtu),
+                    sandbox: Some(netns.path().display().to_string()),
+                },
+            ],
+            ips,
+            routes,
+            dns: if conf_dns.is_empty() { self.cfg.dns.clone() } else { conf_dns },
+        })
+    }
+
+    pub fn del(&self, req: &Request) -> Result<(), CniError> {
+        let owner = Owner { container_id: req.container_id.clone(), ifname: req.ifname.clone() };
+        self.locks.run(&owner, || self.del_locked(&owner))
+    }
+
+    fn del_locked(&self, owner: &Owner) -> Result<(), CniError> {
+        let host_if = self.ipam.get(owner).map(|l| l.host_if).unwrap_or_else(|| host_ifname(owner));
+        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        // Detach first: once this returns, the old address is off the bridge.
+        if let Some(link) = nl.link_by_name(&host_if).map_err(|e| netlink_err("lookup", e))? {
+            self.retire_link(&mut nl, &link)?;
+        }
+        let released = self.ipam.release(owner).map_err(ipam_err)?;
+        let pending = self.cfg.pending_delete_dir().join(crate::shim::pending_file_name(&owner.container_id, &owner.ifname));
+        let _ = std::fs::remove_file(pending);
+        if let Some(l) = released {
+            tracing::info!(container = %owner.container_id, ifname = %owner.ifname, pod = %l.pod, ips = ?l.ips, "detached");
+        }
+        Ok(())
+    }
+
+    pub fn check(&self, req: &Request) -> Result<(), CniError> {
+        let owner = Owner { container_id: req.container_id.clone(), ifname: req.ifname.clone() };
+        self.locks.run(&owner, || self.check_locked(req, &owner))
+    }
+
+    fn check_locked(&self, req: &Request, owner: &Owner) -> Result<(), CniError> {
+        let fail = |m: String| Err(CniError::new(Code::Internal, m));
+        let Some(lease) = self.ipam.get(owner) else {
+            return Err(CniError::new(
+                Code::UnknownContainer,
+                format!("no attachment for container {} interface {}", owner.container_id, owner.ifname),
+            ));
+        };
+        if lease.state != LeaseState::Ready {
+            return fail(format!("attachment {}/{} is still being set up", owner.container_id, owner.ifname));
+        }
+        let prev = req.conf.prev_result.as_ref().expect("validated: CHECK has prevResult");
+        let netns_path = req.netns.as_deref().expect("validated: CHECK has CNI_NETNS");
+        let Some(idx) = prev.interfaces.iter().position(|i| i.name == req.ifname && i.sandbox.is_some()) else {
+            return fail(format!("prevResult has no container interface {}", req.ifname));
+        };
+        let expected_ips: Vec<IpNetwork> =
+            prev.ips.iter().filter(|ip| ip.interface == Some(idx)).map(|ip| ip.address).collect();
+        for ip in &lease.ips {
+            if !expected_ips.contains(ip) {
+                return fail(format!("lease address {ip} is not in prevResult for {}", req.ifname));
+            }
+        }
+        for ip in &expected_ips {
+            if !lease.ips.contains(ip) {
+                return fail(format!("prevResult address {ip} is not leased to {}/{}", owner.container_id, owner.ifname));
+            }
+        }
+        let netns = open_netns(netns_path)?;
+        let mut pod_nl = netns.netlink().map_err(netns_err)?;
+        let ns = netns_path.display();
+        let Some(peer) = pod_nl.link_by_name(&req.ifname).map_err(|e| netlink_err("lookup", e))? else {
+            return fail(format!("interface {} not found in network namespace {ns}", req.ifname));
+        };
+        if peer.kind.as_deref() != Some("veth") {
+            return fail(format!("interface {} in {ns} is a {:?}, not a veth", req.ifname, peer.kind));
+        }
+        if !peer.up {
+            return fail(format!("interface {} in {ns} is down", req.ifname));
+        }
+        let want_mac = &prev.interfaces[idx].mac;
+        if !want_mac.is_empty() && peer.mac.map(|m| format_mac(&m)).as_deref() != Some(want_mac.as_str()) {
+            return fail(format!("interface {} in {ns} has MAC {:?}, prevResult says {want_mac}", req.ifname, peer.mac.map(|m| format_mac(&m))));
+        }
+        let addrs = pod_nl.addresses(Some(peer.index)).map_err(|e| netlink_err("addresses", e))?;
+        for ip in &lease.ips {
+            if !addrs.iter().any(|a| a.ip == ip.ip() && a.prefix == ip.prefix()) {
+                return fail(format!("address {ip} is missing from {} in {ns}", req.ifname));
+            }
+        }
+        for ip in &lease.ips {
+            let gw = self.ipam.block_of(ip.ip()).map(|b| b.gateway());
+            let routes = pod_nl.routes(ip.is_ipv6()).map_err(|e| netlink_err("routes", e))?;
+            let ok = routes.iter().any(|r| r.dst.is_none() && r.gateway == gw && r.oif == Some(peer.index));
+            if !ok {
+                return fail(format!("default route via {} on {} is missing in {ns}", gw.map(|g| g.to_string()).unwrap_or_default(), req.ifname));
+            }
+        }
+        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        let Some(host) = nl.link_by_name(&lease.host_if).map_err(|e| netlink_err("lookup", e))? else {
+            return fail(format!("host veth {} is missing", lease.host_if));
+        };
+        let bridge = nl.link_by_name(&self.cfg.bridge).map_err(|e| netlink_err("lookup", e))?;
+        let Some(bridge) = bridge else {
+            return fail(format!("bridge {} is missing", self.cfg.bridge));
+        };
+        if host.master != Some(bridge.index) {
+            return fail(format!("host veth {} is not attached to bridge {}", lease.host_if, self.cfg.bridge));
+        }
+        if !host.up {
+            return fail(format!("host veth {} is down", lease.host_if));
+        }
+        if peer.peer != Some(host.index) {
+            return fail(format!("interface {} in {ns} is not the peer of host veth {}", req.ifname, lease.host_if));
+        }
+        Ok(())
+    }
+
+    pub fn gc(&self, req: &Request) -> Result<(), CniError> {
+        let valid: HashSet<Owner> = req
+            .conf
+            .valid_attachments
+            .iter()
+            .flatten()
+            .map(|a| Owner { container_id: a.container_id.clone(), ifname: a.ifname.clone() })
+            .collect();
+        let mut errors = Vec::new();
+        let mut freed = 0;
+        for lease in self.ipam.leases() {
+            if valid.contains(&lease.owner) {
+                continue;
+            }
+            match self.locks.run(&lease.owner, || self.del_locked(&lease.owner)) {
+                Ok(()) => freed += 1,
+                Err(e) => errors.push(e.msg),
+            }
+        }
+        // Host-side leftovers that no lease explains.
+        let held: HashSet<String> = self.ipam.leases().into_iter().map(|l| l.host_if).collect();
+        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        let links = nl.links().map_err(|e| netlink_err("listing links", e))?;
+        for link in links.iter().filter(|l| is_host_ifname(&l.name) && !held.contains(&l.name)) {
+            if let Err(e) = self.retire_link(&mut nl, link) {
+                errors.push(e.msg);
+            }
+        }
+        tracing::info!(freed, valid = valid.len(), "gc");
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(CniError::new(Code::Internal, format!("GC left work undone: {}", errors.join("; "))))
+        }
+    }
+
+    pub fn status(&self) -> Result<(), CniError> {
+        let leases = self.ipam.leases().len();
+        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        let bridge = nl.link_by_name(&self.cfg.bridge).map_err(|e| netlink_err("lookup", e))?;
+        let bridge_ok = bridge.as_ref().is_some_and(|b| b.up);
+        if !bridge_ok {
+            let code = if leases > 0 { Code::NotAvailablePodsAffected } else { Code::NotAvailable };
+            return Err(CniError::new(code, format!("bridge {} is missing or down ({leases} pods attached)", self.cfg.bridge)));
+        }
+        let free = self.ipam.free_by_family();
+        if free.is_empty() {
+            return Err(CniError::new(Code::NotAvailable, "no pod address block is assigned to this node"));
+        }
+        if let Some((family, _)) = free.iter().find(|(_, n)| *n == 0) {
+            return Err(CniError::new(Code::NotAvailable, format!("the {family} pod address block is full")));
+        }
+        Ok(())
+    }
+}
+
+fn netns_err(e: NetnsError) -> CniError {
+    match e {
+        NetnsError::NotFound(_) | NetnsError::NotNetns(_) => CniError::new(Code::InvalidEnv, format!("CNI_NETNS: {e}")),
+        other => internal("netns", other),
+    }
+}
+
+fn open_netns(path: &Path) -> Result<Netns, CniError> {
+    Netns::open(path).map_err(netns_err)
+}
+
+/// Is the lease's namespace still the one it was made in?
+fn netns_matches(lease: &Lease) -> bool {
+    match Netns::open(Path::new(&lease.netns)) {
+        Ok(ns) => lease.netns_inode == 0 || ns.inode().ok() == Some(lease.netns_inode),
+        Err(_) => false,
+    }
+}
+

@@ -1,0 +1,269 @@
+//! The node agent: start-up, reconciliation and the CNI socket server.
+
+pub mod config;
+pub mod datapath;
+pub mod install;
+pub mod nft;
+pub mod reaper;
+
+use std::fs;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+
+use crate::cni::request::{self, Env};
+use crate::cni::wire::{self, WireRequest};
+use crate::cni::{Command, Reply, version_result};
+use config::Config;
+use datapath::Datapath;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("{context}: {source}")]
+    Io { context: String, source: std::io::Error },
+    #[error("{0}")]
+    Setup(String),
+}
+
+fn io_ctx(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> AgentError {
+    let context = context.into();
+    move |source| AgentError::Io { context, source }
+}
+
+/// Exclusive lock on the state dir: two agents must never share leases.
+fn lock_state_dir(dir: &Path) -> Result<fs::File, AgentError> {
+    fs::create_dir_all(dir).map_err(io_ctx(format!("creating {}", dir.display())))?;
+    let path = dir.join("agent.lock");
+    let f = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io_ctx(format!("opening {}", path.display())))?;
+    // SAFETY: flock on a file descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(AgentError::Setup(format!(
+            "another agent holds {} ({})",
+            path.display(),
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(f)
+}
+
+/// Everything up to (not including) serving: returns the datapath and the bound listener.
+pub fn prepare(cfg: Config) -> Result<(Arc<Datapath>, std::os::unix::net::UnixListener, fs::File), AgentError> {
+    let cfg = Arc::new(cfg);
+    let lock = lock_state_dir(&cfg.state_dir)?;
+
+    let boot_id = crate::util::read_boot_id(&cfg.boot_id_file).map_err(io_ctx("reading boot id"))?;
+    let boot_file = cfg.state_dir.join("boot_id");
+    let stored = fs::read_to_string(&boot_file).ok().map(|s| s.trim().to_string());
+    let boot_changed = stored.as_deref().is_some_and(|s| s != boot_id);
+
+    let (ipam, problems) = crate::ipam::Ipam::load(&cfg.lease_dir()).map_err(|e| AgentError::Setup(e.to_string()))?;
+    for p in problems {
+        tracing::warn!("{p}");
+    }
+    for block in &cfg.pod_cidrs {
+        ipam.assign_block(*block).map_err(|e| AgentError::Setup(e.to_string()))?;
+    }
+    let reaper = reaper::Reaper::start().map_err(io_ctx("starting reaper"))?;
+    let dp = Arc::new(Datapath::new(cfg.clone(), ipam, reaper));
+
+    let report = dp.reconcile(boot_changed).map_err(|e| AgentError::Setup(format!("reconcile: {}", e.msg)))?;
+    for f in &report.freed {
+        tracing::info!(lease = %f, "freed stale lease");
+    }
+    tracing::info!(kept = report.kept, freed = report.freed.len(), reaped_links = report.reaped_links, boot_changed, "reconciled");
+    crate::util::atomic_write(&boot_file, boot_id.as_bytes(), 0o644).map_err(io_ctx("writing boot id"))?;
+
+    dp.ensure_bridge().map_err(|e| AgentError::Setup(format!("bridge: {}", e.msg)))?;
+    if cfg.masquerade && !cfg.pod_cidrs.is_empty() {
+        nft::apply(&cfg.pod_cidrs, &cfg.cluster_cidrs).map_err(io_ctx("masquerade rules"))?;
+    }
+
+    let sock = &cfg.cni_socket;
+    if let Some(dir) = sock.parent() {
+        fs::create_dir_all(dir).map_err(io_ctx(format!("creating {}", dir.display())))?;
+    }
+    match fs::remove_file(sock) {
+        Ok(()) => tracing::info!(socket = %sock.display(), "removed stale socket"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_ctx(format!("removing stale {}", sock.display()))(e)),
+    }
+    let listener = std::os::unix::net::UnixListener::bind(sock).map_err(io_ctx(format!("binding {}", sock.display())))?;
+    fs::set_permissions(sock, fs::Permissions::from_mode(0o600)).map_err(io_ctx("socket permissions"))?;
+
+    drain_pending(&dp);
+
+    if install::install_shim(&cfg).map_err(io_ctx("installing shim"))? {
+        tracing::info!(dir = %cfg.cni_bin_dir.display(), "installed shim");
+    }
+    install::write_conflist(&cfg).map_err(io_ctx("writing conflist"))?;
+    tracing::info!(node = %cfg.node_name, socket = %sock.display(), conflist = %cfg.conflist_path().display(), "ready");
+    Ok((dp, listener, lock))
+}
+
+/// Run DELs the shim queued while the agent was unreachable.
+pub fn drain_pending(dp: &Datapath) {
+    let dir = dp.cfg.pending_delete_dir();
+    let Ok(entries) = fs::read_dir(&dir) else { return };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !(name.starts_with("del-") && name.ends_with(".json")) {
+            continue;
+        }
+        let parsed = fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<WireRequest>(&b).ok())
+            .ok_or_else(|| "unreadable".to_string())
+            .and_then(|w| request::parse(&w.env, w.stdin.as_bytes()).map_err(|e| e.msg));
+        match parsed {
+            Ok(req) if req.command == Command::Del => match dp.del(&req) {
+                Ok(()) => {
+                    tracing::info!(container = %req.container_id, ifname = %req.ifname, "drained pending delete");
+                    let _ = fs::remove_file(&path);
+                }
+                Err(e) => tracing::warn!(file = %name, error = %e.msg, "pending delete failed; will retry"),
+            },
+            Ok(_) | Err(_) => {
+                tracing::error!(file = %name, "discarding invalid pending-delete record");
+                let _ = fs::remove_file(&path);
+            }
+        }
+    }
+}
+
+/// Answer one CNI invocation (blocking).
+pub fn handle(dp: &Datapath, env: &Env, stdin: &[u8]) -> Reply {
+    let version = request::sniff_version(stdin);
+    let command = match request::parse_command(env) {
+        Ok(c) => c,
+        Err(e) => return Reply::error(&e, &version),
+    };
+    if command == Command::Version {
+        return Reply::ok(&version_result(Some(&version)));
+    }
+    let req = match request::parse(env, stdin) {
+        Ok(r) => r,
+        Err(e) => return Reply::error(&e, &version),
+    };
+    let v = req.conf.cni_version.as_str();
+    let out = match command {
+        Command::Add => dp.add(&req).map(|r| Reply::ok(&r.render(v))),
+        Command::Del => dp.del(&req).map(|_| Reply::empty()),
+        Command::Check => dp.check(&req).map(|_| Reply::empty()),
+        Command::Gc => dp.gc(&req).map(|_| Reply::empty()),
+        Command::Status => dp.status().map(|_| Reply::empty()),
+        Command::Version => unreachable!("answered above"),
+    };
+    out.unwrap_or_else(|e| {
+        tracing::warn!(command = command.as_str(), container = %req.container_id, ifname = %req.ifname, code = e.code as u32, error = %e.msg, "CNI request failed");
+        Reply::error(&e, v)
+    })
+}
+
+async fn serve_conn(dp: Arc<Datapath>, mut stream: UnixStream) -> std::io::Result<()> {
+    let read = async {
+        let mut header = [0u8; 4];
+        stream.read_exact(&mut header).await?;
+        let mut body = vec![0u8; wire::decode_len(header)?];
+        stream.read_exact(&mut body).await?;
+        Ok::<_, std::io::Error>(body)
+    };
+    let body = tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "request read timed out"))??;
+    let req: WireRequest =
+        serde_json::from_slice(&body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    let started = Instant::now();
+    let cmd = req.env.get("CNI_COMMAND").cloned().unwrap_or_default();
+    let reply = tokio::task::spawn_blocking(move || handle(&dp, &req.env, req.stdin.as_bytes()))
+        .await
+        .map_err(std::io::Error::other)?;
+    tracing::debug!(command = %cmd, exit = reply.exit_code, micros = started.elapsed().as_micros() as u64, "cni");
+    stream.write_all(&wire::encode(&reply)?).await?;
+    stream.shutdown().await
+}
+
+/// Serve the CNI socket until SIGTERM/SIGINT, then finish in-flight requests.
+pub async fn serve(dp: Arc<Datapath>, listener: std::os::unix::net::UnixListener) -> Result<(), AgentError> {
+    listener.set_nonblocking(true).map_err(io_ctx("listener"))?;
+    let listener = UnixListener::from_std(listener).map_err(io_ctx("listener"))?;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_ctx("signal"))?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(io_ctx("signal"))?;
+    let mut drain_tick = tokio::time::interval(Duration::from_secs(5));
+    drain_tick.tick().await;
+    let tracker = tokio_util_tracker::Tracker::default();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let dp = dp.clone();
+                    let guard = tracker.enter();
+                    tokio::spawn(async move {
+                        if let Err(e) = serve_conn(dp, stream).await {
+                            tracing::warn!(error = %e, "CNI connection");
+                        }
+                        drop(guard);
+                    });
+                }
+                Err(e) => tracing::warn!(error = %e, "accept"),
+            },
+            _ = drain_tick.tick() => {
+                let dp = dp.clone();
+                let _ = tokio::task::spawn_blocking(move || drain_pending(&dp)).await;
+            }
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+        }
+    }
+    tracing::info!("shutting down: no new requests; finishing in-flight ones");
+    let _ = fs::remove_file(&dp.cfg.cni_socket);
+    drop(listener);
+    if tokio::time::timeout(Duration::from_secs(30), tracker.wait_idle()).await.is_err() {
+        tracing::warn!("in-flight requests did not finish within 30s");
+    }
+    Ok(())
+}
+
+/// Counts in-flight connections so shutdown can wait for them.
+mod tokio_util_tracker {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::sync::Notify;
+
+    #[derive(Default, Clone)]
+    pub struct Tracker(Arc<(AtomicUsize, Notify)>);
+    pub struct Guard(Arc<(AtomicUsize, Notify)>);
+
+    impl Tracker {
+        pub fn enter(&self) -> Guard {
+            self.0.0.fetch_add(1, Ordering::SeqCst);
+            Guard(self.0.clone())
+        }
+        pub async fn wait_idle(&self) {
+            loop {
+                let notified = self.0.1.notified();
+                if self.0.0.load(Ordering::SeqCst) == 0 {
+                    return;
+                }
+                notified.await;
+            }
+        }
+    }
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            if self.0.0.fetch_sub(1, Ordering::SeqCst) == 1 {
+                self.0.1.notify_waiters();
+            }
+        }
+    }
+}

@@ -1,0 +1,402 @@
+//! Node-local IPAM: hands out pod addresses from the node's blocks.
+//!
+//! Blocks are plugged in with [`Ipam::assign_block`] (from static configuration now; from the
+//! controller later). Each attachment's lease is one small JSON file in the lease directory,
+//! written atomically (temp + rename). The in-memory index is authoritative while the agent
+//! runs (the agent holds an exclusive lock on its state dir) and is rebuilt from the files on
+//! start. A lease is first written as `adding` and flipped to `ready` only when the datapath
+//! work is complete, so a crash mid-ADD is rolled back on the next start instead of leaking.
+
+use std::collections::{HashMap, HashSet};
+use std::fs;
+use std::io;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use ipnetwork::IpNetwork;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+pub enum IpamError {
+    #[error("no {0} pod address block is assigned to this node")]
+    NoBlock(&'static str),
+    #[error("the {family} pod address block(s) {blocks} are full")]
+    Exhausted { family: &'static str, blocks: String },
+    #[error("invalid block {0}: {1}")]
+    BadBlock(IpNetwork, &'static str),
+    #[error("lease store {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// Who holds a lease: one interface of one container.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Owner {
+    #[serde(rename = "containerId")]
+    pub container_id: String,
+    pub ifname: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LeaseState {
+    Adding,
+    Ready,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    #[serde(flatten)]
+    pub owner: Owner,
+    pub state: LeaseState,
+    /// Netns path as given by the runtime, and its inode (identifies it even if a new
+    /// namespace is later created at the same path).
+    pub netns: String,
+    #[serde(rename = "netnsInode")]
+    pub netns_inode: u64,
+    #[serde(rename = "hostIf")]
+    pub host_if: String,
+    /// Addresses with the block's prefix length.
+    pub ips: Vec<IpNetwork>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pod: String,
+}
+
+/// An address block with its gateway (the first host address, held by the node bridge).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Block {
+    pub net: IpNetwork,
+}
+
+impl Block {
+    pub fn new(net: IpNetwork) -> Result<Self, IpamError> {
+        let net = IpNetwork::new(net.network(), net.prefix()).map_err(|_| IpamError::BadBlock(net, "bad prefix"))?;
+        let max = if net.is_ipv4() { 30 } else { 126 };
+        if net.prefix() > max {
+            return Err(IpamError::BadBlock(net, "too small (need at least 4 addresses)"));
+        }
+        Ok(Block { net })
+    }
+    pub fn gateway(&self) -> IpAddr {
+        self.nth(1)
+    }
+    /// Gateway with prefix, as assigned to the bridge.
+    pub fn gateway_net(&self) -> IpNetwork {
+        IpNetwork::new(self.gateway(), self.net.prefix()).expect("prefix from a valid network")
+    }
+    fn nth(&self, n: u128) -> IpAddr {
+        match self.net.network() {
+            IpAddr::V4(a) => IpAddr::V4(std::net::Ipv4Addr::from((u32::from(a) as u128 + n) as u32)),
+            IpAddr::V6(a) => IpAddr::V6((u128::from(a) + n).into()),
+        }
+    }
+    /// Offsets usable for pods: skip network, gateway and (IPv4) broadcast.
+    fn host_range(&self) -> (u128, u128) {
+        let bits = if self.net.is_ipv4() { 32 } else { 128 };
+        let size: u128 = if bits - self.net.prefix() as u32 >= 128 {
+            u128::MAX
+        } else {
+            1u128 << (bits - self.net.prefix() as u32)
+        };
+        let last = if self.net.is_ipv4() { size - 2 } else { size - 1 };
+        (2, last)
+    }
+    pub fn capacity(&self) -> u128 {
+        let (first, last) = self.host_range();
+        last - first + 1
+    }
+    pub fn family(&self) -> &'static str {
+        if self.net.is_ipv4() { "IPv4" } else { "IPv6" }
+    }
+}
+
+struct Inner {
+    blocks: Vec<Block>,
+    used: HashSet<IpAddr>,
+    leases: HashMap<Owner, Lease>,
+    /// Next offset to try, per block (round robin delays address reuse).
+    cursor: HashMap<IpNetwork, u128>,
+}
+
+pub struct Ipam {
+    dir: PathBuf,
+    inner: Mutex<Inner>,
+}
+
+fn lease_file(dir: &Path, owner: &Owner) -> PathBuf {
+    // Container ids cannot contain ':' and interface names cannot either: unambiguous.
+    dir.join(format!("{}:{}.json", owner.container_id, owner.ifname))
+}
+
+impl Ipam {
+    /// Open the lease directory and load every lease in it. Unreadable or half-written
+    /// files (a crash between create and rename leaves only a `.tmp`) are removed.
+    pub fn load(dir: &Path) -> Result<(Self, Vec<String>), IpamError> {
+        let io_err = |source| IpamError::Io { path: dir.to_path_buf(), source };
+        fs::create_dir_all(dir).map_err(io_err)?;
+        let mut leases = HashMap::new();
+        let mut used = HashSet::new();
+        let mut problems = Vec::new();
+        for entry in fs::read_dir(dir).map_err(io_err)? {
+            let entry = entry.map_err(io_err)?;
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !name.ends_with(".json") {
+                problems.push(format!("removed partial lease file {name}"));
+                let _ = fs::remove_file(&path);
+                continue;
+            }
+            let lease: Option<Lease> = fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok());
+            match lease {
+                Some(l) if l.ips.iter().all(|ip| !used.contains(&ip.ip())) => {
+                    used.extend(l.ips.iter().map(|ip| ip.ip()));
+                    leases.insert(l.owner.clone(), l);
+                }
+                Some(l) => {
+                    problems.push(format!("lease {name} claims an address already leased: {:?}", l.ips));
+                    let _ = fs::remove_file(&path);
+                }
+                None => {
+                    problems.push(format!("removed unreadable lease file {name}"));
+                    let _ = fs::remove_file(&path);
+                }
+            }
+        }
+        let ipam = Ipam {
+            dir: dir.to_path_buf(),
+            inner: Mutex::new(Inner { blocks: Vec::new(), used, leases, cursor: HashMap::new() }),
+        };
+        Ok((ipam, problems))
+    }
+
+    /// Plug in a block (from configuration or from the controller).
+    pub fn assign_block(&self, net: IpNetwork) -> Result<Block, IpamError> {
+        let block = Block::new(net)?;
+        let mut inner = self.inner.lock().unwrap();
+        if !inner.blocks.contains(&block) {
+            inner.blocks.push(block);
+        }
+        Ok(block)
+    }
+
+    pub fn blocks(&self) -> Vec<Block> {
+        self.inner.lock().unwrap().blocks.clone()
+    }
+
+    /// The block an address belongs to.
+    pub fn block_of(&self, ip: IpAddr) -> Option<Block> {
+        self.inner.lock().unwrap().blocks.iter().find(|b| b.net.contains(ip)).copied()
+    }
+
+    pub fn get(&self, owner: &Owner) -> Option<Lease> {
+        self.inner.lock().unwrap().leases.get(owner).cloned()
+    }
+
+    pub fn leases(&self) -> Vec<Lease> {
+        let mut v: Vec<Lease> = self.inner.lock().unwrap().leases.values().cloned().collect();
+        v.sort_by(|a, b| a.owner.cmp(&b.owner));
+        v
+    }
+
+    /// Families that still have a free address (for STATUS).
+    pub fn free_by_family(&self) -> Vec<(&'static str, u128)> {
+        let inner = self.inner.lock().unwrap();
+        let mut out: Vec<(&'static str, u128)> = Vec::new();
+        for b in &inner.blocks {
+            let used = inner.used.iter().filter(|ip| b.net.contains(**ip)).count() as u128;
+            let free = b.capacity().saturating_sub(used);
+            match out.iter_mut().find(|(f, _)| *f == b.family()) {
+                Some((_, n)) => *n = n.saturating_add(free),
+                None => out.push((b.family(), free)),
+            }
+        }
+        out
+    }
+
+    fn pick(inner: &mut Inner, v4: bool) -> Result<IpNetwork, IpamError> {
+        let family = if v4 { "IPv4" } else { "IPv6" };
+        let blocks: Vec<Block> = inner.blocks.iter().filter(|b| b.net.is_ipv4() == v4).copied().collect();
+        if blocks.is_empty() {
+            return Err(IpamError::NoBlock(family));
+        }
+        for b in &blocks {
+            let (first, last) = b.host_range();
+            let used_here = inner.used.iter().filter(|ip| b.net.contains(**ip)).count() as u128;
+            if used_here >= b.capacity() {
+                continue;
+            }
+            let start = inner.cursor.get(&b.net).copied().filter(|c| *c >= first && *c <= last).unwrap_or(first);
+            let mut off = start;
+            // At most used_here + 1 probes find a free address.
+            for _ in 0..=used_here {
+                let ip = b.nth(off);
+                off = if off >= last { first } else { off + 1 };
+                if !inner.used.contains(&ip) {
+                    inner.cursor.insert(b.net, off);
+                    inner.used.insert(ip);
+                    return Ok(IpNetwork::new(ip, b.net.prefix()).expect("valid prefix"));
+                }
+            }
+        }
+        Err(IpamError::Exhausted {
+            family,
+            blocks: blocks.iter().map(|b| b.net.to_string()).collect::<Vec<_>>().join(", "),
+        })
+    }
+
+    /// Reserve one address per family that has a block, and persist the lease as `adding`.
+    pub fn reserve(&self, mut lease: Lease) -> Result<Lease, IpamError> {
+        {
+            let mut inner = self.inner.lock().unwrap();
+            let families: Vec<bool> = {
+                let mut f: Vec<bool> = inner.blocks.iter().map(|b| b.net.is_ipv4()).collect();
+                f.sort_by(|a, b| b.cmp(a));
+                f.dedup();
+                f
+            };
+            if families.is_empty() {
+                return Err(IpamError::NoBlock("pod"));
+            }
+            let mut ips = Vec::new();
+            for v4 in families {
+                match Self::pick(&mut inner, v4) {
+                    Ok(ip) => ips.push(ip),
+                    Err(e) => {
+                        for ip in &ips {
+                            inner.used.remove(&ip.ip());
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            lease.ips = ips;
+            lease.state = LeaseState::Adding;
+            inner.leases.insert(lease.owner.clone(), lease.clone());
+        }
+        if let Err(e) = self.persist(&lease) {
+            self.forget(&lease.owner);
+            return Err(e);
+        }
+        Ok(lease)
+    }
+
+    /// Mark a lease complete (its datapath work is done).
+    pub fn commit(&self, owner: &Owner) -> Result<(), IpamError> {
+        let lease = {
+            let mut inner = self.inner.lock().unwrap();
+            let Some(l) = inner.leases.get_mut(owner) else { return Ok(()) };
+            l.state = LeaseState::Ready;
+            l.clone()
+        };
+        self.persist(&lease)
+    }
+
+    fn persist(&self, lease: &Lease) -> Result<(), IpamError> {
+        let path = lease_file(&self.dir, &lease.owner);
+        let body = serde_json::to_vec(lease).expect("lease serializes");
+        crate::util::atomic_write_nosync(&path, &body).map_err(|source| IpamError::Io { path, source })
+    }
+
+    fn forget(&self, owner: &Owner) -> Option<Lease> {
+        let mut inner = self.inner.lock().unwrap();
+        let lease = inner.leases.remove(owner)?;
+        for ip in &lease.ips {
+            inner.used.remove(&ip.ip());
+        }
+        Some(lease)
+    }
+
+    /// Release an attachment's addresses. The file goes first: if the agent dies between
+    /// the two steps the address is simply free on the next start.
+    pub fn release(&self, owner: &Owner) -> Result<Option<Lease>, IpamError> {
+        let path = lease_file(&self.dir, owner);
+        match fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(source) => return Err(IpamError::Io { path, source }),
+        }
+        Ok(self.forget(owner))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmpdir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("np-ipam-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        d
+    }
+
+    fn lease(cid: &str) -> Lease {
+        Lease {
+            owner: Owner { container_id: cid.into(), ifname: "eth0".into() },
+            state: LeaseState::Adding,
+            netns: "/x".into(),
+            netns_inode: 1,
+            host_if: "npx".into(),
+            ips: vec![],
+            pod: String::new(),
+        }
+    }
+
+    #[test]
+    fn allocates_distinct_and_skips_reserved() {
+        let dir = tmpdir("distinct");
+        let (ipam, _) = Ipam::load(&dir).unwrap();
+        ipam.assign_block("10.1.2.0/29".parse().unwrap()).unwrap();
+        ipam.assign_block("fd00:1::/125".parse().unwrap()).unwrap();
+        let mut seen = HashSet::new();
+        // /29 has 8 addresses: network, gateway, broadcast reserved -> 5 for pods.
+        for i in 0..5 {
+            let l = ipam.reserve(lease(&format!("c{i}"))).unwrap();
+            assert_eq!(l.ips.len(), 2);
+            assert!(l.ips[0].is_ipv4() && l.ips[1].is_ipv6());
+            for ip in &l.ips {
+                assert!(seen.insert(ip.ip()), "duplicate {ip}");
+                assert_ne!(ip.ip(), "10.1.2.0".parse::<IpAddr>().unwrap());
+                assert_ne!(ip.ip(), "10.1.2.1".parse::<IpAddr>().unwrap());
+                assert_ne!(ip.ip(), "10.1.2.7".parse::<IpAddr>().unwrap());
+            }
+        }
+        let e = ipam.reserve(lease("c9")).unwrap_err();
+        assert!(matches!(e, IpamError::Exhausted { family: "IPv4", .. }), "{e}");
+        // The failed reservation must not hold its IPv6 address.
+        assert_eq!(ipam.leases().len(), 5);
+        ipam.release(&lease("c0").owner).unwrap();
+        assert!(ipam.reserve(lease("c9")).is_ok());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn survives_reload() {
+        let dir = tmpdir("reload");
+        let (ipam, _) = Ipam::load(&dir).unwrap();
+        ipam.assign_block("10.1.3.0/24".parse().unwrap()).unwrap();
+        let a = ipam.reserve(lease("a")).unwrap();
+        ipam.commit(&a.owner).unwrap();
+        let b = ipam.reserve(lease("b")).unwrap();
+        fs::write(dir.join("junk.json.tmp"), b"{").unwrap();
+        drop(ipam);
+        let (ipam, problems) = Ipam::load(&dir).unwrap();
+        assert_eq!(problems.len(), 1);
+        ipam.assign_block("10.1.3.0/24".parse().unwrap()).unwrap();
+        assert_eq!(ipam.get(&a.owner).unwrap().state, LeaseState::Ready);
+        assert_eq!(ipam.get(&b.owner).unwrap().state, LeaseState::Adding);
+        let c = ipam.reserve(lease("c")).unwrap();
+        assert!(c.ips[0].ip() != a.ips[0].ip() && c.ips[0].ip() != b.ips[0].ip());
+        ipam.release(&a.owner).unwrap();
+        assert!(!lease_file(&dir, &a.owner).exists());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn rejects_tiny_blocks() {
+        assert!(Block::new("10.0.0.0/31".parse().unwrap()).is_err());
+        assert!(Block::new("fd00::/127".parse().unwrap()).is_err());
+        let b = Block::new("10.0.0.7/24".parse().unwrap()).unwrap();
+        assert_eq!(b.net.to_string(), "10.0.0.0/24");
+        assert_eq!(b.gateway().to_string(), "10.0.0.1");
+    }
+}

@@ -1,0 +1,118 @@
+//! The CNI shim: what `nodeplane-cni` does between exec and exit.
+//!
+//! No async runtime: read stdin, validate, one blocking request to the agent, print the
+//! reply. VERSION is answered here. When the agent cannot be reached, ADD/CHECK/GC fail
+//! with "try again later" (11), STATUS with "not available" (50), and DEL is written to the
+//! pending-delete queue (the agent drains it) and succeeds, so pod deletion never blocks.
+
+use std::io::{self, Read};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::cni::request::{self, ENV_KEYS, Env};
+use crate::cni::wire::{WireRequest, exchange};
+use crate::cni::{CniError, Code, Command, MAX_CONFIG_BYTES, Reply, version_result};
+
+pub const DEFAULT_SOCKET: &str = "/run/nodeplane/cni.sock";
+pub const DEFAULT_PENDING_DIR: &str = "/var/lib/nodeplane/pending-del";
+/// Environment override for the agent socket (tests, unusual layouts).
+pub const SOCKET_ENV: &str = "NODEPLANE_CNI_SOCKET";
+
+/// Collect the CNI_* variables from the process environment.
+pub fn env_from_process() -> Env {
+    ENV_KEYS
+        .iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
+        .collect()
+}
+
+/// Read stdin up to the size limit (one byte more tells us it was too big).
+pub fn read_stdin(mut input: impl Read) -> io::Result<Vec<u8>> {
+    let mut buf = Vec::new();
+    input.by_ref().take(MAX_CONFIG_BYTES as u64 + 1).read_to_end(&mut buf)?;
+    Ok(buf)
+}
+
+/// File name of a pending delete for one attachment (same attachment, same file).
+pub fn pending_file_name(container_id: &str, ifname: &str) -> String {
+    format!("del-{:016x}.json", crate::util::fnv1a(&[container_id.as_bytes(), ifname.as_bytes()]))
+}
+
+/// Durably queue a DEL for the agent.
+pub fn queue_pending_delete(dir: &Path, req: &request::Request, wire: &WireRequest) -> io::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(pending_file_name(&req.container_id, &req.ifname));
+    let body = serde_json::to_vec(wire).map_err(io::Error::other)?;
+    crate::util::atomic_write(&path, &body, 0o600)?;
+    Ok(path)
+}
+
+fn timeout_for(cmd: Command) -> Duration {
+    match cmd {
+        Command::Add => Duration::from_secs(90),
+        Command::Status => Duration::from_secs(10),
+        _ => Duration::from_secs(60),
+    }
+}
+
+fn call_agent(socket: &Path, wire: &WireRequest, cmd: Command) -> io::Result<Reply> {
+    let mut stream = UnixStream::connect(socket)?;
+    stream.set_write_timeout(Some(Duration::from_secs(10)))?;
+    stream.set_read_timeout(Some(timeout_for(cmd)))?;
+    exchange(&mut stream, wire)
+}
+
+/// Run one invocation. Returns what to print on stdout and the exit code.
+pub fn run(env: Env, stdin: &[u8]) -> Reply {
+    let version = request::sniff_version(stdin);
+    let command = match request::parse_command(&env) {
+        Ok(c) => c,
+        Err(e) => return Reply::error(&e, &version),
+    };
+    if command == Command::Version {
+        let requested = serde_json::from_slice::<serde_json::Value>(stdin)
+            .ok()
+            .and_then(|v| v.get("cniVersion").and_then(|x| x.as_str()).map(str::to_string));
+        return Reply::ok(&version_result(requested.as_deref()));
+    }
+    let req = match request::parse(&env, stdin) {
+        Ok(r) => r,
+        Err(e) => return Reply::error(&e, &version),
+    };
+    let socket = req
+        .conf
+        .agent_socket
+        .clone()
+        .or_else(|| std::env::var_os(SOCKET_ENV).map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET));
+    let wire = WireRequest { env, stdin: String::from_utf8_lossy(stdin).into_owned() };
+    match call_agent(&socket, &wire, command) {
+        Ok(reply) => reply,
+        Err(e) => unreachable_reply(&req, &wire, &socket, &e, &version),
+    }
+}
+
+fn unreachable_reply(
+    req: &request::Request,
+    wire: &WireRequest,
+    socket: &Path,
+    cause: &io::Error,
+    version: &str,
+) -> Reply {
+    let why = format!("nodeplane agent at {} is not reachable: {cause}", socket.display());
+    match req.command {
+        Command::Del => {
+            let dir = req.conf.pending_delete_dir.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_PENDING_DIR));
+            match queue_pending_delete(&dir, req, wire) {
+                Ok(_) => Reply::empty(),
+                Err(e) => Reply::error(
+                    &CniError::new(Code::Io, format!("{why}; queueing the delete in {} failed: {e}", dir.display())),
+                    version,
+                ),
+            }
+        }
+        Command::Status => Reply::error(&CniError::new(Code::NotAvailable, why), version),
+        _ => Reply::error(&CniError::new(Code::TryAgainLater, format!("{why}; try again later")), version),
+    }
+}

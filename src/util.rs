@@ -1,0 +1,77 @@
+//! Small helpers shared by the agent and the shim.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+
+/// Fill `buf` from the kernel's random source.
+pub fn fill_random(buf: &mut [u8]) {
+    let mut filled = 0;
+    while filled < buf.len() {
+        // SAFETY: writing into our own buffer, bounded by its length.
+        let n = unsafe {
+            libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0)
+        };
+        if n > 0 {
+            filled += n as usize;
+        }
+    }
+}
+
+/// FNV-1a, 64 bit: stable across versions and processes (used to derive interface names).
+pub fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (i, p) in parts.iter().enumerate() {
+        if i > 0 {
+            h ^= 0xff;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        for b in *p {
+            h ^= *b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// Write `data` to `path` atomically: a temp file in the same directory, fsync'd, renamed
+/// over the target, directory fsync'd. A reader sees the old file or the new one, never part.
+pub fn atomic_write(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    let dir = path.parent().ok_or_else(|| io::Error::other("path has no parent"))?;
+    let name = path.file_name().ok_or_else(|| io::Error::other("path has no file name"))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".tmp{}", std::process::id()));
+    let tmp = dir.join(tmp_name);
+    let result = (|| {
+        let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
+        f.write_all(data)?;
+        f.set_permissions(fs::Permissions::from_mode(mode))?;
+        f.sync_all()?;
+        drop(f);
+        fs::rename(&tmp, path)?;
+        File::open(dir)?.sync_all()
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Write `data` to `path` atomically without fsync: survives the writer's crash (the page
+/// cache is the kernel's), not a power cut. Used for state that a reboot invalidates anyway.
+pub fn atomic_write_nosync(path: &Path, data: &[u8]) -> io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    fs::write(&tmp, data)?;
+    fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = fs::remove_file(&tmp);
+    })
+}
+
+/// The kernel's boot id (changes on every boot).
+pub fn read_boot_id(path: &Path) -> io::Result<String> {
+    Ok(fs::read_to_string(path)?.trim().to_string())
+}
