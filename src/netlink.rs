@@ -196,7 +196,7 @@ impl Netlink {
     pub fn link_by_name(&mut self, name: &str) -> Result<Option<Link>> {
         let mut msg = LinkMessage::default();
         msg.attributes.push(LinkAttribute::IfName(name.to_string()));
-        let seq = self.send(RouteNetlinkMessage::GetLink(msg), 0, "get link")?;
+        let seq = self.send(RouteNetlinkMessage::GetLink(msg), NLM_F_ACK, "get link")?;
         match self.recv_until_done(seq, &format!("get link {name}")) {
             Ok(msgs) => Ok(msgs.iter().find_map(|m| match m {
                 RouteNetlinkMessage::NewLink(l) => Some(parse_link(l)),
@@ -208,11 +208,11 @@ impl Netlink {
     }
 
     /// Create a veth pair: host end here (optionally enslaved to `master`), peer end moved
-    /// into `peer_netns`. Both ends are created administratively up, in one request.
+    /// into `peer_netns`, in one request. The host end is created up; the peer is not.
     pub fn create_veth(&mut self, spec: &VethSpec<'_>) -> Result<()> {
+        // The peer cannot be created up: the kernel opens it before the pair is linked
+        // (veth_open would fail with ENOTCONN). The caller brings it up in its namespace.
         let mut peer = LinkMessage::default();
-        peer.header.flags = LinkFlags::Up;
-        peer.header.change_mask = LinkFlags::Up;
         peer.attributes.push(LinkAttribute::IfName(spec.peer_name.to_string()));
         peer.attributes.push(LinkAttribute::Address(spec.peer_mac.to_vec()));
         peer.attributes.push(LinkAttribute::Mtu(spec.mtu));

@@ -22,7 +22,7 @@ use crate::netns::{Netns, NetnsError};
 /// Host-side veth name of an attachment: "np" + 13 hex digits of a stable hash.
 pub fn host_ifname(owner: &Owner) -> String {
     let h = crate::util::fnv1a(&[owner.container_id.as_bytes(), owner.ifname.as_bytes()]);
-    format!("np{:013x}", h & 0x1f_ffff_ffff_ffff)
+    format!("np{:013x}", h & 0xf_ffff_ffff_ffff)
 }
 
 pub fn is_host_ifname(name: &str) -> bool {
@@ -363,6 +363,9 @@ impl Datapath {
             .ok_or_else(|| internal("veth", format!("{} missing in pod after creation", req.ifname)))?;
         // Loopback is always ifindex 1 in a network namespace.
         pod_nl.set_link(1, Some(true), None, None).map_err(|e| netlink_err("bringing lo up", e))?;
+        pod_nl
+            .set_link(peer.index, Some(true), None, None)
+            .map_err(|e| netlink_err(&format!("bringing {} up", req.ifname), e))?;
         let mut ips = Vec::new();
         let mut routes = Vec::new();
         for ip in &lease.ips {
