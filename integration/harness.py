@@ -1,0 +1,247 @@
+"""Test harness: simulated nodes and pods in private network namespaces.
+
+Every namespace, directory and process made here belongs to this test run (names start with
+RUN_PREFIX) and is removed on teardown, also when a test fails. Nothing touches the host's
+root network namespace: agents run inside their node namespace via `nsenter --net`.
+"""
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET = Path(os.environ.get("NODEPLANE_TARGET", REPO / "target" / "release"))
+AGENT_BIN = TARGET / "nodeplane-agent"
+SHIM_BIN = TARGET / "nodeplane-cni"
+REF_CNI_DIR = Path(os.environ.get("REF_CNI_DIR", "/usr/lib/cni"))
+
+RUN_PREFIX = f"npt{os.getpid()}-"
+_ns_counter = itertools.count(1)
+_block_counter = itertools.count(1)
+
+
+def run(args, check=True, **kw):
+    """Run a command (argument vector, never a shell string)."""
+    kw.setdefault("capture_output", True)
+    kw.setdefault("text", True)
+    res = subprocess.run(args, **kw)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"{args} failed ({res.returncode}): {res.stderr.strip()} {res.stdout.strip()}")
+    return res
+
+
+def new_blocks():
+    """A fresh pair of test pod blocks (private ranges, used only inside test namespaces)."""
+    n = next(_block_counter) + (os.getpid() % 50) * 4
+    return f"10.{100 + n // 250}.{n % 250}.0/24", f"fd00:{100 + n // 250:x}:{n % 250:x}::/64"
+
+
+class Netns:
+    def __init__(self, tag):
+        self.name = f"{RUN_PREFIX}{tag}{next(_ns_counter)}"
+        run(["ip", "netns", "add", self.name])
+        run(["ip", "-n", self.name, "link", "set", "lo", "up"])
+        self.path = f"/var/run/netns/{self.name}"
+
+    def exec(self, args, check=True, **kw):
+        return run(["ip", "netns", "exec", self.name, *args], check=check, **kw)
+
+    def ip_json(self, *args):
+        out = run(["ip", "-j", "-n", self.name, *args]).stdout
+        return json.loads(out) if out.strip() else []
+
+    def links(self):
+        return {l["ifname"]: l for l in self.ip_json("-d", "link", "show")}
+
+    def addrs(self, dev):
+        return [f'{a["local"]}/{a["prefixlen"]}' for l in self.ip_json("addr", "show", "dev", dev) for a in l["addr_info"]]
+
+    def ping(self, ip, count=1, wait=2):
+        return self.exec(["ping", "-c", str(count), "-W", str(wait), "-i", "0.2", ip], check=False).returncode == 0
+
+    def delete(self):
+        run(["ip", "netns", "delete", self.name], check=False)
+
+
+class Node:
+    """One simulated node: its own netns, root dir, agent, CNI dirs and socket."""
+
+    def __init__(self, tag="node", chained=None, extra=None, start=True):
+        self.ns = Netns(tag)
+        self.root = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir="/tmp"))
+        self.v4, self.v6 = new_blocks()
+        self.boot_id_file = self.root / "boot_id"
+        self.boot_id_file.write_text("boot-1\n")
+        cfg = {
+            "nodeName": self.ns.name,
+            "root": str(self.root),
+            "podCidrs": [self.v4, self.v6],
+            "mtu": 1400,
+            "dns": {"nameservers": ["10.96.0.10"], "search": ["svc.cluster.local"]},
+            "shimSource": str(SHIM_BIN),
+            "bootIdFile": str(self.boot_id_file),
+        }
+        if chained:
+            cfg["chainedPlugins"] = chained
+        cfg.update(extra or {})
+        self.cfg = cfg
+        self.cfg_path = self.root / "agent.json"
+        self.cfg_path.write_text(json.dumps(cfg))
+        self.socket = self.root / "run/nodeplane/cni.sock"
+        self.conflist_path = self.root / "etc/cni/net.d/10-nodeplane.conflist"
+        self.bin_dir = self.root / "opt/cni/bin"
+        self.lease_dir = self.root / "var/lib/nodeplane/ipam"
+        self.pending_dir = self.root / "var/lib/nodeplane/pending-del"
+        self.log_path = self.root / "agent.log"
+        self.proc = None
+        self.pods = []
+        if start:
+            self.start()
+
+    # ----- agent lifecycle -----
+
+    def start(self, wait=True):
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(
+            ["nsenter", f"--net={self.ns.path}", str(AGENT_BIN), "--config", str(self.cfg_path)],
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+        )
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout=15):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited {self.proc.returncode}: {self.log()}")
+            if self.socket.exists() and self.conflist_path.exists() and "ready" in self.log():
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"agent not ready: {self.log()}")
+
+    def log(self):
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill9(self):
+        self.stop(signal.SIGKILL)
+
+    def restart(self):
+        self.stop()
+        self.start()
+
+    # ----- CNI -----
+
+    def netconf(self, version=None, plugin_index=0, **overrides):
+        """The nodeplane entry of the installed conflist as a single plugin config."""
+        conflist = json.loads(self.conflist_path.read_text())
+        conf = dict(conflist["plugins"][plugin_index])
+        conf["cniVersion"] = version or conflist["cniVersion"]
+        conf["name"] = conflist["name"]
+        conf.update(overrides)
+        return conf
+
+    def cni(self, command, container_id="", ifname="eth0", netns=None, conf=None, stdin=None,
+            env=None, shim=None, timeout=120):
+        """Exec the installed shim like a runtime. Returns (returncode, parsed stdout or None, raw)."""
+        e = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CNI_COMMAND": command,
+             "CNI_PATH": str(self.bin_dir)}
+        if container_id:
+            e["CNI_CONTAINERID"] = container_id
+        if ifname:
+            e["CNI_IFNAME"] = ifname
+        if netns:
+            e["CNI_NETNS"] = netns
+        if env is not None:
+            e.update(env)
+            e = {k: v for k, v in e.items() if v is not None}
+        if stdin is None:
+            stdin = json.dumps(conf if conf is not None else self.netconf())
+        res = subprocess.run([str(shim or self.bin_dir / "nodeplane")], input=stdin.encode() if isinstance(stdin, str) else stdin,
+                             env=e, capture_output=True, timeout=timeout)
+        out = res.stdout.decode(errors="replace")
+        try:
+            parsed = json.loads(out) if out.strip() else None
+        except ValueError:
+            parsed = None
+        return res.returncode, parsed, out
+
+    def add_pod(self, tag="pod", ifname="eth0", version=None):
+        """Create a pod namespace and ADD it. Returns (Pod, result)."""
+        pod = Pod(self, tag)
+        rc, res, raw = self.cni("ADD", pod.cid, ifname, pod.ns.path, conf=self.netconf(version))
+        if rc != 0:
+            pod.ns.delete()
+            raise RuntimeError(f"ADD failed: {raw} / stderr")
+        pod.result = res
+        pod.ifname = ifname
+        self.pods.append(pod)
+        return pod, res
+
+    # ----- state inspection -----
+
+    def leases(self):
+        if not self.lease_dir.exists():
+            return {}
+        return {p.name: json.loads(p.read_text()) for p in self.lease_dir.iterdir() if p.suffix == ".json"}
+
+    def host_veths(self):
+        """Host-side pod veths (np + 13 hex) and graveyard links (npz…)."""
+        return {n: l for n, l in self.ns.links().items() if n.startswith("np") and len(n) == 15}
+
+    def wait_no_graveyard(self, timeout=20):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if not [n for n in self.host_veths() if n.startswith("npz")]:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def cleanup(self):
+        self.stop()
+        for p in self.pods:
+            p.ns.delete()
+        self.ns.delete()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class Pod:
+    def __init__(self, node, tag="pod"):
+        self.node = node
+        self.ns = Netns(tag)
+        self.cid = f"{self.ns.name}-{os.urandom(6).hex()}"
+        self.result = None
+        self.ifname = "eth0"
+
+    def ips(self):
+        return [i["address"].split("/")[0] for i in self.result["ips"]]
+
+    def ip4(self):
+        return next(ip for ip in self.ips() if ":" not in ip)
+
+    def ip6(self):
+        return next(ip for ip in self.ips() if ":" in ip)
+
+
+def sweep_leftovers():
+    """Remove namespaces and dirs left by an earlier, killed run of this suite (same prefix family)."""
+    for name in os.listdir("/var/run/netns") if os.path.isdir("/var/run/netns") else []:
+        if name.startswith("npt") and "-" in name and name.split("-")[0][3:].isdigit():
+            pid = int(name.split("-")[0][3:])
+            if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+                run(["ip", "netns", "delete", name], check=False)

@@ -1,0 +1,47 @@
+"""Single-node datapath: pods reach each other and the gateway; masquerade is in place."""
+
+import json
+
+import harness
+
+
+def test_two_pods_ping_each_other_and_gateway(node):
+    a, ra = node.add_pod("a")
+    b, rb = node.add_pod("b")
+    assert a.ip4() != b.ip4() and a.ip6() != b.ip6()
+    gw4 = ra["ips"][0]["gateway"]
+    gw6 = ra["ips"][1]["gateway"]
+    # Kernel state in the pod: the addresses, MTU, lo up, default routes.
+    links = a.ns.links()
+    assert links["eth0"]["mtu"] == 1400
+    assert "UP" in links["lo"]["flags"]
+    assert f"{a.ip4()}/24" in a.ns.addrs("eth0") and f"{a.ip6()}/64" in a.ns.addrs("eth0")
+    routes4 = a.ns.ip_json("-4", "route", "show", "default")
+    routes6 = a.ns.ip_json("-6", "route", "show", "default")
+    assert routes4[0]["gateway"] == gw4 and routes6[0]["gateway"] == gw6
+    # Reachability, both families.
+    assert a.ns.ping(b.ip4()), "IPv4 pod-to-pod"
+    assert a.ns.ping(b.ip6()), "IPv6 pod-to-pod"
+    assert b.ns.ping(gw4), "IPv4 pod-to-gateway"
+    assert b.ns.ping(gw6), "IPv6 pod-to-gateway"
+    # Host end is on the bridge.
+    host_if = ra["interfaces"][1]["name"]
+    assert node.ns.links()[host_if]["master"] == "np0"
+    # Masquerade rule for traffic leaving the cluster ranges.
+    rules = node.ns.exec(["nft", "-j", "list", "table", "inet", "nodeplane"]).stdout
+    text = node.ns.exec(["nft", "list", "table", "inet", "nodeplane"]).stdout
+    assert "masquerade" in text and node.v4 in text and node.v6 in text, text
+    assert json.loads(rules)
+
+
+def test_result_carries_dns_mtu_and_interfaces(node):
+    pod, res = node.add_pod()
+    assert res["cniVersion"] == "1.1.0"
+    names = [i["name"] for i in res["interfaces"]]
+    assert names[0] == "np0" and names[2] == "eth0"
+    assert res["interfaces"][2]["sandbox"] == pod.ns.path
+    assert res["interfaces"][2]["mtu"] == 1400
+    assert res["dns"]["nameservers"] == ["10.96.0.10"]
+    assert {r["dst"] for r in res["routes"]} == {"0.0.0.0/0", "::/0"}
+    # MAC in the result is the real one in the pod.
+    assert pod.ns.links()["eth0"]["address"] == res["interfaces"][2]["mac"]
