@@ -514,7 +514,9 @@ impl Datapath {
         let mut errors = Vec::new();
         let mut freed = 0;
         for lease in self.ipam.leases() {
-            if valid.contains(&lease.owner) {
+            // An attachment still being added is in no runtime's list yet; it either
+            // completes or is rolled back by its own ADD.
+            if valid.contains(&lease.owner) || lease.state == LeaseState::Adding {
                 continue;
             }
             match self.locks.run(&lease.owner, || self.del_locked(&lease.owner)) {
