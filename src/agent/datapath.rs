@@ -11,12 +11,12 @@ use std::sync::{Arc, Mutex};
 use ipnetwork::IpNetwork;
 
 use super::config::Config;
-use super::reaper::{Reaper, is_graveyard_name};
+use super::reaper::{GRAVEYARD_GROUP, Reaper, is_graveyard_name};
 use crate::cni::request::Request;
 use crate::cni::result::{Interface, IpConfig, ResultModel, Route};
 use crate::cni::{CniError, Code};
 use crate::ipam::{Ipam, IpamError, Lease, LeaseState, Owner};
-use crate::netlink::{Link, Netlink, NetlinkError, VethSpec, format_mac, random_mac};
+use crate::netlink::{Link, Netlink, NetlinkError, Req, VethSpec, format_mac, random_mac};
 use crate::netns::{Netns, NetnsError};
 
 /// Host-side veth name of an attachment: "np" + 13 hex digits of a stable hash.
@@ -182,7 +182,7 @@ impl Datapath {
         }
         for link in &links {
             let ours = is_host_ifname(&link.name) && !keep_links.contains(&link.name);
-            if ours || is_graveyard_name(&link.name) {
+            if ours || is_graveyard_name(&link.name) || link.group == GRAVEYARD_GROUP {
                 self.retire_link(&mut nl, link)?;
                 report.reaped_links += 1;
             }
@@ -190,36 +190,27 @@ impl Datapath {
         Ok(report)
     }
 
-    /// Take a host veth off the bridge and down (synchronously), rename it into the
-    /// graveyard and queue its deletion.
+    /// Retire a host veth: down, off the bridge and into the graveyard group in one
+    /// synchronous request (the old address is unreachable from then on), then renamed out
+    /// of the way; the reaper deletes the graveyard in batches.
     fn retire_link(&self, nl: &mut Netlink, link: &Link) -> Result<(), CniError> {
-        if is_graveyard_name(&link.name) {
-            self.reaper.reap(link.name.clone());
-            return Ok(());
-        }
-        match nl.set_link(link.index, Some(false), Some(0), None) {
+        match nl.set_link_group(link.index, Some(false), Some(0), None, Some(GRAVEYARD_GROUP)) {
             Ok(()) => {}
             Err(e) if e.is(libc::ENODEV) => return Ok(()),
             Err(e) => return Err(netlink_err(&format!("detaching {}", link.name), e)),
         }
-        for _ in 0..8 {
-            let grave = self.reaper.next_name();
-            match nl.set_link(link.index, None, None, Some(&grave)) {
-                Ok(()) => {
-                    self.reaper.reap(grave);
-                    return Ok(());
+        if !is_graveyard_name(&link.name) {
+            for _ in 0..8 {
+                match nl.set_link(link.index, None, None, Some(&self.reaper.next_name())) {
+                    Ok(()) => break,
+                    Err(e) if e.is(libc::EEXIST) => continue,
+                    Err(e) if e.is(libc::ENODEV) => return Ok(()),
+                    Err(e) => return Err(netlink_err(&format!("renaming {}", link.name), e)),
                 }
-                Err(e) if e.is(libc::EEXIST) => continue,
-                Err(e) if e.is(libc::ENODEV) => return Ok(()),
-                Err(e) => return Err(netlink_err(&format!("renaming {}", link.name), e)),
             }
         }
-        // Could not find a free graveyard name: delete synchronously instead.
-        match nl.delete_link(link.index) {
-            Ok(()) => Ok(()),
-            Err(e) if e.is(libc::ENODEV) => Ok(()),
-            Err(e) => Err(netlink_err(&format!("deleting {}", link.name), e)),
-        }
+        self.reaper.reap();
+        Ok(())
     }
 
     // ----- CNI commands -----
@@ -361,26 +352,25 @@ impl Datapath {
             .link_by_name(&req.ifname)
             .map_err(|e| netlink_err("lookup", e))?
             .ok_or_else(|| internal("veth", format!("{} missing in pod after creation", req.ifname)))?;
-        // Loopback is always ifindex 1 in a network namespace.
-        pod_nl.set_link(1, Some(true), None, None).map_err(|e| netlink_err("bringing lo up", e))?;
-        pod_nl
-            .set_link(peer.index, Some(true), None, None)
-            .map_err(|e| netlink_err(&format!("bringing {} up", req.ifname), e))?;
+        // One batch: lo up (always ifindex 1 in a namespace), the interface up, then its
+        // addresses and default routes. Addresses precede the routes that need them.
+        let mut reqs = vec![Req::link_up(1, true), Req::link_up(peer.index, true)];
         let mut ips = Vec::new();
         let mut routes = Vec::new();
         for ip in &lease.ips {
-            pod_nl
-                .add_address(peer.index, ip.ip(), ip.prefix())
-                .map_err(|e| netlink_err(&format!("adding {ip} to {}", req.ifname), e))?;
+            reqs.push(Req::add_address(peer.index, ip.ip(), ip.prefix()));
+        }
+        for ip in &lease.ips {
             let block = self.ipam.block_of(ip.ip()).ok_or_else(|| internal("ipam", format!("{ip} has no block")))?;
             let gw = block.gateway();
-            pod_nl
-                .add_route(None, Some(gw), peer.index, ip.is_ipv6())
-                .map_err(|e| netlink_err(&format!("default route via {gw}"), e))?;
+            reqs.push(Req::add_route(None, Some(gw), peer.index, ip.is_ipv6()));
             ips.push(IpConfig { address: *ip, gateway: Some(gw), interface: Some(2) });
             let any = if ip.is_ipv4() { "0.0.0.0/0" } else { "::/0" };
             routes.push(Route { dst: any.parse().expect("literal"), gw: Some(gw) });
         }
+        pod_nl
+            .batch(reqs)
+            .map_err(|e| netlink_err(&format!("configuring {} in {}", req.ifname, netns.path().display()), e))?;
         let conf_dns = req.conf.dns.clone().unwrap_or_default();
         Ok(ResultModel {
             interfaces: vec![

@@ -1,30 +1,37 @@
-//! Deferred veth deletion.
+//! Deferred, batched veth deletion.
 //!
-//! Deleting a veth costs the kernel an RCU grace period (16–20 ms here). DEL does not wait
-//! for that: it takes the host end down, detaches it from the bridge (from that instant the
-//! pod's old address is unreachable), renames it to a private graveyard name (so the
-//! attachment's own name is free for a new ADD) and hands it to this thread, which deletes
-//! graveyard links one after another. Graveyard links are plain kernel state, so after a
-//! crash the next agent start finds and queues them again.
+//! Deleting one veth costs the kernel an RCU grace period (16–20 ms here). DEL does not wait
+//! for that: it takes the host end down, detaches it from the bridge and moves it into the
+//! graveyard link group (from that instant the pod's old address is unreachable), renames it
+//! to a private graveyard name (so the attachment's own name is free for a new ADD) and wakes
+//! this thread. The thread waits a moment for more, then deletes the whole group with one
+//! request, so the kernel pays the grace period once per batch instead of once per pod.
+//! The graveyard is plain kernel state: after a crash the next start finds it again.
 
-use std::sync::mpsc::{Receiver, Sender, SyncSender, channel, sync_channel};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, channel, sync_channel};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crate::netlink::Netlink;
 
 /// Graveyard names: "npz" + 12 hex digits.
 pub const GRAVEYARD_PREFIX: &str = "npz";
+/// Link group of retired links ("np" in ASCII).
+pub const GRAVEYARD_GROUP: u32 = 0x6e70;
+/// How long the reaper waits for more retirements before deleting a batch.
+const BATCH_WINDOW: Duration = Duration::from_millis(20);
 
 enum Msg {
-    Reap(String),
+    Reap,
     Flush(SyncSender<()>),
 }
 
 pub struct Reaper {
     tx: Sender<Msg>,
     counter: AtomicU64,
-    pending: std::sync::Arc<AtomicU64>,
+    pending: Arc<AtomicU64>,
     _thread: JoinHandle<()>,
 }
 
@@ -35,7 +42,7 @@ pub fn is_graveyard_name(name: &str) -> bool {
 impl Reaper {
     pub fn start() -> std::io::Result<Self> {
         let (tx, rx) = channel();
-        let pending = std::sync::Arc::new(AtomicU64::new(0));
+        let pending = Arc::new(AtomicU64::new(0));
         let p = pending.clone();
         let thread = std::thread::Builder::new().name("veth-reaper".into()).spawn(move || run(rx, p))?;
         let mut seed = [0u8; 8];
@@ -54,13 +61,13 @@ impl Reaper {
         format!("{GRAVEYARD_PREFIX}{n:012x}")
     }
 
-    /// Queue a (down, detached, renamed) link for deletion.
-    pub fn reap(&self, name: String) {
+    /// A link was moved into the graveyard group: delete it (with others) soon.
+    pub fn reap(&self) {
         self.pending.fetch_add(1, Ordering::Relaxed);
-        let _ = self.tx.send(Msg::Reap(name));
+        let _ = self.tx.send(Msg::Reap);
     }
 
-    /// Wait until everything queued so far is deleted.
+    /// Delete the graveyard now and wait until it is done.
     pub fn flush(&self) {
         let (done_tx, done_rx) = sync_channel(1);
         if self.tx.send(Msg::Flush(done_tx)).is_ok() {
@@ -68,37 +75,54 @@ impl Reaper {
         }
     }
 
+    /// Retirements not yet deleted.
     pub fn pending(&self) -> u64 {
         self.pending.load(Ordering::Relaxed)
     }
 }
 
-fn run(rx: Receiver<Msg>, pending: std::sync::Arc<AtomicU64>) {
+fn delete_graveyard(nl: &mut Option<Netlink>) {
+    if nl.is_none() {
+        *nl = Netlink::open().map_err(|e| tracing::error!(error = %e, "reaper netlink")).ok();
+    }
+    if let Some(n) = nl.as_mut() {
+        if let Err(e) = n.delete_group(GRAVEYARD_GROUP) {
+            tracing::warn!(error = %e, "deleting graveyard veths");
+            *nl = None;
+        }
+    }
+}
+
+fn run(rx: Receiver<Msg>, pending: Arc<AtomicU64>) {
     let mut nl = None;
-    while let Ok(msg) = rx.recv() {
-        match msg {
-            Msg::Flush(done) => {
-                let _ = done.send(());
-            }
-            Msg::Reap(name) => {
-                if nl.is_none() {
-                    nl = Netlink::open().map_err(|e| tracing::error!(error = %e, "reaper netlink")).ok();
+    while let Ok(first) = rx.recv() {
+        let mut waiters = Vec::new();
+        let mut batch = 0u64;
+        let mut msg = Some(first);
+        let deadline = std::time::Instant::now() + BATCH_WINDOW;
+        // Collect everything that arrives within the batch window (a flush ends it at once).
+        loop {
+            match msg.take() {
+                Some(Msg::Reap) => batch += 1,
+                Some(Msg::Flush(done)) => {
+                    waiters.push(done);
+                    break;
                 }
-                if let Some(nl) = nl.as_mut() {
-                    match nl.link_by_name(&name) {
-                        Ok(Some(link)) => {
-                            if let Err(e) = nl.delete_link(link.index) {
-                                if !e.is(libc::ENODEV) {
-                                    tracing::warn!(link = %name, error = %e, "deleting graveyard veth");
-                                }
-                            }
-                        }
-                        Ok(None) => {}
-                        Err(e) => tracing::warn!(link = %name, error = %e, "looking up graveyard veth"),
-                    }
-                }
-                pending.fetch_sub(1, Ordering::Relaxed);
+                None => {}
             }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(m) => msg = Some(m),
+                Err(RecvTimeoutError::Timeout) => break,
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        // Everything queued so far is in the group already: one request deletes it all.
+        delete_graveyard(&mut nl);
+        pending.fetch_sub(batch, Ordering::Relaxed);
+        tracing::debug!(batch, "reaped graveyard");
+        for w in waiters {
+            let _ = w.send(());
         }
     }
 }
