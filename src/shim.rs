@@ -116,3 +116,58 @@ fn unreachable_reply(
         _ => Reply::error(&CniError::new(Code::TryAgainLater, format!("{why}; try again later")), version),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(cmd: &str) -> Env {
+        [("CNI_COMMAND", cmd), ("CNI_CONTAINERID", "c1"), ("CNI_IFNAME", "eth0"), ("CNI_NETNS", "/proc/self/ns/net")]
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn conf(dir: &Path, version: &str) -> Vec<u8> {
+        serde_json::json!({
+            "cniVersion": version, "name": "nodeplane", "type": "nodeplane",
+            "agentSocket": dir.join("no-agent.sock"), "pendingDeleteDir": dir.join("pending"),
+        })
+        .to_string()
+        .into_bytes()
+    }
+
+    fn code(reply: &Reply) -> u64 {
+        serde_json::from_str::<serde_json::Value>(&reply.stdout).unwrap()["code"].as_u64().unwrap()
+    }
+
+    #[test]
+    fn agent_unreachable() {
+        let dir = std::env::temp_dir().join(format!("np-shim-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let add = run(env("ADD"), &conf(&dir, "1.1.0"));
+        assert_eq!((add.exit_code, code(&add)), (1, 11), "{}", add.stdout);
+        let status = run(env("STATUS"), &conf(&dir, "1.1.0"));
+        assert_eq!((status.exit_code, code(&status)), (1, 50), "{}", status.stdout);
+        // DEL is queued durably and succeeds.
+        let del = run(env("DEL"), &conf(&dir, "1.1.0"));
+        assert_eq!(del, Reply::empty());
+        let queued = dir.join("pending").join(pending_file_name("c1", "eth0"));
+        let rec: WireRequest = serde_json::from_slice(&std::fs::read(&queued).unwrap()).unwrap();
+        assert_eq!(rec.env["CNI_COMMAND"], "DEL");
+        assert!(request::parse(&rec.env, rec.stdin.as_bytes()).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn version_is_local_and_errors_are_json() {
+        let mut e = Env::new();
+        e.insert("CNI_COMMAND".into(), "VERSION".into());
+        let v = run(e, br#"{"cniVersion":"0.4.0"}"#);
+        let out: serde_json::Value = serde_json::from_str(&v.stdout).unwrap();
+        assert_eq!(out["cniVersion"], "0.4.0");
+        assert_eq!(out["supportedVersions"].as_array().unwrap().len(), crate::cni::SUPPORTED_VERSIONS.len());
+        let bad = run(env("ADD"), b"{not json");
+        assert_eq!((bad.exit_code, code(&bad)), (1, 6));
+    }
+}
