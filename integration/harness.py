@@ -86,6 +86,7 @@ class Node:
             "dns": {"nameservers": ["10.96.0.10"], "search": ["svc.cluster.local"]},
             "shimSource": str(SHIM_BIN),
             "bootIdFile": str(self.boot_id_file),
+            "pluginDirs": [str(self.root / "opt/cni/bin"), str(REF_CNI_DIR)],
         }
         if chained:
             cfg["chainedPlugins"] = chained

@@ -34,8 +34,17 @@ def test_two_pods_ping_each_other_and_gateway(node):
     assert json.loads(rules)
 
 
-def test_result_carries_dns_mtu_and_interfaces(node):
+def test_conflist_version_defaults_to_1_0_0(node):
+    """Runtimes with pre-1.1 CNI libraries (podman 4, containerd 1.x) must be able to read results."""
+    conflist = json.loads(node.conflist_path.read_text())
+    assert conflist["cniVersion"] == "1.0.0"
     pod, res = node.add_pod()
+    assert res["cniVersion"] == "1.0.0"
+    assert "mtu" not in res["interfaces"][2]
+
+
+def test_result_carries_dns_mtu_and_interfaces(node):
+    pod, res = node.add_pod(version="1.1.0")
     assert res["cniVersion"] == "1.1.0"
     names = [i["name"] for i in res["interfaces"]]
     assert names[0] == "np0" and names[2] == "eth0"

@@ -54,6 +54,16 @@ pub struct FileConfig {
     /// Extra plugin entries appended to the conflist after nodeplane (portmap, bandwidth…).
     #[serde(default)]
     pub chained_plugins: Vec<serde_json::Value>,
+    /// cniVersion of the written conflist. 1.0.0 by default: runtimes whose CNI library
+    /// predates spec 1.1.0 (podman 4, containerd 1.x) cannot read 1.1.0 results; set
+    /// "1.1.0" for runtimes that send STATUS and GC. Lowered automatically to what every
+    /// chained plugin supports.
+    #[serde(default)]
+    pub cni_version: Option<String>,
+    /// Where chained plugins are looked up to ask their supported versions
+    /// (default: the CNI bin dir).
+    #[serde(default)]
+    pub plugin_dirs: Vec<PathBuf>,
     pub cni_socket: Option<PathBuf>,
     pub state_dir: Option<PathBuf>,
     pub cni_bin_dir: Option<PathBuf>,
@@ -63,6 +73,9 @@ pub struct FileConfig {
     /// Where the kernel boot id is read (tests point this elsewhere to simulate a reboot).
     pub boot_id_file: Option<PathBuf>,
 }
+
+/// The conflist version written unless configured (see `FileConfig::cni_version`).
+pub const DEFAULT_CNI_VERSION: &str = "1.0.0";
 
 fn default_mtu() -> u32 {
     1500
@@ -85,6 +98,8 @@ pub struct Config {
     pub masquerade: bool,
     pub dns: Dns,
     pub chained_plugins: Vec<serde_json::Value>,
+    pub cni_version: String,
+    pub plugin_dirs: Vec<PathBuf>,
     pub cni_socket: PathBuf,
     pub state_dir: PathBuf,
     pub cni_bin_dir: PathBuf,
@@ -133,6 +148,13 @@ impl Config {
                 return bad(format!("chainedPlugins[{i}] needs a string \"type\""));
             }
         }
+        let cni_version = f.cni_version.clone().unwrap_or_else(|| DEFAULT_CNI_VERSION.to_string());
+        if !crate::cni::SUPPORTED_VERSIONS.contains(&cni_version.as_str()) {
+            return bad(format!(
+                "cniVersion {cni_version:?} is not one of {}",
+                crate::cni::SUPPORTED_VERSIONS.join(", ")
+            ));
+        }
         let root = f.root.clone().unwrap_or_else(|| PathBuf::from("/"));
         if !root.is_absolute() {
             return bad(format!("root {} must be absolute", root.display()));
@@ -161,6 +183,12 @@ impl Config {
             masquerade: f.masquerade,
             dns,
             chained_plugins: f.chained_plugins,
+            cni_version,
+            plugin_dirs: if f.plugin_dirs.is_empty() {
+                vec![f.cni_bin_dir.clone().unwrap_or_else(|| under(&root, "/opt/cni/bin"))]
+            } else {
+                f.plugin_dirs
+            },
             cni_socket: f.cni_socket.unwrap_or_else(|| under(&root, "/run/nodeplane/cni.sock")),
             state_dir: f.state_dir.unwrap_or_else(|| under(&root, "/var/lib/nodeplane")),
             cni_bin_dir: f.cni_bin_dir.unwrap_or_else(|| under(&root, "/opt/cni/bin")),
