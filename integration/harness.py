@@ -108,6 +108,9 @@ class Node:
     # ----- agent lifecycle -----
 
     def start(self, wait=True):
+        # Readiness is judged from this run's part of the log only (the log is appended to
+        # across restarts, and a killed agent leaves its socket and conflist behind).
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
             ["nsenter", f"--net={self.ns.path}", str(AGENT_BIN), "--config", str(self.cfg_path)],
@@ -121,10 +124,16 @@ class Node:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"agent exited {self.proc.returncode}: {self.log()}")
-            if self.socket.exists() and self.conflist_path.exists() and "ready" in self.log():
+            if self.socket.exists() and self.conflist_path.exists() and self.ready_in_log():
                 return
             time.sleep(0.02)
         raise RuntimeError(f"agent not ready: {self.log()}")
+
+    def ready_in_log(self):
+        """The current run logged its ready line."""
+        import re
+        text = re.sub(r"\x1b\[[0-9;]*m", "", self.log()[getattr(self, "log_offset", 0):])
+        return re.search(r"nodeplane::agent: ready ", text) is not None
 
     def log(self):
         return self.log_path.read_text() if self.log_path.exists() else ""

@@ -118,6 +118,25 @@ impl Netlink {
         self.socket.as_raw_fd()
     }
 
+    /// The cookie of the network namespace this socket lives in: unique for the life of
+    /// the kernel and never reused (unlike a namespace's inode number). 0 if unsupported.
+    pub fn netns_cookie(&self) -> u64 {
+        const SO_NETNS_COOKIE: libc::c_int = 71;
+        let mut cookie: u64 = 0;
+        let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+        // SAFETY: getsockopt into a properly sized u64 on a socket we own.
+        let rc = unsafe {
+            libc::getsockopt(
+                self.socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_NETNS_COOKIE,
+                (&mut cookie as *mut u64).cast(),
+                &mut len,
+            )
+        };
+        if rc == 0 { cookie } else { 0 }
+    }
+
     fn send(&mut self, msg: RouteNetlinkMessage, flags: u16, op: &str) -> Result<u32> {
         self.seq = self.seq.wrapping_add(1);
         let mut header = NetlinkHeader::default();

@@ -131,6 +131,33 @@ impl Datapath {
                 }
             }
         }
+        // Pods attached before the bridge was lost (or replaced) are put back on it. Each
+        // under its attachment's lock, re-checked, so a concurrent DEL is never undone.
+        // Leases still being added are left to their own ADD.
+        let ports: HashMap<String, Link> = nl
+            .links()
+            .map_err(|e| netlink_err("listing links", e))?
+            .into_iter()
+            .map(|l| (l.name.clone(), l))
+            .collect();
+        for lease in self.ipam.leases().into_iter().filter(|l| l.state == LeaseState::Ready) {
+            let Some(port) = ports.get(&lease.host_if) else { continue };
+            if port.master == Some(link.index) && port.up {
+                continue;
+            }
+            self.locks.run(&lease.owner, || -> Result<(), CniError> {
+                if self.ipam.get(&lease.owner).is_none() {
+                    return Ok(());
+                }
+                let Some(port) = nl.link_by_name(&lease.host_if).map_err(|e| netlink_err("lookup", e))? else {
+                    return Ok(());
+                };
+                nl.set_link(port.index, Some(true), Some(link.index), None)
+                    .map_err(|e| netlink_err(&format!("re-attaching {} to {name}", port.name), e))?;
+                tracing::warn!(host_if = %port.name, bridge = %name, "re-attached pod veth to the bridge");
+                Ok(())
+            })?;
+        }
         for key in ["net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"] {
             crate::netns::write_sysctl(key, "1").map_err(|e| CniError::new(Code::Io, e.to_string()))?;
         }
@@ -174,8 +201,10 @@ impl Datapath {
                 Some(reason) => {
                     self.ipam.release(&lease.owner).map_err(ipam_err)?;
                     report.freed.push(format!(
-                        "{}/{} {:?}: {reason}",
-                        lease.owner.container_id, lease.owner.ifname, lease.ips
+                        "{}/{} {}: {reason}",
+                        lease.owner.container_id,
+                        lease.owner.ifname,
+                        fmt_ips(&lease.ips)
                     ));
                 }
             }
@@ -225,8 +254,10 @@ impl Datapath {
             return Err(CniError::new(
                 Code::AlreadyExists,
                 format!(
-                    "container {} already has interface {} attached ({:?}); DEL it first",
-                    owner.container_id, owner.ifname, existing.ips
+                    "container {} already has interface {} attached ({}); DEL it first",
+                    owner.container_id,
+                    owner.ifname,
+                    fmt_ips(&existing.ips)
                 ),
             ));
         }
@@ -240,6 +271,7 @@ impl Datapath {
                 state: LeaseState::Adding,
                 netns: netns_path.display().to_string(),
                 netns_inode: netns.inode().unwrap_or(0),
+                netns_cookie: 0,
                 host_if: host_if.clone(),
                 ips: Vec::new(),
                 pod: format!("{}/{}", req.pod_namespace(), req.pod_name()),
@@ -254,13 +286,13 @@ impl Datapath {
             }
         };
         match self.plumb(&mut nl, &netns, req, &host_if, &lease, mtu) {
-            Ok(result) => {
-                self.ipam.commit(owner).map_err(ipam_err).inspect_err(|_| {
+            Ok((result, cookie)) => {
+                self.ipam.commit(owner, cookie).map_err(ipam_err).inspect_err(|_| {
                     self.undo_add(&mut nl, owner, &host_if);
                 })?;
                 tracing::info!(
                     container = %owner.container_id, ifname = %owner.ifname, pod = %lease.pod,
-                    ips = ?lease.ips, host_if = %host_if, "attached"
+                    ips = %fmt_ips(&lease.ips), host_if = %host_if, "attached"
                 );
                 Ok(match &req.conf.prev_result {
                     Some(prev) => prev.clone().chain(result),
@@ -285,7 +317,8 @@ impl Datapath {
         }
     }
 
-    /// Create and configure the veth pair; returns this plugin's own result.
+    /// Create and configure the veth pair; returns this plugin's own result and the pod
+    /// namespace's cookie.
     fn plumb(
         &self,
         nl: &mut Netlink,
@@ -294,7 +327,7 @@ impl Datapath {
         host_if: &str,
         lease: &Lease,
         mtu: u32,
-    ) -> Result<ResultModel, CniError> {
+    ) -> Result<(ResultModel, u64), CniError> {
         let bridge = self.bridge()?;
         let host_mac = random_mac();
         let peer_mac = random_mac();
@@ -372,7 +405,7 @@ impl Datapath {
             .batch(reqs)
             .map_err(|e| netlink_err(&format!("configuring {} in {}", req.ifname, netns.path().display()), e))?;
         let conf_dns = req.conf.dns.clone().unwrap_or_default();
-        Ok(ResultModel {
+        let result = ResultModel {
             interfaces: vec![
                 Interface { name: self.cfg.bridge.clone(), mac: format_mac(&self.bridge()?.mac), mtu: None, sandbox: None },
                 Interface { name: host_if.to_string(), mac: format_mac(&host_mac), mtu: Some(mtu), sandbox: None },
@@ -386,7 +419,8 @@ impl Datapath {
             ips,
             routes,
             dns: if conf_dns.is_empty() { self.cfg.dns.clone() } else { conf_dns },
-        })
+        };
+        Ok((result, pod_nl.netns_cookie()))
     }
 
     pub fn del(&self, req: &Request) -> Result<(), CniError> {
@@ -405,7 +439,7 @@ impl Datapath {
         let pending = self.cfg.pending_delete_dir().join(crate::shim::pending_file_name(&owner.container_id, &owner.ifname));
         let _ = std::fs::remove_file(pending);
         if let Some(l) = released {
-            tracing::info!(container = %owner.container_id, ifname = %owner.ifname, pod = %l.pod, ips = ?l.ips, "detached");
+            tracing::info!(container = %owner.container_id, ifname = %owner.ifname, pod = %l.pod, ips = %fmt_ips(&l.ips), "detached");
         }
         Ok(())
     }
@@ -540,6 +574,20 @@ impl Datapath {
             let code = if leases > 0 { Code::NotAvailablePodsAffected } else { Code::NotAvailable };
             return Err(CniError::new(code, format!("bridge {} is missing or down ({leases} pods attached)", self.cfg.bridge)));
         }
+        let bridge_index = bridge.map(|b| b.index);
+        let held: HashSet<String> = self.ipam.leases().into_iter().map(|l| l.host_if).collect();
+        let detached = nl
+            .links()
+            .map_err(|e| netlink_err("listing links", e))?
+            .into_iter()
+            .filter(|l| held.contains(&l.name) && (l.master != bridge_index || !l.up))
+            .count();
+        if detached > 0 {
+            return Err(CniError::new(
+                Code::NotAvailablePodsAffected,
+                format!("{detached} pod veth(s) are not attached to bridge {}", self.cfg.bridge),
+            ));
+        }
         let free = self.ipam.free_by_family();
         if free.is_empty() {
             return Err(CniError::new(Code::NotAvailable, "no pod address block is assigned to this node"));
@@ -549,6 +597,10 @@ impl Datapath {
         }
         Ok(())
     }
+}
+
+fn fmt_ips(ips: &[IpNetwork]) -> String {
+    ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>().join(", ")
 }
 
 fn netns_err(e: NetnsError) -> CniError {
@@ -564,9 +616,14 @@ fn open_netns(path: &Path) -> Result<Netns, CniError> {
 
 /// Is the lease's namespace still the one it was made in?
 fn netns_matches(lease: &Lease) -> bool {
-    match Netns::open(Path::new(&lease.netns)) {
-        Ok(ns) => lease.netns_inode == 0 || ns.inode().ok() == Some(lease.netns_inode),
-        Err(_) => false,
+    let Ok(ns) = Netns::open(Path::new(&lease.netns)) else { return false };
+    if lease.netns_inode != 0 && ns.inode().ok() != Some(lease.netns_inode) {
+        return false;
     }
+    if lease.netns_cookie == 0 {
+        return true;
+    }
+    // Same inode is not proof (inode numbers are reused); the cookie is.
+    ns.netlink().map(|nl| nl.netns_cookie() == lease.netns_cookie).unwrap_or(false)
 }
 

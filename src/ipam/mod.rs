@@ -49,11 +49,13 @@ pub struct Lease {
     #[serde(flatten)]
     pub owner: Owner,
     pub state: LeaseState,
-    /// Netns path as given by the runtime, and its inode (identifies it even if a new
-    /// namespace is later created at the same path).
+    /// Netns path as given by the runtime, its inode (a quick filter: inode numbers can be
+    /// reused after a namespace dies) and its cookie (never reused; set at commit).
     pub netns: String,
     #[serde(rename = "netnsInode")]
     pub netns_inode: u64,
+    #[serde(rename = "netnsCookie", default)]
+    pub netns_cookie: u64,
     #[serde(rename = "hostIf")]
     pub host_if: String,
     /// Addresses with the block's prefix length.
@@ -280,12 +282,13 @@ impl Ipam {
         Ok(lease)
     }
 
-    /// Mark a lease complete (its datapath work is done).
-    pub fn commit(&self, owner: &Owner) -> Result<(), IpamError> {
+    /// Mark a lease complete (its datapath work is done in the namespace `netns_cookie`).
+    pub fn commit(&self, owner: &Owner, netns_cookie: u64) -> Result<(), IpamError> {
         let lease = {
             let mut inner = self.inner.lock().unwrap();
             let Some(l) = inner.leases.get_mut(owner) else { return Ok(()) };
             l.state = LeaseState::Ready;
+            l.netns_cookie = netns_cookie;
             l.clone()
         };
         self.persist(&lease)
@@ -335,6 +338,7 @@ mod tests {
             state: LeaseState::Adding,
             netns: "/x".into(),
             netns_inode: 1,
+            netns_cookie: 0,
             host_if: "npx".into(),
             ips: vec![],
             pod: String::new(),
@@ -375,7 +379,7 @@ mod tests {
         let (ipam, _) = Ipam::load(&dir).unwrap();
         ipam.assign_block("10.1.3.0/24".parse().unwrap()).unwrap();
         let a = ipam.reserve(lease("a")).unwrap();
-        ipam.commit(&a.owner).unwrap();
+        ipam.commit(&a.owner, 7).unwrap();
         let b = ipam.reserve(lease("b")).unwrap();
         fs::write(dir.join("junk.json.tmp"), b"{").unwrap();
         drop(ipam);
@@ -383,6 +387,7 @@ mod tests {
         assert_eq!(problems.len(), 1);
         ipam.assign_block("10.1.3.0/24".parse().unwrap()).unwrap();
         assert_eq!(ipam.get(&a.owner).unwrap().state, LeaseState::Ready);
+        assert_eq!(ipam.get(&a.owner).unwrap().netns_cookie, 7);
         assert_eq!(ipam.get(&b.owner).unwrap().state, LeaseState::Adding);
         let c = ipam.reserve(lease("c")).unwrap();
         assert!(c.ips[0].ip() != a.ips[0].ip() && c.ips[0].ip() != b.ips[0].ip());
