@@ -264,7 +264,7 @@ impl Datapath {
         let netns_path = req.netns.as_deref().expect("validated: ADD has CNI_NETNS");
         let netns = open_netns(netns_path)?;
         let host_if = host_ifname(owner);
-        let lease = self
+        let reservation = self
             .ipam
             .reserve(Lease {
                 owner: owner.clone(),
@@ -277,6 +277,7 @@ impl Datapath {
                 pod: format!("{}/{}", req.pod_namespace(), req.pod_name()),
             })
             .map_err(ipam_err)?;
+        let lease = reservation.lease.clone();
         let mtu = req.conf.mtu.unwrap_or(self.cfg.mtu);
         let mut nl = match Netlink::open() {
             Ok(nl) => nl,
@@ -287,7 +288,7 @@ impl Datapath {
         };
         match self.plumb(&mut nl, &netns, req, &host_if, &lease, mtu) {
             Ok((result, cookie)) => {
-                self.ipam.commit(owner, cookie).map_err(ipam_err).inspect_err(|_| {
+                self.ipam.commit(reservation, cookie).map_err(ipam_err).inspect_err(|_| {
                     self.undo_add(&mut nl, owner, &host_if);
                 })?;
                 tracing::info!(
