@@ -6,8 +6,10 @@
 
 pub mod agent;
 pub mod cni;
+pub mod controller;
 pub mod ipam;
 pub mod netlink;
 pub mod netns;
+pub mod rpc;
 pub mod shim;
 pub mod util;

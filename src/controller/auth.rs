@@ -1,0 +1,97 @@
+//! Credentials for the agent <-> controller API.
+//!
+//! A token is `np1.<identity>.<hex HMAC-SHA256(secret, identity)>`, where identity is a node
+//! name or `@admin`. The controller holds the secret and mints tokens (`nodeplane-controller
+//! token NODE`); it never stores per-node tokens, and verification is constant-time. A node
+//! token authorises calls about that node only.
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+pub const ADMIN: &str = "@admin";
+const PREFIX: &str = "np1";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Identity {
+    Admin,
+    Node(String),
+}
+
+impl Identity {
+    /// May this caller act for `node`?
+    pub fn may_act_for(&self, node: &str) -> bool {
+        match self {
+            Identity::Admin => true,
+            Identity::Node(n) => n == node,
+        }
+    }
+}
+
+pub struct Authority {
+    secret: Vec<u8>,
+}
+
+impl Authority {
+    pub fn new(secret: Vec<u8>) -> Self {
+        Authority { secret }
+    }
+
+    fn mac(&self, identity: &str) -> Hmac<Sha256> {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.secret).expect("HMAC takes any key length");
+        mac.update(identity.as_bytes());
+        mac
+    }
+
+    pub fn mint(&self, identity: &str) -> String {
+        format!("{PREFIX}.{identity}.{}", hex::encode(self.mac(identity).finalize().into_bytes()))
+    }
+
+    /// Check an `authorization` header value ("Bearer <token>").
+    pub fn verify(&self, header: &str) -> Option<Identity> {
+        let token = header.strip_prefix("Bearer ")?.trim();
+        let rest = token.strip_prefix(PREFIX)?.strip_prefix('.')?;
+        let (identity, sig) = rest.rsplit_once('.')?;
+        let sig = hex::decode(sig).ok()?;
+        self.mac(identity).verify_slice(&sig).ok()?;
+        Some(if identity == ADMIN { Identity::Admin } else { Identity::Node(identity.to_string()) })
+    }
+}
+
+/// Load the secret, creating a random one (0600) on first start.
+pub fn load_or_create_secret(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+    match std::fs::read(path) {
+        Ok(s) if s.len() >= 32 => Ok(s),
+        Ok(_) => Err(std::io::Error::other(format!("{} holds fewer than 32 bytes", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let mut secret = vec![0u8; 32];
+            crate::util::fill_random(&mut secret);
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            crate::util::atomic_write(path, &secret, 0o600)?;
+            Ok(secret)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mint_and_verify() {
+        let a = Authority::new(b"0123456789abcdef0123456789abcdef".to_vec());
+        let t = a.mint("node-1");
+        assert_eq!(a.verify(&format!("Bearer {t}")), Some(Identity::Node("node-1".into())));
+        assert_eq!(a.verify(&format!("Bearer {}", a.mint(ADMIN))), Some(Identity::Admin));
+        // Another node's name with this node's signature is rejected.
+        let forged = t.replace("node-1", "node-2");
+        assert_eq!(a.verify(&format!("Bearer {forged}")), None);
+        let other = Authority::new(b"another secret, 32 bytes long!!!".to_vec());
+        assert_eq!(other.verify(&format!("Bearer {t}")), None);
+        assert_eq!(a.verify(&t), None, "missing Bearer prefix");
+        assert!(Identity::Node("a".into()).may_act_for("a"));
+        assert!(!Identity::Node("a".into()).may_act_for("b"));
+    }
+}

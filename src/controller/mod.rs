@@ -1,0 +1,103 @@
+//! The cluster-side controller: node registry, pod block allocation, membership stream.
+
+pub mod auth;
+pub mod config;
+pub mod server;
+pub mod store;
+
+use std::sync::Arc;
+
+use config::{Config, Listen};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error("{context}: {source}")]
+    Io { context: String, source: std::io::Error },
+    #[error(transparent)]
+    Registry(#[from] store::RegistryError),
+    #[error("serving: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+fn io_ctx(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ControllerError {
+    let context = context.into();
+    move |source| ControllerError::Io { context, source }
+}
+
+/// Open the registry and the signing secret (everything but the network).
+pub fn open(cfg: &Config) -> Result<(Arc<store::Registry>, Arc<auth::Authority>), ControllerError> {
+    std::fs::create_dir_all(&cfg.data_dir).map_err(io_ctx(format!("creating {}", cfg.data_dir.display())))?;
+    let secret = auth::load_or_create_secret(&cfg.secret_file).map_err(io_ctx("token secret"))?;
+    let registry = store::Registry::open(&cfg.data_dir.join("registry.redb"), cfg.pools.clone())?;
+    Ok((Arc::new(registry), Arc::new(auth::Authority::new(secret))))
+}
+
+/// Serve the agent API until SIGTERM/SIGINT.
+pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
+    let (registry, authority) = open(&cfg)?;
+    let snap = registry.snapshot();
+    tracing::info!(nodes = snap.nodes.len(), revision = snap.revision, pools = ?cfg.cluster_cidrs(), "registry loaded");
+    let cfg = Arc::new(cfg);
+    let svc = server::Service { registry, authority, cfg: cfg.clone() };
+    let router = tonic::transport::Server::builder()
+        .add_service(crate::rpc::controller::node_registry_server::NodeRegistryServer::new(svc));
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        tracing::info!("shutting down");
+    };
+    match &cfg.listen {
+        Listen::Unix(path) => {
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir).map_err(io_ctx(format!("creating {}", dir.display())))?;
+            }
+            match std::fs::remove_file(path) {
+                Ok(()) => tracing::info!(socket = %path.display(), "removed stale socket"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_ctx(format!("removing {}", path.display()))(e)),
+            }
+            let listener = tokio::net::UnixListener::bind(path).map_err(io_ctx(format!("binding {}", path.display())))?;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io_ctx("socket mode"))?;
+            tracing::info!(socket = %path.display(), "ready");
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            router.serve_with_incoming_shutdown(incoming, shutdown).await?;
+            let _ = std::fs::remove_file(path);
+        }
+        Listen::Tcp(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr).await.map_err(io_ctx(format!("binding {addr}")))?;
+            tracing::info!(address = %listener.local_addr().map_err(io_ctx("local addr"))?, "ready");
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+            router.serve_with_incoming_shutdown(incoming, shutdown).await?;
+        }
+    }
+    Ok(())
+}
+
+/// A client channel to a controller at `unix:/path` or `host:port`.
+pub async fn connect(address: &str) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    match config::parse_listen(address) {
+        Ok(Listen::Unix(path)) => {
+            let path = Arc::new(path);
+            tonic::transport::Endpoint::from_static("http://controller.invalid")
+                .connect_timeout(std::time::Duration::from_secs(3))
+                .connect_with_connector(tower::service_fn(move |_| {
+                    let path = path.clone();
+                    async move {
+                        let s = tokio::net::UnixStream::connect(&*path).await?;
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
+                    }
+                }))
+                .await
+        }
+        _ => {
+            tonic::transport::Endpoint::from_shared(format!("http://{address}"))?
+                .connect_timeout(std::time::Duration::from_secs(3))
+                .connect()
+                .await
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! The gRPC face of the registry (`nodeplane.controller.v1.NodeRegistry`).
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status};
+
+use super::auth::{Authority, Identity};
+use super::config::Config;
+use super::store::{NodeRecord, Registry, RegistryError, Snapshot};
+use crate::rpc::controller as pb;
+use crate::rpc::controller::node_registry_server::NodeRegistry;
+
+pub struct Service {
+    pub registry: Arc<Registry>,
+    pub authority: Arc<Authority>,
+    pub cfg: Arc<Config>,
+}
+
+impl From<RegistryError> for Status {
+    fn from(e: RegistryError) -> Self {
+        match e {
+            RegistryError::NotFound(_) => Status::not_found(e.to_string()),
+            RegistryError::InvalidArgument(_) => Status::invalid_argument(e.to_string()),
+            RegistryError::Exhausted { .. } => Status::resource_exhausted(e.to_string()),
+            RegistryError::Storage(_) => Status::unavailable(e.to_string()),
+        }
+    }
+}
+
+pub fn to_pb(r: &NodeRecord) -> pb::Node {
+    pb::Node {
+        name: r.name.clone(),
+        underlay_addresses: r.underlay.clone(),
+        pod_blocks: r.blocks.clone(),
+        vtep_mac: r.vtep_mac.clone(),
+    }
+}
+
+fn node_list(s: &Snapshot) -> pb::NodeList {
+    pb::NodeList { nodes: s.nodes.iter().map(to_pb).collect(), revision: s.revision }
+}
+
+impl Service {
+    fn identity<T>(&self, req: &Request<T>) -> Result<Identity, Status> {
+        let header = req
+            .metadata()
+            .get("authorization")
+            .ok_or_else(|| Status::unauthenticated("missing authorization (Bearer token)"))?
+            .to_str()
+            .map_err(|_| Status::unauthenticated("malformed authorization header"))?;
+        self.authority.verify(header).ok_or_else(|| Status::unauthenticated("invalid token"))
+    }
+
+    fn authorize<T>(&self, req: &Request<T>, node: &str) -> Result<Identity, Status> {
+        let who = self.identity(req)?;
+        if !who.may_act_for(node) {
+            tracing::warn!(caller = ?who, node, "rejected: a node may act only for itself");
+            return Err(Status::permission_denied(format!("this credential may not act for node {node:?}")));
+        }
+        Ok(who)
+    }
+
+    async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Registry) -> Result<T, RegistryError> + Send + 'static,
+    ) -> Result<T, Status> {
+        let reg = self.registry.clone();
+        tokio::task::spawn_blocking(move || f(&reg))
+            .await
+            .map_err(|e| Status::internal(format!("registry task: {e}")))?
+            .map_err(Status::from)
+    }
+}
+
+type NodeStream = Pin<Box<dyn Stream<Item = Result<pb::NodeList, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl NodeRegistry for Service {
+    async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
+        let node = req.get_ref().node_name.clone();
+        self.authorize(&req, &node)?;
+        let r = req.into_inner();
+        let rec = self.blocking(move |reg| reg.register(&r.node_name, &r.underlay_addresses, &r.vtep_mac)).await?;
+        tracing::info!(node = %rec.name, blocks = ?rec.blocks, underlay = ?rec.underlay, "registered");
+        Ok(Response::new(pb::RegisterResponse {
+            node: Some(to_pb(&rec)),
+            cluster_cidrs: self.cfg.cluster_cidrs(),
+            vxlan_vni: self.cfg.vxlan_vni,
+            vxlan_port: self.cfg.vxlan_port as u32,
+        }))
+    }
+
+    async fn request_block(
+        &self,
+        req: Request<pb::RequestBlockRequest>,
+    ) -> Result<Response<pb::RequestBlockResponse>, Status> {
+        let node = req.get_ref().node_name.clone();
+        self.authorize(&req, &node)?;
+        let v4 = match pb::Family::try_from(req.get_ref().family) {
+            Ok(pb::Family::Ipv4) => true,
+            Ok(pb::Family::Ipv6) => false,
+            _ => return Err(Status::invalid_argument("family must be FAMILY_IPV4 or FAMILY_IPV6")),
+        };
+        let rec = self.blocking(move |reg| reg.request_block(&node, v4)).await?;
+        tracing::info!(node = %rec.name, blocks = ?rec.blocks, "extra block");
+        Ok(Response::new(pb::RequestBlockResponse { node: Some(to_pb(&rec)) }))
+    }
+
+    type WatchNodesStream = NodeStream;
+
+    async fn watch_nodes(&self, req: Request<pb::WatchNodesRequest>) -> Result<Response<NodeStream>, Status> {
+        let node = req.get_ref().node_name.clone();
+        self.authorize(&req, &node)?;
+        let rx = self.registry.subscribe();
+        let stream = tokio_stream::wrappers::WatchStream::new(rx).map(|s| Ok(node_list(&s)));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn remove_node(
+        &self,
+        req: Request<pb::RemoveNodeRequest>,
+    ) -> Result<Response<pb::RemoveNodeResponse>, Status> {
+        if self.identity(&req)? != Identity::Admin {
+            return Err(Status::permission_denied("RemoveNode needs the admin credential"));
+        }
+        let node = req.into_inner().node_name;
+        let released = self.blocking(move |reg| reg.remove(&node)).await?;
+        tracing::info!(blocks = ?released, "node removed");
+        Ok(Response::new(pb::RemoveNodeResponse { released_blocks: released }))
+    }
+}

@@ -1,0 +1,342 @@
+//! The node registry: which node holds which blocks, durable in an embedded redb database.
+//!
+//! Every change is one write transaction (node record + revision), committed (fsync'd)
+//! before anyone is told about it, so a `kill -9` at any instant leaves either the old or the
+//! new state. Changes are serialized by one mutex, and the in-memory index (block -> node) is
+//! rebuilt from the records at start and checked: no block can be held by two nodes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use ipnetwork::IpNetwork;
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::config::Pool;
+
+const NODES: TableDefinition<&str, &[u8]> = TableDefinition::new("nodes");
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error("node {0:?} is not registered")]
+    NotFound(String),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("the {family} pools ({pools}) have no free block left")]
+    Exhausted { family: &'static str, pools: String },
+    #[error("store: {0}")]
+    Storage(String),
+}
+
+fn storage(e: impl std::fmt::Display) -> RegistryError {
+    RegistryError::Storage(e.to_string())
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub name: String,
+    pub underlay: Vec<String>,
+    #[serde(default)]
+    pub vtep_mac: String,
+    pub blocks: Vec<String>,
+}
+
+/// A consistent view of the registry.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub nodes: Vec<NodeRecord>,
+    pub revision: u64,
+}
+
+struct State {
+    nodes: BTreeMap<String, NodeRecord>,
+    owner: HashMap<IpNetwork, String>,
+    revision: u64,
+}
+
+pub struct Registry {
+    db: Database,
+    pools: Vec<Pool>,
+    state: Mutex<State>,
+    tx: watch::Sender<Arc<Snapshot>>,
+}
+
+/// Node names follow Kubernetes object names (DNS-1123 subdomain).
+pub fn valid_node_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    !b.is_empty()
+        && b.len() <= 253
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'.')
+}
+
+fn valid_mac(mac: &str) -> bool {
+    mac.is_empty() || (mac.len() == 17 && mac.split(':').all(|p| p.len() == 2 && u8::from_str_radix(p, 16).is_ok()))
+}
+
+fn family_name(v4: bool) -> &'static str {
+    if v4 { "IPv4" } else { "IPv6" }
+}
+
+impl Registry {
+    pub fn open(path: &Path, pools: Vec<Pool>) -> Result<Self, RegistryError> {
+        let db = Database::create(path).map_err(storage)?;
+        let mut nodes = BTreeMap::new();
+        let mut owner = HashMap::new();
+        let mut revision = 0;
+        {
+            // Make sure the tables exist, then read them.
+            let w = db.begin_write().map_err(storage)?;
+            w.open_table(NODES).map_err(storage)?;
+            w.open_table(META).map_err(storage)?;
+            w.commit().map_err(storage)?;
+            let r = db.begin_read().map_err(storage)?;
+            let t = r.open_table(NODES).map_err(storage)?;
+            for item in t.iter().map_err(storage)? {
+                let (k, v) = item.map_err(storage)?;
+                let rec: NodeRecord = serde_json::from_slice(v.value())
+                    .map_err(|e| storage(format!("node record {:?}: {e}", k.value())))?;
+                for b in &rec.blocks {
+                    let net: IpNetwork = b.parse().map_err(|_| storage(format!("node {}: bad block {b}", rec.name)))?;
+                    if let Some(prev) = owner.insert(net, rec.name.clone()) {
+                        return Err(storage(format!("block {net} is recorded for both {prev} and {}", rec.name)));
+                    }
+                }
+                nodes.insert(rec.name.clone(), rec);
+            }
+            let m = r.open_table(META).map_err(storage)?;
+            if let Some(v) = m.get("revision").map_err(storage)? {
+                revision = v.value();
+            }
+        }
+        let snapshot = Arc::new(Snapshot { nodes: nodes.values().cloned().collect(), revision });
+        let (tx, _) = watch::channel(snapshot);
+        Ok(Registry { db, pools, state: Mutex::new(State { nodes, owner, revision }), tx })
+    }
+
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.tx.borrow().clone()
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<Arc<Snapshot>> {
+        self.tx.subscribe()
+    }
+
+    pub fn get(&self, name: &str) -> Option<NodeRecord> {
+        self.state.lock().unwrap().nodes.get(name).cloned()
+    }
+
+    /// Commit `records` (Some = upsert, None = delete) and publish the new snapshot.
+    fn commit(&self, st: &mut State, changes: Vec<(String, Option<NodeRecord>)>) -> Result<(), RegistryError> {
+        let revision = st.revision + 1;
+        let w = self.db.begin_write().map_err(storage)?;
+        {
+            let mut t = w.open_table(NODES).map_err(storage)?;
+            for (name, rec) in &changes {
+                match rec {
+                    Some(r) => {
+                        let body = serde_json::to_vec(r).map_err(storage)?;
+                        t.insert(name.as_str(), body.as_slice()).map_err(storage)?;
+                    }
+                    None => {
+                        t.remove(name.as_str()).map_err(storage)?;
+                    }
+                }
+            }
+            let mut m = w.open_table(META).map_err(storage)?;
+            m.insert("revision", revision).map_err(storage)?;
+        }
+        w.commit().map_err(storage)?;
+        // Durable: now update memory and tell watchers.
+        for (name, rec) in changes {
+            if let Some(old) = st.nodes.remove(&name) {
+                for b in old.blocks.iter().filter_map(|b| b.parse::<IpNetwork>().ok()) {
+                    st.owner.remove(&b);
+                }
+            }
+            if let Some(r) = rec {
+                for b in r.blocks.iter().filter_map(|b| b.parse::<IpNetwork>().ok()) {
+                    st.owner.insert(b, name.clone());
+                }
+                st.nodes.insert(name, r);
+            }
+        }
+        st.revision = revision;
+        self.tx.send_replace(Arc::new(Snapshot { nodes: st.nodes.values().cloned().collect(), revision }));
+        Ok(())
+    }
+
+    /// First free block of a family, pools in configuration order.
+    fn free_block(&self, st: &State, v4: bool) -> Result<IpNetwork, RegistryError> {
+        let pools: Vec<&Pool> = self.pools.iter().filter(|p| p.net.is_ipv4() == v4).collect();
+        for pool in &pools {
+            let used = st.owner.keys().filter(|b| pool.net.contains(b.network())).count() as u128;
+            if used >= pool.block_count() {
+                continue;
+            }
+            // At most used + 1 probes find a free one.
+            for n in 0..=used {
+                let block = pool.block(n);
+                if !st.owner.contains_key(&block) {
+                    return Ok(block);
+                }
+            }
+        }
+        Err(RegistryError::Exhausted {
+            family: family_name(v4),
+            pools: pools.iter().map(|p| p.net.to_string()).collect::<Vec<_>>().join(", "),
+        })
+    }
+
+    fn families(&self) -> Vec<bool> {
+        let mut f: Vec<bool> = self.pools.iter().map(|p| p.net.is_ipv4()).collect();
+        f.sort_by(|a, b| b.cmp(a));
+        f.dedup();
+        f
+    }
+
+    /// Register or re-register: the same node keeps its blocks; a family it has no block of
+    /// gets one. Underlay addresses and VTEP MAC are updated.
+    pub fn register(&self, name: &str, underlay: &[String], vtep_mac: &str) -> Result<NodeRecord, RegistryError> {
+        if !valid_node_name(name) {
+            return Err(RegistryError::InvalidArgument(format!("node name {name:?} is not a valid DNS-1123 name")));
+        }
+        if underlay.is_empty() {
+            return Err(RegistryError::InvalidArgument("underlay_addresses must not be empty".into()));
+        }
+        for a in underlay {
+            a.parse::<IpAddr>()
+                .map_err(|_| RegistryError::InvalidArgument(format!("underlay address {a:?} is not an IP")))?;
+        }
+        if !valid_mac(vtep_mac) {
+            return Err(RegistryError::InvalidArgument(format!("vtep_mac {vtep_mac:?} is not a MAC address")));
+        }
+        let mut st = self.state.lock().unwrap();
+        let mut rec = st.nodes.get(name).cloned().unwrap_or_else(|| NodeRecord {
+            name: name.to_string(),
+            underlay: Vec::new(),
+            vtep_mac: String::new(),
+            blocks: Vec::new(),
+        });
+        let before = rec.clone();
+        rec.underlay = underlay.to_vec();
+        rec.vtep_mac = vtep_mac.to_string();
+        let mut taken = Vec::new();
+        for v4 in self.families() {
+            let has = rec.blocks.iter().any(|b| b.parse::<IpNetwork>().is_ok_and(|n| n.is_ipv4() == v4));
+            if !has {
+                let block = match self.free_block(&st, v4) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        for b in taken {
+                            st.owner.remove(&b);
+                        }
+                        return Err(e);
+                    }
+                };
+                // Hold it in the index while we look for the next family's block.
+                st.owner.insert(block, name.to_string());
+                taken.push(block);
+                rec.blocks.push(block.to_string());
+            }
+        }
+        if rec == before {
+            return Ok(rec);
+        }
+        let result = self.commit(&mut st, vec![(name.to_string(), Some(rec.clone()))]);
+        if result.is_err() {
+            for b in taken {
+                st.owner.remove(&b);
+            }
+        }
+        result.map(|_| rec)
+    }
+
+    /// One more block of a family for a registered node whose blocks are full.
+    pub fn request_block(&self, name: &str, v4: bool) -> Result<NodeRecord, RegistryError> {
+        let mut st = self.state.lock().unwrap();
+        let mut rec = st.nodes.get(name).cloned().ok_or_else(|| RegistryError::NotFound(name.to_string()))?;
+        let block = self.free_block(&st, v4)?;
+        rec.blocks.push(block.to_string());
+        self.commit(&mut st, vec![(name.to_string(), Some(rec.clone()))])?;
+        Ok(rec)
+    }
+
+    /// Remove a node; its blocks return to the pools.
+    pub fn remove(&self, name: &str) -> Result<Vec<String>, RegistryError> {
+        let mut st = self.state.lock().unwrap();
+        let rec = st.nodes.get(name).cloned().ok_or_else(|| RegistryError::NotFound(name.to_string()))?;
+        self.commit(&mut st, vec![(name.to_string(), None)])?;
+        Ok(rec.blocks)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pools() -> Vec<Pool> {
+        vec![
+            Pool { net: "10.8.0.0/22".parse().unwrap(), block_prefix: 24 },
+            Pool { net: "fd00:8::/62".parse().unwrap(), block_prefix: 64 },
+        ]
+    }
+
+    fn tmp(tag: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("np-reg-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d.join("registry.redb")
+    }
+
+    #[test]
+    fn register_is_idempotent_and_durable() {
+        let path = tmp("idem");
+        let r = Registry::open(&path, pools()).unwrap();
+        let a = r.register("node-a", &["192.0.2.1".into()], "").unwrap();
+        assert_eq!(a.blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
+        let again = r.register("node-a", &["192.0.2.1".into()], "").unwrap();
+        assert_eq!(again.blocks, a.blocks);
+        let b = r.register("node-b", &["192.0.2.2".into()], "02:00:00:00:00:01").unwrap();
+        assert_eq!(b.blocks, vec!["10.8.1.0/24", "fd00:8:0:1::/64"]);
+        let rev = r.snapshot().revision;
+        drop(r);
+        let r = Registry::open(&path, pools()).unwrap();
+        assert_eq!(r.snapshot().revision, rev);
+        assert_eq!(r.get("node-b").unwrap(), b);
+        // Removal frees the blocks for the next node.
+        assert_eq!(r.remove("node-a").unwrap(), a.blocks);
+        let c = r.register("node-c", &["192.0.2.3".into()], "").unwrap();
+        assert_eq!(c.blocks, a.blocks);
+    }
+
+    #[test]
+    fn exhaustion_and_extra_blocks() {
+        let r = Registry::open(&tmp("exh"), pools()).unwrap();
+        for i in 0..4 {
+            r.register(&format!("n{i}"), &["192.0.2.1".into()], "").unwrap();
+        }
+        let e = r.register("n4", &["192.0.2.1".into()], "").unwrap_err();
+        assert!(matches!(e, RegistryError::Exhausted { family: "IPv4", .. }), "{e}");
+        assert!(r.get("n4").is_none(), "a failed registration records nothing");
+        r.remove("n3").unwrap();
+        let more = r.request_block("n0", true).unwrap();
+        assert_eq!(more.blocks.len(), 3);
+        assert!(matches!(r.request_block("n0", true), Err(RegistryError::Exhausted { .. })));
+        assert!(matches!(r.request_block("ghost", true), Err(RegistryError::NotFound(_))));
+    }
+
+    #[test]
+    fn validates_input() {
+        let r = Registry::open(&tmp("val"), pools()).unwrap();
+        assert!(matches!(r.register("Bad_Name", &["192.0.2.1".into()], ""), Err(RegistryError::InvalidArgument(_))));
+        assert!(matches!(r.register("ok", &["nope".into()], ""), Err(RegistryError::InvalidArgument(_))));
+        assert!(matches!(r.register("ok", &[], ""), Err(RegistryError::InvalidArgument(_))));
+        assert!(matches!(r.register("ok", &["192.0.2.1".into()], "zz"), Err(RegistryError::InvalidArgument(_))));
+    }
+}
