@@ -10,6 +10,7 @@ pub mod controller;
 pub mod ipam;
 pub mod netlink;
 pub mod netns;
+pub mod routes;
 pub mod rpc;
 pub mod shim;
 pub mod util;

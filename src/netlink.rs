@@ -584,3 +584,448 @@ impl Req {
         }
     }
 }
+
+// ----- cross-node routes: VXLAN devices, routes with a protocol, neighbours, FDB -----
+//
+// Used by `crate::routes`. Everything below is additive: the functions above keep their
+// signatures.
+
+use netlink_packet_route::link::InfoVxlan;
+use netlink_packet_route::neighbour::{
+    NeighbourAddress, NeighbourAttribute, NeighbourFlags, NeighbourMessage, NeighbourState,
+};
+use netlink_packet_core::NLM_F_REPLACE;
+use netlink_packet_route::route::RouteFlags;
+
+/// `NUD_PERMANENT`: a neighbour or FDB entry that never expires.
+pub const NUD_PERMANENT: u16 = 0x80;
+/// `NTF_SELF`: an FDB entry of the device itself (not of a bridge it is a port of).
+pub const NTF_SELF: u8 = 0x02;
+/// `RTN_UNICAST`.
+pub const RTN_UNICAST: u8 = 1;
+
+/// Parameters for creating a VXLAN device.
+#[derive(Debug, Clone)]
+pub struct VxlanSpec<'a> {
+    pub name: &'a str,
+    pub vni: u32,
+    /// Source address of the encapsulated packets (IPv4 or IPv6).
+    pub local: IpAddr,
+    /// UDP destination port.
+    pub port: u16,
+    pub mtu: Option<u32>,
+    pub mac: Option<[u8; 6]>,
+    /// Source-MAC learning (`nolearning` when false).
+    pub learning: bool,
+    /// Create the device up.
+    pub up: bool,
+}
+
+/// A link together with its VXLAN parameters (all `None` when it is not a VXLAN device).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VxlanLink {
+    pub link: Link,
+    pub vni: Option<u32>,
+    pub local: Option<IpAddr>,
+    pub port: Option<u16>,
+    pub learning: Option<bool>,
+}
+
+/// A route as the kernel dumps it: the fields needed to recognise and delete it exactly.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteEntry {
+    pub v6: bool,
+    /// Destination network (`0.0.0.0`/`::` with prefix 0 for a default route).
+    pub dst: IpAddr,
+    pub prefix: u8,
+    pub gateway: Option<IpAddr>,
+    pub oif: Option<u32>,
+    pub table: u32,
+    /// `rtm_protocol`: who installed the route.
+    pub protocol: u8,
+    /// Metric (`RTA_PRIORITY`); 0 when absent.
+    pub priority: u32,
+    /// `rtm_type` (1 = unicast).
+    pub kind: u8,
+    pub onlink: bool,
+}
+
+/// A unicast route with a gateway, marked with a protocol number.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteSpec {
+    pub dst: IpAddr,
+    pub prefix: u8,
+    pub gateway: IpAddr,
+    /// Output device; `None` lets the kernel resolve it from the gateway.
+    pub oif: Option<u32>,
+    /// Trust the gateway to be reachable on `oif` without a covering connected route.
+    pub onlink: bool,
+    pub protocol: u8,
+}
+
+/// An IPv4 ARP / IPv6 ND neighbour entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Neighbour {
+    pub ifindex: u32,
+    pub ip: IpAddr,
+    pub mac: Option<[u8; 6]>,
+    /// `NUD_*` bits.
+    pub state: u16,
+    /// `NTF_*` bits.
+    pub flags: u8,
+    pub protocol: Option<u8>,
+}
+
+/// A bridge-family forwarding database entry (for a VXLAN device: MAC -> remote VTEP).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FdbEntry {
+    pub ifindex: u32,
+    pub mac: [u8; 6],
+    /// Remote VTEP address (VXLAN entries).
+    pub dst: Option<IpAddr>,
+    pub state: u16,
+    pub flags: u8,
+}
+
+fn mac6(bytes: &[u8]) -> Option<[u8; 6]> {
+    <[u8; 6]>::try_from(bytes).ok()
+}
+
+fn neighbour_ip(a: &NeighbourAddress) -> Option<IpAddr> {
+    match a {
+        NeighbourAddress::Inet(v4) => Some(IpAddr::V4(*v4)),
+        NeighbourAddress::Inet6(v6) => Some(IpAddr::V6(*v6)),
+        // Bridge-family entries carry the address undecoded.
+        NeighbourAddress::Other(b) => match b.len() {
+            4 => Some(IpAddr::V4(std::net::Ipv4Addr::from(<[u8; 4]>::try_from(&b[..]).ok()?))),
+            16 => Some(IpAddr::V6(std::net::Ipv6Addr::from(<[u8; 16]>::try_from(&b[..]).ok()?))),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+fn parse_route_entry(r: &RouteMessage) -> Option<RouteEntry> {
+    let v6 = match r.header.address_family {
+        AddressFamily::Inet => false,
+        AddressFamily::Inet6 => true,
+        _ => return None,
+    };
+    let mut e = RouteEntry {
+        v6,
+        dst: if v6 { IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED) } else { IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED) },
+        prefix: r.header.destination_prefix_length,
+        gateway: None,
+        oif: None,
+        table: r.header.table as u32,
+        protocol: u8::from(r.header.protocol),
+        priority: 0,
+        kind: u8::from(r.header.kind),
+        onlink: r.header.flags.contains(RouteFlags::Onlink),
+    };
+    for a in &r.attributes {
+        match a {
+            RouteAttribute::Destination(d) => {
+                if let Some(ip) = route_ip(d) {
+                    e.dst = ip;
+                }
+            }
+            RouteAttribute::Gateway(g) => e.gateway = route_ip(g),
+            RouteAttribute::Oif(i) => e.oif = Some(*i),
+            RouteAttribute::Table(t) => e.table = *t,
+            RouteAttribute::Priority(p) => e.priority = *p,
+            _ => {}
+        }
+    }
+    Some(e)
+}
+
+impl Netlink {
+    /// Create a VXLAN device (`ip link add NAME type vxlan id VNI local IP dstport PORT
+    /// [nolearning]`). Fails with EEXIST when the name is taken.
+    pub fn create_vxlan(&mut self, spec: &VxlanSpec<'_>) -> Result<()> {
+        let mut data = vec![InfoVxlan::Id(spec.vni)];
+        match spec.local {
+            IpAddr::V4(v4) => data.push(InfoVxlan::Local(v4)),
+            IpAddr::V6(v6) => data.push(InfoVxlan::Local6(v6)),
+        }
+        data.push(InfoVxlan::Port(spec.port));
+        data.push(InfoVxlan::Learning(spec.learning));
+        let mut msg = LinkMessage::default();
+        if spec.up {
+            msg.header.flags = LinkFlags::Up;
+            msg.header.change_mask = LinkFlags::Up;
+        }
+        msg.attributes.push(LinkAttribute::IfName(spec.name.to_string()));
+        if let Some(mac) = spec.mac {
+            msg.attributes.push(LinkAttribute::Address(mac.to_vec()));
+        }
+        if let Some(mtu) = spec.mtu {
+            msg.attributes.push(LinkAttribute::Mtu(mtu));
+        }
+        msg.attributes.push(LinkAttribute::LinkInfo(vec![
+            LinkInfo::Kind(InfoKind::Vxlan),
+            LinkInfo::Data(InfoData::Vxlan(data)),
+        ]));
+        self.request(
+            RouteNetlinkMessage::NewLink(msg),
+            NLM_F_CREATE | NLM_F_EXCL,
+            &format!("create vxlan {} id {} local {} dstport {}", spec.name, spec.vni, spec.local, spec.port),
+        )
+    }
+
+    /// Look a link up by name, with its VXLAN parameters when it is a VXLAN device.
+    pub fn vxlan_by_name(&mut self, name: &str) -> Result<Option<VxlanLink>> {
+        let mut msg = LinkMessage::default();
+        msg.attributes.push(LinkAttribute::IfName(name.to_string()));
+        let op = format!("get link {name}");
+        let seq = self.send(RouteNetlinkMessage::GetLink(msg), NLM_F_ACK, &op)?;
+        let msgs = match self.recv_until_done(seq, &op) {
+            Ok(m) => m,
+            Err(e) if e.is(libc::ENODEV) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let Some(l) = msgs.iter().find_map(|m| match m {
+            RouteNetlinkMessage::NewLink(l) => Some(l),
+            _ => None,
+        }) else {
+            return Ok(None);
+        };
+        let mut out = VxlanLink { link: parse_link(l), vni: None, local: None, port: None, learning: None };
+        for a in &l.attributes {
+            let LinkAttribute::LinkInfo(infos) = a else { continue };
+            for i in infos {
+                let LinkInfo::Data(InfoData::Vxlan(data)) = i else { continue };
+                for d in data {
+                    match d {
+                        InfoVxlan::Id(v) => out.vni = Some(*v),
+                        InfoVxlan::Local(v4) => out.local = Some(IpAddr::V4(*v4)),
+                        InfoVxlan::Local6(v6) => out.local = Some(IpAddr::V6(*v6)),
+                        InfoVxlan::Port(p) => out.port = Some(*p),
+                        InfoVxlan::Learning(b) => out.learning = Some(*b),
+                        _ => {}
+                    }
+                }
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// Set a link's MTU.
+    pub fn set_mtu(&mut self, index: u32, mtu: u32) -> Result<()> {
+        let mut msg = LinkMessage::default();
+        msg.header.index = index;
+        msg.attributes.push(LinkAttribute::Mtu(mtu));
+        self.request(RouteNetlinkMessage::SetLink(msg), 0, &format!("set mtu {mtu} on link {index}"))
+    }
+
+    /// Every route of one family, all tables, with protocol, metric, type and flags.
+    pub fn route_entries(&mut self, v6: bool) -> Result<Vec<RouteEntry>> {
+        let mut req = RouteMessage::default();
+        req.header.address_family = if v6 { AddressFamily::Inet6 } else { AddressFamily::Inet };
+        let op = if v6 { "dump ipv6 routes" } else { "dump ipv4 routes" };
+        let msgs = self.dump(RouteNetlinkMessage::GetRoute(req), op)?;
+        Ok(msgs
+            .iter()
+            .filter_map(|m| match m {
+                RouteNetlinkMessage::NewRoute(r) => parse_route_entry(r),
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Add or replace (same destination and metric) a unicast route in the main table.
+    pub fn replace_route(&mut self, spec: &RouteSpec) -> Result<()> {
+        let mut msg = RouteMessage::default();
+        msg.header = RouteHeader {
+            address_family: family_of(&spec.dst),
+            destination_prefix_length: spec.prefix,
+            table: RouteHeader::RT_TABLE_MAIN,
+            protocol: RouteProtocol::from(spec.protocol),
+            scope: RouteScope::Universe,
+            kind: RouteType::Unicast,
+            flags: if spec.onlink { RouteFlags::Onlink } else { RouteFlags::empty() },
+            ..Default::default()
+        };
+        msg.attributes.push(RouteAttribute::Destination(RouteAddress::from(spec.dst)));
+        msg.attributes.push(RouteAttribute::Gateway(RouteAddress::from(spec.gateway)));
+        if let Some(oif) = spec.oif {
+            msg.attributes.push(RouteAttribute::Oif(oif));
+        }
+        let op = format!(
+            "replace route {}/{} via {}{}{} proto {}",
+            spec.dst,
+            spec.prefix,
+            spec.gateway,
+            spec.oif.map(|i| format!(" dev {i}")).unwrap_or_default(),
+            if spec.onlink { " onlink" } else { "" },
+            spec.protocol
+        );
+        self.request(RouteNetlinkMessage::NewRoute(msg), NLM_F_CREATE | NLM_F_REPLACE, &op)
+    }
+
+    /// Delete exactly this route (destination, table, protocol, metric, gateway, device):
+    /// a route that differs in any of them is left alone.
+    pub fn delete_route(&mut self, r: &RouteEntry) -> Result<()> {
+        let mut msg = RouteMessage::default();
+        msg.header = RouteHeader {
+            address_family: if r.v6 { AddressFamily::Inet6 } else { AddressFamily::Inet },
+            destination_prefix_length: r.prefix,
+            table: if r.table < 256 { r.table as u8 } else { 252 },
+            protocol: RouteProtocol::from(r.protocol),
+            scope: RouteScope::NoWhere,
+            kind: RouteType::Unspec,
+            ..Default::default()
+        };
+        if r.table >= 256 {
+            msg.attributes.push(RouteAttribute::Table(r.table));
+        }
+        if r.prefix > 0 {
+            msg.attributes.push(RouteAttribute::Destination(RouteAddress::from(r.dst)));
+        }
+        if let Some(gw) = r.gateway {
+            msg.attributes.push(RouteAttribute::Gateway(RouteAddress::from(gw)));
+        }
+        if let Some(oif) = r.oif {
+            msg.attributes.push(RouteAttribute::Oif(oif));
+        }
+        if r.priority != 0 {
+            msg.attributes.push(RouteAttribute::Priority(r.priority));
+        }
+        let op = format!(
+            "delete route {}/{} via {:?} dev {:?} proto {} metric {}",
+            r.dst, r.prefix, r.gateway, r.oif, r.protocol, r.priority
+        );
+        self.request(RouteNetlinkMessage::DelRoute(msg), 0, &op)
+    }
+
+    /// IPv4 (ARP) and IPv6 (ND) neighbour entries of every device.
+    pub fn neighbours(&mut self) -> Result<Vec<Neighbour>> {
+        let msgs = self.dump(RouteNetlinkMessage::GetNeighbour(NeighbourMessage::default()), "dump neighbours")?;
+        Ok(msgs
+            .iter()
+            .filter_map(|m| {
+                let RouteNetlinkMessage::NewNeighbour(n) = m else { return None };
+                if !matches!(n.header.family, AddressFamily::Inet | AddressFamily::Inet6) {
+                    return None;
+                }
+                let mut out = Neighbour {
+                    ifindex: n.header.ifindex,
+                    ip: IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+                    mac: None,
+                    state: u16::from(n.header.state),
+                    flags: n.header.flags.bits(),
+                    protocol: None,
+                };
+                let mut have_ip = false;
+                for a in &n.attributes {
+                    match a {
+                        NeighbourAttribute::Destination(d) => {
+                            if let Some(ip) = neighbour_ip(d) {
+                                out.ip = ip;
+                                have_ip = true;
+                            }
+                        }
+                        NeighbourAttribute::LinkLayerAddress(l) => out.mac = mac6(l),
+                        NeighbourAttribute::Protocol(p) => out.protocol = Some(u8::from(*p)),
+                        _ => {}
+                    }
+                }
+                have_ip.then_some(out)
+            })
+            .collect())
+    }
+
+    /// Add or replace a permanent neighbour entry `ip lladdr mac` on `ifindex`.
+    pub fn replace_neighbour(&mut self, ifindex: u32, ip: IpAddr, mac: [u8; 6], protocol: Option<u8>) -> Result<()> {
+        let mut msg = NeighbourMessage::default();
+        msg.header.family = family_of(&ip);
+        msg.header.ifindex = ifindex;
+        msg.header.state = NeighbourState::Permanent;
+        msg.attributes.push(NeighbourAttribute::Destination(NeighbourAddress::from(ip)));
+        msg.attributes.push(NeighbourAttribute::LinkLayerAddress(mac.to_vec()));
+        if let Some(p) = protocol {
+            msg.attributes.push(NeighbourAttribute::Protocol(RouteProtocol::from(p)));
+        }
+        self.request(
+            RouteNetlinkMessage::NewNeighbour(msg),
+            NLM_F_CREATE | NLM_F_REPLACE,
+            &format!("replace neighbour {ip} lladdr {} dev {ifindex}", format_mac(&mac)),
+        )
+    }
+
+    /// Delete the neighbour entry for `ip` on `ifindex`.
+    pub fn delete_neighbour(&mut self, ifindex: u32, ip: IpAddr) -> Result<()> {
+        let mut msg = NeighbourMessage::default();
+        msg.header.family = family_of(&ip);
+        msg.header.ifindex = ifindex;
+        msg.attributes.push(NeighbourAttribute::Destination(NeighbourAddress::from(ip)));
+        self.request(RouteNetlinkMessage::DelNeighbour(msg), 0, &format!("delete neighbour {ip} dev {ifindex}"))
+    }
+
+    /// The bridge-family forwarding database of every device (bridges, their ports, VXLAN).
+    pub fn fdb_entries(&mut self) -> Result<Vec<FdbEntry>> {
+        let mut req = NeighbourMessage::default();
+        req.header.family = AddressFamily::Bridge;
+        let msgs = self.dump(RouteNetlinkMessage::GetNeighbour(req), "dump fdb")?;
+        Ok(msgs
+            .iter()
+            .filter_map(|m| {
+                let RouteNetlinkMessage::NewNeighbour(n) = m else { return None };
+                if n.header.family != AddressFamily::Bridge {
+                    return None;
+                }
+                let mut mac = None;
+                let mut dst = None;
+                for a in &n.attributes {
+                    match a {
+                        NeighbourAttribute::LinkLayerAddress(l) => mac = mac6(l),
+                        NeighbourAttribute::Destination(d) => dst = neighbour_ip(d),
+                        _ => {}
+                    }
+                }
+                Some(FdbEntry {
+                    ifindex: n.header.ifindex,
+                    mac: mac?,
+                    dst,
+                    state: u16::from(n.header.state),
+                    flags: n.header.flags.bits(),
+                })
+            })
+            .collect())
+    }
+
+    /// Add or replace the device's own (`self`) permanent FDB entry `mac dst <remote>`;
+    /// for a VXLAN device: send frames for `mac` to the VTEP at `dst`.
+    pub fn replace_fdb(&mut self, ifindex: u32, mac: [u8; 6], dst: IpAddr) -> Result<()> {
+        let mut msg = NeighbourMessage::default();
+        msg.header.family = AddressFamily::Bridge;
+        msg.header.ifindex = ifindex;
+        msg.header.state = NeighbourState::Permanent;
+        msg.header.flags = NeighbourFlags::Own;
+        msg.attributes.push(NeighbourAttribute::LinkLayerAddress(mac.to_vec()));
+        msg.attributes.push(NeighbourAttribute::Destination(NeighbourAddress::from(dst)));
+        self.request(
+            RouteNetlinkMessage::NewNeighbour(msg),
+            NLM_F_CREATE | NLM_F_REPLACE,
+            &format!("replace fdb {} dst {dst} dev {ifindex}", format_mac(&mac)),
+        )
+    }
+
+    /// Delete the device's own FDB entry for `mac` (only the remote `dst` when given).
+    pub fn delete_fdb(&mut self, ifindex: u32, mac: [u8; 6], dst: Option<IpAddr>) -> Result<()> {
+        let mut msg = NeighbourMessage::default();
+        msg.header.family = AddressFamily::Bridge;
+        msg.header.ifindex = ifindex;
+        msg.header.flags = NeighbourFlags::Own;
+        msg.attributes.push(NeighbourAttribute::LinkLayerAddress(mac.to_vec()));
+        if let Some(dst) = dst {
+            msg.attributes.push(NeighbourAttribute::Destination(NeighbourAddress::from(dst)));
+        }
+        self.request(
+            RouteNetlinkMessage::DelNeighbour(msg),
+            0,
+            &format!("delete fdb {}{} dev {ifindex}", format_mac(&mac), dst.map(|d| format!(" dst {d}")).unwrap_or_default()),
+        )
+    }
+}

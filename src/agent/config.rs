@@ -29,6 +29,23 @@ pub struct DnsConfig {
     pub options: Vec<String>,
 }
 
+/// Controller mode: blocks come from `nodeplane-controller`, routes to other nodes follow
+/// its membership stream.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ControllerConfig {
+    /// `unix:/path` or `host:port`.
+    pub address: String,
+    /// File holding this node's credential (`nodeplane-controller token NODE`).
+    pub token_file: PathBuf,
+    /// This node's underlay address(es); the first one is the VXLAN endpoint.
+    pub underlay_addresses: Vec<std::net::IpAddr>,
+    /// How to reach other nodes' pods: "auto" (direct on a shared L2 segment, else VXLAN),
+    /// "direct" or "vxlan".
+    #[serde(default)]
+    pub route_mode: crate::routes::RouteMode,
+}
+
 /// The file format. Paths left out derive from `root`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -72,6 +89,9 @@ pub struct FileConfig {
     pub shim_source: Option<PathBuf>,
     /// Where the kernel boot id is read (tests point this elsewhere to simulate a reboot).
     pub boot_id_file: Option<PathBuf>,
+    /// Get blocks from the controller instead of `podCidrs`.
+    #[serde(default)]
+    pub controller: Option<ControllerConfig>,
 }
 
 /// The conflist version written unless configured (see `FileConfig::cni_version`).
@@ -106,6 +126,7 @@ pub struct Config {
     pub cni_conf_dir: PathBuf,
     pub shim_source: PathBuf,
     pub boot_id_file: PathBuf,
+    pub controller: Option<ControllerConfig>,
 }
 
 fn under(root: &Path, abs: &str) -> PathBuf {
@@ -137,6 +158,15 @@ impl Config {
         }
         for c in &f.pod_cidrs {
             crate::ipam::Block::new(*c).map_err(|e| ConfigError::Invalid(format!("podCidrs: {e}")))?;
+        }
+        if let Some(c) = &f.controller {
+            if !f.pod_cidrs.is_empty() {
+                return bad("podCidrs and controller are exclusive: in controller mode the blocks come from the controller".into());
+            }
+            crate::controller::config::parse_listen(&c.address).map_err(|e| ConfigError::Invalid(format!("controller.address: {e}")))?;
+            if c.underlay_addresses.is_empty() {
+                return bad("controller.underlayAddresses must name this node's address(es)".into());
+            }
         }
         for ns in f.dns.iter().flat_map(|d| &d.nameservers) {
             if ns.parse::<std::net::IpAddr>().is_err() {
@@ -195,6 +225,7 @@ impl Config {
             cni_conf_dir: f.cni_conf_dir.unwrap_or_else(|| under(&root, "/etc/cni/net.d")),
             shim_source,
             boot_id_file: f.boot_id_file.unwrap_or_else(|| PathBuf::from("/proc/sys/kernel/random/boot_id")),
+            controller: f.controller,
         })
     }
 
@@ -203,6 +234,10 @@ impl Config {
     }
     pub fn pending_delete_dir(&self) -> PathBuf {
         self.state_dir.join("pending-del")
+    }
+    /// Blocks and cluster ranges last received from the controller.
+    pub fn cluster_state_path(&self) -> PathBuf {
+        self.state_dir.join("cluster.json")
     }
     pub fn conflist_path(&self) -> PathBuf {
         self.cni_conf_dir.join("10-nodeplane.conflist")

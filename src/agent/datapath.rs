@@ -73,12 +73,21 @@ impl KeyedLocks {
     }
 }
 
+/// Asks the controller for one more block of a family (IPv4 when true); installed by the
+/// cluster client in controller mode.
+pub type BlockSource = Box<dyn Fn(bool) -> Result<(), String> + Send + Sync>;
+
 pub struct Datapath {
     pub cfg: Arc<Config>,
     pub ipam: Ipam,
     pub reaper: Reaper,
     bridge: Mutex<Option<BridgeInfo>>,
     locks: KeyedLocks,
+    /// Cluster ranges exempt from masquerade (configuration, or the controller's pools).
+    cluster_cidrs: Mutex<Vec<IpNetwork>>,
+    /// The conflist is written once the node has a block (it is then ready for ADD).
+    conflist_written: std::sync::atomic::AtomicBool,
+    block_source: std::sync::OnceLock<BlockSource>,
 }
 
 /// What a startup reconcile did (logged by the agent, used by tests through the logs).
@@ -91,7 +100,59 @@ pub struct ReconcileReport {
 
 impl Datapath {
     pub fn new(cfg: Arc<Config>, ipam: Ipam, reaper: Reaper) -> Self {
-        Datapath { cfg, ipam, reaper, bridge: Mutex::new(None), locks: KeyedLocks::default() }
+        let cluster = cfg.cluster_cidrs.clone();
+        Datapath {
+            cfg,
+            ipam,
+            reaper,
+            bridge: Mutex::new(None),
+            locks: KeyedLocks::default(),
+            cluster_cidrs: Mutex::new(cluster),
+            conflist_written: Default::default(),
+            block_source: Default::default(),
+        }
+    }
+
+    /// Install the controller client's block requester (controller mode).
+    pub fn set_block_source(&self, source: BlockSource) {
+        let _ = self.block_source.set(source);
+    }
+
+    /// Is the node ready for ADD (has a block, conflist written)?
+    pub fn ready(&self) -> bool {
+        self.conflist_written.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Bring the node's network in line with its blocks: assign new blocks to IPAM, gateway
+    /// addresses on the bridge, masquerade rules, and — once there is a block — the shim and
+    /// the conflist (atomically). Called at start and whenever the controller adds blocks.
+    pub fn apply_network(&self, blocks: &[IpNetwork], cluster: Option<&[IpNetwork]>) -> Result<(), CniError> {
+        let setup = |m: String| CniError::new(Code::Internal, m);
+        for b in blocks {
+            self.ipam.assign_block(*b).map_err(|e| setup(e.to_string()))?;
+        }
+        if let Some(c) = cluster {
+            *self.cluster_cidrs.lock().unwrap() = c.to_vec();
+        }
+        self.ensure_bridge()?;
+        let all: Vec<IpNetwork> = self.ipam.blocks().iter().map(|b| b.net).collect();
+        if all.is_empty() {
+            return Ok(());
+        }
+        if self.cfg.masquerade {
+            let cluster = self.cluster_cidrs.lock().unwrap().clone();
+            let cluster = if cluster.is_empty() { all.clone() } else { cluster };
+            super::nft::apply(&all, &cluster).map_err(|e| setup(format!("masquerade rules: {e}")))?;
+        }
+        if !self.ready() {
+            if super::install::install_shim(&self.cfg).map_err(|e| setup(format!("installing shim: {e}")))? {
+                tracing::info!(dir = %self.cfg.cni_bin_dir.display(), "installed shim");
+            }
+            super::install::write_conflist(&self.cfg).map_err(|e| setup(format!("writing conflist: {e}")))?;
+            self.conflist_written.store(true, std::sync::atomic::Ordering::SeqCst);
+            tracing::info!(conflist = %self.cfg.conflist_path().display(), blocks = %fmt_ips(&all), "network ready");
+        }
+        Ok(())
     }
 
     // ----- node setup -----
@@ -264,19 +325,25 @@ impl Datapath {
         let netns_path = req.netns.as_deref().expect("validated: ADD has CNI_NETNS");
         let netns = open_netns(netns_path)?;
         let host_if = host_ifname(owner);
-        let reservation = self
-            .ipam
-            .reserve(Lease {
-                owner: owner.clone(),
-                state: LeaseState::Adding,
-                netns: netns_path.display().to_string(),
-                netns_inode: netns.inode().unwrap_or(0),
-                netns_cookie: 0,
-                host_if: host_if.clone(),
-                ips: Vec::new(),
-                pod: format!("{}/{}", req.pod_namespace(), req.pod_name()),
-            })
-            .map_err(ipam_err)?;
+        let lease_template = Lease {
+            owner: owner.clone(),
+            state: LeaseState::Adding,
+            netns: netns_path.display().to_string(),
+            netns_inode: netns.inode().unwrap_or(0),
+            netns_cookie: 0,
+            host_if: host_if.clone(),
+            ips: Vec::new(),
+            pod: format!("{}/{}", req.pod_namespace(), req.pod_name()),
+        };
+        let reservation = match self.ipam.reserve(lease_template.clone()) {
+            Err(IpamError::Exhausted { family, .. }) if self.block_source.get().is_some() => {
+                let source = self.block_source.get().expect("checked");
+                source(family == "IPv4").map_err(|e| CniError::new(Code::TryAgainLater, format!("{family} block full and no new block: {e}")))?;
+                self.ipam.reserve(lease_template)
+            }
+            other => other,
+        }
+        .map_err(ipam_err)?;
         let lease = reservation.lease.clone();
         let mtu = req.conf.mtu.unwrap_or(self.cfg.mtu);
         let mut nl = match Netlink::open() {

@@ -1,5 +1,6 @@
 //! The node agent: start-up, reconciliation and the CNI socket server.
 
+pub mod cluster;
 pub mod config;
 pub mod datapath;
 pub mod install;
@@ -70,9 +71,6 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Datapath>, std::os::unix::net::UnixLi
     for p in problems {
         tracing::warn!("{p}");
     }
-    for block in &cfg.pod_cidrs {
-        ipam.assign_block(*block).map_err(|e| AgentError::Setup(e.to_string()))?;
-    }
     let reaper = reaper::Reaper::start().map_err(io_ctx("starting reaper"))?;
     let dp = Arc::new(Datapath::new(cfg.clone(), ipam, reaper));
 
@@ -82,11 +80,6 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Datapath>, std::os::unix::net::UnixLi
     }
     tracing::info!(kept = report.kept, freed = report.freed.len(), reaped_links = report.reaped_links, boot_changed, "reconciled");
     crate::util::atomic_write(&boot_file, boot_id.as_bytes(), 0o644).map_err(io_ctx("writing boot id"))?;
-
-    dp.ensure_bridge().map_err(|e| AgentError::Setup(format!("bridge: {}", e.msg)))?;
-    if cfg.masquerade && !cfg.pod_cidrs.is_empty() {
-        nft::apply(&cfg.pod_cidrs, &cfg.cluster_cidrs).map_err(io_ctx("masquerade rules"))?;
-    }
 
     let sock = &cfg.cni_socket;
     if let Some(dir) = sock.parent() {
@@ -102,11 +95,17 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Datapath>, std::os::unix::net::UnixLi
 
     drain_pending(&dp);
 
-    if install::install_shim(&cfg).map_err(io_ctx("installing shim"))? {
-        tracing::info!(dir = %cfg.cni_bin_dir.display(), "installed shim");
-    }
-    install::write_conflist(&cfg).map_err(io_ctx("writing conflist"))?;
-    tracing::info!(node = %cfg.node_name, socket = %sock.display(), conflist = %cfg.conflist_path().display(), "ready");
+    // Standalone: the configured blocks. Controller mode: the blocks last received (the
+    // node keeps serving them while the controller is away); none yet means not ready.
+    let (blocks, cluster) = match &cfg.controller {
+        None => (cfg.pod_cidrs.clone(), cfg.cluster_cidrs.clone()),
+        Some(_) => {
+            let st = cluster::load_state(&cfg).map_err(|e| AgentError::Setup(format!("cluster state: {e}")))?;
+            (st.blocks, st.cluster_cidrs)
+        }
+    };
+    dp.apply_network(&blocks, Some(&cluster)).map_err(|e| AgentError::Setup(e.msg))?;
+    tracing::info!(node = %cfg.node_name, socket = %sock.display(), network_ready = dp.ready(), "ready");
     Ok((dp, listener, lock))
 }
 
@@ -202,6 +201,7 @@ pub async fn serve(dp: Arc<Datapath>, listener: std::os::unix::net::UnixListener
     let mut drain_tick = tokio::time::interval(Duration::from_secs(5));
     drain_tick.tick().await;
     let tracker = tokio_util_tracker::Tracker::default();
+    let cluster_client = tokio::spawn(cluster::run(dp.clone()));
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -226,6 +226,7 @@ pub async fn serve(dp: Arc<Datapath>, listener: std::os::unix::net::UnixListener
         }
     }
     tracing::info!("shutting down: no new requests; finishing in-flight ones");
+    cluster_client.abort();
     let _ = fs::remove_file(&dp.cfg.cni_socket);
     drop(listener);
     if tokio::time::timeout(Duration::from_secs(30), tracker.wait_idle()).await.is_err() {

@@ -1,0 +1,247 @@
+//! Controller mode: register with `nodeplane-controller`, keep the node's blocks (persisted,
+//! so the node keeps serving while the controller is away), and program routes to every
+//! other node from the membership stream.
+//!
+//! Every message of the stream is the complete node list, so a reconnect re-syncs routes
+//! completely: nothing missed while disconnected can leave a stale or missing route.
+
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ipnetwork::IpNetwork;
+use serde::{Deserialize, Serialize};
+use tonic::Request;
+
+use super::config::{Config, ControllerConfig};
+use super::datapath::Datapath;
+use crate::rpc::controller as pb;
+use crate::rpc::controller::node_registry_client::NodeRegistryClient;
+use crate::routes::{PeerNode, RouteConfig, Routes};
+
+/// What the agent remembers from the controller (`<state>/cluster.json`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterState {
+    pub blocks: Vec<IpNetwork>,
+    pub cluster_cidrs: Vec<IpNetwork>,
+    #[serde(default)]
+    pub vxlan_vni: u32,
+    #[serde(default)]
+    pub vxlan_port: u16,
+}
+
+pub fn load_state(cfg: &Config) -> std::io::Result<ClusterState> {
+    match std::fs::read(cfg.cluster_state_path()) {
+        Ok(b) => serde_json::from_slice(&b).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(ClusterState::default()),
+        Err(e) => Err(e),
+    }
+}
+
+fn save_state(cfg: &Config, st: &ClusterState) -> std::io::Result<()> {
+    let body = serde_json::to_vec_pretty(st).map_err(std::io::Error::other)?;
+    crate::util::atomic_write(&cfg.cluster_state_path(), &body, 0o644)
+}
+
+fn parse_nets(list: &[String], what: &str) -> Result<Vec<IpNetwork>, String> {
+    list.iter().map(|s| s.parse().map_err(|_| format!("controller sent a bad {what} {s:?}"))).collect()
+}
+
+fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let parts: Vec<u8> = s.split(':').map(|p| u8::from_str_radix(p, 16)).collect::<Result<_, _>>().ok()?;
+    parts.try_into().ok()
+}
+
+fn authed<T>(msg: T, token: &str) -> Result<Request<T>, String> {
+    let mut req = Request::new(msg);
+    let value = format!("Bearer {token}").parse().map_err(|_| "token is not valid header text".to_string())?;
+    req.metadata_mut().insert("authorization", value);
+    Ok(req)
+}
+
+fn read_token(path: &Path) -> Result<String, String> {
+    std::fs::read_to_string(path)
+        .map(|t| t.trim().to_string())
+        .map_err(|e| format!("reading token {}: {e}", path.display()))
+}
+
+/// The peers of `me` in a node list.
+pub fn peers_of(me: &str, nodes: &[pb::Node]) -> Vec<PeerNode> {
+    nodes
+        .iter()
+        .filter(|n| n.name != me)
+        .map(|n| PeerNode {
+            name: n.name.clone(),
+            underlay: n.underlay_addresses.iter().filter_map(|a| a.parse::<IpAddr>().ok()).collect(),
+            blocks: n.pod_blocks.iter().filter_map(|b| b.parse().ok()).collect(),
+            vtep_mac: parse_mac(&n.vtep_mac),
+        })
+        .collect()
+}
+
+/// Connection-independent state of the cluster client.
+struct Client {
+    dp: Arc<Datapath>,
+    cc: ControllerConfig,
+    routes: Mutex<Option<Routes>>,
+    vtep_mac: Mutex<String>,
+}
+
+impl Client {
+    /// Apply our own node record: new blocks go to IPAM, the bridge, nft and the conflist.
+    async fn apply_self(&self, node: &pb::Node, resp: Option<&pb::RegisterResponse>) -> Result<(), String> {
+        let blocks = parse_nets(&node.pod_blocks, "block")?;
+        let mut st = load_state(&self.dp.cfg).map_err(|e| e.to_string())?;
+        if let Some(r) = resp {
+            st.cluster_cidrs = parse_nets(&r.cluster_cidrs, "cluster CIDR")?;
+            st.vxlan_vni = r.vxlan_vni;
+            st.vxlan_port = r.vxlan_port as u16;
+        }
+        let known: Vec<IpNetwork> = self.dp.ipam.blocks().iter().map(|b| b.net).collect();
+        let changed = st.blocks != blocks || resp.is_some();
+        if blocks.iter().all(|b| known.contains(b)) && !changed && self.dp.ready() {
+            return Ok(());
+        }
+        st.blocks = blocks.clone();
+        save_state(&self.dp.cfg, &st).map_err(|e| format!("saving cluster state: {e}"))?;
+        let dp = self.dp.clone();
+        let cluster = st.cluster_cidrs.clone();
+        tokio::task::spawn_blocking(move || dp.apply_network(&blocks, Some(&cluster)))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.msg)
+    }
+
+    /// Make sure the route programmer exists (needs the VXLAN parameters from the controller).
+    async fn ensure_routes(self: &Arc<Self>, vni: u32, port: u16) -> Result<(), String> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut routes = me.routes.lock().unwrap();
+            if routes.is_none() {
+                let cfg = RouteConfig {
+                    mode: me.cc.route_mode,
+                    vxlan_name: "np.vxlan".into(),
+                    vni,
+                    port,
+                    local_underlay: me.cc.underlay_addresses[0],
+                    mtu: None,
+                };
+                let mut r = Routes::new(cfg).map_err(|e| e.to_string())?;
+                let mac = r.ensure_vtep().map_err(|e| e.to_string())?;
+                *me.vtep_mac.lock().unwrap() = mac.map(|m| crate::netlink::format_mac(&m)).unwrap_or_default();
+                *routes = Some(r);
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    }
+
+    async fn sync_routes(self: &Arc<Self>, nodes: Vec<pb::Node>) -> Result<(), String> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let peers = peers_of(&me.dp.cfg.node_name, &nodes);
+            let mut routes = me.routes.lock().unwrap();
+            let r = routes.as_mut().ok_or("route programmer not initialised")?;
+            let report = r.sync(&peers).map_err(|e| e.to_string())?;
+            tracing::debug!(peers = peers.len(), ?report, "routes synced");
+            Ok(())
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    }
+
+    /// One connection: register, then follow the membership stream until it breaks.
+    async fn session(self: &Arc<Self>, connected: &mut bool) -> Result<(), String> {
+        let token = read_token(&self.cc.token_file)?;
+        let channel = crate::controller::connect(&self.cc.address).await.map_err(|e| format!("connect: {e}"))?;
+        let mut client = NodeRegistryClient::new(channel);
+        let underlay: Vec<String> = self.cc.underlay_addresses.iter().map(|a| a.to_string()).collect();
+        let me = self.dp.cfg.node_name.clone();
+        let register = |mac: String| pb::RegisterRequest {
+            node_name: me.clone(),
+            underlay_addresses: underlay.clone(),
+            vtep_mac: mac,
+        };
+        let sent_mac = self.vtep_mac.lock().unwrap().clone();
+        let mut resp = client
+            .register(authed(register(sent_mac.clone()), &token)?)
+            .await
+            .map_err(|s| format!("register: {}: {}", s.code(), s.message()))?
+            .into_inner();
+        self.ensure_routes(resp.vxlan_vni, resp.vxlan_port as u16).await?;
+        let mac = self.vtep_mac.lock().unwrap().clone();
+        if mac != sent_mac {
+            // Now that the VXLAN device exists, advertise its MAC.
+            resp = client
+                .register(authed(register(mac), &token)?)
+                .await
+                .map_err(|s| format!("register: {}: {}", s.code(), s.message()))?
+                .into_inner();
+        }
+        let node = resp.node.clone().ok_or("register: no node in the answer")?;
+        self.apply_self(&node, Some(&resp)).await?;
+        *connected = true;
+        tracing::info!(blocks = ?node.pod_blocks, "registered with the controller");
+
+        let mut stream = client
+            .watch_nodes(authed(pb::WatchNodesRequest { node_name: me.clone() }, &token)?)
+            .await
+            .map_err(|s| format!("watch: {}: {}", s.code(), s.message()))?
+            .into_inner();
+        loop {
+            let list = match stream.message().await {
+                Ok(Some(l)) => l,
+                Ok(None) => return Err("controller closed the membership stream".into()),
+                Err(s) => return Err(format!("watch: {}: {}", s.code(), s.message())),
+            };
+            if let Some(own) = list.nodes.iter().find(|n| n.name == me) {
+                self.apply_self(own, None).await?;
+            } else {
+                tracing::warn!("this node is not in the controller's list (removed?)");
+            }
+            self.sync_routes(list.nodes).await?;
+        }
+    }
+}
+
+/// Ask the controller for one more block of a family, from a blocking thread (ADD path).
+fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, v4: bool) -> Result<(), String> {
+    let c = client.clone();
+    handle.block_on(async move {
+        let token = read_token(&c.cc.token_file)?;
+        let channel = crate::controller::connect(&c.cc.address).await.map_err(|e| format!("connect: {e}"))?;
+        let family = if v4 { pb::Family::Ipv4 } else { pb::Family::Ipv6 };
+        let msg = pb::RequestBlockRequest { node_name: c.dp.cfg.node_name.clone(), family: family as i32 };
+        let resp = NodeRegistryClient::new(channel)
+            .request_block(authed(msg, &token)?)
+            .await
+            .map_err(|s| format!("{}: {}", s.code(), s.message()))?
+            .into_inner();
+        let node = resp.node.ok_or("no node in the answer")?;
+        c.apply_self(&node, None).await
+    })
+}
+
+/// Run the cluster client forever (reconnecting with backoff).
+pub async fn run(dp: Arc<Datapath>) {
+    let Some(cc) = dp.cfg.controller.clone() else { return };
+    let client = Arc::new(Client { dp: dp.clone(), cc, routes: Mutex::new(None), vtep_mac: Mutex::new(String::new()) });
+    let handle = tokio::runtime::Handle::current();
+    let c = client.clone();
+    dp.set_block_source(Box::new(move |v4| request_block(&handle, &c, v4)));
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let mut connected = false;
+        if let Err(e) = client.session(&mut connected).await {
+            tracing::warn!(error = %e, "controller session ended");
+        }
+        if connected {
+            backoff = Duration::from_millis(100);
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
