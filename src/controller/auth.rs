@@ -68,8 +68,17 @@ pub fn load_or_create_secret(path: &std::path::Path) -> std::io::Result<Vec<u8>>
             if let Some(dir) = path.parent() {
                 std::fs::create_dir_all(dir)?;
             }
-            crate::util::atomic_write(path, &secret, 0o600)?;
-            Ok(secret)
+            // Complete temp file, then hard_link: fails if another process got there first
+            // (then use its secret), and nobody ever sees a half-written one.
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            crate::util::atomic_write(&tmp, &secret, 0o600)?;
+            let linked = std::fs::hard_link(&tmp, path);
+            let _ = std::fs::remove_file(&tmp);
+            match linked {
+                Ok(()) => Ok(secret),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => load_or_create_secret(path),
+                Err(e) => Err(e),
+            }
         }
         Err(e) => Err(e),
     }

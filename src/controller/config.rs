@@ -142,6 +142,12 @@ impl Config {
             }
             pools.push(Pool { net, block_prefix: p.block_prefix });
         }
+        if f.vxlan_vni == 0 || f.vxlan_vni > 0xff_ffff {
+            return Err(bad(format!("vxlanVni {} is outside 1..=16777215 (a VXLAN id has 24 bits)", f.vxlan_vni)));
+        }
+        if f.vxlan_port == 0 {
+            return Err(bad("vxlanPort must not be 0".into()));
+        }
         let secret_file = f.secret_file.clone().unwrap_or_else(|| f.data_dir.join("secret"));
         Ok(Config { data_dir: f.data_dir, listen, pools, vxlan_vni: f.vxlan_vni, vxlan_port: f.vxlan_port, secret_file })
     }

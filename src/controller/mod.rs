@@ -38,7 +38,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     let snap = registry.snapshot();
     tracing::info!(nodes = snap.nodes.len(), revision = snap.revision, pools = ?cfg.cluster_cidrs(), "registry loaded");
     let cfg = Arc::new(cfg);
-    let svc = server::Service { registry, authority, cfg: cfg.clone() };
+    let (stop_tx, stopping) = tokio::sync::watch::channel(false);
+    let svc = server::Service { registry, authority, cfg: cfg.clone(), stopping };
     let router = tonic::transport::Server::builder()
         .add_service(crate::rpc::controller::node_registry_server::NodeRegistryServer::new(svc));
     let shutdown = async {
@@ -48,6 +49,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             _ = tokio::signal::ctrl_c() => {}
         }
         tracing::info!("shutting down");
+        // End the (endless) membership streams so the graceful shutdown can complete.
+        let _ = stop_tx.send(true);
     };
     match &cfg.listen {
         Listen::Unix(path) => {

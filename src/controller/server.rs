@@ -3,7 +3,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 
-use tokio_stream::{Stream, StreamExt};
+use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use super::auth::{Authority, Identity};
@@ -16,6 +16,8 @@ pub struct Service {
     pub registry: Arc<Registry>,
     pub authority: Arc<Authority>,
     pub cfg: Arc<Config>,
+    /// Flipped to true on shutdown: ends every membership stream (agents reconnect).
+    pub stopping: tokio::sync::watch::Receiver<bool>,
 }
 
 impl From<RegistryError> for Status {
@@ -113,9 +115,25 @@ impl NodeRegistry for Service {
     async fn watch_nodes(&self, req: Request<pb::WatchNodesRequest>) -> Result<Response<NodeStream>, Status> {
         let node = req.get_ref().node_name.clone();
         self.authorize(&req, &node)?;
-        let rx = self.registry.subscribe();
-        let stream = tokio_stream::wrappers::WatchStream::new(rx).map(|s| Ok(node_list(&s)));
-        Ok(Response::new(Box::pin(stream)))
+        let mut rx = self.registry.subscribe();
+        let mut stopping = self.stopping.clone();
+        let (tx, out) = tokio::sync::mpsc::channel(4);
+        // Send the full list now and after every change (intermediate states coalesce: each
+        // message is complete); end on shutdown or when the client goes away.
+        tokio::spawn(async move {
+            loop {
+                let snap = rx.borrow_and_update().clone();
+                if tx.send(Ok(node_list(&snap))).await.is_err() {
+                    return;
+                }
+                tokio::select! {
+                    changed = rx.changed() => if changed.is_err() { return },
+                    _ = stopping.wait_for(|s| *s) => return,
+                    _ = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out))))
     }
 
     async fn remove_node(
