@@ -162,10 +162,10 @@ impl RouteConfig {
         if l.is_unspecified() || l.is_loopback() || l.is_multicast() {
             return bad(format!("local underlay address {l} cannot carry VXLAN"));
         }
-        if let Some(mtu) = self.mtu {
-            if mtu < MIN_MTU {
-                return bad(format!("mtu {mtu} below {MIN_MTU}"));
-            }
+        if let Some(mtu) = self.mtu
+            && mtu < MIN_MTU
+        {
+            return bad(format!("mtu {mtu} below {MIN_MTU}"));
         }
         Ok(())
     }
@@ -727,13 +727,13 @@ impl Routes {
         let name = self.cfg.vxlan_name.clone();
         let vtep_err = |msg: String| RoutesError::Vtep { name: name.clone(), msg };
         let existing = self.nl.vxlan_by_name(&name).map_err(RoutesError::netlink(format!("looking up {name}")))?;
-        if let Some(dev) = &existing {
-            if dev.link.kind.as_deref() != Some("vxlan") {
-                return Err(vtep_err(format!(
-                    "a {} link of that name exists; not ours, left alone",
-                    dev.link.kind.as_deref().unwrap_or("non-vxlan")
-                )));
-            }
+        if let Some(dev) = &existing
+            && dev.link.kind.as_deref() != Some("vxlan")
+        {
+            return Err(vtep_err(format!(
+                "a {} link of that name exists; not ours, left alone",
+                dev.link.kind.as_deref().unwrap_or("non-vxlan")
+            )));
         }
         if self.cfg.mode == RouteMode::Direct {
             if let Some(dev) = existing {
