@@ -49,11 +49,6 @@ fn parse_nets(list: &[String], what: &str) -> Result<Vec<IpNetwork>, String> {
     list.iter().map(|s| s.parse().map_err(|_| format!("controller sent a bad {what} {s:?}"))).collect()
 }
 
-fn parse_mac(s: &str) -> Option<[u8; 6]> {
-    let parts: Vec<u8> = s.split(':').map(|p| u8::from_str_radix(p, 16)).collect::<Result<_, _>>().ok()?;
-    parts.try_into().ok()
-}
-
 fn authed<T>(msg: T, token: &str) -> Result<Request<T>, String> {
     let mut req = Request::new(msg);
     let value = format!("Bearer {token}").parse().map_err(|_| "token is not valid header text".to_string())?;
@@ -76,7 +71,7 @@ pub fn peers_of(me: &str, nodes: &[pb::Node]) -> Vec<PeerNode> {
             name: n.name.clone(),
             underlay: n.underlay_addresses.iter().filter_map(|a| a.parse::<IpAddr>().ok()).collect(),
             blocks: n.pod_blocks.iter().filter_map(|b| b.parse().ok()).collect(),
-            vtep_mac: parse_mac(&n.vtep_mac),
+            vtep_mac: crate::routes::parse_mac(&n.vtep_mac).ok().flatten(),
         })
         .collect()
 }
@@ -165,6 +160,12 @@ impl Client {
             underlay_addresses: underlay.clone(),
             vtep_mac: mac,
         };
+        // With the VXLAN parameters remembered from an earlier registration, the device can
+        // exist before the first Register, which then advertises its MAC at once.
+        let remembered = load_state(&self.dp.cfg).map_err(|e| e.to_string())?;
+        if remembered.vxlan_vni != 0 {
+            self.ensure_routes(remembered.vxlan_vni, remembered.vxlan_port).await?;
+        }
         let sent_mac = self.vtep_mac.lock().unwrap().clone();
         let mut resp = client
             .register(authed(register(sent_mac.clone()), &token)?)
