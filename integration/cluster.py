@@ -5,9 +5,16 @@ is attached to one segment by a veth pair. Segments are joined by the underlay n
 routing between them, so nodes on different segments are not on a shared L2 (VXLAN is then
 needed). Everything lives in namespaces this code creates; the host's root namespace is not
 touched. Underlay addresses come from 198.19.0.0/16 (RFC 2544 benchmarking range), used
-only inside these namespaces.
+only inside these namespaces; with `ipv6=True` a node also gets fd19:<seg>::<host>/64 on the
+same link (ULA, likewise private to these namespaces).
+
+The simulated underlay links skip IPv6 duplicate address detection (accept_dad=0 before they
+come up, addresses nodad): a real node's underlay NIC has been up for long, and a freshly
+made link whose link-local address is still tentative cannot send the neighbour
+solicitations that forwarding needs, which would only add start-up noise to the tests.
 """
 
+import ipaddress
 import json
 import os
 import signal
@@ -92,8 +99,18 @@ class Controller:
                     "--token-file", str(self.admin_token_file), name]).stdout
 
 
+def underlay6(seg, host):
+    """The IPv6 underlay address of host `host` on segment `seg` (canonical text form)."""
+    return str(ipaddress.IPv6Address(f"fd19:{seg:x}::{host:x}"))
+
+
+def _no_dad(ns_name, dev):
+    run(["ip", "netns", "exec", ns_name, "sysctl", "-qw", f"net.ipv6.conf.{dev}.accept_dad=0"])
+
+
 class Underlay:
-    """The underlay namespace: one bridge per segment, routing between segments."""
+    """The underlay namespace: one bridge per segment, routing between segments (IPv4, and
+    IPv6 for the nodes attached with `ipv6=True`)."""
 
     def __init__(self, ns_name=None):
         if ns_name:
@@ -104,47 +121,69 @@ class Underlay:
         else:
             self.ns = harness.Netns("ul")
         self.ns.exec(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        self.ns.exec(["sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"])
         self.segments = {}
         self.count = 0
 
     def segment(self, seg):
-        """Bridge ul<seg> with the router address 198.19.<seg>.254/24."""
+        """Bridge ul<seg> with the router addresses 198.19.<seg>.254/24 and fd19:<seg>::fe/64."""
         if seg not in self.segments:
             br = f"ulbr{seg}"
             run(["ip", "-n", self.ns.name, "link", "add", br, "type", "bridge"])
+            _no_dad(self.ns.name, br)
             run(["ip", "-n", self.ns.name, "addr", "add", f"198.19.{seg}.254/24", "dev", br])
+            run(["ip", "-n", self.ns.name, "addr", "add", f"{underlay6(seg, 0xfe)}/64", "dev", br, "nodad"])
             run(["ip", "-n", self.ns.name, "link", "set", br, "up"])
             self.segments[seg] = br
         return self.segments[seg]
 
-    def attach(self, node_ns, seg, host):
-        """Connect a node namespace to segment `seg` as 198.19.<seg>.<host>; returns the address."""
+    def attach(self, node_ns, seg, host, ipv6=False):
+        """Connect a node namespace to segment `seg` as 198.19.<seg>.<host>; returns that
+        address. With `ipv6`, the node also gets fd19:<seg>::<host>/64 (`underlay6`) and an
+        IPv6 default route through the underlay router."""
         br = self.segment(seg)
         self.count += 1
         outer = f"ulp{self.count}"
         run(["ip", "-n", self.ns.name, "link", "add", outer, "type", "veth", "peer", "name", "ul0", "netns", node_ns.name])
+        _no_dad(self.ns.name, outer)
+        _no_dad(node_ns.name, "ul0")
         run(["ip", "-n", self.ns.name, "link", "set", outer, "master", br, "up"])
         addr = f"198.19.{seg}.{host}"
         run(["ip", "-n", node_ns.name, "addr", "add", f"{addr}/24", "dev", "ul0"])
+        if ipv6:
+            run(["ip", "-n", node_ns.name, "addr", "add", f"{underlay6(seg, host)}/64", "dev", "ul0", "nodad"])
         run(["ip", "-n", node_ns.name, "link", "set", "ul0", "up"])
         run(["ip", "-n", node_ns.name, "route", "add", "default", "via", f"198.19.{seg}.254"])
+        if ipv6:
+            run(["ip", "-n", node_ns.name, "-6", "route", "add", "default", "via", underlay6(seg, 0xfe)])
         return addr
 
     def delete(self):
         self.ns.delete()
 
 
-def cluster_node(controller, underlay, seg, host, mode="auto", tag="cn", start=True):
-    """A simulated node in controller mode on the underlay."""
+def cluster_node(controller, underlay, seg, host, mode="auto", tag="cn", start=True, ipv6=False, token=None,
+                 on_create=None):
+    """A simulated node in controller mode on the underlay.
+
+    `ipv6`: the node also gets an IPv6 underlay address, advertised after the IPv4 one (the
+    IPv4 address stays the VXLAN endpoint). `token`: the credential to configure instead of
+    the node's own (auth tests). `on_create(node)` is called as soon as the node's namespace
+    and directory exist, so a caller can clean them up even if the rest fails."""
     node = harness.Node(tag=tag, start=False)
-    addr = underlay.attach(node.ns, seg, host)
+    if on_create:
+        on_create(node)
+    addr = underlay.attach(node.ns, seg, host, ipv6=ipv6)
     token_file = node.root / "node.token"
-    token_file.write_text(controller.token(node.ns.name))
+    token_file.write_text(controller.token(node.ns.name) if token is None else token)
+    node.token_file = token_file
+    addrs = [addr] + ([underlay6(seg, host)] if ipv6 else [])
     node.cfg["podCidrs"] = []
     node.cfg["controller"] = {"address": controller.address, "tokenFile": str(token_file),
-                              "underlayAddresses": [addr], "routeMode": mode}
+                              "underlayAddresses": addrs, "routeMode": mode}
     node.cfg_path.write_text(json.dumps(node.cfg))
     node.underlay = addr
+    node.underlay6 = underlay6(seg, host) if ipv6 else None
     if start:
         node.start()
     return node

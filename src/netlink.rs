@@ -317,10 +317,9 @@ impl Netlink {
         )
     }
 
+    /// Create a bridge, administratively down (the caller tunes it, then brings it up).
     pub fn create_bridge(&mut self, name: &str, mtu: Option<u32>) -> Result<()> {
         let mut msg = LinkMessage::default();
-        msg.header.flags = LinkFlags::Up;
-        msg.header.change_mask = LinkFlags::Up;
         msg.attributes.push(LinkAttribute::IfName(name.to_string()));
         if let Some(mtu) = mtu {
             msg.attributes.push(LinkAttribute::Mtu(mtu));

@@ -49,6 +49,11 @@ fn parse_nets(list: &[String], what: &str) -> Result<Vec<IpNetwork>, String> {
     list.iter().map(|s| s.parse().map_err(|_| format!("controller sent a bad {what} {s:?}"))).collect()
 }
 
+/// A gRPC failure with the code's name (PermissionDenied, Unauthenticated, …) for the log.
+fn grpc_err(op: &str, s: &tonic::Status) -> String {
+    format!("{op}: {:?}: {}", s.code(), s.message())
+}
+
 fn authed<T>(msg: T, token: &str) -> Result<Request<T>, String> {
     let mut req = Request::new(msg);
     let value = format!("Bearer {token}").parse().map_err(|_| "token is not valid header text".to_string())?;
@@ -88,6 +93,11 @@ impl Client {
     /// Apply our own node record: new blocks go to IPAM, the bridge, nft and the conflist.
     async fn apply_self(&self, node: &pb::Node, resp: Option<&pb::RegisterResponse>) -> Result<(), String> {
         let blocks = parse_nets(&node.pod_blocks, "block")?;
+        // Blocks the controller no longer lists for us (it gave them away after a removal)
+        // must never be allocated from again; pods already using them keep their addresses.
+        for gone in self.dp.ipam.retain_blocks(&blocks) {
+            tracing::warn!(block = %gone.net, "block withdrawn by the controller: no new addresses from it");
+        }
         let mut st = load_state(&self.dp.cfg).map_err(|e| e.to_string())?;
         if let Some(r) = resp {
             st.cluster_cidrs = parse_nets(&r.cluster_cidrs, "cluster CIDR")?;
@@ -170,7 +180,7 @@ impl Client {
         let mut resp = client
             .register(authed(register(sent_mac.clone()), &token)?)
             .await
-            .map_err(|s| format!("register: {}: {}", s.code(), s.message()))?
+            .map_err(|s| grpc_err("register", &s))?
             .into_inner();
         self.ensure_routes(resp.vxlan_vni, resp.vxlan_port as u16).await?;
         let mac = self.vtep_mac.lock().unwrap().clone();
@@ -179,7 +189,7 @@ impl Client {
             resp = client
                 .register(authed(register(mac), &token)?)
                 .await
-                .map_err(|s| format!("register: {}: {}", s.code(), s.message()))?
+                .map_err(|s| grpc_err("register", &s))?
                 .into_inner();
         }
         let node = resp.node.clone().ok_or("register: no node in the answer")?;
@@ -190,20 +200,25 @@ impl Client {
         let mut stream = client
             .watch_nodes(authed(pb::WatchNodesRequest { node_name: me.clone() }, &token)?)
             .await
-            .map_err(|s| format!("watch: {}: {}", s.code(), s.message()))?
+            .map_err(|s| grpc_err("watch", &s))?
             .into_inner();
         loop {
             let list = match stream.message().await {
                 Ok(Some(l)) => l,
                 Ok(None) => return Err("controller closed the membership stream".into()),
-                Err(s) => return Err(format!("watch: {}: {}", s.code(), s.message())),
+                Err(s) => return Err(grpc_err("watch", &s)),
             };
-            if let Some(own) = list.nodes.iter().find(|n| n.name == me) {
-                self.apply_self(own, None).await?;
-            } else {
-                tracing::warn!("this node is not in the controller's list (removed?)");
+            self.sync_routes(list.nodes.clone()).await?;
+            match list.nodes.iter().find(|n| n.name == me) {
+                Some(own) => self.apply_self(own, None).await?,
+                None => {
+                    // Removed from the cluster: its blocks may already belong to another node.
+                    for gone in self.dp.ipam.retain_blocks(&[]) {
+                        tracing::warn!(block = %gone.net, "node removed by the controller: block withdrawn");
+                    }
+                    return Err("this node was removed from the cluster; registering again".into());
+                }
             }
-            self.sync_routes(list.nodes).await?;
         }
     }
 }
@@ -219,7 +234,7 @@ fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, v4: bool
         let resp = NodeRegistryClient::new(channel)
             .request_block(authed(msg, &token)?)
             .await
-            .map_err(|s| format!("{}: {}", s.code(), s.message()))?
+            .map_err(|s| grpc_err("request block", &s))?
             .into_inner();
         let node = resp.node.ok_or("no node in the answer")?;
         c.apply_self(&node, None).await

@@ -179,6 +179,13 @@ impl Datapath {
             return Err(internal("bridge", format!("{name} exists but is a {:?}, not a bridge", link.kind)));
         }
         if !link.up {
+            // The bridge routes IPv6 for pods of other nodes: its link-local address must be
+            // usable at once, not tentative for a second or two of duplicate detection (which
+            // only starts at link up, so this goes first).
+            let key = format!("net.ipv6.conf.{name}.accept_dad");
+            if let Err(e) = crate::netns::write_sysctl(&key, "0") {
+                tracing::warn!(error = %e, "could not turn off DAD on the bridge");
+            }
             nl.set_link(link.index, Some(true), None, None).map_err(|e| netlink_err("bridge up", e))?;
         }
         let have = nl.addresses(Some(link.index)).map_err(|e| netlink_err("bridge addresses", e))?;

@@ -189,6 +189,16 @@ impl Ipam {
         Ok(block)
     }
 
+    /// Stop allocating from every block not in `keep` (leases in them stay until released).
+    /// Returns the blocks withdrawn.
+    pub fn retain_blocks(&self, keep: &[IpNetwork]) -> Vec<Block> {
+        let mut inner = self.inner.lock().unwrap();
+        let (kept, gone): (Vec<Block>, Vec<Block>) =
+            inner.blocks.iter().partition(|b| keep.iter().any(|k| k.network() == b.net.network() && k.prefix() == b.net.prefix()));
+        inner.blocks = kept;
+        gone
+    }
+
     pub fn blocks(&self) -> Vec<Block> {
         self.inner.lock().unwrap().blocks.clone()
     }
@@ -391,6 +401,13 @@ mod tests {
         assert_eq!(ipam.leases().len(), 5);
         ipam.release(&lease("c0").owner).unwrap();
         assert!(ipam.reserve(lease("c9")).is_ok());
+        // A withdrawn block hands out nothing more; its leases stay.
+        let gone = ipam.retain_blocks(&["fd00:1::/125".parse().unwrap()]);
+        assert_eq!(gone.len(), 1);
+        assert_eq!(ipam.blocks().len(), 1);
+        assert!(ipam.retain_blocks(&[]).len() == 1);
+        assert!(matches!(ipam.reserve(lease("c10")), Err(IpamError::NoBlock(_))));
+        assert_eq!(ipam.leases().len(), 5);
         fs::remove_dir_all(&dir).unwrap();
     }
 
