@@ -719,3 +719,29 @@ def test_agent_resyncs_routes_after_reconnect(make_cluster):
     assert not any(gateway_of(blk) in vxlan_neigh(a) for blk in gone["blocks"])
     pods = [a.add_pod("p")[0], cc.add_pod("p")[0]]
     assert_mesh(pods)
+
+
+def test_full_block_gets_another_from_the_controller(make_cluster):
+    """/29 blocks hold 5 pods each: the 6th ADD finds the IPv4 block full, the agent asks
+    the controller for another block (RequestBlock) and the pod gets an address from it;
+    the bridge gets the new gateway; the other node routes to the new block too."""
+    c = make_cluster(pools=[{"cidr": "10.244.0.0/26", "blockPrefix": 29},
+                            {"cidr": "fd00:10:244::/48", "blockPrefix": 64}])
+    a, b = c.node(0, 1), c.node(0, 2)
+    first = set(c.controller.nodes()[a.ns.name]["blocks"])
+    pods = [a.add_pod("fill")[0] for _ in range(5)]
+    assert all(in_block(p.ip4(), [x for x in first if ":" not in x]) for p in pods)
+    extra, _ = a.add_pod("more")
+    blocks = c.controller.nodes()[a.ns.name]["blocks"]
+    v4 = [x for x in blocks if ":" not in x]
+    assert len(v4) == 2, blocks
+    new_block = next(x for x in v4 if x not in first)
+    assert in_block(extra.ip4(), [new_block]), (extra.ip4(), new_block)
+    assert json.loads((a.root / "var/lib/nodeplane/cluster.json").read_text())["blocks"].count(new_block) == 1
+    gw = str(next(net(new_block).hosts()))
+    assert f"{gw}/29" in a.ns.addrs("np0")
+    # The other node learns the new block and its pods reach the new pod.
+    wait_until(lambda: new_block in our_routes(b), what=f"route to {new_block} on node b")
+    pb, _ = b.add_pod("peer")
+    assert ping(pb, extra.ip4()) and ping(extra, pb.ip4())
+    assert ping(pb, extra.ip6())
