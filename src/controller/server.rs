@@ -140,10 +140,9 @@ impl NodeRegistry for Service {
         &self,
         req: Request<pb::RemoveNodeRequest>,
     ) -> Result<Response<pb::RemoveNodeResponse>, Status> {
-        if self.identity(&req)? != Identity::Admin {
-            return Err(Status::permission_denied("RemoveNode needs the admin credential"));
-        }
-        let node = req.into_inner().node_name;
+        // The admin removes any node; a node may release only itself.
+        let node = req.get_ref().node_name.clone();
+        self.authorize(&req, &node)?;
         let released = self.blocking(move |reg| reg.remove(&node)).await?;
         tracing::info!(blocks = ?released, "node removed");
         Ok(Response::new(pb::RemoveNodeResponse { released_blocks: released }))
