@@ -150,9 +150,12 @@ impl Netlink {
         Ok(self.seq)
     }
 
-    /// Receive messages for `seq` until an ACK/NACK or DONE; collects inner messages.
-    fn recv_until_done(&mut self, seq: u32, op: &str) -> Result<Vec<RouteNetlinkMessage>> {
-        let mut out = Vec::new();
+    /// Receive and parse messages, handing each to `on_msg` until it says it is done.
+    fn recv_each(
+        &mut self,
+        op: &str,
+        mut on_msg: impl FnMut(NetlinkMessage<RouteNetlinkMessage>) -> Result<bool>,
+    ) -> Result<()> {
         loop {
             let n = loop {
                 match self.socket.recv(&mut &mut self.buf[..], 0) {
@@ -163,8 +166,7 @@ impl Netlink {
             };
             let mut offset = 0;
             while offset < n {
-                let bytes = &self.buf[offset..n];
-                let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(bytes).map_err(|e| {
+                let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&self.buf[offset..n]).map_err(|e| {
                     err(op, io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
                 })?;
                 let len = msg.header.length as usize;
@@ -172,22 +174,34 @@ impl Netlink {
                     return Err(err(op, io::Error::new(io::ErrorKind::InvalidData, "zero-length message")));
                 }
                 offset += (len + 3) & !3;
-                if msg.header.sequence_number != seq {
-                    continue;
-                }
-                match msg.payload {
-                    NetlinkPayload::Error(e) => {
-                        return match e.code {
-                            None => Ok(out),
-                            Some(code) => Err(err(op, io::Error::from_raw_os_error(-code.get()))),
-                        };
-                    }
-                    NetlinkPayload::Done(_) => return Ok(out),
-                    NetlinkPayload::InnerMessage(inner) => out.push(inner),
-                    _ => {}
+                if on_msg(msg)? {
+                    return Ok(());
                 }
             }
         }
+    }
+
+    /// Receive messages for `seq` until an ACK/NACK or DONE; collects inner messages.
+    fn recv_until_done(&mut self, seq: u32, op: &str) -> Result<Vec<RouteNetlinkMessage>> {
+        let mut out = Vec::new();
+        self.recv_each(op, |msg| {
+            if msg.header.sequence_number != seq {
+                return Ok(false);
+            }
+            match msg.payload {
+                NetlinkPayload::Error(e) => match e.code {
+                    None => Ok(true),
+                    Some(code) => Err(err(op, io::Error::from_raw_os_error(-code.get()))),
+                },
+                NetlinkPayload::Done(_) => Ok(true),
+                NetlinkPayload::InnerMessage(inner) => {
+                    out.push(inner);
+                    Ok(false)
+                }
+                _ => Ok(false),
+            }
+        })?;
+        Ok(out)
     }
 
     /// Send several requests in one write and collect every ack; the first failure (in
@@ -213,36 +227,20 @@ impl Netlink {
         self.socket.send(&out, 0).map_err(|e| err(&reqs[0].op, e))?;
         let mut first_err: Option<(usize, NetlinkError)> = None;
         let mut acked = 0;
-        while acked < seqs.len() {
-            let n = loop {
-                match self.socket.recv(&mut &mut self.buf[..], 0) {
-                    Ok(n) => break n,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(err(&reqs[0].op, e)),
-                }
-            };
-            let mut offset = 0;
-            while offset < n {
-                let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&self.buf[offset..n]).map_err(|e| {
-                    err(&reqs[0].op, io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
-                })?;
-                let len = msg.header.length as usize;
-                if len == 0 {
-                    return Err(err(&reqs[0].op, io::Error::new(io::ErrorKind::InvalidData, "zero-length message")));
-                }
-                offset += (len + 3) & !3;
-                let Some(i) = seqs.iter().position(|s| *s == msg.header.sequence_number) else { continue };
-                if let NetlinkPayload::Error(e) = msg.payload {
-                    acked += 1;
-                    if let Some(code) = e.code {
-                        let failure = err(&reqs[i].op, io::Error::from_raw_os_error(-code.get()));
-                        if first_err.as_ref().is_none_or(|(j, _)| i < *j) {
-                            first_err = Some((i, failure));
-                        }
+        let total = seqs.len();
+        self.recv_each(&reqs[0].op, |msg| {
+            let Some(i) = seqs.iter().position(|s| *s == msg.header.sequence_number) else { return Ok(false) };
+            if let NetlinkPayload::Error(e) = msg.payload {
+                acked += 1;
+                if let Some(code) = e.code {
+                    let failure = err(&reqs[i].op, io::Error::from_raw_os_error(-code.get()));
+                    if first_err.as_ref().is_none_or(|(j, _)| i < *j) {
+                        first_err = Some((i, failure));
                     }
                 }
             }
-        }
+            Ok(acked == total)
+        })?;
         match first_err {
             Some((_, e)) => Err(e),
             None => Ok(()),

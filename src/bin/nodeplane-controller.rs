@@ -61,18 +61,7 @@ async fn client(
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_env("NODEPLANE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    use std::io::IsTerminal;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
-    if args.log_format == "json" {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
+    nodeplane::util::init_logging(args.log_format == "json");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match args.cmd {
         Cmd::Serve { config } => {
