@@ -1,13 +1,34 @@
 //! Compiles the protos in `proto/` into OUT_DIR with the vendored `protoc` (no network).
 
+use std::path::PathBuf;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
     // SAFETY: build scripts are single-threaded; prost-build reads PROTOC from the env.
     unsafe { std::env::set_var("PROTOC", protoc) };
-    let protos = ["proto/nodeplane/controller/v1/controller.proto"];
-    tonic_prost_build::configure().compile_protos(&protos, &["proto"])?;
-    for p in protos {
-        println!("cargo:rerun-if-changed={p}");
+    // google/protobuf/{descriptor,timestamp,wrappers}.proto ship with the vendored protoc.
+    let wkt_include = protoc_bin_vendored::include_path()?;
+    let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
+
+    let protos = [
+        PathBuf::from("proto/nodeplane/controller/v1/controller.proto"),
+        // CSI v1 (Identity, Controller, GroupController, SnapshotMetadata, Node).
+        PathBuf::from("proto/csi/v1/csi.proto"),
+        // kubelet plugin registration v1 (package `pluginregistration`).
+        PathBuf::from("proto/pluginregistration/v1/api.proto"),
+    ];
+    let includes = [PathBuf::from("proto"), wkt_include];
+
+    tonic_prost_build::configure()
+        // The crate does not depend on prost-types: Timestamp (the only
+        // well-known message the CSI protos use; wrappers map to Option<primitive>)
+        // is our own wire-identical type in src/rpc/mod.rs.
+        .extern_path(".google.protobuf.Timestamp", "crate::rpc::Timestamp")
+        // Kept for the wire-contract tests (field numbers and custom options).
+        .file_descriptor_set_path(out_dir.join("nodeplane_descriptor.bin"))
+        .compile_protos(&protos, &includes)?;
+    for p in &protos {
+        println!("cargo:rerun-if-changed={}", p.display());
     }
     Ok(())
 }

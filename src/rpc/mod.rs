@@ -1,6 +1,80 @@
 //! Generated gRPC code (compiled from `proto/` by `build.rs`) and shared helpers.
 
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
 #[allow(clippy::all)]
 pub mod controller {
     tonic::include_proto!("nodeplane.controller.v1");
 }
+
+/// CSI v1 (`csi.v1`): Identity, Controller, GroupController, SnapshotMetadata and Node.
+/// Wire contract with kubelet and the CSI sidecars; see `proto/csi/v1/csi.proto`.
+#[allow(clippy::all, clippy::pedantic, missing_docs, deprecated)]
+pub mod csi {
+    tonic::include_proto!("csi.v1");
+}
+
+/// Kubelet plugin registration v1 (package `pluginregistration`, served on
+/// `<kubelet-root>/plugins_registry/<name>-reg.sock`).
+#[allow(clippy::all, clippy::pedantic, missing_docs, deprecated)]
+pub mod pluginregistration {
+    tonic::include_proto!("pluginregistration");
+}
+
+/// The serialized `FileDescriptorSet` of every proto the crate compiles
+/// (with custom options such as `csi.v1.csi_secret`), for introspection and tests.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/nodeplane_descriptor.bin"));
+
+/// `google.protobuf.Timestamp`, wire-identical (seconds = 1, nanos = 2).
+///
+/// Used by the generated CSI code (`Snapshot.creation_time`,
+/// `VolumeGroupSnapshot.creation_time`) through an `extern_path` in `build.rs`,
+/// so the crate needs no `prost-types` dependency.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct Timestamp {
+    /// Seconds since the Unix epoch (may be negative).
+    #[prost(int64, tag = "1")]
+    pub seconds: i64,
+    /// Non-negative fraction of a second, 0..=999_999_999.
+    #[prost(int32, tag = "2")]
+    pub nanos: i32,
+}
+
+impl From<SystemTime> for Timestamp {
+    fn from(t: SystemTime) -> Self {
+        match t.duration_since(UNIX_EPOCH) {
+            Ok(d) => Timestamp {
+                seconds: d.as_secs() as i64,
+                nanos: d.subsec_nanos() as i32,
+            },
+            Err(e) => {
+                // Before the epoch: floor the seconds, keep nanos non-negative.
+                let d = e.duration();
+                let (mut secs, mut nanos) = (-(d.as_secs() as i64), -(d.subsec_nanos() as i32));
+                if nanos < 0 {
+                    secs -= 1;
+                    nanos += 1_000_000_000;
+                }
+                Timestamp {
+                    seconds: secs,
+                    nanos,
+                }
+            }
+        }
+    }
+}
+
+impl From<Timestamp> for SystemTime {
+    fn from(t: Timestamp) -> Self {
+        let nanos = Duration::from_nanos(t.nanos.clamp(0, 999_999_999) as u64);
+        if t.seconds >= 0 {
+            UNIX_EPOCH + Duration::from_secs(t.seconds as u64) + nanos
+        } else {
+            UNIX_EPOCH - Duration::from_secs(t.seconds.unsigned_abs()) + nanos
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
