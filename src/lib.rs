@@ -14,3 +14,4 @@ pub mod routes;
 pub mod rpc;
 pub mod shim;
 pub mod util;
+pub mod volume;

@@ -1,0 +1,478 @@
+//! Loop devices through their ioctls (`linux/loop.h`), without `losetup`.
+//!
+//! Only the handful of calls the volume store needs: find the devices that a file backs
+//! (sysfs `backing_file`, confirmed by the backing inode and device from
+//! `LOOP_GET_STATUS64`), bind a file to a free device (`LOOP_CTL_GET_FREE` +
+//! `LOOP_CONFIGURE`, falling back to `LOOP_SET_FD` + `LOOP_SET_STATUS64` on kernels before
+//! 5.8), unbind one (`LOOP_CLR_FD`), and tell one that its file grew (`LOOP_SET_CAPACITY`).
+//!
+//! Nothing here ever touches a loop device the caller did not name or that is not bound to
+//! the caller's file.
+
+use std::ffi::OsString;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStringExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const LOOP_SET_FD: libc::c_ulong = 0x4C00;
+const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
+const LOOP_SET_STATUS64: libc::c_ulong = 0x4C04;
+const LOOP_GET_STATUS64: libc::c_ulong = 0x4C05;
+const LOOP_SET_CAPACITY: libc::c_ulong = 0x4C07;
+const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
+const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
+/// `_IOR(0x12, 114, size_t)`
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+
+pub const LO_FLAGS_READ_ONLY: u32 = 1;
+pub const LO_FLAGS_AUTOCLEAR: u32 = 4;
+pub const LO_FLAGS_PARTSCAN: u32 = 8;
+pub const LO_FLAGS_DIRECT_IO: u32 = 16;
+
+const LO_NAME_SIZE: usize = 64;
+const LO_KEY_SIZE: usize = 32;
+const LOOP_MAJOR: u64 = 7;
+
+/// `struct loop_info64`
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct LoopInfo64 {
+    pub lo_device: u64,
+    pub lo_inode: u64,
+    pub lo_rdevice: u64,
+    pub lo_offset: u64,
+    pub lo_sizelimit: u64,
+    pub lo_number: u32,
+    pub lo_encrypt_type: u32,
+    pub lo_encrypt_key_size: u32,
+    pub lo_flags: u32,
+    pub lo_file_name: [u8; LO_NAME_SIZE],
+    pub lo_crypt_name: [u8; LO_NAME_SIZE],
+    pub lo_encrypt_key: [u8; LO_KEY_SIZE],
+    pub lo_init: [u64; 2],
+}
+
+impl Default for LoopInfo64 {
+    fn default() -> Self {
+        // SAFETY: a plain C struct of integers and byte arrays: all zero is valid.
+        unsafe { std::mem::zeroed() }
+    }
+}
+
+/// `struct loop_config`
+#[repr(C)]
+struct LoopConfig {
+    fd: u32,
+    block_size: u32,
+    info: LoopInfo64,
+    reserved: [u64; 8],
+}
+
+const _: () = assert!(std::mem::size_of::<LoopInfo64>() == 232);
+const _: () = assert!(std::mem::size_of::<LoopConfig>() == 304);
+
+fn errno_result(rc: libc::c_int) -> io::Result<libc::c_int> {
+    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(rc) }
+}
+
+/// Attach context (what was being done, on which path) to an I/O error, keeping its kind.
+fn ctx(op: &str, path: &Path) -> impl FnOnce(io::Error) -> io::Error {
+    let msg = format!("{op} {}", path.display());
+    move |e| io::Error::new(e.kind(), format!("{msg}: {e}"))
+}
+
+/// A bound loop device as sysfs shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoopBinding {
+    /// `/dev/loopN`
+    pub device: PathBuf,
+    pub number: u32,
+    /// The backing file's path as the kernel prints it now (it follows renames), without
+    /// the ` (deleted)` suffix.
+    pub backing_file: PathBuf,
+    /// The backing file has been unlinked.
+    pub deleted: bool,
+}
+
+/// Every bound loop device (one sysfs walk; unbound devices have no `loop/` directory).
+pub fn bound_devices() -> io::Result<Vec<LoopBinding>> {
+    bound_devices_in(Path::new("/sys/block"))
+}
+
+fn bound_devices_in(sys_block: &Path) -> io::Result<Vec<LoopBinding>> {
+    let mut out = Vec::new();
+    let entries = match fs::read_dir(sys_block) {
+        Ok(e) => e,
+        Err(e) => return Err(ctx("reading", sys_block)(e)),
+    };
+    for entry in entries {
+        let Ok(entry) = entry else { continue };
+        let name = entry.file_name();
+        let Some(number) = name.to_str().and_then(|n| n.strip_prefix("loop")).and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // Absent while unbound; a device can also be torn down between the walk and the read.
+        let Ok(raw) = fs::read(entry.path().join("loop/backing_file")) else { continue };
+        let mut raw = raw;
+        while raw.last() == Some(&b'\n') {
+            raw.pop();
+        }
+        if raw.is_empty() {
+            continue;
+        }
+        const DELETED: &[u8] = b" (deleted)";
+        let deleted = raw.ends_with(DELETED);
+        if deleted {
+            raw.truncate(raw.len() - DELETED.len());
+        }
+        out.push(LoopBinding {
+            device: PathBuf::from(format!("/dev/loop{number}")),
+            number,
+            backing_file: PathBuf::from(OsString::from_vec(raw)),
+            deleted,
+        });
+    }
+    out.sort_by_key(|b| b.number);
+    Ok(out)
+}
+
+/// Open `/dev/loopN`, creating the node from sysfs' major:minor when /dev lacks it (a /dev
+/// that is not devtmpfs, as in some containers). Errors are the raw OS errors (callers tell
+/// EBUSY, ENXIO and ENOENT apart); callers add the context.
+fn open_device(number: u32, write: bool, excl: bool) -> io::Result<File> {
+    let path = PathBuf::from(format!("/dev/loop{number}"));
+    let mut opts = OpenOptions::new();
+    opts.read(true).write(write);
+    let mut flags = libc::O_CLOEXEC;
+    if excl {
+        flags |= libc::O_EXCL;
+    }
+    opts.custom_flags(flags);
+    match opts.open(&path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            make_node(number, &path)?;
+            opts.open(&path)
+        }
+        r => r,
+    }
+}
+
+fn make_node(number: u32, path: &Path) -> io::Result<()> {
+    let devno = fs::read_to_string(format!("/sys/block/loop{number}/dev"))
+        .ok()
+        .and_then(|s| {
+            let (ma, mi) = s.trim().split_once(':')?;
+            Some((ma.parse::<u64>().ok()?, mi.parse::<u64>().ok()?))
+        })
+        .unwrap_or((LOOP_MAJOR, number as u64));
+    let dev = nix::sys::stat::makedev(devno.0, devno.1);
+    match nix::sys::stat::mknod(
+        path,
+        nix::sys::stat::SFlag::S_IFBLK,
+        nix::sys::stat::Mode::from_bits_truncate(0o660),
+        dev,
+    ) {
+        Ok(()) | Err(nix::errno::Errno::EEXIST) => Ok(()),
+        Err(e) => Err(io::Error::from(e)),
+    }
+}
+
+fn device_number(device: &Path) -> io::Result<u32> {
+    device
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("loop"))
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not a loop device", device.display()))
+        })
+}
+
+/// `LOOP_GET_STATUS64` on an open device.
+pub fn status(dev: &File) -> io::Result<LoopInfo64> {
+    let mut info = LoopInfo64::default();
+    // SAFETY: the kernel fills a struct of exactly this layout.
+    errno_result(unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_GET_STATUS64 as _, &mut info as *mut LoopInfo64) })?;
+    Ok(info)
+}
+
+/// Size of a block device in bytes (`BLKGETSIZE64`).
+pub fn device_size(device: &Path) -> io::Result<u64> {
+    let f = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(device).map_err(ctx("opening", device))?;
+    let mut size: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64.
+    errno_result(unsafe { libc::ioctl(f.as_raw_fd(), BLKGETSIZE64 as _, &mut size as *mut u64) })
+        .map_err(ctx("BLKGETSIZE64 on", device))?;
+    Ok(size)
+}
+
+/// The loop devices bound to the file `(st_dev, st_ino)`, whose canonical path is `path`.
+///
+/// Candidates come from sysfs: a device whose `backing_file` is `path`, or names a file that
+/// is (still, after a rename) this inode. Each is confirmed with `LOOP_GET_STATUS64`: the
+/// kernel's backing inode and device must be ours, so a file that was replaced under the
+/// same name never matches.
+pub fn find_backed_by(path: &Path, st_dev: u64, st_ino: u64) -> io::Result<Vec<LoopBinding>> {
+    let mut found = Vec::new();
+    for b in bound_devices()? {
+        let same_name = b.backing_file == path;
+        let same_inode = !b.deleted
+            && fs::metadata(&b.backing_file).map(|m| m.dev() == st_dev && m.ino() == st_ino).unwrap_or(false);
+        if !same_name && !same_inode {
+            continue;
+        }
+        let dev = match open_device(b.number, false, false) {
+            Ok(d) => d,
+            // Torn down since the walk.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO) | Some(libc::ENOENT)) => continue,
+            Err(e) => return Err(ctx("opening", &b.device)(e)),
+        };
+        match status(&dev) {
+            Ok(info) if info.lo_inode == st_ino && info.lo_device == st_dev => found.push(b),
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {}
+            Err(e) => return Err(ctx("LOOP_GET_STATUS64 on", &b.device)(e)),
+        }
+    }
+    Ok(found)
+}
+
+/// How a file is bound to a device.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AttachOptions {
+    pub read_only: bool,
+    /// Detach on last close. Wrong for volumes that must stay attached with nothing holding
+    /// the device open (raw block volumes are published by bind-mounting the device node,
+    /// which does not open it; an agent restart closes every fd): the store never sets it.
+    pub autoclear: bool,
+}
+
+/// Bind `backing` (open read-write, or read-only for a read-only binding) to a free loop
+/// device and return `/dev/loopN`. Races with other attachers (another process taking the
+/// same free device between `LOOP_CTL_GET_FREE` and `LOOP_CONFIGURE`) are retried.
+pub fn attach(backing: &File, name: &Path, opts: AttachOptions) -> io::Result<PathBuf> {
+    let ctl_path = Path::new("/dev/loop-control");
+    let ctl = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(ctl_path)
+        .map_err(ctx("opening", ctl_path))?;
+    let mut info = LoopInfo64 {
+        lo_flags: if opts.read_only { LO_FLAGS_READ_ONLY } else { 0 }
+            | if opts.autoclear { LO_FLAGS_AUTOCLEAR } else { 0 },
+        ..Default::default()
+    };
+    let bytes = name.as_os_str().as_encoded_bytes();
+    let n = bytes.len().min(LO_NAME_SIZE - 1);
+    info.lo_file_name[..n].copy_from_slice(&bytes[..n]);
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut attempt = 0u32;
+    loop {
+        attempt += 1;
+        // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
+        let number = errno_result(unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE as _) })
+            .map_err(ctx("LOOP_CTL_GET_FREE on", ctl_path))? as u32;
+        let result = open_device(number, !opts.read_only, false).and_then(|dev| configure(&dev, backing, &info));
+        match result {
+            Ok(()) => {
+                tracing::debug!(device = number, file = %name.display(), attempt, "loop device bound");
+                return Ok(PathBuf::from(format!("/dev/loop{number}")));
+            }
+            // EBUSY: someone bound it first. ENXIO/ENOENT: it was removed meanwhile.
+            Err(e)
+                if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::ENXIO) | Some(libc::ENOENT))
+                    && Instant::now() < deadline =>
+            {
+                tracing::debug!(device = number, attempt, error = %e, "loop device taken meanwhile, retrying");
+                std::thread::sleep(Duration::from_millis((attempt as u64).min(20)));
+            }
+            Err(e) => {
+                return Err(io::Error::new(e.kind(), format!("binding /dev/loop{number} to {}: {e}", name.display())));
+            }
+        }
+    }
+}
+
+fn configure(dev: &File, backing: &File, info: &LoopInfo64) -> io::Result<()> {
+    let cfg = LoopConfig { fd: backing.as_raw_fd() as u32, block_size: 0, info: *info, reserved: [0; 8] };
+    // SAFETY: LOOP_CONFIGURE reads one loop_config.
+    match errno_result(unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CONFIGURE as _, &cfg as *const LoopConfig) }) {
+        Ok(_) => Ok(()),
+        // Kernels before 5.8: the two-step way. A crash between the steps leaves a bound
+        // device without our flags, which the next attach finds and reuses.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::ENOTTY)) => {
+            // SAFETY: LOOP_SET_FD takes the backing fd by value.
+            errno_result(unsafe {
+                libc::ioctl(dev.as_raw_fd(), LOOP_SET_FD as _, backing.as_raw_fd() as libc::c_ulong)
+            })?;
+            // SAFETY: LOOP_SET_STATUS64 reads one loop_info64.
+            if let Err(e) =
+                errno_result(unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_SET_STATUS64 as _, info as *const LoopInfo64) })
+            {
+                // SAFETY: no argument.
+                unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CLR_FD as _, 0) };
+                return Err(e);
+            }
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Why a detach did not happen.
+#[derive(Debug)]
+pub enum DetachError {
+    /// The device is mounted or otherwise held (open O_EXCL refused, or another opener kept
+    /// it bound after `LOOP_CLR_FD`); it is left bound exactly as it was.
+    Busy(String),
+    Io(io::Error),
+}
+
+/// Unbind `device` if it is still bound to the file `(st_dev, st_ino)`. Already unbound, or
+/// bound to another file by now: nothing to do.
+///
+/// The device is opened with `O_EXCL`, which a mounted filesystem refuses, so a mounted
+/// device is never detached. Newer kernels (and older ones when the device has other
+/// openers) only mark the device for auto-clear on `LOOP_CLR_FD` and unbind it at last
+/// close; when some other opener keeps it bound past a short wait, the mark is taken off
+/// again and `Busy` is returned, so a detach either happens or changes nothing.
+pub fn detach(device: &Path, st_dev: u64, st_ino: u64) -> Result<(), DetachError> {
+    let number = device_number(device).map_err(DetachError::Io)?;
+    let still_ours = || -> Result<bool, DetachError> {
+        match open_device(number, false, false) {
+            Ok(f) => match status(&f) {
+                Ok(info) => Ok(info.lo_inode == st_ino && info.lo_device == st_dev),
+                Err(e) if e.raw_os_error() == Some(libc::ENXIO) => Ok(false),
+                Err(e) => Err(DetachError::Io(ctx("LOOP_GET_STATUS64 on", device)(e))),
+            },
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO) | Some(libc::ENOENT)) => Ok(false),
+            Err(e) => Err(DetachError::Io(ctx("opening", device)(e))),
+        }
+    };
+    if !still_ours()? {
+        return Ok(());
+    }
+    let dev = match open_device(number, false, true) {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+            return Err(DetachError::Busy(format!("{} is mounted or held exclusively", device.display())));
+        }
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO) | Some(libc::ENOENT)) => return Ok(()),
+        Err(e) => return Err(DetachError::Io(ctx("opening", device)(e))),
+    };
+    // Re-check on the exclusive fd: the device may have been cleared and rebound meanwhile.
+    match status(&dev) {
+        Ok(info) if info.lo_inode == st_ino && info.lo_device == st_dev => {}
+        Ok(_) => return Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => return Ok(()),
+        Err(e) => return Err(DetachError::Io(ctx("LOOP_GET_STATUS64 on", device)(e))),
+    }
+    // SAFETY: LOOP_CLR_FD takes no argument.
+    match errno_result(unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CLR_FD as _, 0) }) {
+        Ok(_) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => return Ok(()),
+        Err(e) => return Err(DetachError::Io(ctx("LOOP_CLR_FD on", device)(e))),
+    }
+    drop(dev); // last close of ours: the kernel unbinds here if nobody else holds it
+    let deadline = Instant::now() + Duration::from_millis(500);
+    loop {
+        let bound = fs::metadata(format!("/sys/block/loop{number}/loop/backing_file")).is_ok();
+        if !bound || !still_ours()? {
+            tracing::debug!(device = %device.display(), "loop device unbound");
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Someone else still has it open: take the auto-clear mark off so it stays bound as it
+    // was instead of vanishing under its user later.
+    let restore = (|| -> io::Result<()> {
+        let f = open_device(number, false, false)?;
+        let mut info = status(&f)?;
+        if info.lo_inode == st_ino && info.lo_device == st_dev && info.lo_flags & LO_FLAGS_AUTOCLEAR != 0 {
+            info.lo_flags &= !LO_FLAGS_AUTOCLEAR;
+            // SAFETY: LOOP_SET_STATUS64 reads one loop_info64.
+            errno_result(unsafe { libc::ioctl(f.as_raw_fd(), LOOP_SET_STATUS64 as _, &info as *const LoopInfo64) })?;
+        }
+        Ok(())
+    })();
+    match restore {
+        Ok(()) => Err(DetachError::Busy(format!("{} is open by another process", device.display()))),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO) | Some(libc::ENOENT)) => Ok(()),
+        Err(e) => Err(DetachError::Busy(format!(
+            "{} is open by another process; it will be detached when that closes it ({e})",
+            device.display()
+        ))),
+    }
+}
+
+/// Tell `device` that its backing file changed size (`LOOP_SET_CAPACITY`); returns the new
+/// device size. Works while the device is mounted.
+pub fn set_capacity(device: &Path) -> io::Result<u64> {
+    let number = device_number(device)?;
+    let f = open_device(number, false, false).map_err(ctx("opening", device))?;
+    // SAFETY: LOOP_SET_CAPACITY takes no argument.
+    errno_result(unsafe { libc::ioctl(f.as_raw_fd(), LOOP_SET_CAPACITY as _, 0) })
+        .map_err(ctx("LOOP_SET_CAPACITY on", device))?;
+    device_size(device)
+}
+
+/// Whether `path` is a block device node.
+pub fn is_block_device(path: &Path) -> bool {
+    fs::metadata(path).map(|m| m.file_type().is_block_device()).unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sysfs_walk_parses_backing_files() {
+        let dir = std::env::temp_dir().join(format!("np-loopsys-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        for (n, content) in [(3, Some("/var/lib/x/a.img\n")), (11, Some("/v/b.img (deleted)\n")), (4, None)] {
+            let d = dir.join(format!("loop{n}"));
+            fs::create_dir_all(&d).unwrap();
+            if let Some(c) = content {
+                fs::create_dir_all(d.join("loop")).unwrap();
+                fs::write(d.join("loop/backing_file"), c).unwrap();
+            }
+        }
+        fs::create_dir_all(dir.join("vda")).unwrap();
+        let got = bound_devices_in(&dir).unwrap();
+        fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            got,
+            vec![
+                LoopBinding {
+                    device: "/dev/loop3".into(),
+                    number: 3,
+                    backing_file: "/var/lib/x/a.img".into(),
+                    deleted: false
+                },
+                LoopBinding {
+                    device: "/dev/loop11".into(),
+                    number: 11,
+                    backing_file: "/v/b.img".into(),
+                    deleted: true
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn device_numbers() {
+        assert_eq!(device_number(Path::new("/dev/loop12")).unwrap(), 12);
+        assert!(device_number(Path::new("/dev/sda")).is_err());
+        assert!(device_number(Path::new("/dev/loop-control")).is_err());
+    }
+}

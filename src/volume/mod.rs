@@ -1,0 +1,802 @@
+//! Node-local volume store: one sparse file per volume, attached through a loop device.
+//!
+//! Layout of the store directory (`VolumeStore::open`):
+//!
+//! ```text
+//! <dir>/.lock             flock'd by the open store: one store per directory
+//! <dir>/<id>.img          the volume's bytes (sparse; `File::set_len`)
+//! <dir>/<id>.json         its metadata (id, sizeBytes, fsType, createdAt), written atomically
+//! <dir>/.<id>.img.tmp     a create in progress (renamed to <id>.img once the metadata is down)
+//! <dir>/.<id>.img.del     a delete in progress (removed after the metadata)
+//! ```
+//!
+//! Every step is ordered so that a crash leaves something `open` can finish or roll back:
+//! a create writes the image under its temporary name, then the metadata, then renames the
+//! image; a delete renames the image away, removes the metadata, then the image. An image
+//! without metadata is therefore never a half-done create: it is reported by
+//! [`VolumeStore::orphans`], never removed behind the operator's back.
+//!
+//! Capacity is bounded by configuration: the sum of the volumes' (rounded) sizes never
+//! exceeds `capacity_bytes`. Sizes are rounded up to whole MiB.
+//!
+//! Loop devices are bound without `LO_FLAGS_AUTOCLEAR`. Auto-clear unbinds a device at its
+//! last close, and a volume must stay attached while nothing holds it open: between attach
+//! and mount (mkfs runs there), for raw block volumes (published by bind-mounting the device
+//! node, which does not open it), and across agent restarts. So an attachment lasts until
+//! [`VolumeStore::detach`]; leaks are found by [`VolumeStore::orphans`] and by the caller
+//! reconciling attachments against its staged volumes on start. Direct I/O is off (buffered
+//! through the backing file's page cache, which works on every backing filesystem).
+//!
+//! Operations on one volume are serialised inside the store (a lock per volume id); operations
+//! on different volumes run in parallel, except the short capacity bookkeeping of create and
+//! expand.
+
+pub mod fs;
+pub mod loopdev;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+pub use fs::FsError;
+
+/// Sizes are whole MiB.
+pub const SIZE_ALIGN: u64 = 1 << 20;
+pub const MAX_ID_LEN: usize = 128;
+const META_VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VolumeError {
+    #[error("invalid volume id {id:?}: {reason}")]
+    InvalidId { id: String, reason: &'static str },
+    #[error("invalid size {size} for volume {id}: {reason}")]
+    InvalidSize { id: String, size: u64, reason: &'static str },
+    #[error("invalid filesystem type {0:?} (want \"ext4\", \"xfs\" or \"\" for raw block)")]
+    InvalidFsType(String),
+    #[error("volume {0} not found")]
+    NotFound(String),
+    #[error(
+        "volume {id} already exists with size {existing_size} and fs {existing_fs:?}; requested size {requested_size}, fs {requested_fs:?}"
+    )]
+    AlreadyExists { id: String, existing_size: u64, existing_fs: FsType, requested_size: u64, requested_fs: FsType },
+    #[error("volume {id}: {requested} bytes do not fit (available {available} of capacity {capacity})")]
+    CapacityExceeded { id: String, requested: u64, available: u64, capacity: u64 },
+    #[error("volume {id}: cannot shrink from {current} to {requested} bytes")]
+    Shrink { id: String, current: u64, requested: u64 },
+    #[error("volume {id} is busy: {reason}")]
+    Busy { id: String, reason: String },
+    #[error("volume {id}: backing file {path} is missing")]
+    BackingFileMissing { id: String, path: PathBuf },
+    #[error("volume store {dir} is in use by another store (lock {lock})")]
+    Locked { dir: PathBuf, lock: PathBuf },
+    #[error("volume store: {op} {path}: {source}")]
+    Io { op: &'static str, path: PathBuf, source: io::Error },
+    #[error("volume store: metadata {path}: {source}")]
+    Metadata { path: PathBuf, source: serde_json::Error },
+    #[error(transparent)]
+    Fs(#[from] FsError),
+}
+
+pub type Result<T, E = VolumeError> = std::result::Result<T, E>;
+
+fn io_err(op: &'static str, path: &Path) -> impl FnOnce(io::Error) -> VolumeError {
+    let path = path.to_path_buf();
+    move |source| VolumeError::Io { op, path, source }
+}
+
+/// What a volume holds: a filesystem made on first stage, or raw block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum FsType {
+    #[serde(rename = "ext4")]
+    Ext4,
+    #[serde(rename = "xfs")]
+    Xfs,
+    #[serde(rename = "")]
+    Raw,
+}
+
+impl FsType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FsType::Ext4 => "ext4",
+            FsType::Xfs => "xfs",
+            FsType::Raw => "",
+        }
+    }
+    pub fn is_raw(self) -> bool {
+        self == FsType::Raw
+    }
+}
+
+impl std::str::FromStr for FsType {
+    type Err = VolumeError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "ext4" => Ok(FsType::Ext4),
+            "xfs" => Ok(FsType::Xfs),
+            "" => Ok(FsType::Raw),
+            other => Err(VolumeError::InvalidFsType(other.to_string())),
+        }
+    }
+}
+
+impl std::fmt::Display for FsType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.is_raw() { "raw block" } else { self.as_str() })
+    }
+}
+
+/// One volume as its metadata file records it (plus where its image is).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Volume {
+    #[serde(default = "meta_version")]
+    pub version: u32,
+    pub id: String,
+    /// Bytes, a multiple of [`SIZE_ALIGN`].
+    #[serde(rename = "sizeBytes")]
+    pub size_bytes: u64,
+    #[serde(rename = "fsType")]
+    pub fs_type: FsType,
+    /// Seconds since the Unix epoch.
+    #[serde(rename = "createdAt")]
+    pub created_at: u64,
+    /// `<dir>/<id>.img` (not stored; derived from the store directory).
+    #[serde(skip)]
+    pub path: PathBuf,
+}
+
+fn meta_version() -> u32 {
+    META_VERSION
+}
+
+/// What [`VolumeStore::usage`] reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    /// Configured capacity.
+    pub capacity_bytes: u64,
+    /// Sum of the volumes' sizes.
+    pub provisioned_bytes: u64,
+    /// `capacity - provisioned` (zero when the configuration was lowered below what exists).
+    pub available_bytes: u64,
+    pub volumes: usize,
+    /// Disk space the sparse images really use.
+    pub allocated_bytes: u64,
+    /// Free space on the filesystem under the store (sparse files can overcommit it).
+    pub backing_fs_free_bytes: u64,
+}
+
+/// Something in the store directory or the loop table that no volume accounts for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Orphan {
+    /// A loop device bound to a file in the store directory that belongs to no volume (its
+    /// metadata is gone, or the file was deleted or replaced while attached).
+    LoopDevice { device: PathBuf, backing_file: PathBuf, deleted: bool },
+    /// An image file without metadata.
+    BackingFile { path: PathBuf },
+    /// Metadata whose image file is gone.
+    MissingBackingFile { id: String, path: PathBuf },
+}
+
+/// Check a volume id: 1..=128 characters of `[a-z0-9._-]`, not `.` or `..`. Such an id is
+/// one plain path component: nothing can escape the store directory.
+pub fn validate_id(id: &str) -> Result<()> {
+    let bad = |reason| Err(VolumeError::InvalidId { id: id.chars().take(MAX_ID_LEN + 8).collect(), reason });
+    if id.is_empty() {
+        return bad("empty");
+    }
+    if id.len() > MAX_ID_LEN {
+        return bad("longer than 128 characters");
+    }
+    if id == "." || id == ".." {
+        return bad("not a file name");
+    }
+    if !id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.')) {
+        return bad("only a-z, 0-9, '-', '_' and '.' are allowed");
+    }
+    Ok(())
+}
+
+/// Round a requested size up to whole MiB.
+pub fn round_size(id: &str, size: u64) -> Result<u64> {
+    if size == 0 {
+        return Err(VolumeError::InvalidSize { id: id.to_string(), size, reason: "zero" });
+    }
+    size.div_ceil(SIZE_ALIGN)
+        .checked_mul(SIZE_ALIGN)
+        .filter(|s| *s <= i64::MAX as u64)
+        .ok_or(VolumeError::InvalidSize { id: id.to_string(), size, reason: "too large" })
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Names in the store directory, by suffix (each suffix belongs to one kind only).
+#[derive(Debug, PartialEq, Eq)]
+enum Entry<'a> {
+    Meta(&'a str),
+    Image(&'a str),
+    CreateTmp(&'a str),
+    DeleteTmp(&'a str),
+    WriteTmp,
+    Lock,
+    Other,
+}
+
+fn classify(name: &str) -> Entry<'_> {
+    if name == ".lock" {
+        return Entry::Lock;
+    }
+    if let Some(id) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".img.tmp")) {
+        return Entry::CreateTmp(id);
+    }
+    if let Some(id) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".img.del")) {
+        return Entry::DeleteTmp(id);
+    }
+    // util::atomic_write's temporary: ".<name>.tmp<pid>"
+    if name.starts_with('.')
+        && let Some(pos) = name.rfind(".tmp")
+        && name[pos + 4..].bytes().all(|b| b.is_ascii_digit())
+        && pos + 4 < name.len()
+    {
+        return Entry::WriteTmp;
+    }
+    if let Some(id) = name.strip_suffix(".json") {
+        return Entry::Meta(id);
+    }
+    if let Some(id) = name.strip_suffix(".img") {
+        return Entry::Image(id);
+    }
+    Entry::Other
+}
+
+struct Index {
+    volumes: BTreeMap<String, Volume>,
+}
+
+impl Index {
+    fn provisioned(&self) -> u64 {
+        self.volumes.values().map(|v| v.size_bytes).sum()
+    }
+}
+
+/// The store. Share it behind an `Arc`; every method takes `&self`.
+pub struct VolumeStore {
+    dir: PathBuf,
+    capacity: u64,
+    index: Mutex<Index>,
+    locks: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    _lock: File,
+}
+
+impl std::fmt::Debug for VolumeStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VolumeStore").field("dir", &self.dir).field("capacity", &self.capacity).finish()
+    }
+}
+
+impl VolumeStore {
+    /// Open (creating it, mode 0700) the store in `dir` with `capacity_bytes` to hand out.
+    /// Takes the directory's lock, loads every volume's metadata and finishes or rolls back
+    /// whatever a crash interrupted (see the module docs).
+    pub fn open(dir: &Path, capacity_bytes: u64) -> Result<Self> {
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(io_err("creating", dir))?;
+        let dir = dir.canonicalize().map_err(io_err("resolving", dir))?;
+        let lock_path = dir.join(".lock");
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&lock_path)
+            .map_err(io_err("opening", &lock_path))?;
+        // SAFETY: flock on our own fd.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                return Err(VolumeError::Locked { dir, lock: lock_path });
+            }
+            return Err(io_err("locking", &lock_path)(e));
+        }
+        let volumes = recover(&dir)?;
+        let store = VolumeStore {
+            dir,
+            capacity: capacity_bytes,
+            index: Mutex::new(Index { volumes }),
+            locks: Mutex::new(HashMap::new()),
+            _lock: lock,
+        };
+        let provisioned = store.index.lock().unwrap().provisioned();
+        if provisioned > capacity_bytes {
+            tracing::warn!(
+                dir = %store.dir.display(),
+                provisioned,
+                capacity = capacity_bytes,
+                "volumes exceed the configured capacity; no new volume or expansion fits until some are deleted"
+            );
+        }
+        if let Ok(st) = nix::sys::statvfs::statvfs(&store.dir) {
+            let fs_size = st.blocks() * st.fragment_size();
+            if capacity_bytes > fs_size {
+                tracing::warn!(
+                    dir = %store.dir.display(),
+                    capacity = capacity_bytes,
+                    fs_size,
+                    "configured volume capacity exceeds the backing filesystem; sparse images can run it full"
+                );
+            }
+        }
+        Ok(store)
+    }
+
+    /// The store directory (canonical).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Bytes still available for new volumes or expansion.
+    pub fn available(&self) -> u64 {
+        self.capacity.saturating_sub(self.index.lock().unwrap().provisioned())
+    }
+
+    /// Where the image of volume `id` lives (whether or not it exists).
+    pub fn image_path(&self, id: &str) -> Result<PathBuf> {
+        validate_id(id)?;
+        Ok(self.dir.join(format!("{id}.img")))
+    }
+
+    fn meta_path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.json"))
+    }
+
+    fn volume_lock(&self, id: &str) -> Arc<Mutex<()>> {
+        self.locks.lock().unwrap().entry(id.to_string()).or_default().clone()
+    }
+
+    pub fn get(&self, id: &str) -> Result<Option<Volume>> {
+        validate_id(id)?;
+        Ok(self.index.lock().unwrap().volumes.get(id).cloned())
+    }
+
+    /// Every volume, ordered by id.
+    pub fn list(&self) -> Vec<Volume> {
+        self.index.lock().unwrap().volumes.values().cloned().collect()
+    }
+
+    pub fn usage(&self) -> Usage {
+        let (provisioned, volumes) = {
+            let idx = self.index.lock().unwrap();
+            (idx.provisioned(), idx.volumes.values().map(|v| v.path.clone()).collect::<Vec<_>>())
+        };
+        let allocated = volumes.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.blocks() * 512).sum();
+        let backing_fs_free_bytes =
+            nix::sys::statvfs::statvfs(&self.dir).map(|s| s.blocks_available() * s.fragment_size()).unwrap_or(0);
+        Usage {
+            capacity_bytes: self.capacity,
+            provisioned_bytes: provisioned,
+            available_bytes: self.capacity.saturating_sub(provisioned),
+            volumes: volumes.len(),
+            allocated_bytes: allocated,
+            backing_fs_free_bytes,
+        }
+    }
+
+    /// Create volume `id` of `size_bytes` (rounded up to whole MiB). Idempotent: the same id
+    /// with the same rounded size and fs type returns the existing volume; with a different
+    /// one it is [`VolumeError::AlreadyExists`].
+    pub fn create(&self, id: &str, size_bytes: u64, fs_type: FsType) -> Result<Volume> {
+        validate_id(id)?;
+        let size = round_size(id, size_bytes)?;
+        let lock = self.volume_lock(id);
+        let _g = lock.lock().unwrap();
+        let mut idx = self.index.lock().unwrap();
+        if let Some(v) = idx.volumes.get(id) {
+            if v.size_bytes == size && v.fs_type == fs_type {
+                return Ok(v.clone());
+            }
+            return Err(VolumeError::AlreadyExists {
+                id: id.to_string(),
+                existing_size: v.size_bytes,
+                existing_fs: v.fs_type,
+                requested_size: size,
+                requested_fs: fs_type,
+            });
+        }
+        let available = self.capacity.saturating_sub(idx.provisioned());
+        if size > available {
+            return Err(VolumeError::CapacityExceeded {
+                id: id.to_string(),
+                requested: size,
+                available,
+                capacity: self.capacity,
+            });
+        }
+        let img = self.dir.join(format!("{id}.img"));
+        if img.symlink_metadata().is_ok() {
+            // An image nobody's metadata claims: possibly someone's data. Not ours to reuse
+            // or overwrite; `orphans` reports it.
+            return Err(VolumeError::Busy {
+                id: id.to_string(),
+                reason: format!("{} exists without metadata (an orphan; delete it first)", img.display()),
+            });
+        }
+        let tmp = self.dir.join(format!(".{id}.img.tmp"));
+        let meta_path = self.meta_path(id);
+        let vol = Volume {
+            version: META_VERSION,
+            id: id.to_string(),
+            size_bytes: size,
+            fs_type,
+            created_at: now_unix(),
+            path: img.clone(),
+        };
+        let result = (|| {
+            let f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(&tmp)
+                .map_err(io_err("creating", &tmp))?;
+            f.set_len(size).map_err(io_err("sizing", &tmp))?;
+            f.sync_all().map_err(io_err("syncing", &tmp))?;
+            drop(f);
+            write_meta(&meta_path, &vol)?;
+            std::fs::rename(&tmp, &img).map_err(io_err("renaming into place", &tmp))?;
+            sync_dir(&self.dir)
+        })();
+        if let Err(e) = result {
+            let _ = std::fs::remove_file(&tmp);
+            let _ = std::fs::remove_file(&meta_path);
+            return Err(e);
+        }
+        idx.volumes.insert(id.to_string(), vol.clone());
+        tracing::info!(volume = id, size, fs = fs_type.as_str(), "volume created");
+        Ok(vol)
+    }
+
+    /// Delete volume `id`: image and metadata. Idempotent (an unknown id is success). An
+    /// image without metadata under this id is removed too. Refused with
+    /// [`VolumeError::Busy`] while a loop device is bound to the image.
+    pub fn delete(&self, id: &str) -> Result<()> {
+        validate_id(id)?;
+        let lock = self.volume_lock(id);
+        let _g = lock.lock().unwrap();
+        let img = self.dir.join(format!("{id}.img"));
+        let meta_path = self.meta_path(id);
+        match std::fs::metadata(&img) {
+            Ok(m) => {
+                let devices =
+                    loopdev::find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))?;
+                if !devices.is_empty() {
+                    let names: Vec<String> = devices.iter().map(|d| d.device.display().to_string()).collect();
+                    return Err(VolumeError::Busy {
+                        id: id.to_string(),
+                        reason: format!("attached to {}", names.join(", ")),
+                    });
+                }
+                let del = self.dir.join(format!(".{id}.img.del"));
+                std::fs::rename(&img, &del).map_err(io_err("renaming for delete", &img))?;
+                remove_if_exists(&meta_path)?;
+                sync_dir(&self.dir)?;
+                remove_if_exists(&del)?;
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => remove_if_exists(&meta_path)?,
+            Err(e) => return Err(io_err("inspecting", &img)(e)),
+        }
+        if self.index.lock().unwrap().volumes.remove(id).is_some() {
+            tracing::info!(volume = id, "volume deleted");
+        }
+        Ok(())
+    }
+
+    /// Grow volume `id` to `new_size` (rounded up to whole MiB). Same size: nothing to do
+    /// (but a grow a crash interrupted is finished). Smaller: [`VolumeError::Shrink`]. When
+    /// the volume is attached, the loop device grows online (`LOOP_SET_CAPACITY`); the
+    /// filesystem is the caller's ([`fs::grow_fs`]). Returns the volume as it now is.
+    pub fn expand(&self, id: &str, new_size: u64) -> Result<Volume> {
+        validate_id(id)?;
+        let size = round_size(id, new_size)?;
+        let lock = self.volume_lock(id);
+        let _g = lock.lock().unwrap();
+        let img = self.get(id)?.ok_or_else(|| VolumeError::NotFound(id.to_string()))?.path;
+        // Open the image before touching the metadata: a volume whose image is gone is not
+        // grown on paper.
+        let f = OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&img)
+            .map_err(|e| missing_or(id, &img, "opening", e))?;
+        let vol = {
+            let mut idx = self.index.lock().unwrap();
+            let provisioned = idx.provisioned();
+            let vol = idx.volumes.get_mut(id).ok_or_else(|| VolumeError::NotFound(id.to_string()))?;
+            if size < vol.size_bytes {
+                return Err(VolumeError::Shrink { id: id.to_string(), current: vol.size_bytes, requested: size });
+            }
+            if size > vol.size_bytes {
+                let available = self.capacity.saturating_sub(provisioned);
+                let extra = size - vol.size_bytes;
+                if extra > available {
+                    return Err(VolumeError::CapacityExceeded {
+                        id: id.to_string(),
+                        requested: extra,
+                        available,
+                        capacity: self.capacity,
+                    });
+                }
+                // Metadata first: it reserves the capacity, and a crash before the file
+                // grows is finished by the next expand or open.
+                let mut grown = vol.clone();
+                grown.size_bytes = size;
+                write_meta(&self.meta_path(id), &grown)?;
+                *vol = grown;
+            }
+            vol.clone()
+        };
+        let m = f.metadata().map_err(io_err("inspecting", &vol.path))?;
+        if m.len() < vol.size_bytes {
+            f.set_len(vol.size_bytes).map_err(io_err("growing", &vol.path))?;
+            f.sync_all().map_err(io_err("syncing", &vol.path))?;
+            tracing::info!(volume = id, size = vol.size_bytes, "volume image grown");
+        }
+        for b in loopdev::find_backed_by(&vol.path, m.dev(), m.ino())
+            .map_err(io_err("finding loop devices of", &vol.path))?
+        {
+            let dev_size = loopdev::device_size(&b.device).map_err(io_err("sizing", &b.device))?;
+            if dev_size < vol.size_bytes {
+                let now = loopdev::set_capacity(&b.device).map_err(io_err("LOOP_SET_CAPACITY on", &b.device))?;
+                tracing::info!(volume = id, device = %b.device.display(), size = now, "loop device grown online");
+            }
+        }
+        Ok(vol)
+    }
+
+    /// The loop device bound to volume `id`'s image, if any (without attaching).
+    pub fn attached_device(&self, id: &str) -> Result<Option<PathBuf>> {
+        validate_id(id)?;
+        let img = self.dir.join(format!("{id}.img"));
+        let m = match std::fs::metadata(&img) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_err("inspecting", &img)(e)),
+        };
+        let found = loopdev::find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))?;
+        Ok(found.into_iter().next().map(|b| b.device))
+    }
+
+    /// Attach volume `id` to a loop device and return it (`/dev/loopN`). Idempotent: when a
+    /// device is already bound to the image (same inode and filesystem), that one is
+    /// returned. Bound read-write, buffered, without auto-clear (see the module docs).
+    pub fn attach(&self, id: &str) -> Result<PathBuf> {
+        validate_id(id)?;
+        let lock = self.volume_lock(id);
+        let _g = lock.lock().unwrap();
+        let vol = self.get(id)?.ok_or_else(|| VolumeError::NotFound(id.to_string()))?;
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&vol.path)
+            .map_err(|e| missing_or(id, &vol.path, "opening", e))?;
+        let m = f.metadata().map_err(io_err("inspecting", &vol.path))?;
+        let found = loopdev::find_backed_by(&vol.path, m.dev(), m.ino())
+            .map_err(io_err("finding loop devices of", &vol.path))?;
+        if let Some(first) = found.first() {
+            if found.len() > 1 {
+                let all: Vec<String> = found.iter().map(|b| b.device.display().to_string()).collect();
+                tracing::warn!(volume = id, devices = %all.join(", "), "volume is bound to several loop devices");
+            }
+            return Ok(first.device.clone());
+        }
+        let dev = loopdev::attach(&f, &vol.path, loopdev::AttachOptions::default())
+            .map_err(io_err("attaching", &vol.path))?;
+        tracing::info!(volume = id, device = %dev.display(), "volume attached");
+        Ok(dev)
+    }
+
+    /// Detach volume `id` from every loop device bound to its image. Idempotent: nothing
+    /// attached, or no such volume, is success. A device that is mounted (or held open by
+    /// someone else) is left alone: [`VolumeError::Busy`].
+    pub fn detach(&self, id: &str) -> Result<()> {
+        validate_id(id)?;
+        let lock = self.volume_lock(id);
+        let _g = lock.lock().unwrap();
+        let img = self.dir.join(format!("{id}.img"));
+        let m = match std::fs::metadata(&img) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(io_err("inspecting", &img)(e)),
+        };
+        let found = loopdev::find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))?;
+        let mut busy = Vec::new();
+        for b in found {
+            match loopdev::detach(&b.device, m.dev(), m.ino()) {
+                Ok(()) => tracing::info!(volume = id, device = %b.device.display(), "volume detached"),
+                Err(loopdev::DetachError::Busy(reason)) => busy.push(reason),
+                Err(loopdev::DetachError::Io(e)) => return Err(io_err("detaching", &b.device)(e)),
+            }
+        }
+        if !busy.is_empty() {
+            return Err(VolumeError::Busy { id: id.to_string(), reason: busy.join("; ") });
+        }
+        Ok(())
+    }
+
+    /// What no volume accounts for: loop devices bound to files in the store directory that
+    /// belong to no volume, images without metadata, metadata without an image.
+    pub fn orphans(&self) -> Result<Vec<Orphan>> {
+        let mut out = Vec::new();
+        let volumes: BTreeMap<String, Volume> = self.index.lock().unwrap().volumes.clone();
+        // Images on disk, by inode, to tell a live volume's binding from a stale one.
+        let mut live = Vec::new();
+        for v in volumes.values() {
+            match std::fs::metadata(&v.path) {
+                Ok(m) => live.push((m.dev(), m.ino())),
+                Err(_) => out.push(Orphan::MissingBackingFile { id: v.id.clone(), path: v.path.clone() }),
+            }
+        }
+        for b in loopdev::bound_devices().map_err(io_err("listing loop devices", Path::new("/sys/block")))? {
+            if b.backing_file.parent() != Some(self.dir.as_path()) {
+                continue;
+            }
+            let belongs =
+                !b.deleted && std::fs::metadata(&b.backing_file).is_ok_and(|m| live.contains(&(m.dev(), m.ino())));
+            if !belongs {
+                out.push(Orphan::LoopDevice { device: b.device, backing_file: b.backing_file, deleted: b.deleted });
+            }
+        }
+        let entries = std::fs::read_dir(&self.dir).map_err(io_err("reading", &self.dir))?;
+        for entry in entries {
+            let entry = entry.map_err(io_err("reading", &self.dir))?;
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if let Entry::Image(id) = classify(name)
+                && !volumes.contains_key(id)
+            {
+                out.push(Orphan::BackingFile { path: entry.path() });
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn missing_or(id: &str, path: &Path, op: &'static str, e: io::Error) -> VolumeError {
+    if e.kind() == io::ErrorKind::NotFound {
+        VolumeError::BackingFileMissing { id: id.to_string(), path: path.to_path_buf() }
+    } else {
+        io_err(op, path)(e)
+    }
+}
+
+fn write_meta(path: &Path, vol: &Volume) -> Result<()> {
+    let mut data =
+        serde_json::to_vec_pretty(vol).map_err(|source| VolumeError::Metadata { path: path.to_path_buf(), source })?;
+    data.push(b'\n');
+    crate::util::atomic_write(path, &data, 0o600).map_err(io_err("writing", path))
+}
+
+fn read_meta(path: &Path) -> Result<Volume> {
+    let data = std::fs::read(path).map_err(io_err("reading", path))?;
+    serde_json::from_slice(&data).map_err(|source| VolumeError::Metadata { path: path.to_path_buf(), source })
+}
+
+fn remove_if_exists(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io_err("removing", path)(e)),
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("syncing", dir))
+}
+
+/// Whether a loop device is bound to `path` (by inode; a file we cannot stat is not).
+fn is_attached(path: &Path) -> io::Result<bool> {
+    match std::fs::metadata(path) {
+        Ok(m) => Ok(!loopdev::find_backed_by(path, m.dev(), m.ino())?.is_empty()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Load the metadata in `dir` and finish or roll back interrupted creates and deletes.
+fn recover(dir: &Path) -> Result<BTreeMap<String, Volume>> {
+    let mut metas = Vec::new();
+    let mut create_tmps = Vec::new();
+    let mut delete_tmps = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io_err("reading", dir))? {
+        let entry = entry.map_err(io_err("reading", dir))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else {
+            tracing::warn!(dir = %dir.display(), name = ?name, "ignoring a file with a non-UTF-8 name");
+            continue;
+        };
+        match classify(name) {
+            Entry::Meta(id) if validate_id(id).is_ok() => metas.push(id.to_string()),
+            Entry::CreateTmp(id) if validate_id(id).is_ok() => create_tmps.push(id.to_string()),
+            Entry::DeleteTmp(id) if validate_id(id).is_ok() => delete_tmps.push(id.to_string()),
+            Entry::WriteTmp => {
+                tracing::info!(file = name, "removing an interrupted metadata write");
+                let _ = std::fs::remove_file(entry.path());
+            }
+            Entry::Image(_) | Entry::Lock => {}
+            _ => tracing::warn!(dir = %dir.display(), file = name, "ignoring an unexpected file in the volume store"),
+        }
+    }
+    // Interrupted deletes: the image was renamed away, so the volume is going. Finish it
+    // (unless the renamed image is still attached: then it stays, reported as an orphan).
+    for id in &delete_tmps {
+        let del = dir.join(format!(".{id}.img.del"));
+        if is_attached(&del).map_err(io_err("checking loop devices of", &del))? {
+            tracing::warn!(volume = %id, file = %del.display(), "interrupted delete left an attached image; leaving it");
+            continue;
+        }
+        tracing::info!(volume = %id, "finishing an interrupted delete");
+        remove_if_exists(&dir.join(format!("{id}.json")))?;
+        remove_if_exists(&del)?;
+        metas.retain(|m| m != id);
+    }
+    let mut volumes = BTreeMap::new();
+    for id in metas {
+        let path = dir.join(format!("{id}.json"));
+        let mut vol = match read_meta(&path) {
+            Ok(v) if v.id == id => v,
+            Ok(v) => {
+                tracing::error!(file = %path.display(), claims = %v.id, "metadata names another volume; ignoring it");
+                continue;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "unreadable volume metadata; ignoring it");
+                continue;
+            }
+        };
+        vol.path = dir.join(format!("{id}.img"));
+        volumes.insert(id, vol);
+    }
+    // Interrupted creates: metadata down → finish (rename); no metadata → roll back.
+    for id in &create_tmps {
+        let tmp = dir.join(format!(".{id}.img.tmp"));
+        match volumes.get(id) {
+            Some(v) if v.path.symlink_metadata().is_err() => {
+                tracing::info!(volume = %id, "finishing an interrupted create");
+                std::fs::rename(&tmp, &v.path).map_err(io_err("renaming into place", &tmp))?;
+            }
+            _ => {
+                tracing::info!(volume = %id, "rolling back an interrupted create");
+                remove_if_exists(&tmp)?;
+            }
+        }
+    }
+    // Interrupted expansions: metadata says bigger than the file. Sparse: growing is free.
+    for v in volumes.values() {
+        if let Ok(m) = std::fs::metadata(&v.path)
+            && m.len() < v.size_bytes
+        {
+            tracing::info!(volume = %v.id, from = m.len(), to = v.size_bytes, "finishing an interrupted expansion");
+            let f = OpenOptions::new().write(true).open(&v.path).map_err(io_err("opening", &v.path))?;
+            f.set_len(v.size_bytes).map_err(io_err("growing", &v.path))?;
+        }
+    }
+    sync_dir(dir)?;
+    Ok(volumes)
+}
+
+#[cfg(test)]
+mod tests;
