@@ -42,7 +42,10 @@ pub fn atomic_write(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
     let name = path.file_name().ok_or_else(|| io::Error::other("path has no file name"))?;
     let mut tmp_name = std::ffi::OsString::from(".");
     tmp_name.push(name);
-    tmp_name.push(format!(".tmp{}", std::process::id()));
+    // Unique per call: two threads of one process may write the same file at once.
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tmp_name.push(format!(".tmp{}.{seq}", std::process::id()));
     let tmp = dir.join(tmp_name);
     let result = (|| {
         let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;

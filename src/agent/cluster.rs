@@ -87,11 +87,14 @@ struct Client {
     cc: ControllerConfig,
     routes: Mutex<Option<Routes>>,
     vtep_mac: Mutex<String>,
+    /// Serializes applying our own record (the stream and a block request can race).
+    applying: tokio::sync::Mutex<()>,
 }
 
 impl Client {
     /// Apply our own node record: new blocks go to IPAM, the bridge, nft and the conflist.
     async fn apply_self(&self, node: &pb::Node, resp: Option<&pb::RegisterResponse>) -> Result<(), String> {
+        let _one_at_a_time = self.applying.lock().await;
         let blocks = parse_nets(&node.pod_blocks, "block")?;
         // Blocks the controller no longer lists for us (it gave them away after a removal)
         // must never be allocated from again; pods already using them keep their addresses.
@@ -244,7 +247,13 @@ fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, v4: bool
 /// Run the cluster client forever (reconnecting with backoff).
 pub async fn run(dp: Arc<Datapath>) {
     let Some(cc) = dp.cfg.controller.clone() else { return };
-    let client = Arc::new(Client { dp: dp.clone(), cc, routes: Mutex::new(None), vtep_mac: Mutex::new(String::new()) });
+    let client = Arc::new(Client {
+        dp: dp.clone(),
+        cc,
+        routes: Mutex::new(None),
+        vtep_mac: Mutex::new(String::new()),
+        applying: tokio::sync::Mutex::new(()),
+    });
     let handle = tokio::runtime::Handle::current();
     let c = client.clone();
     dp.set_block_source(Box::new(move |v4| request_block(&handle, &c, v4)));
