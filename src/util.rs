@@ -95,3 +95,24 @@ pub fn init_logging(json: bool) {
         builder.init();
     }
 }
+
+/// A fresh directory for a unit test, removed when dropped (also when the test panics).
+#[cfg(test)]
+pub struct TestDir(pub std::path::PathBuf);
+
+#[cfg(test)]
+impl TestDir {
+    pub fn new(tag: &str) -> Self {
+        let d = std::env::temp_dir().join(format!("np-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).expect("creating test dir");
+        TestDir(d)
+    }
+}
+
+#[cfg(test)]
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}

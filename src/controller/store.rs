@@ -287,16 +287,10 @@ mod tests {
         ]
     }
 
-    fn tmp(tag: &str) -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!("np-reg-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d.join("registry.redb")
-    }
-
     #[test]
     fn register_is_idempotent_and_durable() {
-        let path = tmp("idem");
+        let dir = crate::util::TestDir::new("reg-idem");
+        let path = dir.0.join("registry.redb");
         let r = Registry::open(&path, pools()).unwrap();
         let a = r.register("node-a", &["192.0.2.1".into()], "").unwrap();
         assert_eq!(a.blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
@@ -317,7 +311,8 @@ mod tests {
 
     #[test]
     fn exhaustion_and_extra_blocks() {
-        let r = Registry::open(&tmp("exh"), pools()).unwrap();
+        let dir = crate::util::TestDir::new("reg-exh");
+        let r = Registry::open(&dir.0.join("registry.redb"), pools()).unwrap();
         for i in 0..4 {
             r.register(&format!("n{i}"), &["192.0.2.1".into()], "").unwrap();
         }
@@ -333,7 +328,8 @@ mod tests {
 
     #[test]
     fn validates_input() {
-        let r = Registry::open(&tmp("val"), pools()).unwrap();
+        let dir = crate::util::TestDir::new("reg-val");
+        let r = Registry::open(&dir.0.join("registry.redb"), pools()).unwrap();
         assert!(matches!(r.register("Bad_Name", &["192.0.2.1".into()], ""), Err(RegistryError::InvalidArgument(_))));
         assert!(matches!(r.register("ok", &["nope".into()], ""), Err(RegistryError::InvalidArgument(_))));
         assert!(matches!(r.register("ok", &[], ""), Err(RegistryError::InvalidArgument(_))));

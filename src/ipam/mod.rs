@@ -357,12 +357,6 @@ impl Ipam {
 mod tests {
     use super::*;
 
-    fn tmpdir(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("np-ipam-{tag}-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&d);
-        d
-    }
-
     fn lease(cid: &str) -> Lease {
         Lease {
             owner: Owner { container_id: cid.into(), ifname: "eth0".into() },
@@ -378,7 +372,8 @@ mod tests {
 
     #[test]
     fn allocates_distinct_and_skips_reserved() {
-        let dir = tmpdir("distinct");
+        let guard = crate::util::TestDir::new("ipam-distinct");
+        let dir = guard.0.clone();
         let (ipam, _) = Ipam::load(&dir).unwrap();
         ipam.assign_block("10.1.2.0/29".parse().unwrap()).unwrap();
         ipam.assign_block("fd00:1::/125".parse().unwrap()).unwrap();
@@ -408,12 +403,12 @@ mod tests {
         assert!(ipam.retain_blocks(&[]).len() == 1);
         assert!(matches!(ipam.reserve(lease("c10")), Err(IpamError::NoBlock(_))));
         assert_eq!(ipam.leases().len(), 5);
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn survives_reload() {
-        let dir = tmpdir("reload");
+        let guard = crate::util::TestDir::new("ipam-reload");
+        let dir = guard.0.clone();
         let (ipam, _) = Ipam::load(&dir).unwrap();
         ipam.assign_block("10.1.3.0/24".parse().unwrap()).unwrap();
         let a = ipam.commit(ipam.reserve(lease("a")).unwrap(), 7).unwrap();
@@ -431,7 +426,6 @@ mod tests {
         assert!(c.ips[0].ip() != a.ips[0].ip() && c.ips[0].ip() != b.ips[0].ip());
         ipam.release(&a.owner).unwrap();
         assert!(!lease_file(&dir, &a.owner).exists());
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
