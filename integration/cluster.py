@@ -67,13 +67,7 @@ class Controller:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
     def stop(self, sig=signal.SIGTERM):
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        harness.stop_process(self.proc, sig, timeout=20)
         self.proc = None
 
     def kill9(self):

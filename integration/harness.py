@@ -36,6 +36,17 @@ def run(args, check=True, **kw):
     return res
 
 
+def stop_process(proc, sig=signal.SIGTERM, timeout=30):
+    """Signal a child we started (by its PID) and reap it; SIGKILL if it does not exit."""
+    if proc and proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def new_blocks():
     """A fresh pair of test pod blocks (private ranges, used only inside test namespaces)."""
     n = next(_block_counter) + (os.getpid() % 50) * 4
@@ -139,13 +150,7 @@ class Node:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
     def stop(self, sig=signal.SIGTERM):
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, sig)
         self.proc = None
 
     def kill9(self):
