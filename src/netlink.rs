@@ -114,10 +114,6 @@ impl Netlink {
         Ok(Netlink { socket, seq: 0, buf: vec![0u8; 64 * 1024] })
     }
 
-    pub fn raw_fd(&self) -> i32 {
-        self.socket.as_raw_fd()
-    }
-
     /// The cookie of the network namespace this socket lives in: unique for the life of
     /// the kernel and never reused (unlike a namespace's inode number). 0 if unsupported.
     pub fn netns_cookie(&self) -> u64 {
@@ -366,14 +362,6 @@ impl Netlink {
             msg.attributes.push(LinkAttribute::IfName(name.to_string()));
         }
         self.request(RouteNetlinkMessage::SetLink(msg), 0, &format!("set link {index}"))
-    }
-
-    /// Move a link into a link group (used to batch deletions).
-    pub fn set_group(&mut self, index: u32, group: u32) -> Result<()> {
-        let mut msg = LinkMessage::default();
-        msg.header.index = index;
-        msg.attributes.push(LinkAttribute::Group(group));
-        self.request(RouteNetlinkMessage::SetLink(msg), 0, &format!("set group of link {index}"))
     }
 
     /// Delete every link of a group in one request: the kernel unregisters them together

@@ -57,11 +57,6 @@ impl Netns {
         Ok(Netns { file, path: path.to_path_buf() })
     }
 
-    /// The namespace the calling thread is in.
-    pub fn current() -> Result<Self, NetnsError> {
-        Self::open(Path::new("/proc/thread-self/ns/net"))
-    }
-
     pub fn path(&self) -> &Path {
         &self.path
     }

@@ -8,7 +8,6 @@
 //! request, so the kernel pays the grace period once per batch instead of once per pod.
 //! The graveyard is plain kernel state: after a crash the next start finds it again.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, channel, sync_channel};
 use std::thread::JoinHandle;
@@ -31,7 +30,6 @@ enum Msg {
 pub struct Reaper {
     tx: Sender<Msg>,
     counter: AtomicU64,
-    pending: Arc<AtomicU64>,
     _thread: JoinHandle<()>,
 }
 
@@ -42,15 +40,12 @@ pub fn is_graveyard_name(name: &str) -> bool {
 impl Reaper {
     pub fn start() -> std::io::Result<Self> {
         let (tx, rx) = channel();
-        let pending = Arc::new(AtomicU64::new(0));
-        let p = pending.clone();
-        let thread = std::thread::Builder::new().name("veth-reaper".into()).spawn(move || run(rx, p))?;
+        let thread = std::thread::Builder::new().name("veth-reaper".into()).spawn(move || run(rx))?;
         let mut seed = [0u8; 8];
         crate::util::fill_random(&mut seed);
         Ok(Reaper {
             tx,
             counter: AtomicU64::new(u64::from_le_bytes(seed) & 0xffff_ffff_ffff),
-            pending,
             _thread: thread,
         })
     }
@@ -63,7 +58,6 @@ impl Reaper {
 
     /// A link was moved into the graveyard group: delete it (with others) soon.
     pub fn reap(&self) {
-        self.pending.fetch_add(1, Ordering::Relaxed);
         let _ = self.tx.send(Msg::Reap);
     }
 
@@ -75,10 +69,6 @@ impl Reaper {
         }
     }
 
-    /// Retirements not yet deleted.
-    pub fn pending(&self) -> u64 {
-        self.pending.load(Ordering::Relaxed)
-    }
 }
 
 fn delete_graveyard(nl: &mut Option<Netlink>) {
@@ -93,7 +83,7 @@ fn delete_graveyard(nl: &mut Option<Netlink>) {
     }
 }
 
-fn run(rx: Receiver<Msg>, pending: Arc<AtomicU64>) {
+fn run(rx: Receiver<Msg>) {
     let mut nl = None;
     while let Ok(first) = rx.recv() {
         let mut waiters = Vec::new();
@@ -119,7 +109,6 @@ fn run(rx: Receiver<Msg>, pending: Arc<AtomicU64>) {
         }
         // Everything queued so far is in the group already: one request deletes it all.
         delete_graveyard(&mut nl);
-        pending.fetch_sub(batch, Ordering::Relaxed);
         tracing::debug!(batch, "reaped graveyard");
         for w in waiters {
             let _ = w.send(());
