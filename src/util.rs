@@ -74,6 +74,23 @@ pub fn atomic_write_nosync(path: &Path, data: &[u8]) -> io::Result<()> {
     })
 }
 
+/// A configuration file that cannot be used (shared by the agent and the controller).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {0}: {1}")]
+    Read(std::path::PathBuf, io::Error),
+    #[error("parsing {0}: {1}")]
+    Parse(std::path::PathBuf, serde_json::Error),
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// Read and parse a JSON configuration file.
+pub fn load_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
+    let raw = fs::read(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
+    serde_json::from_slice(&raw).map_err(|e| ConfigError::Parse(path.to_path_buf(), e))
+}
+
 /// The kernel's boot id (changes on every boot).
 pub fn read_boot_id(path: &Path) -> io::Result<String> {
     Ok(fs::read_to_string(path)?.trim().to_string())

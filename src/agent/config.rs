@@ -7,15 +7,7 @@ use serde::Deserialize;
 
 use crate::cni::result::Dns;
 
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("reading {0}: {1}")]
-    Read(PathBuf, std::io::Error),
-    #[error("parsing {0}: {1}")]
-    Parse(PathBuf, serde_json::Error),
-    #[error("invalid configuration: {0}")]
-    Invalid(String),
-}
+pub use crate::util::ConfigError;
 
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -135,9 +127,7 @@ fn under(root: &Path, abs: &str) -> PathBuf {
 
 impl Config {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let raw = std::fs::read(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
-        let file: FileConfig = serde_json::from_slice(&raw).map_err(|e| ConfigError::Parse(path.to_path_buf(), e))?;
-        Self::resolve(file)
+        Self::resolve(crate::util::load_json(path)?)
     }
 
     pub fn resolve(f: FileConfig) -> Result<Self, ConfigError> {

@@ -5,15 +5,7 @@ use std::path::{Path, PathBuf};
 use ipnetwork::IpNetwork;
 use serde::Deserialize;
 
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("reading {0}: {1}")]
-    Read(PathBuf, std::io::Error),
-    #[error("parsing {0}: {1}")]
-    Parse(PathBuf, serde_json::Error),
-    #[error("invalid configuration: {0}")]
-    Invalid(String),
-}
+pub use crate::util::ConfigError;
 
 /// One cluster pool and the size of the blocks it is cut into.
 #[derive(Debug, Clone, Deserialize)]
@@ -104,9 +96,7 @@ pub fn parse_listen(s: &str) -> Result<Listen, String> {
 
 impl Config {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let raw = std::fs::read(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
-        let f: FileConfig = serde_json::from_slice(&raw).map_err(|e| ConfigError::Parse(path.to_path_buf(), e))?;
-        Self::resolve(f)
+        Self::resolve(crate::util::load_json(path)?)
     }
 
     pub fn resolve(f: FileConfig) -> Result<Self, ConfigError> {
