@@ -641,7 +641,8 @@ impl Datapath {
     }
 
     pub fn status(&self) -> Result<(), CniError> {
-        let leases = self.ipam.leases().len();
+        let held: HashSet<String> = self.ipam.leases().into_iter().map(|l| l.host_if).collect();
+        let leases = held.len();
         let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
         let bridge = nl.link_by_name(&self.cfg.bridge).map_err(|e| netlink_err("lookup", e))?;
         let bridge_ok = bridge.as_ref().is_some_and(|b| b.up);
@@ -650,7 +651,6 @@ impl Datapath {
             return Err(CniError::new(code, format!("bridge {} is missing or down ({leases} pods attached)", self.cfg.bridge)));
         }
         let bridge_index = bridge.map(|b| b.index);
-        let held: HashSet<String> = self.ipam.leases().into_iter().map(|l| l.host_if).collect();
         let detached = nl
             .links()
             .map_err(|e| netlink_err("listing links", e))?
