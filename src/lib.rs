@@ -7,6 +7,7 @@
 pub mod agent;
 pub mod cni;
 pub mod controller;
+pub mod csi;
 pub mod ipam;
 pub mod netlink;
 pub mod netns;

@@ -38,6 +38,29 @@ pub struct ControllerConfig {
     pub route_mode: crate::routes::RouteMode,
 }
 
+/// The CSI node plugin (on unless `enabled: false`).
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CsiFileConfig {
+    #[serde(default)]
+    pub enabled: Option<bool>,
+    /// Where volume images live (default `<stateDir>/volumes`).
+    pub volume_dir: Option<PathBuf>,
+    /// Bytes the node may hand out to volumes (default: half the filesystem holding the
+    /// volume directory, measured at start).
+    pub capacity_bytes: Option<u64>,
+    /// Reported to kubelet as the node's volume limit (default 128).
+    pub max_volumes: Option<i64>,
+}
+
+/// Resolved CSI settings.
+#[derive(Debug, Clone)]
+pub struct CsiConfig {
+    pub volume_dir: PathBuf,
+    pub capacity_bytes: Option<u64>,
+    pub max_volumes: i64,
+}
+
 /// The file format. Paths left out derive from `root`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -77,6 +100,11 @@ pub struct FileConfig {
     pub state_dir: Option<PathBuf>,
     pub cni_bin_dir: Option<PathBuf>,
     pub cni_conf_dir: Option<PathBuf>,
+    /// Kubelet's root directory (default `<root>/var/lib/kubelet`): CSI and registration
+    /// sockets live under it, and every staging and target path must lie inside it.
+    pub kubelet_dir: Option<PathBuf>,
+    #[serde(default)]
+    pub csi: Option<CsiFileConfig>,
     /// The shim binary to install; default: `nodeplane-cni` next to the agent binary.
     pub shim_source: Option<PathBuf>,
     /// Where the kernel boot id is read (tests point this elsewhere to simulate a reboot).
@@ -116,6 +144,9 @@ pub struct Config {
     pub state_dir: PathBuf,
     pub cni_bin_dir: PathBuf,
     pub cni_conf_dir: PathBuf,
+    pub kubelet_dir: PathBuf,
+    /// `None`: the CSI node plugin is off.
+    pub csi: Option<CsiConfig>,
     pub shim_source: PathBuf,
     pub boot_id_file: PathBuf,
     pub controller: Option<ControllerConfig>,
@@ -190,6 +221,28 @@ impl Config {
                 .map_err(|e| ConfigError::Invalid(format!("cannot locate own binary: {e}")))?
                 .with_file_name("nodeplane-cni"),
         };
+        let state_dir = f.state_dir.clone().unwrap_or_else(|| under(&root, "/var/lib/nodeplane"));
+        let kubelet_dir = f.kubelet_dir.clone().unwrap_or_else(|| under(&root, "/var/lib/kubelet"));
+        if !kubelet_dir.is_absolute() {
+            return bad(format!("kubeletDir {} must be absolute", kubelet_dir.display()));
+        }
+        let csi_file = f.csi.clone().unwrap_or_default();
+        let csi = if csi_file.enabled.unwrap_or(true) {
+            let max_volumes = csi_file.max_volumes.unwrap_or(128);
+            if max_volumes < 1 {
+                return bad(format!("csi.maxVolumes {max_volumes} must be at least 1"));
+            }
+            if csi_file.capacity_bytes == Some(0) {
+                return bad("csi.capacityBytes must be positive (set csi.enabled false to turn volumes off)".into());
+            }
+            Some(CsiConfig {
+                volume_dir: csi_file.volume_dir.unwrap_or_else(|| state_dir.join("volumes")),
+                capacity_bytes: csi_file.capacity_bytes,
+                max_volumes,
+            })
+        } else {
+            None
+        };
         let dns = f
             .dns
             .map(|d| Dns { nameservers: d.nameservers, domain: d.domain, search: d.search, options: d.options })
@@ -210,7 +263,9 @@ impl Config {
                 f.plugin_dirs
             },
             cni_socket: f.cni_socket.unwrap_or_else(|| under(&root, "/run/nodeplane/cni.sock")),
-            state_dir: f.state_dir.unwrap_or_else(|| under(&root, "/var/lib/nodeplane")),
+            state_dir,
+            kubelet_dir,
+            csi,
             cni_bin_dir: f.cni_bin_dir.unwrap_or_else(|| under(&root, "/opt/cni/bin")),
             cni_conf_dir: f.cni_conf_dir.unwrap_or_else(|| under(&root, "/etc/cni/net.d")),
             shim_source,

@@ -9,7 +9,7 @@ pub mod reaper;
 
 use std::fs;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -109,6 +109,43 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Datapath>, std::os::unix::net::UnixLi
     Ok((dp, listener, lock))
 }
 
+/// The CSI node service, when configured: opens the volume store (its directory lock keeps
+/// two agents apart) and the record directory. Recovery runs when it is served.
+pub fn prepare_csi(cfg: &Config) -> Result<Option<Arc<crate::csi::NodeService>>, AgentError> {
+    let Some(c) = &cfg.csi else { return Ok(None) };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o750)
+        .create(&cfg.kubelet_dir)
+        .map_err(io_ctx(format!("creating {}", cfg.kubelet_dir.display())))?;
+    let kubelet_dir =
+        cfg.kubelet_dir.canonicalize().map_err(io_ctx(format!("resolving {}", cfg.kubelet_dir.display())))?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&c.volume_dir)
+        .map_err(io_ctx(format!("creating {}", c.volume_dir.display())))?;
+    let capacity = match c.capacity_bytes {
+        Some(b) => b,
+        None => {
+            let st = nix::sys::statvfs::statvfs(&c.volume_dir)
+                .map_err(|e| AgentError::Setup(format!("statfs {}: {e}", c.volume_dir.display())))?;
+            let half = st.blocks() * st.fragment_size() / 2;
+            tracing::info!(dir = %c.volume_dir.display(), capacity = half, "csi.capacityBytes not set: offering half the volume filesystem");
+            half
+        }
+    };
+    let store = crate::volume::VolumeStore::open(&c.volume_dir, capacity).map_err(|e| AgentError::Setup(e.to_string()))?;
+    let settings = crate::csi::NodeSettings {
+        node_id: cfg.node_name.clone(),
+        kubelet_dir,
+        record_dir: cfg.state_dir.join("csi"),
+        max_volumes: c.max_volumes,
+    };
+    let svc = crate::csi::NodeService::new(settings, Arc::new(store)).map_err(io_ctx("creating CSI record directories"))?;
+    Ok(Some(Arc::new(svc)))
+}
+
 /// Run DELs the shim queued while the agent was unreachable.
 pub fn drain_pending(dp: &Datapath) {
     let dir = dp.cfg.pending_delete_dir();
@@ -193,7 +230,11 @@ async fn serve_conn(dp: Arc<Datapath>, mut stream: UnixStream) -> std::io::Resul
 }
 
 /// Serve the CNI socket until SIGTERM/SIGINT, then finish in-flight requests.
-pub async fn serve(dp: Arc<Datapath>, listener: std::os::unix::net::UnixListener) -> Result<(), AgentError> {
+pub async fn serve(
+    dp: Arc<Datapath>,
+    listener: std::os::unix::net::UnixListener,
+    csi: Option<Arc<crate::csi::NodeService>>,
+) -> Result<(), AgentError> {
     listener.set_nonblocking(true).map_err(io_ctx("listener"))?;
     let listener = UnixListener::from_std(listener).map_err(io_ctx("listener"))?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_ctx("signal"))?;
@@ -202,6 +243,13 @@ pub async fn serve(dp: Arc<Datapath>, listener: std::os::unix::net::UnixListener
     drain_tick.tick().await;
     let tracker = tokio_util_tracker::Tracker::default();
     let cluster_client = tokio::spawn(cluster::run(dp.clone()));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut csi_task = csi.map(|svc| {
+        let mut rx = stop_rx.clone();
+        tokio::spawn(crate::csi::serve(svc, async move {
+            let _ = rx.wait_for(|v| *v).await;
+        }))
+    });
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -223,7 +271,22 @@ pub async fn serve(dp: Arc<Datapath>, listener: std::os::unix::net::UnixListener
             }
             _ = term.recv() => break,
             _ = int.recv() => break,
+            Some(r) = async { match &mut csi_task { Some(t) if !t.is_finished() => Some(t.await), _ => None } } => {
+                // The CSI server only ends early on a start-up failure: fail the agent
+                // (the DaemonSet restarts it) rather than run without volumes.
+                let msg = match r {
+                    Ok(Ok(())) => "CSI server ended unexpectedly".to_string(),
+                    Ok(Err(e)) => e,
+                    Err(e) => e.to_string(),
+                };
+                let _ = fs::remove_file(&dp.cfg.cni_socket);
+                return Err(AgentError::Setup(msg));
+            }
         }
+    }
+    let _ = stop_tx.send(true);
+    if let Some(t) = csi_task {
+        let _ = t.await;
     }
     tracing::info!("shutting down: no new requests; finishing in-flight ones");
     cluster_client.abort();

@@ -131,6 +131,46 @@ pub fn grow_fs(dev_or_mountpoint: &Path, fs: FsType) -> Result<(), FsError> {
     }
 }
 
+/// The size in bytes the filesystem on `dev` spans, from its superblock (ext4: block count
+/// × block size; xfs: data blocks × block size). Compared with the device size, it tells
+/// whether a grown device still needs its filesystem grown. `None` when `dev` does not hold
+/// a filesystem of that type.
+pub fn fs_size_bytes(dev: &Path, fs: FsType) -> Result<Option<u64>, FsError> {
+    use std::os::unix::fs::FileExt;
+    let io = |source| FsError::Io { path: dev.display().to_string(), source };
+    let f = std::fs::File::open(dev).map_err(io)?;
+    match fs {
+        FsType::Ext4 => {
+            let mut sb = [0u8; 1024];
+            f.read_exact_at(&mut sb, 1024).map_err(io)?;
+            let u32_at = |o: usize| u32::from_le_bytes(sb[o..o + 4].try_into().unwrap());
+            if u16::from_le_bytes([sb[0x38], sb[0x39]]) != 0xEF53 {
+                return Ok(None);
+            }
+            let log = u32_at(0x18);
+            if log > 6 {
+                return Ok(None);
+            }
+            let mut blocks = u32_at(0x04) as u64;
+            if u32_at(0x60) & 0x80 != 0 {
+                blocks |= (u32_at(0x150) as u64) << 32;
+            }
+            Ok(Some(blocks * (1024u64 << log)))
+        }
+        FsType::Xfs => {
+            let mut sb = [0u8; 16];
+            f.read_exact_at(&mut sb, 0).map_err(io)?;
+            if &sb[0..4] != b"XFSB" {
+                return Ok(None);
+            }
+            let bsize = u32::from_be_bytes(sb[4..8].try_into().unwrap()) as u64;
+            let dblocks = u64::from_be_bytes(sb[8..16].try_into().unwrap());
+            Ok(dblocks.checked_mul(bsize))
+        }
+        FsType::Raw => Err(FsError::Raw("measure")),
+    }
+}
+
 /// Whether the block device `dev` is mounted anywhere in this mount namespace (by its
 /// major:minor in `/proc/self/mountinfo`, so any name for the device counts).
 pub fn is_mounted(dev: &Path) -> Result<bool, FsError> {

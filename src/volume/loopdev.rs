@@ -96,6 +96,8 @@ pub struct LoopBinding {
     pub backing_file: PathBuf,
     /// The backing file has been unlinked.
     pub deleted: bool,
+    /// Bound read-only (`LO_FLAGS_READ_ONLY`; sysfs `ro`).
+    pub read_only: bool,
 }
 
 /// Every bound loop device (one sysfs walk; unbound devices have no `loop/` directory).
@@ -130,11 +132,13 @@ fn bound_devices_in(sys_block: &Path) -> io::Result<Vec<LoopBinding>> {
         if deleted {
             raw.truncate(raw.len() - DELETED.len());
         }
+        let read_only = fs::read_to_string(entry.path().join("ro")).is_ok_and(|s| s.trim() == "1");
         out.push(LoopBinding {
             device: PathBuf::from(format!("/dev/loop{number}")),
             number,
             backing_file: PathBuf::from(OsString::from_vec(raw)),
             deleted,
+            read_only,
         });
     }
     out.sort_by_key(|b| b.number);
@@ -446,6 +450,7 @@ mod tests {
                 fs::create_dir_all(d.join("loop")).unwrap();
                 fs::write(d.join("loop/backing_file"), c).unwrap();
             }
+            fs::write(d.join("ro"), if n == 11 { "1\n" } else { "0\n" }).unwrap();
         }
         fs::create_dir_all(dir.join("vda")).unwrap();
         let got = bound_devices_in(&dir).unwrap();
@@ -457,13 +462,15 @@ mod tests {
                     device: "/dev/loop3".into(),
                     number: 3,
                     backing_file: "/var/lib/x/a.img".into(),
-                    deleted: false
+                    deleted: false,
+                    read_only: false,
                 },
                 LoopBinding {
                     device: "/dev/loop11".into(),
                     number: 11,
                     backing_file: "/v/b.img".into(),
-                    deleted: true
+                    deleted: true,
+                    read_only: true,
                 },
             ]
         );

@@ -566,53 +566,81 @@ impl VolumeStore {
         Ok(vol)
     }
 
-    /// The loop device bound to volume `id`'s image, if any (without attaching).
+    /// The read-write loop device bound to volume `id`'s image, if any (without attaching).
     pub fn attached_device(&self, id: &str) -> Result<Option<PathBuf>> {
+        Ok(self.bindings(id)?.into_iter().find(|b| !b.read_only).map(|b| b.device))
+    }
+
+    /// Every loop device bound to volume `id`'s image (read-write and read-only).
+    pub fn bindings(&self, id: &str) -> Result<Vec<loopdev::LoopBinding>> {
         validate_id(id)?;
         let img = self.dir.join(format!("{id}.img"));
         let m = match std::fs::metadata(&img) {
             Ok(m) => m,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => return Err(io_err("inspecting", &img)(e)),
         };
-        let found = loopdev::find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))?;
-        Ok(found.into_iter().next().map(|b| b.device))
+        loopdev::find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))
     }
 
-    /// Attach volume `id` to a loop device and return it (`/dev/loopN`). Idempotent: when a
-    /// device is already bound to the image (same inode and filesystem), that one is
-    /// returned. Bound read-write, buffered, without auto-clear (see the module docs).
+    /// Attach volume `id` read-write to a loop device and return it (`/dev/loopN`).
+    /// Idempotent: when a read-write device is already bound to the image (same inode and
+    /// filesystem), that one is returned. Bound buffered, without auto-clear (see the
+    /// module docs).
     pub fn attach(&self, id: &str) -> Result<PathBuf> {
+        self.attach_mode(id, false)
+    }
+
+    /// Attach volume `id` read-only (`LO_FLAGS_READ_ONLY`: every write through the device
+    /// fails), alongside any read-write device; idempotent like [`Self::attach`]. Both
+    /// devices read the same backing file through the same page cache.
+    pub fn attach_read_only(&self, id: &str) -> Result<PathBuf> {
+        self.attach_mode(id, true)
+    }
+
+    fn attach_mode(&self, id: &str, read_only: bool) -> Result<PathBuf> {
         validate_id(id)?;
         let lock = self.volume_lock(id);
         let _g = lock.lock().unwrap();
         let vol = self.get(id)?.ok_or_else(|| VolumeError::NotFound(id.to_string()))?;
         let f = OpenOptions::new()
             .read(true)
-            .write(true)
+            .write(!read_only)
             .custom_flags(libc::O_CLOEXEC)
             .open(&vol.path)
             .map_err(|e| missing_or(id, &vol.path, "opening", e))?;
         let m = f.metadata().map_err(io_err("inspecting", &vol.path))?;
-        let found = loopdev::find_backed_by(&vol.path, m.dev(), m.ino())
-            .map_err(io_err("finding loop devices of", &vol.path))?;
+        let found: Vec<_> = loopdev::find_backed_by(&vol.path, m.dev(), m.ino())
+            .map_err(io_err("finding loop devices of", &vol.path))?
+            .into_iter()
+            .filter(|b| b.read_only == read_only)
+            .collect();
         if let Some(first) = found.first() {
             if found.len() > 1 {
                 let all: Vec<String> = found.iter().map(|b| b.device.display().to_string()).collect();
-                tracing::warn!(volume = id, devices = %all.join(", "), "volume is bound to several loop devices");
+                tracing::warn!(volume = id, devices = %all.join(", "), read_only, "volume is bound to several loop devices");
             }
             return Ok(first.device.clone());
         }
-        let dev = loopdev::attach(&f, &vol.path, loopdev::AttachOptions::default())
+        let dev = loopdev::attach(&f, &vol.path, loopdev::AttachOptions { read_only, autoclear: false })
             .map_err(io_err("attaching", &vol.path))?;
-        tracing::info!(volume = id, device = %dev.display(), "volume attached");
+        tracing::info!(volume = id, device = %dev.display(), read_only, "volume attached");
         Ok(dev)
+    }
+
+    /// Detach volume `id`'s read-only loop devices only (see [`Self::detach`]).
+    pub fn detach_read_only(&self, id: &str) -> Result<()> {
+        self.detach_where(id, |b| b.read_only)
     }
 
     /// Detach volume `id` from every loop device bound to its image. Idempotent: nothing
     /// attached, or no such volume, is success. A device that is mounted (or held open by
     /// someone else) is left alone: [`VolumeError::Busy`].
     pub fn detach(&self, id: &str) -> Result<()> {
+        self.detach_where(id, |_| true)
+    }
+
+    fn detach_where(&self, id: &str, which: impl Fn(&loopdev::LoopBinding) -> bool) -> Result<()> {
         validate_id(id)?;
         let lock = self.volume_lock(id);
         let _g = lock.lock().unwrap();
@@ -624,7 +652,7 @@ impl VolumeStore {
         };
         let found = loopdev::find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))?;
         let mut busy = Vec::new();
-        for b in found {
+        for b in found.into_iter().filter(|b| which(b)) {
             match loopdev::detach(&b.device, m.dev(), m.ino()) {
                 Ok(()) => tracing::info!(volume = id, device = %b.device.display(), "volume detached"),
                 Err(loopdev::DetachError::Busy(reason)) => busy.push(reason),

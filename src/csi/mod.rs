@@ -1,0 +1,289 @@
+//! The agent as the node's CSI plugin: Identity and Node over
+//! `<kubelet>/plugins/csi.nodeplane.dev/csi.sock`, and kubelet plugin registration over
+//! `<kubelet>/plugins_registry/csi.nodeplane.dev-reg.sock` (no registrar sidecar).
+//!
+//! Start-up order: the CSI socket is served first with `Probe` answering not-ready and Node
+//! calls answering UNAVAILABLE; the node service rebuilds its view (records, mount table,
+//! loop table); then it turns ready; only then does the registration socket appear, so
+//! kubelet never finds a plugin it cannot use.
+
+pub mod mount;
+pub mod node;
+
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use crate::rpc::csi;
+use crate::rpc::pluginregistration as reg;
+pub use node::{CsiError, NodeService, NodeSettings};
+
+pub const DRIVER_NAME: &str = "csi.nodeplane.dev";
+pub const TOPOLOGY_KEY: &str = "topology.csi.nodeplane.dev/node";
+/// CSI spec versions this plugin speaks, as kubelet's registration expects them.
+pub const SUPPORTED_VERSIONS: &[&str] = &["1.0.0"];
+
+/// Where the sockets live under a kubelet root.
+pub fn csi_socket(kubelet_dir: &Path) -> PathBuf {
+    kubelet_dir.join("plugins").join(DRIVER_NAME).join("csi.sock")
+}
+pub fn registration_socket(kubelet_dir: &Path) -> PathBuf {
+    kubelet_dir.join("plugins_registry").join(format!("{DRIVER_NAME}-reg.sock"))
+}
+
+fn ready_or_unavailable(svc: &NodeService) -> Result<(), Status> {
+    if svc.ready() { Ok(()) } else { Err(Status::unavailable("the node plugin is still initialising")) }
+}
+
+/// Run one blocking node operation off the async workers, logging its outcome.
+async fn blocking<T, F>(svc: &Arc<NodeService>, op: &'static str, volume: String, f: F) -> Result<Response<T>, Status>
+where
+    T: Send + 'static,
+    F: FnOnce(&NodeService) -> Result<T, CsiError> + Send + 'static,
+{
+    ready_or_unavailable(svc)?;
+    let svc = svc.clone();
+    let started = std::time::Instant::now();
+    let out = tokio::task::spawn_blocking(move || f(&svc))
+        .await
+        .map_err(|e| Status::internal(format!("{op} panicked: {e}")))?;
+    let micros = started.elapsed().as_micros() as u64;
+    match out {
+        Ok(v) => {
+            tracing::debug!(op, volume = %volume, micros, "csi ok");
+            Ok(Response::new(v))
+        }
+        Err(e) => {
+            tracing::warn!(op, volume = %volume, code = ?e.code, error = %e.msg, micros, "csi request failed");
+            Err(e.into())
+        }
+    }
+}
+
+/// Identity service (same answers on every node; the controller serves the same plugin).
+#[derive(Clone)]
+pub struct Identity {
+    /// Readiness source; `None` when always ready (the controller's copy).
+    pub node: Option<Arc<NodeService>>,
+}
+
+pub fn plugin_info() -> csi::GetPluginInfoResponse {
+    csi::GetPluginInfoResponse {
+        name: DRIVER_NAME.into(),
+        vendor_version: env!("CARGO_PKG_VERSION").into(),
+        manifest: Default::default(),
+    }
+}
+
+pub fn plugin_capabilities() -> csi::GetPluginCapabilitiesResponse {
+    use csi::plugin_capability::{Service, Type, VolumeExpansion, service, volume_expansion};
+    let svc = |t: service::Type| csi::PluginCapability { r#type: Some(Type::Service(Service { r#type: t as i32 })) };
+    csi::GetPluginCapabilitiesResponse {
+        capabilities: vec![
+            svc(service::Type::ControllerService),
+            svc(service::Type::VolumeAccessibilityConstraints),
+            csi::PluginCapability {
+                r#type: Some(Type::VolumeExpansion(VolumeExpansion { r#type: volume_expansion::Type::Online as i32 })),
+            },
+        ],
+    }
+}
+
+#[tonic::async_trait]
+impl csi::identity_server::Identity for Identity {
+    async fn get_plugin_info(&self, _: Request<csi::GetPluginInfoRequest>) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
+        Ok(Response::new(plugin_info()))
+    }
+    async fn get_plugin_capabilities(
+        &self,
+        _: Request<csi::GetPluginCapabilitiesRequest>,
+    ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
+        Ok(Response::new(plugin_capabilities()))
+    }
+    async fn probe(&self, _: Request<csi::ProbeRequest>) -> Result<Response<csi::ProbeResponse>, Status> {
+        let ready = self.node.as_ref().is_none_or(|n| n.ready());
+        Ok(Response::new(csi::ProbeResponse { ready: Some(ready) }))
+    }
+}
+
+/// Node service (gRPC face of [`NodeService`]).
+#[derive(Clone)]
+pub struct Node(pub Arc<NodeService>);
+
+#[tonic::async_trait]
+impl csi::node_server::Node for Node {
+    async fn node_stage_volume(
+        &self,
+        r: Request<csi::NodeStageVolumeRequest>,
+    ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
+        let r = r.into_inner();
+        blocking(&self.0, "NodeStageVolume", r.volume_id.clone(), move |s| s.stage(&r).map(|()| csi::NodeStageVolumeResponse {}))
+            .await
+    }
+    async fn node_unstage_volume(
+        &self,
+        r: Request<csi::NodeUnstageVolumeRequest>,
+    ) -> Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
+        let r = r.into_inner();
+        blocking(&self.0, "NodeUnstageVolume", r.volume_id.clone(), move |s| {
+            s.unstage(&r).map(|()| csi::NodeUnstageVolumeResponse {})
+        })
+        .await
+    }
+    async fn node_publish_volume(
+        &self,
+        r: Request<csi::NodePublishVolumeRequest>,
+    ) -> Result<Response<csi::NodePublishVolumeResponse>, Status> {
+        let r = r.into_inner();
+        blocking(&self.0, "NodePublishVolume", r.volume_id.clone(), move |s| {
+            s.publish(&r).map(|()| csi::NodePublishVolumeResponse {})
+        })
+        .await
+    }
+    async fn node_unpublish_volume(
+        &self,
+        r: Request<csi::NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::NodeUnpublishVolumeResponse>, Status> {
+        let r = r.into_inner();
+        blocking(&self.0, "NodeUnpublishVolume", r.volume_id.clone(), move |s| {
+            s.unpublish(&r).map(|()| csi::NodeUnpublishVolumeResponse {})
+        })
+        .await
+    }
+    async fn node_get_volume_stats(
+        &self,
+        r: Request<csi::NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<csi::NodeGetVolumeStatsResponse>, Status> {
+        let r = r.into_inner();
+        blocking(&self.0, "NodeGetVolumeStats", r.volume_id.clone(), move |s| s.stats(&r)).await
+    }
+    async fn node_expand_volume(
+        &self,
+        r: Request<csi::NodeExpandVolumeRequest>,
+    ) -> Result<Response<csi::NodeExpandVolumeResponse>, Status> {
+        let r = r.into_inner();
+        blocking(&self.0, "NodeExpandVolume", r.volume_id.clone(), move |s| s.expand(&r)).await
+    }
+    async fn node_get_capabilities(
+        &self,
+        _: Request<csi::NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
+        use csi::node_service_capability::{Rpc, Type, rpc};
+        let caps = [
+            rpc::Type::StageUnstageVolume,
+            rpc::Type::GetVolumeStats,
+            rpc::Type::ExpandVolume,
+            rpc::Type::VolumeCondition,
+            rpc::Type::SingleNodeMultiWriter,
+            rpc::Type::VolumeMountGroup,
+        ]
+        .into_iter()
+        .map(|t| csi::NodeServiceCapability { r#type: Some(Type::Rpc(Rpc { r#type: t as i32 })) })
+        .collect();
+        Ok(Response::new(csi::NodeGetCapabilitiesResponse { capabilities: caps }))
+    }
+    async fn node_get_info(&self, _: Request<csi::NodeGetInfoRequest>) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
+        Ok(Response::new(self.0.info()))
+    }
+}
+
+/// Kubelet plugin registration (`pluginregistration.Registration`).
+#[derive(Clone)]
+pub struct Registration {
+    pub endpoint: PathBuf,
+}
+
+#[tonic::async_trait]
+impl reg::registration_server::Registration for Registration {
+    async fn get_info(&self, _: Request<reg::InfoRequest>) -> Result<Response<reg::PluginInfo>, Status> {
+        Ok(Response::new(reg::PluginInfo {
+            r#type: "CSIPlugin".into(),
+            name: DRIVER_NAME.into(),
+            endpoint: self.endpoint.to_string_lossy().into_owned(),
+            supported_versions: SUPPORTED_VERSIONS.iter().map(|s| s.to_string()).collect(),
+        }))
+    }
+    async fn notify_registration_status(
+        &self,
+        r: Request<reg::RegistrationStatus>,
+    ) -> Result<Response<reg::RegistrationStatusResponse>, Status> {
+        let r = r.into_inner();
+        if r.plugin_registered {
+            tracing::info!(driver = DRIVER_NAME, "kubelet registered the CSI plugin");
+        } else {
+            tracing::error!(driver = DRIVER_NAME, error = %r.error, "kubelet refused the CSI plugin registration");
+        }
+        Ok(Response::new(reg::RegistrationStatusResponse {}))
+    }
+}
+
+/// Bind a Unix socket for a gRPC server: parent directory created (0750), a stale socket
+/// removed, the new one 0600 before anyone can be told about it.
+pub fn bind_socket(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::DirBuilder::new().recursive(true).mode(0o750).create(dir)?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => tracing::info!(socket = %path.display(), "removed stale socket"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let l = std::os::unix::net::UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    l.set_nonblocking(true)?;
+    tokio::net::UnixListener::from_std(l)
+}
+
+/// Serve CSI Identity + Node, recover, then register with kubelet; until `shutdown`
+/// resolves. Sockets are removed on the way out (registration first).
+pub async fn serve(
+    svc: Arc<NodeService>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    let kubelet = svc.settings.kubelet_dir.clone();
+    let csi_path = csi_socket(&kubelet);
+    let reg_path = registration_socket(&kubelet);
+    let csi_listener = bind_socket(&csi_path).map_err(|e| format!("binding {}: {e}", csi_path.display()))?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|v| *v).await;
+    };
+    let csi_server = tonic::transport::Server::builder()
+        .add_service(csi::identity_server::IdentityServer::new(Identity { node: Some(svc.clone()) }))
+        .add_service(csi::node_server::NodeServer::new(Node(svc.clone())))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(csi_listener), stopped(stop_rx.clone()));
+    let csi_task = tokio::spawn(csi_server);
+    tracing::info!(socket = %csi_path.display(), "CSI Identity and Node served (not ready yet)");
+
+    let s = svc.clone();
+    let report = tokio::task::spawn_blocking(move || s.recover()).await.map_err(|e| e.to_string())?;
+    match report {
+        Ok(r) => tracing::info!(
+            staged = r.staged,
+            published = r.published,
+            rolled_back = r.rolled_back_stages,
+            dropped_publish_records = r.dropped_publish_records,
+            detached = r.detached,
+            orphans = r.orphans,
+            "CSI node recovered; ready"
+        ),
+        Err(e) => return Err(format!("CSI node recovery: {e}")),
+    }
+
+    let reg_listener = bind_socket(&reg_path).map_err(|e| format!("binding {}: {e}", reg_path.display()))?;
+    let reg_server = tonic::transport::Server::builder()
+        .add_service(reg::registration_server::RegistrationServer::new(Registration { endpoint: csi_path.clone() }))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(reg_listener), stopped(stop_rx));
+    let reg_task = tokio::spawn(reg_server);
+    tracing::info!(socket = %reg_path.display(), "kubelet registration socket served");
+
+    shutdown.await;
+    let _ = std::fs::remove_file(&reg_path);
+    let _ = stop_tx.send(true);
+    let _ = reg_task.await;
+    let _ = csi_task.await;
+    let _ = std::fs::remove_file(&csi_path);
+    Ok(())
+}

@@ -1,0 +1,1038 @@
+//! The CSI Node service's work: stage, publish, unpublish, unstage, stats and expansion of
+//! node-local volumes, as blocking functions (the gRPC layer runs them on blocking threads).
+//!
+//! Truth is the kernel's: `/proc/self/mountinfo` and the loop table are read before every
+//! decision. Small records under `<state>/csi/` say what was asked (capability, paths, which
+//! target the agent created), so an incompatible repeat is told apart from an idempotent
+//! one, and a restart can finish or roll back what it interrupted:
+//!
+//! ```text
+//! <state>/csi/stage/<volume-id>.json     one per staged volume ("staging" while in progress)
+//! <state>/csi/publish/<hash>.json        one per published target path
+//! ```
+//!
+//! A record is written before the kernel state it describes and removed after it is undone,
+//! so a crash at any point leaves a record for everything that might exist.
+
+use std::collections::HashSet;
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use tonic::Code;
+
+use super::mount::{self, MountEntry, MountOptions};
+use crate::rpc::csi;
+use crate::rpc::csi::volume_capability::access_mode::Mode;
+use crate::volume::{FsType, VolumeError, VolumeStore, fs as vfs, loopdev};
+
+/// A failed CSI call: the gRPC code the spec asks for and a message naming what was wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CsiError {
+    pub code: Code,
+    pub msg: String,
+}
+
+impl std::fmt::Display for CsiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.code, self.msg)
+    }
+}
+
+impl CsiError {
+    pub fn new(code: Code, msg: impl Into<String>) -> Self {
+        CsiError { code, msg: msg.into() }
+    }
+}
+
+fn invalid(msg: impl Into<String>) -> CsiError {
+    CsiError::new(Code::InvalidArgument, msg)
+}
+fn precondition(msg: impl Into<String>) -> CsiError {
+    CsiError::new(Code::FailedPrecondition, msg)
+}
+fn internal(msg: impl Into<String>) -> CsiError {
+    CsiError::new(Code::Internal, msg)
+}
+fn not_found(id: &str) -> CsiError {
+    CsiError::new(Code::NotFound, format!("volume {id} does not exist on this node"))
+}
+
+impl From<CsiError> for tonic::Status {
+    fn from(e: CsiError) -> Self {
+        tonic::Status::new(e.code, e.msg)
+    }
+}
+
+impl From<VolumeError> for CsiError {
+    fn from(e: VolumeError) -> Self {
+        let code = match &e {
+            VolumeError::InvalidId { .. } | VolumeError::InvalidSize { .. } | VolumeError::InvalidFsType(_) => {
+                Code::InvalidArgument
+            }
+            VolumeError::NotFound(_) => Code::NotFound,
+            VolumeError::AlreadyExists { .. } => Code::AlreadyExists,
+            VolumeError::CapacityExceeded { .. } | VolumeError::Shrink { .. } => Code::OutOfRange,
+            VolumeError::Busy { .. } | VolumeError::BackingFileMissing { .. } => Code::FailedPrecondition,
+            VolumeError::Fs(crate::volume::FsError::OnlineResizeNotPermitted(_)) => Code::FailedPrecondition,
+            VolumeError::Locked { .. } | VolumeError::Io { .. } | VolumeError::Metadata { .. } | VolumeError::Fs(_) => {
+                Code::Internal
+            }
+        };
+        CsiError::new(code, e.to_string())
+    }
+}
+
+impl From<vfs::FsError> for CsiError {
+    fn from(e: vfs::FsError) -> Self {
+        VolumeError::Fs(e).into()
+    }
+}
+
+type Result<T, E = CsiError> = std::result::Result<T, E>;
+
+/// What a request's `volume_capability` asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Capability {
+    pub block: bool,
+    #[serde(default)]
+    pub fs_type: String,
+    #[serde(default)]
+    pub mount_flags: Vec<String>,
+    #[serde(default)]
+    pub mount_group: String,
+    /// `csi.v1` access mode number.
+    pub access_mode: i32,
+}
+
+impl Capability {
+    fn mode(&self) -> Mode {
+        Mode::try_from(self.access_mode).unwrap_or(Mode::Unknown)
+    }
+}
+
+/// Parse and check a capability: present, an access type, a single-node access mode
+/// (node-local volumes cannot be MULTI_NODE: FAILED_PRECONDITION, "exceeds capabilities").
+pub fn parse_capability(c: Option<&csi::VolumeCapability>) -> Result<Capability> {
+    use csi::volume_capability::AccessType;
+    let c = c.ok_or_else(|| invalid("volume_capability is required"))?;
+    let mode = c.access_mode.as_ref().ok_or_else(|| invalid("volume_capability.access_mode is required"))?.mode;
+    let cap = match c.access_type.as_ref().ok_or_else(|| invalid("volume_capability.access_type is required"))? {
+        AccessType::Block(_) => Capability {
+            block: true,
+            fs_type: String::new(),
+            mount_flags: Vec::new(),
+            mount_group: String::new(),
+            access_mode: mode,
+        },
+        AccessType::Mount(m) => Capability {
+            block: false,
+            fs_type: m.fs_type.clone(),
+            mount_flags: m.mount_flags.clone(),
+            mount_group: m.volume_mount_group.clone(),
+            access_mode: mode,
+        },
+    };
+    match Mode::try_from(mode) {
+        Ok(Mode::SingleNodeWriter | Mode::SingleNodeReaderOnly | Mode::SingleNodeSingleWriter | Mode::SingleNodeMultiWriter) => {}
+        Ok(m @ (Mode::MultiNodeReaderOnly | Mode::MultiNodeSingleWriter | Mode::MultiNodeMultiWriter)) => {
+            return Err(precondition(format!(
+                "access mode {} exceeds the volume's capabilities: nodeplane volumes are node-local (single-node modes only)",
+                m.as_str_name()
+            )));
+        }
+        Ok(Mode::Unknown) | Err(_) => return Err(invalid(format!("volume_capability.access_mode {mode} is not a known mode"))),
+    }
+    if !cap.block {
+        mount::parse_mount_flags(&cap.mount_flags).map_err(invalid)?;
+        if !cap.fs_type.is_empty() && !matches!(cap.fs_type.as_str(), "ext4" | "xfs") {
+            return Err(invalid(format!("fs_type {:?} is not supported (ext4, xfs)", cap.fs_type)));
+        }
+        if !cap.mount_group.is_empty() && cap.mount_group.parse::<u32>().is_err() {
+            return Err(invalid(format!("volume_mount_group {:?} is not a numeric group id", cap.mount_group)));
+        }
+    }
+    Ok(cap)
+}
+
+/// Whether `cap` fits volume `vol`: block access works on any volume (it is the device);
+/// mount access needs a filesystem volume of the asked type.
+fn check_fits(vol: &crate::volume::Volume, cap: &Capability) -> Result<()> {
+    if cap.block {
+        return Ok(());
+    }
+    if vol.fs_type.is_raw() {
+        return Err(invalid(format!("volume {} is a raw block volume; it cannot be mounted as a filesystem", vol.id)));
+    }
+    if !cap.fs_type.is_empty() && cap.fs_type != vol.fs_type.as_str() {
+        return Err(invalid(format!(
+            "volume {} holds {}, the capability asks for {}",
+            vol.id,
+            vol.fs_type.as_str(),
+            cap.fs_type
+        )));
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum StageState {
+    Staging,
+    Staged,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct StageRecord {
+    volume_id: String,
+    staging_path: PathBuf,
+    capability: Capability,
+    state: StageState,
+}
+
+impl StageRecord {
+    /// Same request as `cap` for staging purposes (the mount group applies at publish).
+    fn same(&self, cap: &Capability) -> bool {
+        let a = &self.capability;
+        a.block == cap.block
+            && a.mount_flags == cap.mount_flags
+            && a.access_mode == cap.access_mode
+            && (a.fs_type == cap.fs_type || a.fs_type.is_empty() || cap.fs_type.is_empty())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PublishRecord {
+    volume_id: String,
+    target_path: PathBuf,
+    staging_path: PathBuf,
+    capability: Capability,
+    read_only: bool,
+    /// The agent created the target (and so removes it on unpublish).
+    created_target: bool,
+}
+
+/// Node service settings.
+#[derive(Debug, Clone)]
+pub struct NodeSettings {
+    pub node_id: String,
+    /// Canonical kubelet root: every staging and target path must lie inside it.
+    pub kubelet_dir: PathBuf,
+    /// `<state>/csi`
+    pub record_dir: PathBuf,
+    pub max_volumes: i64,
+}
+
+/// The node service's state. Share it behind an `Arc`.
+pub struct NodeService {
+    pub settings: NodeSettings,
+    pub store: Arc<VolumeStore>,
+    busy: Mutex<HashSet<String>>,
+    ready: AtomicBool,
+}
+
+/// Holds a volume for one operation; a second operation on it meanwhile gets ABORTED.
+pub struct VolumeGuard<'a> {
+    svc: &'a NodeService,
+    id: String,
+}
+
+impl Drop for VolumeGuard<'_> {
+    fn drop(&mut self) {
+        self.svc.busy.lock().unwrap().remove(&self.id);
+    }
+}
+
+fn required<'a>(field: &str, v: &'a str) -> Result<&'a str> {
+    if v.is_empty() { Err(invalid(format!("{field} is required"))) } else { Ok(v) }
+}
+
+fn io_internal(what: String) -> impl FnOnce(io::Error) -> CsiError {
+    move |e| internal(format!("{what}: {e}"))
+}
+
+fn errno_internal(what: String) -> impl FnOnce(nix::errno::Errno) -> CsiError {
+    move |e| internal(format!("{what}: {e}"))
+}
+
+impl NodeService {
+    pub fn new(settings: NodeSettings, store: Arc<VolumeStore>) -> io::Result<Self> {
+        for d in ["stage", "publish"] {
+            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(settings.record_dir.join(d))?;
+        }
+        Ok(NodeService { settings, store, busy: Mutex::new(HashSet::new()), ready: AtomicBool::new(false) })
+    }
+
+    pub fn ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    fn guard(&self, id: &str) -> Result<VolumeGuard<'_>> {
+        if !self.busy.lock().unwrap().insert(id.to_string()) {
+            return Err(CsiError::new(Code::Aborted, format!("an operation on volume {id} is already in progress")));
+        }
+        Ok(VolumeGuard { svc: self, id: id.to_string() })
+    }
+
+    fn volume_id<'a>(&self, v: &'a str) -> Result<&'a str> {
+        let id = required("volume_id", v)?;
+        crate::volume::validate_id(id).map_err(|e| invalid(e.to_string()))?;
+        Ok(id)
+    }
+
+    fn path(&self, field: &str, v: &str) -> Result<PathBuf> {
+        required(field, v)?;
+        mount::validate_path(field, v, &self.settings.kubelet_dir).map_err(invalid)
+    }
+
+    // ----- records -----
+
+    fn stage_record_path(&self, id: &str) -> PathBuf {
+        self.settings.record_dir.join("stage").join(format!("{id}.json"))
+    }
+
+    fn publish_record_path(&self, target: &Path) -> PathBuf {
+        let h = crate::util::fnv1a(&[target.as_os_str().as_encoded_bytes()]);
+        self.settings.record_dir.join("publish").join(format!("{h:016x}.json"))
+    }
+
+    fn load<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>> {
+        match std::fs::read(path) {
+            Ok(b) => match serde_json::from_slice(&b) {
+                Ok(r) => Ok(Some(r)),
+                Err(e) => {
+                    tracing::error!(file = %path.display(), error = %e, "unreadable CSI record; ignoring it");
+                    Ok(None)
+                }
+            },
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(internal(format!("reading {}: {e}", path.display()))),
+        }
+    }
+
+    fn save<T: Serialize>(path: &Path, rec: &T) -> Result<()> {
+        let data = serde_json::to_vec_pretty(rec).map_err(|e| internal(e.to_string()))?;
+        crate::util::atomic_write(path, &data, 0o600).map_err(io_internal(format!("writing {}", path.display())))
+    }
+
+    fn remove(path: &Path) -> Result<()> {
+        match std::fs::remove_file(path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(internal(format!("removing {}: {e}", path.display()))),
+        }
+    }
+
+    fn load_stage(&self, id: &str) -> Result<Option<StageRecord>> {
+        Self::load(&self.stage_record_path(id))
+    }
+
+    fn load_publish(&self, target: &Path) -> Result<Option<PublishRecord>> {
+        Ok(Self::load::<PublishRecord>(&self.publish_record_path(target))?.filter(|r| r.target_path == target))
+    }
+
+    fn publish_records(&self) -> Vec<PublishRecord> {
+        let dir = self.settings.record_dir.join("publish");
+        let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
+        entries.flatten().filter_map(|e| Self::load::<PublishRecord>(&e.path()).ok().flatten()).collect()
+    }
+
+    fn stage_records(&self) -> Vec<StageRecord> {
+        let dir = self.settings.record_dir.join("stage");
+        let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
+        entries.flatten().filter_map(|e| Self::load::<StageRecord>(&e.path()).ok().flatten()).collect()
+    }
+
+    // ----- kernel state -----
+
+    fn table() -> Result<Vec<MountEntry>> {
+        mount::mount_table().map_err(io_internal("reading /proc/self/mountinfo".into()))
+    }
+
+    /// Device numbers of every loop device bound to volume `id` (read-write first).
+    fn volume_devices(&self, id: &str) -> Result<Vec<(PathBuf, (u32, u32), bool)>> {
+        let mut out = Vec::new();
+        for b in self.store.bindings(id)? {
+            if let Ok(n) = mount::dev_numbers(&b.device) {
+                out.push((b.device, n, b.read_only));
+            }
+        }
+        out.sort_by_key(|d| d.2);
+        Ok(out)
+    }
+
+    /// Whether `m` shows one of `devices` mounted (a filesystem on the device, or the device
+    /// node bind-mounted from devtmpfs for block access).
+    fn is_volume_mount(m: &MountEntry, devices: &[(PathBuf, (u32, u32), bool)]) -> bool {
+        devices.iter().any(|(dev, (ma, mi), _)| {
+            (m.major == *ma && m.minor == *mi)
+                || (m.root.file_name().is_some_and(|n| Some(n) == dev.file_name()) && m.fs_type == "devtmpfs")
+        })
+    }
+
+    // ----- Node RPCs -----
+
+    pub fn stage(&self, req: &csi::NodeStageVolumeRequest) -> Result<()> {
+        let id = self.volume_id(&req.volume_id)?;
+        let staging = self.path("staging_target_path", &req.staging_target_path)?;
+        let cap = parse_capability(req.volume_capability.as_ref())?;
+        let opts = mount::parse_mount_flags(&cap.mount_flags).map_err(invalid)?;
+        let _g = self.guard(id)?;
+        let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
+        check_fits(&vol, &cap)?;
+        let table = Self::table()?;
+        let devices = self.volume_devices(id)?;
+        let rec = self.load_stage(id)?;
+        if let Some(r) = &rec {
+            let mounted_there = mount::mounts_at(&table, &r.staging_path).iter().any(|m| Self::is_volume_mount(m, &devices));
+            let staged_there = r.state == StageState::Staged && (mounted_there || (r.capability.block && !devices.is_empty()));
+            if r.staging_path != staging && staged_there {
+                return Err(precondition(format!(
+                    "volume {id} is already staged at {}; unstage it there first",
+                    r.staging_path.display()
+                )));
+            }
+            if r.staging_path == staging && staged_there && !r.same(&cap) {
+                return Err(CsiError::new(
+                    Code::AlreadyExists,
+                    format!("volume {id} is already staged at {} with a different capability", staging.display()),
+                ));
+            }
+        }
+        if let Some(top) = mount::top_mount_at(&table, &staging) {
+            if !cap.block
+                && Self::is_volume_mount(top, &devices)
+                && top.read_only() == opts.flags.contains(nix::mount::MsFlags::MS_RDONLY)
+            {
+                // Already mounted here (a retry, possibly after a restart): finish the record.
+                let mut r = rec.unwrap_or(StageRecord {
+                    volume_id: id.to_string(),
+                    staging_path: staging.clone(),
+                    capability: cap.clone(),
+                    state: StageState::Staged,
+                });
+                if r.state != StageState::Staged || r.staging_path != staging {
+                    r.state = StageState::Staged;
+                    r.staging_path = staging.clone();
+                    Self::save(&self.stage_record_path(id), &r)?;
+                }
+                return Ok(());
+            }
+            return Err(CsiError::new(
+                Code::AlreadyExists,
+                format!("{} already has a mount ({} {}) that is not this volume staged as asked", staging.display(), top.fs_type, top.source),
+            ));
+        }
+        let rec_path = self.stage_record_path(id);
+        Self::save(
+            &rec_path,
+            &StageRecord { volume_id: id.to_string(), staging_path: staging.clone(), capability: cap.clone(), state: StageState::Staging },
+        )?;
+        let attached_before = self.store.attached_device(id)?.is_some();
+        let result = self.stage_work(&vol, &staging, &cap, &opts);
+        match result {
+            Ok(()) => {
+                Self::save(
+                    &rec_path,
+                    &StageRecord { volume_id: id.to_string(), staging_path: staging, capability: cap, state: StageState::Staged },
+                )?;
+                Ok(())
+            }
+            Err(e) => {
+                // Roll back to where we started: nothing mounted, not attached (unless it was).
+                if !cap.block {
+                    let _ = mount::unmount_all(&staging);
+                }
+                if !attached_before && let Err(d) = self.store.detach(id) {
+                    tracing::warn!(volume = id, error = %d, "rolling back a failed stage: detach failed");
+                }
+                let _ = Self::remove(&rec_path);
+                Err(e)
+            }
+        }
+    }
+
+    fn stage_work(&self, vol: &crate::volume::Volume, staging: &Path, cap: &Capability, opts: &MountOptions) -> Result<()> {
+        let id = vol.id.as_str();
+        let dev = self.store.attach(id)?;
+        if cap.block {
+            return Ok(());
+        }
+        let fs = vol.fs_type;
+        match vfs::blkid_type(&dev)? {
+            None => {
+                tracing::info!(volume = id, device = %dev.display(), fs = fs.as_str(), "blank device: making a filesystem");
+                vfs::mkfs(&dev, fs)?;
+            }
+            Some(t) if t == fs.as_str() => {}
+            Some(other) => {
+                return Err(precondition(format!(
+                    "volume {id}: {} holds {other:?}, not {}; refusing to mount or format it",
+                    dev.display(),
+                    fs.as_str()
+                )));
+            }
+        }
+        let dev_size = loopdev::device_size(&dev).map_err(io_internal(format!("sizing {}", dev.display())))?;
+        // ext4 grown while unstaged: grow it now, offline (no CAP_SYS_RESOURCE needed).
+        if fs == FsType::Ext4
+            && let Some(fs_size) = vfs::fs_size_bytes(&dev, fs)?
+            && fs_size + crate::volume::SIZE_ALIGN <= dev_size
+        {
+            tracing::info!(volume = id, from = fs_size, to = dev_size, "growing ext4 before mounting");
+            vfs::grow_fs(&dev, fs)?;
+        }
+        if !staging.exists() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o750)
+                .create(staging)
+                .map_err(io_internal(format!("creating {}", staging.display())))?;
+        }
+        mount::mount_device(&dev, staging, fs.as_str(), opts).map_err(|e| match e {
+            nix::errno::Errno::EINVAL => invalid(format!(
+                "mounting {} ({}) at {} with flags {:?} failed: {e} (a mount flag the filesystem does not accept?)",
+                dev.display(),
+                fs.as_str(),
+                staging.display(),
+                cap.mount_flags
+            )),
+            e => internal(format!("mounting {} at {}: {e}", dev.display(), staging.display())),
+        })?;
+        if fs == FsType::Xfs
+            && !opts.flags.contains(nix::mount::MsFlags::MS_RDONLY)
+            && let Some(fs_size) = vfs::fs_size_bytes(&dev, fs)?
+            && fs_size + crate::volume::SIZE_ALIGN <= dev_size
+        {
+            tracing::info!(volume = id, from = fs_size, to = dev_size, "growing xfs after mounting");
+            vfs::grow_fs(staging, fs)?;
+        }
+        tracing::info!(volume = id, device = %dev.display(), staging = %staging.display(), "volume staged");
+        Ok(())
+    }
+
+    pub fn unstage(&self, req: &csi::NodeUnstageVolumeRequest) -> Result<()> {
+        let id = self.volume_id(&req.volume_id)?;
+        let staging = self.path("staging_target_path", &req.staging_target_path)?;
+        let _g = self.guard(id)?;
+        let known = self.store.get(id)?.is_some();
+        let rec = self.load_stage(id)?;
+        let table = Self::table()?;
+        let devices = self.volume_devices(id)?;
+        let ours_here: Vec<&MountEntry> =
+            mount::mounts_at(&table, &staging).into_iter().filter(|m| Self::is_volume_mount(m, &devices)).collect();
+        let rec_here = rec.as_ref().is_some_and(|r| r.staging_path == staging);
+        if !known && !rec_here && ours_here.is_empty() {
+            return Err(not_found(id));
+        }
+        if !rec_here && ours_here.is_empty() {
+            return Ok(()); // not staged here: nothing to do
+        }
+        // Still published somewhere? Unstaging under a running workload would pull the
+        // volume away from it.
+        let publications: Vec<String> = table
+            .iter()
+            .filter(|m| m.mount_point != staging && Self::is_volume_mount(m, &devices))
+            .filter(|m| !rec.as_ref().is_some_and(|r| r.staging_path == m.mount_point))
+            .map(|m| m.mount_point.display().to_string())
+            .collect();
+        if !publications.is_empty() {
+            return Err(precondition(format!(
+                "volume {id} is still published at {}; unpublish it first",
+                publications.join(", ")
+            )));
+        }
+        let n = mount::unmount_all(&staging).map_err(io_internal(format!("unstaging volume {id}")))?;
+        self.store.detach(id).map_err(|e| match e {
+            VolumeError::Busy { .. } => precondition(format!("volume {id} unmounted but its device is still in use: {e}")),
+            e => e.into(),
+        })?;
+        Self::remove(&self.stage_record_path(id))?;
+        tracing::info!(volume = id, staging = %staging.display(), unmounted = n, "volume unstaged");
+        Ok(())
+    }
+
+    pub fn publish(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
+        let id = self.volume_id(&req.volume_id)?;
+        let target = self.path("target_path", &req.target_path)?;
+        let cap = parse_capability(req.volume_capability.as_ref())?;
+        if req.staging_target_path.is_empty() {
+            return Err(precondition("staging_target_path is required: this plugin stages volumes (STAGE_UNSTAGE_VOLUME)"));
+        }
+        let staging = self.path("staging_target_path", &req.staging_target_path)?;
+        if target == staging || target.starts_with(&staging) || staging.starts_with(&target) {
+            return Err(invalid("target_path and staging_target_path must not contain each other"));
+        }
+        let opts = mount::parse_mount_flags(&cap.mount_flags).map_err(invalid)?;
+        let read_only = req.readonly || cap.mode() == Mode::SingleNodeReaderOnly;
+        let _g = self.guard(id)?;
+        let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
+        check_fits(&vol, &cap)?;
+        let table = Self::table()?;
+        let devices = self.volume_devices(id)?;
+        let stage = self.load_stage(id)?;
+        let staged_here = match &stage {
+            Some(r) if r.staging_path == staging && r.state == StageState::Staged => {
+                if r.capability.block != cap.block {
+                    return Err(invalid(format!(
+                        "volume {id} is staged for {} access, the publish asks for {}",
+                        if r.capability.block { "block" } else { "mount" },
+                        if cap.block { "block" } else { "mount" }
+                    )));
+                }
+                if cap.block {
+                    devices.iter().any(|d| !d.2)
+                } else {
+                    mount::top_mount_at(&table, &staging).is_some_and(|m| Self::is_volume_mount(m, &devices))
+                }
+            }
+            _ => false,
+        };
+        if !staged_here {
+            return Err(precondition(format!("volume {id} is not staged at {}", staging.display())));
+        }
+        let want = PublishRecord {
+            volume_id: id.to_string(),
+            target_path: target.clone(),
+            staging_path: staging.clone(),
+            capability: cap.clone(),
+            read_only,
+            created_target: false,
+        };
+        let existing = self.load_publish(&target)?;
+        let top = mount::top_mount_at(&table, &target);
+        if let Some(r) = &existing {
+            let same = r.volume_id == want.volume_id
+                && r.staging_path == want.staging_path
+                && r.capability == want.capability
+                && r.read_only == want.read_only;
+            let mounted = top.is_some_and(|m| Self::is_volume_mount(m, &devices));
+            if mounted && same {
+                return Ok(());
+            }
+            if mounted || r.volume_id != id {
+                return Err(CsiError::new(
+                    Code::AlreadyExists,
+                    format!(
+                        "{} is already published (volume {}, read_only {}) and incompatible with this request",
+                        target.display(),
+                        r.volume_id,
+                        r.read_only
+                    ),
+                ));
+            }
+        } else if let Some(m) = top {
+            return Err(CsiError::new(
+                Code::AlreadyExists,
+                format!("{} already has a mount ({} {}) that this plugin did not make", target.display(), m.fs_type, m.source),
+            ));
+        }
+        // SINGLE_NODE_SINGLE_WRITER: one workload only.
+        let others: Vec<PublishRecord> = self
+            .publish_records()
+            .into_iter()
+            .filter(|r| r.volume_id == id && r.target_path != target)
+            .filter(|r| mount::top_mount_at(&table, &r.target_path).is_some_and(|m| Self::is_volume_mount(m, &devices)))
+            .collect();
+        let single = |m: i32| Mode::try_from(m) == Ok(Mode::SingleNodeSingleWriter);
+        if let Some(o) = others.iter().find(|o| single(cap.access_mode) || single(o.capability.access_mode)) {
+            return Err(precondition(format!(
+                "volume {id} is SINGLE_NODE_SINGLE_WRITER and already published at {}",
+                o.target_path.display()
+            )));
+        }
+
+        let created_target = !target.exists();
+        let rec = PublishRecord { created_target: created_target || existing.is_some_and(|e| e.created_target), ..want };
+        let rec_path = self.publish_record_path(&target);
+        Self::save(&rec_path, &rec)?;
+        let result = (|| -> Result<()> {
+            if cap.block {
+                let dev = if read_only { self.store.attach_read_only(id)? } else {
+                    self.store.attached_device(id)?.ok_or_else(|| precondition(format!("volume {id} is not attached")))?
+                };
+                if created_target {
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .mode(0o600)
+                        .open(&target)
+                        .map_err(io_internal(format!("creating {}", target.display())))?;
+                }
+                mount::bind_mount(&dev, &target, read_only, nix::mount::MsFlags::empty())
+                    .map_err(errno_internal(format!("bind-mounting {} onto {}", dev.display(), target.display())))?;
+            } else {
+                if !cap.mount_group.is_empty() {
+                    apply_mount_group(&staging, &cap.mount_group)?;
+                }
+                if created_target {
+                    std::fs::DirBuilder::new()
+                        .mode(0o750)
+                        .create(&target)
+                        .map_err(io_internal(format!("creating {}", target.display())))?;
+                }
+                mount::bind_mount(&staging, &target, read_only, opts.flags)
+                    .map_err(errno_internal(format!("bind-mounting {} onto {}", staging.display(), target.display())))?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            let _ = mount::unmount_all(&target);
+            if rec.created_target {
+                let _ = remove_target(&target);
+            }
+            let _ = Self::remove(&rec_path);
+            if cap.block && read_only {
+                let _ = self.release_read_only_device(id, &target);
+            }
+            return Err(e);
+        }
+        tracing::info!(volume = id, target = %target.display(), read_only, block = cap.block, "volume published");
+        Ok(())
+    }
+
+    /// Detach the volume's read-only loop device when no other read-only block publication
+    /// uses it.
+    fn release_read_only_device(&self, id: &str, except: &Path) -> Result<()> {
+        let still_used = self
+            .publish_records()
+            .iter()
+            .any(|r| r.volume_id == id && r.capability.block && r.read_only && r.target_path != except);
+        if !still_used {
+            self.store.detach_read_only(id)?;
+        }
+        Ok(())
+    }
+
+    pub fn unpublish(&self, req: &csi::NodeUnpublishVolumeRequest) -> Result<()> {
+        let id = self.volume_id(&req.volume_id)?;
+        let target = self.path("target_path", &req.target_path)?;
+        let _g = self.guard(id)?;
+        let known = self.store.get(id)?.is_some();
+        let rec = self.load_publish(&target)?.filter(|r| r.volume_id == id);
+        let table = Self::table()?;
+        let devices = self.volume_devices(id)?;
+        let ours = mount::mounts_at(&table, &target).iter().any(|m| Self::is_volume_mount(m, &devices));
+        if !known && rec.is_none() && !ours {
+            return Err(not_found(id));
+        }
+        if rec.is_none() && !ours {
+            return Ok(()); // not published there
+        }
+        if ours || rec.is_some() {
+            mount::unmount_all(&target).map_err(io_internal(format!("unpublishing volume {id}")))?;
+        }
+        if let Some(r) = &rec {
+            if r.created_target {
+                remove_target(&target)?;
+            }
+            if r.capability.block && r.read_only {
+                self.release_read_only_device(id, &target)?;
+            }
+        }
+        Self::remove(&self.publish_record_path(&target))?;
+        tracing::info!(volume = id, target = %target.display(), "volume unpublished");
+        Ok(())
+    }
+
+    pub fn stats(&self, req: &csi::NodeGetVolumeStatsRequest) -> Result<csi::NodeGetVolumeStatsResponse> {
+        use csi::volume_usage::Unit;
+        let id = self.volume_id(&req.volume_id)?;
+        let path = self.path("volume_path", &req.volume_path)?;
+        let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
+        let table = Self::table()?;
+        let devices = self.volume_devices(id)?;
+        let here = mount::top_mount_at(&table, &path).filter(|m| Self::is_volume_mount(m, &devices));
+        let stage = self.load_stage(id)?.filter(|r| r.staging_path == path);
+        let block_staged_here = stage.as_ref().is_some_and(|r| r.capability.block && r.state == StageState::Staged);
+        let recorded = stage.is_some() || self.load_publish(&path)?.is_some_and(|r| r.volume_id == id);
+        if here.is_none() && !recorded {
+            return Err(CsiError::new(Code::NotFound, format!("volume {id} is not staged or published at {}", path.display())));
+        }
+        let mut problems = Vec::new();
+        if !vol.path.exists() {
+            problems.push(format!("backing file {} is missing", vol.path.display()));
+        }
+        let mut usage = Vec::new();
+        let block_total = |dev: Option<&PathBuf>| dev.and_then(|d| loopdev::device_size(d).ok()).unwrap_or(vol.size_bytes);
+        match here {
+            None if block_staged_here => {
+                let rw = devices.iter().find(|d| !d.2).map(|d| &d.0);
+                if rw.is_none() {
+                    problems.push(format!("volume {id} is staged but not attached to a loop device"));
+                }
+                usage.push(csi::VolumeUsage { available: 0, total: block_total(rw) as i64, used: 0, unit: Unit::Bytes as i32 });
+            }
+            None => problems.push(format!("{} is not mounted", path.display())),
+            Some(m) if m.fs_type == "devtmpfs" => {
+                let dev = devices.iter().find(|d| m.root.file_name() == d.0.file_name()).map(|d| &d.0);
+                usage.push(csi::VolumeUsage { available: 0, total: block_total(dev) as i64, used: 0, unit: Unit::Bytes as i32 });
+            }
+            Some(_) => {
+                let st = nix::sys::statvfs::statvfs(&path).map_err(errno_internal(format!("statfs {}", path.display())))?;
+                let f = st.fragment_size();
+                let total = st.blocks() * f;
+                let avail = st.blocks_available() * f;
+                let used = (st.blocks() - st.blocks_free()) * f;
+                usage.push(csi::VolumeUsage { available: avail as i64, total: total as i64, used: used as i64, unit: Unit::Bytes as i32 });
+                usage.push(csi::VolumeUsage {
+                    available: st.files_available() as i64,
+                    total: st.files() as i64,
+                    used: (st.files() - st.files_free()) as i64,
+                    unit: Unit::Inodes as i32,
+                });
+            }
+        }
+        let condition = if problems.is_empty() {
+            csi::VolumeCondition { abnormal: false, message: "healthy".into() }
+        } else {
+            csi::VolumeCondition { abnormal: true, message: problems.join("; ") }
+        };
+        Ok(csi::NodeGetVolumeStatsResponse { usage, volume_condition: Some(condition) })
+    }
+
+    pub fn expand(&self, req: &csi::NodeExpandVolumeRequest) -> Result<csi::NodeExpandVolumeResponse> {
+        let id = self.volume_id(&req.volume_id)?;
+        let path = self.path("volume_path", &req.volume_path)?;
+        if !req.staging_target_path.is_empty() {
+            self.path("staging_target_path", &req.staging_target_path)?;
+        }
+        let (required_bytes, limit) = match &req.capacity_range {
+            Some(r) if r.required_bytes < 0 || r.limit_bytes < 0 => return Err(invalid("capacity_range must not be negative")),
+            Some(r) if r.limit_bytes > 0 && r.required_bytes > r.limit_bytes => {
+                return Err(CsiError::new(Code::OutOfRange, format!("required_bytes {} exceeds limit_bytes {}", r.required_bytes, r.limit_bytes)));
+            }
+            Some(r) => (r.required_bytes as u64, r.limit_bytes as u64),
+            None => (0, 0),
+        };
+        let cap = match &req.volume_capability {
+            Some(c) => Some(parse_capability(Some(c)).map_err(|e| if e.code == Code::FailedPrecondition { invalid(e.msg) } else { e })?),
+            None => None,
+        };
+        let _g = self.guard(id)?;
+        let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
+        if let Some(c) = &cap {
+            check_fits(&vol, c)?;
+        }
+        let table = Self::table()?;
+        let devices = self.volume_devices(id)?;
+        let at_path = mount::top_mount_at(&table, &path).is_some_and(|m| Self::is_volume_mount(m, &devices));
+        let block_staged = self.load_stage(id)?.is_some_and(|r| r.capability.block && r.state == StageState::Staged);
+        if !at_path && !block_staged {
+            return Err(precondition(format!("volume {id} is not staged or published at {}", path.display())));
+        }
+        let want = required_bytes.max(vol.size_bytes);
+        let rounded = crate::volume::round_size(id, want)?;
+        if limit > 0 && rounded > limit {
+            return Err(CsiError::new(
+                Code::OutOfRange,
+                format!("volume sizes are whole MiB: {rounded} bytes would exceed limit_bytes {limit}"),
+            ));
+        }
+        let vol = self.store.expand(id, rounded)?;
+        if !vol.fs_type.is_raw() && !block_staged {
+            let dev = self.store.attached_device(id)?.ok_or_else(|| precondition(format!("volume {id} is not attached")))?;
+            let dev_size = loopdev::device_size(&dev).map_err(io_internal(format!("sizing {}", dev.display())))?;
+            let fs_size = vfs::fs_size_bytes(&dev, vol.fs_type)?.unwrap_or(dev_size);
+            if fs_size + crate::volume::SIZE_ALIGN <= dev_size {
+                match vol.fs_type {
+                    FsType::Xfs => {
+                        // xfs grows through a writable mount of it: the staging mount.
+                        let rw = table
+                            .iter()
+                            .find(|m| Self::is_volume_mount(m, &devices) && !m.read_only())
+                            .map(|m| m.mount_point.clone())
+                            .ok_or_else(|| precondition(format!("volume {id} has no writable mount to grow xfs through")))?;
+                        vfs::grow_fs(&rw, FsType::Xfs)?;
+                    }
+                    FsType::Ext4 => vfs::grow_fs(&dev, FsType::Ext4)?,
+                    FsType::Raw => {}
+                }
+                tracing::info!(volume = id, from = fs_size, to = dev_size, "filesystem grown online");
+            }
+        }
+        Ok(csi::NodeExpandVolumeResponse { capacity_bytes: vol.size_bytes as i64 })
+    }
+
+    pub fn info(&self) -> csi::NodeGetInfoResponse {
+        csi::NodeGetInfoResponse {
+            node_id: self.settings.node_id.clone(),
+            max_volumes_per_node: self.settings.max_volumes,
+            accessible_topology: Some(csi::Topology {
+                segments: [(super::TOPOLOGY_KEY.to_string(), self.settings.node_id.clone())].into_iter().collect(),
+            }),
+        }
+    }
+
+    // ----- start-up -----
+
+    /// Rebuild from the records, the mount table and the loop table: roll back stages a
+    /// crash interrupted before their mount, drop publish records whose target is gone,
+    /// detach loop devices of volumes that no stage accounts for. Marks the service ready.
+    pub fn recover(&self) -> Result<RecoveryReport> {
+        let mut report = RecoveryReport::default();
+        let table = Self::table()?;
+        let stages = self.stage_records();
+        let mut staged_ids = HashSet::new();
+        for r in &stages {
+            let devices = self.volume_devices(&r.volume_id).unwrap_or_default();
+            let mounted = mount::mounts_at(&table, &r.staging_path).iter().any(|m| Self::is_volume_mount(m, &devices));
+            if r.state == StageState::Staging && !mounted {
+                let published = table.iter().any(|m| Self::is_volume_mount(m, &devices));
+                if !published {
+                    match self.store.detach(&r.volume_id) {
+                        Ok(()) => {}
+                        Err(e) => tracing::warn!(volume = %r.volume_id, error = %e, "rolling back an interrupted stage: detach failed"),
+                    }
+                }
+                Self::remove(&self.stage_record_path(&r.volume_id))?;
+                tracing::info!(volume = %r.volume_id, staging = %r.staging_path.display(), "rolled back an interrupted stage");
+                report.rolled_back_stages += 1;
+                continue;
+            }
+            staged_ids.insert(r.volume_id.clone());
+            report.staged += 1;
+        }
+        for r in self.publish_records() {
+            let devices = self.volume_devices(&r.volume_id).unwrap_or_default();
+            let mounted = mount::mounts_at(&table, &r.target_path).iter().any(|m| Self::is_volume_mount(m, &devices));
+            if mounted {
+                report.published += 1;
+            } else if !r.target_path.exists() {
+                Self::remove(&self.publish_record_path(&r.target_path))?;
+                report.dropped_publish_records += 1;
+            } else {
+                // The target exists unmounted (interrupted publish or reboot): kubelet's
+                // retry or unpublish settles it.
+                report.published += 1;
+            }
+        }
+        for v in self.store.list() {
+            if staged_ids.contains(&v.id) {
+                continue;
+            }
+            let devices = self.volume_devices(&v.id).unwrap_or_default();
+            if devices.is_empty() || table.iter().any(|m| Self::is_volume_mount(m, &devices)) {
+                continue;
+            }
+            match self.store.detach(&v.id) {
+                Ok(()) => {
+                    tracing::info!(volume = %v.id, "detached a loop device no stage accounts for");
+                    report.detached += 1;
+                }
+                Err(e) => tracing::warn!(volume = %v.id, error = %e, "could not detach an unaccounted loop device"),
+            }
+        }
+        match self.store.orphans() {
+            Ok(o) => {
+                for orphan in &o {
+                    tracing::warn!(?orphan, "volume store orphan");
+                }
+                report.orphans = o.len();
+            }
+            Err(e) => tracing::warn!(error = %e, "listing volume store orphans"),
+        }
+        self.ready.store(true, Ordering::SeqCst);
+        Ok(report)
+    }
+}
+
+/// What [`NodeService::recover`] found.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RecoveryReport {
+    pub staged: usize,
+    pub published: usize,
+    pub rolled_back_stages: usize,
+    pub dropped_publish_records: usize,
+    pub detached: usize,
+    pub orphans: usize,
+}
+
+/// `volume_mount_group`: the volume's root becomes group-owned by the gid, group
+/// read/write/search, set-gid so new files inherit the group.
+fn apply_mount_group(root: &Path, gid: &str) -> Result<()> {
+    let gid: u32 = gid.parse().map_err(|_| invalid(format!("volume_mount_group {gid:?} is not a numeric group id")))?;
+    let md = std::fs::metadata(root).map_err(io_internal(format!("inspecting {}", root.display())))?;
+    if md.gid() != gid {
+        nix::unistd::chown(root, None, Some(nix::unistd::Gid::from_raw(gid)))
+            .map_err(errno_internal(format!("chown {}", root.display())))?;
+    }
+    let mode = md.permissions().mode() & 0o7777;
+    let want = mode | 0o2070;
+    if mode != want {
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(want))
+            .map_err(io_internal(format!("chmod {}", root.display())))?;
+    }
+    Ok(())
+}
+
+/// Remove a target the plugin created: an empty directory, or the file a block volume was
+/// bound onto. Already gone is fine.
+fn remove_target(target: &Path) -> Result<()> {
+    let r = match std::fs::symlink_metadata(target) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir(target),
+        Ok(_) => std::fs::remove_file(target),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => Err(e),
+    };
+    r.map_err(io_internal(format!("removing {}", target.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+
+    fn cap(mode: Mode, t: AccessType) -> csi::VolumeCapability {
+        csi::VolumeCapability { access_mode: Some(AccessMode { mode: mode as i32 }), access_type: Some(t) }
+    }
+    fn mnt(fs: &str) -> AccessType {
+        AccessType::Mount(MountVolume { fs_type: fs.into(), mount_flags: vec![], volume_mount_group: String::new() })
+    }
+
+    #[test]
+    fn capabilities_map_to_spec_codes() {
+        assert_eq!(parse_capability(None).unwrap_err().code, Code::InvalidArgument);
+        let no_mode = csi::VolumeCapability { access_mode: None, access_type: Some(mnt("")) };
+        assert_eq!(parse_capability(Some(&no_mode)).unwrap_err().code, Code::InvalidArgument);
+        let no_type = csi::VolumeCapability { access_mode: Some(AccessMode { mode: 1 }), access_type: None };
+        assert_eq!(parse_capability(Some(&no_type)).unwrap_err().code, Code::InvalidArgument);
+        assert_eq!(parse_capability(Some(&cap(Mode::Unknown, mnt("")))).unwrap_err().code, Code::InvalidArgument);
+        let bogus = csi::VolumeCapability { access_mode: Some(AccessMode { mode: 99 }), access_type: Some(mnt("")) };
+        assert_eq!(parse_capability(Some(&bogus)).unwrap_err().code, Code::InvalidArgument);
+        for m in [Mode::MultiNodeReaderOnly, Mode::MultiNodeSingleWriter, Mode::MultiNodeMultiWriter] {
+            assert_eq!(parse_capability(Some(&cap(m, mnt("")))).unwrap_err().code, Code::FailedPrecondition);
+        }
+        assert_eq!(parse_capability(Some(&cap(Mode::SingleNodeWriter, mnt("vfat")))).unwrap_err().code, Code::InvalidArgument);
+        let c = parse_capability(Some(&cap(Mode::SingleNodeMultiWriter, AccessType::Block(BlockVolume {})))).unwrap();
+        assert!(c.block);
+        let bad_group = csi::VolumeCapability {
+            access_mode: Some(AccessMode { mode: 1 }),
+            access_type: Some(AccessType::Mount(MountVolume {
+                fs_type: "ext4".into(),
+                mount_flags: vec![],
+                volume_mount_group: "staff".into(),
+            })),
+        };
+        assert_eq!(parse_capability(Some(&bad_group)).unwrap_err().code, Code::InvalidArgument);
+    }
+
+    #[test]
+    fn volume_errors_map_to_codes() {
+        let c = |e: VolumeError| CsiError::from(e).code;
+        assert_eq!(c(VolumeError::NotFound("x".into())), Code::NotFound);
+        assert_eq!(c(VolumeError::InvalidId { id: "..".into(), reason: "x" }), Code::InvalidArgument);
+        assert_eq!(
+            c(VolumeError::CapacityExceeded { id: "x".into(), requested: 2, available: 1, capacity: 1 }),
+            Code::OutOfRange
+        );
+        assert_eq!(c(VolumeError::Busy { id: "x".into(), reason: "y".into() }), Code::FailedPrecondition);
+        assert_eq!(c(VolumeError::Fs(vfs::FsError::OnlineResizeNotPermitted("d".into()))), Code::FailedPrecondition);
+    }
+}
