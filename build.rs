@@ -12,6 +12,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let protos = [
         PathBuf::from("proto/nodeplane/controller/v1/controller.proto"),
+        PathBuf::from("proto/nodeplane/node/v1/node.proto"),
         // CSI v1 (Identity, Controller, GroupController, SnapshotMetadata, Node).
         PathBuf::from("proto/csi/v1/csi.proto"),
         // kubelet plugin registration v1 (package `pluginregistration`).

@@ -19,6 +19,21 @@ pub fn fill_random(buf: &mut [u8]) {
     }
 }
 
+/// Fault injection for the crash-safety tests: when the environment variable
+/// `NODEPLANE_CRASH_AT` names `point` (comma-separated list), the process aborts right
+/// there, like a `kill -9`: no unwinding, no cleanup. Unset (production), this is one
+/// cached lookup.
+pub fn crash_point(point: &str) {
+    static SPEC: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let spec = SPEC.get_or_init(|| std::env::var("NODEPLANE_CRASH_AT").ok().filter(|s| !s.is_empty()));
+    if let Some(s) = spec
+        && s.split(',').any(|p| p == point)
+    {
+        eprintln!("NODEPLANE_CRASH_AT: crashing at {point}");
+        std::process::abort();
+    }
+}
+
 /// FNV-1a, 64 bit: stable across versions and processes (used to derive interface names).
 pub fn fnv1a(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;

@@ -97,6 +97,8 @@ pub struct FileConfig {
     #[serde(default)]
     pub plugin_dirs: Vec<PathBuf>,
     pub cni_socket: Option<PathBuf>,
+    /// The agent's local node API (default `<root>/run/nodeplane/node.sock`).
+    pub node_socket: Option<PathBuf>,
     pub state_dir: Option<PathBuf>,
     pub cni_bin_dir: Option<PathBuf>,
     pub cni_conf_dir: Option<PathBuf>,
@@ -141,6 +143,7 @@ pub struct Config {
     pub cni_version: String,
     pub plugin_dirs: Vec<PathBuf>,
     pub cni_socket: PathBuf,
+    pub node_socket: PathBuf,
     pub state_dir: PathBuf,
     pub cni_bin_dir: PathBuf,
     pub cni_conf_dir: PathBuf,
@@ -263,6 +266,7 @@ impl Config {
                 f.plugin_dirs
             },
             cni_socket: f.cni_socket.unwrap_or_else(|| under(&root, "/run/nodeplane/cni.sock")),
+            node_socket: f.node_socket.unwrap_or_else(|| under(&root, "/run/nodeplane/node.sock")),
             state_dir,
             kubelet_dir,
             csi,

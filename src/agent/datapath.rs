@@ -382,11 +382,10 @@ impl Datapath {
     }
 
     fn undo_add(&self, nl: &mut Netlink, owner: &Owner, host_if: &str) {
-        if let Ok(Some(link)) = nl.link_by_name(host_if) {
-            if let Err(e) = self.retire_link(nl, &link) {
+        if let Ok(Some(link)) = nl.link_by_name(host_if)
+            && let Err(e) = self.retire_link(nl, &link) {
                 tracing::warn!(error = %e, host_if, "rolling back veth");
             }
-        }
         if let Err(e) = self.ipam.release(owner) {
             tracing::warn!(error = %e, "rolling back lease");
         }

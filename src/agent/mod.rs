@@ -141,6 +141,7 @@ pub fn prepare_csi(cfg: &Config) -> Result<Option<Arc<crate::csi::NodeService>>,
         kubelet_dir,
         record_dir: cfg.state_dir.join("csi"),
         max_volumes: c.max_volumes,
+        node_socket: cfg.node_socket.clone(),
     };
     let svc = crate::csi::NodeService::new(settings, Arc::new(store)).map_err(io_ctx("creating CSI record directories"))?;
     Ok(Some(Arc::new(svc)))

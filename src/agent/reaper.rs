@@ -75,12 +75,11 @@ fn delete_graveyard(nl: &mut Option<Netlink>) {
     if nl.is_none() {
         *nl = Netlink::open().map_err(|e| tracing::error!(error = %e, "reaper netlink")).ok();
     }
-    if let Some(n) = nl.as_mut() {
-        if let Err(e) = n.delete_group(GRAVEYARD_GROUP) {
+    if let Some(n) = nl.as_mut()
+        && let Err(e) = n.delete_group(GRAVEYARD_GROUP) {
             tracing::warn!(error = %e, "deleting graveyard veths");
             *nl = None;
         }
-    }
 }
 
 fn run(rx: Receiver<Msg>) {

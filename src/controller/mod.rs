@@ -83,19 +83,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
 /// A client channel to a controller at `unix:/path` or `host:port`.
 pub async fn connect(address: &str) -> Result<tonic::transport::Channel, tonic::transport::Error> {
     match config::parse_listen(address) {
-        Ok(Listen::Unix(path)) => {
-            let path = Arc::new(path);
-            tonic::transport::Endpoint::from_static("http://controller.invalid")
-                .connect_timeout(std::time::Duration::from_secs(3))
-                .connect_with_connector(tower::service_fn(move |_| {
-                    let path = path.clone();
-                    async move {
-                        let s = tokio::net::UnixStream::connect(&*path).await?;
-                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
-                    }
-                }))
-                .await
-        }
+        Ok(Listen::Unix(path)) => crate::rpc::connect_unix(&path).await,
         _ => {
             tonic::transport::Endpoint::from_shared(format!("http://{address}"))?
                 .connect_timeout(std::time::Duration::from_secs(3))

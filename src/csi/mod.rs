@@ -9,6 +9,7 @@
 
 pub mod mount;
 pub mod node;
+pub mod volumes;
 
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -272,6 +273,14 @@ pub async fn serve(
         Err(e) => return Err(format!("CSI node recovery: {e}")),
     }
 
+    let node_path = svc.settings.node_socket.clone();
+    let node_listener = bind_socket(&node_path).map_err(|e| format!("binding {}: {e}", node_path.display()))?;
+    let node_server = tonic::transport::Server::builder()
+        .add_service(crate::rpc::node::node_volumes_server::NodeVolumesServer::new(volumes::NodeVolumes(svc.clone())))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(node_listener), stopped(stop_rx.clone()));
+    let node_task = tokio::spawn(node_server);
+    tracing::info!(socket = %node_path.display(), "node volume API served");
+
     let reg_listener = bind_socket(&reg_path).map_err(|e| format!("binding {}: {e}", reg_path.display()))?;
     let reg_server = tonic::transport::Server::builder()
         .add_service(reg::registration_server::RegistrationServer::new(Registration { endpoint: csi_path.clone() }))
@@ -283,6 +292,8 @@ pub async fn serve(
     let _ = std::fs::remove_file(&reg_path);
     let _ = stop_tx.send(true);
     let _ = reg_task.await;
+    let _ = node_task.await;
+    let _ = std::fs::remove_file(&node_path);
     let _ = csi_task.await;
     let _ = std::fs::remove_file(&csi_path);
     Ok(())

@@ -218,6 +218,14 @@ struct PublishRecord {
     created_target: bool,
 }
 
+/// A loop device bound to a volume.
+struct LoopDev {
+    path: PathBuf,
+    /// major, minor
+    num: (u32, u32),
+    ro: bool,
+}
+
 /// Node service settings.
 #[derive(Debug, Clone)]
 pub struct NodeSettings {
@@ -227,6 +235,8 @@ pub struct NodeSettings {
     /// `<state>/csi`
     pub record_dir: PathBuf,
     pub max_volumes: i64,
+    /// The agent's local node API socket (`nodeplane.node.v1.NodeVolumes`).
+    pub node_socket: PathBuf,
 }
 
 /// The node service's state. Share it behind an `Arc`.
@@ -273,7 +283,8 @@ impl NodeService {
         self.ready.load(Ordering::SeqCst)
     }
 
-    fn guard(&self, id: &str) -> Result<VolumeGuard<'_>> {
+    /// Hold volume `id` for one operation, or ABORTED when another one holds it.
+    pub fn guard(&self, id: &str) -> Result<VolumeGuard<'_>> {
         if !self.busy.lock().unwrap().insert(id.to_string()) {
             return Err(CsiError::new(Code::Aborted, format!("an operation on volume {id} is already in progress")));
         }
@@ -355,24 +366,24 @@ impl NodeService {
         mount::mount_table().map_err(io_internal("reading /proc/self/mountinfo".into()))
     }
 
-    /// Device numbers of every loop device bound to volume `id` (read-write first).
-    fn volume_devices(&self, id: &str) -> Result<Vec<(PathBuf, (u32, u32), bool)>> {
+    /// Every loop device bound to volume `id` (read-write first).
+    fn volume_devices(&self, id: &str) -> Result<Vec<LoopDev>> {
         let mut out = Vec::new();
         for b in self.store.bindings(id)? {
-            if let Ok(n) = mount::dev_numbers(&b.device) {
-                out.push((b.device, n, b.read_only));
+            if let Ok(num) = mount::dev_numbers(&b.device) {
+                out.push(LoopDev { path: b.device, num, ro: b.read_only });
             }
         }
-        out.sort_by_key(|d| d.2);
+        out.sort_by_key(|d| d.ro);
         Ok(out)
     }
 
     /// Whether `m` shows one of `devices` mounted (a filesystem on the device, or the device
     /// node bind-mounted from devtmpfs for block access).
-    fn is_volume_mount(m: &MountEntry, devices: &[(PathBuf, (u32, u32), bool)]) -> bool {
-        devices.iter().any(|(dev, (ma, mi), _)| {
-            (m.major == *ma && m.minor == *mi)
-                || (m.root.file_name().is_some_and(|n| Some(n) == dev.file_name()) && m.fs_type == "devtmpfs")
+    fn is_volume_mount(m: &MountEntry, devices: &[LoopDev]) -> bool {
+        devices.iter().any(|d| {
+            (m.major, m.minor) == d.num
+                || (m.root.file_name().is_some_and(|n| Some(n) == d.path.file_name()) && m.fs_type == "devtmpfs")
         })
     }
 
@@ -434,6 +445,7 @@ impl NodeService {
             &rec_path,
             &StageRecord { volume_id: id.to_string(), staging_path: staging.clone(), capability: cap.clone(), state: StageState::Staging },
         )?;
+        crate::util::crash_point("stage-after-record");
         let attached_before = self.store.attached_device(id)?.is_some();
         let result = self.stage_work(&vol, &staging, &cap, &opts);
         match result {
@@ -461,6 +473,7 @@ impl NodeService {
     fn stage_work(&self, vol: &crate::volume::Volume, staging: &Path, cap: &Capability, opts: &MountOptions) -> Result<()> {
         let id = vol.id.as_str();
         let dev = self.store.attach(id)?;
+        crate::util::crash_point("stage-after-attach");
         if cap.block {
             return Ok(());
         }
@@ -469,6 +482,7 @@ impl NodeService {
             None => {
                 tracing::info!(volume = id, device = %dev.display(), fs = fs.as_str(), "blank device: making a filesystem");
                 vfs::mkfs(&dev, fs)?;
+                crate::util::crash_point("stage-after-mkfs");
             }
             Some(t) if t == fs.as_str() => {}
             Some(other) => {
@@ -505,6 +519,7 @@ impl NodeService {
             )),
             e => internal(format!("mounting {} at {}: {e}", dev.display(), staging.display())),
         })?;
+        crate::util::crash_point("stage-after-mount");
         if fs == FsType::Xfs
             && !opts.flags.contains(nix::mount::MsFlags::MS_RDONLY)
             && let Some(fs_size) = vfs::fs_size_bytes(&dev, fs)?
@@ -539,7 +554,7 @@ impl NodeService {
         let publications: Vec<String> = table
             .iter()
             .filter(|m| m.mount_point != staging && Self::is_volume_mount(m, &devices))
-            .filter(|m| !rec.as_ref().is_some_and(|r| r.staging_path == m.mount_point))
+            .filter(|m| rec.as_ref().is_none_or(|r| r.staging_path != m.mount_point))
             .map(|m| m.mount_point.display().to_string())
             .collect();
         if !publications.is_empty() {
@@ -549,6 +564,7 @@ impl NodeService {
             )));
         }
         let n = mount::unmount_all(&staging).map_err(io_internal(format!("unstaging volume {id}")))?;
+        crate::util::crash_point("unstage-after-unmount");
         self.store.detach(id).map_err(|e| match e {
             VolumeError::Busy { .. } => precondition(format!("volume {id} unmounted but its device is still in use: {e}")),
             e => e.into(),
@@ -587,7 +603,7 @@ impl NodeService {
                     )));
                 }
                 if cap.block {
-                    devices.iter().any(|d| !d.2)
+                    devices.iter().any(|d| !d.ro)
                 } else {
                     mount::top_mount_at(&table, &staging).is_some_and(|m| Self::is_volume_mount(m, &devices))
                 }
@@ -652,6 +668,7 @@ impl NodeService {
         let rec = PublishRecord { created_target: created_target || existing.is_some_and(|e| e.created_target), ..want };
         let rec_path = self.publish_record_path(&target);
         Self::save(&rec_path, &rec)?;
+        crate::util::crash_point("publish-after-record");
         let result = (|| -> Result<()> {
             if cap.block {
                 let dev = if read_only { self.store.attach_read_only(id)? } else {
@@ -693,6 +710,7 @@ impl NodeService {
             }
             return Err(e);
         }
+        crate::util::crash_point("publish-after-mount");
         tracing::info!(volume = id, target = %target.display(), read_only, block = cap.block, "volume published");
         Ok(())
     }
@@ -727,6 +745,7 @@ impl NodeService {
         }
         if ours || rec.is_some() {
             mount::unmount_all(&target).map_err(io_internal(format!("unpublishing volume {id}")))?;
+            crate::util::crash_point("unpublish-after-unmount");
         }
         if let Some(r) = &rec {
             if r.created_target {
@@ -763,7 +782,7 @@ impl NodeService {
         let block_total = |dev: Option<&PathBuf>| dev.and_then(|d| loopdev::device_size(d).ok()).unwrap_or(vol.size_bytes);
         match here {
             None if block_staged_here => {
-                let rw = devices.iter().find(|d| !d.2).map(|d| &d.0);
+                let rw = devices.iter().find(|d| !d.ro).map(|d| &d.path);
                 if rw.is_none() {
                     problems.push(format!("volume {id} is staged but not attached to a loop device"));
                 }
@@ -771,7 +790,7 @@ impl NodeService {
             }
             None => problems.push(format!("{} is not mounted", path.display())),
             Some(m) if m.fs_type == "devtmpfs" => {
-                let dev = devices.iter().find(|d| m.root.file_name() == d.0.file_name()).map(|d| &d.0);
+                let dev = devices.iter().find(|d| m.root.file_name() == d.path.file_name()).map(|d| &d.path);
                 usage.push(csi::VolumeUsage { available: 0, total: block_total(dev) as i64, used: 0, unit: Unit::Bytes as i32 });
             }
             Some(_) => {
@@ -836,6 +855,7 @@ impl NodeService {
             ));
         }
         let vol = self.store.expand(id, rounded)?;
+        crate::util::crash_point("expand-after-store");
         if !vol.fs_type.is_raw() && !block_staged {
             let dev = self.store.attached_device(id)?.ok_or_else(|| precondition(format!("volume {id} is not attached")))?;
             let dev_size = loopdev::device_size(&dev).map_err(io_internal(format!("sizing {}", dev.display())))?;

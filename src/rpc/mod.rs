@@ -7,6 +7,12 @@ pub mod controller {
     tonic::include_proto!("nodeplane.controller.v1");
 }
 
+/// The agent's local node API (`nodeplane.node.v1`): the node-local volume store.
+#[allow(clippy::all)]
+pub mod node {
+    tonic::include_proto!("nodeplane.node.v1");
+}
+
 /// CSI v1 (`csi.v1`): Identity, Controller, GroupController, SnapshotMetadata and Node.
 /// Wire contract with kubelet and the CSI sidecars; see `proto/csi/v1/csi.proto`.
 #[allow(clippy::all, clippy::pedantic, missing_docs, deprecated)]
@@ -19,6 +25,22 @@ pub mod csi {
 #[allow(clippy::all, clippy::pedantic, missing_docs, deprecated)]
 pub mod pluginregistration {
     tonic::include_proto!("pluginregistration");
+}
+
+/// A gRPC client channel over the Unix socket at `path` (the authority is a placeholder;
+/// every call goes to the socket).
+pub async fn connect_unix(path: &std::path::Path) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let path = std::sync::Arc::new(path.to_path_buf());
+    tonic::transport::Endpoint::from_static("http://unix.invalid")
+        .connect_timeout(Duration::from_secs(3))
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move {
+                let s = tokio::net::UnixStream::connect(&*path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
+            }
+        }))
+        .await
 }
 
 /// The serialized `FileDescriptorSet` of every proto the crate compiles

@@ -1,0 +1,1231 @@
+//! Root-only: the agent as a CSI node plugin, driven over its real sockets by a kubelet
+//! emulator, with real loop devices, filesystems and mounts.
+//!
+//! Each test runs its own agent (`nodeplane-agent` in a private network namespace made by
+//! `unshare --net`, sharing this process' mount namespace so its mounts are visible in
+//! `/proc/self/mountinfo` here) with its whole tree — kubelet dir, state, volume store —
+//! in a sandbox directory under cargo's target tmp dir. The sandbox guard, dropped also when
+//! a test panics, kills that agent by PID, unmounts everything under the sandbox, detaches
+//! every loop device bound to a file under it and removes it. Every test also asserts
+//! itself that nothing leaked before it ends.
+//!
+//! Conformance: `conformance_*` tests check one MUST / error code of the Identity and Node
+//! RPCs each (the CSI spec's error tables), from real bad requests.
+//!
+//! These tests need root and FAIL (never skip) without it.
+
+#[path = "support/kubelet.rs"]
+mod kubelet;
+
+use std::fs::{self, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nodeplane::rpc::csi;
+use nodeplane::rpc::csi::volume_capability::access_mode::Mode;
+use nodeplane::rpc::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+use nodeplane::rpc::node as napi;
+use tonic::Code;
+use tonic::transport::Channel;
+
+const AGENT: &str = env!("CARGO_BIN_EXE_nodeplane-agent");
+const SHIM: &str = env!("CARGO_BIN_EXE_nodeplane-cni");
+const MIB: u64 = 1 << 20;
+
+fn require_root() {
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "tests/csi_root.rs needs root (it runs the agent, binds loop devices and mounts). It does not skip."
+    );
+    assert!(Path::new("/dev/loop-control").exists(), "/dev/loop-control is missing (is the loop module loaded?)");
+    for tool in ["unshare", "blkid", "mkfs.ext4", "mkfs.xfs", "xfs_growfs", "resize2fs", "e2fsck", "losetup"] {
+        let found = std::env::var_os("PATH")
+            .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
+            .unwrap_or(false)
+            || ["/usr/sbin", "/sbin", "/usr/bin"].iter().any(|d| Path::new(d).join(tool).is_file());
+        assert!(found, "required tool {tool:?} is not installed (Debian: util-linux, e2fsprogs, xfsprogs)");
+    }
+}
+
+// ----- sandbox, agent, cleanup -----
+
+struct Sandbox {
+    dir: PathBuf,
+    agent: Option<Child>,
+    crash_at: Option<String>,
+}
+
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 4 <= b.len()
+            && let Ok(v) = u8::from_str_radix(&s[i + 1..i + 4], 8)
+        {
+            out.push(v);
+            i += 4;
+            continue;
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// (mount point, fs type, major:minor, root, options) of every mount.
+fn mounts() -> Vec<(PathBuf, String, String, String, String)> {
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            let f: Vec<&str> = pre.split(' ').collect();
+            Some((
+                PathBuf::from(unescape(f[4])),
+                post.split(' ').next()?.to_string(),
+                f[2].to_string(),
+                unescape(f[3]),
+                f[5].to_string(),
+            ))
+        })
+        .collect()
+}
+
+fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    mounts().into_iter().map(|m| m.0).filter(|p| p.starts_with(dir)).collect()
+}
+
+fn mounted_at(p: &Path) -> Option<(String, String, String)> {
+    mounts().into_iter().rev().find(|m| m.0 == p).map(|m| (m.1, m.2, m.4))
+}
+
+/// Loop devices whose backing file lies under `dir` (also deleted ones).
+fn loops_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in fs::read_dir("/sys/block").unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("loop") {
+            continue;
+        }
+        if let Ok(b) = fs::read_to_string(e.path().join("loop/backing_file")) {
+            let b = b.trim().trim_end_matches(" (deleted)");
+            if Path::new(b).starts_with(dir) {
+                out.push(PathBuf::from(format!("/dev/{name}")));
+            }
+        }
+    }
+    out
+}
+
+fn cleanup(dir: &Path) -> Vec<String> {
+    let mut leftovers = Vec::new();
+    let mut ms = mounts_under(dir);
+    ms.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for m in ms {
+        leftovers.push(format!("mount {}", m.display()));
+        let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+    }
+    for d in loops_under(dir) {
+        leftovers.push(format!("loop {}", d.display()));
+        let _ = Command::new("losetup").arg("-d").arg(&d).status();
+    }
+    let _ = fs::remove_dir_all(dir);
+    leftovers
+}
+
+impl Sandbox {
+    fn new(name: &str) -> Sandbox {
+        require_root();
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("csi-{}-{name}", std::process::id()));
+        if dir.exists() {
+            cleanup(&dir);
+        }
+        fs::create_dir_all(&dir).unwrap();
+        let dir = dir.canonicalize().unwrap();
+        let cfg = serde_json::json!({
+            "nodeName": format!("csi-{name}"),
+            "root": dir.join("root"),
+            "shimSource": SHIM,
+            "csi": {"capacityBytes": 4u64 << 30, "maxVolumes": 16},
+        });
+        fs::write(dir.join("agent.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+        Sandbox { dir, agent: None, crash_at: None }
+    }
+    fn root(&self) -> PathBuf {
+        self.dir.join("root")
+    }
+    fn kubelet(&self) -> PathBuf {
+        self.root().join("var/lib/kubelet")
+    }
+    fn csi_sock(&self) -> PathBuf {
+        self.kubelet().join("plugins/csi.nodeplane.dev/csi.sock")
+    }
+    fn reg_sock(&self) -> PathBuf {
+        self.kubelet().join("plugins_registry/csi.nodeplane.dev-reg.sock")
+    }
+    fn node_sock(&self) -> PathBuf {
+        self.root().join("run/nodeplane/node.sock")
+    }
+    fn volume_dir(&self) -> PathBuf {
+        self.root().join("var/lib/nodeplane/volumes")
+    }
+    fn log(&self) -> String {
+        fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+    }
+    /// kubelet's staging path for a volume (kubelet creates its parent).
+    fn staging(&self, id: &str, block: bool) -> String {
+        let p = if block {
+            self.kubelet().join(format!("plugins/kubernetes.io/csi/volumeDevices/staging/{id}"))
+        } else {
+            self.kubelet().join(format!("plugins/kubernetes.io/csi/pv/{id}/globalmount"))
+        };
+        fs::create_dir_all(p.parent().unwrap()).unwrap();
+        p.to_string_lossy().into_owned()
+    }
+    /// kubelet's target path for a volume in a pod (kubelet creates its parent; the plugin
+    /// creates the target).
+    fn target(&self, id: &str, pod: &str, block: bool) -> String {
+        let p = if block {
+            self.kubelet().join(format!("plugins/kubernetes.io/csi/volumeDevices/publish/{id}/{pod}"))
+        } else {
+            self.kubelet().join(format!("pods/{pod}/volumes/kubernetes.io~csi/{id}/mount"))
+        };
+        fs::create_dir_all(p.parent().unwrap()).unwrap();
+        p.to_string_lossy().into_owned()
+    }
+
+    /// Start the agent and wait until it is ready (registration socket served).
+    async fn start(&mut self) -> Clients {
+        assert!(self.agent.is_none(), "agent already running");
+        let _ = fs::remove_file(self.reg_sock());
+        let log = OpenOptions::new().create(true).append(true).open(self.dir.join("agent.log")).unwrap();
+        let mut cmd = Command::new("unshare");
+        cmd.arg("--net")
+            .arg("--")
+            .arg(AGENT)
+            .arg("--config")
+            .arg(self.dir.join("agent.json"))
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        match &self.crash_at {
+            Some(p) => cmd.env("NODEPLANE_CRASH_AT", p),
+            None => cmd.env_remove("NODEPLANE_CRASH_AT"),
+        };
+        self.agent = Some(cmd.spawn().expect("starting the agent"));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.reg_sock().exists() {
+            if let Some(st) = self.agent.as_mut().unwrap().try_wait().unwrap() {
+                panic!("agent exited during start-up ({st}):\n{}", self.log());
+            }
+            assert!(Instant::now() < deadline, "agent not ready within 20 s:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Clients::connect(self).await
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.agent.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Wait for the agent to die by itself (a crash point), up to `within`.
+    fn wait_crashed(&mut self, within: Duration) {
+        let mut c = self.agent.take().expect("agent running");
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                assert!(!st.success(), "agent exited cleanly, expected a crash");
+                return;
+            }
+            assert!(Instant::now() < deadline, "agent did not crash within {within:?}:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    async fn stop(&mut self) {
+        if let Some(mut c) = self.agent.take() {
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                if let Some(st) = c.try_wait().unwrap() {
+                    assert!(st.success(), "agent exited with {st}:\n{}", self.log());
+                    break;
+                }
+                assert!(Instant::now() < deadline, "agent did not stop on SIGTERM");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+
+    /// Nothing of this sandbox is mounted or attached any more.
+    fn assert_clean(&self) {
+        let m = mounts_under(&self.dir);
+        assert!(m.is_empty(), "leaked mounts: {m:?}");
+        let l = loops_under(&self.dir);
+        assert!(l.is_empty(), "leaked loop devices: {l:?}");
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        self.kill9();
+        let left = cleanup(&self.dir);
+        if !left.is_empty() && !std::thread::panicking() {
+            eprintln!("sandbox cleanup removed leftovers: {left:?}");
+        }
+    }
+}
+
+struct Clients {
+    identity: csi::identity_client::IdentityClient<Channel>,
+    node: csi::node_client::NodeClient<Channel>,
+    vols: napi::node_volumes_client::NodeVolumesClient<Channel>,
+}
+
+impl Clients {
+    async fn connect(sb: &Sandbox) -> Clients {
+        let ch = nodeplane::rpc::connect_unix(&sb.csi_sock()).await.expect("dialing csi.sock");
+        let nch = nodeplane::rpc::connect_unix(&sb.node_sock()).await.expect("dialing node.sock");
+        Clients {
+            identity: csi::identity_client::IdentityClient::new(ch.clone()),
+            node: csi::node_client::NodeClient::new(ch),
+            vols: napi::node_volumes_client::NodeVolumesClient::new(nch),
+        }
+    }
+
+    async fn create(&mut self, id: &str, size: u64, fs: &str) -> napi::Volume {
+        self.vols
+            .create_volume(napi::CreateVolumeRequest { id: id.into(), size_bytes: size, fs_type: fs.into() })
+            .await
+            .unwrap_or_else(|e| panic!("creating {id}: {e}"))
+            .into_inner()
+            .volume
+            .unwrap()
+    }
+    async fn delete(&mut self, id: &str) -> Result<(), tonic::Status> {
+        self.vols.delete_volume(napi::DeleteVolumeRequest { id: id.into() }).await.map(|_| ())
+    }
+    async fn stage(&mut self, id: &str, staging: &str, cap: csi::VolumeCapability) -> Result<(), tonic::Status> {
+        self.node
+            .node_stage_volume(csi::NodeStageVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: staging.into(),
+                volume_capability: Some(cap),
+                ..Default::default()
+            })
+            .await
+            .map(|_| ())
+    }
+    async fn unstage(&mut self, id: &str, staging: &str) -> Result<(), tonic::Status> {
+        self.node
+            .node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: id.into(), staging_target_path: staging.into() })
+            .await
+            .map(|_| ())
+    }
+    async fn publish(
+        &mut self,
+        id: &str,
+        staging: &str,
+        target: &str,
+        cap: csi::VolumeCapability,
+        ro: bool,
+    ) -> Result<(), tonic::Status> {
+        self.node
+            .node_publish_volume(csi::NodePublishVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: staging.into(),
+                target_path: target.into(),
+                volume_capability: Some(cap),
+                readonly: ro,
+                ..Default::default()
+            })
+            .await
+            .map(|_| ())
+    }
+    async fn unpublish(&mut self, id: &str, target: &str) -> Result<(), tonic::Status> {
+        self.node
+            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest { volume_id: id.into(), target_path: target.into() })
+            .await
+            .map(|_| ())
+    }
+    async fn stats(&mut self, id: &str, path: &str) -> Result<csi::NodeGetVolumeStatsResponse, tonic::Status> {
+        self.node
+            .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+                volume_id: id.into(),
+                volume_path: path.into(),
+                staging_target_path: String::new(),
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+    async fn expand(&mut self, id: &str, path: &str, required: u64, limit: u64) -> Result<i64, tonic::Status> {
+        self.node
+            .node_expand_volume(csi::NodeExpandVolumeRequest {
+                volume_id: id.into(),
+                volume_path: path.into(),
+                capacity_range: Some(csi::CapacityRange { required_bytes: required as i64, limit_bytes: limit as i64 }),
+                ..Default::default()
+            })
+            .await
+            .map(|r| r.into_inner().capacity_bytes)
+    }
+}
+
+fn mount_cap(fs: &str, mode: Mode) -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: fs.into(),
+            mount_flags: vec![],
+            volume_mount_group: String::new(),
+        })),
+    }
+}
+
+fn block_cap(mode: Mode) -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+        access_type: Some(AccessType::Block(BlockVolume {})),
+    }
+}
+
+fn cap_for(fs: &str) -> csi::VolumeCapability {
+    if fs.is_empty() { block_cap(Mode::SingleNodeWriter) } else { mount_cap(fs, Mode::SingleNodeWriter) }
+}
+
+#[track_caller]
+fn assert_code<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code, what: &str) -> String {
+    match r {
+        Err(s) if s.code() == code => s.message().to_string(),
+        other => panic!("{what}: expected {code:?}, got {other:?}"),
+    }
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn image(sb: &Sandbox, id: &str) -> PathBuf {
+    sb.volume_dir().join(format!("{id}.img"))
+}
+
+// ----- full lifecycle -----
+
+async fn lifecycle(fs_type: &str, size: u64) {
+    let name = if fs_type.is_empty() { "block" } else { fs_type };
+    let mut sb = Sandbox::new(&format!("life-{name}"));
+    let mut c = sb.start().await;
+    let block = fs_type.is_empty();
+    let id = format!("pvc-life-{name}");
+    let v = c.create(&id, size, fs_type).await;
+    assert_eq!(v.size_bytes, size);
+    assert!(image(&sb, &id).exists());
+    let staging = sb.staging(&id, block);
+    let t1 = sb.target(&id, "pod-a", block);
+    let t2 = sb.target(&id, "pod-b", block);
+    let cap = cap_for(fs_type);
+    let data = pattern(256 * 1024, 7);
+
+    for round in 0..2 {
+        // stage, twice
+        for _ in 0..2 {
+            c.stage(&id, &staging, cap.clone()).await.unwrap();
+        }
+        let dev = PathBuf::from(
+            fs::read_dir("/sys/block")
+                .unwrap()
+                .flatten()
+                .find(|e| {
+                    fs::read_to_string(e.path().join("loop/backing_file"))
+                        .is_ok_and(|b| Path::new(b.trim()) == image(&sb, &id))
+                })
+                .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
+                .expect("the volume is attached to a loop device after stage"),
+        );
+        if !block {
+            let (fst, _, _) = mounted_at(Path::new(&staging)).expect("staging path is a mount");
+            assert_eq!(fst, fs_type);
+        }
+        // publish rw, twice; then a second target read-only, twice
+        for _ in 0..2 {
+            c.publish(&id, &staging, &t1, cap.clone(), false).await.unwrap();
+        }
+        for _ in 0..2 {
+            c.publish(&id, &staging, &t2, cap.clone(), true).await.unwrap();
+        }
+        assert!(mounted_at(Path::new(&t1)).is_some() && mounted_at(Path::new(&t2)).is_some());
+        assert!(mounted_at(Path::new(&t2)).unwrap().2.split(',').any(|o| o == "ro"), "second target is read-only");
+        // Incompatible republish of an existing target.
+        assert_code(c.publish(&id, &staging, &t2, cap.clone(), false).await, Code::AlreadyExists, "rw republish of a ro target");
+
+        if round == 0 {
+            // Write through the rw target.
+            if block {
+                let f = OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(&t1).unwrap();
+                let mut buf = AlignedBuf::new(data.len());
+                buf.as_mut().copy_from_slice(&data);
+                f.write_all_at(buf.as_ref(), MIB).unwrap();
+                f.sync_all().unwrap();
+            } else {
+                let mut f = fs::File::create(Path::new(&t1).join("data.bin")).unwrap();
+                f.write_all(&data).unwrap();
+                f.sync_all().unwrap();
+            }
+        }
+        // The read-only target sees the data; writes through it fail.
+        if block {
+            let got = read_direct(Path::new(&t2), MIB, data.len());
+            assert_eq!(got, data, "data through the read-only device");
+            let w = OpenOptions::new().write(true).open(&t2).and_then(|mut f| {
+                f.seek(SeekFrom::Start(0))?;
+                f.write_all(b"nope")?;
+                f.sync_all()
+            });
+            assert!(w.is_err(), "writing through the read-only block target succeeded");
+        } else {
+            let got = fs::read(Path::new(&t2).join("data.bin")).unwrap();
+            assert_eq!(got, data, "data through the read-only target (round {round})");
+            let e = fs::File::create(Path::new(&t2).join("nope")).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::EROFS), "write through the ro target: {e}");
+            // And through the rw target the data is there too.
+            assert_eq!(fs::read(Path::new(&t1).join("data.bin")).unwrap(), data);
+        }
+        // Unstaging while published is refused.
+        assert_code(c.unstage(&id, &staging).await, Code::FailedPrecondition, "unstage while published");
+        // Deleting while staged is refused.
+        assert_code(c.delete(&id).await, Code::FailedPrecondition, "delete while staged");
+        // unpublish both, twice; the targets the plugin created are gone.
+        for t in [&t1, &t2] {
+            for _ in 0..2 {
+                c.unpublish(&id, t).await.unwrap();
+            }
+            assert!(mounted_at(Path::new(t)).is_none());
+            assert!(!Path::new(t).exists(), "{t} left behind by unpublish");
+        }
+        for _ in 0..2 {
+            c.unstage(&id, &staging).await.unwrap();
+        }
+        assert!(mounted_at(Path::new(&staging)).is_none());
+        assert!(
+            fs::read_to_string(format!("/sys/block/{}/loop/backing_file", dev.file_name().unwrap().to_string_lossy()))
+                .map_or(true, |b| Path::new(b.trim()) != image(&sb, &id)),
+            "loop device still bound after unstage"
+        );
+        sb.assert_clean();
+    }
+    for _ in 0..2 {
+        c.delete(&id).await.unwrap();
+    }
+    assert!(!image(&sb, &id).exists(), "backing file left after delete");
+    assert!(!sb.volume_dir().join(format!("{id}.json")).exists());
+    sb.stop().await;
+    sb.assert_clean();
+}
+
+/// A page-aligned buffer for O_DIRECT I/O on loop devices (so the test reads the device,
+/// not a page cache).
+struct AlignedBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+impl AlignedBuf {
+    fn new(len: usize) -> Self {
+        let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
+        // SAFETY: non-zero size, valid layout.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        AlignedBuf { ptr, len }
+    }
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: allocated with len bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: allocated with len bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: same layout as allocated.
+        unsafe { std::alloc::dealloc(self.ptr, std::alloc::Layout::from_size_align(self.len, 4096).unwrap()) }
+    }
+}
+
+fn read_direct(dev: &Path, offset: u64, len: usize) -> Vec<u8> {
+    let f = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(dev).unwrap();
+    let mut buf = AlignedBuf::new(len);
+    f.read_exact_at(buf.as_mut(), offset).unwrap();
+    buf.as_ref().to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_ext4() {
+    lifecycle("ext4", 64 * MIB).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_xfs() {
+    lifecycle("xfs", 512 * MIB).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_raw_block() {
+    lifecycle("", 64 * MIB).await;
+}
+
+// ----- registration, identity, sockets -----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubelet_registers_the_driver_and_again_after_a_restart() {
+    let mut sb = Sandbox::new("register");
+    let mut c = sb.start().await;
+    let mut kubelet = kubelet::KubeletEmulator::new(&sb.kubelet());
+    assert_eq!(kubelet.sync().await, 1, "failures: {:?}", kubelet.failures);
+    let r = kubelet.driver("csi.nodeplane.dev").expect("driver registered").clone();
+    assert_eq!(r.endpoint, sb.csi_sock());
+    assert!(r.versions.contains(&"1.0.0".to_string()));
+    assert_eq!(r.node_id, "csi-register");
+    assert_eq!(r.topology.get("topology.csi.nodeplane.dev/node").map(String::as_str), Some("csi-register"));
+    assert_eq!(r.max_volumes, 16);
+    // The plugin heard kubelet's verdict.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !sb.log().contains("kubelet registered the CSI plugin") {
+        assert!(Instant::now() < deadline, "registration status not logged:\n{}", sb.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Probe says ready once serving.
+    let p = c.identity.probe(csi::ProbeRequest {}).await.unwrap().into_inner();
+    assert_eq!(p.ready, Some(true));
+
+    // Agent restart: the registration socket is replaced; kubelet registers it again.
+    sb.kill9();
+    assert_eq!(kubelet.sync().await, 0);
+    let _c = sb.start().await;
+    assert_eq!(kubelet.sync().await, 1, "failures: {:?}", kubelet.failures);
+    assert!(kubelet.driver("csi.nodeplane.dev").is_some());
+    // A clean stop removes the registration socket (kubelet deregisters).
+    sb.stop().await;
+    assert!(!sb.reg_sock().exists() && !sb.csi_sock().exists() && !sb.node_sock().exists());
+    kubelet.sync().await;
+    assert!(kubelet.driver("csi.nodeplane.dev").is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sockets_are_0600_and_refuse_unprivileged_users() {
+    let mut sb = Sandbox::new("sockets");
+    let _c = sb.start().await;
+    for s in [sb.csi_sock(), sb.reg_sock(), sb.node_sock()] {
+        let mode = fs::metadata(&s).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{} has mode {mode:o}", s.display());
+        // Make the directories traversable for the test so only the socket's own mode
+        // stands between an unprivileged user and the socket.
+        let mut d = s.parent().unwrap().to_path_buf();
+        while d.starts_with(&sb.dir) {
+            let m = fs::metadata(&d).unwrap().permissions().mode();
+            fs::set_permissions(&d, fs::Permissions::from_mode(m | 0o005)).unwrap();
+            d.pop();
+        }
+        let mut d = sb.dir.clone();
+        while d.pop() {
+            let m = fs::metadata(&d).unwrap().permissions().mode();
+            if m & 0o001 == 0 {
+                fs::set_permissions(&d, fs::Permissions::from_mode(m | 0o001)).unwrap();
+            }
+        }
+        let out = Command::new("python3")
+            .arg("-c")
+            .arg("import socket,sys\ns=socket.socket(socket.AF_UNIX)\ntry:\n s.connect(sys.argv[1]); print('connected')\nexcept PermissionError: print('denied')\nexcept Exception as e: print('other', e)")
+            .arg(&s)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "denied", "{}: {:?}", s.display(), out);
+    }
+    sb.stop().await;
+}
+
+use std::os::unix::process::CommandExt;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_identity() {
+    let mut sb = Sandbox::new("identity");
+    let mut c = sb.start().await;
+    let info = c.identity.get_plugin_info(csi::GetPluginInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.name, "csi.nodeplane.dev");
+    assert_eq!(info.vendor_version, env!("CARGO_PKG_VERSION"));
+    let caps = c.identity.get_plugin_capabilities(csi::GetPluginCapabilitiesRequest {}).await.unwrap().into_inner();
+    use csi::plugin_capability::{Type, service, volume_expansion};
+    let mut services = vec![];
+    let mut expansion = vec![];
+    for cap in caps.capabilities {
+        match cap.r#type.unwrap() {
+            Type::Service(s) => services.push(s.r#type),
+            Type::VolumeExpansion(e) => expansion.push(e.r#type),
+        }
+    }
+    services.sort();
+    assert_eq!(
+        services,
+        vec![service::Type::ControllerService as i32, service::Type::VolumeAccessibilityConstraints as i32]
+    );
+    assert_eq!(expansion, vec![volume_expansion::Type::Online as i32]);
+    assert_eq!(c.identity.probe(csi::ProbeRequest {}).await.unwrap().into_inner().ready, Some(true));
+
+    let nc = c.node.node_get_capabilities(csi::NodeGetCapabilitiesRequest {}).await.unwrap().into_inner();
+    use csi::node_service_capability::{Type as NT, rpc};
+    let mut got: Vec<i32> = nc
+        .capabilities
+        .into_iter()
+        .map(|c| match c.r#type.unwrap() {
+            NT::Rpc(r) => r.r#type,
+        })
+        .collect();
+    got.sort();
+    let mut want = vec![
+        rpc::Type::StageUnstageVolume as i32,
+        rpc::Type::GetVolumeStats as i32,
+        rpc::Type::ExpandVolume as i32,
+        rpc::Type::VolumeCondition as i32,
+        rpc::Type::SingleNodeMultiWriter as i32,
+        rpc::Type::VolumeMountGroup as i32,
+    ];
+    want.sort();
+    assert_eq!(got, want);
+    sb.stop().await;
+}
+
+// ----- conformance: Node RPC error codes -----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_node_errors() {
+    let mut sb = Sandbox::new("errors");
+    let mut c = sb.start().await;
+    let id = "pvc-err";
+    c.create(id, 32 * MIB, "ext4").await;
+    let staging = sb.staging(id, false);
+    let target = sb.target(id, "pod-e", false);
+    let cap = mount_cap("ext4", Mode::SingleNodeWriter);
+
+    // NodeStageVolume: each required field.
+    assert_code(c.stage("", &staging, cap.clone()).await, Code::InvalidArgument, "stage without volume_id");
+    assert_code(c.stage(id, "", cap.clone()).await, Code::InvalidArgument, "stage without staging_target_path");
+    let r = c
+        .node
+        .node_stage_volume(csi::NodeStageVolumeRequest {
+            volume_id: id.into(),
+            staging_target_path: staging.clone(),
+            volume_capability: None,
+            ..Default::default()
+        })
+        .await;
+    assert_code(r, Code::InvalidArgument, "stage without volume_capability");
+    let no_mode = csi::VolumeCapability { access_mode: None, ..cap.clone() };
+    assert_code(c.stage(id, &staging, no_mode).await, Code::InvalidArgument, "stage without access_mode");
+    // Unknown volume: NOT_FOUND.
+    assert_code(c.stage("pvc-nope", &sb.staging("pvc-nope", false), cap.clone()).await, Code::NotFound, "stage unknown");
+    // MULTI_NODE: exceeds capabilities.
+    assert_code(
+        c.stage(id, &staging, mount_cap("ext4", Mode::MultiNodeMultiWriter)).await,
+        Code::FailedPrecondition,
+        "stage MULTI_NODE",
+    );
+    // Filesystem type mismatch.
+    assert_code(c.stage(id, &staging, mount_cap("xfs", Mode::SingleNodeWriter)).await, Code::InvalidArgument, "fs mismatch");
+    // Invalid ids and paths: traversal, outside the kubelet dir, through a symlink.
+    assert_code(c.stage("../../etc", &staging, cap.clone()).await, Code::InvalidArgument, "traversal id");
+    assert_code(c.stage(id, "/etc/np-stage", cap.clone()).await, Code::InvalidArgument, "path outside kubelet");
+    assert_code(
+        c.stage(id, &format!("{}/../../../../../etc", sb.kubelet().display()), cap.clone()).await,
+        Code::InvalidArgument,
+        "path with ..",
+    );
+    let evil = sb.kubelet().join("plugins/evil");
+    std::os::unix::fs::symlink(&sb.dir, &evil).unwrap();
+    assert_code(
+        c.stage(id, &evil.join("globalmount").to_string_lossy(), cap.clone()).await,
+        Code::InvalidArgument,
+        "path through a symlink",
+    );
+    assert_code(
+        c.stage(id, &staging, csi::VolumeCapability {
+            access_type: Some(AccessType::Mount(MountVolume { fs_type: "ext4".into(), mount_flags: vec!["bind".into()], volume_mount_group: String::new() })),
+            ..cap.clone()
+        })
+        .await,
+        Code::InvalidArgument,
+        "forbidden mount flag",
+    );
+    // A mount flag the filesystem rejects: INVALID_ARGUMENT, and nothing left behind.
+    assert_code(
+        c.stage(id, &staging, csi::VolumeCapability {
+            access_type: Some(AccessType::Mount(MountVolume { fs_type: "ext4".into(), mount_flags: vec!["no_such_option".into()], volume_mount_group: String::new() })),
+            ..cap.clone()
+        })
+        .await,
+        Code::InvalidArgument,
+        "mount flag the filesystem rejects",
+    );
+    sb.assert_clean();
+
+    // NodePublishVolume: required fields and preconditions.
+    assert_code(c.publish(id, &staging, &target, cap.clone(), false).await, Code::FailedPrecondition, "publish before stage");
+    c.stage(id, &staging, cap.clone()).await.unwrap();
+    // Staged with another capability at the same path: ALREADY_EXISTS.
+    let noatime = csi::VolumeCapability {
+        access_type: Some(AccessType::Mount(MountVolume { fs_type: "ext4".into(), mount_flags: vec!["noatime".into()], volume_mount_group: String::new() })),
+        ..cap.clone()
+    };
+    assert_code(c.stage(id, &staging, noatime).await, Code::AlreadyExists, "restage incompatible");
+    // Staged elsewhere already.
+    let other_staging = sb.kubelet().join("plugins/kubernetes.io/csi/pv/other/globalmount");
+    fs::create_dir_all(other_staging.parent().unwrap()).unwrap();
+    assert_code(c.stage(id, &other_staging.to_string_lossy(), cap.clone()).await, Code::FailedPrecondition, "stage at a second path");
+    assert_code(c.publish("", &staging, &target, cap.clone(), false).await, Code::InvalidArgument, "publish without id");
+    assert_code(c.publish(id, &staging, "", cap.clone(), false).await, Code::InvalidArgument, "publish without target");
+    assert_code(c.publish(id, "", &target, cap.clone(), false).await, Code::FailedPrecondition, "publish without staging path");
+    let r = c
+        .node
+        .node_publish_volume(csi::NodePublishVolumeRequest {
+            volume_id: id.into(),
+            staging_target_path: staging.clone(),
+            target_path: target.clone(),
+            volume_capability: None,
+            ..Default::default()
+        })
+        .await;
+    assert_code(r, Code::InvalidArgument, "publish without capability");
+    assert_code(c.publish("pvc-nope", &staging, &target, cap.clone(), false).await, Code::NotFound, "publish unknown");
+    assert_code(c.publish(id, &staging, "/tmp/np-escape", cap.clone(), false).await, Code::InvalidArgument, "target outside");
+    // SINGLE_NODE_SINGLE_WRITER: a second publication is refused.
+    let single = mount_cap("ext4", Mode::SingleNodeSingleWriter);
+    c.publish(id, &staging, &target, single.clone(), false).await.unwrap();
+    let target2 = sb.target(id, "pod-f", false);
+    assert_code(c.publish(id, &staging, &target2, single.clone(), false).await, Code::FailedPrecondition, "second single writer");
+    // Republish the same target with another capability or readonly: ALREADY_EXISTS.
+    assert_code(c.publish(id, &staging, &target, single.clone(), true).await, Code::AlreadyExists, "republish ro");
+    assert_code(c.publish(id, &staging, &target, cap.clone(), false).await, Code::AlreadyExists, "republish other mode");
+    // A target with someone else's mount on it.
+    let foreign = sb.target(id, "pod-g", false);
+    fs::create_dir_all(&foreign).unwrap();
+    nix::mount::mount(Some("tmpfs"), Path::new(&foreign), Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>).unwrap();
+    assert_code(c.publish(id, &staging, &foreign, cap.clone(), false).await, Code::AlreadyExists, "foreign mount at target");
+    // Unpublish of a target this volume is not published at: OK, and the foreign mount stays.
+    c.unpublish(id, &foreign).await.unwrap();
+    assert!(mounted_at(Path::new(&foreign)).is_some(), "unpublish removed a mount that was not the volume's");
+    nix::mount::umount(Path::new(&foreign)).unwrap();
+
+    // NodeGetVolumeStats.
+    assert_code(c.stats("", &target).await, Code::InvalidArgument, "stats without id");
+    assert_code(c.stats(id, "").await, Code::InvalidArgument, "stats without path");
+    assert_code(c.stats("pvc-nope", &target).await, Code::NotFound, "stats unknown volume");
+    assert_code(c.stats(id, &target2).await, Code::NotFound, "stats at a path the volume is not at");
+
+    // NodeExpandVolume.
+    assert_code(c.expand("", &target, 64 * MIB, 0).await, Code::InvalidArgument, "expand without id");
+    assert_code(c.expand(id, "", 64 * MIB, 0).await, Code::InvalidArgument, "expand without path");
+    assert_code(c.expand("pvc-nope", &target, 64 * MIB, 0).await, Code::NotFound, "expand unknown");
+    assert_code(c.expand(id, &target, 64 * MIB, 48 * MIB).await, Code::OutOfRange, "required above limit");
+    assert_code(c.expand(id, &target, 64 * MIB + 1, 64 * MIB + 100).await, Code::OutOfRange, "rounding exceeds limit");
+    assert_code(c.expand(id, &target, 8u64 << 30, 0).await, Code::OutOfRange, "beyond the node's capacity");
+    assert_code(c.expand(id, &target2, 64 * MIB, 0).await, Code::FailedPrecondition, "expand where not published");
+
+    // NodeUnpublishVolume / NodeUnstageVolume.
+    assert_code(c.unpublish("", &target).await, Code::InvalidArgument, "unpublish without id");
+    assert_code(c.unpublish(id, "").await, Code::InvalidArgument, "unpublish without target");
+    assert_code(c.unpublish("pvc-nope", &target2).await, Code::NotFound, "unpublish unknown");
+    c.unpublish(id, &target).await.unwrap();
+    assert_code(c.unstage("", &staging).await, Code::InvalidArgument, "unstage without id");
+    assert_code(c.unstage(id, "").await, Code::InvalidArgument, "unstage without path");
+    assert_code(c.unstage("pvc-nope", &sb.staging("pvc-nope", false)).await, Code::NotFound, "unstage unknown");
+    c.unstage(id, &staging).await.unwrap();
+    sb.assert_clean();
+    c.delete(id).await.unwrap();
+    sb.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn never_formats_a_device_that_holds_data() {
+    let mut sb = Sandbox::new("noformat");
+    let mut c = sb.start().await;
+    let id = "pvc-holds-xfs";
+    c.create(id, 512 * MIB, "ext4").await;
+    // Someone's xfs data is on the image already.
+    let out = Command::new("mkfs.xfs").arg("-q").arg("-f").arg(image(&sb, id)).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let staging = sb.staging(id, false);
+    let msg = assert_code(c.stage(id, &staging, mount_cap("", Mode::SingleNodeWriter)).await, Code::FailedPrecondition, "stage over xfs");
+    assert!(msg.contains("xfs"), "{msg}");
+    let probe = Command::new("blkid").args(["-p", "-o", "value", "-s", "TYPE"]).arg(image(&sb, id)).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&probe.stdout).trim(), "xfs", "the data was touched");
+    sb.assert_clean();
+    c.delete(id).await.unwrap();
+    sb.stop().await;
+}
+
+// ----- expansion, stats, condition -----
+
+fn statfs_total(p: &str) -> u64 {
+    let s = nix::sys::statvfs::statvfs(p).unwrap();
+    s.blocks() * s.fragment_size()
+}
+
+fn usage_of(r: &csi::NodeGetVolumeStatsResponse, unit: csi::volume_usage::Unit) -> csi::VolumeUsage {
+    r.usage.iter().find(|u| u.unit == unit as i32).cloned().unwrap_or_else(|| panic!("no {unit:?} usage in {r:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expansion_is_visible_in_df_and_stats() {
+    use csi::volume_usage::Unit;
+    let mut sb = Sandbox::new("expand");
+    let mut c = sb.start().await;
+
+    // xfs grows online.
+    let id = "pvc-grow-xfs";
+    c.create(id, 512 * MIB, "xfs").await;
+    let staging = sb.staging(id, false);
+    let target = sb.target(id, "pod-x", false);
+    let cap = mount_cap("xfs", Mode::SingleNodeWriter);
+    c.stage(id, &staging, cap.clone()).await.unwrap();
+    c.publish(id, &staging, &target, cap.clone(), false).await.unwrap();
+    fs::write(Path::new(&target).join("f"), pattern(3 * MIB as usize, 1)).unwrap();
+    let before = statfs_total(&target);
+    let st = c.stats(id, &target).await.unwrap();
+    let bytes = usage_of(&st, Unit::Bytes);
+    let sv = nix::sys::statvfs::statvfs(target.as_str()).unwrap();
+    let within = |a: i64, b: u64| (a as f64 - b as f64).abs() <= b as f64 * 0.01;
+    assert!(within(bytes.total, before), "stats total {} vs statfs {before}", bytes.total);
+    assert!(within(bytes.available, sv.blocks_available() * sv.fragment_size()));
+    let inodes = usage_of(&st, Unit::Inodes);
+    assert!(within(inodes.total, sv.files()), "inodes {} vs {}", inodes.total, sv.files());
+    assert!(!st.volume_condition.as_ref().unwrap().abnormal);
+    for _ in 0..2 {
+        let got = c.expand(id, &target, 768 * MIB, 0).await.unwrap();
+        assert_eq!(got, 768 * MIB as i64);
+    }
+    let after = statfs_total(&target);
+    assert!(after >= before + 200 * MIB, "df did not grow: {before} -> {after}");
+    let st = c.stats(id, &target).await.unwrap();
+    assert!(within(usage_of(&st, Unit::Bytes).total, after));
+    assert_eq!(fs::read(Path::new(&target).join("f")).unwrap(), pattern(3 * MIB as usize, 1));
+    c.unpublish(id, &target).await.unwrap();
+    c.unstage(id, &staging).await.unwrap();
+
+    // ext4: online needs CAP_SYS_RESOURCE; without it the call says so (FAILED_PRECONDITION,
+    // "volume in use") and the filesystem grows at the next stage, offline.
+    let id = "pvc-grow-ext4";
+    c.create(id, 64 * MIB, "ext4").await;
+    let staging = sb.staging(id, false);
+    let target = sb.target(id, "pod-y", false);
+    let cap = mount_cap("ext4", Mode::SingleNodeWriter);
+    c.stage(id, &staging, cap.clone()).await.unwrap();
+    c.publish(id, &staging, &target, cap.clone(), false).await.unwrap();
+    let before = statfs_total(&target);
+    let online = nodeplane::volume::fs::has_cap_sys_resource();
+    match c.expand(id, &target, 128 * MIB, 0).await {
+        Ok(n) => {
+            assert!(online, "online ext4 growth succeeded without CAP_SYS_RESOURCE?");
+            assert_eq!(n, 128 * MIB as i64);
+            assert!(statfs_total(&target) >= before + 50 * MIB);
+        }
+        Err(s) => {
+            assert!(!online, "online ext4 growth failed with CAP_SYS_RESOURCE: {s}");
+            assert_eq!(s.code(), Code::FailedPrecondition, "{s}");
+            assert!(s.message().contains("CAP_SYS_RESOURCE"), "{s}");
+            c.unpublish(id, &target).await.unwrap();
+            c.unstage(id, &staging).await.unwrap();
+            c.stage(id, &staging, cap.clone()).await.unwrap();
+            c.publish(id, &staging, &target, cap.clone(), false).await.unwrap();
+            let after = statfs_total(&target);
+            assert!(after >= before + 50 * MIB, "ext4 not grown at restage: {before} -> {after}");
+        }
+    }
+    let st = c.stats(id, &target).await.unwrap();
+    assert!(within(usage_of(&st, Unit::Bytes).total, statfs_total(&target)));
+    c.unpublish(id, &target).await.unwrap();
+    c.unstage(id, &staging).await.unwrap();
+
+    // Raw block: the device grows online; the published device node shows it.
+    let id = "pvc-grow-raw";
+    c.create(id, 64 * MIB, "").await;
+    let staging = sb.staging(id, true);
+    let target = sb.target(id, "pod-z", true);
+    let cap = block_cap(Mode::SingleNodeWriter);
+    c.stage(id, &staging, cap.clone()).await.unwrap();
+    c.publish(id, &staging, &target, cap.clone(), false).await.unwrap();
+    assert_eq!(nodeplane::volume::loopdev::device_size(Path::new(&target)).unwrap(), 64 * MIB);
+    c.expand(id, &target, 96 * MIB, 0).await.unwrap();
+    assert_eq!(nodeplane::volume::loopdev::device_size(Path::new(&target)).unwrap(), 96 * MIB);
+    let st = c.stats(id, &target).await.unwrap();
+    assert_eq!(usage_of(&st, Unit::Bytes).total, 96 * MIB as i64);
+    c.unpublish(id, &target).await.unwrap();
+    c.unstage(id, &staging).await.unwrap();
+    sb.assert_clean();
+    for id in ["pvc-grow-xfs", "pvc-grow-ext4", "pvc-grow-raw"] {
+        c.delete(id).await.unwrap();
+    }
+    sb.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volume_condition_reports_a_lost_backing_file_or_mount() {
+    let mut sb = Sandbox::new("condition");
+    let mut c = sb.start().await;
+    let id = "pvc-cond";
+    c.create(id, 32 * MIB, "ext4").await;
+    let staging = sb.staging(id, false);
+    let target = sb.target(id, "pod-c", false);
+    let cap = mount_cap("ext4", Mode::SingleNodeWriter);
+    c.stage(id, &staging, cap.clone()).await.unwrap();
+    c.publish(id, &staging, &target, cap.clone(), false).await.unwrap();
+    let cond = |r: csi::NodeGetVolumeStatsResponse| r.volume_condition.unwrap();
+    assert!(!cond(c.stats(id, &target).await.unwrap()).abnormal);
+    // The backing file vanishes (the loop device keeps the inode; the data path works).
+    let img = image(&sb, id);
+    let moved = sb.dir.join("moved.img");
+    fs::rename(&img, &moved).unwrap();
+    let cnd = cond(c.stats(id, &target).await.unwrap());
+    assert!(cnd.abnormal && cnd.message.contains("backing file"), "{cnd:?}");
+    fs::rename(&moved, &img).unwrap();
+    assert!(!cond(c.stats(id, &target).await.unwrap()).abnormal);
+    // The staging mount is pulled from under the plugin.
+    nix::mount::umount2(Path::new(&staging), nix::mount::MntFlags::MNT_DETACH).unwrap();
+    let cnd = cond(c.stats(id, &staging).await.unwrap());
+    assert!(cnd.abnormal && cnd.message.contains("not mounted"), "{cnd:?}");
+    c.unpublish(id, &target).await.unwrap();
+    c.unstage(id, &staging).await.unwrap();
+    sb.assert_clean();
+    c.delete(id).await.unwrap();
+    sb.stop().await;
+}
+
+// ----- concurrency -----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_calls_on_one_volume_get_aborted() {
+    let mut sb = Sandbox::new("concurrent");
+    let c = sb.start().await;
+    let id = "pvc-race";
+    let mut c0 = Clients { identity: c.identity.clone(), node: c.node.clone(), vols: c.vols.clone() };
+    c0.create(id, 1 << 30, "ext4").await;
+    let staging = sb.staging(id, false);
+    let cap = mount_cap("ext4", Mode::SingleNodeWriter);
+    let mut calls = Vec::new();
+    for _ in 0..6 {
+        let mut node = c.node.clone();
+        let req = csi::NodeStageVolumeRequest {
+            volume_id: id.into(),
+            staging_target_path: staging.clone(),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        };
+        calls.push(tokio::spawn(async move { node.node_stage_volume(req).await.map(|_| ()) }));
+    }
+    let mut ok = 0;
+    let mut aborted = 0;
+    for h in calls {
+        match h.await.unwrap() {
+            Ok(()) => ok += 1,
+            Err(s) if s.code() == Code::Aborted => aborted += 1,
+            Err(s) => panic!("unexpected {s}"),
+        }
+    }
+    assert!(ok >= 1 && aborted >= 1, "ok {ok}, aborted {aborted}");
+    assert_eq!(mounts_under(&sb.dir).len(), 1, "exactly one staging mount");
+    c0.unstage(id, &staging).await.unwrap();
+    sb.assert_clean();
+    c0.delete(id).await.unwrap();
+    sb.stop().await;
+}
+
+// ----- restarts and crashes -----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_restarts_between_stage_and_publish_and_under_io() {
+    let mut sb = Sandbox::new("restart");
+    let mut c = sb.start().await;
+    let id = "pvc-restart";
+    c.create(id, 64 * MIB, "ext4").await;
+    let staging = sb.staging(id, false);
+    let target = sb.target(id, "pod-r", false);
+    let cap = mount_cap("ext4", Mode::SingleNodeWriter);
+    c.stage(id, &staging, cap.clone()).await.unwrap();
+    sb.kill9();
+    let mut c = sb.start().await;
+    c.stage(id, &staging, cap.clone()).await.unwrap();
+    assert_eq!(mounts_under(&sb.dir).len(), 1);
+    c.publish(id, &staging, &target, cap.clone(), false).await.unwrap();
+
+    // Writes keep flowing while the agent dies and comes back.
+    let stop = Arc::new(AtomicBool::new(false));
+    let file = Path::new(&target).join("log");
+    let writer = {
+        let stop = stop.clone();
+        let file = file.clone();
+        std::thread::spawn(move || -> Result<u64, String> {
+            let mut f = fs::File::create(&file).map_err(|e| e.to_string())?;
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                f.write_all(&n.to_le_bytes()).map_err(|e| format!("write {n}: {e}"))?;
+                f.sync_data().map_err(|e| format!("sync {n}: {e}"))?;
+                n += 1;
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Ok(n)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    sb.kill9();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut c = sb.start().await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop.store(true, Ordering::Relaxed);
+    let n = writer.join().unwrap().expect("writes failed across the agent restart");
+    assert!(n > 50, "only {n} writes");
+    let mut buf = Vec::new();
+    fs::File::open(&file).unwrap().read_to_end(&mut buf).unwrap();
+    assert_eq!(buf.len() as u64, n * 8);
+    for (i, ch) in buf.chunks(8).enumerate() {
+        assert_eq!(u64::from_le_bytes(ch.try_into().unwrap()), i as u64);
+    }
+    // Same publish again after the restart: idempotent.
+    c.publish(id, &staging, &target, cap.clone(), false).await.unwrap();
+    c.unpublish(id, &target).await.unwrap();
+    c.unstage(id, &staging).await.unwrap();
+    sb.assert_clean();
+    c.delete(id).await.unwrap();
+    sb.stop().await;
+    sb.assert_clean();
+}
+
+/// The agent crashes (abort, like kill -9) at a point inside a call; kubelet retries the
+/// call after the restart; the end state is right and nothing leaks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_inside_calls_then_retry_is_consistent() {
+    let mut sb = Sandbox::new("crash");
+    let cap = mount_cap("ext4", Mode::SingleNodeWriter);
+    let points = [
+        "stage-after-record",
+        "stage-after-attach",
+        "stage-after-mkfs",
+        "stage-after-mount",
+        "publish-after-record",
+        "publish-after-mount",
+        "unpublish-after-unmount",
+        "unstage-after-unmount",
+        "expand-after-store",
+    ];
+    for (round, point) in points.iter().enumerate() {
+        // A fresh (blank) volume per round, so every point is reached.
+        let id = format!("pvc-crash-{round}");
+        let id = id.as_str();
+        let staging = sb.staging(id, false);
+        let target = sb.target(id, "pod-k", false);
+        sb.crash_at = Some(point.to_string());
+        let mut c = sb.start().await;
+        c.create(id, 64 * MIB, "ext4").await;
+        let phase = point.split('-').next().unwrap();
+        let mut wrote = false;
+        // Walk the lifecycle up to the call that crashes.
+        let crashed = async {
+            c.stage(id, &staging, cap.clone()).await?;
+            c.publish(id, &staging, &target, cap.clone(), false).await?;
+            fs::write(Path::new(&target).join("before"), point.as_bytes()).unwrap();
+            wrote = true;
+            if phase == "expand" {
+                c.expand(id, &target, 80 * MIB, 0).await?;
+            }
+            c.unpublish(id, &target).await?;
+            c.unstage(id, &staging).await
+        }
+        .await;
+        assert!(crashed.is_err(), "{point}: no call failed");
+        sb.wait_crashed(Duration::from_secs(10));
+        assert!(
+            sb.log().contains(&format!("NODEPLANE_CRASH_AT: crashing at {point}\n")),
+            "{point}: the agent did not crash there:\n{}",
+            sb.log()
+        );
+        sb.crash_at = None;
+        let mut c = sb.start().await;
+        // kubelet retries the interrupted call; then the lifecycle goes on.
+        c.stage(id, &staging, cap.clone()).await.unwrap_or_else(|e| panic!("{point}: restage: {e}"));
+        c.publish(id, &staging, &target, cap.clone(), false).await.unwrap_or_else(|e| panic!("{point}: publish: {e}"));
+        if phase == "expand" {
+            let got = c.expand(id, &target, 80 * MIB, 0).await;
+            // ext4 online growth needs CAP_SYS_RESOURCE (see expansion test); the store
+            // side finished either way.
+            match got {
+                Ok(n) => assert_eq!(n, 80 * MIB as i64),
+                Err(e) => assert_eq!(e.code(), Code::FailedPrecondition, "{point}: {e}"),
+            }
+        }
+        if wrote {
+            assert_eq!(fs::read(Path::new(&target).join("before")).unwrap(), point.as_bytes(), "{point}: data lost");
+        }
+        c.unpublish(id, &target).await.unwrap_or_else(|e| panic!("{point}: unpublish: {e}"));
+        c.unstage(id, &staging).await.unwrap_or_else(|e| panic!("{point}: unstage: {e}"));
+        assert!(!Path::new(&target).exists(), "{point}: target left behind");
+        sb.assert_clean();
+        c.delete(id).await.unwrap_or_else(|e| panic!("{point}: delete: {e}"));
+        sb.stop().await;
+        let stage_records = fs::read_dir(sb.root().join("var/lib/nodeplane/csi/stage")).unwrap().count();
+        let publish_records = fs::read_dir(sb.root().join("var/lib/nodeplane/csi/publish")).unwrap().count();
+        assert_eq!((stage_records, publish_records), (0, 0), "{point}: records left behind");
+        assert!(!image(&sb, id).exists(), "{point}: backing file left after delete");
+    }
+    sb.assert_clean();
+}
+
+/// A volume mount group makes the volume's root group-owned and group-writable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volume_mount_group_and_mount_flags_apply() {
+    let mut sb = Sandbox::new("group");
+    let mut c = sb.start().await;
+    let id = "pvc-group";
+    c.create(id, 32 * MIB, "ext4").await;
+    let staging = sb.staging(id, false);
+    let target = sb.target(id, "pod-g", false);
+    let cap = csi::VolumeCapability {
+        access_mode: Some(AccessMode { mode: Mode::SingleNodeMultiWriter as i32 }),
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: "ext4".into(),
+            mount_flags: vec!["noatime".into(), "nosuid".into()],
+            volume_mount_group: "4321".into(),
+        })),
+    };
+    c.stage(id, &staging, cap.clone()).await.unwrap();
+    c.publish(id, &staging, &target, cap.clone(), false).await.unwrap();
+    let md = fs::metadata(&target).unwrap();
+    assert_eq!(md.gid(), 4321);
+    assert_eq!(md.mode() & 0o2070, 0o2070, "mode {:o}", md.mode());
+    let (_, _, opts) = mounted_at(Path::new(&target)).unwrap();
+    assert!(opts.contains("noatime") && opts.contains("nosuid"), "{opts}");
+    let (_, _, sopts) = mounted_at(Path::new(&staging)).unwrap();
+    assert!(sopts.contains("noatime"), "{sopts}");
+    c.unpublish(id, &target).await.unwrap();
+    c.unstage(id, &staging).await.unwrap();
+    sb.assert_clean();
+    c.delete(id).await.unwrap();
+    sb.stop().await;
+}
