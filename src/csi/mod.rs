@@ -298,3 +298,45 @@ pub async fn serve(
     let _ = std::fs::remove_file(&csi_path);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use csi::identity_server::Identity as _;
+    use csi::node_server::Node as _;
+
+    #[tokio::test]
+    async fn not_ready_until_recovered() {
+        let t = crate::util::TestDir::new("csi-ready");
+        let store = crate::volume::VolumeStore::open(&t.0.join("volumes"), 1 << 30).unwrap();
+        std::fs::create_dir_all(t.0.join("kubelet")).unwrap();
+        let settings = NodeSettings {
+            node_id: "n1".into(),
+            kubelet_dir: t.0.join("kubelet").canonicalize().unwrap(),
+            record_dir: t.0.join("csi"),
+            max_volumes: 8,
+            node_socket: t.0.join("node.sock"),
+        };
+        let svc = Arc::new(NodeService::new(settings, Arc::new(store)).unwrap());
+        let id = Identity { node: Some(svc.clone()) };
+        let node = Node(svc.clone());
+        assert_eq!(id.probe(Request::new(csi::ProbeRequest {})).await.unwrap().into_inner().ready, Some(false));
+        let r = node
+            .node_unstage_volume(Request::new(csi::NodeUnstageVolumeRequest {
+                volume_id: "v".into(),
+                staging_target_path: "/x".into(),
+            }))
+            .await;
+        assert_eq!(r.unwrap_err().code(), tonic::Code::Unavailable);
+        svc.recover().unwrap();
+        assert_eq!(id.probe(Request::new(csi::ProbeRequest {})).await.unwrap().into_inner().ready, Some(true));
+        // Ready: the same call is now judged on its merits (unknown volume).
+        let r = node
+            .node_unstage_volume(Request::new(csi::NodeUnstageVolumeRequest {
+                volume_id: "v".into(),
+                staging_target_path: svc.settings.kubelet_dir.join("p").to_string_lossy().into_owned(),
+            }))
+            .await;
+        assert_eq!(r.unwrap_err().code(), tonic::Code::NotFound);
+    }
+}

@@ -327,9 +327,12 @@ impl NodeService {
         }
     }
 
+    /// Records are replaced atomically but not fsync'd: they describe mounts and loop
+    /// devices, which a power loss takes away with them, while an agent crash keeps what
+    /// the kernel already has (the page cache survives the process).
     fn save<T: Serialize>(path: &Path, rec: &T) -> Result<()> {
         let data = serde_json::to_vec_pretty(rec).map_err(|e| internal(e.to_string()))?;
-        crate::util::atomic_write(path, &data, 0o600).map_err(io_internal(format!("writing {}", path.display())))
+        crate::util::atomic_write_nosync(path, &data).map_err(io_internal(format!("writing {}", path.display())))
     }
 
     fn remove(path: &Path) -> Result<()> {
@@ -351,13 +354,21 @@ impl NodeService {
     fn publish_records(&self) -> Vec<PublishRecord> {
         let dir = self.settings.record_dir.join("publish");
         let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
-        entries.flatten().filter_map(|e| Self::load::<PublishRecord>(&e.path()).ok().flatten()).collect()
+        entries
+            .flatten()
+            .filter(|e| e.file_name().as_encoded_bytes().ends_with(b".json"))
+            .filter_map(|e| Self::load::<PublishRecord>(&e.path()).ok().flatten())
+            .collect()
     }
 
     fn stage_records(&self) -> Vec<StageRecord> {
         let dir = self.settings.record_dir.join("stage");
         let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
-        entries.flatten().filter_map(|e| Self::load::<StageRecord>(&e.path()).ok().flatten()).collect()
+        entries
+            .flatten()
+            .filter(|e| e.file_name().as_encoded_bytes().ends_with(b".json"))
+            .filter_map(|e| Self::load::<StageRecord>(&e.path()).ok().flatten())
+            .collect()
     }
 
     // ----- kernel state -----
@@ -446,7 +457,7 @@ impl NodeService {
             &StageRecord { volume_id: id.to_string(), staging_path: staging.clone(), capability: cap.clone(), state: StageState::Staging },
         )?;
         crate::util::crash_point("stage-after-record");
-        let attached_before = self.store.attached_device(id)?.is_some();
+        let attached_before = devices.iter().any(|d| !d.ro);
         let result = self.stage_work(&vol, &staging, &cap, &opts);
         match result {
             Ok(()) => {

@@ -96,7 +96,8 @@ pub struct LoopBinding {
     pub backing_file: PathBuf,
     /// The backing file has been unlinked.
     pub deleted: bool,
-    /// Bound read-only (`LO_FLAGS_READ_ONLY`; sysfs `ro`).
+    /// Bound read-only (`LO_FLAGS_READ_ONLY`). Filled in by [`find_backed_by`] from the
+    /// device's status; [`bound_devices`] (a plain sysfs walk) leaves it false.
     pub read_only: bool,
 }
 
@@ -132,13 +133,12 @@ fn bound_devices_in(sys_block: &Path) -> io::Result<Vec<LoopBinding>> {
         if deleted {
             raw.truncate(raw.len() - DELETED.len());
         }
-        let read_only = fs::read_to_string(entry.path().join("ro")).is_ok_and(|s| s.trim() == "1");
         out.push(LoopBinding {
             device: PathBuf::from(format!("/dev/loop{number}")),
             number,
             backing_file: PathBuf::from(OsString::from_vec(raw)),
             deleted,
-            read_only,
+            read_only: false,
         });
     }
     out.sort_by_key(|b| b.number);
@@ -237,7 +237,9 @@ pub fn find_backed_by(path: &Path, st_dev: u64, st_ino: u64) -> io::Result<Vec<L
             Err(e) => return Err(ctx("opening", &b.device)(e)),
         };
         match status(&dev) {
-            Ok(info) if info.lo_inode == st_ino && info.lo_device == st_dev => found.push(b),
+            Ok(info) if info.lo_inode == st_ino && info.lo_device == st_dev => {
+                found.push(LoopBinding { read_only: info.lo_flags & LO_FLAGS_READ_ONLY != 0, ..b })
+            }
             Ok(_) => {}
             Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {}
             Err(e) => return Err(ctx("LOOP_GET_STATUS64 on", &b.device)(e)),
@@ -385,7 +387,10 @@ pub fn detach(device: &Path, st_dev: u64, st_ino: u64) -> Result<(), DetachError
         Err(e) => return Err(DetachError::Io(ctx("LOOP_CLR_FD on", device)(e))),
     }
     drop(dev); // last close of ours: the kernel unbinds here if nobody else holds it
+    // Another opener (udev probing the device after its change event, typically) delays
+    // the unbind until it closes: poll finely at first, then back off.
     let deadline = Instant::now() + Duration::from_millis(500);
+    let mut pause = Duration::from_micros(250);
     loop {
         let bound = fs::metadata(format!("/sys/block/loop{number}/loop/backing_file")).is_ok();
         if !bound || !still_ours()? {
@@ -395,7 +400,8 @@ pub fn detach(device: &Path, st_dev: u64, st_ino: u64) -> Result<(), DetachError
         if Instant::now() >= deadline {
             break;
         }
-        std::thread::sleep(Duration::from_millis(10));
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(10));
     }
     // Someone else still has it open: take the auto-clear mark off so it stays bound as it
     // was instead of vanishing under its user later.
@@ -450,7 +456,6 @@ mod tests {
                 fs::create_dir_all(d.join("loop")).unwrap();
                 fs::write(d.join("loop/backing_file"), c).unwrap();
             }
-            fs::write(d.join("ro"), if n == 11 { "1\n" } else { "0\n" }).unwrap();
         }
         fs::create_dir_all(dir.join("vda")).unwrap();
         let got = bound_devices_in(&dir).unwrap();
@@ -470,7 +475,7 @@ mod tests {
                     number: 11,
                     backing_file: "/v/b.img".into(),
                     deleted: true,
-                    read_only: true,
+                    read_only: false,
                 },
             ]
         );

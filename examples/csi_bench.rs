@@ -1,0 +1,266 @@
+//! CSI node benchmark (root): create + stage + publish of a 1 GiB ext4 volume through a
+//! running agent, and unpublish + unstage + delete, against the reference — the same steps
+//! done with the standard tools a shell-based node plugin runs (`truncate`, `losetup`,
+//! `blkid`, `mkfs.ext4`, `mount`, `mount --bind`; `umount`, `losetup -d`, `rm`) — measured in
+//! the same run on the same disk.
+//!
+//! Run through `scripts/bench-csi`. Everything lives under a temp dir that is cleaned up.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nodeplane::rpc::csi;
+use nodeplane::rpc::csi::volume_capability::access_mode::Mode;
+use nodeplane::rpc::csi::volume_capability::{AccessMode, AccessType, MountVolume};
+use nodeplane::rpc::node as napi;
+
+const GIB: u64 = 1 << 30;
+
+fn run(tool: &str, args: &[&str]) -> String {
+    let out = Command::new(tool).args(args).stdin(Stdio::null()).output().unwrap_or_else(|e| panic!("{tool}: {e}"));
+    // blkid exits 2 on a blank device: that is its answer, not a failure.
+    if !out.status.success() && !(tool == "blkid" && out.status.code() == Some(2)) {
+        panic!("{tool} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+struct Reference {
+    dir: PathBuf,
+}
+
+impl Reference {
+    fn up(&self, i: usize) -> (String, PathBuf, PathBuf, PathBuf) {
+        let img = self.dir.join(format!("ref-{i}.img"));
+        let staging = self.dir.join(format!("ref-stage-{i}"));
+        let target = self.dir.join(format!("ref-target-{i}"));
+        run("truncate", &["-s", &GIB.to_string(), img.to_str().unwrap()]);
+        let dev = run("losetup", &["--find", "--show", img.to_str().unwrap()]);
+        let _ = run("blkid", &["-p", "-o", "value", "-s", "TYPE", &dev]);
+        run("mkfs.ext4", &["-F", "-q", &dev]);
+        std::fs::create_dir_all(&staging).unwrap();
+        run("mount", &["-t", "ext4", &dev, staging.to_str().unwrap()]);
+        std::fs::create_dir_all(&target).unwrap();
+        run("mount", &["--bind", staging.to_str().unwrap(), target.to_str().unwrap()]);
+        (dev, img, staging, target)
+    }
+    fn down(&self, (dev, img, staging, target): (String, PathBuf, PathBuf, PathBuf)) {
+        run("umount", &[target.to_str().unwrap()]);
+        std::fs::remove_dir(&target).unwrap();
+        run("umount", &[staging.to_str().unwrap()]);
+        run("losetup", &["-d", &dev]);
+        std::fs::remove_file(&img).unwrap();
+    }
+}
+
+struct Plugin {
+    node: csi::node_client::NodeClient<tonic::transport::Channel>,
+    vols: napi::node_volumes_client::NodeVolumesClient<tonic::transport::Channel>,
+    kubelet: PathBuf,
+}
+
+fn cap() -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+        access_type: Some(AccessType::Mount(MountVolume { fs_type: "ext4".into(), ..Default::default() })),
+    }
+}
+
+impl Plugin {
+    fn paths(&self, id: &str) -> (String, String) {
+        let staging = self.kubelet.join(format!("plugins/kubernetes.io/csi/pv/{id}/globalmount"));
+        let target = self.kubelet.join(format!("pods/bench/volumes/kubernetes.io~csi/{id}/mount"));
+        std::fs::create_dir_all(staging.parent().unwrap()).unwrap();
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        (staging.to_string_lossy().into_owned(), target.to_string_lossy().into_owned())
+    }
+    async fn up(&mut self, id: &str) {
+        let (staging, target) = self.paths(id);
+        self.vols
+            .create_volume(napi::CreateVolumeRequest { id: id.into(), size_bytes: GIB, fs_type: "ext4".into() })
+            .await
+            .unwrap();
+        self.node
+            .node_stage_volume(csi::NodeStageVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: staging.clone(),
+                volume_capability: Some(cap()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        self.node
+            .node_publish_volume(csi::NodePublishVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: staging,
+                target_path: target,
+                volume_capability: Some(cap()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    async fn down(&mut self, id: &str) {
+        let (staging, target) = self.paths(id);
+        self.node
+            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest { volume_id: id.into(), target_path: target })
+            .await
+            .unwrap();
+        self.node
+            .node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: id.into(), staging_target_path: staging })
+            .await
+            .unwrap();
+        self.vols.delete_volume(napi::DeleteVolumeRequest { id: id.into() }).await.unwrap();
+    }
+}
+
+struct Figures {
+    up_median: f64,
+    down_median: f64,
+    seq_up: f64,
+    seq_down: f64,
+}
+
+fn print_row(name: &str, f: &Figures) {
+    println!(
+        "{name:<22} {:>10.1} {:>10.1} {:>12.0} {:>12.0}",
+        f.up_median, f.down_median, f.seq_up, f.seq_down
+    );
+}
+
+fn main() {
+    let agent = std::env::args().nth(1).expect("usage: csi_bench <path to nodeplane-agent> [singles] [sequence]");
+    let singles: usize = std::env::args().nth(2).map(|s| s.parse().unwrap()).unwrap_or(20);
+    let seq: usize = std::env::args().nth(3).map(|s| s.parse().unwrap()).unwrap_or(50);
+    assert_eq!(unsafe { libc::geteuid() }, 0, "the CSI benchmark needs root");
+    let dir = std::env::temp_dir().join(format!("np-bench-csi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let dir = dir.canonicalize().unwrap();
+    let cfg = serde_json::json!({
+        "nodeName": "bench",
+        "root": dir.join("root"),
+        "shimSource": Path::new(&agent).with_file_name("nodeplane-cni"),
+        "csi": {"capacityBytes": (seq as u64 + 2) * GIB},
+    });
+    std::fs::write(dir.join("agent.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let log = std::fs::File::create(dir.join("agent.log")).unwrap();
+    let mut child: Child = Command::new("unshare")
+        .args(["--net", "--", &agent, "--config"])
+        .arg(dir.join("agent.json"))
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let kubelet = dir.join("root/var/lib/kubelet");
+    let reg = kubelet.join("plugins_registry/csi.nodeplane.dev-reg.sock");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !reg.exists() {
+        assert!(Instant::now() < deadline, "agent not ready");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        rt.block_on(async {
+            let ch = nodeplane::rpc::connect_unix(&kubelet.join("plugins/csi.nodeplane.dev/csi.sock")).await.unwrap();
+            let nch = nodeplane::rpc::connect_unix(&dir.join("root/run/nodeplane/node.sock")).await.unwrap();
+            let mut p = Plugin {
+                node: csi::node_client::NodeClient::new(ch),
+                vols: napi::node_volumes_client::NodeVolumesClient::new(nch),
+                kubelet: kubelet.clone(),
+            };
+            let r = Reference { dir: dir.join("ref") };
+            std::fs::create_dir_all(&r.dir).unwrap();
+            // Warm-up (page cache for the tools and the agent).
+            p.up("warm").await;
+            p.down("warm").await;
+            let w = r.up(9999);
+            r.down(w);
+
+            let (mut pu, mut pd, mut ru, mut rd) = (vec![], vec![], vec![], vec![]);
+            for i in 0..singles {
+                let id = format!("pvc-single-{i}");
+                let t = Instant::now();
+                p.up(&id).await;
+                pu.push(ms(t.elapsed()));
+                let t = Instant::now();
+                p.down(&id).await;
+                pd.push(ms(t.elapsed()));
+                let t = Instant::now();
+                let h = r.up(i);
+                ru.push(ms(t.elapsed()));
+                let t = Instant::now();
+                r.down(h);
+                rd.push(ms(t.elapsed()));
+            }
+            let t = Instant::now();
+            for i in 0..seq {
+                p.up(&format!("pvc-seq-{i}")).await;
+            }
+            let p_seq_up = ms(t.elapsed());
+            let t = Instant::now();
+            for i in 0..seq {
+                p.down(&format!("pvc-seq-{i}")).await;
+            }
+            let p_seq_down = ms(t.elapsed());
+            let t = Instant::now();
+            let hs: Vec<_> = (0..seq).map(|i| r.up(1000 + i)).collect();
+            let r_seq_up = ms(t.elapsed());
+            let t = Instant::now();
+            for h in hs {
+                r.down(h);
+            }
+            let r_seq_down = ms(t.elapsed());
+            let pf = Figures { up_median: median(&mut pu), down_median: median(&mut pd), seq_up: p_seq_up, seq_down: p_seq_down };
+            let rf = Figures { up_median: median(&mut ru), down_median: median(&mut rd), seq_up: r_seq_up, seq_down: r_seq_down };
+            println!("CSI node, 1 GiB ext4 volumes: median of {singles} single runs, then {seq} in sequence (ms)");
+            println!("{:<22} {:>10} {:>10} {:>12} {:>12}", "", "up (med)", "down (med)", format!("{seq} up"), format!("{seq} down"));
+            print_row("nodeplane agent", &pf);
+            print_row("reference (CLI tools)", &rf);
+            println!(
+                "ratio nodeplane/ref    {:>10.3} {:>10.3} {:>12.3} {:>12.3}",
+                pf.up_median / rf.up_median,
+                pf.down_median / rf.down_median,
+                pf.seq_up / rf.seq_up,
+                pf.seq_down / rf.seq_down
+            );
+            println!("up = create + stage (mkfs) + publish; down = unpublish + unstage + delete");
+        })
+    }));
+    let _ = child.kill();
+    let _ = child.wait();
+    if let Some(keep) = std::env::var_os("CSI_BENCH_KEEP_LOG") {
+        let _ = std::fs::copy(dir.join("agent.log"), keep);
+    }
+    // Clean up whatever a failure left: mounts under the dir, loop devices of its files.
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let mut mps: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4).map(|m| PathBuf::from(m.replace("\\040", " "))))
+        .filter(|m| m.starts_with(&dir))
+        .collect();
+    mps.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for m in mps {
+        let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+    }
+    for e in std::fs::read_dir("/sys/block").unwrap().flatten() {
+        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file"))
+            && Path::new(b.trim().trim_end_matches(" (deleted)")).starts_with(&dir)
+        {
+            let _ = Command::new("losetup").arg("-d").arg(format!("/dev/{}", e.file_name().to_string_lossy())).status();
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+}
