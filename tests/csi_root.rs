@@ -4,7 +4,7 @@
 //! Each test runs its own agent (`nodeplane-agent` in a private network namespace made by
 //! `unshare --net`, sharing this process' mount namespace so its mounts are visible in
 //! `/proc/self/mountinfo` here) with its whole tree — kubelet dir, state, volume store —
-//! in a sandbox directory under cargo's target tmp dir. The sandbox guard, dropped also when
+//! in a sandbox directory `/tmp/npcsi-<pid>-<test>` (short: socket paths are limited). The sandbox guard, dropped also when
 //! a test panics, kills that agent by PID, unmounts everything under the sandbox, detaches
 //! every loop device bound to a file under it and removes it. Every test also asserts
 //! itself that nothing leaked before it ends.
@@ -144,7 +144,9 @@ fn cleanup(dir: &Path) -> Vec<String> {
 impl Sandbox {
     fn new(name: &str) -> Sandbox {
         require_root();
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("csi-{}-{name}", std::process::id()));
+        // Short: Unix socket paths (kubelet dir + plugins_registry/…-reg.sock) must fit
+        // in 108 bytes, so not under the (arbitrarily deep) cargo target dir.
+        let dir = PathBuf::from("/tmp").join(format!("npcsi-{}-{name}", std::process::id()));
         if dir.exists() {
             cleanup(&dir);
         }

@@ -250,6 +250,20 @@ impl Config {
             .dns
             .map(|d| Dns { nameservers: d.nameservers, domain: d.domain, search: d.search, options: d.options })
             .unwrap_or_default();
+        // Unix socket paths must fit sun_path (108 bytes with the NUL).
+        let mut sockets = vec![
+            f.cni_socket.clone().unwrap_or_else(|| under(&root, "/run/nodeplane/cni.sock")),
+            f.node_socket.clone().unwrap_or_else(|| under(&root, "/run/nodeplane/node.sock")),
+        ];
+        if csi.is_some() {
+            sockets.push(crate::csi::csi_socket(&kubelet_dir));
+            sockets.push(crate::csi::registration_socket(&kubelet_dir));
+        }
+        for s in sockets {
+            if s.as_os_str().len() >= 108 {
+                return bad(format!("socket path {} is {} bytes; Unix sockets allow at most 107 (shorten root or kubeletDir)", s.display(), s.as_os_str().len()));
+            }
+        }
         Ok(Config {
             node_name: f.node_name,
             pod_cidrs: f.pod_cidrs,
@@ -316,5 +330,10 @@ mod tests {
         assert!(parse(r#"{"nodeName":"n","bridge":"way-too-long-bridge","shimSource":"/x"}"#).is_err());
         assert!(parse(r#"{"nodeName":"n","unknownKey":1}"#).is_err());
         assert!(parse(r#"{"nodeName":"n","chainedPlugins":[{"x":1}],"shimSource":"/x"}"#).is_err());
+        let deep = format!(r#"{{"nodeName":"n","root":"/{}","shimSource":"/x"}}"#, "d".repeat(60));
+        let e = parse(&deep).unwrap_err().to_string();
+        assert!(e.contains("Unix sockets allow at most 107"), "{e}");
+        let no_csi = format!(r#"{{"nodeName":"n","root":"/{}","shimSource":"/x","csi":{{"enabled":false}}}}"#, "d".repeat(60));
+        assert!(parse(&no_csi).is_ok());
     }
 }
