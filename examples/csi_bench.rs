@@ -20,7 +20,8 @@ const GIB: u64 = 1 << 30;
 fn run(tool: &str, args: &[&str]) -> String {
     let out = Command::new(tool).args(args).stdin(Stdio::null()).output().unwrap_or_else(|e| panic!("{tool}: {e}"));
     // blkid exits 2 on a blank device: that is its answer, not a failure.
-    if !out.status.success() && !(tool == "blkid" && out.status.code() == Some(2)) {
+    let blank_probe = tool == "blkid" && out.status.code() == Some(2);
+    if !(out.status.success() || blank_probe) {
         panic!("{tool} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
     String::from_utf8_lossy(&out.stdout).trim().to_string()

@@ -17,8 +17,10 @@ solicitations that forwarding needs, which would only add start-up noise to the 
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +31,7 @@ CONTROLLER_BIN = harness.TARGET / "nodeplane-controller"
 
 
 class Controller:
-    def __init__(self, root, pools=None, start=True):
+    def __init__(self, root, pools=None, start=True, extra=None):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.socket = self.root / "controller.sock"
@@ -40,6 +42,8 @@ class Controller:
             "pools": pools or [{"cidr": "10.244.0.0/16", "blockPrefix": 24},
                                {"cidr": "fd00:10:244::/48", "blockPrefix": 64}],
         }
+        self.cfg.update(extra or {})
+        self.csi_socket = self.root / "data/csi.sock"
         self.cfg_path = self.root / "controller.json"
         self.cfg_path.write_text(json.dumps(self.cfg))
         self.log_path = self.root / "controller.log"
@@ -65,6 +69,21 @@ class Controller:
 
     def log(self):
         return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def csi(self, *args, check=True):
+        """Call the controller's CSI socket (Identity + Controller) with `nodeplane csi`."""
+        return harness.csi_call(self.csi_socket, *args, check=check)
+
+    def volumes(self):
+        """volume id -> entry, every page of ListVolumes."""
+        out, token = {}, ""
+        while True:
+            page = self.csi("list-volumes", "--max", "100", "--token", token)
+            for e in page["entries"]:
+                out[e["volumeId"]] = e
+            token = page["nextToken"]
+            if not token:
+                return out
 
     def stop(self, sig=signal.SIGTERM):
         harness.stop_process(self.proc, sig, timeout=20)
@@ -157,7 +176,7 @@ class Underlay:
 
 
 def cluster_node(controller, underlay, seg, host, mode="auto", tag="cn", start=True, ipv6=False, token=None,
-                 on_create=None):
+                 on_create=None, csi=None):
     """A simulated node in controller mode on the underlay.
 
     `ipv6`: the node also gets an IPv6 underlay address, advertised after the IPv4 one (the
@@ -173,6 +192,8 @@ def cluster_node(controller, underlay, seg, host, mode="auto", tag="cn", start=T
     node.token_file = token_file
     addrs = [addr] + ([underlay6(seg, host)] if ipv6 else [])
     node.cfg["podCidrs"] = []
+    if csi is not None:
+        node.cfg["csi"] = csi
     node.cfg["controller"] = {"address": controller.address, "tokenFile": str(token_file),
                               "underlayAddresses": addrs, "routeMode": mode}
     node.cfg_path.write_text(json.dumps(node.cfg))
@@ -181,3 +202,42 @@ def cluster_node(controller, underlay, seg, host, mode="auto", tag="cn", start=T
     if start:
         node.start()
     return node
+
+
+class Cluster:
+    """One controller, one underlay namespace and the nodes made through it."""
+
+    def __init__(self, pools=None, controller_extra=None):
+        self.root = Path(tempfile.mkdtemp(prefix=harness.RUN_PREFIX, dir="/tmp"))
+        self.nodes = []
+        self.controller = None
+        self.underlay = None
+        try:
+            self.controller = Controller(self.root / "controller", pools=pools, start=False, extra=controller_extra)
+            self.controller.start()
+            self.underlay = Underlay()
+        except BaseException:
+            self.close()
+            raise
+
+    def node(self, seg, host, mode="auto", ipv6=False, start=True, token=None, csi=None):
+        n = cluster_node(self.controller, self.underlay, seg, host, mode=mode, start=False,
+                         ipv6=ipv6, token=token, on_create=self.nodes.append, csi=csi)
+        if start:
+            n.start()
+        return n
+
+    def close(self):
+        errors = []
+        for n in self.nodes:
+            try:
+                n.cleanup()
+            except Exception as e:  # keep cleaning up the rest
+                errors.append(e)
+        if self.controller:
+            self.controller.stop()
+        if self.underlay:
+            self.underlay.delete()
+        shutil.rmtree(self.root, ignore_errors=True)
+        if errors:
+            raise errors[0]

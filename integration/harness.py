@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 TARGET = Path(os.environ.get("NODEPLANE_TARGET", REPO / "target" / "release"))
 AGENT_BIN = TARGET / "nodeplane-agent"
 SHIM_BIN = TARGET / "nodeplane-cni"
+CLI_BIN = TARGET / "nodeplane"
 REF_CNI_DIR = Path(os.environ.get("REF_CNI_DIR", "/usr/lib/cni"))
 
 RUN_PREFIX = f"npt{os.getpid()}-"
@@ -232,7 +233,41 @@ class Node:
         for p in self.pods:
             p.ns.delete()
         self.ns.delete()
+        release_storage_under(self.root)
         shutil.rmtree(self.root, ignore_errors=True)
+
+    # ----- CSI -----
+
+    @property
+    def kubelet(self):
+        return self.root / "var/lib/kubelet"
+
+    @property
+    def csi_socket(self):
+        return self.kubelet / "plugins/csi.nodeplane.dev/csi.sock"
+
+    @property
+    def volume_dir(self):
+        return self.root / "var/lib/nodeplane/volumes"
+
+    def csi(self, *args, check=True):
+        """Call this node's CSI socket with the `nodeplane csi` client; the JSON answer."""
+        return csi_call(self.csi_socket, *args, check=check)
+
+    def staging_path(self, vol):
+        p = self.kubelet / f"plugins/kubernetes.io/csi/pv/{vol}/globalmount"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def target_path(self, vol, pod="pod1"):
+        p = self.kubelet / f"pods/{pod}/volumes/kubernetes.io~csi/{vol}/mount"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def volume_files(self):
+        """Volume ids with a backing file in this node's store."""
+        d = self.volume_dir
+        return sorted(p.name[:-4] for p in d.glob("*.img")) if d.exists() else []
 
 
 class Pod:
@@ -251,6 +286,61 @@ class Pod:
 
     def ip6(self):
         return next(ip for ip in self.ips() if ":" in ip)
+
+
+class CsiError(Exception):
+    def __init__(self, code, message):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def csi_call(socket, *args, check=True):
+    """`nodeplane csi --endpoint SOCKET ARGS...`: the JSON answer, or CsiError(code)."""
+    p = subprocess.run([str(CLI_BIN), "csi", "--endpoint", str(socket), *map(str, args)],
+                       capture_output=True, text=True)
+    out = json.loads(p.stdout) if p.stdout.strip() else {}
+    if p.returncode == 2:
+        if check:
+            raise CsiError(out.get("code"), out.get("message"))
+        return out
+    if p.returncode != 0:
+        raise RuntimeError(f"nodeplane csi {args}: exit {p.returncode}: {p.stderr}")
+    return out
+
+
+def mounts_under(root):
+    root = str(root)
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split(" ")[4].replace("\\040", " ")
+            if mp == root or mp.startswith(root + "/"):
+                out.append(mp)
+    return out
+
+
+def loops_under(root):
+    root = str(root)
+    out = []
+    for e in Path("/sys/block").iterdir():
+        if not e.name.startswith("loop"):
+            continue
+        try:
+            b = (e / "loop/backing_file").read_text().strip().removesuffix(" (deleted)")
+        except OSError:
+            continue
+        if b.startswith(root + "/"):
+            out.append(f"/dev/{e.name}")
+    return out
+
+
+def release_storage_under(root):
+    """Unmount everything under `root` (deepest first) and detach loop devices of files under it."""
+    for mp in sorted(mounts_under(root), key=lambda m: -m.count("/")):
+        run(["umount", "-l", mp], check=False)
+    for dev in loops_under(root):
+        run(["losetup", "-d", dev], check=False)
 
 
 def sweep_leftovers():

@@ -41,43 +41,7 @@ SMALL_POOLS = [{"cidr": "10.244.0.0/22", "blockPrefix": 24},
 # ----- fixtures -----
 
 
-class Cluster:
-    """One controller, one underlay namespace and the nodes made through it."""
-
-    def __init__(self, pools=None):
-        self.root = Path(tempfile.mkdtemp(prefix=harness.RUN_PREFIX, dir="/tmp"))
-        self.nodes = []
-        self.controller = None
-        self.underlay = None
-        try:
-            self.controller = cluster.Controller(self.root / "controller", pools=pools, start=False)
-            self.controller.start()
-            self.underlay = cluster.Underlay()
-        except BaseException:
-            self.close()
-            raise
-
-    def node(self, seg, host, mode="auto", ipv6=False, start=True, token=None):
-        n = cluster.cluster_node(self.controller, self.underlay, seg, host, mode=mode, start=False,
-                                 ipv6=ipv6, token=token, on_create=self.nodes.append)
-        if start:
-            n.start()
-        return n
-
-    def close(self):
-        errors = []
-        for n in self.nodes:
-            try:
-                n.cleanup()
-            except Exception as e:  # keep cleaning up the rest
-                errors.append(e)
-        if self.controller:
-            self.controller.stop()
-        if self.underlay:
-            self.underlay.delete()
-        shutil.rmtree(self.root, ignore_errors=True)
-        if errors:
-            raise errors[0]
+Cluster = cluster.Cluster
 
 
 @pytest.fixture

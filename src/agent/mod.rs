@@ -6,6 +6,7 @@ pub mod datapath;
 pub mod install;
 pub mod nft;
 pub mod reaper;
+pub mod volume_sync;
 
 use std::fs;
 use std::os::fd::AsRawFd;
@@ -245,6 +246,7 @@ pub async fn serve(
     let tracker = tokio_util_tracker::Tracker::default();
     let cluster_client = tokio::spawn(cluster::run(dp.clone()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let volume_client = csi.clone().map(|svc| tokio::spawn(volume_sync::run(dp.cfg.clone(), svc)));
     let mut csi_task = csi.map(|svc| {
         let mut rx = stop_rx.clone();
         tokio::spawn(crate::csi::serve(svc, async move {
@@ -284,6 +286,9 @@ pub async fn serve(
                 return Err(AgentError::Setup(msg));
             }
         }
+    }
+    if let Some(v) = volume_client {
+        v.abort();
     }
     let _ = stop_tx.send(true);
     if let Some(t) = csi_task {

@@ -29,6 +29,22 @@ pub struct FileConfig {
     pub vxlan_port: u16,
     /// File holding the token-signing secret; default `<dataDir>/secret` (made on first start).
     pub secret_file: Option<PathBuf>,
+    /// Unix socket for CSI Identity + Controller (the provisioner and resizer sidecars);
+    /// default `<dataDir>/csi.sock`.
+    pub csi_socket: Option<PathBuf>,
+    /// How long a node may keep a volume the controller does not know before reclaiming it.
+    #[serde(default = "default_grace")]
+    pub orphan_grace_seconds: u64,
+    /// How long one CSI call waits for a node before answering DEADLINE_EXCEEDED (retried).
+    #[serde(default = "default_op_timeout")]
+    pub volume_op_timeout_seconds: u64,
+}
+
+fn default_grace() -> u64 {
+    600
+}
+fn default_op_timeout() -> u64 {
+    60
 }
 
 fn default_vni() -> u32 {
@@ -81,6 +97,9 @@ pub struct Config {
     pub vxlan_vni: u32,
     pub vxlan_port: u16,
     pub secret_file: PathBuf,
+    pub csi_socket: PathBuf,
+    pub orphan_grace: std::time::Duration,
+    pub volume_op_timeout: std::time::Duration,
 }
 
 pub fn parse_listen(s: &str) -> Result<Listen, String> {
@@ -139,7 +158,24 @@ impl Config {
             return Err(bad("vxlanPort must not be 0".into()));
         }
         let secret_file = f.secret_file.clone().unwrap_or_else(|| f.data_dir.join("secret"));
-        Ok(Config { data_dir: f.data_dir, listen, pools, vxlan_vni: f.vxlan_vni, vxlan_port: f.vxlan_port, secret_file })
+        let csi_socket = f.csi_socket.clone().unwrap_or_else(|| f.data_dir.join("csi.sock"));
+        if !csi_socket.is_absolute() {
+            return Err(bad(format!("csiSocket {} must be absolute", csi_socket.display())));
+        }
+        if f.volume_op_timeout_seconds == 0 {
+            return Err(bad("volumeOpTimeoutSeconds must be positive".into()));
+        }
+        Ok(Config {
+            data_dir: f.data_dir,
+            listen,
+            pools,
+            vxlan_vni: f.vxlan_vni,
+            vxlan_port: f.vxlan_port,
+            secret_file,
+            csi_socket,
+            orphan_grace: std::time::Duration::from_secs(f.orphan_grace_seconds),
+            volume_op_timeout: std::time::Duration::from_secs(f.volume_op_timeout_seconds),
+        })
     }
 
     pub fn cluster_cidrs(&self) -> Vec<String> {

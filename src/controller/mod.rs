@@ -2,8 +2,10 @@
 
 pub mod auth;
 pub mod config;
+pub mod csi;
 pub mod server;
 pub mod store;
+pub mod volumes;
 
 use std::sync::Arc;
 
@@ -17,6 +19,8 @@ pub enum ControllerError {
     Registry(#[from] store::RegistryError),
     #[error("serving: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error("volume book: {0}")]
+    Volumes(String),
 }
 
 fn io_ctx(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ControllerError {
@@ -37,9 +41,27 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     let (registry, authority) = open(&cfg)?;
     let snap = registry.snapshot();
     tracing::info!(nodes = snap.nodes.len(), revision = snap.revision, pools = ?cfg.cluster_cidrs(), "registry loaded");
+    let book = Arc::new(volumes::VolumeBook::open(registry.database(), cfg.orphan_grace).map_err(|e| ControllerError::Volumes(e.message().to_string()))?);
+    tracing::info!(volumes = book.list().len(), "volume book loaded");
     let cfg = Arc::new(cfg);
     let (stop_tx, stopping) = tokio::sync::watch::channel(false);
-    let svc = server::Service { registry, authority, cfg: cfg.clone(), stopping };
+    let svc = server::Service { registry, volumes: book.clone(), authority, cfg: cfg.clone(), stopping: stopping.clone() };
+    // CSI Identity + Controller for the sidecars, on their own Unix socket (0600).
+    let csi_listener = crate::csi::bind_socket(&cfg.csi_socket).map_err(io_ctx(format!("binding {}", cfg.csi_socket.display())))?;
+    let csi_server = tonic::transport::Server::builder()
+        .add_service(crate::rpc::csi::identity_server::IdentityServer::new(crate::csi::Identity { node: None }))
+        .add_service(crate::rpc::csi::controller_server::ControllerServer::new(csi::ControllerService {
+            book: book.clone(),
+            op_timeout: cfg.volume_op_timeout,
+        }))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(csi_listener), {
+            let mut s = stopping.clone();
+            async move {
+                let _ = s.wait_for(|v| *v).await;
+            }
+        });
+    let csi_task = tokio::spawn(csi_server);
+    tracing::info!(socket = %cfg.csi_socket.display(), "CSI Identity and Controller served");
     let router = tonic::transport::Server::builder()
         .add_service(crate::rpc::controller::node_registry_server::NodeRegistryServer::new(svc));
     let shutdown = async {
@@ -77,6 +99,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             router.serve_with_incoming_shutdown(incoming, shutdown).await?;
         }
     }
+    let _ = csi_task.await;
+    let _ = std::fs::remove_file(&cfg.csi_socket);
     Ok(())
 }
 

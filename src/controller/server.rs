@@ -14,6 +14,7 @@ use crate::rpc::controller::node_registry_server::NodeRegistry;
 
 pub struct Service {
     pub registry: Arc<Registry>,
+    pub volumes: Arc<super::volumes::VolumeBook>,
     pub authority: Arc<Authority>,
     pub cfg: Arc<Config>,
     /// Flipped to true on shutdown: ends every membership stream (agents reconnect).
@@ -77,6 +78,7 @@ impl Service {
 }
 
 type NodeStream = Pin<Box<dyn Stream<Item = Result<pb::NodeList, Status>> + Send>>;
+type VolumeStream = Pin<Box<dyn Stream<Item = Result<pb::VolumeSet, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl NodeRegistry for Service {
@@ -146,5 +148,52 @@ impl NodeRegistry for Service {
         let released = self.blocking(move |reg| reg.remove(&node)).await?;
         tracing::info!(blocks = ?released, "node removed");
         Ok(Response::new(pb::RemoveNodeResponse { released_blocks: released }))
+    }
+
+    type WatchVolumesStream = VolumeStream;
+
+    async fn watch_volumes(&self, req: Request<pb::WatchVolumesRequest>) -> Result<Response<VolumeStream>, Status> {
+        let node = req.get_ref().node_name.clone();
+        self.authorize(&req, &node)?;
+        let book = self.volumes.clone();
+        let mut rx = book.subscribe_desired();
+        let mut stopping = self.stopping.clone();
+        let (tx, out) = tokio::sync::mpsc::channel(4);
+        tracing::info!(node = %node, "volume stream opened");
+        tokio::spawn(async move {
+            // The node counts as connected (a placement target) while this stream lives.
+            let _guard = book.connect(&node);
+            loop {
+                rx.borrow_and_update();
+                if tx.send(Ok(book.desired(&node))).await.is_err() {
+                    break;
+                }
+                tokio::select! {
+                    changed = rx.changed() => if changed.is_err() { break },
+                    _ = stopping.wait_for(|s| *s) => break,
+                    _ = tx.closed() => break,
+                }
+            }
+            tracing::info!(node = %node, "volume stream closed");
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out))))
+    }
+
+    async fn report_volumes(
+        &self,
+        req: Request<pb::ReportVolumesRequest>,
+    ) -> Result<Response<pb::ReportVolumesResponse>, Status> {
+        let node = req.get_ref().node_name.clone();
+        self.authorize(&req, &node)?;
+        let r = req.into_inner();
+        for f in &r.failures {
+            tracing::warn!(node = %node, volume = %f.id, code = f.code, error = %f.message, "node could not converge a volume");
+        }
+        if !r.orphans.is_empty() {
+            tracing::warn!(node = %node, orphans = ?r.orphans, "node holds volumes the controller does not know");
+        }
+        let book = self.volumes.clone();
+        tokio::task::spawn_blocking(move || book.report(r)).await.map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(pb::ReportVolumesResponse {}))
     }
 }

@@ -59,7 +59,7 @@ struct State {
 }
 
 pub struct Registry {
-    db: Database,
+    db: std::sync::Arc<Database>,
     pools: Vec<Pool>,
     state: Mutex<State>,
     tx: watch::Sender<Arc<Snapshot>>,
@@ -116,7 +116,12 @@ impl Registry {
         }
         let snapshot = Arc::new(Snapshot { nodes: nodes.values().cloned().collect(), revision });
         let (tx, _) = watch::channel(snapshot);
-        Ok(Registry { db, pools, state: Mutex::new(State { nodes, owner, revision }), tx })
+        Ok(Registry { db: Arc::new(db), pools, state: Mutex::new(State { nodes, owner, revision }), tx })
+    }
+
+    /// The database, shared with the volume book (one file, one writer at a time).
+    pub fn database(&self) -> Arc<Database> {
+        self.db.clone()
     }
 
     pub fn snapshot(&self) -> Arc<Snapshot> {

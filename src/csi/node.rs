@@ -67,22 +67,26 @@ impl From<CsiError> for tonic::Status {
     }
 }
 
+/// The gRPC code of a volume store error in the CSI Node service.
+pub fn volume_error_code(e: &VolumeError) -> Code {
+    match e {
+        VolumeError::InvalidId { .. } | VolumeError::InvalidSize { .. } | VolumeError::InvalidFsType(_) => {
+            Code::InvalidArgument
+        }
+        VolumeError::NotFound(_) => Code::NotFound,
+        VolumeError::AlreadyExists { .. } => Code::AlreadyExists,
+        VolumeError::CapacityExceeded { .. } | VolumeError::Shrink { .. } => Code::OutOfRange,
+        VolumeError::Busy { .. } | VolumeError::BackingFileMissing { .. } => Code::FailedPrecondition,
+        VolumeError::Fs(crate::volume::FsError::OnlineResizeNotPermitted(_)) => Code::FailedPrecondition,
+        VolumeError::Locked { .. } | VolumeError::Io { .. } | VolumeError::Metadata { .. } | VolumeError::Fs(_) => {
+            Code::Internal
+        }
+    }
+}
+
 impl From<VolumeError> for CsiError {
     fn from(e: VolumeError) -> Self {
-        let code = match &e {
-            VolumeError::InvalidId { .. } | VolumeError::InvalidSize { .. } | VolumeError::InvalidFsType(_) => {
-                Code::InvalidArgument
-            }
-            VolumeError::NotFound(_) => Code::NotFound,
-            VolumeError::AlreadyExists { .. } => Code::AlreadyExists,
-            VolumeError::CapacityExceeded { .. } | VolumeError::Shrink { .. } => Code::OutOfRange,
-            VolumeError::Busy { .. } | VolumeError::BackingFileMissing { .. } => Code::FailedPrecondition,
-            VolumeError::Fs(crate::volume::FsError::OnlineResizeNotPermitted(_)) => Code::FailedPrecondition,
-            VolumeError::Locked { .. } | VolumeError::Io { .. } | VolumeError::Metadata { .. } | VolumeError::Fs(_) => {
-                Code::Internal
-            }
-        };
-        CsiError::new(code, e.to_string())
+        CsiError::new(volume_error_code(&e), e.to_string())
     }
 }
 

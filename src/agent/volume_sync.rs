@@ -1,0 +1,203 @@
+//! Controller mode, volumes: follow the controller's desired volume set for this node
+//! (`WatchVolumes`), converge the node-local store on it, and report what the store holds
+//! (`ReportVolumes`) after every change and periodically.
+//!
+//! Every message is the complete desired set, so a reconnect re-syncs completely. Volumes
+//! the store holds but the set does not list are orphans: reported, and reclaimed once they
+//! have been orphans for the controller's grace period (never while attached).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tonic::{Code, Request};
+
+use super::config::{Config, ControllerConfig};
+use crate::csi::NodeService;
+use crate::rpc::controller as pb;
+use crate::rpc::controller::node_registry_client::NodeRegistryClient;
+use crate::volume::{FsType, VolumeError, loopdev};
+
+fn authed<T>(msg: T, token: &str) -> Result<Request<T>, String> {
+    let mut req = Request::new(msg);
+    let value = format!("Bearer {token}").parse().map_err(|_| "token is not valid header text".to_string())?;
+    req.metadata_mut().insert("authorization", value);
+    Ok(req)
+}
+
+fn code_of(e: &VolumeError) -> Code {
+    match e {
+        // No room on this node: the controller's placement was wrong about it.
+        VolumeError::CapacityExceeded { .. } => Code::ResourceExhausted,
+        e => crate::csi::node::volume_error_code(e),
+    }
+}
+
+/// Converge the store on `set`; returns the report to send. Volumes another operation holds
+/// right now are skipped (retried at the next tick); `pending` says whether any were.
+fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMap<String, Instant>, node: &str) -> (pb::ReportVolumesRequest, bool) {
+    let store = &svc.store;
+    let mut failures = Vec::new();
+    let mut pending = false;
+    let fail = |id: &str, e: &VolumeError| pb::VolumeFailure { id: id.to_string(), code: code_of(e) as i32, message: e.to_string() };
+    for d in &set.volumes {
+        let Ok(_guard) = svc.guard(&d.id) else {
+            pending = true;
+            continue;
+        };
+        let result = if d.present {
+            match d.fs_type.parse::<FsType>() {
+                Err(e) => Err(e),
+                Ok(fs) => match store.get(&d.id) {
+                    Ok(None) => store.create(&d.id, d.size_bytes, fs).map(|_| ()),
+                    Ok(Some(v)) if v.fs_type != fs => Err(VolumeError::AlreadyExists {
+                        id: d.id.clone(),
+                        existing_size: v.size_bytes,
+                        existing_fs: v.fs_type,
+                        requested_size: d.size_bytes,
+                        requested_fs: fs,
+                    }),
+                    Ok(Some(v)) if v.size_bytes < d.size_bytes => store.expand(&d.id, d.size_bytes).map(|_| ()),
+                    Ok(Some(_)) => Ok(()),
+                    Err(e) => Err(e),
+                },
+            }
+        } else {
+            store.delete(&d.id)
+        };
+        if let Err(e) = result {
+            tracing::warn!(volume = %d.id, present = d.present, error = %e, "could not converge volume");
+            failures.push(fail(&d.id, &e));
+        }
+    }
+    // Orphans: held, not listed.
+    let grace = Duration::from_secs(set.orphan_grace_seconds);
+    let listed: std::collections::HashSet<&str> = set.volumes.iter().map(|d| d.id.as_str()).collect();
+    let bound = loopdev::bound_devices().unwrap_or_default();
+    let attached = |path: &std::path::Path| bound.iter().any(|b| b.backing_file == path);
+    let mut orphans = Vec::new();
+    let held = store.list();
+    first_orphaned.retain(|id, _| held.iter().any(|v| &v.id == id) && !listed.contains(id.as_str()));
+    for v in &held {
+        if listed.contains(v.id.as_str()) {
+            continue;
+        }
+        let since = *first_orphaned.entry(v.id.clone()).or_insert_with(Instant::now);
+        if since.elapsed() >= grace
+            && !attached(&v.path)
+            && let Ok(_g) = svc.guard(&v.id)
+        {
+            match store.delete(&v.id) {
+                Ok(()) => {
+                    tracing::warn!(volume = %v.id, grace_s = grace.as_secs(), "reclaimed an orphan volume the controller does not know");
+                    first_orphaned.remove(&v.id);
+                    continue;
+                }
+                Err(e) => tracing::warn!(volume = %v.id, error = %e, "could not reclaim orphan volume"),
+            }
+        }
+        orphans.push(v.id.clone());
+    }
+    let volumes = store
+        .list()
+        .into_iter()
+        .map(|v| pb::VolumeState {
+            id: v.id.clone(),
+            size_bytes: v.size_bytes,
+            fs_type: v.fs_type.as_str().to_string(),
+            backing_file_present: v.path.exists(),
+            attached: attached(&v.path),
+        })
+        .collect();
+    (
+        pb::ReportVolumesRequest {
+            node_name: node.to_string(),
+            capacity_bytes: store.capacity(),
+            available_bytes: store.available(),
+            volumes,
+            failures,
+            orphans,
+            revision: set.revision,
+        },
+        pending,
+    )
+}
+
+async fn session(cfg: &Config, cc: &ControllerConfig, svc: &Arc<NodeService>, first_orphaned: &mut HashMap<String, Instant>, connected: &mut bool) -> Result<(), String> {
+    let token = std::fs::read_to_string(&cc.token_file)
+        .map(|t| t.trim().to_string())
+        .map_err(|e| format!("reading token {}: {e}", cc.token_file.display()))?;
+    let channel = crate::controller::connect(&cc.address).await.map_err(|e| format!("connect: {e}"))?;
+    let mut client = NodeRegistryClient::new(channel);
+    let node = cfg.node_name.clone();
+    let mut stream = client
+        .watch_volumes(authed(pb::WatchVolumesRequest { node_name: node.clone() }, &token)?)
+        .await
+        .map_err(|s| format!("watch volumes: {:?}: {}", s.code(), s.message()))?
+        .into_inner();
+    *connected = true;
+    let mut last: Option<pb::VolumeSet> = None;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut since_report = Instant::now();
+    let mut pending = false;
+    loop {
+        let periodic = tokio::select! {
+            m = stream.message() => {
+                match m {
+                    Ok(Some(set)) => last = Some(set),
+                    Ok(None) => return Err("controller closed the volume stream".into()),
+                    Err(s) => return Err(format!("volume stream: {:?}: {}", s.code(), s.message())),
+                }
+                false
+            }
+            _ = tick.tick() => true,
+        };
+        let Some(set) = last.clone() else { continue };
+        // Periodic passes: retry skipped volumes at once, orphans and capacity every few s.
+        let grace_half = Duration::from_secs(set.orphan_grace_seconds / 2).clamp(Duration::from_secs(1), Duration::from_secs(5));
+        if periodic && !pending && since_report.elapsed() < grace_half {
+            continue;
+        }
+        let s = svc.clone();
+        let mut fo = std::mem::take(first_orphaned);
+        let n = node.clone();
+        let (mut report, p, fo) = tokio::task::spawn_blocking(move || {
+            let (r, p) = reconcile(&s, &set, &mut fo, &n);
+            (r, p, fo)
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        *first_orphaned = fo;
+        pending = p;
+        if periodic {
+            report.revision = 0;
+        }
+        client
+            .report_volumes(authed(report, &token)?)
+            .await
+            .map_err(|s| format!("report volumes: {:?}: {}", s.code(), s.message()))?;
+        since_report = Instant::now();
+    }
+}
+
+/// Run the volume client forever (reconnecting with backoff), once the node service is ready.
+pub async fn run(cfg: Arc<Config>, svc: Arc<NodeService>) {
+    let Some(cc) = cfg.controller.clone() else { return };
+    while !svc.ready() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut first_orphaned = HashMap::new();
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let mut connected = false;
+        if let Err(e) = session(&cfg, &cc, &svc, &mut first_orphaned, &mut connected).await {
+            tracing::warn!(error = %e, "controller volume session ended");
+        }
+        if connected {
+            backoff = Duration::from_millis(100);
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}

@@ -1,0 +1,516 @@
+//! CSI Identity + Controller on the controller's CSI socket, as `external-provisioner` and
+//! `external-resizer` call them. Volumes are node-local: CreateVolume places each on a node
+//! (topology `topology.csi.nodeplane.dev/node`) and has that node's agent create it through
+//! the volume stream (`VolumeBook`), answering once the node reported it.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tonic::{Request, Response, Status};
+
+use super::volumes::{Placement, VolState, VolumeBook, VolumeRecord, failure_since};
+use crate::csi::TOPOLOGY_KEY;
+use crate::rpc::csi;
+use crate::rpc::csi::volume_capability::access_mode::Mode;
+
+/// Size of a volume when the request names none.
+pub const DEFAULT_SIZE: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+pub struct ControllerService {
+    pub book: Arc<VolumeBook>,
+    /// How long one call waits for a node before answering DEADLINE_EXCEEDED.
+    pub op_timeout: Duration,
+}
+
+/// What the volume capabilities of a request ask for: the filesystem ("" for block).
+fn check_capabilities(caps: &[csi::VolumeCapability], fs_param: Option<&str>) -> Result<String, Status> {
+    use csi::volume_capability::AccessType;
+    if caps.is_empty() {
+        return Err(Status::invalid_argument("volume_capabilities is required"));
+    }
+    let mut fs: Option<String> = fs_param.filter(|f| !f.is_empty()).map(str::to_string);
+    let mut block = false;
+    let mut mount = false;
+    for (i, c) in caps.iter().enumerate() {
+        let mode = c
+            .access_mode
+            .as_ref()
+            .ok_or_else(|| Status::invalid_argument(format!("volume_capabilities[{i}].access_mode is required")))?
+            .mode;
+        match Mode::try_from(mode) {
+            Ok(Mode::SingleNodeWriter | Mode::SingleNodeReaderOnly | Mode::SingleNodeSingleWriter | Mode::SingleNodeMultiWriter) => {}
+            Ok(m) => {
+                return Err(Status::invalid_argument(format!(
+                    "access mode {} is not supported: nodeplane volumes are node-local (single-node modes only)",
+                    m.as_str_name()
+                )));
+            }
+            Err(_) => return Err(Status::invalid_argument(format!("volume_capabilities[{i}]: unknown access mode {mode}"))),
+        }
+        match c.access_type.as_ref() {
+            Some(AccessType::Block(_)) => block = true,
+            Some(AccessType::Mount(m)) => {
+                mount = true;
+                if !m.fs_type.is_empty() {
+                    if let Some(f) = &fs
+                        && f != &m.fs_type
+                    {
+                        return Err(Status::invalid_argument(format!(
+                            "conflicting filesystem types {f:?} and {:?}",
+                            m.fs_type
+                        )));
+                    }
+                    fs = Some(m.fs_type.clone());
+                }
+            }
+            None => return Err(Status::invalid_argument(format!("volume_capabilities[{i}].access_type is required"))),
+        }
+    }
+    if block && mount {
+        return Err(Status::invalid_argument("a volume is either block or mount, not both"));
+    }
+    if block {
+        return Ok(String::new());
+    }
+    let fs = fs.unwrap_or_else(|| "ext4".to_string());
+    if !matches!(fs.as_str(), "ext4" | "xfs") {
+        return Err(Status::invalid_argument(format!("filesystem {fs:?} is not supported (ext4, xfs)")));
+    }
+    Ok(fs)
+}
+
+/// The filesystem a StorageClass asks for (`csi.storage.k8s.io/fstype` or `fsType`).
+fn fs_parameter(p: &std::collections::HashMap<String, String>) -> Option<&str> {
+    p.get("csi.storage.k8s.io/fstype").or_else(|| p.get("fsType")).map(String::as_str)
+}
+
+/// Turn a capacity range into a size: whole MiB, at least the required bytes, within the
+/// limit (OUT_OF_RANGE when rounding cannot fit), DEFAULT_SIZE (capped by the limit) when
+/// nothing is required.
+pub fn size_for(range: Option<&csi::CapacityRange>) -> Result<u64, Status> {
+    let (req, lim) = match range {
+        Some(r) => (r.required_bytes, r.limit_bytes),
+        None => (0, 0),
+    };
+    if req < 0 || lim < 0 {
+        return Err(Status::invalid_argument("capacity_range must not be negative"));
+    }
+    let (req, lim) = (req as u64, lim as u64);
+    if lim > 0 && req > lim {
+        return Err(Status::out_of_range(format!("required_bytes {req} exceeds limit_bytes {lim}")));
+    }
+    let want = if req == 0 { if lim > 0 { lim.min(DEFAULT_SIZE) } else { DEFAULT_SIZE } } else { req };
+    let size = want.div_ceil(MIB).saturating_mul(MIB);
+    if lim > 0 && size > lim {
+        // Round down instead when that still meets the requirement.
+        let down = lim / MIB * MIB;
+        if down >= req.max(1) && down > 0 {
+            return Ok(down);
+        }
+        return Err(Status::out_of_range(format!(
+            "volumes are whole MiB: no size in [{req}, {lim}] bytes"
+        )));
+    }
+    Ok(size)
+}
+
+fn topology_of(node: &str) -> csi::Topology {
+    csi::Topology { segments: [(TOPOLOGY_KEY.to_string(), node.to_string())].into_iter().collect() }
+}
+
+/// The node a topology names, if it is one of ours (every segment must be known).
+fn node_of(t: &csi::Topology) -> Option<String> {
+    if t.segments.len() != 1 {
+        return None;
+    }
+    t.segments.get(TOPOLOGY_KEY).cloned()
+}
+
+fn to_csi(v: &VolumeRecord) -> csi::Volume {
+    let mut ctx = std::collections::HashMap::new();
+    ctx.insert("fsType".to_string(), v.fs_type.clone());
+    ctx.insert("node".to_string(), v.node.clone());
+    csi::Volume {
+        capacity_bytes: v.size_bytes as i64,
+        volume_id: v.id.clone(),
+        volume_context: ctx,
+        content_source: None,
+        accessible_topology: vec![topology_of(&v.node)],
+    }
+}
+
+fn unimplemented<T>(what: &str) -> Result<Response<T>, Status> {
+    Err(Status::unimplemented(format!("{what} is not supported by csi.nodeplane.dev")))
+}
+
+impl ControllerService {
+    /// Wait until volume `id` is on its node at `size` or more (Ready), or the node failed it.
+    async fn await_present(&self, id: &str, size: u64, since: u64) -> Result<VolumeRecord, Status> {
+        let id = id.to_string();
+        self.book
+            .wait(self.op_timeout, |_, nodes, vols| {
+                let Some(v) = vols.get(&id) else {
+                    return Some(Err(Status::aborted(format!("volume {id} was deleted meanwhile"))));
+                };
+                let view = nodes.get(&v.node);
+                if let Some(f) = failure_since(view, &id, since) {
+                    return Some(Err(f));
+                }
+                let held = view.and_then(|n| n.volumes.get(&id));
+                if v.state == VolState::Ready && held.is_some_and(|h| h.size_bytes >= size) {
+                    return Some(Ok(v.clone()));
+                }
+                if view.is_none_or(|n| n.connected == 0) {
+                    return Some(Err(Status::unavailable(format!("node {} is not connected; retry", v.node))));
+                }
+                None
+            })
+            .await
+    }
+}
+
+#[tonic::async_trait]
+impl csi::controller_server::Controller for ControllerService {
+    async fn create_volume(&self, req: Request<csi::CreateVolumeRequest>) -> Result<Response<csi::CreateVolumeResponse>, Status> {
+        let r = req.into_inner();
+        if r.name.is_empty() {
+            return Err(Status::invalid_argument("name is required"));
+        }
+        if r.name.len() > 128 {
+            return Err(Status::invalid_argument("name is longer than 128 bytes"));
+        }
+        let fs = check_capabilities(&r.volume_capabilities, fs_parameter(&r.parameters))?;
+        if r.volume_content_source.is_some() {
+            return Err(Status::invalid_argument("volume_content_source (snapshots, clones) is not supported"));
+        }
+        let size = size_for(r.capacity_range.as_ref())?;
+        let mut placement = Placement::default();
+        if let Some(t) = &r.accessibility_requirements {
+            for (i, top) in t.requisite.iter().enumerate() {
+                // A requisite topology we do not know cannot be satisfied by any node.
+                placement.requisite.push(node_of(top).unwrap_or_else(|| format!("\0unknown-{i}")));
+            }
+            placement.preferred = t.preferred.iter().filter_map(node_of).collect();
+        }
+        let since = self.book.report_seq();
+        let params: BTreeMap<String, String> = r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let (rec, created) = self.book.place(&r.name, size, &fs, params, &placement)?;
+        if !created {
+            // Same name: compatible → the same volume; otherwise ALREADY_EXISTS.
+            let range_ok = r.capacity_range.as_ref().is_none_or(|c| {
+                rec.size_bytes >= c.required_bytes.max(0) as u64 && (c.limit_bytes <= 0 || rec.size_bytes <= c.limit_bytes as u64)
+            });
+            let topo_ok = placement.requisite.is_empty() || placement.requisite.contains(&rec.node);
+            if rec.state == VolState::Deleting {
+                return Err(Status::aborted(format!("volume {:?} is being deleted; retry", r.name)));
+            }
+            if !range_ok || rec.fs_type != fs || !topo_ok {
+                return Err(Status::already_exists(format!(
+                    "volume {:?} exists ({} bytes, fs {:?}, node {}) and does not match this request",
+                    r.name, rec.size_bytes, rec.fs_type, rec.node
+                )));
+            }
+        }
+        match self.await_present(&rec.id, rec.size_bytes, since).await {
+            Ok(v) => Ok(Response::new(csi::CreateVolumeResponse { volume: Some(to_csi(&v)) })),
+            Err(e) if created && !matches!(e.code(), tonic::Code::DeadlineExceeded | tonic::Code::Unavailable) => {
+                // The node refused (e.g. its store is full): the record goes, so a retry
+                // places the volume anew.
+                tracing::warn!(volume = %rec.id, node = %rec.node, error = %e, "node failed to create the volume; abandoning it");
+                self.book.abandon(&rec.id)?;
+                Err(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn delete_volume(&self, req: Request<csi::DeleteVolumeRequest>) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
+        let id = req.into_inner().volume_id;
+        if id.is_empty() {
+            return Err(Status::invalid_argument("volume_id is required"));
+        }
+        let Some(v) = self.book.get(&id) else {
+            return Ok(Response::new(csi::DeleteVolumeResponse {}));
+        };
+        let connected = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0);
+        if !connected {
+            return Err(Status::unavailable(format!("node {} holding volume {id} is not connected; retry", v.node)));
+        }
+        let since = self.book.report_seq();
+        self.book.begin_delete(&id)?;
+        let node = v.node.clone();
+        let out = self
+            .book
+            .wait(self.op_timeout, |_, nodes, vols| {
+                if !vols.contains_key(&id) {
+                    return Some(Ok(()));
+                }
+                let view = nodes.get(&node);
+                if let Some(f) = failure_since(view, &id, since) {
+                    return Some(Err(f));
+                }
+                if view.is_none_or(|n| n.connected == 0) {
+                    return Some(Err(Status::unavailable(format!("node {node} went away; retry"))));
+                }
+                None
+            })
+            .await;
+        match out {
+            Ok(()) => Ok(Response::new(csi::DeleteVolumeResponse {})),
+            Err(e) if e.code() == tonic::Code::FailedPrecondition => {
+                self.book.cancel_delete(&id)?;
+                Err(Status::failed_precondition(format!("volume {id} is in use on node {}: {}", v.node, e.message())))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        req: Request<csi::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
+        let r = req.into_inner();
+        if r.volume_id.is_empty() {
+            return Err(Status::invalid_argument("volume_id is required"));
+        }
+        let range = r.capacity_range.as_ref().ok_or_else(|| Status::invalid_argument("capacity_range is required"))?;
+        if range.required_bytes <= 0 && range.limit_bytes <= 0 {
+            return Err(Status::invalid_argument("capacity_range needs required_bytes or limit_bytes"));
+        }
+        let v = self.book.get(&r.volume_id).ok_or_else(|| Status::not_found(format!("volume {} does not exist", r.volume_id)))?;
+        if let Some(c) = &r.volume_capability {
+            let fs = check_capabilities(std::slice::from_ref(c), None)?;
+            if fs.is_empty() != v.fs_type.is_empty() {
+                return Err(Status::invalid_argument("volume_capability does not match the volume's access type"));
+            }
+        }
+        let size = size_for(Some(range))?;
+        let connected = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0);
+        if !connected {
+            return Err(Status::unavailable(format!("node {} holding volume {} is not connected; retry", v.node, v.id)));
+        }
+        let since = self.book.report_seq();
+        let grown = self.book.begin_expand(&v.id, size)?;
+        let v = self.await_present(&grown.id, grown.size_bytes, since).await?;
+        Ok(Response::new(csi::ControllerExpandVolumeResponse {
+            capacity_bytes: v.size_bytes as i64,
+            // The filesystem grows on the node (NodeExpandVolume); a raw block volume's
+            // loop device already grew online with its file.
+            node_expansion_required: !v.fs_type.is_empty(),
+        }))
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        req: Request<csi::ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
+        let r = req.into_inner();
+        if r.volume_id.is_empty() {
+            return Err(Status::invalid_argument("volume_id is required"));
+        }
+        if r.volume_capabilities.is_empty() {
+            return Err(Status::invalid_argument("volume_capabilities is required"));
+        }
+        let v = self.book.get(&r.volume_id).ok_or_else(|| Status::not_found(format!("volume {} does not exist", r.volume_id)))?;
+        let verdict = check_capabilities(&r.volume_capabilities, None).and_then(|fs| {
+            let fits = if fs.is_empty() {
+                true // block access works on any volume
+            } else {
+                !v.fs_type.is_empty()
+                    && r.volume_capabilities.iter().all(|c| match &c.access_type {
+                        Some(csi::volume_capability::AccessType::Mount(m)) => m.fs_type.is_empty() || m.fs_type == v.fs_type,
+                        _ => true,
+                    })
+            };
+            if fits { Ok(()) } else { Err(Status::invalid_argument(format!("volume holds {:?}", v.fs_type))) }
+        });
+        Ok(Response::new(match verdict {
+            Ok(()) => csi::ValidateVolumeCapabilitiesResponse {
+                confirmed: Some(csi::validate_volume_capabilities_response::Confirmed {
+                    volume_context: r.volume_context,
+                    volume_capabilities: r.volume_capabilities,
+                    parameters: r.parameters,
+                    mutable_parameters: r.mutable_parameters,
+                }),
+                message: String::new(),
+            },
+            Err(e) => csi::ValidateVolumeCapabilitiesResponse { confirmed: None, message: e.message().to_string() },
+        }))
+    }
+
+    async fn list_volumes(&self, req: Request<csi::ListVolumesRequest>) -> Result<Response<csi::ListVolumesResponse>, Status> {
+        let r = req.into_inner();
+        if r.max_entries < 0 {
+            return Err(Status::invalid_argument("max_entries must not be negative"));
+        }
+        let after = if r.starting_token.is_empty() {
+            None
+        } else {
+            Some(decode_token(&r.starting_token).ok_or_else(|| Status::aborted(format!("starting_token {:?} is not valid", r.starting_token)))?)
+        };
+        let views = self.book.node_views();
+        let all: Vec<VolumeRecord> = self
+            .book
+            .list()
+            .into_iter()
+            .filter(|v| v.state != VolState::Deleting)
+            .filter(|v| after.as_ref().is_none_or(|a| &v.id > a))
+            .collect();
+        let take = if r.max_entries == 0 { all.len() } else { r.max_entries as usize };
+        let page: Vec<&VolumeRecord> = all.iter().take(take).collect();
+        let next_token = if all.len() > page.len() { page.last().map(|v| encode_token(&v.id)).unwrap_or_default() } else { String::new() };
+        let entries = page
+            .into_iter()
+            .map(|v| {
+                let held = views.get(&v.node).and_then(|n| n.volumes.get(&v.id));
+                let condition = match held {
+                    Some(h) if !h.backing_file_present => {
+                        csi::VolumeCondition { abnormal: true, message: format!("backing file missing on node {}", v.node) }
+                    }
+                    None if views.get(&v.node).is_some_and(|n| n.reported) && v.state == VolState::Ready => {
+                        csi::VolumeCondition { abnormal: true, message: format!("node {} does not hold it", v.node) }
+                    }
+                    _ => csi::VolumeCondition { abnormal: false, message: String::new() },
+                };
+                csi::list_volumes_response::Entry {
+                    volume: Some(to_csi(v)),
+                    status: Some(csi::list_volumes_response::VolumeStatus { published_node_ids: vec![], volume_condition: Some(condition) }),
+                }
+            })
+            .collect();
+        Ok(Response::new(csi::ListVolumesResponse { entries, next_token }))
+    }
+
+    async fn get_capacity(&self, req: Request<csi::GetCapacityRequest>) -> Result<Response<csi::GetCapacityResponse>, Status> {
+        let r = req.into_inner();
+        if !r.volume_capabilities.is_empty() {
+            check_capabilities(&r.volume_capabilities, fs_parameter(&r.parameters))?;
+        }
+        let only: Option<Vec<String>> = r.accessible_topology.as_ref().map(|t| node_of(t).into_iter().collect());
+        let caps = self.book.capacity(only.as_deref());
+        let total: u64 = caps.iter().map(|c| c.1).sum();
+        let max = caps.iter().map(|c| c.1).max().unwrap_or(0);
+        Ok(Response::new(csi::GetCapacityResponse {
+            available_capacity: total as i64,
+            maximum_volume_size: Some((max / MIB * MIB) as i64),
+            minimum_volume_size: Some(MIB as i64),
+        }))
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        _: Request<csi::ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
+        use csi::controller_service_capability::{Rpc, Type, rpc};
+        let caps = [
+            rpc::Type::CreateDeleteVolume,
+            rpc::Type::GetCapacity,
+            rpc::Type::ExpandVolume,
+            rpc::Type::ListVolumes,
+            rpc::Type::VolumeCondition,
+            rpc::Type::SingleNodeMultiWriter,
+        ]
+        .into_iter()
+        .map(|t| csi::ControllerServiceCapability { r#type: Some(Type::Rpc(Rpc { r#type: t as i32 })) })
+        .collect();
+        Ok(Response::new(csi::ControllerGetCapabilitiesResponse { capabilities: caps }))
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        _: Request<csi::ControllerPublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
+        unimplemented("ControllerPublishVolume (volumes are node-local, attachRequired is false)")
+    }
+    async fn controller_unpublish_volume(
+        &self,
+        _: Request<csi::ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
+        unimplemented("ControllerUnpublishVolume")
+    }
+    async fn create_snapshot(&self, _: Request<csi::CreateSnapshotRequest>) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
+        unimplemented("CreateSnapshot")
+    }
+    async fn delete_snapshot(&self, _: Request<csi::DeleteSnapshotRequest>) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
+        unimplemented("DeleteSnapshot")
+    }
+    async fn list_snapshots(&self, _: Request<csi::ListSnapshotsRequest>) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
+        unimplemented("ListSnapshots")
+    }
+    async fn get_snapshot(&self, _: Request<csi::GetSnapshotRequest>) -> Result<Response<csi::GetSnapshotResponse>, Status> {
+        unimplemented("GetSnapshot")
+    }
+    async fn controller_get_volume(
+        &self,
+        _: Request<csi::ControllerGetVolumeRequest>,
+    ) -> Result<Response<csi::ControllerGetVolumeResponse>, Status> {
+        unimplemented("ControllerGetVolume")
+    }
+    async fn controller_modify_volume(
+        &self,
+        _: Request<csi::ControllerModifyVolumeRequest>,
+    ) -> Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
+        unimplemented("ControllerModifyVolume")
+    }
+}
+
+/// Pagination tokens: `np1.` + hex of the last volume id returned.
+fn encode_token(id: &str) -> String {
+    format!("np1.{}", hex::encode(id))
+}
+
+fn decode_token(t: &str) -> Option<String> {
+    let h = t.strip_prefix("np1.")?;
+    let id = String::from_utf8(hex::decode(h).ok()?).ok()?;
+    crate::volume::validate_id(&id).ok()?;
+    Some(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_follow_the_capacity_range() {
+        let r = |req: i64, lim: i64| size_for(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }));
+        assert_eq!(size_for(None).unwrap(), DEFAULT_SIZE);
+        assert_eq!(r(1, 0).unwrap(), MIB);
+        assert_eq!(r(MIB as i64 + 1, 0).unwrap(), 2 * MIB);
+        assert_eq!(r(0, 10 * MIB as i64).unwrap(), 10 * MIB);
+        assert_eq!(r(MIB as i64 + 1, 2 * MIB as i64).unwrap(), 2 * MIB);
+        assert_eq!(r(5, 100).unwrap_err().code(), tonic::Code::OutOfRange);
+        assert_eq!(r(200, 100).unwrap_err().code(), tonic::Code::OutOfRange);
+        assert_eq!(r(-1, 0).unwrap_err().code(), tonic::Code::InvalidArgument);
+    }
+
+    #[test]
+    fn tokens_round_trip_and_reject_garbage() {
+        assert_eq!(decode_token(&encode_token("pvc-1")).as_deref(), Some("pvc-1"));
+        for bad in ["", "x", "np1.zz", "np1.2e2e2f", "np2.70"] {
+            assert!(decode_token(bad).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn capabilities_choose_the_filesystem() {
+        use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+        let mount = |fs: &str, m: Mode| csi::VolumeCapability {
+            access_mode: Some(AccessMode { mode: m as i32 }),
+            access_type: Some(AccessType::Mount(MountVolume { fs_type: fs.into(), ..Default::default() })),
+        };
+        let block = csi::VolumeCapability {
+            access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+            access_type: Some(AccessType::Block(BlockVolume {})),
+        };
+        assert_eq!(check_capabilities(&[mount("", Mode::SingleNodeWriter)], None).unwrap(), "ext4");
+        assert_eq!(check_capabilities(&[mount("", Mode::SingleNodeWriter)], Some("xfs")).unwrap(), "xfs");
+        assert_eq!(check_capabilities(std::slice::from_ref(&block), None).unwrap(), "");
+        assert!(check_capabilities(&[], None).is_err());
+        assert!(check_capabilities(&[mount("", Mode::MultiNodeMultiWriter)], None).is_err());
+        assert!(check_capabilities(&[mount("xfs", Mode::SingleNodeWriter)], Some("ext4")).is_err());
+        assert!(check_capabilities(&[mount("", Mode::SingleNodeWriter), block], None).is_err());
+        assert!(check_capabilities(&[mount("btrfs", Mode::SingleNodeWriter)], None).is_err());
+    }
+}

@@ -1,0 +1,557 @@
+//! The volume book: every volume the controller placed, durable in the controller's redb
+//! database, and what each node last reported about its store.
+//!
+//! A volume's life is `Creating → Ready → (Deleting → gone)`. Every transition is committed
+//! (fsync'd) before anyone is told: the record exists before a node is asked to create the
+//! backing file, and it is removed only after the node reported the file gone. So a
+//! controller `kill -9` at any point leaves a record for every file that may exist, and the
+//! node converges on the recorded desired state when it reconnects: a retried CreateVolume
+//! finds the same volume, a retried DeleteVolume finishes the delete.
+//!
+//! Nodes learn their desired set through `WatchVolumes` (the complete set on every change)
+//! and answer with `ReportVolumes`; callers waiting for an outcome are woken by each report.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tonic::{Code, Status};
+
+use crate::rpc::controller as pb;
+
+const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("volumes");
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VolState {
+    Creating,
+    Ready,
+    Deleting,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeRecord {
+    pub id: String,
+    pub name: String,
+    pub node: String,
+    /// Desired size (grows with ControllerExpandVolume).
+    pub size_bytes: u64,
+    /// "ext4", "xfs" or "" (raw block).
+    pub fs_type: String,
+    pub state: VolState,
+    pub created_at: u64,
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+}
+
+/// What one node told the controller last.
+#[derive(Debug, Default, Clone)]
+pub struct NodeView {
+    pub capacity_bytes: u64,
+    pub reported: bool,
+    /// Open WatchVolumes streams of this node.
+    pub connected: u32,
+    pub volumes: HashMap<String, pb::VolumeState>,
+    /// id -> (code, message, report sequence number)
+    pub failures: HashMap<String, (i32, String, u64)>,
+    pub orphans: Vec<String>,
+    pub last_report: Option<Instant>,
+}
+
+struct BookState {
+    vols: BTreeMap<String, VolumeRecord>,
+    by_name: HashMap<String, String>,
+    nodes: HashMap<String, NodeView>,
+    /// Bumped on every change of any node's desired set.
+    revision: u64,
+    /// Bumped on every report (failures are tagged with it).
+    report_seq: u64,
+}
+
+pub struct VolumeBook {
+    db: Arc<Database>,
+    st: Mutex<BookState>,
+    /// Desired-set revision, for WatchVolumes.
+    desired_tx: watch::Sender<u64>,
+    /// Wakes waiters after every report or record change.
+    events_tx: watch::Sender<u64>,
+    pub orphan_grace: Duration,
+}
+
+fn storage(e: impl std::fmt::Display) -> Status {
+    Status::unavailable(format!("controller store: {e}"))
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// The volume id for a CSI volume name: the name itself when it is a valid store id (the
+/// usual `pvc-<uuid>`), else `v-` and 32 hex digits of its SHA-256. Deterministic, so a
+/// retried CreateVolume after any crash asks the node for the same id.
+pub fn volume_id_for(name: &str) -> String {
+    if name.len() <= 100 && crate::volume::validate_id(name).is_ok() && !name.starts_with('.') {
+        return name.to_string();
+    }
+    use sha2::Digest;
+    let h = sha2::Sha256::digest(name.as_bytes());
+    format!("v-{}", hex::encode(&h[..16]))
+}
+
+/// Where a new volume may go.
+#[derive(Debug, Default, Clone)]
+pub struct Placement {
+    /// Candidate node sets from `requisite` (empty: any node).
+    pub requisite: Vec<String>,
+    /// Nodes from `preferred`, in order.
+    pub preferred: Vec<String>,
+}
+
+impl VolumeBook {
+    pub fn open(db: Arc<Database>, orphan_grace: Duration) -> Result<Self, Status> {
+        let w = db.begin_write().map_err(storage)?;
+        w.open_table(VOLUMES).map_err(storage)?;
+        w.commit().map_err(storage)?;
+        let mut vols = BTreeMap::new();
+        let mut by_name = HashMap::new();
+        {
+            let r = db.begin_read().map_err(storage)?;
+            let t = r.open_table(VOLUMES).map_err(storage)?;
+            for item in t.iter().map_err(storage)? {
+                let (k, v) = item.map_err(storage)?;
+                let rec: VolumeRecord = serde_json::from_slice(v.value())
+                    .map_err(|e| storage(format!("volume record {:?}: {e}", k.value())))?;
+                if let Some(prev) = by_name.insert(rec.name.clone(), rec.id.clone()) {
+                    return Err(storage(format!("volume name {:?} recorded for both {prev} and {}", rec.name, rec.id)));
+                }
+                vols.insert(rec.id.clone(), rec);
+            }
+        }
+        let (desired_tx, _) = watch::channel(0);
+        let (events_tx, _) = watch::channel(0);
+        Ok(VolumeBook {
+            db,
+            st: Mutex::new(BookState { vols, by_name, nodes: HashMap::new(), revision: 1, report_seq: 0 }),
+            desired_tx,
+            events_tx,
+            orphan_grace,
+        })
+    }
+
+    fn commit(&self, st: &mut BookState, changes: Vec<(String, Option<VolumeRecord>)>) -> Result<(), Status> {
+        let w = self.db.begin_write().map_err(storage)?;
+        {
+            let mut t = w.open_table(VOLUMES).map_err(storage)?;
+            for (id, rec) in &changes {
+                match rec {
+                    Some(r) => {
+                        let body = serde_json::to_vec(r).map_err(storage)?;
+                        t.insert(id.as_str(), body.as_slice()).map_err(storage)?;
+                    }
+                    None => {
+                        t.remove(id.as_str()).map_err(storage)?;
+                    }
+                }
+            }
+        }
+        w.commit().map_err(storage)?;
+        for (id, rec) in changes {
+            if let Some(old) = st.vols.remove(&id) {
+                st.by_name.remove(&old.name);
+            }
+            if let Some(r) = rec {
+                st.by_name.insert(r.name.clone(), id.clone());
+                st.vols.insert(id, r);
+            }
+        }
+        st.revision += 1;
+        self.desired_tx.send_replace(st.revision);
+        self.events_tx.send_modify(|v| *v += 1);
+        Ok(())
+    }
+
+    pub fn subscribe_desired(&self) -> watch::Receiver<u64> {
+        self.desired_tx.subscribe()
+    }
+
+    /// The complete desired set of `node`.
+    pub fn desired(&self, node: &str) -> pb::VolumeSet {
+        let st = self.st.lock().unwrap();
+        pb::VolumeSet {
+            volumes: st
+                .vols
+                .values()
+                .filter(|v| v.node == node)
+                .map(|v| pb::DesiredVolume {
+                    id: v.id.clone(),
+                    size_bytes: v.size_bytes,
+                    fs_type: v.fs_type.clone(),
+                    present: v.state != VolState::Deleting,
+                })
+                .collect(),
+            revision: st.revision,
+            orphan_grace_seconds: self.orphan_grace.as_secs(),
+        }
+    }
+
+    /// A node's volume stream opened; the guard marks it disconnected when dropped.
+    pub fn connect(self: &Arc<Self>, node: &str) -> ConnectionGuard {
+        self.st.lock().unwrap().nodes.entry(node.to_string()).or_default().connected += 1;
+        self.events_tx.send_modify(|v| *v += 1);
+        ConnectionGuard { book: self.clone(), node: node.to_string() }
+    }
+
+    /// Take a node's report: remember it, and move records along (Creating → Ready when the
+    /// file is there, Deleting → gone when it is not).
+    pub fn report(&self, r: pb::ReportVolumesRequest) -> Result<(), Status> {
+        let mut st = self.st.lock().unwrap();
+        st.report_seq += 1;
+        let seq = st.report_seq;
+        let view = st.nodes.entry(r.node_name.clone()).or_default();
+        view.capacity_bytes = r.capacity_bytes;
+        view.reported = true;
+        view.volumes = r.volumes.iter().map(|v| (v.id.clone(), v.clone())).collect();
+        for f in &r.failures {
+            view.failures.insert(f.id.clone(), (f.code, f.message.clone(), seq));
+        }
+        // A volume that is now as desired has no outstanding failure.
+        view.failures.retain(|id, _| !r.volumes.iter().any(|v| &v.id == id) || r.failures.iter().any(|f| &f.id == id));
+        view.orphans = r.orphans.clone();
+        view.last_report = Some(Instant::now());
+        let mut changes = Vec::new();
+        for v in st.vols.values().filter(|v| v.node == r.node_name) {
+            let held = r.volumes.iter().find(|h| h.id == v.id);
+            match (v.state, held) {
+                (VolState::Creating, Some(h)) if h.size_bytes >= v.size_bytes => {
+                    changes.push((v.id.clone(), Some(VolumeRecord { state: VolState::Ready, ..v.clone() })));
+                }
+                (VolState::Deleting, None) => changes.push((v.id.clone(), None)),
+                _ => {}
+            }
+        }
+        if changes.is_empty() {
+            self.events_tx.send_modify(|v| *v += 1);
+            return Ok(());
+        }
+        for (id, c) in &changes {
+            match c {
+                Some(_) => tracing::info!(volume = %id, node = %r.node_name, "volume ready"),
+                None => tracing::info!(volume = %id, node = %r.node_name, "volume deleted"),
+            }
+        }
+        self.commit(&mut st, changes)
+    }
+
+    pub fn get(&self, id: &str) -> Option<VolumeRecord> {
+        self.st.lock().unwrap().vols.get(id).cloned()
+    }
+
+    pub fn by_name(&self, name: &str) -> Option<VolumeRecord> {
+        let st = self.st.lock().unwrap();
+        st.by_name.get(name).and_then(|id| st.vols.get(id)).cloned()
+    }
+
+    pub fn list(&self) -> Vec<VolumeRecord> {
+        self.st.lock().unwrap().vols.values().cloned().collect()
+    }
+
+    pub fn node_views(&self) -> HashMap<String, NodeView> {
+        self.st.lock().unwrap().nodes.clone()
+    }
+
+    /// Free bytes of a node for new volumes: its reported capacity minus everything placed
+    /// on it (including volumes still being created or deleted).
+    fn free(st: &BookState, node: &str) -> u64 {
+        let cap = st.nodes.get(node).map(|n| n.capacity_bytes).unwrap_or(0);
+        let used: u64 = st.vols.values().filter(|v| v.node == node).map(|v| v.size_bytes).sum();
+        cap.saturating_sub(used)
+    }
+
+    /// Nodes that can take volumes now: connected and reporting.
+    fn live_nodes(st: &BookState) -> Vec<String> {
+        let mut v: Vec<String> =
+            st.nodes.iter().filter(|(_, n)| n.connected > 0 && n.reported).map(|(k, _)| k.clone()).collect();
+        v.sort();
+        v
+    }
+
+    /// Free capacity per live node, restricted to `nodes` when given.
+    pub fn capacity(&self, nodes: Option<&[String]>) -> Vec<(String, u64)> {
+        let st = self.st.lock().unwrap();
+        Self::live_nodes(&st)
+            .into_iter()
+            .filter(|n| nodes.is_none_or(|only| only.contains(n)))
+            .map(|n| {
+                let f = Self::free(&st, &n);
+                (n, f)
+            })
+            .collect()
+    }
+
+    /// Record a new volume `name` of `size` on a node chosen by `placement`, or return the
+    /// existing record of that name (the caller checks compatibility). `Ok((record, true))`
+    /// when it was created now.
+    pub fn place(
+        &self,
+        name: &str,
+        size: u64,
+        fs_type: &str,
+        parameters: BTreeMap<String, String>,
+        placement: &Placement,
+    ) -> Result<(VolumeRecord, bool), Status> {
+        let mut st = self.st.lock().unwrap();
+        if let Some(id) = st.by_name.get(name) {
+            return Ok((st.vols[id].clone(), false));
+        }
+        let id = volume_id_for(name);
+        if let Some(other) = st.vols.get(&id) {
+            return Err(Status::already_exists(format!(
+                "volume id {id} (for name {name:?}) is taken by volume {:?}",
+                other.name
+            )));
+        }
+        let live = Self::live_nodes(&st);
+        let candidates: Vec<String> = if placement.requisite.is_empty() {
+            live.clone()
+        } else {
+            live.iter().filter(|n| placement.requisite.contains(n)).cloned().collect()
+        };
+        let fits = |n: &String| Self::free(&st, n) >= size;
+        let chosen = placement
+            .preferred
+            .iter()
+            .find(|p| candidates.contains(p) && fits(p))
+            .cloned()
+            .or_else(|| {
+                candidates.iter().filter(|n| fits(n)).max_by_key(|n| (Self::free(&st, n), std::cmp::Reverse((*n).clone()))).cloned()
+            });
+        let Some(node) = chosen else {
+            let detail: Vec<String> = candidates.iter().map(|n| format!("{n}: {} free", Self::free(&st, n))).collect();
+            return Err(Status::resource_exhausted(format!(
+                "no node can hold {size} bytes{} (candidates: {})",
+                if placement.requisite.is_empty() { String::new() } else { format!(" within {:?}", placement.requisite) },
+                if detail.is_empty() { "none connected".to_string() } else { detail.join(", ") }
+            )));
+        };
+        let rec = VolumeRecord {
+            id: id.clone(),
+            name: name.to_string(),
+            node: node.clone(),
+            size_bytes: size,
+            fs_type: fs_type.to_string(),
+            state: VolState::Creating,
+            created_at: now_unix(),
+            parameters,
+        };
+        self.commit(&mut st, vec![(id.clone(), Some(rec.clone()))])?;
+        tracing::info!(volume = %id, name, node = %node, size, fs = fs_type, "volume placed");
+        Ok((rec, true))
+    }
+
+    /// Mark a volume for deletion (durably). `None`: no such volume.
+    pub fn begin_delete(&self, id: &str) -> Result<Option<VolumeRecord>, Status> {
+        let mut st = self.st.lock().unwrap();
+        let Some(v) = st.vols.get(id).cloned() else { return Ok(None) };
+        if v.state != VolState::Deleting {
+            let d = VolumeRecord { state: VolState::Deleting, ..v };
+            self.commit(&mut st, vec![(id.to_string(), Some(d.clone()))])?;
+            return Ok(Some(d));
+        }
+        Ok(Some(v))
+    }
+
+    /// Undo `begin_delete` when the node refused (the volume is in use).
+    pub fn cancel_delete(&self, id: &str) -> Result<(), Status> {
+        let mut st = self.st.lock().unwrap();
+        if let Some(v) = st.vols.get(id).cloned()
+            && v.state == VolState::Deleting
+        {
+            self.commit(&mut st, vec![(id.to_string(), Some(VolumeRecord { state: VolState::Ready, ..v }))])?;
+        }
+        Ok(())
+    }
+
+    /// Raise a volume's desired size (durably), checking the node has room.
+    pub fn begin_expand(&self, id: &str, size: u64) -> Result<VolumeRecord, Status> {
+        let mut st = self.st.lock().unwrap();
+        let v = st.vols.get(id).cloned().ok_or_else(|| Status::not_found(format!("volume {id} does not exist")))?;
+        if v.state == VolState::Deleting {
+            return Err(Status::not_found(format!("volume {id} is being deleted")));
+        }
+        if size <= v.size_bytes {
+            return Ok(v);
+        }
+        let free = Self::free(&st, &v.node);
+        if size - v.size_bytes > free {
+            return Err(Status::out_of_range(format!(
+                "node {} has {free} bytes free; growing {id} to {size} needs {}",
+                v.node,
+                size - v.size_bytes
+            )));
+        }
+        let grown = VolumeRecord { size_bytes: size, ..v };
+        self.commit(&mut st, vec![(id.to_string(), Some(grown.clone()))])?;
+        Ok(grown)
+    }
+
+    /// Drop a record whose creation failed on its node: it is deleted there (if anything
+    /// was made) like any other.
+    pub fn abandon(&self, id: &str) -> Result<(), Status> {
+        self.begin_delete(id).map(|_| ())
+    }
+
+    /// Wait until `check` decides, re-checking after every report or record change, or
+    /// until `timeout` (DEADLINE_EXCEEDED: the CO retries the call, which resumes the wait).
+    pub async fn wait<T>(
+        &self,
+        timeout: Duration,
+        mut check: impl FnMut(&VolumeBook, &HashMap<String, NodeView>, &BTreeMap<String, VolumeRecord>) -> Option<Result<T, Status>>,
+    ) -> Result<T, Status> {
+        let mut rx = self.events_tx.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            rx.borrow_and_update();
+            {
+                let st = self.st.lock().unwrap();
+                if let Some(r) = check(self, &st.nodes, &st.vols) {
+                    return r;
+                }
+            }
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return Err(Status::unavailable("controller shutting down")) },
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(Status::deadline_exceeded("the node has not finished the operation yet; retry"));
+                }
+            }
+        }
+    }
+}
+
+/// Marks a node's volume stream closed when dropped.
+pub struct ConnectionGuard {
+    book: Arc<VolumeBook>,
+    node: String,
+}
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        if let Some(n) = self.book.st.lock().unwrap().nodes.get_mut(&self.node) {
+            n.connected = n.connected.saturating_sub(1);
+        }
+        self.book.events_tx.send_modify(|v| *v += 1);
+    }
+}
+
+/// A node failure for `id` reported after sequence `since`, as a status.
+pub fn failure_since(view: Option<&NodeView>, id: &str, since: u64) -> Option<Status> {
+    let (code, msg, seq) = view?.failures.get(id)?;
+    if *seq <= since {
+        return None;
+    }
+    Some(Status::new(Code::from_i32(*code), format!("node: {msg}")))
+}
+
+impl VolumeBook {
+    /// Current report sequence number (failures newer than it belong to a later attempt).
+    pub fn report_seq(&self) -> u64 {
+        self.st.lock().unwrap().report_seq
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_deterministic_and_valid() {
+        assert_eq!(volume_id_for("pvc-0a1b2c"), "pvc-0a1b2c");
+        let weird = volume_id_for("My Volume/1");
+        assert!(weird.starts_with("v-") && weird.len() == 34, "{weird}");
+        assert_eq!(weird, volume_id_for("My Volume/1"));
+        assert_ne!(weird, volume_id_for("My Volume/2"));
+        crate::volume::validate_id(&weird).unwrap();
+        assert!(volume_id_for(&"x".repeat(120)).starts_with("v-"));
+    }
+
+    fn book(tag: &str) -> (crate::util::TestDir, Arc<VolumeBook>) {
+        let t = crate::util::TestDir::new(tag);
+        let db = Arc::new(Database::create(t.0.join("db.redb")).unwrap());
+        (t, Arc::new(VolumeBook::open(db, Duration::from_secs(60)).unwrap()))
+    }
+
+    fn report(b: &VolumeBook, node: &str, cap: u64, vols: &[(&str, u64)]) {
+        b.report(pb::ReportVolumesRequest {
+            node_name: node.into(),
+            capacity_bytes: cap,
+            volumes: vols
+                .iter()
+                .map(|(id, s)| pb::VolumeState { id: id.to_string(), size_bytes: *s, backing_file_present: true, ..Default::default() })
+                .collect(),
+            ..Default::default()
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn placement_honours_requisite_preferred_and_free_space() {
+        let (_t, b) = book("book-place");
+        let _g1 = b.connect("n1");
+        let _g2 = b.connect("n2");
+        report(&b, "n1", 100, &[]);
+        report(&b, "n2", 300, &[]);
+        // Most free wins without preferences.
+        let (v, new) = b.place("a", 50, "ext4", Default::default(), &Placement::default()).unwrap();
+        assert!(new);
+        assert_eq!(v.node, "n2");
+        // Preferred order.
+        let p = Placement { requisite: vec![], preferred: vec!["n1".into(), "n2".into()] };
+        assert_eq!(b.place("b", 50, "ext4", Default::default(), &p).unwrap().0.node, "n1");
+        // Preferred that does not fit falls through.
+        assert_eq!(b.place("c", 80, "ext4", Default::default(), &p).unwrap().0.node, "n2");
+        // Requisite restricts; impossible → RESOURCE_EXHAUSTED.
+        let only1 = Placement { requisite: vec!["n1".into()], preferred: vec![] };
+        assert_eq!(b.place("d", 60, "ext4", Default::default(), &only1).unwrap_err().code(), Code::ResourceExhausted);
+        let ghost = Placement { requisite: vec!["n9".into()], preferred: vec![] };
+        assert_eq!(b.place("e", 1, "ext4", Default::default(), &ghost).unwrap_err().code(), Code::ResourceExhausted);
+        // Same name again: the existing record.
+        let (again, new) = b.place("a", 50, "ext4", Default::default(), &Placement::default()).unwrap();
+        assert!(!new);
+        assert_eq!(again, v);
+        // A disconnected node takes nothing.
+        drop(_g1);
+        assert_eq!(b.place("f", 1, "ext4", Default::default(), &only1).unwrap_err().code(), Code::ResourceExhausted);
+    }
+
+    #[test]
+    fn reports_move_records_and_survive_reopen() {
+        let t = crate::util::TestDir::new("book-reopen");
+        let path = t.0.join("db.redb");
+        {
+            let db = Arc::new(Database::create(&path).unwrap());
+            let b = Arc::new(VolumeBook::open(db, Duration::from_secs(60)).unwrap());
+            let _g = b.connect("n1");
+            report(&b, "n1", 100, &[]);
+            let (v, _) = b.place("a", 10, "xfs", Default::default(), &Placement::default()).unwrap();
+            assert_eq!(v.state, VolState::Creating);
+            assert!(b.desired("n1").volumes.iter().any(|d| d.id == "a" && d.present));
+            report(&b, "n1", 100, &[("a", 10)]);
+            assert_eq!(b.get("a").unwrap().state, VolState::Ready);
+            b.place("b", 10, "xfs", Default::default(), &Placement::default()).unwrap();
+            b.begin_delete("a").unwrap();
+            assert!(b.desired("n1").volumes.iter().any(|d| d.id == "a" && !d.present));
+        }
+        let db = Arc::new(Database::create(&path).unwrap());
+        let b = Arc::new(VolumeBook::open(db, Duration::from_secs(60)).unwrap());
+        assert_eq!(b.get("a").unwrap().state, VolState::Deleting);
+        assert_eq!(b.get("b").unwrap().state, VolState::Creating);
+        let _g = b.connect("n1");
+        report(&b, "n1", 100, &[("b", 10)]);
+        assert!(b.get("a").is_none());
+        assert_eq!(b.get("b").unwrap().state, VolState::Ready);
+        assert_eq!(b.by_name("b").unwrap().id, "b");
+    }
+}
