@@ -322,6 +322,15 @@ def test_conformance_controller_rpcs(prov):
     assert ctl.csi("create-volume", "--name", "pvc-conf", "--size", 9 * MIB) == v  # compatible: 10 MiB >= 9
     assert code_of(lambda: ctl.csi("create-volume", "--name", "pvc-conf", "--size", 20 * MIB)) == "AlreadyExists"
     assert code_of(lambda: ctl.csi("create-volume", "--name", "pvc-conf", "--size", 10 * MIB, "--fs", "xfs")) == "AlreadyExists"
+    # The StorageClass parameter selects the filesystem (the capability leaves it open).
+    x = ctl.csi("create-volume", "--name", "pvc-param", "--size", 4 * MIB, "--fs", "",
+                "--param", "csi.storage.k8s.io/fstype=xfs")
+    assert x["volumeContext"]["fsType"] == "xfs"
+    meta = json.loads((n1.volume_dir / f"{x['volumeId']}.json").read_text())
+    assert meta["fsType"] == "xfs"
+    ctl.csi("delete-volume", "--id", x["volumeId"])
+    assert code_of(lambda: ctl.csi("create-volume", "--name", "pvc-param2", "--fs", "ext4",
+                                   "--param", "csi.storage.k8s.io/fstype=xfs")) == "InvalidArgument"
     blk = ctl.csi("create-volume", "--name", "pvc-blk", "--size", 8 * MIB, "--fs", "block")
     assert blk["volumeContext"]["fsType"] == ""
     # ValidateVolumeCapabilities

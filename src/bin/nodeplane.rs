@@ -54,6 +54,9 @@ enum Call {
         prefer: Vec<String>,
         #[arg(long, default_value = "SINGLE_NODE_WRITER")]
         mode: String,
+        /// StorageClass parameters, KEY=VALUE (repeat), e.g. csi.storage.k8s.io/fstype=xfs.
+        #[arg(long = "param")]
+        params: Vec<String>,
     },
     /// Controller: DeleteVolume.
     DeleteVolume {
@@ -191,12 +194,18 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
             let probe = id.probe(csi::ProbeRequest {}).await?.into_inner();
             json!({"name": info.name, "vendorVersion": info.vendor_version, "capabilities": format!("{:?}", caps.capabilities), "ready": probe.ready})
         }
-        Call::CreateVolume { name, size, limit, fs, nodes, prefer, mode } => {
+        Call::CreateVolume { name, size, limit, fs, nodes, prefer, mode, params } => {
             let cap = capability(if fs == "block" { "block" } else { &fs }, &mode).map_err(bad)?;
+            let mut parameters = std::collections::HashMap::new();
+            for p in params {
+                let (k, v) = p.split_once('=').ok_or_else(|| bad(format!("--param {p:?} is not KEY=VALUE")))?;
+                parameters.insert(k.to_string(), v.to_string());
+            }
             let req = csi::CreateVolumeRequest {
                 name,
                 capacity_range: Some(csi::CapacityRange { required_bytes: size, limit_bytes: limit }),
                 volume_capabilities: vec![cap],
+                parameters,
                 accessibility_requirements: (!nodes.is_empty() || !prefer.is_empty()).then(|| csi::TopologyRequirement {
                     requisite: nodes.iter().map(|n| topology(n)).collect(),
                     preferred: prefer.iter().map(|n| topology(n)).collect(),
