@@ -287,12 +287,29 @@ def test_orphans_are_reclaimed_and_lost_files_reported(prov):
     n1.stop()
     n1.volume_dir.mkdir(parents=True, exist_ok=True)
     (n1.volume_dir / "pvc-orphan.json").write_text(json.dumps(
-        {"version": 1, "id": "pvc-orphan", "sizeBytes": 4 * MIB, "fsType": "ext4", "createdAt": 0}))
+        {"version": 1, "id": "pvc-orphan", "sizeBytes": 4 * MIB, "fsType": "ext4", "createdAt": 0,
+         "name": "pvc-orphan"}))
+    # One made on the node directly (no claim name): reported, never reclaimed.
+    (n1.volume_dir / "local-scratch.json").write_text(json.dumps(
+        {"version": 1, "id": "local-scratch", "sizeBytes": 4 * MIB, "fsType": "ext4", "createdAt": 0}))
+    with open(n1.volume_dir / "local-scratch.img", "wb") as f:
+        f.truncate(4 * MIB)
     with open(n1.volume_dir / "pvc-orphan.img", "wb") as f:
         f.truncate(4 * MIB)
     n1.start()
     wait_until(lambda: "pvc-orphan" in ctl.log() and "does not know" in ctl.log(), what="orphan reported")
     wait_until(lambda: "pvc-orphan" not in n1.volume_files(), timeout=15, what="orphan reclaimed after the grace period")
+    assert "local-scratch" in n1.volume_files()
+    assert "local-scratch" in ctl.log()
+    # A ready volume that vanished completely (file and metadata) is not re-created empty.
+    gone = ctl.csi("create-volume", "--name", "pvc-gone", "--size", 4 * MIB)["volumeId"]
+    n1.stop()
+    (n1.volume_dir / f"{gone}.img").unlink()
+    (n1.volume_dir / f"{gone}.json").unlink()
+    n1.start()
+    wait_until(lambda: ctl.volumes()[gone].get("abnormal"), timeout=15, what="vanished volume reported")
+    time.sleep(1.5)  # a few reconcile passes
+    assert gone not in n1.volume_files(), "a vanished volume was re-created empty"
     # A volume whose backing file vanished is reported abnormal.
     vid = ctl.csi("create-volume", "--name", "pvc-lost", "--size", 4 * MIB)["volumeId"]
     (n1.volume_dir / f"{vid}.img").unlink()

@@ -477,6 +477,10 @@ async fn lifecycle(fs_type: &str, size: u64) {
         }
         assert!(mounted_at(Path::new(&t1)).is_some() && mounted_at(Path::new(&t2)).is_some());
         assert!(mounted_at(Path::new(&t2)).unwrap().2.split(',').any(|o| o == "ro"), "second target is read-only");
+        // kubelet repeats NodeStage for every pod using the volume: still staged, nothing
+        // disturbed.
+        c.stage(&id, &staging, cap.clone()).await.unwrap();
+        assert!(mounted_at(Path::new(&t1)).is_some() && mounted_at(Path::new(&t2)).is_some());
         // Incompatible republish of an existing target.
         assert_code(c.publish(&id, &staging, &t2, cap.clone(), false).await, Code::AlreadyExists, "rw republish of a ro target");
 

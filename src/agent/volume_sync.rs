@@ -49,8 +49,11 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
             match d.fs_type.parse::<FsType>() {
                 Err(e) => Err(e),
                 Ok(fs) => match store.get(&d.id) {
-                    Ok(None) => store.create(&d.id, d.size_bytes, fs).map(|_| ()),
-                    Ok(Some(v)) if v.fs_type != fs => Err(VolumeError::AlreadyExists {
+                    Ok(None) if d.creating => store.create_named(&d.id, d.size_bytes, fs, &d.name).map(|_| ()),
+                    // Past creation and gone: report it (the controller shows the volume
+                    // abnormal); never re-create it empty under a claim that had data.
+                    Ok(None) => Err(VolumeError::NotFound(d.id.clone())),
+                    Ok(Some(v)) if v.name != d.name || v.fs_type != fs => Err(VolumeError::AlreadyExists {
                         id: d.id.clone(),
                         existing_size: v.size_bytes,
                         existing_fs: v.fs_type,
@@ -63,7 +66,13 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
                 },
             }
         } else {
-            store.delete(&d.id)
+            match store.get(&d.id) {
+                // Someone else's volume under this id: not ours to delete.
+                Ok(Some(v)) if v.name != d.name => Ok(()),
+                Ok(Some(_)) => store.delete(&d.id),
+                Ok(None) => Ok(()),
+                Err(e) => Err(e),
+            }
         };
         if let Err(e) = result {
             tracing::warn!(volume = %d.id, present = d.present, error = %e, "could not converge volume");
@@ -83,7 +92,10 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
             continue;
         }
         let since = *first_orphaned.entry(v.id.clone()).or_insert_with(Instant::now);
-        if since.elapsed() >= grace
+        // Only volumes the controller made (they carry a claim name) are reclaimed; one made
+        // on the node directly is reported, never deleted.
+        if !v.name.is_empty()
+            && since.elapsed() >= grace
             && !attached(&v.path)
             && let Ok(_g) = svc.guard(&v.id)
         {
@@ -107,6 +119,7 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
             fs_type: v.fs_type.as_str().to_string(),
             backing_file_present: v.path.exists(),
             attached: attached(&v.path),
+            name: v.name.clone(),
         })
         .collect();
     (

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tonic::{Request, Response, Status};
 
-use super::volumes::{Placement, VolState, VolumeBook, VolumeRecord, failure_since};
+use super::volumes::{Placement, VolState, VolumeBook, VolumeRecord, failure_since, held};
 use crate::csi::TOPOLOGY_KEY;
 use crate::rpc::csi;
 use crate::rpc::csi::volume_capability::access_mode::Mode;
@@ -158,8 +158,7 @@ impl ControllerService {
                 if let Some(f) = failure_since(view, &id, since) {
                     return Some(Err(f));
                 }
-                let held = view.and_then(|n| n.volumes.get(&id));
-                if v.state == VolState::Ready && held.is_some_and(|h| h.size_bytes >= size) {
+                if v.state == VolState::Ready && held(view, v).is_some_and(|h| h.size_bytes >= size) {
                     return Some(Ok(v.clone()));
                 }
                 if view.is_none_or(|n| n.connected == 0) {
@@ -196,7 +195,11 @@ impl csi::controller_server::Controller for ControllerService {
         }
         let since = self.book.report_seq();
         let params: BTreeMap<String, String> = r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        let (rec, created) = self.book.place(&r.name, size, &fs, params, &placement)?;
+        let book = self.book.clone();
+        let (name, fs2, pl) = (r.name.clone(), fs.clone(), placement.clone());
+        let (rec, created) = tokio::task::spawn_blocking(move || book.place(&name, size, &fs2, params, &pl))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
         if !created {
             // Same name: compatible → the same volume; otherwise ALREADY_EXISTS.
             let range_ok = r.capacity_range.as_ref().is_none_or(|c| {
@@ -206,18 +209,20 @@ impl csi::controller_server::Controller for ControllerService {
             if rec.state == VolState::Deleting {
                 return Err(Status::aborted(format!("volume {:?} is being deleted; retry", r.name)));
             }
-            if !range_ok || rec.fs_type != fs || !topo_ok {
+            let params_ok = rec.parameters == r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<BTreeMap<_, _>>();
+            if !range_ok || rec.fs_type != fs || !topo_ok || !params_ok {
                 return Err(Status::already_exists(format!(
-                    "volume {:?} exists ({} bytes, fs {:?}, node {}) and does not match this request",
+                    "volume {:?} exists ({} bytes, fs {:?}, node {}, its own parameters) and does not match this request",
                     r.name, rec.size_bytes, rec.fs_type, rec.node
                 )));
             }
         }
         match self.await_present(&rec.id, rec.size_bytes, since).await {
             Ok(v) => Ok(Response::new(csi::CreateVolumeResponse { volume: Some(to_csi(&v)) })),
-            Err(e) if created && !matches!(e.code(), tonic::Code::DeadlineExceeded | tonic::Code::Unavailable) => {
-                // The node refused (e.g. its store is full): the record goes, so a retry
-                // places the volume anew.
+            Err(e) if matches!(e.code(), tonic::Code::ResourceExhausted | tonic::Code::InvalidArgument | tonic::Code::AlreadyExists) => {
+                // The node refused for good (its store is full, the id is taken there by
+                // another claim): the record goes (the node deletes only a file carrying
+                // this claim's name), so a retry places the volume anew.
                 tracing::warn!(volume = %rec.id, node = %rec.node, error = %e, "node failed to create the volume; abandoning it");
                 self.book.abandon(&rec.id)?;
                 Err(e)
@@ -239,7 +244,8 @@ impl csi::controller_server::Controller for ControllerService {
             return Err(Status::unavailable(format!("node {} holding volume {id} is not connected; retry", v.node)));
         }
         let since = self.book.report_seq();
-        self.book.begin_delete(&id)?;
+        let (book, did) = (self.book.clone(), id.clone());
+        tokio::task::spawn_blocking(move || book.begin_delete(&did)).await.map_err(|e| Status::internal(e.to_string()))??;
         let node = v.node.clone();
         let out = self
             .book
@@ -292,8 +298,26 @@ impl csi::controller_server::Controller for ControllerService {
             return Err(Status::unavailable(format!("node {} holding volume {} is not connected; retry", v.node, v.id)));
         }
         let since = self.book.report_seq();
-        let grown = self.book.begin_expand(&v.id, size)?;
-        let v = self.await_present(&grown.id, grown.size_bytes, since).await?;
+        let before = v.size_bytes;
+        let book = self.book.clone();
+        let vid = v.id.clone();
+        let grown = tokio::task::spawn_blocking(move || book.begin_expand(&vid, size))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        let v = match self.await_present(&grown.id, grown.size_bytes, since).await {
+            Ok(v) => v,
+            Err(e) if !matches!(e.code(), tonic::Code::DeadlineExceeded | tonic::Code::Unavailable) => {
+                // The node could not grow it (its store is full): the desired size goes
+                // back, so the node stops trying and the space is not held.
+                self.book.revert_expand(&grown.id, before)?;
+                return Err(if e.code() == tonic::Code::ResourceExhausted || e.code() == tonic::Code::OutOfRange {
+                    Status::out_of_range(e.message().to_string())
+                } else {
+                    e
+                });
+            }
+            Err(e) => return Err(e),
+        };
         Ok(Response::new(csi::ControllerExpandVolumeResponse {
             capacity_bytes: v.size_bytes as i64,
             // The filesystem grows on the node (NodeExpandVolume); a raw block volume's
@@ -313,7 +337,18 @@ impl csi::controller_server::Controller for ControllerService {
         if r.volume_capabilities.is_empty() {
             return Err(Status::invalid_argument("volume_capabilities is required"));
         }
-        let v = self.book.get(&r.volume_id).ok_or_else(|| Status::not_found(format!("volume {} does not exist", r.volume_id)))?;
+        let v = self
+            .book
+            .get(&r.volume_id)
+            .filter(|v| v.state != VolState::Deleting)
+            .ok_or_else(|| Status::not_found(format!("volume {} does not exist", r.volume_id)))?;
+        for (i, c) in r.volume_capabilities.iter().enumerate() {
+            if c.access_mode.is_none() || c.access_type.is_none() {
+                return Err(Status::invalid_argument(format!(
+                    "volume_capabilities[{i}] needs both access_mode and access_type"
+                )));
+            }
+        }
         let verdict = check_capabilities(&r.volume_capabilities, None).and_then(|fs| {
             let fits = if fs.is_empty() {
                 true // block access works on any volume
@@ -364,8 +399,7 @@ impl csi::controller_server::Controller for ControllerService {
         let entries = page
             .into_iter()
             .map(|v| {
-                let held = views.get(&v.node).and_then(|n| n.volumes.get(&v.id));
-                let condition = match held {
+                let condition = match held(views.get(&v.node), v) {
                     Some(h) if !h.backing_file_present => {
                         csi::VolumeCondition { abnormal: true, message: format!("backing file missing on node {}", v.node) }
                     }
@@ -385,8 +419,14 @@ impl csi::controller_server::Controller for ControllerService {
 
     async fn get_capacity(&self, req: Request<csi::GetCapacityRequest>) -> Result<Response<csi::GetCapacityResponse>, Status> {
         let r = req.into_inner();
-        if !r.volume_capabilities.is_empty() {
-            check_capabilities(&r.volume_capabilities, fs_parameter(&r.parameters))?;
+        if !r.volume_capabilities.is_empty() && check_capabilities(&r.volume_capabilities, fs_parameter(&r.parameters)).is_err() {
+            // Capabilities no volume here can have (multi-node modes, other filesystems):
+            // there is no capacity for them.
+            return Ok(Response::new(csi::GetCapacityResponse {
+                available_capacity: 0,
+                maximum_volume_size: Some(0),
+                minimum_volume_size: Some(MIB as i64),
+            }));
         }
         let only: Option<Vec<String>> = r.accessible_topology.as_ref().map(|t| node_of(t).into_iter().collect());
         let caps = self.book.capacity(only.as_deref());

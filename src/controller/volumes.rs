@@ -52,6 +52,9 @@ pub struct VolumeRecord {
 #[derive(Debug, Default, Clone)]
 pub struct NodeView {
     pub capacity_bytes: u64,
+    /// What the node's store says is left (it also counts volumes the controller does not
+    /// know: made on the node, orphans).
+    pub available_bytes: u64,
     pub reported: bool,
     /// Open WatchVolumes streams of this node.
     pub connected: u32,
@@ -191,6 +194,8 @@ impl VolumeBook {
                     size_bytes: v.size_bytes,
                     fs_type: v.fs_type.clone(),
                     present: v.state != VolState::Deleting,
+                    name: v.name.clone(),
+                    creating: v.state == VolState::Creating,
                 })
                 .collect(),
             revision: st.revision,
@@ -213,18 +218,19 @@ impl VolumeBook {
         let seq = st.report_seq;
         let view = st.nodes.entry(r.node_name.clone()).or_default();
         view.capacity_bytes = r.capacity_bytes;
+        view.available_bytes = r.available_bytes;
         view.reported = true;
         view.volumes = r.volumes.iter().map(|v| (v.id.clone(), v.clone())).collect();
         for f in &r.failures {
             view.failures.insert(f.id.clone(), (f.code, f.message.clone(), seq));
         }
-        // A volume that is now as desired has no outstanding failure.
-        view.failures.retain(|id, _| !r.volumes.iter().any(|v| &v.id == id) || r.failures.iter().any(|f| &f.id == id));
+        // A failure not repeated in this report is resolved.
+        view.failures.retain(|id, _| r.failures.iter().any(|f| &f.id == id));
         view.orphans = r.orphans.clone();
         view.last_report = Some(Instant::now());
         let mut changes = Vec::new();
         for v in st.vols.values().filter(|v| v.node == r.node_name) {
-            let held = r.volumes.iter().find(|h| h.id == v.id);
+            let held = r.volumes.iter().find(|h| h.id == v.id && h.name == v.name);
             match (v.state, held) {
                 (VolState::Creating, Some(h)) if h.size_bytes >= v.size_bytes => {
                     changes.push((v.id.clone(), Some(VolumeRecord { state: VolState::Ready, ..v.clone() })));
@@ -266,9 +272,15 @@ impl VolumeBook {
     /// Free bytes of a node for new volumes: its reported capacity minus everything placed
     /// on it (including volumes still being created or deleted).
     fn free(st: &BookState, node: &str) -> u64 {
-        let cap = st.nodes.get(node).map(|n| n.capacity_bytes).unwrap_or(0);
-        let used: u64 = st.vols.values().filter(|v| v.node == node).map(|v| v.size_bytes).sum();
-        cap.saturating_sub(used)
+        let Some(view) = st.nodes.get(node) else { return 0 };
+        let mine: Vec<&VolumeRecord> = st.vols.values().filter(|v| v.node == node).collect();
+        let used: u64 = mine.iter().map(|v| v.size_bytes).sum();
+        // Placed but not (fully) on the node yet: the node's own figure does not count it.
+        let pending: u64 = mine
+            .iter()
+            .map(|v| v.size_bytes.saturating_sub(held(Some(view), v).map(|h| h.size_bytes).unwrap_or(0)))
+            .sum();
+        view.capacity_bytes.saturating_sub(used).min(view.available_bytes.saturating_sub(pending))
     }
 
     /// Nodes that can take volumes now: connected and reporting.
@@ -375,6 +387,17 @@ impl VolumeBook {
         Ok(())
     }
 
+    /// Put a volume's desired size back after the node refused to grow it.
+    pub fn revert_expand(&self, id: &str, size: u64) -> Result<(), Status> {
+        let mut st = self.st.lock().unwrap();
+        if let Some(v) = st.vols.get(id).cloned()
+            && v.size_bytes > size
+        {
+            self.commit(&mut st, vec![(id.to_string(), Some(VolumeRecord { size_bytes: size, ..v }))])?;
+        }
+        Ok(())
+    }
+
     /// Raise a volume's desired size (durably), checking the node has room.
     pub fn begin_expand(&self, id: &str, size: u64) -> Result<VolumeRecord, Status> {
         let mut st = self.st.lock().unwrap();
@@ -446,6 +469,11 @@ impl Drop for ConnectionGuard {
     }
 }
 
+/// What `view` says its node holds for record `v` (same id and same claim name).
+pub fn held<'a>(view: Option<&'a NodeView>, v: &VolumeRecord) -> Option<&'a pb::VolumeState> {
+    view?.volumes.get(&v.id).filter(|h| h.name == v.name)
+}
+
 /// A node failure for `id` reported after sequence `since`, as a status.
 pub fn failure_since(view: Option<&NodeView>, id: &str, since: u64) -> Option<Status> {
     let (code, msg, seq) = view?.failures.get(id)?;
@@ -487,9 +515,16 @@ mod tests {
         b.report(pb::ReportVolumesRequest {
             node_name: node.into(),
             capacity_bytes: cap,
+            available_bytes: cap - vols.iter().map(|v| v.1).sum::<u64>(),
             volumes: vols
                 .iter()
-                .map(|(id, s)| pb::VolumeState { id: id.to_string(), size_bytes: *s, backing_file_present: true, ..Default::default() })
+                .map(|(id, s)| pb::VolumeState {
+                    id: id.to_string(),
+                    size_bytes: *s,
+                    backing_file_present: true,
+                    name: id.to_string(),
+                    ..Default::default()
+                })
                 .collect(),
             ..Default::default()
         })

@@ -16,7 +16,7 @@
 
 use std::collections::HashSet;
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -396,10 +396,21 @@ impl NodeService {
     /// Whether `m` shows one of `devices` mounted (a filesystem on the device, or the device
     /// node bind-mounted from devtmpfs for block access).
     fn is_volume_mount(m: &MountEntry, devices: &[LoopDev]) -> bool {
-        devices.iter().any(|d| {
-            (m.major, m.minor) == d.num
-                || (m.root.file_name().is_some_and(|n| Some(n) == d.path.file_name()) && m.fs_type == "devtmpfs")
-        })
+        if devices.iter().any(|d| (m.major, m.minor) == d.num) {
+            return true;
+        }
+        // A block publication is the device node bind-mounted onto a file: mountinfo shows
+        // the filesystem holding the node (devtmpfs, or a tmpfs /dev), so compare the node
+        // itself.
+        if matches!(m.fs_type.as_str(), "devtmpfs" | "tmpfs")
+            && let Ok(md) = std::fs::metadata(&m.mount_point)
+            && md.file_type().is_block_device()
+        {
+            let rdev = md.rdev();
+            let num = (nix::sys::stat::major(rdev) as u32, nix::sys::stat::minor(rdev) as u32);
+            return devices.iter().any(|d| d.num == num);
+        }
+        false
     }
 
     // ----- Node RPCs -----
@@ -455,6 +466,15 @@ impl NodeService {
                 format!("{} already has a mount ({} {}) that is not this volume staged as asked", staging.display(), top.fs_type, top.source),
             ));
         }
+        if cap.block
+            && let Some(r) = &rec
+            && r.state == StageState::Staged
+            && r.staging_path == staging
+            && r.same(&cap)
+            && devices.iter().any(|d| !d.ro)
+        {
+            return Ok(()); // already staged (kubelet repeats NodeStage for every pod)
+        }
         let rec_path = self.stage_record_path(id);
         Self::save(
             &rec_path,
@@ -479,7 +499,11 @@ impl NodeService {
                 if !attached_before && let Err(d) = self.store.detach(id) {
                     tracing::warn!(volume = id, error = %d, "rolling back a failed stage: detach failed");
                 }
-                let _ = Self::remove(&rec_path);
+                // Back to the record as it was (a staged volume stays staged).
+                let _ = match &rec {
+                    Some(r) if attached_before => Self::save(&rec_path, r),
+                    _ => Self::remove(&rec_path),
+                };
                 Err(e)
             }
         }
@@ -512,7 +536,7 @@ impl NodeService {
         // ext4 grown while unstaged: grow it now, offline (no CAP_SYS_RESOURCE needed).
         if fs == FsType::Ext4
             && let Some(fs_size) = vfs::fs_size_bytes(&dev, fs)?
-            && fs_size + crate::volume::SIZE_ALIGN <= dev_size
+            && fs_size.saturating_add(crate::volume::SIZE_ALIGN) <= dev_size
         {
             tracing::info!(volume = id, from = fs_size, to = dev_size, "growing ext4 before mounting");
             vfs::grow_fs(&dev, fs)?;
@@ -538,7 +562,7 @@ impl NodeService {
         if fs == FsType::Xfs
             && !opts.flags.contains(nix::mount::MsFlags::MS_RDONLY)
             && let Some(fs_size) = vfs::fs_size_bytes(&dev, fs)?
-            && fs_size + crate::volume::SIZE_ALIGN <= dev_size
+            && fs_size.saturating_add(crate::volume::SIZE_ALIGN) <= dev_size
         {
             tracing::info!(volume = id, from = fs_size, to = dev_size, "growing xfs after mounting");
             vfs::grow_fs(staging, fs)?;
@@ -766,8 +790,12 @@ impl NodeService {
             if r.created_target {
                 remove_target(&target)?;
             }
-            if r.capability.block && r.read_only {
-                self.release_read_only_device(id, &target)?;
+            if r.capability.block
+                && r.read_only
+                && let Err(e) = self.release_read_only_device(id, &target)
+            {
+                // Unpublished all the same; unstage detaches every device of the volume.
+                tracing::warn!(volume = id, error = %e.msg, "read-only loop device not released yet");
             }
         }
         Self::remove(&self.publish_record_path(&target))?;
@@ -804,8 +832,10 @@ impl NodeService {
                 usage.push(csi::VolumeUsage { available: 0, total: block_total(rw) as i64, used: 0, unit: Unit::Bytes as i32 });
             }
             None => problems.push(format!("{} is not mounted", path.display())),
-            Some(m) if m.fs_type == "devtmpfs" => {
-                let dev = devices.iter().find(|d| m.root.file_name() == d.path.file_name()).map(|d| &d.path);
+            Some(_) if std::fs::metadata(&path).is_ok_and(|md| md.file_type().is_block_device()) => {
+                let rdev = std::fs::metadata(&path).map(|md| md.rdev()).unwrap_or(0);
+                let num = (nix::sys::stat::major(rdev) as u32, nix::sys::stat::minor(rdev) as u32);
+                let dev = devices.iter().find(|d| d.num == num).map(|d| &d.path);
                 usage.push(csi::VolumeUsage { available: 0, total: block_total(dev) as i64, used: 0, unit: Unit::Bytes as i32 });
             }
             Some(_) => {
@@ -875,7 +905,7 @@ impl NodeService {
             let dev = self.store.attached_device(id)?.ok_or_else(|| precondition(format!("volume {id} is not attached")))?;
             let dev_size = loopdev::device_size(&dev).map_err(io_internal(format!("sizing {}", dev.display())))?;
             let fs_size = vfs::fs_size_bytes(&dev, vol.fs_type)?.unwrap_or(dev_size);
-            if fs_size + crate::volume::SIZE_ALIGN <= dev_size {
+            if fs_size.saturating_add(crate::volume::SIZE_ALIGN) <= dev_size {
                 match vol.fs_type {
                     FsType::Xfs => {
                         // xfs grows through a writable mount of it: the staging mount.

@@ -155,7 +155,7 @@ pub fn fs_size_bytes(dev: &Path, fs: FsType) -> Result<Option<u64>, FsError> {
             if u32_at(0x60) & 0x80 != 0 {
                 blocks |= (u32_at(0x150) as u64) << 32;
             }
-            Ok(Some(blocks * (1024u64 << log)))
+            Ok(blocks.checked_mul(1024u64 << log))
         }
         FsType::Xfs => {
             let mut sb = [0u8; 16];

@@ -147,6 +147,12 @@ pub struct Volume {
     /// Seconds since the Unix epoch.
     #[serde(rename = "createdAt")]
     pub created_at: u64,
+    /// Who asked for it: the CSI volume name when the controller provisioned it ("" for a
+    /// volume made on the node directly). The controller's create, delete and orphan
+    /// reclaim act only on a volume whose name matches, so an id collision can never hand
+    /// one claim's data to another or delete it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub name: String,
     /// `<dir>/<id>.img` (not stored; derived from the store directory).
     #[serde(skip)]
     pub path: PathBuf,
@@ -398,13 +404,19 @@ impl VolumeStore {
     /// with the same rounded size and fs type returns the existing volume; with a different
     /// one it is [`VolumeError::AlreadyExists`].
     pub fn create(&self, id: &str, size_bytes: u64, fs_type: FsType) -> Result<Volume> {
+        self.create_named(id, size_bytes, fs_type, "")
+    }
+
+    /// [`Self::create`] recording `name` (see [`Volume::name`]): an existing volume is the
+    /// same one only when its name matches too.
+    pub fn create_named(&self, id: &str, size_bytes: u64, fs_type: FsType, name: &str) -> Result<Volume> {
         validate_id(id)?;
         let size = round_size(id, size_bytes)?;
         let lock = self.volume_lock(id);
         let _g = lock.lock().unwrap();
         let mut idx = self.index.lock().unwrap();
         if let Some(v) = idx.volumes.get(id) {
-            if v.size_bytes == size && v.fs_type == fs_type {
+            if v.size_bytes == size && v.fs_type == fs_type && v.name == name {
                 return Ok(v.clone());
             }
             return Err(VolumeError::AlreadyExists {
@@ -441,6 +453,7 @@ impl VolumeStore {
             size_bytes: size,
             fs_type,
             created_at: now_unix(),
+            name: name.to_string(),
             path: img.clone(),
         };
         let result = (|| {

@@ -239,6 +239,7 @@ fn open_finishes_or_rolls_back_interrupted_work() {
             size_bytes: size,
             fs_type: FsType::Ext4,
             created_at: 1,
+            name: String::new(),
             path: PathBuf::new(),
         };
         fs::write(d.join(format!("{id}.json")), serde_json::to_vec(&v).unwrap()).unwrap();
@@ -330,4 +331,18 @@ fn concurrent_creates_respect_capacity() {
     assert_eq!(results.iter().filter(|ok| **ok).count(), 10);
     assert_eq!(s.available(), 0);
     assert_eq!(s.list().len(), 10);
+}
+
+#[test]
+fn names_make_claims_distinct() {
+    let t = TempDir::new("names");
+    let s = VolumeStore::open(t.path(), 100 * MIB).unwrap();
+    let v = s.create_named("pvc-a", MIB, FsType::Ext4, "claim-a").unwrap();
+    assert_eq!(v.name, "claim-a");
+    assert_eq!(s.create_named("pvc-a", MIB, FsType::Ext4, "claim-a").unwrap(), v);
+    assert!(matches!(s.create_named("pvc-a", MIB, FsType::Ext4, "claim-b"), Err(VolumeError::AlreadyExists { .. })));
+    assert!(matches!(s.create("pvc-a", MIB, FsType::Ext4), Err(VolumeError::AlreadyExists { .. })));
+    drop(s);
+    let s = VolumeStore::open(t.path(), 100 * MIB).unwrap();
+    assert_eq!(s.get("pvc-a").unwrap().unwrap().name, "claim-a");
 }
