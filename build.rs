@@ -17,6 +17,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         PathBuf::from("proto/csi/v1/csi.proto"),
         // kubelet plugin registration v1 (package `pluginregistration`).
         PathBuf::from("proto/pluginregistration/v1/api.proto"),
+        // kubelet device plugin API v1beta1 (package `v1beta1`).
+        PathBuf::from("proto/deviceplugin/v1beta1/api.proto"),
     ];
     let includes = [PathBuf::from("proto"), wkt_include];
 

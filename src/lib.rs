@@ -8,6 +8,7 @@ pub mod agent;
 pub mod cni;
 pub mod controller;
 pub mod csi;
+pub mod deviceplugin;
 pub mod ipam;
 pub mod netlink;
 pub mod netns;

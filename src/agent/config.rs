@@ -53,6 +53,18 @@ pub struct CsiFileConfig {
     pub max_volumes: Option<i64>,
 }
 
+/// Kubelet device plugins (on unless `enabled: false`).
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DevicePluginFileConfig {
+    #[serde(default)]
+    pub enabled: Option<bool>,
+    /// The device file (default `<root>/etc/nodeplane/devices.json`), reloaded on change.
+    pub config_file: Option<PathBuf>,
+    /// Where CDI specs are written (default `<root>/var/run/cdi`).
+    pub cdi_dir: Option<PathBuf>,
+}
+
 /// Resolved CSI settings.
 #[derive(Debug, Clone)]
 pub struct CsiConfig {
@@ -107,6 +119,8 @@ pub struct FileConfig {
     pub kubelet_dir: Option<PathBuf>,
     #[serde(default)]
     pub csi: Option<CsiFileConfig>,
+    #[serde(default)]
+    pub device_plugins: Option<DevicePluginFileConfig>,
     /// The shim binary to install; default: `nodeplane-cni` next to the agent binary.
     pub shim_source: Option<PathBuf>,
     /// Where the kernel boot id is read (tests point this elsewhere to simulate a reboot).
@@ -150,6 +164,8 @@ pub struct Config {
     pub kubelet_dir: PathBuf,
     /// `None`: the CSI node plugin is off.
     pub csi: Option<CsiConfig>,
+    /// `None`: device plugins are off.
+    pub device_plugins: Option<crate::deviceplugin::Settings>,
     pub shim_source: PathBuf,
     pub boot_id_file: PathBuf,
     pub controller: Option<ControllerConfig>,
@@ -246,6 +262,12 @@ impl Config {
         } else {
             None
         };
+        let dpf = f.device_plugins.clone().unwrap_or_default();
+        let device_plugins = dpf.enabled.unwrap_or(true).then(|| crate::deviceplugin::Settings {
+            config_file: dpf.config_file.clone().unwrap_or_else(|| under(&root, "/etc/nodeplane/devices.json")),
+            plugin_dir: kubelet_dir.join("device-plugins"),
+            cdi_dir: dpf.cdi_dir.clone().unwrap_or_else(|| under(&root, "/var/run/cdi")),
+        });
         let dns = f
             .dns
             .map(|d| Dns { nameservers: d.nameservers, domain: d.domain, search: d.search, options: d.options })
@@ -284,6 +306,7 @@ impl Config {
             state_dir,
             kubelet_dir,
             csi,
+            device_plugins,
             cni_bin_dir: f.cni_bin_dir.unwrap_or_else(|| under(&root, "/opt/cni/bin")),
             cni_conf_dir: f.cni_conf_dir.unwrap_or_else(|| under(&root, "/etc/cni/net.d")),
             shim_source,

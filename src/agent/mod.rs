@@ -247,6 +247,7 @@ pub async fn serve(
     let cluster_client = tokio::spawn(cluster::run(dp.clone()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let volume_client = csi.clone().map(|svc| tokio::spawn(volume_sync::run(dp.cfg.clone(), svc)));
+    let device_plugins = dp.cfg.device_plugins.clone().map(|s| tokio::spawn(crate::deviceplugin::run(s, stop_rx.clone())));
     let mut csi_task = csi.map(|svc| {
         let mut rx = stop_rx.clone();
         tokio::spawn(crate::csi::serve(svc, async move {
@@ -291,6 +292,9 @@ pub async fn serve(
         v.abort();
     }
     let _ = stop_tx.send(true);
+    if let Some(t) = device_plugins {
+        let _ = t.await;
+    }
     if let Some(t) = csi_task {
         let _ = t.await;
     }

@@ -43,6 +43,13 @@ pub async fn connect_unix(path: &std::path::Path) -> Result<tonic::transport::Ch
         .await
 }
 
+/// Kubelet device plugin API v1beta1 (package `v1beta1`): `Registration` (kubelet) and
+/// `DevicePlugin` (each plugin), over Unix sockets in `<kubelet>/device-plugins/`.
+#[allow(clippy::all, clippy::pedantic, missing_docs, non_snake_case)]
+pub mod deviceplugin {
+    tonic::include_proto!("v1beta1");
+}
+
 /// The serialized `FileDescriptorSet` of every proto the crate compiles
 /// (with custom options such as `csi.v1.csi_secret`), for introspection and tests.
 pub const FILE_DESCRIPTOR_SET: &[u8] =

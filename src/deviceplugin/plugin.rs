@@ -1,0 +1,378 @@
+//! One resource's device plugin: the devices it found, their health, and the
+//! `v1beta1.DevicePlugin` service kubelet calls on the plugin's socket.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::watch;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use super::config::{Resource, glob_match};
+use crate::rpc::deviceplugin as pb;
+
+pub const HEALTHY: &str = "Healthy";
+pub const UNHEALTHY: &str = "Unhealthy";
+
+/// One device node the resource found (it stays known, unhealthy, after it disappears).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Node {
+    pub path: PathBuf,
+    /// The device's ID (share 1) or ID stem (share > 1): the node's base name.
+    pub name: String,
+    pub healthy: bool,
+    pub numa: Option<i64>,
+}
+
+/// The device nodes matching a resource's patterns now (character or block devices).
+pub fn scan(res: &Resource) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for p in &res.patterns {
+        let Ok(entries) = std::fs::read_dir(&p.dir) else { continue };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if !glob_match(&p.glob, name).unwrap_or(false) {
+                continue;
+            }
+            let path = p.dir.join(name);
+            if std::fs::metadata(&path).is_ok_and(|m| m.file_type().is_char_device() || m.file_type().is_block_device()) {
+                out.push(path);
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Healthy: the node exists, is a device node, and opens (read-only, non-blocking). A busy
+/// exclusive device (EBUSY) exists and works: healthy.
+pub fn check_health(path: &Path) -> bool {
+    let Ok(m) = std::fs::metadata(path) else { return false };
+    if !(m.file_type().is_char_device() || m.file_type().is_block_device()) {
+        return false;
+    }
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOCTTY)
+        .open(path)
+    {
+        Ok(_) => true,
+        Err(e) => e.raw_os_error() == Some(libc::EBUSY),
+    }
+}
+
+/// The NUMA node of a device from sysfs (`/sys/dev/{char,block}/M:m/device/numa_node`).
+pub fn numa_of(path: &Path) -> Option<i64> {
+    let m = std::fs::metadata(path).ok()?;
+    let kind = if m.file_type().is_block_device() { "block" } else { "char" };
+    let rdev = m.rdev();
+    let p = format!("/sys/dev/{kind}/{}:{}/device/numa_node", nix::sys::stat::major(rdev), nix::sys::stat::minor(rdev));
+    let n: i64 = std::fs::read_to_string(p).ok()?.trim().parse().ok()?;
+    (n >= 0).then_some(n)
+}
+
+/// The state of one resource.
+pub struct Plugin {
+    pub res: Arc<Resource>,
+    nodes: Mutex<BTreeMap<PathBuf, Node>>,
+    list_tx: watch::Sender<Vec<pb::Device>>,
+}
+
+impl Plugin {
+    pub fn new(res: Arc<Resource>) -> Arc<Self> {
+        let (list_tx, _) = watch::channel(Vec::new());
+        let p = Arc::new(Plugin { res, nodes: Mutex::new(BTreeMap::new()), list_tx });
+        p.rescan();
+        p
+    }
+
+    /// Re-read the device nodes and their health; publish the list when it changed.
+    /// Returns whether it changed.
+    pub fn rescan(&self) -> bool {
+        let found = scan(&self.res);
+        let mut nodes = self.nodes.lock().unwrap();
+        for path in &found {
+            if !nodes.contains_key(path) {
+                let base = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                // Two patterns can match nodes of the same base name in different
+                // directories: qualify the later one with its directory's name.
+                let name = if nodes.values().any(|n| n.name == base) {
+                    let parent = path.parent().and_then(|p| p.file_name()).map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                    format!("{parent}_{base}")
+                } else {
+                    base
+                };
+                nodes.insert(path.clone(), Node { path: path.clone(), name, healthy: false, numa: numa_of(path) });
+            }
+        }
+        for n in nodes.values_mut() {
+            let h = check_health(&n.path);
+            if h != n.healthy {
+                tracing::info!(resource = %self.res.resource_name(), device = %n.path.display(), healthy = h, "device health changed");
+                n.healthy = h;
+            }
+        }
+        let list = self.list_locked(&nodes);
+        drop(nodes);
+        let changed = *self.list_tx.borrow() != list;
+        if changed {
+            self.list_tx.send_replace(list);
+        }
+        changed
+    }
+
+    fn list_locked(&self, nodes: &BTreeMap<PathBuf, Node>) -> Vec<pb::Device> {
+        let mut out = Vec::new();
+        for n in nodes.values() {
+            let topology = n.numa.map(|id| pb::TopologyInfo { nodes: vec![pb::NumaNode { id }] });
+            let health = if n.healthy { HEALTHY } else { UNHEALTHY }.to_string();
+            if self.res.share == 1 {
+                out.push(pb::Device { id: n.name.clone(), health, topology });
+            } else {
+                for k in 0..self.res.share {
+                    out.push(pb::Device { id: format!("{}-{k}", n.name), health: health.clone(), topology: topology.clone() });
+                }
+            }
+        }
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        out
+    }
+
+    pub fn devices(&self) -> Vec<pb::Device> {
+        self.list_tx.borrow().clone()
+    }
+
+    /// The node behind a device ID, if the ID is one of ours.
+    fn node_of(&self, id: &str) -> Option<Node> {
+        let nodes = self.nodes.lock().unwrap();
+        if self.res.share == 1 {
+            return nodes.values().find(|n| n.name == id).cloned();
+        }
+        let (stem, k) = id.rsplit_once('-')?;
+        let k: u32 = k.parse().ok()?;
+        if k >= self.res.share || k.to_string() != id.rsplit_once('-')?.1 {
+            return None;
+        }
+        nodes.values().find(|n| n.name == stem).cloned()
+    }
+
+    /// Check every ID: unknown → INVALID_ARGUMENT, unhealthy → FAILED_PRECONDITION. Returns
+    /// the distinct device nodes, in first-seen order.
+    fn resolve(&self, ids: &[String]) -> Result<Vec<Node>, Status> {
+        let mut out: Vec<Node> = Vec::new();
+        for id in ids {
+            let n = self.node_of(id).ok_or_else(|| {
+                Status::invalid_argument(format!("device {id:?} is not a device of {}", self.res.resource_name()))
+            })?;
+            if !check_health(&n.path) {
+                return Err(Status::failed_precondition(format!(
+                    "device {id:?} ({}) of {} is unhealthy",
+                    n.path.display(),
+                    self.res.resource_name()
+                )));
+            }
+            if !out.iter().any(|o| o.path == n.path) {
+                out.push(n);
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn allocate_one(&self, ids: &[String]) -> Result<pb::ContainerAllocateResponse, Status> {
+        let nodes = self.resolve(ids)?;
+        let mut envs: std::collections::HashMap<String, String> =
+            self.res.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        envs.insert(self.res.ids_env(), ids.join(","));
+        Ok(pb::ContainerAllocateResponse {
+            envs,
+            mounts: self
+                .res
+                .mounts
+                .iter()
+                .map(|m| pb::Mount {
+                    container_path: m.container_path.to_string_lossy().into_owned(),
+                    host_path: m.host_path.to_string_lossy().into_owned(),
+                    read_only: m.read_only,
+                })
+                .collect(),
+            devices: nodes
+                .iter()
+                .map(|n| pb::DeviceSpec {
+                    container_path: n.path.to_string_lossy().into_owned(),
+                    host_path: n.path.to_string_lossy().into_owned(),
+                    permissions: self.res.permissions.clone(),
+                })
+                .collect(),
+            annotations: Default::default(),
+            cdi_devices: if self.res.cdi {
+                nodes.iter().map(|n| pb::CdiDevice { name: format!("{}={}", self.res.resource_name(), n.name) }).collect()
+            } else {
+                Vec::new()
+            },
+        })
+    }
+
+    /// A preferred allocation: `must` first, then devices on the NUMA node already most used
+    /// (alignment) when the nodes report NUMA, else spread over physical devices (fewest
+    /// already chosen from the same node first).
+    pub fn preferred(&self, available: &[String], must: &[String], size: usize) -> Result<Vec<String>, Status> {
+        if must.len() > size {
+            return Err(Status::invalid_argument(format!("{} devices must be included but only {size} asked for", must.len())));
+        }
+        for id in must {
+            if !available.contains(id) {
+                return Err(Status::invalid_argument(format!("must-include device {id:?} is not available")));
+            }
+        }
+        if size > available.len() {
+            return Err(Status::invalid_argument(format!("{size} devices asked for, {} available", available.len())));
+        }
+        let mut chosen: Vec<String> = must.to_vec();
+        let info: BTreeMap<String, Node> = available.iter().filter_map(|id| self.node_of(id).map(|n| (id.clone(), n))).collect();
+        while chosen.len() < size {
+            let count_on = |path: &Path, chosen: &[String]| chosen.iter().filter(|c| info.get(*c).is_some_and(|n| n.path == path)).count();
+            let numa_count = |numa: Option<i64>, chosen: &[String]| {
+                chosen.iter().filter(|c| info.get(*c).is_some_and(|n| n.numa.is_some() && n.numa == numa)).count()
+            };
+            let next = available
+                .iter()
+                .filter(|id| !chosen.contains(id))
+                .min_by_key(|id| {
+                    let n = info.get(*id);
+                    let numa_pref = n.map(|n| numa_count(n.numa, &chosen)).unwrap_or(0);
+                    let spread = n.map(|n| count_on(&n.path, &chosen)).unwrap_or(usize::MAX);
+                    let healthy = n.is_some_and(|n| n.healthy);
+                    (!healthy, std::cmp::Reverse(numa_pref), spread, (*id).clone())
+                })
+                .cloned();
+            match next {
+                Some(id) => chosen.push(id),
+                None => break,
+            }
+        }
+        Ok(chosen)
+    }
+
+    /// The CDI spec of this resource (when `cdi` is on): one device per node, the container
+    /// edits the resource adds (env, mounts) at the top level.
+    pub fn cdi_spec(&self) -> serde_json::Value {
+        let nodes = self.nodes.lock().unwrap();
+        let devices: Vec<serde_json::Value> = nodes
+            .values()
+            .map(|n| {
+                serde_json::json!({
+                    "name": n.name,
+                    "containerEdits": {"deviceNodes": [{"path": n.path, "hostPath": n.path, "permissions": self.res.permissions}]},
+                })
+            })
+            .collect();
+        let env: Vec<String> = self.res.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let mounts: Vec<serde_json::Value> = self
+            .res
+            .mounts
+            .iter()
+            .map(|m| {
+                serde_json::json!({
+                    "hostPath": m.host_path,
+                    "containerPath": m.container_path,
+                    "options": if m.read_only { vec!["ro", "bind"] } else { vec!["rw", "bind"] },
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "cdiVersion": "0.6.0",
+            "kind": self.res.resource_name(),
+            "devices": devices,
+            "containerEdits": {"env": env, "mounts": mounts},
+        })
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<Vec<pb::Device>> {
+        self.list_tx.subscribe()
+    }
+}
+
+/// The gRPC face of a [`Plugin`]. `stop` ends its ListAndWatch streams.
+#[derive(Clone)]
+pub struct Service {
+    pub plugin: Arc<Plugin>,
+    pub stop: watch::Receiver<bool>,
+}
+
+type DeviceStream = Pin<Box<dyn Stream<Item = Result<pb::ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::device_plugin_server::DevicePlugin for Service {
+    async fn get_device_plugin_options(&self, _: Request<pb::Empty>) -> Result<Response<pb::DevicePluginOptions>, Status> {
+        Ok(Response::new(pb::DevicePluginOptions {
+            pre_start_required: self.plugin.res.pre_start,
+            get_preferred_allocation_available: true,
+        }))
+    }
+
+    type ListAndWatchStream = DeviceStream;
+
+    async fn list_and_watch(&self, _: Request<pb::Empty>) -> Result<Response<DeviceStream>, Status> {
+        let mut rx = self.plugin.subscribe();
+        let mut stop = self.stop.clone();
+        let (tx, out) = tokio::sync::mpsc::channel(4);
+        let name = self.plugin.res.resource_name();
+        tokio::spawn(async move {
+            loop {
+                let list = rx.borrow_and_update().clone();
+                if tx.send(Ok(pb::ListAndWatchResponse { devices: list })).await.is_err() {
+                    break;
+                }
+                tokio::select! {
+                    r = rx.changed() => if r.is_err() { break },
+                    _ = stop.wait_for(|s| *s) => break,
+                    _ = tx.closed() => break,
+                }
+            }
+            tracing::debug!(resource = %name, "ListAndWatch stream ended");
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out))))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        req: Request<pb::PreferredAllocationRequest>,
+    ) -> Result<Response<pb::PreferredAllocationResponse>, Status> {
+        let mut out = Vec::new();
+        for c in req.into_inner().container_requests {
+            let size = usize::try_from(c.allocation_size).map_err(|_| Status::invalid_argument("allocation_size must not be negative"))?;
+            let ids = self.plugin.preferred(&c.available_device_i_ds, &c.must_include_device_i_ds, size)?;
+            out.push(pb::ContainerPreferredAllocationResponse { device_i_ds: ids });
+        }
+        Ok(Response::new(pb::PreferredAllocationResponse { container_responses: out }))
+    }
+
+    async fn allocate(&self, req: Request<pb::AllocateRequest>) -> Result<Response<pb::AllocateResponse>, Status> {
+        let mut out = Vec::new();
+        for c in req.into_inner().container_requests {
+            match self.plugin.allocate_one(&c.devices_ids) {
+                Ok(r) => out.push(r),
+                Err(e) => {
+                    tracing::warn!(resource = %self.plugin.res.resource_name(), ids = ?c.devices_ids, error = %e.message(), "Allocate refused");
+                    // A device that went bad: make sure kubelet's view is current.
+                    self.plugin.rescan();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Response::new(pb::AllocateResponse { container_responses: out }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        req: Request<pb::PreStartContainerRequest>,
+    ) -> Result<Response<pb::PreStartContainerResponse>, Status> {
+        self.plugin.resolve(&req.into_inner().devices_ids)?;
+        Ok(Response::new(pb::PreStartContainerResponse {}))
+    }
+}
