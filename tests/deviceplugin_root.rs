@@ -999,3 +999,34 @@ async fn kubelet_emulator_self_check() {
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
 }
+
+/// A node that exists but cannot be opened (a character device number no driver serves:
+/// open fails with ENXIO) is listed Unhealthy, and Allocate refuses it; replaced by a
+/// working node it turns Healthy again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unopenable_node_is_unhealthy() {
+    let mut sb = Sandbox::new("noopen");
+    sb.mknod("testdev0");
+    // 240-254 are the "local/experimental" character majors: no driver behind them here.
+    nix::sys::stat::mknod(
+        &sb.dev("testdev1"),
+        nix::sys::stat::SFlag::S_IFCHR,
+        nix::sys::stat::Mode::from_bits_truncate(0o666),
+        nix::sys::stat::makedev(240, 77),
+    )
+    .unwrap();
+    assert!(fs::File::open(sb.dev("testdev1")).is_err(), "major 240 opened: pick another unserved number");
+    sb.write_devices(vec![sb.testdev(1)]);
+    sb.kl.start().await;
+    sb.start_agent();
+    sb.registered(RES, 1, STARTUP).await;
+    let r = sb.wait(RES, SLOW, "testdev1 listed Unhealthy", |r| r.has("testdev1", UNHEALTHY) && r.has("testdev0", HEALTHY)).await;
+    assert_eq!((r.capacity(), r.allocatable()), (2, 1));
+    let e = sb.kl.allocate(RES, vec![strs(&["testdev1"])]).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e}");
+    sb.unlink("testdev1");
+    sb.mknod("testdev1");
+    sb.wait(RES, SLOW, "testdev1 Healthy once it opens", |r| r.has("testdev1", HEALTHY)).await;
+    sb.assert_kubelet_happy();
+    sb.stop().await;
+}

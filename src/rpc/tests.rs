@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use prost::Message;
 
 use super::csi;
+use super::deviceplugin as dp;
 use super::pluginregistration as reg;
 use super::{FILE_DESCRIPTOR_SET, Timestamp};
 
@@ -657,6 +658,67 @@ fn plugin_registration_numbers() {
         reg::registration_server::SERVICE_NAME,
         "pluginregistration.Registration"
     );
+}
+
+/// Upstream's field names (they reach JSON and reflection): the descriptor holds each as a
+/// `FieldDescriptorProto.name` (field 1, length-delimited).
+fn descriptor_has_field_name(name: &str) -> bool {
+    let mut needle = vec![0x0a, name.len() as u8];
+    needle.extend_from_slice(name.as_bytes());
+    FILE_DESCRIPTOR_SET.windows(needle.len()).any(|w| w == needle.as_slice())
+}
+
+#[test]
+fn device_plugin_v1beta1_numbers_and_names() {
+    let req = dp::RegisterRequest {
+        version: "v1beta1".into(),
+        endpoint: "nodeplane-kvm.sock".into(),
+        resource_name: "nodeplane.dev/kvm".into(),
+        options: Some(dp::DevicePluginOptions { pre_start_required: true, get_preferred_allocation_available: true }),
+    };
+    assert_eq!(
+        req.encode_to_vec(),
+        [ld(1, b"v1beta1"), ld(2, b"nodeplane-kvm.sock"), ld(3, b"nodeplane.dev/kvm"), ld(4, &[vi(1, 1), vi(2, 1)].concat())]
+            .concat()
+    );
+    let dev = dp::Device {
+        id: "kvm".into(),
+        health: "Healthy".into(),
+        topology: Some(dp::TopologyInfo { nodes: vec![dp::NumaNode { id: 1 }] }),
+    };
+    assert_eq!(dev.encode_to_vec(), [ld(1, b"kvm"), ld(2, b"Healthy"), ld(3, &ld(1, &vi(1, 1)))].concat());
+    let pref = dp::ContainerPreferredAllocationRequest {
+        available_device_i_ds: vec!["a".into()],
+        must_include_device_i_ds: vec!["b".into()],
+        allocation_size: 2,
+    };
+    assert_eq!(pref.encode_to_vec(), [ld(1, b"a"), ld(2, b"b"), vi(3, 2)].concat());
+    let resp = dp::ContainerAllocateResponse {
+        envs: one("K", "V"),
+        mounts: vec![dp::Mount { container_path: "/c".into(), host_path: "/h".into(), read_only: true }],
+        devices: vec![dp::DeviceSpec { container_path: "/dev/x".into(), host_path: "/dev/x".into(), permissions: "rw".into() }],
+        annotations: one("a", "b"),
+        cdi_devices: vec![dp::CdiDevice { name: "nodeplane.dev/kvm=kvm".into() }],
+    };
+    assert_eq!(
+        resp.encode_to_vec(),
+        [
+            map_entry(1, "K", "V"),
+            ld(2, &[ld(1, b"/c"), ld(2, b"/h"), vi(3, 1)].concat()),
+            ld(3, &[ld(1, b"/dev/x"), ld(2, b"/dev/x"), ld(3, b"rw")].concat()),
+            map_entry(4, "a", "b"),
+            ld(5, &ld(1, b"nodeplane.dev/kvm=kvm")),
+        ]
+        .concat()
+    );
+    assert_eq!(dp::ContainerAllocateRequest { devices_ids: vec!["x".into()] }.encode_to_vec(), ld(1, b"x"));
+    assert_eq!(dp::PreStartContainerRequest { devices_ids: vec!["x".into()] }.encode_to_vec(), ld(1, b"x"));
+    assert_eq!(dp::ContainerPreferredAllocationResponse { device_i_ds: vec!["x".into()] }.encode_to_vec(), ld(1, b"x"));
+    for name in ["ID", "available_deviceIDs", "must_include_deviceIDs", "deviceIDs", "devices_ids", "cdi_devices"] {
+        assert!(descriptor_has_field_name(name), "field name {name:?} missing from the descriptor");
+    }
+    assert_eq!(dp::registration_server::SERVICE_NAME, "v1beta1.Registration");
+    assert_eq!(dp::device_plugin_server::SERVICE_NAME, "v1beta1.DevicePlugin");
 }
 
 #[test]
