@@ -171,7 +171,60 @@ pub fn parse_mount_flags(flags: &[String]) -> Result<MountOptions, String> {
     Ok(o)
 }
 
-/// Mount the filesystem on `dev` at `target`.
+/// A path opened without following any symbolic link and without leaving `root`
+/// (`openat2` with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS`), as an
+/// `O_PATH` descriptor. Mounting onto `/proc/self/fd/N` of it acts on exactly the directory
+/// or file that was checked: a component swapped for a symlink after [`validate_path`] makes
+/// the open fail (ELOOP / EXDEV) instead of redirecting the mount elsewhere.
+pub struct Beneath {
+    fd: std::os::fd::OwnedFd,
+}
+
+impl Beneath {
+    pub fn open(root: &Path, path: &Path) -> io::Result<Beneath> {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::fs::OpenOptionsExt;
+        let rel = path.strip_prefix(root).map_err(|_| {
+            io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not inside {}", path.display(), root.display()))
+        })?;
+        let root_fd = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
+            .open(root)?;
+        let rel = if rel.as_os_str().is_empty() { Path::new(".") } else { rel };
+        let c = std::ffi::CString::new(rel.as_os_str().as_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))?;
+        // SAFETY: open_how is plain data; zeroed then filled.
+        let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+        how.flags = (libc::O_PATH | libc::O_CLOEXEC) as u64;
+        how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+        // SAFETY: valid dirfd, NUL-terminated path, a correctly sized open_how.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                root_fd.as_raw_fd(),
+                c.as_ptr(),
+                &how as *const libc::open_how,
+                std::mem::size_of::<libc::open_how>(),
+            )
+        };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(e.kind(), format!("opening {} beneath {}: {e}", path.display(), root.display())));
+        }
+        // SAFETY: the kernel just returned this descriptor to us.
+        Ok(Beneath { fd: unsafe { OwnedFd::from_raw_fd(fd as i32) } })
+    }
+
+    /// `/proc/self/fd/N`: hand it to mount(2) as source or target.
+    pub fn proc_path(&self) -> PathBuf {
+        use std::os::fd::AsRawFd;
+        PathBuf::from(format!("/proc/self/fd/{}", self.fd.as_raw_fd()))
+    }
+}
+
+/// Mount the filesystem on `dev` at `target` (a [`Beneath::proc_path`] or a plain path).
 pub fn mount_device(dev: &Path, target: &Path, fs_type: &str, opts: &MountOptions) -> nix::Result<()> {
     let data = opts.data_string();
     nix::mount::mount(Some(dev), target, Some(fs_type), opts.flags, data.as_deref())
@@ -180,8 +233,10 @@ pub fn mount_device(dev: &Path, target: &Path, fs_type: &str, opts: &MountOption
 /// Bind-mount `source` onto `target`; then, when `read_only` or per-mount flags are asked
 /// for, remount the bind with them (a bind mount takes its flags only on remount). A
 /// failed remount undoes the bind, so the target is never left writable by mistake.
-pub fn bind_mount(source: &Path, target: &Path, read_only: bool, flags: MsFlags) -> nix::Result<()> {
-    nix::mount::mount(Some(source), target, None::<&str>, MsFlags::MS_BIND, None::<&str>)?;
+/// `source_at` / `target_at` are what mount(2) gets (e.g. [`Beneath::proc_path`]s);
+/// `target` is the plain path, used for the remount and undo (which must see the new mount).
+pub fn bind_mount(source_at: &Path, target_at: &Path, target: &Path, read_only: bool, flags: MsFlags) -> nix::Result<()> {
+    nix::mount::mount(Some(source_at), target_at, None::<&str>, MsFlags::MS_BIND, None::<&str>)?;
     let per_mount = MsFlags::MS_RDONLY
         | MsFlags::MS_NOSUID
         | MsFlags::MS_NODEV
@@ -323,6 +378,24 @@ mod tests {
         ] {
             assert!(validate_path("target_path", &bad, &root).is_err(), "{bad:?} accepted");
         }
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn beneath_refuses_symlinks_and_escapes() {
+        let root = std::env::temp_dir().join(format!("np-csi-beneath-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("pods/p1/vol")).unwrap();
+        std::os::unix::fs::symlink(root.join("pods/p1"), root.join("pods/link")).unwrap();
+        let root = root.canonicalize().unwrap();
+        let b = Beneath::open(&root, &root.join("pods/p1/vol")).unwrap();
+        assert_eq!(std::fs::read_link(b.proc_path()).unwrap(), root.join("pods/p1/vol"));
+        // A symlink anywhere on the way: refused, not followed.
+        assert!(Beneath::open(&root, &root.join("pods/link/vol")).is_err());
+        assert!(Beneath::open(&root, &root.join("pods/link")).is_err());
+        // Not inside the root at all.
+        assert!(Beneath::open(&root, Path::new("/etc")).is_err());
+        assert!(Beneath::open(&root, &root.join("pods/../../etc")).is_err());
         std::fs::remove_dir_all(&root).unwrap();
     }
 

@@ -548,7 +548,9 @@ impl NodeService {
                 .create(staging)
                 .map_err(io_internal(format!("creating {}", staging.display())))?;
         }
-        mount::mount_device(&dev, staging, fs.as_str(), opts).map_err(|e| match e {
+        let at = mount::Beneath::open(&self.settings.kubelet_dir, staging)
+            .map_err(|e| invalid(format!("staging_target_path {}: {e}", staging.display())))?;
+        mount::mount_device(&dev, &at.proc_path(), fs.as_str(), opts).map_err(|e| match e {
             nix::errno::Errno::EINVAL => invalid(format!(
                 "mounting {} ({}) at {} with flags {:?} failed: {e} (a mount flag the filesystem does not accept?)",
                 dev.display(),
@@ -721,7 +723,9 @@ impl NodeService {
                         .open(&target)
                         .map_err(io_internal(format!("creating {}", target.display())))?;
                 }
-                mount::bind_mount(&dev, &target, read_only, nix::mount::MsFlags::empty())
+                let at = mount::Beneath::open(&self.settings.kubelet_dir, &target)
+                    .map_err(|e| invalid(format!("target_path {}: {e}", target.display())))?;
+                mount::bind_mount(&dev, &at.proc_path(), &target, read_only, nix::mount::MsFlags::empty())
                     .map_err(errno_internal(format!("bind-mounting {} onto {}", dev.display(), target.display())))?;
             } else {
                 if !cap.mount_group.is_empty() {
@@ -733,7 +737,11 @@ impl NodeService {
                         .create(&target)
                         .map_err(io_internal(format!("creating {}", target.display())))?;
                 }
-                mount::bind_mount(&staging, &target, read_only, opts.flags)
+                let from = mount::Beneath::open(&self.settings.kubelet_dir, &staging)
+                    .map_err(|e| invalid(format!("staging_target_path {}: {e}", staging.display())))?;
+                let at = mount::Beneath::open(&self.settings.kubelet_dir, &target)
+                    .map_err(|e| invalid(format!("target_path {}: {e}", target.display())))?;
+                mount::bind_mount(&from.proc_path(), &at.proc_path(), &target, read_only, opts.flags)
                     .map_err(errno_internal(format!("bind-mounting {} onto {}", staging.display(), target.display())))?;
             }
             Ok(())
