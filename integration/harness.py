@@ -169,6 +169,11 @@ class Node:
         conf = dict(conflist["plugins"][plugin_index])
         conf["cniVersion"] = version or conflist["cniVersion"]
         conf["name"] = conflist["name"]
+        # Tests that stop or kill the agent want the shim's answer at once; the shim's
+        # default wait for a restarting agent (10 s) is tested on its own
+        # (test_lifecycle.py::test_add_waits_for_a_restarting_agent passes agentWaitSeconds).
+        if plugin_index == 0:
+            conf["agentWaitSeconds"] = 0
         conf.update(overrides)
         return conf
 

@@ -6,6 +6,7 @@ the simulated node's and pods' namespaces) or the agent's lease store on disk.
 
 import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -192,12 +193,19 @@ def test_agent_down_queues_del_and_fails_others(node):
     assert lease_key(pod.cid) in node.leases(), "the lease must survive until the agent runs the DEL"
     assert host_if in node.ns.links()
 
-    err = error_of(*node.cni("ADD", other.cid, "eth0", other.ns.path, conf=node.netconf()))
+    # With agentWaitSeconds 1 the shim waits that long for the agent, then says "try again".
+    t0 = time.monotonic()
+    err = error_of(*node.cni("ADD", other.cid, "eth0", other.ns.path, conf=node.netconf(agentWaitSeconds=1)))
+    assert 0.9 <= time.monotonic() - t0 < 3, "the wait is bounded by agentWaitSeconds"
     assert err["code"] == 11, err
     assert "not reachable" in err["msg"], err
+    t0 = time.monotonic()
     err = error_of(*_status(node))
     assert err["code"] == 50, err
-    err = error_of(*node.cni("CHECK", pod.cid, "eth0", pod.ns.path, conf=check_conf(node, res)))
+    assert time.monotonic() - t0 < 0.5, "STATUS answers at once"
+    conf = check_conf(node, res)
+    conf["agentWaitSeconds"] = 0
+    err = error_of(*node.cni("CHECK", pod.cid, "eth0", pod.ns.path, conf=conf))
     assert err["code"] == 11, err
     # The failed ADD left nothing behind (it never reached the agent).
     assert "eth0" not in other.ns.links()
@@ -214,6 +222,32 @@ def test_agent_down_queues_del_and_fails_others(node):
     # And the agent works again.
     rc, out, raw = _status(node)
     assert rc == 0 and raw == "", raw
+
+
+def test_add_waits_for_a_restarting_agent(node):
+    """Rollout safety: while the agent restarts, ADD waits (bounded) for its socket instead of
+    failing at once, and succeeds when the new agent is up."""
+    node.stop()
+    pod = new_pod(node, "rollout")
+    out = {}
+
+    def add():
+        out["r"] = node.cni("ADD", pod.cid, "eth0", pod.ns.path, conf=node.netconf(agentWaitSeconds=10))
+
+    t = threading.Thread(target=add)
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive(), "ADD did not wait for the agent"
+    node.start()
+    t.join(15)
+    rc, res, raw = out["r"]
+    assert rc == 0, raw
+    assert time.monotonic() - t0 < 10
+    pod.result = res
+    pod.ifname = "eth0"
+    assert "eth0" in pod.ns.links()
+    assert lease_key(pod.cid) in node.leases()
 
 
 # ----- 4. CHECK -----

@@ -56,8 +56,34 @@ fn timeout_for(cmd: Command) -> Duration {
     }
 }
 
-fn call_agent(socket: &Path, wire: &WireRequest, cmd: Command) -> io::Result<Reply> {
-    let mut stream = UnixStream::connect(socket)?;
+/// How long ADD, CHECK and GC wait for an agent that is not listening, unless the network
+/// configuration says otherwise (`agentWaitSeconds`): long enough for an agent restart or
+/// a rolling upgrade, short next to the runtime's own timeouts.
+pub const DEFAULT_AGENT_WAIT: Duration = Duration::from_secs(10);
+
+/// Connect, waiting up to `wait` while the socket is missing or refuses (the agent is
+/// restarting). Other errors (permissions…) are returned at once.
+fn connect_waiting(socket: &Path, wait: Duration) -> io::Result<UnixStream> {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        match UnixStream::connect(socket) {
+            Ok(s) => return Ok(s),
+            Err(e)
+                if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused)
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn call_agent(socket: &Path, wire: &WireRequest, cmd: Command, wait: Duration) -> io::Result<Reply> {
+    // STATUS must answer now (the runtime asks whether ADD can work *now*); DEL is queued
+    // durably when the agent is away, so it never waits either.
+    let wait = if matches!(cmd, Command::Add | Command::Check | Command::Gc) { wait } else { Duration::ZERO };
+    let mut stream = connect_waiting(socket, wait)?;
     stream.set_write_timeout(Some(Duration::from_secs(10)))?;
     stream.set_read_timeout(Some(timeout_for(cmd)))?;
     exchange(&mut stream, wire)
@@ -87,7 +113,8 @@ pub fn run(env: Env, stdin: &[u8]) -> Reply {
         .or_else(|| std::env::var_os(SOCKET_ENV).map(PathBuf::from))
         .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET));
     let wire = WireRequest { env, stdin: String::from_utf8_lossy(stdin).into_owned() };
-    match call_agent(&socket, &wire, command) {
+    let wait = req.conf.agent_wait_seconds.map(Duration::from_secs).unwrap_or(DEFAULT_AGENT_WAIT);
+    match call_agent(&socket, &wire, command, wait) {
         Ok(reply) => reply,
         Err(e) => unreachable_reply(&req, &wire, &socket, &e, &version),
     }
@@ -132,6 +159,7 @@ mod tests {
         serde_json::json!({
             "cniVersion": version, "name": "nodeplane", "type": "nodeplane",
             "agentSocket": dir.join("no-agent.sock"), "pendingDeleteDir": dir.join("pending"),
+            "agentWaitSeconds": 0,
         })
         .to_string()
         .into_bytes()
@@ -169,5 +197,30 @@ mod tests {
         assert_eq!(out["supportedVersions"].as_array().unwrap().len(), crate::cni::SUPPORTED_VERSIONS.len());
         let bad = run(env("ADD"), b"{not json");
         assert_eq!((bad.exit_code, code(&bad)), (1, 6));
+    }
+
+    #[test]
+    fn add_waits_for_a_restarting_agent_within_the_bound() {
+        let dir = std::env::temp_dir().join(format!("np-shim-wait-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c: serde_json::Value = serde_json::from_slice(&conf(&dir, "1.1.0")).unwrap();
+        c["agentWaitSeconds"] = 1.into();
+        let stdin = c.to_string().into_bytes();
+        // Nobody ever listens: ADD gives up after about the bound, with code 11.
+        let t = std::time::Instant::now();
+        let add = run(env("ADD"), &stdin);
+        let took = t.elapsed();
+        assert_eq!(code(&add), 11, "{}", add.stdout);
+        assert!(took >= Duration::from_millis(950) && took < Duration::from_secs(3), "{took:?}");
+        // STATUS does not wait.
+        let t = std::time::Instant::now();
+        let status = run(env("STATUS"), &stdin);
+        assert_eq!(code(&status), 50);
+        assert!(t.elapsed() < Duration::from_millis(500));
+        // A malformed bound is an invalid configuration.
+        c["agentWaitSeconds"] = 301.into();
+        let bad = run(env("ADD"), c.to_string().as_bytes());
+        assert_eq!(code(&bad), 7, "{}", bad.stdout);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -38,6 +38,9 @@ pub struct NetConf {
     pub prev_result_raw: Option<Value>,
     pub agent_socket: Option<PathBuf>,
     pub pending_delete_dir: Option<PathBuf>,
+    /// How long the shim waits for an agent that is not listening (restarting, upgrading)
+    /// before ADD, CHECK or GC answer "try again later" (`agentWaitSeconds`, 0..=300).
+    pub agent_wait_seconds: Option<u64>,
     pub valid_attachments: Option<Vec<AttachmentRef>>,
 }
 
@@ -254,6 +257,13 @@ pub fn parse_netconf(stdin: &[u8], command: Command) -> Result<NetConf, CniError
     };
     let agent_socket = path_field("agentSocket")?;
     let pending_delete_dir = path_field("pendingDeleteDir")?;
+    let agent_wait_seconds = match obj.get("agentWaitSeconds") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if n <= 300 => Some(n),
+            _ => return Err(invalid_conf(format!("agentWaitSeconds must be an integer from 0 to 300, got {v}"))),
+        },
+    };
 
     let prev_result_raw = match obj.get("prevResult") {
         None | Some(Value::Null) => None,
@@ -287,6 +297,7 @@ pub fn parse_netconf(stdin: &[u8], command: Command) -> Result<NetConf, CniError
         prev_result_raw,
         agent_socket,
         pending_delete_dir,
+        agent_wait_seconds,
         valid_attachments,
     })
 }
