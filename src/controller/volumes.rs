@@ -382,7 +382,10 @@ impl VolumeBook {
         if let Some(v) = st.vols.get(id).cloned()
             && v.state == VolState::Deleting
         {
-            self.commit(&mut st, vec![(id.to_string(), Some(VolumeRecord { state: VolState::Ready, ..v }))])?;
+            // The node refused because the volume is in use: it holds it, so it is ready
+            // (a volume it does not hold would have been deleted, not refused).
+            let state = if held(st.nodes.get(&v.node), &v).is_some() { VolState::Ready } else { VolState::Creating };
+            self.commit(&mut st, vec![(id.to_string(), Some(VolumeRecord { state, ..v }))])?;
         }
         Ok(())
     }

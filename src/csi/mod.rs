@@ -226,8 +226,17 @@ pub fn bind_socket(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::DirBuilder::new().recursive(true).mode(0o750).create(dir)?;
     }
-    match std::fs::remove_file(path) {
-        Ok(()) => tracing::info!(socket = %path.display(), "removed stale socket"),
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+            std::fs::remove_file(path)?;
+            tracing::info!(socket = %path.display(), "removed stale socket");
+        }
+        Ok(_) => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket; not removing it", path.display()),
+            ));
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }

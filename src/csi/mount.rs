@@ -259,23 +259,6 @@ pub fn bind_mount(source_at: &Path, target_at: &Path, target: &Path, read_only: 
     Ok(())
 }
 
-/// Unmount everything stacked on `target` (idempotent: nothing mounted is success).
-/// Returns how many mounts were removed. `umount2` on a path that is not a mount point
-/// answers `EINVAL`, which ends the loop without reading the mount table.
-pub fn unmount_all(target: &Path) -> io::Result<usize> {
-    let mut n = 0;
-    loop {
-        match nix::mount::umount2(target, MntFlags::UMOUNT_NOFOLLOW) {
-            Ok(()) => n += 1,
-            Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => return Ok(n),
-            Err(e) => return Err(io::Error::other(format!("unmounting {}: {e}", target.display()))),
-        }
-        if n > 64 {
-            return Err(io::Error::other(format!("{} still mounted after 64 unmounts", target.display())));
-        }
-    }
-}
-
 /// Check a path from a request: absolute, normalised (no `.`/`..`, no empty or repeated
 /// separators beyond what `Path` collapses), at most 4096 bytes, strictly inside `root`,
 /// and with no symbolic link on the way from `root` to it (each existing component is

@@ -413,6 +413,31 @@ impl NodeService {
         false
     }
 
+    /// Unmount this volume's mounts stacked on `path`, topmost first, stopping at the first
+    /// mount that is not the volume's (someone else's mount is never taken away).
+    fn unmount_ours(&self, id: &str, path: &Path) -> Result<usize> {
+        let mut n = 0;
+        loop {
+            let table = Self::table()?;
+            let devices = self.volume_devices(id)?;
+            match mount::top_mount_at(&table, path) {
+                Some(m) if Self::is_volume_mount(m, &devices) => {
+                    nix::mount::umount2(path, nix::mount::MntFlags::UMOUNT_NOFOLLOW)
+                        .map_err(errno_internal(format!("unmounting {}", path.display())))?;
+                    n += 1;
+                }
+                Some(m) => {
+                    tracing::warn!(volume = id, path = %path.display(), fs = %m.fs_type, source = %m.source, "leaving a mount that is not this volume's");
+                    return Ok(n);
+                }
+                None => return Ok(n),
+            }
+            if n > 64 {
+                return Err(internal(format!("{} still mounted after 64 unmounts", path.display())));
+            }
+        }
+    }
+
     // ----- Node RPCs -----
 
     pub fn stage(&self, req: &csi::NodeStageVolumeRequest) -> Result<()> {
@@ -494,7 +519,7 @@ impl NodeService {
             Err(e) => {
                 // Roll back to where we started: nothing mounted, not attached (unless it was).
                 if !cap.block {
-                    let _ = mount::unmount_all(&staging);
+                    let _ = self.unmount_ours(id, &staging);
                 }
                 if !attached_before && let Err(d) = self.store.detach(id) {
                     tracing::warn!(volume = id, error = %d, "rolling back a failed stage: detach failed");
@@ -604,7 +629,7 @@ impl NodeService {
                 publications.join(", ")
             )));
         }
-        let n = mount::unmount_all(&staging).map_err(io_internal(format!("unstaging volume {id}")))?;
+        let n = self.unmount_ours(id, &staging)?;
         crate::util::crash_point("unstage-after-unmount");
         self.store.detach(id).map_err(|e| match e {
             VolumeError::Busy { .. } => precondition(format!("volume {id} unmounted but its device is still in use: {e}")),
@@ -747,7 +772,7 @@ impl NodeService {
             Ok(())
         })();
         if let Err(e) = result {
-            let _ = mount::unmount_all(&target);
+            let _ = self.unmount_ours(id, &target);
             if rec.created_target {
                 let _ = remove_target(&target);
             }
@@ -791,7 +816,7 @@ impl NodeService {
             return Ok(()); // not published there
         }
         if ours || rec.is_some() {
-            mount::unmount_all(&target).map_err(io_internal(format!("unpublishing volume {id}")))?;
+            self.unmount_ours(id, &target)?;
             crate::util::crash_point("unpublish-after-unmount");
         }
         if let Some(r) = &rec {
