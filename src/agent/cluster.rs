@@ -54,14 +54,14 @@ fn grpc_err(op: &str, s: &tonic::Status) -> String {
     format!("{op}: {:?}: {}", s.code(), s.message())
 }
 
-fn authed<T>(msg: T, token: &str) -> Result<Request<T>, String> {
+pub(crate) fn authed<T>(msg: T, token: &str) -> Result<Request<T>, String> {
     let mut req = Request::new(msg);
     let value = format!("Bearer {token}").parse().map_err(|_| "token is not valid header text".to_string())?;
     req.metadata_mut().insert("authorization", value);
     Ok(req)
 }
 
-fn read_token(path: &Path) -> Result<String, String> {
+pub(crate) fn read_token(path: &Path) -> Result<String, String> {
     std::fs::read_to_string(path)
         .map(|t| t.trim().to_string())
         .map_err(|e| format!("reading token {}: {e}", path.display()))

@@ -10,20 +10,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tonic::{Code, Request};
+use tonic::Code;
 
+use super::cluster::{authed, read_token};
 use super::config::{Config, ControllerConfig};
 use crate::csi::NodeService;
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_client::NodeRegistryClient;
 use crate::volume::{FsType, VolumeError, loopdev};
-
-fn authed<T>(msg: T, token: &str) -> Result<Request<T>, String> {
-    let mut req = Request::new(msg);
-    let value = format!("Bearer {token}").parse().map_err(|_| "token is not valid header text".to_string())?;
-    req.metadata_mut().insert("authorization", value);
-    Ok(req)
-}
 
 fn code_of(e: &VolumeError) -> Code {
     match e {
@@ -137,9 +131,7 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
 }
 
 async fn session(cfg: &Config, cc: &ControllerConfig, svc: &Arc<NodeService>, first_orphaned: &mut HashMap<String, Instant>, connected: &mut bool) -> Result<(), String> {
-    let token = std::fs::read_to_string(&cc.token_file)
-        .map(|t| t.trim().to_string())
-        .map_err(|e| format!("reading token {}: {e}", cc.token_file.display()))?;
+    let token = read_token(&cc.token_file)?;
     let channel = crate::controller::connect(&cc.address).await.map_err(|e| format!("connect: {e}"))?;
     let mut client = NodeRegistryClient::new(channel);
     let node = cfg.node_name.clone();
