@@ -167,7 +167,7 @@ async fn session(cfg: &Config, cc: &ControllerConfig, svc: &Arc<NodeService>, fi
         let s = svc.clone();
         let mut fo = std::mem::take(first_orphaned);
         let n = node.clone();
-        let (mut report, p, fo) = tokio::task::spawn_blocking(move || {
+        let (report, p, fo) = tokio::task::spawn_blocking(move || {
             let (r, p) = reconcile(&s, &set, &mut fo, &n);
             (r, p, fo)
         })
@@ -175,9 +175,6 @@ async fn session(cfg: &Config, cc: &ControllerConfig, svc: &Arc<NodeService>, fi
         .map_err(|e| e.to_string())?;
         *first_orphaned = fo;
         pending = p;
-        if periodic {
-            report.revision = 0;
-        }
         client
             .report_volumes(authed(report, &token)?)
             .await

@@ -193,13 +193,15 @@ impl csi::controller_server::Controller for ControllerService {
             }
             placement.preferred = t.preferred.iter().filter_map(node_of).collect();
         }
-        let since = self.book.report_seq();
         let params: BTreeMap<String, String> = r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         let book = self.book.clone();
         let (name, fs2, pl) = (r.name.clone(), fs.clone(), placement.clone());
         let (rec, created) = tokio::task::spawn_blocking(move || book.place(&name, size, &fs2, params, &pl))
             .await
             .map_err(|e| Status::internal(e.to_string()))??;
+        // Node failures count only from reconciles of a desired set that holds this call's
+        // change (a report computed against an older set may still arrive after it).
+        let since = self.book.revision();
         if !created {
             // Same name: compatible → the same volume; otherwise ALREADY_EXISTS.
             let range_ok = r.capacity_range.as_ref().is_none_or(|c| {
@@ -243,9 +245,9 @@ impl csi::controller_server::Controller for ControllerService {
         if !connected {
             return Err(Status::unavailable(format!("node {} holding volume {id} is not connected; retry", v.node)));
         }
-        let since = self.book.report_seq();
         let (book, did) = (self.book.clone(), id.clone());
         tokio::task::spawn_blocking(move || book.begin_delete(&did)).await.map_err(|e| Status::internal(e.to_string()))??;
+        let since = self.book.revision();
         let node = v.node.clone();
         let out = self
             .book
@@ -297,13 +299,13 @@ impl csi::controller_server::Controller for ControllerService {
         if !connected {
             return Err(Status::unavailable(format!("node {} holding volume {} is not connected; retry", v.node, v.id)));
         }
-        let since = self.book.report_seq();
         let before = v.size_bytes;
         let book = self.book.clone();
         let vid = v.id.clone();
         let grown = tokio::task::spawn_blocking(move || book.begin_expand(&vid, size))
             .await
             .map_err(|e| Status::internal(e.to_string()))??;
+        let since = self.book.revision();
         let v = match self.await_present(&grown.id, grown.size_bytes, since).await {
             Ok(v) => v,
             Err(e) if !matches!(e.code(), tonic::Code::DeadlineExceeded | tonic::Code::Unavailable) => {

@@ -59,7 +59,7 @@ pub struct NodeView {
     /// Open WatchVolumes streams of this node.
     pub connected: u32,
     pub volumes: HashMap<String, pb::VolumeState>,
-    /// id -> (code, message, report sequence number)
+    /// id -> (code, message, revision of the desired set the failing reconcile ran against)
     pub failures: HashMap<String, (i32, String, u64)>,
     pub orphans: Vec<String>,
     pub last_report: Option<Instant>,
@@ -71,8 +71,6 @@ struct BookState {
     nodes: HashMap<String, NodeView>,
     /// Bumped on every change of any node's desired set.
     revision: u64,
-    /// Bumped on every report (failures are tagged with it).
-    report_seq: u64,
 }
 
 pub struct VolumeBook {
@@ -138,7 +136,7 @@ impl VolumeBook {
         let (events_tx, _) = watch::channel(0);
         Ok(VolumeBook {
             db,
-            st: Mutex::new(BookState { vols, by_name, nodes: HashMap::new(), revision: 1, report_seq: 0 }),
+            st: Mutex::new(BookState { vols, by_name, nodes: HashMap::new(), revision: 1 }),
             desired_tx,
             events_tx,
             orphan_grace,
@@ -214,15 +212,13 @@ impl VolumeBook {
     /// file is there, Deleting → gone when it is not).
     pub fn report(&self, r: pb::ReportVolumesRequest) -> Result<(), Status> {
         let mut st = self.st.lock().unwrap();
-        st.report_seq += 1;
-        let seq = st.report_seq;
         let view = st.nodes.entry(r.node_name.clone()).or_default();
         view.capacity_bytes = r.capacity_bytes;
         view.available_bytes = r.available_bytes;
         view.reported = true;
         view.volumes = r.volumes.iter().map(|v| (v.id.clone(), v.clone())).collect();
         for f in &r.failures {
-            view.failures.insert(f.id.clone(), (f.code, f.message.clone(), seq));
+            view.failures.insert(f.id.clone(), (f.code, f.message.clone(), r.revision));
         }
         // A failure not repeated in this report is resolved.
         view.failures.retain(|id, _| r.failures.iter().any(|f| &f.id == id));
@@ -477,19 +473,20 @@ pub fn held<'a>(view: Option<&'a NodeView>, v: &VolumeRecord) -> Option<&'a pb::
     view?.volumes.get(&v.id).filter(|h| h.name == v.name)
 }
 
-/// A node failure for `id` reported after sequence `since`, as a status.
+/// A node failure for `id` from a reconcile against desired-set revision `since` or later,
+/// as a status.
 pub fn failure_since(view: Option<&NodeView>, id: &str, since: u64) -> Option<Status> {
-    let (code, msg, seq) = view?.failures.get(id)?;
-    if *seq <= since {
+    let (code, msg, rev) = view?.failures.get(id)?;
+    if *rev < since {
         return None;
     }
     Some(Status::new(Code::from_i32(*code), format!("node: {msg}")))
 }
 
 impl VolumeBook {
-    /// Current report sequence number (failures newer than it belong to a later attempt).
-    pub fn report_seq(&self) -> u64 {
-        self.st.lock().unwrap().report_seq
+    /// The current desired-set revision (bumped by every committed change).
+    pub fn revision(&self) -> u64 {
+        self.st.lock().unwrap().revision
     }
 }
 
