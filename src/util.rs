@@ -19,6 +19,32 @@ pub fn fill_random(buf: &mut [u8]) {
     }
 }
 
+/// Bind a Unix socket for a gRPC server: parent directory created (0750), a stale socket
+/// removed, the new one 0600 before anyone can be told about it.
+pub fn bind_unix_socket(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o750).create(dir)?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+            std::fs::remove_file(path)?;
+            tracing::info!(socket = %path.display(), "removed stale socket");
+        }
+        Ok(_) => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket; not removing it", path.display()),
+            ));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let l = std::os::unix::net::UnixListener::bind(path)?;
+    std::fs::set_permissions(path, <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600))?;
+    l.set_nonblocking(true)?;
+    tokio::net::UnixListener::from_std(l)
+}
+
 /// Fault injection for the crash-safety tests: when the environment variable
 /// `NODEPLANE_CRASH_AT` names `point` (comma-separated list), the process aborts right
 /// there, like a `kill -9`: no unwinding, no cleanup. Unset (production), this is one

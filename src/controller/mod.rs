@@ -47,7 +47,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     let (stop_tx, stopping) = tokio::sync::watch::channel(false);
     let svc = server::Service { registry, volumes: book.clone(), authority, cfg: cfg.clone(), stopping: stopping.clone() };
     // CSI Identity + Controller for the sidecars, on their own Unix socket (0600).
-    let csi_listener = crate::csi::bind_socket(&cfg.csi_socket).map_err(io_ctx(format!("binding {}", cfg.csi_socket.display())))?;
+    let csi_listener = crate::util::bind_unix_socket(&cfg.csi_socket).map_err(io_ctx(format!("binding {}", cfg.csi_socket.display())))?;
     let csi_server = tonic::transport::Server::builder()
         .add_service(crate::rpc::csi::identity_server::IdentityServer::new(crate::csi::Identity { node: None }))
         .add_service(crate::rpc::csi::controller_server::ControllerServer::new(csi::ControllerService {
@@ -76,17 +76,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     };
     match &cfg.listen {
         Listen::Unix(path) => {
-            if let Some(dir) = path.parent() {
-                std::fs::create_dir_all(dir).map_err(io_ctx(format!("creating {}", dir.display())))?;
-            }
-            match std::fs::remove_file(path) {
-                Ok(()) => tracing::info!(socket = %path.display(), "removed stale socket"),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io_ctx(format!("removing {}", path.display()))(e)),
-            }
-            let listener = tokio::net::UnixListener::bind(path).map_err(io_ctx(format!("binding {}", path.display())))?;
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io_ctx("socket mode"))?;
+            let listener = crate::util::bind_unix_socket(path).map_err(io_ctx(format!("binding {}", path.display())))?;
             tracing::info!(socket = %path.display(), "ready");
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
             router.serve_with_incoming_shutdown(incoming, shutdown).await?;

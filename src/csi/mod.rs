@@ -11,7 +11,6 @@ pub mod mount;
 pub mod node;
 pub mod volumes;
 
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -220,32 +219,6 @@ impl reg::registration_server::Registration for Registration {
     }
 }
 
-/// Bind a Unix socket for a gRPC server: parent directory created (0750), a stale socket
-/// removed, the new one 0600 before anyone can be told about it.
-pub fn bind_socket(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::DirBuilder::new().recursive(true).mode(0o750).create(dir)?;
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
-            std::fs::remove_file(path)?;
-            tracing::info!(socket = %path.display(), "removed stale socket");
-        }
-        Ok(_) => {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
-                format!("{} exists and is not a socket; not removing it", path.display()),
-            ));
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
-    let l = std::os::unix::net::UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    l.set_nonblocking(true)?;
-    tokio::net::UnixListener::from_std(l)
-}
-
 /// Serve CSI Identity + Node, recover, then register with kubelet; until `shutdown`
 /// resolves. Sockets are removed on the way out (registration first).
 pub async fn serve(
@@ -255,7 +228,7 @@ pub async fn serve(
     let kubelet = svc.settings.kubelet_dir.clone();
     let csi_path = csi_socket(&kubelet);
     let reg_path = registration_socket(&kubelet);
-    let csi_listener = bind_socket(&csi_path).map_err(|e| format!("binding {}: {e}", csi_path.display()))?;
+    let csi_listener = crate::util::bind_unix_socket(&csi_path).map_err(|e| format!("binding {}: {e}", csi_path.display()))?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|v| *v).await;
@@ -283,14 +256,14 @@ pub async fn serve(
     }
 
     let node_path = svc.settings.node_socket.clone();
-    let node_listener = bind_socket(&node_path).map_err(|e| format!("binding {}: {e}", node_path.display()))?;
+    let node_listener = crate::util::bind_unix_socket(&node_path).map_err(|e| format!("binding {}: {e}", node_path.display()))?;
     let node_server = tonic::transport::Server::builder()
         .add_service(crate::rpc::node::node_volumes_server::NodeVolumesServer::new(volumes::NodeVolumes(svc.clone())))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(node_listener), stopped(stop_rx.clone()));
     let node_task = tokio::spawn(node_server);
     tracing::info!(socket = %node_path.display(), "node volume API served");
 
-    let reg_listener = bind_socket(&reg_path).map_err(|e| format!("binding {}: {e}", reg_path.display()))?;
+    let reg_listener = crate::util::bind_unix_socket(&reg_path).map_err(|e| format!("binding {}: {e}", reg_path.display()))?;
     let reg_server = tonic::transport::Server::builder()
         .add_service(reg::registration_server::RegistrationServer::new(Registration { endpoint: csi_path.clone() }))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(reg_listener), stopped(stop_rx));

@@ -865,8 +865,8 @@ impl NodeService {
                 usage.push(csi::VolumeUsage { available: 0, total: block_total(rw) as i64, used: 0, unit: Unit::Bytes as i32 });
             }
             None => problems.push(format!("{} is not mounted", path.display())),
-            Some(_) if std::fs::metadata(&path).is_ok_and(|md| md.file_type().is_block_device()) => {
-                let rdev = std::fs::metadata(&path).map(|md| md.rdev()).unwrap_or(0);
+            Some(_) if let Ok(md) = std::fs::metadata(&path) && md.file_type().is_block_device() => {
+                let rdev = md.rdev();
                 let num = (nix::sys::stat::major(rdev) as u32, nix::sys::stat::minor(rdev) as u32);
                 let dev = devices.iter().find(|d| d.num == num).map(|d| &d.path);
                 usage.push(csi::VolumeUsage { available: 0, total: block_total(dev) as i64, used: 0, unit: Unit::Bytes as i32 });

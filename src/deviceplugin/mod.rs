@@ -244,7 +244,7 @@ impl Manager {
 
 /// Bind and serve one plugin's socket.
 fn serve(plugin: Arc<Plugin>, sock: &Path, stop: watch::Receiver<bool>) -> std::io::Result<tokio::task::JoinHandle<()>> {
-    let listener = crate::csi::bind_socket(sock)?;
+    let listener = crate::util::bind_unix_socket(sock)?;
     let svc = plugin::Service { plugin, stop: stop.clone() };
     let mut stop2 = stop;
     Ok(tokio::spawn(async move {
