@@ -364,6 +364,15 @@ impl Netlink {
         self.request(RouteNetlinkMessage::SetLink(msg), 0, &format!("set link {index}"))
     }
 
+    /// Set a link's MAC address. On a bridge this also pins it: the kernel stops deriving the
+    /// bridge's address from its ports (which changes it whenever ports come and go).
+    pub fn set_mac(&mut self, index: u32, mac: [u8; 6]) -> Result<()> {
+        let mut msg = LinkMessage::default();
+        msg.header.index = index;
+        msg.attributes.push(LinkAttribute::Address(mac.to_vec()));
+        self.request(RouteNetlinkMessage::SetLink(msg), 0, &format!("set address of link {index}"))
+    }
+
     /// Delete every link of a group in one request: the kernel unregisters them together
     /// and pays its RCU grace period once for the whole batch. No member is not an error.
     pub fn delete_group(&mut self, group: u32) -> Result<()> {

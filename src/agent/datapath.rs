@@ -178,6 +178,13 @@ impl Datapath {
         if link.kind.as_deref() != Some("bridge") {
             return Err(internal("bridge", format!("{name} exists but is a {:?}, not a bridge", link.kind)));
         }
+        // Pin the bridge's MAC (to the one it has, so adopting a bridge changes nothing): left
+        // to the kernel, a bridge takes the lowest MAC of its ports, so adding or deleting a
+        // pod would change the gateway MAC every other pod has cached, and their traffic
+        // would stall until their neighbour entries expire.
+        if let Some(mac) = link.mac {
+            nl.set_mac(link.index, mac).map_err(|e| netlink_err(&format!("pinning the MAC of {name}"), e))?;
+        }
         if !link.up {
             // The bridge routes IPv6 for pods of other nodes: its link-local address must be
             // usable at once, not tentative for a second or two of duplicate detection (which
