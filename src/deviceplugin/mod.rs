@@ -345,7 +345,11 @@ pub async fn run(s: Settings, mut shutdown: watch::Receiver<bool>) {
                     }
                     let Some(dir) = watched.iter().find(|(_, wd)| **wd == ev.wd).map(|(d, _)| d.clone()) else { continue };
                     let name = ev.name.as_ref().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-                    if Some(dir.as_path()) == s.config_file.parent() && Some(name.as_str()) == s.config_file.file_name().and_then(|n| n.to_str()) {
+                    // Any change in the device file's directory: the file itself, or a
+                    // Kubernetes ConfigMap volume swapping its `..data` symlink (the file's
+                    // own path never changes then). A reload that finds the same devices
+                    // changes nothing.
+                    if Some(dir.as_path()) == s.config_file.parent() {
                         reload = true;
                     }
                     if dir == s.plugin_dir {
