@@ -355,3 +355,30 @@ def sweep_leftovers():
             pid = int(name.split("-")[0][3:])
             if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
                 run(["ip", "netns", "delete", name], check=False)
+
+
+# ----- health endpoint (appended for test_health.py) -----
+
+HEALTH_PORT = 9640  # the agent's default healthAddress is 127.0.0.1:9640, in the node's namespace
+
+_HTTP_CLIENT = r"""
+import http.client, json, sys
+path, port, method = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+try:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    c.request(method, path)
+    r = c.getresponse()
+    print(json.dumps({"status": r.status, "body": r.read().decode(), "headers": {k.lower(): v for k, v in r.getheaders()}}))
+except ConnectionRefusedError:
+    print(json.dumps({"refused": True}))
+"""
+
+
+def health_request(ns, path, port=HEALTH_PORT, method="GET"):
+    """One HTTP request to 127.0.0.1:`port` inside network namespace `ns` (a Netns).
+
+    Returns {"status", "body", "headers"}, or None when nothing listens there (connection
+    refused). Any other failure (reset, timeout) raises."""
+    out = run(["nsenter", f"--net={ns.path}", "python3", "-c", _HTTP_CLIENT, path, str(port), method], timeout=30).stdout
+    reply = json.loads(out)
+    return None if reply.get("refused") else reply

@@ -9,6 +9,7 @@ pub mod cni;
 pub mod controller;
 pub mod csi;
 pub mod deviceplugin;
+pub mod health;
 pub mod ipam;
 pub mod netlink;
 pub mod netns;

@@ -83,10 +83,28 @@ fn call_agent(socket: &Path, wire: &WireRequest, cmd: Command, wait: Duration) -
     // STATUS must answer now (the runtime asks whether ADD can work *now*); DEL is queued
     // durably when the agent is away, so it never waits either.
     let wait = if matches!(cmd, Command::Add | Command::Check | Command::Gc) { wait } else { Duration::ZERO };
-    let mut stream = connect_waiting(socket, wait)?;
-    stream.set_write_timeout(Some(Duration::from_secs(10)))?;
-    stream.set_read_timeout(Some(timeout_for(cmd)))?;
-    exchange(&mut stream, wire)
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let mut stream = connect_waiting(socket, left)?;
+        stream.set_write_timeout(Some(Duration::from_secs(10)))?;
+        stream.set_read_timeout(Some(timeout_for(cmd)))?;
+        match exchange(&mut stream, wire) {
+            // The agent went away between accepting (or queueing) the connection and
+            // answering: it is stopping or crashed. Ask the next one, within the same bound.
+            // (An ADD the old agent finished but could not answer is refused by the new one
+            // as already attached; the runtime then DELs and retries.)
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionReset | io::ErrorKind::UnexpectedEof | io::ErrorKind::BrokenPipe
+                ) && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            other => return other,
+        }
+    }
 }
 
 /// Run one invocation. Returns what to print on stdout and the exit code.

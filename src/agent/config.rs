@@ -26,11 +26,14 @@ pub struct DnsConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ControllerConfig {
-    /// `unix:/path` or `host:port`.
+    /// `unix:/path` or `host:port`; empty (or absent): env `NODEPLANE_CONTROLLER_ADDRESS`.
+    #[serde(default)]
     pub address: String,
     /// File holding this node's credential (`nodeplane-controller token NODE`).
     pub token_file: PathBuf,
-    /// This node's underlay address(es); the first one is the VXLAN endpoint.
+    /// This node's underlay address(es); the first one is the VXLAN endpoint. Empty (or
+    /// absent): env `NODE_IPS` (comma-separated; a DaemonSet sets it from `status.hostIP`).
+    #[serde(default)]
     pub underlay_addresses: Vec<std::net::IpAddr>,
     /// How to reach other nodes' pods: "auto" (direct on a shared L2 segment, else VXLAN),
     /// "direct" or "vxlan".
@@ -77,7 +80,9 @@ pub struct CsiConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FileConfig {
-    pub node_name: String,
+    /// Absent: env `NODE_NAME` (one ConfigMap for every node of a DaemonSet).
+    #[serde(default)]
+    pub node_name: Option<String>,
     /// Prefix for every default path ("/" in production; a temp dir per simulated node).
     #[serde(default)]
     pub root: Option<PathBuf>,
@@ -128,6 +133,9 @@ pub struct FileConfig {
     /// Get blocks from the controller instead of `podCidrs`.
     #[serde(default)]
     pub controller: Option<ControllerConfig>,
+    /// `IP:port` of the HTTP health endpoint (`/healthz`, `/readyz`); "" turns it off.
+    #[serde(default = "default_health_address")]
+    pub health_address: String,
 }
 
 /// The conflist version written unless configured (see `FileConfig::cni_version`).
@@ -141,6 +149,40 @@ fn default_bridge() -> String {
 }
 fn yes() -> bool {
     true
+}
+/// Where the health endpoint listens unless configured (inside the node's network
+/// namespace: probes use `host: 127.0.0.1`).
+pub const DEFAULT_HEALTH_ADDRESS: &str = "127.0.0.1:9640";
+fn default_health_address() -> String {
+    DEFAULT_HEALTH_ADDRESS.into()
+}
+
+/// Environment variables read when the file leaves a value out.
+pub const ENV_NODE_NAME: &str = "NODE_NAME";
+pub const ENV_NODE_IPS: &str = "NODE_IPS";
+pub const ENV_CONTROLLER_ADDRESS: &str = "NODEPLANE_CONTROLLER_ADDRESS";
+
+/// `fd00::a:9650` → `[fd00::a]:9650`: a DaemonSet composes the address from the Service's
+/// `_SERVICE_HOST` and `_SERVICE_PORT` variables, which leave an IPv6 host unbracketed.
+/// Anything else is returned as it is.
+pub fn bracket_ipv6_host(addr: &str) -> String {
+    if addr.parse::<std::net::SocketAddr>().is_ok() || addr.starts_with("unix:") {
+        return addr.to_string();
+    }
+    match addr.rsplit_once(':') {
+        Some((host, port)) if host.parse::<std::net::Ipv6Addr>().is_ok() && port.parse::<u16>().is_ok() => {
+            format!("[{host}]:{port}")
+        }
+        _ => addr.to_string(),
+    }
+}
+
+/// Looks up an environment variable (an indirection so tests need not touch the process
+/// environment). Empty values count as unset.
+pub type EnvLookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+fn process_env(key: &str) -> Option<String> {
+    std::env::var(key).ok()
 }
 
 /// Resolved configuration.
@@ -169,6 +211,8 @@ pub struct Config {
     pub shim_source: PathBuf,
     pub boot_id_file: PathBuf,
     pub controller: Option<ControllerConfig>,
+    /// `None`: no health endpoint.
+    pub health_address: Option<std::net::SocketAddr>,
 }
 
 fn under(root: &Path, abs: &str) -> PathBuf {
@@ -176,15 +220,42 @@ fn under(root: &Path, abs: &str) -> PathBuf {
 }
 
 impl Config {
+    /// Load the file; values it leaves out may come from the process environment.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        Self::resolve(crate::util::load_json(path)?)
+        Self::load_with_env(path, &process_env)
+    }
+
+    pub fn load_with_env(path: &Path, env: EnvLookup) -> Result<Self, ConfigError> {
+        Self::resolve_with_env(crate::util::load_json(path)?, env)
     }
 
     pub fn resolve(f: FileConfig) -> Result<Self, ConfigError> {
+        Self::resolve_with_env(f, &process_env)
+    }
+
+    pub fn resolve_with_env(mut f: FileConfig, env: EnvLookup) -> Result<Self, ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
-        if f.node_name.is_empty() {
-            return bad("nodeName must not be empty".into());
-        }
+        let env = |key: &str| env(key).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        let node_name = match f.node_name.take() {
+            Some(n) if n.is_empty() => return bad("nodeName must not be empty".into()),
+            Some(n) => n,
+            None => match env(ENV_NODE_NAME) {
+                Some(n) => n,
+                None => {
+                    return bad(format!("nodeName is not set in the file and {ENV_NODE_NAME} is not set in the environment"));
+                }
+            },
+        };
+        let health_address = match f.health_address.trim() {
+            "" => None,
+            a => match crate::health::parse_address(a) {
+                Ok(sa) if sa.port() == 0 => {
+                    return bad(format!("healthAddress {a:?} needs a fixed port (probes must know it)"));
+                }
+                Ok(sa) => Some(sa),
+                Err(e) => return bad(format!("healthAddress: {e}; \"\" turns the endpoint off")),
+            },
+        };
         if !crate::cni::request::valid_ifname(&f.bridge) {
             return bad(format!("bridge {:?} is not a valid interface name", f.bridge));
         }
@@ -199,13 +270,36 @@ impl Config {
         for c in &f.pod_cidrs {
             crate::ipam::Block::new(*c).map_err(|e| ConfigError::Invalid(format!("podCidrs: {e}")))?;
         }
-        if let Some(c) = &f.controller {
+        if let Some(c) = &mut f.controller {
             if !f.pod_cidrs.is_empty() {
                 return bad("podCidrs and controller are exclusive: in controller mode the blocks come from the controller".into());
             }
+            if c.address.trim().is_empty() {
+                c.address = match env(ENV_CONTROLLER_ADDRESS) {
+                    Some(a) => bracket_ipv6_host(&a),
+                    None => {
+                        return bad(format!(
+                            "controller.address is empty and {ENV_CONTROLLER_ADDRESS} is not set in the environment"
+                        ));
+                    }
+                };
+            }
             crate::controller::config::parse_listen(&c.address).map_err(|e| ConfigError::Invalid(format!("controller.address: {e}")))?;
             if c.underlay_addresses.is_empty() {
-                return bad("controller.underlayAddresses must name this node's address(es)".into());
+                let Some(list) = env(ENV_NODE_IPS) else {
+                    return bad(format!(
+                        "controller.underlayAddresses must name this node's address(es), or {ENV_NODE_IPS} must (comma-separated; a DaemonSet sets it from status.hostIP)"
+                    ));
+                };
+                for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                    match item.parse::<std::net::IpAddr>() {
+                        Ok(ip) if !ip.is_unspecified() && !ip.is_multicast() => c.underlay_addresses.push(ip),
+                        _ => return bad(format!("{ENV_NODE_IPS}: {item:?} is not a usable IP address (from {list:?})")),
+                    }
+                }
+                if c.underlay_addresses.is_empty() {
+                    return bad(format!("{ENV_NODE_IPS} ({list:?}) names no address"));
+                }
             }
         }
         for ns in f.dns.iter().flat_map(|d| &d.nameservers) {
@@ -287,7 +381,7 @@ impl Config {
             }
         }
         Ok(Config {
-            node_name: f.node_name,
+            node_name,
             pod_cidrs: f.pod_cidrs,
             cluster_cidrs,
             mtu: f.mtu,
@@ -312,6 +406,7 @@ impl Config {
             shim_source,
             boot_id_file: f.boot_id_file.unwrap_or_else(|| PathBuf::from("/proc/sys/kernel/random/boot_id")),
             controller: f.controller,
+            health_address,
         })
     }
 
@@ -335,7 +430,17 @@ mod tests {
     use super::*;
 
     fn parse(s: &str) -> Result<Config, ConfigError> {
-        Config::resolve(serde_json::from_str(s).map_err(|e| ConfigError::Invalid(e.to_string()))?)
+        parse_env(s, &[])
+    }
+
+    /// Resolve with a fake environment (never the process's).
+    fn parse_env(s: &str, vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let env = |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
+        Config::resolve_with_env(serde_json::from_str(s).map_err(|e| ConfigError::Invalid(e.to_string()))?, &env)
+    }
+
+    fn err(r: Result<Config, ConfigError>) -> String {
+        r.expect_err("should be rejected").to_string()
     }
 
     #[test]
@@ -358,5 +463,151 @@ mod tests {
         assert!(e.contains("Unix sockets allow at most 107"), "{e}");
         let no_csi = format!(r#"{{"nodeName":"n","root":"/{}","shimSource":"/x","csi":{{"enabled":false}}}}"#, "d".repeat(60));
         assert!(parse(&no_csi).is_ok());
+    }
+
+    #[test]
+    fn health_address() {
+        let c = parse(r#"{"nodeName":"n","shimSource":"/x"}"#).unwrap();
+        assert_eq!(c.health_address, Some("127.0.0.1:9640".parse().unwrap()));
+        let c = parse(r#"{"nodeName":"n","shimSource":"/x","healthAddress":""}"#).unwrap();
+        assert_eq!(c.health_address, None, "empty turns the endpoint off");
+        let c = parse(r#"{"nodeName":"n","shimSource":"/x","healthAddress":"[::]:8080"}"#).unwrap();
+        assert_eq!(c.health_address, Some("[::]:8080".parse().unwrap()));
+        for bad in ["9640", "localhost:9640", "127.0.0.1", "127.0.0.1:0", "1.2.3.4:70000"] {
+            let e = err(parse(&format!(r#"{{"nodeName":"n","shimSource":"/x","healthAddress":"{bad}"}}"#)));
+            assert!(e.contains("healthAddress"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn node_name_from_env() {
+        let base = r#"{"shimSource":"/x"}"#;
+        assert_eq!(parse_env(base, &[("NODE_NAME", "worker-7")]).unwrap().node_name, "worker-7");
+        let e = err(parse_env(base, &[]));
+        assert!(e.contains("nodeName") && e.contains("NODE_NAME"), "{e}");
+        assert!(parse_env(base, &[("NODE_NAME", "  ")]).is_err(), "blank counts as unset");
+        // The file wins over the environment.
+        let c = parse_env(r#"{"nodeName":"from-file","shimSource":"/x"}"#, &[("NODE_NAME", "from-env")]).unwrap();
+        assert_eq!(c.node_name, "from-file");
+        // An explicitly empty name is a mistake, not a request for the fallback.
+        assert!(parse_env(r#"{"nodeName":"","shimSource":"/x"}"#, &[("NODE_NAME", "x")]).is_err());
+    }
+
+    #[test]
+    fn controller_values_from_env() {
+        let shared = r#"{"shimSource":"/x","controller":{"address":"","tokenFile":"/t"}}"#;
+        let env = [
+            ("NODE_NAME", "w1"),
+            ("NODE_IPS", "192.0.2.7, 2001:db8::7"),
+            ("NODEPLANE_CONTROLLER_ADDRESS", "10.0.0.1:9650"),
+        ];
+        let c = parse_env(shared, &env).unwrap();
+        assert_eq!(c.node_name, "w1");
+        let cc = c.controller.unwrap();
+        assert_eq!(cc.address, "10.0.0.1:9650");
+        let ips: Vec<std::net::IpAddr> = vec!["192.0.2.7".parse().unwrap(), "2001:db8::7".parse().unwrap()];
+        assert_eq!(cc.underlay_addresses, ips);
+        // Absent keys behave like empty ones.
+        let absent = r#"{"shimSource":"/x","controller":{"tokenFile":"/t"}}"#;
+        let cc = parse_env(absent, &env).unwrap().controller.unwrap();
+        assert_eq!((cc.address.as_str(), cc.underlay_addresses), ("10.0.0.1:9650", ips));
+
+        // File values win.
+        let full = r#"{"nodeName":"n","shimSource":"/x","controller":{"address":"unix:/c.sock","tokenFile":"/t","underlayAddresses":["198.51.100.1"]}}"#;
+        let cc = parse_env(full, &env).unwrap().controller.unwrap();
+        assert_eq!(cc.address, "unix:/c.sock");
+        assert_eq!(cc.underlay_addresses, vec!["198.51.100.1".parse::<std::net::IpAddr>().unwrap()]);
+
+        // Neither: clear errors naming both the key and the variable.
+        assert_eq!(bracket_ipv6_host("fd00::a:9650"), "[fd00::a]:9650");
+        assert_eq!(bracket_ipv6_host("[fd00::a]:9650"), "[fd00::a]:9650");
+        assert_eq!(bracket_ipv6_host("10.0.0.1:9650"), "10.0.0.1:9650");
+        assert_eq!(bracket_ipv6_host("unix:/run/c.sock"), "unix:/run/c.sock");
+        let e = err(parse_env(shared, &[("NODE_NAME", "w1"), ("NODEPLANE_CONTROLLER_ADDRESS", "10.0.0.1:9650")]));
+        assert!(e.contains("underlayAddresses") && e.contains("NODE_IPS"), "{e}");
+        let e = err(parse_env(shared, &[("NODE_NAME", "w1"), ("NODE_IPS", "192.0.2.7")]));
+        assert!(e.contains("controller.address") && e.contains("NODEPLANE_CONTROLLER_ADDRESS"), "{e}");
+        // Bad values from the environment are named.
+        for ips in ["192.0.2.7,nonsense", "0.0.0.0", " , "] {
+            let vars = [("NODE_NAME", "w1"), ("NODE_IPS", ips), ("NODEPLANE_CONTROLLER_ADDRESS", "10.0.0.1:9650")];
+            let e = err(parse_env(shared, &vars));
+            assert!(e.contains("NODE_IPS"), "{ips}: {e}");
+        }
+        let vars = [("NODE_NAME", "w1"), ("NODE_IPS", "192.0.2.7"), ("NODEPLANE_CONTROLLER_ADDRESS", "not an address")];
+        let e = err(parse_env(shared, &vars));
+        assert!(e.contains("controller.address"), "{e}");
+        // Standalone mode reads no controller variables.
+        assert!(parse_env(r#"{"nodeName":"n","shimSource":"/x"}"#, &[]).unwrap().controller.is_none());
+    }
+
+    #[test]
+    fn load_with_env_reads_the_file() {
+        let t = crate::util::TestDir::new("agent-config-env");
+        let path = t.0.join("agent.json");
+        std::fs::write(&path, r#"{"shimSource":"/x","healthAddress":"127.0.0.1:19640"}"#).unwrap();
+        let c = Config::load_with_env(&path, &|k| (k == "NODE_NAME").then(|| "from-env".to_string())).unwrap();
+        assert_eq!(c.node_name, "from-env");
+        assert_eq!(c.health_address, Some("127.0.0.1:19640".parse().unwrap()));
+        assert!(Config::load_with_env(&path, &|_| None).is_err());
+    }
+}
+
+impl Config {
+    /// The resolved configuration as JSON, every path absolute, exactly as `serve` would use
+    /// it (`nodeplane-agent check-config`).
+    pub fn to_json(&self) -> serde_json::Value {
+        use serde_json::json;
+        let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+        let nets = |v: &[IpNetwork]| v.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        json!({
+            "nodeName": self.node_name,
+            "podCidrs": nets(&self.pod_cidrs),
+            "clusterCidrs": nets(&self.cluster_cidrs),
+            "mtu": self.mtu,
+            "bridge": self.bridge,
+            "masquerade": self.masquerade,
+            "dns": {"nameservers": self.dns.nameservers, "domain": self.dns.domain, "search": self.dns.search, "options": self.dns.options},
+            "chainedPlugins": self.chained_plugins,
+            "cniVersion": self.cni_version,
+            "pluginDirs": self.plugin_dirs.iter().map(|p| abs(p)).collect::<Vec<_>>(),
+            "cniBinDir": abs(&self.cni_bin_dir),
+            "shimPath": abs(&self.cni_bin_dir.join(crate::cni::PLUGIN_TYPE)),
+            "shimSource": abs(&self.shim_source),
+            "cniConfDir": abs(&self.cni_conf_dir),
+            "conflistPath": abs(&self.conflist_path()),
+            "cniSocket": abs(&self.cni_socket),
+            "nodeSocket": abs(&self.node_socket),
+            "stateDir": abs(&self.state_dir),
+            "pendingDeleteDir": abs(&self.pending_delete_dir()),
+            "kubeletDir": abs(&self.kubelet_dir),
+            "bootIdFile": abs(&self.boot_id_file),
+            "healthAddress": self.health_address.map(|a| a.to_string()),
+            "csi": match &self.csi {
+                Some(c) => json!({
+                    "enabled": true,
+                    "volumeDir": abs(&c.volume_dir),
+                    "capacityBytes": c.capacity_bytes,
+                    "maxVolumes": c.max_volumes,
+                    "socket": abs(&crate::csi::csi_socket(&self.kubelet_dir)),
+                    "registrationSocket": abs(&crate::csi::registration_socket(&self.kubelet_dir)),
+                }),
+                None => json!({"enabled": false}),
+            },
+            "devicePlugins": match &self.device_plugins {
+                Some(d) => json!({
+                    "enabled": true,
+                    "configFile": abs(&d.config_file),
+                    "pluginDir": abs(&d.plugin_dir),
+                    "cdiDir": abs(&d.cdi_dir),
+                }),
+                None => json!({"enabled": false}),
+            },
+            "controller": self.controller.as_ref().map(|c| json!({
+                "address": c.address,
+                "tokenFile": abs(&c.token_file),
+                "underlayAddresses": c.underlay_addresses,
+                "routeMode": c.route_mode,
+            })),
+        })
     }
 }

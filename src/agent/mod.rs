@@ -5,6 +5,7 @@ pub mod config;
 pub mod datapath;
 pub mod install;
 pub mod nft;
+mod readiness;
 pub mod reaper;
 pub mod volume_sync;
 
@@ -232,11 +233,48 @@ async fn serve_conn(dp: Arc<Datapath>, mut stream: UnixStream) -> std::io::Resul
 }
 
 /// Serve the CNI socket until SIGTERM/SIGINT, then finish in-flight requests.
+///
+/// The health endpoint (`healthAddress`) is bound first, so a bad or taken address fails
+/// the start, and it answers from then on: during CSI recovery and until shutdown is done
+/// (readiness turns false as soon as the shutdown begins).
+/// Serve one shim connection on its own task, counted for the shutdown drain.
+fn spawn_conn(dp: &Arc<Datapath>, tracker: &tokio_util_tracker::Tracker, stream: UnixStream) {
+    let dp = dp.clone();
+    let guard = tracker.enter();
+    tokio::spawn(async move {
+        if let Err(e) = serve_conn(dp, stream).await {
+            tracing::warn!(error = %e, "CNI connection");
+        }
+        drop(guard);
+    });
+}
+
 pub async fn serve(
     dp: Arc<Datapath>,
     listener: std::os::unix::net::UnixListener,
     csi: Option<Arc<crate::csi::NodeService>>,
 ) -> Result<(), AgentError> {
+    let health = crate::health::Health::new();
+    // The conditions exist before the endpoint answers: it never says ready too early.
+    let devices_ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let ended = dp.cfg.device_plugins.as_ref().map(|_| devices_ended.clone());
+    let readiness = readiness::Readiness::new(&health, dp.clone(), csi.clone(), ended);
+    let (health_stop, health_stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let health_task = match dp.cfg.health_address {
+        None => None,
+        Some(addr) => {
+            let l = match crate::health::bind(&addr.to_string()) {
+                Ok(l) => l,
+                Err(e) => {
+                    let _ = fs::remove_file(&dp.cfg.cni_socket);
+                    return Err(AgentError::Setup(format!("healthAddress {addr}: {e}")));
+                }
+            };
+            Some(tokio::spawn(crate::health::serve(l, health.clone(), async move {
+                let _ = health_stop_rx.await;
+            })))
+        }
+    };
     listener.set_nonblocking(true).map_err(io_ctx("listener"))?;
     let listener = UnixListener::from_std(listener).map_err(io_ctx("listener"))?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_ctx("signal"))?;
@@ -247,7 +285,14 @@ pub async fn serve(
     let cluster_client = tokio::spawn(cluster::run(dp.clone()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let volume_client = csi.clone().map(|svc| tokio::spawn(volume_sync::run(dp.cfg.clone(), svc)));
-    let device_plugins = dp.cfg.device_plugins.clone().map(|s| tokio::spawn(crate::deviceplugin::run(s, stop_rx.clone())));
+    let device_plugins = dp.cfg.device_plugins.clone().map(|s| {
+        let (rx, ended) = (stop_rx.clone(), devices_ended.clone());
+        tokio::spawn(async move {
+            crate::deviceplugin::run(s, rx).await;
+            ended.store(true, std::sync::atomic::Ordering::SeqCst);
+        })
+    });
+    let readiness_task = tokio::spawn(readiness.run());
     let mut csi_task = csi.map(|svc| {
         let mut rx = stop_rx.clone();
         tokio::spawn(crate::csi::serve(svc, async move {
@@ -257,16 +302,7 @@ pub async fn serve(
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    let dp = dp.clone();
-                    let guard = tracker.enter();
-                    tokio::spawn(async move {
-                        if let Err(e) = serve_conn(dp, stream).await {
-                            tracing::warn!(error = %e, "CNI connection");
-                        }
-                        drop(guard);
-                    });
-                }
+                Ok((stream, _)) => spawn_conn(&dp, &tracker, stream),
                 Err(e) => tracing::warn!(error = %e, "accept"),
             },
             _ = drain_tick.tick() => {
@@ -284,9 +320,26 @@ pub async fn serve(
                     Err(e) => e.to_string(),
                 };
                 let _ = fs::remove_file(&dp.cfg.cni_socket);
+                readiness_task.abort();
                 return Err(AgentError::Setup(msg));
             }
         }
+    }
+    // New shims must find no socket (they wait for the next agent) rather than queue on a
+    // listener nobody will accept from; what is queued already is served.
+    let _ = fs::remove_file(&dp.cfg.cni_socket);
+    loop {
+        match tokio::time::timeout(Duration::ZERO, listener.accept()).await {
+            Ok(Ok((stream, _))) => spawn_conn(&dp, &tracker, stream),
+            _ => break,
+        }
+    }
+    drop(listener);
+    // Not ready from here on; liveness keeps answering until the end.
+    readiness_task.abort();
+    let _ = readiness_task.await;
+    for (name, _, _) in health.snapshot() {
+        health.condition(&name).set(false, "the agent is shutting down");
     }
     if let Some(v) = volume_client {
         v.abort();
@@ -300,10 +353,16 @@ pub async fn serve(
     }
     tracing::info!("shutting down: no new requests; finishing in-flight ones");
     cluster_client.abort();
-    let _ = fs::remove_file(&dp.cfg.cni_socket);
-    drop(listener);
     if tokio::time::timeout(Duration::from_secs(30), tracker.wait_idle()).await.is_err() {
         tracing::warn!("in-flight requests did not finish within 30s");
+    }
+    let _ = health_stop.send(());
+    if let Some(t) = health_task {
+        match t.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "health endpoint"),
+            Err(e) => tracing::warn!(error = %e, "health endpoint task"),
+            Ok(Ok(())) => {}
+        }
     }
     Ok(())
 }

@@ -1,0 +1,229 @@
+//! The agent's readiness conditions, judged from what is actually served, never from the
+//! controller's reachability (the node serves from its persisted blocks):
+//!
+//! - `cni`: the node has a pod block and the conflist is installed (`Datapath::ready`, the
+//!   file still in place), and the CNI socket this agent bound is still at its path.
+//! - `csi` (when enabled): recovery is done (`NodeService::ready`, the moment `Probe` turns
+//!   ready) and the CSI and kubelet registration sockets accept connections.
+//! - `deviceplugins` (when enabled): the manager runs, the device file is usable (or absent:
+//!   no resources) and every resource it defines has its plugin socket served.
+//!
+//! A socket counts as served once a connection to it succeeded; that is checked again only
+//! when the socket file changes (a new inode), so a stale socket left by a crashed run
+//! never counts and a steady state costs a `stat` per socket and tick.
+
+use std::collections::HashMap;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use super::datapath::Datapath;
+use crate::health::{Condition, Health};
+
+const TICK: Duration = Duration::from_millis(250);
+
+pub(crate) struct Readiness {
+    dp: Arc<Datapath>,
+    cni: Condition,
+    /// The CNI socket's inode when the agent bound it.
+    cni_inode: Option<u64>,
+    csi: Option<(Arc<crate::csi::NodeService>, Condition)>,
+    devices: Option<Devices>,
+    /// Socket path → the inode that accepted a connection.
+    verified: HashMap<PathBuf, u64>,
+}
+
+/// (len, mtime seconds, mtime nanoseconds, inode) of the device file: reparse on change.
+type FileKey = (u64, i64, i64, u64);
+/// (socket file name, resource name) of one configured resource.
+type PluginSocket = (String, String);
+
+struct Devices {
+    settings: crate::deviceplugin::Settings,
+    cond: Condition,
+    /// Set when the manager task ended (it only does on a start-up failure or at shutdown).
+    ended: Arc<AtomicBool>,
+    /// The device file as last parsed (by `FileKey`): its sockets, or why it is unusable.
+    parsed: Option<(FileKey, Result<Vec<PluginSocket>, String>)>,
+}
+
+impl Readiness {
+    /// Register the conditions of the parts this agent runs (all "starting").
+    pub(crate) fn new(
+        health: &Health,
+        dp: Arc<Datapath>,
+        csi: Option<Arc<crate::csi::NodeService>>,
+        devices_ended: Option<Arc<AtomicBool>>,
+    ) -> Self {
+        let cni = health.condition("cni");
+        let csi = csi.map(|svc| (svc, health.condition("csi")));
+        let devices = match (dp.cfg.device_plugins.clone(), devices_ended) {
+            (Some(settings), Some(ended)) => Some(Devices {
+                settings,
+                cond: health.condition("deviceplugins"),
+                ended,
+                parsed: None,
+            }),
+            _ => None,
+        };
+        let cni_inode = std::fs::symlink_metadata(&dp.cfg.cni_socket)
+            .ok()
+            .map(|m| m.ino());
+        Readiness {
+            dp,
+            cni,
+            cni_inode,
+            csi,
+            devices,
+            verified: HashMap::new(),
+        }
+    }
+
+    /// Re-evaluate every `TICK` until dropped (the task is aborted at shutdown).
+    pub(crate) async fn run(mut self) {
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            self.check().await;
+        }
+    }
+
+    pub(crate) async fn check(&mut self) {
+        let cni = self.cni_state();
+        set(&self.cni, cni);
+        if let Some((svc, cond)) = self.csi.clone() {
+            let st = self.csi_state(&svc).await;
+            set(&cond, st);
+        }
+        if let Some(mut d) = self.devices.take() {
+            let st = self.devices_state(&mut d).await;
+            set(&d.cond, st);
+            self.devices = Some(d);
+        }
+    }
+
+    fn cni_state(&self) -> Result<(), String> {
+        let cfg = &self.dp.cfg;
+        if !self.dp.ready() {
+            return Err(match &cfg.controller {
+                Some(_) => "no pod CIDR block yet: waiting for the controller to assign one (the conflist is written then)".into(),
+                None => "no pod CIDR block: podCidrs is empty".into(),
+            });
+        }
+        let conflist = cfg.conflist_path();
+        if !conflist.is_file() {
+            return Err(format!("conflist {} is missing", conflist.display()));
+        }
+        let sock = &cfg.cni_socket;
+        match std::fs::symlink_metadata(sock) {
+            Ok(m) if m.file_type().is_socket() && Some(m.ino()) == self.cni_inode => Ok(()),
+            Ok(_) => Err(format!(
+                "CNI socket {} was replaced by something else",
+                sock.display()
+            )),
+            Err(e) => Err(format!("CNI socket {}: {e}", sock.display())),
+        }
+    }
+
+    async fn csi_state(&mut self, svc: &crate::csi::NodeService) -> Result<(), String> {
+        let kubelet = &svc.settings.kubelet_dir;
+        let csi_sock = crate::csi::csi_socket(kubelet);
+        if !self.served(&csi_sock).await {
+            return Err(format!(
+                "CSI socket {} is not served yet",
+                csi_sock.display()
+            ));
+        }
+        if !svc.ready() {
+            return Err("recovering volume state (records, mount table, loop devices)".into());
+        }
+        let reg = crate::csi::registration_socket(kubelet);
+        if !self.served(&reg).await {
+            return Err(format!(
+                "kubelet registration socket {} is not served yet",
+                reg.display()
+            ));
+        }
+        Ok(())
+    }
+
+    async fn devices_state(&mut self, d: &mut Devices) -> Result<(), String> {
+        if d.ended.load(Ordering::SeqCst) {
+            return Err("the device plugin manager stopped (see the log)".into());
+        }
+        let file = &d.settings.config_file;
+        let key = match std::fs::metadata(file) {
+            Ok(m) => (m.len(), m.mtime(), m.mtime_nsec(), m.ino()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (0, 0, 0, 0),
+            Err(e) => return Err(format!("device file {}: {e}", file.display())),
+        };
+        if d.parsed.as_ref().is_none_or(|(k, _)| *k != key) {
+            let parsed = match std::fs::read(file) {
+                Ok(b) => crate::deviceplugin::config::parse(&b)
+                    .map(|(resources, _)| {
+                        resources
+                            .iter()
+                            .map(|r| (r.socket_name(), r.resource_name()))
+                            .collect()
+                    })
+                    .map_err(|e| format!("device file {} unusable: {e}", file.display())),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+                Err(e) => Err(format!("device file {}: {e}", file.display())),
+            };
+            d.parsed = Some((key, parsed));
+        }
+        let sockets = match &d.parsed {
+            Some((_, Ok(s))) => s.clone(),
+            Some((_, Err(e))) => return Err(e.clone()),
+            None => unreachable!("parsed above"),
+        };
+        let mut waiting = Vec::new();
+        for (socket, resource) in sockets {
+            if !self.served(&d.settings.plugin_dir.join(&socket)).await {
+                waiting.push(format!("{resource} ({socket})"));
+            }
+        }
+        if waiting.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "device plugin not served yet: {}",
+                waiting.join(", ")
+            ))
+        }
+    }
+
+    /// Is a server listening on the Unix socket at `path`? (see the module comment)
+    async fn served(&mut self, path: &Path) -> bool {
+        let Ok(m) = std::fs::symlink_metadata(path) else {
+            self.verified.remove(path);
+            return false;
+        };
+        if !m.file_type().is_socket() {
+            return false;
+        }
+        if self.verified.get(path) == Some(&m.ino()) {
+            return true;
+        }
+        let connected = tokio::time::timeout(
+            Duration::from_secs(1),
+            tokio::net::UnixStream::connect(path),
+        )
+        .await
+        .is_ok_and(|r| r.is_ok());
+        if connected {
+            self.verified.insert(path.to_path_buf(), m.ino());
+        }
+        connected
+    }
+}
+
+fn set(cond: &Condition, state: Result<(), String>) {
+    match state {
+        Ok(()) => cond.set(true, "ok"),
+        Err(detail) => cond.set(false, detail),
+    }
+}
