@@ -24,6 +24,13 @@ enum Cmd {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Load a configuration as `serve` would and print it resolved (JSON); exit 2 if invalid.
+    CheckConfig {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Print every Kubernetes API call the controller makes (JSON), for RBAC.
+    ApiCalls,
     /// Print a credential for a node (or `@admin`), signed with the controller's secret.
     Token {
         #[arg(long)]
@@ -68,6 +75,14 @@ fn main() -> anyhow::Result<()> {
             let cfg = controller::config::Config::load(&config)?;
             rt.block_on(controller::serve(cfg))?;
         }
+        Cmd::CheckConfig { config } => match controller::config::Config::load(&config) {
+            Ok(cfg) => println!("{}", serde_json::to_string_pretty(&cfg.to_json())?),
+            Err(e) => {
+                eprintln!("nodeplane-controller: {}: {e}", config.display());
+                std::process::exit(2);
+            }
+        },
+        Cmd::ApiCalls => println!("{}", serde_json::to_string_pretty(controller::kube::API_CALLS)?),
         Cmd::Token { config, identity } => {
             let cfg = controller::config::Config::load(&config)?;
             if identity != controller::auth::ADMIN && !controller::store::valid_node_name(&identity) {

@@ -4,6 +4,10 @@
 //! name or `@admin`. The controller holds the secret and mints tokens (`nodeplane-controller
 //! token NODE`); it never stores per-node tokens, and verification is constant-time. A node
 //! token authorises calls about that node only.
+//!
+//! In a cluster (`agentAuth: tokenReview`), an agent may instead present its pod's projected
+//! service-account token: the API server vouches for it and names the node
+//! (`super::kube::review`). HMAC tokens keep working beside it (the admin's, for one).
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -29,11 +33,37 @@ impl Identity {
 
 pub struct Authority {
     secret: Vec<u8>,
+    reviewer: Option<std::sync::Arc<super::kube::review::TokenReviewer>>,
 }
 
 impl Authority {
     pub fn new(secret: Vec<u8>) -> Self {
-        Authority { secret }
+        Authority { secret, reviewer: None }
+    }
+
+    pub fn with_reviewer(mut self, reviewer: super::kube::review::TokenReviewer) -> Self {
+        self.reviewer = Some(std::sync::Arc::new(reviewer));
+        self
+    }
+
+    /// Who presents this `authorization` header value: an HMAC token, else (when configured)
+    /// a service-account token the API server vouches for.
+    pub async fn identify(&self, header: &str) -> Result<Identity, tonic::Status> {
+        use super::kube::review::ReviewError;
+        let token = header
+            .strip_prefix("Bearer ")
+            .map(str::trim)
+            .ok_or_else(|| tonic::Status::unauthenticated("authorization is not a Bearer token"))?;
+        if token.starts_with(PREFIX) || self.reviewer.is_none() {
+            return self.verify(header).ok_or_else(|| tonic::Status::unauthenticated("invalid token"));
+        }
+        let reviewer = self.reviewer.as_ref().expect("checked above");
+        match reviewer.review(token).await {
+            Ok(node) => Ok(Identity::Node(node)),
+            Err(ReviewError::Unauthenticated(m)) => Err(tonic::Status::unauthenticated(m)),
+            Err(ReviewError::Forbidden(m)) => Err(tonic::Status::permission_denied(m)),
+            Err(ReviewError::Unavailable(m)) => Err(tonic::Status::unavailable(m)),
+        }
     }
 
     fn mac(&self, identity: &str) -> Hmac<Sha256> {

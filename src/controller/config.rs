@@ -38,6 +38,62 @@ pub struct FileConfig {
     /// How long one CSI call waits for a node before answering DEADLINE_EXCEEDED (retried).
     #[serde(default = "default_op_timeout")]
     pub volume_op_timeout_seconds: u64,
+    /// `host:port` of the health endpoint (`/healthz`, `/readyz`); none by default.
+    pub health_address: Option<String>,
+    /// Where the state lives: `{"kind": "embedded"}` (default: a redb file in dataDir) or
+    /// `{"kind": "kubernetes", ...}` (API objects, with leader election on a Lease).
+    pub store: Option<StoreFile>,
+    /// How agents prove who they are: `{"kind": "hmac"}` (default: tokens minted by
+    /// `nodeplane-controller token`) or `{"kind": "tokenReview", ...}` (projected
+    /// service-account tokens; HMAC tokens keep working, e.g. for the admin).
+    pub agent_auth: Option<AgentAuthFile>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StoreFile {
+    pub kind: String,
+    /// Namespace of the Lease (default: env POD_NAMESPACE).
+    pub namespace: Option<String>,
+    /// Default `nodeplane-controller`.
+    pub lease_name: Option<String>,
+    /// This candidate's name (default: env POD_NAME, else the host name).
+    pub identity: Option<String>,
+    pub lease_duration_seconds: Option<u64>,
+    pub renew_deadline_seconds: Option<u64>,
+    pub retry_period_seconds: Option<u64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentAuthFile {
+    pub kind: String,
+    /// Audience the projected token must carry (default `nodeplane`).
+    pub audience: Option<String>,
+    /// The agent's service account user, `system:serviceaccount:<namespace>:<name>`.
+    pub service_account: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KubeStore {
+    pub namespace: String,
+    pub lease_name: String,
+    pub identity: String,
+    pub lease_duration: std::time::Duration,
+    pub renew_deadline: std::time::Duration,
+    pub retry_period: std::time::Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Store {
+    Embedded,
+    Kubernetes(KubeStore),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentAuth {
+    Hmac,
+    TokenReview { audience: String, service_account: String },
 }
 
 fn default_grace() -> u64 {
@@ -100,6 +156,9 @@ pub struct Config {
     pub csi_socket: PathBuf,
     pub orphan_grace: std::time::Duration,
     pub volume_op_timeout: std::time::Duration,
+    pub health_address: Option<std::net::SocketAddr>,
+    pub store: Store,
+    pub agent_auth: AgentAuth,
 }
 
 pub fn parse_listen(s: &str) -> Result<Listen, String> {
@@ -119,6 +178,11 @@ impl Config {
     }
 
     pub fn resolve(f: FileConfig) -> Result<Self, ConfigError> {
+        Self::resolve_with_env(f, &|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+    }
+
+    /// Resolve with `env` standing in for the process environment (POD_NAME, POD_NAMESPACE).
+    pub fn resolve_with_env(f: FileConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
         let bad = |m: String| ConfigError::Invalid(m);
         let listen = parse_listen(&f.listen).map_err(bad)?;
         if f.pools.is_empty() {
@@ -165,7 +229,29 @@ impl Config {
         if f.volume_op_timeout_seconds == 0 {
             return Err(bad("volumeOpTimeoutSeconds must be positive".into()));
         }
+        let health_address = match f.health_address.as_deref() {
+            None | Some("") => None,
+            Some(a) => Some(a.parse().map_err(|_| bad(format!("healthAddress {a:?} is not host:port")))?),
+        };
+        let store = resolve_store(f.store.as_ref(), env).map_err(bad)?;
+        let agent_auth = match &f.agent_auth {
+            None => AgentAuth::Hmac,
+            Some(a) if a.kind == "hmac" => AgentAuth::Hmac,
+            Some(a) if a.kind == "tokenReview" => {
+                let service_account = a.service_account.clone().ok_or_else(|| {
+                    bad("agentAuth.serviceAccount is required (system:serviceaccount:<namespace>:<name>)".into())
+                })?;
+                if service_account.split(':').count() != 4 || !service_account.starts_with("system:serviceaccount:") {
+                    return Err(bad(format!("agentAuth.serviceAccount {service_account:?} is not system:serviceaccount:<namespace>:<name>")));
+                }
+                AgentAuth::TokenReview { audience: a.audience.clone().unwrap_or_else(|| "nodeplane".into()), service_account }
+            }
+            Some(a) => return Err(bad(format!("agentAuth.kind {:?} is neither \"hmac\" nor \"tokenReview\"", a.kind))),
+        };
         Ok(Config {
+            health_address,
+            store,
+            agent_auth,
             data_dir: f.data_dir,
             listen,
             pools,
@@ -180,6 +266,86 @@ impl Config {
 
     pub fn cluster_cidrs(&self) -> Vec<String> {
         self.pools.iter().map(|p| p.net.to_string()).collect()
+    }
+
+    /// Does this configuration talk to the Kubernetes API?
+    pub fn uses_kubernetes(&self) -> bool {
+        matches!(self.store, Store::Kubernetes(_)) || matches!(self.agent_auth, AgentAuth::TokenReview { .. })
+    }
+
+    /// The resolved configuration, for `nodeplane-controller check-config`.
+    pub fn to_json(&self) -> serde_json::Value {
+        let listen = match &self.listen {
+            Listen::Unix(p) => format!("unix:{}", p.display()),
+            Listen::Tcp(a) => a.to_string(),
+        };
+        let store = match &self.store {
+            Store::Embedded => serde_json::json!({"kind": "embedded", "path": self.data_dir.join("registry.redb")}),
+            Store::Kubernetes(k) => serde_json::json!({
+                "kind": "kubernetes", "namespace": k.namespace, "leaseName": k.lease_name, "identity": k.identity,
+                "leaseDurationSeconds": k.lease_duration.as_secs(), "renewDeadlineSeconds": k.renew_deadline.as_secs(),
+                "retryPeriodSeconds": k.retry_period.as_secs(),
+            }),
+        };
+        let agent_auth = match &self.agent_auth {
+            AgentAuth::Hmac => serde_json::json!({"kind": "hmac"}),
+            AgentAuth::TokenReview { audience, service_account } => {
+                serde_json::json!({"kind": "tokenReview", "audience": audience, "serviceAccount": service_account})
+            }
+        };
+        serde_json::json!({
+            "dataDir": self.data_dir, "listen": listen, "csiSocket": self.csi_socket, "secretFile": self.secret_file,
+            "healthAddress": self.health_address.map(|a| a.to_string()),
+            "pools": self.pools.iter().map(|p| serde_json::json!({"cidr": p.net.to_string(), "blockPrefix": p.block_prefix})).collect::<Vec<_>>(),
+            "vxlanVni": self.vxlan_vni, "vxlanPort": self.vxlan_port,
+            "orphanGraceSeconds": self.orphan_grace.as_secs(), "volumeOpTimeoutSeconds": self.volume_op_timeout.as_secs(),
+            "store": store, "agentAuth": agent_auth,
+        })
+    }
+}
+
+fn resolve_store(f: Option<&StoreFile>, env: &dyn Fn(&str) -> Option<String>) -> Result<Store, String> {
+    let Some(f) = f else { return Ok(Store::Embedded) };
+    match f.kind.as_str() {
+        "embedded" => Ok(Store::Embedded),
+        "kubernetes" => {
+            let namespace = f
+                .namespace
+                .clone()
+                .or_else(|| env("POD_NAMESPACE"))
+                .ok_or("store.namespace is required (or env POD_NAMESPACE)")?;
+            let identity = match f.identity.clone().or_else(|| env("POD_NAME")) {
+                Some(i) => i,
+                None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .map_err(|e| format!("store.identity: no POD_NAME and no host name: {e}"))?
+                    .trim()
+                    .to_string(),
+            };
+            let lease_name = f.lease_name.clone().unwrap_or_else(|| "nodeplane-controller".into());
+            for (what, v) in [("namespace", &namespace), ("leaseName", &lease_name)] {
+                if !crate::controller::store::valid_node_name(v) {
+                    return Err(format!("store.{what} {v:?} is not a valid Kubernetes name"));
+                }
+            }
+            if identity.is_empty() {
+                return Err("store.identity must not be empty".into());
+            }
+            let secs = std::time::Duration::from_secs;
+            let lease_duration = secs(f.lease_duration_seconds.unwrap_or(15));
+            let renew_deadline = secs(f.renew_deadline_seconds.unwrap_or(10));
+            let retry_period = secs(f.retry_period_seconds.unwrap_or(2));
+            if retry_period.is_zero() || retry_period >= renew_deadline || renew_deadline >= lease_duration {
+                return Err(format!(
+                    "store: need 0 < retryPeriodSeconds ({}) < renewDeadlineSeconds ({}) < leaseDurationSeconds ({}): \
+                     a leader must notice it could not renew before anyone else may take over",
+                    retry_period.as_secs(),
+                    renew_deadline.as_secs(),
+                    lease_duration.as_secs()
+                ));
+            }
+            Ok(Store::Kubernetes(KubeStore { namespace, lease_name, identity, lease_duration, renew_deadline, retry_period }))
+        }
+        other => Err(format!("store.kind {other:?} is neither \"embedded\" nor \"kubernetes\"")),
     }
 }
 
@@ -210,6 +376,42 @@ mod tests {
         let e = cfg(r#"[{"cidr":"10.0.0.1/16","blockPrefix":24}]"#).unwrap_err().to_string();
         assert!(e.contains("host bits"), "{e}");
         assert!(cfg("[]").is_err());
+    }
+
+    #[test]
+    fn store_and_auth() {
+        let f = |extra: &str| -> FileConfig {
+            serde_json::from_str(&format!(
+                r#"{{"dataDir":"/tmp/x","listen":"0.0.0.0:9650","pools":[{{"cidr":"10.0.0.0/16","blockPrefix":24}}]{extra}}}"#
+            ))
+            .unwrap()
+        };
+        let env = |k: &str| match k {
+            "POD_NAME" => Some("ctl-0".to_string()),
+            "POD_NAMESPACE" => Some("nodeplane-system".to_string()),
+            _ => None,
+        };
+        let c = Config::resolve_with_env(f(""), &env).unwrap();
+        assert_eq!(c.store, Store::Embedded);
+        assert_eq!(c.agent_auth, AgentAuth::Hmac);
+        assert!(c.health_address.is_none() && !c.uses_kubernetes());
+        let c = Config::resolve_with_env(
+            f(r#","healthAddress":"0.0.0.0:9641","store":{"kind":"kubernetes"},"agentAuth":{"kind":"tokenReview","serviceAccount":"system:serviceaccount:nodeplane-system:nodeplane-agent"}"#),
+            &env,
+        )
+        .unwrap();
+        let Store::Kubernetes(k) = &c.store else { panic!() };
+        assert_eq!((k.namespace.as_str(), k.identity.as_str(), k.lease_name.as_str()), ("nodeplane-system", "ctl-0", "nodeplane-controller"));
+        assert_eq!(c.health_address.unwrap().port(), 9641);
+        assert!(c.uses_kubernetes());
+        assert_eq!(c.to_json()["agentAuth"]["audience"], "nodeplane");
+        let err = |extra: &str, env: &dyn Fn(&str) -> Option<String>| Config::resolve_with_env(f(extra), env).unwrap_err().to_string();
+        assert!(err(r#","store":{"kind":"kubernetes"}"#, &|_| None).contains("POD_NAMESPACE"));
+        assert!(err(r#","store":{"kind":"etcd"}"#, &env).contains("store.kind"));
+        assert!(err(r#","store":{"kind":"kubernetes","renewDeadlineSeconds":20}"#, &env).contains("renewDeadline"));
+        assert!(err(r#","agentAuth":{"kind":"tokenReview"}"#, &env).contains("serviceAccount"));
+        assert!(err(r#","agentAuth":{"kind":"tokenReview","serviceAccount":"bob"}"#, &env).contains("system:serviceaccount"));
+        assert!(err(r#","healthAddress":"nowhere""#, &env).contains("healthAddress"));
     }
 
     #[test]

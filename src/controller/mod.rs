@@ -1,8 +1,10 @@
 //! The cluster-side controller: node registry, pod block allocation, membership stream.
 
 pub mod auth;
+pub mod backend;
 pub mod config;
 pub mod csi;
+pub mod kube;
 pub mod server;
 pub mod store;
 pub mod volumes;
@@ -21,6 +23,10 @@ pub enum ControllerError {
     Serve(#[from] tonic::transport::Error),
     #[error("volume book: {0}")]
     Volumes(String),
+    #[error("Kubernetes: {0}")]
+    Kube(String),
+    #[error("leadership lost: {0}")]
+    LostLeadership(String),
 }
 
 fn io_ctx(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ControllerError {
@@ -28,7 +34,8 @@ fn io_ctx(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Controll
     move |source| ControllerError::Io { context, source }
 }
 
-/// Open the registry and the signing secret (everything but the network).
+/// Open the registry and the signing secret on the embedded store (local mode; used by
+/// tests and tools).
 pub fn open(cfg: &Config) -> Result<(Arc<store::Registry>, Arc<auth::Authority>), ControllerError> {
     std::fs::create_dir_all(&cfg.data_dir).map_err(io_ctx(format!("creating {}", cfg.data_dir.display())))?;
     let secret = auth::load_or_create_secret(&cfg.secret_file).map_err(io_ctx("token secret"))?;
@@ -36,16 +43,119 @@ pub fn open(cfg: &Config) -> Result<(Arc<store::Registry>, Arc<auth::Authority>)
     Ok((Arc::new(registry), Arc::new(auth::Authority::new(secret))))
 }
 
-/// Serve the agent API until SIGTERM/SIGINT.
+/// Wait for SIGTERM or SIGINT.
+async fn termination() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+/// Serve the agent API until SIGTERM/SIGINT (or, in Kubernetes mode, until leadership is
+/// lost: then the error says so and the process exits non-zero for its Deployment to
+/// restart it as a candidate).
 pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
-    let (registry, authority) = open(&cfg)?;
-    let snap = registry.snapshot();
-    tracing::info!(nodes = snap.nodes.len(), revision = snap.revision, pools = ?cfg.cluster_cidrs(), "registry loaded");
-    let book = Arc::new(volumes::VolumeBook::open(registry.database(), cfg.orphan_grace).map_err(|e| ControllerError::Volumes(e.message().to_string()))?);
-    tracing::info!(volumes = book.list().len(), "volume book loaded");
-    let cfg = Arc::new(cfg);
+    std::fs::create_dir_all(&cfg.data_dir).map_err(io_ctx(format!("creating {}", cfg.data_dir.display())))?;
     let (stop_tx, stopping) = tokio::sync::watch::channel(false);
+    let health = crate::health::Health::new();
+    let leading = health.condition("leader");
+    let serving = health.condition("serving");
+    let health_task = match cfg.health_address {
+        Some(addr) => {
+            let l = crate::health::bind(&addr.to_string()).map_err(io_ctx(format!("binding health address {addr}")))?;
+            let mut s = stopping.clone();
+            tracing::info!(address = %addr, "health endpoint: /healthz /readyz");
+            Some(tokio::spawn(crate::health::serve(l, health.clone(), async move {
+                let _ = s.wait_for(|v| *v).await;
+            })))
+        }
+        None => None,
+    };
+    {
+        let stop_tx = stop_tx.clone();
+        tokio::spawn(async move {
+            termination().await;
+            tracing::info!("shutting down");
+            let _ = stop_tx.send(true);
+        });
+    }
+    let secret = auth::load_or_create_secret(&cfg.secret_file).map_err(io_ctx("token secret"))?;
+    let mut authority = auth::Authority::new(secret);
+    let client = if cfg.uses_kubernetes() { Some(kube::client().await.map_err(ControllerError::Kube)?) } else { None };
+    if let (config::AgentAuth::TokenReview { audience, service_account }, Some(c)) = (&cfg.agent_auth, &client) {
+        authority = authority.with_reviewer(kube::review::TokenReviewer::new(c.clone(), audience, service_account));
+        tracing::info!(audience = %audience, service_account = %service_account, "agents authenticate with projected service-account tokens (TokenReview)");
+    }
+    // Leadership first (Kubernetes mode): nobody but the leader reads or writes the state.
+    let mut elector = None;
+    let backend: Arc<dyn backend::Backend> = match (&cfg.store, &client) {
+        (config::Store::Kubernetes(k), Some(c)) => {
+            let mut el = kube::lease::Elector::new(
+                c.clone(),
+                kube::lease::LeaseSettings {
+                    namespace: k.namespace.clone(),
+                    name: k.lease_name.clone(),
+                    identity: k.identity.clone(),
+                    lease_duration: k.lease_duration,
+                    renew_deadline: k.renew_deadline,
+                    retry_period: k.retry_period,
+                },
+            );
+            leading.set(false, "waiting for the leader lease");
+            tracing::info!(lease = %format!("{}/{}", k.namespace, k.lease_name), identity = %k.identity, "waiting to lead");
+            let mut s = stopping.clone();
+            tokio::select! {
+                _ = el.acquire(|why| leading.set(false, format!("not the leader: lease {why}"))) => {}
+                _ = s.wait_for(|v| *v) => return Ok(()),
+            }
+            leading.set(true, format!("holding lease {}/{}", k.namespace, k.lease_name));
+            elector = Some(el);
+            let kcfg = ::kube::Config::infer().await.map_err(|e| ControllerError::Kube(e.to_string()))?;
+            Arc::new(tokio::task::spawn_blocking(move || kube::state::KubeBackend::new(kcfg)).await.map_err(|e| ControllerError::Kube(e.to_string()))?.map_err(ControllerError::Kube)?)
+        }
+        _ => {
+            leading.set(true, "embedded store: a single controller");
+            backend::RedbBackend::open(&cfg.data_dir.join("registry.redb")).map_err(|e| ControllerError::Registry(store::RegistryError::Storage(e)))?
+        }
+    };
+    // Renew the lease in the background; losing it stops everything at once.
+    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+    let (lost_tx, mut lost_rx) = tokio::sync::watch::channel(None::<String>);
+    let keeper = elector.map(|mut el| {
+        let stop_tx = stop_tx.clone();
+        let leading = leading.clone();
+        tokio::spawn(async move {
+            if let Some(why) = el.keep(async { let _ = release_rx.await; }).await {
+                tracing::error!(reason = %why, "leadership lost: stopping");
+                leading.set(false, format!("leadership lost: {why}"));
+                let _ = lost_tx.send(Some(why));
+                let _ = stop_tx.send(true);
+            }
+        })
+    });
+    let (registry, book) = {
+        let (b, pools, grace) = (backend.clone(), cfg.pools.clone(), cfg.orphan_grace);
+        tokio::task::spawn_blocking(move || -> Result<_, ControllerError> {
+            let registry = store::Registry::with_backend(b.clone(), pools)?;
+            let book = volumes::VolumeBook::open(b, grace).map_err(|e| ControllerError::Volumes(e.message().to_string()))?;
+            Ok((Arc::new(registry), Arc::new(book)))
+        })
+        .await
+        .map_err(|e| ControllerError::Volumes(e.to_string()))??
+    };
+    let snap = registry.snapshot();
+    tracing::info!(store = %backend.describe(), nodes = snap.nodes.len(), volumes = book.list().len(), revision = snap.revision, pools = ?cfg.cluster_cidrs(), "state loaded");
+    let follower = match (&cfg.store, &client) {
+        (config::Store::Kubernetes(_), Some(c)) => Some(tokio::spawn(kube::nodes::follow(c.clone(), registry.clone(), stopping.clone()))),
+        _ => None,
+    };
+    let authority = Arc::new(authority);
+    let cfg = Arc::new(cfg);
     let svc = server::Service { registry, volumes: book.clone(), authority, cfg: cfg.clone(), stopping: stopping.clone() };
+    let until_stopped = |mut s: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = s.wait_for(|v| *v).await;
+    };
     // CSI Identity + Controller for the sidecars, on their own Unix socket (0600).
     let csi_listener = crate::util::bind_unix_socket(&cfg.csi_socket).map_err(io_ctx(format!("binding {}", cfg.csi_socket.display())))?;
     let csi_server = tonic::transport::Server::builder()
@@ -54,43 +164,49 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             book: book.clone(),
             op_timeout: cfg.volume_op_timeout,
         }))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(csi_listener), {
-            let mut s = stopping.clone();
-            async move {
-                let _ = s.wait_for(|v| *v).await;
-            }
-        });
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(csi_listener), until_stopped(stopping.clone()));
     let csi_task = tokio::spawn(csi_server);
     tracing::info!(socket = %cfg.csi_socket.display(), "CSI Identity and Controller served");
     let router = tonic::transport::Server::builder()
         .add_service(crate::rpc::controller::node_registry_server::NodeRegistryServer::new(svc));
-    let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        tokio::select! {
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-        tracing::info!("shutting down");
-        // End the (endless) membership streams so the graceful shutdown can complete.
-        let _ = stop_tx.send(true);
-    };
-    match &cfg.listen {
+    let served = match &cfg.listen {
         Listen::Unix(path) => {
             let listener = crate::util::bind_unix_socket(path).map_err(io_ctx(format!("binding {}", path.display())))?;
             tracing::info!(socket = %path.display(), "ready");
+            serving.set(true, format!("serving on {}", path.display()));
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-            router.serve_with_incoming_shutdown(incoming, shutdown).await?;
+            let r = router.serve_with_incoming_shutdown(incoming, until_stopped(stopping.clone())).await;
             let _ = std::fs::remove_file(path);
+            r
         }
         Listen::Tcp(addr) => {
             let listener = tokio::net::TcpListener::bind(addr).await.map_err(io_ctx(format!("binding {addr}")))?;
-            tracing::info!(address = %listener.local_addr().map_err(io_ctx("local addr"))?, "ready");
+            let local = listener.local_addr().map_err(io_ctx("local addr"))?;
+            tracing::info!(address = %local, "ready");
+            serving.set(true, format!("serving on {local}"));
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-            router.serve_with_incoming_shutdown(incoming, shutdown).await?;
+            router.serve_with_incoming_shutdown(incoming, until_stopped(stopping.clone())).await
         }
-    }
+    };
+    serving.set(false, "stopped");
+    let _ = stop_tx.send(true);
     let _ = csi_task.await;
     let _ = std::fs::remove_file(&cfg.csi_socket);
+    if let Some(f) = follower {
+        let _ = f.await;
+    }
+    // Nothing is served any more: only now may a successor take over.
+    let _ = release_tx.send(());
+    if let Some(k) = keeper {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), k).await;
+    }
+    if let Some(t) = health_task {
+        let _ = t.await;
+    }
+    served?;
+    if let Some(why) = lost_rx.borrow_and_update().clone() {
+        return Err(ControllerError::LostLeadership(why));
+    }
     Ok(())
 }
 

@@ -46,18 +46,18 @@ fn node_list(s: &Snapshot) -> pb::NodeList {
 }
 
 impl Service {
-    fn identity<T>(&self, req: &Request<T>) -> Result<Identity, Status> {
+    async fn identity<T>(&self, req: &Request<T>) -> Result<Identity, Status> {
         let header = req
             .metadata()
             .get("authorization")
             .ok_or_else(|| Status::unauthenticated("missing authorization (Bearer token)"))?
             .to_str()
             .map_err(|_| Status::unauthenticated("malformed authorization header"))?;
-        self.authority.verify(header).ok_or_else(|| Status::unauthenticated("invalid token"))
+        self.authority.identify(header).await
     }
 
-    fn authorize<T>(&self, req: &Request<T>, node: &str) -> Result<Identity, Status> {
-        let who = self.identity(req)?;
+    async fn authorize<T>(&self, req: &Request<T>, node: &str) -> Result<Identity, Status> {
+        let who = self.identity(req).await?;
         if !who.may_act_for(node) {
             tracing::warn!(caller = ?who, node, "rejected: a node may act only for itself");
             return Err(Status::permission_denied(format!("this credential may not act for node {node:?}")));
@@ -84,7 +84,7 @@ type VolumeStream = Pin<Box<dyn Stream<Item = Result<pb::VolumeSet, Status>> + S
 impl NodeRegistry for Service {
     async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
         let node = req.get_ref().node_name.clone();
-        self.authorize(&req, &node)?;
+        self.authorize(&req, &node).await?;
         let r = req.into_inner();
         let rec = self.blocking(move |reg| reg.register(&r.node_name, &r.underlay_addresses, &r.vtep_mac)).await?;
         tracing::info!(node = %rec.name, blocks = ?rec.blocks, underlay = ?rec.underlay, "registered");
@@ -101,7 +101,7 @@ impl NodeRegistry for Service {
         req: Request<pb::RequestBlockRequest>,
     ) -> Result<Response<pb::RequestBlockResponse>, Status> {
         let node = req.get_ref().node_name.clone();
-        self.authorize(&req, &node)?;
+        self.authorize(&req, &node).await?;
         let v4 = match pb::Family::try_from(req.get_ref().family) {
             Ok(pb::Family::Ipv4) => true,
             Ok(pb::Family::Ipv6) => false,
@@ -116,7 +116,7 @@ impl NodeRegistry for Service {
 
     async fn watch_nodes(&self, req: Request<pb::WatchNodesRequest>) -> Result<Response<NodeStream>, Status> {
         let node = req.get_ref().node_name.clone();
-        self.authorize(&req, &node)?;
+        self.authorize(&req, &node).await?;
         let mut rx = self.registry.subscribe();
         let mut stopping = self.stopping.clone();
         let (tx, out) = tokio::sync::mpsc::channel(4);
@@ -144,7 +144,7 @@ impl NodeRegistry for Service {
     ) -> Result<Response<pb::RemoveNodeResponse>, Status> {
         // The admin removes any node; a node may release only itself.
         let node = req.get_ref().node_name.clone();
-        self.authorize(&req, &node)?;
+        self.authorize(&req, &node).await?;
         let released = self.blocking(move |reg| reg.remove(&node)).await?;
         tracing::info!(blocks = ?released, "node removed");
         Ok(Response::new(pb::RemoveNodeResponse { released_blocks: released }))
@@ -154,7 +154,7 @@ impl NodeRegistry for Service {
 
     async fn watch_volumes(&self, req: Request<pb::WatchVolumesRequest>) -> Result<Response<VolumeStream>, Status> {
         let node = req.get_ref().node_name.clone();
-        self.authorize(&req, &node)?;
+        self.authorize(&req, &node).await?;
         let book = self.volumes.clone();
         let mut rx = book.subscribe_desired();
         let mut stopping = self.stopping.clone();
@@ -184,7 +184,7 @@ impl NodeRegistry for Service {
         req: Request<pb::ReportVolumesRequest>,
     ) -> Result<Response<pb::ReportVolumesResponse>, Status> {
         let node = req.get_ref().node_name.clone();
-        self.authorize(&req, &node)?;
+        self.authorize(&req, &node).await?;
         let r = req.into_inner();
         for f in &r.failures {
             tracing::warn!(node = %node, volume = %f.id, code = f.code, error = %f.message, "node could not converge a volume");

@@ -1,9 +1,9 @@
-//! The node registry: which node holds which blocks, durable in an embedded redb database.
+//! The node registry: which node holds which blocks, durable in a backend (the embedded redb
+//! database, or the Kubernetes API in-cluster: `super::backend`).
 //!
-//! Every change is one write transaction (node record + revision), committed (fsync'd)
-//! before anyone is told about it, so a `kill -9` at any instant leaves either the old or the
-//! new state. Changes are serialized by one mutex, and the in-memory index (block -> node) is
-//! rebuilt from the records at start and checked: no block can be held by two nodes.
+//! Every change is committed by the backend before anyone is told about it. Changes are
+//! serialized by one mutex, and the in-memory index (block -> node) is rebuilt from the
+//! records at start and checked: no block can be held by two nodes.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
@@ -11,14 +11,11 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use ipnetwork::IpNetwork;
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use super::backend::{Backend, RedbBackend};
 use super::config::Pool;
-
-const NODES: TableDefinition<&str, &[u8]> = TableDefinition::new("nodes");
-const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
@@ -59,7 +56,7 @@ struct State {
 }
 
 pub struct Registry {
-    db: std::sync::Arc<Database>,
+    backend: Arc<dyn Backend>,
     pools: Vec<Pool>,
     state: Mutex<State>,
     tx: watch::Sender<Arc<Snapshot>>,
@@ -84,44 +81,32 @@ fn family_name(v4: bool) -> &'static str {
 }
 
 impl Registry {
+    /// The embedded store at `path` (local mode).
     pub fn open(path: &Path, pools: Vec<Pool>) -> Result<Self, RegistryError> {
-        let db = Database::create(path).map_err(storage)?;
+        Self::with_backend(RedbBackend::open(path).map_err(storage)?, pools)
+    }
+
+    pub fn with_backend(backend: Arc<dyn Backend>, pools: Vec<Pool>) -> Result<Self, RegistryError> {
+        let (records, revision) = backend.load_nodes().map_err(storage)?;
         let mut nodes = BTreeMap::new();
         let mut owner = HashMap::new();
-        let mut revision = 0;
-        {
-            // Make sure the tables exist, then read them.
-            let w = db.begin_write().map_err(storage)?;
-            w.open_table(NODES).map_err(storage)?;
-            w.open_table(META).map_err(storage)?;
-            w.commit().map_err(storage)?;
-            let r = db.begin_read().map_err(storage)?;
-            let t = r.open_table(NODES).map_err(storage)?;
-            for item in t.iter().map_err(storage)? {
-                let (k, v) = item.map_err(storage)?;
-                let rec: NodeRecord = serde_json::from_slice(v.value())
-                    .map_err(|e| storage(format!("node record {:?}: {e}", k.value())))?;
-                for b in &rec.blocks {
-                    let net: IpNetwork = b.parse().map_err(|_| storage(format!("node {}: bad block {b}", rec.name)))?;
-                    if let Some(prev) = owner.insert(net, rec.name.clone()) {
-                        return Err(storage(format!("block {net} is recorded for both {prev} and {}", rec.name)));
-                    }
+        for rec in records {
+            for b in &rec.blocks {
+                let net: IpNetwork = b.parse().map_err(|_| storage(format!("node {}: bad block {b}", rec.name)))?;
+                if let Some(prev) = owner.insert(net, rec.name.clone()) {
+                    return Err(storage(format!("block {net} is recorded for both {prev} and {}", rec.name)));
                 }
-                nodes.insert(rec.name.clone(), rec);
             }
-            let m = r.open_table(META).map_err(storage)?;
-            if let Some(v) = m.get("revision").map_err(storage)? {
-                revision = v.value();
-            }
+            nodes.insert(rec.name.clone(), rec);
         }
         let snapshot = Arc::new(Snapshot { nodes: nodes.values().cloned().collect(), revision });
         let (tx, _) = watch::channel(snapshot);
-        Ok(Registry { db: Arc::new(db), pools, state: Mutex::new(State { nodes, owner, revision }), tx })
+        Ok(Registry { backend, pools, state: Mutex::new(State { nodes, owner, revision }), tx })
     }
 
-    /// The database, shared with the volume book (one file, one writer at a time).
-    pub fn database(&self) -> Arc<Database> {
-        self.db.clone()
+    /// The backend, shared with the volume book.
+    pub fn backend(&self) -> Arc<dyn Backend> {
+        self.backend.clone()
     }
 
     pub fn snapshot(&self) -> Arc<Snapshot> {
@@ -139,24 +124,7 @@ impl Registry {
     /// Commit `records` (Some = upsert, None = delete) and publish the new snapshot.
     fn commit(&self, st: &mut State, changes: Vec<(String, Option<NodeRecord>)>) -> Result<(), RegistryError> {
         let revision = st.revision + 1;
-        let w = self.db.begin_write().map_err(storage)?;
-        {
-            let mut t = w.open_table(NODES).map_err(storage)?;
-            for (name, rec) in &changes {
-                match rec {
-                    Some(r) => {
-                        let body = serde_json::to_vec(r).map_err(storage)?;
-                        t.insert(name.as_str(), body.as_slice()).map_err(storage)?;
-                    }
-                    None => {
-                        t.remove(name.as_str()).map_err(storage)?;
-                    }
-                }
-            }
-            let mut m = w.open_table(META).map_err(storage)?;
-            m.insert("revision", revision).map_err(storage)?;
-        }
-        w.commit().map_err(storage)?;
+        self.backend.commit_nodes(&changes, revision).map_err(storage)?;
         // Durable: now update memory and tell watchers.
         for (name, rec) in changes {
             if let Some(old) = st.nodes.remove(&name) {

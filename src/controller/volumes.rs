@@ -15,14 +15,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tonic::{Code, Status};
 
+use super::backend::Backend;
 use crate::rpc::controller as pb;
-
-const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("volumes");
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -74,7 +72,7 @@ struct BookState {
 }
 
 pub struct VolumeBook {
-    db: Arc<Database>,
+    backend: Arc<dyn Backend>,
     st: Mutex<BookState>,
     /// Desired-set revision, for WatchVolumes.
     desired_tx: watch::Sender<u64>,
@@ -113,29 +111,19 @@ pub struct Placement {
 }
 
 impl VolumeBook {
-    pub fn open(db: Arc<Database>, orphan_grace: Duration) -> Result<Self, Status> {
-        let w = db.begin_write().map_err(storage)?;
-        w.open_table(VOLUMES).map_err(storage)?;
-        w.commit().map_err(storage)?;
+    pub fn open(backend: Arc<dyn Backend>, orphan_grace: Duration) -> Result<Self, Status> {
         let mut vols = BTreeMap::new();
         let mut by_name = HashMap::new();
-        {
-            let r = db.begin_read().map_err(storage)?;
-            let t = r.open_table(VOLUMES).map_err(storage)?;
-            for item in t.iter().map_err(storage)? {
-                let (k, v) = item.map_err(storage)?;
-                let rec: VolumeRecord = serde_json::from_slice(v.value())
-                    .map_err(|e| storage(format!("volume record {:?}: {e}", k.value())))?;
-                if let Some(prev) = by_name.insert(rec.name.clone(), rec.id.clone()) {
-                    return Err(storage(format!("volume name {:?} recorded for both {prev} and {}", rec.name, rec.id)));
-                }
-                vols.insert(rec.id.clone(), rec);
+        for rec in backend.load_volumes().map_err(storage)? {
+            if let Some(prev) = by_name.insert(rec.name.clone(), rec.id.clone()) {
+                return Err(storage(format!("volume name {:?} recorded for both {prev} and {}", rec.name, rec.id)));
             }
+            vols.insert(rec.id.clone(), rec);
         }
         let (desired_tx, _) = watch::channel(0);
         let (events_tx, _) = watch::channel(0);
         Ok(VolumeBook {
-            db,
+            backend,
             st: Mutex::new(BookState { vols, by_name, nodes: HashMap::new(), revision: 1 }),
             desired_tx,
             events_tx,
@@ -144,22 +132,7 @@ impl VolumeBook {
     }
 
     fn commit(&self, st: &mut BookState, changes: Vec<(String, Option<VolumeRecord>)>) -> Result<(), Status> {
-        let w = self.db.begin_write().map_err(storage)?;
-        {
-            let mut t = w.open_table(VOLUMES).map_err(storage)?;
-            for (id, rec) in &changes {
-                match rec {
-                    Some(r) => {
-                        let body = serde_json::to_vec(r).map_err(storage)?;
-                        t.insert(id.as_str(), body.as_slice()).map_err(storage)?;
-                    }
-                    None => {
-                        t.remove(id.as_str()).map_err(storage)?;
-                    }
-                }
-            }
-        }
-        w.commit().map_err(storage)?;
+        self.backend.commit_volumes(&changes).map_err(storage)?;
         for (id, rec) in changes {
             if let Some(old) = st.vols.remove(&id) {
                 st.by_name.remove(&old.name);
@@ -507,7 +480,7 @@ mod tests {
 
     fn book(tag: &str) -> (crate::util::TestDir, Arc<VolumeBook>) {
         let t = crate::util::TestDir::new(tag);
-        let db = Arc::new(Database::create(t.0.join("db.redb")).unwrap());
+        let db = crate::controller::backend::RedbBackend::open(&t.0.join("db.redb")).unwrap();
         (t, Arc::new(VolumeBook::open(db, Duration::from_secs(60)).unwrap()))
     }
 
@@ -566,7 +539,7 @@ mod tests {
         let t = crate::util::TestDir::new("book-reopen");
         let path = t.0.join("db.redb");
         {
-            let db = Arc::new(Database::create(&path).unwrap());
+            let db = crate::controller::backend::RedbBackend::open(&path).unwrap();
             let b = Arc::new(VolumeBook::open(db, Duration::from_secs(60)).unwrap());
             let _g = b.connect("n1");
             report(&b, "n1", 100, &[]);
@@ -579,7 +552,7 @@ mod tests {
             b.begin_delete("a").unwrap();
             assert!(b.desired("n1").volumes.iter().any(|d| d.id == "a" && !d.present));
         }
-        let db = Arc::new(Database::create(&path).unwrap());
+        let db = crate::controller::backend::RedbBackend::open(&path).unwrap();
         let b = Arc::new(VolumeBook::open(db, Duration::from_secs(60)).unwrap());
         assert_eq!(b.get("a").unwrap().state, VolState::Deleting);
         assert_eq!(b.get("b").unwrap().state, VolState::Creating);

@@ -1,0 +1,203 @@
+//! Leader election on a `coordination.k8s.io/v1` Lease, with client-go's semantics:
+//!
+//! - a candidate takes the lease when it is free (no holder) or when the holder has not
+//!   renewed it for `leaseDurationSeconds` *as observed by the candidate's own clock* (the
+//!   time the candidate last saw the record change, never the holder's timestamps: clocks
+//!   of different machines are not compared);
+//! - every write carries the resourceVersion read, so two candidates cannot both win: the
+//!   second gets Conflict;
+//! - the leader renews every `retry_period`; when it could not renew for `renew_deadline`
+//!   (shorter than the lease duration) or sees another holder, it has lost and must stop
+//!   acting as leader at once (the controller exits; its Deployment restarts it);
+//! - on a clean shutdown the leader releases the lease (empty holder), so a successor takes
+//!   over without waiting for expiry.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ObjectMeta, PostParams};
+
+#[derive(Debug, Clone)]
+pub struct LeaseSettings {
+    pub namespace: String,
+    pub name: String,
+    /// This candidate (the pod name).
+    pub identity: String,
+    pub lease_duration: Duration,
+    pub renew_deadline: Duration,
+    pub retry_period: Duration,
+}
+
+/// What one attempt found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attempt {
+    /// This candidate holds the lease (acquired or renewed).
+    Leading,
+    /// Someone else holds it and it has not expired.
+    HeldBy(String),
+    /// Lost a race (Conflict / AlreadyExists): try again after the retry period.
+    Raced,
+}
+
+pub struct Elector {
+    api: Api<Lease>,
+    s: LeaseSettings,
+    /// (holder, renewTime, leaseDurationSeconds, resourceVersion) last seen, and when it was
+    /// first seen like that.
+    observed: Option<(String, Option<String>, i32, String, Instant)>,
+}
+
+fn now() -> MicroTime {
+    MicroTime(Timestamp::now())
+}
+
+impl Elector {
+    pub fn new(client: kube::Client, s: LeaseSettings) -> Self {
+        Elector { api: Api::namespaced(client, &s.namespace), s, observed: None }
+    }
+
+    pub fn settings(&self) -> &LeaseSettings {
+        &self.s
+    }
+
+    fn spec(&self, prev: Option<&LeaseSpec>) -> LeaseSpec {
+        let t = now();
+        let ours = prev.and_then(|p| p.holder_identity.as_deref()) == Some(self.s.identity.as_str());
+        let transitions = prev.and_then(|p| p.lease_transitions).unwrap_or(0);
+        LeaseSpec {
+            holder_identity: Some(self.s.identity.clone()),
+            lease_duration_seconds: Some(self.s.lease_duration.as_secs().max(1) as i32),
+            acquire_time: if ours { prev.and_then(|p| p.acquire_time.clone()) } else { Some(t.clone()) },
+            renew_time: Some(t),
+            lease_transitions: Some(if ours || prev.is_none() { transitions } else { transitions + 1 }),
+            ..Default::default()
+        }
+    }
+
+    /// One try to acquire or renew.
+    pub async fn try_acquire_or_renew(&mut self) -> Result<Attempt, kube::Error> {
+        let current = match self.api.get_opt(&self.s.name).await? {
+            None => {
+                let lease = Lease {
+                    metadata: ObjectMeta { name: Some(self.s.name.clone()), namespace: Some(self.s.namespace.clone()), ..Default::default() },
+                    spec: Some(self.spec(None)),
+                };
+                return match self.api.create(&PostParams::default(), &lease).await {
+                    Ok(_) => Ok(Attempt::Leading),
+                    Err(e) if super::is_already_exists(&e) => Ok(Attempt::Raced),
+                    Err(e) => Err(e),
+                };
+            }
+            Some(l) => l,
+        };
+        let spec = current.spec.clone().unwrap_or_default();
+        let holder = spec.holder_identity.clone().unwrap_or_default();
+        let duration = spec.lease_duration_seconds.unwrap_or(self.s.lease_duration.as_secs() as i32).max(1);
+        let key = (
+            holder.clone(),
+            spec.renew_time.as_ref().map(|t| t.0.to_string()),
+            duration,
+            current.metadata.resource_version.clone().unwrap_or_default(),
+        );
+        let seen_at = match &self.observed {
+            Some((h, r, d, rv, at)) if (h, r, d, rv) == (&key.0, &key.1, &key.2, &key.3) => *at,
+            _ => {
+                let at = Instant::now();
+                self.observed = Some((key.0, key.1, key.2, key.3, at));
+                at
+            }
+        };
+        let ours = holder == self.s.identity;
+        if !holder.is_empty() && !ours && seen_at.elapsed() < Duration::from_secs(duration as u64) {
+            return Ok(Attempt::HeldBy(holder));
+        }
+        let mut next = current.clone();
+        next.spec = Some(self.spec(Some(&spec)));
+        match self.api.replace(&self.s.name, &PostParams::default(), &next).await {
+            Ok(l) => {
+                let s = l.spec.clone().unwrap_or_default();
+                self.observed = Some((
+                    s.holder_identity.unwrap_or_default(),
+                    s.renew_time.map(|t| t.0.to_string()),
+                    s.lease_duration_seconds.unwrap_or(duration),
+                    l.metadata.resource_version.unwrap_or_default(),
+                    Instant::now(),
+                ));
+                if !ours {
+                    tracing::info!(lease = %self.s.name, previous = %holder, "leader lease acquired");
+                }
+                Ok(Attempt::Leading)
+            }
+            Err(e) if super::is_conflict(&e) => Ok(Attempt::Raced),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Wait until this candidate leads. `waiting` is told who holds the lease meanwhile.
+    pub async fn acquire(&mut self, mut waiting: impl FnMut(&str)) {
+        loop {
+            match self.try_acquire_or_renew().await {
+                Ok(Attempt::Leading) => return,
+                Ok(Attempt::HeldBy(h)) => waiting(&format!("held by {h}")),
+                Ok(Attempt::Raced) => waiting("lost a race for the lease"),
+                Err(e) => {
+                    tracing::warn!(error = %e, lease = %self.s.name, "leader election: API error");
+                    waiting(&format!("API error: {e}"));
+                }
+            }
+            tokio::time::sleep(jitter(self.s.retry_period)).await;
+        }
+    }
+
+    /// Renew until leadership is lost (returns why), or until `stop` resolves (then release
+    /// the lease and return None).
+    pub async fn keep(&mut self, stop: impl std::future::Future<Output = ()>) -> Option<String> {
+        let mut last_renew = Instant::now();
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                _ = &mut stop => {
+                    self.release().await;
+                    return None;
+                }
+                _ = tokio::time::sleep(self.s.retry_period) => {}
+            }
+            let attempt = tokio::time::timeout(self.s.renew_deadline, self.try_acquire_or_renew()).await;
+            match attempt {
+                Ok(Ok(Attempt::Leading)) => last_renew = Instant::now(),
+                Ok(Ok(Attempt::HeldBy(h))) => return Some(format!("the lease is now held by {h}")),
+                Ok(Ok(Attempt::Raced)) => tracing::warn!(lease = %self.s.name, "lease renewal raced with another writer"),
+                Ok(Err(e)) => tracing::warn!(error = %e, lease = %self.s.name, "lease renewal failed"),
+                Err(_) => tracing::warn!(lease = %self.s.name, "lease renewal timed out"),
+            }
+            if last_renew.elapsed() >= self.s.renew_deadline {
+                return Some(format!("could not renew the lease for {:?}", self.s.renew_deadline));
+            }
+        }
+    }
+
+    /// Give the lease up (empty holder) if we still hold it, so a successor need not wait.
+    pub async fn release(&mut self) {
+        let Ok(Some(mut l)) = self.api.get_opt(&self.s.name).await else { return };
+        let Some(spec) = l.spec.as_mut() else { return };
+        if spec.holder_identity.as_deref() != Some(self.s.identity.as_str()) {
+            return;
+        }
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+        spec.renew_time = Some(now());
+        match self.api.replace(&self.s.name, &PostParams::default(), &l).await {
+            Ok(_) => tracing::info!(lease = %self.s.name, "leader lease released"),
+            Err(e) => tracing::warn!(error = %e, lease = %self.s.name, "could not release the leader lease"),
+        }
+    }
+}
+
+/// The retry period plus up to 20% (candidates do not all ask at once).
+fn jitter(d: Duration) -> Duration {
+    let mut b = [0u8; 1];
+    crate::util::fill_random(&mut b);
+    d + d.mul_f64(b[0] as f64 / 255.0 * 0.2)
+}

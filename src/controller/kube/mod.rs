@@ -1,0 +1,110 @@
+//! The controller in a Kubernetes cluster: its state in API objects, leader election on a
+//! `coordination.k8s.io` Lease, agent identity from projected service-account tokens
+//! (TokenReview), and Node deletions releasing that node's blocks.
+//!
+//! Everything here talks to the API through kube-rs. [`API_CALLS`] lists every (group,
+//! resource, verb) this module uses; the shipped RBAC must grant exactly these (a manifest
+//! test compares them with `nodeplane-controller api-calls`).
+
+pub mod lease;
+pub mod nodes;
+pub mod review;
+pub mod state;
+
+use kube::core::ApiResource;
+use serde::Serialize;
+
+pub const GROUP: &str = "nodeplane.dev";
+pub const VERSION: &str = "v1alpha1";
+
+/// One Kubernetes API call the controller makes (an RBAC rule's unit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ApiCall {
+    pub group: &'static str,
+    pub resource: &'static str,
+    pub verb: &'static str,
+    /// Namespaced resources are granted by a Role in the controller's namespace.
+    pub namespaced: bool,
+}
+
+const fn call(group: &'static str, resource: &'static str, verb: &'static str, namespaced: bool) -> ApiCall {
+    ApiCall { group, resource, verb, namespaced }
+}
+
+/// Every call the controller makes in Kubernetes mode, and no other.
+pub const API_CALLS: &[ApiCall] = &[
+    // state: the node records, the block locks and the volume records
+    call(GROUP, "nodeplanenodes", "get", false),
+    call(GROUP, "nodeplanenodes", "list", false),
+    call(GROUP, "nodeplanenodes", "create", false),
+    call(GROUP, "nodeplanenodes", "update", false),
+    call(GROUP, "nodeplanenodes", "delete", false),
+    call(GROUP, "ipblocks", "get", false),
+    call(GROUP, "ipblocks", "list", false),
+    call(GROUP, "ipblocks", "create", false),
+    call(GROUP, "ipblocks", "delete", false),
+    call(GROUP, "nodeplanevolumes", "get", false),
+    call(GROUP, "nodeplanevolumes", "list", false),
+    call(GROUP, "nodeplanevolumes", "create", false),
+    call(GROUP, "nodeplanevolumes", "update", false),
+    call(GROUP, "nodeplanevolumes", "delete", false),
+    // Node deletions release blocks
+    call("", "nodes", "list", false),
+    call("", "nodes", "watch", false),
+    // agent identity
+    call("authentication.k8s.io", "tokenreviews", "create", false),
+    // leader election
+    call("coordination.k8s.io", "leases", "get", true),
+    call("coordination.k8s.io", "leases", "create", true),
+    call("coordination.k8s.io", "leases", "update", true),
+];
+
+fn resource(kind: &str, plural: &str) -> ApiResource {
+    ApiResource {
+        group: GROUP.into(),
+        version: VERSION.into(),
+        api_version: format!("{GROUP}/{VERSION}"),
+        kind: kind.into(),
+        plural: plural.into(),
+    }
+}
+
+pub fn node_resource() -> ApiResource {
+    resource("NodeplaneNode", "nodeplanenodes")
+}
+pub fn block_resource() -> ApiResource {
+    resource("IPBlock", "ipblocks")
+}
+pub fn volume_resource() -> ApiResource {
+    resource("NodeplaneVolume", "nodeplanevolumes")
+}
+
+/// A client from the environment: `KUBECONFIG` / `~/.kube/config`, else the in-cluster
+/// service account.
+pub async fn client() -> Result<kube::Client, String> {
+    let cfg = kube::Config::infer().await.map_err(|e| format!("Kubernetes client configuration: {e}"))?;
+    kube::Client::try_from(cfg).map_err(|e| format!("Kubernetes client: {e}"))
+}
+
+/// The API's verdict on a failed call, if it was one.
+pub(crate) fn api_status(e: &kube::Error) -> Option<&kube::core::Status> {
+    match e {
+        kube::Error::Api(s) => Some(s),
+        _ => None,
+    }
+}
+
+pub(crate) fn is_not_found(e: &kube::Error) -> bool {
+    api_status(e).is_some_and(|s| s.is_not_found())
+}
+pub(crate) fn is_already_exists(e: &kube::Error) -> bool {
+    api_status(e).is_some_and(|s| s.is_already_exists())
+}
+pub(crate) fn is_conflict(e: &kube::Error) -> bool {
+    api_status(e).is_some_and(|s| s.is_conflict() && !s.is_already_exists())
+}
+
+/// A DNS-1123 subdomain (Kubernetes object names).
+pub fn valid_object_name(name: &str) -> bool {
+    crate::controller::store::valid_node_name(name)
+}

@@ -1,0 +1,461 @@
+//! The controller's Kubernetes mode against the in-process fake API server
+//! (`support/fake_apiserver.rs`): state in custom resources, block locks, optimistic
+//! concurrency, leader election on a Lease, Node deletions (also across a 410 Gone relist),
+//! agent identity by TokenReview, and two real controller processes failing over.
+
+#[path = "support/fake_apiserver.rs"]
+mod fake_apiserver;
+
+use std::collections::BTreeSet;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fake_apiserver::{FakeApiServer, UserInfo};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use nodeplane::controller::backend::Backend;
+use nodeplane::controller::config::Pool;
+use nodeplane::controller::kube::lease::{Attempt, Elector, LeaseSettings};
+use nodeplane::controller::kube::state::{KubeBackend, block_object_name};
+use nodeplane::controller::kube::{API_CALLS, GROUP};
+use nodeplane::controller::store::Registry;
+use nodeplane::controller::volumes::{VolState, VolumeRecord};
+use serde_json::json;
+
+const CTL_TOKEN: &str = "controller-token";
+const CTL_USER: &str = "system:serviceaccount:nodeplane-system:nodeplane-controller";
+const AGENT_SA: &str = "system:serviceaccount:nodeplane-system:nodeplane-agent";
+const NS: &str = "nodeplane-system";
+
+fn fake() -> FakeApiServer {
+    let f = FakeApiServer::start();
+    f.add_token(CTL_TOKEN, UserInfo::new(CTL_USER));
+    f.register(GROUP, "v1alpha1", "nodeplanenodes", "NodeplaneNode", false);
+    f.register(GROUP, "v1alpha1", "ipblocks", "IPBlock", false);
+    f.register(GROUP, "v1alpha1", "nodeplanevolumes", "NodeplaneVolume", false);
+    f
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+async fn kube_config(f: &FakeApiServer) -> kube::Config {
+    let kc = Kubeconfig::from_yaml(&f.kubeconfig_yaml(CTL_TOKEN)).unwrap();
+    kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap()
+}
+
+fn backend(f: &FakeApiServer) -> Arc<KubeBackend> {
+    let cfg = rt().block_on(kube_config(f));
+    Arc::new(KubeBackend::new(cfg).unwrap())
+}
+
+fn pools() -> Vec<Pool> {
+    vec![
+        Pool { net: "10.8.0.0/22".parse().unwrap(), block_prefix: 24 },
+        Pool { net: "fd00:8::/62".parse().unwrap(), block_prefix: 64 },
+    ]
+}
+
+fn registry(f: &FakeApiServer) -> Registry {
+    Registry::with_backend(backend(f), pools()).unwrap()
+}
+
+/// cidr -> node of every IPBlock object.
+fn locks(f: &FakeApiServer) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = f
+        .list(GROUP, "ipblocks")
+        .iter()
+        .map(|o| (o["spec"]["cidr"].as_str().unwrap().to_string(), o["spec"]["node"].as_str().unwrap().to_string()))
+        .collect();
+    v.sort();
+    v
+}
+
+fn lock_object(cidr: &str, node: &str) -> serde_json::Value {
+    json!({"apiVersion": format!("{GROUP}/v1alpha1"), "kind": "IPBlock",
+           "metadata": {"name": block_object_name(cidr)}, "spec": {"cidr": cidr, "node": node}})
+}
+
+#[test]
+fn registry_state_lives_in_api_objects() {
+    let f = fake();
+    let r = registry(&f);
+    let a = r.register("node-a", &["192.0.2.1".into()], "02:00:00:00:00:0a").unwrap();
+    let b = r.register("node-b", &["192.0.2.2".into()], "").unwrap();
+    assert_eq!(a.blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
+    assert_eq!(b.blocks, vec!["10.8.1.0/24", "fd00:8:0:1::/64"]);
+    let more = r.request_block("node-a", true).unwrap();
+    assert_eq!(more.blocks.len(), 3);
+    // The record, in allocation order, and one lock per block.
+    let rec = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    assert_eq!(rec["spec"]["blocks"], json!(["10.8.0.0/24", "fd00:8::/64", "10.8.2.0/24"]));
+    assert_eq!(rec["spec"]["vtepMac"], "02:00:00:00:00:0a");
+    assert_eq!(locks(&f).len(), 5);
+    assert!(f.get(GROUP, "ipblocks", None, "fd00-8---64").is_some());
+    drop(r);
+    // A new controller (new backend, new registry) finds the same state.
+    let r = registry(&f);
+    assert_eq!(r.get("node-a").unwrap(), more);
+    assert_eq!(r.get("node-b").unwrap(), b);
+    // Removal frees the locks; the next node gets the freed blocks.
+    r.remove("node-a").unwrap();
+    assert!(f.get(GROUP, "nodeplanenodes", None, "node-a").is_none());
+    assert_eq!(locks(&f), vec![("10.8.1.0/24".into(), "node-b".into()), ("fd00:8:0:1::/64".into(), "node-b".into())]);
+    let c = r.register("node-c", &["192.0.2.3".into()], "").unwrap();
+    assert_eq!(c.blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
+}
+
+#[test]
+fn load_repairs_interrupted_changes_and_refuses_a_block_held_twice() {
+    let f = fake();
+    {
+        let r = registry(&f);
+        r.register("node-a", &["192.0.2.1".into()], "").unwrap();
+    }
+    // A lock without a record (a crash between lock and record) is released at load; a record
+    // whose lock vanished gets it back.
+    f.put_object(GROUP, "ipblocks", None, lock_object("10.8.3.0/24", "node-z"));
+    f.delete_object(GROUP, "ipblocks", None, &block_object_name("fd00:8::/64"));
+    let r = registry(&f);
+    assert_eq!(r.get("node-a").unwrap().blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
+    assert_eq!(locks(&f), vec![("10.8.0.0/24".into(), "node-a".into()), ("fd00:8::/64".into(), "node-a".into())]);
+    drop(r);
+    // A block locked for another node than the record says: refuse to start.
+    f.put_object(GROUP, "ipblocks", None, lock_object("10.8.0.0/24", "node-q"));
+    let e = Registry::with_backend(backend(&f), pools()).err().expect("must refuse").to_string();
+    assert!(e.contains("10.8.0.0/24") && e.contains("node-q"), "{e}");
+}
+
+#[test]
+fn a_second_writer_is_detected_not_overwritten() {
+    let f = fake();
+    let r = registry(&f);
+    r.register("node-a", &["192.0.2.1".into()], "").unwrap();
+    // Someone else locks the block this registry would hand out next.
+    f.put_object(GROUP, "ipblocks", None, lock_object("10.8.1.0/24", "intruder"));
+    let e = r.register("node-b", &["192.0.2.2".into()], "").unwrap_err().to_string();
+    assert!(e.contains("10.8.1.0/24") && e.contains("intruder"), "{e}");
+    assert!(r.get("node-b").is_none(), "nothing recorded");
+    assert_eq!(f.get(GROUP, "ipblocks", None, "10-8-1-0-24").unwrap()["spec"]["node"], "intruder", "not overwritten");
+    assert!(f.get(GROUP, "ipblocks", None, &block_object_name("fd00:8:0:1::/64")).is_none(), "the v6 lock was not kept");
+    f.delete_object(GROUP, "ipblocks", None, "10-8-1-0-24");
+    // Someone else rewrites node-a's record: the next write of it fails with a conflict.
+    let mut rec = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    rec["spec"]["underlay"] = json!(["198.51.100.1"]);
+    f.put_object(GROUP, "nodeplanenodes", None, rec);
+    let e = r.request_block("node-a", true).unwrap_err().to_string();
+    assert!(e.contains("another writer"), "{e}");
+    assert_eq!(r.get("node-a").unwrap().blocks.len(), 2, "memory unchanged");
+    assert_eq!(locks(&f).iter().filter(|(_, n)| n == "node-a").count(), 2, "the new lock was rolled back");
+}
+
+#[test]
+fn a_failed_record_write_releases_the_new_locks() {
+    let f = fake();
+    let r = registry(&f);
+    f.fail_next("create", "nodeplanenodes", 500, 1);
+    assert!(r.register("node-a", &["192.0.2.1".into()], "").is_err());
+    assert!(locks(&f).is_empty(), "{:?}", locks(&f));
+    assert!(r.get("node-a").is_none());
+    // The retry succeeds with the same blocks.
+    assert_eq!(r.register("node-a", &["192.0.2.1".into()], "").unwrap().blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
+}
+
+#[test]
+fn volume_records_round_trip() {
+    let f = fake();
+    let be = backend(&f);
+    let v = |id: &str, state: VolState| VolumeRecord {
+        id: id.into(),
+        name: format!("claim-{id}"),
+        node: "node-a".into(),
+        size_bytes: 1 << 30,
+        fs_type: "ext4".into(),
+        state,
+        created_at: 1_700_000_000,
+        parameters: [("csi.storage.k8s.io/fstype".to_string(), "ext4".to_string())].into(),
+    };
+    be.commit_volumes(&[("pvc-1".into(), Some(v("pvc-1", VolState::Creating))), ("Odd_Id".into(), Some(v("Odd_Id", VolState::Creating)))])
+        .unwrap();
+    be.commit_volumes(&[("pvc-1".into(), Some(v("pvc-1", VolState::Ready)))]).unwrap();
+    let obj = f.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
+    assert_eq!(obj["spec"]["state"], "ready");
+    assert_eq!(obj["spec"]["sizeBytes"], 1u64 << 30);
+    let be2 = backend(&f);
+    let mut got = be2.load_volumes().unwrap();
+    got.sort_by(|a, b| a.id.cmp(&b.id));
+    assert_eq!(got, vec![v("Odd_Id", VolState::Creating), v("pvc-1", VolState::Ready)]);
+    be2.commit_volumes(&[("Odd_Id".into(), None), ("pvc-1".into(), None)]).unwrap();
+    assert!(f.list(GROUP, "nodeplanevolumes").is_empty());
+    // A stale writer (the first backend) cannot resurrect or overwrite.
+    assert!(be.commit_volumes(&[("pvc-1".into(), Some(v("pvc-1", VolState::Deleting)))]).is_err());
+}
+
+fn settings(identity: &str) -> LeaseSettings {
+    LeaseSettings {
+        namespace: NS.into(),
+        name: "nodeplane-controller".into(),
+        identity: identity.into(),
+        lease_duration: Duration::from_secs(2),
+        renew_deadline: Duration::from_millis(1500),
+        retry_period: Duration::from_millis(200),
+    }
+}
+
+#[test]
+fn leader_election_on_a_lease() {
+    let f = fake();
+    rt().block_on(async {
+        let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+        let mut a = Elector::new(client.clone(), settings("ctl-a"));
+        let mut b = Elector::new(client.clone(), settings("ctl-b"));
+        assert_eq!(a.try_acquire_or_renew().await.unwrap(), Attempt::Leading);
+        assert_eq!(b.try_acquire_or_renew().await.unwrap(), Attempt::HeldBy("ctl-a".into()));
+        // A conflicting write (another candidate got there first) is a lost race, not a win.
+        f.fail_next("update", "leases", 409, 1);
+        assert_eq!(a.try_acquire_or_renew().await.unwrap(), Attempt::Raced);
+        assert_eq!(a.try_acquire_or_renew().await.unwrap(), Attempt::Leading);
+        // a stops renewing (crashed): b waits a full lease duration from when it last saw a
+        // change, then takes over.
+        let t = Instant::now();
+        b.acquire(|_| {}).await;
+        let waited = t.elapsed();
+        assert!(waited >= Duration::from_millis(1500) && waited < Duration::from_secs(5), "{waited:?}");
+        let lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+        assert_eq!(lease["spec"]["holderIdentity"], "ctl-b");
+        assert_eq!(lease["spec"]["leaseTransitions"], 1);
+        // a comes back: it sees b holding it, and its own keep() reports the loss.
+        let lost = a.keep(std::future::pending()).await;
+        assert!(lost.unwrap().contains("ctl-b"));
+        // b releases on shutdown: a takes over at once, no expiry wait.
+        let keep_b = tokio::spawn(async move { b.keep(tokio::time::sleep(Duration::from_millis(300))).await });
+        assert_eq!(keep_b.await.unwrap(), None);
+        let t = Instant::now();
+        a.acquire(|_| {}).await;
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        // An API that stops answering makes the leader give up within the renew deadline.
+        f.set_unavailable(true);
+        let t = Instant::now();
+        let lost = a.keep(std::future::pending()).await;
+        assert!(lost.is_some() && t.elapsed() < Duration::from_secs(3), "{lost:?} {:?}", t.elapsed());
+        f.set_unavailable(false);
+    });
+}
+
+fn node_object(name: &str) -> serde_json::Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn node_deletion_releases_blocks_also_across_a_relist() {
+    let f = fake();
+    for n in ["node-a", "node-b", "node-c"] {
+        f.put_object("", "nodes", None, node_object(n));
+    }
+    let reg = Arc::new(registry(&f));
+    for (i, n) in ["node-a", "node-b", "node-c", "node-d"].iter().enumerate() {
+        reg.register(n, &[format!("192.0.2.{}", i + 1)], "").unwrap();
+    }
+    let rt = rt();
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let client = rt.block_on(async { kube::Client::try_from(kube_config(&f).await).unwrap() });
+    let task = rt.spawn(nodeplane::controller::kube::nodes::follow(client, reg.clone(), stop));
+    // node-d has no Node object at all: released by the first list.
+    wait_until("node-d released", Duration::from_secs(10), || reg.get("node-d").is_none());
+    // A Delete event.
+    f.delete_object("", "nodes", None, "node-b");
+    wait_until("node-b released", Duration::from_secs(10), || reg.get("node-b").is_none());
+    assert!(!locks(&f).iter().any(|(_, n)| n == "node-b" || n == "node-d"));
+    // A deletion the watch never sees: the API is unreachable, node-c goes, history is
+    // compacted and the watch closed; the watcher's resume gets 410 Gone, relists, and
+    // finds node-c missing.
+    f.set_paused(true);
+    f.delete_object("", "nodes", None, "node-c");
+    f.compact();
+    f.close_watches();
+    f.set_paused(false);
+    wait_until("node-c released after the relist", Duration::from_secs(20), || reg.get("node-c").is_none());
+    assert!(reg.get("node-a").is_some(), "node-a still has its Node object");
+    let _ = stop_tx.send(true);
+    rt.block_on(task).unwrap();
+    // What it called is exactly what the RBAC grants for this part.
+    let used: BTreeSet<(String, String)> = f.calls().into_iter().filter(|c| c.2 == "nodes").map(|c| (c.0, c.2)).collect();
+    assert_eq!(used, [("list".to_string(), "nodes".to_string()), ("watch".to_string(), "nodes".to_string())].into());
+}
+
+#[test]
+fn agents_are_identified_by_token_review() {
+    use nodeplane::controller::auth::{Authority, Identity};
+    use nodeplane::controller::kube::review::{NODE_NAME_EXTRA, TokenReviewer};
+    let f = fake();
+    let agent = |node: &str, aud: &str, user: &str| UserInfo {
+        username: user.into(),
+        uid: "u".into(),
+        groups: vec!["system:serviceaccounts".into()],
+        extra: [(NODE_NAME_EXTRA.to_string(), vec![node.to_string()])].into(),
+        audiences: vec![aud.into()],
+    };
+    f.add_token("tok-n1", agent("node-1", "nodeplane", AGENT_SA));
+    f.add_token("tok-wrong-aud", agent("node-1", "vault", AGENT_SA));
+    f.add_token("tok-other-sa", agent("node-1", "nodeplane", "system:serviceaccount:default:default"));
+    rt().block_on(async {
+        let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+        let auth = Authority::new(b"0123456789abcdef0123456789abcdef".to_vec())
+            .with_reviewer(TokenReviewer::new(client, "nodeplane", AGENT_SA));
+        assert_eq!(auth.identify("Bearer tok-n1").await.unwrap(), Identity::Node("node-1".into()));
+        assert!(Identity::Node("node-1".into()).may_act_for("node-1") && !Identity::Node("node-1".into()).may_act_for("node-2"));
+        assert_eq!(auth.identify("Bearer tok-wrong-aud").await.unwrap_err().code(), tonic::Code::Unauthenticated);
+        assert_eq!(auth.identify("Bearer tok-other-sa").await.unwrap_err().code(), tonic::Code::PermissionDenied);
+        assert_eq!(auth.identify("Bearer nonsense").await.unwrap_err().code(), tonic::Code::Unauthenticated);
+        // HMAC tokens keep working beside it (the admin's).
+        let admin = auth.mint("@admin");
+        assert_eq!(auth.identify(&format!("Bearer {admin}")).await.unwrap(), Identity::Admin);
+        // An API server that cannot be asked is UNAVAILABLE (retry), not a denial.
+        f.set_unavailable(true);
+        assert_eq!(auth.identify("Bearer tok-unseen").await.unwrap_err().code(), tonic::Code::Unavailable);
+        f.set_unavailable(false);
+        // Verdicts are cached: a revoked token keeps working until the cache entry expires,
+        // which is bounded (60 s) — the API is asked once per token per minute, not per call.
+        let before = f.calls().iter().filter(|c| c.2 == "tokenreviews").count();
+        auth.identify("Bearer tok-n1").await.unwrap();
+        assert_eq!(f.calls().iter().filter(|c| c.2 == "tokenreviews").count(), before);
+    });
+}
+
+// ---- two real controller processes ----------------------------------------------------------
+
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn http_get(port: u16, path: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    out.split_whitespace().nth(1)?.parse().ok()
+}
+
+struct Ctl {
+    proc: Proc,
+    health: u16,
+    grpc: u16,
+}
+
+fn controller(dir: &std::path::Path, kubeconfig: &std::path::Path, name: &str) -> Ctl {
+    let (health, grpc) = (free_port(), free_port());
+    let data = dir.join(name);
+    std::fs::create_dir_all(&data).unwrap();
+    let cfg = json!({
+        "dataDir": data, "listen": format!("127.0.0.1:{grpc}"), "healthAddress": format!("127.0.0.1:{health}"),
+        "pools": [{"cidr": "10.8.0.0/22", "blockPrefix": 24}, {"cidr": "fd00:8::/62", "blockPrefix": 64}],
+        "secretFile": dir.join("secret"),
+        "store": {"kind": "kubernetes", "namespace": NS, "leaseDurationSeconds": 3, "renewDeadlineSeconds": 2, "retryPeriodSeconds": 1},
+        "agentAuth": {"kind": "tokenReview", "audience": "nodeplane", "serviceAccount": AGENT_SA},
+    });
+    let path = dir.join(format!("{name}.json"));
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_nodeplane-controller"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .env("KUBECONFIG", kubeconfig)
+        .env("POD_NAME", name)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    Ctl { proc: Proc(child), health, grpc }
+}
+
+async fn register(grpc: u16, token: &str, node: &str) -> Result<Vec<String>, tonic::Status> {
+    use nodeplane::rpc::controller as pb;
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{grpc}")).unwrap().connect().await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let mut c = pb::node_registry_client::NodeRegistryClient::new(ch);
+    let mut req = tonic::Request::new(pb::RegisterRequest { node_name: node.into(), underlay_addresses: vec!["192.0.2.9".into()], vtep_mac: String::new() });
+    req.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    Ok(c.register(req).await?.into_inner().node.unwrap().pod_blocks)
+}
+
+#[test]
+fn two_controller_processes_fail_over_without_losing_blocks() {
+    let f = fake();
+    let dir = tempdir("kube-failover");
+    let kubeconfig = dir.join("kubeconfig");
+    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
+    f.add_token(
+        "agent-n1",
+        UserInfo {
+            username: AGENT_SA.into(),
+            uid: "u1".into(),
+            groups: vec![],
+            extra: [(nodeplane::controller::kube::review::NODE_NAME_EXTRA.to_string(), vec!["node-1".to_string()])].into(),
+            audiences: vec!["nodeplane".into()],
+        },
+    );
+    f.put_object("", "nodes", None, node_object("node-1"));
+    let a = controller(&dir, &kubeconfig, "ctl-a");
+    wait_until("ctl-a ready", Duration::from_secs(20), || http_get(a.health, "/readyz") == Some(200));
+    let b = controller(&dir, &kubeconfig, "ctl-b");
+    wait_until("ctl-b live", Duration::from_secs(20), || http_get(b.health, "/healthz") == Some(200));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(http_get(b.health, "/readyz"), Some(503), "the standby is not ready");
+    let rt = rt();
+    let blocks = rt.block_on(register(a.grpc, "agent-n1", "node-1")).unwrap();
+    assert_eq!(blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
+    // The agent's token speaks for node-1 only.
+    assert_eq!(rt.block_on(register(a.grpc, "agent-n1", "node-2")).unwrap_err().code(), tonic::Code::PermissionDenied);
+    // kill -9 the leader: the standby takes over after the lease expires and serves the same
+    // blocks (nothing lost, nothing handed out twice).
+    let t = Instant::now();
+    drop(a);
+    wait_until("ctl-b leads", Duration::from_secs(20), || http_get(b.health, "/readyz") == Some(200));
+    let failover = t.elapsed();
+    assert_eq!(rt.block_on(register(b.grpc, "agent-n1", "node-1")).unwrap(), blocks);
+    eprintln!("failover after kill -9 of the leader: {failover:?}");
+    // A clean stop releases the lease: a new candidate leads at once.
+    let c = controller(&dir, &kubeconfig, "ctl-c");
+    wait_until("ctl-c live", Duration::from_secs(20), || http_get(c.health, "/healthz") == Some(200));
+    unsafe { libc::kill(b.proc.0.id() as i32, libc::SIGTERM) };
+    let t = Instant::now();
+    wait_until("ctl-c leads", Duration::from_secs(20), || http_get(c.health, "/readyz") == Some(200));
+    let handover = t.elapsed();
+    eprintln!("handover after SIGTERM of the leader: {handover:?}");
+    assert!(handover < Duration::from_secs(3), "{handover:?}");
+    assert_eq!(rt.block_on(register(c.grpc, "agent-n1", "node-1")).unwrap(), blocks);
+    drop(b);
+    drop(c);
+    // Every call the processes made is one the RBAC grants (API_CALLS), nothing more.
+    let granted: BTreeSet<(String, String, String)> =
+        API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
+    for (verb, group, resource, _) in f.calls() {
+        assert!(granted.contains(&(verb.clone(), group.clone(), resource.clone())), "{verb} {group}/{resource} is not in API_CALLS");
+    }
+}
+
+fn tempdir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("np-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
