@@ -1,0 +1,1160 @@
+"""The Kubernetes manifests in daemonset/: rendered with kustomize, validated offline against
+the Kubernetes 1.33 API schemas (strict: unknown fields are errors), and checked for what a
+schema cannot see: the shipped agent and controller configurations are loaded by the real
+binaries (`check-config`), every path the agent uses is mounted from the host with the right
+propagation, probes hit the address and paths the health servers serve, the controller's RBAC
+equals the API calls its code makes (`nodeplane-controller api-calls`), selectors match
+their pods, images are pinned to the Cargo version, and the CRD schemas accept the objects
+the controller writes and reject malformed ones.
+
+No API server is needed. Missing tools (kubectl, kubernetes-validate, the release binaries)
+make these tests fail, never skip.
+"""
+
+import copy
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+import cluster
+import harness
+
+REPO = harness.REPO
+DAEMONSET = REPO / "daemonset"
+BASE = DAEMONSET / "base"
+OVERLAY = DAEMONSET / "overlays" / "example"
+EXAMPLES = DAEMONSET / "examples"
+KIND_E2E = REPO / "scripts" / "kind-e2e"
+AGENT_BIN = harness.AGENT_BIN
+CONTROLLER_BIN = cluster.CONTROLLER_BIN
+
+# The Kubernetes version the manifests are validated against (named in daemonset/README.md).
+K8S_VERSION = "1.33.0"
+NAMESPACE = "nodeplane-system"
+DRIVER_NAME_RE = re.compile(r'pub const DRIVER_NAME: &str = "([^"]+)";')
+SUN_PATH_MAX = 107  # bytes of a Unix socket path, without the NUL
+# The environment the DaemonSet gives the agent, with sample values.
+AGENT_ENV = {"NODE_NAME": "n1", "NODE_IPS": "192.0.2.1", "NODEPLANE_CONTROLLER_ADDRESS": "10.0.0.1:9650"}
+CONTROLLER_ENV = {"POD_NAME": "nodeplane-controller-0", "POD_NAMESPACE": NAMESPACE}
+
+
+# ----------------------------------------------------------------- helpers
+
+def need_tool(name):
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed (scripts/install-deps installs it); the manifest tests cannot run")
+    return path
+
+
+def need_binary(path):
+    if not path.exists():
+        pytest.fail(f"{path} is missing: run `cargo build --release` first")
+    return path
+
+
+def cargo_version():
+    return tomllib.loads((REPO / "Cargo.toml").read_text())["package"]["version"]
+
+
+def driver_name():
+    m = DRIVER_NAME_RE.search((REPO / "src/csi/mod.rs").read_text())
+    assert m, "src/csi/mod.rs no longer defines DRIVER_NAME"
+    return m.group(1)
+
+
+def render(path):
+    kubectl = need_tool("kubectl")
+    res = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, f"kubectl kustomize {path} failed: {res.stderr}"
+    docs = [d for d in yaml.safe_load_all(res.stdout) if d]
+    assert docs, f"kubectl kustomize {path} rendered nothing"
+    return res.stdout, docs
+
+
+def load_yaml_docs(path):
+    return [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+
+
+def key(doc):
+    return doc["kind"], doc["metadata"].get("namespace"), doc["metadata"]["name"]
+
+
+def find(docs, kind, name, namespace=None):
+    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name
+            and (namespace is None or d["metadata"].get("namespace") == namespace)]
+    assert len(hits) == 1, f"expected one {kind} {name}, found {len(hits)}"
+    return hits[0]
+
+
+def of_kind(docs, kind):
+    return [d for d in docs if d["kind"] == kind]
+
+
+def pod_spec(doc):
+    return doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
+
+
+def containers(doc):
+    spec = pod_spec(doc)
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def container(doc, name):
+    hits = [c for c in containers(doc) if c["name"] == name]
+    assert len(hits) == 1, f"{doc['metadata']['name']}: expected one container {name}"
+    return hits[0]
+
+
+def workloads(docs):
+    return [d for d in docs if d["kind"] in ("DaemonSet", "Deployment", "StatefulSet", "Pod", "Job")]
+
+
+def camel_to_snake(s):
+    return re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), s)
+
+
+def get(d, dotted):
+    """A value from a resolved configuration printed by `check-config`, by its camelCase path
+    (snake_case keys are accepted as well)."""
+    cur = d
+    for part in dotted.split("."):
+        assert isinstance(cur, dict), f"{dotted}: {part} is not inside an object"
+        for k in (part, camel_to_snake(part)):
+            if k in cur:
+                cur = cur[k]
+                break
+        else:
+            raise AssertionError(f"check-config output has no {dotted} (keys here: {sorted(cur)})")
+    return cur
+
+
+def split_host_port(addr):
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def parse_duration(s):
+    total, rest = 0.0, s
+    for num, unit in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", s):
+        total += float(num) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+        rest = rest.replace(num + unit, "", 1)
+    assert total > 0 and not rest, f"not a duration: {s!r}"
+    return total
+
+
+def arg_value(args, flag):
+    vals = [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+    assert len(vals) == 1, f"expected one {flag}=… in {args}"
+    return vals[0]
+
+
+def resolve_port(c, port):
+    if isinstance(port, int):
+        return port
+    hits = [p["containerPort"] for p in c.get("ports", []) if p.get("name") == port]
+    assert hits, f"container {c['name']} has no port named {port}"
+    return hits[0]
+
+
+def under(path, mount_path):
+    path, mount_path = os.path.normpath(path), os.path.normpath(mount_path)
+    return path == mount_path or path.startswith(mount_path.rstrip("/") + "/")
+
+
+def covering_mount(doc, cont, path):
+    """The volumeMount of `cont` that holds `path` (the deepest one), and its volume."""
+    mounts = [m for m in cont.get("volumeMounts", []) if under(path, m["mountPath"])]
+    assert mounts, f"{path} is not under any volumeMount of container {cont['name']}"
+    m = max(mounts, key=lambda m: len(m["mountPath"]))
+    vols = {v["name"]: v for v in pod_spec(doc).get("volumes", [])}
+    return m, vols[m["name"]]
+
+
+def run_check_config(binary, cfg_text, env_extra):
+    need_binary(binary)
+    with tempfile.TemporaryDirectory(prefix="np-manifests-") as d:
+        p = Path(d) / "config.json"
+        p.write_text(cfg_text)
+        env = dict(os.environ, **env_extra)
+        env.pop("NODEPLANE_LOG", None)
+        res = subprocess.run([str(binary), "check-config", "--config", str(p)],
+                             capture_output=True, text=True, env=env, timeout=60)
+    return res
+
+
+def check_config_json(binary, cfg_text, env_extra):
+    res = run_check_config(binary, cfg_text, env_extra)
+    assert res.returncode == 0, (
+        f"`{binary.name} check-config` rejected the shipped configuration (exit {res.returncode}):\n"
+        f"{res.stderr}\n{res.stdout}\n--- config ---\n{cfg_text}")
+    try:
+        return json.loads(res.stdout)
+    except json.JSONDecodeError as e:
+        raise AssertionError(f"`{binary.name} check-config` did not print JSON ({e}):\n{res.stdout}")
+
+
+def expand_rules(rules, namespaced):
+    out = set()
+    for r in rules:
+        assert "nonResourceURLs" not in r, f"unexpected nonResourceURLs rule {r}"
+        for g in r["apiGroups"]:
+            for res in r["resources"]:
+                for v in r["verbs"]:
+                    out.add((g, res, v, namespaced))
+    return out
+
+
+# ----------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def base():
+    return render(DAEMONSET)[1]
+
+
+@pytest.fixture(scope="module")
+def overlay():
+    return render(OVERLAY)[1]
+
+
+@pytest.fixture(scope="module")
+def examples():
+    docs = []
+    for f in sorted(EXAMPLES.glob("*.yaml")):
+        docs.extend(load_yaml_docs(f))
+    assert docs, "daemonset/examples holds no manifests"
+    return docs
+
+
+def agent_json(docs):
+    return find(docs, "ConfigMap", "nodeplane-agent-config", NAMESPACE)["data"]["agent.json"]
+
+
+def controller_json(docs):
+    return find(docs, "ConfigMap", "nodeplane-controller-config", NAMESPACE)["data"]["controller.json"]
+
+
+@pytest.fixture(scope="module")
+def agent_cfg(base):
+    return json.loads(agent_json(base))
+
+
+@pytest.fixture(scope="module")
+def controller_cfg(base):
+    return json.loads(controller_json(base))
+
+
+@pytest.fixture(scope="module")
+def agent_resolved(base):
+    return check_config_json(AGENT_BIN, agent_json(base), AGENT_ENV)
+
+
+@pytest.fixture(scope="module")
+def ds(base):
+    return find(base, "DaemonSet", "nodeplane-agent", NAMESPACE)
+
+
+@pytest.fixture(scope="module")
+def deploy(base):
+    return find(base, "Deployment", "nodeplane-controller", NAMESPACE)
+
+
+# ----------------------------------------------------------------- rendering and schemas
+
+def test_render_top_level_is_the_base():
+    top_text, top = render(DAEMONSET)
+    base_text, base_docs = render(BASE)
+    assert top_text == base_text, "daemonset/kustomization.yaml must render exactly daemonset/base"
+    names = {key(d) for d in top}
+    assert len(names) == len(top), "duplicate objects in the render"
+    expected = {
+        ("Namespace", None, NAMESPACE),
+        ("ResourceQuota", NAMESPACE, "nodeplane-critical-pods"),
+        ("CustomResourceDefinition", None, "nodeplanenodes.nodeplane.dev"),
+        ("CustomResourceDefinition", None, "ipblocks.nodeplane.dev"),
+        ("CustomResourceDefinition", None, "nodeplanevolumes.nodeplane.dev"),
+        ("ServiceAccount", NAMESPACE, "nodeplane-agent"),
+        ("ServiceAccount", NAMESPACE, "nodeplane-controller"),
+        ("ClusterRole", None, "nodeplane-controller"),
+        ("ClusterRoleBinding", None, "nodeplane-controller"),
+        ("Role", NAMESPACE, "nodeplane-controller"),
+        ("RoleBinding", NAMESPACE, "nodeplane-controller"),
+        ("ClusterRole", None, "nodeplane-csi-provisioner"),
+        ("ClusterRoleBinding", None, "nodeplane-csi-provisioner"),
+        ("Role", NAMESPACE, "nodeplane-csi-provisioner"),
+        ("RoleBinding", NAMESPACE, "nodeplane-csi-provisioner"),
+        ("ClusterRole", None, "nodeplane-csi-resizer"),
+        ("ClusterRoleBinding", None, "nodeplane-csi-resizer"),
+        ("Role", NAMESPACE, "nodeplane-csi-resizer"),
+        ("RoleBinding", NAMESPACE, "nodeplane-csi-resizer"),
+        ("ConfigMap", NAMESPACE, "nodeplane-agent-config"),
+        ("ConfigMap", NAMESPACE, "nodeplane-controller-config"),
+        ("Service", NAMESPACE, "nodeplane-controller"),
+        ("Deployment", NAMESPACE, "nodeplane-controller"),
+        ("DaemonSet", NAMESPACE, "nodeplane-agent"),
+        ("CSIDriver", None, "csi.nodeplane.dev"),
+        ("StorageClass", None, "nodeplane-local"),
+    }
+    assert names == expected, f"missing: {expected - names}; unexpected: {names - expected}"
+
+
+def test_examples_are_not_in_the_base(base, examples):
+    rendered = {key(d) for d in base}
+    for d in examples:
+        assert key(d) not in rendered, f"example {key(d)} is part of the base"
+
+
+def _validate_docs(docs, what):
+    import kubernetes_validate
+    for d in docs:
+        try:
+            kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError as e:
+            pytest.fail(f"{what}: no Kubernetes {K8S_VERSION} schema for {key(d)}: {e.message}")
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            pytest.fail(f"{what}: {key(d)} is invalid for Kubernetes {K8S_VERSION}: {path}: {e.message}")
+
+
+def _validate_cli(files, ndocs):
+    cli = need_tool("kubernetes-validate")
+    res = subprocess.run([cli, "--strict", "--kubernetes-version", K8S_VERSION, *map(str, files)],
+                         capture_output=True, text=True)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, f"kubernetes-validate failed:\n{out}"
+    bad = [l for l in out.splitlines() if l.split(" ", 1)[0] in ("WARN", "ERROR", "FATAL")]
+    assert not bad, "kubernetes-validate:\n" + "\n".join(bad)
+    passed = [l for l in out.splitlines() if l.startswith("INFO") and " passed " in l]
+    assert len(passed) == ndocs, f"{len(passed)} of {ndocs} documents passed:\n{out}"
+
+
+@pytest.mark.parametrize("path", [DAEMONSET, OVERLAY], ids=["base", "overlay"])
+def test_kubernetes_validate_strict(path, tmp_path):
+    need_tool("kubernetes-validate")
+    text, docs = render(path)
+    _validate_docs(docs, str(path.relative_to(REPO)))
+    f = tmp_path / "rendered.yaml"
+    f.write_text(text)
+    _validate_cli([f], len(docs))
+
+
+def test_kubernetes_validate_strict_examples(examples):
+    need_tool("kubernetes-validate")
+    _validate_docs(examples, "daemonset/examples")
+    _validate_cli(sorted(EXAMPLES.glob("*.yaml")), len(examples))
+
+
+def test_validator_is_strict():
+    """The validator itself rejects an unknown field (strict mode is really on)."""
+    import kubernetes_validate
+    bad = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}, "dataa": {}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+# ----------------------------------------------------------------- labels, selectors, volumes
+
+def test_labels(base):
+    version = cargo_version()
+    for d in base:
+        labels = d["metadata"].get("labels", {})
+        for k, v in (("app.kubernetes.io/name", "nodeplane"), ("app.kubernetes.io/part-of", "nodeplane"),
+                     ("app.kubernetes.io/version", version)):
+            assert labels.get(k) == v, f"{key(d)}: label {k}={labels.get(k)!r}, expected {v!r}"
+    components = {
+        ("DaemonSet", "nodeplane-agent"): "agent",
+        ("ServiceAccount", "nodeplane-agent"): "agent",
+        ("ConfigMap", "nodeplane-agent-config"): "agent",
+        ("Deployment", "nodeplane-controller"): "controller",
+        ("Service", "nodeplane-controller"): "controller",
+        ("ServiceAccount", "nodeplane-controller"): "controller",
+        ("ConfigMap", "nodeplane-controller-config"): "controller",
+    }
+    for (kind, name), comp in components.items():
+        d = find(base, kind, name, NAMESPACE)
+        assert d["metadata"]["labels"].get("app.kubernetes.io/component") == comp, key(d)
+    for d in workloads(base):
+        tl = d["spec"]["template"]["metadata"]["labels"]
+        assert tl.get("app.kubernetes.io/version") == version, f"{key(d)}: pod template version label"
+        assert tl.get("app.kubernetes.io/component") == d["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+@pytest.mark.parametrize("which", ["base", "overlay"])
+def test_selectors_match_pod_templates(which, request):
+    docs = request.getfixturevalue(which)
+    for d in workloads(docs):
+        if d["kind"] == "Pod":
+            continue
+        sel = d["spec"]["selector"]
+        assert set(sel) == {"matchLabels"}, f"{key(d)}: use matchLabels only"
+        ml = sel["matchLabels"]
+        tl = d["spec"]["template"]["metadata"]["labels"]
+        assert ml and all(tl.get(k) == v for k, v in ml.items()), f"{key(d)}: selector {ml} does not match {tl}"
+        assert "app.kubernetes.io/version" not in ml, f"{key(d)}: selectors are immutable: no version in them"
+    # The selectors tell the two workloads apart.
+    ds = find(docs, "DaemonSet", "nodeplane-agent", NAMESPACE)
+    dep = find(docs, "Deployment", "nodeplane-controller", NAMESPACE)
+    agent_labels = ds["spec"]["template"]["metadata"]["labels"]
+    ctl_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert not all(agent_labels.get(k) == v for k, v in dep["spec"]["selector"]["matchLabels"].items())
+    assert not all(ctl_labels.get(k) == v for k, v in ds["spec"]["selector"]["matchLabels"].items())
+    # The Service selects the controller pods and nothing else.
+    svc = find(docs, "Service", "nodeplane-controller", NAMESPACE)
+    sel = svc["spec"]["selector"]
+    assert all(ctl_labels.get(k) == v for k, v in sel.items()), f"Service selector {sel} misses the controller pods"
+    assert not all(agent_labels.get(k) == v for k, v in sel.items()), "Service selector also matches the agents"
+    # The anti-affinity term selects the controller's own pods.
+    terms = dep["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert len(terms) == 1 and terms[0]["topologyKey"] == "kubernetes.io/hostname"
+    aml = terms[0]["labelSelector"]["matchLabels"]
+    assert all(ctl_labels.get(k) == v for k, v in aml.items())
+
+
+@pytest.mark.parametrize("which", ["base", "overlay", "examples"])
+def test_volume_mounts_reference_volumes(which, request):
+    docs = request.getfixturevalue(which)
+    for d in workloads(docs):
+        vols = [v["name"] for v in pod_spec(d).get("volumes", [])]
+        assert len(vols) == len(set(vols)), f"{key(d)}: duplicate volume names"
+        used = set()
+        for c in containers(d):
+            paths = [m["mountPath"] for m in c.get("volumeMounts", [])]
+            assert len(paths) == len(set(paths)), f"{key(d)}/{c['name']}: duplicate mountPath"
+            for m in c.get("volumeMounts", []):
+                assert m["name"] in vols, f"{key(d)}/{c['name']}: mount {m['name']} has no volume"
+                used.add(m["name"])
+        assert used == set(vols), f"{key(d)}: volumes never mounted: {set(vols) - used}"
+
+
+# ----------------------------------------------------------------- images
+
+@pytest.mark.parametrize("which", ["base", "overlay", "examples"])
+def test_images_pinned(which, request):
+    docs = request.getfixturevalue(which)
+    version = cargo_version()
+    ours = 0
+    for d in workloads(docs):
+        for c in containers(d):
+            image = c["image"]
+            name, _, digest = image.partition("@")
+            last = name.rsplit("/", 1)[-1]
+            assert ":" in last or digest, f"{key(d)}/{c['name']}: image {image} has no tag"
+            tag = last.split(":", 1)[1] if ":" in last else ""
+            assert tag != "latest", f"{key(d)}/{c['name']}: image {image} uses latest"
+            assert c.get("imagePullPolicy") == "IfNotPresent", f"{key(d)}/{c['name']}: imagePullPolicy"
+            repo = name.rsplit(":", 1)[0] if ":" in last else name
+            if repo.rsplit("/", 1)[-1] == "nodeplane":
+                ours += 1
+                assert tag == version, f"{key(d)}/{c['name']}: {image}: the tag must be the Cargo version {version}"
+            elif repo.startswith("registry.k8s.io/sig-storage/"):
+                assert re.fullmatch(r"v\d+\.\d+\.\d+", tag), f"{image}: pin a release version"
+    if which != "examples":
+        assert ours == 2, "the agent and the controller run the nodeplane image"
+
+
+def test_image_is_localhost_nodeplane(ds, deploy):
+    version = cargo_version()
+    assert container(ds, "agent")["image"] == f"localhost/nodeplane:{version}"
+    assert container(deploy, "controller")["image"] == f"localhost/nodeplane:{version}"
+
+
+# ----------------------------------------------------------------- the agent
+
+def test_agent_pod(base, ds, agent_cfg):
+    spec = pod_spec(ds)
+    assert spec["hostNetwork"] is True
+    assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["tolerations"] == [{"operator": "Exists"}]
+    assert 20 <= spec["terminationGracePeriodSeconds"] <= 60
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
+    assert spec["serviceAccountName"] == "nodeplane-agent"
+    assert spec["automountServiceAccountToken"] is False
+    assert find(base, "ServiceAccount", "nodeplane-agent", NAMESPACE)["automountServiceAccountToken"] is False
+    c = container(ds, "agent")
+    assert c["securityContext"]["privileged"] is True
+    assert c["command"] == ["/usr/local/bin/nodeplane-agent", "--config", "/etc/nodeplane/agent.json", "--log-format", "json"]
+    # The --config file is the agent.json key of the agent ConfigMap.
+    m, vol = covering_mount(ds, c, "/etc/nodeplane/agent.json")
+    rel = os.path.relpath("/etc/nodeplane/agent.json", m["mountPath"])
+    srcs = [s["configMap"] for s in vol["projected"]["sources"] if "configMap" in s]
+    assert any(s["name"] == "nodeplane-agent-config" and {"key": "agent.json", "path": rel} in s["items"]
+               and not s.get("optional") for s in srcs)
+    # The configuration leaves node identity and the controller address to the environment.
+    assert "nodeName" not in agent_cfg
+    assert agent_cfg["controller"]["address"] == ""
+    assert agent_cfg["controller"]["underlayAddresses"] == []
+    assert agent_cfg["controller"]["routeMode"] == "auto"
+    assert agent_cfg["csi"]["enabled"] is True and agent_cfg["devicePlugins"]["enabled"] is True
+    assert "podCidrs" not in agent_cfg, "blocks come from the controller"
+
+
+def test_agent_environment(base, ds):
+    c = container(ds, "agent")
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["NODE_IPS"]["valueFrom"]["fieldRef"]["fieldPath"] in ("status.hostIPs", "status.hostIP")
+    # Kubernetes expands $(VAR) from the service links of Services in the pod's namespace.
+    svc = find(base, "Service", "nodeplane-controller", NAMESPACE)
+    assert svc["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    assert pod_spec(ds).get("enableServiceLinks", True) is True
+    prefix = svc["metadata"]["name"].upper().replace("-", "_")
+    grpc = [p for p in svc["spec"]["ports"] if p["name"] == "grpc"]
+    assert len(grpc) == 1
+    expected = f"$({prefix}_SERVICE_HOST):$({prefix}_SERVICE_PORT_{grpc[0]['name'].upper()})"
+    assert env["NODEPLANE_CONTROLLER_ADDRESS"]["value"] == expected
+    # Referenced variables that are not service links must be defined before use.
+    names = [e["name"] for e in c["env"]]
+    for i, e in enumerate(c["env"]):
+        for ref in re.findall(r"\$\(([A-Z0-9_]+)\)", e.get("value", "")):
+            assert ref.startswith(prefix + "_SERVICE_") or ref in names[:i], f"{e['name']} uses undefined $({ref})"
+
+
+def test_agent_config_loads(agent_resolved):
+    """The shipped agent.json, with the DaemonSet's environment, through the agent's parser."""
+    assert get(agent_resolved, "nodeName") == AGENT_ENV["NODE_NAME"]
+    assert get(agent_resolved, "controller.address") == AGENT_ENV["NODEPLANE_CONTROLLER_ADDRESS"]
+    assert get(agent_resolved, "controller.underlayAddresses") == [AGENT_ENV["NODE_IPS"]]
+    assert get(agent_resolved, "healthAddress") == "127.0.0.1:9640"
+
+
+def test_agent_config_dual_stack_node_ips(base):
+    """status.hostIPs on a dual-stack node: both addresses, comma-separated, primary first."""
+    env = dict(AGENT_ENV, NODE_IPS="192.0.2.1,2001:db8::1")
+    r = check_config_json(AGENT_BIN, agent_json(base), env)
+    assert get(r, "controller.underlayAddresses") == ["192.0.2.1", "2001:db8::1"]
+
+
+def test_agent_config_without_environment_fails(base):
+    """Without NODE_NAME the agent does not start with a made-up identity."""
+    env = {k: v for k, v in AGENT_ENV.items() if k != "NODE_NAME"}
+    saved = os.environ.pop("NODE_NAME", None)
+    try:
+        res = run_check_config(AGENT_BIN, agent_json(base), env)
+    finally:
+        if saved is not None:
+            os.environ["NODE_NAME"] = saved
+    assert res.returncode == 2, f"check-config accepted a configuration without a node name:\n{res.stdout}"
+    assert "NODE_NAME" in res.stderr, f"the error does not name NODE_NAME: {res.stderr}"
+
+
+def test_agent_paths_are_mounted(ds, agent_resolved, controller_cfg):
+    """Every path the agent uses is in a mount, at the same path as on the host (the shim and
+    the kubelet on the host use the paths the agent writes)."""
+    c = container(ds, "agent")
+    on_host = ["cniBinDir", "shimPath", "cniConfDir", "conflistPath", "cniSocket", "nodeSocket", "stateDir",
+               "pendingDeleteDir", "csi.volumeDir", "devicePlugins.cdiDir"]
+    for k in on_host:
+        p = get(agent_resolved, k)
+        assert os.path.isabs(p), f"{k} {p} is not absolute"
+        m, vol = covering_mount(ds, c, p)
+        assert "hostPath" in vol, f"{k} {p} is in volume {vol['name']}, not a host path"
+    # The kubelet directory: its own mount, propagating both ways (CSI staging and publish
+    # mounts must reach the host; device plugin and registration sockets live there).
+    kubelet = get(agent_resolved, "kubeletDir")
+    m, vol = covering_mount(ds, c, kubelet)
+    assert os.path.normpath(m["mountPath"]) == os.path.normpath(kubelet)
+    assert vol["hostPath"]["path"] == kubelet and vol["hostPath"]["type"] == "Directory"
+    assert m.get("mountPropagation") == "Bidirectional"
+    for k in ("csi.socket", "csi.registrationSocket", "devicePlugins.pluginDir"):
+        assert covering_mount(ds, c, get(agent_resolved, k))[0] is m, k
+    # Network namespaces appear after the agent starts: propagate host mounts in.
+    m, vol = covering_mount(ds, c, "/var/run/netns/cni-0")
+    assert m.get("mountPropagation") in ("HostToContainer", "Bidirectional")
+    # /dev from the host: loop devices made later, device plugin nodes, hot-plug.
+    m, vol = covering_mount(ds, c, "/dev/loop-control")
+    assert m["mountPath"] == "/dev" and vol["hostPath"]["path"] == "/dev"
+    # Every host path is mounted at the same path inside.
+    for v in pod_spec(ds)["volumes"]:
+        if "hostPath" in v:
+            mounts = [m for m in c["volumeMounts"] if m["name"] == v["name"]]
+            assert mounts and all(m["mountPath"] == v["hostPath"]["path"] for m in mounts), v
+            assert v["hostPath"]["type"] in ("Directory", "DirectoryOrCreate"), v
+    # The device file comes from the optional ConfigMap nodeplane-devices.
+    cfile = get(agent_resolved, "devicePlugins.configFile")
+    m, vol = covering_mount(ds, c, cfile)
+    rel = os.path.relpath(cfile, m["mountPath"])
+    srcs = [s["configMap"] for s in vol["projected"]["sources"] if "configMap" in s]
+    dev = [s for s in srcs if s["name"] == "nodeplane-devices"]
+    assert len(dev) == 1 and dev[0]["optional"] is True and {"key": "devices.json", "path": rel} in dev[0]["items"]
+    # The token file is the projected service account token for the controller's audience.
+    tfile = get(agent_resolved, "controller.tokenFile")
+    m, vol = covering_mount(ds, c, tfile)
+    rel = os.path.relpath(tfile, m["mountPath"])
+    toks = [s["serviceAccountToken"] for s in vol["projected"]["sources"] if "serviceAccountToken" in s]
+    assert len(toks) == 1 and toks[0]["path"] == rel
+    assert toks[0]["audience"] == controller_cfg["agentAuth"]["audience"]
+    assert 600 <= toks[0]["expirationSeconds"] <= 86400
+    # The shim comes from the image, next to the agent binary (/usr/local/bin there).
+    shim = get(agent_resolved, "shimSource")
+    assert Path(shim) == AGENT_BIN.parent / "nodeplane-cni", f"shimSource {shim} is not the default"
+    assert Path(c["command"][0]).parent == Path("/usr/local/bin")
+
+
+def test_agent_socket_paths_fit(agent_resolved):
+    name = driver_name()
+    plugin_dir = get(agent_resolved, "devicePlugins.pluginDir")
+    csi_sock, reg_sock = get(agent_resolved, "csi.socket"), get(agent_resolved, "csi.registrationSocket")
+    assert f"/{name}/" in csi_sock and os.path.basename(reg_sock) == f"{name}-reg.sock"
+    sockets = [get(agent_resolved, "cniSocket"), get(agent_resolved, "nodeSocket"), csi_sock, reg_sock,
+               f"{plugin_dir}/kubelet.sock",
+               # the longest device plugin socket: nodeplane-<40-character name>.sock
+               f"{plugin_dir}/nodeplane-{'x' * 40}.sock"]
+    for s in sockets:
+        assert len(s.encode()) <= SUN_PATH_MAX, f"socket path {s} is {len(s.encode())} bytes"
+
+
+def test_agent_probes(ds, agent_cfg, agent_resolved):
+    c = container(ds, "agent")
+    host, port = split_host_port(get(agent_resolved, "healthAddress"))
+    assert (host, port) == split_host_port(agent_cfg["healthAddress"])
+    expected = {"startupProbe": "/healthz", "livenessProbe": "/healthz", "readinessProbe": "/readyz"}
+    for probe, path in expected.items():
+        g = c[probe]["httpGet"]
+        assert g["path"] == path, probe
+        assert resolve_port(c, g["port"]) == port, probe
+        # Host network: the kubelet probes from the host, where the loopback is the agent's.
+        assert g.get("host") == host, f"{probe} must name the health address host {host}"
+        assert g.get("scheme", "HTTP") == "HTTP"
+    sp = c["startupProbe"]
+    assert sp.get("failureThreshold", 3) * sp.get("periodSeconds", 10) >= 300, "startup after a reboot needs minutes"
+
+
+# ----------------------------------------------------------------- the controller
+
+def test_controller_config_loads(base, controller_cfg):
+    r = check_config_json(CONTROLLER_BIN, controller_json(base), CONTROLLER_ENV)
+    assert get(r, "csiSocket") == controller_cfg["csiSocket"]
+    assert len(controller_cfg["csiSocket"].encode()) <= SUN_PATH_MAX
+
+
+def test_controller_deployment(base, deploy, controller_cfg):
+    spec = pod_spec(deploy)
+    # One replica, replaced by stopping the old one first: only the leader is ever ready, so a
+    # standby would keep the Deployment short of ready replicas and a surge rollout could
+    # never finish.
+    assert deploy["spec"]["replicas"] == 1
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    assert spec["hostNetwork"] is True
+    assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert spec["priorityClassName"] == "system-cluster-critical"
+    assert spec["serviceAccountName"] == "nodeplane-controller"
+    tol = spec["tolerations"]
+    for k in ("node-role.kubernetes.io/control-plane", "node.kubernetes.io/not-ready"):
+        assert any(t.get("key") == k and t.get("operator") == "Exists" and t.get("effect") == "NoSchedule" for t in tol), k
+    c = container(deploy, "controller")
+    assert c["command"] == ["/usr/local/bin/nodeplane-controller", "serve", "--config",
+                            "/etc/nodeplane/controller.json", "--log-format", "json"]
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
+    assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    # --config is the ConfigMap's controller.json.
+    m, vol = covering_mount(deploy, c, "/etc/nodeplane/controller.json")
+    assert vol["configMap"]["name"] == "nodeplane-controller-config"
+    # The data dir is scratch (the state is in the API).
+    m, vol = covering_mount(deploy, c, controller_cfg["dataDir"])
+    assert "emptyDir" in vol
+    # Listen port = container port "grpc" = the Service's target.
+    _, lport = split_host_port(controller_cfg["listen"])
+    assert resolve_port(c, "grpc") == lport
+    svc = find(base, "Service", "nodeplane-controller", NAMESPACE)
+    assert svc["spec"]["type"] == "ClusterIP"
+    (sp,) = svc["spec"]["ports"]
+    assert sp["name"] == "grpc" and sp["port"] == lport and resolve_port(c, sp["targetPort"]) == lport
+    # The Lease and the state live where the RBAC allows.
+    assert controller_cfg["store"]["kind"] == "kubernetes"
+    assert controller_cfg["store"]["namespace"] == deploy["metadata"]["namespace"] == NAMESPACE
+    # Agents are authenticated by TokenReview as the agent's service account.
+    sa = find(base, "ServiceAccount", "nodeplane-agent", NAMESPACE)
+    auth = controller_cfg["agentAuth"]
+    assert auth["kind"] == "tokenReview"
+    assert auth["serviceAccount"] == f"system:serviceaccount:{sa['metadata']['namespace']}:{sa['metadata']['name']}"
+    tok = [s["serviceAccountToken"] for v in pod_spec(find(base, "DaemonSet", "nodeplane-agent", NAMESPACE))["volumes"]
+           if "projected" in v for s in v["projected"]["sources"] if "serviceAccountToken" in s]
+    assert [t["audience"] for t in tok] == [auth["audience"]]
+
+
+def test_controller_probes(deploy, controller_cfg):
+    c = container(deploy, "controller")
+    host, port = split_host_port(controller_cfg["healthAddress"])
+    # The kubelet probes the pod IP (the node's address): the server must listen on all.
+    assert host in ("0.0.0.0", "::"), f"healthAddress {controller_cfg['healthAddress']} is not reachable from the kubelet"
+    assert resolve_port(c, "health") == port
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        g = c[probe]["httpGet"]
+        assert g["path"] == path and resolve_port(c, g["port"]) == port and "host" not in g, probe
+
+
+def test_csi_sidecars(deploy, controller_cfg):
+    sock = controller_cfg["csiSocket"]
+    ctl = container(deploy, "controller")
+    ctl_mount, vol = covering_mount(deploy, ctl, sock)
+    assert "emptyDir" in vol
+    timeout_limit = controller_cfg.get("volumeOpTimeoutSeconds", 60)
+    expected_args = {
+        "csi-provisioner": {"--leader-election", "--feature-gates=Topology=true", "--strict-topology",
+                            "--immediate-topology=false", "--extra-create-metadata"},
+        "csi-resizer": {"--leader-election"},
+    }
+    for name, must in expected_args.items():
+        c = container(deploy, name)
+        args = c["args"]
+        assert must <= set(args), f"{name}: missing {must - set(args)}"
+        assert arg_value(args, "--csi-address") == sock
+        m, v = covering_mount(deploy, c, sock)
+        assert v["name"] == vol["name"] and m["mountPath"] == ctl_mount["mountPath"], f"{name} sees another socket"
+        assert parse_duration(arg_value(args, "--timeout")) > timeout_limit, \
+            f"{name}: --timeout must exceed the controller's volumeOpTimeoutSeconds ({timeout_limit})"
+        assert c["image"].startswith(f"registry.k8s.io/sig-storage/{name}:v")
+
+
+# ----------------------------------------------------------------- health servers (live)
+
+def _http_status(url, netns=None):
+    # Retries a refused connection for a few seconds (the server may start just after the
+    # process reports ready); an HTTP answer of any status is final.
+    code = ("import sys, time, urllib.request, urllib.error\n"
+            "deadline = time.time() + 10\n"
+            "while True:\n"
+            "    try:\n"
+            "        print(urllib.request.urlopen(sys.argv[1], timeout=5).status); break\n"
+            "    except urllib.error.HTTPError as e:\n"
+            "        print(e.code); break\n"
+            "    except OSError:\n"
+            "        if time.time() > deadline: raise\n"
+            "        time.sleep(0.1)\n")
+    args = ["python3", "-c", code, url]
+    if netns:
+        args = ["nsenter", f"--net={netns}", *args]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, f"GET {url}: {res.stderr}"
+    return int(res.stdout.strip())
+
+
+def _wait_status(url, netns=None, want=200, timeout=15):
+    """The status `url` answers once it answers `want` (readiness is judged on a short tick
+    after start-up), or the last one seen."""
+    deadline = time.time() + timeout
+    while True:
+        got = _http_status(url, netns)
+        if got == want or time.time() > deadline:
+            return got
+        time.sleep(0.25)
+
+
+def test_agent_health_server_serves_probe_paths(ds, agent_cfg):
+    """A real agent (standalone, in its own network namespace) answers the probes' paths on
+    the shipped healthAddress."""
+    need_binary(AGENT_BIN)
+    addr = agent_cfg["healthAddress"]
+    host, port = split_host_port(addr)
+    node = harness.Node(tag="health", extra={"healthAddress": addr})
+    try:
+        base_url = f"http://{host}:{port}"
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            path = container(ds, "agent")[probe]["httpGet"]["path"]
+            assert _wait_status(base_url + path, node.ns.path) == 200, f"agent {probe} {path}"
+        assert _http_status(base_url + "/no-such-path", node.ns.path) == 404
+    finally:
+        node.cleanup()
+
+
+def test_controller_health_server_serves_probe_paths(deploy, controller_cfg, tmp_path):
+    """A real controller (local mode) answers the probes' paths on its healthAddress port."""
+    need_binary(CONTROLLER_BIN)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctl = cluster.Controller(tmp_path / "ctl", extra={"healthAddress": f"127.0.0.1:{port}"})
+    try:
+        c = container(deploy, "controller")
+        for probe in ("livenessProbe", "readinessProbe"):
+            path = c[probe]["httpGet"]["path"]
+            assert _wait_status(f"http://127.0.0.1:{port}{path}") == 200, f"controller {probe} {path}"
+        assert _http_status(f"http://127.0.0.1:{port}/no-such-path") == 404
+    finally:
+        ctl.stop()
+
+
+# ----------------------------------------------------------------- RBAC
+
+def _api_calls():
+    need_binary(CONTROLLER_BIN)
+    res = subprocess.run([str(CONTROLLER_BIN), "api-calls"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, f"nodeplane-controller api-calls failed ({res.returncode}): {res.stderr}"
+    text = res.stdout.strip()
+    try:
+        items = json.loads(text)
+        if isinstance(items, dict):
+            items = [items]
+    except json.JSONDecodeError:
+        items = [json.loads(l) for l in text.splitlines() if l.strip()]
+    assert items, "nodeplane-controller api-calls printed nothing"
+    calls = set()
+    for i in items:
+        group = "" if i["group"] in ("core", "v1") else i["group"]
+        calls.add((group, i["resource"], i["verb"], bool(i["namespaced"])))
+    return calls
+
+
+def test_controller_rbac_equals_api_calls(base, controller_cfg):
+    calls = _api_calls()
+    cr = find(base, "ClusterRole", "nodeplane-controller")
+    role = find(base, "Role", "nodeplane-controller", NAMESPACE)
+    granted = expand_rules(cr["rules"], False) | expand_rules(role["rules"], True)
+    assert granted == calls, (f"RBAC grants calls the controller never makes: {sorted(granted - calls)}; "
+                              f"the controller makes calls RBAC does not grant: {sorted(calls - granted)}")
+    # Our own resources: the call's scope is the CRD's scope.
+    crds = {(d["spec"]["group"], d["spec"]["names"]["plural"]): d["spec"]["scope"]
+            for d in of_kind(base, "CustomResourceDefinition")}
+    for g, res, _, namespaced in calls:
+        if g == "nodeplane.dev":
+            assert (g, res) in crds, f"the controller uses {res}.{g}, which no CRD defines"
+            assert namespaced == (crds[(g, res)] == "Namespaced")
+    # Reads and renewals of leases are limited to the controller's own Lease.
+    lease = controller_cfg["store"]["leaseName"]
+    for r in role["rules"]:
+        if set(r["verbs"]) - {"create"}:
+            assert r.get("resourceNames") == [lease], f"lease rule {r} should be limited to {lease}"
+
+
+EXPECTED_SIDECAR_RULES = {
+    # external-provisioner v5 rbac.yaml, less snapshots, secrets, volumeattachments (no
+    # ControllerPublish), CSIStorageCapacity (capacity tracking off) and VolumeAttributesClass.
+    "nodeplane-csi-provisioner": {
+        ("", "persistentvolumes"): {"get", "list", "watch", "create", "patch", "delete"},
+        ("", "persistentvolumeclaims"): {"get", "list", "watch", "update"},
+        ("storage.k8s.io", "storageclasses"): {"get", "list", "watch"},
+        ("", "events"): {"list", "watch", "create", "update", "patch"},
+        ("storage.k8s.io", "csinodes"): {"get", "list", "watch"},
+        ("", "nodes"): {"get", "list", "watch"},
+    },
+    # external-resizer v1.14 rbac.yaml, less VolumeAttributesClass.
+    "nodeplane-csi-resizer": {
+        ("", "persistentvolumes"): {"get", "list", "watch", "patch"},
+        ("", "persistentvolumeclaims"): {"get", "list", "watch"},
+        ("", "pods"): {"get", "list", "watch"},
+        ("", "persistentvolumeclaims/status"): {"patch"},
+        ("", "events"): {"list", "watch", "create", "update", "patch"},
+    },
+}
+LEADER_ELECTION = {("coordination.k8s.io", "leases"): {"get", "watch", "list", "delete", "update", "create"}}
+
+
+def _rules_map(rules):
+    out = {}
+    for g, res, v, _ in expand_rules(rules, False):
+        out.setdefault((g, res), set()).add(v)
+    return out
+
+
+def test_rbac_bindings(base):
+    roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
+             for d in base if d["kind"] in ("Role", "ClusterRole")}
+    grants = {}
+    for b in base:
+        if b["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        ref = b["roleRef"]
+        ns = b["metadata"].get("namespace") if ref["kind"] == "Role" else None
+        assert (ref["kind"], ns, ref["name"]) in roles, f"{key(b)} refers to a role not in the manifests"
+        for s in b["subjects"]:
+            assert s["kind"] == "ServiceAccount", f"{key(b)}: bind service accounts only"
+            grants.setdefault((s["namespace"], s["name"]), set()).add((ref["kind"], ref["name"]))
+    assert (NAMESPACE, "nodeplane-agent") not in grants, "the agent must have no Kubernetes API access"
+    assert set(grants) == {(NAMESPACE, "nodeplane-controller")}
+    assert grants[(NAMESPACE, "nodeplane-controller")] == {
+        (k, n) for k in ("ClusterRole", "Role")
+        for n in ("nodeplane-controller", "nodeplane-csi-provisioner", "nodeplane-csi-resizer")}
+    for (kind, ns, name), r in roles.items():
+        for rule in r["rules"]:
+            for field in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[field], f"{kind} {name}: wildcard in {field}"
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), f"{kind} {name}: {rule}"
+            assert "secrets" not in rule["resources"], f"{kind} {name} grants secrets"
+            if name != "nodeplane-controller":
+                assert "nodeplane.dev" not in rule["apiGroups"], f"{kind} {name} touches nodeplane.dev"
+    for name, expected in EXPECTED_SIDECAR_RULES.items():
+        assert _rules_map(roles[("ClusterRole", None, name)]["rules"]) == expected, name
+        assert _rules_map(roles[("Role", NAMESPACE, name)]["rules"]) == LEADER_ELECTION, name
+
+
+# ----------------------------------------------------------------- namespace, CSI objects
+
+def test_namespace_and_quota(base):
+    ns = find(base, "Namespace", NAMESPACE)
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    used = {pod_spec(d)["priorityClassName"] for d in workloads(base)}
+    assert used == {"system-node-critical", "system-cluster-critical"}
+    (q,) = of_kind(base, "ResourceQuota")
+    assert q["metadata"]["namespace"] == NAMESPACE
+    (expr,) = q["spec"]["scopeSelector"]["matchExpressions"]
+    assert expr["scopeName"] == "PriorityClass" and expr["operator"] == "In"
+    assert used <= set(expr["values"])
+    assert int(q["spec"]["hard"]["pods"]) >= 5002, "room for an agent on every node (5000) and two controllers"
+    for d in base:
+        if d["kind"] not in ("Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding",
+                             "CSIDriver", "StorageClass"):
+            assert d["metadata"].get("namespace") == NAMESPACE, f"{key(d)} outside {NAMESPACE}"
+
+
+def test_csi_driver_and_storage_class(base):
+    name = driver_name()
+    drv = find(base, "CSIDriver", name)
+    assert drv["spec"] == {"attachRequired": False, "podInfoOnMount": True, "fsGroupPolicy": "File",
+                           "volumeLifecycleModes": ["Persistent"], "storageCapacity": False,
+                           "requiresRepublish": False}
+    sc = find(base, "StorageClass", "nodeplane-local")
+    assert sc["provisioner"] == name
+    assert sc["volumeBindingMode"] == "WaitForFirstConsumer"
+    assert sc["allowVolumeExpansion"] is True and sc["reclaimPolicy"] == "Delete"
+    assert sc["parameters"] == {"csi.storage.k8s.io/fstype": "ext4"}
+    assert sc["metadata"].get("annotations", {}).get("storageclass.kubernetes.io/is-default-class", "false") == "false"
+    assert name in (REPO / "README.md").read_text()
+
+
+# ----------------------------------------------------------------- CRDs
+
+CRD_EXPECT = {
+    "NodeplaneNode": ("nodeplanenodes", ["npnode"], ["Underlay"]),
+    "IPBlock": ("ipblocks", [], ["CIDR", "Node"]),
+    "NodeplaneVolume": ("nodeplanevolumes", ["npvol"], ["Node", "Size", "State"]),
+}
+
+
+def _crd(base, kind):
+    (d,) = [d for d in of_kind(base, "CustomResourceDefinition") if d["spec"]["names"]["kind"] == kind]
+    return d
+
+
+def _schema(base, kind):
+    (v,) = _crd(base, kind)["spec"]["versions"]
+    return v["schema"]["openAPIV3Schema"]
+
+
+def _walk(schema, path="$"):
+    yield path, schema
+    for k, sub in schema.get("properties", {}).items():
+        yield from _walk(sub, f"{path}.{k}")
+    if isinstance(schema.get("items"), dict):
+        yield from _walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+def _schema_at(schema, json_path):
+    cur = schema
+    for part in json_path.lstrip(".").split("."):
+        cur = cur["properties"][part]
+    return cur
+
+
+def test_crds(base):
+    crds = of_kind(base, "CustomResourceDefinition")
+    assert {d["spec"]["names"]["kind"] for d in crds} == set(CRD_EXPECT)
+    for kind, (plural, short, columns) in CRD_EXPECT.items():
+        d = _crd(base, kind)
+        s = d["spec"]
+        assert d["metadata"]["name"] == f"{plural}.nodeplane.dev"
+        assert s["group"] == "nodeplane.dev" and s["scope"] == "Cluster"
+        assert s["names"]["plural"] == plural and s["names"].get("shortNames", []) == short
+        (v,) = s["versions"]
+        assert v["name"] == "v1alpha1" and v["served"] is True and v["storage"] is True
+        schema = v["schema"]["openAPIV3Schema"]
+        # Structural, and unknown fields are pruned (never preserved).
+        for path, node in _walk(schema):
+            assert "type" in node, f"{kind} {path}: structural schemas need a type everywhere"
+            assert not any(k.startswith("x-kubernetes-preserve") for k in node), f"{kind} {path} preserves unknown fields"
+            ap = node.get("additionalProperties")
+            assert ap is None or (isinstance(ap, dict) and "properties" not in node), f"{kind} {path}: additionalProperties"
+        assert schema["required"] == ["spec"]
+        names = [c["name"] for c in v["additionalPrinterColumns"] if c["name"] != "Age"]
+        assert names == columns
+        for c in v["additionalPrinterColumns"]:
+            if c["jsonPath"].startswith(".metadata."):
+                continue
+            target = _schema_at(schema, c["jsonPath"])
+            if c["type"] == "integer":
+                assert target["type"] == "integer", c
+    vol = _schema(base, "NodeplaneVolume")["properties"]["spec"]
+    assert set(vol["required"]) == {"id", "name", "node", "sizeBytes", "fsType", "state", "createdAt"}
+    assert vol["properties"]["state"]["enum"] == ["creating", "ready", "deleting"]
+    assert vol["properties"]["sizeBytes"] == {"type": "integer", "format": "int64", "minimum": 0}
+    assert vol["properties"]["createdAt"]["format"] == "int64"
+    assert vol["properties"]["parameters"]["additionalProperties"] == {"type": "string"}
+    node = _schema(base, "NodeplaneNode")["properties"]["spec"]
+    assert node["required"] == ["underlay"] and node["properties"]["underlay"]["minItems"] == 1
+    blk = _schema(base, "IPBlock")["properties"]["spec"]
+    assert set(blk["required"]) == {"cidr", "node"}
+
+
+def _strict_validator(base, kind):
+    """The CRD schema as the API server applies it to a create with strict field validation:
+    the declared fields only, plus the object envelope."""
+    def strict(s):
+        s = copy.deepcopy(s)
+        if s.get("type") == "object" and "properties" in s:
+            s.setdefault("additionalProperties", False)
+            s["properties"] = {k: strict(v) for k, v in s["properties"].items()}
+        if isinstance(s.get("items"), dict):
+            s["items"] = strict(s["items"])
+        return s
+    schema = strict(_schema(base, kind))
+    schema["properties"].update({
+        "apiVersion": {"const": "nodeplane.dev/v1alpha1"},
+        "kind": {"const": kind},
+        "metadata": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+    })
+    schema["required"] = sorted(set(schema["required"]) | {"apiVersion", "kind", "metadata"})
+    return jsonschema.Draft7Validator(schema)
+
+
+# What the controller writes (one of each), as test fixtures: not shipped in the base.
+EXAMPLE_CRS = yaml.safe_load_all("""
+apiVersion: nodeplane.dev/v1alpha1
+kind: NodeplaneNode
+metadata: {name: worker-1}
+spec:
+  underlay: ["192.0.2.11", "2001:db8::11"]
+  vtepMac: "0a:58:c0:00:02:0b"
+  blocks: ["10.244.1.0/24", "fd00:10:244:0:1::/80"]
+---
+apiVersion: nodeplane.dev/v1alpha1
+kind: IPBlock
+metadata: {name: 10-244-1-0-24}
+spec: {cidr: 10.244.1.0/24, node: worker-1}
+---
+apiVersion: nodeplane.dev/v1alpha1
+kind: NodeplaneVolume
+metadata: {name: pvc-0b6c4bd4-4a47-4d4f-9d55-3c7e8d2f0a11}
+spec:
+  id: pvc-0b6c4bd4-4a47-4d4f-9d55-3c7e8d2f0a11
+  name: pvc-0b6c4bd4-4a47-4d4f-9d55-3c7e8d2f0a11
+  node: worker-1
+  sizeBytes: 1073741824
+  fsType: ext4
+  state: ready
+  createdAt: 1767225600
+  parameters: {fsType: ext4}
+""")
+EXAMPLE_CRS = {d["kind"]: d for d in EXAMPLE_CRS}
+
+
+def _broken(kind, mutate):
+    d = copy.deepcopy(EXAMPLE_CRS[kind])
+    mutate(d["spec"])
+    return d
+
+
+INVALID_CRS = [
+    ("bad state enum", "NodeplaneVolume", lambda s: s.update(state="mounted"), "state"),
+    ("volume without node", "NodeplaneVolume", lambda s: s.pop("node"), "node"),
+    ("negative size", "NodeplaneVolume", lambda s: s.update(sizeBytes=-1), "sizeBytes"),
+    ("size as a string", "NodeplaneVolume", lambda s: s.update(sizeBytes="1Gi"), "sizeBytes"),
+    ("non-string parameter", "NodeplaneVolume", lambda s: s["parameters"].update(replicas=3), "parameters"),
+    ("unknown volume field", "NodeplaneVolume", lambda s: s.update(owner="x"), "owner"),
+    ("block without node", "IPBlock", lambda s: s.pop("node"), "node"),
+    ("block without cidr", "IPBlock", lambda s: s.pop("cidr"), "cidr"),
+    ("node without underlay", "NodeplaneNode", lambda s: s.update(underlay=[]), "underlay"),
+    ("underlay not a list", "NodeplaneNode", lambda s: s.update(underlay="192.0.2.1"), "underlay"),
+]
+
+
+@pytest.mark.parametrize("kind", sorted(EXAMPLE_CRS))
+def test_example_custom_resources_validate(base, kind):
+    errors = sorted(_strict_validator(base, kind).iter_errors(EXAMPLE_CRS[kind]), key=str)
+    assert not errors, f"{kind}: " + "; ".join(e.message for e in errors)
+
+
+@pytest.mark.parametrize("what,kind,mutate,field", INVALID_CRS, ids=[c[0] for c in INVALID_CRS])
+def test_invalid_custom_resources_rejected(base, what, kind, mutate, field):
+    errors = list(_strict_validator(base, kind).iter_errors(_broken(kind, mutate)))
+    assert errors, f"{what}: accepted"
+    assert any(field in (list(e.absolute_path) + [e.message]) or field in e.message for e in errors), \
+        f"{what}: rejected for another reason: {[e.message for e in errors]}"
+
+
+# ----------------------------------------------------------------- examples and overlay
+
+def test_examples(base, examples, ds):
+    sc = find(base, "StorageClass", "nodeplane-local")
+    pvcs = of_kind(examples, "PersistentVolumeClaim")
+    assert pvcs and all(p["spec"]["storageClassName"] == sc["metadata"]["name"] for p in pvcs)
+    claims = {p["metadata"]["name"] for p in pvcs}
+    for pod in of_kind(examples, "Pod"):
+        for v in pod["spec"].get("volumes", []):
+            if "persistentVolumeClaim" in v:
+                assert v["persistentVolumeClaim"]["claimName"] in claims
+    # The device file example is what the DaemonSet mounts.
+    cm = find(examples, "ConfigMap", "nodeplane-devices")
+    src = [s["configMap"] for v in pod_spec(ds)["volumes"] if "projected" in v
+           for s in v["projected"]["sources"] if s.get("configMap", {}).get("name") == "nodeplane-devices"]
+    assert len(src) == 1 and cm["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    devices = json.loads(cm["data"][src[0]["items"][0]["key"]])
+    names = set()
+    for r in devices["resources"]:
+        assert re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?", r["name"]), r["name"]
+        assert all(p.startswith("/dev/") for p in r["devices"])
+        names.add(r["name"])
+    requested = set()
+    for pod in of_kind(examples, "Pod"):
+        for c in pod["spec"]["containers"]:
+            for res in c.get("resources", {}).get("limits", {}):
+                if res.startswith("nodeplane.dev/"):
+                    requested.add(res.split("/", 1)[1])
+    assert requested and requested <= names, f"example pods request {requested}, the device file offers {names}"
+
+
+def test_overlay(base, overlay):
+    version = cargo_version()
+    assert {key(d) for d in base} == {key(d) for d in overlay}
+    for name, kind in (("nodeplane-agent", "DaemonSet"), ("nodeplane-controller", "Deployment")):
+        d = find(overlay, kind, name, NAMESPACE)
+        c = [c for c in containers(d) if "nodeplane" in c["image"].rsplit("/", 1)[-1]]
+        assert [x["image"] for x in c] == [f"registry.example.com/platform/nodeplane:{version}"], name
+    b_sidecars = [c["image"] for c in containers(find(base, "Deployment", "nodeplane-controller", NAMESPACE))[1:]]
+    o_sidecars = [c["image"] for c in containers(find(overlay, "Deployment", "nodeplane-controller", NAMESPACE))[1:]]
+    assert b_sidecars == o_sidecars
+    # Other pools, a valid controller configuration otherwise the same.
+    bc, oc = json.loads(controller_json(base)), json.loads(controller_json(overlay))
+    assert bc["pools"] != oc["pools"]
+    assert {k: v for k, v in bc.items() if k != "pools"} == {k: v for k, v in oc.items() if k != "pools"}
+    check_config_json(CONTROLLER_BIN, controller_json(overlay), CONTROLLER_ENV)
+    assert agent_json(overlay) == agent_json(base)
+    # Placement added, nothing of the base's lost.
+    bds, ods = (pod_spec(find(x, "DaemonSet", "nodeplane-agent", NAMESPACE)) for x in (base, overlay))
+    assert ods["nodeSelector"] == dict(bds["nodeSelector"], **{"kubernetes.io/arch": "amd64"})
+    assert ods["tolerations"] == bds["tolerations"]
+    bdp, odp = (pod_spec(find(x, "Deployment", "nodeplane-controller", NAMESPACE)) for x in (base, overlay))
+    assert odp["nodeSelector"] == dict(bdp["nodeSelector"], **{"node-role.kubernetes.io/control-plane": ""})
+    assert odp["tolerations"][:len(bdp["tolerations"])] == bdp["tolerations"]
+    assert odp["tolerations"][len(bdp["tolerations"]):] == [
+        {"key": "dedicated", "operator": "Equal", "value": "infra", "effect": "NoSchedule"}]
+
+
+# ----------------------------------------------------------------- docs and the kind script
+
+def test_readme_names_the_validated_version():
+    text = (DAEMONSET / "README.md").read_text()
+    major_minor = ".".join(K8S_VERSION.split(".")[:2])
+    assert f"Kubernetes {major_minor}" in text
+    deploy = find(render(DAEMONSET)[1], "Deployment", "nodeplane-controller", NAMESPACE)
+    for c in containers(deploy)[1:]:
+        assert c["image"] in text, f"daemonset/README.md does not name {c['image']}"
+
+
+def test_kind_e2e_script_parses():
+    assert KIND_E2E.exists() and os.access(KIND_E2E, os.X_OK), f"{KIND_E2E} missing or not executable"
+    res = subprocess.run(["bash", "-n", str(KIND_E2E)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
