@@ -231,8 +231,15 @@ def test_uninstall_refused_while_running_then_removes_only_ours(node):
     node.kill9()
     assert shim.read_bytes() == shim_bytes and conflist.read_bytes() == conflist_bytes
 
-    # Agent gone: removed, conflist first then shim, and said so.
+    # Agent gone, but two pods still have their network: their DEL will need the shim, so
+    # uninstall refuses (nothing removed) unless forced.
     r = agent_cli("uninstall", "--config", node.cfg_path)
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr)
+    assert "2 pod(s) still have nodeplane networking" in r.stderr and "--force" in r.stderr, r.stderr
+    assert shim.read_bytes() == shim_bytes and conflist.read_bytes() == conflist_bytes
+
+    # Forced: removed, conflist first then shim, and said so.
+    r = agent_cli("uninstall", "--config", node.cfg_path, "--force")
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert f"conflist {conflist}: removed" in r.stdout and f"shim {shim}: removed" in r.stdout, r.stdout
     assert not conflist.exists() and not shim.exists()
@@ -242,7 +249,7 @@ def test_uninstall_refused_while_running_then_removes_only_ours(node):
     assert len(node.leases()) == 2, "uninstall does not touch leases"
 
     # Idempotent.
-    r = agent_cli("uninstall", "--config", node.cfg_path)
+    r = agent_cli("uninstall", "--config", node.cfg_path, "--force")
     assert r.returncode == 0 and "already uninstalled" in r.stdout, (r.stdout, r.stderr)
 
     # Someone else's files at our paths: refused (exit 3, nothing removed) unless --force.

@@ -47,7 +47,7 @@ async fn kube_config(f: &FakeApiServer) -> kube::Config {
 
 fn backend(f: &FakeApiServer) -> Arc<KubeBackend> {
     let cfg = rt().block_on(kube_config(f));
-    Arc::new(KubeBackend::new(cfg).unwrap())
+    Arc::new(KubeBackend::new(cfg, None).unwrap())
 }
 
 fn pools() -> Vec<Pool> {
@@ -92,7 +92,7 @@ fn registry_state_lives_in_api_objects() {
     assert_eq!(rec["spec"]["blocks"], json!(["10.8.0.0/24", "fd00:8::/64", "10.8.2.0/24"]));
     assert_eq!(rec["spec"]["vtepMac"], "02:00:00:00:00:0a");
     assert_eq!(locks(&f).len(), 5);
-    assert!(f.get(GROUP, "ipblocks", None, "fd00-8---64").is_some());
+    assert!(f.get(GROUP, "ipblocks", None, "v6-fd00-8---64").is_some());
     drop(r);
     // A new controller (new backend, new registry) finds the same state.
     let r = registry(&f);
@@ -113,14 +113,28 @@ fn load_repairs_interrupted_changes_and_refuses_a_block_held_twice() {
         let r = registry(&f);
         r.register("node-a", &["192.0.2.1".into()], "").unwrap();
     }
-    // A lock without a record (a crash between lock and record) is released at load; a record
-    // whose lock vanished gets it back.
-    f.put_object(GROUP, "ipblocks", None, lock_object("10.8.3.0/24", "node-z"));
+    // A lock without a record: an old one (a crash between lock and record) is released at
+    // load; a recent one may belong to a previous leader's change still in flight, so it is
+    // kept and never handed out. A record whose lock vanished gets it back.
+    let mut stale = lock_object("10.8.3.0/24", "node-z");
+    stale["metadata"]["creationTimestamp"] = json!("2020-01-01T00:00:00Z");
+    f.put_object(GROUP, "ipblocks", None, stale);
+    f.put_object(GROUP, "ipblocks", None, lock_object("10.8.1.0/24", "node-y"));
     f.delete_object(GROUP, "ipblocks", None, &block_object_name("fd00:8::/64"));
     let r = registry(&f);
     assert_eq!(r.get("node-a").unwrap().blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
-    assert_eq!(locks(&f), vec![("10.8.0.0/24".into(), "node-a".into()), ("fd00:8::/64".into(), "node-a".into())]);
+    assert_eq!(
+        locks(&f),
+        vec![
+            ("10.8.0.0/24".into(), "node-a".into()),
+            ("10.8.1.0/24".into(), "node-y".into()),
+            ("fd00:8::/64".into(), "node-a".into())
+        ]
+    );
+    let b = r.register("node-b", &["192.0.2.2".into()], "").unwrap();
+    assert_eq!(b.blocks[0], "10.8.2.0/24", "the reserved block is skipped");
     drop(r);
+    f.delete_object(GROUP, "ipblocks", None, &block_object_name("10.8.1.0/24"));
     // A block locked for another node than the record says: refuse to start.
     f.put_object(GROUP, "ipblocks", None, lock_object("10.8.0.0/24", "node-q"));
     let e = Registry::with_backend(backend(&f), pools()).err().expect("must refuse").to_string();
@@ -137,9 +151,9 @@ fn a_second_writer_is_detected_not_overwritten() {
     let e = r.register("node-b", &["192.0.2.2".into()], "").unwrap_err().to_string();
     assert!(e.contains("10.8.1.0/24") && e.contains("intruder"), "{e}");
     assert!(r.get("node-b").is_none(), "nothing recorded");
-    assert_eq!(f.get(GROUP, "ipblocks", None, "10-8-1-0-24").unwrap()["spec"]["node"], "intruder", "not overwritten");
+    assert_eq!(f.get(GROUP, "ipblocks", None, "v4-10-8-1-0-24").unwrap()["spec"]["node"], "intruder", "not overwritten");
     assert!(f.get(GROUP, "ipblocks", None, &block_object_name("fd00:8:0:1::/64")).is_none(), "the v6 lock was not kept");
-    f.delete_object(GROUP, "ipblocks", None, "10-8-1-0-24");
+    f.delete_object(GROUP, "ipblocks", None, "v4-10-8-1-0-24");
     // Someone else rewrites node-a's record: the next write of it fails with a conflict.
     let mut rec = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
     rec["spec"]["underlay"] = json!(["198.51.100.1"]);
@@ -225,20 +239,27 @@ fn leader_election_on_a_lease() {
         let lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
         assert_eq!(lease["spec"]["holderIdentity"], "ctl-b");
         assert_eq!(lease["spec"]["leaseTransitions"], 1);
-        // a comes back: it sees b holding it, and its own keep() reports the loss.
+        // a comes back: it sees b holding it, and its own keep() reports the loss; its fence
+        // refuses writes from then on, b's allows them.
         let lost = a.keep(std::future::pending()).await;
         assert!(lost.unwrap().contains("ctl-b"));
-        // b releases on shutdown: a takes over at once, no expiry wait.
+        assert!(a.fence().check().is_err());
+        assert!(b.fence().check().is_ok());
+        // b releases on shutdown: a new candidate takes over at once, no expiry wait.
         let keep_b = tokio::spawn(async move { b.keep(tokio::time::sleep(Duration::from_millis(300))).await });
         assert_eq!(keep_b.await.unwrap(), None);
+        let mut c = Elector::new(client.clone(), settings("ctl-c"));
         let t = Instant::now();
-        a.acquire(|_| {}).await;
+        c.acquire(|_| {}).await;
         assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
-        // An API that stops answering makes the leader give up within the renew deadline.
+        assert!(c.fence().check().is_ok());
+        // An API that stops answering makes the leader give up within the renew deadline, and
+        // its fence closes no later than that.
         f.set_unavailable(true);
         let t = Instant::now();
-        let lost = a.keep(std::future::pending()).await;
+        let lost = c.keep(std::future::pending()).await;
         assert!(lost.is_some() && t.elapsed() < Duration::from_secs(3), "{lost:?} {:?}", t.elapsed());
+        assert!(c.fence().check().is_err());
         f.set_unavailable(false);
     });
 }
@@ -289,7 +310,11 @@ fn node_deletion_releases_blocks_also_across_a_relist() {
     rt.block_on(task).unwrap();
     // What it called is exactly what the RBAC grants for this part.
     let used: BTreeSet<(String, String)> = f.calls().into_iter().filter(|c| c.2 == "nodes").map(|c| (c.0, c.2)).collect();
-    assert_eq!(used, [("list".to_string(), "nodes".to_string()), ("watch".to_string(), "nodes".to_string())].into());
+    // (get: a node missing from a relist is confirmed gone before it is released.)
+    assert_eq!(
+        used,
+        [("get", "nodes"), ("list", "nodes"), ("watch", "nodes")].into_iter().map(|(v, r)| (v.to_string(), r.to_string())).collect()
+    );
 }
 
 #[test]

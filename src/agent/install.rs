@@ -180,6 +180,15 @@ pub enum UninstallError {
         lock: std::path::PathBuf,
     },
     #[error(
+        "{count} pod(s) still have nodeplane networking (leases in {dir} whose network namespace exists, e.g. {example}): \
+         their DEL needs the shim; delete those pods first, or use --force to uninstall anyway"
+    )]
+    PodsAttached {
+        count: usize,
+        dir: std::path::PathBuf,
+        example: String,
+    },
+    #[error(
         "refusing to remove {path}: it is not nodeplane's ({why}); nothing was removed (use --force to remove it anyway)"
     )]
     Foreign {
@@ -346,12 +355,26 @@ fn stale_temp_files(path: &std::path::Path) -> Vec<std::path::PathBuf> {
 /// * Removes only files that are nodeplane's: a conflist named `nodeplane` whose first plugin
 ///   is `nodeplane`; a shim identical to `cfg.shim_source` or carrying the shim's markers.
 ///   Anything else at those paths is refused (and nothing is removed) unless `force`.
+/// * Refuses while pods still have nodeplane networking (a lease whose network namespace
+///   exists), unless `force`: their DEL needs the shim.
 /// * Idempotent: files already gone are success.
 /// * Leaves pods, leases, the bridge, routes and volumes alone: running pods keep their
 ///   network until they are deleted. With the shim and conflist gone the runtime can no longer
 ///   call nodeplane's DEL for them; their veths go with their network namespaces, and the
 ///   leases left in the state dir are freed by the next agent that starts there (a lease whose
 ///   namespace is gone is released at start).
+/// Pods (container ids) whose lease names a network namespace that still exists: the runtime
+/// will want to DEL them, which needs the shim.
+fn attached_pods(lease_dir: &std::path::Path) -> Vec<String> {
+    let Ok(entries) = fs::read_dir(lease_dir) else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|e| serde_json::from_slice::<crate::ipam::Lease>(&fs::read(e.path()).ok()?).ok())
+        .filter(|l| !l.netns.is_empty() && std::path::Path::new(&l.netns).exists())
+        .map(|l| l.owner.container_id.clone())
+        .collect()
+}
+
 pub fn uninstall(cfg: &Config, force: bool) -> Result<UninstallReport, UninstallError> {
     let _lock = lock_out_agent(&cfg.state_dir)?;
     let conflist_path = cfg.conflist_path();
@@ -367,6 +390,16 @@ pub fn uninstall(cfg: &Config, force: bool) -> Result<UninstallReport, Uninstall
                     why: why.clone(),
                 });
             }
+        }
+    }
+    if !force {
+        let attached = attached_pods(&cfg.lease_dir());
+        if let Some(example) = attached.first() {
+            return Err(UninstallError::PodsAttached {
+                count: attached.len(),
+                dir: cfg.lease_dir(),
+                example: example.clone(),
+            });
         }
     }
     let outcome = |own: &Ownership, removed: bool| match (own, removed) {

@@ -200,7 +200,7 @@ fn uninstall(path: &std::path::Path, force: bool) -> ExitCode {
         Err(e) => {
             eprintln!("nodeplane-agent uninstall: {e}");
             match e {
-                UninstallError::AgentRunning { .. } | UninstallError::Foreign { .. } => {
+                UninstallError::AgentRunning { .. } | UninstallError::Foreign { .. } | UninstallError::PodsAttached { .. } => {
                     ExitCode::from(3)
                 }
                 UninstallError::Io { .. } => ExitCode::FAILURE,

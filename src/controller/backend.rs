@@ -23,6 +23,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Commit node changes (one atomic step where the backend can; see the implementation
     /// for what a crash in the middle leaves) and the new registry revision.
     fn commit_nodes(&self, changes: &[Change<NodeRecord>], revision: u64) -> Result<(), String>;
+    /// Blocks the backend holds for no node (a change that may still be in flight): the
+    /// registry must not hand them out. Valid after `load_nodes`.
+    fn reserved_blocks(&self) -> Vec<String> {
+        Vec::new()
+    }
     fn load_volumes(&self) -> Result<Vec<VolumeRecord>, String>;
     fn commit_volumes(&self, changes: &[Change<VolumeRecord>]) -> Result<(), String>;
     /// For logs.

@@ -226,7 +226,8 @@ impl csi::controller_server::Controller for ControllerService {
                 // another claim): the record goes (the node deletes only a file carrying
                 // this claim's name), so a retry places the volume anew.
                 tracing::warn!(volume = %rec.id, node = %rec.node, error = %e, "node failed to create the volume; abandoning it");
-                self.book.abandon(&rec.id)?;
+                let (book, vid) = (self.book.clone(), rec.id.clone());
+                blocking(move || book.abandon(&vid)).await?;
                 Err(e)
             }
             Err(e) => Err(e),
@@ -268,7 +269,8 @@ impl csi::controller_server::Controller for ControllerService {
         match out {
             Ok(()) => Ok(Response::new(csi::DeleteVolumeResponse {})),
             Err(e) if e.code() == tonic::Code::FailedPrecondition => {
-                self.book.cancel_delete(&id)?;
+                let (book, vid) = (self.book.clone(), id.clone());
+                blocking(move || book.cancel_delete(&vid)).await?;
                 Err(Status::failed_precondition(format!("volume {id} is in use on node {}: {}", v.node, e.message())))
             }
             Err(e) => Err(e),
@@ -311,7 +313,8 @@ impl csi::controller_server::Controller for ControllerService {
             Err(e) if !matches!(e.code(), tonic::Code::DeadlineExceeded | tonic::Code::Unavailable) => {
                 // The node could not grow it (its store is full): the desired size goes
                 // back, so the node stops trying and the space is not held.
-                self.book.revert_expand(&grown.id, before)?;
+                let (book, vid) = (self.book.clone(), grown.id.clone());
+                blocking(move || book.revert_expand(&vid, before)).await?;
                 return Err(if e.code() == tonic::Code::ResourceExhausted || e.code() == tonic::Code::OutOfRange {
                     Status::out_of_range(e.message().to_string())
                 } else {
@@ -508,6 +511,11 @@ fn decode_token(t: &str) -> Option<String> {
     let id = String::from_utf8(hex::decode(h).ok()?).ok()?;
     crate::volume::validate_id(&id).ok()?;
     Some(id)
+}
+
+/// Run a volume book change off the async workers (the backend commits synchronously).
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, Status> + Send + 'static) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(format!("volume book task: {e}")))?
 }
 
 #[cfg(test)]

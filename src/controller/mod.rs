@@ -110,9 +110,10 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
                 _ = s.wait_for(|v| *v) => return Ok(()),
             }
             leading.set(true, format!("holding lease {}/{}", k.namespace, k.lease_name));
+            let fence = el.fence();
             elector = Some(el);
             let kcfg = ::kube::Config::infer().await.map_err(|e| ControllerError::Kube(e.to_string()))?;
-            Arc::new(tokio::task::spawn_blocking(move || kube::state::KubeBackend::new(kcfg)).await.map_err(|e| ControllerError::Kube(e.to_string()))?.map_err(ControllerError::Kube)?)
+            Arc::new(tokio::task::spawn_blocking(move || kube::state::KubeBackend::new(kcfg, Some(fence))).await.map_err(|e| ControllerError::Kube(e.to_string()))?.map_err(ControllerError::Kube)?)
         }
         _ => {
             leading.set(true, "embedded store: a single controller");

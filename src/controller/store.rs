@@ -42,6 +42,9 @@ pub struct NodeRecord {
     pub blocks: Vec<String>,
 }
 
+/// The owner recorded for a block the backend keeps out of use (not a valid node name).
+const RESERVED: &str = "(reserved)";
+
 /// A consistent view of the registry.
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
@@ -98,6 +101,11 @@ impl Registry {
                 }
             }
             nodes.insert(rec.name.clone(), rec);
+        }
+        for b in backend.reserved_blocks() {
+            if let Ok(net) = b.parse::<IpNetwork>() {
+                owner.entry(net).or_insert_with(|| RESERVED.to_string());
+            }
         }
         let snapshot = Arc::new(Snapshot { nodes: nodes.values().cloned().collect(), revision });
         let (tx, _) = watch::channel(snapshot);

@@ -286,7 +286,7 @@ impl FakeApiServer {
 
     /// Creates or replaces an object as another client would, without any precondition:
     /// fills `kind`, `apiVersion` and the namespace, keeps `uid`/`creationTimestamp` of an
-    /// existing object, bumps the resourceVersion and notifies watches. Returns the stored
+    /// existing object (a new object keeps a `creationTimestamp` it carries), bumps the resourceVersion and notifies watches. Returns the stored
     /// object. Panics if the resource is not registered or the object has no name.
     pub fn put_object(&self, group: &str, plural: &str, ns: Option<&str>, obj: Value) -> Value {
         let mut st = self.shared.lock();
@@ -325,7 +325,12 @@ impl FakeApiServer {
                 st.commit(&def, okey, obj, Some(old), EvType::Modified)
             }
             None => {
+                // A creationTimestamp given for a new object is kept (tests make "old" objects).
+                let given = obj["metadata"]["creationTimestamp"].clone();
                 st.init_meta(&mut obj);
+                if given.is_string() {
+                    obj["metadata"]["creationTimestamp"] = given;
+                }
                 st.commit(&def, okey, obj, None, EvType::Added)
             }
         }

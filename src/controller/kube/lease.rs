@@ -41,9 +41,58 @@ pub enum Attempt {
     Raced,
 }
 
+/// What the leader may rely on: it holds the lease until `renew_deadline` after the start of
+/// its last successful renewal (a candidate waits the longer `leaseDuration` from when it
+/// last saw a change). The state backend checks this before every API call, and trips it
+/// when it finds another writer's change.
+pub struct Fence {
+    valid: Duration,
+    state: std::sync::Mutex<(Option<Instant>, Option<String>)>,
+}
+
+impl Fence {
+    pub fn new(valid: Duration) -> Self {
+        Fence { valid, state: std::sync::Mutex::new((None, None)) }
+    }
+
+    /// A renewal that started at `at` succeeded.
+    pub fn renewed(&self, at: Instant) {
+        let mut st = self.state.lock().unwrap();
+        if st.0.is_none_or(|t| at > t) {
+            st.0 = Some(at);
+        }
+    }
+
+    /// Leadership is gone for good (this process must stop).
+    pub fn lose(&self, why: &str) {
+        let mut st = self.state.lock().unwrap();
+        if st.1.is_none() {
+            tracing::error!(reason = why, "leadership fence tripped");
+            st.1 = Some(why.to_string());
+        }
+    }
+
+    pub fn lost(&self) -> Option<String> {
+        self.state.lock().unwrap().1.clone()
+    }
+
+    pub fn check(&self) -> Result<(), String> {
+        let st = self.state.lock().unwrap();
+        if let Some(why) = &st.1 {
+            return Err(format!("not the leader any more ({why}): refusing to write"));
+        }
+        match st.0 {
+            Some(t) if t.elapsed() < self.valid => Ok(()),
+            Some(_) => Err(format!("the leader lease was not renewed within {:?}: refusing to write", self.valid)),
+            None => Err("not the leader: refusing to write".into()),
+        }
+    }
+}
+
 pub struct Elector {
     api: Api<Lease>,
     s: LeaseSettings,
+    fence: std::sync::Arc<Fence>,
     /// (holder, renewTime, leaseDurationSeconds, resourceVersion) last seen, and when it was
     /// first seen like that.
     observed: Option<(String, Option<String>, i32, String, Instant)>,
@@ -55,7 +104,13 @@ fn now() -> MicroTime {
 
 impl Elector {
     pub fn new(client: kube::Client, s: LeaseSettings) -> Self {
-        Elector { api: Api::namespaced(client, &s.namespace), s, observed: None }
+        let fence = std::sync::Arc::new(Fence::new(s.renew_deadline));
+        Elector { api: Api::namespaced(client, &s.namespace), s, fence, observed: None }
+    }
+
+    /// The fence this elector keeps up to date.
+    pub fn fence(&self) -> std::sync::Arc<Fence> {
+        self.fence.clone()
     }
 
     pub fn settings(&self) -> &LeaseSettings {
@@ -78,6 +133,15 @@ impl Elector {
 
     /// One try to acquire or renew.
     pub async fn try_acquire_or_renew(&mut self) -> Result<Attempt, kube::Error> {
+        let started = Instant::now();
+        let r = self.attempt().await;
+        if matches!(r, Ok(Attempt::Leading)) {
+            self.fence.renewed(started);
+        }
+        r
+    }
+
+    async fn attempt(&mut self) -> Result<Attempt, kube::Error> {
         let current = match self.api.get_opt(&self.s.name).await? {
             None => {
                 let lease = Lease {
@@ -155,6 +219,11 @@ impl Elector {
     /// the lease and return None).
     pub async fn keep(&mut self, stop: impl std::future::Future<Output = ()>) -> Option<String> {
         let mut last_renew = Instant::now();
+        let fence = self.fence.clone();
+        let lost = move |why: String| {
+            fence.lose(&why);
+            Some(why)
+        };
         tokio::pin!(stop);
         loop {
             tokio::select! {
@@ -164,16 +233,22 @@ impl Elector {
                 }
                 _ = tokio::time::sleep(self.s.retry_period) => {}
             }
+            if let Some(why) = self.fence.lost() {
+                return Some(why);
+            }
+            // Measured from the start of the attempt: a slow answer must not stretch the time
+            // this leader believes it holds the lease.
+            let started = Instant::now();
             let attempt = tokio::time::timeout(self.s.renew_deadline, self.try_acquire_or_renew()).await;
             match attempt {
-                Ok(Ok(Attempt::Leading)) => last_renew = Instant::now(),
-                Ok(Ok(Attempt::HeldBy(h))) => return Some(format!("the lease is now held by {h}")),
+                Ok(Ok(Attempt::Leading)) => last_renew = started,
+                Ok(Ok(Attempt::HeldBy(h))) => return lost(format!("the lease is now held by {h}")),
                 Ok(Ok(Attempt::Raced)) => tracing::warn!(lease = %self.s.name, "lease renewal raced with another writer"),
                 Ok(Err(e)) => tracing::warn!(error = %e, lease = %self.s.name, "lease renewal failed"),
                 Err(_) => tracing::warn!(lease = %self.s.name, "lease renewal timed out"),
             }
             if last_renew.elapsed() >= self.s.renew_deadline {
-                return Some(format!("could not renew the lease for {:?}", self.s.renew_deadline));
+                return lost(format!("could not renew the lease for {:?}", self.s.renew_deadline));
             }
         }
     }

@@ -49,6 +49,7 @@ pub const API_CALLS: &[ApiCall] = &[
     call(GROUP, "nodeplanevolumes", "update", false),
     call(GROUP, "nodeplanevolumes", "delete", false),
     // Node deletions release blocks
+    call("", "nodes", "get", false),
     call("", "nodes", "list", false),
     call("", "nodes", "watch", false),
     // agent identity

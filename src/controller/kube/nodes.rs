@@ -4,7 +4,7 @@
 //! Deletions are seen two ways, because a watch can miss them (while it is down, or when the
 //! API server answers 410 Gone and the watcher starts over with a fresh list): a Delete
 //! event, and the end of every (re)list, where each registered node that the complete list
-//! does not contain is removed.
+//! does not contain, and that a fresh read confirms is gone, is removed.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -32,7 +32,7 @@ async fn release(registry: &Arc<Registry>, name: String, why: &'static str) {
 /// Follow Node objects until `stop` turns true.
 pub async fn follow(client: kube::Client, registry: Arc<Registry>, mut stop: tokio::sync::watch::Receiver<bool>) {
     let api: Api<Node> = Api::all(client);
-    let mut events = std::pin::pin!(watcher(api, watcher::Config::default()).default_backoff());
+    let mut events = std::pin::pin!(watcher(api.clone(), watcher::Config::default()).default_backoff());
     let mut listed: Option<HashSet<String>> = None;
     loop {
         let ev = tokio::select! {
@@ -57,8 +57,15 @@ pub async fn follow(client: kube::Client, registry: Arc<Registry>, mut stop: tok
                     continue;
                 }
                 for rec in registry.snapshot().nodes.iter() {
-                    if !present.contains(&rec.name) {
-                        release(&registry, rec.name.clone(), "absent from the Node list").await;
+                    if present.contains(&rec.name) {
+                        continue;
+                    }
+                    // The list may predate this node's registration (a long relist): only
+                    // a Node the API says is gone now is released.
+                    match api.get_opt(&rec.name).await {
+                        Ok(None) => release(&registry, rec.name.clone(), "absent from the Node list").await,
+                        Ok(Some(_)) => {}
+                        Err(e) => tracing::warn!(node = %rec.name, error = %e, "could not confirm a Node is gone; keeping it"),
                     }
                 }
             }

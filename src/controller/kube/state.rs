@@ -19,7 +19,7 @@
 //! error (the controller refuses to start rather than hand out a block twice).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
@@ -36,6 +36,10 @@ const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "nodeplane-con
 const NODE_LABEL: &str = "nodeplane.dev/node";
 /// Bound on one backend call (several API requests).
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// A lock no record names is released at load only when older than this: a younger one may
+/// belong to a commit still in flight from a previous leader (its record written after we
+/// listed the records). Far above any lease duration plus call timeout.
+const STALE_LOCK_AGE: Duration = Duration::from_secs(300);
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -54,13 +58,15 @@ struct BlockSpec {
     node: String,
 }
 
-/// The object name of a block's lock: the CIDR with `.`, `:` and `/` as `-`
-/// (`10.8.1.0/24` → `10-8-1-0-24`, `fd00:8::/64` → `fd00-8---64`). Injective: an IPv4 CIDR
-/// has exactly five numeric parts and never `--`; a canonical IPv6 one has fewer than eight
-/// groups only with `::`, i.e. `--`.
+/// The object name of a block's lock: `v4-`/`v6-` and the CIDR with `.`, `:` and `/` as `-`
+/// (`10.8.1.0/24` → `v4-10-8-1-0-24`, `fd00:8::/64` → `v6-fd00-8---64`). Injective (the
+/// canonical text is), and always a valid name, also for CIDRs whose text starts with `::`.
 pub fn block_object_name(cidr: &str) -> String {
-    let canonical = cidr.parse::<ipnetwork::IpNetwork>().map(|n| n.to_string()).unwrap_or_else(|_| cidr.to_string());
-    canonical.replace(['.', ':', '/'], "-")
+    let (family, canonical) = match cidr.parse::<ipnetwork::IpNetwork>() {
+        Ok(n) => (if n.is_ipv4() { "v4" } else { "v6" }, n.to_string()),
+        Err(_) => ("x", cidr.to_string()),
+    };
+    format!("{family}-{}", canonical.replace(['.', ':', '/'], "-"))
 }
 
 /// The object name of a volume's record: the id itself when it is a valid object name,
@@ -101,6 +107,9 @@ struct Known {
 
 pub struct KubeBackend {
     rt: RuntimeThread,
+    fence: Option<Arc<super::lease::Fence>>,
+    /// Blocks locked by no record, too young to release (see `load_nodes`).
+    reserved: Mutex<Vec<String>>,
     nodes: Api<DynamicObject>,
     blocks: Api<DynamicObject>,
     volumes: Api<DynamicObject>,
@@ -167,7 +176,10 @@ fn err(what: impl std::fmt::Display) -> impl FnOnce(kube::Error) -> String {
 impl KubeBackend {
     /// A backend on a client built from this kube configuration (its own connection pool,
     /// on the backend's own runtime).
-    pub fn new(config: kube::Config) -> Result<Self, String> {
+    ///
+    /// With a `fence`, every call is refused once this controller may have lost the leader
+    /// lease, and a write that finds another writer's change trips the fence.
+    pub fn new(config: kube::Config, fence: Option<Arc<super::lease::Fence>>) -> Result<Self, String> {
         let rt = RuntimeThread::start()?;
         let client = rt.run(async move { kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}")) })?;
         Ok(KubeBackend {
@@ -175,27 +187,36 @@ impl KubeBackend {
             blocks: Api::all_with(client.clone(), &block_resource()),
             volumes: Api::all_with(client, &volume_resource()),
             rt,
+            fence,
+            reserved: Mutex::new(Vec::new()),
             known: Mutex::new(Known::default()),
         })
     }
 
-    async fn lock_block(blocks: &Api<DynamicObject>, cidr: &str, node: &str) -> Result<(), String> {
+    async fn lock_block(blocks: &Api<DynamicObject>, cidr: &str, node: &str) -> Result<(), PutError> {
         let name = block_object_name(cidr);
-        let spec = serde_json::to_value(BlockSpec { cidr: cidr.into(), node: node.into() }).map_err(|e| e.to_string())?;
+        let spec = serde_json::to_value(BlockSpec { cidr: cidr.into(), node: node.into() })
+            .map_err(|e| PutError::Refused(e.to_string()))?;
         let obj = object(&block_resource(), &name, &[MANAGED_BY, (NODE_LABEL, node)], spec, None);
-        match blocks.create(&PostParams::default(), &obj).await {
-            Ok(_) => Ok(()),
-            Err(e) if is_already_exists(&e) => {
-                // Ours already (a retried commit)? Otherwise someone else holds it.
-                let cur = blocks.get(&name).await.map_err(err(format!("reading block lock {name}")))?;
-                let held: BlockSpec = spec_of(&cur)?;
+        let e = match blocks.create(&PostParams::default(), &obj).await {
+            Ok(_) => return Ok(()),
+            Err(e) => e,
+        };
+        // Already there (a retried commit, or another holder), or the create's fate is
+        // unknown: the lock object says which.
+        let refused = is_already_exists(&e) || definitely_refused(&e);
+        match blocks.get_opt(&name).await {
+            Ok(Some(cur)) => {
+                let held: BlockSpec = spec_of(&cur).map_err(PutError::Refused)?;
                 if held.node == node && held.cidr == cidr {
                     Ok(())
                 } else {
-                    Err(format!("block {cidr} is locked for node {:?} in the API (IPBlock {name})", held.node))
+                    Err(PutError::Refused(format!("block {cidr} is locked for node {:?} in the API (IPBlock {name})", held.node)))
                 }
             }
-            Err(e) => Err(format!("locking block {cidr} (IPBlock {name}): {e}")),
+            Ok(None) if refused || !is_already_exists(&e) => Err(PutError::Refused(format!("locking block {cidr} (IPBlock {name}): {e}"))),
+            Ok(None) => Err(PutError::Refused(format!("locking block {cidr} (IPBlock {name}): {e}"))),
+            Err(g) => Err(PutError::Unknown(format!("locking block {cidr} (IPBlock {name}): {e}; reading it back: {g}"))),
         }
     }
 
@@ -207,41 +228,99 @@ impl KubeBackend {
             Err(e) => Err(format!("releasing block {cidr} (IPBlock {name}): {e}")),
         }
     }
+
+    fn trip(&self, e: &PutError) {
+        if let (PutError::Conflict(_), Some(f)) = (e, &self.fence) {
+            f.lose("another writer changed the controller's objects");
+        }
+    }
+
+    fn check_fence(&self) -> Result<(), String> {
+        self.fence.as_ref().map_or(Ok(()), |f| f.check())
+    }
 }
 
-/// Create, or replace at the resourceVersion last seen; the new resourceVersion.
-async fn put(api: &Api<DynamicObject>, obj: DynamicObject, what: &str) -> Result<String, String> {
+/// Why a write did not happen.
+#[derive(Debug, Clone)]
+enum PutError {
+    /// The API refused it: nothing was written.
+    Refused(String),
+    /// Another writer changed the object since it was read.
+    Conflict(String),
+    /// Unknown: it may or may not have been written.
+    Unknown(String),
+}
+
+impl std::fmt::Display for PutError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PutError::Refused(m) | PutError::Conflict(m) | PutError::Unknown(m) => f.write_str(m),
+        }
+    }
+}
+
+/// The API answered with a client error: the request was not applied. (A timeout, a server
+/// error or a broken connection says nothing about whether it was.)
+fn definitely_refused(e: &kube::Error) -> bool {
+    super::api_status(e).is_some_and(|s| (400..500).contains(&s.code) && s.code != 408)
+}
+
+/// Create, or replace at the resourceVersion last seen; the new resourceVersion. A write
+/// refused for a stale resourceVersion, or whose fate is unknown, is settled by reading the
+/// object back: if it already holds exactly this spec, it is written (by this controller,
+/// just now or by an earlier attempt whose answer was lost).
+async fn put(api: &Api<DynamicObject>, obj: DynamicObject, what: &str) -> Result<String, PutError> {
     let name = obj.metadata.name.clone().unwrap_or_default();
     let written = if obj.metadata.resource_version.is_some() {
         api.replace(&name, &PostParams::default(), &obj).await
     } else {
         api.create(&PostParams::default(), &obj).await
     };
-    match written {
-        Ok(o) => Ok(o.metadata.resource_version.unwrap_or_default()),
-        Err(e) if super::is_conflict(&e) || is_already_exists(&e) => Err(format!(
+    let e = match written {
+        Ok(o) => return Ok(o.metadata.resource_version.unwrap_or_default()),
+        Err(e) => e,
+    };
+    let conflict = super::is_conflict(&e) || is_already_exists(&e);
+    if definitely_refused(&e) && !conflict {
+        return Err(PutError::Refused(format!("writing {what}: {e}")));
+    }
+    match api.get_opt(&name).await {
+        Ok(Some(cur)) if cur.data.get("spec") == obj.data.get("spec") => Ok(cur.metadata.resource_version.unwrap_or_default()),
+        Ok(_) if conflict => Err(PutError::Conflict(format!(
             "{what} was changed by another writer since this controller read it ({e}); is a second controller writing? \
-             This one stops writing; restart it to re-read the state"
-        )),
-        Err(e) => Err(format!("writing {what}: {e}")),
+             This controller stops serving; it re-reads the state when restarted"
+        ))),
+        Ok(_) => Err(PutError::Refused(format!("writing {what}: {e} (read back: not written)"))),
+        Err(g) => Err(PutError::Unknown(format!("writing {what}: {e}; reading it back: {g}"))),
     }
 }
 
 /// Delete at the resourceVersion last seen; absent is success.
-async fn remove(api: &Api<DynamicObject>, name: &str, rv: Option<String>, what: &str) -> Result<(), String> {
+async fn remove(api: &Api<DynamicObject>, name: &str, rv: Option<String>, what: &str) -> Result<(), PutError> {
     let dp = DeleteParams { preconditions: rv.map(|rv| Preconditions { resource_version: Some(rv), uid: None }), ..Default::default() };
-    match api.delete(name, &dp).await {
-        Ok(_) => Ok(()),
-        Err(e) if is_not_found(&e) => Ok(()),
-        Err(e) if super::is_conflict(&e) => Err(format!("{what} was changed by another writer ({e})")),
-        Err(e) => Err(format!("deleting {what}: {e}")),
+    let e = match api.delete(name, &dp).await {
+        Ok(_) => return Ok(()),
+        Err(e) if is_not_found(&e) => return Ok(()),
+        Err(e) => e,
+    };
+    if super::is_conflict(&e) {
+        return Err(PutError::Conflict(format!("{what} was changed by another writer ({e})")));
+    }
+    if definitely_refused(&e) {
+        return Err(PutError::Refused(format!("deleting {what}: {e}")));
+    }
+    match api.get_opt(name).await {
+        Ok(None) => Ok(()),
+        Ok(Some(_)) => Err(PutError::Refused(format!("deleting {what}: {e} (read back: still there)"))),
+        Err(g) => Err(PutError::Unknown(format!("deleting {what}: {e}; reading it back: {g}"))),
     }
 }
 
 impl Backend for KubeBackend {
     fn load_nodes(&self) -> Result<(Vec<NodeRecord>, u64), String> {
+        self.check_fence()?;
         let (nodes, blocks) = (self.nodes.clone(), self.blocks.clone());
-        let (records, revision) = self.rt.run(async move {
+        let (records, revision, reserved) = self.rt.run(async move {
             let list = nodes.list(&ListParams::default()).await.map_err(err("listing nodeplanenodes"))?;
             let revision = list.metadata.resource_version.as_deref().and_then(|v| v.parse().ok()).unwrap_or(0u64);
             let mut records = Vec::new();
@@ -251,105 +330,137 @@ impl Backend for KubeBackend {
                 let rec = NodeRecord { name, underlay: spec.underlay, vtep_mac: spec.vtep_mac, blocks: spec.blocks };
                 records.push((rec, o.metadata.resource_version.clone().unwrap_or_default()));
             }
+            // Locks are listed after the records: a lock written meanwhile is younger than
+            // STALE_LOCK_AGE and only reserved below, never released.
             let locks = blocks.list(&ListParams::default()).await.map_err(err("listing ipblocks"))?;
-            let mut held: HashMap<String, String> = HashMap::new();
+            let mut held: HashMap<String, (String, Option<k8s_openapi::jiff::Timestamp>, Option<String>)> = HashMap::new();
             for o in &locks.items {
                 let spec: BlockSpec = spec_of(o)?;
                 let name = o.metadata.name.clone().unwrap_or_default();
                 if name != block_object_name(&spec.cidr) {
                     return Err(format!("IPBlock {name} does not match its cidr {}", spec.cidr));
                 }
-                held.insert(spec.cidr, spec.node);
+                held.insert(spec.cidr, (spec.node, o.metadata.creation_timestamp.as_ref().map(|t| t.0), o.metadata.uid.clone()));
             }
             let mut named = HashSet::new();
             for (rec, _) in &records {
                 for b in &rec.blocks {
                     named.insert(b.clone());
                     match held.get(b) {
-                        Some(n) if n == &rec.name => {}
-                        Some(n) => return Err(format!("block {b} is in node {}'s record but locked for node {n}", rec.name)),
+                        Some((n, _, _)) if n == &rec.name => {}
+                        Some((n, _, _)) => return Err(format!("block {b} is in node {}'s record but locked for node {n}", rec.name)),
                         None => {
                             tracing::warn!(block = %b, node = %rec.name, "block lock missing; restoring it");
-                            KubeBackend::lock_block(&blocks, b, &rec.name).await?;
+                            KubeBackend::lock_block(&blocks, b, &rec.name).await.map_err(|e| e.to_string())?;
                         }
                     }
                 }
             }
-            for (cidr, node) in &held {
-                if !named.contains(cidr) {
-                    tracing::warn!(block = %cidr, node = %node, "block locked but in no node's record (an interrupted change); releasing it");
-                    KubeBackend::unlock_block(&blocks, cidr).await?;
+            let now = k8s_openapi::jiff::Timestamp::now();
+            let mut reserved = Vec::new();
+            for (cidr, (node, created, uid)) in &held {
+                if named.contains(cidr) {
+                    continue;
+                }
+                let age = created.map(|c| now.duration_since(c).unsigned_abs()).unwrap_or_default();
+                if age < STALE_LOCK_AGE {
+                    tracing::warn!(block = %cidr, node = %node, ?age, "block locked but in no node's record, and recent: kept reserved (it may belong to a change still in flight)");
+                    reserved.push(cidr.clone());
+                    continue;
+                }
+                tracing::warn!(block = %cidr, node = %node, "block locked but in no node's record (an interrupted change); releasing it");
+                let name = block_object_name(cidr);
+                let dp = DeleteParams { preconditions: Some(Preconditions { uid: uid.clone(), resource_version: None }), ..Default::default() };
+                match blocks.delete(&name, &dp).await {
+                    Ok(_) => {}
+                    Err(e) if is_not_found(&e) => {}
+                    Err(e) => return Err(format!("releasing stale block lock {name}: {e}")),
                 }
             }
-            Ok((records, revision))
+            Ok((records, revision, reserved))
         })?;
+        *self.reserved.lock().unwrap() = reserved;
         let mut known = self.known.lock().unwrap();
         known.nodes = records.iter().map(|(r, rv)| (r.name.clone(), (r.clone(), rv.clone()))).collect();
         Ok((records.into_iter().map(|(r, _)| r).collect(), revision))
+    }
+
+    fn reserved_blocks(&self) -> Vec<String> {
+        self.reserved.lock().unwrap().clone()
     }
 
     fn commit_nodes(&self, changes: &[Change<NodeRecord>], _revision: u64) -> Result<(), String> {
         // One commit at a time (the registry serializes them already).
         let mut known = self.known.lock().unwrap();
         for (name, rec) in changes {
+            self.check_fence()?;
             let old = known.nodes.get(name).cloned();
             let (nodes, blocks, name2, rec2) = (self.nodes.clone(), self.blocks.clone(), name.clone(), rec.clone());
-            let new_rv = self.rt.run(async move {
-                let old_blocks: Vec<String> = old.as_ref().map(|(r, _)| r.blocks.clone()).unwrap_or_default();
-                let rv = old.map(|(_, rv)| rv);
-                match rec2 {
-                    Some(rec) => {
-                        let added: Vec<&String> = rec.blocks.iter().filter(|b| !old_blocks.contains(b)).collect();
-                        let mut locked = Vec::new();
-                        let mut failed = None;
-                        for b in &added {
-                            match KubeBackend::lock_block(&blocks, b, &name2).await {
-                                Ok(()) => locked.push(*b),
+            let outcome: Result<Option<String>, PutError> = self
+                .rt
+                .run(async move {
+                    let old_blocks: Vec<String> = old.as_ref().map(|(r, _)| r.blocks.clone()).unwrap_or_default();
+                    let rv = old.map(|(_, rv)| rv);
+                    Ok(match rec2 {
+                        Some(rec) => {
+                            // Lock the new blocks before the record names them.
+                            let mut locked = Vec::new();
+                            let mut result = Ok(String::new());
+                            for b in rec.blocks.iter().filter(|b| !old_blocks.contains(b)) {
+                                match KubeBackend::lock_block(&blocks, b, &name2).await {
+                                    Ok(()) => locked.push(b.clone()),
+                                    Err(e) => {
+                                        result = Err(e);
+                                        break;
+                                    }
+                                }
+                            }
+                            if result.is_ok() {
+                                let spec = NodeSpec { underlay: rec.underlay.clone(), vtep_mac: rec.vtep_mac.clone(), blocks: rec.blocks.clone() };
+                                let spec = serde_json::to_value(spec).map_err(|e| e.to_string())?;
+                                result = put(&nodes, object(&node_resource(), &name2, &[MANAGED_BY], spec, rv), &format!("NodeplaneNode {name2}")).await;
+                            }
+                            match result {
+                                Ok(new_rv) => {
+                                    for b in old_blocks.iter().filter(|b| !rec.blocks.contains(b)) {
+                                        // The record no longer names it: a lock left behind is
+                                        // released at a later load.
+                                        if let Err(e) = KubeBackend::unlock_block(&blocks, b).await {
+                                            tracing::warn!(error = %e, "block lock left behind");
+                                        }
+                                    }
+                                    Ok(Some(new_rv))
+                                }
                                 Err(e) => {
-                                    failed = Some(e);
-                                    break;
+                                    // Nothing written: give the new locks back. Unknown: keep
+                                    // them (a later load releases them if no record names them).
+                                    if matches!(e, PutError::Refused(_) | PutError::Conflict(_)) {
+                                        for b in &locked {
+                                            if let Err(u) = KubeBackend::unlock_block(&blocks, b).await {
+                                                tracing::warn!(error = %u, "block lock left behind");
+                                            }
+                                        }
+                                    }
+                                    Err(e)
                                 }
                             }
                         }
-                        let written = match failed {
-                            Some(e) => Err(e),
-                            None => {
-                                let spec = NodeSpec { underlay: rec.underlay.clone(), vtep_mac: rec.vtep_mac.clone(), blocks: rec.blocks.clone() };
-                                let spec = serde_json::to_value(spec).map_err(|e| e.to_string())?;
-                                put(&nodes, object(&node_resource(), &name2, &[MANAGED_BY], spec, rv), &format!("NodeplaneNode {name2}")).await
-                            }
-                        };
-                        match written {
-                            Ok(new_rv) => {
-                                for b in old_blocks.iter().filter(|b| !rec.blocks.contains(b)) {
-                                    // The record no longer names it: a lock left behind is
-                                    // released at the next load.
+                        None => match remove(&nodes, &name2, rv, &format!("NodeplaneNode {name2}")).await {
+                            Ok(()) => {
+                                for b in &old_blocks {
                                     if let Err(e) = KubeBackend::unlock_block(&blocks, b).await {
                                         tracing::warn!(error = %e, "block lock left behind");
                                     }
                                 }
-                                Ok(Some(new_rv))
+                                Ok(None)
                             }
-                            Err(e) => {
-                                for b in locked {
-                                    if let Err(u) = KubeBackend::unlock_block(&blocks, b).await {
-                                        tracing::warn!(error = %u, "block lock left behind");
-                                    }
-                                }
-                                Err(e)
-                            }
-                        }
-                    }
-                    None => {
-                        remove(&nodes, &name2, rv, &format!("NodeplaneNode {name2}")).await?;
-                        for b in &old_blocks {
-                            if let Err(e) = KubeBackend::unlock_block(&blocks, b).await {
-                                tracing::warn!(error = %e, "block lock left behind");
-                            }
-                        }
-                        Ok(None)
-                    }
-                }
+                            Err(e) => Err(e),
+                        },
+                    })
+                })?;
+            let new_rv = outcome.map_err(|e| {
+                self.trip(&e);
+                e.to_string()
             })?;
             match (rec, new_rv) {
                 (Some(r), Some(rv)) => {
@@ -364,6 +475,7 @@ impl Backend for KubeBackend {
     }
 
     fn load_volumes(&self) -> Result<Vec<VolumeRecord>, String> {
+        self.check_fence()?;
         let volumes = self.volumes.clone();
         let items = self.rt.run(async move {
             let list = volumes.list(&ListParams::default()).await.map_err(err("listing nodeplanevolumes"))?;
@@ -386,12 +498,13 @@ impl Backend for KubeBackend {
     fn commit_volumes(&self, changes: &[Change<VolumeRecord>]) -> Result<(), String> {
         let mut known = self.known.lock().unwrap();
         for (id, rec) in changes {
+            self.check_fence()?;
             let name = volume_object_name(id);
             let rv = known.volumes.get(&name).cloned();
             let (volumes, name2, rec2) = (self.volumes.clone(), name.clone(), rec.clone());
-            let new_rv = self.rt.run(async move {
+            let outcome: Result<Option<String>, PutError> = self.rt.run(async move {
                 let what = format!("NodeplaneVolume {name2}");
-                match rec2 {
+                Ok(match rec2 {
                     Some(r) => {
                         let node = r.node.clone();
                         let spec = serde_json::to_value(&r).map_err(|e| e.to_string())?;
@@ -399,7 +512,11 @@ impl Backend for KubeBackend {
                         put(&volumes, obj, &what).await.map(Some)
                     }
                     None => remove(&volumes, &name2, rv, &what).await.map(|_| None),
-                }
+                })
+            })?;
+            let new_rv = outcome.map_err(|e| {
+                self.trip(&e);
+                e.to_string()
             })?;
             match new_rv {
                 Some(rv) => known.volumes.insert(name, rv),
@@ -420,10 +537,11 @@ mod tests {
 
     #[test]
     fn object_names() {
-        assert_eq!(block_object_name("10.8.1.0/24"), "10-8-1-0-24");
-        assert_eq!(block_object_name("fd00:8::/64"), "fd00-8---64");
-        assert_eq!(block_object_name("fd00:8:0:1::/64"), "fd00-8-0-1---64");
-        for n in ["10-8-1-0-24", "fd00-8---64"] {
+        assert_eq!(block_object_name("10.8.1.0/24"), "v4-10-8-1-0-24");
+        assert_eq!(block_object_name("fd00:8::/64"), "v6-fd00-8---64");
+        assert_eq!(block_object_name("fd00:8:0:1::/64"), "v6-fd00-8-0-1---64");
+        assert_eq!(block_object_name("::/64"), "v6----64");
+        for n in ["v4-10-8-1-0-24", "v6-fd00-8---64", "v6----64"] {
             assert!(super::super::valid_object_name(n), "{n}");
         }
         assert_eq!(volume_object_name("pvc-0a1b"), "pvc-0a1b");
