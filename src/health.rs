@@ -6,6 +6,9 @@
 //! with one `<name>: <detail>` line per condition that does not; `/readyz?verbose` lists
 //! every condition as `[+]name ok` / `[-]name failed: detail` (the kube-apiserver layout).
 //! `/healthz` answers 200 whenever the process's runtime gets to answer at all.
+//! `/metrics` answers the Prometheus text format (0.0.4) when the process set a metrics
+//! source ([`Health::with_metrics`]); it is collected on a blocking thread (collectors may
+//! read files), and 404 without a source.
 //!
 //! The server runs on the caller's tokio runtime (so liveness means that runtime answers),
 //! one task per connection; a client that does not send its request headers in time is
@@ -40,10 +43,15 @@ struct Entry {
     detail: String,
 }
 
-/// The process's readiness conditions (cheap to clone; clones share the state).
+/// Renders the process's metrics in the Prometheus text format.
+pub type MetricsSource = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// The process's readiness conditions (cheap to clone; clones share the state) and its
+/// metrics source, if any.
 #[derive(Clone, Default)]
 pub struct Health {
     conditions: Arc<Mutex<Vec<Entry>>>,
+    metrics: Option<MetricsSource>,
 }
 
 /// A handle on one named readiness condition.
@@ -56,6 +64,13 @@ pub struct Condition {
 impl Health {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Serve `/metrics` from `source` (set it before the endpoint is served: clones made
+    /// earlier do not see it).
+    pub fn with_metrics(mut self, source: MetricsSource) -> Self {
+        self.metrics = Some(source);
+        self
     }
 
     /// Register a named readiness condition, initially not ready with detail "starting".
@@ -172,7 +187,8 @@ pub async fn serve(
     listener.set_nonblocking(true)?;
     let listener = tokio::net::TcpListener::from_std(listener)?;
     let local = listener.local_addr()?;
-    tracing::info!(address = %local, "health endpoint served (/healthz, /readyz)");
+    let paths = if health.metrics.is_some() { "/healthz, /readyz, /metrics" } else { "/healthz, /readyz" };
+    tracing::info!(address = %local, paths, "health endpoint served");
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut conns = tokio::task::JoinSet::new();
@@ -223,8 +239,8 @@ async fn serve_connection(
 ) {
     let _ = stream.set_nodelay(true);
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-        let resp = respond(&health, req.method(), req.uri());
-        async move { Ok::<_, Infallible>(resp) }
+        let health = health.clone();
+        async move { Ok::<_, Infallible>(respond(&health, req.method(), req.uri()).await) }
     });
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
@@ -253,13 +269,14 @@ async fn serve_connection(
 }
 
 fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    typed(status, body, "text/plain; charset=utf-8")
+}
+
+fn typed(status: StatusCode, body: String, content_type: &'static str) -> Response<Full<Bytes>> {
     let mut resp = Response::new(Full::new(Bytes::from(body)));
     *resp.status_mut() = status;
     let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     h.insert(
         header::X_CONTENT_TYPE_OPTIONS,
         HeaderValue::from_static("nosniff"),
@@ -273,11 +290,18 @@ fn has_query_key(query: Option<&str>, key: &str) -> bool {
     query.is_some_and(|q| q.split('&').any(|kv| kv.split('=').next() == Some(key)))
 }
 
-/// The router: one arm per path (a `/metrics` arm would go here).
-fn respond(health: &Health, method: &Method, uri: &hyper::Uri) -> Response<Full<Bytes>> {
-    let route: fn(&Health, Option<&str>) -> Response<Full<Bytes>> = match uri.path() {
-        "/healthz" => |_, _| text(StatusCode::OK, "ok\n".into()),
-        "/readyz" => readyz,
+enum Route {
+    Healthz,
+    Readyz,
+    Metrics(MetricsSource),
+}
+
+/// The router: one arm per path.
+async fn respond(health: &Health, method: &Method, uri: &hyper::Uri) -> Response<Full<Bytes>> {
+    let route = match (uri.path(), &health.metrics) {
+        ("/healthz", _) => Route::Healthz,
+        ("/readyz", _) => Route::Readyz,
+        ("/metrics", Some(source)) => Route::Metrics(source.clone()),
         _ => return text(StatusCode::NOT_FOUND, "not found\n".into()),
     };
     // HEAD is answered like GET (hyper leaves the body out).
@@ -290,7 +314,22 @@ fn respond(health: &Health, method: &Method, uri: &hyper::Uri) -> Response<Full<
             .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
         return r;
     }
-    route(health, uri.query())
+    match route {
+        Route::Healthz => text(StatusCode::OK, "ok\n".into()),
+        Route::Readyz => readyz(health, uri.query()),
+        Route::Metrics(source) => metrics(source).await,
+    }
+}
+
+/// Collect on a blocking thread: collectors take locks and may read small files.
+async fn metrics(source: MetricsSource) -> Response<Full<Bytes>> {
+    match tokio::task::spawn_blocking(move || source()).await {
+        Ok(body) => typed(StatusCode::OK, body, crate::metrics::CONTENT_TYPE),
+        Err(e) => {
+            tracing::error!(error = %e, "collecting metrics failed");
+            text(StatusCode::INTERNAL_SERVER_ERROR, "collecting metrics failed\n".into())
+        }
+    }
 }
 
 fn readyz(health: &Health, query: Option<&str>) -> Response<Full<Bytes>> {
@@ -529,6 +568,35 @@ mod tests {
         assert_eq!(r.status, 200);
         assert_eq!(r.body, "", "HEAD has no body");
         assert_eq!(r.header("content-length"), Some("3"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn metrics_from_the_source() {
+        let registry = crate::metrics::Registry::new();
+        let c = registry.counter("t_total", "Test counter.", &["k"]);
+        let r2 = registry.clone();
+        let h = Health::new().with_metrics(Arc::new(move || r2.render()));
+        h.condition("cni").set(false, "not yet");
+        let (addr, _stop, _task) = start(&h).await;
+        let r = call(addr, "GET", "/metrics").await;
+        assert_eq!(r.status, 200, "answered whatever the readiness");
+        assert_eq!(r.header("content-type"), Some(crate::metrics::CONTENT_TYPE));
+        assert_eq!(r.body, "# HELP t_total Test counter.\n# TYPE t_total counter\n");
+        c.inc(&["a\"b"]);
+        let r = call(addr, "GET", "/metrics?x=1").await;
+        assert!(r.body.ends_with("t_total{k=\"a\\\"b\"} 1\n"), "{}", r.body);
+        let r = call(addr, "HEAD", "/metrics").await;
+        assert_eq!((r.status, r.body.as_str()), (200, ""));
+        assert_eq!(call(addr, "POST", "/metrics").await.status, 405);
+        // The other paths are unchanged.
+        assert_eq!(call(addr, "GET", "/healthz").await.body, "ok\n");
+        assert_eq!(call(addr, "GET", "/readyz").await.status, 503);
+
+        // A source that panics: 500, and the server goes on.
+        let broken = Health::new().with_metrics(Arc::new(|| panic!("collector bug")));
+        let (addr, _stop2, _task2) = start(&broken).await;
+        assert_eq!(call(addr, "GET", "/metrics").await.status, 500);
+        assert_eq!(call(addr, "GET", "/healthz").await.status, 200);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,6 +7,7 @@
 
 use std::net::IpAddr;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -81,9 +82,38 @@ pub fn peers_of(me: &str, nodes: &[pb::Node]) -> Vec<PeerNode> {
         .collect()
 }
 
+/// The state of the connection to the controller, for metrics.
+#[derive(Debug, Default)]
+pub struct Link {
+    /// Registered, and the membership stream is open.
+    connected: AtomicBool,
+    /// Unix time in milliseconds of the last message from the controller (0: never).
+    last_message_ms: AtomicU64,
+}
+
+impl Link {
+    pub fn connected(&self) -> bool {
+        self.connected.load(Ordering::SeqCst)
+    }
+
+    /// Seconds since the Unix epoch of the last message received, if any.
+    pub fn last_message(&self) -> Option<f64> {
+        match self.last_message_ms.load(Ordering::SeqCst) {
+            0 => None,
+            ms => Some(ms as f64 / 1000.0),
+        }
+    }
+
+    fn message(&self) {
+        let ms = (crate::metrics::unix_now() * 1000.0) as u64;
+        self.last_message_ms.store(ms.max(1), Ordering::SeqCst);
+    }
+}
+
 /// Connection-independent state of the cluster client.
 struct Client {
     dp: Arc<Datapath>,
+    link: Arc<Link>,
     cc: ControllerConfig,
     routes: Mutex<Option<Routes>>,
     vtep_mac: Mutex<String>,
@@ -185,6 +215,7 @@ impl Client {
             .await
             .map_err(|s| grpc_err("register", &s))?
             .into_inner();
+        self.link.message();
         self.ensure_routes(resp.vxlan_vni, resp.vxlan_port as u16).await?;
         let mac = self.vtep_mac.lock().unwrap().clone();
         if mac != sent_mac {
@@ -194,6 +225,7 @@ impl Client {
                 .await
                 .map_err(|s| grpc_err("register", &s))?
                 .into_inner();
+            self.link.message();
         }
         let node = resp.node.clone().ok_or("register: no node in the answer")?;
         self.apply_self(&node, Some(&resp)).await?;
@@ -205,9 +237,13 @@ impl Client {
             .await
             .map_err(|s| grpc_err("watch", &s))?
             .into_inner();
+        self.link.connected.store(true, Ordering::SeqCst);
         loop {
             let list = match stream.message().await {
-                Ok(Some(l)) => l,
+                Ok(Some(l)) => {
+                    self.link.message();
+                    l
+                }
                 Ok(None) => return Err("controller closed the membership stream".into()),
                 Err(s) => return Err(grpc_err("watch", &s)),
             };
@@ -239,16 +275,18 @@ fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, v4: bool
             .await
             .map_err(|s| grpc_err("request block", &s))?
             .into_inner();
+        c.link.message();
         let node = resp.node.ok_or("no node in the answer")?;
         c.apply_self(&node, None).await
     })
 }
 
-/// Run the cluster client forever (reconnecting with backoff).
-pub async fn run(dp: Arc<Datapath>) {
+/// Run the cluster client forever (reconnecting with backoff), keeping `link` up to date.
+pub async fn run(dp: Arc<Datapath>, link: Arc<Link>) {
     let Some(cc) = dp.cfg.controller.clone() else { return };
     let client = Arc::new(Client {
         dp: dp.clone(),
+        link: link.clone(),
         cc,
         routes: Mutex::new(None),
         vtep_mac: Mutex::new(String::new()),
@@ -260,7 +298,9 @@ pub async fn run(dp: Arc<Datapath>) {
     let mut backoff = Duration::from_millis(100);
     loop {
         let mut connected = false;
-        if let Err(e) = client.session(&mut connected).await {
+        let ended = client.session(&mut connected).await;
+        link.connected.store(false, Ordering::SeqCst);
+        if let Err(e) = ended {
             tracing::warn!(error = %e, "controller session ended");
         }
         if connected {

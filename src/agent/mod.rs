@@ -4,6 +4,7 @@ pub mod cluster;
 pub mod config;
 pub mod datapath;
 pub mod install;
+pub mod metrics;
 pub mod nft;
 mod readiness;
 pub mod reaper;
@@ -182,17 +183,22 @@ pub fn drain_pending(dp: &Datapath) {
 
 /// Answer one CNI invocation (blocking).
 pub fn handle(dp: &Datapath, env: &Env, stdin: &[u8]) -> Reply {
+    handle_coded(dp, env, stdin).0
+}
+
+/// [`handle`], also returning the CNI error code answered (`None`: success).
+pub fn handle_coded(dp: &Datapath, env: &Env, stdin: &[u8]) -> (Reply, Option<u32>) {
     let version = request::sniff_version(stdin);
     let command = match request::parse_command(env) {
         Ok(c) => c,
-        Err(e) => return Reply::error(&e, &version),
+        Err(e) => return (Reply::error(&e, &version), Some(e.code as u32)),
     };
     if command == Command::Version {
-        return Reply::ok(&version_result(Some(&version)));
+        return (Reply::ok(&version_result(Some(&version))), None);
     }
     let req = match request::parse(env, stdin) {
         Ok(r) => r,
-        Err(e) => return Reply::error(&e, &version),
+        Err(e) => return (Reply::error(&e, &version), Some(e.code as u32)),
     };
     let v = req.conf.cni_version.as_str();
     let out = match command {
@@ -203,13 +209,16 @@ pub fn handle(dp: &Datapath, env: &Env, stdin: &[u8]) -> Reply {
         Command::Status => dp.status().map(|_| Reply::empty()),
         Command::Version => unreachable!("answered above"),
     };
-    out.unwrap_or_else(|e| {
-        tracing::warn!(command = command.as_str(), container = %req.container_id, ifname = %req.ifname, code = e.code as u32, error = %e.msg, "CNI request failed");
-        Reply::error(&e, v)
-    })
+    match out {
+        Ok(r) => (r, None),
+        Err(e) => {
+            tracing::warn!(command = command.as_str(), container = %req.container_id, ifname = %req.ifname, code = e.code as u32, error = %e.msg, "CNI request failed");
+            (Reply::error(&e, v), Some(e.code as u32))
+        }
+    }
 }
 
-async fn serve_conn(dp: Arc<Datapath>, mut stream: UnixStream) -> std::io::Result<()> {
+async fn serve_conn(dp: Arc<Datapath>, cni: Arc<metrics::CniMetrics>, mut stream: UnixStream) -> std::io::Result<()> {
     let read = async {
         let mut header = [0u8; 4];
         stream.read_exact(&mut header).await?;
@@ -224,12 +233,32 @@ async fn serve_conn(dp: Arc<Datapath>, mut stream: UnixStream) -> std::io::Resul
         serde_json::from_slice(&body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
     let started = Instant::now();
     let cmd = req.env.get("CNI_COMMAND").cloned().unwrap_or_default();
-    let reply = tokio::task::spawn_blocking(move || handle(&dp, &req.env, req.stdin.as_bytes()))
+    let (reply, code) = tokio::task::spawn_blocking(move || handle_coded(&dp, &req.env, req.stdin.as_bytes()))
         .await
         .map_err(std::io::Error::other)?;
-    tracing::debug!(command = %cmd, exit = reply.exit_code, micros = started.elapsed().as_micros() as u64, "cni");
+    let elapsed = started.elapsed();
+    // Only known commands become label values: the environment is the caller's input.
+    cni.observe(Command::parse(&cmd).map_or("unknown", |c| c.as_str()), code, elapsed.as_secs_f64());
+    tracing::debug!(command = %cmd, exit = reply.exit_code, micros = elapsed.as_micros() as u64, "cni");
     stream.write_all(&wire::encode(&reply)?).await?;
     stream.shutdown().await
+}
+
+/// Serve one shim connection on its own task, counted for the shutdown drain.
+fn spawn_conn(
+    dp: &Arc<Datapath>,
+    cni: &Arc<metrics::CniMetrics>,
+    tracker: &tokio_util_tracker::Tracker,
+    stream: UnixStream,
+) {
+    let (dp, cni) = (dp.clone(), cni.clone());
+    let guard = tracker.enter();
+    tokio::spawn(async move {
+        if let Err(e) = serve_conn(dp, cni, stream).await {
+            tracing::warn!(error = %e, "CNI connection");
+        }
+        drop(guard);
+    });
 }
 
 /// Serve the CNI socket until SIGTERM/SIGINT, then finish in-flight requests.
@@ -237,24 +266,20 @@ async fn serve_conn(dp: Arc<Datapath>, mut stream: UnixStream) -> std::io::Resul
 /// The health endpoint (`healthAddress`) is bound first, so a bad or taken address fails
 /// the start, and it answers from then on: during CSI recovery and until shutdown is done
 /// (readiness turns false as soon as the shutdown begins).
-/// Serve one shim connection on its own task, counted for the shutdown drain.
-fn spawn_conn(dp: &Arc<Datapath>, tracker: &tokio_util_tracker::Tracker, stream: UnixStream) {
-    let dp = dp.clone();
-    let guard = tracker.enter();
-    tokio::spawn(async move {
-        if let Err(e) = serve_conn(dp, stream).await {
-            tracing::warn!(error = %e, "CNI connection");
-        }
-        drop(guard);
-    });
-}
-
 pub async fn serve(
     dp: Arc<Datapath>,
     listener: std::os::unix::net::UnixListener,
     csi: Option<Arc<crate::csi::NodeService>>,
 ) -> Result<(), AgentError> {
-    let health = crate::health::Health::new();
+    let link = dp.cfg.controller.as_ref().map(|_| Arc::new(cluster::Link::default()));
+    let inventory = dp.cfg.device_plugins.as_ref().map(|_| crate::deviceplugin::Inventory::default());
+    let (registry, cni_metrics) = metrics::build(metrics::Sources {
+        dp: dp.clone(),
+        csi: csi.clone(),
+        devices: inventory.clone(),
+        link: link.clone(),
+    });
+    let health = crate::health::Health::new().with_metrics(Arc::new(move || registry.render()));
     // The conditions exist before the endpoint answers: it never says ready too early.
     let devices_ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let ended = dp.cfg.device_plugins.as_ref().map(|_| devices_ended.clone());
@@ -282,13 +307,13 @@ pub async fn serve(
     let mut drain_tick = tokio::time::interval(Duration::from_secs(5));
     drain_tick.tick().await;
     let tracker = tokio_util_tracker::Tracker::default();
-    let cluster_client = tokio::spawn(cluster::run(dp.clone()));
+    let cluster_client = tokio::spawn(cluster::run(dp.clone(), link.unwrap_or_default()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let volume_client = csi.clone().map(|svc| tokio::spawn(volume_sync::run(dp.cfg.clone(), svc)));
     let device_plugins = dp.cfg.device_plugins.clone().map(|s| {
-        let (rx, ended) = (stop_rx.clone(), devices_ended.clone());
+        let (rx, ended, inv) = (stop_rx.clone(), devices_ended.clone(), inventory.clone().unwrap_or_default());
         tokio::spawn(async move {
-            crate::deviceplugin::run(s, rx).await;
+            crate::deviceplugin::run_with(s, rx, inv).await;
             ended.store(true, std::sync::atomic::Ordering::SeqCst);
         })
     });
@@ -302,7 +327,7 @@ pub async fn serve(
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => spawn_conn(&dp, &tracker, stream),
+                Ok((stream, _)) => spawn_conn(&dp, &cni_metrics, &tracker, stream),
                 Err(e) => tracing::warn!(error = %e, "accept"),
             },
             _ = drain_tick.tick() => {
@@ -330,7 +355,7 @@ pub async fn serve(
     let _ = fs::remove_file(&dp.cfg.cni_socket);
     loop {
         match tokio::time::timeout(Duration::ZERO, listener.accept()).await {
-            Ok(Ok((stream, _))) => spawn_conn(&dp, &tracker, stream),
+            Ok(Ok((stream, _))) => spawn_conn(&dp, &cni_metrics, &tracker, stream),
             _ => break,
         }
     }

@@ -5,6 +5,7 @@ pub mod backend;
 pub mod config;
 pub mod csi;
 pub mod kube;
+pub mod metrics;
 pub mod server;
 pub mod store;
 pub mod volumes;
@@ -61,11 +62,16 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     let health = crate::health::Health::new();
     let leading = health.condition("leader");
     let serving = health.condition("serving");
+    let metrics = metrics::ControllerMetrics::new(leading.clone());
+    let health = {
+        let r = metrics.registry.clone();
+        health.with_metrics(Arc::new(move || r.render()))
+    };
     let health_task = match cfg.health_address {
         Some(addr) => {
             let l = crate::health::bind(&addr.to_string()).map_err(io_ctx(format!("binding health address {addr}")))?;
             let mut s = stopping.clone();
-            tracing::info!(address = %addr, "health endpoint: /healthz /readyz");
+            tracing::info!(address = %addr, "health endpoint: /healthz /readyz /metrics");
             Some(tokio::spawn(crate::health::serve(l, health.clone(), async move {
                 let _ = s.wait_for(|v| *v).await;
             })))
@@ -145,6 +151,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         .await
         .map_err(|e| ControllerError::Volumes(e.to_string()))??
     };
+    metrics.loaded(registry.clone(), book.clone());
     let snap = registry.snapshot();
     tracing::info!(store = %backend.describe(), nodes = snap.nodes.len(), volumes = book.list().len(), revision = snap.revision, pools = ?cfg.cluster_cidrs(), "state loaded");
     let follower = match (&cfg.store, &client) {
@@ -153,7 +160,14 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     };
     let authority = Arc::new(authority);
     let cfg = Arc::new(cfg);
-    let svc = server::Service { registry, volumes: book.clone(), authority, cfg: cfg.clone(), stopping: stopping.clone() };
+    let svc = server::Service {
+        registry,
+        volumes: book.clone(),
+        authority,
+        cfg: cfg.clone(),
+        stopping: stopping.clone(),
+        requests: metrics.requests.clone(),
+    };
     let until_stopped = |mut s: tokio::sync::watch::Receiver<bool>| async move {
         let _ = s.wait_for(|v| *v).await;
     };

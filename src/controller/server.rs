@@ -19,6 +19,8 @@ pub struct Service {
     pub cfg: Arc<Config>,
     /// Flipped to true on shutdown: ends every membership stream (agents reconnect).
     pub stopping: tokio::sync::watch::Receiver<bool>,
+    /// Calls answered, by method and gRPC code (see `super::metrics`).
+    pub requests: Arc<crate::metrics::CounterVec>,
 }
 
 impl From<RegistryError> for Status {
@@ -80,9 +82,58 @@ impl Service {
 type NodeStream = Pin<Box<dyn Stream<Item = Result<pb::NodeList, Status>> + Send>>;
 type VolumeStream = Pin<Box<dyn Stream<Item = Result<pb::VolumeSet, Status>> + Send>>;
 
+impl Service {
+    /// Count one answered call (for the streams: whether the stream was opened).
+    fn counted<T>(&self, method: &str, r: Result<T, Status>) -> Result<T, Status> {
+        let code = r.as_ref().err().map_or(tonic::Code::Ok, |s| s.code());
+        self.requests.inc(&[method, crate::metrics::grpc_code_name(code)]);
+        r
+    }
+}
+
+/// The service: every method answers through [`Service::counted`].
 #[tonic::async_trait]
 impl NodeRegistry for Service {
     async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
+        self.counted("Register", self.do_register(req).await)
+    }
+
+    async fn request_block(
+        &self,
+        req: Request<pb::RequestBlockRequest>,
+    ) -> Result<Response<pb::RequestBlockResponse>, Status> {
+        self.counted("RequestBlock", self.do_request_block(req).await)
+    }
+
+    type WatchNodesStream = NodeStream;
+
+    async fn watch_nodes(&self, req: Request<pb::WatchNodesRequest>) -> Result<Response<NodeStream>, Status> {
+        self.counted("WatchNodes", self.do_watch_nodes(req).await)
+    }
+
+    async fn remove_node(
+        &self,
+        req: Request<pb::RemoveNodeRequest>,
+    ) -> Result<Response<pb::RemoveNodeResponse>, Status> {
+        self.counted("RemoveNode", self.do_remove_node(req).await)
+    }
+
+    type WatchVolumesStream = VolumeStream;
+
+    async fn watch_volumes(&self, req: Request<pb::WatchVolumesRequest>) -> Result<Response<VolumeStream>, Status> {
+        self.counted("WatchVolumes", self.do_watch_volumes(req).await)
+    }
+
+    async fn report_volumes(
+        &self,
+        req: Request<pb::ReportVolumesRequest>,
+    ) -> Result<Response<pb::ReportVolumesResponse>, Status> {
+        self.counted("ReportVolumes", self.do_report_volumes(req).await)
+    }
+}
+
+impl Service {
+    async fn do_register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
         let node = req.get_ref().node_name.clone();
         self.authorize(&req, &node).await?;
         let r = req.into_inner();
@@ -96,7 +147,7 @@ impl NodeRegistry for Service {
         }))
     }
 
-    async fn request_block(
+    async fn do_request_block(
         &self,
         req: Request<pb::RequestBlockRequest>,
     ) -> Result<Response<pb::RequestBlockResponse>, Status> {
@@ -112,9 +163,7 @@ impl NodeRegistry for Service {
         Ok(Response::new(pb::RequestBlockResponse { node: Some(to_pb(&rec)) }))
     }
 
-    type WatchNodesStream = NodeStream;
-
-    async fn watch_nodes(&self, req: Request<pb::WatchNodesRequest>) -> Result<Response<NodeStream>, Status> {
+    async fn do_watch_nodes(&self, req: Request<pb::WatchNodesRequest>) -> Result<Response<NodeStream>, Status> {
         let node = req.get_ref().node_name.clone();
         self.authorize(&req, &node).await?;
         let mut rx = self.registry.subscribe();
@@ -138,7 +187,7 @@ impl NodeRegistry for Service {
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out))))
     }
 
-    async fn remove_node(
+    async fn do_remove_node(
         &self,
         req: Request<pb::RemoveNodeRequest>,
     ) -> Result<Response<pb::RemoveNodeResponse>, Status> {
@@ -150,9 +199,7 @@ impl NodeRegistry for Service {
         Ok(Response::new(pb::RemoveNodeResponse { released_blocks: released }))
     }
 
-    type WatchVolumesStream = VolumeStream;
-
-    async fn watch_volumes(&self, req: Request<pb::WatchVolumesRequest>) -> Result<Response<VolumeStream>, Status> {
+    async fn do_watch_volumes(&self, req: Request<pb::WatchVolumesRequest>) -> Result<Response<VolumeStream>, Status> {
         let node = req.get_ref().node_name.clone();
         self.authorize(&req, &node).await?;
         let book = self.volumes.clone();
@@ -179,7 +226,7 @@ impl NodeRegistry for Service {
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out))))
     }
 
-    async fn report_volumes(
+    async fn do_report_volumes(
         &self,
         req: Request<pb::ReportVolumesRequest>,
     ) -> Result<Response<pb::ReportVolumesResponse>, Status> {

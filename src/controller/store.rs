@@ -129,6 +129,20 @@ impl Registry {
         self.state.lock().unwrap().nodes.get(name).cloned()
     }
 
+    /// Every pool with how many of its blocks are assigned to nodes (metrics).
+    pub fn pool_usage(&self) -> Vec<(Pool, u128)> {
+        let st = self.state.lock().unwrap();
+        let held: Vec<IpNetwork> =
+            st.nodes.values().flat_map(|n| n.blocks.iter().filter_map(|b| b.parse::<IpNetwork>().ok())).collect();
+        self.pools
+            .iter()
+            .map(|p| {
+                let used = held.iter().filter(|b| p.net.contains(b.network()) && b.prefix() >= p.net.prefix()).count();
+                (*p, used as u128)
+            })
+            .collect()
+    }
+
     /// Commit `records` (Some = upsert, None = delete) and publish the new snapshot.
     fn commit(&self, st: &mut State, changes: Vec<(String, Option<NodeRecord>)>) -> Result<(), RegistryError> {
         let revision = st.revision + 1;
@@ -303,6 +317,9 @@ mod tests {
         r.remove("n3").unwrap();
         let more = r.request_block("n0", true).unwrap();
         assert_eq!(more.blocks.len(), 3);
+        let usage: Vec<(String, u128, u128)> =
+            r.pool_usage().iter().map(|(p, used)| (p.net.to_string(), p.block_count(), *used)).collect();
+        assert_eq!(usage, vec![("10.8.0.0/22".into(), 4, 4), ("fd00:8::/62".into(), 4, 3)]);
         assert!(matches!(r.request_block("n0", true), Err(RegistryError::Exhausted { .. })));
         assert!(matches!(r.request_block("ghost", true), Err(RegistryError::NotFound(_))));
     }

@@ -234,6 +234,21 @@ impl VolumeBook {
         self.st.lock().unwrap().vols.values().cloned().collect()
     }
 
+    /// Volumes per state (creating, ready, deleting) and open volume streams (metrics).
+    pub fn stats(&self) -> BookStats {
+        let st = self.st.lock().unwrap();
+        let mut s = BookStats::default();
+        for v in st.vols.values() {
+            match v.state {
+                VolState::Creating => s.creating += 1,
+                VolState::Ready => s.ready += 1,
+                VolState::Deleting => s.deleting += 1,
+            }
+        }
+        s.streams = st.nodes.values().map(|n| n.connected as usize).sum();
+        s
+    }
+
     pub fn node_views(&self) -> HashMap<String, NodeView> {
         self.st.lock().unwrap().nodes.clone()
     }
@@ -426,6 +441,16 @@ impl VolumeBook {
     }
 }
 
+/// What [`VolumeBook::stats`] counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BookStats {
+    pub creating: usize,
+    pub ready: usize,
+    pub deleting: usize,
+    /// Open `WatchVolumes` streams (one per connected agent, normally).
+    pub streams: usize,
+}
+
 /// Marks a node's volume stream closed when dropped.
 pub struct ConnectionGuard {
     book: Arc<VolumeBook>,
@@ -556,10 +581,15 @@ mod tests {
         let b = Arc::new(VolumeBook::open(db, Duration::from_secs(60)).unwrap());
         assert_eq!(b.get("a").unwrap().state, VolState::Deleting);
         assert_eq!(b.get("b").unwrap().state, VolState::Creating);
+        assert_eq!(b.stats(), BookStats { creating: 1, ready: 0, deleting: 1, streams: 0 });
         let _g = b.connect("n1");
+        let _g2 = b.connect("n1");
+        assert_eq!(b.stats().streams, 2);
+        drop(_g2);
         report(&b, "n1", 100, &[("b", 10)]);
         assert!(b.get("a").is_none());
         assert_eq!(b.get("b").unwrap().state, VolState::Ready);
         assert_eq!(b.by_name("b").unwrap().id, "b");
+        assert_eq!(b.stats(), BookStats { creating: 0, ready: 1, deleting: 0, streams: 1 });
     }
 }

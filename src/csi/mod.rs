@@ -37,18 +37,38 @@ fn ready_or_unavailable(svc: &NodeService) -> Result<(), Status> {
     if svc.ready() { Ok(()) } else { Err(Status::unavailable("the node plugin is still initialising")) }
 }
 
-/// Run one blocking node operation off the async workers, logging its outcome.
+/// Run one blocking node operation off the async workers, logging and counting its outcome.
 async fn blocking<T, F>(svc: &Arc<NodeService>, op: &'static str, volume: String, f: F) -> Result<Response<T>, Status>
 where
     T: Send + 'static,
     F: FnOnce(&NodeService) -> Result<T, CsiError> + Send + 'static,
 {
+    let out = run_blocking(svc, op, volume, f).await;
+    let code = match &out {
+        Ok(_) => tonic::Code::Ok,
+        Err(s) => s.code(),
+    };
+    svc.operations.inc(&[op, crate::metrics::grpc_code_name(code)]);
+    out
+}
+
+async fn run_blocking<T, F>(
+    svc: &Arc<NodeService>,
+    op: &'static str,
+    volume: String,
+    f: F,
+) -> Result<Response<T>, Status>
+where
+    T: Send + 'static,
+    F: FnOnce(&NodeService) -> Result<T, CsiError> + Send + 'static,
+{
     ready_or_unavailable(svc)?;
-    let svc = svc.clone();
+    let svc2 = svc.clone();
     let started = std::time::Instant::now();
-    let out = tokio::task::spawn_blocking(move || f(&svc))
+    let out = tokio::task::spawn_blocking(move || f(&svc2))
         .await
         .map_err(|e| Status::internal(format!("{op} panicked: {e}")))?;
+    svc.durations.observe(&[op], started.elapsed().as_secs_f64());
     let micros = started.elapsed().as_micros() as u64;
     match out {
         Ok(v) => {
@@ -320,5 +340,12 @@ mod tests {
             }))
             .await;
         assert_eq!(r.unwrap_err().code(), tonic::Code::NotFound);
+        // Both calls counted, under the method and the code answered.
+        assert_eq!(svc.operations.get(&["NodeUnstageVolume", "Unavailable"]), 1);
+        assert_eq!(svc.operations.get(&["NodeUnstageVolume", "NotFound"]), 1);
+        assert_eq!(svc.operations.get(&["NodeUnstageVolume", "OK"]), 0);
+        // Only the call that ran is timed.
+        assert_eq!(svc.durations.snapshot(&["NodeUnstageVolume"]).map(|h| h.count), Some(1));
+        assert_eq!(svc.mount_counts(), node::MountCounts::default());
     }
 }

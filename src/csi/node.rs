@@ -249,6 +249,20 @@ pub struct NodeService {
     pub store: Arc<VolumeStore>,
     busy: Mutex<HashSet<String>>,
     ready: AtomicBool,
+    /// Node calls by method and gRPC code, and their latency (the agent exposes them).
+    pub operations: Arc<crate::metrics::CounterVec>,
+    pub durations: Arc<crate::metrics::HistogramVec>,
+}
+
+/// What the records say is staged and published (cheap: two small directories).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MountCounts {
+    /// Volumes staged (`staged` records).
+    pub staged: usize,
+    /// Stages in progress or interrupted (`staging` records).
+    pub staging: usize,
+    /// Published target paths.
+    pub published: usize,
 }
 
 /// Holds a volume for one operation; a second operation on it meanwhile gets ABORTED.
@@ -280,7 +294,36 @@ impl NodeService {
         for d in ["stage", "publish"] {
             std::fs::DirBuilder::new().recursive(true).mode(0o700).create(settings.record_dir.join(d))?;
         }
-        Ok(NodeService { settings, store, busy: Mutex::new(HashSet::new()), ready: AtomicBool::new(false) })
+        let operations = crate::metrics::CounterVec::new(
+            "nodeplane_csi_operations_total",
+            "CSI Node calls answered, by method and gRPC status code.",
+            &["method", "code"],
+        );
+        let durations = crate::metrics::HistogramVec::new(
+            "nodeplane_csi_operation_duration_seconds",
+            "Time to answer a CSI Node call that did volume work, by method.",
+            &["method"],
+            crate::metrics::LATENCY_BUCKETS,
+        );
+        Ok(NodeService {
+            settings,
+            store,
+            busy: Mutex::new(HashSet::new()),
+            ready: AtomicBool::new(false),
+            operations,
+            durations,
+        })
+    }
+
+    /// Staged and published volumes, from the records (which are written before the kernel
+    /// state they describe and removed after it is undone).
+    pub fn mount_counts(&self) -> MountCounts {
+        let stages = self.stage_records();
+        MountCounts {
+            staged: stages.iter().filter(|r| r.state == StageState::Staged).count(),
+            staging: stages.iter().filter(|r| r.state == StageState::Staging).count(),
+            published: self.publish_records().len(),
+        }
     }
 
     pub fn ready(&self) -> bool {

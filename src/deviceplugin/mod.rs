@@ -55,6 +55,39 @@ pub struct Manager {
     plugins: BTreeMap<String, Running>,
     /// Last successfully loaded configuration.
     resources: Vec<Resource>,
+    inventory: Inventory,
+}
+
+/// The plugins being served, shared read-only with the metrics collector (the manager
+/// updates it whenever it starts or stops a plugin).
+#[derive(Clone, Default)]
+pub struct Inventory(Arc<std::sync::Mutex<Vec<Arc<Plugin>>>>);
+
+/// One served resource's device IDs (as advertised to kubelet: a device shared N ways
+/// counts N times) by health.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResourceHealth {
+    pub resource: String,
+    pub healthy: usize,
+    pub unhealthy: usize,
+}
+
+impl Inventory {
+    pub fn health(&self) -> Vec<ResourceHealth> {
+        let plugins = self.0.lock().unwrap().clone();
+        plugins
+            .iter()
+            .map(|p| {
+                let devices = p.devices();
+                let healthy = devices.iter().filter(|d| d.health == plugin::HEALTHY).count();
+                ResourceHealth { resource: p.res.resource_name(), healthy, unhealthy: devices.len() - healthy }
+            })
+            .collect()
+    }
+
+    fn set(&self, plugins: Vec<Arc<Plugin>>) {
+        *self.0.lock().unwrap() = plugins;
+    }
 }
 
 fn cdi_path(s: &Settings, r: &Resource) -> PathBuf {
@@ -63,7 +96,15 @@ fn cdi_path(s: &Settings, r: &Resource) -> PathBuf {
 
 impl Manager {
     pub fn new(s: Settings) -> Self {
-        Manager { s, plugins: BTreeMap::new(), resources: Vec::new() }
+        Self::with_inventory(s, Inventory::default())
+    }
+
+    pub fn with_inventory(s: Settings, inventory: Inventory) -> Self {
+        Manager { s, plugins: BTreeMap::new(), resources: Vec::new(), inventory }
+    }
+
+    fn publish_inventory(&self) {
+        self.inventory.set(self.plugins.values().map(|r| r.plugin.clone()).collect());
     }
 
     fn socket_path(&self, r: &Resource) -> PathBuf {
@@ -120,6 +161,7 @@ impl Manager {
                 self.start_plugin(Arc::new(r));
             }
         }
+        self.publish_inventory();
     }
 
     fn stop_plugin(&self, r: Running) {
@@ -214,6 +256,7 @@ impl Manager {
         self.stop_plugin(r);
         tracing::warn!(resource = %res.resource_name(), "device plugin socket removed; serving it again");
         self.start_plugin(res);
+        self.publish_inventory();
     }
 
     fn kubelet_restarted(&mut self) {
@@ -279,7 +322,12 @@ async fn register(kubelet: &Path, res: &Resource) -> Result<(), String> {
 
 /// Run the device plugins until `shutdown` turns true; then stop them and remove their
 /// sockets.
-pub async fn run(s: Settings, mut shutdown: watch::Receiver<bool>) {
+pub async fn run(s: Settings, shutdown: watch::Receiver<bool>) {
+    run_with(s, shutdown, Inventory::default()).await
+}
+
+/// [`run`], keeping `inventory` up to date with the plugins served.
+pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventory: Inventory) {
     if let Err(e) = std::fs::create_dir_all(&s.plugin_dir) {
         tracing::error!(dir = %s.plugin_dir.display(), error = %e, "device plugins disabled: cannot create the plugin dir");
         return;
@@ -300,7 +348,7 @@ pub async fn run(s: Settings, mut shutdown: watch::Receiver<bool>) {
             return;
         }
     };
-    let mut m = Manager::new(s.clone());
+    let mut m = Manager::with_inventory(s.clone(), inventory);
     m.reload();
     let mut watched: BTreeMap<PathBuf, nix::sys::inotify::WatchDescriptor> = BTreeMap::new();
     let flags = AddWatchFlags::IN_CREATE
@@ -383,6 +431,7 @@ pub async fn run(s: Settings, mut shutdown: watch::Receiver<bool>) {
             }
         }
     }
+    m.inventory.set(Vec::new());
     for (_, r) in std::mem::take(&mut m.plugins) {
         let res = r.plugin.res.clone();
         let _ = r.stop.send(true);

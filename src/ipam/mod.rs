@@ -218,6 +218,21 @@ impl Ipam {
         v
     }
 
+    /// Every block with the number of its addresses that are leased or reserved (metrics).
+    pub fn block_usage(&self) -> Vec<(Block, u128)> {
+        let inner = self.inner.lock().unwrap();
+        inner
+            .blocks
+            .iter()
+            .map(|b| (*b, inner.used.iter().filter(|ip| b.net.contains(**ip)).count() as u128))
+            .collect()
+    }
+
+    /// How many leases (attachments) exist, `adding` ones included.
+    pub fn lease_count(&self) -> usize {
+        self.inner.lock().unwrap().leases.len()
+    }
+
     /// Families that still have a free address (for STATUS).
     pub fn free_by_family(&self) -> Vec<(&'static str, u128)> {
         let inner = self.inner.lock().unwrap();
@@ -392,6 +407,10 @@ mod tests {
         }
         let e = ipam.reserve(lease("c9")).unwrap_err();
         assert!(matches!(e, IpamError::Exhausted { family: "IPv4", .. }), "{e}");
+        let usage: Vec<(String, u128, u128)> =
+            ipam.block_usage().iter().map(|(b, used)| (b.net.to_string(), b.capacity(), *used)).collect();
+        assert_eq!(usage, vec![("10.1.2.0/29".into(), 5, 5), ("fd00:1::/125".into(), 6, 5)]);
+        assert_eq!(ipam.lease_count(), 5);
         // The failed reservation must not hold its IPv6 address.
         assert_eq!(ipam.leases().len(), 5);
         ipam.release(&lease("c0").owner).unwrap();

@@ -1,0 +1,144 @@
+//! The agent's Prometheus metrics (`GET /metrics` on `healthAddress`).
+//!
+//! Counted as the work happens: CNI requests from the shim (by command and result) and CSI
+//! Node calls (kept by the node service). Read at scrape time from the state itself: IPAM
+//! blocks and leases, the volume store and the CSI records, the device plugins' device
+//! lists, the connection to the controller.
+
+use std::sync::Arc;
+
+use super::cluster::Link;
+use super::datapath::Datapath;
+use crate::metrics::{CounterVec, Encoder, HistogramVec, LATENCY_BUCKETS, Registry};
+
+/// CNI request metrics, updated for every request the shim brings.
+pub struct CniMetrics {
+    operations: Arc<CounterVec>,
+    durations: Arc<HistogramVec>,
+}
+
+impl CniMetrics {
+    /// `command`: the CNI command (`ADD`, …, or `unknown` when it is not one); `code`: the
+    /// CNI error code answered, `None` for success (labelled `ok`).
+    pub fn observe(&self, command: &str, code: Option<u32>, seconds: f64) {
+        let result = code.map(|c| c.to_string());
+        let labels = [command, result.as_deref().unwrap_or("ok")];
+        self.operations.inc(&labels);
+        self.durations.observe(&labels, seconds);
+    }
+}
+
+/// What the collectors read.
+pub struct Sources {
+    pub dp: Arc<Datapath>,
+    pub csi: Option<Arc<crate::csi::NodeService>>,
+    /// Set when device plugins are configured.
+    pub devices: Option<crate::deviceplugin::Inventory>,
+    /// Set in controller mode.
+    pub link: Option<Arc<Link>>,
+}
+
+/// The agent's registry and the handle the CNI server counts with.
+pub fn build(src: Sources) -> (Arc<Registry>, Arc<CniMetrics>) {
+    let registry = Registry::new();
+    let cni = Arc::new(CniMetrics {
+        operations: registry.counter(
+            "nodeplane_cni_operations_total",
+            "CNI requests answered, by command and result (ok, or the CNI error code).",
+            &["command", "result"],
+        ),
+        durations: registry.histogram(
+            "nodeplane_cni_operation_duration_seconds",
+            "Time the agent took to answer a CNI request, by command and result.",
+            &["command", "result"],
+            LATENCY_BUCKETS,
+        ),
+    });
+    if let Some(svc) = &src.csi {
+        registry.register_counter(svc.operations.clone());
+        registry.register_histogram(svc.durations.clone());
+    }
+    let node = src.dp.cfg.node_name.clone();
+    registry.collector(move |enc| collect(&src, &node, enc));
+    (registry, cni)
+}
+
+fn collect(src: &Sources, node: &str, enc: &mut Encoder) {
+    enc.gauge_vec(
+        "nodeplane_build_info",
+        "The running agent: 1, labelled with its version and node.",
+        &["version", "node"],
+        [(vec![env!("CARGO_PKG_VERSION").to_string(), node.to_string()], 1.0)],
+    );
+    let usage = src.dp.ipam.block_usage();
+    enc.gauge_vec(
+        "nodeplane_ipam_block_addresses",
+        "Pod addresses a block can hand out (network, gateway and IPv4 broadcast excluded).",
+        &["block"],
+        usage.iter().map(|(b, _)| (vec![b.net.to_string()], b.capacity() as f64)),
+    );
+    enc.gauge_vec(
+        "nodeplane_ipam_block_allocated",
+        "Pod addresses of a block held by leases (ADDs in progress included).",
+        &["block"],
+        usage.iter().map(|(b, used)| (vec![b.net.to_string()], *used as f64)),
+    );
+    enc.gauge(
+        "nodeplane_ipam_leases",
+        "Attachments (container, interface) holding addresses on this node.",
+        src.dp.ipam.lease_count() as f64,
+    );
+    if let Some(svc) = &src.csi {
+        let u = svc.store.usage();
+        enc.gauge("nodeplane_csi_volumes", "Volumes in this node's volume store.", u.volumes as f64);
+        enc.gauge(
+            "nodeplane_csi_capacity_bytes",
+            "Bytes this node offers for volumes (csi.capacityBytes).",
+            u.capacity_bytes as f64,
+        );
+        enc.gauge(
+            "nodeplane_csi_provisioned_bytes",
+            "Sum of the sizes of the volumes in this node's store.",
+            u.provisioned_bytes as f64,
+        );
+        let m = svc.mount_counts();
+        enc.gauge("nodeplane_csi_staged", "Volumes staged on this node (NodeStageVolume done).", m.staged as f64);
+        enc.gauge(
+            "nodeplane_csi_staging",
+            "Volume stages in progress, or interrupted and waiting for a retry or recovery.",
+            m.staging as f64,
+        );
+        enc.gauge(
+            "nodeplane_csi_published",
+            "Target paths volumes are published at (NodePublishVolume done).",
+            m.published as f64,
+        );
+    }
+    if let Some(inv) = &src.devices {
+        let health = inv.health();
+        enc.gauge_vec(
+            "nodeplane_device_plugin_devices",
+            "Device IDs advertised to kubelet, by resource and health (a device shared N ways counts N times).",
+            &["resource", "health"],
+            health.iter().flat_map(|r| {
+                [
+                    (vec![r.resource.clone(), crate::deviceplugin::plugin::HEALTHY.to_string()], r.healthy as f64),
+                    (vec![r.resource.clone(), crate::deviceplugin::plugin::UNHEALTHY.to_string()], r.unhealthy as f64),
+                ]
+            }),
+        );
+    }
+    if let Some(link) = &src.link {
+        enc.gauge(
+            "nodeplane_controller_connected",
+            "1 while the agent is registered with the controller and follows its membership stream, else 0.",
+            if link.connected() { 1.0 } else { 0.0 },
+        );
+        enc.gauge_vec(
+            "nodeplane_controller_last_message_timestamp_seconds",
+            "Unix time of the last message from the controller (registration answer, block or membership update).",
+            &[],
+            link.last_message().map(|t| (Vec::new(), t)),
+        );
+    }
+}
