@@ -382,3 +382,16 @@ def health_request(ns, path, port=HEALTH_PORT, method="GET"):
     out = run(["nsenter", f"--net={ns.path}", "python3", "-c", _HTTP_CLIENT, path, str(port), method], timeout=30).stdout
     reply = json.loads(out)
     return None if reply.get("refused") else reply
+
+
+def wait_until(pred, timeout=15.0, interval=0.05, what="condition"):
+    """Poll `pred` until it returns a truthy value (returned); fail naming `what` and the last
+    value after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.time() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
+        time.sleep(interval)

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import functools
 import time
 from pathlib import Path
 
@@ -17,16 +18,7 @@ import cluster
 import harness
 
 
-def wait_for(fn, timeout=20.0, interval=0.05, what="condition"):
-    """Poll `fn` until it returns a truthy value; fail naming `what` after `timeout` s."""
-    deadline = time.time() + timeout
-    last = None
-    while time.time() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+wait_for = functools.partial(harness.wait_until, timeout=20.0)
 
 
 def get(node, path, **kw):

@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import stat
+import functools
 import time
 import urllib.request
 
@@ -25,15 +26,7 @@ MIB = 1 << 20
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def wait_for(fn, timeout=20.0, interval=0.05, what="condition"):
-    deadline = time.time() + timeout
-    last = None
-    while time.time() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+wait_for = functools.partial(harness.wait_until, timeout=20.0)
 
 
 class Scrape:

@@ -11,6 +11,7 @@ the nodes' volume directories, mounts, and what the controller answers.
 import json
 import os
 import threading
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -70,15 +71,7 @@ def prov():
             c.close()
 
 
-def wait_until(pred, timeout=10.0, what="condition"):
-    deadline = time.time() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+wait_until = functools.partial(harness.wait_until, timeout=10.0)
 
 
 def code_of(fn):

@@ -35,15 +35,7 @@ LATEST = "1.1.0"
 # ----- helpers -----
 
 
-def wait_until(pred, timeout=15.0, interval=0.05, what="condition"):
-    deadline = time.time() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.time() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+wait_until = harness.wait_until
 
 
 def agent_cli(*args, env=None, cwd=None, binary=None):
