@@ -478,9 +478,25 @@ fn two_controller_processes_fail_over_without_losing_blocks() {
     }
 }
 
-fn tempdir(tag: &str) -> std::path::PathBuf {
+/// A fresh directory, removed when dropped (also when the test fails).
+struct TempDir(std::path::PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tempdir(tag: &str) -> TempDir {
     let d = std::env::temp_dir().join(format!("np-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    TempDir(d)
 }

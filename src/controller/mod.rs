@@ -35,15 +35,6 @@ fn io_ctx(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Controll
     move |source| ControllerError::Io { context, source }
 }
 
-/// Open the registry and the signing secret on the embedded store (local mode; used by
-/// tests and tools).
-pub fn open(cfg: &Config) -> Result<(Arc<store::Registry>, Arc<auth::Authority>), ControllerError> {
-    std::fs::create_dir_all(&cfg.data_dir).map_err(io_ctx(format!("creating {}", cfg.data_dir.display())))?;
-    let secret = auth::load_or_create_secret(&cfg.secret_file).map_err(io_ctx("token secret"))?;
-    let registry = store::Registry::open(&cfg.data_dir.join("registry.redb"), cfg.pools.clone())?;
-    Ok((Arc::new(registry), Arc::new(auth::Authority::new(secret))))
-}
-
 /// Wait for SIGTERM or SIGINT.
 async fn termination() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();

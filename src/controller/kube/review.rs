@@ -33,6 +33,11 @@ pub enum ReviewError {
     Unavailable(String),
 }
 
+/// How long a verdict is trusted: acceptances longer than refusals.
+fn ttl(verdict: &Result<String, ReviewError>) -> Duration {
+    if verdict.is_ok() { POSITIVE_TTL } else { NEGATIVE_TTL }
+}
+
 pub struct TokenReviewer {
     api: Api<TokenReview>,
     audience: String,
@@ -54,8 +59,7 @@ impl TokenReviewer {
     pub async fn review(&self, token: &str) -> Result<String, ReviewError> {
         let key: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
         if let Some((at, r)) = self.cache.lock().unwrap().get(&key) {
-            let ttl = if r.is_ok() { POSITIVE_TTL } else { NEGATIVE_TTL };
-            if at.elapsed() < ttl {
+            if at.elapsed() < ttl(r) {
                 return r.clone();
             }
         }
@@ -63,7 +67,7 @@ impl TokenReviewer {
         if !matches!(r, Err(ReviewError::Unavailable(_))) {
             let mut c = self.cache.lock().unwrap();
             if c.len() >= CACHE_MAX {
-                c.retain(|_, (at, r)| at.elapsed() < if r.is_ok() { POSITIVE_TTL } else { NEGATIVE_TTL });
+                c.retain(|_, (at, r)| at.elapsed() < ttl(r));
                 if c.len() >= CACHE_MAX {
                     c.clear();
                 }

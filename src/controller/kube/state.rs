@@ -204,7 +204,6 @@ impl KubeBackend {
         };
         // Already there (a retried commit, or another holder), or the create's fate is
         // unknown: the lock object says which.
-        let refused = is_already_exists(&e) || definitely_refused(&e);
         match blocks.get_opt(&name).await {
             Ok(Some(cur)) => {
                 let held: BlockSpec = spec_of(&cur).map_err(PutError::Refused)?;
@@ -214,7 +213,7 @@ impl KubeBackend {
                     Err(PutError::Refused(format!("block {cidr} is locked for node {:?} in the API (IPBlock {name})", held.node)))
                 }
             }
-            Ok(None) if refused || !is_already_exists(&e) => Err(PutError::Refused(format!("locking block {cidr} (IPBlock {name}): {e}"))),
+            // No lock there (also after an unknown outcome: the create did not happen).
             Ok(None) => Err(PutError::Refused(format!("locking block {cidr} (IPBlock {name}): {e}"))),
             Err(g) => Err(PutError::Unknown(format!("locking block {cidr} (IPBlock {name}): {e}; reading it back: {g}"))),
         }
