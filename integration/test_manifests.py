@@ -1032,7 +1032,7 @@ spec:
 ---
 apiVersion: nodeplane.dev/v1alpha1
 kind: IPBlock
-metadata: {name: 10-244-1-0-24}
+metadata: {name: v4-10-244-1-0-24}
 spec: {cidr: 10.244.1.0/24, node: worker-1}
 ---
 apiVersion: nodeplane.dev/v1alpha1
