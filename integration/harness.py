@@ -395,3 +395,23 @@ def wait_until(pred, timeout=15.0, interval=0.05, what="condition"):
         if time.time() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
         time.sleep(interval)
+
+
+# The fault suite (test_faults_*.py) reports every case the same way: what it injected and what
+# it found afterwards, printed (pytest -s shows it) and, when NODEPLANE_FAULT_REPORT names a file,
+# appended to it as one JSON object per line, so the README's Reliability table can be measured
+# rather than written by hand.
+FAULT_REPORT = os.environ.get("NODEPLANE_FAULT_REPORT")
+
+
+def fault_report(case, injected, found, **figures):
+    """Record one fault case: `injected` and `found` are short human sentences; `figures` are
+    the measured numbers behind them (leaked addresses, lost pings, seconds to recover, …)."""
+    print(f"\nFAULT {case}: injected: {injected}")
+    print(f"FAULT {case}: found: {found}")
+    if figures:
+        print(f"FAULT {case}: figures: {json.dumps(figures, sort_keys=True)}")
+    if FAULT_REPORT:
+        with open(FAULT_REPORT, "a") as f:
+            f.write(json.dumps({"case": case, "injected": injected, "found": found, "figures": figures},
+                               sort_keys=True) + "\n")
