@@ -114,6 +114,7 @@ class Node:
         self.log_path = self.root / "agent.log"
         self.proc = None
         self.pods = []
+        self.agent_args = []  # extra command-line arguments for the agent (e.g. --log-format json)
         if start:
             self.start()
 
@@ -125,7 +126,7 @@ class Node:
         self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
-            ["nsenter", f"--net={self.ns.path}", str(AGENT_BIN), "--config", str(self.cfg_path)],
+            ["nsenter", f"--net={self.ns.path}", str(AGENT_BIN), "--config", str(self.cfg_path), *self.agent_args],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL,
         )
         if wait:
@@ -145,7 +146,8 @@ class Node:
         """The current run logged its ready line."""
         import re
         text = re.sub(r"\x1b\[[0-9;]*m", "", self.log()[getattr(self, "log_offset", 0):])
-        return re.search(r"nodeplane::agent: ready ", text) is not None
+        return (re.search(r"nodeplane::agent: ready ", text) is not None
+                or re.search(r'"fields":\{"message":"ready"[^\n]*"target":"nodeplane::agent"', text) is not None)
 
     def log(self):
         return self.log_path.read_text() if self.log_path.exists() else ""
@@ -250,6 +252,18 @@ class Node:
     @property
     def csi_socket(self):
         return self.kubelet / "plugins/csi.nodeplane.dev/csi.sock"
+
+    @property
+    def node_socket(self):
+        return self.root / "run/nodeplane/node.sock"
+
+    def status(self, *args, check=True):
+        """`nodeplane status|doctor --socket <node.sock> --json …` for this node: (exit code, JSON)."""
+        cmd, *rest = args
+        res = run([str(CLI_BIN), cmd, "--socket", str(self.node_socket), "--json", *rest], check=False)
+        if check and res.returncode not in (0, 1):
+            raise AssertionError(f"nodeplane {' '.join(args)}: exit {res.returncode}: {res.stderr}")
+        return res.returncode, (json.loads(res.stdout) if res.stdout.strip() else None)
 
     @property
     def volume_dir(self):

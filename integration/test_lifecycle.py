@@ -215,6 +215,40 @@ def test_agent_down_queues_del_and_fails_others(node):
     assert rc == 0 and raw == "", raw
 
 
+def test_del_queued_after_the_start_drain_is_applied_before_the_next_add(node):
+    """A runtime DELs a container while the agent restarts, then ADDs the same container and
+    interface again (podman restart does). When the shim's queue file lands just after the new
+    agent's start-up drain, the ADD must apply that earlier DEL first: the periodic drain
+    (every 5 s) must not detach the new attachment later, and the ADD must not be refused
+    as "already attached"."""
+    pod, res = node.add_pod("redo")
+    old_ips = sorted(i["address"] for i in res["ips"])
+    node.stop()
+    rc, parsed, raw = del_pod(node, pod)
+    assert_del_ok(rc, parsed, raw)
+    [queued] = list(node.pending_dir.glob("del-*.json"))
+    record = queued.read_bytes()
+    queued.unlink()            # the file is written only after the next agent's start-up drain:
+    node.start()
+    queued.write_bytes(record)  # it lands now
+    # The same container and interface again, in a new namespace (a restarted container).
+    pod.ns.delete()
+    pod.ns = harness.Netns("redo2")
+    rc, new_res, raw = node.cni("ADD", pod.cid, "eth0", pod.ns.path)
+    assert rc == 0, raw
+    assert not queued.exists(), "the queued DEL was consumed by the ADD"
+    lease = node.leases()[lease_key(pod.cid)]
+    assert lease["netns"] == pod.ns.path and lease["state"] == "ready"
+    assert sorted(lease["ips"]) == sorted(i["address"] for i in new_res["ips"])
+    assert len(node.leases()) == 1, "the old attachment's addresses were freed, not kept beside the new ones"
+    # Past the periodic drain: still attached and reachable.
+    time.sleep(6)
+    assert lease_key(pod.cid) in node.leases()
+    assert "eth0" in pod.ns.links()
+    assert pod.ns.ping(new_res["ips"][0]["gateway"])
+    print(f"old {old_ips} -> new {sorted(lease['ips'])}")
+
+
 def test_add_waits_for_a_restarting_agent(node):
     """Rollout safety: while the agent restarts, ADD waits (bounded) for its socket instead of
     failing at once, and succeeds when the new agent is up."""

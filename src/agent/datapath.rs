@@ -325,6 +325,15 @@ impl Datapath {
     }
 
     fn add_locked(&self, req: &Request, owner: &Owner) -> Result<ResultModel, CniError> {
+        // A DEL the shim queued while no agent answered came before this ADD (the runtime
+        // waited for the DEL's answer before sending it): apply it now, or the periodic drain
+        // would detach the new attachment later (a queue written just after a restarting
+        // agent's start-up drain would otherwise only be drained after this ADD).
+        let pending = self.cfg.pending_delete_dir().join(crate::shim::pending_file_name(&owner.container_id, &owner.ifname));
+        if queued_del_of(&pending, owner) {
+            tracing::info!(container = %owner.container_id, ifname = %owner.ifname, "applying the DEL queued for this attachment before its ADD");
+            self.del_locked(owner)?;
+        }
         if let Some(existing) = self.ipam.get(owner) {
             return Err(CniError::new(
                 Code::AlreadyExists,
@@ -695,6 +704,17 @@ fn open_netns(path: &Path) -> Result<Netns, CniError> {
     Netns::open(path).map_err(netns_err)
 }
 
+/// Whether `path` is a DEL the shim queued for `owner` (the file name is a hash of the
+/// owner: the content decides).
+fn queued_del_of(path: &Path, owner: &Owner) -> bool {
+    let Ok(bytes) = std::fs::read(path) else { return false };
+    let Ok(w) = serde_json::from_slice::<crate::cni::wire::WireRequest>(&bytes) else { return false };
+    let get = |k: &str| w.env.get(k).map(String::as_str);
+    get("CNI_COMMAND") == Some("DEL")
+        && get("CNI_CONTAINERID") == Some(owner.container_id.as_str())
+        && get("CNI_IFNAME") == Some(owner.ifname.as_str())
+}
+
 /// Is the lease's namespace still the one it was made in?
 fn netns_matches(lease: &Lease) -> bool {
     let Ok(ns) = Netns::open(Path::new(&lease.netns)) else { return false };
@@ -708,3 +728,154 @@ fn netns_matches(lease: &Lease) -> bool {
     ns.netlink().map(|nl| nl.netns_cookie() == lease.netns_cookie).unwrap_or(false)
 }
 
+
+/// One thing `nodeplane doctor` found: what kind of orphan, which object, why, and (when a
+/// repair was asked for) what was done about it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Finding {
+    pub kind: &'static str,
+    pub subject: String,
+    pub detail: String,
+    /// `None`: no repair asked for, or this kind is never repaired automatically.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub repair: Option<Repair>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(tag = "result", content = "message", rename_all = "lowercase")]
+pub enum Repair {
+    Done(String),
+    Failed(String),
+    /// Left alone on purpose (the message says why and what the operator can do).
+    Skipped(String),
+}
+
+impl Finding {
+    pub fn new(kind: &'static str, subject: impl Into<String>, detail: impl Into<String>) -> Self {
+        Finding { kind, subject: subject.into(), detail: detail.into(), repair: None }
+    }
+}
+
+/// Orphan kinds (the `kind` of a [`Finding`]).
+pub const VETH_WITHOUT_LEASE: &str = "veth-without-lease";
+pub const LEASE_WITHOUT_POD: &str = "lease-without-pod";
+pub const LEASE_WITHOUT_VETH: &str = "lease-without-veth";
+
+impl Datapath {
+    /// The attachments as the leases and the kernel show them, for `nodeplane status`.
+    pub fn status_json(&self) -> serde_json::Value {
+        let links = Netlink::open().and_then(|mut nl| nl.links()).unwrap_or_default();
+        let by_name: HashMap<&str, &Link> = links.iter().map(|l| (l.name.as_str(), l)).collect();
+        let bridge = by_name.get(self.cfg.bridge.as_str()).copied();
+        let usage = self.ipam.block_usage();
+        let mut leases = self.ipam.leases();
+        leases.sort_by(|a, b| a.owner.cmp(&b.owner));
+        let attachments: Vec<serde_json::Value> = leases
+            .iter()
+            .map(|l| {
+                let veth = by_name.get(l.host_if.as_str()).copied();
+                serde_json::json!({
+                    "containerId": l.owner.container_id,
+                    "ifname": l.owner.ifname,
+                    "pod": l.pod,
+                    "state": l.state,
+                    "ips": l.ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>(),
+                    "netns": l.netns,
+                    "netnsPresent": l.state != LeaseState::Ready || netns_matches(l),
+                    "hostIf": l.host_if,
+                    "hostIfPresent": veth.is_some(),
+                    "hostIfOnBridge": veth.is_some_and(|v| v.up && bridge.is_some() && v.master == bridge.map(|b| b.index)),
+                })
+            })
+            .collect();
+        let held: HashSet<&str> = leases.iter().map(|l| l.host_if.as_str()).collect();
+        serde_json::json!({
+            "ready": self.ready(),
+            "bridge": {
+                "name": self.cfg.bridge,
+                "present": bridge.is_some(),
+                "up": bridge.is_some_and(|b| b.up),
+                "mac": bridge.and_then(|b| b.mac).map(|m| format_mac(&m)),
+            },
+            "blocks": usage.iter().map(|(b, used)| serde_json::json!({
+                "cidr": b.net.to_string(),
+                "gateway": b.gateway().to_string(),
+                "addresses": b.capacity().to_string(),
+                "allocated": used,
+            })).collect::<Vec<_>>(),
+            "attachments": attachments,
+            "unleasedHostVeths": links.iter().filter(|l| is_host_ifname(&l.name) && !held.contains(l.name.as_str()))
+                .map(|l| l.name.clone()).collect::<Vec<_>>(),
+            "graveyardLinks": links.iter().filter(|l| is_graveyard_name(&l.name) || l.group == GRAVEYARD_GROUP).count(),
+        })
+    }
+
+    /// Network orphans: host veths no lease holds, leases whose pod namespace is gone (or
+    /// whose ADD never finished), leases whose host veth is gone. Each lease is judged under
+    /// its attachment's lock, so an ADD or DEL in progress is waited for, never reported.
+    /// With `repair`, the first two kinds are removed (a lease by the DEL path: veth retired,
+    /// addresses freed); a lease whose pod is alive but whose veth is gone is only reported:
+    /// the runtime's CHECK fails for it and the pod is recreated, which frees it properly.
+    pub fn doctor(&self, repair: bool) -> Result<Vec<Finding>, CniError> {
+        let mut out = Vec::new();
+        for lease in self.ipam.leases() {
+            let owner = lease.owner.clone();
+            let found = self.locks.run(&owner, || {
+                // Re-read under the lock: the attachment may have gone or changed meanwhile.
+                let lease = self.ipam.get(&owner)?;
+                let subject = format!("{}/{}", owner.container_id, owner.ifname);
+                let detail = |why: &str| format!("{why}; pod {:?}, addresses {}, netns {}", lease.pod, fmt_ips(&lease.ips), lease.netns);
+                let mut f = if lease.state != LeaseState::Ready {
+                    Finding::new(LEASE_WITHOUT_POD, subject, detail("its ADD never completed"))
+                } else if !netns_matches(&lease) {
+                    Finding::new(LEASE_WITHOUT_POD, subject, detail("its pod network namespace is gone"))
+                } else {
+                    let present = Netlink::open().and_then(|mut nl| nl.link_by_name(&lease.host_if)).ok().flatten().is_some();
+                    if present {
+                        return None;
+                    }
+                    let mut f = Finding::new(LEASE_WITHOUT_VETH, subject, detail(&format!("host veth {} is gone", lease.host_if)));
+                    if repair {
+                        f.repair = Some(Repair::Skipped(
+                            "the pod is still there: the runtime's CHECK fails and it recreates the pod".into(),
+                        ));
+                    }
+                    return Some(f);
+                };
+                if repair {
+                    f.repair = Some(match self.del_locked(&owner) {
+                        Ok(()) => Repair::Done(format!("released {} and retired {}", fmt_ips(&lease.ips), lease.host_if)),
+                        Err(e) => Repair::Failed(e.msg),
+                    });
+                }
+                Some(f)
+            });
+            out.extend(found);
+        }
+        // Host veths that no lease explains, judged after the leases (a repaired lease's veth
+        // is in the graveyard by now, not here).
+        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        let links = nl.links().map_err(|e| netlink_err("listing links", e))?;
+        for link in links.iter().filter(|l| is_host_ifname(&l.name)) {
+            let held = self.ipam.leases().iter().any(|l| l.host_if == link.name);
+            // A failed ADD removes its veth and then its lease: still there now means orphaned.
+            let still_there = matches!(nl.link_by_name(&link.name), Ok(Some(l)) if l.index == link.index);
+            if held || !still_there {
+                continue;
+            }
+            let mut f = Finding::new(
+                VETH_WITHOUT_LEASE,
+                link.name.clone(),
+                format!("host-side veth (ifindex {}) that no lease holds", link.index),
+            );
+            if repair {
+                f.repair = Some(match self.retire_link(&mut nl, link) {
+                    Ok(()) => Repair::Done("detached and deleted".into()),
+                    Err(e) => Repair::Failed(e.msg),
+                });
+            }
+            out.push(f);
+        }
+        Ok(out)
+    }
+}

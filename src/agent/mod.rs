@@ -8,6 +8,7 @@ pub mod metrics;
 pub mod nft;
 mod readiness;
 pub mod reaper;
+pub mod status;
 pub mod volume_sync;
 
 use std::fs;
@@ -144,7 +145,6 @@ pub fn prepare_csi(cfg: &Config) -> Result<Option<Arc<crate::csi::NodeService>>,
         kubelet_dir,
         record_dir: cfg.state_dir.join("csi"),
         max_volumes: c.max_volumes,
-        node_socket: cfg.node_socket.clone(),
     };
     let svc = crate::csi::NodeService::new(settings, Arc::new(store)).map_err(io_ctx("creating CSI record directories"))?;
     Ok(Some(Arc::new(svc)))
@@ -201,6 +201,16 @@ pub fn handle_coded(dp: &Datapath, env: &Env, stdin: &[u8]) -> (Reply, Option<u3
         Err(e) => return (Reply::error(&e, &version), Some(e.code as u32)),
     };
     let v = req.conf.cni_version.as_str();
+    // Every event of this request carries the pod it is for (JSON logs: the "span" object).
+    let span = tracing::info_span!(
+        "cni",
+        command = command.as_str(),
+        container = %req.container_id,
+        ifname = %req.ifname,
+        pod_namespace = req.pod_namespace(),
+        pod = req.pod_name(),
+    );
+    let _entered = span.enter();
     let out = match command {
         Command::Add => dp.add(&req).map(|r| Reply::ok(&r.render(v))),
         Command::Del => dp.del(&req).map(|_| Reply::empty()),
@@ -300,6 +310,13 @@ pub async fn serve(
             })))
         }
     };
+    let node_listener = match crate::util::bind_unix_socket(&dp.cfg.node_socket) {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = fs::remove_file(&dp.cfg.cni_socket);
+            return Err(AgentError::Setup(format!("binding {}: {e}", dp.cfg.node_socket.display())));
+        }
+    };
     listener.set_nonblocking(true).map_err(io_ctx("listener"))?;
     let listener = UnixListener::from_std(listener).map_err(io_ctx("listener"))?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_ctx("signal"))?;
@@ -307,7 +324,7 @@ pub async fn serve(
     let mut drain_tick = tokio::time::interval(Duration::from_secs(5));
     drain_tick.tick().await;
     let tracker = tokio_util_tracker::Tracker::default();
-    let cluster_client = tokio::spawn(cluster::run(dp.clone(), link.unwrap_or_default()));
+    let cluster_client = tokio::spawn(cluster::run(dp.clone(), link.clone().unwrap_or_default()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let volume_client = csi.clone().map(|svc| tokio::spawn(volume_sync::run(dp.cfg.clone(), svc)));
     let device_plugins = dp.cfg.device_plugins.clone().map(|s| {
@@ -318,6 +335,20 @@ pub async fn serve(
         })
     });
     let readiness_task = tokio::spawn(readiness.run());
+    let node_api = status::NodeStatus {
+        dp: dp.clone(),
+        csi: csi.clone(),
+        devices: inventory.clone(),
+        link: link.clone(),
+        health: health.clone(),
+        started: std::time::SystemTime::now(),
+    };
+    let node_api_task = {
+        let mut rx = stop_rx.clone();
+        tokio::spawn(status::serve_node_api(node_api, node_listener, async move {
+            let _ = rx.wait_for(|v| *v).await;
+        }))
+    };
     let mut csi_task = csi.map(|svc| {
         let mut rx = stop_rx.clone();
         tokio::spawn(crate::csi::serve(svc, async move {
@@ -375,6 +406,11 @@ pub async fn serve(
     }
     if let Some(t) = csi_task {
         let _ = t.await;
+    }
+    match node_api_task.await {
+        Ok(Err(e)) => tracing::warn!(error = %e, "node API"),
+        Err(e) => tracing::warn!(error = %e, "node API task"),
+        Ok(Ok(())) => {}
     }
     tracing::info!("shutting down: no new requests; finishing in-flight ones");
     cluster_client.abort();

@@ -2,6 +2,9 @@
 //! CSI socket (the controller's Identity + Controller, an agent's Identity + Node): what
 //! the sidecars and kubelet would send, one call per invocation, JSON on stdout. A failed
 //! call prints `{"code": "...", "message": "..."}` on stdout and exits 2.
+//!
+//! `nodeplane status` and `nodeplane doctor [--repair]` ask a node's agent (its node API
+//! socket) what the node is doing and which orphans it has; see `nodeplane::agent::status`.
 
 use std::path::PathBuf;
 
@@ -28,6 +31,49 @@ enum Top {
         #[command(subcommand)]
         call: Call,
     },
+    /// What the node's agent is doing: attachments and leases, blocks, volumes and mounts,
+    /// devices and their health, the link to the controller.
+    Status {
+        #[command(flatten)]
+        at: AgentSocket,
+        /// Print the agent's JSON document instead of the summary.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Find orphans (veths without a lease, leases without a pod, mounts without a volume,
+    /// loop devices without a file); with --repair, remove what can safely be removed.
+    /// Exit status: 0 nothing (left) to repair, 1 findings remain, 2 the agent could not be asked.
+    Doctor {
+        #[command(flatten)]
+        at: AgentSocket,
+        #[arg(long)]
+        repair: bool,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(clap::Args)]
+struct AgentSocket {
+    /// The agent's node API socket (default /run/nodeplane/node.sock, or the `nodeSocket`
+    /// of --config).
+    #[arg(long, conflicts_with = "config")]
+    socket: Option<PathBuf>,
+    /// The agent's configuration file, to find its socket.
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
+
+impl AgentSocket {
+    fn path(&self) -> Result<PathBuf, String> {
+        match (&self.socket, &self.config) {
+            (Some(s), _) => Ok(s.clone()),
+            (None, Some(c)) => nodeplane::agent::config::Config::load(c)
+                .map(|c| c.node_socket)
+                .map_err(|e| format!("{}: {e}", c.display())),
+            (None, None) => Ok(PathBuf::from("/run/nodeplane/node.sock")),
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -339,15 +385,262 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
     })
 }
 
+async fn node_status(socket: PathBuf, doctor: Option<bool>) -> Result<serde_json::Value, String> {
+    let ch = nodeplane::rpc::connect_unix(&socket)
+        .await
+        .map_err(|e| format!("connecting to {}: {e} (is the agent running?)", socket.display()))?;
+    let mut c = nodeplane::rpc::node::node_status_client::NodeStatusClient::new(ch);
+    let doc = match doctor {
+        None => c.get_status(nodeplane::rpc::node::GetStatusRequest {}).await.map(|r| r.into_inner().json),
+        Some(repair) => c.doctor(nodeplane::rpc::node::DoctorRequest { repair }).await.map(|r| r.into_inner().json),
+    }
+    .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
+    serde_json::from_str(&doc).map_err(|e| format!("the agent's answer is not JSON: {e}"))
+}
+
 fn main() {
     let args = Args::parse();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
-    let Top::Csi { endpoint, call: c } = args.cmd;
-    match rt.block_on(call(endpoint, c)) {
-        Ok(v) => println!("{v}"),
-        Err(s) => {
-            println!("{}", json!({"code": format!("{:?}", s.code()), "message": s.message()}));
+    let (at, doctor, as_json) = match args.cmd {
+        Top::Csi { endpoint, call: c } => match rt.block_on(call(endpoint, c)) {
+            Ok(v) => {
+                println!("{v}");
+                return;
+            }
+            Err(s) => {
+                println!("{}", json!({"code": format!("{:?}", s.code()), "message": s.message()}));
+                std::process::exit(2);
+            }
+        },
+        Top::Status { at, json } => (at, None, json),
+        Top::Doctor { at, repair, json } => (at, Some(repair), json),
+    };
+    let doc = match at.path().and_then(|p| rt.block_on(node_status(p, doctor))) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("nodeplane: {e}");
             std::process::exit(2);
         }
+    };
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&doc).expect("JSON values serialise"));
+    } else if doctor.is_some() {
+        print!("{}", report::doctor(&doc));
+    } else {
+        print!("{}", report::status(&doc));
+    }
+    if doctor.is_some() {
+        let unresolved = doc["findings"]
+            .as_array()
+            .map(|f| f.iter().filter(|f| f["repair"]["result"] != "done").count())
+            .unwrap_or(0);
+        let errors = doc["errors"].as_array().map(|e| e.len()).unwrap_or(0);
+        std::process::exit(if unresolved + errors > 0 { 1 } else { 0 });
+    }
+}
+
+/// The human summaries of the agent's documents (the JSON is the complete answer).
+mod report {
+    use serde_json::Value;
+    use std::fmt::Write;
+
+    fn s(v: &Value) -> String {
+        match v {
+            Value::String(s) => s.clone(),
+            Value::Null => "-".into(),
+            v => v.to_string(),
+        }
+    }
+
+    fn list(v: &Value) -> String {
+        match v.as_array() {
+            Some(a) if !a.is_empty() => a.iter().map(s).collect::<Vec<_>>().join(", "),
+            _ => "-".into(),
+        }
+    }
+
+    fn mib(v: &Value) -> String {
+        format!("{} MiB", v.as_u64().unwrap_or(0) >> 20)
+    }
+
+    /// Rows as aligned columns.
+    fn table(out: &mut String, head: &[&str], rows: Vec<Vec<String>>) {
+        let mut w: Vec<usize> = head.iter().map(|h| h.len()).collect();
+        for r in &rows {
+            for (i, c) in r.iter().enumerate() {
+                w[i] = w[i].max(c.len());
+            }
+        }
+        let line = |cells: Vec<String>| {
+            let mut l = String::from("   ");
+            for (i, c) in cells.iter().enumerate() {
+                let _ = write!(l, " {:<width$}", c, width = w[i]);
+            }
+            l.trim_end().to_string() + "\n"
+        };
+        out.push_str(&line(head.iter().map(|h| h.to_string()).collect()));
+        for r in rows {
+            out.push_str(&line(r));
+        }
+    }
+
+    pub fn status(d: &Value) -> String {
+        let mut o = String::new();
+        let _ = writeln!(o, "node {} ({} mode), agent {} pid {}", s(&d["node"]), s(&d["mode"]), s(&d["version"]), s(&d["pid"]));
+        let conds: Vec<String> = d["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                let state = if c["ready"] == true { "ready".to_string() } else { format!("NOT READY ({})", s(&c["detail"])) };
+                format!("{} {state}", s(&c["name"]))
+            })
+            .collect();
+        let _ = writeln!(o, "conditions: {}", if conds.is_empty() { "-".into() } else { conds.join("; ") });
+        let c = &d["controller"];
+        if c.is_object() {
+            let last = c["lastMessageSecondsAgo"].as_f64().map(|t| format!("{t:.1}s ago")).unwrap_or_else(|| "never".into());
+            let _ = writeln!(
+                o,
+                "controller: {} {}, last message {last}; blocks {}",
+                s(&c["address"]),
+                if c["connected"] == true { "connected" } else { "NOT CONNECTED" },
+                list(&c["blocks"])
+            );
+        }
+        let n = &d["network"];
+        let b = &n["bridge"];
+        let _ = writeln!(
+            o,
+            "network: bridge {} {}{}",
+            s(&b["name"]),
+            if b["up"] == true { "up" } else if b["present"] == true { "DOWN" } else { "MISSING" },
+            if n["ready"] == true { "" } else { ", not ready for ADD (no block yet)" }
+        );
+        for blk in n["blocks"].as_array().into_iter().flatten() {
+            let _ = writeln!(
+                o,
+                "    block {} gateway {}: {} of {} addresses leased",
+                s(&blk["cidr"]),
+                s(&blk["gateway"]),
+                s(&blk["allocated"]),
+                s(&blk["addresses"])
+            );
+        }
+        let rows: Vec<Vec<String>> = n["attachments"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|a| {
+                let mut problems = Vec::new();
+                if a["state"] != "ready" {
+                    problems.push("ADD in progress");
+                }
+                if a["netnsPresent"] == false {
+                    problems.push("netns gone");
+                }
+                if a["hostIfPresent"] == false {
+                    problems.push("veth gone");
+                } else if a["hostIfOnBridge"] == false {
+                    problems.push("veth off bridge");
+                }
+                let cid = s(&a["containerId"]);
+                vec![
+                    format!("{}/{}", &cid[..cid.len().min(12)], s(&a["ifname"])),
+                    if a["pod"] == "" { "-".into() } else { s(&a["pod"]) },
+                    list(&a["ips"]),
+                    s(&a["hostIf"]),
+                    if problems.is_empty() { "ok".into() } else { problems.join(", ") },
+                ]
+            })
+            .collect();
+        let _ = writeln!(o, "  {} attachments", rows.len());
+        if !rows.is_empty() {
+            table(&mut o, &["ATTACHMENT", "POD", "ADDRESSES", "HOST VETH", "STATE"], rows);
+        }
+        let stray = list(&n["unleasedHostVeths"]);
+        if stray != "-" {
+            let _ = writeln!(o, "  host veths without a lease: {stray} (nodeplane doctor)");
+        }
+        let st = &d["storage"];
+        if st.is_object() {
+            let vols = st["volumes"].as_array().cloned().unwrap_or_default();
+            let _ = writeln!(
+                o,
+                "storage: {} volumes, {} of {} provisioned, {} available{}",
+                vols.len(),
+                mib(&st["provisionedBytes"]),
+                mib(&st["capacityBytes"]),
+                mib(&st["availableBytes"]),
+                if st["ready"] == true { "" } else { " (recovery running)" }
+            );
+            let rows: Vec<Vec<String>> = vols
+                .iter()
+                .map(|v| {
+                    let loops: Vec<String> = v["loopDevices"].as_array().into_iter().flatten().map(|l| s(&l["device"])).collect();
+                    let staged = match &v["staged"] {
+                        Value::Null => "-".to_string(),
+                        x => format!("{}{}", s(&x["state"]), if x["mounted"] == true { "" } else { " (not mounted)" }),
+                    };
+                    let published = v["published"].as_array().map(|p| p.len()).unwrap_or(0);
+                    vec![
+                        s(&v["id"]),
+                        mib(&v["sizeBytes"]),
+                        if v["fsType"] == "" { "block".into() } else { s(&v["fsType"]) },
+                        if v["backingFilePresent"] == true { "present".into() } else { "MISSING".into() },
+                        if loops.is_empty() { "-".into() } else { loops.join(",") },
+                        staged,
+                        published.to_string(),
+                    ]
+                })
+                .collect();
+            if !rows.is_empty() {
+                table(&mut o, &["VOLUME", "SIZE", "FS", "FILE", "LOOP", "STAGED", "PUBLISHED"], rows);
+            }
+            for v in &vols {
+                for p in v["published"].as_array().into_iter().flatten() {
+                    let _ = writeln!(
+                        o,
+                        "    {} published at {}{}{}",
+                        s(&v["id"]),
+                        s(&p["path"]),
+                        if p["readOnly"] == true { " (read-only)" } else { "" },
+                        if p["mounted"] == true { "" } else { " (NOT MOUNTED)" }
+                    );
+                }
+            }
+        }
+        if let Some(res) = d["devicePlugins"].as_array() {
+            let _ = writeln!(o, "device plugins: {} resources", res.len());
+            for r in res {
+                let devs: Vec<String> = r["devices"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|x| format!("{} {}", s(&x["id"]), s(&x["health"])))
+                    .collect();
+                let _ = writeln!(o, "    {}: {}", s(&r["resource"]), if devs.is_empty() { "no devices".into() } else { devs.join(", ") });
+            }
+        }
+        o
+    }
+
+    pub fn doctor(d: &Value) -> String {
+        let mut o = String::new();
+        let findings = d["findings"].as_array().cloned().unwrap_or_default();
+        let _ = writeln!(o, "node {}: {} findings{}", s(&d["node"]), findings.len(), if d["repair"] == true { " (repair asked for)" } else { "" });
+        for f in &findings {
+            let _ = writeln!(o, "  {} {}: {}", s(&f["kind"]), s(&f["subject"]), s(&f["detail"]));
+            if f["repair"].is_object() {
+                let _ = writeln!(o, "      repair {}: {}", s(&f["repair"]["result"]), s(&f["repair"]["message"]));
+            }
+        }
+        for e in d["errors"].as_array().into_iter().flatten() {
+            let _ = writeln!(o, "  error: {}", s(e));
+        }
+        if !findings.is_empty() && d["repair"] != true {
+            let _ = writeln!(o, "run `nodeplane doctor --repair` to remove what can be removed safely");
+        }
+        o
     }
 }

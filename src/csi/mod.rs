@@ -19,6 +19,7 @@ use tonic::{Request, Response, Status};
 use crate::rpc::csi;
 use crate::rpc::pluginregistration as reg;
 pub use node::{CsiError, NodeService, NodeSettings};
+pub use volumes::NodeVolumes;
 
 pub const DRIVER_NAME: &str = "csi.nodeplane.dev";
 pub const TOPOLOGY_KEY: &str = "topology.csi.nodeplane.dev/node";
@@ -65,7 +66,9 @@ where
     ready_or_unavailable(svc)?;
     let svc2 = svc.clone();
     let started = std::time::Instant::now();
-    let out = tokio::task::spawn_blocking(move || f(&svc2))
+    // Every event of the operation carries the volume (JSON logs: the "span" object).
+    let span = tracing::info_span!("csi", op, volume = %volume);
+    let out = tokio::task::spawn_blocking(move || span.in_scope(|| f(&svc2)))
         .await
         .map_err(|e| Status::internal(format!("{op} panicked: {e}")))?;
     svc.durations.observe(&[op], started.elapsed().as_secs_f64());
@@ -275,14 +278,6 @@ pub async fn serve(
         Err(e) => return Err(format!("CSI node recovery: {e}")),
     }
 
-    let node_path = svc.settings.node_socket.clone();
-    let node_listener = crate::util::bind_unix_socket(&node_path).map_err(|e| format!("binding {}: {e}", node_path.display()))?;
-    let node_server = tonic::transport::Server::builder()
-        .add_service(crate::rpc::node::node_volumes_server::NodeVolumesServer::new(volumes::NodeVolumes(svc.clone())))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(node_listener), stopped(stop_rx.clone()));
-    let node_task = tokio::spawn(node_server);
-    tracing::info!(socket = %node_path.display(), "node volume API served");
-
     let reg_listener = crate::util::bind_unix_socket(&reg_path).map_err(|e| format!("binding {}: {e}", reg_path.display()))?;
     let reg_server = tonic::transport::Server::builder()
         .add_service(reg::registration_server::RegistrationServer::new(Registration { endpoint: csi_path.clone() }))
@@ -294,8 +289,6 @@ pub async fn serve(
     let _ = std::fs::remove_file(&reg_path);
     let _ = stop_tx.send(true);
     let _ = reg_task.await;
-    let _ = node_task.await;
-    let _ = std::fs::remove_file(&node_path);
     let _ = csi_task.await;
     let _ = std::fs::remove_file(&csi_path);
     Ok(())
@@ -317,7 +310,6 @@ mod tests {
             kubelet_dir: t.0.join("kubelet").canonicalize().unwrap(),
             record_dir: t.0.join("csi"),
             max_volumes: 8,
-            node_socket: t.0.join("node.sock"),
         };
         let svc = Arc::new(NodeService::new(settings, Arc::new(store)).unwrap());
         let id = Identity { node: Some(svc.clone()) };

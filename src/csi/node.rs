@@ -239,8 +239,6 @@ pub struct NodeSettings {
     /// `<state>/csi`
     pub record_dir: PathBuf,
     pub max_volumes: i64,
-    /// The agent's local node API socket (`nodeplane.node.v1.NodeVolumes`).
-    pub node_socket: PathBuf,
 }
 
 /// The node service's state. Share it behind an `Arc`.
@@ -1175,5 +1173,230 @@ mod tests {
         );
         assert_eq!(c(VolumeError::Busy { id: "x".into(), reason: "y".into() }), Code::FailedPrecondition);
         assert_eq!(c(VolumeError::Fs(vfs::FsError::OnlineResizeNotPermitted("d".into()))), Code::FailedPrecondition);
+    }
+}
+
+// ----- status and doctor (`nodeplane status`, `nodeplane doctor`) -----
+
+use crate::agent::datapath::{Finding, Repair};
+
+/// Orphan kinds the CSI side reports.
+pub const MOUNT_WITHOUT_VOLUME: &str = "mount-without-volume";
+pub const LOOP_WITHOUT_FILE: &str = "loop-device-without-file";
+pub const LOOP_WITHOUT_USER: &str = "loop-device-without-user";
+pub const FILE_WITHOUT_VOLUME: &str = "backing-file-without-volume";
+pub const VOLUME_WITHOUT_FILE: &str = "volume-without-backing-file";
+
+/// A loop device bound to a file in the volume directory.
+struct StoreLoop {
+    binding: loopdev::LoopBinding,
+    num: (u32, u32),
+    /// The volume the file is the image of, when its metadata exists and it is that image.
+    volume: Option<String>,
+}
+
+impl NodeService {
+    fn store_loops(&self) -> Result<Vec<StoreLoop>> {
+        let bindings = loopdev::bound_devices().map_err(io_internal("listing loop devices".into()))?;
+        let mut out = Vec::new();
+        for b in bindings {
+            if b.backing_file.parent() != Some(self.store.dir()) {
+                continue;
+            }
+            let Ok(num) = mount::dev_numbers(&b.device) else { continue };
+            let volume = b
+                .backing_file
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(".img"))
+                .filter(|id| !b.deleted && self.store.get(id).ok().flatten().is_some())
+                .map(str::to_string);
+            out.push(StoreLoop { binding: b, num, volume });
+        }
+        Ok(out)
+    }
+
+    /// Where `l` is mounted: its filesystem (by device number), or its device node
+    /// bind-mounted for raw block access.
+    fn mounts_of(table: &[MountEntry], l: &StoreLoop) -> Vec<PathBuf> {
+        Self::volume_mounts(table, l).into_iter().map(|m| m.mount_point.clone()).collect()
+    }
+
+    fn volume_mounts<'a>(table: &'a [MountEntry], l: &StoreLoop) -> Vec<&'a MountEntry> {
+        let dev = [LoopDev { path: l.binding.device.clone(), num: l.num, ro: l.binding.read_only }];
+        table.iter().filter(|m| Self::is_volume_mount(m, &dev)).collect()
+    }
+
+    /// A mount of a volume's device that no record accounts for. A bind mount of a directory
+    /// inside the volume (kubelet's subPath mounts) belongs to its pod and is left out; a
+    /// mount outside the kubelet dir is reported but never removed (an operator made it).
+    fn orphan_mount(&self, m: &MountEntry, l: &StoreLoop, detail: String, repair: bool) -> Option<Finding> {
+        if (m.major, m.minor) == l.num && m.root != Path::new("/") {
+            return None;
+        }
+        let mut f = Finding::new(MOUNT_WITHOUT_VOLUME, m.mount_point.display().to_string(), detail);
+        if repair {
+            f.repair = Some(if m.mount_point.starts_with(&self.settings.kubelet_dir) {
+                unmount_repair(&m.mount_point)
+            } else {
+                Repair::Skipped("outside the kubelet dir: not made by kubelet or nodeplane; unmount it by hand".into())
+            });
+        }
+        Some(f)
+    }
+
+    /// Volumes, what is staged and published, and the loop devices and mounts behind them.
+    pub fn status_json(&self) -> serde_json::Value {
+        let table = Self::table().unwrap_or_default();
+        let loops = self.store_loops().unwrap_or_default();
+        let stages = self.stage_records();
+        let publishes = self.publish_records();
+        let mut volumes: Vec<serde_json::Value> = Vec::new();
+        for v in self.store.list() {
+            let mine: Vec<&StoreLoop> = loops.iter().filter(|l| l.volume.as_deref() == Some(v.id.as_str())).collect();
+            let stage = stages.iter().find(|r| r.volume_id == v.id);
+            volumes.push(serde_json::json!({
+                "id": v.id,
+                "name": v.name,
+                "sizeBytes": v.size_bytes,
+                "fsType": v.fs_type.as_str(),
+                "backingFile": v.path.display().to_string(),
+                "backingFilePresent": v.path.exists(),
+                "loopDevices": mine.iter().map(|l| serde_json::json!({
+                    "device": l.binding.device.display().to_string(),
+                    "mountedAt": Self::mounts_of(&table, l).iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+                })).collect::<Vec<_>>(),
+                "staged": stage.map(|r| serde_json::json!({
+                    "path": r.staging_path.display().to_string(),
+                    "state": match r.state { StageState::Staged => "staged", StageState::Staging => "staging" },
+                    "mounted": !mount::mounts_at(&table, &r.staging_path).is_empty(),
+                })),
+                "published": publishes.iter().filter(|p| p.volume_id == v.id).map(|p| serde_json::json!({
+                    "path": p.target_path.display().to_string(),
+                    "readOnly": p.read_only,
+                    "mounted": !mount::mounts_at(&table, &p.target_path).is_empty(),
+                })).collect::<Vec<_>>(),
+            }));
+        }
+        let u = self.store.usage();
+        serde_json::json!({
+            "ready": self.ready(),
+            "volumeDir": self.store.dir().display().to_string(),
+            "capacityBytes": u.capacity_bytes,
+            "provisionedBytes": u.provisioned_bytes,
+            "availableBytes": u.available_bytes,
+            "volumes": volumes,
+        })
+    }
+
+    /// Storage orphans (see the `NodeStatus.Doctor` comment in `proto/`). Repairs unmount
+    /// mounts no record accounts for and detach loop devices nothing uses; backing files and
+    /// metadata are never removed here (they may hold data): they are reported with what the
+    /// operator can do.
+    pub fn doctor(&self, repair: bool) -> Result<Vec<Finding>> {
+        let mut out = Vec::new();
+        let stages = self.stage_records();
+        let publishes = self.publish_records();
+        let table = Self::table()?;
+        for l in self.store_loops()? {
+            let dev = l.binding.device.display().to_string();
+            let Some(id) = l.volume.clone() else {
+                // Bound to a deleted file, or to a file that is no volume's image.
+                let why = if l.binding.deleted { "its backing file was deleted" } else { "its backing file belongs to no volume" };
+                for m in Self::volume_mounts(&table, &l) {
+                    out.extend(self.orphan_mount(m, &l, format!("{dev} is mounted here; {why}"), repair));
+                }
+                let mut f = Finding::new(
+                    LOOP_WITHOUT_FILE,
+                    dev.clone(),
+                    format!("bound to {} ({why})", l.binding.backing_file.display()),
+                );
+                if repair {
+                    f.repair = Some(detach_repair(&l.binding.device));
+                }
+                out.push(f);
+                continue;
+            };
+            // A volume's device: judged under the volume's guard, so a stage or publish in
+            // progress is never mistaken for an orphan.
+            let _g = match self.guard(&id) {
+                Ok(g) => g,
+                Err(e) => {
+                    tracing::info!(volume = %id, error = %e.msg, "doctor: volume busy, not checked");
+                    continue;
+                }
+            };
+            let table = Self::table()?;
+            let stage = stages.iter().find(|r| r.volume_id == id);
+            let mut used = false;
+            for m in Self::volume_mounts(&table, &l) {
+                let p = &m.mount_point;
+                let accounted = stage.is_some_and(|r| &r.staging_path == p)
+                    || publishes.iter().any(|r| r.volume_id == id && &r.target_path == p);
+                used |= accounted;
+                if !accounted {
+                    let detail = format!("{dev} of volume {id} is mounted here, but no stage or publish of the volume is");
+                    out.extend(self.orphan_mount(m, &l, detail, repair));
+                }
+            }
+            if !used && stage.is_none() && Self::volume_mounts(&Self::table()?, &l).is_empty() {
+                let mut f = Finding::new(
+                    LOOP_WITHOUT_USER,
+                    dev.clone(),
+                    format!("bound to volume {id}, which is neither staged nor published"),
+                );
+                if repair {
+                    f.repair = Some(detach_repair(&l.binding.device));
+                }
+                out.push(f);
+            }
+        }
+        for o in self.store.orphans().map_err(|e| internal(e.to_string()))? {
+            let f = match o {
+                crate::volume::Orphan::LoopDevice { .. } => continue, // judged above, with its mounts
+                crate::volume::Orphan::BackingFile { path } => {
+                    let mut f = Finding::new(
+                        FILE_WITHOUT_VOLUME,
+                        path.display().to_string(),
+                        "an image file without volume metadata (an interrupted create, or metadata removed by hand)",
+                    );
+                    if repair {
+                        f.repair = Some(Repair::Skipped("it may hold data: move it away or delete it by hand".into()));
+                    }
+                    f
+                }
+                crate::volume::Orphan::MissingBackingFile { id, path } => {
+                    let mut f = Finding::new(VOLUME_WITHOUT_FILE, id, format!("its image {} is gone", path.display()));
+                    if repair {
+                        f.repair = Some(Repair::Skipped(
+                            "the data is lost; the controller reports the volume abnormal: delete the claim".into(),
+                        ));
+                    }
+                    f
+                }
+            };
+            out.push(f);
+        }
+        Ok(out)
+    }
+}
+
+fn unmount_repair(path: &Path) -> Repair {
+    match nix::mount::umount2(path, nix::mount::MntFlags::UMOUNT_NOFOLLOW) {
+        Ok(()) => Repair::Done("unmounted".into()),
+        Err(e) => Repair::Failed(format!("unmounting: {e}")),
+    }
+}
+
+/// Detach a loop device if it is still bound to what it was bound to when looked at.
+fn detach_repair(device: &Path) -> Repair {
+    let info = match std::fs::File::open(device).and_then(|f| loopdev::status(&f)) {
+        Ok(i) => i,
+        Err(e) => return Repair::Failed(format!("reading the loop status: {e}")),
+    };
+    match loopdev::detach(device, info.lo_device, info.lo_inode) {
+        Ok(()) => Repair::Done("detached".into()),
+        Err(loopdev::DetachError::Busy(m)) => Repair::Failed(format!("busy: {m}")),
+        Err(loopdev::DetachError::Io(e)) => Repair::Failed(e.to_string()),
     }
 }

@@ -85,6 +85,24 @@ impl Inventory {
             .collect()
     }
 
+    /// Every served resource with its socket and its devices as advertised, for
+    /// `nodeplane status`.
+    pub fn status_json(&self) -> serde_json::Value {
+        let plugins = self.0.lock().unwrap().clone();
+        serde_json::Value::Array(
+            plugins
+                .iter()
+                .map(|p| {
+                    serde_json::json!({
+                        "resource": p.res.resource_name(),
+                        "socket": p.res.socket_name(),
+                        "devices": p.devices().iter().map(|d| serde_json::json!({"id": d.id, "health": d.health})).collect::<Vec<_>>(),
+                    })
+                })
+                .collect(),
+        )
+    }
+
     fn set(&self, plugins: Vec<Arc<Plugin>>) {
         *self.0.lock().unwrap() = plugins;
     }

@@ -356,7 +356,10 @@ impl pb::device_plugin_server::DevicePlugin for Service {
         let mut out = Vec::new();
         for c in req.into_inner().container_requests {
             match self.plugin.allocate_one(&c.devices_ids) {
-                Ok(r) => out.push(r),
+                Ok(r) => {
+                    tracing::info!(resource = %self.plugin.res.resource_name(), devices = ?c.devices_ids, "allocated");
+                    out.push(r)
+                }
                 Err(e) => {
                     tracing::warn!(resource = %self.plugin.res.resource_name(), ids = ?c.devices_ids, error = %e.message(), "Allocate refused");
                     // A device that went bad: make sure kubelet's view is current.

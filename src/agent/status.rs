@@ -1,0 +1,134 @@
+//! `nodeplane.node.v1.NodeStatus` on the node API socket: what `nodeplane status` and
+//! `nodeplane doctor` show. Everything is read from the agent's live state and the kernel at
+//! the time of the call; the doctor judges each attachment and volume under the same lock
+//! its CNI or CSI calls take.
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use super::cluster::Link;
+use super::datapath::{Datapath, Finding, Repair};
+use crate::rpc::node as api;
+
+/// The `format` field of both documents; bumped when a field changes meaning.
+pub const FORMAT: u32 = 1;
+
+#[derive(Clone)]
+pub struct NodeStatus {
+    pub dp: Arc<Datapath>,
+    pub csi: Option<Arc<crate::csi::NodeService>>,
+    pub devices: Option<crate::deviceplugin::Inventory>,
+    pub link: Option<Arc<Link>>,
+    pub health: crate::health::Health,
+    pub started: std::time::SystemTime,
+}
+
+impl NodeStatus {
+    fn status(&self) -> serde_json::Value {
+        let cfg = &self.dp.cfg;
+        let controller = cfg.controller.as_ref().map(|c| {
+            let link = self.link.as_ref();
+            let last = link.and_then(|l| l.last_message());
+            let persisted = super::cluster::load_state(cfg).ok();
+            serde_json::json!({
+                "address": c.address,
+                "connected": link.is_some_and(|l| l.connected()),
+                "lastMessageUnix": last,
+                "lastMessageSecondsAgo": last.map(|t| (crate::metrics::unix_now() - t).max(0.0)),
+                "blocks": persisted.map(|s| s.blocks.iter().map(|b| b.to_string()).collect::<Vec<_>>()),
+            })
+        });
+        let conditions: Vec<serde_json::Value> = self
+            .health
+            .snapshot()
+            .into_iter()
+            .map(|(name, ready, detail)| serde_json::json!({"name": name, "ready": ready, "detail": detail}))
+            .collect();
+        serde_json::json!({
+            "format": FORMAT,
+            "node": cfg.node_name,
+            "version": env!("CARGO_PKG_VERSION"),
+            "pid": std::process::id(),
+            "startedUnix": self.started.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            "mode": if cfg.controller.is_some() { "controller" } else { "standalone" },
+            "conditions": conditions,
+            "network": self.dp.status_json(),
+            "controller": controller,
+            "storage": self.csi.as_ref().map(|c| c.status_json()),
+            "devicePlugins": self.devices.as_ref().map(|d| d.status_json()),
+        })
+    }
+
+    fn doctor(&self, repair: bool) -> serde_json::Value {
+        let mut findings: Vec<Finding> = Vec::new();
+        let mut errors: Vec<String> = Vec::new();
+        match self.dp.doctor(repair) {
+            Ok(f) => findings.extend(f),
+            Err(e) => errors.push(format!("network: {}", e.msg)),
+        }
+        if let Some(csi) = &self.csi {
+            if !csi.ready() {
+                errors.push("storage: CSI recovery has not finished; storage not checked".into());
+            } else {
+                match csi.doctor(repair) {
+                    Ok(f) => findings.extend(f),
+                    Err(e) => errors.push(format!("storage: {}", e.msg)),
+                }
+            }
+        }
+        for f in &findings {
+            match &f.repair {
+                Some(Repair::Done(m)) => tracing::info!(kind = f.kind, subject = %f.subject, "doctor repaired: {m}"),
+                Some(Repair::Failed(m)) => tracing::warn!(kind = f.kind, subject = %f.subject, "doctor repair failed: {m}"),
+                _ => tracing::info!(kind = f.kind, subject = %f.subject, detail = %f.detail, "doctor found"),
+            }
+        }
+        serde_json::json!({
+            "format": FORMAT,
+            "node": self.dp.cfg.node_name,
+            "repair": repair,
+            "findings": findings,
+            "errors": errors,
+        })
+    }
+}
+
+fn render(v: &serde_json::Value) -> Result<String, Status> {
+    serde_json::to_string(v).map_err(|e| Status::internal(e.to_string()))
+}
+
+#[tonic::async_trait]
+impl api::node_status_server::NodeStatus for NodeStatus {
+    async fn get_status(&self, _: Request<api::GetStatusRequest>) -> Result<Response<api::GetStatusResponse>, Status> {
+        let me = self.clone();
+        let doc = tokio::task::spawn_blocking(move || me.status()).await.map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(api::GetStatusResponse { json: render(&doc)? }))
+    }
+
+    async fn doctor(&self, r: Request<api::DoctorRequest>) -> Result<Response<api::DoctorResponse>, Status> {
+        let repair = r.into_inner().repair;
+        let me = self.clone();
+        let doc = tokio::task::spawn_blocking(move || me.doctor(repair)).await.map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(api::DoctorResponse { json: render(&doc)? }))
+    }
+}
+
+/// Serve the node API socket until `shutdown`: `NodeStatus` always, `NodeVolumes` when the
+/// CSI node plugin is on (it answers UNAVAILABLE until CSI recovery is done).
+pub async fn serve_node_api(
+    status: NodeStatus,
+    listener: tokio::net::UnixListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    let path = status.dp.cfg.node_socket.clone();
+    let volumes = status.csi.clone().map(|svc| api::node_volumes_server::NodeVolumesServer::new(crate::csi::NodeVolumes(svc)));
+    let server = tonic::transport::Server::builder()
+        .add_service(api::node_status_server::NodeStatusServer::new(status))
+        .add_optional_service(volumes)
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), shutdown);
+    tracing::info!(socket = %path.display(), "node API served");
+    let r = server.await.map_err(|e| e.to_string());
+    let _ = std::fs::remove_file(&path);
+    r
+}
