@@ -109,8 +109,8 @@ pub fn atomic_write_nosync(path: &Path, data: &[u8]) -> io::Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = std::path::PathBuf::from(tmp);
-    fs::write(&tmp, data)?;
-    fs::rename(&tmp, path).inspect_err(|_| {
+    // A failed write (a full disk) must not leave its partial temporary file behind.
+    fs::write(&tmp, data).and_then(|()| fs::rename(&tmp, path)).inspect_err(|_| {
         let _ = fs::remove_file(&tmp);
     })
 }

@@ -297,9 +297,12 @@ impl csi::controller_server::Controller for ControllerService {
             }
         }
         let size = size_for(Some(range))?;
-        let connected = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0);
-        if !connected {
-            return Err(Status::unavailable(format!("node {} holding volume {} is not connected; retry", v.node, v.id)));
+        // Connected is not enough: until the node's first report (after a controller restart,
+        // for one) its free space reads 0, and the growth would be refused as OUT_OF_RANGE,
+        // which the resizer takes as final.
+        let live = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0 && n.reported);
+        if !live {
+            return Err(Status::unavailable(format!("node {} holding volume {} is not connected (or has not reported yet); retry", v.node, v.id)));
         }
         let before = v.size_bytes;
         let book = self.book.clone();

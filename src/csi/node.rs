@@ -1024,11 +1024,13 @@ impl NodeService {
             let mounted = mount::mounts_at(&table, &r.staging_path).iter().any(|m| Self::is_volume_mount(m, &devices));
             if r.state == StageState::Staging && !mounted {
                 let published = table.iter().any(|m| Self::is_volume_mount(m, &devices));
-                if !published {
-                    match self.store.detach(&r.volume_id) {
-                        Ok(()) => {}
-                        Err(e) => tracing::warn!(volume = %r.volume_id, error = %e, "rolling back an interrupted stage: detach failed"),
-                    }
+                if !published && let Err(e) = self.store.detach(&r.volume_id) {
+                    // Keep the record: it is what lets NodeUnstage (or the retried stage)
+                    // find and detach the device once whatever holds it lets go. Without
+                    // it, unstage would answer "not staged here" and the device would leak.
+                    tracing::warn!(volume = %r.volume_id, error = %e, "rolling back an interrupted stage: detach failed; keeping its record for unstage or a retry");
+                    staged_ids.insert(r.volume_id.clone());
+                    continue;
                 }
                 Self::remove(&self.stage_record_path(&r.volume_id))?;
                 tracing::info!(volume = %r.volume_id, staging = %r.staging_path.display(), "rolled back an interrupted stage");
