@@ -180,6 +180,45 @@ def test_pod_netns_by_proc_path_of_another_user_needs_the_kept_sys_ptrace(node):
         sleeper.wait()
 
 
+def test_kept_file_capabilities_serve_a_volume_root_a_pod_has_taken():
+    """A pod running as root in its container may chown its volume's root to another user and
+    close it (0700). The next publish with a volume_mount_group (fsGroup) must still give the
+    root that group with g+rwx and set-gid (CAP_CHOWN, CAP_FOWNER, CAP_FSETID), and xfs must
+    still grow online (xfs_growfs opens the mount point: CAP_DAC_READ_SEARCH)."""
+    c = cluster.Cluster()
+    try:
+        node = c.node(1, 1, csi={"capacityBytes": 1024 * MIB})
+        ctl = c.controller
+        wait_until(lambda: ctl.csi("capacity", "--node", node.ns.name)["maximumVolumeSize"] > 0, timeout=20,
+                   what="the node's capacity at the controller")
+        for fs, size in (("ext4", 64 * MIB), ("xfs", 320 * MIB)):
+            vid = ctl.csi("create-volume", "--name", f"pvc-own-{fs}", "--size", size, "--fs", fs,
+                          "--node", node.ns.name)["volumeId"]
+            staging = node.staging_path(vid)
+            node.csi("stage", "--id", vid, "--staging", staging, "--fs", fs)
+            os.chown(staging, 1000, 1000)
+            staging.chmod(0o700)
+            target = node.target_path(vid, pod="pod-fsgroup")
+            # NodePublishVolume with volume_mount_group "4242" (not expressible with the CLI).
+            cap = [[2, [[1, fs], [3, "4242"]]], [3, [[1, 1]]]]  # mount{fs_type, volume_mount_group}, SINGLE_NODE_WRITER
+            r = grpc_call(ctl, "", "/csi.v1.Node/NodePublishVolume",
+                          [[1, vid], [3, str(staging)], [4, str(target)], [5, cap]], socket_path=node.csi_socket)
+            assert r["code"] == "OK", f"{fs}: publish with volume_mount_group over a pod-owned root: {r}"
+            st = os.stat(target)
+            assert (st.st_uid, st.st_gid) == (1000, 4242), f"{fs}: owner {st.st_uid}:{st.st_gid}"
+            assert stat.S_IMODE(st.st_mode) == 0o2770, f"{fs}: mode {stat.S_IMODE(st.st_mode):o}"
+            if fs == "xfs":
+                before = os.statvfs(target)
+                ctl.csi("expand-volume", "--id", vid, "--size", size + 64 * MIB)
+                node.csi("node-expand", "--id", vid, "--path", target, "--size", size + 64 * MIB)
+                after = os.statvfs(target)
+                assert after.f_blocks * after.f_frsize > before.f_blocks * before.f_frsize, "xfs did not grow"
+            node.csi("unpublish", "--id", vid, "--target", target)
+            node.csi("unstage", "--id", vid, "--staging", staging)
+    finally:
+        c.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # Unix sockets
 # ---------------------------------------------------------------------------------------------
@@ -505,14 +544,17 @@ GRPC = textwrap.dedent("""
             if not n:
                 return out
     def field(num, v):
+        if isinstance(v, list):  # a nested message: [[num, value], ...]
+            b = b"".join(field(n, x) for n, x in v)
+            return varint(num << 3 | 2) + varint(len(b)) + b
         if isinstance(v, str):
             b = v.encode()
             return varint(num << 3 | 2) + varint(len(b)) + b
         return varint(num << 3) + varint(v)
     body = b"".join(field(n, v) for n, v in a["fields"])
     ch = grpc.insecure_channel("unix:" + a["socket"])
-    md = [("authorization", "Bearer " + a["token"])]
-    method = "/nodeplane.controller.v1.NodeRegistry/" + a["method"]
+    md = [("authorization", "Bearer " + a["token"])] if a["token"] else []
+    method = a["method"] if a["method"].startswith("/") else "/nodeplane.controller.v1.NodeRegistry/" + a["method"]
     same = lambda b: b
     try:
         if a["stream"]:
@@ -527,8 +569,9 @@ GRPC = textwrap.dedent("""
 """)
 
 
-def grpc_call(ctl, token, method, fields, stream=False):
-    arg = json.dumps({"socket": str(ctl.socket), "token": token, "method": method, "fields": fields, "stream": stream})
+def grpc_call(ctl, token, method, fields, stream=False, socket_path=None):
+    arg = json.dumps({"socket": str(socket_path or ctl.socket), "token": token, "method": method, "fields": fields,
+                      "stream": stream})
     return json.loads(run([SYSTEM_PYTHON, "-c", GRPC, arg], timeout=30).stdout)
 
 
