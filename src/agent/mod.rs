@@ -1,5 +1,6 @@
 //! The node agent: start-up, reconciliation and the CNI socket server.
 
+pub mod caps;
 pub mod cluster;
 pub mod config;
 pub mod datapath;

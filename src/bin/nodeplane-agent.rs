@@ -122,6 +122,8 @@ fn serve(args: ServeArgs) -> ExitCode {
 
 fn run_agent(config: &std::path::Path) -> anyhow::Result<()> {
     let cfg = Config::load(config)?;
+    // Before any work and before the first thread: every thread inherits the reduced sets.
+    nodeplane::agent::caps::drop_and_log()?;
     let (dp, listener, _lock) = nodeplane::agent::prepare(cfg)?;
     let csi = nodeplane::agent::prepare_csi(&dp.cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
