@@ -89,6 +89,26 @@ fn fs_parameter(p: &std::collections::HashMap<String, String>) -> Option<&str> {
 /// Turn a capacity range into a size: whole MiB, at least the required bytes, within the
 /// limit (OUT_OF_RANGE when rounding cannot fit), DEFAULT_SIZE (capped by the limit) when
 /// nothing is required.
+/// The smallest filesystem `mkfs.xfs` (xfsprogs 6) makes: a smaller xfs volume could be
+/// created but never staged.
+pub const XFS_MIN_SIZE: u64 = 300 * MIB;
+
+/// [`size_for`], raised to the filesystem's minimum when the range allows it (an xfs volume
+/// below [`XFS_MIN_SIZE`] is OUT_OF_RANGE when `limit_bytes` forbids the minimum).
+pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: &str) -> Result<u64, Status> {
+    let size = size_for(range)?;
+    if fs != "xfs" || size >= XFS_MIN_SIZE {
+        return Ok(size);
+    }
+    let lim = range.map_or(0, |r| r.limit_bytes.max(0) as u64);
+    if lim > 0 && lim < XFS_MIN_SIZE {
+        return Err(Status::out_of_range(format!(
+            "xfs volumes need at least {XFS_MIN_SIZE} bytes (mkfs.xfs refuses smaller); limit_bytes is {lim}"
+        )));
+    }
+    Ok(XFS_MIN_SIZE)
+}
+
 pub fn size_for(range: Option<&csi::CapacityRange>) -> Result<u64, Status> {
     let (req, lim) = match range {
         Some(r) => (r.required_bytes, r.limit_bytes),
@@ -184,7 +204,7 @@ impl csi::controller_server::Controller for ControllerService {
         if r.volume_content_source.is_some() {
             return Err(Status::invalid_argument("volume_content_source (snapshots, clones) is not supported"));
         }
-        let size = size_for(r.capacity_range.as_ref())?;
+        let size = size_for_fs(r.capacity_range.as_ref(), &fs)?;
         let mut placement = Placement::default();
         if let Some(t) = &r.accessibility_requirements {
             for (i, top) in t.requisite.iter().enumerate() {
@@ -527,6 +547,12 @@ mod tests {
 
     #[test]
     fn sizes_follow_the_capacity_range() {
+        let x = |req: i64, lim: i64| size_for_fs(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }), "xfs");
+        assert_eq!(x(64 << 20, 0).unwrap(), XFS_MIN_SIZE, "small xfs volumes are raised to the minimum");
+        assert_eq!(x(400 << 20, 0).unwrap(), 400 << 20);
+        assert_eq!(x(0, 0).unwrap(), XFS_MIN_SIZE.max(DEFAULT_SIZE));
+        assert_eq!(x(1 << 20, 64 << 20).unwrap_err().code(), tonic::Code::OutOfRange, "a limit below the minimum");
+        assert_eq!(size_for_fs(Some(&csi::CapacityRange { required_bytes: 1 << 20, limit_bytes: 0 }), "ext4").unwrap(), 1 << 20);
         let r = |req: i64, lim: i64| size_for(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }));
         assert_eq!(size_for(None).unwrap(), DEFAULT_SIZE);
         assert_eq!(r(1, 0).unwrap(), MIB);
