@@ -308,8 +308,13 @@ impl Config {
             }
         }
         for (i, p) in f.chained_plugins.iter().enumerate() {
-            if p.get("type").and_then(|t| t.as_str()).is_none() {
+            let Some(t) = p.get("type").and_then(|t| t.as_str()) else {
                 return bad(format!("chainedPlugins[{i}] needs a string \"type\""));
+            };
+            // The type names a binary in the plugin dirs (the agent runs it for VERSION, the
+            // runtime for everything): a plain file name, never a path.
+            if t.is_empty() || t == "." || t == ".." || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
+                return bad(format!("chainedPlugins[{i}].type {t:?} is not a plugin name ([A-Za-z0-9._-], no path)"));
             }
         }
         let cni_version = f.cni_version.clone().unwrap_or_else(|| DEFAULT_CNI_VERSION.to_string());
@@ -458,6 +463,11 @@ mod tests {
         assert!(parse(r#"{"nodeName":"n","bridge":"way-too-long-bridge","shimSource":"/x"}"#).is_err());
         assert!(parse(r#"{"nodeName":"n","unknownKey":1}"#).is_err());
         assert!(parse(r#"{"nodeName":"n","chainedPlugins":[{"x":1}],"shimSource":"/x"}"#).is_err());
+        for t in ["../../bin/sh", "/bin/sh", "..", "", "a b"] {
+            let cfg = format!(r#"{{"nodeName":"n","chainedPlugins":[{{"type":{t:?}}}],"shimSource":"/x"}}"#);
+            assert!(parse(&cfg).is_err(), "chained plugin type {t:?} must be refused");
+        }
+        assert!(parse(r#"{"nodeName":"n","chainedPlugins":[{"type":"portmap"}],"shimSource":"/x"}"#).is_ok());
         let deep = format!(r#"{{"nodeName":"n","root":"/{}","shimSource":"/x"}}"#, "d".repeat(60));
         let e = parse(&deep).unwrap_err().to_string();
         assert!(e.contains("Unix sockets allow at most 107"), "{e}");
