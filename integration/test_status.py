@@ -129,12 +129,28 @@ def test_doctor_finds_and_repairs_exactly_the_orphans():
     c = cluster.Cluster()
     extra_mount = None
     stray_loop = None
+    kubelet_maps = []
     try:
         n = c.node(1, 1, csi={"capacityBytes": 512 * MIB})
         healthy, _ = n.add_pod("dok")
         doomed, _ = n.add_pod("dol")
         vid, staging, target = provision(c, n, "pvc-doctor")
         (target / "data").write_text("still here\n")
+        # A raw-block volume in use the way kubelet maps one: staged, published to a file, and
+        # kubelet's own bind mount of that device node for the pod (volumeDevices/<pv>/dev/<pod>).
+        bid = c.controller.csi("create-volume", "--name", "pvc-doctor-blk", "--size", 16 * MIB, "--fs", "block",
+                               "--node", n.ns.name)["volumeId"]
+        wait_for(lambda: bid in n.volume_files(), what=f"volume {bid}")
+        bstaging = n.staging_path(bid)
+        btarget = n.kubelet / f"plugins/kubernetes.io/csi/volumeDevices/publish/{bid}/poduid1"
+        btarget.parent.mkdir(parents=True)
+        n.csi("stage", "--id", bid, "--staging", bstaging, "--fs", "block")
+        n.csi("publish", "--id", bid, "--staging", bstaging, "--target", btarget, "--fs", "block")
+        podmap = n.kubelet / f"plugins/kubernetes.io/csi/volumeDevices/{bid}/dev/poduid1"
+        podmap.parent.mkdir(parents=True)
+        podmap.touch()
+        harness.run(["mount", "--bind", str(btarget), str(podmap)])
+        kubelet_maps.append(podmap)
 
         rc, doc = n.status("doctor")
         assert rc == 0 and doc["findings"] == [] and doc["errors"] == [], doc
@@ -191,9 +207,9 @@ def test_doctor_finds_and_repairs_exactly_the_orphans():
         assert not os.path.exists(f"/sys/block/{stray_loop[5:]}/loop/backing_file"), "stray loop device detached"
         stray_loop = None
 
-        # The healthy pod and the published volume were left alone.
+        # The healthy pod and the published volumes were left alone.
         assert healthy.ns.ping(healthy.result["ips"][0]["gateway"]), "the healthy pod still reaches its gateway"
-        assert {str(staging), str(target)} <= mount_points()
+        assert {str(staging), str(target), str(btarget), str(podmap)} <= mount_points()
         assert (target / "data").read_text() == "still here\n"
         st = n.status("status")[1]
         assert st["storage"]["volumes"][0]["published"][0]["mounted"] is True
@@ -210,6 +226,8 @@ def test_doctor_finds_and_repairs_exactly_the_orphans():
             orphans=len(found), repaired=4, left=0,
         )
     finally:
+        for m in kubelet_maps:
+            harness.run(["umount", str(m)], check=False)
         if extra_mount is not None:
             harness.run(["umount", str(extra_mount)], check=False)
         if stray_loop is not None:

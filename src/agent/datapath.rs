@@ -71,6 +71,30 @@ impl KeyedLocks {
         }
         out
     }
+
+    /// [`KeyedLocks::run`], giving up (`None`) when the lock is not free within `wait`.
+    fn run_within<T>(&self, key: &Owner, wait: std::time::Duration, f: impl FnOnce() -> T) -> Option<T> {
+        let lock = self.map.lock().unwrap().entry(key.clone()).or_default().clone();
+        let deadline = std::time::Instant::now() + wait;
+        let out = loop {
+            match lock.try_lock() {
+                Ok(_guard) => break Some(f()),
+                Err(std::sync::TryLockError::Poisoned(p)) => {
+                    let _guard = p.into_inner();
+                    break Some(f());
+                }
+                Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(std::sync::TryLockError::WouldBlock) => break None,
+            }
+        };
+        let mut map = self.map.lock().unwrap();
+        if Arc::strong_count(&lock) == 2 {
+            map.remove(key);
+        }
+        out
+    }
 }
 
 /// Asks the controller for one more block of a family (IPv4 when true); installed by the
@@ -816,31 +840,43 @@ impl Datapath {
     /// With `repair`, the first two kinds are removed (a lease by the DEL path: veth retired,
     /// addresses freed); a lease whose pod is alive but whose veth is gone is only reported:
     /// the runtime's CHECK fails for it and the pod is recreated, which frees it properly.
-    pub fn doctor(&self, repair: bool) -> Result<Vec<Finding>, CniError> {
+    pub fn doctor(&self, repair: bool) -> Result<(Vec<Finding>, Vec<String>), CniError> {
         let mut out = Vec::new();
+        let mut skipped = Vec::new();
         for lease in self.ipam.leases() {
             let owner = lease.owner.clone();
-            let found = self.locks.run(&owner, || {
+            let subject = format!("{}/{}", owner.container_id, owner.ifname);
+            let judged = self.locks.run_within(&owner, DOCTOR_LOCK_WAIT, || {
                 // Re-read under the lock: the attachment may have gone or changed meanwhile.
                 let lease = self.ipam.get(&owner)?;
-                let subject = format!("{}/{}", owner.container_id, owner.ifname);
                 let detail = |why: &str| format!("{why}; pod {:?}, addresses {}, netns {}", lease.pod, fmt_ips(&lease.ips), lease.netns);
                 let mut f = if lease.state != LeaseState::Ready {
-                    Finding::new(LEASE_WITHOUT_POD, subject, detail("its ADD never completed"))
-                } else if !netns_matches(&lease) {
-                    Finding::new(LEASE_WITHOUT_POD, subject, detail("its pod network namespace is gone"))
+                    Finding::new(LEASE_WITHOUT_POD, subject.clone(), detail("its ADD never completed"))
                 } else {
-                    let present = Netlink::open().and_then(|mut nl| nl.link_by_name(&lease.host_if)).ok().flatten().is_some();
-                    if present {
-                        return None;
+                    match netns_check(&lease) {
+                        NetnsCheck::Gone(why) => Finding::new(LEASE_WITHOUT_POD, subject.clone(), detail(why)),
+                        // Could not tell (EACCES from an LSM, EMFILE, …): never a reason to
+                        // take a pod's network away.
+                        NetnsCheck::Unknown(e) => return Some(Err(format!("{subject}: could not check its namespace: {e}"))),
+                        NetnsCheck::Same => {
+                            let present =
+                                Netlink::open().and_then(|mut nl| nl.link_by_name(&lease.host_if)).ok().flatten().is_some();
+                            if present {
+                                return None;
+                            }
+                            let mut f = Finding::new(
+                                LEASE_WITHOUT_VETH,
+                                subject.clone(),
+                                detail(&format!("host veth {} is gone", lease.host_if)),
+                            );
+                            if repair {
+                                f.repair = Some(Repair::Skipped(
+                                    "the pod is still there: the runtime's CHECK fails and it recreates the pod".into(),
+                                ));
+                            }
+                            return Some(Ok(f));
+                        }
                     }
-                    let mut f = Finding::new(LEASE_WITHOUT_VETH, subject, detail(&format!("host veth {} is gone", lease.host_if)));
-                    if repair {
-                        f.repair = Some(Repair::Skipped(
-                            "the pod is still there: the runtime's CHECK fails and it recreates the pod".into(),
-                        ));
-                    }
-                    return Some(f);
                 };
                 if repair {
                     f.repair = Some(match self.del_locked(&owner) {
@@ -848,16 +884,24 @@ impl Datapath {
                         Err(e) => Repair::Failed(e.msg),
                     });
                 }
-                Some(f)
+                Some(Ok(f))
             });
-            out.extend(found);
+            match judged {
+                None => skipped.push(format!("{subject}: a CNI call held it for {DOCTOR_LOCK_WAIT:?}; not checked")),
+                Some(None) => {}
+                Some(Some(Ok(f))) => out.push(f),
+                Some(Some(Err(e))) => skipped.push(e),
+            }
         }
         // Host veths that no lease explains, judged after the leases (a repaired lease's veth
         // is in the graveyard by now, not here).
         let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
         let links = nl.links().map_err(|e| netlink_err("listing links", e))?;
+        let held: HashSet<String> = self.ipam.leases().into_iter().map(|l| l.host_if).collect();
         for link in links.iter().filter(|l| is_host_ifname(&l.name)) {
-            let held = self.ipam.leases().iter().any(|l| l.host_if == link.name);
+            // Leases are reserved before their veth is made: a veth an ADD made after the
+            // snapshot above has a lease by now, so look again before judging it.
+            let held = held.contains(&link.name) || self.ipam.leases().iter().any(|l| l.host_if == link.name);
             // A failed ADD removes its veth and then its lease: still there now means orphaned.
             let still_there = matches!(nl.link_by_name(&link.name), Ok(Some(l)) if l.index == link.index);
             if held || !still_there {
@@ -876,6 +920,55 @@ impl Datapath {
             }
             out.push(f);
         }
-        Ok(out)
+        Ok((out, skipped))
+    }
+
+    /// Run a DEL the shim queued (`path`), unless an ADD of the same attachment already
+    /// applied it: decided under the attachment's lock. `Ok(false)`: nothing was left to do.
+    pub fn del_queued(&self, path: &Path, req: &Request) -> Result<bool, CniError> {
+        let owner = Owner { container_id: req.container_id.clone(), ifname: req.ifname.clone() };
+        self.locks.run(&owner, || {
+            if !queued_del_of(path, &owner) {
+                return Ok(false);
+            }
+            self.del_locked(&owner)?;
+            let _ = std::fs::remove_file(path);
+            Ok(true)
+        })
+    }
+}
+
+/// How long the doctor waits for a CNI call on an attachment before skipping it.
+const DOCTOR_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+enum NetnsCheck {
+    Same,
+    Gone(&'static str),
+    Unknown(String),
+}
+
+/// [`netns_matches`] for the doctor, which must tell "gone" from "could not look".
+fn netns_check(lease: &Lease) -> NetnsCheck {
+    let ns = match Netns::open(Path::new(&lease.netns)) {
+        Ok(ns) => ns,
+        Err(NetnsError::NotFound(_)) => return NetnsCheck::Gone("its pod network namespace is gone"),
+        Err(NetnsError::NotNetns(_)) => return NetnsCheck::Gone("its netns path is no network namespace any more"),
+        Err(e) => return NetnsCheck::Unknown(e.to_string()),
+    };
+    if lease.netns_inode != 0 {
+        match ns.inode() {
+            Ok(i) if i == lease.netns_inode => {}
+            Ok(_) => return NetnsCheck::Gone("its netns path now holds another namespace"),
+            Err(e) => return NetnsCheck::Unknown(e.to_string()),
+        }
+    }
+    if lease.netns_cookie == 0 {
+        return NetnsCheck::Same;
+    }
+    match ns.netlink().map(|nl| nl.netns_cookie()) {
+        Ok(0) => NetnsCheck::Unknown("the namespace cookie could not be read".into()),
+        Ok(c) if c == lease.netns_cookie => NetnsCheck::Same,
+        Ok(_) => NetnsCheck::Gone("its netns path now holds another namespace (same inode, other cookie)"),
+        Err(e) => NetnsCheck::Unknown(e.to_string()),
     }
 }

@@ -167,11 +167,11 @@ pub fn drain_pending(dp: &Datapath) {
             .ok_or_else(|| "unreadable".to_string())
             .and_then(|w| request::parse(&w.env, w.stdin.as_bytes()).map_err(|e| e.msg));
         match parsed {
-            Ok(req) if req.command == Command::Del => match dp.del(&req) {
-                Ok(()) => {
-                    tracing::info!(container = %req.container_id, ifname = %req.ifname, "drained pending delete");
-                    let _ = fs::remove_file(&path);
-                }
+            // Decided under the attachment's lock: an ADD of the same attachment may have
+            // applied (and removed) this DEL since the file was read.
+            Ok(req) if req.command == Command::Del => match dp.del_queued(&path, &req) {
+                Ok(true) => tracing::info!(container = %req.container_id, ifname = %req.ifname, "drained pending delete"),
+                Ok(false) => {}
                 Err(e) => tracing::warn!(file = %name, error = %e.msg, "pending delete failed; will retry"),
             },
             Ok(_) | Err(_) => {
@@ -408,10 +408,12 @@ pub async fn serve(
     if let Some(t) = csi_task {
         let _ = t.await;
     }
-    match node_api_task.await {
-        Ok(Err(e)) => tracing::warn!(error = %e, "node API"),
-        Err(e) => tracing::warn!(error = %e, "node API task"),
-        Ok(Ok(())) => {}
+    // A doctor in progress is not worth holding the shutdown for long.
+    match tokio::time::timeout(Duration::from_secs(5), node_api_task).await {
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "node API"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "node API task"),
+        Ok(Ok(Ok(()))) => {}
+        Err(_) => tracing::warn!("node API calls still running after 5 s; not waiting for them"),
     }
     tracing::info!("shutting down: no new requests; finishing in-flight ones");
     cluster_client.abort();

@@ -61,10 +61,16 @@ impl NodeStatus {
     }
 
     fn doctor(&self, repair: bool) -> serde_json::Value {
+        // One doctor at a time: two would judge (and repair) the same objects at once.
+        static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
         let mut findings: Vec<Finding> = Vec::new();
         let mut errors: Vec<String> = Vec::new();
         match self.dp.doctor(repair) {
-            Ok(f) => findings.extend(f),
+            Ok((f, skipped)) => {
+                findings.extend(f);
+                errors.extend(skipped.into_iter().map(|s| format!("network: {s}")));
+            }
             Err(e) => errors.push(format!("network: {}", e.msg)),
         }
         if let Some(csi) = &self.csi {
@@ -72,7 +78,10 @@ impl NodeStatus {
                 errors.push("storage: CSI recovery has not finished; storage not checked".into());
             } else {
                 match csi.doctor(repair) {
-                    Ok(f) => findings.extend(f),
+                    Ok((f, skipped)) => {
+                        findings.extend(f);
+                        errors.extend(skipped.into_iter().map(|s| format!("storage: {s}")));
+                    }
                     Err(e) => errors.push(format!("storage: {}", e.msg)),
                 }
             }

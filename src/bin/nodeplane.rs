@@ -390,11 +390,18 @@ async fn node_status(socket: PathBuf, doctor: Option<bool>) -> Result<serde_json
         .await
         .map_err(|e| format!("connecting to {}: {e} (is the agent running?)", socket.display()))?;
     let mut c = nodeplane::rpc::node::node_status_client::NodeStatusClient::new(ch);
-    let doc = match doctor {
-        None => c.get_status(nodeplane::rpc::node::GetStatusRequest {}).await.map(|r| r.into_inner().json),
-        Some(repair) => c.doctor(nodeplane::rpc::node::DoctorRequest { repair }).await.map(|r| r.into_inner().json),
-    }
-    .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
+    let call = async {
+        match doctor {
+            None => c.get_status(nodeplane::rpc::node::GetStatusRequest {}).await.map(|r| r.into_inner().json),
+            Some(repair) => c.doctor(nodeplane::rpc::node::DoctorRequest { repair }).await.map(|r| r.into_inner().json),
+        }
+    };
+    // The doctor waits up to 5 s for each attachment a CNI call holds; a hung agent must not
+    // hang the operator's shell.
+    let doc = tokio::time::timeout(std::time::Duration::from_secs(120), call)
+        .await
+        .map_err(|_| "the agent did not answer within 120 s".to_string())?
+        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
     serde_json::from_str(&doc).map_err(|e| format!("the agent's answer is not JSON: {e}"))
 }
 
@@ -544,9 +551,12 @@ mod report {
                 } else if a["hostIfOnBridge"] == false {
                     problems.push("veth off bridge");
                 }
+                // Runtimes' 64-hex ids are told apart by their first 12 characters; shorter
+                // ids are shown whole.
                 let cid = s(&a["containerId"]);
+                let cid: String = if cid.chars().count() > 24 { cid.chars().take(12).collect() } else { cid };
                 vec![
-                    format!("{}/{}", &cid[..cid.len().min(12)], s(&a["ifname"])),
+                    format!("{cid}/{}", s(&a["ifname"])),
                     if a["pod"] == "" { "-".into() } else { s(&a["pod"]) },
                     list(&a["ips"]),
                     s(&a["hostIf"]),

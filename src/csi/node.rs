@@ -1195,6 +1195,8 @@ struct StoreLoop {
     num: (u32, u32),
     /// The volume the file is the image of, when its metadata exists and it is that image.
     volume: Option<String>,
+    /// The backing file's (device, inode) as the loop device reported them when listed.
+    file: Option<(u64, u64)>,
 }
 
 impl NodeService {
@@ -1213,7 +1215,8 @@ impl NodeService {
                 .and_then(|n| n.strip_suffix(".img"))
                 .filter(|id| !b.deleted && self.store.get(id).ok().flatten().is_some())
                 .map(str::to_string);
-            out.push(StoreLoop { binding: b, num, volume });
+            let file = std::fs::File::open(&b.device).and_then(|f| loopdev::status(&f)).ok().map(|i| (i.lo_device, i.lo_inode));
+            out.push(StoreLoop { binding: b, num, volume, file });
         }
         Ok(out)
     }
@@ -1295,62 +1298,66 @@ impl NodeService {
     /// mounts no record accounts for and detach loop devices nothing uses; backing files and
     /// metadata are never removed here (they may hold data): they are reported with what the
     /// operator can do.
-    pub fn doctor(&self, repair: bool) -> Result<Vec<Finding>> {
+    pub fn doctor(&self, repair: bool) -> Result<(Vec<Finding>, Vec<String>)> {
         let mut out = Vec::new();
-        let stages = self.stage_records();
-        let publishes = self.publish_records();
-        let table = Self::table()?;
-        for l in self.store_loops()? {
+        let mut skipped = Vec::new();
+        let listed = self.store_loops()?;
+        for l in listed.iter().filter(|l| l.volume.is_none()) {
+            // Bound to a deleted file, or to a file that is no volume's image.
             let dev = l.binding.device.display().to_string();
-            let Some(id) = l.volume.clone() else {
-                // Bound to a deleted file, or to a file that is no volume's image.
-                let why = if l.binding.deleted { "its backing file was deleted" } else { "its backing file belongs to no volume" };
-                for m in Self::volume_mounts(&table, &l) {
-                    out.extend(self.orphan_mount(m, &l, format!("{dev} is mounted here; {why}"), repair));
-                }
-                let mut f = Finding::new(
-                    LOOP_WITHOUT_FILE,
-                    dev.clone(),
-                    format!("bound to {} ({why})", l.binding.backing_file.display()),
-                );
-                if repair {
-                    f.repair = Some(detach_repair(&l.binding.device));
-                }
-                out.push(f);
-                continue;
-            };
-            // A volume's device: judged under the volume's guard, so a stage or publish in
-            // progress is never mistaken for an orphan.
+            let why = if l.binding.deleted { "its backing file was deleted" } else { "its backing file belongs to no volume" };
+            for m in Self::volume_mounts(&Self::table()?, l) {
+                out.extend(self.orphan_mount(m, l, format!("{dev} is mounted here; {why}"), repair));
+            }
+            let mut f = Finding::new(LOOP_WITHOUT_FILE, dev, format!("bound to {} ({why})", l.binding.backing_file.display()));
+            if repair {
+                f.repair = Some(detach_repair(l));
+            }
+            out.push(f);
+        }
+        // A volume's devices: judged under the volume's guard, with its records, devices and
+        // mounts read again under it, so a stage or publish in progress (or finished since
+        // the listing) is never mistaken for an orphan.
+        let ids: std::collections::BTreeSet<String> = listed.iter().filter_map(|l| l.volume.clone()).collect();
+        for id in ids {
             let _g = match self.guard(&id) {
                 Ok(g) => g,
                 Err(e) => {
-                    tracing::info!(volume = %id, error = %e.msg, "doctor: volume busy, not checked");
+                    skipped.push(format!("volume {id}: {}; not checked", e.msg));
                     continue;
                 }
             };
-            let table = Self::table()?;
-            let stage = stages.iter().find(|r| r.volume_id == id);
-            let mut used = false;
-            for m in Self::volume_mounts(&table, &l) {
-                let p = &m.mount_point;
-                let accounted = stage.is_some_and(|r| &r.staging_path == p)
-                    || publishes.iter().any(|r| r.volume_id == id && &r.target_path == p);
-                used |= accounted;
-                if !accounted {
-                    let detail = format!("{dev} of volume {id} is mounted here, but no stage or publish of the volume is");
-                    out.extend(self.orphan_mount(m, &l, detail, repair));
+            let stage = self.load_stage(&id)?;
+            let publishes: Vec<PublishRecord> = self.publish_records().into_iter().filter(|r| r.volume_id == id).collect();
+            let recorded = stage.is_some() || !publishes.is_empty();
+            for l in self.store_loops()?.into_iter().filter(|l| l.volume.as_deref() == Some(id.as_str())) {
+                let dev = l.binding.device.display().to_string();
+                let table = Self::table()?;
+                for m in Self::volume_mounts(&table, &l) {
+                    let p = &m.mount_point;
+                    // The device node bind-mounted (not its filesystem): kubelet maps a
+                    // published block volume into each pod that way (volumeDevices/…), so
+                    // it belongs to the volume while the volume has a record.
+                    let device_node = (m.major, m.minor) != l.num;
+                    let accounted = stage.as_ref().is_some_and(|r| &r.staging_path == p)
+                        || publishes.iter().any(|r| &r.target_path == p)
+                        || (device_node && recorded);
+                    if !accounted {
+                        let detail = format!("{dev} of volume {id} is mounted here, but no stage or publish of the volume is");
+                        out.extend(self.orphan_mount(m, &l, detail, repair));
+                    }
                 }
-            }
-            if !used && stage.is_none() && Self::volume_mounts(&Self::table()?, &l).is_empty() {
-                let mut f = Finding::new(
-                    LOOP_WITHOUT_USER,
-                    dev.clone(),
-                    format!("bound to volume {id}, which is neither staged nor published"),
-                );
-                if repair {
-                    f.repair = Some(detach_repair(&l.binding.device));
+                if !recorded && Self::volume_mounts(&Self::table()?, &l).is_empty() {
+                    let mut f = Finding::new(
+                        LOOP_WITHOUT_USER,
+                        dev,
+                        format!("bound to volume {id}, which is neither staged nor published"),
+                    );
+                    if repair {
+                        f.repair = Some(detach_repair(&l));
+                    }
+                    out.push(f);
                 }
-                out.push(f);
             }
         }
         for o in self.store.orphans().map_err(|e| internal(e.to_string()))? {
@@ -1379,7 +1386,7 @@ impl NodeService {
             };
             out.push(f);
         }
-        Ok(out)
+        Ok((out, skipped))
     }
 }
 
@@ -1390,13 +1397,13 @@ fn unmount_repair(path: &Path) -> Repair {
     }
 }
 
-/// Detach a loop device if it is still bound to what it was bound to when looked at.
-fn detach_repair(device: &Path) -> Repair {
-    let info = match std::fs::File::open(device).and_then(|f| loopdev::status(&f)) {
-        Ok(i) => i,
-        Err(e) => return Repair::Failed(format!("reading the loop status: {e}")),
+/// Detach a loop device if it is still bound to the file it was bound to when listed (a
+/// device number freed and reused meanwhile is left alone).
+fn detach_repair(l: &StoreLoop) -> Repair {
+    let Some((st_dev, st_ino)) = l.file else {
+        return Repair::Failed("its backing file's identity could not be read when it was listed".into());
     };
-    match loopdev::detach(device, info.lo_device, info.lo_inode) {
+    match loopdev::detach(&l.binding.device, st_dev, st_ino) {
         Ok(()) => Repair::Done("detached".into()),
         Err(loopdev::DetachError::Busy(m)) => Repair::Failed(format!("busy: {m}")),
         Err(loopdev::DetachError::Io(e)) => Repair::Failed(e.to_string()),

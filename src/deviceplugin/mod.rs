@@ -282,8 +282,16 @@ impl Manager {
         for r in self.plugins.values_mut() {
             r.registered = false;
             r.next_attempt = Instant::now();
-            r.backoff = Duration::from_millis(100);
+            // kubelet creates its socket (bind) a moment before it accepts (listen): a
+            // refused first attempt is retried after 10 ms, not after the 100 ms used while
+            // kubelet is absent.
+            r.backoff = Duration::from_millis(10);
         }
+    }
+
+    /// When the next registration retry is due, if any plugin waits for one.
+    fn next_attempt(&self) -> Option<Instant> {
+        self.plugins.values().filter(|r| !r.registered).map(|r| r.next_attempt).min()
     }
 
     /// Directories to watch: the device file's, the plugin dir, every pattern's.
@@ -390,8 +398,16 @@ pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventor
             }
         }
         m.register_due().await;
+        let retry = m.next_attempt();
         tokio::select! {
             _ = shutdown.wait_for(|s| *s) => break,
+            // A registration retry wakes the loop at its time, not at the next tick.
+            _ = async {
+                match retry {
+                    Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
             ready = afd.readable() => {
                 let mut guard = match ready { Ok(g) => g, Err(_) => break };
                 let events = match inotify.read_events() {
