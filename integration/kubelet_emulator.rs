@@ -402,6 +402,13 @@ impl KubeletEmulator {
         self.server.is_some()
     }
 
+    /// A receiver that is marked changed after every change the emulator records
+    /// (registration, list, stream end, refused registration): for a process that mirrors
+    /// the state somewhere (`examples/kubelet.rs` writes it to a file).
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.shared.changed.subscribe()
+    }
+
     /// Bind `kubelet.sock` (removing a stale one) and serve `Registration`: kubelet starts.
     /// The socket exists when this returns.
     pub async fn start(&mut self) {
