@@ -1,7 +1,7 @@
 //! One resource's device plugin: the devices it found, their health, and the
 //! `v1beta1.DevicePlugin` service kubelet calls on the plugin's socket.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -234,24 +234,55 @@ impl Plugin {
         }
         let mut chosen: Vec<String> = must.to_vec();
         let info: BTreeMap<String, Node> = available.iter().filter_map(|id| self.node_of(id).map(|n| (id.clone(), n))).collect();
+        // Counts of what is chosen so far, per device node and per NUMA node, kept up to
+        // date as devices are picked: each pick is one pass over the candidates (a device
+        // shared 1000 ways lists 1000 IDs; recounting per candidate made 2000 IDs take minutes).
+        let mut taken: HashSet<&str> = HashSet::new();
+        let mut on_path: HashMap<&Path, usize> = HashMap::new();
+        let mut on_numa: HashMap<i64, usize> = HashMap::new();
+        fn pick<'a>(
+            info: &'a BTreeMap<String, Node>,
+            id: &str,
+            taken: &mut HashSet<&'a str>,
+            on_path: &mut HashMap<&'a Path, usize>,
+            on_numa: &mut HashMap<i64, usize>,
+        ) {
+            if let Some((key, n)) = info.get_key_value(id) {
+                taken.insert(key.as_str());
+                *on_path.entry(n.path.as_path()).or_default() += 1;
+                if let Some(numa) = n.numa {
+                    *on_numa.entry(numa).or_default() += 1;
+                }
+            }
+        }
+        for id in must {
+            pick(&info, id, &mut taken, &mut on_path, &mut on_numa);
+        }
+        let mut candidates: Vec<&String> = available.iter().filter(|id| !must.contains(id)).collect();
+        candidates.sort();
+        candidates.dedup();
         while chosen.len() < size {
-            let count_on = |path: &Path, chosen: &[String]| chosen.iter().filter(|c| info.get(*c).is_some_and(|n| n.path == path)).count();
-            let numa_count = |numa: Option<i64>, chosen: &[String]| {
-                chosen.iter().filter(|c| info.get(*c).is_some_and(|n| n.numa.is_some() && n.numa == numa)).count()
-            };
-            let next = available
+            let next = candidates
                 .iter()
-                .filter(|id| !chosen.contains(id))
+                .filter(|id| !taken.contains(id.as_str()))
                 .min_by_key(|id| {
-                    let n = info.get(*id);
-                    let numa_pref = n.map(|n| numa_count(n.numa, &chosen)).unwrap_or(0);
-                    let spread = n.map(|n| count_on(&n.path, &chosen)).unwrap_or(usize::MAX);
+                    let n = info.get(id.as_str());
+                    let numa_pref = n.and_then(|n| n.numa).and_then(|numa| on_numa.get(&numa).copied()).unwrap_or(0);
+                    let spread = n.map(|n| on_path.get(n.path.as_path()).copied().unwrap_or(0)).unwrap_or(usize::MAX);
                     let healthy = n.is_some_and(|n| n.healthy);
-                    (!healthy, std::cmp::Reverse(numa_pref), spread, (*id).clone())
+                    (!healthy, std::cmp::Reverse(numa_pref), spread, id.as_str())
                 })
-                .cloned();
+                .map(|id| id.as_str());
             match next {
-                Some(id) => chosen.push(id),
+                Some(id) => {
+                    // An ID with no node (gone since the list) cannot be counted: mark it taken directly.
+                    if info.contains_key(id) {
+                        pick(&info, id, &mut taken, &mut on_path, &mut on_numa);
+                    } else {
+                        taken.insert(id);
+                    }
+                    chosen.push(id.to_string());
+                }
                 None => break,
             }
         }
