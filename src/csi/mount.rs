@@ -278,6 +278,11 @@ pub fn validate_path(field: &str, raw: &str, root: &Path) -> Result<PathBuf, Str
     if raw.split('/').any(|seg| seg == "." || seg == "..") {
         return Err(format!("{field} {raw:?} contains '.' or '..'"));
     }
+    // NAME_MAX: checked for every component here, also below a directory that does not exist
+    // yet (the kernel would refuse it later, half-way through creating the path).
+    if raw.split('/').any(|seg| seg.len() > 255) {
+        return Err(format!("{field} {raw:?} has a component longer than 255 bytes"));
+    }
     let clean: PathBuf = p.components().collect();
     let Ok(rel) = clean.strip_prefix(root) else {
         return Err(format!("{field} {raw:?} is outside {}", root.display()));
@@ -358,6 +363,7 @@ mod tests {
             format!("{r}-sibling/x"),
             format!("{r}/a\0b"),
             format!("{r}/{}", "x".repeat(5000)),
+            format!("{r}/missing/{}/x", "y".repeat(256)),
         ] {
             assert!(validate_path("target_path", &bad, &root).is_err(), "{bad:?} accepted");
         }
