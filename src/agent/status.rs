@@ -133,6 +133,7 @@ pub async fn serve_node_api(
     let path = status.dp.cfg.node_socket.clone();
     let volumes = status.csi.clone().map(|svc| api::node_volumes_server::NodeVolumesServer::new(crate::csi::NodeVolumes(svc)));
     let server = tonic::transport::Server::builder()
+        .layer(crate::rpc::response_layer())
         .add_service(api::node_status_server::NodeStatusServer::new(status))
         .add_optional_service(volumes)
         .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), shutdown);

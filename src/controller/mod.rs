@@ -165,6 +165,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     // CSI Identity + Controller for the sidecars, on their own Unix socket (0600).
     let csi_listener = crate::util::bind_unix_socket(&cfg.csi_socket).map_err(io_ctx(format!("binding {}", cfg.csi_socket.display())))?;
     let csi_server = tonic::transport::Server::builder()
+        .layer(crate::rpc::response_layer())
         .add_service(crate::rpc::csi::identity_server::IdentityServer::new(crate::csi::Identity { node: None }))
         .add_service(crate::rpc::csi::controller_server::ControllerServer::new(csi::ControllerService {
             book: book.clone(),
@@ -174,6 +175,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     let csi_task = tokio::spawn(csi_server);
     tracing::info!(socket = %cfg.csi_socket.display(), "CSI Identity and Controller served");
     let router = tonic::transport::Server::builder()
+        .layer(crate::rpc::response_layer())
         .add_service(crate::rpc::controller::node_registry_server::NodeRegistryServer::new(svc));
     let served = match &cfg.listen {
         Listen::Unix(path) => {

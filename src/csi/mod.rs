@@ -257,6 +257,7 @@ pub async fn serve(
         let _ = rx.wait_for(|v| *v).await;
     };
     let csi_server = tonic::transport::Server::builder()
+        .layer(crate::rpc::response_layer())
         .add_service(csi::identity_server::IdentityServer::new(Identity { node: Some(svc.clone()) }))
         .add_service(csi::node_server::NodeServer::new(Node(svc.clone())))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(csi_listener), stopped(stop_rx.clone()));
@@ -280,6 +281,7 @@ pub async fn serve(
 
     let reg_listener = crate::util::bind_unix_socket(&reg_path).map_err(|e| format!("binding {}: {e}", reg_path.display()))?;
     let reg_server = tonic::transport::Server::builder()
+        .layer(crate::rpc::response_layer())
         .add_service(reg::registration_server::RegistrationServer::new(Registration { endpoint: csi_path.clone() }))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(reg_listener), stopped(stop_rx));
     let reg_task = tokio::spawn(reg_server);

@@ -318,6 +318,7 @@ fn serve(plugin: Arc<Plugin>, sock: &Path, stop: watch::Receiver<bool>) -> std::
     let mut stop2 = stop;
     Ok(tokio::spawn(async move {
         let r = tonic::transport::Server::builder()
+            .layer(crate::rpc::response_layer())
             .add_service(pb::device_plugin_server::DevicePluginServer::new(svc))
             .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), async move {
                 let _ = stop2.wait_for(|s| *s).await;

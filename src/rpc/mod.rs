@@ -107,3 +107,29 @@ impl From<Timestamp> for SystemTime {
 
 #[cfg(test)]
 mod tests;
+
+/// The layer every nodeplane gRPC server runs its responses through; see
+/// [`oversize_is_resource_exhausted`].
+pub fn response_layer()
+-> tower::util::MapResponseLayer<fn(tonic::codegen::http::Response<tonic::body::Body>) -> tonic::codegen::http::Response<tonic::body::Body>> {
+    tower::util::MapResponseLayer::new(oversize_is_resource_exhausted)
+}
+
+/// tonic refuses a request larger than the server's limit (4 MiB) with OUT_OF_RANGE; gRPC's
+/// status code table says RESOURCE_EXHAUSTED ("message larger than configured limit"), which
+/// is what clients (kubelet, the sidecars) take as "too big", not "bad value". The refusal
+/// itself already happens early: from the 5-byte message header, before the body is read.
+pub fn oversize_is_resource_exhausted(
+    mut r: tonic::codegen::http::Response<tonic::body::Body>,
+) -> tonic::codegen::http::Response<tonic::body::Body> {
+    use tonic::codegen::http::HeaderValue;
+    let h = r.headers();
+    let too_large = h.get("grpc-status").is_some_and(|v| v == "11")
+        && h.get("grpc-message")
+            .and_then(|m| m.to_str().ok())
+            .is_some_and(|m| m.replace("%20", " ").starts_with("Error, decoded message length too large"));
+    if too_large {
+        r.headers_mut().insert("grpc-status", HeaderValue::from_static("8"));
+    }
+    r
+}
