@@ -100,12 +100,13 @@ pub fn valid_container_id(id: &str) -> bool {
 }
 
 /// An interface name the kernel accepts: 1..=15 bytes, not `.`/`..`, no `/`, `:` or spaces.
+/// (The kernel's `isspace` is Latin-1: byte 0xA0, as in U+00A0 or "à", is a space too.)
 pub fn valid_ifname(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 15
         && name != "."
         && name != ".."
-        && name.bytes().all(|b| b > 0x20 && b != 0x7f && b != b'/' && b != b':')
+        && name.bytes().all(|b| b > 0x20 && b != 0x7f && b != 0xa0 && b != b'/' && b != b':')
 }
 
 fn parse_args(raw: &str) -> Result<BTreeMap<String, String>, CniError> {
