@@ -752,7 +752,6 @@ fn netns_matches(lease: &Lease) -> bool {
     ns.netlink().map(|nl| nl.netns_cookie() == lease.netns_cookie).unwrap_or(false)
 }
 
-
 /// One thing `nodeplane doctor` found: what kind of orphan, which object, why, and (when a
 /// repair was asked for) what was done about it.
 #[derive(Debug, Clone, serde::Serialize)]
