@@ -312,7 +312,7 @@ def test_orphans_are_reclaimed_and_lost_files_reported(prov):
 
 def test_conformance_controller_rpcs(prov):
     c = prov()
-    n1 = c.node(81, capacity=256 * MIB)
+    n1 = c.node(81, capacity=512 * MIB)
     c.wait_connected([n1])
     ctl = c.controller
     ident = ctl.csi("identity")
@@ -336,11 +336,14 @@ def test_conformance_controller_rpcs(prov):
     x = ctl.csi("create-volume", "--name", "pvc-param", "--size", 4 * MIB, "--fs", "",
                 "--param", "csi.storage.k8s.io/fstype=xfs")
     assert x["volumeContext"]["fsType"] == "xfs"
+    assert x["capacityBytes"] == 300 * MIB, "xfs is raised to mkfs.xfs's minimum"
     meta = json.loads((n1.volume_dir / f"{x['volumeId']}.json").read_text())
     assert meta["fsType"] == "xfs"
     ctl.csi("delete-volume", "--id", x["volumeId"])
     assert code_of(lambda: ctl.csi("create-volume", "--name", "pvc-param2", "--fs", "ext4",
                                    "--param", "csi.storage.k8s.io/fstype=xfs")) == "InvalidArgument"
+    assert code_of(lambda: ctl.csi("create-volume", "--name", "pvc-xfs-small", "--size", MIB, "--limit", 200 * MIB,
+                                   "--fs", "xfs")) == "OutOfRange"
     blk = ctl.csi("create-volume", "--name", "pvc-blk", "--size", 8 * MIB, "--fs", "block")
     assert blk["volumeContext"]["fsType"] == ""
     # ValidateVolumeCapabilities
@@ -364,7 +367,7 @@ def test_conformance_controller_rpcs(prov):
     assert sorted(seen) == sorted(set(seen)) and len(seen) == 7 and pages == 4
     assert code_of(lambda: ctl.csi("list-volumes", "--token", "garbage")) == "Aborted"
     # GetCapacity
-    assert ctl.csi("capacity", "--node", n1.ns.name)["availableCapacity"] == 256 * MIB - 10 * MIB - 8 * MIB - 5 * MIB
+    assert ctl.csi("capacity", "--node", n1.ns.name)["availableCapacity"] == 512 * MIB - 10 * MIB - 8 * MIB - 5 * MIB
     assert ctl.csi("capacity", "--node", "no-such-node")["availableCapacity"] == 0
     # ControllerExpandVolume
     assert code_of(lambda: ctl.csi("expand-volume", "--id", "", "--size", MIB)) == "InvalidArgument"
