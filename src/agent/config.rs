@@ -252,6 +252,11 @@ impl Config {
                 Ok(sa) if sa.port() == 0 => {
                     return bad(format!("healthAddress {a:?} needs a fixed port (probes must know it)"));
                 }
+                // The agent drops CAP_NET_BIND_SERVICE at start (src/agent/caps.rs): say so
+                // here rather than fail at bind.
+                Ok(sa) if sa.port() < 1024 => {
+                    return bad(format!("healthAddress {a:?}: the port must be 1024 or above (the agent keeps no CAP_NET_BIND_SERVICE)"));
+                }
                 Ok(sa) => Some(sa),
                 Err(e) => return bad(format!("healthAddress: {e}; \"\" turns the endpoint off")),
             },
@@ -463,7 +468,7 @@ mod tests {
         assert!(parse(r#"{"nodeName":"n","bridge":"way-too-long-bridge","shimSource":"/x"}"#).is_err());
         assert!(parse(r#"{"nodeName":"n","unknownKey":1}"#).is_err());
         assert!(parse(r#"{"nodeName":"n","chainedPlugins":[{"x":1}],"shimSource":"/x"}"#).is_err());
-        for t in ["../../bin/sh", "/bin/sh", "..", "", "a b"] {
+        for t in ["../../bin/x", "/usr/bin/x", "..", "", "a b"] {
             let cfg = format!(r#"{{"nodeName":"n","chainedPlugins":[{{"type":{t:?}}}],"shimSource":"/x"}}"#);
             assert!(parse(&cfg).is_err(), "chained plugin type {t:?} must be refused");
         }
@@ -483,7 +488,7 @@ mod tests {
         assert_eq!(c.health_address, None, "empty turns the endpoint off");
         let c = parse(r#"{"nodeName":"n","shimSource":"/x","healthAddress":"[::]:8080"}"#).unwrap();
         assert_eq!(c.health_address, Some("[::]:8080".parse().unwrap()));
-        for bad in ["9640", "localhost:9640", "127.0.0.1", "127.0.0.1:0", "1.2.3.4:70000"] {
+        for bad in ["9640", "localhost:9640", "127.0.0.1", "127.0.0.1:0", "1.2.3.4:70000", "127.0.0.1:80", "[::1]:1023"] {
             let e = err(parse(&format!(r#"{{"nodeName":"n","shimSource":"/x","healthAddress":"{bad}"}}"#)));
             assert!(e.contains("healthAddress"), "{bad}: {e}");
         }
