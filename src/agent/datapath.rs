@@ -739,17 +739,9 @@ fn queued_del_of(path: &Path, owner: &Owner) -> bool {
         && get("CNI_IFNAME") == Some(owner.ifname.as_str())
 }
 
-/// Is the lease's namespace still the one it was made in?
+/// Is the lease's namespace still the one it was made in? (Not knowing counts as no.)
 fn netns_matches(lease: &Lease) -> bool {
-    let Ok(ns) = Netns::open(Path::new(&lease.netns)) else { return false };
-    if lease.netns_inode != 0 && ns.inode().ok() != Some(lease.netns_inode) {
-        return false;
-    }
-    if lease.netns_cookie == 0 {
-        return true;
-    }
-    // Same inode is not proof (inode numbers are reused); the cookie is.
-    ns.netlink().map(|nl| nl.netns_cookie() == lease.netns_cookie).unwrap_or(false)
+    matches!(netns_check(lease), NetnsCheck::Same)
 }
 
 /// One thing `nodeplane doctor` found: what kind of orphan, which object, why, and (when a
@@ -946,7 +938,9 @@ enum NetnsCheck {
     Unknown(String),
 }
 
-/// [`netns_matches`] for the doctor, which must tell "gone" from "could not look".
+/// Whether the lease's namespace is still the one it was made in, telling "gone" from "could
+/// not look" (the doctor repairs only the first). Same inode is not proof (inode numbers are
+/// reused); the cookie is.
 fn netns_check(lease: &Lease) -> NetnsCheck {
     let ns = match Netns::open(Path::new(&lease.netns)) {
         Ok(ns) => ns,
