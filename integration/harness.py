@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -369,6 +370,22 @@ def sweep_leftovers():
             pid = int(name.split("-")[0][3:])
             if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
                 run(["ip", "netns", "delete", name], check=False)
+
+
+def make_devices(node, name, count, share=None):
+    """`count` character device nodes `<root>/dev/<name>N` (1:3, like /dev/null) and a device
+    file naming them as resource `name` (shared `share` ways when given); returns the dir."""
+    dev = node.root / "dev"
+    dev.mkdir(exist_ok=True)
+    for i in range(count):
+        os.mknod(dev / f"{name}{i}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    resource = {"name": name, "devices": [f"{dev}/{name}*"]}
+    if share is not None:
+        resource["share"] = share
+    conf = node.root / "etc/nodeplane/devices.json"
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text(json.dumps({"resources": [resource]}))
+    return dev
 
 
 # ----- health endpoint (appended for test_health.py) -----

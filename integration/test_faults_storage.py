@@ -35,23 +35,9 @@ import pytest
 import cluster
 import harness
 from harness import CsiError, run
-from test_provisioning import MIB, ProvCluster
+from test_provisioning import MIB, prov  # noqa: F401 (the fixture: controller + nodes with CSI, closed after the test)
 
 
-@pytest.fixture
-def storage_cluster():
-    made = []
-
-    def make(**kw):
-        c = ProvCluster(**kw)
-        made.append(c)
-        return c
-
-    try:
-        yield make
-    finally:
-        for c in made:
-            c.close()
 
 
 # ----- kernel state -----
@@ -186,10 +172,10 @@ class Retrier:
 
 # ----- case 1: controller kill -9 during creates, deletes and expansions -----
 
-def test_controller_kill9_during_creates_deletes_and_expansions(storage_cluster):
+def test_controller_kill9_during_creates_deletes_and_expansions(prov):
     t0 = time.time()
     rng = random.Random()
-    c = storage_cluster(controller_extra={"orphanGraceSeconds": 1, "volumeOpTimeoutSeconds": 10})
+    c = prov(controller_extra={"orphanGraceSeconds": 1, "volumeOpTimeoutSeconds": 10})
     nodes = [c.node(41, capacity=4096 * MIB), c.node(42, capacity=4096 * MIB)]
     by_name = {n.ns.name: n for n in nodes}
     c.wait_connected(nodes)
@@ -504,10 +490,10 @@ class NodeVolume:
             assert spans == self.size, f"{what}: xfs spans {spans}, volume {self.size}"
 
 
-def test_agent_dies_inside_node_calls_and_kubelet_retries(storage_cluster):
+def test_agent_dies_inside_node_calls_and_kubelet_retries(prov):
     t0 = time.time()
     rng = random.Random()
-    c = storage_cluster()
+    c = prov()
     n1, n2 = c.node(51, capacity=16384 * MIB), c.node(52, capacity=16384 * MIB)
     c.wait_connected([n1, n2])
     kub = Retrier(deadline_s=30)
@@ -628,14 +614,14 @@ def test_agent_dies_inside_node_calls_and_kubelet_retries(storage_cluster):
         seconds=round(time.time() - t0, 1))
 
 
-def test_interrupted_stage_rolled_back_while_device_busy_leaves_no_loop(storage_cluster):
+def test_interrupted_stage_rolled_back_while_device_busy_leaves_no_loop(prov):
     """Case 2, one step further: the agent dies inside NodeStage after attaching the loop
     device, and while it restarts something else still holds that device exclusively -- what
     the killed agent's own mkfs does when it outlives the agent (seen here with kill -9 during
     mkfs of a 16-64 GiB volume). The pod is then deleted, so kubelet calls NodeUnstage instead
     of retrying the stage. Expected: NodeUnstage leaves no loop device and DeleteVolume works."""
     t0 = time.time()
-    c = storage_cluster()
+    c = prov()
     n = c.node(71, capacity=4096 * MIB)
     c.wait_connected([n])
     kub = Retrier(deadline_s=20)
@@ -690,9 +676,9 @@ def ipam_allocated(node):
             for m in re.finditer(r'^nodeplane_ipam_block_allocated\{block="([^"]+)"\} (\S+)$', body, re.M)}
 
 
-def test_full_state_disk_fails_cleanly_and_recovers(storage_cluster):
+def test_full_state_disk_fails_cleanly_and_recovers(prov):
     t0 = time.time()
-    c = storage_cluster()
+    c = prov()
     other = c.node(62)
     # The node under test keeps its state dir on a 2 MiB tmpfs; its volumes live elsewhere
     # (csi.volumeDir), so only the agent's own state runs out of space.

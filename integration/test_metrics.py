@@ -11,7 +11,6 @@ import ipaddress
 import json
 import os
 import socket
-import stat
 import functools
 import time
 import urllib.request
@@ -122,15 +121,6 @@ def hist(s, name, **labels):
     return buckets, count, total
 
 
-def make_devices(node, name, count, share):
-    dev = node.root / "dev"
-    dev.mkdir(exist_ok=True)
-    for i in range(count):
-        os.mknod(dev / f"{name}{i}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-    conf = node.root / "etc/nodeplane/devices.json"
-    conf.parent.mkdir(parents=True, exist_ok=True)
-    conf.write_text(json.dumps({"resources": [{"name": name, "devices": [f"{dev}/{name}*"], "share": share}]}))
-    return dev
 
 
 def usable(cidr):
@@ -144,7 +134,7 @@ def test_agent_metrics_follow_cni_ipam_csi_and_devices():
     node = harness.Node(tag="met", start=False)
     pods = []
     try:
-        dev = make_devices(node, "metdev", count=2, share=2)
+        dev = harness.make_devices(node, "metdev", count=2, share=2)
         node.start()
         resource = "nodeplane.dev/metdev"
         wait_for(lambda: agent_scrape(node).get("nodeplane_device_plugin_devices", resource=resource, health="Healthy") == 4,

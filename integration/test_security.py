@@ -270,22 +270,12 @@ def connect_as(prefix, paths):
     return json.loads(run([*prefix, SYSTEM_PYTHON, "-c", CONNECT, *paths]).stdout)
 
 
-def make_devices(node, name, count):
-    dev = node.root / "dev"
-    dev.mkdir(exist_ok=True)
-    for i in range(count):
-        os.mknod(dev / f"{name}{i}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-    conf = node.root / "etc/nodeplane/devices.json"
-    conf.parent.mkdir(parents=True, exist_ok=True)
-    conf.write_text(json.dumps({"resources": [{"name": name, "devices": [f"{dev}/{name}*"]}]}))
-
-
 def test_every_socket_is_0600_root_and_refuses_an_unprivileged_user():
     c = cluster.Cluster()
     opened = []  # (dir, original mode)
     try:
         node = c.node(1, 1, start=False, csi={"capacityBytes": 256 * MIB})
-        make_devices(node, "secdev", 1)
+        harness.make_devices(node, "secdev", 1)
         node.start()
         kubelet = node.kubelet
         expect_agent = {str(node.socket), str(node.csi_socket), str(node.root / "run/nodeplane/node.sock")}
@@ -423,7 +413,7 @@ def test_no_shell_is_ever_executed():
         node = cluster.cluster_node(ctl, ul, 1, 1, start=False, tag="sh", csi={"capacityBytes": 1024 * MIB})
         node.cfg["chainedPlugins"] = [{"type": "bandwidth", "capabilities": {"bandwidth": True}}]
         node.cfg_path.write_text(json.dumps(node.cfg))
-        make_devices(node, "shdev", 2)
+        harness.make_devices(node, "shdev", 2)
         started = time.time()
         start_straced_agent(node, agent_trace)
 

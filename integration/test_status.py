@@ -11,7 +11,6 @@ exactly those, and leave the healthy ones working.
 import functools
 import json
 import os
-import stat
 import subprocess
 
 import cluster
@@ -21,15 +20,6 @@ MIB = 1 << 20
 wait_for = functools.partial(harness.wait_until, timeout=20.0)
 
 
-def make_devices(node, name, count):
-    dev = node.root / "dev"
-    dev.mkdir(exist_ok=True)
-    for i in range(count):
-        os.mknod(dev / f"{name}{i}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-    conf = node.root / "etc/nodeplane/devices.json"
-    conf.parent.mkdir(parents=True, exist_ok=True)
-    conf.write_text(json.dumps({"resources": [{"name": name, "devices": [f"{dev}/{name}*"]}]}))
-    return dev
 
 
 def loops_of(path):
@@ -57,7 +47,7 @@ def test_status_matches_the_node():
     c = cluster.Cluster()
     try:
         n = c.node(1, 1, start=False, csi={"capacityBytes": 512 * MIB})
-        dev = make_devices(n, "stdev", 2)
+        dev = harness.make_devices(n, "stdev", 2)
         n.start()
         resource = "nodeplane.dev/stdev"
         wait_for(lambda: n.status("status")[1]["devicePlugins"], what="device plugins in the status")
@@ -255,7 +245,7 @@ def test_json_logs_carry_pod_volume_and_device_fields():
     c = cluster.Cluster()
     try:
         n = c.node(1, 1, start=False, csi={"capacityBytes": 512 * MIB})
-        dev = make_devices(n, "jsdev", 1)
+        dev = harness.make_devices(n, "jsdev", 1)
         n.agent_args = ["--log-format", "json"]
         n.start()
         pod = harness.Pod(n, "jsp")
