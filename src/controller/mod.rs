@@ -171,7 +171,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             book: book.clone(),
             op_timeout: cfg.volume_op_timeout,
         }))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(csi_listener), until_stopped(stopping.clone()));
+        .serve_with_incoming_shutdown(crate::rpc::authority::incoming(csi_listener), until_stopped(stopping.clone()));
     let csi_task = tokio::spawn(csi_server);
     tracing::info!(socket = %cfg.csi_socket.display(), "CSI Identity and Controller served");
     let router = tonic::transport::Server::builder()
@@ -182,7 +182,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             let listener = crate::util::bind_unix_socket(path).map_err(io_ctx(format!("binding {}", path.display())))?;
             tracing::info!(socket = %path.display(), "ready");
             serving.set(true, format!("serving on {}", path.display()));
-            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            let incoming = crate::rpc::authority::incoming(listener);
             let r = router.serve_with_incoming_shutdown(incoming, until_stopped(stopping.clone())).await;
             let _ = std::fs::remove_file(path);
             r

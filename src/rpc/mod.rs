@@ -105,6 +105,8 @@ impl From<Timestamp> for SystemTime {
     }
 }
 
+pub mod authority;
+
 #[cfg(test)]
 mod tests;
 
