@@ -14,12 +14,13 @@
 //! A record is written before the kernel state it describes and removed after it is undone,
 //! so a crash at any point leaves a record for everything that might exist.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tonic::Code;
@@ -245,7 +246,9 @@ pub struct NodeSettings {
 pub struct NodeService {
     pub settings: NodeSettings,
     pub store: Arc<VolumeStore>,
-    busy: Mutex<HashSet<String>>,
+    busy: Mutex<HashMap<String, Holds>>,
+    /// Signalled whenever a hold is released.
+    released: Condvar,
     ready: AtomicBool,
     /// Node calls by method and gRPC code, and their latency (the agent exposes them).
     pub operations: Arc<crate::metrics::CounterVec>,
@@ -263,15 +266,60 @@ pub struct MountCounts {
     pub published: usize,
 }
 
-/// Holds a volume for one operation; a second operation on it meanwhile gets ABORTED.
+/// How long a publish or unpublish waits for a stage, unstage or expand of its volume (or a
+/// publish for another publish of it) before it answers ABORTED.
+pub const TARGET_WAIT: Duration = Duration::from_secs(5);
+
+/// What is in progress on one volume.
+#[derive(Debug, Default)]
+struct Holds {
+    /// A stage, unstage, expand (or the doctor) has the whole volume.
+    exclusive: bool,
+    /// Targets with a publish or unpublish in progress.
+    targets: HashSet<PathBuf>,
+    /// A publish (or an unpublish releasing a shared device) is in its volume-wide section:
+    /// access-mode checks, records and the read-only device are decided one at a time.
+    publishing: bool,
+}
+
+impl Holds {
+    fn idle(&self) -> bool {
+        !self.exclusive && !self.publishing && self.targets.is_empty()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Hold {
+    Volume,
+    Target(PathBuf),
+    Publishing,
+}
+
+/// Holds a volume, or one target of it, for one operation (see [`NodeService::guard`] and
+/// [`NodeService::target_guard`]); released on drop.
 pub struct VolumeGuard<'a> {
     svc: &'a NodeService,
     id: String,
+    hold: Hold,
 }
 
 impl Drop for VolumeGuard<'_> {
     fn drop(&mut self) {
-        self.svc.busy.lock().unwrap().remove(&self.id);
+        let mut busy = self.svc.busy.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = busy.get_mut(&self.id) {
+            match &self.hold {
+                Hold::Volume => h.exclusive = false,
+                Hold::Target(t) => {
+                    h.targets.remove(t);
+                }
+                Hold::Publishing => h.publishing = false,
+            }
+            if h.idle() {
+                busy.remove(&self.id);
+            }
+        }
+        drop(busy);
+        self.svc.released.notify_all();
     }
 }
 
@@ -306,7 +354,8 @@ impl NodeService {
         Ok(NodeService {
             settings,
             store,
-            busy: Mutex::new(HashSet::new()),
+            busy: Mutex::new(HashMap::new()),
+            released: Condvar::new(),
             ready: AtomicBool::new(false),
             operations,
             durations,
@@ -328,12 +377,74 @@ impl NodeService {
         self.ready.load(Ordering::SeqCst)
     }
 
-    /// Hold volume `id` for one operation, or ABORTED when another one holds it.
+    /// Hold the whole of volume `id` (stage, unstage, expand, the doctor), or ABORTED at once
+    /// when any operation on it is in progress.
     pub fn guard(&self, id: &str) -> Result<VolumeGuard<'_>> {
-        if !self.busy.lock().unwrap().insert(id.to_string()) {
+        let mut busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
+        let h = busy.entry(id.to_string()).or_default();
+        if !h.idle() {
             return Err(CsiError::new(Code::Aborted, format!("an operation on volume {id} is already in progress")));
         }
-        Ok(VolumeGuard { svc: self, id: id.to_string() })
+        h.exclusive = true;
+        Ok(VolumeGuard { svc: self, id: id.to_string(), hold: Hold::Volume })
+    }
+
+    /// Hold one target of volume `id` for a publish or unpublish. Targets of one volume are
+    /// served concurrently (kubelet unpublishes every pod of a volume in one pass); the same
+    /// target twice is ABORTED at once; a stage, unstage or expand of the volume in progress
+    /// is waited for, at most `wait`, then ABORTED.
+    pub fn target_guard(&self, id: &str, target: &Path, wait: Duration) -> Result<VolumeGuard<'_>> {
+        let deadline = Instant::now() + wait;
+        let mut busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let h = busy.entry(id.to_string()).or_default();
+            if h.targets.contains(target) {
+                return Err(CsiError::new(
+                    Code::Aborted,
+                    format!("an operation on volume {id} at {} is already in progress", target.display()),
+                ));
+            }
+            if !h.exclusive {
+                h.targets.insert(target.to_path_buf());
+                return Ok(VolumeGuard { svc: self, id: id.to_string(), hold: Hold::Target(target.to_path_buf()) });
+            }
+            busy = self.wait_released(busy, deadline).map_err(|()| {
+                CsiError::new(
+                    Code::Aborted,
+                    format!("volume {id} is being staged, unstaged or expanded; still busy after {} ms", wait.as_millis()),
+                )
+            })?;
+        }
+    }
+
+    /// The volume-wide section of a publish (or of an unpublish that may release the
+    /// volume's shared read-only device): one at a time per volume, waited for up to `wait`.
+    /// Taken while holding a target of the volume, never a whole-volume guard.
+    fn publishing_guard(&self, id: &str, wait: Duration) -> Result<VolumeGuard<'_>> {
+        let deadline = Instant::now() + wait;
+        let mut busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let h = busy.entry(id.to_string()).or_default();
+            if !h.publishing {
+                h.publishing = true;
+                return Ok(VolumeGuard { svc: self, id: id.to_string(), hold: Hold::Publishing });
+            }
+            busy = self.wait_released(busy, deadline).map_err(|()| {
+                CsiError::new(Code::Aborted, format!("another publish of volume {id} is still in progress after {} ms", wait.as_millis()))
+            })?;
+        }
+    }
+
+    fn wait_released<'g>(
+        &self,
+        busy: std::sync::MutexGuard<'g, HashMap<String, Holds>>,
+        deadline: Instant,
+    ) -> std::result::Result<std::sync::MutexGuard<'g, HashMap<String, Holds>>, ()> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(());
+        }
+        Ok(self.released.wait_timeout(busy, left).unwrap_or_else(|p| p.into_inner()).0)
     }
 
     fn volume_id<'a>(&self, v: &'a str) -> Result<&'a str> {
@@ -694,7 +805,9 @@ impl NodeService {
         }
         let opts = mount::parse_mount_flags(&cap.mount_flags).map_err(invalid)?;
         let read_only = req.readonly || cap.mode() == Mode::SingleNodeReaderOnly;
-        let _g = self.guard(id)?;
+        // Other targets of the volume are served meanwhile; a stage in progress is waited for.
+        let _target = self.target_guard(id, &target, TARGET_WAIT)?;
+        let _publishing = self.publishing_guard(id, TARGET_WAIT)?;
         let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
         check_fits(&vol, &cap)?;
         let table = Self::table()?;
@@ -844,7 +957,7 @@ impl NodeService {
     pub fn unpublish(&self, req: &csi::NodeUnpublishVolumeRequest) -> Result<()> {
         let id = self.volume_id(&req.volume_id)?;
         let target = self.path("target_path", &req.target_path)?;
-        let _g = self.guard(id)?;
+        let _target = self.target_guard(id, &target, TARGET_WAIT)?;
         let known = self.store.get(id)?.is_some();
         let rec = self.load_publish(&target)?.filter(|r| r.volume_id == id);
         let table = Self::table()?;
@@ -864,12 +977,15 @@ impl NodeService {
             if r.created_target {
                 remove_target(&target)?;
             }
-            if r.capability.block
-                && r.read_only
-                && let Err(e) = self.release_read_only_device(id, &target)
-            {
-                // Unpublished all the same; unstage detaches every device of the volume.
-                tracing::warn!(volume = id, error = %e.msg, "read-only loop device not released yet");
+            if r.capability.block && r.read_only {
+                // The shared read-only device: decided one publication at a time, after this
+                // record is gone, so the last of two concurrent unpublishes releases it.
+                let _publishing = self.publishing_guard(id, TARGET_WAIT)?;
+                Self::remove(&self.publish_record_path(&target))?;
+                if let Err(e) = self.release_read_only_device(id, &target) {
+                    // Unpublished all the same; unstage detaches every device of the volume.
+                    tracing::warn!(volume = id, error = %e.msg, "read-only loop device not released yet");
+                }
             }
         }
         Self::remove(&self.publish_record_path(&target))?;
