@@ -11,6 +11,7 @@ pub mod csi;
 pub mod deviceplugin;
 pub mod health;
 pub mod ipam;
+pub mod kubelet;
 pub mod metrics;
 pub mod netlink;
 pub mod netns;

@@ -45,6 +45,23 @@ pub fn bind_unix_socket(path: &Path) -> std::io::Result<tokio::net::UnixListener
     tokio::net::UnixListener::from_std(l)
 }
 
+/// A Unix time (whole seconds) as RFC 3339 in UTC, `YYYY-MM-DDTHH:MM:SSZ` (as Kubernetes
+/// writes timestamps).
+pub fn utc_rfc3339(unix_secs: i64) -> String {
+    let (days, rem) = (unix_secs.div_euclid(86_400), unix_secs.rem_euclid(86_400));
+    // Days since 1970-01-01 to a civil date (proleptic Gregorian, eras of 400 years).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+}
+
 /// Fault injection for the crash-safety tests: when the environment variable
 /// `NODEPLANE_CRASH_AT` names `point` (comma-separated list), the process aborts right
 /// there, like a `kill -9`: no unwinding, no cleanup. Unset (production), this is one
@@ -172,5 +189,16 @@ impl TestDir {
 impl Drop for TestDir {
     fn drop(&mut self) {
         let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn utc_rfc3339_formats_unix_seconds() {
+        assert_eq!(super::utc_rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(super::utc_rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(super::utc_rfc3339(1_764_580_000), "2025-12-01T09:06:40Z");
+        assert_eq!(super::utc_rfc3339(-1), "1969-12-31T23:59:59Z");
     }
 }

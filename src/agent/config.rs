@@ -54,6 +54,9 @@ pub struct CsiFileConfig {
     pub capacity_bytes: Option<u64>,
     /// Reported to kubelet as the node's volume limit (default 128).
     pub max_volumes: Option<i64>,
+    /// Serve kubelet's registration socket ourselves (default true). False when the
+    /// upstream node-driver-registrar sidecar registers the driver (it owns the socket).
+    pub self_register: Option<bool>,
 }
 
 /// Kubelet device plugins (on unless `enabled: false`).
@@ -74,6 +77,7 @@ pub struct CsiConfig {
     pub volume_dir: PathBuf,
     pub capacity_bytes: Option<u64>,
     pub max_volumes: i64,
+    pub self_register: bool,
 }
 
 /// The file format. Paths left out derive from `root`.
@@ -122,6 +126,18 @@ pub struct FileConfig {
     /// Kubelet's root directory (default `<root>/var/lib/kubelet`): CSI and registration
     /// sockets live under it, and every staging and target path must lie inside it.
     pub kubelet_dir: Option<PathBuf>,
+    /// kubelet's device plugin directory (default `<root>/var/lib/kubelet/device-plugins`).
+    /// kubelet uses `/var/lib/kubelet/device-plugins/` whatever its `--root-dir`, while the
+    /// CSI paths follow `--root-dir`: this does not derive from `kubeletDir`.
+    pub device_plugin_dir: Option<PathBuf>,
+    /// Fail readiness when kubelet has not registered a served plugin within
+    /// `kubeletRegistrationGraceSeconds` (the DaemonSet sets this; default false: local
+    /// clusters run without a kubelet). A plugin kubelet refused fails readiness either way.
+    #[serde(default)]
+    pub require_kubelet_registration: Option<bool>,
+    /// How long kubelet may take to register a served plugin before a warning (default 30).
+    #[serde(default)]
+    pub kubelet_registration_grace_seconds: Option<f64>,
     #[serde(default)]
     pub csi: Option<CsiFileConfig>,
     #[serde(default)]
@@ -204,6 +220,10 @@ pub struct Config {
     pub cni_bin_dir: PathBuf,
     pub cni_conf_dir: PathBuf,
     pub kubelet_dir: PathBuf,
+    /// kubelet's device plugin directory (where `kubelet.sock` is).
+    pub device_plugin_dir: PathBuf,
+    pub require_kubelet_registration: bool,
+    pub kubelet_registration_grace: std::time::Duration,
     /// `None`: the CSI node plugin is off.
     pub csi: Option<CsiConfig>,
     /// `None`: device plugins are off.
@@ -349,6 +369,15 @@ impl Config {
         if !kubelet_dir.is_absolute() {
             return bad(format!("kubeletDir {} must be absolute", kubelet_dir.display()));
         }
+        let device_plugin_dir = f.device_plugin_dir.clone().unwrap_or_else(|| under(&root, "/var/lib/kubelet/device-plugins"));
+        if !device_plugin_dir.is_absolute() {
+            return bad(format!("devicePluginDir {} must be absolute", device_plugin_dir.display()));
+        }
+        let kubelet_registration_grace = match f.kubelet_registration_grace_seconds {
+            None => crate::kubelet::DEFAULT_GRACE,
+            Some(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => std::time::Duration::from_secs_f64(s),
+            Some(s) => return bad(format!("kubeletRegistrationGraceSeconds {s} must be above 0 and at most 86400")),
+        };
         let csi_file = f.csi.clone().unwrap_or_default();
         let csi = if csi_file.enabled.unwrap_or(true) {
             let max_volumes = csi_file.max_volumes.unwrap_or(128);
@@ -362,6 +391,7 @@ impl Config {
                 volume_dir: csi_file.volume_dir.unwrap_or_else(|| state_dir.join("volumes")),
                 capacity_bytes: csi_file.capacity_bytes,
                 max_volumes,
+                self_register: csi_file.self_register.unwrap_or(true),
             })
         } else {
             None
@@ -369,7 +399,7 @@ impl Config {
         let dpf = f.device_plugins.clone().unwrap_or_default();
         let device_plugins = dpf.enabled.unwrap_or(true).then(|| crate::deviceplugin::Settings {
             config_file: dpf.config_file.clone().unwrap_or_else(|| under(&root, "/etc/nodeplane/devices.json")),
-            plugin_dir: kubelet_dir.join("device-plugins"),
+            plugin_dir: device_plugin_dir.clone(),
             cdi_dir: dpf.cdi_dir.clone().unwrap_or_else(|| under(&root, "/var/run/cdi")),
         });
         let dns = f
@@ -381,9 +411,11 @@ impl Config {
             f.cni_socket.clone().unwrap_or_else(|| under(&root, "/run/nodeplane/cni.sock")),
             f.node_socket.clone().unwrap_or_else(|| under(&root, "/run/nodeplane/node.sock")),
         ];
-        if csi.is_some() {
+        if let Some(c) = &csi {
             sockets.push(crate::csi::csi_socket(&kubelet_dir));
-            sockets.push(crate::csi::registration_socket(&kubelet_dir));
+            if c.self_register {
+                sockets.push(crate::csi::registration_socket(&kubelet_dir));
+            }
         }
         for s in sockets {
             if s.as_os_str().len() >= 108 {
@@ -409,6 +441,9 @@ impl Config {
             node_socket: f.node_socket.unwrap_or_else(|| under(&root, "/run/nodeplane/node.sock")),
             state_dir,
             kubelet_dir,
+            device_plugin_dir,
+            require_kubelet_registration: f.require_kubelet_registration.unwrap_or(false),
+            kubelet_registration_grace,
             csi,
             device_plugins,
             cni_bin_dir: f.cni_bin_dir.unwrap_or_else(|| under(&root, "/opt/cni/bin")),
@@ -595,6 +630,9 @@ impl Config {
             "stateDir": abs(&self.state_dir),
             "pendingDeleteDir": abs(&self.pending_delete_dir()),
             "kubeletDir": abs(&self.kubelet_dir),
+            "devicePluginDir": abs(&self.device_plugin_dir),
+            "requireKubeletRegistration": self.require_kubelet_registration,
+            "kubeletRegistrationGraceSeconds": self.kubelet_registration_grace.as_secs_f64(),
             "bootIdFile": abs(&self.boot_id_file),
             "healthAddress": self.health_address.map(|a| a.to_string()),
             "csi": match &self.csi {
@@ -603,6 +641,7 @@ impl Config {
                     "volumeDir": abs(&c.volume_dir),
                     "capacityBytes": c.capacity_bytes,
                     "maxVolumes": c.max_volumes,
+                    "selfRegister": c.self_register,
                     "socket": abs(&crate::csi::csi_socket(&self.kubelet_dir)),
                     "registrationSocket": abs(&crate::csi::registration_socket(&self.kubelet_dir)),
                 }),

@@ -36,6 +36,8 @@ pub struct Sources {
     pub devices: Option<crate::deviceplugin::Inventory>,
     /// Set in controller mode.
     pub link: Option<Arc<Link>>,
+    /// What kubelet answered each plugin's registration.
+    pub kubelet: crate::kubelet::Registrations,
 }
 
 /// The agent's registry and the handle the CNI server counts with.
@@ -128,6 +130,12 @@ fn collect(src: &Sources, node: &str, enc: &mut Encoder) {
             }),
         );
     }
+    enc.gauge_vec(
+        "nodeplane_kubelet_plugin_registered",
+        "1 while kubelet has registered a plugin this agent serves (CSI driver, device plugin resource), else 0.",
+        &["kind", "plugin"],
+        src.kubelet.rows().into_iter().map(|(k, n, ok)| (vec![k.as_str().to_string(), n], if ok { 1.0 } else { 0.0 })),
+    );
     if let Some(link) = &src.link {
         enc.gauge(
             "nodeplane_controller_connected",

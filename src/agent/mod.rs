@@ -284,17 +284,20 @@ pub async fn serve(
 ) -> Result<(), AgentError> {
     let link = dp.cfg.controller.as_ref().map(|_| Arc::new(cluster::Link::default()));
     let inventory = dp.cfg.device_plugins.as_ref().map(|_| crate::deviceplugin::Inventory::default());
+    // What kubelet answered each plugin's registration (CSI, device plugins).
+    let book = crate::kubelet::Registrations::new(dp.cfg.kubelet_registration_grace, dp.cfg.require_kubelet_registration);
     let (registry, cni_metrics) = metrics::build(metrics::Sources {
         dp: dp.clone(),
         csi: csi.clone(),
         devices: inventory.clone(),
         link: link.clone(),
+        kubelet: book.clone(),
     });
     let health = crate::health::Health::new().with_metrics(Arc::new(move || registry.render()));
     // The conditions exist before the endpoint answers: it never says ready too early.
     let devices_ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let ended = dp.cfg.device_plugins.as_ref().map(|_| devices_ended.clone());
-    let readiness = readiness::Readiness::new(&health, dp.clone(), csi.clone(), ended);
+    let readiness = readiness::Readiness::new(&health, dp.clone(), csi.clone(), ended, book.clone());
     let (health_stop, health_stop_rx) = tokio::sync::oneshot::channel::<()>();
     let health_task = match dp.cfg.health_address {
         None => None,
@@ -329,9 +332,9 @@ pub async fn serve(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let volume_client = csi.clone().map(|svc| tokio::spawn(volume_sync::run(dp.cfg.clone(), svc)));
     let device_plugins = dp.cfg.device_plugins.clone().map(|s| {
-        let (rx, ended, inv) = (stop_rx.clone(), devices_ended.clone(), inventory.clone().unwrap_or_default());
+        let (rx, ended, inv, book) = (stop_rx.clone(), devices_ended.clone(), inventory.clone().unwrap_or_default(), book.clone());
         tokio::spawn(async move {
-            crate::deviceplugin::run_with(s, rx, inv).await;
+            crate::deviceplugin::run_with(s, rx, inv, book).await;
             ended.store(true, std::sync::atomic::Ordering::SeqCst);
         })
     });
@@ -342,6 +345,7 @@ pub async fn serve(
         devices: inventory.clone(),
         link: link.clone(),
         health: health.clone(),
+        kubelet: book.clone(),
         started: std::time::SystemTime::now(),
     };
     let node_api_task = {
@@ -352,7 +356,8 @@ pub async fn serve(
     };
     let mut csi_task = csi.map(|svc| {
         let mut rx = stop_rx.clone();
-        tokio::spawn(crate::csi::serve(svc, async move {
+        let book = dp.cfg.csi.as_ref().is_some_and(|c| c.self_register).then(|| book.clone());
+        tokio::spawn(crate::csi::serve(svc, book, async move {
             let _ = rx.wait_for(|v| *v).await;
         }))
     });

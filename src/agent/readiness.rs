@@ -7,6 +7,9 @@
 //!   ready) and the CSI and kubelet registration sockets accept connections.
 //! - `deviceplugins` (when enabled): the manager runs, the device file is usable (or absent:
 //!   no resources) and every resource it defines has its plugin socket served.
+//! - for both, kubelet's answer ([`crate::kubelet`]): a plugin kubelet refused fails the
+//!   condition with kubelet's message; one not registered within the grace period fails it
+//!   when `requireKubeletRegistration` is set (and is warned about either way).
 //!
 //! A socket counts as served once a connection to it succeeded; that is checked again only
 //! when the socket file changes (a new inode), so a stale socket left by a crashed run
@@ -33,6 +36,7 @@ pub(crate) struct Readiness {
     devices: Option<Devices>,
     /// Socket path → the inode that accepted a connection.
     verified: HashMap<PathBuf, u64>,
+    book: crate::kubelet::Registrations,
 }
 
 /// (len, mtime seconds, mtime nanoseconds, inode) of the device file: reparse on change.
@@ -56,6 +60,7 @@ impl Readiness {
         dp: Arc<Datapath>,
         csi: Option<Arc<crate::csi::NodeService>>,
         devices_ended: Option<Arc<AtomicBool>>,
+        book: crate::kubelet::Registrations,
     ) -> Self {
         let cni = health.condition("cni");
         let csi = csi.map(|svc| (svc, health.condition("csi")));
@@ -78,6 +83,7 @@ impl Readiness {
             csi,
             devices,
             verified: HashMap::new(),
+            book,
         }
     }
 
@@ -92,6 +98,7 @@ impl Readiness {
     }
 
     pub(crate) async fn check(&mut self) {
+        self.book.warn_overdue();
         let cni = self.cni_state();
         set(&self.cni, cni);
         if let Some((svc, cond)) = self.csi.clone() {
@@ -140,6 +147,9 @@ impl Readiness {
         if !svc.ready() {
             return Err("recovering volume state (records, mount table, loop devices)".into());
         }
+        if !self.dp.cfg.csi.as_ref().is_some_and(|c| c.self_register) {
+            return Ok(()); // node-driver-registrar registers the driver
+        }
         let reg = crate::csi::registration_socket(kubelet);
         if !self.served(&reg).await {
             return Err(format!(
@@ -147,7 +157,7 @@ impl Readiness {
                 reg.display()
             ));
         }
-        Ok(())
+        self.book.condition(crate::kubelet::Kind::Csi)
     }
 
     async fn devices_state(&mut self, d: &mut Devices) -> Result<(), String> {
@@ -187,7 +197,7 @@ impl Readiness {
             }
         }
         if waiting.is_empty() {
-            Ok(())
+            self.book.condition(crate::kubelet::Kind::DevicePlugin)
         } else {
             Err(format!(
                 "device plugin not served yet: {}",

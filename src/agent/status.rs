@@ -21,6 +21,7 @@ pub struct NodeStatus {
     pub devices: Option<crate::deviceplugin::Inventory>,
     pub link: Option<Arc<Link>>,
     pub health: crate::health::Health,
+    pub kubelet: crate::kubelet::Registrations,
     pub started: std::time::SystemTime,
 }
 
@@ -57,6 +58,7 @@ impl NodeStatus {
             "controller": controller,
             "storage": self.csi.as_ref().map(|c| c.status_json()),
             "devicePlugins": self.devices.as_ref().map(|d| d.status_json()),
+            "kubelet": self.kubelet.status_json(),
         })
     }
 
@@ -136,7 +138,7 @@ pub async fn serve_node_api(
         .layer(crate::rpc::response_layer())
         .add_service(api::node_status_server::NodeStatusServer::new(status))
         .add_optional_service(volumes)
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), shutdown);
+        .serve_with_incoming_shutdown(crate::rpc::authority::incoming(listener), shutdown);
     tracing::info!(socket = %path.display(), "node API served");
     let r = server.await.map_err(|e| e.to_string());
     let _ = std::fs::remove_file(&path);

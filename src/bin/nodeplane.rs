@@ -632,7 +632,32 @@ mod report {
                 let _ = writeln!(o, "    {}: {}", s(&r["resource"]), if devs.is_empty() { "no devices".into() } else { devs.join(", ") });
             }
         }
+        let plugins = d["kubelet"]["plugins"].as_array().cloned().unwrap_or_default();
+        if !plugins.is_empty() {
+            let _ = writeln!(o, "kubelet:");
+            for p in &plugins {
+                let what = match p["state"].as_str() {
+                    Some("registered") => format!("registered with kubelet at {}", utc(&p["registeredUnix"])),
+                    Some(st) => format!(
+                        "NOT REGISTERED with kubelet ({st}{}) since {}{}",
+                        p["error"].as_str().map(|e| format!(": {e}")).unwrap_or_default(),
+                        utc(&p["sinceUnix"]),
+                        if p["overdue"] == true { ", overdue" } else { "" }
+                    ),
+                    None => "unknown".into(),
+                };
+                let _ = writeln!(o, "    {} {}: {what}", s(&p["kind"]), s(&p["name"]));
+            }
+        }
         o
+    }
+
+    /// A Unix time (seconds) as `YYYY-MM-DDTHH:MM:SSZ`.
+    fn utc(v: &Value) -> String {
+        match v.as_f64().filter(|t| t.is_finite() && *t >= 0.0) {
+            Some(t) => nodeplane::util::utc_rfc3339(t as i64),
+            None => "-".into(),
+        }
     }
 
     pub fn doctor(d: &Value) -> String {
@@ -654,3 +679,4 @@ mod report {
         o
     }
 }
+

@@ -212,10 +212,12 @@ impl csi::node_server::Node for Node {
     }
 }
 
-/// Kubelet plugin registration (`pluginregistration.Registration`).
+/// Kubelet plugin registration (`pluginregistration.Registration`); what kubelet answers
+/// goes into the registration book.
 #[derive(Clone)]
 pub struct Registration {
     pub endpoint: PathBuf,
+    pub book: crate::kubelet::Registrations,
 }
 
 #[tonic::async_trait]
@@ -235,17 +237,22 @@ impl reg::registration_server::Registration for Registration {
         let r = r.into_inner();
         if r.plugin_registered {
             tracing::info!(driver = DRIVER_NAME, "kubelet registered the CSI plugin");
+            self.book.registered(DRIVER_NAME);
         } else {
             tracing::error!(driver = DRIVER_NAME, error = %r.error, "kubelet refused the CSI plugin registration");
+            let why = if r.error.is_empty() { "kubelet gave no reason".to_string() } else { r.error };
+            self.book.refused(DRIVER_NAME, why);
         }
         Ok(Response::new(reg::RegistrationStatusResponse {}))
     }
 }
 
-/// Serve CSI Identity + Node, recover, then register with kubelet; until `shutdown`
-/// resolves. Sockets are removed on the way out (registration first).
+/// Serve CSI Identity + Node, recover, then offer the registration socket to kubelet
+/// (recording in `book` what kubelet answers; `None`: a registrar sidecar registers the
+/// driver); until `shutdown` resolves. Sockets are removed on the way out (registration first).
 pub async fn serve(
     svc: Arc<NodeService>,
+    book: Option<crate::kubelet::Registrations>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
     let kubelet = svc.settings.kubelet_dir.clone();
@@ -260,7 +267,7 @@ pub async fn serve(
         .layer(crate::rpc::response_layer())
         .add_service(csi::identity_server::IdentityServer::new(Identity { node: Some(svc.clone()) }))
         .add_service(csi::node_server::NodeServer::new(Node(svc.clone())))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(csi_listener), stopped(stop_rx.clone()));
+        .serve_with_incoming_shutdown(crate::rpc::authority::incoming(csi_listener), stopped(stop_rx.clone()));
     let csi_task = tokio::spawn(csi_server);
     tracing::info!(socket = %csi_path.display(), "CSI Identity and Node served (not ready yet)");
 
@@ -279,18 +286,38 @@ pub async fn serve(
         Err(e) => return Err(format!("CSI node recovery: {e}")),
     }
 
-    let reg_listener = crate::util::bind_unix_socket(&reg_path).map_err(|e| format!("binding {}: {e}", reg_path.display()))?;
-    let reg_server = tonic::transport::Server::builder()
-        .layer(crate::rpc::response_layer())
-        .add_service(reg::registration_server::RegistrationServer::new(Registration { endpoint: csi_path.clone() }))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(reg_listener), stopped(stop_rx));
-    let reg_task = tokio::spawn(reg_server);
-    tracing::info!(socket = %reg_path.display(), "kubelet registration socket served");
+    let reg_task = match &book {
+        Some(book) => {
+            let reg_listener =
+                crate::util::bind_unix_socket(&reg_path).map_err(|e| format!("binding {}: {e}", reg_path.display()))?;
+            let reg_server = tonic::transport::Server::builder()
+                .layer(crate::rpc::response_layer())
+                .add_service(reg::registration_server::RegistrationServer::new(Registration {
+                    endpoint: csi_path.clone(),
+                    book: book.clone(),
+                }))
+                .serve_with_incoming_shutdown(crate::rpc::authority::incoming(reg_listener), stopped(stop_rx));
+            let task = tokio::spawn(reg_server);
+            book.served(crate::kubelet::Kind::Csi, DRIVER_NAME, reg_path.clone());
+            tracing::info!(socket = %reg_path.display(), "kubelet registration socket served");
+            Some(task)
+        }
+        None => {
+            // node-driver-registrar owns the registration socket and hears kubelet's answer.
+            tracing::info!("CSI registration left to the node-driver-registrar sidecar (csi.selfRegister false)");
+            None
+        }
+    };
 
     shutdown.await;
-    let _ = std::fs::remove_file(&reg_path);
+    if let Some(book) = &book {
+        let _ = std::fs::remove_file(&reg_path);
+        book.withdrawn(DRIVER_NAME);
+    }
     let _ = stop_tx.send(true);
-    let _ = reg_task.await;
+    if let Some(t) = reg_task {
+        let _ = t.await;
+    }
     let _ = csi_task.await;
     let _ = std::fs::remove_file(&csi_path);
     Ok(())

@@ -56,6 +56,8 @@ pub struct Manager {
     /// Last successfully loaded configuration.
     resources: Vec<Resource>,
     inventory: Inventory,
+    /// What kubelet answered each plugin's registration.
+    book: crate::kubelet::Registrations,
 }
 
 /// The plugins being served, shared read-only with the metrics collector (the manager
@@ -114,11 +116,11 @@ fn cdi_path(s: &Settings, r: &Resource) -> PathBuf {
 
 impl Manager {
     pub fn new(s: Settings) -> Self {
-        Self::with_inventory(s, Inventory::default())
+        Self::with_inventory(s, Inventory::default(), crate::kubelet::Registrations::default())
     }
 
-    pub fn with_inventory(s: Settings, inventory: Inventory) -> Self {
-        Manager { s, plugins: BTreeMap::new(), resources: Vec::new(), inventory }
+    pub fn with_inventory(s: Settings, inventory: Inventory, book: crate::kubelet::Registrations) -> Self {
+        Manager { s, plugins: BTreeMap::new(), resources: Vec::new(), inventory, book }
     }
 
     fn publish_inventory(&self) {
@@ -166,6 +168,7 @@ impl Manager {
             if let Some(r) = self.plugins.remove(&name) {
                 let res = r.plugin.res.clone();
                 self.stop_plugin(r);
+                self.book.withdrawn(&res.resource_name());
                 let _ = std::fs::remove_file(self.socket_path(&res));
                 if !wanted.iter().any(|w| w.name == name && w.cdi) {
                     let _ = std::fs::remove_file(cdi_path(&self.s, &res));
@@ -201,6 +204,7 @@ impl Manager {
             }
         };
         tracing::info!(resource = %res.resource_name(), socket = %sock.display(), devices = plugin.devices().len(), "device plugin serving");
+        self.book.served(crate::kubelet::Kind::DevicePlugin, &res.resource_name(), self.s.plugin_dir.join(KUBELET_SOCKET));
         self.plugins.insert(
             res.name.clone(),
             Running { plugin, stop, server, registered: false, next_attempt: Instant::now(), backoff: Duration::from_millis(100) },
@@ -227,7 +231,7 @@ impl Manager {
             let res = self.plugins[&name].plugin.res.clone();
             let outcome = match tokio::time::timeout(Duration::from_secs(3), register(&kubelet, &res)).await {
                 Ok(r) => r,
-                Err(_) => Err("timed out".to_string()),
+                Err(_) => Err(RegisterError::Unreachable("Register timed out after 3 s".to_string())),
             };
             let r = self.plugins.get_mut(&name).expect("still running");
             match outcome {
@@ -235,8 +239,20 @@ impl Manager {
                     r.registered = true;
                     r.backoff = Duration::from_millis(100);
                     tracing::info!(resource = %res.resource_name(), "device plugin registered with kubelet");
+                    self.book.registered(&res.resource_name());
                 }
-                Err(msg) => {
+                Err(err) => {
+                    match &err {
+                        RegisterError::Refused(m) => {
+                            // Said once per refusal, not on every retry.
+                            if self.book.state(&res.resource_name()) != Some(crate::kubelet::State::Refused(m.clone())) {
+                                tracing::warn!(resource = %res.resource_name(), error = %m, "kubelet refused the device plugin registration; retrying");
+                            }
+                            self.book.refused(&res.resource_name(), m.clone());
+                        }
+                        RegisterError::Unreachable(m) => self.book.unreachable(&res.resource_name(), m.clone()),
+                    }
+                    let msg = err.to_string();
                     tracing::debug!(resource = %res.resource_name(), error = %msg, backoff_ms = r.backoff.as_millis() as u64, "registration failed; retrying");
                     r.next_attempt = Instant::now() + r.backoff;
                     r.backoff = (r.backoff * 2).min(Duration::from_secs(1));
@@ -279,6 +295,7 @@ impl Manager {
 
     fn kubelet_restarted(&mut self) {
         tracing::info!("kubelet.sock (re)created: registering every device plugin again");
+        self.book.kubelet_restarted(crate::kubelet::Kind::DevicePlugin);
         for r in self.plugins.values_mut() {
             r.registered = false;
             r.next_attempt = Instant::now();
@@ -320,7 +337,7 @@ fn serve(plugin: Arc<Plugin>, sock: &Path, stop: watch::Receiver<bool>) -> std::
         let r = tonic::transport::Server::builder()
             .layer(crate::rpc::response_layer())
             .add_service(pb::device_plugin_server::DevicePluginServer::new(svc))
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), async move {
+            .serve_with_incoming_shutdown(crate::rpc::authority::incoming(listener), async move {
                 let _ = stop2.wait_for(|s| *s).await;
             })
             .await;
@@ -330,11 +347,22 @@ fn serve(plugin: Arc<Plugin>, sock: &Path, stop: watch::Receiver<bool>) -> std::
     }))
 }
 
-async fn register(kubelet: &Path, res: &Resource) -> Result<(), String> {
+/// Why a registration did not happen.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum RegisterError {
+    /// kubelet is not there (no socket, nothing listening, no answer in time).
+    #[error("{0}")]
+    Unreachable(String),
+    /// kubelet answered Register with an error.
+    #[error("{0}")]
+    Refused(String),
+}
+
+async fn register(kubelet: &Path, res: &Resource) -> Result<(), RegisterError> {
     if !kubelet.exists() {
-        return Err(format!("{} does not exist (kubelet not running)", kubelet.display()));
+        return Err(RegisterError::Unreachable(format!("{} does not exist (kubelet not running, or it uses another device plugin directory)", kubelet.display())));
     }
-    let ch = crate::rpc::connect_unix(kubelet).await.map_err(|e| format!("connecting to kubelet: {e}"))?;
+    let ch = crate::rpc::connect_unix(kubelet).await.map_err(|e| RegisterError::Unreachable(format!("connecting to kubelet at {}: {e}", kubelet.display())))?;
     pb::registration_client::RegistrationClient::new(ch)
         .register(pb::RegisterRequest {
             version: API_VERSION.into(),
@@ -344,17 +372,26 @@ async fn register(kubelet: &Path, res: &Resource) -> Result<(), String> {
         })
         .await
         .map(|_| ())
-        .map_err(|s| format!("Register: {:?}: {}", s.code(), s.message()))
+        .map_err(|s| {
+            let msg = format!("Register: {:?}: {}", s.code(), s.message());
+            // A transport failure is kubelet not being there; any answer from it is a refusal.
+            if s.code() == tonic::Code::Unavailable || s.code() == tonic::Code::Unknown && s.message().contains("transport") {
+                RegisterError::Unreachable(msg)
+            } else {
+                RegisterError::Refused(msg)
+            }
+        })
 }
 
 /// Run the device plugins until `shutdown` turns true; then stop them and remove their
 /// sockets.
 pub async fn run(s: Settings, shutdown: watch::Receiver<bool>) {
-    run_with(s, shutdown, Inventory::default()).await
+    run_with(s, shutdown, Inventory::default(), crate::kubelet::Registrations::default()).await
 }
 
-/// [`run`], keeping `inventory` up to date with the plugins served.
-pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventory: Inventory) {
+/// [`run`], keeping `inventory` up to date with the plugins served and `book` with what
+/// kubelet answered their registrations.
+pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventory: Inventory, book: crate::kubelet::Registrations) {
     if let Err(e) = std::fs::create_dir_all(&s.plugin_dir) {
         tracing::error!(dir = %s.plugin_dir.display(), error = %e, "device plugins disabled: cannot create the plugin dir");
         return;
@@ -375,7 +412,7 @@ pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventor
             return;
         }
     };
-    let mut m = Manager::with_inventory(s.clone(), inventory);
+    let mut m = Manager::with_inventory(s.clone(), inventory, book);
     m.reload();
     let mut watched: BTreeMap<PathBuf, nix::sys::inotify::WatchDescriptor> = BTreeMap::new();
     let flags = AddWatchFlags::IN_CREATE
