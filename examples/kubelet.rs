@@ -69,9 +69,15 @@ use tokio::signal::unix::{SignalKind, signal};
 #[derive(Parser, Debug)]
 #[command(about = "A kubelet emulator process: device plugin Registration and CSI plugin registration")]
 struct Args {
-    /// Kubelet's root directory (device-plugins/ and plugins_registry/ live there).
+    /// Kubelet's root directory (`--root-dir`: plugins_registry/ and plugins/ live there).
     #[arg(long)]
     kubelet_dir: PathBuf,
+
+    /// The device plugin directory (kubelet.sock). A real kubelet always uses
+    /// /var/lib/kubelet/device-plugins, whatever its root dir; default here:
+    /// KUBELET_DIR/device-plugins.
+    #[arg(long)]
+    device_plugin_dir: Option<PathBuf>,
 
     /// The state file (written when serving, read by --allocate).
     #[arg(long)]
@@ -84,6 +90,12 @@ struct Args {
     /// One-shot: Allocate RES=ID,ID on the plugin the serving kubelet registered (repeatable).
     #[arg(long = "allocate", value_name = "RES=ID,ID")]
     allocate: Vec<String>,
+}
+
+impl Args {
+    fn device_dir(&self) -> PathBuf {
+        self.device_plugin_dir.clone().unwrap_or_else(|| self.kubelet_dir.join("device-plugins"))
+    }
 }
 
 /// Instants as Unix seconds: one pair of readings taken at start.
@@ -175,7 +187,7 @@ async fn serve(args: Args) -> ExitCode {
     let started_at = clock.now();
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    let mut kl = KubeletEmulator::new(&args.kubelet_dir);
+    let mut kl = KubeletEmulator::with_device_dir(&args.kubelet_dir, &args.device_dir());
     kl.start().await;
     let ready_at = clock.now();
     let mut changes = kl.changes();
@@ -281,7 +293,7 @@ async fn allocate(args: Args) -> ExitCode {
             None => json!({"ok": false, "code": "NotRegistered",
                            "message": format!("{res:?} is not registered with this kubelet")}),
             Some(endpoint) => {
-                let sock = args.kubelet_dir.join("device-plugins").join(endpoint);
+                let sock = args.device_dir().join(endpoint);
                 match nodeplane::rpc::connect_unix(&sock).await {
                     Err(e) => json!({"ok": false, "code": "Unavailable",
                                      "message": format!("dialing {}: {e}", sock.display())}),

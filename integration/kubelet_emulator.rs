@@ -379,7 +379,13 @@ pub struct KubeletEmulator {
 impl KubeletEmulator {
     /// An emulator for the kubelet whose root directory is `kubelet_dir` (not started).
     pub fn new(kubelet_dir: &Path) -> Self {
-        let device_dir = kubelet_dir.join("device-plugins");
+        Self::with_device_dir(kubelet_dir, &kubelet_dir.join("device-plugins"))
+    }
+
+    /// The same with the device plugin directory elsewhere: a real kubelet uses
+    /// `/var/lib/kubelet/device-plugins/` whatever its `--root-dir`.
+    pub fn with_device_dir(kubelet_dir: &Path, device_dir: &Path) -> Self {
+        let device_dir = device_dir.to_path_buf();
         let (changed, _) = watch::channel(0);
         KubeletEmulator {
             kubelet_dir: kubelet_dir.to_path_buf(),
@@ -430,7 +436,8 @@ impl KubeletEmulator {
         let (tx, rx) = oneshot::channel::<()>();
         let server = tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(Handler(self.shared.clone())))
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), async move {
+            // kubelet's grpc-go server takes any `:authority`: so does this one.
+            .serve_with_incoming_shutdown(nodeplane::rpc::authority::incoming(listener), async move {
                 let _ = rx.await;
             });
         self.server = Some(Server { shutdown: tx, task: tokio::spawn(server) });

@@ -35,6 +35,7 @@ REPO = harness.REPO
 DAEMONSET = REPO / "daemonset"
 BASE = DAEMONSET / "base"
 OVERLAY = DAEMONSET / "overlays" / "example"
+REGISTRAR_OVERLAY = DAEMONSET / "overlays" / "node-driver-registrar"
 EXAMPLES = DAEMONSET / "examples"
 KIND_E2E = REPO / "scripts" / "kind-e2e"
 AGENT_BIN = harness.AGENT_BIN
@@ -340,7 +341,7 @@ def _validate_cli(files, ndocs):
     assert len(passed) == ndocs, f"{len(passed)} of {ndocs} documents passed:\n{out}"
 
 
-@pytest.mark.parametrize("path", [DAEMONSET, OVERLAY], ids=["base", "overlay"])
+@pytest.mark.parametrize("path", [DAEMONSET, OVERLAY, REGISTRAR_OVERLAY], ids=["base", "overlay", "registrar-overlay"])
 def test_kubernetes_validate_strict(path, tmp_path):
     need_tool("kubernetes-validate")
     text, docs = render(path)
@@ -1141,6 +1142,48 @@ def test_overlay(base, overlay):
     assert odp["tolerations"][:len(bdp["tolerations"])] == bdp["tolerations"]
     assert odp["tolerations"][len(bdp["tolerations"]):] == [
         {"key": "dedicated", "operator": "Equal", "value": "infra", "effect": "NoSchedule"}]
+
+
+def test_node_driver_registrar_overlay(base, agent_resolved):
+    """The fallback for operators who prefer the standard: the upstream registrar sidecar
+    registers the driver, the agent serves no registration socket; nothing else changes."""
+    docs = render(REGISTRAR_OVERLAY)[1]
+    assert {key(d) for d in base} == {key(d) for d in docs}
+    ds = find(docs, "DaemonSet", "nodeplane-agent", NAMESPACE)
+    cs = {c["name"]: c for c in containers(ds)}
+    assert sorted(cs) == ["agent", "node-driver-registrar"]
+    assert cs["agent"] == container(find(base, "DaemonSet", "nodeplane-agent", NAMESPACE), "agent")
+    # `kubectl logs` and `exec` still go to the agent.
+    assert ds["spec"]["template"]["metadata"]["annotations"]["kubectl.kubernetes.io/default-container"] == "agent"
+    reg = cs["node-driver-registrar"]
+    image = reg["image"]
+    assert image.startswith("registry.k8s.io/sig-storage/csi-node-driver-registrar:v"), image
+    assert image in (DAEMONSET / "README.md").read_text(), f"daemonset/README.md does not name {image}"
+    args = dict(a[2:].split("=", 1) for a in reg["args"])
+    # The registrar tells kubelet the host path of the agent's CSI socket.
+    assert args["kubelet-registration-path"] == get(agent_resolved, "csi.socket")
+    mounts = {m["mountPath"]: m["name"] for m in reg["volumeMounts"]}
+    vols = {v["name"]: v for v in pod_spec(ds)["volumes"]}
+    csi_dir = vols[mounts[os.path.dirname(args["csi-address"])]]["hostPath"]["path"]
+    assert os.path.join(csi_dir, os.path.basename(args["csi-address"])) == get(agent_resolved, "csi.socket")
+    assert vols[mounts["/registration"]]["hostPath"]["path"] == os.path.dirname(get(agent_resolved, "csi.registrationSocket"))
+    assert args["http-endpoint"].startswith("127.0.0.1:")
+    assert reg["livenessProbe"]["httpGet"]["port"] == int(args["http-endpoint"].rsplit(":", 1)[1])
+    # The agent's configuration: the base's, with self-registration off.
+    b, o = json.loads(agent_json(base)), json.loads(agent_json(docs))
+    assert o["csi"].pop("selfRegister") is False
+    assert o == b
+    resolved = check_config_json(AGENT_BIN, agent_json(docs), AGENT_ENV)
+    assert get(resolved, "csi.selfRegister") is False and get(agent_resolved, "csi.selfRegister") is True
+
+
+def test_agent_kubelet_paths(agent_resolved):
+    """kubelet's device plugin directory does not follow its --root-dir: the agent names both,
+    and the base expects kubelet to register what it serves."""
+    assert get(agent_resolved, "kubeletDir") == "/var/lib/kubelet"
+    assert get(agent_resolved, "devicePluginDir") == "/var/lib/kubelet/device-plugins"
+    assert get(agent_resolved, "devicePlugins.pluginDir") == get(agent_resolved, "devicePluginDir")
+    assert get(agent_resolved, "requireKubeletRegistration") is True
 
 
 # ----------------------------------------------------------------- docs and the kind script

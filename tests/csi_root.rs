@@ -297,6 +297,11 @@ struct Clients {
 }
 
 impl Clients {
+    /// Another handle on the same channels, for a spawned task.
+    fn clone_for_task(&self) -> Clients {
+        Clients { identity: self.identity.clone(), node: self.node.clone(), vols: self.vols.clone() }
+    }
+
     async fn connect(sb: &Sandbox) -> Clients {
         let ch = nodeplane::rpc::connect_unix(&sb.csi_sock()).await.expect("dialing csi.sock");
         let nch = nodeplane::rpc::connect_unix(&sb.node_sock()).await.expect("dialing node.sock");
@@ -634,6 +639,221 @@ async fn kubelet_registers_the_driver_and_again_after_a_restart() {
     assert!(!sb.reg_sock().exists() && !sb.csi_sock().exists() && !sb.node_sock().exists());
     kubelet.sync().await;
     assert!(kubelet.driver("csi.nodeplane.dev").is_none());
+}
+
+/// kubelet's plugin watcher (grpc-go) sends the registration socket's path, percent-encoded,
+/// as `:authority`; grpcio sends it without the leading slash; other tools the raw path or
+/// none. Every form registers, and every other socket of the agent answers each form.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_socket_accepts_the_authorities_real_clients_send() {
+    use nodeplane::rpc::authority::{connect_unix_with_authority, percent_encoded_path, valid_authority};
+    let mut sb = Sandbox::new("authority");
+    let _c = sb.start().await;
+    let reg = sb.reg_sock();
+    let forms = |p: &Path| -> Vec<(&'static str, Option<Vec<u8>>)> {
+        let grpcio = percent_encoded_path(p.strip_prefix("/").unwrap());
+        vec![
+            ("grpc-go percent-encoded path", Some(percent_encoded_path(p))),
+            ("grpcio percent-encoded path", Some(grpcio)),
+            ("raw path", Some(p.as_os_str().as_encoded_bytes().to_vec())),
+            ("localhost", Some(b"localhost".to_vec())),
+            ("absent", None),
+        ]
+    };
+    let ino = fs::metadata(&reg).unwrap().ino();
+    for (what, auth) in forms(&reg) {
+        // The forms that broke kubelet are ones the HTTP/2 server's own parser refuses.
+        if what.contains("path") {
+            assert!(!valid_authority(auth.as_deref().unwrap()), "{what} would not exercise the fix");
+        }
+        let r = kubelet::register_with(&reg, ino, auth.clone()).await.unwrap_or_else(|e| panic!("registration with {what}: {e}"));
+        assert_eq!(r.endpoint, sb.csi_sock(), "{what}");
+        assert_eq!(r.node_id, "csi-authority", "{what}");
+    }
+    for (what, auth) in forms(&sb.csi_sock()) {
+        let ch = connect_unix_with_authority(&sb.csi_sock(), auth).await.unwrap();
+        let info = csi::identity_client::IdentityClient::new(ch).get_plugin_info(csi::GetPluginInfoRequest {}).await;
+        assert_eq!(info.unwrap_or_else(|e| panic!("csi.sock with {what}: {e}")).into_inner().name, "csi.nodeplane.dev");
+    }
+    for (what, auth) in forms(&sb.node_sock()) {
+        let ch = connect_unix_with_authority(&sb.node_sock(), auth).await.unwrap();
+        let st = napi::node_status_client::NodeStatusClient::new(ch).get_status(napi::GetStatusRequest {}).await;
+        let doc: serde_json::Value = serde_json::from_str(&st.unwrap_or_else(|e| panic!("node.sock with {what}: {e}")).into_inner().json).unwrap();
+        // The last registration (absent authority) is what kubelet's book holds now.
+        assert_eq!(doc["kubelet"]["plugins"][0]["state"], "registered", "{what}: {doc}");
+        assert_eq!(doc["kubelet"]["plugins"][0]["registrations"], 5, "{what}: {doc}");
+    }
+    sb.stop().await;
+}
+
+/// kubelet tears a shared volume down in one pass: every pod's NodeUnpublish at once, and it
+/// backs off 0.5, 1, 2 s… on ABORTED. Different targets of one volume are served
+/// concurrently; publishes of one volume are serialised (waiting, not ABORTED).
+async fn many_targets(n: usize) {
+    let mut sb = Sandbox::new(&format!("targets{n}"));
+    let mut c = sb.start().await;
+    let id = format!("pvc-shared-{n}");
+    c.create(&id, 256 * MIB, "ext4").await;
+    let staging = sb.staging(&id, false);
+    let cap = mount_cap("ext4", Mode::SingleNodeMultiWriter);
+    c.stage(&id, &staging, cap.clone()).await.unwrap();
+    let targets: Vec<String> = (0..n).map(|i| sb.target(&id, &format!("pod{i}"), false)).collect();
+    // Publishing every pod at once (kubelet's mount pass): all succeed, none ABORTED.
+    let mut calls = Vec::new();
+    for t in &targets {
+        let (mut node, id, staging, t, cap) = (c.node.clone(), id.clone(), staging.clone(), t.clone(), cap.clone());
+        calls.push(tokio::spawn(async move {
+            node.node_publish_volume(csi::NodePublishVolumeRequest {
+                volume_id: id,
+                staging_target_path: staging,
+                target_path: t,
+                volume_capability: Some(cap),
+                ..Default::default()
+            })
+            .await
+        }));
+    }
+    for h in calls {
+        h.await.unwrap().expect("concurrent publish");
+    }
+    for t in &targets {
+        assert!(mounted_at(Path::new(t)).is_some(), "{t} not mounted");
+    }
+    // Unpublish every pod at once, retrying like kubelet on ABORTED.
+    let started = Instant::now();
+    let aborted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut calls = Vec::new();
+    for t in &targets {
+        let (mut node, id, t, aborted) = (c.node.clone(), id.clone(), t.clone(), aborted.clone());
+        calls.push(tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(500);
+            loop {
+                let r = node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest { volume_id: id.clone(), target_path: t.clone() }).await;
+                match r {
+                    Err(s) if s.code() == Code::Aborted => {
+                        aborted.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(backoff).await;
+                        backoff *= 2;
+                    }
+                    other => return other.map(|_| ()),
+                }
+            }
+        }));
+    }
+    for h in calls {
+        h.await.unwrap().expect("unpublish");
+    }
+    let took = started.elapsed();
+    assert_eq!(aborted.load(Ordering::SeqCst), 0, "unpublishes answered ABORTED");
+    eprintln!("{n} targets of one volume unpublished at once in {took:?}");
+    assert!(took <= Duration::from_secs(1), "{n} unpublishes took {took:?}");
+    for t in &targets {
+        assert!(!Path::new(t).exists(), "{t} left behind");
+    }
+    assert_eq!(mounts_under(&sb.dir), vec![PathBuf::from(&staging)], "only the staging mount is left");
+    c.unstage(&id, &staging).await.unwrap();
+    sb.assert_clean();
+    c.delete(&id).await.unwrap();
+    sb.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn six_targets_of_one_volume_unpublish_concurrently() {
+    many_targets(6).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_targets_of_one_volume_unpublish_concurrently() {
+    many_targets(20).await;
+}
+
+/// Per-target concurrency keeps the volume-wide rules: a stage racing a publish never leaves
+/// a publication without its stage; SINGLE_NODE_SINGLE_WRITER admits one of two concurrent
+/// publishes; concurrent read-only block unpublishes release the shared read-only device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_stage_publish_and_access_modes_stay_safe() {
+    let mut sb = Sandbox::new("stagepub");
+    let mut c = sb.start().await;
+    // A stage and a publish of the same volume at once, several times over.
+    for round in 0..5 {
+        let id = format!("pvc-sp{round}");
+        c.create(&id, 256 * MIB, "ext4").await;
+        let staging = sb.staging(&id, false);
+        let target = sb.target(&id, "pod", false);
+        let cap = mount_cap("ext4", Mode::SingleNodeWriter);
+        let (mut a, mut b) = (c.clone_for_task(), c.clone_for_task());
+        let (i1, s1, k1) = (id.clone(), staging.clone(), cap.clone());
+        let stage = tokio::spawn(async move { a.stage(&i1, &s1, k1).await });
+        tokio::time::sleep(Duration::from_millis(round as u64 * 3)).await;
+        let (i2, s2, t2, k2) = (id.clone(), staging.clone(), target.clone(), cap.clone());
+        let publish = tokio::spawn(async move { b.publish(&i2, &s2, &t2, k2, false).await });
+        let (st, pb) = (stage.await.unwrap(), publish.await.unwrap());
+        match (&st, &pb) {
+            (Ok(()), Ok(())) => {}
+            (_, Err(e)) if e.code() == Code::FailedPrecondition => {}
+            (Err(e), _) if e.code() == Code::Aborted => {}
+            other => panic!("round {round}: stage/publish {other:?}"),
+        }
+        if pb.is_ok() {
+            assert!(mounted_at(Path::new(&staging)).is_some() && mounted_at(Path::new(&target)).is_some(), "round {round}");
+            c.unpublish(&id, &target).await.unwrap();
+        }
+        if st.is_err() {
+            c.stage(&id, &staging, cap.clone()).await.unwrap();
+        }
+        c.unstage(&id, &staging).await.unwrap();
+        sb.assert_clean();
+        c.delete(&id).await.unwrap();
+    }
+
+    // SINGLE_NODE_SINGLE_WRITER: two publishes at once, one wins.
+    let id = "pvc-single";
+    c.create(id, 256 * MIB, "ext4").await;
+    let staging = sb.staging(id, false);
+    let single = mount_cap("ext4", Mode::SingleNodeSingleWriter);
+    c.stage(id, &staging, single.clone()).await.unwrap();
+    let mut calls = Vec::new();
+    for pod in ["pa", "pb"] {
+        let (mut cl, st, t, cap) = (c.clone_for_task(), staging.clone(), sb.target(id, pod, false), single.clone());
+        calls.push(tokio::spawn(async move { (t.clone(), cl.publish(id, &st, &t, cap, false).await) }));
+    }
+    let mut won = Vec::new();
+    for h in calls {
+        match h.await.unwrap() {
+            (t, Ok(())) => won.push(t),
+            (_, Err(e)) => assert_eq!(e.code(), Code::FailedPrecondition, "{e}"),
+        }
+    }
+    assert_eq!(won.len(), 1, "exactly one SINGLE_NODE_SINGLE_WRITER publish succeeds");
+    c.unpublish(id, &won[0]).await.unwrap();
+    c.unstage(id, &staging).await.unwrap();
+    c.delete(id).await.unwrap();
+
+    // Read-only block publications share one read-only loop device; unpublishing them all
+    // at once releases it.
+    let id = "pvc-roblk";
+    c.create(id, 64 * MIB, "").await;
+    let staging = sb.staging(id, true);
+    let blk = block_cap(Mode::SingleNodeMultiWriter);
+    c.stage(id, &staging, blk.clone()).await.unwrap();
+    let targets: Vec<String> = (0..4).map(|i| sb.target(id, &format!("ro{i}"), true)).collect();
+    for t in &targets {
+        c.publish(id, &staging, t, blk.clone(), true).await.unwrap();
+    }
+    assert_eq!(loops_under(&sb.dir).len(), 2, "one read-write and one read-only loop device");
+    let mut calls = Vec::new();
+    for t in &targets {
+        let (mut cl, t) = (c.clone_for_task(), t.clone());
+        calls.push(tokio::spawn(async move { cl.unpublish(id, &t).await }));
+    }
+    for h in calls {
+        h.await.unwrap().expect("read-only block unpublish");
+    }
+    assert_eq!(loops_under(&sb.dir).len(), 1, "the read-only loop device is released: {:?}", loops_under(&sb.dir));
+    c.unstage(id, &staging).await.unwrap();
+    sb.assert_clean();
+    c.delete(id).await.unwrap();
+    sb.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

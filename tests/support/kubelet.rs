@@ -6,6 +6,9 @@
 //! driver for `NodeGetInfo` (kubelet records the node id and topology from it), then report
 //! the outcome with `NotifyRegistrationStatus`. A socket that disappears deregisters the
 //! plugin; a socket that is replaced (new inode) is registered again.
+//!
+//! It dials the registration socket as kubelet does (grpc-go, no authority override): the
+//! HTTP/2 `:authority` is the socket path, percent-encoded — see [`watcher_authority`].
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -79,8 +82,25 @@ impl KubeletEmulator {
     }
 }
 
+/// The `:authority` kubelet's plugin watcher sends on a registration socket: grpc-go dials
+/// `unix:///path` with no authority override, so it is the path, percent-encoded. Override
+/// with `NODEPLANE_KUBELET_AUTHORITY` = `raw` (the path as it is), `localhost`, `absent`.
+pub fn watcher_authority(socket: &Path) -> Option<Vec<u8>> {
+    match std::env::var("NODEPLANE_KUBELET_AUTHORITY").as_deref() {
+        Ok("raw") => Some(socket.as_os_str().as_encoded_bytes().to_vec()),
+        Ok("localhost") => Some(b"localhost".to_vec()),
+        Ok("absent") => None,
+        _ => Some(nodeplane::rpc::authority::percent_encoded_path(socket)),
+    }
+}
+
 async fn register(socket: &Path, ino: u64) -> Result<Registered, String> {
-    let ch = nodeplane::rpc::connect_unix(socket).await.map_err(|e| format!("dialing: {e}"))?;
+    register_with(socket, ino, watcher_authority(socket)).await
+}
+
+/// One registration, dialing the registration socket with this `:authority`.
+pub async fn register_with(socket: &Path, ino: u64, authority: Option<Vec<u8>>) -> Result<Registered, String> {
+    let ch = nodeplane::rpc::authority::connect_unix_with_authority(socket, authority).await.map_err(|e| format!("dialing: {e}"))?;
     let mut rc = reg::registration_client::RegistrationClient::new(ch);
     let info = rc.get_info(reg::InfoRequest {}).await.map_err(|e| format!("GetInfo: {e}"))?.into_inner();
     let outcome = async {
