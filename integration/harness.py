@@ -5,6 +5,7 @@ RUN_PREFIX) and is removed on teardown, also when a test fails. Nothing touches 
 root network namespace: agents run inside their node namespace via `nsenter --net`.
 """
 
+import ipaddress
 import itertools
 import json
 import os
@@ -52,7 +53,9 @@ def stop_process(proc, sig=signal.SIGTERM, timeout=30):
 def new_blocks():
     """A fresh pair of test pod blocks (private ranges, used only inside test namespaces)."""
     n = next(_block_counter) + (os.getpid() % 50) * 4
-    return f"10.{100 + n // 250}.{n % 250}.0/24", f"fd00:{100 + n // 250:x}:{n % 250:x}::/64"
+    # Canonical text (fd00:65::/64, not fd00:65:0::/64): what the agent and controller print.
+    v4, v6 = f"10.{100 + n // 250}.{n % 250}.0/24", f"fd00:{100 + n // 250:x}:{n % 250:x}::/64"
+    return str(ipaddress.ip_network(v4)), str(ipaddress.ip_network(v6))
 
 
 class Netns:
