@@ -105,7 +105,7 @@ impl Link {
     }
 
     fn message(&self) {
-        let ms = (crate::metrics::unix_now() * 1000.0) as u64;
+        let ms = (crate::obs::metrics::unix_now() * 1000.0) as u64;
         self.last_message_ms.store(ms.max(1), Ordering::SeqCst);
     }
 }

@@ -268,7 +268,7 @@ impl Config {
         };
         let health_address = match f.health_address.trim() {
             "" => None,
-            a => match crate::health::parse_address(a) {
+            a => match crate::obs::health::parse_address(a) {
                 Ok(sa) if sa.port() == 0 => {
                     return bad(format!("healthAddress {a:?} needs a fixed port (probes must know it)"));
                 }

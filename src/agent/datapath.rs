@@ -18,6 +18,7 @@ use crate::cni::{CniError, Code};
 use crate::ipam::{Ipam, IpamError, Lease, LeaseState, Owner};
 use crate::netlink::{Link, Netlink, NetlinkError, Req, VethSpec, format_mac, random_mac};
 use crate::netns::{Netns, NetnsError};
+use crate::obs::doctor::{Finding, Repair};
 
 /// Host-side veth name of an attachment: "np" + 13 hex digits of a stable hash.
 pub fn host_ifname(owner: &Owner) -> String {
@@ -744,33 +745,6 @@ fn netns_matches(lease: &Lease) -> bool {
     matches!(netns_check(lease), NetnsCheck::Same)
 }
 
-/// One thing `nodeplane doctor` found: what kind of orphan, which object, why, and (when a
-/// repair was asked for) what was done about it.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Finding {
-    pub kind: &'static str,
-    pub subject: String,
-    pub detail: String,
-    /// `None`: no repair asked for, or this kind is never repaired automatically.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub repair: Option<Repair>,
-}
-
-#[derive(Debug, Clone, serde::Serialize)]
-#[serde(tag = "result", content = "message", rename_all = "lowercase")]
-pub enum Repair {
-    Done(String),
-    Failed(String),
-    /// Left alone on purpose (the message says why and what the operator can do).
-    Skipped(String),
-}
-
-impl Finding {
-    pub fn new(kind: &'static str, subject: impl Into<String>, detail: impl Into<String>) -> Self {
-        Finding { kind, subject: subject.into(), detail: detail.into(), repair: None }
-    }
-}
-
 /// Orphan kinds (the `kind` of a [`Finding`]).
 pub const VETH_WITHOUT_LEASE: &str = "veth-without-lease";
 pub const LEASE_WITHOUT_POD: &str = "lease-without-pod";
@@ -792,7 +766,7 @@ impl Datapath {
                 serde_json::json!({
                     "containerId": l.owner.container_id,
                     "ifname": l.owner.ifname,
-                    "pod": l.pod,
+                    "pod": pod_label_of(&l.pod),
                     "state": l.state,
                     "ips": l.ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>(),
                     "netns": l.netns,
@@ -963,5 +937,41 @@ fn netns_check(lease: &Lease) -> NetnsCheck {
         Ok(c) if c == lease.netns_cookie => NetnsCheck::Same,
         Ok(_) => NetnsCheck::Gone("its netns path now holds another namespace (same inode, other cookie)"),
         Err(e) => NetnsCheck::Unknown(e.to_string()),
+    }
+}
+
+/// How an attachment names its pod: `namespace/name` (kubelet), the name alone when the
+/// runtime sends no namespace (podman), empty when it sends neither.
+pub fn pod_label(namespace: &str, name: &str) -> String {
+    match (namespace.is_empty(), name.is_empty()) {
+        (true, true) => String::new(),
+        (true, false) => name.to_string(),
+        _ => format!("{namespace}/{name}"),
+    }
+}
+
+/// [`pod_label`] of the `namespace/name` a lease stores (`/`, or `/name`, when the runtime
+/// sent no namespace or no pod arguments at all).
+fn pod_label_of(stored: &str) -> String {
+    match stored.split_once('/') {
+        Some((ns, name)) => pod_label(ns, name),
+        None => stored.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{pod_label, pod_label_of};
+
+    #[test]
+    fn pod_labels() {
+        assert_eq!(pod_label("shop", "cart-7"), "shop/cart-7");
+        assert_eq!(pod_label("", "pa"), "pa");
+        assert_eq!(pod_label("", ""), "");
+        // As leases store them.
+        assert_eq!(pod_label_of("/"), "");
+        assert_eq!(pod_label_of("/pa"), "pa");
+        assert_eq!(pod_label_of("shop/cart-7"), "shop/cart-7");
+        assert_eq!(pod_label_of(""), "");
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use super::cluster::Link;
 use super::datapath::Datapath;
-use crate::metrics::{CounterVec, Encoder, HistogramVec, LATENCY_BUCKETS, Registry};
+use crate::obs::metrics::{CounterVec, Encoder, HistogramVec, LATENCY_BUCKETS, Registry};
 
 /// CNI request metrics, updated for every request the shim brings.
 pub struct CniMetrics {

@@ -293,7 +293,7 @@ pub async fn serve(
         link: link.clone(),
         kubelet: book.clone(),
     });
-    let health = crate::health::Health::new().with_metrics(Arc::new(move || registry.render()));
+    let health = crate::obs::health::Health::new().with_metrics(Arc::new(move || registry.render()));
     // The conditions exist before the endpoint answers: it never says ready too early.
     let devices_ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let ended = dp.cfg.device_plugins.as_ref().map(|_| devices_ended.clone());
@@ -302,14 +302,14 @@ pub async fn serve(
     let health_task = match dp.cfg.health_address {
         None => None,
         Some(addr) => {
-            let l = match crate::health::bind(&addr.to_string()) {
+            let l = match crate::obs::health::bind(&addr.to_string()) {
                 Ok(l) => l,
                 Err(e) => {
                     let _ = fs::remove_file(&dp.cfg.cni_socket);
                     return Err(AgentError::Setup(format!("healthAddress {addr}: {e}")));
                 }
             };
-            Some(tokio::spawn(crate::health::serve(l, health.clone(), async move {
+            Some(tokio::spawn(crate::obs::health::serve(l, health.clone(), async move {
                 let _ = health_stop_rx.await;
             })))
         }

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use super::datapath::Datapath;
-use crate::health::{Condition, Health};
+use crate::obs::health::{Condition, Health};
 
 const TICK: Duration = Duration::from_millis(250);
 

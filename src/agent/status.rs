@@ -8,7 +8,8 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
 use super::cluster::Link;
-use super::datapath::{Datapath, Finding, Repair};
+use super::datapath::Datapath;
+use crate::obs::doctor::{Finding, Repair};
 use crate::rpc::node as api;
 
 /// The `format` field of both documents; bumped when a field changes meaning.
@@ -20,7 +21,7 @@ pub struct NodeStatus {
     pub csi: Option<Arc<crate::csi::NodeService>>,
     pub devices: Option<crate::deviceplugin::Inventory>,
     pub link: Option<Arc<Link>>,
-    pub health: crate::health::Health,
+    pub health: crate::obs::health::Health,
     pub kubelet: crate::kubelet::Registrations,
     pub started: std::time::SystemTime,
 }
@@ -36,7 +37,7 @@ impl NodeStatus {
                 "address": c.address,
                 "connected": link.is_some_and(|l| l.connected()),
                 "lastMessageUnix": last,
-                "lastMessageSecondsAgo": last.map(|t| (crate::metrics::unix_now() - t).max(0.0)),
+                "lastMessageSecondsAgo": last.map(|t| (crate::obs::metrics::unix_now() - t).max(0.0)),
                 "blocks": persisted.map(|s| s.blocks.iter().map(|b| b.to_string()).collect::<Vec<_>>()),
             })
         });

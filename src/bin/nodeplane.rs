@@ -525,14 +525,13 @@ mod report {
             if n["ready"] == true { "" } else { ", not ready for ADD (no block yet)" }
         );
         for blk in n["blocks"].as_array().into_iter().flatten() {
-            let _ = writeln!(
-                o,
-                "    block {} gateway {}: {} of {} addresses leased",
-                s(&blk["cidr"]),
-                s(&blk["gateway"]),
-                s(&blk["allocated"]),
-                s(&blk["addresses"])
-            );
+            // An IPv6 /64 has 2^64 - 2 addresses: its use is the count of leases.
+            let size: Option<u128> = blk["addresses"].as_str().and_then(|a| a.parse().ok());
+            let of = match size {
+                Some(n) if n < 1 << 32 => format!(" of {n}"),
+                _ => String::new(),
+            };
+            let _ = writeln!(o, "    block {} gateway {}: {}{of} addresses leased", s(&blk["cidr"]), s(&blk["gateway"]), s(&blk["allocated"]));
         }
         let rows: Vec<Vec<String>> = n["attachments"]
             .as_array()

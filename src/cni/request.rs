@@ -4,7 +4,6 @@
 //! trusts what reaches its socket). Every error names the field at fault.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
 use std::path::PathBuf;
 
 use serde_json::Value;
@@ -131,43 +130,6 @@ fn opt_string(obj: &serde_json::Map<String, Value>, key: &str) -> Result<Option<
     }
 }
 
-fn string_list(v: &Value, field: &str) -> Result<Vec<String>, CniError> {
-    match v {
-        Value::Null => Ok(Vec::new()),
-        Value::Array(items) => items
-            .iter()
-            .map(|i| {
-                i.as_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| invalid_conf(format!("{field} must be a list of strings")))
-            })
-            .collect(),
-        _ => Err(invalid_conf(format!("{field} must be a list of strings"))),
-    }
-}
-
-/// Parse a `dns` object (also used for results).
-pub fn parse_dns(v: &Value, field: &str) -> Result<Dns, CniError> {
-    let obj = v.as_object().ok_or_else(|| invalid_conf(format!("{field} must be an object")))?;
-    let nameservers = string_list(obj.get("nameservers").unwrap_or(&Value::Null), &format!("{field}.nameservers"))?;
-    for ns in &nameservers {
-        ns.parse::<IpAddr>().map_err(|_| {
-            invalid_conf(format!("{field}.nameservers: {ns:?} is not an IP address"))
-        })?;
-    }
-    let domain = match obj.get("domain") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(_) => return Err(invalid_conf(format!("{field}.domain must be a string"))),
-    };
-    Ok(Dns {
-        nameservers,
-        domain,
-        search: string_list(obj.get("search").unwrap_or(&Value::Null), &format!("{field}.search"))?,
-        options: string_list(obj.get("options").unwrap_or(&Value::Null), &format!("{field}.options"))?,
-    })
-}
-
 fn parse_attachments(v: &Value, key: &str) -> Result<Vec<AttachmentRef>, CniError> {
     let items = v.as_array().ok_or_else(|| invalid_conf(format!("{key} must be a list")))?;
     items
@@ -247,7 +209,7 @@ pub fn parse_netconf(stdin: &[u8], command: Command) -> Result<NetConf, CniError
     };
     let dns = match obj.get("dns") {
         None | Some(Value::Null) => None,
-        Some(v) => Some(parse_dns(v, "dns")?),
+        Some(v) => Some(Dns::from_json(v, "dns").map_err(invalid_conf)?),
     };
     let path_field = |key: &str| -> Result<Option<PathBuf>, CniError> {
         match opt_string(obj, key)? {

@@ -15,7 +15,39 @@ pub struct Dns {
     pub options: Vec<String>,
 }
 
+/// A JSON list of strings (`null`: empty) at `field`.
+pub(super) fn string_list(v: &Value, field: &str) -> Result<Vec<String>, String> {
+    match v {
+        Value::Null => Ok(Vec::new()),
+        Value::Array(items) => items
+            .iter()
+            .map(|i| i.as_str().map(str::to_string).ok_or_else(|| format!("{field} must be a list of strings")))
+            .collect(),
+        _ => Err(format!("{field} must be a list of strings")),
+    }
+}
+
 impl Dns {
+    /// Parse a `dns` object (of a network config or of a result) at `field`.
+    pub fn from_json(v: &Value, field: &str) -> Result<Dns, String> {
+        let obj = v.as_object().ok_or_else(|| format!("{field} must be an object"))?;
+        let nameservers = string_list(obj.get("nameservers").unwrap_or(&Value::Null), &format!("{field}.nameservers"))?;
+        for ns in &nameservers {
+            ns.parse::<IpAddr>().map_err(|_| format!("{field}.nameservers: {ns:?} is not an IP address"))?;
+        }
+        let domain = match obj.get("domain") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(_) => return Err(format!("{field}.domain must be a string")),
+        };
+        Ok(Dns {
+            nameservers,
+            domain,
+            search: string_list(obj.get("search").unwrap_or(&Value::Null), &format!("{field}.search"))?,
+            options: string_list(obj.get("options").unwrap_or(&Value::Null), &format!("{field}.options"))?,
+        })
+    }
+
     pub fn is_empty(&self) -> bool {
         self.nameservers.is_empty() && self.domain.is_none() && self.search.is_empty() && self.options.is_empty()
     }
@@ -132,7 +164,7 @@ impl ResultModel {
             }
         }
         if let Some(d) = v.get("dns").filter(|d| !d.is_null()) {
-            out.dns = super::request::parse_dns(d, "dns").map_err(|e| e.msg)?;
+            out.dns = Dns::from_json(d, "dns")?;
         }
         Ok(out)
     }

@@ -9,8 +9,8 @@ use std::sync::{Arc, OnceLock};
 
 use super::store::Registry as NodeRegistry;
 use super::volumes::VolumeBook;
-use crate::health::Condition;
-use crate::metrics::{CounterVec, Encoder, Registry};
+use crate::obs::health::Condition;
+use crate::obs::metrics::{CounterVec, Encoder, Registry};
 
 /// The controller's registry, and the state its collector reads once it is loaded.
 pub struct ControllerMetrics {

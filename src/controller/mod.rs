@@ -50,7 +50,7 @@ async fn termination() {
 pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     std::fs::create_dir_all(&cfg.data_dir).map_err(io_ctx(format!("creating {}", cfg.data_dir.display())))?;
     let (stop_tx, stopping) = tokio::sync::watch::channel(false);
-    let health = crate::health::Health::new();
+    let health = crate::obs::health::Health::new();
     let leading = health.condition("leader");
     let serving = health.condition("serving");
     let metrics = metrics::ControllerMetrics::new(leading.clone());
@@ -60,10 +60,10 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     };
     let health_task = match cfg.health_address {
         Some(addr) => {
-            let l = crate::health::bind(&addr.to_string()).map_err(io_ctx(format!("binding health address {addr}")))?;
+            let l = crate::obs::health::bind(&addr.to_string()).map_err(io_ctx(format!("binding health address {addr}")))?;
             let mut s = stopping.clone();
             tracing::info!(address = %addr, "health endpoint: /healthz /readyz /metrics");
-            Some(tokio::spawn(crate::health::serve(l, health.clone(), async move {
+            Some(tokio::spawn(crate::obs::health::serve(l, health.clone(), async move {
                 let _ = s.wait_for(|v| *v).await;
             })))
         }

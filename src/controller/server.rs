@@ -20,7 +20,7 @@ pub struct Service {
     /// Flipped to true on shutdown: ends every membership stream (agents reconnect).
     pub stopping: tokio::sync::watch::Receiver<bool>,
     /// Calls answered, by method and gRPC code (see `super::metrics`).
-    pub requests: Arc<crate::metrics::CounterVec>,
+    pub requests: Arc<crate::obs::metrics::CounterVec>,
 }
 
 impl From<RegistryError> for Status {
@@ -86,7 +86,7 @@ impl Service {
     /// Count one answered call (for the streams: whether the stream was opened).
     fn counted<T>(&self, method: &str, r: Result<T, Status>) -> Result<T, Status> {
         let code = r.as_ref().err().map_or(tonic::Code::Ok, |s| s.code());
-        self.requests.inc(&[method, crate::metrics::grpc_code_name(code)]);
+        self.requests.inc(&[method, crate::obs::metrics::grpc_code_name(code)]);
         r
     }
 }

@@ -49,7 +49,7 @@ where
         Ok(_) => tonic::Code::Ok,
         Err(s) => s.code(),
     };
-    svc.operations.inc(&[op, crate::metrics::grpc_code_name(code)]);
+    svc.operations.inc(&[op, crate::obs::metrics::grpc_code_name(code)]);
     out
 }
 

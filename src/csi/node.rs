@@ -251,8 +251,8 @@ pub struct NodeService {
     released: Condvar,
     ready: AtomicBool,
     /// Node calls by method and gRPC code, and their latency (the agent exposes them).
-    pub operations: Arc<crate::metrics::CounterVec>,
-    pub durations: Arc<crate::metrics::HistogramVec>,
+    pub operations: Arc<crate::obs::metrics::CounterVec>,
+    pub durations: Arc<crate::obs::metrics::HistogramVec>,
 }
 
 /// What the records say is staged and published (cheap: two small directories).
@@ -340,16 +340,16 @@ impl NodeService {
         for d in ["stage", "publish"] {
             std::fs::DirBuilder::new().recursive(true).mode(0o700).create(settings.record_dir.join(d))?;
         }
-        let operations = crate::metrics::CounterVec::new(
+        let operations = crate::obs::metrics::CounterVec::new(
             "nodeplane_csi_operations_total",
             "CSI Node calls answered, by method and gRPC status code.",
             &["method", "code"],
         );
-        let durations = crate::metrics::HistogramVec::new(
+        let durations = crate::obs::metrics::HistogramVec::new(
             "nodeplane_csi_operation_duration_seconds",
             "Time to answer a CSI Node call that did volume work, by method.",
             &["method"],
-            crate::metrics::LATENCY_BUCKETS,
+            crate::obs::metrics::LATENCY_BUCKETS,
         );
         Ok(NodeService {
             settings,
@@ -1296,7 +1296,7 @@ mod tests {
 
 // ----- status and doctor (`nodeplane status`, `nodeplane doctor`) -----
 
-use crate::agent::datapath::{Finding, Repair};
+use crate::obs::doctor::{Finding, Repair};
 
 /// Orphan kinds the CSI side reports.
 pub const MOUNT_WITHOUT_VOLUME: &str = "mount-without-volume";

@@ -324,7 +324,7 @@ async fn respond(health: &Health, method: &Method, uri: &hyper::Uri) -> Response
 /// Collect on a blocking thread: collectors take locks and may read small files.
 async fn metrics(source: MetricsSource) -> Response<Full<Bytes>> {
     match tokio::task::spawn_blocking(move || source()).await {
-        Ok(body) => typed(StatusCode::OK, body, crate::metrics::CONTENT_TYPE),
+        Ok(body) => typed(StatusCode::OK, body, crate::obs::metrics::CONTENT_TYPE),
         Err(e) => {
             tracing::error!(error = %e, "collecting metrics failed");
             text(StatusCode::INTERNAL_SERVER_ERROR, "collecting metrics failed\n".into())
@@ -572,7 +572,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn metrics_from_the_source() {
-        let registry = crate::metrics::Registry::new();
+        let registry = crate::obs::metrics::Registry::new();
         let c = registry.counter("t_total", "Test counter.", &["k"]);
         let r2 = registry.clone();
         let h = Health::new().with_metrics(Arc::new(move || r2.render()));
@@ -580,7 +580,7 @@ mod tests {
         let (addr, _stop, _task) = start(&h).await;
         let r = call(addr, "GET", "/metrics").await;
         assert_eq!(r.status, 200, "answered whatever the readiness");
-        assert_eq!(r.header("content-type"), Some(crate::metrics::CONTENT_TYPE));
+        assert_eq!(r.header("content-type"), Some(crate::obs::metrics::CONTENT_TYPE));
         assert_eq!(r.body, "# HELP t_total Test counter.\n# TYPE t_total counter\n");
         c.inc(&["a\"b"]);
         let r = call(addr, "GET", "/metrics?x=1").await;
