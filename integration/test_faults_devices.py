@@ -3,7 +3,7 @@ plugins and its CSI registration.
 
 One agent (a harness node: its own network namespace and root dir) serves two device-plugin
 resources over device nodes made with mknod (character devices with /dev/null's numbers) in
-`<root>/dev`, and its CSI node plugin. The kubelet is `examples/kubelet.rs` as a process
+`<root>/dev`, and its CSI node plugin. The kubelet is `tools/kubelet.rs` as a process
 (`target/release/examples/kubelet`, built by `cargo test --release` or
 `cargo build --release --example kubelet`): it serves device-plugin `Registration` on
 `<kubelet>/device-plugins/kubelet.sock`, consumes every plugin's `ListAndWatch`, registers CSI

@@ -22,7 +22,7 @@ What is tested here, against real processes:
   `h2` package): a gRPC status, never a reset; unknown methods are routed by `:path`;
 * device plugins dial kubelet in `devicePluginDir` (default `<root>/var/lib/kubelet/
   device-plugins`), not under `kubeletDir` — kubelet keeps its device plugin directory there
-  whatever its `--root-dir` — with the kubelet emulator process (`examples/kubelet.rs`) as
+  whatever its `--root-dir` — with the kubelet emulator process (`tools/kubelet.rs`) as
   kubelet; and a wrong `devicePluginDir` shows as not registered (status, readiness with
   `requireKubeletRegistration`, a warning in the log).
 

@@ -14,7 +14,7 @@
 //!
 //! These tests need root and FAIL (never skip) without it.
 
-#[path = "support/kubelet.rs"]
+#[path = "../tools/support/kubelet_registration.rs"]
 mod kubelet;
 
 use std::fs::{self, OpenOptions};

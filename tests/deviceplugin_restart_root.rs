@@ -6,7 +6,7 @@
 //! asks Allocate for those ids, and the runtime resolves CDI names from the spec files. So
 //! for each of SIGTERM + start ("restart"), SIGKILL + start ("crash") and a different copy
 //! of the agent binary ("upgrade"), against the kubelet emulator
-//! (`integration/kubelet_emulator.rs`) with mknod'd device nodes:
+//! (`tools/support/kubelet_devices.rs`) with mknod'd device nodes:
 //!
 //! * the plugin registers again and lists exactly the same ids, all healthy;
 //! * Allocate for the ids assigned before answers exactly what it answered before;
@@ -16,7 +16,7 @@
 //! Sandbox: `/tmp/npdr-<pid>` (short: socket paths), removed on drop, the agent (in its own
 //! network namespace, `unshare --net`) killed by PID on drop. Needs root; FAILS without it.
 
-#[path = "../integration/kubelet_emulator.rs"]
+#[path = "../tools/support/kubelet_devices.rs"]
 mod kubelet_emulator;
 
 use std::collections::BTreeSet;

@@ -1,5 +1,5 @@
 //! Root-only: the agent's device plugins, driven over their real sockets by a kubelet
-//! device-manager emulator (`integration/kubelet_emulator.rs`), with real device nodes.
+//! device-manager emulator (`tools/support/kubelet_devices.rs`), with real device nodes.
 //!
 //! Each test runs its own agent (`nodeplane-agent` in a private network namespace made by
 //! `unshare --net`) with its whole tree — kubelet dir, state, devices file, CDI dir, device
@@ -14,7 +14,7 @@
 //!
 //! These tests need root and FAIL (never skip) without it.
 
-#[path = "../integration/kubelet_emulator.rs"]
+#[path = "../tools/support/kubelet_devices.rs"]
 mod kubelet_emulator;
 
 use std::collections::{BTreeSet, HashMap};

@@ -1,11 +1,11 @@
-//! Tests of the fake Kubernetes apiserver in `support/fake_apiserver.rs`, driven with the real
+//! Tests of the fake Kubernetes apiserver in `tools/support/fake_apiserver.rs`, driven with the real
 //! kube-rs client (typed `Api<Lease>`/`Api<Node>`, `Api<DynamicObject>` for a custom group,
 //! `kube::runtime::watcher`) and, for wire-level details, with raw HTTP/1.1.
 //!
 //! Every test starts its own server (ephemeral port) and temp dir; both go away on drop, also
 //! when an assertion fails.
 
-#[path = "support/fake_apiserver.rs"]
+#[path = "../tools/support/fake_apiserver.rs"]
 mod fake_apiserver;
 
 use std::collections::{BTreeMap, BTreeSet};

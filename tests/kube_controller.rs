@@ -1,9 +1,9 @@
 //! The controller's Kubernetes mode against the in-process fake API server
-//! (`support/fake_apiserver.rs`): state in custom resources, block locks, optimistic
+//! (`tools/support/fake_apiserver.rs`): state in custom resources, block locks, optimistic
 //! concurrency, leader election on a Lease, Node deletions (also across a 410 Gone relist),
 //! agent identity by TokenReview, and two real controller processes failing over.
 
-#[path = "support/fake_apiserver.rs"]
+#[path = "../tools/support/fake_apiserver.rs"]
 mod fake_apiserver;
 
 use std::collections::BTreeSet;

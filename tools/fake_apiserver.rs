@@ -12,9 +12,9 @@
 //! `--token`) is written, then serves until SIGTERM, SIGINT or EOF on stdin (so a parent that
 //! holds the stdin pipe takes it down when it dies; pass `--ignore-stdin` to run with stdin
 //! at /dev/null). Nothing else is written to stdout. Semantics: see
-//! `tests/support/fake_apiserver.rs`.
+//! `tools/support/fake_apiserver.rs`.
 
-#[path = "../tests/support/fake_apiserver.rs"]
+#[path = "support/fake_apiserver.rs"]
 mod fake_apiserver;
 
 use std::io::{Read, Write};

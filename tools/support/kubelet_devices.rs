@@ -1,7 +1,7 @@
 //! A kubelet device-manager emulator (test code).
 //!
 //! Included from a test crate with
-//! `#[path = "../integration/kubelet_emulator.rs"] mod kubelet_emulator;`.
+//! `#[path = "../tools/support/kubelet_devices.rs"] mod kubelet_emulator;`.
 //!
 //! It does what kubelet's device manager does with device plugins, over the real sockets:
 //!
@@ -410,7 +410,7 @@ impl KubeletEmulator {
 
     /// A receiver that is marked changed after every change the emulator records
     /// (registration, list, stream end, refused registration): for a process that mirrors
-    /// the state somewhere (`examples/kubelet.rs` writes it to a file).
+    /// the state somewhere (`tools/kubelet.rs` writes it to a file).
     pub fn changes(&self) -> watch::Receiver<u64> {
         self.shared.changed.subscribe()
     }

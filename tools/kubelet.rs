@@ -1,6 +1,6 @@
 //! A kubelet as a process, for tests that restart or kill it (test code): the device manager
-//! of `integration/kubelet_emulator.rs` and, unless `--no-csi`, the plugin watcher of
-//! `tests/support/kubelet.rs` for CSI drivers.
+//! of `tools/support/kubelet_devices.rs` and, unless `--no-csi`, the plugin watcher of
+//! `tools/support/kubelet_registration.rs` for CSI drivers.
 //!
 //! ```text
 //! cargo build --release --example kubelet
@@ -47,11 +47,11 @@
 //! "devices", "annotations", "cdi_devices"}]}` or `{"ok": false, "code", "message"}`; exit 0
 //! when every call succeeded, 2 when one was refused, 1 on bad usage.
 
-#[path = "../integration/kubelet_emulator.rs"]
+#[path = "support/kubelet_devices.rs"]
 mod kubelet_emulator;
 
 #[allow(dead_code)]
-#[path = "../tests/support/kubelet.rs"]
+#[path = "support/kubelet_registration.rs"]
 mod csi_watcher;
 
 use std::collections::BTreeMap;
