@@ -4,7 +4,7 @@
 //! may look elsewhere (another `--root-dir`), refuse the plugin, or not be running. Status
 //! (`nodeplane status`), readiness (`/readyz`), metrics and a warning read this book.
 //!
-//! Readiness: a plugin kubelet *refused* fails its condition at once. One kubelet has not
+//! Readiness: a plugin kubelet *refused* fails its condition at once. One that kubelet has not
 //! registered within the grace period (30 s by default) is logged as a warning, shown in
 //! status and metrics, and fails readiness only when the agent is told kubelet must be there
 //! (`requireKubeletRegistration`, set by the DaemonSet manifests; local clusters and tests run
@@ -160,9 +160,9 @@ impl Registrations {
         self.set(name, State::Refused(error.into()));
     }
 
-    /// kubelet could not be reached. A plugin kubelet already registered keeps that state
-    /// only while the kubelet it registered with is the one behind the socket; callers
-    /// report this for attempts that are due, so it replaces any state.
+    /// kubelet could not be reached on a registration attempt; replaces any earlier state
+    /// (the device plugin manager only attempts plugins that are not registered with the
+    /// kubelet behind the current socket).
     pub fn unreachable(&self, name: &str, error: impl Into<String>) {
         self.set(name, State::Unreachable(error.into()));
     }
