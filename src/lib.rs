@@ -1,21 +1,25 @@
-//! nodeplane: one privileged per-node agent that is the node's CNI plugin (and, in later
-//! milestones, its CSI node plugin and device plugins), plus the thin CNI shim.
+//! nodeplane: one privileged per-node agent that is at once the node's CNI plugin, its CSI
+//! node plugin and its kubelet device plugins; the thin CNI shim it is exec'd through; and
+//! the cluster-side controller that owns cluster IPAM and volume placement.
 //!
-//! Module map: `cni` (the CNI contract), `shim` (the exec'd binary's logic), `agent`
-//! (start-up, datapath, socket server), `ipam` (leases), `netlink` and `netns` (kernel).
+//! The tree is laid out by plane (see `ARCHITECTURE.md`). Imports only run downwards in
+//! this list, and never in a cycle between rooms:
+//!
+//! - `agent`, `controller`: composition: configuration, start-up, serving, the cluster client.
+//! - `net` (pod network), `storage` (volumes), `devices` (device plugins): the planes. A plane
+//!   never imports another plane.
+//! - `kubelet`: kubelet's plugin registration, for any plane's plugin.
+//! - `obs` (health, metrics, doctor findings), `rpc` (generated code, the gRPC front):
+//!   shared by the planes.
+//! - `sys`: kernel primitives without policy; `util`: small pure helpers.
 
 pub mod agent;
-pub mod cni;
 pub mod controller;
-pub mod csi;
-pub mod deviceplugin;
-pub mod ipam;
+pub mod devices;
 pub mod kubelet;
-pub mod netlink;
-pub mod netns;
+pub mod net;
 pub mod obs;
-pub mod routes;
 pub mod rpc;
-pub mod shim;
+pub mod storage;
+pub mod sys;
 pub mod util;
-pub mod volume;

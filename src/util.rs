@@ -1,8 +1,8 @@
-//! Small helpers shared by the agent and the shim.
+//! Small pure helpers shared by every room: random bytes, a stable hash, time formatting,
+//! crash points for tests, loading a JSON configuration file, and unit-test directories.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::fs;
+use std::io;
 use std::path::Path;
 
 /// Fill `buf` from the kernel's random source.
@@ -17,32 +17,6 @@ pub fn fill_random(buf: &mut [u8]) {
             filled += n as usize;
         }
     }
-}
-
-/// Bind a Unix socket for a gRPC server: parent directory created (0750), a stale socket
-/// removed, the new one 0600 before anyone can be told about it.
-pub fn bind_unix_socket(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o750).create(dir)?;
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
-            std::fs::remove_file(path)?;
-            tracing::info!(socket = %path.display(), "removed stale socket");
-        }
-        Ok(_) => {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
-                format!("{} exists and is not a socket; not removing it", path.display()),
-            ));
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
-    let l = std::os::unix::net::UnixListener::bind(path)?;
-    std::fs::set_permissions(path, <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600))?;
-    l.set_nonblocking(true)?;
-    tokio::net::UnixListener::from_std(l)
 }
 
 /// A Unix time (whole seconds) as RFC 3339 in UTC, `YYYY-MM-DDTHH:MM:SSZ` (as Kubernetes
@@ -93,45 +67,6 @@ pub fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-/// Write `data` to `path` atomically: a temp file in the same directory, fsync'd, renamed
-/// over the target, directory fsync'd. A reader sees the old file or the new one, never part.
-pub fn atomic_write(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
-    let dir = path.parent().ok_or_else(|| io::Error::other("path has no parent"))?;
-    let name = path.file_name().ok_or_else(|| io::Error::other("path has no file name"))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    // Unique per call: two threads of one process may write the same file at once.
-    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    tmp_name.push(format!(".tmp{}.{seq}", std::process::id()));
-    let tmp = dir.join(tmp_name);
-    let result = (|| {
-        let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
-        f.write_all(data)?;
-        f.set_permissions(fs::Permissions::from_mode(mode))?;
-        f.sync_all()?;
-        drop(f);
-        fs::rename(&tmp, path)?;
-        File::open(dir)?.sync_all()
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
-}
-
-/// Write `data` to `path` atomically without fsync: survives the writer's crash (the page
-/// cache is the kernel's), not a power cut. Used for state that a reboot invalidates anyway.
-pub fn atomic_write_nosync(path: &Path, data: &[u8]) -> io::Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = std::path::PathBuf::from(tmp);
-    // A failed write (a full disk) must not leave its partial temporary file behind.
-    fs::write(&tmp, data).and_then(|()| fs::rename(&tmp, path)).inspect_err(|_| {
-        let _ = fs::remove_file(&tmp);
-    })
-}
-
 /// A configuration file that cannot be used (shared by the agent and the controller).
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -147,28 +82,6 @@ pub enum ConfigError {
 pub fn load_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
     let raw = fs::read(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
     serde_json::from_slice(&raw).map_err(|e| ConfigError::Parse(path.to_path_buf(), e))
-}
-
-/// The kernel's boot id (changes on every boot).
-pub fn read_boot_id(path: &Path) -> io::Result<String> {
-    Ok(fs::read_to_string(path)?.trim().to_string())
-}
-
-/// Logging for the daemons, set up in one place: stderr, level from `NODEPLANE_LOG`
-/// (default info), JSON or text, colours only on a terminal.
-pub fn init_logging(json: bool) {
-    use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_from_env("NODEPLANE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
 }
 
 /// A fresh directory for a unit test, removed when dropped (also when the test panics).

@@ -177,7 +177,7 @@ impl Ctl {
     }
 
     async fn client(&self) -> Client {
-        let ch = nodeplane::controller::connect(&self.address()).await.expect("connecting to the controller");
+        let ch = nodeplane::rpc::connect(&self.address()).await.expect("connecting to the controller");
         NodeRegistryClient::new(ch)
     }
 }

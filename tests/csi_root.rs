@@ -1167,7 +1167,7 @@ async fn expansion_is_visible_in_df_and_stats() {
     c.stage(id, &staging, cap.clone()).await.unwrap();
     c.publish(id, &staging, &target, cap.clone(), false).await.unwrap();
     let before = statfs_total(&target);
-    let online = nodeplane::volume::fs::has_cap_sys_resource();
+    let online = nodeplane::storage::fs::has_cap_sys_resource();
     match c.expand(id, &target, 128 * MIB, 0).await {
         Ok(n) => {
             assert!(online, "online ext4 growth succeeded without CAP_SYS_RESOURCE?");
@@ -1199,9 +1199,9 @@ async fn expansion_is_visible_in_df_and_stats() {
     let cap = block_cap(Mode::SingleNodeWriter);
     c.stage(id, &staging, cap.clone()).await.unwrap();
     c.publish(id, &staging, &target, cap.clone(), false).await.unwrap();
-    assert_eq!(nodeplane::volume::loopdev::device_size(Path::new(&target)).unwrap(), 64 * MIB);
+    assert_eq!(nodeplane::sys::loopdev::device_size(Path::new(&target)).unwrap(), 64 * MIB);
     c.expand(id, &target, 96 * MIB, 0).await.unwrap();
-    assert_eq!(nodeplane::volume::loopdev::device_size(Path::new(&target)).unwrap(), 96 * MIB);
+    assert_eq!(nodeplane::sys::loopdev::device_size(Path::new(&target)).unwrap(), 96 * MIB);
     let st = c.stats(id, &target).await.unwrap();
     assert_eq!(usage_of(&st, Unit::Bytes).total, 96 * MIB as i64);
     c.unpublish(id, &target).await.unwrap();

@@ -27,9 +27,9 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nodeplane::cni::request::{self, Env};
-use nodeplane::cni::wire::{self, MAX_FRAME, WireRequest};
-use nodeplane::cni::{Code, MAX_CONFIG_BYTES, Reply, SUPPORTED_VERSIONS};
+use nodeplane::net::cni::request::{self, Env};
+use nodeplane::net::cni::wire::{self, MAX_FRAME, WireRequest};
+use nodeplane::net::cni::{Code, MAX_CONFIG_BYTES, Reply, SUPPORTED_VERSIONS};
 use nodeplane::rpc::csi;
 use nodeplane::rpc::csi::volume_capability::access_mode::Mode;
 use nodeplane::rpc::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
@@ -764,7 +764,7 @@ fn shim_binary_gives_the_right_code() {
                     prop_assert_eq!((run.status, run.stdout.as_str()), (0, ""), "DEL with no agent is queued and succeeds");
                     let cid = env_str(&inv.container_id).unwrap();
                     let ifn = env_str(&inv.ifname).unwrap();
-                    let f = pending.join(nodeplane::shim::pending_file_name(&cid, &ifn));
+                    let f = pending.join(nodeplane::net::shim::pending_file_name(&cid, &ifn));
                     prop_assert!(f.exists(), "DEL not queued at {}", f.display());
                     let _ = fs::remove_file(f);
                     return Ok(());
@@ -928,7 +928,7 @@ fn model_capability(c: &Option<csi::VolumeCapability>) -> Option<Option<tonic::C
 #[test]
 fn csi_capability_validation() {
     fuzz("csi parse_capability", cases(20_000), capability(), |c| {
-        let got = nodeplane::csi::node::parse_capability(c.as_ref()).err().map(|e| e.code);
+        let got = nodeplane::storage::csi::node::parse_capability(c.as_ref()).err().map(|e| e.code);
         match model_capability(&c) {
             Some(want) => prop_assert_eq!(got, want),
             None => prop_assert!(matches!(got, None | Some(tonic::Code::InvalidArgument)), "{got:?}"),
@@ -978,7 +978,7 @@ fn csi_path_and_id_validation() {
         }),
     ];
     fuzz("csi validate_path", cases(20_000), strategy, |raw| {
-        let got = nodeplane::csi::mount::validate_path("target_path", &raw, &root);
+        let got = nodeplane::sys::mount::validate_path("target_path", &raw, &root);
         prop_assert_eq!(got.is_ok(), model_path(&raw, &root, &link), "{} -> {:?}", short(&raw), got.as_ref().map_err(|e| short(e)));
         if let Ok(p) = got {
             prop_assert!(p.starts_with(&root) && p != root);
@@ -992,7 +992,7 @@ fn csi_path_and_id_validation() {
             && id != "."
             && id != ".."
             && id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.'));
-        prop_assert_eq!(nodeplane::volume::validate_id(&id).is_ok(), model);
+        prop_assert_eq!(nodeplane::storage::store::validate_id(&id).is_ok(), model);
         Ok(())
     });
 }
@@ -1055,11 +1055,11 @@ fn device_file_and_globs() {
     fuzz("deviceplugin glob_match", cases(20_000), (glob, name), |(g, n)| {
         let pc: Vec<char> = g.chars().collect();
         let nc: Vec<char> = n.chars().collect();
-        prop_assert_eq!(nodeplane::deviceplugin::config::glob_match(&g, &n), Ok(ref_glob(&pc, &nc)), "{} vs {}", g, n);
+        prop_assert_eq!(nodeplane::devices::config::glob_match(&g, &n), Ok(ref_glob(&pc, &nc)), "{} vs {}", g, n);
         Ok(())
     });
     fuzz("deviceplugin glob_match (random)", cases(20_000), (".{0,12}", ".{0,12}"), |(g, n)| {
-        let _ = nodeplane::deviceplugin::config::glob_match(&g, &n);
+        let _ = nodeplane::devices::config::glob_match(&g, &n);
         Ok(())
     });
     // The device file: random and mutated entries; every accepted resource is valid.
@@ -1093,7 +1093,7 @@ fn device_file_and_globs() {
         1 => prop::collection::vec(any::<u8>(), 0..80),
     ];
     fuzz("deviceplugin config::parse", cases(10_000), file, |text| {
-        if let Ok((ok, problems)) = nodeplane::deviceplugin::config::parse(&text) {
+        if let Ok((ok, problems)) = nodeplane::devices::config::parse(&text) {
             let names: BTreeSet<&str> = ok.iter().map(|r| r.name.as_str()).collect();
             prop_assert_eq!(names.len(), ok.len(), "duplicate names accepted");
             for r in &ok {
@@ -1117,9 +1117,9 @@ fn device_file_and_globs() {
 }
 
 /// A resource over real character devices everyone can open (/dev/null, /dev/zero), shared.
-fn dev_resource(share: u32) -> Arc<nodeplane::deviceplugin::config::Resource> {
+fn dev_resource(share: u32) -> Arc<nodeplane::devices::config::Resource> {
     let text = json!({"resources": [{"name": "fz", "devices": ["/dev/null", "/dev/zero"], "share": share}]});
-    let (mut ok, problems) = nodeplane::deviceplugin::config::parse(&serde_json::to_vec(&text).unwrap()).unwrap();
+    let (mut ok, problems) = nodeplane::devices::config::parse(&serde_json::to_vec(&text).unwrap()).unwrap();
     assert!(problems.is_empty(), "{problems:?}");
     Arc::new(ok.remove(0))
 }
@@ -1152,7 +1152,7 @@ fn device_ids(share: u32) -> impl Strategy<Value = Vec<String>> {
 #[test]
 fn device_plugin_validation_in_process() {
     let share = 3;
-    let plugin = nodeplane::deviceplugin::plugin::Plugin::new(dev_resource(share));
+    let plugin = nodeplane::devices::deviceplugin::plugin::Plugin::new(dev_resource(share));
     assert_eq!(plugin.devices().len(), 2 * share as usize, "{:?}", plugin.devices());
     fuzz("deviceplugin allocate", cases(10_000), device_ids(share), |ids| {
         let got = plugin.allocate_one(&ids);
@@ -1196,7 +1196,7 @@ fn device_plugin_validation_in_process() {
 #[test]
 fn device_plugin_large_lists_are_bounded() {
     let share = 1000;
-    let plugin = nodeplane::deviceplugin::plugin::Plugin::new(dev_resource(share));
+    let plugin = nodeplane::devices::deviceplugin::plugin::Plugin::new(dev_resource(share));
     let all: Vec<String> = plugin.devices().into_iter().map(|d| d.id).collect();
     assert_eq!(all.len(), 2000);
     let t = Instant::now();

@@ -14,12 +14,12 @@ use std::time::{Duration, Instant};
 use fake_apiserver::{FakeApiServer, UserInfo};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use nodeplane::controller::backend::Backend;
-use nodeplane::controller::config::Pool;
+use nodeplane::controller::records::Pool;
 use nodeplane::controller::kube::lease::{Attempt, Elector, LeaseSettings};
 use nodeplane::controller::kube::state::{KubeBackend, block_object_name};
 use nodeplane::controller::kube::{API_CALLS, GROUP};
 use nodeplane::controller::store::Registry;
-use nodeplane::controller::volumes::{VolState, VolumeRecord};
+use nodeplane::controller::records::{VolState, VolumeRecord};
 use serde_json::json;
 
 const CTL_TOKEN: &str = "controller-token";

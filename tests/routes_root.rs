@@ -1,4 +1,4 @@
-//! Root-only: cross-node pod routes (`nodeplane::routes`) against the real kernel.
+//! Root-only: cross-node pod routes (`nodeplane::net::routes`) against the real kernel.
 //!
 //! Each test builds a private topology out of network namespaces (all named
 //! `nprt<pid>-<topology>-…`, all removed by a guard even when the test panics): an underlay
@@ -16,7 +16,7 @@ use std::process::Command;
 
 use ipnetwork::IpNetwork;
 use nix::sched::CloneFlags;
-use nodeplane::routes::{
+use nodeplane::net::routes::{
     PeerNode, RTPROT_NODEPLANE, RouteConfig, RouteKind, RouteMode, Routes, RoutesError, SyncReport,
 };
 use serde_json::Value;
@@ -348,7 +348,7 @@ fn through_vxlan(t: &Topo, nodes: &[usize], pings: impl FnOnce()) {
 }
 
 fn mac_str(m: [u8; 6]) -> String {
-    nodeplane::netlink::format_mac(&m)
+    nodeplane::sys::netlink::format_mac(&m)
 }
 
 // ----- reachability -----
@@ -616,7 +616,7 @@ fn routes_shared_segment() {
     for (i, node) in t.nodes.iter().enumerate() {
         let others: Vec<PeerNode> = peers_full.iter().filter(|p| p.name != node.name).cloned().collect();
         let rep = sync_ok(node, cfg(RouteMode::Auto, node.u4), &others);
-        assert_eq!(rep.routes, nodeplane::routes::Counts { added: 0, replaced: 2, removed: 0 }, "{}: {rep:?}", node.name);
+        assert_eq!(rep.routes, nodeplane::net::routes::Counts { added: 0, replaced: 2, removed: 0 }, "{}: {rep:?}", node.name);
         assert_eq!((rep.neigh.removed, rep.fdb.removed), (2, 2), "{}: {rep:?}", node.name);
         let mut want = BTreeMap::new();
         for (j, other) in t.nodes.iter().enumerate() {

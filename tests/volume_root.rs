@@ -1,4 +1,4 @@
-//! Root-only: the node-local volume store (`nodeplane::volume`) against real loop devices,
+//! Root-only: the node-local volume store (`nodeplane::storage::store`) against real loop devices,
 //! real filesystems (ext4, xfs) and real mounts.
 //!
 //! Each test works in its own sandbox directory under cargo's target tmp dir: the store
@@ -18,7 +18,9 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use nix::mount::{MntFlags, MsFlags};
-use nodeplane::volume::{FsType, Orphan, VolumeError, VolumeStore, fs as vfs, loopdev};
+use nodeplane::storage::fs as vfs;
+use nodeplane::storage::store::{FsType, Orphan, VolumeError, VolumeStore};
+use nodeplane::sys::loopdev;
 
 const MIB: u64 = 1 << 20;
 

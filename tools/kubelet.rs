@@ -177,7 +177,7 @@ fn csi_json(w: &csi_watcher::KubeletEmulator, book: &CsiBook) -> Value {
 
 fn write_state(path: &Path, state: &Value) {
     let body = serde_json::to_vec_pretty(state).expect("state serialises");
-    if let Err(e) = nodeplane::util::atomic_write_nosync(path, &body) {
+    if let Err(e) = nodeplane::sys::fs::atomic_write_nosync(path, &body) {
         eprintln!("kubelet: writing {}: {e}", path.display());
     }
 }

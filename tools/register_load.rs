@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use nodeplane::controller::{self, auth::Authority, config::Config};
+use nodeplane::controller::{auth::Authority, config::Config};
 use nodeplane::rpc::controller as pb;
 use pb::node_registry_client::NodeRegistryClient;
 use tokio::sync::Mutex;
@@ -75,7 +75,7 @@ async fn register_one(
 ) -> Result<pb::RegisterResponse, String> {
     let channel = match shared {
         Some(c) => c,
-        None => controller::connect(address).await.map_err(|e| format!("connect: {e}"))?,
+        None => nodeplane::rpc::connect(address).await.map_err(|e| format!("connect: {e}"))?,
     };
     let mut client = NodeRegistryClient::new(channel);
     let mut req = tonic::Request::new(pb::RegisterRequest {
@@ -134,7 +134,7 @@ fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let result = rt.block_on(async move {
         let shared = if args.shared_channel {
-            Some(controller::connect(&args.controller).await.map_err(|e| format!("connect: {e}"))?)
+            Some(nodeplane::rpc::connect(&args.controller).await.map_err(|e| format!("connect: {e}"))?)
         } else {
             None
         };

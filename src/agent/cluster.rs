@@ -16,10 +16,10 @@ use serde::{Deserialize, Serialize};
 use tonic::Request;
 
 use super::config::{Config, ControllerConfig};
-use super::datapath::Datapath;
+use crate::net::datapath::Datapath;
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_client::NodeRegistryClient;
-use crate::routes::{PeerNode, RouteConfig, Routes};
+use crate::net::routes::{PeerNode, RouteConfig, Routes};
 
 /// What the agent remembers from the controller (`<state>/cluster.json`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -43,7 +43,7 @@ pub fn load_state(cfg: &Config) -> std::io::Result<ClusterState> {
 
 fn save_state(cfg: &Config, st: &ClusterState) -> std::io::Result<()> {
     let body = serde_json::to_vec_pretty(st).map_err(std::io::Error::other)?;
-    crate::util::atomic_write(&cfg.cluster_state_path(), &body, 0o644)
+    crate::sys::fs::atomic_write(&cfg.cluster_state_path(), &body, 0o644)
 }
 
 fn parse_nets(list: &[String], what: &str) -> Result<Vec<IpNetwork>, String> {
@@ -77,7 +77,7 @@ pub fn peers_of(me: &str, nodes: &[pb::Node]) -> Vec<PeerNode> {
             name: n.name.clone(),
             underlay: n.underlay_addresses.iter().filter_map(|a| a.parse::<IpAddr>().ok()).collect(),
             blocks: n.pod_blocks.iter().filter_map(|b| b.parse().ok()).collect(),
-            vtep_mac: crate::routes::parse_mac(&n.vtep_mac).ok().flatten(),
+            vtep_mac: crate::net::routes::parse_mac(&n.vtep_mac).ok().flatten(),
         })
         .collect()
 }
@@ -112,6 +112,7 @@ impl Link {
 
 /// Connection-independent state of the cluster client.
 struct Client {
+    cfg: Arc<Config>,
     dp: Arc<Datapath>,
     link: Arc<Link>,
     cc: ControllerConfig,
@@ -128,22 +129,22 @@ impl Client {
         let blocks = parse_nets(&node.pod_blocks, "block")?;
         // Blocks the controller no longer lists for us (it gave them away after a removal)
         // must never be allocated from again; pods already using them keep their addresses.
-        for gone in self.dp.ipam.retain_blocks(&blocks) {
+        for gone in self.dp.ipam().retain_blocks(&blocks) {
             tracing::warn!(block = %gone.net, "block withdrawn by the controller: no new addresses from it");
         }
-        let mut st = load_state(&self.dp.cfg).map_err(|e| e.to_string())?;
+        let mut st = load_state(&self.cfg).map_err(|e| e.to_string())?;
         if let Some(r) = resp {
             st.cluster_cidrs = parse_nets(&r.cluster_cidrs, "cluster CIDR")?;
             st.vxlan_vni = r.vxlan_vni;
             st.vxlan_port = r.vxlan_port as u16;
         }
-        let known: Vec<IpNetwork> = self.dp.ipam.blocks().iter().map(|b| b.net).collect();
+        let known: Vec<IpNetwork> = self.dp.ipam().blocks().iter().map(|b| b.net).collect();
         let changed = st.blocks != blocks || resp.is_some();
         if blocks.iter().all(|b| known.contains(b)) && !changed && self.dp.ready() {
             return Ok(());
         }
         st.blocks = blocks.clone();
-        save_state(&self.dp.cfg, &st).map_err(|e| format!("saving cluster state: {e}"))?;
+        save_state(&self.cfg, &st).map_err(|e| format!("saving cluster state: {e}"))?;
         let dp = self.dp.clone();
         let cluster = st.cluster_cidrs.clone();
         tokio::task::spawn_blocking(move || dp.apply_network(&blocks, Some(&cluster)))
@@ -168,7 +169,7 @@ impl Client {
                 };
                 let mut r = Routes::new(cfg).map_err(|e| e.to_string())?;
                 let mac = r.ensure_vtep().map_err(|e| e.to_string())?;
-                *me.vtep_mac.lock().unwrap() = mac.map(|m| crate::netlink::format_mac(&m)).unwrap_or_default();
+                *me.vtep_mac.lock().unwrap() = mac.map(|m| crate::sys::netlink::format_mac(&m)).unwrap_or_default();
                 *routes = Some(r);
             }
             Ok(())
@@ -180,7 +181,7 @@ impl Client {
     async fn sync_routes(self: &Arc<Self>, nodes: Vec<pb::Node>) -> Result<(), String> {
         let me = self.clone();
         tokio::task::spawn_blocking(move || {
-            let peers = peers_of(&me.dp.cfg.node_name, &nodes);
+            let peers = peers_of(&me.cfg.node_name, &nodes);
             let mut routes = me.routes.lock().unwrap();
             let r = routes.as_mut().ok_or("route programmer not initialised")?;
             let report = r.sync(&peers).map_err(|e| e.to_string())?;
@@ -194,10 +195,10 @@ impl Client {
     /// One connection: register, then follow the membership stream until it breaks.
     async fn session(self: &Arc<Self>, connected: &mut bool) -> Result<(), String> {
         let token = read_token(&self.cc.token_file)?;
-        let channel = crate::controller::connect(&self.cc.address).await.map_err(|e| format!("connect: {e}"))?;
+        let channel = crate::rpc::connect(&self.cc.address).await.map_err(|e| format!("connect: {e}"))?;
         let mut client = NodeRegistryClient::new(channel);
         let underlay: Vec<String> = self.cc.underlay_addresses.iter().map(|a| a.to_string()).collect();
-        let me = self.dp.cfg.node_name.clone();
+        let me = self.cfg.node_name.clone();
         let register = |mac: String| pb::RegisterRequest {
             node_name: me.clone(),
             underlay_addresses: underlay.clone(),
@@ -205,7 +206,7 @@ impl Client {
         };
         // With the VXLAN parameters remembered from an earlier registration, the device can
         // exist before the first Register, which then advertises its MAC at once.
-        let remembered = load_state(&self.dp.cfg).map_err(|e| e.to_string())?;
+        let remembered = load_state(&self.cfg).map_err(|e| e.to_string())?;
         if remembered.vxlan_vni != 0 {
             self.ensure_routes(remembered.vxlan_vni, remembered.vxlan_port).await?;
         }
@@ -252,7 +253,7 @@ impl Client {
                 Some(own) => self.apply_self(own, None).await?,
                 None => {
                     // Removed from the cluster: its blocks may already belong to another node.
-                    for gone in self.dp.ipam.retain_blocks(&[]) {
+                    for gone in self.dp.ipam().retain_blocks(&[]) {
                         tracing::warn!(block = %gone.net, "node removed by the controller: block withdrawn");
                     }
                     return Err("this node was removed from the cluster; registering again".into());
@@ -267,9 +268,9 @@ fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, v4: bool
     let c = client.clone();
     handle.block_on(async move {
         let token = read_token(&c.cc.token_file)?;
-        let channel = crate::controller::connect(&c.cc.address).await.map_err(|e| format!("connect: {e}"))?;
+        let channel = crate::rpc::connect(&c.cc.address).await.map_err(|e| format!("connect: {e}"))?;
         let family = if v4 { pb::Family::Ipv4 } else { pb::Family::Ipv6 };
-        let msg = pb::RequestBlockRequest { node_name: c.dp.cfg.node_name.clone(), family: family as i32 };
+        let msg = pb::RequestBlockRequest { node_name: c.cfg.node_name.clone(), family: family as i32 };
         let resp = NodeRegistryClient::new(channel)
             .request_block(authed(msg, &token)?)
             .await
@@ -282,9 +283,10 @@ fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, v4: bool
 }
 
 /// Run the cluster client forever (reconnecting with backoff), keeping `link` up to date.
-pub async fn run(dp: Arc<Datapath>, link: Arc<Link>) {
-    let Some(cc) = dp.cfg.controller.clone() else { return };
+pub async fn run(cfg: Arc<Config>, dp: Arc<Datapath>, link: Arc<Link>) {
+    let Some(cc) = cfg.controller.clone() else { return };
     let client = Arc::new(Client {
+        cfg,
         dp: dp.clone(),
         link: link.clone(),
         cc,

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use ipnetwork::IpNetwork;
 use serde::Deserialize;
 
-use crate::cni::result::Dns;
+use crate::net::cni::result::Dns;
 
 pub use crate::util::ConfigError;
 
@@ -38,7 +38,7 @@ pub struct ControllerConfig {
     /// How to reach other nodes' pods: "auto" (direct on a shared L2 segment, else VXLAN),
     /// "direct" or "vxlan".
     #[serde(default)]
-    pub route_mode: crate::routes::RouteMode,
+    pub route_mode: crate::net::routes::RouteMode,
 }
 
 /// The CSI node plugin (on unless `enabled: false`).
@@ -227,7 +227,7 @@ pub struct Config {
     /// `None`: the CSI node plugin is off.
     pub csi: Option<CsiConfig>,
     /// `None`: device plugins are off.
-    pub device_plugins: Option<crate::deviceplugin::Settings>,
+    pub device_plugins: Option<crate::devices::deviceplugin::Settings>,
     pub shim_source: PathBuf,
     pub boot_id_file: PathBuf,
     pub controller: Option<ControllerConfig>,
@@ -281,7 +281,7 @@ impl Config {
                 Err(e) => return bad(format!("healthAddress: {e}; \"\" turns the endpoint off")),
             },
         };
-        if !crate::cni::request::valid_ifname(&f.bridge) {
+        if !crate::net::cni::request::valid_ifname(&f.bridge) {
             return bad(format!("bridge {:?} is not a valid interface name", f.bridge));
         }
         if !(68..=65535).contains(&f.mtu) {
@@ -293,7 +293,7 @@ impl Config {
             return bad("podCidrs takes at most one IPv4 and one IPv6 block".into());
         }
         for c in &f.pod_cidrs {
-            crate::ipam::Block::new(*c).map_err(|e| ConfigError::Invalid(format!("podCidrs: {e}")))?;
+            crate::net::ipam::Block::new(*c).map_err(|e| ConfigError::Invalid(format!("podCidrs: {e}")))?;
         }
         if let Some(c) = &mut f.controller {
             if !f.pod_cidrs.is_empty() {
@@ -309,7 +309,7 @@ impl Config {
                     }
                 };
             }
-            crate::controller::config::parse_listen(&c.address).map_err(|e| ConfigError::Invalid(format!("controller.address: {e}")))?;
+            crate::rpc::parse_listen(&c.address).map_err(|e| ConfigError::Invalid(format!("controller.address: {e}")))?;
             if c.underlay_addresses.is_empty() {
                 let Some(list) = env(ENV_NODE_IPS) else {
                     return bad(format!(
@@ -343,10 +343,10 @@ impl Config {
             }
         }
         let cni_version = f.cni_version.clone().unwrap_or_else(|| DEFAULT_CNI_VERSION.to_string());
-        if !crate::cni::SUPPORTED_VERSIONS.contains(&cni_version.as_str()) {
+        if !crate::net::cni::SUPPORTED_VERSIONS.contains(&cni_version.as_str()) {
             return bad(format!(
                 "cniVersion {cni_version:?} is not one of {}",
-                crate::cni::SUPPORTED_VERSIONS.join(", ")
+                crate::net::cni::SUPPORTED_VERSIONS.join(", ")
             ));
         }
         let root = f.root.clone().unwrap_or_else(|| PathBuf::from("/"));
@@ -397,7 +397,7 @@ impl Config {
             None
         };
         let dpf = f.device_plugins.clone().unwrap_or_default();
-        let device_plugins = dpf.enabled.unwrap_or(true).then(|| crate::deviceplugin::Settings {
+        let device_plugins = dpf.enabled.unwrap_or(true).then(|| crate::devices::deviceplugin::Settings {
             config_file: dpf.config_file.clone().unwrap_or_else(|| under(&root, "/etc/nodeplane/devices.json")),
             plugin_dir: device_plugin_dir.clone(),
             cdi_dir: dpf.cdi_dir.clone().unwrap_or_else(|| under(&root, "/var/run/cdi")),
@@ -412,9 +412,9 @@ impl Config {
             f.node_socket.clone().unwrap_or_else(|| under(&root, "/run/nodeplane/node.sock")),
         ];
         if let Some(c) = &csi {
-            sockets.push(crate::csi::csi_socket(&kubelet_dir));
+            sockets.push(crate::storage::csi::csi_socket(&kubelet_dir));
             if c.self_register {
-                sockets.push(crate::csi::registration_socket(&kubelet_dir));
+                sockets.push(crate::storage::csi::registration_socket(&kubelet_dir));
             }
         }
         for s in sockets {
@@ -458,6 +458,18 @@ impl Config {
     pub fn lease_dir(&self) -> PathBuf {
         self.state_dir.join("ipam")
     }
+    /// What the pod datapath needs of this configuration.
+    pub fn net_settings(&self) -> crate::net::datapath::Settings {
+        crate::net::datapath::Settings {
+            bridge: self.bridge.clone(),
+            mtu: self.mtu,
+            dns: self.dns.clone(),
+            masquerade: self.masquerade,
+            cluster_cidrs: self.cluster_cidrs.clone(),
+            pending_delete_dir: self.pending_delete_dir(),
+        }
+    }
+
     pub fn pending_delete_dir(&self) -> PathBuf {
         self.state_dir.join("pending-del")
     }
@@ -621,7 +633,7 @@ impl Config {
             "cniVersion": self.cni_version,
             "pluginDirs": self.plugin_dirs.iter().map(|p| abs(p)).collect::<Vec<_>>(),
             "cniBinDir": abs(&self.cni_bin_dir),
-            "shimPath": abs(&self.cni_bin_dir.join(crate::cni::PLUGIN_TYPE)),
+            "shimPath": abs(&self.cni_bin_dir.join(crate::net::cni::PLUGIN_TYPE)),
             "shimSource": abs(&self.shim_source),
             "cniConfDir": abs(&self.cni_conf_dir),
             "conflistPath": abs(&self.conflist_path()),
@@ -642,8 +654,8 @@ impl Config {
                     "capacityBytes": c.capacity_bytes,
                     "maxVolumes": c.max_volumes,
                     "selfRegister": c.self_register,
-                    "socket": abs(&crate::csi::csi_socket(&self.kubelet_dir)),
-                    "registrationSocket": abs(&crate::csi::registration_socket(&self.kubelet_dir)),
+                    "socket": abs(&crate::storage::csi::csi_socket(&self.kubelet_dir)),
+                    "registrationSocket": abs(&crate::storage::csi::registration_socket(&self.kubelet_dir)),
                 }),
                 None => json!({"enabled": false}),
             },

@@ -9,7 +9,7 @@ use std::io;
 use serde_json::{Value, json};
 
 use super::config::Config;
-use crate::cni::{NETWORK_NAME, PLUGIN_TYPE, version_cmp};
+use crate::net::cni::{NETWORK_NAME, PLUGIN_TYPE, version_cmp};
 
 /// Copy the shim to `<cni-bin-dir>/nodeplane` unless an identical copy is already there.
 pub fn install_shim(cfg: &Config) -> io::Result<bool> {
@@ -24,7 +24,7 @@ pub fn install_shim(cfg: &Config) -> io::Result<bool> {
     if fs::read(&dst).is_ok_and(|cur| cur == src) {
         return Ok(false);
     }
-    crate::util::atomic_write(&dst, &src, 0o755)?;
+    crate::sys::fs::atomic_write(&dst, &src, 0o755)?;
     Ok(true)
 }
 
@@ -66,7 +66,7 @@ pub fn negotiate_version(cfg: &Config) -> String {
         };
         match plugin_versions(cfg, ty) {
             Some(supported) if !supported.contains(&version) => {
-                let best = crate::cni::SUPPORTED_VERSIONS.iter().rev().find(|v| {
+                let best = crate::net::cni::SUPPORTED_VERSIONS.iter().rev().find(|v| {
                     version_cmp(v, &version).is_le() && supported.iter().any(|s| s == *v)
                 });
                 if let Some(best) = best {
@@ -108,7 +108,7 @@ pub fn write_conflist(cfg: &Config) -> io::Result<()> {
     fs::create_dir_all(&cfg.cni_conf_dir)?;
     let body = serde_json::to_vec_pretty(&conflist(cfg, &negotiate_version(cfg)))
         .map_err(io::Error::other)?;
-    crate::util::atomic_write(&cfg.conflist_path(), &body, 0o644)
+    crate::sys::fs::atomic_write(&cfg.conflist_path(), &body, 0o644)
 }
 
 // ----- uninstall -----
@@ -126,7 +126,7 @@ const AGENT_LOCK_FILE: &str = "agent.lock";
 /// Byte strings every nodeplane shim build carries (an environment variable and a conflist
 /// key the shim reads: both are part of its contract), used to recognise a shim of another
 /// version than the one `shimSource` holds.
-const SHIM_MARKERS: [&[u8]; 2] = [crate::shim::SOCKET_ENV.as_bytes(), b"pendingDeleteDir"];
+const SHIM_MARKERS: [&[u8]; 2] = [crate::net::shim::SOCKET_ENV.as_bytes(), b"pendingDeleteDir"];
 
 /// What happened to one installed file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -327,7 +327,7 @@ fn remove_durably(path: &std::path::Path) -> Result<bool, UninstallError> {
     Ok(true)
 }
 
-/// Temp files `util::atomic_write` leaves when interrupted (`.<name>.tmp<pid>.<seq>`).
+/// Temp files `sys::fs::atomic_write` leaves when interrupted (`.<name>.tmp<pid>.<seq>`).
 fn stale_temp_files(path: &std::path::Path) -> Vec<std::path::PathBuf> {
     let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
         return Vec::new();
@@ -369,7 +369,7 @@ fn attached_pods(lease_dir: &std::path::Path) -> Vec<String> {
     let Ok(entries) = fs::read_dir(lease_dir) else { return Vec::new() };
     entries
         .flatten()
-        .filter_map(|e| serde_json::from_slice::<crate::ipam::Lease>(&fs::read(e.path()).ok()?).ok())
+        .filter_map(|e| serde_json::from_slice::<crate::net::ipam::Lease>(&fs::read(e.path()).ok()?).ok())
         .filter(|l| !l.netns.is_empty() && std::path::Path::new(&l.netns).exists())
         .map(|l| l.owner.container_id.clone())
         .collect()
@@ -506,7 +506,7 @@ mod tests {
         let cfg = config(&d.0);
         install(&cfg);
         let mut other = b"\x7fELF an older nodeplane shim ".to_vec();
-        other.extend_from_slice(crate::shim::SOCKET_ENV.as_bytes());
+        other.extend_from_slice(crate::net::shim::SOCKET_ENV.as_bytes());
         other.extend_from_slice(b" pendingDeleteDir ");
         fs::write(shim_path(&cfg), &other).unwrap();
         let r = uninstall(&cfg, false).unwrap();

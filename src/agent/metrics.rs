@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use super::cluster::Link;
-use super::datapath::Datapath;
+use crate::net::datapath::Datapath;
 use crate::obs::metrics::{CounterVec, Encoder, HistogramVec, LATENCY_BUCKETS, Registry};
 
 /// CNI request metrics, updated for every request the shim brings.
@@ -30,10 +30,11 @@ impl CniMetrics {
 
 /// What the collectors read.
 pub struct Sources {
+    pub node: String,
     pub dp: Arc<Datapath>,
-    pub csi: Option<Arc<crate::csi::NodeService>>,
+    pub csi: Option<Arc<crate::storage::csi::NodeService>>,
     /// Set when device plugins are configured.
-    pub devices: Option<crate::deviceplugin::Inventory>,
+    pub devices: Option<crate::devices::deviceplugin::Inventory>,
     /// Set in controller mode.
     pub link: Option<Arc<Link>>,
     /// What kubelet answered each plugin's registration.
@@ -60,7 +61,7 @@ pub fn build(src: Sources) -> (Arc<Registry>, Arc<CniMetrics>) {
         registry.register_counter(svc.operations.clone());
         registry.register_histogram(svc.durations.clone());
     }
-    let node = src.dp.cfg.node_name.clone();
+    let node = src.node.clone();
     registry.collector(move |enc| collect(&src, &node, enc));
     (registry, cni)
 }
@@ -72,7 +73,7 @@ fn collect(src: &Sources, node: &str, enc: &mut Encoder) {
         &["version", "node"],
         [(vec![env!("CARGO_PKG_VERSION").to_string(), node.to_string()], 1.0)],
     );
-    let usage = src.dp.ipam.block_usage();
+    let usage = src.dp.ipam().block_usage();
     enc.gauge_vec(
         "nodeplane_ipam_block_addresses",
         "Pod addresses a block can hand out (network, gateway and IPv4 broadcast excluded).",
@@ -88,7 +89,7 @@ fn collect(src: &Sources, node: &str, enc: &mut Encoder) {
     enc.gauge(
         "nodeplane_ipam_leases",
         "Attachments (container, interface) holding addresses on this node.",
-        src.dp.ipam.lease_count() as f64,
+        src.dp.ipam().lease_count() as f64,
     );
     if let Some(svc) = &src.csi {
         let u = svc.store.usage();
@@ -124,8 +125,8 @@ fn collect(src: &Sources, node: &str, enc: &mut Encoder) {
             &["resource", "health"],
             health.iter().flat_map(|r| {
                 [
-                    (vec![r.resource.clone(), crate::deviceplugin::plugin::HEALTHY.to_string()], r.healthy as f64),
-                    (vec![r.resource.clone(), crate::deviceplugin::plugin::UNHEALTHY.to_string()], r.unhealthy as f64),
+                    (vec![r.resource.clone(), crate::devices::deviceplugin::plugin::HEALTHY.to_string()], r.healthy as f64),
+                    (vec![r.resource.clone(), crate::devices::deviceplugin::plugin::UNHEALTHY.to_string()], r.unhealthy as f64),
                 ]
             }),
         );

@@ -1,14 +1,10 @@
 //! The node agent: start-up, reconciliation and the CNI socket server.
 
-pub mod caps;
 pub mod cluster;
 pub mod config;
-pub mod datapath;
 pub mod install;
 pub mod metrics;
-pub mod nft;
 mod readiness;
-pub mod reaper;
 pub mod status;
 pub mod volume_sync;
 
@@ -22,11 +18,12 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 
-use crate::cni::request::{self, Env};
-use crate::cni::wire::{self, WireRequest};
-use crate::cni::{Command, Reply, version_result};
+use crate::net::cni::request::{self, Env};
+use crate::net::cni::wire::{self, WireRequest};
+use crate::net::cni::{Command, Reply, version_result};
 use config::Config;
-use datapath::Datapath;
+use crate::net::datapath::Datapath;
+use crate::net::reaper;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -62,29 +59,40 @@ fn lock_state_dir(dir: &Path) -> Result<fs::File, AgentError> {
     Ok(f)
 }
 
-/// Everything up to (not including) serving: returns the datapath and the bound listener.
-pub fn prepare(cfg: Config) -> Result<(Arc<Datapath>, std::os::unix::net::UnixListener, fs::File), AgentError> {
+/// Everything up to (not including) serving: returns the configuration, the datapath, the
+/// bound listener and the state-directory lock.
+#[allow(clippy::type_complexity)]
+pub fn prepare(cfg: Config) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix::net::UnixListener, fs::File), AgentError> {
     let cfg = Arc::new(cfg);
     let lock = lock_state_dir(&cfg.state_dir)?;
 
-    let boot_id = crate::util::read_boot_id(&cfg.boot_id_file).map_err(io_ctx("reading boot id"))?;
+    let boot_id = crate::sys::fs::read_boot_id(&cfg.boot_id_file).map_err(io_ctx("reading boot id"))?;
     let boot_file = cfg.state_dir.join("boot_id");
     let stored = fs::read_to_string(&boot_file).ok().map(|s| s.trim().to_string());
     let boot_changed = stored.as_deref().is_some_and(|s| s != boot_id);
 
-    let (ipam, problems) = crate::ipam::Ipam::load(&cfg.lease_dir()).map_err(|e| AgentError::Setup(e.to_string()))?;
+    let (ipam, problems) = crate::net::ipam::Ipam::load(&cfg.lease_dir()).map_err(|e| AgentError::Setup(e.to_string()))?;
     for p in problems {
         tracing::warn!("{p}");
     }
     let reaper = reaper::Reaper::start().map_err(io_ctx("starting reaper"))?;
-    let dp = Arc::new(Datapath::new(cfg.clone(), ipam, reaper));
+    let publish_cfg = cfg.clone();
+    let publish: crate::net::datapath::Publish = Box::new(move || {
+        if install::install_shim(&publish_cfg).map_err(|e| format!("installing shim: {e}"))? {
+            tracing::info!(dir = %publish_cfg.cni_bin_dir.display(), "installed shim");
+        }
+        install::write_conflist(&publish_cfg).map_err(|e| format!("writing conflist: {e}"))?;
+        tracing::info!(conflist = %publish_cfg.conflist_path().display(), "conflist written");
+        Ok(())
+    });
+    let dp = Arc::new(Datapath::new(cfg.net_settings(), ipam, reaper, publish));
 
     let report = dp.reconcile(boot_changed).map_err(|e| AgentError::Setup(format!("reconcile: {}", e.msg)))?;
     for f in &report.freed {
         tracing::info!(lease = %f, "freed stale lease");
     }
     tracing::info!(kept = report.kept, freed = report.freed.len(), reaped_links = report.reaped_links, boot_changed, "reconciled");
-    crate::util::atomic_write(&boot_file, boot_id.as_bytes(), 0o644).map_err(io_ctx("writing boot id"))?;
+    crate::sys::fs::atomic_write(&boot_file, boot_id.as_bytes(), 0o644).map_err(io_ctx("writing boot id"))?;
 
     let sock = &cfg.cni_socket;
     if let Some(dir) = sock.parent() {
@@ -111,12 +119,12 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Datapath>, std::os::unix::net::UnixLi
     };
     dp.apply_network(&blocks, Some(&cluster)).map_err(|e| AgentError::Setup(e.msg))?;
     tracing::info!(node = %cfg.node_name, socket = %sock.display(), network_ready = dp.ready(), "ready");
-    Ok((dp, listener, lock))
+    Ok((cfg, dp, listener, lock))
 }
 
 /// The CSI node service, when configured: opens the volume store (its directory lock keeps
 /// two agents apart) and the record directory. Recovery runs when it is served.
-pub fn prepare_csi(cfg: &Config) -> Result<Option<Arc<crate::csi::NodeService>>, AgentError> {
+pub fn prepare_csi(cfg: &Config) -> Result<Option<Arc<crate::storage::csi::NodeService>>, AgentError> {
     let Some(c) = &cfg.csi else { return Ok(None) };
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -140,20 +148,20 @@ pub fn prepare_csi(cfg: &Config) -> Result<Option<Arc<crate::csi::NodeService>>,
             half
         }
     };
-    let store = crate::volume::VolumeStore::open(&c.volume_dir, capacity).map_err(|e| AgentError::Setup(e.to_string()))?;
-    let settings = crate::csi::NodeSettings {
+    let store = crate::storage::store::VolumeStore::open(&c.volume_dir, capacity).map_err(|e| AgentError::Setup(e.to_string()))?;
+    let settings = crate::storage::csi::NodeSettings {
         node_id: cfg.node_name.clone(),
         kubelet_dir,
         record_dir: cfg.state_dir.join("csi"),
         max_volumes: c.max_volumes,
     };
-    let svc = crate::csi::NodeService::new(settings, Arc::new(store)).map_err(io_ctx("creating CSI record directories"))?;
+    let svc = crate::storage::csi::NodeService::new(settings, Arc::new(store)).map_err(io_ctx("creating CSI record directories"))?;
     Ok(Some(Arc::new(svc)))
 }
 
 /// Run DELs the shim queued while the agent was unreachable.
 pub fn drain_pending(dp: &Datapath) {
-    let dir = dp.cfg.pending_delete_dir();
+    let dir = dp.settings().pending_delete_dir.clone();
     let Ok(entries) = fs::read_dir(&dir) else { return };
     for entry in entries.flatten() {
         let path = entry.path();
@@ -278,15 +286,17 @@ fn spawn_conn(
 /// the start, and it answers from then on: during CSI recovery and until shutdown is done
 /// (readiness turns false as soon as the shutdown begins).
 pub async fn serve(
+    cfg: Arc<Config>,
     dp: Arc<Datapath>,
     listener: std::os::unix::net::UnixListener,
-    csi: Option<Arc<crate::csi::NodeService>>,
+    csi: Option<Arc<crate::storage::csi::NodeService>>,
 ) -> Result<(), AgentError> {
-    let link = dp.cfg.controller.as_ref().map(|_| Arc::new(cluster::Link::default()));
-    let inventory = dp.cfg.device_plugins.as_ref().map(|_| crate::deviceplugin::Inventory::default());
+    let link = cfg.controller.as_ref().map(|_| Arc::new(cluster::Link::default()));
+    let inventory = cfg.device_plugins.as_ref().map(|_| crate::devices::deviceplugin::Inventory::default());
     // What kubelet answered each plugin's registration (CSI, device plugins).
-    let book = crate::kubelet::Registrations::new(dp.cfg.kubelet_registration_grace, dp.cfg.require_kubelet_registration);
+    let book = crate::kubelet::Registrations::new(cfg.kubelet_registration_grace, cfg.require_kubelet_registration);
     let (registry, cni_metrics) = metrics::build(metrics::Sources {
+        node: cfg.node_name.clone(),
         dp: dp.clone(),
         csi: csi.clone(),
         devices: inventory.clone(),
@@ -296,16 +306,16 @@ pub async fn serve(
     let health = crate::obs::health::Health::new().with_metrics(Arc::new(move || registry.render()));
     // The conditions exist before the endpoint answers: it never says ready too early.
     let devices_ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let ended = dp.cfg.device_plugins.as_ref().map(|_| devices_ended.clone());
-    let readiness = readiness::Readiness::new(&health, dp.clone(), csi.clone(), ended, book.clone());
+    let ended = cfg.device_plugins.as_ref().map(|_| devices_ended.clone());
+    let readiness = readiness::Readiness::new(&health, cfg.clone(), dp.clone(), csi.clone(), ended, book.clone());
     let (health_stop, health_stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let health_task = match dp.cfg.health_address {
+    let health_task = match cfg.health_address {
         None => None,
         Some(addr) => {
             let l = match crate::obs::health::bind(&addr.to_string()) {
                 Ok(l) => l,
                 Err(e) => {
-                    let _ = fs::remove_file(&dp.cfg.cni_socket);
+                    let _ = fs::remove_file(&cfg.cni_socket);
                     return Err(AgentError::Setup(format!("healthAddress {addr}: {e}")));
                 }
             };
@@ -314,11 +324,11 @@ pub async fn serve(
             })))
         }
     };
-    let node_listener = match crate::util::bind_unix_socket(&dp.cfg.node_socket) {
+    let node_listener = match crate::sys::fs::bind_unix_socket(&cfg.node_socket) {
         Ok(l) => l,
         Err(e) => {
-            let _ = fs::remove_file(&dp.cfg.cni_socket);
-            return Err(AgentError::Setup(format!("binding {}: {e}", dp.cfg.node_socket.display())));
+            let _ = fs::remove_file(&cfg.cni_socket);
+            return Err(AgentError::Setup(format!("binding {}: {e}", cfg.node_socket.display())));
         }
     };
     listener.set_nonblocking(true).map_err(io_ctx("listener"))?;
@@ -328,18 +338,19 @@ pub async fn serve(
     let mut drain_tick = tokio::time::interval(Duration::from_secs(5));
     drain_tick.tick().await;
     let tracker = tokio_util_tracker::Tracker::default();
-    let cluster_client = tokio::spawn(cluster::run(dp.clone(), link.clone().unwrap_or_default()));
+    let cluster_client = tokio::spawn(cluster::run(cfg.clone(), dp.clone(), link.clone().unwrap_or_default()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let volume_client = csi.clone().map(|svc| tokio::spawn(volume_sync::run(dp.cfg.clone(), svc)));
-    let device_plugins = dp.cfg.device_plugins.clone().map(|s| {
+    let volume_client = csi.clone().map(|svc| tokio::spawn(volume_sync::run(cfg.clone(), svc)));
+    let device_plugins = cfg.device_plugins.clone().map(|s| {
         let (rx, ended, inv, book) = (stop_rx.clone(), devices_ended.clone(), inventory.clone().unwrap_or_default(), book.clone());
         tokio::spawn(async move {
-            crate::deviceplugin::run_with(s, rx, inv, book).await;
+            crate::devices::deviceplugin::run_with(s, rx, inv, book).await;
             ended.store(true, std::sync::atomic::Ordering::SeqCst);
         })
     });
     let readiness_task = tokio::spawn(readiness.run());
     let node_api = status::NodeStatus {
+        cfg: cfg.clone(),
         dp: dp.clone(),
         csi: csi.clone(),
         devices: inventory.clone(),
@@ -356,8 +367,8 @@ pub async fn serve(
     };
     let mut csi_task = csi.map(|svc| {
         let mut rx = stop_rx.clone();
-        let book = dp.cfg.csi.as_ref().is_some_and(|c| c.self_register).then(|| book.clone());
-        tokio::spawn(crate::csi::serve(svc, book, async move {
+        let book = cfg.csi.as_ref().is_some_and(|c| c.self_register).then(|| book.clone());
+        tokio::spawn(crate::storage::csi::serve(svc, book, async move {
             let _ = rx.wait_for(|v| *v).await;
         }))
     });
@@ -381,7 +392,7 @@ pub async fn serve(
                     Ok(Err(e)) => e,
                     Err(e) => e.to_string(),
                 };
-                let _ = fs::remove_file(&dp.cfg.cni_socket);
+                let _ = fs::remove_file(&cfg.cni_socket);
                 readiness_task.abort();
                 return Err(AgentError::Setup(msg));
             }
@@ -389,7 +400,7 @@ pub async fn serve(
     }
     // New shims must find no socket (they wait for the next agent) rather than queue on a
     // listener nobody will accept from; what is queued already is served.
-    let _ = fs::remove_file(&dp.cfg.cni_socket);
+    let _ = fs::remove_file(&cfg.cni_socket);
     loop {
         match tokio::time::timeout(Duration::ZERO, listener.accept()).await {
             Ok(Ok((stream, _))) => spawn_conn(&dp, &cni_metrics, &tracker, stream),

@@ -22,17 +22,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use super::datapath::Datapath;
+use super::config::Config;
+use crate::net::datapath::Datapath;
 use crate::obs::health::{Condition, Health};
 
 const TICK: Duration = Duration::from_millis(250);
 
 pub(crate) struct Readiness {
+    cfg: Arc<Config>,
     dp: Arc<Datapath>,
     cni: Condition,
     /// The CNI socket's inode when the agent bound it.
     cni_inode: Option<u64>,
-    csi: Option<(Arc<crate::csi::NodeService>, Condition)>,
+    csi: Option<(Arc<crate::storage::csi::NodeService>, Condition)>,
     devices: Option<Devices>,
     /// Socket path → the inode that accepted a connection.
     verified: HashMap<PathBuf, u64>,
@@ -45,7 +47,7 @@ type FileKey = (u64, i64, i64, u64);
 type PluginSocket = (String, String);
 
 struct Devices {
-    settings: crate::deviceplugin::Settings,
+    settings: crate::devices::deviceplugin::Settings,
     cond: Condition,
     /// Set when the manager task ended (it only does on a start-up failure or at shutdown).
     ended: Arc<AtomicBool>,
@@ -57,14 +59,15 @@ impl Readiness {
     /// Register the conditions of the parts this agent runs (all "starting").
     pub(crate) fn new(
         health: &Health,
+        cfg: Arc<Config>,
         dp: Arc<Datapath>,
-        csi: Option<Arc<crate::csi::NodeService>>,
+        csi: Option<Arc<crate::storage::csi::NodeService>>,
         devices_ended: Option<Arc<AtomicBool>>,
         book: crate::kubelet::Registrations,
     ) -> Self {
         let cni = health.condition("cni");
         let csi = csi.map(|svc| (svc, health.condition("csi")));
-        let devices = match (dp.cfg.device_plugins.clone(), devices_ended) {
+        let devices = match (cfg.device_plugins.clone(), devices_ended) {
             (Some(settings), Some(ended)) => Some(Devices {
                 settings,
                 cond: health.condition("deviceplugins"),
@@ -73,10 +76,11 @@ impl Readiness {
             }),
             _ => None,
         };
-        let cni_inode = std::fs::symlink_metadata(&dp.cfg.cni_socket)
+        let cni_inode = std::fs::symlink_metadata(&cfg.cni_socket)
             .ok()
             .map(|m| m.ino());
         Readiness {
+            cfg,
             dp,
             cni,
             cni_inode,
@@ -113,7 +117,7 @@ impl Readiness {
     }
 
     fn cni_state(&self) -> Result<(), String> {
-        let cfg = &self.dp.cfg;
+        let cfg = &self.cfg;
         if !self.dp.ready() {
             return Err(match &cfg.controller {
                 Some(_) => "no pod CIDR block yet: waiting for the controller to assign one (the conflist is written then)".into(),
@@ -135,9 +139,9 @@ impl Readiness {
         }
     }
 
-    async fn csi_state(&mut self, svc: &crate::csi::NodeService) -> Result<(), String> {
+    async fn csi_state(&mut self, svc: &crate::storage::csi::NodeService) -> Result<(), String> {
         let kubelet = &svc.settings.kubelet_dir;
-        let csi_sock = crate::csi::csi_socket(kubelet);
+        let csi_sock = crate::storage::csi::csi_socket(kubelet);
         if !self.served(&csi_sock).await {
             return Err(format!(
                 "CSI socket {} is not served yet",
@@ -147,10 +151,10 @@ impl Readiness {
         if !svc.ready() {
             return Err("recovering volume state (records, mount table, loop devices)".into());
         }
-        if !self.dp.cfg.csi.as_ref().is_some_and(|c| c.self_register) {
+        if !self.cfg.csi.as_ref().is_some_and(|c| c.self_register) {
             return Ok(()); // node-driver-registrar registers the driver
         }
-        let reg = crate::csi::registration_socket(kubelet);
+        let reg = crate::storage::csi::registration_socket(kubelet);
         if !self.served(&reg).await {
             return Err(format!(
                 "kubelet registration socket {} is not served yet",
@@ -172,7 +176,7 @@ impl Readiness {
         };
         if d.parsed.as_ref().is_none_or(|(k, _)| *k != key) {
             let parsed = match std::fs::read(file) {
-                Ok(b) => crate::deviceplugin::config::parse(&b)
+                Ok(b) => crate::devices::config::parse(&b)
                     .map(|(resources, _)| {
                         resources
                             .iter()

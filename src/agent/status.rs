@@ -8,7 +8,8 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
 use super::cluster::Link;
-use super::datapath::Datapath;
+use super::config::Config;
+use crate::net::datapath::Datapath;
 use crate::obs::doctor::{Finding, Repair};
 use crate::rpc::node as api;
 
@@ -17,9 +18,10 @@ pub const FORMAT: u32 = 1;
 
 #[derive(Clone)]
 pub struct NodeStatus {
+    pub cfg: Arc<Config>,
     pub dp: Arc<Datapath>,
-    pub csi: Option<Arc<crate::csi::NodeService>>,
-    pub devices: Option<crate::deviceplugin::Inventory>,
+    pub csi: Option<Arc<crate::storage::csi::NodeService>>,
+    pub devices: Option<crate::devices::deviceplugin::Inventory>,
     pub link: Option<Arc<Link>>,
     pub health: crate::obs::health::Health,
     pub kubelet: crate::kubelet::Registrations,
@@ -28,7 +30,7 @@ pub struct NodeStatus {
 
 impl NodeStatus {
     fn status(&self) -> serde_json::Value {
-        let cfg = &self.dp.cfg;
+        let cfg = &self.cfg;
         let controller = cfg.controller.as_ref().map(|c| {
             let link = self.link.as_ref();
             let last = link.and_then(|l| l.last_message());
@@ -98,7 +100,7 @@ impl NodeStatus {
         }
         serde_json::json!({
             "format": FORMAT,
-            "node": self.dp.cfg.node_name,
+            "node": self.cfg.node_name,
             "repair": repair,
             "findings": findings,
             "errors": errors,
@@ -133,8 +135,8 @@ pub async fn serve_node_api(
     listener: tokio::net::UnixListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
-    let path = status.dp.cfg.node_socket.clone();
-    let volumes = status.csi.clone().map(|svc| api::node_volumes_server::NodeVolumesServer::new(crate::csi::NodeVolumes(svc)));
+    let path = status.cfg.node_socket.clone();
+    let volumes = status.csi.clone().map(|svc| api::node_volumes_server::NodeVolumesServer::new(crate::storage::node_api::NodeVolumes(svc)));
     let server = tonic::transport::Server::builder()
         .layer(crate::rpc::response_layer())
         .add_service(api::node_status_server::NodeStatusServer::new(status))

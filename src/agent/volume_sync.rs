@@ -14,16 +14,17 @@ use tonic::Code;
 
 use super::cluster::{authed, read_token};
 use super::config::{Config, ControllerConfig};
-use crate::csi::NodeService;
+use crate::storage::csi::NodeService;
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_client::NodeRegistryClient;
-use crate::volume::{FsType, VolumeError, loopdev};
+use crate::storage::store::{FsType, VolumeError};
+use crate::sys::loopdev;
 
 fn code_of(e: &VolumeError) -> Code {
     match e {
         // No room on this node: the controller's placement was wrong about it.
         VolumeError::CapacityExceeded { .. } => Code::ResourceExhausted,
-        e => crate::csi::node::volume_error_code(e),
+        e => crate::storage::csi::node::volume_error_code(e),
     }
 }
 
@@ -41,7 +42,7 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
         };
         let result = if d.present {
             match d.fs_type.parse::<FsType>() {
-                Err(e) => Err(e),
+                Err(e) => Err(e.into()),
                 Ok(fs) => match store.get(&d.id) {
                     Ok(None) if d.creating => store.create_named(&d.id, d.size_bytes, fs, &d.name).map(|_| ()),
                     // Past creation and gone: report it (the controller shows the volume
@@ -132,7 +133,7 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
 
 async fn session(cfg: &Config, cc: &ControllerConfig, svc: &Arc<NodeService>, first_orphaned: &mut HashMap<String, Instant>, connected: &mut bool) -> Result<(), String> {
     let token = read_token(&cc.token_file)?;
-    let channel = crate::controller::connect(&cc.address).await.map_err(|e| format!("connect: {e}"))?;
+    let channel = crate::rpc::connect(&cc.address).await.map_err(|e| format!("connect: {e}"))?;
     let mut client = NodeRegistryClient::new(channel);
     let node = cfg.node_name.clone();
     let mut stream = client

@@ -109,7 +109,7 @@ fn main() -> ExitCode {
 }
 
 fn serve(args: ServeArgs) -> ExitCode {
-    nodeplane::util::init_logging(args.log_format == "json");
+    nodeplane::obs::logging::init_logging(args.log_format == "json");
     match run_agent(&args.config) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -123,16 +123,16 @@ fn serve(args: ServeArgs) -> ExitCode {
 fn run_agent(config: &std::path::Path) -> anyhow::Result<()> {
     let cfg = Config::load(config)?;
     // Before any work and before the first thread: every thread inherits the reduced sets.
-    nodeplane::agent::caps::drop_and_log()?;
-    let (dp, listener, _lock) = nodeplane::agent::prepare(cfg)?;
-    let csi = nodeplane::agent::prepare_csi(&dp.cfg)?;
+    nodeplane::sys::caps::drop_and_log()?;
+    let (cfg, dp, listener, _lock) = nodeplane::agent::prepare(cfg)?;
+    let csi = nodeplane::agent::prepare_csi(&cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(128)
         .thread_keep_alive(std::time::Duration::from_secs(10))
         .enable_all()
         .build()?;
-    rt.block_on(nodeplane::agent::serve(dp, listener, csi))?;
+    rt.block_on(nodeplane::agent::serve(cfg, dp, listener, csi))?;
     Ok(())
 }
 

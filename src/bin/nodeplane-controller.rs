@@ -62,13 +62,13 @@ fn bearer(token_file: &PathBuf) -> anyhow::Result<tonic::metadata::MetadataValue
 async fn client(
     address: &str,
 ) -> anyhow::Result<pb::node_registry_client::NodeRegistryClient<tonic::transport::Channel>> {
-    let ch = controller::connect(address).await.with_context(|| format!("connecting to {address}"))?;
+    let ch = nodeplane::rpc::connect(address).await.with_context(|| format!("connecting to {address}"))?;
     Ok(pb::node_registry_client::NodeRegistryClient::new(ch))
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    nodeplane::util::init_logging(args.log_format == "json");
+    nodeplane::obs::logging::init_logging(args.log_format == "json");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match args.cmd {
         Cmd::Serve { config } => {
@@ -85,7 +85,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::ApiCalls => println!("{}", serde_json::to_string_pretty(controller::kube::API_CALLS)?),
         Cmd::Token { config, identity } => {
             let cfg = controller::config::Config::load(&config)?;
-            if identity != controller::auth::ADMIN && !controller::store::valid_node_name(&identity) {
+            if identity != controller::auth::ADMIN && !controller::records::valid_node_name(&identity) {
                 anyhow::bail!("{identity:?} is neither a valid node name nor {}", controller::auth::ADMIN);
             }
             let secret = controller::auth::load_or_create_secret(&cfg.secret_file)?;

@@ -213,7 +213,7 @@ fn capability(fs: &str, mode: &str) -> Result<csi::VolumeCapability, String> {
 }
 
 fn topology(node: &str) -> csi::Topology {
-    csi::Topology { segments: [(nodeplane::csi::TOPOLOGY_KEY.to_string(), node.to_string())].into_iter().collect() }
+    csi::Topology { segments: [(nodeplane::storage::csi::TOPOLOGY_KEY.to_string(), node.to_string())].into_iter().collect() }
 }
 
 fn volume_json(v: &csi::Volume) -> serde_json::Value {
@@ -221,7 +221,7 @@ fn volume_json(v: &csi::Volume) -> serde_json::Value {
         "volumeId": v.volume_id,
         "capacityBytes": v.capacity_bytes,
         "volumeContext": v.volume_context,
-        "nodes": v.accessible_topology.iter().filter_map(|t| t.segments.get(nodeplane::csi::TOPOLOGY_KEY)).collect::<Vec<_>>(),
+        "nodes": v.accessible_topology.iter().filter_map(|t| t.segments.get(nodeplane::storage::csi::TOPOLOGY_KEY)).collect::<Vec<_>>(),
     })
 }
 

@@ -101,7 +101,7 @@ pub fn load_or_create_secret(path: &std::path::Path) -> std::io::Result<Vec<u8>>
             // Complete temp file, then hard_link: fails if another process got there first
             // (then use its secret), and nobody ever sees a half-written one.
             let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            crate::util::atomic_write(&tmp, &secret, 0o600)?;
+            crate::sys::fs::atomic_write(&tmp, &secret, 0o600)?;
             let linked = std::fs::hard_link(&tmp, path);
             let _ = std::fs::remove_file(&tmp);
             match linked {

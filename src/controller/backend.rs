@@ -11,8 +11,7 @@ use std::sync::Arc;
 
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
-use super::store::NodeRecord;
-use super::volumes::VolumeRecord;
+use super::records::{NodeRecord, VolumeRecord};
 
 /// A change to one record: `Some` creates or replaces, `None` deletes.
 pub type Change<T> = (String, Option<T>);

@@ -5,6 +5,9 @@ use std::path::{Path, PathBuf};
 use ipnetwork::IpNetwork;
 use serde::Deserialize;
 
+use super::records::Pool;
+use crate::rpc::{Listen, parse_listen};
+
 pub use crate::util::ConfigError;
 
 /// One cluster pool and the size of the blocks it is cut into.
@@ -110,40 +113,7 @@ fn default_port() -> u16 {
     4789
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Pool {
-    pub net: IpNetwork,
-    pub block_prefix: u8,
-}
 
-impl Pool {
-    /// How many blocks the pool holds (saturating).
-    pub fn block_count(&self) -> u128 {
-        let bits = (self.block_prefix - self.net.prefix()) as u32;
-        if bits >= 128 { u128::MAX } else { 1u128 << bits }
-    }
-    /// The n-th block of the pool.
-    pub fn block(&self, n: u128) -> IpNetwork {
-        let host_bits = if self.net.is_ipv4() { 32 } else { 128 } - self.block_prefix as u32;
-        match self.net.network() {
-            std::net::IpAddr::V4(a) => {
-                let base = u32::from(a) as u128 + (n << host_bits);
-                IpNetwork::new(std::net::Ipv4Addr::from(base as u32).into(), self.block_prefix).expect("valid prefix")
-            }
-            std::net::IpAddr::V6(a) => {
-                let off = if host_bits >= 128 { 0 } else { n << host_bits };
-                IpNetwork::new(std::net::Ipv6Addr::from(u128::from(a) + off).into(), self.block_prefix)
-                    .expect("valid prefix")
-            }
-        }
-    }
-}
-
-#[derive(Debug, Clone)]
-pub enum Listen {
-    Unix(PathBuf),
-    Tcp(std::net::SocketAddr),
-}
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -161,16 +131,6 @@ pub struct Config {
     pub agent_auth: AgentAuth,
 }
 
-pub fn parse_listen(s: &str) -> Result<Listen, String> {
-    if let Some(path) = s.strip_prefix("unix:") {
-        let p = PathBuf::from(path);
-        if !p.is_absolute() {
-            return Err(format!("listen {s:?}: the socket path must be absolute"));
-        }
-        return Ok(Listen::Unix(p));
-    }
-    s.parse().map(Listen::Tcp).map_err(|_| format!("listen {s:?} is neither unix:/path nor host:port"))
-}
 
 impl Config {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
@@ -323,7 +283,7 @@ fn resolve_store(f: Option<&StoreFile>, env: &dyn Fn(&str) -> Option<String>) ->
             };
             let lease_name = f.lease_name.clone().unwrap_or_else(|| "nodeplane-controller".into());
             for (what, v) in [("namespace", &namespace), ("leaseName", &lease_name)] {
-                if !crate::controller::store::valid_node_name(v) {
+                if !super::records::valid_node_name(v) {
                     return Err(format!("store.{what} {v:?} is not a valid Kubernetes name"));
                 }
             }

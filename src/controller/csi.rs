@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use tonic::{Request, Response, Status};
 
-use super::volumes::{Placement, VolState, VolumeBook, VolumeRecord, failure_since, held};
-use crate::csi::TOPOLOGY_KEY;
+use super::records::{VolState, VolumeRecord};
+use super::volumes::{Placement, VolumeBook, failure_since, held};
+use crate::storage::csi::TOPOLOGY_KEY;
 use crate::rpc::csi;
 use crate::rpc::csi::volume_capability::access_mode::Mode;
 
@@ -532,7 +533,7 @@ fn encode_token(id: &str) -> String {
 fn decode_token(t: &str) -> Option<String> {
     let h = t.strip_prefix("np1.")?;
     let id = String::from_utf8(hex::decode(h).ok()?).ok()?;
-    crate::volume::validate_id(&id).ok()?;
+    crate::storage::store::validate_id(&id).ok()?;
     Some(id)
 }
 

@@ -6,13 +6,15 @@ pub mod config;
 pub mod csi;
 pub mod kube;
 pub mod metrics;
+pub mod records;
 pub mod server;
 pub mod store;
 pub mod volumes;
 
 use std::sync::Arc;
 
-use config::{Config, Listen};
+use crate::rpc::Listen;
+use config::Config;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControllerError {
@@ -163,10 +165,10 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         let _ = s.wait_for(|v| *v).await;
     };
     // CSI Identity + Controller for the sidecars, on their own Unix socket (0600).
-    let csi_listener = crate::util::bind_unix_socket(&cfg.csi_socket).map_err(io_ctx(format!("binding {}", cfg.csi_socket.display())))?;
+    let csi_listener = crate::sys::fs::bind_unix_socket(&cfg.csi_socket).map_err(io_ctx(format!("binding {}", cfg.csi_socket.display())))?;
     let csi_server = tonic::transport::Server::builder()
         .layer(crate::rpc::response_layer())
-        .add_service(crate::rpc::csi::identity_server::IdentityServer::new(crate::csi::Identity { node: None }))
+        .add_service(crate::rpc::csi::identity_server::IdentityServer::new(crate::storage::csi::Identity { node: None }))
         .add_service(crate::rpc::csi::controller_server::ControllerServer::new(csi::ControllerService {
             book: book.clone(),
             op_timeout: cfg.volume_op_timeout,
@@ -179,7 +181,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         .add_service(crate::rpc::controller::node_registry_server::NodeRegistryServer::new(svc));
     let served = match &cfg.listen {
         Listen::Unix(path) => {
-            let listener = crate::util::bind_unix_socket(path).map_err(io_ctx(format!("binding {}", path.display())))?;
+            let listener = crate::sys::fs::bind_unix_socket(path).map_err(io_ctx(format!("binding {}", path.display())))?;
             tracing::info!(socket = %path.display(), "ready");
             serving.set(true, format!("serving on {}", path.display()));
             let incoming = crate::rpc::authority::incoming(listener);
@@ -218,15 +220,3 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     Ok(())
 }
 
-/// A client channel to a controller at `unix:/path` or `host:port`.
-pub async fn connect(address: &str) -> Result<tonic::transport::Channel, tonic::transport::Error> {
-    match config::parse_listen(address) {
-        Ok(Listen::Unix(path)) => crate::rpc::connect_unix(&path).await,
-        _ => {
-            tonic::transport::Endpoint::from_shared(format!("http://{address}"))?
-                .connect_timeout(std::time::Duration::from_secs(3))
-                .connect()
-                .await
-        }
-    }
-}

@@ -8,7 +8,8 @@ use tonic::{Request, Response, Status};
 
 use super::auth::{Authority, Identity};
 use super::config::Config;
-use super::store::{NodeRecord, Registry, RegistryError, Snapshot};
+use super::records::NodeRecord;
+use super::store::{Registry, RegistryError, Snapshot};
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_server::NodeRegistry;
 

@@ -11,11 +11,10 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use ipnetwork::IpNetwork;
-use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::backend::{Backend, RedbBackend};
-use super::config::Pool;
+use super::records::{NodeRecord, Pool, valid_node_name};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
@@ -33,14 +32,6 @@ fn storage(e: impl std::fmt::Display) -> RegistryError {
     RegistryError::Storage(e.to_string())
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NodeRecord {
-    pub name: String,
-    pub underlay: Vec<String>,
-    #[serde(default)]
-    pub vtep_mac: String,
-    pub blocks: Vec<String>,
-}
 
 /// The owner recorded for a block the backend keeps out of use (not a valid node name).
 const RESERVED: &str = "(reserved)";
@@ -65,15 +56,6 @@ pub struct Registry {
     tx: watch::Sender<Arc<Snapshot>>,
 }
 
-/// Node names follow Kubernetes object names (DNS-1123 subdomain).
-pub fn valid_node_name(name: &str) -> bool {
-    let b = name.as_bytes();
-    !b.is_empty()
-        && b.len() <= 253
-        && b[0].is_ascii_alphanumeric()
-        && b[b.len() - 1].is_ascii_alphanumeric()
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'.')
-}
 
 fn valid_mac(mac: &str) -> bool {
     mac.is_empty() || (mac.len() == 17 && mac.split(':').all(|p| p.len() == 2 && u8::from_str_radix(p, 16).is_ok()))

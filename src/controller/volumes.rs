@@ -15,36 +15,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tonic::{Code, Status};
 
 use super::backend::Backend;
+use super::records::{VolState, VolumeRecord};
 use crate::rpc::controller as pb;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum VolState {
-    Creating,
-    Ready,
-    Deleting,
-}
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct VolumeRecord {
-    pub id: String,
-    pub name: String,
-    pub node: String,
-    /// Desired size (grows with ControllerExpandVolume).
-    pub size_bytes: u64,
-    /// "ext4", "xfs" or "" (raw block).
-    pub fs_type: String,
-    pub state: VolState,
-    pub created_at: u64,
-    #[serde(default)]
-    pub parameters: BTreeMap<String, String>,
-}
 
 /// What one node told the controller last.
 #[derive(Debug, Default, Clone)]
@@ -93,7 +71,7 @@ fn now_unix() -> u64 {
 /// usual `pvc-<uuid>`), else `v-` and 32 hex digits of its SHA-256. Deterministic, so a
 /// retried CreateVolume after any crash asks the node for the same id.
 pub fn volume_id_for(name: &str) -> String {
-    if name.len() <= 100 && crate::volume::validate_id(name).is_ok() && !name.starts_with('.') {
+    if name.len() <= 100 && crate::storage::store::validate_id(name).is_ok() && !name.starts_with('.') {
         return name.to_string();
     }
     use sha2::Digest;
@@ -499,7 +477,7 @@ mod tests {
         assert!(weird.starts_with("v-") && weird.len() == 34, "{weird}");
         assert_eq!(weird, volume_id_for("My Volume/1"));
         assert_ne!(weird, volume_id_for("My Volume/2"));
-        crate::volume::validate_id(&weird).unwrap();
+        crate::storage::store::validate_id(&weird).unwrap();
         assert!(volume_id_for(&"x".repeat(120)).starts_with("v-"));
     }
 

@@ -27,6 +27,38 @@ pub mod pluginregistration {
     tonic::include_proto!("pluginregistration");
 }
 
+/// Where a gRPC server listens or a client dials: `unix:/abs/path` or `host:port`.
+#[derive(Debug, Clone)]
+pub enum Listen {
+    Unix(std::path::PathBuf),
+    Tcp(std::net::SocketAddr),
+}
+
+/// Parse `unix:/abs/path` or `host:port`.
+pub fn parse_listen(s: &str) -> Result<Listen, String> {
+    if let Some(path) = s.strip_prefix("unix:") {
+        let p = std::path::PathBuf::from(path);
+        if !p.is_absolute() {
+            return Err(format!("listen {s:?}: the socket path must be absolute"));
+        }
+        return Ok(Listen::Unix(p));
+    }
+    s.parse().map(Listen::Tcp).map_err(|_| format!("listen {s:?} is neither unix:/path nor host:port"))
+}
+
+/// A client channel to a controller at `unix:/path` or `host:port`.
+pub async fn connect(address: &str) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    match parse_listen(address) {
+        Ok(Listen::Unix(path)) => connect_unix(&path).await,
+        _ => {
+            tonic::transport::Endpoint::from_shared(format!("http://{address}"))?
+                .connect_timeout(std::time::Duration::from_secs(3))
+                .connect()
+                .await
+        }
+    }
+}
+
 /// A gRPC client channel over the Unix socket at `path` (the authority is a placeholder;
 /// every call goes to the socket).
 pub async fn connect_unix(path: &std::path::Path) -> Result<tonic::transport::Channel, tonic::transport::Error> {

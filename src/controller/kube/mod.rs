@@ -107,5 +107,5 @@ pub(crate) fn is_conflict(e: &kube::Error) -> bool {
 
 /// A DNS-1123 subdomain (Kubernetes object names).
 pub fn valid_object_name(name: &str) -> bool {
-    crate::controller::store::valid_node_name(name)
+    crate::controller::records::valid_node_name(name)
 }

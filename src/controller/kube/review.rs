@@ -114,7 +114,7 @@ pub fn judge(
     }
     let nodes = user.extra.unwrap_or_default().remove(NODE_NAME_EXTRA).unwrap_or_default();
     match nodes.as_slice() {
-        [n] if crate::controller::store::valid_node_name(n) => Ok(n.clone()),
+        [n] if crate::controller::records::valid_node_name(n) => Ok(n.clone()),
         [] => Err(ReviewError::Forbidden(format!(
             "the token names no node ({NODE_NAME_EXTRA}): use a projected token of the agent pod (Kubernetes 1.30 or newer)"
         ))),

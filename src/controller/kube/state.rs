@@ -29,8 +29,7 @@ use serde_json::json;
 
 use super::{block_resource, is_already_exists, is_not_found, node_resource, volume_resource};
 use crate::controller::backend::{Backend, Change};
-use crate::controller::store::NodeRecord;
-use crate::controller::volumes::VolumeRecord;
+use crate::controller::records::{NodeRecord, VolumeRecord};
 
 const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "nodeplane-controller");
 const NODE_LABEL: &str = "nodeplane.dev/node";

@@ -77,7 +77,7 @@ fn fs_types() {
     assert_eq!("ext4".parse::<FsType>().unwrap(), FsType::Ext4);
     assert_eq!("xfs".parse::<FsType>().unwrap(), FsType::Xfs);
     assert_eq!("".parse::<FsType>().unwrap(), FsType::Raw);
-    assert!(matches!("btrfs".parse::<FsType>(), Err(VolumeError::InvalidFsType(_))));
+    assert!(matches!("btrfs".parse::<FsType>().map_err(VolumeError::from), Err(VolumeError::InvalidFsType(_))));
     assert_eq!(serde_json::to_string(&FsType::Raw).unwrap(), "\"\"");
     assert_eq!(serde_json::to_string(&FsType::Xfs).unwrap(), "\"xfs\"");
 }

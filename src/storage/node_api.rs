@@ -6,14 +6,14 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use super::node::{CsiError, NodeService};
+use super::csi::node::{CsiError, NodeService};
 use crate::rpc::node as api;
-use crate::volume::{FsType, VolumeError};
+use crate::storage::store::{FsType, VolumeError};
 
 #[derive(Clone)]
 pub struct NodeVolumes(pub Arc<NodeService>);
 
-fn to_api(svc: &NodeService, v: &crate::volume::Volume) -> api::Volume {
+fn to_api(svc: &NodeService, v: &crate::storage::store::Volume) -> api::Volume {
     api::Volume {
         id: v.id.clone(),
         size_bytes: v.size_bytes,
@@ -64,7 +64,7 @@ async fn run<T: Send + 'static>(
 impl api::node_volumes_server::NodeVolumes for NodeVolumes {
     async fn create_volume(&self, r: Request<api::CreateVolumeRequest>) -> Result<Response<api::CreateVolumeResponse>, Status> {
         let r = r.into_inner();
-        let fs: FsType = r.fs_type.parse().map_err(|e: VolumeError| Status::invalid_argument(e.to_string()))?;
+        let fs: FsType = r.fs_type.parse().map_err(|e: crate::storage::fs::InvalidFsType| Status::invalid_argument(e.to_string()))?;
         run(&self.0, Some(r.id.clone()), move |s| {
             let v = s.store.create(&r.id, r.size_bytes, fs).map_err(status)?;
             Ok(api::CreateVolumeResponse { volume: Some(to_api(s, &v)) })

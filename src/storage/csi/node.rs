@@ -25,10 +25,12 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tonic::Code;
 
-use super::mount::{self, MountEntry, MountOptions};
+use crate::sys::mount::{self, MountEntry, MountOptions};
 use crate::rpc::csi;
 use crate::rpc::csi::volume_capability::access_mode::Mode;
-use crate::volume::{FsType, VolumeError, VolumeStore, fs as vfs, loopdev};
+use crate::storage::fs as vfs;
+use crate::storage::store::{FsType, VolumeError, VolumeStore};
+use crate::sys::loopdev;
 
 /// A failed CSI call: the gRPC code the spec asks for and a message naming what was wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,7 +80,7 @@ pub fn volume_error_code(e: &VolumeError) -> Code {
         VolumeError::AlreadyExists { .. } => Code::AlreadyExists,
         VolumeError::CapacityExceeded { .. } | VolumeError::Shrink { .. } => Code::OutOfRange,
         VolumeError::Busy { .. } | VolumeError::BackingFileMissing { .. } => Code::FailedPrecondition,
-        VolumeError::Fs(crate::volume::FsError::OnlineResizeNotPermitted(_)) => Code::FailedPrecondition,
+        VolumeError::Fs(crate::storage::store::FsError::OnlineResizeNotPermitted(_)) => Code::FailedPrecondition,
         VolumeError::Locked { .. } | VolumeError::Io { .. } | VolumeError::Metadata { .. } | VolumeError::Fs(_) => {
             Code::Internal
         }
@@ -166,7 +168,7 @@ pub fn parse_capability(c: Option<&csi::VolumeCapability>) -> Result<Capability>
 
 /// Whether `cap` fits volume `vol`: block access works on any volume (it is the device);
 /// mount access needs a filesystem volume of the asked type.
-fn check_fits(vol: &crate::volume::Volume, cap: &Capability) -> Result<()> {
+fn check_fits(vol: &crate::storage::store::Volume, cap: &Capability) -> Result<()> {
     if cap.block {
         return Ok(());
     }
@@ -449,7 +451,7 @@ impl NodeService {
 
     fn volume_id<'a>(&self, v: &'a str) -> Result<&'a str> {
         let id = required("volume_id", v)?;
-        crate::volume::validate_id(id).map_err(|e| invalid(e.to_string()))?;
+        crate::storage::store::validate_id(id).map_err(|e| invalid(e.to_string()))?;
         Ok(id)
     }
 
@@ -488,7 +490,7 @@ impl NodeService {
     /// the kernel already has (the page cache survives the process).
     fn save<T: Serialize>(path: &Path, rec: &T) -> Result<()> {
         let data = serde_json::to_vec_pretty(rec).map_err(|e| internal(e.to_string()))?;
-        crate::util::atomic_write_nosync(path, &data).map_err(io_internal(format!("writing {}", path.display())))
+        crate::sys::fs::atomic_write_nosync(path, &data).map_err(io_internal(format!("writing {}", path.display())))
     }
 
     fn remove(path: &Path) -> Result<()> {
@@ -686,7 +688,7 @@ impl NodeService {
         }
     }
 
-    fn stage_work(&self, vol: &crate::volume::Volume, staging: &Path, cap: &Capability, opts: &MountOptions) -> Result<()> {
+    fn stage_work(&self, vol: &crate::storage::store::Volume, staging: &Path, cap: &Capability, opts: &MountOptions) -> Result<()> {
         let id = vol.id.as_str();
         let dev = self.store.attach(id)?;
         crate::util::crash_point("stage-after-attach");
@@ -713,7 +715,7 @@ impl NodeService {
         // ext4 grown while unstaged: grow it now, offline (no CAP_SYS_RESOURCE needed).
         if fs == FsType::Ext4
             && let Some(fs_size) = vfs::fs_size_bytes(&dev, fs)?
-            && fs_size.saturating_add(crate::volume::SIZE_ALIGN) <= dev_size
+            && fs_size.saturating_add(crate::storage::store::SIZE_ALIGN) <= dev_size
         {
             tracing::info!(volume = id, from = fs_size, to = dev_size, "growing ext4 before mounting");
             vfs::grow_fs(&dev, fs)?;
@@ -741,7 +743,7 @@ impl NodeService {
         if fs == FsType::Xfs
             && !opts.flags.contains(nix::mount::MsFlags::MS_RDONLY)
             && let Some(fs_size) = vfs::fs_size_bytes(&dev, fs)?
-            && fs_size.saturating_add(crate::volume::SIZE_ALIGN) <= dev_size
+            && fs_size.saturating_add(crate::storage::store::SIZE_ALIGN) <= dev_size
         {
             tracing::info!(volume = id, from = fs_size, to = dev_size, "growing xfs after mounting");
             vfs::grow_fs(staging, fs)?;
@@ -1082,7 +1084,7 @@ impl NodeService {
             return Err(precondition(format!("volume {id} is not staged or published at {}", path.display())));
         }
         let want = required_bytes.max(vol.size_bytes);
-        let rounded = crate::volume::round_size(id, want)?;
+        let rounded = crate::storage::store::round_size(id, want)?;
         if limit > 0 && rounded > limit {
             return Err(CsiError::new(
                 Code::OutOfRange,
@@ -1095,7 +1097,7 @@ impl NodeService {
             let dev = self.store.attached_device(id)?.ok_or_else(|| precondition(format!("volume {id} is not attached")))?;
             let dev_size = loopdev::device_size(&dev).map_err(io_internal(format!("sizing {}", dev.display())))?;
             let fs_size = vfs::fs_size_bytes(&dev, vol.fs_type)?.unwrap_or(dev_size);
-            if fs_size.saturating_add(crate::volume::SIZE_ALIGN) <= dev_size {
+            if fs_size.saturating_add(crate::storage::store::SIZE_ALIGN) <= dev_size {
                 match vol.fs_type {
                     FsType::Xfs => {
                         // xfs grows through a writable mount of it: the staging mount.
@@ -1478,8 +1480,8 @@ impl NodeService {
         }
         for o in self.store.orphans().map_err(|e| internal(e.to_string()))? {
             let f = match o {
-                crate::volume::Orphan::LoopDevice { .. } => continue, // judged above, with its mounts
-                crate::volume::Orphan::BackingFile { path } => {
+                crate::storage::store::Orphan::LoopDevice { .. } => continue, // judged above, with its mounts
+                crate::storage::store::Orphan::BackingFile { path } => {
                     let mut f = Finding::new(
                         FILE_WITHOUT_VOLUME,
                         path.display().to_string(),
@@ -1490,7 +1492,7 @@ impl NodeService {
                     }
                     f
                 }
-                crate::volume::Orphan::MissingBackingFile { id, path } => {
+                crate::storage::store::Orphan::MissingBackingFile { id, path } => {
                     let mut f = Finding::new(VOLUME_WITHOUT_FILE, id, format!("its image {} is gone", path.display()));
                     if repair {
                         f.repair = Some(Repair::Skipped(

@@ -10,9 +10,9 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::cni::request::{self, ENV_KEYS, Env};
-use crate::cni::wire::{WireRequest, exchange};
-use crate::cni::{CniError, Code, Command, MAX_CONFIG_BYTES, Reply, version_result};
+use crate::net::cni::request::{self, ENV_KEYS, Env};
+use crate::net::cni::wire::{WireRequest, exchange};
+use crate::net::cni::{CniError, Code, Command, MAX_CONFIG_BYTES, Reply, version_result};
 
 pub const DEFAULT_SOCKET: &str = "/run/nodeplane/cni.sock";
 pub const DEFAULT_PENDING_DIR: &str = "/var/lib/nodeplane/pending-del";
@@ -44,7 +44,7 @@ pub fn queue_pending_delete(dir: &Path, req: &request::Request, wire: &WireReque
     std::fs::create_dir_all(dir)?;
     let path = dir.join(pending_file_name(&req.container_id, &req.ifname));
     let body = serde_json::to_vec(wire).map_err(io::Error::other)?;
-    crate::util::atomic_write(&path, &body, 0o600)?;
+    crate::sys::fs::atomic_write(&path, &body, 0o600)?;
     Ok(path)
 }
 
@@ -212,7 +212,7 @@ mod tests {
         let v = run(e, br#"{"cniVersion":"0.4.0"}"#);
         let out: serde_json::Value = serde_json::from_str(&v.stdout).unwrap();
         assert_eq!(out["cniVersion"], "0.4.0");
-        assert_eq!(out["supportedVersions"].as_array().unwrap().len(), crate::cni::SUPPORTED_VERSIONS.len());
+        assert_eq!(out["supportedVersions"].as_array().unwrap().len(), crate::net::cni::SUPPORTED_VERSIONS.len());
         let bad = run(env("ADD"), b"{not json");
         assert_eq!((bad.exit_code, code(&bad)), (1, 6));
     }

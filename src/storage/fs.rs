@@ -10,7 +10,55 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use super::FsType;
+use serde::{Deserialize, Serialize};
+
+/// A filesystem type no volume can have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid filesystem type {0:?} (want \"ext4\", \"xfs\" or \"\" for raw block)")]
+pub struct InvalidFsType(pub String);
+
+/// What a volume holds: a filesystem made on first stage, or raw block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum FsType {
+    #[serde(rename = "ext4")]
+    Ext4,
+    #[serde(rename = "xfs")]
+    Xfs,
+    #[serde(rename = "")]
+    Raw,
+}
+
+impl FsType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FsType::Ext4 => "ext4",
+            FsType::Xfs => "xfs",
+            FsType::Raw => "",
+        }
+    }
+    pub fn is_raw(self) -> bool {
+        self == FsType::Raw
+    }
+}
+
+impl std::str::FromStr for FsType {
+    type Err = InvalidFsType;
+    fn from_str(s: &str) -> Result<Self, InvalidFsType> {
+        match s {
+            "ext4" => Ok(FsType::Ext4),
+            "xfs" => Ok(FsType::Xfs),
+            "" => Ok(FsType::Raw),
+            other => Err(InvalidFsType(other.to_string())),
+        }
+    }
+}
+
+impl std::fmt::Display for FsType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.is_raw() { "raw block" } else { self.as_str() })
+    }
+}
+
 
 #[derive(Debug, thiserror::Error)]
 pub enum FsError {
@@ -107,7 +155,7 @@ pub fn grow_fs(dev_or_mountpoint: &Path, fs: FsType) -> Result<(), FsError> {
     let p = dev_or_mountpoint.as_os_str();
     match fs {
         FsType::Ext4 => {
-            if !super::loopdev::is_block_device(dev_or_mountpoint) {
+            if !crate::sys::loopdev::is_block_device(dev_or_mountpoint) {
                 return Err(FsError::Io {
                     path: dev_or_mountpoint.display().to_string(),
                     source: std::io::Error::new(

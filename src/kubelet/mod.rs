@@ -10,6 +10,8 @@
 //! (`requireKubeletRegistration`, set by the DaemonSet manifests; local clusters and tests run
 //! agents without a kubelet).
 
+pub mod registration;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};

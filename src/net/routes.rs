@@ -34,8 +34,8 @@ use std::str::FromStr;
 use ipnetwork::IpNetwork;
 use serde::{Deserialize, Serialize};
 
-use crate::ipam::Block;
-use crate::netlink::{
+use crate::net::ipam::Block;
+use crate::sys::netlink::{
     FdbEntry, NTF_SELF, NUD_PERMANENT, Neighbour, Netlink, NetlinkError, RTN_UNICAST, RouteEntry, RouteSpec,
     VxlanSpec, format_mac,
 };
@@ -332,7 +332,7 @@ pub struct LocalView {
 
 impl LocalView {
     /// Build the view from the namespace's addresses and main-table routes.
-    pub fn from_kernel(addrs: &[crate::netlink::Addr], main_routes: &[RouteEntry], vxlan_index: Option<u32>) -> Self {
+    pub fn from_kernel(addrs: &[crate::sys::netlink::Addr], main_routes: &[RouteEntry], vxlan_index: Option<u32>) -> Self {
         let mut view = LocalView { vxlan_index, ..Default::default() };
         for a in addrs {
             view.addrs.insert(a.ip);
@@ -692,7 +692,7 @@ impl Routes {
     }
 
     /// Like [`Routes::new`], on a socket already bound to the target namespace
-    /// (e.g. from [`crate::netns::Netns::netlink`]).
+    /// (e.g. from [`crate::sys::netns::Netns::netlink`]).
     pub fn with_netlink(cfg: RouteConfig, nl: Netlink) -> Result<Self, RoutesError> {
         cfg.validate()?;
         Ok(Routes { cfg, nl, vtep: None })
@@ -1027,7 +1027,7 @@ impl Routes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::netlink::Addr;
+    use crate::sys::netlink::Addr;
 
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use super::config::{Resource, glob_match};
+use crate::devices::config::{Resource, glob_match};
 use crate::rpc::deviceplugin as pb;
 
 pub const HEALTHY: &str = "Healthy";

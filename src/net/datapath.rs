@@ -1,7 +1,7 @@
 //! The pod datapath: what ADD, DEL, CHECK, GC and STATUS do to the kernel and the leases.
 //!
 //! All functions here are blocking; the server calls them on the blocking pool. Namespace
-//! switching only ever happens inside [`crate::netns::netlink_in`].
+//! switching only ever happens inside [`crate::sys::netns::netlink_in`].
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::AsFd;
@@ -10,14 +10,13 @@ use std::sync::{Arc, Mutex};
 
 use ipnetwork::IpNetwork;
 
-use super::config::Config;
 use super::reaper::{GRAVEYARD_GROUP, Reaper, is_graveyard_name};
-use crate::cni::request::Request;
-use crate::cni::result::{Interface, IpConfig, ResultModel, Route};
-use crate::cni::{CniError, Code};
-use crate::ipam::{Ipam, IpamError, Lease, LeaseState, Owner};
-use crate::netlink::{Link, Netlink, NetlinkError, Req, VethSpec, format_mac, random_mac};
-use crate::netns::{Netns, NetnsError};
+use crate::net::cni::request::Request;
+use crate::net::cni::result::{Dns, Interface, IpConfig, ResultModel, Route};
+use crate::net::cni::{CniError, Code};
+use crate::net::ipam::{Ipam, IpamError, Lease, LeaseState, Owner};
+use crate::sys::netlink::{Link, Netlink, NetlinkError, Req, VethSpec, format_mac, random_mac};
+use crate::sys::netns::{Netns, NetnsError};
 use crate::obs::doctor::{Finding, Repair};
 
 /// Host-side veth name of an attachment: "np" + 13 hex digits of a stable hash.
@@ -102,10 +101,32 @@ impl KeyedLocks {
 /// cluster client in controller mode.
 pub type BlockSource = Box<dyn Fn(bool) -> Result<(), String> + Send + Sync>;
 
+/// The slice of the agent's configuration the datapath uses.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The node bridge every pod's host veth is a port of.
+    pub bridge: String,
+    /// MTU of pod interfaces when the network config names none.
+    pub mtu: u32,
+    /// DNS answered in results when the network config has none.
+    pub dns: Dns,
+    /// Masquerade traffic leaving the cluster ranges (nftables `table inet nodeplane`).
+    pub masquerade: bool,
+    /// Cluster ranges exempt from masquerade (empty: the node's own blocks).
+    pub cluster_cidrs: Vec<IpNetwork>,
+    /// Where the shim queues DELs while the agent is away (`<state>/pending-del`).
+    pub pending_delete_dir: std::path::PathBuf,
+}
+
+/// Publishes the node's network to the runtime, once it has a block: the agent installs the
+/// shim and writes the conflist here. Called until it succeeds once.
+pub type Publish = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
+
 pub struct Datapath {
-    pub cfg: Arc<Config>,
-    pub ipam: Ipam,
-    pub reaper: Reaper,
+    settings: Settings,
+    ipam: Ipam,
+    reaper: Reaper,
+    publish: Publish,
     bridge: Mutex<Option<BridgeInfo>>,
     locks: KeyedLocks,
     /// Cluster ranges exempt from masquerade (configuration, or the controller's pools).
@@ -124,18 +145,28 @@ pub struct ReconcileReport {
 }
 
 impl Datapath {
-    pub fn new(cfg: Arc<Config>, ipam: Ipam, reaper: Reaper) -> Self {
-        let cluster = cfg.cluster_cidrs.clone();
+    pub fn new(settings: Settings, ipam: Ipam, reaper: Reaper, publish: Publish) -> Self {
+        let cluster = settings.cluster_cidrs.clone();
         Datapath {
-            cfg,
+            settings,
             ipam,
             reaper,
+            publish,
             bridge: Mutex::new(None),
             locks: KeyedLocks::default(),
             cluster_cidrs: Mutex::new(cluster),
             conflist_written: Default::default(),
             block_source: Default::default(),
         }
+    }
+
+    /// The node's blocks and leases.
+    pub fn ipam(&self) -> &Ipam {
+        &self.ipam
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
     }
 
     /// Install the controller client's block requester (controller mode).
@@ -164,18 +195,15 @@ impl Datapath {
         if all.is_empty() {
             return Ok(());
         }
-        if self.cfg.masquerade {
+        if self.settings.masquerade {
             let cluster = self.cluster_cidrs.lock().unwrap().clone();
             let cluster = if cluster.is_empty() { all.clone() } else { cluster };
-            super::nft::apply(&all, &cluster).map_err(|e| setup(format!("masquerade rules: {e}")))?;
+            super::masquerade::apply(&all, &cluster).map_err(|e| setup(format!("masquerade rules: {e}")))?;
         }
         if !self.ready() {
-            if super::install::install_shim(&self.cfg).map_err(|e| setup(format!("installing shim: {e}")))? {
-                tracing::info!(dir = %self.cfg.cni_bin_dir.display(), "installed shim");
-            }
-            super::install::write_conflist(&self.cfg).map_err(|e| setup(format!("writing conflist: {e}")))?;
+            (self.publish)().map_err(setup)?;
             self.conflist_written.store(true, std::sync::atomic::Ordering::SeqCst);
-            tracing::info!(conflist = %self.cfg.conflist_path().display(), blocks = %fmt_ips(&all), "network ready");
+            tracing::info!(blocks = %fmt_ips(&all), "network ready");
         }
         Ok(())
     }
@@ -186,7 +214,7 @@ impl Datapath {
     /// forwarding in the agent's own network namespace.
     pub fn ensure_bridge(&self) -> Result<(), CniError> {
         let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
-        let name = &self.cfg.bridge;
+        let name = &self.settings.bridge;
         let link = match nl.link_by_name(name).map_err(|e| netlink_err("bridge lookup", e))? {
             Some(l) => l,
             None => {
@@ -215,7 +243,7 @@ impl Datapath {
             // usable at once, not tentative for a second or two of duplicate detection (which
             // only starts at link up, so this goes first).
             let key = format!("net.ipv6.conf.{name}.accept_dad");
-            if let Err(e) = crate::netns::write_sysctl(&key, "0") {
+            if let Err(e) = crate::sys::netns::write_sysctl(&key, "0") {
                 tracing::warn!(error = %e, "could not turn off DAD on the bridge");
             }
             nl.set_link(link.index, Some(true), None, None).map_err(|e| netlink_err("bridge up", e))?;
@@ -259,7 +287,7 @@ impl Datapath {
             })?;
         }
         for key in ["net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"] {
-            crate::netns::write_sysctl(key, "1").map_err(|e| CniError::new(Code::Io, e.to_string()))?;
+            crate::sys::netns::write_sysctl(key, "1").map_err(|e| CniError::new(Code::Io, e.to_string()))?;
         }
         let mac = link.mac.unwrap_or_default();
         *self.bridge.lock().unwrap() = Some(BridgeInfo { index: link.index, mac });
@@ -354,7 +382,7 @@ impl Datapath {
         // waited for the DEL's answer before sending it): apply it now, or the periodic drain
         // would detach the new attachment later (a queue written just after a restarting
         // agent's start-up drain would otherwise only be drained after this ADD).
-        let pending = self.cfg.pending_delete_dir().join(crate::shim::pending_file_name(&owner.container_id, &owner.ifname));
+        let pending = self.settings.pending_delete_dir.join(crate::net::shim::pending_file_name(&owner.container_id, &owner.ifname));
         if queued_del_of(&pending, owner) {
             tracing::info!(container = %owner.container_id, ifname = %owner.ifname, "applying the DEL queued for this attachment before its ADD");
             self.del_locked(owner)?;
@@ -393,7 +421,7 @@ impl Datapath {
         }
         .map_err(ipam_err)?;
         let lease = reservation.lease.clone();
-        let mtu = req.conf.mtu.unwrap_or(self.cfg.mtu);
+        let mtu = req.conf.mtu.unwrap_or(self.settings.mtu);
         let mut nl = match Netlink::open() {
             Ok(nl) => nl,
             Err(e) => {
@@ -522,7 +550,7 @@ impl Datapath {
         let conf_dns = req.conf.dns.clone().unwrap_or_default();
         let result = ResultModel {
             interfaces: vec![
-                Interface { name: self.cfg.bridge.clone(), mac: format_mac(&self.bridge()?.mac), mtu: None, sandbox: None },
+                Interface { name: self.settings.bridge.clone(), mac: format_mac(&self.bridge()?.mac), mtu: None, sandbox: None },
                 Interface { name: host_if.to_string(), mac: format_mac(&host_mac), mtu: Some(mtu), sandbox: None },
                 Interface {
                     name: req.ifname.clone(),
@@ -533,7 +561,7 @@ impl Datapath {
             ],
             ips,
             routes,
-            dns: if conf_dns.is_empty() { self.cfg.dns.clone() } else { conf_dns },
+            dns: if conf_dns.is_empty() { self.settings.dns.clone() } else { conf_dns },
         };
         Ok((result, pod_nl.netns_cookie()))
     }
@@ -551,7 +579,7 @@ impl Datapath {
             self.retire_link(&mut nl, &link)?;
         }
         let released = self.ipam.release(owner).map_err(ipam_err)?;
-        let pending = self.cfg.pending_delete_dir().join(crate::shim::pending_file_name(&owner.container_id, &owner.ifname));
+        let pending = self.settings.pending_delete_dir.join(crate::net::shim::pending_file_name(&owner.container_id, &owner.ifname));
         let _ = std::fs::remove_file(pending);
         if let Some(l) = released {
             tracing::info!(container = %owner.container_id, ifname = %owner.ifname, pod = %l.pod, ips = %fmt_ips(&l.ips), "detached");
@@ -626,12 +654,12 @@ impl Datapath {
         let Some(host) = nl.link_by_name(&lease.host_if).map_err(|e| netlink_err("lookup", e))? else {
             return fail(format!("host veth {} is missing", lease.host_if));
         };
-        let bridge = nl.link_by_name(&self.cfg.bridge).map_err(|e| netlink_err("lookup", e))?;
+        let bridge = nl.link_by_name(&self.settings.bridge).map_err(|e| netlink_err("lookup", e))?;
         let Some(bridge) = bridge else {
-            return fail(format!("bridge {} is missing", self.cfg.bridge));
+            return fail(format!("bridge {} is missing", self.settings.bridge));
         };
         if host.master != Some(bridge.index) {
-            return fail(format!("host veth {} is not attached to bridge {}", lease.host_if, self.cfg.bridge));
+            return fail(format!("host veth {} is not attached to bridge {}", lease.host_if, self.settings.bridge));
         }
         if !host.up {
             return fail(format!("host veth {} is down", lease.host_if));
@@ -684,11 +712,11 @@ impl Datapath {
         let held: HashSet<String> = self.ipam.leases().into_iter().map(|l| l.host_if).collect();
         let leases = held.len();
         let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
-        let bridge = nl.link_by_name(&self.cfg.bridge).map_err(|e| netlink_err("lookup", e))?;
+        let bridge = nl.link_by_name(&self.settings.bridge).map_err(|e| netlink_err("lookup", e))?;
         let bridge_ok = bridge.as_ref().is_some_and(|b| b.up);
         if !bridge_ok {
             let code = if leases > 0 { Code::NotAvailablePodsAffected } else { Code::NotAvailable };
-            return Err(CniError::new(code, format!("bridge {} is missing or down ({leases} pods attached)", self.cfg.bridge)));
+            return Err(CniError::new(code, format!("bridge {} is missing or down ({leases} pods attached)", self.settings.bridge)));
         }
         let bridge_index = bridge.map(|b| b.index);
         let detached = nl
@@ -700,7 +728,7 @@ impl Datapath {
         if detached > 0 {
             return Err(CniError::new(
                 Code::NotAvailablePodsAffected,
-                format!("{detached} pod veth(s) are not attached to bridge {}", self.cfg.bridge),
+                format!("{detached} pod veth(s) are not attached to bridge {}", self.settings.bridge),
             ));
         }
         let free = self.ipam.free_by_family();
@@ -733,7 +761,7 @@ fn open_netns(path: &Path) -> Result<Netns, CniError> {
 /// owner: the content decides).
 fn queued_del_of(path: &Path, owner: &Owner) -> bool {
     let Ok(bytes) = std::fs::read(path) else { return false };
-    let Ok(w) = serde_json::from_slice::<crate::cni::wire::WireRequest>(&bytes) else { return false };
+    let Ok(w) = serde_json::from_slice::<crate::net::cni::wire::WireRequest>(&bytes) else { return false };
     let get = |k: &str| w.env.get(k).map(String::as_str);
     get("CNI_COMMAND") == Some("DEL")
         && get("CNI_CONTAINERID") == Some(owner.container_id.as_str())
@@ -755,7 +783,7 @@ impl Datapath {
     pub fn status_json(&self) -> serde_json::Value {
         let links = Netlink::open().and_then(|mut nl| nl.links()).unwrap_or_default();
         let by_name: HashMap<&str, &Link> = links.iter().map(|l| (l.name.as_str(), l)).collect();
-        let bridge = by_name.get(self.cfg.bridge.as_str()).copied();
+        let bridge = by_name.get(self.settings.bridge.as_str()).copied();
         let usage = self.ipam.block_usage();
         let mut leases = self.ipam.leases();
         leases.sort_by(|a, b| a.owner.cmp(&b.owner));
@@ -781,7 +809,7 @@ impl Datapath {
         serde_json::json!({
             "ready": self.ready(),
             "bridge": {
-                "name": self.cfg.bridge,
+                "name": self.settings.bridge,
                 "present": bridge.is_some(),
                 "up": bridge.is_some_and(|b| b.up),
                 "mac": bridge.and_then(|b| b.mac).map(|m| format_mac(&m)),

@@ -13,7 +13,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, channel, s
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::netlink::Netlink;
+use crate::sys::netlink::Netlink;
 
 /// Graveyard names: "npz" + 12 hex digits.
 pub const GRAVEYARD_PREFIX: &str = "npz";

@@ -9,7 +9,7 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 
-use crate::netlink::Netlink;
+use crate::sys::netlink::Netlink;
 
 const NSFS_MAGIC: i64 = 0x6e73_6673;
 
@@ -24,7 +24,7 @@ pub enum NetnsError {
     #[error("entering network namespace {path}: {source}")]
     Setns { path: PathBuf, source: io::Error },
     #[error(transparent)]
-    Netlink(#[from] crate::netlink::NetlinkError),
+    Netlink(#[from] crate::sys::netlink::NetlinkError),
 }
 
 /// An open network namespace (a file descriptor on nsfs).

@@ -7,9 +7,7 @@
 //! loop table); then it turns ready; only then does the registration socket appear, so
 //! kubelet never finds a plugin it cannot use.
 
-pub mod mount;
 pub mod node;
-pub mod volumes;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,9 +15,7 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
 use crate::rpc::csi;
-use crate::rpc::pluginregistration as reg;
 pub use node::{CsiError, NodeService, NodeSettings};
-pub use volumes::NodeVolumes;
 
 pub const DRIVER_NAME: &str = "csi.nodeplane.dev";
 pub const TOPOLOGY_KEY: &str = "topology.csi.nodeplane.dev/node";
@@ -212,41 +208,6 @@ impl csi::node_server::Node for Node {
     }
 }
 
-/// Kubelet plugin registration (`pluginregistration.Registration`); what kubelet answers
-/// goes into the registration book.
-#[derive(Clone)]
-pub struct Registration {
-    pub endpoint: PathBuf,
-    pub book: crate::kubelet::Registrations,
-}
-
-#[tonic::async_trait]
-impl reg::registration_server::Registration for Registration {
-    async fn get_info(&self, _: Request<reg::InfoRequest>) -> Result<Response<reg::PluginInfo>, Status> {
-        Ok(Response::new(reg::PluginInfo {
-            r#type: "CSIPlugin".into(),
-            name: DRIVER_NAME.into(),
-            endpoint: self.endpoint.to_string_lossy().into_owned(),
-            supported_versions: SUPPORTED_VERSIONS.iter().map(|s| s.to_string()).collect(),
-        }))
-    }
-    async fn notify_registration_status(
-        &self,
-        r: Request<reg::RegistrationStatus>,
-    ) -> Result<Response<reg::RegistrationStatusResponse>, Status> {
-        let r = r.into_inner();
-        if r.plugin_registered {
-            tracing::info!(driver = DRIVER_NAME, "kubelet registered the CSI plugin");
-            self.book.registered(DRIVER_NAME);
-        } else {
-            tracing::error!(driver = DRIVER_NAME, error = %r.error, "kubelet refused the CSI plugin registration");
-            let why = if r.error.is_empty() { "kubelet gave no reason".to_string() } else { r.error };
-            self.book.refused(DRIVER_NAME, why);
-        }
-        Ok(Response::new(reg::RegistrationStatusResponse {}))
-    }
-}
-
 /// Serve CSI Identity + Node, recover, then offer the registration socket to kubelet
 /// (recording in `book` what kubelet answers; `None`: a registrar sidecar registers the
 /// driver); until `shutdown` resolves. Sockets are removed on the way out (registration first).
@@ -258,7 +219,7 @@ pub async fn serve(
     let kubelet = svc.settings.kubelet_dir.clone();
     let csi_path = csi_socket(&kubelet);
     let reg_path = registration_socket(&kubelet);
-    let csi_listener = crate::util::bind_unix_socket(&csi_path).map_err(|e| format!("binding {}: {e}", csi_path.display()))?;
+    let csi_listener = crate::sys::fs::bind_unix_socket(&csi_path).map_err(|e| format!("binding {}: {e}", csi_path.display()))?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|v| *v).await;
@@ -288,19 +249,17 @@ pub async fn serve(
 
     let reg_task = match &book {
         Some(book) => {
-            let reg_listener =
-                crate::util::bind_unix_socket(&reg_path).map_err(|e| format!("binding {}: {e}", reg_path.display()))?;
-            let reg_server = tonic::transport::Server::builder()
-                .layer(crate::rpc::response_layer())
-                .add_service(reg::registration_server::RegistrationServer::new(Registration {
+            let registration = crate::kubelet::registration::Registration {
+                info: crate::kubelet::registration::PluginInfo {
+                    kind: crate::kubelet::Kind::Csi,
+                    plugin_type: "CSIPlugin",
+                    name: DRIVER_NAME.into(),
                     endpoint: csi_path.clone(),
-                    book: book.clone(),
-                }))
-                .serve_with_incoming_shutdown(crate::rpc::authority::incoming(reg_listener), stopped(stop_rx));
-            let task = tokio::spawn(reg_server);
-            book.served(crate::kubelet::Kind::Csi, DRIVER_NAME, reg_path.clone());
-            tracing::info!(socket = %reg_path.display(), "kubelet registration socket served");
-            Some(task)
+                    versions: SUPPORTED_VERSIONS.iter().map(|s| s.to_string()).collect(),
+                },
+                book: book.clone(),
+            };
+            Some(crate::kubelet::registration::serve(&reg_path, registration, stopped(stop_rx))?)
         }
         None => {
             // node-driver-registrar owns the registration socket and hears kubelet's answer.
@@ -332,7 +291,7 @@ mod tests {
     #[tokio::test]
     async fn not_ready_until_recovered() {
         let t = crate::util::TestDir::new("csi-ready");
-        let store = crate::volume::VolumeStore::open(&t.0.join("volumes"), 1 << 30).unwrap();
+        let store = crate::storage::store::VolumeStore::open(&t.0.join("volumes"), 1 << 30).unwrap();
         std::fs::create_dir_all(t.0.join("kubelet")).unwrap();
         let settings = NodeSettings {
             node_id: "n1".into(),

@@ -31,8 +31,8 @@
 //! on different volumes run in parallel, except the short capacity bookkeeping of create and
 //! expand.
 
-pub mod fs;
-pub mod loopdev;
+use crate::storage::fs;
+use crate::sys::loopdev;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
@@ -45,7 +45,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-pub use fs::FsError;
+pub use fs::{FsError, FsType, InvalidFsType};
 
 /// Sizes are whole MiB.
 pub const SIZE_ALIGN: u64 = 1 << 20;
@@ -86,51 +86,15 @@ pub enum VolumeError {
 
 pub type Result<T, E = VolumeError> = std::result::Result<T, E>;
 
+impl From<InvalidFsType> for VolumeError {
+    fn from(e: InvalidFsType) -> Self {
+        VolumeError::InvalidFsType(e.0)
+    }
+}
+
 fn io_err(op: &'static str, path: &Path) -> impl FnOnce(io::Error) -> VolumeError {
     let path = path.to_path_buf();
     move |source| VolumeError::Io { op, path, source }
-}
-
-/// What a volume holds: a filesystem made on first stage, or raw block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum FsType {
-    #[serde(rename = "ext4")]
-    Ext4,
-    #[serde(rename = "xfs")]
-    Xfs,
-    #[serde(rename = "")]
-    Raw,
-}
-
-impl FsType {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FsType::Ext4 => "ext4",
-            FsType::Xfs => "xfs",
-            FsType::Raw => "",
-        }
-    }
-    pub fn is_raw(self) -> bool {
-        self == FsType::Raw
-    }
-}
-
-impl std::str::FromStr for FsType {
-    type Err = VolumeError;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "ext4" => Ok(FsType::Ext4),
-            "xfs" => Ok(FsType::Xfs),
-            "" => Ok(FsType::Raw),
-            other => Err(VolumeError::InvalidFsType(other.to_string())),
-        }
-    }
-}
-
-impl std::fmt::Display for FsType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.is_raw() { "raw block" } else { self.as_str() })
-    }
 }
 
 /// One volume as its metadata file records it (plus where its image is).
@@ -246,7 +210,7 @@ fn classify(name: &str) -> Entry<'_> {
     if let Some(id) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".img.del")) {
         return Entry::DeleteTmp(id);
     }
-    // util::atomic_write's temporary: ".<name>.tmp<pid>"
+    // sys::fs::atomic_write's temporary: ".<name>.tmp<pid>"
     if name.starts_with('.')
         && let Some(pos) = name.rfind(".tmp")
         && name[pos + 4..].bytes().all(|b| b.is_ascii_digit())
@@ -728,7 +692,7 @@ fn write_meta(path: &Path, vol: &Volume) -> Result<()> {
     let mut data =
         serde_json::to_vec_pretty(vol).map_err(|source| VolumeError::Metadata { path: path.to_path_buf(), source })?;
     data.push(b'\n');
-    crate::util::atomic_write(path, &data, 0o600).map_err(io_err("writing", path))
+    crate::sys::fs::atomic_write(path, &data, 0o600).map_err(io_err("writing", path))
 }
 
 fn read_meta(path: &Path) -> Result<Volume> {

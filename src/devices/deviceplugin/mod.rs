@@ -9,8 +9,9 @@
 //! while kubelet is away. A slow timer (2 s) re-checks health for changes that make no
 //! inotify event (a node that cannot be opened any more).
 
-pub mod config;
 pub mod plugin;
+
+use crate::devices::config;
 
 use std::collections::{BTreeMap, HashSet};
 use std::os::fd::{AsFd, AsRawFd};
@@ -217,7 +218,7 @@ impl Manager {
         }
         let path = cdi_path(&self.s, &p.res);
         let body = serde_json::to_vec_pretty(&p.cdi_spec()).expect("CDI spec serialises");
-        if let Err(e) = std::fs::create_dir_all(&self.s.cdi_dir).and_then(|_| crate::util::atomic_write(&path, &body, 0o644)) {
+        if let Err(e) = std::fs::create_dir_all(&self.s.cdi_dir).and_then(|_| crate::sys::fs::atomic_write(&path, &body, 0o644)) {
             tracing::error!(file = %path.display(), error = %e, "writing CDI spec");
         }
     }
@@ -330,7 +331,7 @@ impl Manager {
 
 /// Bind and serve one plugin's socket.
 fn serve(plugin: Arc<Plugin>, sock: &Path, stop: watch::Receiver<bool>) -> std::io::Result<tokio::task::JoinHandle<()>> {
-    let listener = crate::util::bind_unix_socket(sock)?;
+    let listener = crate::sys::fs::bind_unix_socket(sock)?;
     let svc = plugin::Service { plugin, stop: stop.clone() };
     let mut stop2 = stop;
     Ok(tokio::spawn(async move {

@@ -581,7 +581,7 @@ impl Req {
 
 // ----- cross-node routes: VXLAN devices, routes with a protocol, neighbours, FDB -----
 //
-// Used by `crate::routes`. Everything below is additive: the functions above keep their
+// Used by `crate::net::routes`. Everything below is additive: the functions above keep their
 // signatures.
 
 use netlink_packet_route::link::InfoVxlan;

@@ -1,0 +1,81 @@
+//! The controller's records: what its backends store (nodes and their blocks, volumes) and
+//! the pools blocks are cut from. Plain data, below the registry (`store`), the volume book
+//! (`volumes`), the backends (`backend`, `kube`) and the configuration (`config`), which all
+//! use it: none of them needs another to name a record.
+
+use std::collections::BTreeMap;
+
+use ipnetwork::IpNetwork;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pool {
+    pub net: IpNetwork,
+    pub block_prefix: u8,
+}
+
+impl Pool {
+    /// How many blocks the pool holds (saturating).
+    pub fn block_count(&self) -> u128 {
+        let bits = (self.block_prefix - self.net.prefix()) as u32;
+        if bits >= 128 { u128::MAX } else { 1u128 << bits }
+    }
+    /// The n-th block of the pool.
+    pub fn block(&self, n: u128) -> IpNetwork {
+        let host_bits = if self.net.is_ipv4() { 32 } else { 128 } - self.block_prefix as u32;
+        match self.net.network() {
+            std::net::IpAddr::V4(a) => {
+                let base = u32::from(a) as u128 + (n << host_bits);
+                IpNetwork::new(std::net::Ipv4Addr::from(base as u32).into(), self.block_prefix).expect("valid prefix")
+            }
+            std::net::IpAddr::V6(a) => {
+                let off = if host_bits >= 128 { 0 } else { n << host_bits };
+                IpNetwork::new(std::net::Ipv6Addr::from(u128::from(a) + off).into(), self.block_prefix)
+                    .expect("valid prefix")
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub name: String,
+    pub underlay: Vec<String>,
+    #[serde(default)]
+    pub vtep_mac: String,
+    pub blocks: Vec<String>,
+}
+
+/// Node names follow Kubernetes object names (DNS-1123 subdomain).
+pub fn valid_node_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    !b.is_empty()
+        && b.len() <= 253
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'.')
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VolState {
+    Creating,
+    Ready,
+    Deleting,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeRecord {
+    pub id: String,
+    pub name: String,
+    pub node: String,
+    /// Desired size (grows with ControllerExpandVolume).
+    pub size_bytes: u64,
+    /// "ext4", "xfs" or "" (raw block).
+    pub fs_type: String,
+    pub state: VolState,
+    pub created_at: u64,
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+}
