@@ -75,7 +75,8 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix
     for p in problems {
         tracing::warn!("{p}");
     }
-    let reaper = reaper::Reaper::start().map_err(io_ctx("starting reaper"))?;
+    let kernel: Arc<dyn crate::net::datapath::NetKernel> = Arc::new(crate::sys::kernel::Kernel);
+    let reaper = reaper::Reaper::start(kernel.clone()).map_err(io_ctx("starting reaper"))?;
     let publish_cfg = cfg.clone();
     let publish: crate::net::datapath::Publish = Box::new(move || {
         if install::install_shim(&publish_cfg).map_err(|e| format!("installing shim: {e}"))? {
@@ -85,7 +86,7 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix
         tracing::info!(conflist = %publish_cfg.conflist_path().display(), "conflist written");
         Ok(())
     });
-    let dp = Arc::new(Datapath::new(cfg.net_settings(), ipam, reaper, publish));
+    let dp = Arc::new(Datapath::new(cfg.net_settings(), ipam, reaper, publish, kernel));
 
     let report = dp.reconcile(boot_changed).map_err(|e| AgentError::Setup(format!("reconcile: {}", e.msg)))?;
     for f in &report.freed {

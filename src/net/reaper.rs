@@ -8,12 +8,13 @@
 //! request, so the kernel pays the grace period once per batch instead of once per pod.
 //! The graveyard is plain kernel state: after a crash the next start finds it again.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, channel, sync_channel};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::sys::netlink::Netlink;
+use crate::sys::kernel::{Links, NetKernel};
 
 /// Graveyard names: "npz" + 12 hex digits.
 pub const GRAVEYARD_PREFIX: &str = "npz";
@@ -38,9 +39,10 @@ pub fn is_graveyard_name(name: &str) -> bool {
 }
 
 impl Reaper {
-    pub fn start() -> std::io::Result<Self> {
+    /// Start the reaper thread; it deletes the graveyard of `kernel`'s own namespace.
+    pub fn start(kernel: Arc<dyn NetKernel>) -> std::io::Result<Self> {
         let (tx, rx) = channel();
-        let thread = std::thread::Builder::new().name("veth-reaper".into()).spawn(move || run(rx))?;
+        let thread = std::thread::Builder::new().name("veth-reaper".into()).spawn(move || run(rx, kernel))?;
         let mut seed = [0u8; 8];
         crate::util::fill_random(&mut seed);
         Ok(Reaper {
@@ -71,9 +73,9 @@ impl Reaper {
 
 }
 
-fn delete_graveyard(nl: &mut Option<Netlink>) {
+fn delete_graveyard(kernel: &dyn NetKernel, nl: &mut Option<Box<dyn Links>>) {
     if nl.is_none() {
-        *nl = Netlink::open().map_err(|e| tracing::error!(error = %e, "reaper netlink")).ok();
+        *nl = kernel.host().map_err(|e| tracing::error!(error = %e, "reaper netlink")).ok();
     }
     if let Some(n) = nl.as_mut()
         && let Err(e) = n.delete_group(GRAVEYARD_GROUP) {
@@ -82,7 +84,7 @@ fn delete_graveyard(nl: &mut Option<Netlink>) {
         }
 }
 
-fn run(rx: Receiver<Msg>) {
+fn run(rx: Receiver<Msg>, kernel: Arc<dyn NetKernel>) {
     let mut nl = None;
     while let Ok(first) = rx.recv() {
         let mut waiters = Vec::new();
@@ -107,7 +109,7 @@ fn run(rx: Receiver<Msg>) {
             }
         }
         // Everything queued so far is in the group already: one request deletes it all.
-        delete_graveyard(&mut nl);
+        delete_graveyard(&*kernel, &mut nl);
         tracing::debug!(batch, "reaped graveyard");
         for w in waiters {
             let _ = w.send(());

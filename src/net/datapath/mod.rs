@@ -4,7 +4,6 @@
 //! switching only ever happens inside [`crate::sys::netns::netlink_in`].
 
 use std::collections::{HashMap, HashSet};
-use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -15,8 +14,10 @@ use crate::net::cni::request::Request;
 use crate::net::cni::result::{Dns, Interface, IpConfig, ResultModel, Route};
 use crate::net::cni::{CniError, Code};
 use crate::net::ipam::{Ipam, IpamError, Lease, LeaseState, Owner};
-use crate::sys::netlink::{Link, Netlink, NetlinkError, Req, VethSpec, format_mac, random_mac};
-use crate::sys::netns::{Netns, NetnsError};
+pub use crate::sys::kernel::NetKernel;
+use crate::sys::kernel::{LinkStep, Links, PodNetns, Veth};
+use crate::sys::netlink::{Link, NetlinkError, format_mac, random_mac};
+use crate::sys::netns::NetnsError;
 use crate::obs::doctor::{Finding, Repair};
 
 /// Host-side veth name of an attachment: "np" + 13 hex digits of a stable hash.
@@ -127,6 +128,7 @@ pub struct Datapath {
     ipam: Ipam,
     reaper: Reaper,
     publish: Publish,
+    kernel: Arc<dyn NetKernel>,
     bridge: Mutex<Option<BridgeInfo>>,
     locks: KeyedLocks,
     /// Cluster ranges exempt from masquerade (configuration, or the controller's pools).
@@ -145,13 +147,14 @@ pub struct ReconcileReport {
 }
 
 impl Datapath {
-    pub fn new(settings: Settings, ipam: Ipam, reaper: Reaper, publish: Publish) -> Self {
+    pub fn new(settings: Settings, ipam: Ipam, reaper: Reaper, publish: Publish, kernel: Arc<dyn NetKernel>) -> Self {
         let cluster = settings.cluster_cidrs.clone();
         Datapath {
             settings,
             ipam,
             reaper,
             publish,
+            kernel,
             bridge: Mutex::new(None),
             locks: KeyedLocks::default(),
             cluster_cidrs: Mutex::new(cluster),
@@ -213,12 +216,12 @@ impl Datapath {
     /// Create (or adopt) the node bridge with one gateway address per block, and turn on
     /// forwarding in the agent's own network namespace.
     pub fn ensure_bridge(&self) -> Result<(), CniError> {
-        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         let name = &self.settings.bridge;
         let link = match nl.link_by_name(name).map_err(|e| netlink_err("bridge lookup", e))? {
             Some(l) => l,
             None => {
-                match nl.create_bridge(name, None) {
+                match nl.create_bridge(name) {
                     Ok(()) => {}
                     Err(e) if e.is(libc::EEXIST) => {}
                     Err(e) => return Err(netlink_err(&format!("creating bridge {name}"), e)),
@@ -243,10 +246,10 @@ impl Datapath {
             // usable at once, not tentative for a second or two of duplicate detection (which
             // only starts at link up, so this goes first).
             let key = format!("net.ipv6.conf.{name}.accept_dad");
-            if let Err(e) = crate::sys::netns::write_sysctl(&key, "0") {
+            if let Err(e) = self.kernel.write_sysctl(&key, "0") {
                 tracing::warn!(error = %e, "could not turn off DAD on the bridge");
             }
-            nl.set_link(link.index, Some(true), None, None).map_err(|e| netlink_err("bridge up", e))?;
+            nl.set_link(link.index, Some(true), None, None, None).map_err(|e| netlink_err("bridge up", e))?;
         }
         let have = nl.addresses(Some(link.index)).map_err(|e| netlink_err("bridge addresses", e))?;
         for block in self.ipam.blocks() {
@@ -280,14 +283,14 @@ impl Datapath {
                 let Some(port) = nl.link_by_name(&lease.host_if).map_err(|e| netlink_err("lookup", e))? else {
                     return Ok(());
                 };
-                nl.set_link(port.index, Some(true), Some(link.index), None)
+                nl.set_link(port.index, Some(true), Some(link.index), None, None)
                     .map_err(|e| netlink_err(&format!("re-attaching {} to {name}", port.name), e))?;
                 tracing::warn!(host_if = %port.name, bridge = %name, "re-attached pod veth to the bridge");
                 Ok(())
             })?;
         }
         for key in ["net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"] {
-            crate::sys::netns::write_sysctl(key, "1").map_err(|e| CniError::new(Code::Io, e.to_string()))?;
+            self.kernel.write_sysctl(key, "1").map_err(|e| CniError::new(Code::Io, e.to_string()))?;
         }
         let mac = link.mac.unwrap_or_default();
         *self.bridge.lock().unwrap() = Some(BridgeInfo { index: link.index, mac });
@@ -305,7 +308,7 @@ impl Datapath {
     /// Bring leases and kernel state back in line after a start (crash, upgrade, reboot).
     pub fn reconcile(&self, boot_changed: bool) -> Result<ReconcileReport, CniError> {
         let mut report = ReconcileReport::default();
-        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         let links = nl.links().map_err(|e| netlink_err("listing links", e))?;
         let by_name: HashMap<&str, &Link> = links.iter().map(|l| (l.name.as_str(), l)).collect();
         let mut keep_links = HashSet::new();
@@ -314,7 +317,7 @@ impl Datapath {
                 Some("node rebooted")
             } else if lease.state != LeaseState::Ready {
                 Some("ADD never completed")
-            } else if !netns_matches(&lease) {
+            } else if !self.netns_matches(&lease) {
                 Some("pod network namespace is gone")
             } else if !by_name.contains_key(lease.host_if.as_str()) {
                 Some("host veth is gone")
@@ -340,7 +343,7 @@ impl Datapath {
         for link in &links {
             let ours = is_host_ifname(&link.name) && !keep_links.contains(&link.name);
             if ours || is_graveyard_name(&link.name) || link.group == GRAVEYARD_GROUP {
-                self.retire_link(&mut nl, link)?;
+                self.retire_link(&mut *nl, link)?;
                 report.reaped_links += 1;
             }
         }
@@ -350,15 +353,15 @@ impl Datapath {
     /// Retire a host veth: down, off the bridge and into the graveyard group in one
     /// synchronous request (the old address is unreachable from then on), then renamed out
     /// of the way; the reaper deletes the graveyard in batches.
-    fn retire_link(&self, nl: &mut Netlink, link: &Link) -> Result<(), CniError> {
-        match nl.set_link_group(link.index, Some(false), Some(0), None, Some(GRAVEYARD_GROUP)) {
+    fn retire_link(&self, nl: &mut dyn Links, link: &Link) -> Result<(), CniError> {
+        match nl.set_link(link.index, Some(false), Some(0), None, Some(GRAVEYARD_GROUP)) {
             Ok(()) => {}
             Err(e) if e.is(libc::ENODEV) => return Ok(()),
             Err(e) => return Err(netlink_err(&format!("detaching {}", link.name), e)),
         }
         if !is_graveyard_name(&link.name) {
             for _ in 0..8 {
-                match nl.set_link(link.index, None, None, Some(&self.reaper.next_name())) {
+                match nl.set_link(link.index, None, None, Some(&self.reaper.next_name()), None) {
                     Ok(()) => break,
                     Err(e) if e.is(libc::EEXIST) => continue,
                     Err(e) if e.is(libc::ENODEV) => return Ok(()),
@@ -399,7 +402,7 @@ impl Datapath {
             ));
         }
         let netns_path = req.netns.as_deref().expect("validated: ADD has CNI_NETNS");
-        let netns = open_netns(netns_path)?;
+        let netns = self.open_netns(netns_path)?;
         let host_if = host_ifname(owner);
         let lease_template = Lease {
             owner: owner.clone(),
@@ -422,17 +425,17 @@ impl Datapath {
         .map_err(ipam_err)?;
         let lease = reservation.lease.clone();
         let mtu = req.conf.mtu.unwrap_or(self.settings.mtu);
-        let mut nl = match Netlink::open() {
+        let mut nl = match self.kernel.host() {
             Ok(nl) => nl,
             Err(e) => {
                 let _ = self.ipam.release(owner);
                 return Err(netlink_err("netlink", e));
             }
         };
-        match self.plumb(&mut nl, &netns, req, &host_if, &lease, mtu) {
+        match self.plumb(&mut *nl, &*netns, req, &host_if, &lease, mtu) {
             Ok((result, cookie)) => {
                 self.ipam.commit(reservation, cookie).map_err(ipam_err).inspect_err(|_| {
-                    self.undo_add(&mut nl, owner, &host_if);
+                    self.undo_add(&mut *nl, owner, &host_if);
                 })?;
                 tracing::info!(
                     container = %owner.container_id, ifname = %owner.ifname, pod = %lease.pod,
@@ -444,13 +447,13 @@ impl Datapath {
                 })
             }
             Err(e) => {
-                self.undo_add(&mut nl, owner, &host_if);
+                self.undo_add(&mut *nl, owner, &host_if);
                 Err(e)
             }
         }
     }
 
-    fn undo_add(&self, nl: &mut Netlink, owner: &Owner, host_if: &str) {
+    fn undo_add(&self, nl: &mut dyn Links, owner: &Owner, host_if: &str) {
         if let Ok(Some(link)) = nl.link_by_name(host_if)
             && let Err(e) = self.retire_link(nl, &link) {
                 tracing::warn!(error = %e, host_if, "rolling back veth");
@@ -464,8 +467,8 @@ impl Datapath {
     /// namespace's cookie.
     fn plumb(
         &self,
-        nl: &mut Netlink,
-        netns: &Netns,
+        nl: &mut dyn Links,
+        netns: &dyn PodNetns,
         req: &Request,
         host_if: &str,
         lease: &Lease,
@@ -474,12 +477,12 @@ impl Datapath {
         let bridge = self.bridge()?;
         let host_mac = random_mac();
         let peer_mac = random_mac();
-        let mut spec = VethSpec {
+        let mut spec = Veth {
             host_name: host_if,
             host_mac,
             peer_name: &req.ifname,
             peer_mac,
-            peer_netns: netns.as_fd(),
+            peer: netns,
             mtu,
             master: Some(bridge.index),
         };
@@ -496,7 +499,7 @@ impl Datapath {
                         nl.delete_link(stale.index).map_err(|e| netlink_err("removing stale veth", e))?;
                         continue;
                     }
-                    let pnl = pod_nl.get_or_insert(netns.netlink().map_err(netns_err)?);
+                    let pnl = pod_nl.get_or_insert(netns.links().map_err(netns_err)?);
                     if pnl.link_by_name(&req.ifname).map_err(|e| netlink_err("lookup", e))?.is_some() {
                         // Maybe the old end of a veth we just retired: let the reaper finish.
                         self.reaper.flush();
@@ -522,7 +525,7 @@ impl Datapath {
         }
         let mut pod_nl = match pod_nl {
             Some(p) => p,
-            None => netns.netlink().map_err(netns_err)?,
+            None => netns.links().map_err(netns_err)?,
         };
         let peer = pod_nl
             .link_by_name(&req.ifname)
@@ -530,22 +533,22 @@ impl Datapath {
             .ok_or_else(|| internal("veth", format!("{} missing in pod after creation", req.ifname)))?;
         // One batch: lo up (always ifindex 1 in a namespace), the interface up, then its
         // addresses and default routes. Addresses precede the routes that need them.
-        let mut reqs = vec![Req::link_up(1, true), Req::link_up(peer.index, true)];
+        let mut reqs = vec![LinkStep::Up { index: 1 }, LinkStep::Up { index: peer.index }];
         let mut ips = Vec::new();
         let mut routes = Vec::new();
         for ip in &lease.ips {
-            reqs.push(Req::add_address(peer.index, ip.ip(), ip.prefix()));
+            reqs.push(LinkStep::Address { index: peer.index, ip: ip.ip(), prefix: ip.prefix() });
         }
         for ip in &lease.ips {
             let block = self.ipam.block_of(ip.ip()).ok_or_else(|| internal("ipam", format!("{ip} has no block")))?;
             let gw = block.gateway();
-            reqs.push(Req::add_route(None, Some(gw), peer.index, ip.is_ipv6()));
+            reqs.push(LinkStep::DefaultRoute { gateway: gw, oif: peer.index });
             ips.push(IpConfig { address: *ip, gateway: Some(gw), interface: Some(2) });
             let any = if ip.is_ipv4() { "0.0.0.0/0" } else { "::/0" };
             routes.push(Route { dst: any.parse().expect("literal"), gw: Some(gw) });
         }
         pod_nl
-            .batch(reqs)
+            .apply(&reqs)
             .map_err(|e| netlink_err(&format!("configuring {} in {}", req.ifname, netns.path().display()), e))?;
         let conf_dns = req.conf.dns.clone().unwrap_or_default();
         let result = ResultModel {
@@ -573,10 +576,10 @@ impl Datapath {
 
     fn del_locked(&self, owner: &Owner) -> Result<(), CniError> {
         let host_if = self.ipam.get(owner).map(|l| l.host_if).unwrap_or_else(|| host_ifname(owner));
-        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         // Detach first: once this returns, the old address is off the bridge.
         if let Some(link) = nl.link_by_name(&host_if).map_err(|e| netlink_err("lookup", e))? {
-            self.retire_link(&mut nl, &link)?;
+            self.retire_link(&mut *nl, &link)?;
         }
         let released = self.ipam.release(owner).map_err(ipam_err)?;
         let pending = self.settings.pending_delete_dir.join(crate::net::shim::pending_file_name(&owner.container_id, &owner.ifname));
@@ -620,8 +623,8 @@ impl Datapath {
                 return fail(format!("prevResult address {ip} is not leased to {}/{}", owner.container_id, owner.ifname));
             }
         }
-        let netns = open_netns(netns_path)?;
-        let mut pod_nl = netns.netlink().map_err(netns_err)?;
+        let netns = self.open_netns(netns_path)?;
+        let mut pod_nl = netns.links().map_err(netns_err)?;
         let ns = netns_path.display();
         let Some(peer) = pod_nl.link_by_name(&req.ifname).map_err(|e| netlink_err("lookup", e))? else {
             return fail(format!("interface {} not found in network namespace {ns}", req.ifname));
@@ -650,7 +653,7 @@ impl Datapath {
                 return fail(format!("default route via {} on {} is missing in {ns}", gw.map(|g| g.to_string()).unwrap_or_default(), req.ifname));
             }
         }
-        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         let Some(host) = nl.link_by_name(&lease.host_if).map_err(|e| netlink_err("lookup", e))? else {
             return fail(format!("host veth {} is missing", lease.host_if));
         };
@@ -693,10 +696,10 @@ impl Datapath {
         }
         // Host-side leftovers that no lease explains.
         let held: HashSet<String> = self.ipam.leases().into_iter().map(|l| l.host_if).collect();
-        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         let links = nl.links().map_err(|e| netlink_err("listing links", e))?;
         for link in links.iter().filter(|l| is_host_ifname(&l.name) && !held.contains(&l.name)) {
-            if let Err(e) = self.retire_link(&mut nl, link) {
+            if let Err(e) = self.retire_link(&mut *nl, link) {
                 errors.push(e.msg);
             }
         }
@@ -711,7 +714,7 @@ impl Datapath {
     pub fn status(&self) -> Result<(), CniError> {
         let held: HashSet<String> = self.ipam.leases().into_iter().map(|l| l.host_if).collect();
         let leases = held.len();
-        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         let bridge = nl.link_by_name(&self.settings.bridge).map_err(|e| netlink_err("lookup", e))?;
         let bridge_ok = bridge.as_ref().is_some_and(|b| b.up);
         if !bridge_ok {
@@ -753,9 +756,6 @@ fn netns_err(e: NetnsError) -> CniError {
     }
 }
 
-fn open_netns(path: &Path) -> Result<Netns, CniError> {
-    Netns::open(path).map_err(netns_err)
-}
 
 /// Whether `path` is a DEL the shim queued for `owner` (the file name is a hash of the
 /// owner: the content decides).
@@ -768,10 +768,6 @@ fn queued_del_of(path: &Path, owner: &Owner) -> bool {
         && get("CNI_IFNAME") == Some(owner.ifname.as_str())
 }
 
-/// Is the lease's namespace still the one it was made in? (Not knowing counts as no.)
-fn netns_matches(lease: &Lease) -> bool {
-    matches!(netns_check(lease), NetnsCheck::Same)
-}
 
 /// Orphan kinds (the `kind` of a [`Finding`]).
 pub const VETH_WITHOUT_LEASE: &str = "veth-without-lease";
@@ -781,7 +777,7 @@ pub const LEASE_WITHOUT_VETH: &str = "lease-without-veth";
 impl Datapath {
     /// The attachments as the leases and the kernel show them, for `nodeplane status`.
     pub fn status_json(&self) -> serde_json::Value {
-        let links = Netlink::open().and_then(|mut nl| nl.links()).unwrap_or_default();
+        let links = self.kernel.host().and_then(|mut nl| nl.links()).unwrap_or_default();
         let by_name: HashMap<&str, &Link> = links.iter().map(|l| (l.name.as_str(), l)).collect();
         let bridge = by_name.get(self.settings.bridge.as_str()).copied();
         let usage = self.ipam.block_usage();
@@ -798,7 +794,7 @@ impl Datapath {
                     "state": l.state,
                     "ips": l.ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>(),
                     "netns": l.netns,
-                    "netnsPresent": l.state != LeaseState::Ready || netns_matches(l),
+                    "netnsPresent": l.state != LeaseState::Ready || self.netns_matches(l),
                     "hostIf": l.host_if,
                     "hostIfPresent": veth.is_some(),
                     "hostIfOnBridge": veth.is_some_and(|v| v.up && bridge.is_some() && v.master == bridge.map(|b| b.index)),
@@ -846,14 +842,14 @@ impl Datapath {
                 let mut f = if lease.state != LeaseState::Ready {
                     Finding::new(LEASE_WITHOUT_POD, subject.clone(), detail("its ADD never completed"))
                 } else {
-                    match netns_check(&lease) {
+                    match self.netns_check(&lease) {
                         NetnsCheck::Gone(why) => Finding::new(LEASE_WITHOUT_POD, subject.clone(), detail(why)),
                         // Could not tell (EACCES from an LSM, EMFILE, …): never a reason to
                         // take a pod's network away.
                         NetnsCheck::Unknown(e) => return Some(Err(format!("{subject}: could not check its namespace: {e}"))),
                         NetnsCheck::Same => {
                             let present =
-                                Netlink::open().and_then(|mut nl| nl.link_by_name(&lease.host_if)).ok().flatten().is_some();
+                                self.kernel.host().and_then(|mut nl| nl.link_by_name(&lease.host_if)).ok().flatten().is_some();
                             if present {
                                 return None;
                             }
@@ -888,7 +884,7 @@ impl Datapath {
         }
         // Host veths that no lease explains, judged after the leases (a repaired lease's veth
         // is in the graveyard by now, not here).
-        let mut nl = Netlink::open().map_err(|e| netlink_err("netlink", e))?;
+        let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         let links = nl.links().map_err(|e| netlink_err("listing links", e))?;
         let held: HashSet<String> = self.ipam.leases().into_iter().map(|l| l.host_if).collect();
         for link in links.iter().filter(|l| is_host_ifname(&l.name)) {
@@ -906,7 +902,7 @@ impl Datapath {
                 format!("host-side veth (ifindex {}) that no lease holds", link.index),
             );
             if repair {
-                f.repair = Some(match self.retire_link(&mut nl, link) {
+                f.repair = Some(match self.retire_link(&mut *nl, link) {
                     Ok(()) => Repair::Done("detached and deleted".into()),
                     Err(e) => Repair::Failed(e.msg),
                 });
@@ -940,31 +936,42 @@ enum NetnsCheck {
     Unknown(String),
 }
 
-/// Whether the lease's namespace is still the one it was made in, telling "gone" from "could
-/// not look" (the doctor repairs only the first). Same inode is not proof (inode numbers are
-/// reused); the cookie is.
-fn netns_check(lease: &Lease) -> NetnsCheck {
-    let ns = match Netns::open(Path::new(&lease.netns)) {
-        Ok(ns) => ns,
-        Err(NetnsError::NotFound(_)) => return NetnsCheck::Gone("its pod network namespace is gone"),
-        Err(NetnsError::NotNetns(_)) => return NetnsCheck::Gone("its netns path is no network namespace any more"),
-        Err(e) => return NetnsCheck::Unknown(e.to_string()),
-    };
-    if lease.netns_inode != 0 {
-        match ns.inode() {
-            Ok(i) if i == lease.netns_inode => {}
-            Ok(_) => return NetnsCheck::Gone("its netns path now holds another namespace"),
+impl Datapath {
+    fn open_netns(&self, path: &Path) -> Result<Box<dyn PodNetns>, CniError> {
+        self.kernel.open_netns(path).map_err(netns_err)
+    }
+
+    /// Is the lease's namespace still the one it was made in? (Not knowing counts as no.)
+    fn netns_matches(&self, lease: &Lease) -> bool {
+        matches!(self.netns_check(lease), NetnsCheck::Same)
+    }
+
+    /// Whether the lease's namespace is still the one it was made in, telling "gone" from "could
+    /// not look" (the doctor repairs only the first). Same inode is not proof (inode numbers are
+    /// reused); the cookie is.
+    fn netns_check(&self, lease: &Lease) -> NetnsCheck {
+        let ns = match self.kernel.open_netns(Path::new(&lease.netns)) {
+            Ok(ns) => ns,
+            Err(NetnsError::NotFound(_)) => return NetnsCheck::Gone("its pod network namespace is gone"),
+            Err(NetnsError::NotNetns(_)) => return NetnsCheck::Gone("its netns path is no network namespace any more"),
             Err(e) => return NetnsCheck::Unknown(e.to_string()),
+        };
+        if lease.netns_inode != 0 {
+            match ns.inode() {
+                Ok(i) if i == lease.netns_inode => {}
+                Ok(_) => return NetnsCheck::Gone("its netns path now holds another namespace"),
+                Err(e) => return NetnsCheck::Unknown(e.to_string()),
+            }
         }
-    }
-    if lease.netns_cookie == 0 {
-        return NetnsCheck::Same;
-    }
-    match ns.netlink().map(|nl| nl.netns_cookie()) {
-        Ok(0) => NetnsCheck::Unknown("the namespace cookie could not be read".into()),
-        Ok(c) if c == lease.netns_cookie => NetnsCheck::Same,
-        Ok(_) => NetnsCheck::Gone("its netns path now holds another namespace (same inode, other cookie)"),
-        Err(e) => NetnsCheck::Unknown(e.to_string()),
+        if lease.netns_cookie == 0 {
+            return NetnsCheck::Same;
+        }
+        match ns.links().map(|nl| nl.netns_cookie()) {
+            Ok(0) => NetnsCheck::Unknown("the namespace cookie could not be read".into()),
+            Ok(c) if c == lease.netns_cookie => NetnsCheck::Same,
+            Ok(_) => NetnsCheck::Gone("its netns path now holds another namespace (same inode, other cookie)"),
+            Err(e) => NetnsCheck::Unknown(e.to_string()),
+        }
     }
 }
 
@@ -1003,3 +1010,6 @@ mod tests {
         assert_eq!(pod_label_of(""), "");
     }
 }
+
+#[cfg(test)]
+mod fake_kernel_tests;
