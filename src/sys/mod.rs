@@ -1,10 +1,12 @@
 //! Kernel primitives, without policy: rtnetlink (`netlink`), network namespace handles
 //! entered on short-lived threads (`netns`), the mount table and descriptor-based mounts
-//! (`mount`), loop devices (`loopdev`), capability dropping (`caps`). Nothing here knows
-//! about pods, volumes or devices; nothing here imports anything above it.
+//! (`mount`), loop devices (`loopdev`), filesystem tools (`fstools`: blkid, mkfs, grow),
+//! capability dropping (`caps`). Nothing here knows about pods or devices; nothing here
+//! imports anything above it.
 
 pub mod caps;
 pub mod fs;
+pub mod fstools;
 pub mod loopdev;
 pub mod mount;
 pub mod netlink;
