@@ -1303,6 +1303,10 @@ mod tests {
     }
 }
 
+#[cfg(test)]
+#[path = "node_tests.rs"]
+mod node_tests;
+
 // ----- status and doctor (`nodeplane status`, `nodeplane doctor`) -----
 
 use crate::obs::doctor::{Finding, Repair};
