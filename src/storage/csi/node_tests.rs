@@ -874,3 +874,41 @@ fn stats_and_expand_of_a_staged_volume() {
     assert_eq!(e.fake.device_size(Path::new("/dev/loop0")).unwrap(), 96 * MIB, "loop device grown online");
     assert_eq!(e.fake.filesystem_of(&img), Some(("ext4".into(), 96 * MIB)), "filesystem grown online");
 }
+
+// ----- doctor -----
+
+#[test]
+fn doctor_repairs_what_no_record_accounts_for_and_leaves_the_rest() {
+    use crate::obs::doctor::Repair;
+    let e = Env::new("doctor");
+    // A healthy volume: staged and published.
+    e.volume("ok", FsType::Ext4);
+    let s_ok = e.staging("ok");
+    e.stage("ok", &s_ok, mount_cap("ext4", &[])).unwrap();
+    let t = e.target("pod1", "ok");
+    e.publish("ok", &t, &s_ok, mount_cap("ext4", &[]), false).unwrap();
+    // A leaked one: attached and mounted where no record says.
+    e.volume("leak", FsType::Ext4);
+    let dev = e.svc.store.attach("leak").unwrap();
+    e.fake.mkfs(&dev, FsType::Ext4).unwrap();
+    let stray = e.kubelet().join("stray");
+    std::fs::create_dir(&stray).unwrap();
+    e.fake.mount_device(&dev, e.kubelet(), &stray, "ext4", &MountOptions::default()).unwrap();
+
+    let (found, skipped) = e.svc.doctor(false).unwrap();
+    assert!(skipped.is_empty(), "{skipped:?}");
+    let kinds: Vec<(&str, String)> = found.iter().map(|f| (f.kind, f.subject.clone())).collect();
+    assert_eq!(kinds, vec![(MOUNT_WITHOUT_VOLUME, s(&stray))], "{found:#?}");
+    assert!(found[0].repair.is_none());
+    assert_eq!(e.fake.mounts_at(&stray).len(), 1, "a report changes nothing");
+
+    let (found, _) = e.svc.doctor(true).unwrap();
+    let kinds: Vec<&str> = found.iter().map(|f| f.kind).collect();
+    assert_eq!(kinds, vec![MOUNT_WITHOUT_VOLUME, LOOP_WITHOUT_USER], "{found:#?}");
+    assert!(found.iter().all(|f| matches!(f.repair, Some(Repair::Done(_)))), "{found:#?}");
+    assert!(e.fake.mounts_at(&stray).is_empty());
+    let left: Vec<PathBuf> = e.attached().into_iter().map(|a| a.backing).collect();
+    assert_eq!(left, vec![e.svc.store.image_path("ok").unwrap()], "only the healthy volume's device stays");
+    assert_eq!((e.fake.mounts_at(&s_ok).len(), e.fake.mounts_at(&t).len()), (1, 1));
+    assert_eq!(e.svc.doctor(true).unwrap().0.len(), 0);
+}
