@@ -347,9 +347,8 @@ impl VolumeKernel for FakeKernel {
         fs_type: &str,
         opts: &MountOptions,
     ) -> Result<(), MountError> {
-        let mut st = self
-            .enter("mount_device", &[&dev.display(), &target.display(), &fs_type])
-            .map_err(MountError::Mount)?;
+        let mut st =
+            self.enter("mount_device", &[&dev.display(), &target.display(), &fs_type]).map_err(MountError::Mount)?;
         check_beneath(root, target).map_err(MountError::Target)?;
         let (n, l) = st.bound(dev).ok_or(MountError::Mount(Errno::ENOENT))?;
         let read_only = opts.flags.contains(MsFlags::MS_RDONLY);
@@ -378,9 +377,8 @@ impl VolumeKernel for FakeKernel {
     }
 
     fn bind_device(&self, dev: &Path, root: &Path, target: &Path, read_only: bool) -> Result<(), MountError> {
-        let mut st = self
-            .enter("bind_device", &[&dev.display(), &target.display(), &read_only])
-            .map_err(MountError::Mount)?;
+        let mut st =
+            self.enter("bind_device", &[&dev.display(), &target.display(), &read_only]).map_err(MountError::Mount)?;
         check_beneath(root, target).map_err(MountError::Target)?;
         let n = loop_number(dev).filter(|n| st.nodes.contains(n)).ok_or(MountError::Mount(Errno::ENOENT))?;
         st.push(MountEntry {
@@ -406,9 +404,8 @@ impl VolumeKernel for FakeKernel {
         read_only: bool,
         flags: MsFlags,
     ) -> Result<(), MountError> {
-        let mut st = self
-            .enter("bind_dir", &[&source.display(), &target.display(), &read_only])
-            .map_err(MountError::Mount)?;
+        let mut st =
+            self.enter("bind_dir", &[&source.display(), &target.display(), &read_only]).map_err(MountError::Mount)?;
         check_beneath(root, source).map_err(MountError::Source)?;
         check_beneath(root, target).map_err(MountError::Target)?;
         let from = st.holding(source).clone();
@@ -434,11 +431,7 @@ impl VolumeKernel for FakeKernel {
         let st = self.enter("statvfs", &[&path.display()])?;
         let m = st.holding(path);
         let size = if m.major == LOOP_MAJOR {
-            st.loops
-                .get(&m.minor)
-                .and_then(|l| st.contents.get(&(l.st_dev, l.st_ino)))
-                .map(|c| c.size)
-                .unwrap_or(0)
+            st.loops.get(&m.minor).and_then(|l| st.contents.get(&(l.st_dev, l.st_ino))).map(|c| c.size).unwrap_or(0)
         } else {
             1 << 40
         };
@@ -557,7 +550,8 @@ impl VolumeKernel for FakeKernel {
 
     fn mkfs(&self, dev: &Path, fs: FsType) -> Result<(), FsError> {
         let tool = format!("mkfs.{}", fs.as_str());
-        let mut st = self.enter("mkfs", &[&dev.display(), &fs.as_str()]).map_err(|e| tool_failed(&tool, dev, e.desc()))?;
+        let mut st =
+            self.enter("mkfs", &[&dev.display(), &fs.as_str()]).map_err(|e| tool_failed(&tool, dev, e.desc()))?;
         if fs.is_raw() {
             return Err(FsError::Raw("make"));
         }
@@ -571,21 +565,23 @@ impl VolumeKernel for FakeKernel {
     }
 
     fn fs_size(&self, dev: &Path, fs: FsType) -> Result<Option<u64>, FsError> {
-        let st = self.enter("fs_size", &[&dev.display(), &fs.as_str()]).map_err(|e| FsError::Io {
-            path: dev.display().to_string(),
-            source: os(e),
-        })?;
+        let st = self
+            .enter("fs_size", &[&dev.display(), &fs.as_str()])
+            .map_err(|e| FsError::Io { path: dev.display().to_string(), source: os(e) })?;
         if fs.is_raw() {
             return Err(FsError::Raw("measure"));
         }
-        let id = st.contents_of(dev).ok_or_else(|| FsError::Io { path: dev.display().to_string(), source: os(Errno::ENOENT) })?;
+        let id = st
+            .contents_of(dev)
+            .ok_or_else(|| FsError::Io { path: dev.display().to_string(), source: os(Errno::ENOENT) })?;
         Ok(st.contents.get(&id).filter(|c| c.fs_type == fs.as_str()).map(|c| c.size))
     }
 
     fn grow_fs(&self, dev_or_mountpoint: &Path, fs: FsType) -> Result<(), FsError> {
         let p = dev_or_mountpoint;
         let tool = if fs == FsType::Xfs { "xfs_growfs" } else { "resize2fs" };
-        let mut st = self.enter("grow_fs", &[&p.display(), &fs.as_str()]).map_err(|e| tool_failed(tool, p, e.desc()))?;
+        let mut st =
+            self.enter("grow_fs", &[&p.display(), &fs.as_str()]).map_err(|e| tool_failed(tool, p, e.desc()))?;
         let n = match fs {
             FsType::Raw => return Err(FsError::Raw("grow")),
             FsType::Ext4 => st.bound(p).map(|(n, _)| n).ok_or_else(|| FsError::Io {

@@ -52,15 +52,27 @@ pub trait VolumeKernel: Send + Sync {
 
     /// Mount the filesystem on `dev` at `target`, opened beneath `root` without following
     /// any symlink.
-    fn mount_device(&self, dev: &Path, root: &Path, target: &Path, fs_type: &str, opts: &MountOptions)
-    -> Result<(), MountError>;
+    fn mount_device(
+        &self,
+        dev: &Path,
+        root: &Path,
+        target: &Path,
+        fs_type: &str,
+        opts: &MountOptions,
+    ) -> Result<(), MountError>;
     /// Bind-mount the device node `dev` onto the file `target` (opened beneath `root`),
     /// read-only when asked (raw block publication).
     fn bind_device(&self, dev: &Path, root: &Path, target: &Path, read_only: bool) -> Result<(), MountError>;
     /// Bind-mount `source` onto `target`, both opened beneath `root`, then apply
     /// `read_only` and the per-mount `flags` (filesystem publication).
-    fn bind_dir(&self, root: &Path, source: &Path, target: &Path, read_only: bool, flags: MsFlags)
-    -> Result<(), MountError>;
+    fn bind_dir(
+        &self,
+        root: &Path,
+        source: &Path,
+        target: &Path,
+        read_only: bool,
+        flags: MsFlags,
+    ) -> Result<(), MountError>;
     /// Unmount the topmost mount on `path` (`UMOUNT_NOFOLLOW`).
     fn unmount(&self, path: &Path) -> nix::Result<()>;
     fn statvfs(&self, path: &Path) -> nix::Result<FsStats>;
@@ -136,7 +148,8 @@ impl VolumeKernel for Kernel {
     ) -> Result<(), MountError> {
         let from = Beneath::open(root, source).map_err(MountError::Source)?;
         let at = Beneath::open(root, target).map_err(MountError::Target)?;
-        super::mount::bind_mount(&from.proc_path(), &at.proc_path(), target, read_only, flags).map_err(MountError::Mount)
+        super::mount::bind_mount(&from.proc_path(), &at.proc_path(), target, read_only, flags)
+            .map_err(MountError::Mount)
     }
 
     fn unmount(&self, path: &Path) -> nix::Result<()> {

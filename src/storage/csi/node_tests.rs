@@ -95,7 +95,14 @@ impl Env {
         self.svc.unstage(&csi::NodeUnstageVolumeRequest { volume_id: id.into(), staging_target_path: s(staging) })
     }
 
-    fn publish(&self, id: &str, target: &Path, staging: &Path, cap: csi::VolumeCapability, readonly: bool) -> Result<()> {
+    fn publish(
+        &self,
+        id: &str,
+        target: &Path,
+        staging: &Path,
+        cap: csi::VolumeCapability,
+        readonly: bool,
+    ) -> Result<()> {
         self.svc.publish(&csi::NodePublishVolumeRequest {
             volume_id: id.into(),
             target_path: s(target),
@@ -413,7 +420,10 @@ fn publish_block_read_write_and_read_only() {
     e.publish("b1", &t1, &staging, block_cap(), false).unwrap();
     let m = e.fake.mounts_at(&t1);
     assert_eq!(m.len(), 1);
-    assert_eq!(((m[0].major, m[0].minor), m[0].fs_type.as_str(), m[0].root.as_path()), (DEVTMPFS, "devtmpfs", Path::new("/loop0")));
+    assert_eq!(
+        ((m[0].major, m[0].minor), m[0].fs_type.as_str(), m[0].root.as_path()),
+        (DEVTMPFS, "devtmpfs", Path::new("/loop0"))
+    );
     assert!(!m[0].read_only());
     assert_eq!(e.fake.block_node(&t1), Some((LOOP_MAJOR, 0)), "the target shows the device");
     assert!(t1.is_file(), "the target file was created");
@@ -491,7 +501,10 @@ fn publish_block_rolls_back_a_failed_bind() {
         assert!(!t.exists(), "read_only {read_only}: the target file is gone");
         assert_eq!(e.publish_record(&t), None);
         // The read-only device made for it is released; the staged one stays.
-        assert_eq!(e.attached(), vec![Attached { device: "/dev/loop0".into(), backing: img.clone(), read_only: false }]);
+        assert_eq!(
+            e.attached(),
+            vec![Attached { device: "/dev/loop0".into(), backing: img.clone(), read_only: false }]
+        );
     }
     e.publish("b1", &t, &staging, block_cap(), true).unwrap();
     assert_eq!(e.fake.mounts_at(&t).len(), 1);
@@ -739,8 +752,14 @@ fn bad_paths_and_fields_are_invalid_before_any_kernel_call() {
     let staging = e.staging("v1");
     let t = e.target("pod1", "v1");
     e.fake.clear_calls();
-    let bad_paths =
-        ["relative/path".to_string(), format!("{k}/pods/../../etc"), format!("{k}/./pods/x"), "/etc/x".to_string(), k.clone(), format!("{k}-sibling/x")];
+    let bad_paths = [
+        "relative/path".to_string(),
+        format!("{k}/pods/../../etc"),
+        format!("{k}/./pods/x"),
+        "/etc/x".to_string(),
+        k.clone(),
+        format!("{k}-sibling/x"),
+    ];
     for p in &bad_paths {
         let p = Path::new(p);
         assert_eq!(e.stage("v1", p, mount_cap("ext4", &[])).unwrap_err().code, Code::InvalidArgument, "stage {p:?}");
@@ -760,7 +779,10 @@ fn bad_paths_and_fields_are_invalid_before_any_kernel_call() {
     let empty = Path::new("");
     assert_eq!(e.stage("v1", empty, mount_cap("ext4", &[])).unwrap_err().code, Code::InvalidArgument);
     assert_eq!(e.unstage("v1", empty).unwrap_err().code, Code::InvalidArgument);
-    assert_eq!(e.publish("v1", empty, &staging, mount_cap("ext4", &[]), false).unwrap_err().code, Code::InvalidArgument);
+    assert_eq!(
+        e.publish("v1", empty, &staging, mount_cap("ext4", &[]), false).unwrap_err().code,
+        Code::InvalidArgument
+    );
     assert_eq!(e.unpublish("v1", empty).unwrap_err().code, Code::InvalidArgument);
     for id in ["", "UPPER", "a/b", ".."] {
         assert_eq!(e.stage(id, &staging, mount_cap("ext4", &[])).unwrap_err().code, Code::InvalidArgument, "{id:?}");
@@ -768,10 +790,14 @@ fn bad_paths_and_fields_are_invalid_before_any_kernel_call() {
         assert_eq!(e.unpublish(id, &t).unwrap_err().code, Code::InvalidArgument, "{id:?}");
     }
     // No capability; a target inside the staging path.
-    let no_cap = csi::NodeStageVolumeRequest { volume_id: "v1".into(), staging_target_path: s(&staging), ..Default::default() };
+    let no_cap =
+        csi::NodeStageVolumeRequest { volume_id: "v1".into(), staging_target_path: s(&staging), ..Default::default() };
     assert_eq!(e.svc.stage(&no_cap).unwrap_err().code, Code::InvalidArgument);
     let inside = staging.join("x");
-    assert_eq!(e.publish("v1", &inside, &staging, mount_cap("ext4", &[]), false).unwrap_err().code, Code::InvalidArgument);
+    assert_eq!(
+        e.publish("v1", &inside, &staging, mount_cap("ext4", &[]), false).unwrap_err().code,
+        Code::InvalidArgument
+    );
     // A symlink on the way is refused, not followed.
     std::os::unix::fs::symlink("/etc", e.kubelet().join("pods/evil")).unwrap();
     let evil = e.kubelet().join("pods/evil/x");
@@ -856,7 +882,11 @@ fn stats_and_expand_of_a_staged_volume() {
     e.stage("v1", &staging, mount_cap("ext4", &[])).unwrap();
     let st = e
         .svc
-        .stats(&csi::NodeGetVolumeStatsRequest { volume_id: "v1".into(), volume_path: s(&staging), ..Default::default() })
+        .stats(&csi::NodeGetVolumeStatsRequest {
+            volume_id: "v1".into(),
+            volume_path: s(&staging),
+            ..Default::default()
+        })
         .unwrap();
     assert_eq!(st.usage[0].total, (64 * MIB) as i64);
     assert!(!st.volume_condition.unwrap().abnormal);
