@@ -75,7 +75,7 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix
     for p in problems {
         tracing::warn!("{p}");
     }
-    let kernel: Arc<dyn crate::net::datapath::NetKernel> = Arc::new(crate::sys::kernel::Kernel);
+    let kernel: Arc<dyn crate::net::datapath::NetKernel> = Arc::new(crate::sys::net_kernel::Kernel);
     let reaper = reaper::Reaper::start(kernel.clone()).map_err(io_ctx("starting reaper"))?;
     let publish_cfg = cfg.clone();
     let publish: crate::net::datapath::Publish = Box::new(move || {

@@ -14,7 +14,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, channel, s
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::sys::kernel::{Links, NetKernel};
+use crate::sys::net_kernel::{Links, NetKernel};
 
 /// Graveyard names: "npz" + 12 hex digits.
 pub const GRAVEYARD_PREFIX: &str = "npz";

@@ -1,16 +1,24 @@
 //! Kernel primitives, without policy: rtnetlink (`netlink`), network namespace handles
 //! entered on short-lived threads (`netns`), the mount table and descriptor-based mounts
-//! (`mount`), loop devices (`loopdev`), capability dropping (`caps`), atomic files and
-//! Unix sockets (`fs`), and the network plane's kernel seam (`kernel`; its recording fake,
-//! `fake`, exists in unit tests). Nothing here knows about pods, volumes or devices;
+//! (`mount`), loop devices (`loopdev`), filesystem tools (`fstools`: blkid, mkfs, grow),
+//! capability dropping (`caps`), atomic files and Unix sockets (`fs`).
+//!
+//! The planes reach the kernel through two seams: `net_kernel` (links, addresses, routes,
+//! namespaces for the pod network) and `volume_kernel` (loop devices, mounts, filesystem
+//! tools for volumes), each with its real implementation here and a recording fake for unit
+//! tests (`fake_net`, `fake_volume`). Nothing here knows about pods, volumes or devices;
 //! nothing here imports anything above it.
 
 pub mod caps;
 #[cfg(test)]
-pub mod fake;
+pub mod fake_net;
+#[cfg(test)]
+pub mod fake_volume;
 pub mod fs;
-pub mod kernel;
+pub mod fstools;
 pub mod loopdev;
 pub mod mount;
+pub mod net_kernel;
 pub mod netlink;
 pub mod netns;
+pub mod volume_kernel;

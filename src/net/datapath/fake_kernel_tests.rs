@@ -1,4 +1,4 @@
-//! The datapath over the recording fake kernel (`sys::fake`): ADD's rollback at every step,
+//! The datapath over the recording fake kernel (`sys::fake_net`): ADD's rollback at every step,
 //! DEL's idempotency over every partial state, every CHECK failure, STATUS, GC, reconcile and
 //! the doctor, all without root.
 
@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use super::*;
 use crate::net::cni::request::{Env, parse};
-use crate::sys::fake::FakeNet;
+use crate::sys::fake_net::FakeNet;
 use crate::util::TestDir;
 
 const V4: &str = "10.88.3.0/24";

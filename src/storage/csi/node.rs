@@ -16,7 +16,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -31,6 +31,7 @@ use crate::rpc::csi::volume_capability::access_mode::Mode;
 use crate::storage::fs as vfs;
 use crate::storage::store::{FsType, VolumeError, VolumeStore};
 use crate::sys::loopdev;
+use crate::sys::volume_kernel::{MountError, VolumeKernel};
 
 /// A failed CSI call: the gRPC code the spec asks for and a message naming what was wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -248,6 +249,8 @@ pub struct NodeSettings {
 pub struct NodeService {
     pub settings: NodeSettings,
     pub store: Arc<VolumeStore>,
+    /// The store's kernel: mounts, device numbers and filesystem tools go through it too.
+    kernel: Arc<dyn VolumeKernel>,
     busy: Mutex<HashMap<String, Holds>>,
     /// Signalled whenever a hold is released.
     released: Condvar,
@@ -355,6 +358,7 @@ impl NodeService {
         );
         Ok(NodeService {
             settings,
+            kernel: store.kernel().clone(),
             store,
             busy: Mutex::new(HashMap::new()),
             released: Condvar::new(),
@@ -531,15 +535,15 @@ impl NodeService {
 
     // ----- kernel state -----
 
-    fn table() -> Result<Vec<MountEntry>> {
-        mount::mount_table().map_err(io_internal("reading /proc/self/mountinfo".into()))
+    fn table(&self) -> Result<Vec<MountEntry>> {
+        self.kernel.mount_table().map_err(io_internal("reading /proc/self/mountinfo".into()))
     }
 
     /// Every loop device bound to volume `id` (read-write first).
     fn volume_devices(&self, id: &str) -> Result<Vec<LoopDev>> {
         let mut out = Vec::new();
         for b in self.store.bindings(id)? {
-            if let Ok(num) = mount::dev_numbers(&b.device) {
+            if let Ok(num) = self.kernel.dev_numbers(&b.device) {
                 out.push(LoopDev { path: b.device, num, ro: b.read_only });
             }
         }
@@ -549,7 +553,7 @@ impl NodeService {
 
     /// Whether `m` shows one of `devices` mounted (a filesystem on the device, or the device
     /// node bind-mounted from devtmpfs for block access).
-    fn is_volume_mount(m: &MountEntry, devices: &[LoopDev]) -> bool {
+    fn is_volume_mount(&self, m: &MountEntry, devices: &[LoopDev]) -> bool {
         if devices.iter().any(|d| (m.major, m.minor) == d.num) {
             return true;
         }
@@ -557,11 +561,8 @@ impl NodeService {
         // the filesystem holding the node (devtmpfs, or a tmpfs /dev), so compare the node
         // itself.
         if matches!(m.fs_type.as_str(), "devtmpfs" | "tmpfs")
-            && let Ok(md) = std::fs::metadata(&m.mount_point)
-            && md.file_type().is_block_device()
+            && let Some(num) = self.kernel.block_node(&m.mount_point)
         {
-            let rdev = md.rdev();
-            let num = (nix::sys::stat::major(rdev) as u32, nix::sys::stat::minor(rdev) as u32);
             return devices.iter().any(|d| d.num == num);
         }
         false
@@ -572,12 +573,11 @@ impl NodeService {
     fn unmount_ours(&self, id: &str, path: &Path) -> Result<usize> {
         let mut n = 0;
         loop {
-            let table = Self::table()?;
+            let table = self.table()?;
             let devices = self.volume_devices(id)?;
             match mount::top_mount_at(&table, path) {
-                Some(m) if Self::is_volume_mount(m, &devices) => {
-                    nix::mount::umount2(path, nix::mount::MntFlags::UMOUNT_NOFOLLOW)
-                        .map_err(errno_internal(format!("unmounting {}", path.display())))?;
+                Some(m) if self.is_volume_mount(m, &devices) => {
+                    self.kernel.unmount(path).map_err(errno_internal(format!("unmounting {}", path.display())))?;
                     n += 1;
                 }
                 Some(m) => {
@@ -602,11 +602,11 @@ impl NodeService {
         let _g = self.guard(id)?;
         let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
         check_fits(&vol, &cap)?;
-        let table = Self::table()?;
+        let table = self.table()?;
         let devices = self.volume_devices(id)?;
         let rec = self.load_stage(id)?;
         if let Some(r) = &rec {
-            let mounted_there = mount::mounts_at(&table, &r.staging_path).iter().any(|m| Self::is_volume_mount(m, &devices));
+            let mounted_there = mount::mounts_at(&table, &r.staging_path).iter().any(|m| self.is_volume_mount(m, &devices));
             let staged_there = r.state == StageState::Staged && (mounted_there || (r.capability.block && !devices.is_empty()));
             if r.staging_path != staging && staged_there {
                 return Err(precondition(format!(
@@ -623,7 +623,7 @@ impl NodeService {
         }
         if let Some(top) = mount::top_mount_at(&table, &staging) {
             if !cap.block
-                && Self::is_volume_mount(top, &devices)
+                && self.is_volume_mount(top, &devices)
                 && top.read_only() == opts.flags.contains(nix::mount::MsFlags::MS_RDONLY)
             {
                 // Already mounted here (a retry, possibly after a restart): finish the record.
@@ -696,10 +696,10 @@ impl NodeService {
             return Ok(());
         }
         let fs = vol.fs_type;
-        match vfs::blkid_type(&dev)? {
+        match self.kernel.fs_probe(&dev)? {
             None => {
                 tracing::info!(volume = id, device = %dev.display(), fs = fs.as_str(), "blank device: making a filesystem");
-                vfs::mkfs(&dev, fs)?;
+                self.kernel.mkfs(&dev, fs)?;
                 crate::util::crash_point("stage-after-mkfs");
             }
             Some(t) if t == fs.as_str() => {}
@@ -711,14 +711,14 @@ impl NodeService {
                 )));
             }
         }
-        let dev_size = loopdev::device_size(&dev).map_err(io_internal(format!("sizing {}", dev.display())))?;
+        let dev_size = self.kernel.device_size(&dev).map_err(io_internal(format!("sizing {}", dev.display())))?;
         // ext4 grown while unstaged: grow it now, offline (no CAP_SYS_RESOURCE needed).
         if fs == FsType::Ext4
-            && let Some(fs_size) = vfs::fs_size_bytes(&dev, fs)?
+            && let Some(fs_size) = self.kernel.fs_size(&dev, fs)?
             && fs_size.saturating_add(crate::storage::store::SIZE_ALIGN) <= dev_size
         {
             tracing::info!(volume = id, from = fs_size, to = dev_size, "growing ext4 before mounting");
-            vfs::grow_fs(&dev, fs)?;
+            self.kernel.grow_fs(&dev, fs)?;
         }
         if !staging.exists() {
             std::fs::DirBuilder::new()
@@ -727,26 +727,27 @@ impl NodeService {
                 .create(staging)
                 .map_err(io_internal(format!("creating {}", staging.display())))?;
         }
-        let at = mount::Beneath::open(&self.settings.kubelet_dir, staging)
-            .map_err(|e| invalid(format!("staging_target_path {}: {e}", staging.display())))?;
-        mount::mount_device(&dev, &at.proc_path(), fs.as_str(), opts).map_err(|e| match e {
-            nix::errno::Errno::EINVAL => invalid(format!(
+        self.kernel.mount_device(&dev, &self.settings.kubelet_dir, staging, fs.as_str(), opts).map_err(|e| match e {
+            MountError::Source(e) | MountError::Target(e) => {
+                invalid(format!("staging_target_path {}: {e}", staging.display()))
+            }
+            MountError::Mount(e @ nix::errno::Errno::EINVAL) => invalid(format!(
                 "mounting {} ({}) at {} with flags {:?} failed: {e} (a mount flag the filesystem does not accept?)",
                 dev.display(),
                 fs.as_str(),
                 staging.display(),
                 cap.mount_flags
             )),
-            e => internal(format!("mounting {} at {}: {e}", dev.display(), staging.display())),
+            MountError::Mount(e) => internal(format!("mounting {} at {}: {e}", dev.display(), staging.display())),
         })?;
         crate::util::crash_point("stage-after-mount");
         if fs == FsType::Xfs
             && !opts.flags.contains(nix::mount::MsFlags::MS_RDONLY)
-            && let Some(fs_size) = vfs::fs_size_bytes(&dev, fs)?
+            && let Some(fs_size) = self.kernel.fs_size(&dev, fs)?
             && fs_size.saturating_add(crate::storage::store::SIZE_ALIGN) <= dev_size
         {
             tracing::info!(volume = id, from = fs_size, to = dev_size, "growing xfs after mounting");
-            vfs::grow_fs(staging, fs)?;
+            self.kernel.grow_fs(staging, fs)?;
         }
         tracing::info!(volume = id, device = %dev.display(), staging = %staging.display(), "volume staged");
         Ok(())
@@ -758,10 +759,10 @@ impl NodeService {
         let _g = self.guard(id)?;
         let known = self.store.get(id)?.is_some();
         let rec = self.load_stage(id)?;
-        let table = Self::table()?;
+        let table = self.table()?;
         let devices = self.volume_devices(id)?;
         let ours_here: Vec<&MountEntry> =
-            mount::mounts_at(&table, &staging).into_iter().filter(|m| Self::is_volume_mount(m, &devices)).collect();
+            mount::mounts_at(&table, &staging).into_iter().filter(|m| self.is_volume_mount(m, &devices)).collect();
         let rec_here = rec.as_ref().is_some_and(|r| r.staging_path == staging);
         if !known && !rec_here && ours_here.is_empty() {
             return Err(not_found(id));
@@ -773,7 +774,7 @@ impl NodeService {
         // volume away from it.
         let publications: Vec<String> = table
             .iter()
-            .filter(|m| m.mount_point != staging && Self::is_volume_mount(m, &devices))
+            .filter(|m| m.mount_point != staging && self.is_volume_mount(m, &devices))
             .filter(|m| rec.as_ref().is_none_or(|r| r.staging_path != m.mount_point))
             .map(|m| m.mount_point.display().to_string())
             .collect();
@@ -812,7 +813,7 @@ impl NodeService {
         let _publishing = self.publishing_guard(id, TARGET_WAIT)?;
         let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
         check_fits(&vol, &cap)?;
-        let table = Self::table()?;
+        let table = self.table()?;
         let devices = self.volume_devices(id)?;
         let stage = self.load_stage(id)?;
         let staged_here = match &stage {
@@ -827,7 +828,7 @@ impl NodeService {
                 if cap.block {
                     devices.iter().any(|d| !d.ro)
                 } else {
-                    mount::top_mount_at(&table, &staging).is_some_and(|m| Self::is_volume_mount(m, &devices))
+                    mount::top_mount_at(&table, &staging).is_some_and(|m| self.is_volume_mount(m, &devices))
                 }
             }
             _ => false,
@@ -850,7 +851,7 @@ impl NodeService {
                 && r.staging_path == want.staging_path
                 && r.capability == want.capability
                 && r.read_only == want.read_only;
-            let mounted = top.is_some_and(|m| Self::is_volume_mount(m, &devices));
+            let mounted = top.is_some_and(|m| self.is_volume_mount(m, &devices));
             if mounted && same {
                 return Ok(());
             }
@@ -876,7 +877,7 @@ impl NodeService {
             .publish_records()
             .into_iter()
             .filter(|r| r.volume_id == id && r.target_path != target)
-            .filter(|r| mount::top_mount_at(&table, &r.target_path).is_some_and(|m| Self::is_volume_mount(m, &devices)))
+            .filter(|r| mount::top_mount_at(&table, &r.target_path).is_some_and(|m| self.is_volume_mount(m, &devices)))
             .collect();
         let single = |m: i32| Mode::try_from(m) == Ok(Mode::SingleNodeSingleWriter);
         if let Some(o) = others.iter().find(|o| single(cap.access_mode) || single(o.capability.access_mode)) {
@@ -904,10 +905,14 @@ impl NodeService {
                         .open(&target)
                         .map_err(io_internal(format!("creating {}", target.display())))?;
                 }
-                let at = mount::Beneath::open(&self.settings.kubelet_dir, &target)
-                    .map_err(|e| invalid(format!("target_path {}: {e}", target.display())))?;
-                mount::bind_mount(&dev, &at.proc_path(), &target, read_only, nix::mount::MsFlags::empty())
-                    .map_err(errno_internal(format!("bind-mounting {} onto {}", dev.display(), target.display())))?;
+                self.kernel.bind_device(&dev, &self.settings.kubelet_dir, &target, read_only).map_err(|e| match e {
+                    MountError::Source(e) | MountError::Target(e) => {
+                        invalid(format!("target_path {}: {e}", target.display()))
+                    }
+                    MountError::Mount(e) => {
+                        internal(format!("bind-mounting {} onto {}: {e}", dev.display(), target.display()))
+                    }
+                })?;
             } else {
                 if !cap.mount_group.is_empty() {
                     apply_mount_group(&staging, &cap.mount_group)?;
@@ -918,12 +923,15 @@ impl NodeService {
                         .create(&target)
                         .map_err(io_internal(format!("creating {}", target.display())))?;
                 }
-                let from = mount::Beneath::open(&self.settings.kubelet_dir, &staging)
-                    .map_err(|e| invalid(format!("staging_target_path {}: {e}", staging.display())))?;
-                let at = mount::Beneath::open(&self.settings.kubelet_dir, &target)
-                    .map_err(|e| invalid(format!("target_path {}: {e}", target.display())))?;
-                mount::bind_mount(&from.proc_path(), &at.proc_path(), &target, read_only, opts.flags)
-                    .map_err(errno_internal(format!("bind-mounting {} onto {}", staging.display(), target.display())))?;
+                self.kernel
+                    .bind_dir(&self.settings.kubelet_dir, &staging, &target, read_only, opts.flags)
+                    .map_err(|e| match e {
+                        MountError::Source(e) => invalid(format!("staging_target_path {}: {e}", staging.display())),
+                        MountError::Target(e) => invalid(format!("target_path {}: {e}", target.display())),
+                        MountError::Mount(e) => {
+                            internal(format!("bind-mounting {} onto {}: {e}", staging.display(), target.display()))
+                        }
+                    })?;
             }
             Ok(())
         })();
@@ -962,9 +970,9 @@ impl NodeService {
         let _target = self.target_guard(id, &target, TARGET_WAIT)?;
         let known = self.store.get(id)?.is_some();
         let rec = self.load_publish(&target)?.filter(|r| r.volume_id == id);
-        let table = Self::table()?;
+        let table = self.table()?;
         let devices = self.volume_devices(id)?;
-        let ours = mount::mounts_at(&table, &target).iter().any(|m| Self::is_volume_mount(m, &devices));
+        let ours = mount::mounts_at(&table, &target).iter().any(|m| self.is_volume_mount(m, &devices));
         if !known && rec.is_none() && !ours {
             return Err(not_found(id));
         }
@@ -1000,9 +1008,9 @@ impl NodeService {
         let id = self.volume_id(&req.volume_id)?;
         let path = self.path("volume_path", &req.volume_path)?;
         let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
-        let table = Self::table()?;
+        let table = self.table()?;
         let devices = self.volume_devices(id)?;
-        let here = mount::top_mount_at(&table, &path).filter(|m| Self::is_volume_mount(m, &devices));
+        let here = mount::top_mount_at(&table, &path).filter(|m| self.is_volume_mount(m, &devices));
         let stage = self.load_stage(id)?.filter(|r| r.staging_path == path);
         let block_staged_here = stage.as_ref().is_some_and(|r| r.capability.block && r.state == StageState::Staged);
         let recorded = stage.is_some() || self.load_publish(&path)?.is_some_and(|r| r.volume_id == id);
@@ -1014,7 +1022,8 @@ impl NodeService {
             problems.push(format!("backing file {} is missing", vol.path.display()));
         }
         let mut usage = Vec::new();
-        let block_total = |dev: Option<&PathBuf>| dev.and_then(|d| loopdev::device_size(d).ok()).unwrap_or(vol.size_bytes);
+        let block_total =
+            |dev: Option<&PathBuf>| dev.and_then(|d| self.kernel.device_size(d).ok()).unwrap_or(vol.size_bytes);
         match here {
             None if block_staged_here => {
                 let rw = devices.iter().find(|d| !d.ro).map(|d| &d.path);
@@ -1024,23 +1033,21 @@ impl NodeService {
                 usage.push(csi::VolumeUsage { available: 0, total: block_total(rw) as i64, used: 0, unit: Unit::Bytes as i32 });
             }
             None => problems.push(format!("{} is not mounted", path.display())),
-            Some(_) if let Ok(md) = std::fs::metadata(&path) && md.file_type().is_block_device() => {
-                let rdev = md.rdev();
-                let num = (nix::sys::stat::major(rdev) as u32, nix::sys::stat::minor(rdev) as u32);
+            Some(_) if let Some(num) = self.kernel.block_node(&path) => {
                 let dev = devices.iter().find(|d| d.num == num).map(|d| &d.path);
                 usage.push(csi::VolumeUsage { available: 0, total: block_total(dev) as i64, used: 0, unit: Unit::Bytes as i32 });
             }
             Some(_) => {
-                let st = nix::sys::statvfs::statvfs(&path).map_err(errno_internal(format!("statfs {}", path.display())))?;
-                let f = st.fragment_size();
-                let total = st.blocks() * f;
-                let avail = st.blocks_available() * f;
-                let used = (st.blocks() - st.blocks_free()) * f;
+                let st = self.kernel.statvfs(&path).map_err(errno_internal(format!("statfs {}", path.display())))?;
+                let f = st.fragment_size;
+                let total = st.blocks * f;
+                let avail = st.blocks_available * f;
+                let used = (st.blocks - st.blocks_free) * f;
                 usage.push(csi::VolumeUsage { available: avail as i64, total: total as i64, used: used as i64, unit: Unit::Bytes as i32 });
                 usage.push(csi::VolumeUsage {
-                    available: st.files_available() as i64,
-                    total: st.files() as i64,
-                    used: (st.files() - st.files_free()) as i64,
+                    available: st.files_available as i64,
+                    total: st.files as i64,
+                    used: (st.files - st.files_free) as i64,
                     unit: Unit::Inodes as i32,
                 });
             }
@@ -1076,9 +1083,9 @@ impl NodeService {
         if let Some(c) = &cap {
             check_fits(&vol, c)?;
         }
-        let table = Self::table()?;
+        let table = self.table()?;
         let devices = self.volume_devices(id)?;
-        let at_path = mount::top_mount_at(&table, &path).is_some_and(|m| Self::is_volume_mount(m, &devices));
+        let at_path = mount::top_mount_at(&table, &path).is_some_and(|m| self.is_volume_mount(m, &devices));
         let block_staged = self.load_stage(id)?.is_some_and(|r| r.capability.block && r.state == StageState::Staged);
         if !at_path && !block_staged {
             return Err(precondition(format!("volume {id} is not staged or published at {}", path.display())));
@@ -1095,20 +1102,20 @@ impl NodeService {
         crate::util::crash_point("expand-after-store");
         if !vol.fs_type.is_raw() && !block_staged {
             let dev = self.store.attached_device(id)?.ok_or_else(|| precondition(format!("volume {id} is not attached")))?;
-            let dev_size = loopdev::device_size(&dev).map_err(io_internal(format!("sizing {}", dev.display())))?;
-            let fs_size = vfs::fs_size_bytes(&dev, vol.fs_type)?.unwrap_or(dev_size);
+            let dev_size = self.kernel.device_size(&dev).map_err(io_internal(format!("sizing {}", dev.display())))?;
+            let fs_size = self.kernel.fs_size(&dev, vol.fs_type)?.unwrap_or(dev_size);
             if fs_size.saturating_add(crate::storage::store::SIZE_ALIGN) <= dev_size {
                 match vol.fs_type {
                     FsType::Xfs => {
                         // xfs grows through a writable mount of it: the staging mount.
                         let rw = table
                             .iter()
-                            .find(|m| Self::is_volume_mount(m, &devices) && !m.read_only())
+                            .find(|m| self.is_volume_mount(m, &devices) && !m.read_only())
                             .map(|m| m.mount_point.clone())
                             .ok_or_else(|| precondition(format!("volume {id} has no writable mount to grow xfs through")))?;
-                        vfs::grow_fs(&rw, FsType::Xfs)?;
+                        self.kernel.grow_fs(&rw, FsType::Xfs)?;
                     }
-                    FsType::Ext4 => vfs::grow_fs(&dev, FsType::Ext4)?,
+                    FsType::Ext4 => self.kernel.grow_fs(&dev, FsType::Ext4)?,
                     FsType::Raw => {}
                 }
                 tracing::info!(volume = id, from = fs_size, to = dev_size, "filesystem grown online");
@@ -1134,14 +1141,14 @@ impl NodeService {
     /// detach loop devices of volumes that no stage accounts for. Marks the service ready.
     pub fn recover(&self) -> Result<RecoveryReport> {
         let mut report = RecoveryReport::default();
-        let table = Self::table()?;
+        let table = self.table()?;
         let stages = self.stage_records();
         let mut staged_ids = HashSet::new();
         for r in &stages {
             let devices = self.volume_devices(&r.volume_id).unwrap_or_default();
-            let mounted = mount::mounts_at(&table, &r.staging_path).iter().any(|m| Self::is_volume_mount(m, &devices));
+            let mounted = mount::mounts_at(&table, &r.staging_path).iter().any(|m| self.is_volume_mount(m, &devices));
             if r.state == StageState::Staging && !mounted {
-                let published = table.iter().any(|m| Self::is_volume_mount(m, &devices));
+                let published = table.iter().any(|m| self.is_volume_mount(m, &devices));
                 if !published && let Err(e) = self.store.detach(&r.volume_id) {
                     // Keep the record: it is what lets NodeUnstage (or the retried stage)
                     // find and detach the device once whatever holds it lets go. Without
@@ -1160,7 +1167,7 @@ impl NodeService {
         }
         for r in self.publish_records() {
             let devices = self.volume_devices(&r.volume_id).unwrap_or_default();
-            let mounted = mount::mounts_at(&table, &r.target_path).iter().any(|m| Self::is_volume_mount(m, &devices));
+            let mounted = mount::mounts_at(&table, &r.target_path).iter().any(|m| self.is_volume_mount(m, &devices));
             if mounted {
                 report.published += 1;
             } else if !r.target_path.exists() {
@@ -1177,7 +1184,7 @@ impl NodeService {
                 continue;
             }
             let devices = self.volume_devices(&v.id).unwrap_or_default();
-            if devices.is_empty() || table.iter().any(|m| Self::is_volume_mount(m, &devices)) {
+            if devices.is_empty() || table.iter().any(|m| self.is_volume_mount(m, &devices)) {
                 continue;
             }
             match self.store.detach(&v.id) {
@@ -1296,6 +1303,10 @@ mod tests {
     }
 }
 
+#[cfg(test)]
+#[path = "node_tests.rs"]
+mod node_tests;
+
 // ----- status and doctor (`nodeplane status`, `nodeplane doctor`) -----
 
 use crate::obs::doctor::{Finding, Repair};
@@ -1319,13 +1330,13 @@ struct StoreLoop {
 
 impl NodeService {
     fn store_loops(&self) -> Result<Vec<StoreLoop>> {
-        let bindings = loopdev::bound_devices().map_err(io_internal("listing loop devices".into()))?;
+        let bindings = self.kernel.loop_bound_devices().map_err(io_internal("listing loop devices".into()))?;
         let mut out = Vec::new();
         for b in bindings {
             if b.backing_file.parent() != Some(self.store.dir()) {
                 continue;
             }
-            let Ok(num) = mount::dev_numbers(&b.device) else { continue };
+            let Ok(num) = self.kernel.dev_numbers(&b.device) else { continue };
             let volume = b
                 .backing_file
                 .file_name()
@@ -1333,7 +1344,7 @@ impl NodeService {
                 .and_then(|n| n.strip_suffix(".img"))
                 .filter(|id| !b.deleted && self.store.get(id).ok().flatten().is_some())
                 .map(str::to_string);
-            let file = std::fs::File::open(&b.device).and_then(|f| loopdev::status(&f)).ok().map(|i| (i.lo_device, i.lo_inode));
+            let file = self.kernel.loop_status(&b.device).ok().map(|i| (i.lo_device, i.lo_inode));
             out.push(StoreLoop { binding: b, num, volume, file });
         }
         Ok(out)
@@ -1341,13 +1352,13 @@ impl NodeService {
 
     /// Where `l` is mounted: its filesystem (by device number), or its device node
     /// bind-mounted for raw block access.
-    fn mounts_of(table: &[MountEntry], l: &StoreLoop) -> Vec<PathBuf> {
-        Self::volume_mounts(table, l).into_iter().map(|m| m.mount_point.clone()).collect()
+    fn mounts_of(&self, table: &[MountEntry], l: &StoreLoop) -> Vec<PathBuf> {
+        self.volume_mounts(table, l).into_iter().map(|m| m.mount_point.clone()).collect()
     }
 
-    fn volume_mounts<'a>(table: &'a [MountEntry], l: &StoreLoop) -> Vec<&'a MountEntry> {
+    fn volume_mounts<'a>(&self, table: &'a [MountEntry], l: &StoreLoop) -> Vec<&'a MountEntry> {
         let dev = [LoopDev { path: l.binding.device.clone(), num: l.num, ro: l.binding.read_only }];
-        table.iter().filter(|m| Self::is_volume_mount(m, &dev)).collect()
+        table.iter().filter(|m| self.is_volume_mount(m, &dev)).collect()
     }
 
     /// A mount of a volume's device that no record accounts for. A bind mount of a directory
@@ -1360,7 +1371,7 @@ impl NodeService {
         let mut f = Finding::new(MOUNT_WITHOUT_VOLUME, m.mount_point.display().to_string(), detail);
         if repair {
             f.repair = Some(if m.mount_point.starts_with(&self.settings.kubelet_dir) {
-                unmount_repair(&m.mount_point)
+                unmount_repair(&*self.kernel, &m.mount_point)
             } else {
                 Repair::Skipped("outside the kubelet dir: not made by kubelet or nodeplane; unmount it by hand".into())
             });
@@ -1370,7 +1381,7 @@ impl NodeService {
 
     /// Volumes, what is staged and published, and the loop devices and mounts behind them.
     pub fn status_json(&self) -> serde_json::Value {
-        let table = Self::table().unwrap_or_default();
+        let table = self.table().unwrap_or_default();
         let loops = self.store_loops().unwrap_or_default();
         let stages = self.stage_records();
         let publishes = self.publish_records();
@@ -1387,7 +1398,7 @@ impl NodeService {
                 "backingFilePresent": v.path.exists(),
                 "loopDevices": mine.iter().map(|l| serde_json::json!({
                     "device": l.binding.device.display().to_string(),
-                    "mountedAt": Self::mounts_of(&table, l).iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+                    "mountedAt": self.mounts_of(&table, l).iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
                 })).collect::<Vec<_>>(),
                 "staged": stage.map(|r| serde_json::json!({
                     "path": r.staging_path.display().to_string(),
@@ -1424,12 +1435,12 @@ impl NodeService {
             // Bound to a deleted file, or to a file that is no volume's image.
             let dev = l.binding.device.display().to_string();
             let why = if l.binding.deleted { "its backing file was deleted" } else { "its backing file belongs to no volume" };
-            for m in Self::volume_mounts(&Self::table()?, l) {
+            for m in self.volume_mounts(&self.table()?, l) {
                 out.extend(self.orphan_mount(m, l, format!("{dev} is mounted here; {why}"), repair));
             }
             let mut f = Finding::new(LOOP_WITHOUT_FILE, dev, format!("bound to {} ({why})", l.binding.backing_file.display()));
             if repair {
-                f.repair = Some(detach_repair(l));
+                f.repair = Some(detach_repair(&*self.kernel, l));
             }
             out.push(f);
         }
@@ -1450,8 +1461,8 @@ impl NodeService {
             let recorded = stage.is_some() || !publishes.is_empty();
             for l in self.store_loops()?.into_iter().filter(|l| l.volume.as_deref() == Some(id.as_str())) {
                 let dev = l.binding.device.display().to_string();
-                let table = Self::table()?;
-                for m in Self::volume_mounts(&table, &l) {
+                let table = self.table()?;
+                for m in self.volume_mounts(&table, &l) {
                     let p = &m.mount_point;
                     // The device node bind-mounted (not its filesystem): kubelet maps a
                     // published block volume into each pod that way (volumeDevices/…), so
@@ -1465,14 +1476,14 @@ impl NodeService {
                         out.extend(self.orphan_mount(m, &l, detail, repair));
                     }
                 }
-                if !recorded && Self::volume_mounts(&Self::table()?, &l).is_empty() {
+                if !recorded && self.volume_mounts(&self.table()?, &l).is_empty() {
                     let mut f = Finding::new(
                         LOOP_WITHOUT_USER,
                         dev,
                         format!("bound to volume {id}, which is neither staged nor published"),
                     );
                     if repair {
-                        f.repair = Some(detach_repair(&l));
+                        f.repair = Some(detach_repair(&*self.kernel, &l));
                     }
                     out.push(f);
                 }
@@ -1508,8 +1519,8 @@ impl NodeService {
     }
 }
 
-fn unmount_repair(path: &Path) -> Repair {
-    match nix::mount::umount2(path, nix::mount::MntFlags::UMOUNT_NOFOLLOW) {
+fn unmount_repair(kernel: &dyn VolumeKernel, path: &Path) -> Repair {
+    match kernel.unmount(path) {
         Ok(()) => Repair::Done("unmounted".into()),
         Err(e) => Repair::Failed(format!("unmounting: {e}")),
     }
@@ -1517,11 +1528,11 @@ fn unmount_repair(path: &Path) -> Repair {
 
 /// Detach a loop device if it is still bound to the file it was bound to when listed (a
 /// device number freed and reused meanwhile is left alone).
-fn detach_repair(l: &StoreLoop) -> Repair {
+fn detach_repair(kernel: &dyn VolumeKernel, l: &StoreLoop) -> Repair {
     let Some((st_dev, st_ino)) = l.file else {
         return Repair::Failed("its backing file's identity could not be read when it was listed".into());
     };
-    match loopdev::detach(&l.binding.device, st_dev, st_ino) {
+    match kernel.loop_detach(&l.binding.device, st_dev, st_ino) {
         Ok(()) => Repair::Done("detached".into()),
         Err(loopdev::DetachError::Busy(m)) => Repair::Failed(format!("busy: {m}")),
         Err(loopdev::DetachError::Io(e)) => Repair::Failed(e.to_string()),

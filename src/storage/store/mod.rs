@@ -33,6 +33,7 @@
 
 use crate::storage::fs;
 use crate::sys::loopdev;
+use crate::sys::volume_kernel::{Kernel, VolumeKernel};
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
@@ -243,6 +244,8 @@ pub struct VolumeStore {
     capacity: u64,
     index: Mutex<Index>,
     locks: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    /// Loop devices and `statvfs` go through it (the real kernel outside tests).
+    kernel: Arc<dyn VolumeKernel>,
     _lock: File,
 }
 
@@ -257,6 +260,11 @@ impl VolumeStore {
     /// Takes the directory's lock, loads every volume's metadata and finishes or rolls back
     /// whatever a crash interrupted (see the module docs).
     pub fn open(dir: &Path, capacity_bytes: u64) -> Result<Self> {
+        Self::open_with(dir, capacity_bytes, Arc::new(Kernel))
+    }
+
+    /// [`Self::open`] reaching loop devices and `statvfs` through `kernel` (a fake in tests).
+    pub fn open_with(dir: &Path, capacity_bytes: u64, kernel: Arc<dyn VolumeKernel>) -> Result<Self> {
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(io_err("creating", dir))?;
         let dir = dir.canonicalize().map_err(io_err("resolving", dir))?;
         let lock_path = dir.join(".lock");
@@ -277,12 +285,13 @@ impl VolumeStore {
             }
             return Err(io_err("locking", &lock_path)(e));
         }
-        let volumes = recover(&dir)?;
+        let volumes = recover(&dir, &*kernel)?;
         let store = VolumeStore {
             dir,
             capacity: capacity_bytes,
             index: Mutex::new(Index { volumes }),
             locks: Mutex::new(HashMap::new()),
+            kernel,
             _lock: lock,
         };
         let provisioned = store.index.lock().unwrap().provisioned();
@@ -294,8 +303,8 @@ impl VolumeStore {
                 "volumes exceed the configured capacity; no new volume or expansion fits until some are deleted"
             );
         }
-        if let Ok(st) = nix::sys::statvfs::statvfs(&store.dir) {
-            let fs_size = st.blocks() * st.fragment_size();
+        if let Ok(st) = store.kernel.statvfs(&store.dir) {
+            let fs_size = st.blocks * st.fragment_size;
             if capacity_bytes > fs_size {
                 tracing::warn!(
                     dir = %store.dir.display(),
@@ -315,6 +324,11 @@ impl VolumeStore {
 
     pub fn capacity(&self) -> u64 {
         self.capacity
+    }
+
+    /// The kernel the store reaches loop devices through (the node service shares it).
+    pub fn kernel(&self) -> &Arc<dyn VolumeKernel> {
+        &self.kernel
     }
 
     /// Bytes still available for new volumes or expansion.
@@ -353,7 +367,7 @@ impl VolumeStore {
         };
         let allocated = volumes.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.blocks() * 512).sum();
         let backing_fs_free_bytes =
-            nix::sys::statvfs::statvfs(&self.dir).map(|s| s.blocks_available() * s.fragment_size()).unwrap_or(0);
+            self.kernel.statvfs(&self.dir).map(|s| s.blocks_available * s.fragment_size).unwrap_or(0);
         Usage {
             capacity_bytes: self.capacity,
             provisioned_bytes: provisioned,
@@ -457,8 +471,10 @@ impl VolumeStore {
         let meta_path = self.meta_path(id);
         match std::fs::metadata(&img) {
             Ok(m) => {
-                let devices =
-                    loopdev::find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))?;
+                let devices = self
+                    .kernel
+                    .loop_find_backed_by(&img, m.dev(), m.ino())
+                    .map_err(io_err("finding loop devices of", &img))?;
                 if !devices.is_empty() {
                     let names: Vec<String> = devices.iter().map(|d| d.device.display().to_string()).collect();
                     return Err(VolumeError::Busy {
@@ -531,12 +547,15 @@ impl VolumeStore {
             f.sync_all().map_err(io_err("syncing", &vol.path))?;
             tracing::info!(volume = id, size = vol.size_bytes, "volume image grown");
         }
-        for b in loopdev::find_backed_by(&vol.path, m.dev(), m.ino())
+        for b in self
+            .kernel
+            .loop_find_backed_by(&vol.path, m.dev(), m.ino())
             .map_err(io_err("finding loop devices of", &vol.path))?
         {
-            let dev_size = loopdev::device_size(&b.device).map_err(io_err("sizing", &b.device))?;
+            let dev_size = self.kernel.device_size(&b.device).map_err(io_err("sizing", &b.device))?;
             if dev_size < vol.size_bytes {
-                let now = loopdev::set_capacity(&b.device).map_err(io_err("LOOP_SET_CAPACITY on", &b.device))?;
+                let now =
+                    self.kernel.loop_set_capacity(&b.device).map_err(io_err("LOOP_SET_CAPACITY on", &b.device))?;
                 tracing::info!(volume = id, device = %b.device.display(), size = now, "loop device grown online");
             }
         }
@@ -557,7 +576,7 @@ impl VolumeStore {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => return Err(io_err("inspecting", &img)(e)),
         };
-        loopdev::find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))
+        self.kernel.loop_find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))
     }
 
     /// Attach volume `id` read-write to a loop device and return it (`/dev/loopN`).
@@ -587,7 +606,9 @@ impl VolumeStore {
             .open(&vol.path)
             .map_err(|e| missing_or(id, &vol.path, "opening", e))?;
         let m = f.metadata().map_err(io_err("inspecting", &vol.path))?;
-        let found: Vec<_> = loopdev::find_backed_by(&vol.path, m.dev(), m.ino())
+        let found: Vec<_> = self
+            .kernel
+            .loop_find_backed_by(&vol.path, m.dev(), m.ino())
             .map_err(io_err("finding loop devices of", &vol.path))?
             .into_iter()
             .filter(|b| b.read_only == read_only)
@@ -599,7 +620,9 @@ impl VolumeStore {
             }
             return Ok(first.device.clone());
         }
-        let dev = loopdev::attach(&f, &vol.path, loopdev::AttachOptions { read_only, autoclear: false })
+        let dev = self
+            .kernel
+            .loop_attach(&f, &vol.path, loopdev::AttachOptions { read_only, autoclear: false })
             .map_err(io_err("attaching", &vol.path))?;
         tracing::info!(volume = id, device = %dev.display(), read_only, "volume attached");
         Ok(dev)
@@ -627,10 +650,11 @@ impl VolumeStore {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
             Err(e) => return Err(io_err("inspecting", &img)(e)),
         };
-        let found = loopdev::find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))?;
+        let found =
+            self.kernel.loop_find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))?;
         let mut busy = Vec::new();
         for b in found.into_iter().filter(|b| which(b)) {
-            match loopdev::detach(&b.device, m.dev(), m.ino()) {
+            match self.kernel.loop_detach(&b.device, m.dev(), m.ino()) {
                 Ok(()) => tracing::info!(volume = id, device = %b.device.display(), "volume detached"),
                 Err(loopdev::DetachError::Busy(reason)) => busy.push(reason),
                 Err(loopdev::DetachError::Io(e)) => return Err(io_err("detaching", &b.device)(e)),
@@ -655,7 +679,7 @@ impl VolumeStore {
                 Err(_) => out.push(Orphan::MissingBackingFile { id: v.id.clone(), path: v.path.clone() }),
             }
         }
-        for b in loopdev::bound_devices().map_err(io_err("listing loop devices", Path::new("/sys/block")))? {
+        for b in self.kernel.loop_bound_devices().map_err(io_err("listing loop devices", Path::new("/sys/block")))? {
             if b.backing_file.parent() != Some(self.dir.as_path()) {
                 continue;
             }
@@ -713,16 +737,16 @@ fn sync_dir(dir: &Path) -> Result<()> {
 }
 
 /// Whether a loop device is bound to `path` (by inode; a file we cannot stat is not).
-fn is_attached(path: &Path) -> io::Result<bool> {
+fn is_attached(path: &Path, kernel: &dyn VolumeKernel) -> io::Result<bool> {
     match std::fs::metadata(path) {
-        Ok(m) => Ok(!loopdev::find_backed_by(path, m.dev(), m.ino())?.is_empty()),
+        Ok(m) => Ok(!kernel.loop_find_backed_by(path, m.dev(), m.ino())?.is_empty()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(e),
     }
 }
 
 /// Load the metadata in `dir` and finish or roll back interrupted creates and deletes.
-fn recover(dir: &Path) -> Result<BTreeMap<String, Volume>> {
+fn recover(dir: &Path, kernel: &dyn VolumeKernel) -> Result<BTreeMap<String, Volume>> {
     let mut metas = Vec::new();
     let mut create_tmps = Vec::new();
     let mut delete_tmps = Vec::new();
@@ -749,7 +773,7 @@ fn recover(dir: &Path) -> Result<BTreeMap<String, Volume>> {
     // (unless the renamed image is still attached: then it stays, reported as an orphan).
     for id in &delete_tmps {
         let del = dir.join(format!(".{id}.img.del"));
-        if is_attached(&del).map_err(io_err("checking loop devices of", &del))? {
+        if is_attached(&del, kernel).map_err(io_err("checking loop devices of", &del))? {
             tracing::warn!(volume = %id, file = %del.display(), "interrupted delete left an attached image; leaving it");
             continue;
         }

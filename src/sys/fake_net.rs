@@ -1,4 +1,4 @@
-//! A recording fake of the network kernel seam ([`super::kernel`]) for unit tests without
+//! A recording fake of the network kernel seam ([`super::net_kernel`]) for unit tests without
 //! root: namespaces, links, addresses and routes in memory, every call logged, and faults
 //! injected by operation name. It follows the kernel where the datapath depends on it: a
 //! veth's two ends die together, names are unique per namespace (`EEXIST`), an unknown
@@ -12,7 +12,7 @@ use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::kernel::{LinkStep, Links, NetKernel, PodNetns, Result, Veth};
+use super::net_kernel::{LinkStep, Links, NetKernel, PodNetns, Result, Veth};
 use super::netlink::{Addr, Link, NetlinkError, Route};
 use super::netns::NetnsError;
 

@@ -1,6 +1,6 @@
 //! The kernel seam of the pod network: what the datapath asks of the kernel, as small traits,
 //! with the real implementation over rtnetlink and network namespace handles.
-//! `sys::fake` records the same calls against an in-memory model, so the datapath's rollback
+//! `sys::fake_net` records the same calls against an in-memory model, so the datapath's rollback
 //! and idempotency can be tested without root.
 //!
 //! - [`NetKernel`]: the node's side: a link socket in the agent's own namespace, opening a

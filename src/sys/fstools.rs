@@ -1,0 +1,296 @@
+//! Filesystem tools for volumes: probe (`blkid`), make (`mkfs.ext4`, `mkfs.xfs`) and grow
+//! (`resize2fs`, `xfs_growfs`). Every tool runs with an argument vector, never a shell;
+//! failures carry the tool, its arguments, exit status and stderr.
+//!
+//! Debian packages: `util-linux` (blkid), `e2fsprogs` (mkfs.ext4, e2fsck, resize2fs),
+//! `xfsprogs` (mkfs.xfs, xfs_growfs).
+
+use std::ffi::OsStr;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+/// A filesystem type no volume can have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid filesystem type {0:?} (want \"ext4\", \"xfs\" or \"\" for raw block)")]
+pub struct InvalidFsType(pub String);
+
+/// What a volume holds: a filesystem made on first stage, or raw block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum FsType {
+    #[serde(rename = "ext4")]
+    Ext4,
+    #[serde(rename = "xfs")]
+    Xfs,
+    #[serde(rename = "")]
+    Raw,
+}
+
+impl FsType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FsType::Ext4 => "ext4",
+            FsType::Xfs => "xfs",
+            FsType::Raw => "",
+        }
+    }
+    pub fn is_raw(self) -> bool {
+        self == FsType::Raw
+    }
+}
+
+impl std::str::FromStr for FsType {
+    type Err = InvalidFsType;
+    fn from_str(s: &str) -> Result<Self, InvalidFsType> {
+        match s {
+            "ext4" => Ok(FsType::Ext4),
+            "xfs" => Ok(FsType::Xfs),
+            "" => Ok(FsType::Raw),
+            other => Err(InvalidFsType(other.to_string())),
+        }
+    }
+}
+
+impl std::fmt::Display for FsType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.is_raw() { "raw block" } else { self.as_str() })
+    }
+}
+
+
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    #[error("running {tool}: {source}")]
+    Spawn { tool: String, source: std::io::Error },
+    #[error("{tool} {args} failed ({status}): {stderr}")]
+    Failed { tool: String, args: String, status: String, stderr: String },
+    #[error("raw block volumes have no filesystem to {0}")]
+    Raw(&'static str),
+    #[error(
+        "growing the mounted ext4 filesystem on {0} needs CAP_SYS_RESOURCE, which this process lacks \
+         (the kernel refuses online ext4 resize without it); grow it unmounted or run with the capability"
+    )]
+    OnlineResizeNotPermitted(String),
+    #[error("inspecting {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+}
+
+#[derive(Debug)]
+struct Output {
+    code: Option<i32>,
+    stdout: String,
+}
+
+fn run(tool: &str, args: &[&OsStr], ok_codes: &[i32]) -> Result<Output, FsError> {
+    let start = Instant::now();
+    let out = Command::new(tool)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|source| FsError::Spawn { tool: tool.to_string(), source })?;
+    let code = out.status.code();
+    let args_text = || args.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ");
+    tracing::debug!(tool, args = %args_text(), ?code, elapsed_ms = start.elapsed().as_millis() as u64, "ran");
+    if out.status.success() || code.is_some_and(|c| ok_codes.contains(&c)) {
+        return Ok(Output { code, stdout: String::from_utf8_lossy(&out.stdout).into_owned() });
+    }
+    let mut stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    if stderr.is_empty() {
+        stderr = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    }
+    Err(FsError::Failed { tool: tool.to_string(), args: args_text(), status: out.status.to_string(), stderr })
+}
+
+/// The filesystem (or other signature: swap, LVM, a partition table…) on `dev`, probed from
+/// the device itself (`blkid -p`, no cache). `None` when blkid finds nothing (exit 2). An
+/// ambiguous probe (several signatures) is an error, so a caller never formats over it.
+pub fn blkid_type(dev: &Path) -> Result<Option<String>, FsError> {
+    let out = run(
+        "blkid",
+        &["-p".as_ref(), "-o".as_ref(), "value".as_ref(), "-s".as_ref(), "TYPE".as_ref(), dev.as_os_str()],
+        &[2],
+    )?;
+    if out.code == Some(2) {
+        return Ok(None);
+    }
+    let t = out.stdout.trim();
+    if t.is_empty() {
+        // A signature without a TYPE (e.g. a bare partition table is reported as PTTYPE).
+        let pt = run(
+            "blkid",
+            &["-p".as_ref(), "-o".as_ref(), "value".as_ref(), "-s".as_ref(), "PTTYPE".as_ref(), dev.as_os_str()],
+            &[2],
+        )?;
+        let pt = pt.stdout.trim();
+        return Ok(if pt.is_empty() { Some("unknown".to_string()) } else { Some(format!("partition-table:{pt}")) });
+    }
+    Ok(Some(t.to_string()))
+}
+
+/// Make a filesystem on `dev`. Forces (`-F` / `-f`): the caller checks [`blkid_type`] first
+/// and never calls this on a device that has data.
+pub fn mkfs(dev: &Path, fs: FsType) -> Result<(), FsError> {
+    let d = dev.as_os_str();
+    match fs {
+        FsType::Ext4 => run("mkfs.ext4", &["-F".as_ref(), "-q".as_ref(), d], &[]).map(|_| ()),
+        FsType::Xfs => run("mkfs.xfs", &["-f".as_ref(), "-q".as_ref(), d], &[]).map(|_| ()),
+        FsType::Raw => Err(FsError::Raw("make")),
+    }
+}
+
+/// Grow the filesystem to fill its (already grown) device.
+///
+/// ext4: `dev_or_mountpoint` is the device. Mounted: `resize2fs <device>` grows it online,
+/// which the kernel allows only with CAP_SYS_RESOURCE (checked first, so the caller gets
+/// [`FsError::OnlineResizeNotPermitted`] rather than resize2fs' bare "Permission denied").
+/// Not mounted: `e2fsck -f -p` (resize2fs requires a freshly checked filesystem), then
+/// `resize2fs`.
+///
+/// xfs: `dev_or_mountpoint` is the mount point; xfs grows only while mounted (`xfs_growfs`).
+pub fn grow_fs(dev_or_mountpoint: &Path, fs: FsType) -> Result<(), FsError> {
+    let p = dev_or_mountpoint.as_os_str();
+    match fs {
+        FsType::Ext4 => {
+            if !crate::sys::loopdev::is_block_device(dev_or_mountpoint) {
+                return Err(FsError::Io {
+                    path: dev_or_mountpoint.display().to_string(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        "ext4 grows through its block device",
+                    ),
+                });
+            }
+            if is_mounted(dev_or_mountpoint)? {
+                if !has_cap_sys_resource() {
+                    return Err(FsError::OnlineResizeNotPermitted(dev_or_mountpoint.display().to_string()));
+                }
+            } else {
+                // 0: clean, 1: errors corrected. Anything else: not safe to resize.
+                run("e2fsck", &["-f".as_ref(), "-p".as_ref(), p], &[1])?;
+            }
+            run("resize2fs", &[p], &[]).map(|_| ())
+        }
+        FsType::Xfs => run("xfs_growfs", &[p], &[]).map(|_| ()),
+        FsType::Raw => Err(FsError::Raw("grow")),
+    }
+}
+
+/// The size in bytes the filesystem on `dev` spans, from its superblock (ext4: block count
+/// × block size; xfs: data blocks × block size). Compared with the device size, it tells
+/// whether a grown device still needs its filesystem grown. `None` when `dev` does not hold
+/// a filesystem of that type.
+pub fn fs_size_bytes(dev: &Path, fs: FsType) -> Result<Option<u64>, FsError> {
+    use std::os::unix::fs::FileExt;
+    let io = |source| FsError::Io { path: dev.display().to_string(), source };
+    let f = std::fs::File::open(dev).map_err(io)?;
+    match fs {
+        FsType::Ext4 => {
+            let mut sb = [0u8; 1024];
+            f.read_exact_at(&mut sb, 1024).map_err(io)?;
+            let u32_at = |o: usize| u32::from_le_bytes(sb[o..o + 4].try_into().unwrap());
+            if u16::from_le_bytes([sb[0x38], sb[0x39]]) != 0xEF53 {
+                return Ok(None);
+            }
+            let log = u32_at(0x18);
+            if log > 6 {
+                return Ok(None);
+            }
+            let mut blocks = u32_at(0x04) as u64;
+            if u32_at(0x60) & 0x80 != 0 {
+                blocks |= (u32_at(0x150) as u64) << 32;
+            }
+            Ok(blocks.checked_mul(1024u64 << log))
+        }
+        FsType::Xfs => {
+            let mut sb = [0u8; 16];
+            f.read_exact_at(&mut sb, 0).map_err(io)?;
+            if &sb[0..4] != b"XFSB" {
+                return Ok(None);
+            }
+            let bsize = u32::from_be_bytes(sb[4..8].try_into().unwrap()) as u64;
+            let dblocks = u64::from_be_bytes(sb[8..16].try_into().unwrap());
+            Ok(dblocks.checked_mul(bsize))
+        }
+        FsType::Raw => Err(FsError::Raw("measure")),
+    }
+}
+
+/// Whether the block device `dev` is mounted anywhere in this mount namespace (by its
+/// major:minor in `/proc/self/mountinfo`, so any name for the device counts).
+pub fn is_mounted(dev: &Path) -> Result<bool, FsError> {
+    use std::os::unix::fs::MetadataExt;
+    let io = |source| FsError::Io { path: dev.display().to_string(), source };
+    let rdev = std::fs::metadata(dev).map_err(io)?.rdev();
+    let want = format!("{}:{}", nix::sys::stat::major(rdev), nix::sys::stat::minor(rdev));
+    let info = std::fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|source| FsError::Io { path: "/proc/self/mountinfo".into(), source })?;
+    Ok(info.lines().any(|l| l.split(' ').nth(2) == Some(want.as_str())))
+}
+
+/// Whether this process has CAP_SYS_RESOURCE in its effective set (online ext4 resize needs
+/// it in the initial user namespace; a container's root often lacks it).
+pub fn has_cap_sys_resource() -> bool {
+    const CAP_SYS_RESOURCE: u32 = 24;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| l.strip_prefix("CapEff:")).and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_carry_tool_args_and_stderr() {
+        // `ls` on a missing path: a real tool, a real non-zero exit, no root needed.
+        let e = run("ls", &["/nonexistent/nodeplane-volume-test".as_ref()], &[]).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.starts_with("ls /nonexistent/nodeplane-volume-test failed"), "{msg}");
+        assert!(msg.contains("No such file"), "{msg}");
+        let e = run("nodeplane-no-such-tool", &[], &[]).unwrap_err();
+        assert!(matches!(e, FsError::Spawn { .. }), "{e}");
+        // Accepted non-zero codes are not failures.
+        let out = run("ls", &["/nonexistent/nodeplane-volume-test".as_ref()], &[2]).unwrap();
+        assert_eq!(out.code, Some(2));
+    }
+
+    #[test]
+    fn raw_has_no_filesystem() {
+        assert!(matches!(mkfs(Path::new("/dev/null"), FsType::Raw), Err(FsError::Raw(_))));
+        assert!(matches!(grow_fs(Path::new("/dev/null"), FsType::Raw), Err(FsError::Raw(_))));
+    }
+
+    #[test]
+    fn blkid_on_a_blank_file_is_none() {
+        let p = std::env::temp_dir().join(format!("np-blkid-{}.img", std::process::id()));
+        let f = std::fs::File::create(&p).unwrap();
+        f.set_len(4 << 20).unwrap();
+        let got = blkid_type(&p);
+        std::fs::remove_file(&p).unwrap();
+        assert_eq!(got.unwrap(), None);
+    }
+
+    #[test]
+    fn blkid_reports_a_bare_partition_table() {
+        // An MBR with one partition and no filesystem: not blank, never to be formatted.
+        let p = std::env::temp_dir().join(format!("np-blkid-pt-{}.img", std::process::id()));
+        let mut mbr = vec![0u8; 512];
+        mbr[446 + 4] = 0x83;
+        mbr[446 + 8..446 + 12].copy_from_slice(&2048u32.to_le_bytes());
+        mbr[446 + 12..446 + 16].copy_from_slice(&4096u32.to_le_bytes());
+        mbr[510] = 0x55;
+        mbr[511] = 0xAA;
+        std::fs::write(&p, &mbr).unwrap();
+        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(8 << 20).unwrap();
+        let got = blkid_type(&p);
+        std::fs::remove_file(&p).unwrap();
+        assert_eq!(got.unwrap().as_deref(), Some("partition-table:dos"));
+    }
+}
