@@ -5,6 +5,38 @@ use std::fs;
 use std::io;
 use std::path::Path;
 
+/// An IP address family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub fn of(net: &ipnetwork::IpNetwork) -> Family {
+        if net.is_ipv4() { Family::V4 } else { Family::V6 }
+    }
+    pub fn of_addr(ip: &std::net::IpAddr) -> Family {
+        if ip.is_ipv4() { Family::V4 } else { Family::V6 }
+    }
+    /// The family of a `v6` flag (as netlink calls take it).
+    pub fn from_v6(v6: bool) -> Family {
+        if v6 { Family::V6 } else { Family::V4 }
+    }
+    pub fn is_v6(self) -> bool {
+        self == Family::V6
+    }
+}
+
+impl std::fmt::Display for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Family::V4 => "IPv4",
+            Family::V6 => "IPv6",
+        })
+    }
+}
+
 /// Fill `buf` from the kernel's random source.
 pub fn fill_random(buf: &mut [u8]) {
     let mut filled = 0;

@@ -19,6 +19,7 @@ use super::config::{Config, ControllerConfig};
 use crate::net::datapath::Datapath;
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_client::NodeRegistryClient;
+use crate::util::Family;
 use crate::net::routes::{PeerNode, RouteConfig, Routes};
 
 /// What the agent remembers from the controller (`<state>/cluster.json`).
@@ -150,7 +151,7 @@ impl Client {
         tokio::task::spawn_blocking(move || dp.apply_network(&blocks, Some(&cluster)))
             .await
             .map_err(|e| e.to_string())?
-            .map_err(|e| e.msg)
+            .map_err(|e| e.to_string())
     }
 
     /// Make sure the route programmer exists (needs the VXLAN parameters from the controller).
@@ -264,12 +265,15 @@ impl Client {
 }
 
 /// Ask the controller for one more block of a family, from a blocking thread (ADD path).
-fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, v4: bool) -> Result<(), String> {
+fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, family: Family) -> Result<(), String> {
     let c = client.clone();
     handle.block_on(async move {
         let token = read_token(&c.cc.token_file)?;
         let channel = crate::rpc::connect(&c.cc.address).await.map_err(|e| format!("connect: {e}"))?;
-        let family = if v4 { pb::Family::Ipv4 } else { pb::Family::Ipv6 };
+        let family = match family {
+            Family::V4 => pb::Family::Ipv4,
+            Family::V6 => pb::Family::Ipv6,
+        };
         let msg = pb::RequestBlockRequest { node_name: c.cfg.node_name.clone(), family: family as i32 };
         let resp = NodeRegistryClient::new(channel)
             .request_block(authed(msg, &token)?)
@@ -296,7 +300,7 @@ pub async fn run(cfg: Arc<Config>, dp: Arc<Datapath>, link: Arc<Link>) {
     });
     let handle = tokio::runtime::Handle::current();
     let c = client.clone();
-    dp.set_block_source(Box::new(move |v4| request_block(&handle, &c, v4)));
+    dp.set_block_source(Box::new(move |family| request_block(&handle, &c, family)));
     let mut backoff = Duration::from_millis(100);
     loop {
         let mut connected = false;

@@ -88,7 +88,7 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix
     });
     let dp = Arc::new(Datapath::new(cfg.net_settings(), ipam, reaper, publish, kernel));
 
-    let report = dp.reconcile(boot_changed).map_err(|e| AgentError::Setup(format!("reconcile: {}", e.msg)))?;
+    let report = dp.reconcile(boot_changed).map_err(|e| AgentError::Setup(format!("reconcile: {e}")))?;
     for f in &report.freed {
         tracing::info!(lease = %f, "freed stale lease");
     }
@@ -118,7 +118,7 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix
             (st.blocks, st.cluster_cidrs)
         }
     };
-    dp.apply_network(&blocks, Some(&cluster)).map_err(|e| AgentError::Setup(e.msg))?;
+    dp.apply_network(&blocks, Some(&cluster)).map_err(|e| AgentError::Setup(e.to_string()))?;
     tracing::info!(node = %cfg.node_name, socket = %sock.display(), network_ready = dp.ready(), "ready");
     Ok((cfg, dp, listener, lock))
 }
@@ -181,7 +181,7 @@ pub fn drain_pending(dp: &Datapath) {
             Ok(req) if req.command == Command::Del => match dp.del_queued(&path, &req) {
                 Ok(true) => tracing::info!(container = %req.container_id, ifname = %req.ifname, "drained pending delete"),
                 Ok(false) => {}
-                Err(e) => tracing::warn!(file = %name, error = %e.msg, "pending delete failed; will retry"),
+                Err(e) => tracing::warn!(file = %name, error = %e, "pending delete failed; will retry"),
             },
             Ok(_) | Err(_) => {
                 tracing::error!(file = %name, "discarding invalid pending-delete record");
@@ -229,7 +229,7 @@ pub fn handle_coded(dp: &Datapath, env: &Env, stdin: &[u8]) -> (Reply, Option<u3
         Command::Status => dp.status().map(|_| Reply::empty()),
         Command::Version => unreachable!("answered above"),
     };
-    match out {
+    match out.map_err(crate::net::cni::CniError::from) {
         Ok(r) => (r, None),
         Err(e) => {
             tracing::warn!(command = command.as_str(), container = %req.container_id, ifname = %req.ifname, code = e.code as u32, error = %e.msg, "CNI request failed");

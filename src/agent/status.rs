@@ -76,7 +76,7 @@ impl NodeStatus {
                 findings.extend(f);
                 errors.extend(skipped.into_iter().map(|s| format!("network: {s}")));
             }
-            Err(e) => errors.push(format!("network: {}", e.msg)),
+            Err(e) => errors.push(format!("network: {e}")),
         }
         if let Some(csi) = &self.csi {
             if !csi.ready() {

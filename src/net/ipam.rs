@@ -18,12 +18,15 @@ use std::sync::Mutex;
 use ipnetwork::IpNetwork;
 use serde::{Deserialize, Serialize};
 
+use crate::util::Family;
+
 #[derive(Debug, thiserror::Error)]
 pub enum IpamError {
-    #[error("no {0} pod address block is assigned to this node")]
-    NoBlock(&'static str),
+    /// No block of the family (`None`: no block at all).
+    #[error("no {}pod address block is assigned to this node", .0.map(|f| format!("{f} ")).unwrap_or_default())]
+    NoBlock(Option<Family>),
     #[error("the {family} pod address block(s) {blocks} are full")]
-    Exhausted { family: &'static str, blocks: String },
+    Exhausted { family: Family, blocks: String },
     #[error("invalid block {0}: {1}")]
     BadBlock(IpNetwork, &'static str),
     #[error("lease store {path}: {source}")]
@@ -108,8 +111,8 @@ impl Block {
         let (first, last) = self.host_range();
         last - first + 1
     }
-    pub fn family(&self) -> &'static str {
-        if self.net.is_ipv4() { "IPv4" } else { "IPv6" }
+    pub fn family(&self) -> Family {
+        Family::of(&self.net)
     }
 }
 
@@ -234,9 +237,9 @@ impl Ipam {
     }
 
     /// Families that still have a free address (for STATUS).
-    pub fn free_by_family(&self) -> Vec<(&'static str, u128)> {
+    pub fn free_by_family(&self) -> Vec<(Family, u128)> {
         let inner = self.inner.lock().unwrap();
-        let mut out: Vec<(&'static str, u128)> = Vec::new();
+        let mut out: Vec<(Family, u128)> = Vec::new();
         for b in &inner.blocks {
             let used = inner.used.iter().filter(|ip| b.net.contains(**ip)).count() as u128;
             let free = b.capacity().saturating_sub(used);
@@ -248,11 +251,10 @@ impl Ipam {
         out
     }
 
-    fn pick(inner: &mut Inner, v4: bool) -> Result<IpNetwork, IpamError> {
-        let family = if v4 { "IPv4" } else { "IPv6" };
-        let blocks: Vec<Block> = inner.blocks.iter().filter(|b| b.net.is_ipv4() == v4).copied().collect();
+    fn pick(inner: &mut Inner, family: Family) -> Result<IpNetwork, IpamError> {
+        let blocks: Vec<Block> = inner.blocks.iter().filter(|b| b.family() == family).copied().collect();
         if blocks.is_empty() {
-            return Err(IpamError::NoBlock(family));
+            return Err(IpamError::NoBlock(Some(family)));
         }
         for b in &blocks {
             let (first, last) = b.host_range();
@@ -283,18 +285,18 @@ impl Ipam {
     pub fn reserve(&self, mut lease: Lease) -> Result<Reservation, IpamError> {
         {
             let mut inner = self.inner.lock().unwrap();
-            let families: Vec<bool> = {
-                let mut f: Vec<bool> = inner.blocks.iter().map(|b| b.net.is_ipv4()).collect();
-                f.sort_by(|a, b| b.cmp(a));
+            let families: Vec<Family> = {
+                let mut f: Vec<Family> = inner.blocks.iter().map(|b| b.family()).collect();
+                f.sort();
                 f.dedup();
                 f
             };
             if families.is_empty() {
-                return Err(IpamError::NoBlock("pod"));
+                return Err(IpamError::NoBlock(None));
             }
             let mut ips = Vec::new();
-            for v4 in families {
-                match Self::pick(&mut inner, v4) {
+            for family in families {
+                match Self::pick(&mut inner, family) {
                     Ok(ip) => ips.push(ip),
                     Err(e) => {
                         for ip in &ips {
@@ -406,7 +408,7 @@ mod tests {
             }
         }
         let e = ipam.reserve(lease("c9")).unwrap_err();
-        assert!(matches!(e, IpamError::Exhausted { family: "IPv4", .. }), "{e}");
+        assert!(matches!(e, IpamError::Exhausted { family: Family::V4, .. }), "{e}");
         let usage: Vec<(String, u128, u128)> =
             ipam.block_usage().iter().map(|(b, used)| (b.net.to_string(), b.capacity(), *used)).collect();
         assert_eq!(usage, vec![("10.1.2.0/29".into(), 5, 5), ("fd00:1::/125".into(), 6, 5)]);

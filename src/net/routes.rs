@@ -376,8 +376,8 @@ pub fn normalize(net: IpNetwork) -> IpNetwork {
     IpNetwork::new(net.network(), net.prefix()).unwrap_or(net)
 }
 
-fn family_name(v6: bool) -> &'static str {
-    if v6 { "IPv6" } else { "IPv4" }
+fn family_name(v6: bool) -> crate::util::Family {
+    crate::util::Family::from_v6(v6)
 }
 
 /// The kernel state the peers call for.

@@ -58,15 +58,15 @@ impl Node {
     }
 
     fn add(&self, id: &str, netns: &Path) -> Result<Value, CniError> {
-        self.dp.add(&request("ADD", id, Some(netns), None)).map(|r| r.render("1.0.0"))
+        self.dp.add(&request("ADD", id, Some(netns), None)).map(|r| r.render("1.0.0")).map_err(CniError::from)
     }
 
     fn check(&self, id: &str, netns: &Path, prev: &Value) -> Result<(), CniError> {
-        self.dp.check(&request("CHECK", id, Some(netns), Some(prev)))
+        self.dp.check(&request("CHECK", id, Some(netns), Some(prev))).map_err(CniError::from)
     }
 
     fn del(&self, id: &str, netns: Option<&Path>) -> Result<(), CniError> {
-        self.dp.del(&request("DEL", id, netns, None))
+        self.dp.del(&request("DEL", id, netns, None)).map_err(CniError::from)
     }
 
     /// Host links of ours (pod veths and the graveyard), after the reaper caught up.
@@ -452,16 +452,16 @@ fn status_tells_what_is_unavailable() {
     let n = node("status");
     n.dp.status().unwrap();
     n.fake.edit_link(None, "np0", |l| l.up = false);
-    assert_eq!(n.dp.status().unwrap_err().code, Code::NotAvailable, "no pods yet");
+    assert_eq!(CniError::from(n.dp.status().unwrap_err()).code, Code::NotAvailable, "no pods yet");
     n.fake.edit_link(None, "np0", |l| l.up = true);
     let ns = n.netns("pod");
     n.add("ctr", &ns).unwrap();
     n.fake.edit_link(None, "np0", |l| l.up = false);
-    assert_eq!(n.dp.status().unwrap_err().code, Code::NotAvailablePodsAffected);
+    assert_eq!(CniError::from(n.dp.status().unwrap_err()).code, Code::NotAvailablePodsAffected);
     n.fake.edit_link(None, "np0", |l| l.up = true);
     let host = n.dp.ipam().get(&owner("ctr")).unwrap().host_if;
     n.fake.edit_link(None, &host, |l| l.master = None);
-    let err = n.dp.status().unwrap_err();
+    let err = CniError::from(n.dp.status().unwrap_err());
     assert_eq!(err.code, Code::NotAvailablePodsAffected);
     assert!(err.msg.contains("1 pod veth(s)"), "{}", err.msg);
 }
@@ -531,4 +531,32 @@ fn doctor_finds_and_repairs_orphans_but_never_a_live_pod() {
     assert!(n.dp.ipam().get(&owner("pod-gone")).is_none(), "repaired");
     assert!(n.dp.ipam().get(&owner("veth-gone")).is_some(), "a live pod keeps its addresses");
     assert!(n.dp.ipam().get(&owner("alive")).is_some());
+}
+
+/// The one table from datapath errors to CNI codes.
+#[test]
+fn net_errors_map_to_cni_codes() {
+    let kernel = || NetlinkError { op: "x".into(), source: std::io::Error::from_raw_os_error(libc::EPERM) };
+    let cases: Vec<(NetError, Code)> = vec![
+        (NetError::Kernel { context: "creating veth".into(), source: kernel() }, Code::Internal),
+        (NetError::NoNetns(NetnsError::NotFound("/x".into())), Code::InvalidEnv),
+        (NetError::Netns(NetnsError::Io { path: "/x".into(), source: std::io::Error::other("EMFILE") }), Code::Internal),
+        (NetError::Ipam(IpamError::NoBlock(None)), Code::TryAgainLater),
+        (NetError::Ipam(IpamError::Exhausted { family: Family::V6, blocks: V6.into() }), Code::TryAgainLater),
+        (NetError::Ipam(IpamError::Io { path: "/x".into(), source: std::io::Error::other("ENOSPC") }), Code::Io),
+        (NetError::NoBlock("IPv4 block full and no new block".into()), Code::TryAgainLater),
+        (NetError::AlreadyExists("eth0".into()), Code::AlreadyExists),
+        (NetError::UnknownContainer("ctr".into()), Code::UnknownContainer),
+        (NetError::Broken("down".into()), Code::Internal),
+        (NetError::Io("sysctl".into()), Code::Io),
+        (NetError::NotAvailable { msg: "full".into(), pods_affected: false }, Code::NotAvailable),
+        (NetError::NotAvailable { msg: "bridge".into(), pods_affected: true }, Code::NotAvailablePodsAffected),
+    ];
+    for (e, code) in cases {
+        let text = e.to_string();
+        let c = CniError::from(e);
+        assert_eq!((c.code, c.msg.as_str()), (code, text.as_str()));
+    }
+    assert_eq!(IpamError::NoBlock(None).to_string(), "no pod address block is assigned to this node");
+    assert_eq!(IpamError::NoBlock(Some(Family::V4)).to_string(), "no IPv4 pod address block is assigned to this node");
 }

@@ -19,6 +19,7 @@ use crate::sys::net_kernel::{LinkStep, Links, PodNetns, Veth};
 use crate::sys::netlink::{Link, NetlinkError, format_mac, random_mac};
 use crate::sys::netns::NetnsError;
 use crate::obs::doctor::{Finding, Repair};
+use crate::util::Family;
 
 /// Host-side veth name of an attachment: "np" + 13 hex digits of a stable hash.
 pub fn host_ifname(owner: &Owner) -> String {
@@ -30,20 +31,74 @@ pub fn is_host_ifname(name: &str) -> bool {
     name.len() == 15 && name.starts_with("np") && name[2..].bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
-fn internal(context: &str, e: impl std::fmt::Display) -> CniError {
-    CniError::new(Code::Internal, format!("{context}: {e}"))
+/// What can go wrong in the datapath. Mapped to CNI error codes in one place
+/// (`From<NetError> for CniError`); the message is the same either way.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// The kernel failed a step (netlink).
+    #[error("{context}: {source}")]
+    Kernel {
+        context: String,
+        #[source]
+        source: NetlinkError,
+    },
+    /// CNI_NETNS names no network namespace.
+    #[error("CNI_NETNS: {0}")]
+    NoNetns(NetnsError),
+    /// The pod's namespace exists but could not be entered or read.
+    #[error("netns: {0}")]
+    Netns(NetnsError),
+    #[error(transparent)]
+    Ipam(#[from] IpamError),
+    /// The node's block of a family is full and no new one could be had.
+    #[error("{0}")]
+    NoBlock(String),
+    /// An attachment or interface of that name exists already.
+    #[error("{0}")]
+    AlreadyExists(String),
+    /// No attachment of that container and interface.
+    #[error("{0}")]
+    UnknownContainer(String),
+    /// The attachment or the node's network is not as it must be, or a step could not be
+    /// finished.
+    #[error("{0}")]
+    Broken(String),
+    /// A file or sysctl could not be written.
+    #[error("{0}")]
+    Io(String),
+    /// STATUS: the network cannot take an ADD now (`pods_affected`: and existing pods are
+    /// hit too).
+    #[error("{msg}")]
+    NotAvailable { msg: String, pods_affected: bool },
 }
 
-fn netlink_err(context: &str, e: NetlinkError) -> CniError {
-    internal(context, e)
-}
-
-fn ipam_err(e: IpamError) -> CniError {
-    match e {
-        IpamError::NoBlock(_) | IpamError::Exhausted { .. } => CniError::new(Code::TryAgainLater, e.to_string()),
-        IpamError::Io { .. } => CniError::new(Code::Io, e.to_string()),
-        IpamError::BadBlock(..) => CniError::new(Code::Internal, e.to_string()),
+impl From<NetError> for CniError {
+    fn from(e: NetError) -> CniError {
+        let code = match &e {
+            NetError::Kernel { .. } | NetError::Netns(_) | NetError::Broken(_) => Code::Internal,
+            NetError::NoNetns(_) => Code::InvalidEnv,
+            NetError::Ipam(IpamError::NoBlock(_) | IpamError::Exhausted { .. }) | NetError::NoBlock(_) => Code::TryAgainLater,
+            NetError::Ipam(IpamError::Io { .. }) | NetError::Io(_) => Code::Io,
+            NetError::Ipam(IpamError::BadBlock(..)) => Code::Internal,
+            NetError::AlreadyExists(_) => Code::AlreadyExists,
+            NetError::UnknownContainer(_) => Code::UnknownContainer,
+            NetError::NotAvailable { pods_affected: false, .. } => Code::NotAvailable,
+            NetError::NotAvailable { pods_affected: true, .. } => Code::NotAvailablePodsAffected,
+        };
+        CniError::new(code, e.to_string())
     }
+}
+
+fn internal(context: &str, e: impl std::fmt::Display) -> NetError {
+    NetError::Broken(format!("{context}: {e}"))
+}
+
+fn netlink_err(context: &str, e: NetlinkError) -> NetError {
+    NetError::Kernel { context: context.to_string(), source: e }
+}
+
+fn ipam_err(e: IpamError) -> NetError {
+    NetError::Ipam(e)
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -98,9 +153,9 @@ impl KeyedLocks {
     }
 }
 
-/// Asks the controller for one more block of a family (IPv4 when true); installed by the
-/// cluster client in controller mode.
-pub type BlockSource = Box<dyn Fn(bool) -> Result<(), String> + Send + Sync>;
+/// Asks the controller for one more block of a family; installed by the cluster client in
+/// controller mode.
+pub type BlockSource = Box<dyn Fn(Family) -> Result<(), String> + Send + Sync>;
 
 /// The slice of the agent's configuration the datapath uses.
 #[derive(Debug, Clone)]
@@ -185,8 +240,8 @@ impl Datapath {
     /// Bring the node's network in line with its blocks: assign new blocks to IPAM, gateway
     /// addresses on the bridge, masquerade rules, and — once there is a block — the shim and
     /// the conflist (atomically). Called at start and whenever the controller adds blocks.
-    pub fn apply_network(&self, blocks: &[IpNetwork], cluster: Option<&[IpNetwork]>) -> Result<(), CniError> {
-        let setup = |m: String| CniError::new(Code::Internal, m);
+    pub fn apply_network(&self, blocks: &[IpNetwork], cluster: Option<&[IpNetwork]>) -> Result<(), NetError> {
+        let setup = NetError::Broken;
         for b in blocks {
             self.ipam.assign_block(*b).map_err(|e| setup(e.to_string()))?;
         }
@@ -215,7 +270,7 @@ impl Datapath {
 
     /// Create (or adopt) the node bridge with one gateway address per block, and turn on
     /// forwarding in the agent's own network namespace.
-    pub fn ensure_bridge(&self) -> Result<(), CniError> {
+    pub fn ensure_bridge(&self) -> Result<(), NetError> {
         let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         let name = &self.settings.bridge;
         let link = match nl.link_by_name(name).map_err(|e| netlink_err("bridge lookup", e))? {
@@ -276,7 +331,7 @@ impl Datapath {
             if port.master == Some(link.index) && port.up {
                 continue;
             }
-            self.locks.run(&lease.owner, || -> Result<(), CniError> {
+            self.locks.run(&lease.owner, || -> Result<(), NetError> {
                 if self.ipam.get(&lease.owner).is_none() {
                     return Ok(());
                 }
@@ -290,14 +345,14 @@ impl Datapath {
             })?;
         }
         for key in ["net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"] {
-            self.kernel.write_sysctl(key, "1").map_err(|e| CniError::new(Code::Io, e.to_string()))?;
+            self.kernel.write_sysctl(key, "1").map_err(|e| NetError::Io(e.to_string()))?;
         }
         let mac = link.mac.unwrap_or_default();
         *self.bridge.lock().unwrap() = Some(BridgeInfo { index: link.index, mac });
         Ok(())
     }
 
-    fn bridge(&self) -> Result<BridgeInfo, CniError> {
+    fn bridge(&self) -> Result<BridgeInfo, NetError> {
         if let Some(b) = *self.bridge.lock().unwrap() {
             return Ok(b);
         }
@@ -306,7 +361,7 @@ impl Datapath {
     }
 
     /// Bring leases and kernel state back in line after a start (crash, upgrade, reboot).
-    pub fn reconcile(&self, boot_changed: bool) -> Result<ReconcileReport, CniError> {
+    pub fn reconcile(&self, boot_changed: bool) -> Result<ReconcileReport, NetError> {
         let mut report = ReconcileReport::default();
         let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         let links = nl.links().map_err(|e| netlink_err("listing links", e))?;
@@ -353,7 +408,7 @@ impl Datapath {
     /// Retire a host veth: down, off the bridge and into the graveyard group in one
     /// synchronous request (the old address is unreachable from then on), then renamed out
     /// of the way; the reaper deletes the graveyard in batches.
-    fn retire_link(&self, nl: &mut dyn Links, link: &Link) -> Result<(), CniError> {
+    fn retire_link(&self, nl: &mut dyn Links, link: &Link) -> Result<(), NetError> {
         match nl.set_link(link.index, Some(false), Some(0), None, Some(GRAVEYARD_GROUP)) {
             Ok(()) => {}
             Err(e) if e.is(libc::ENODEV) => return Ok(()),
@@ -375,12 +430,12 @@ impl Datapath {
 
     // ----- CNI commands -----
 
-    pub fn add(&self, req: &Request) -> Result<ResultModel, CniError> {
+    pub fn add(&self, req: &Request) -> Result<ResultModel, NetError> {
         let owner = Owner { container_id: req.container_id.clone(), ifname: req.ifname.clone() };
         self.locks.run(&owner, || self.add_locked(req, &owner))
     }
 
-    fn add_locked(&self, req: &Request, owner: &Owner) -> Result<ResultModel, CniError> {
+    fn add_locked(&self, req: &Request, owner: &Owner) -> Result<ResultModel, NetError> {
         // A DEL the shim queued while no agent answered came before this ADD (the runtime
         // waited for the DEL's answer before sending it): apply it now, or the periodic drain
         // would detach the new attachment later (a queue written just after a restarting
@@ -391,8 +446,7 @@ impl Datapath {
             self.del_locked(owner)?;
         }
         if let Some(existing) = self.ipam.get(owner) {
-            return Err(CniError::new(
-                Code::AlreadyExists,
+            return Err(NetError::AlreadyExists(
                 format!(
                     "container {} already has interface {} attached ({}); DEL it first",
                     owner.container_id,
@@ -417,7 +471,7 @@ impl Datapath {
         let reservation = match self.ipam.reserve(lease_template.clone()) {
             Err(IpamError::Exhausted { family, .. }) if self.block_source.get().is_some() => {
                 let source = self.block_source.get().expect("checked");
-                source(family == "IPv4").map_err(|e| CniError::new(Code::TryAgainLater, format!("{family} block full and no new block: {e}")))?;
+                source(family).map_err(|e| NetError::NoBlock(format!("{family} block full and no new block: {e}")))?;
                 self.ipam.reserve(lease_template)
             }
             other => other,
@@ -473,7 +527,7 @@ impl Datapath {
         host_if: &str,
         lease: &Lease,
         mtu: u32,
-    ) -> Result<(ResultModel, u64), CniError> {
+    ) -> Result<(ResultModel, u64), NetError> {
         let bridge = self.bridge()?;
         let host_mac = random_mac();
         let peer_mac = random_mac();
@@ -504,8 +558,7 @@ impl Datapath {
                         // Maybe the old end of a veth we just retired: let the reaper finish.
                         self.reaper.flush();
                         if pnl.link_by_name(&req.ifname).map_err(|e| netlink_err("lookup", e))?.is_some() {
-                            return Err(CniError::new(
-                                Code::AlreadyExists,
+                            return Err(NetError::AlreadyExists(
                                 format!(
                                     "interface {} already exists in network namespace {}",
                                     req.ifname,
@@ -569,12 +622,12 @@ impl Datapath {
         Ok((result, pod_nl.netns_cookie()))
     }
 
-    pub fn del(&self, req: &Request) -> Result<(), CniError> {
+    pub fn del(&self, req: &Request) -> Result<(), NetError> {
         let owner = Owner { container_id: req.container_id.clone(), ifname: req.ifname.clone() };
         self.locks.run(&owner, || self.del_locked(&owner))
     }
 
-    fn del_locked(&self, owner: &Owner) -> Result<(), CniError> {
+    fn del_locked(&self, owner: &Owner) -> Result<(), NetError> {
         let host_if = self.ipam.get(owner).map(|l| l.host_if).unwrap_or_else(|| host_ifname(owner));
         let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         // Detach first: once this returns, the old address is off the bridge.
@@ -590,16 +643,15 @@ impl Datapath {
         Ok(())
     }
 
-    pub fn check(&self, req: &Request) -> Result<(), CniError> {
+    pub fn check(&self, req: &Request) -> Result<(), NetError> {
         let owner = Owner { container_id: req.container_id.clone(), ifname: req.ifname.clone() };
         self.locks.run(&owner, || self.check_locked(req, &owner))
     }
 
-    fn check_locked(&self, req: &Request, owner: &Owner) -> Result<(), CniError> {
-        let fail = |m: String| Err(CniError::new(Code::Internal, m));
+    fn check_locked(&self, req: &Request, owner: &Owner) -> Result<(), NetError> {
+        let fail = |m: String| Err(NetError::Broken(m));
         let Some(lease) = self.ipam.get(owner) else {
-            return Err(CniError::new(
-                Code::UnknownContainer,
+            return Err(NetError::UnknownContainer(
                 format!("no attachment for container {} interface {}", owner.container_id, owner.ifname),
             ));
         };
@@ -673,7 +725,7 @@ impl Datapath {
         Ok(())
     }
 
-    pub fn gc(&self, req: &Request) -> Result<(), CniError> {
+    pub fn gc(&self, req: &Request) -> Result<(), NetError> {
         let valid: HashSet<Owner> = req
             .conf
             .valid_attachments
@@ -691,7 +743,7 @@ impl Datapath {
             }
             match self.locks.run(&lease.owner, || self.del_locked(&lease.owner)) {
                 Ok(()) => freed += 1,
-                Err(e) => errors.push(e.msg),
+                Err(e) => errors.push(e.to_string()),
             }
         }
         // Host-side leftovers that no lease explains.
@@ -700,26 +752,28 @@ impl Datapath {
         let links = nl.links().map_err(|e| netlink_err("listing links", e))?;
         for link in links.iter().filter(|l| is_host_ifname(&l.name) && !held.contains(&l.name)) {
             if let Err(e) = self.retire_link(&mut *nl, link) {
-                errors.push(e.msg);
+                errors.push(e.to_string());
             }
         }
         tracing::info!(freed, valid = valid.len(), "gc");
         if errors.is_empty() {
             Ok(())
         } else {
-            Err(CniError::new(Code::Internal, format!("GC left work undone: {}", errors.join("; "))))
+            Err(NetError::Broken(format!("GC left work undone: {}", errors.join("; "))))
         }
     }
 
-    pub fn status(&self) -> Result<(), CniError> {
+    pub fn status(&self) -> Result<(), NetError> {
         let held: HashSet<String> = self.ipam.leases().into_iter().map(|l| l.host_if).collect();
         let leases = held.len();
         let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         let bridge = nl.link_by_name(&self.settings.bridge).map_err(|e| netlink_err("lookup", e))?;
         let bridge_ok = bridge.as_ref().is_some_and(|b| b.up);
         if !bridge_ok {
-            let code = if leases > 0 { Code::NotAvailablePodsAffected } else { Code::NotAvailable };
-            return Err(CniError::new(code, format!("bridge {} is missing or down ({leases} pods attached)", self.settings.bridge)));
+            return Err(NetError::NotAvailable {
+                msg: format!("bridge {} is missing or down ({leases} pods attached)", self.settings.bridge),
+                pods_affected: leases > 0,
+            });
         }
         let bridge_index = bridge.map(|b| b.index);
         let detached = nl
@@ -729,17 +783,17 @@ impl Datapath {
             .filter(|l| held.contains(&l.name) && (l.master != bridge_index || !l.up))
             .count();
         if detached > 0 {
-            return Err(CniError::new(
-                Code::NotAvailablePodsAffected,
-                format!("{detached} pod veth(s) are not attached to bridge {}", self.settings.bridge),
-            ));
+            return Err(NetError::NotAvailable {
+                msg: format!("{detached} pod veth(s) are not attached to bridge {}", self.settings.bridge),
+                pods_affected: true,
+            });
         }
         let free = self.ipam.free_by_family();
         if free.is_empty() {
-            return Err(CniError::new(Code::NotAvailable, "no pod address block is assigned to this node"));
+            return Err(NetError::NotAvailable { msg: "no pod address block is assigned to this node".into(), pods_affected: false });
         }
         if let Some((family, _)) = free.iter().find(|(_, n)| *n == 0) {
-            return Err(CniError::new(Code::NotAvailable, format!("the {family} pod address block is full")));
+            return Err(NetError::NotAvailable { msg: format!("the {family} pod address block is full"), pods_affected: false });
         }
         Ok(())
     }
@@ -749,10 +803,10 @@ fn fmt_ips(ips: &[IpNetwork]) -> String {
     ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>().join(", ")
 }
 
-fn netns_err(e: NetnsError) -> CniError {
+fn netns_err(e: NetnsError) -> NetError {
     match e {
-        NetnsError::NotFound(_) | NetnsError::NotNetns(_) => CniError::new(Code::InvalidEnv, format!("CNI_NETNS: {e}")),
-        other => internal("netns", other),
+        NetnsError::NotFound(_) | NetnsError::NotNetns(_) => NetError::NoNetns(e),
+        other => NetError::Netns(other),
     }
 }
 
@@ -829,7 +883,7 @@ impl Datapath {
     /// With `repair`, the first two kinds are removed (a lease by the DEL path: veth retired,
     /// addresses freed); a lease whose pod is alive but whose veth is gone is only reported:
     /// the runtime's CHECK fails for it and the pod is recreated, which frees it properly.
-    pub fn doctor(&self, repair: bool) -> Result<(Vec<Finding>, Vec<String>), CniError> {
+    pub fn doctor(&self, repair: bool) -> Result<(Vec<Finding>, Vec<String>), NetError> {
         let mut out = Vec::new();
         let mut skipped = Vec::new();
         for lease in self.ipam.leases() {
@@ -870,7 +924,7 @@ impl Datapath {
                 if repair {
                     f.repair = Some(match self.del_locked(&owner) {
                         Ok(()) => Repair::Done(format!("released {} and retired {}", fmt_ips(&lease.ips), lease.host_if)),
-                        Err(e) => Repair::Failed(e.msg),
+                        Err(e) => Repair::Failed(e.to_string()),
                     });
                 }
                 Some(Ok(f))
@@ -904,7 +958,7 @@ impl Datapath {
             if repair {
                 f.repair = Some(match self.retire_link(&mut *nl, link) {
                     Ok(()) => Repair::Done("detached and deleted".into()),
-                    Err(e) => Repair::Failed(e.msg),
+                    Err(e) => Repair::Failed(e.to_string()),
                 });
             }
             out.push(f);
@@ -914,7 +968,7 @@ impl Datapath {
 
     /// Run a DEL the shim queued (`path`), unless an ADD of the same attachment already
     /// applied it: decided under the attachment's lock. `Ok(false)`: nothing was left to do.
-    pub fn del_queued(&self, path: &Path, req: &Request) -> Result<bool, CniError> {
+    pub fn del_queued(&self, path: &Path, req: &Request) -> Result<bool, NetError> {
         let owner = Owner { container_id: req.container_id.clone(), ifname: req.ifname.clone() };
         self.locks.run(&owner, || {
             if !queued_del_of(path, &owner) {
@@ -937,7 +991,7 @@ enum NetnsCheck {
 }
 
 impl Datapath {
-    fn open_netns(&self, path: &Path) -> Result<Box<dyn PodNetns>, CniError> {
+    fn open_netns(&self, path: &Path) -> Result<Box<dyn PodNetns>, NetError> {
         self.kernel.open_netns(path).map_err(netns_err)
     }
 
