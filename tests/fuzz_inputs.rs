@@ -764,7 +764,7 @@ fn shim_binary_gives_the_right_code() {
                     prop_assert_eq!((run.status, run.stdout.as_str()), (0, ""), "DEL with no agent is queued and succeeds");
                     let cid = env_str(&inv.container_id).unwrap();
                     let ifn = env_str(&inv.ifname).unwrap();
-                    let f = pending.join(nodeplane::net::shim::pending_file_name(&cid, &ifn));
+                    let f = pending.join(nodeplane::net::pending_del::file_name(&cid, &ifn));
                     prop_assert!(f.exists(), "DEL not queued at {}", f.display());
                     let _ = fs::remove_file(f);
                     return Ok(());

@@ -1,4 +1,6 @@
-//! The node agent: start-up, reconciliation and the CNI socket server.
+//! The node agent, composed: start-up and reconciliation, the CNI socket server, and the
+//! tasks of each plane it runs (cluster client, CSI, device plugins, node API, health).
+//! It wires the planes together and owns the configuration; no plane imports it.
 
 pub mod cluster;
 pub mod config;
@@ -107,7 +109,7 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix
     let listener = std::os::unix::net::UnixListener::bind(sock).map_err(io_ctx(format!("binding {}", sock.display())))?;
     fs::set_permissions(sock, fs::Permissions::from_mode(0o600)).map_err(io_ctx("socket permissions"))?;
 
-    drain_pending(&dp);
+    dp.drain_pending();
 
     // Standalone: the configured blocks. Controller mode: the blocks last received (the
     // node keeps serving them while the controller is away); none yet means not ready.
@@ -158,37 +160,6 @@ pub fn prepare_csi(cfg: &Config) -> Result<Option<Arc<crate::storage::csi::NodeS
     };
     let svc = crate::storage::csi::NodeService::new(settings, Arc::new(store)).map_err(io_ctx("creating CSI record directories"))?;
     Ok(Some(Arc::new(svc)))
-}
-
-/// Run DELs the shim queued while the agent was unreachable.
-pub fn drain_pending(dp: &Datapath) {
-    let dir = dp.settings().pending_delete_dir.clone();
-    let Ok(entries) = fs::read_dir(&dir) else { return };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !(name.starts_with("del-") && name.ends_with(".json")) {
-            continue;
-        }
-        let parsed = fs::read(&path)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<WireRequest>(&b).ok())
-            .ok_or_else(|| "unreadable".to_string())
-            .and_then(|w| request::parse(&w.env, w.stdin.as_bytes()).map_err(|e| e.msg));
-        match parsed {
-            // Decided under the attachment's lock: an ADD of the same attachment may have
-            // applied (and removed) this DEL since the file was read.
-            Ok(req) if req.command == Command::Del => match dp.del_queued(&path, &req) {
-                Ok(true) => tracing::info!(container = %req.container_id, ifname = %req.ifname, "drained pending delete"),
-                Ok(false) => {}
-                Err(e) => tracing::warn!(file = %name, error = %e, "pending delete failed; will retry"),
-            },
-            Ok(_) | Err(_) => {
-                tracing::error!(file = %name, "discarding invalid pending-delete record");
-                let _ = fs::remove_file(&path);
-            }
-        }
-    }
 }
 
 /// Answer one CNI invocation (blocking).
@@ -381,7 +352,7 @@ pub async fn serve(
             },
             _ = drain_tick.tick() => {
                 let dp = dp.clone();
-                let _ = tokio::task::spawn_blocking(move || drain_pending(&dp)).await;
+                let _ = tokio::task::spawn_blocking(move || dp.drain_pending()).await;
             }
             _ = term.recv() => break,
             _ = int.recv() => break,

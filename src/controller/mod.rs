@@ -1,4 +1,6 @@
-//! The cluster-side controller: node registry, pod block allocation, membership stream.
+//! The cluster-side controller, composed: node registry and pod block allocation, the
+//! membership stream, the volume book and the CSI Controller service, on redb or on the
+//! Kubernetes API (leader-elected).
 
 pub mod auth;
 pub mod backend;

@@ -1,11 +1,11 @@
 //! Node-local IPAM: hands out pod addresses from the node's blocks.
 //!
-//! Blocks are plugged in with [`Ipam::assign_block`] (from static configuration now; from the
-//! controller later). Each attachment's lease is one small JSON file in the lease directory.
-//! The in-memory index is authoritative while the agent
-//! runs (the agent holds an exclusive lock on its state dir) and is rebuilt from the files on
-//! start. A lease is first written as `adding` and flipped to `ready` only when the datapath
-//! work is complete, so a crash mid-ADD is rolled back on the next start instead of leaking.
+//! Blocks are plugged in with [`Ipam::assign_block`] (from the static configuration, or as the
+//! controller hands them out). Each attachment's lease is one small JSON file in the lease
+//! directory. The in-memory index is authoritative while the agent runs (the agent holds an
+//! exclusive lock on its state dir) and is rebuilt from the files on start. A lease is first
+//! written as `adding` and flipped to `ready` only when the datapath work is complete, so a
+//! crash mid-ADD is rolled back on the next start instead of leaking.
 
 use std::collections::{HashMap, HashSet};
 use std::fs;

@@ -15,7 +15,6 @@ use crate::net::cni::wire::{WireRequest, exchange};
 use crate::net::cni::{CniError, Code, Command, MAX_CONFIG_BYTES, Reply, version_result};
 
 pub const DEFAULT_SOCKET: &str = "/run/nodeplane/cni.sock";
-pub const DEFAULT_PENDING_DIR: &str = "/var/lib/nodeplane/pending-del";
 /// Environment override for the agent socket (tests, unusual layouts).
 pub const SOCKET_ENV: &str = "NODEPLANE_CNI_SOCKET";
 
@@ -32,20 +31,6 @@ pub fn read_stdin(mut input: impl Read) -> io::Result<Vec<u8>> {
     let mut buf = Vec::new();
     input.by_ref().take(MAX_CONFIG_BYTES as u64 + 1).read_to_end(&mut buf)?;
     Ok(buf)
-}
-
-/// File name of a pending delete for one attachment (same attachment, same file).
-pub fn pending_file_name(container_id: &str, ifname: &str) -> String {
-    format!("del-{:016x}.json", crate::util::fnv1a(&[container_id.as_bytes(), ifname.as_bytes()]))
-}
-
-/// Durably queue a DEL for the agent.
-pub fn queue_pending_delete(dir: &Path, req: &request::Request, wire: &WireRequest) -> io::Result<PathBuf> {
-    std::fs::create_dir_all(dir)?;
-    let path = dir.join(pending_file_name(&req.container_id, &req.ifname));
-    let body = serde_json::to_vec(wire).map_err(io::Error::other)?;
-    crate::sys::fs::atomic_write(&path, &body, 0o600)?;
-    Ok(path)
 }
 
 fn timeout_for(cmd: Command) -> Duration {
@@ -148,8 +133,8 @@ fn unreachable_reply(
     let why = format!("nodeplane agent at {} is not reachable: {cause}", socket.display());
     match req.command {
         Command::Del => {
-            let dir = req.conf.pending_delete_dir.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_PENDING_DIR));
-            match queue_pending_delete(&dir, req, wire) {
+            let dir = req.conf.pending_delete_dir.clone().unwrap_or_else(|| PathBuf::from(crate::net::pending_del::DEFAULT_DIR));
+            match crate::net::pending_del::queue(&dir, req, wire) {
                 Ok(_) => Reply::empty(),
                 Err(e) => Reply::error(
                     &CniError::new(Code::Io, format!("{why}; queueing the delete in {} failed: {e}", dir.display())),
@@ -198,7 +183,7 @@ mod tests {
         // DEL is queued durably and succeeds.
         let del = run(env("DEL"), &conf(&dir, "1.1.0"));
         assert_eq!(del, Reply::empty());
-        let queued = dir.join("pending").join(pending_file_name("c1", "eth0"));
+        let queued = dir.join("pending").join(crate::net::pending_del::file_name("c1", "eth0"));
         let rec: WireRequest = serde_json::from_slice(&std::fs::read(&queued).unwrap()).unwrap();
         assert_eq!(rec.env["CNI_COMMAND"], "DEL");
         assert!(request::parse(&rec.env, rec.stdin.as_bytes()).is_ok());

@@ -268,7 +268,7 @@ fn add_applies_a_queued_del_first() {
     let dir = &n.dp.settings().pending_delete_dir;
     std::fs::create_dir_all(dir).unwrap();
     let wire = json!({"env": {"CNI_COMMAND": "DEL", "CNI_CONTAINERID": "ctr", "CNI_IFNAME": "eth0"}, "stdin": ""});
-    let file = dir.join(crate::net::shim::pending_file_name("ctr", "eth0"));
+    let file = dir.join(crate::net::pending_del::file_name("ctr", "eth0"));
     std::fs::write(&file, wire.to_string()).unwrap();
     let ns2 = n.netns("pod-new");
     n.add("ctr", &ns2).expect("the queued DEL made room");

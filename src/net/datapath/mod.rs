@@ -18,6 +18,7 @@ pub use crate::sys::net_kernel::NetKernel;
 use crate::sys::net_kernel::{LinkStep, Links, PodNetns, Veth};
 use crate::sys::netlink::{Link, NetlinkError, format_mac, random_mac};
 use crate::sys::netns::NetnsError;
+use crate::net::pending_del;
 use crate::obs::doctor::{Finding, Repair};
 use crate::util::Family;
 
@@ -440,8 +441,8 @@ impl Datapath {
         // waited for the DEL's answer before sending it): apply it now, or the periodic drain
         // would detach the new attachment later (a queue written just after a restarting
         // agent's start-up drain would otherwise only be drained after this ADD).
-        let pending = self.settings.pending_delete_dir.join(crate::net::shim::pending_file_name(&owner.container_id, &owner.ifname));
-        if queued_del_of(&pending, owner) {
+        let pending = self.settings.pending_delete_dir.join(pending_del::file_name(&owner.container_id, &owner.ifname));
+        if pending_del::is_del_of(&pending, &owner.container_id, &owner.ifname) {
             tracing::info!(container = %owner.container_id, ifname = %owner.ifname, "applying the DEL queued for this attachment before its ADD");
             self.del_locked(owner)?;
         }
@@ -635,7 +636,7 @@ impl Datapath {
             self.retire_link(&mut *nl, &link)?;
         }
         let released = self.ipam.release(owner).map_err(ipam_err)?;
-        let pending = self.settings.pending_delete_dir.join(crate::net::shim::pending_file_name(&owner.container_id, &owner.ifname));
+        let pending = self.settings.pending_delete_dir.join(pending_del::file_name(&owner.container_id, &owner.ifname));
         let _ = std::fs::remove_file(pending);
         if let Some(l) = released {
             tracing::info!(container = %owner.container_id, ifname = %owner.ifname, pod = %l.pod, ips = %fmt_ips(&l.ips), "detached");
@@ -811,18 +812,6 @@ fn netns_err(e: NetnsError) -> NetError {
 }
 
 
-/// Whether `path` is a DEL the shim queued for `owner` (the file name is a hash of the
-/// owner: the content decides).
-fn queued_del_of(path: &Path, owner: &Owner) -> bool {
-    let Ok(bytes) = std::fs::read(path) else { return false };
-    let Ok(w) = serde_json::from_slice::<crate::net::cni::wire::WireRequest>(&bytes) else { return false };
-    let get = |k: &str| w.env.get(k).map(String::as_str);
-    get("CNI_COMMAND") == Some("DEL")
-        && get("CNI_CONTAINERID") == Some(owner.container_id.as_str())
-        && get("CNI_IFNAME") == Some(owner.ifname.as_str())
-}
-
-
 /// Orphan kinds (the `kind` of a [`Finding`]).
 pub const VETH_WITHOUT_LEASE: &str = "veth-without-lease";
 pub const LEASE_WITHOUT_POD: &str = "lease-without-pod";
@@ -966,12 +955,31 @@ impl Datapath {
         Ok((out, skipped))
     }
 
+    /// Run the DELs the shim queued while the agent was unreachable.
+    pub fn drain_pending(&self) {
+        for entry in pending_del::entries(&self.settings.pending_delete_dir) {
+            match entry {
+                // Decided under the attachment's lock: an ADD of the same attachment may have
+                // applied (and removed) this DEL since the file was read.
+                pending_del::Entry::Del { path, req } => match self.del_queued(&path, &req) {
+                    Ok(true) => tracing::info!(container = %req.container_id, ifname = %req.ifname, "drained pending delete"),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(file = %path.display(), error = %e, "pending delete failed; will retry"),
+                },
+                pending_del::Entry::Invalid { path, name } => {
+                    tracing::error!(file = %name, "discarding invalid pending-delete record");
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+    }
+
     /// Run a DEL the shim queued (`path`), unless an ADD of the same attachment already
     /// applied it: decided under the attachment's lock. `Ok(false)`: nothing was left to do.
     pub fn del_queued(&self, path: &Path, req: &Request) -> Result<bool, NetError> {
         let owner = Owner { container_id: req.container_id.clone(), ifname: req.ifname.clone() };
         self.locks.run(&owner, || {
-            if !queued_del_of(path, &owner) {
+            if !pending_del::is_del_of(path, &owner.container_id, &owner.ifname) {
                 return Ok(false);
             }
             self.del_locked(&owner)?;
