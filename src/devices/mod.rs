@@ -1,7 +1,11 @@
-//! The device plane: the device file (`config`: classes, patterns, CDI), and the kubelet
-//! device plugins serving them (`deviceplugin`: v1beta1 ListAndWatch, Allocate, the
-//! manager's inotify loop). It uses `sys`, `obs`, `rpc` and `kubelet`; never the agent or
-//! the other planes.
+//! The device plane: the device file (`config`: classes, patterns, CDI), discovery and health
+//! (`inventory`: matching device nodes, whether they work, NUMA), CDI specs (`cdi`), and the
+//! kubelet device plugins serving them (`deviceplugin`: v1beta1 ListAndWatch, Allocate, the
+//! manager's inotify loop). `inventory` and `cdi` know no kubelet API, so a DRA driver can
+//! use them too. It uses `sys`, `obs`, `rpc` and `kubelet`; never the agent or the other
+//! planes.
 
+pub mod cdi;
 pub mod config;
 pub mod deviceplugin;
+pub mod inventory;

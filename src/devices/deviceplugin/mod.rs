@@ -112,7 +112,7 @@ impl Inventory {
 }
 
 fn cdi_path(s: &Settings, r: &Resource) -> PathBuf {
-    s.cdi_dir.join(format!("nodeplane.dev-{}.json", r.name))
+    crate::devices::cdi::spec_path(&s.cdi_dir, r)
 }
 
 impl Manager {

@@ -1,8 +1,8 @@
-//! One resource's device plugin: the devices it found, their health, and the
-//! `v1beta1.DevicePlugin` service kubelet calls on the plugin's socket.
+//! One resource's device plugin: the devices it tracks (found and judged by
+//! `devices::inventory`) and the `v1beta1.DevicePlugin` service kubelet calls on the
+//! plugin's socket.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -11,70 +11,12 @@ use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::devices::config::{Resource, glob_match};
+use crate::devices::config::Resource;
+use crate::devices::inventory::{Node, check_health, numa_of, scan};
 use crate::rpc::deviceplugin as pb;
 
 pub const HEALTHY: &str = "Healthy";
 pub const UNHEALTHY: &str = "Unhealthy";
-
-/// One device node the resource found (it stays known, unhealthy, after it disappears).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Node {
-    pub path: PathBuf,
-    /// The device's ID (share 1) or ID stem (share > 1): the node's base name.
-    pub name: String,
-    pub healthy: bool,
-    pub numa: Option<i64>,
-}
-
-/// The device nodes matching a resource's patterns now (character or block devices).
-pub fn scan(res: &Resource) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for p in &res.patterns {
-        let Ok(entries) = std::fs::read_dir(&p.dir) else { continue };
-        for e in entries.flatten() {
-            let name = e.file_name();
-            let Some(name) = name.to_str() else { continue };
-            if !glob_match(&p.glob, name).unwrap_or(false) {
-                continue;
-            }
-            let path = p.dir.join(name);
-            if std::fs::metadata(&path).is_ok_and(|m| m.file_type().is_char_device() || m.file_type().is_block_device()) {
-                out.push(path);
-            }
-        }
-    }
-    out.sort();
-    out.dedup();
-    out
-}
-
-/// Healthy: the node exists, is a device node, and opens (read-only, non-blocking). A busy
-/// exclusive device (EBUSY) exists and works: healthy.
-pub fn check_health(path: &Path) -> bool {
-    let Ok(m) = std::fs::metadata(path) else { return false };
-    if !(m.file_type().is_char_device() || m.file_type().is_block_device()) {
-        return false;
-    }
-    match std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOCTTY)
-        .open(path)
-    {
-        Ok(_) => true,
-        Err(e) => e.raw_os_error() == Some(libc::EBUSY),
-    }
-}
-
-/// The NUMA node of a device from sysfs (`/sys/dev/{char,block}/M:m/device/numa_node`).
-pub fn numa_of(path: &Path) -> Option<i64> {
-    let m = std::fs::metadata(path).ok()?;
-    let kind = if m.file_type().is_block_device() { "block" } else { "char" };
-    let rdev = m.rdev();
-    let p = format!("/sys/dev/{kind}/{}:{}/device/numa_node", nix::sys::stat::major(rdev), nix::sys::stat::minor(rdev));
-    let n: i64 = std::fs::read_to_string(p).ok()?.trim().parse().ok()?;
-    (n >= 0).then_some(n)
-}
 
 /// The state of one resource.
 pub struct Plugin {
@@ -289,38 +231,10 @@ impl Plugin {
         Ok(chosen)
     }
 
-    /// The CDI spec of this resource (when `cdi` is on): one device per node, the container
-    /// edits the resource adds (env, mounts) at the top level.
+    /// The CDI spec of this resource's devices now.
     pub fn cdi_spec(&self) -> serde_json::Value {
         let nodes = self.nodes.lock().unwrap();
-        let devices: Vec<serde_json::Value> = nodes
-            .values()
-            .map(|n| {
-                serde_json::json!({
-                    "name": n.name,
-                    "containerEdits": {"deviceNodes": [{"path": n.path, "hostPath": n.path, "permissions": self.res.permissions}]},
-                })
-            })
-            .collect();
-        let env: Vec<String> = self.res.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        let mounts: Vec<serde_json::Value> = self
-            .res
-            .mounts
-            .iter()
-            .map(|m| {
-                serde_json::json!({
-                    "hostPath": m.host_path,
-                    "containerPath": m.container_path,
-                    "options": if m.read_only { vec!["ro", "bind"] } else { vec!["rw", "bind"] },
-                })
-            })
-            .collect();
-        serde_json::json!({
-            "cdiVersion": "0.6.0",
-            "kind": self.res.resource_name(),
-            "devices": devices,
-            "containerEdits": {"env": env, "mounts": mounts},
-        })
+        crate::devices::cdi::spec(&self.res, nodes.values())
     }
 
     pub fn subscribe(&self) -> watch::Receiver<Vec<pb::Device>> {
