@@ -112,7 +112,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             let fence = el.fence();
             elector = Some(el);
             let kcfg = ::kube::Config::infer().await.map_err(|e| ControllerError::Kube(e.to_string()))?;
-            Arc::new(tokio::task::spawn_blocking(move || kube::state::KubeBackend::new(kcfg, Some(fence))).await.map_err(|e| ControllerError::Kube(e.to_string()))?.map_err(ControllerError::Kube)?)
+            Arc::new(tokio::task::spawn_blocking(move || kube::state::KubeBackend::new(kcfg, Some(fence))).await.map_err(|e| ControllerError::Kube(e.to_string()))?.map_err(|e| ControllerError::Kube(e.to_string()))?)
         }
         _ => {
             leading.set(true, "embedded store: a single controller");

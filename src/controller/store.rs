@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use ipnetwork::IpNetwork;
 use tokio::sync::watch;
 
-use super::backend::{Backend, RedbBackend};
+use super::backend::{Backend, BackendError, RedbBackend};
 use super::records::{NodeRecord, Pool, valid_node_name};
 
 #[derive(Debug, thiserror::Error)]
@@ -25,11 +25,7 @@ pub enum RegistryError {
     #[error("the {family} pools ({pools}) have no free block left")]
     Exhausted { family: &'static str, pools: String },
     #[error("store: {0}")]
-    Storage(String),
-}
-
-fn storage(e: impl std::fmt::Display) -> RegistryError {
-    RegistryError::Storage(e.to_string())
+    Storage(#[from] BackendError),
 }
 
 
@@ -68,18 +64,18 @@ fn family_name(v4: bool) -> &'static str {
 impl Registry {
     /// The embedded store at `path` (local mode).
     pub fn open(path: &Path, pools: Vec<Pool>) -> Result<Self, RegistryError> {
-        Self::with_backend(RedbBackend::open(path).map_err(storage)?, pools)
+        Self::with_backend(RedbBackend::open(path)?, pools)
     }
 
     pub fn with_backend(backend: Arc<dyn Backend>, pools: Vec<Pool>) -> Result<Self, RegistryError> {
-        let (records, revision) = backend.load_nodes().map_err(storage)?;
+        let (records, revision) = backend.load_nodes()?;
         let mut nodes = BTreeMap::new();
         let mut owner = HashMap::new();
         for rec in records {
             for b in &rec.blocks {
-                let net: IpNetwork = b.parse().map_err(|_| storage(format!("node {}: bad block {b}", rec.name)))?;
+                let net: IpNetwork = b.parse().map_err(|_| BackendError::Corrupt(format!("node {}: bad block {b}", rec.name)))?;
                 if let Some(prev) = owner.insert(net, rec.name.clone()) {
-                    return Err(storage(format!("block {net} is recorded for both {prev} and {}", rec.name)));
+                    return Err(BackendError::Corrupt(format!("block {net} is recorded for both {prev} and {}", rec.name)).into());
                 }
             }
             nodes.insert(rec.name.clone(), rec);
@@ -128,7 +124,7 @@ impl Registry {
     /// Commit `records` (Some = upsert, None = delete) and publish the new snapshot.
     fn commit(&self, st: &mut State, changes: Vec<(String, Option<NodeRecord>)>) -> Result<(), RegistryError> {
         let revision = st.revision + 1;
-        self.backend.commit_nodes(&changes, revision).map_err(storage)?;
+        self.backend.commit_nodes(&changes, revision)?;
         // Durable: now update memory and tell watchers.
         for (name, rec) in changes {
             if let Some(old) = st.nodes.remove(&name) {

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 use tonic::{Code, Status};
 
-use super::backend::Backend;
+use super::backend::{Backend, BackendError};
 use super::records::{VolState, VolumeRecord};
 use crate::rpc::controller as pb;
 
@@ -59,7 +59,7 @@ pub struct VolumeBook {
     pub orphan_grace: Duration,
 }
 
-fn storage(e: impl std::fmt::Display) -> Status {
+fn storage(e: BackendError) -> Status {
     Status::unavailable(format!("controller store: {e}"))
 }
 
@@ -94,7 +94,7 @@ impl VolumeBook {
         let mut by_name = HashMap::new();
         for rec in backend.load_volumes().map_err(storage)? {
             if let Some(prev) = by_name.insert(rec.name.clone(), rec.id.clone()) {
-                return Err(storage(format!("volume name {:?} recorded for both {prev} and {}", rec.name, rec.id)));
+                return Err(storage(BackendError::Corrupt(format!("volume name {:?} recorded for both {prev} and {}", rec.name, rec.id))));
             }
             vols.insert(rec.id.clone(), rec);
         }
