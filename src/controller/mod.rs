@@ -138,7 +138,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         let (b, pools, grace) = (backend.clone(), cfg.pools.clone(), cfg.orphan_grace);
         tokio::task::spawn_blocking(move || -> Result<_, ControllerError> {
             let registry = store::Registry::with_backend(b.clone(), pools)?;
-            let book = volumes::VolumeBook::open(b, grace).map_err(|e| ControllerError::Volumes(e.message().to_string()))?;
+            let book = volumes::VolumeBook::open(b, grace).map_err(|e| ControllerError::Volumes(e.to_string()))?;
             Ok((Arc::new(registry), Arc::new(book)))
         })
         .await
