@@ -287,7 +287,7 @@ impl ControllerService {
                 // The node refused for good (its store is full, the id is taken there by
                 // another claim): the record goes (the node deletes only a file carrying
                 // this claim's name), so a retry places the volume anew.
-                tracing::warn!(volume = %rec.id, node = %rec.node, error = %e, "node failed to create the volume; abandoning it");
+                tracing::warn!(volume = %rec.id, node = %rec.node, error = %Status::from(e.clone()), "node failed to create the volume; abandoning it");
                 let (book, vid) = (self.book.clone(), rec.id.clone());
                 blocking(move || book.abandon(&vid)).await?;
                 Err(e)
