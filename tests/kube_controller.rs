@@ -500,3 +500,19 @@ fn tempdir(tag: &str) -> TempDir {
     std::fs::create_dir_all(&d).unwrap();
     TempDir(d)
 }
+
+#[test]
+fn a_second_writer_is_a_typed_conflict() {
+    use nodeplane::controller::backend::BackendError;
+    use nodeplane::controller::store::RegistryError;
+    let f = fake();
+    let r = registry(&f);
+    r.register("node-a", &["192.0.2.1".into()], "").unwrap();
+    let mut rec = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    rec["spec"]["underlay"] = json!(["198.51.100.1"]);
+    f.put_object(GROUP, "nodeplanenodes", None, rec);
+    match r.request_block("node-a", Family::V4) {
+        Err(RegistryError::Storage(BackendError::Conflict(m))) => assert!(m.contains("another writer"), "{m}"),
+        other => panic!("want a conflict, got {other:?}"),
+    }
+}
