@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use fake_apiserver::{FakeApiServer, UserInfo};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use nodeplane::controller::backend::Backend;
-use nodeplane::controller::records::Pool;
+use nodeplane::controller::records::{Family, Pool};
 use nodeplane::controller::kube::lease::{Attempt, Elector, LeaseSettings};
 use nodeplane::controller::kube::state::{KubeBackend, block_object_name};
 use nodeplane::controller::kube::{API_CALLS, GROUP};
@@ -85,7 +85,7 @@ fn registry_state_lives_in_api_objects() {
     let b = r.register("node-b", &["192.0.2.2".into()], "").unwrap();
     assert_eq!(a.blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
     assert_eq!(b.blocks, vec!["10.8.1.0/24", "fd00:8:0:1::/64"]);
-    let more = r.request_block("node-a", true).unwrap();
+    let more = r.request_block("node-a", Family::V4).unwrap();
     assert_eq!(more.blocks.len(), 3);
     // The record, in allocation order, and one lock per block.
     let rec = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
@@ -158,7 +158,7 @@ fn a_second_writer_is_detected_not_overwritten() {
     let mut rec = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
     rec["spec"]["underlay"] = json!(["198.51.100.1"]);
     f.put_object(GROUP, "nodeplanenodes", None, rec);
-    let e = r.request_block("node-a", true).unwrap_err().to_string();
+    let e = r.request_block("node-a", Family::V4).unwrap_err().to_string();
     assert!(e.contains("another writer"), "{e}");
     assert_eq!(r.get("node-a").unwrap().blocks.len(), 2, "memory unchanged");
     assert_eq!(locks(&f).iter().filter(|(_, n)| n == "node-a").count(), 2, "the new lock was rolled back");
@@ -499,4 +499,20 @@ fn tempdir(tag: &str) -> TempDir {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     TempDir(d)
+}
+
+#[test]
+fn a_second_writer_is_a_typed_conflict() {
+    use nodeplane::controller::backend::BackendError;
+    use nodeplane::controller::store::RegistryError;
+    let f = fake();
+    let r = registry(&f);
+    r.register("node-a", &["192.0.2.1".into()], "").unwrap();
+    let mut rec = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    rec["spec"]["underlay"] = json!(["198.51.100.1"]);
+    f.put_object(GROUP, "nodeplanenodes", None, rec);
+    match r.request_block("node-a", Family::V4) {
+        Err(RegistryError::Storage(BackendError::Conflict(m))) => assert!(m.contains("another writer"), "{m}"),
+        other => panic!("want a conflict, got {other:?}"),
+    }
 }

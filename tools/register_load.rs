@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use nodeplane::controller::{auth::Authority, config::Config};
+use nodeplane::controller::{auth::Authority, config::Config, records::Family};
 use nodeplane::rpc::controller as pb;
 use pb::node_registry_client::NodeRegistryClient;
 use tokio::sync::Mutex;
@@ -113,8 +113,8 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let families: Vec<bool> = {
-        let mut f: Vec<bool> = cfg.pools.iter().map(|p| p.net.is_ipv4()).collect();
+    let families: Vec<Family> = {
+        let mut f: Vec<Family> = cfg.pools.iter().map(|p| Family::of(&p.net)).collect();
         f.sort();
         f.dedup();
         f
@@ -163,8 +163,10 @@ fn main() {
                         Ok(resp) => {
                             o.latencies.push(took);
                             let blocks = resp.node.map(|n| n.pod_blocks).unwrap_or_default();
-                            let mut fams: Vec<bool> =
-                                blocks.iter().map(|b| !b.contains(':')).collect();
+                            let mut fams: Vec<Family> = blocks
+                                .iter()
+                                .map(|b| if b.contains(':') { Family::V6 } else { Family::V4 })
+                                .collect();
                             fams.sort();
                             if fams != *families {
                                 o.problems.push(format!("{name}: blocks {blocks:?} are not one per family"));

@@ -16,19 +16,62 @@ use super::records::{NodeRecord, VolumeRecord};
 /// A change to one record: `Some` creates or replaces, `None` deletes.
 pub type Change<T> = (String, Option<T>);
 
+/// Why a backend call failed, by what a caller can do about it. Each variant carries the
+/// whole message (what failed and why) and prints exactly that.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    /// Another writer changed the state since this controller read it (a second controller):
+    /// nothing was overwritten; this controller must re-read the state before writing again.
+    #[error("{0}")]
+    Conflict(String),
+    /// This controller is not (or may no longer be) the leader: the call was refused before
+    /// it reached the state.
+    #[error("{0}")]
+    NotLeader(String),
+    /// The state could not be reached, or the outcome of a write is unknown (API unreachable,
+    /// a timeout, a server error): transient, a retry may succeed.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The API refused the request (a client error other than a conflict): nothing was
+    /// written, and retrying the same request will not help.
+    #[error("{0}")]
+    Refused(String),
+    /// Stored data is invalid: a record that does not parse or does not match its key, a
+    /// block held twice, a record that cannot be encoded.
+    #[error("{0}")]
+    Corrupt(String),
+    /// The local database failed (open, read, write, commit).
+    #[error("{0}")]
+    Io(String),
+}
+
+impl BackendError {
+    /// The message alone (what `Display` prints).
+    pub fn message(&self) -> &str {
+        match self {
+            BackendError::Conflict(m)
+            | BackendError::NotLeader(m)
+            | BackendError::Unavailable(m)
+            | BackendError::Refused(m)
+            | BackendError::Corrupt(m)
+            | BackendError::Io(m) => m,
+        }
+    }
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// Every node record and the registry revision last committed.
-    fn load_nodes(&self) -> Result<(Vec<NodeRecord>, u64), String>;
+    fn load_nodes(&self) -> Result<(Vec<NodeRecord>, u64), BackendError>;
     /// Commit node changes (one atomic step where the backend can; see the implementation
     /// for what a crash in the middle leaves) and the new registry revision.
-    fn commit_nodes(&self, changes: &[Change<NodeRecord>], revision: u64) -> Result<(), String>;
+    fn commit_nodes(&self, changes: &[Change<NodeRecord>], revision: u64) -> Result<(), BackendError>;
     /// Blocks the backend holds for no node (a change that may still be in flight): the
     /// registry must not hand them out. Valid after `load_nodes`.
     fn reserved_blocks(&self) -> Vec<String> {
         Vec::new()
     }
-    fn load_volumes(&self) -> Result<Vec<VolumeRecord>, String>;
-    fn commit_volumes(&self, changes: &[Change<VolumeRecord>]) -> Result<(), String>;
+    fn load_volumes(&self) -> Result<Vec<VolumeRecord>, BackendError>;
+    fn commit_volumes(&self, changes: &[Change<VolumeRecord>]) -> Result<(), BackendError>;
     /// For logs.
     fn describe(&self) -> String;
 }
@@ -44,13 +87,14 @@ pub struct RedbBackend {
     path: std::path::PathBuf,
 }
 
-fn e(x: impl std::fmt::Display) -> String {
-    x.to_string()
+/// A database error: local I/O.
+fn e(x: impl std::fmt::Display) -> BackendError {
+    BackendError::Io(x.to_string())
 }
 
 impl RedbBackend {
-    pub fn open(path: &Path) -> Result<Arc<Self>, String> {
-        let db = Database::create(path).map_err(|x| format!("{}: {x}", path.display()))?;
+    pub fn open(path: &Path) -> Result<Arc<Self>, BackendError> {
+        let db = Database::create(path).map_err(|x| BackendError::Io(format!("{}: {x}", path.display())))?;
         // Make sure the tables exist.
         let w = db.begin_write().map_err(e)?;
         w.open_table(NODES).map_err(e)?;
@@ -60,13 +104,13 @@ impl RedbBackend {
         Ok(Arc::new(RedbBackend { db, path: path.to_path_buf() }))
     }
 
-    fn load_table<T: serde::de::DeserializeOwned>(&self, table: TableDefinition<&str, &[u8]>, what: &str) -> Result<Vec<T>, String> {
+    fn load_table<T: serde::de::DeserializeOwned>(&self, table: TableDefinition<&str, &[u8]>, what: &str) -> Result<Vec<T>, BackendError> {
         let r = self.db.begin_read().map_err(e)?;
         let t = r.open_table(table).map_err(e)?;
         let mut out = Vec::new();
         for item in t.iter().map_err(e)? {
             let (k, v) = item.map_err(e)?;
-            out.push(serde_json::from_slice(v.value()).map_err(|x| format!("{what} record {:?}: {x}", k.value()))?);
+            out.push(serde_json::from_slice(v.value()).map_err(|x| BackendError::Corrupt(format!("{what} record {:?}: {x}", k.value())))?);
         }
         Ok(out)
     }
@@ -76,14 +120,14 @@ impl RedbBackend {
         table: TableDefinition<&str, &[u8]>,
         changes: &[Change<T>],
         revision: Option<u64>,
-    ) -> Result<(), String> {
+    ) -> Result<(), BackendError> {
         let w = self.db.begin_write().map_err(e)?;
         {
             let mut t = w.open_table(table).map_err(e)?;
             for (key, rec) in changes {
                 match rec {
                     Some(r) => {
-                        let body = serde_json::to_vec(r).map_err(e)?;
+                        let body = serde_json::to_vec(r).map_err(|x| BackendError::Corrupt(x.to_string()))?;
                         t.insert(key.as_str(), body.as_slice()).map_err(e)?;
                     }
                     None => {
@@ -100,7 +144,7 @@ impl RedbBackend {
 }
 
 impl Backend for RedbBackend {
-    fn load_nodes(&self) -> Result<(Vec<NodeRecord>, u64), String> {
+    fn load_nodes(&self) -> Result<(Vec<NodeRecord>, u64), BackendError> {
         let nodes = self.load_table(NODES, "node")?;
         let r = self.db.begin_read().map_err(e)?;
         let m = r.open_table(META).map_err(e)?;
@@ -108,19 +152,37 @@ impl Backend for RedbBackend {
         Ok((nodes, revision))
     }
 
-    fn commit_nodes(&self, changes: &[Change<NodeRecord>], revision: u64) -> Result<(), String> {
+    fn commit_nodes(&self, changes: &[Change<NodeRecord>], revision: u64) -> Result<(), BackendError> {
         self.commit_table(NODES, changes, Some(revision))
     }
 
-    fn load_volumes(&self) -> Result<Vec<VolumeRecord>, String> {
+    fn load_volumes(&self) -> Result<Vec<VolumeRecord>, BackendError> {
         self.load_table(VOLUMES, "volume")
     }
 
-    fn commit_volumes(&self, changes: &[Change<VolumeRecord>]) -> Result<(), String> {
+    fn commit_volumes(&self, changes: &[Change<VolumeRecord>]) -> Result<(), BackendError> {
         self.commit_table(VOLUMES, changes, None)
     }
 
     fn describe(&self) -> String {
         format!("embedded database {}", self.path.display())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_that_does_not_parse_is_corrupt_and_keeps_its_message() {
+        let dir = crate::util::TestDir::new("backend-corrupt");
+        let db = RedbBackend::open(&dir.0.join("db.redb")).unwrap();
+        let w = db.db.begin_write().unwrap();
+        w.open_table(NODES).unwrap().insert("node-a", b"not json".as_slice()).unwrap();
+        w.commit().unwrap();
+        let e = db.load_nodes().unwrap_err();
+        assert!(matches!(e, BackendError::Corrupt(_)), "{e:?}");
+        assert!(e.to_string().starts_with("node record \"node-a\": "), "{e}");
+        assert_eq!(e.to_string(), e.message());
     }
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use ipnetwork::IpNetwork;
 use serde::Deserialize;
 
-use super::records::Pool;
+use super::records::{Family, Pool};
 use crate::rpc::{Listen, parse_listen};
 
 pub use crate::util::ConfigError;
@@ -155,7 +155,11 @@ impl Config {
             if net.network() != net.ip() {
                 return Err(bad(format!("pools[{i}].cidr {} has host bits set (network is {})", p.cidr, net.network())));
             }
-            let (max, fam) = if net.is_ipv4() { (30, "IPv4") } else { (126, "IPv6") };
+            let fam = Family::of(&net);
+            let max = match fam {
+                Family::V4 => 30,
+                Family::V6 => 126,
+            };
             if p.block_prefix < net.prefix() {
                 return Err(bad(format!(
                     "pools[{i}]: block size /{} does not fit in pool {net} (a block cannot be larger than its pool)",
@@ -169,7 +173,7 @@ impl Config {
                 )));
             }
             for (j, q) in pools.iter().enumerate() {
-                if q.net.is_ipv4() == net.is_ipv4() && (q.net.contains(net.network()) || net.contains(q.net.network())) {
+                if Family::of(&q.net) == fam && (q.net.contains(net.network()) || net.contains(q.net.network())) {
                     return Err(bad(format!("pools[{i}] {net} overlaps pools[{j}] {}", q.net)));
                 }
             }

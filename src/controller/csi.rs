@@ -7,13 +7,58 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tonic::{Request, Response, Status};
+use tonic::{Code, Request, Response, Status};
 
 use super::records::{VolState, VolumeRecord};
-use super::volumes::{Placement, VolumeBook, failure_since, held};
+use super::volumes::{BookError, Placement, VolumeBook, failure_since, held};
 use crate::storage::csi::TOPOLOGY_KEY;
 use crate::rpc::csi;
 use crate::rpc::csi::volume_capability::access_mode::Mode;
+
+/// An error of the controller's CSI service: the gRPC code and the message it answers with.
+/// Every error of this service is one of these; the volume book's errors get their code
+/// from [`BookError::code`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CsiError {
+    code: Code,
+    msg: String,
+}
+
+impl CsiError {
+    pub fn new(code: Code, msg: impl Into<String>) -> Self {
+        CsiError { code, msg: msg.into() }
+    }
+
+    pub fn code(&self) -> Code {
+        self.code
+    }
+
+    pub fn message(&self) -> &str {
+        &self.msg
+    }
+}
+
+impl std::fmt::Display for CsiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.msg)
+    }
+}
+
+impl From<CsiError> for Status {
+    fn from(e: CsiError) -> Self {
+        Status::new(e.code, e.msg)
+    }
+}
+
+impl From<BookError> for CsiError {
+    fn from(e: BookError) -> Self {
+        CsiError::new(e.code(), e.to_string())
+    }
+}
+
+fn invalid(msg: impl Into<String>) -> CsiError {
+    CsiError::new(Code::InvalidArgument, msg)
+}
 
 /// Size of a volume when the request names none.
 pub const DEFAULT_SIZE: u64 = 1 << 30;
@@ -26,10 +71,10 @@ pub struct ControllerService {
 }
 
 /// What the volume capabilities of a request ask for: the filesystem ("" for block).
-fn check_capabilities(caps: &[csi::VolumeCapability], fs_param: Option<&str>) -> Result<String, Status> {
+fn check_capabilities(caps: &[csi::VolumeCapability], fs_param: Option<&str>) -> Result<String, CsiError> {
     use csi::volume_capability::AccessType;
     if caps.is_empty() {
-        return Err(Status::invalid_argument("volume_capabilities is required"));
+        return Err(invalid("volume_capabilities is required"));
     }
     let mut fs: Option<String> = fs_param.filter(|f| !f.is_empty()).map(str::to_string);
     let mut block = false;
@@ -38,17 +83,17 @@ fn check_capabilities(caps: &[csi::VolumeCapability], fs_param: Option<&str>) ->
         let mode = c
             .access_mode
             .as_ref()
-            .ok_or_else(|| Status::invalid_argument(format!("volume_capabilities[{i}].access_mode is required")))?
+            .ok_or_else(|| invalid(format!("volume_capabilities[{i}].access_mode is required")))?
             .mode;
         match Mode::try_from(mode) {
             Ok(Mode::SingleNodeWriter | Mode::SingleNodeReaderOnly | Mode::SingleNodeSingleWriter | Mode::SingleNodeMultiWriter) => {}
             Ok(m) => {
-                return Err(Status::invalid_argument(format!(
+                return Err(invalid(format!(
                     "access mode {} is not supported: nodeplane volumes are node-local (single-node modes only)",
                     m.as_str_name()
                 )));
             }
-            Err(_) => return Err(Status::invalid_argument(format!("volume_capabilities[{i}]: unknown access mode {mode}"))),
+            Err(_) => return Err(invalid(format!("volume_capabilities[{i}]: unknown access mode {mode}"))),
         }
         match c.access_type.as_ref() {
             Some(AccessType::Block(_)) => block = true,
@@ -58,7 +103,7 @@ fn check_capabilities(caps: &[csi::VolumeCapability], fs_param: Option<&str>) ->
                     if let Some(f) = &fs
                         && f != &m.fs_type
                     {
-                        return Err(Status::invalid_argument(format!(
+                        return Err(invalid(format!(
                             "conflicting filesystem types {f:?} and {:?}",
                             m.fs_type
                         )));
@@ -66,18 +111,18 @@ fn check_capabilities(caps: &[csi::VolumeCapability], fs_param: Option<&str>) ->
                     fs = Some(m.fs_type.clone());
                 }
             }
-            None => return Err(Status::invalid_argument(format!("volume_capabilities[{i}].access_type is required"))),
+            None => return Err(invalid(format!("volume_capabilities[{i}].access_type is required"))),
         }
     }
     if block && mount {
-        return Err(Status::invalid_argument("a volume is either block or mount, not both"));
+        return Err(invalid("a volume is either block or mount, not both"));
     }
     if block {
         return Ok(String::new());
     }
     let fs = fs.unwrap_or_else(|| "ext4".to_string());
     if !matches!(fs.as_str(), "ext4" | "xfs") {
-        return Err(Status::invalid_argument(format!("filesystem {fs:?} is not supported (ext4, xfs)")));
+        return Err(invalid(format!("filesystem {fs:?} is not supported (ext4, xfs)")));
     }
     Ok(fs)
 }
@@ -96,31 +141,31 @@ pub const XFS_MIN_SIZE: u64 = 300 * MIB;
 
 /// [`size_for`], raised to the filesystem's minimum when the range allows it (an xfs volume
 /// below [`XFS_MIN_SIZE`] is OUT_OF_RANGE when `limit_bytes` forbids the minimum).
-pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: &str) -> Result<u64, Status> {
+pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: &str) -> Result<u64, CsiError> {
     let size = size_for(range)?;
     if fs != "xfs" || size >= XFS_MIN_SIZE {
         return Ok(size);
     }
     let lim = range.map_or(0, |r| r.limit_bytes.max(0) as u64);
     if lim > 0 && lim < XFS_MIN_SIZE {
-        return Err(Status::out_of_range(format!(
+        return Err(CsiError::new(Code::OutOfRange, format!(
             "xfs volumes need at least {XFS_MIN_SIZE} bytes (mkfs.xfs refuses smaller); limit_bytes is {lim}"
         )));
     }
     Ok(XFS_MIN_SIZE)
 }
 
-pub fn size_for(range: Option<&csi::CapacityRange>) -> Result<u64, Status> {
+pub fn size_for(range: Option<&csi::CapacityRange>) -> Result<u64, CsiError> {
     let (req, lim) = match range {
         Some(r) => (r.required_bytes, r.limit_bytes),
         None => (0, 0),
     };
     if req < 0 || lim < 0 {
-        return Err(Status::invalid_argument("capacity_range must not be negative"));
+        return Err(invalid("capacity_range must not be negative"));
     }
     let (req, lim) = (req as u64, lim as u64);
     if lim > 0 && req > lim {
-        return Err(Status::out_of_range(format!("required_bytes {req} exceeds limit_bytes {lim}")));
+        return Err(CsiError::new(Code::OutOfRange, format!("required_bytes {req} exceeds limit_bytes {lim}")));
     }
     let want = if req == 0 { if lim > 0 { lim.min(DEFAULT_SIZE) } else { DEFAULT_SIZE } } else { req };
     let size = want.div_ceil(MIB).saturating_mul(MIB);
@@ -130,7 +175,7 @@ pub fn size_for(range: Option<&csi::CapacityRange>) -> Result<u64, Status> {
         if down >= req.max(1) && down > 0 {
             return Ok(down);
         }
-        return Err(Status::out_of_range(format!(
+        return Err(CsiError::new(Code::OutOfRange, format!(
             "volumes are whole MiB: no size in [{req}, {lim}] bytes"
         )));
     }
@@ -163,47 +208,43 @@ fn to_csi(v: &VolumeRecord) -> csi::Volume {
 }
 
 fn unimplemented<T>(what: &str) -> Result<Response<T>, Status> {
-    Err(Status::unimplemented(format!("{what} is not supported by csi.nodeplane.dev")))
+    Err(CsiError::new(Code::Unimplemented, format!("{what} is not supported by csi.nodeplane.dev")).into())
 }
 
 impl ControllerService {
     /// Wait until volume `id` is on its node at `size` or more (Ready), or the node failed it.
-    async fn await_present(&self, id: &str, size: u64, since: u64) -> Result<VolumeRecord, Status> {
+    async fn await_present(&self, id: &str, size: u64, since: u64) -> Result<VolumeRecord, CsiError> {
         let id = id.to_string();
         self.book
             .wait(self.op_timeout, |_, nodes, vols| {
                 let Some(v) = vols.get(&id) else {
-                    return Some(Err(Status::aborted(format!("volume {id} was deleted meanwhile"))));
+                    return Some(Err(CsiError::new(Code::Aborted, format!("volume {id} was deleted meanwhile"))));
                 };
                 let view = nodes.get(&v.node);
                 if let Some(f) = failure_since(view, &id, since) {
-                    return Some(Err(f));
+                    return Some(Err(f.into()));
                 }
                 if v.state == VolState::Ready && held(view, v).is_some_and(|h| h.size_bytes >= size) {
                     return Some(Ok(v.clone()));
                 }
                 if view.is_none_or(|n| n.connected == 0) {
-                    return Some(Err(Status::unavailable(format!("node {} is not connected; retry", v.node))));
+                    return Some(Err(CsiError::new(Code::Unavailable, format!("node {} is not connected; retry", v.node))));
                 }
                 None
             })
             .await
     }
-}
 
-#[tonic::async_trait]
-impl csi::controller_server::Controller for ControllerService {
-    async fn create_volume(&self, req: Request<csi::CreateVolumeRequest>) -> Result<Response<csi::CreateVolumeResponse>, Status> {
-        let r = req.into_inner();
+    async fn do_create_volume(&self, r: csi::CreateVolumeRequest) -> Result<csi::CreateVolumeResponse, CsiError> {
         if r.name.is_empty() {
-            return Err(Status::invalid_argument("name is required"));
+            return Err(invalid("name is required"));
         }
         if r.name.len() > 128 {
-            return Err(Status::invalid_argument("name is longer than 128 bytes"));
+            return Err(invalid("name is longer than 128 bytes"));
         }
         let fs = check_capabilities(&r.volume_capabilities, fs_parameter(&r.parameters))?;
         if r.volume_content_source.is_some() {
-            return Err(Status::invalid_argument("volume_content_source (snapshots, clones) is not supported"));
+            return Err(invalid("volume_content_source (snapshots, clones) is not supported"));
         }
         let size = size_for_fs(r.capacity_range.as_ref(), &fs)?;
         let mut placement = Placement::default();
@@ -219,7 +260,7 @@ impl csi::controller_server::Controller for ControllerService {
         let (name, fs2, pl) = (r.name.clone(), fs.clone(), placement.clone());
         let (rec, created) = tokio::task::spawn_blocking(move || book.place(&name, size, &fs2, params, &pl))
             .await
-            .map_err(|e| Status::internal(e.to_string()))??;
+            .map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
         // Node failures count only from reconciles of a desired set that holds this call's
         // change (a report computed against an older set may still arrive after it).
         let since = self.book.revision();
@@ -230,23 +271,23 @@ impl csi::controller_server::Controller for ControllerService {
             });
             let topo_ok = placement.requisite.is_empty() || placement.requisite.contains(&rec.node);
             if rec.state == VolState::Deleting {
-                return Err(Status::aborted(format!("volume {:?} is being deleted; retry", r.name)));
+                return Err(CsiError::new(Code::Aborted, format!("volume {:?} is being deleted; retry", r.name)));
             }
             let params_ok = rec.parameters == r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<BTreeMap<_, _>>();
             if !range_ok || rec.fs_type != fs || !topo_ok || !params_ok {
-                return Err(Status::already_exists(format!(
+                return Err(CsiError::new(Code::AlreadyExists, format!(
                     "volume {:?} exists ({} bytes, fs {:?}, node {}, its own parameters) and does not match this request",
                     r.name, rec.size_bytes, rec.fs_type, rec.node
                 )));
             }
         }
         match self.await_present(&rec.id, rec.size_bytes, since).await {
-            Ok(v) => Ok(Response::new(csi::CreateVolumeResponse { volume: Some(to_csi(&v)) })),
-            Err(e) if matches!(e.code(), tonic::Code::ResourceExhausted | tonic::Code::InvalidArgument | tonic::Code::AlreadyExists) => {
+            Ok(v) => Ok(csi::CreateVolumeResponse { volume: Some(to_csi(&v)) }),
+            Err(e) if matches!(e.code(), Code::ResourceExhausted | Code::InvalidArgument | Code::AlreadyExists) => {
                 // The node refused for good (its store is full, the id is taken there by
                 // another claim): the record goes (the node deletes only a file carrying
                 // this claim's name), so a retry places the volume anew.
-                tracing::warn!(volume = %rec.id, node = %rec.node, error = %e, "node failed to create the volume; abandoning it");
+                tracing::warn!(volume = %rec.id, node = %rec.node, error = %Status::from(e.clone()), "node failed to create the volume; abandoning it");
                 let (book, vid) = (self.book.clone(), rec.id.clone());
                 blocking(move || book.abandon(&vid)).await?;
                 Err(e)
@@ -255,20 +296,20 @@ impl csi::controller_server::Controller for ControllerService {
         }
     }
 
-    async fn delete_volume(&self, req: Request<csi::DeleteVolumeRequest>) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
-        let id = req.into_inner().volume_id;
+    async fn do_delete_volume(&self, r: csi::DeleteVolumeRequest) -> Result<csi::DeleteVolumeResponse, CsiError> {
+        let id = r.volume_id;
         if id.is_empty() {
-            return Err(Status::invalid_argument("volume_id is required"));
+            return Err(invalid("volume_id is required"));
         }
         let Some(v) = self.book.get(&id) else {
-            return Ok(Response::new(csi::DeleteVolumeResponse {}));
+            return Ok(csi::DeleteVolumeResponse {});
         };
         let connected = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0);
         if !connected {
-            return Err(Status::unavailable(format!("node {} holding volume {id} is not connected; retry", v.node)));
+            return Err(CsiError::new(Code::Unavailable, format!("node {} holding volume {id} is not connected; retry", v.node)));
         }
         let (book, did) = (self.book.clone(), id.clone());
-        tokio::task::spawn_blocking(move || book.begin_delete(&did)).await.map_err(|e| Status::internal(e.to_string()))??;
+        tokio::task::spawn_blocking(move || book.begin_delete(&did)).await.map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
         let since = self.book.revision();
         let node = v.node.clone();
         let out = self
@@ -279,42 +320,41 @@ impl csi::controller_server::Controller for ControllerService {
                 }
                 let view = nodes.get(&node);
                 if let Some(f) = failure_since(view, &id, since) {
-                    return Some(Err(f));
+                    return Some(Err(f.into()));
                 }
                 if view.is_none_or(|n| n.connected == 0) {
-                    return Some(Err(Status::unavailable(format!("node {node} went away; retry"))));
+                    return Some(Err(CsiError::new(Code::Unavailable, format!("node {node} went away; retry"))));
                 }
                 None
             })
             .await;
         match out {
-            Ok(()) => Ok(Response::new(csi::DeleteVolumeResponse {})),
-            Err(e) if e.code() == tonic::Code::FailedPrecondition => {
+            Ok(()) => Ok(csi::DeleteVolumeResponse {}),
+            Err(e) if e.code() == Code::FailedPrecondition => {
                 let (book, vid) = (self.book.clone(), id.clone());
                 blocking(move || book.cancel_delete(&vid)).await?;
-                Err(Status::failed_precondition(format!("volume {id} is in use on node {}: {}", v.node, e.message())))
+                Err(CsiError::new(Code::FailedPrecondition, format!("volume {id} is in use on node {}: {}", v.node, e.message())))
             }
             Err(e) => Err(e),
         }
     }
 
-    async fn controller_expand_volume(
+    async fn do_controller_expand_volume(
         &self,
-        req: Request<csi::ControllerExpandVolumeRequest>,
-    ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
-        let r = req.into_inner();
+        r: csi::ControllerExpandVolumeRequest,
+    ) -> Result<csi::ControllerExpandVolumeResponse, CsiError> {
         if r.volume_id.is_empty() {
-            return Err(Status::invalid_argument("volume_id is required"));
+            return Err(invalid("volume_id is required"));
         }
-        let range = r.capacity_range.as_ref().ok_or_else(|| Status::invalid_argument("capacity_range is required"))?;
+        let range = r.capacity_range.as_ref().ok_or_else(|| invalid("capacity_range is required"))?;
         if range.required_bytes <= 0 && range.limit_bytes <= 0 {
-            return Err(Status::invalid_argument("capacity_range needs required_bytes or limit_bytes"));
+            return Err(invalid("capacity_range needs required_bytes or limit_bytes"));
         }
-        let v = self.book.get(&r.volume_id).ok_or_else(|| Status::not_found(format!("volume {} does not exist", r.volume_id)))?;
+        let v = self.book.get(&r.volume_id).ok_or_else(|| BookError::NotFound(r.volume_id.clone()))?;
         if let Some(c) = &r.volume_capability {
             let fs = check_capabilities(std::slice::from_ref(c), None)?;
             if fs.is_empty() != v.fs_type.is_empty() {
-                return Err(Status::invalid_argument("volume_capability does not match the volume's access type"));
+                return Err(invalid("volume_capability does not match the volume's access type"));
             }
         }
         let size = size_for(Some(range))?;
@@ -323,57 +363,56 @@ impl csi::controller_server::Controller for ControllerService {
         // which the resizer takes as final.
         let live = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0 && n.reported);
         if !live {
-            return Err(Status::unavailable(format!("node {} holding volume {} is not connected (or has not reported yet); retry", v.node, v.id)));
+            return Err(CsiError::new(Code::Unavailable, format!("node {} holding volume {} is not connected (or has not reported yet); retry", v.node, v.id)));
         }
         let before = v.size_bytes;
         let book = self.book.clone();
         let vid = v.id.clone();
         let grown = tokio::task::spawn_blocking(move || book.begin_expand(&vid, size))
             .await
-            .map_err(|e| Status::internal(e.to_string()))??;
+            .map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
         let since = self.book.revision();
         let v = match self.await_present(&grown.id, grown.size_bytes, since).await {
             Ok(v) => v,
-            Err(e) if !matches!(e.code(), tonic::Code::DeadlineExceeded | tonic::Code::Unavailable) => {
+            Err(e) if !matches!(e.code(), Code::DeadlineExceeded | Code::Unavailable) => {
                 // The node could not grow it (its store is full): the desired size goes
                 // back, so the node stops trying and the space is not held.
                 let (book, vid) = (self.book.clone(), grown.id.clone());
                 blocking(move || book.revert_expand(&vid, before)).await?;
-                return Err(if e.code() == tonic::Code::ResourceExhausted || e.code() == tonic::Code::OutOfRange {
-                    Status::out_of_range(e.message().to_string())
+                return Err(if e.code() == Code::ResourceExhausted || e.code() == Code::OutOfRange {
+                    CsiError::new(Code::OutOfRange, e.message())
                 } else {
                     e
                 });
             }
             Err(e) => return Err(e),
         };
-        Ok(Response::new(csi::ControllerExpandVolumeResponse {
+        Ok(csi::ControllerExpandVolumeResponse {
             capacity_bytes: v.size_bytes as i64,
             // The filesystem grows on the node (NodeExpandVolume); a raw block volume's
             // loop device already grew online with its file.
             node_expansion_required: !v.fs_type.is_empty(),
-        }))
+        })
     }
 
-    async fn validate_volume_capabilities(
+    async fn do_validate_volume_capabilities(
         &self,
-        req: Request<csi::ValidateVolumeCapabilitiesRequest>,
-    ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
-        let r = req.into_inner();
+        r: csi::ValidateVolumeCapabilitiesRequest,
+    ) -> Result<csi::ValidateVolumeCapabilitiesResponse, CsiError> {
         if r.volume_id.is_empty() {
-            return Err(Status::invalid_argument("volume_id is required"));
+            return Err(invalid("volume_id is required"));
         }
         if r.volume_capabilities.is_empty() {
-            return Err(Status::invalid_argument("volume_capabilities is required"));
+            return Err(invalid("volume_capabilities is required"));
         }
         let v = self
             .book
             .get(&r.volume_id)
             .filter(|v| v.state != VolState::Deleting)
-            .ok_or_else(|| Status::not_found(format!("volume {} does not exist", r.volume_id)))?;
+            .ok_or_else(|| BookError::NotFound(r.volume_id.clone()))?;
         for (i, c) in r.volume_capabilities.iter().enumerate() {
             if c.access_mode.is_none() || c.access_type.is_none() {
-                return Err(Status::invalid_argument(format!(
+                return Err(invalid(format!(
                     "volume_capabilities[{i}] needs both access_mode and access_type"
                 )));
             }
@@ -388,9 +427,9 @@ impl csi::controller_server::Controller for ControllerService {
                         _ => true,
                     })
             };
-            if fits { Ok(()) } else { Err(Status::invalid_argument(format!("volume holds {:?}", v.fs_type))) }
+            if fits { Ok(()) } else { Err(invalid(format!("volume holds {:?}", v.fs_type))) }
         });
-        Ok(Response::new(match verdict {
+        Ok(match verdict {
             Ok(()) => csi::ValidateVolumeCapabilitiesResponse {
                 confirmed: Some(csi::validate_volume_capabilities_response::Confirmed {
                     volume_context: r.volume_context,
@@ -401,18 +440,17 @@ impl csi::controller_server::Controller for ControllerService {
                 message: String::new(),
             },
             Err(e) => csi::ValidateVolumeCapabilitiesResponse { confirmed: None, message: e.message().to_string() },
-        }))
+        })
     }
 
-    async fn list_volumes(&self, req: Request<csi::ListVolumesRequest>) -> Result<Response<csi::ListVolumesResponse>, Status> {
-        let r = req.into_inner();
+    async fn do_list_volumes(&self, r: csi::ListVolumesRequest) -> Result<csi::ListVolumesResponse, CsiError> {
         if r.max_entries < 0 {
-            return Err(Status::invalid_argument("max_entries must not be negative"));
+            return Err(invalid("max_entries must not be negative"));
         }
         let after = if r.starting_token.is_empty() {
             None
         } else {
-            Some(decode_token(&r.starting_token).ok_or_else(|| Status::aborted(format!("starting_token {:?} is not valid", r.starting_token)))?)
+            Some(decode_token(&r.starting_token).ok_or_else(|| CsiError::new(Code::Aborted, format!("starting_token {:?} is not valid", r.starting_token)))?)
         };
         let views = self.book.node_views();
         let all: Vec<VolumeRecord> = self
@@ -443,7 +481,36 @@ impl csi::controller_server::Controller for ControllerService {
                 }
             })
             .collect();
-        Ok(Response::new(csi::ListVolumesResponse { entries, next_token }))
+        Ok(csi::ListVolumesResponse { entries, next_token })
+    }
+}
+
+#[tonic::async_trait]
+impl csi::controller_server::Controller for ControllerService {
+    async fn create_volume(&self, req: Request<csi::CreateVolumeRequest>) -> Result<Response<csi::CreateVolumeResponse>, Status> {
+        Ok(Response::new(self.do_create_volume(req.into_inner()).await?))
+    }
+
+    async fn delete_volume(&self, req: Request<csi::DeleteVolumeRequest>) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
+        Ok(Response::new(self.do_delete_volume(req.into_inner()).await?))
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        req: Request<csi::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
+        Ok(Response::new(self.do_controller_expand_volume(req.into_inner()).await?))
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        req: Request<csi::ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
+        Ok(Response::new(self.do_validate_volume_capabilities(req.into_inner()).await?))
+    }
+
+    async fn list_volumes(&self, req: Request<csi::ListVolumesRequest>) -> Result<Response<csi::ListVolumesResponse>, Status> {
+        Ok(Response::new(self.do_list_volumes(req.into_inner()).await?))
     }
 
     async fn get_capacity(&self, req: Request<csi::GetCapacityRequest>) -> Result<Response<csi::GetCapacityResponse>, Status> {
@@ -538,8 +605,8 @@ fn decode_token(t: &str) -> Option<String> {
 }
 
 /// Run a volume book change off the async workers (the backend commits synchronously).
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, Status> + Send + 'static) -> Result<T, Status> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(format!("volume book task: {e}")))?
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, BookError> + Send + 'static) -> Result<T, CsiError> {
+    Ok(tokio::task::spawn_blocking(f).await.map_err(|e| CsiError::new(Code::Internal, format!("volume book task: {e}")))??)
 }
 
 #[cfg(test)]
@@ -552,7 +619,7 @@ mod tests {
         assert_eq!(x(64 << 20, 0).unwrap(), XFS_MIN_SIZE, "small xfs volumes are raised to the minimum");
         assert_eq!(x(400 << 20, 0).unwrap(), 400 << 20);
         assert_eq!(x(0, 0).unwrap(), XFS_MIN_SIZE.max(DEFAULT_SIZE));
-        assert_eq!(x(1 << 20, 64 << 20).unwrap_err().code(), tonic::Code::OutOfRange, "a limit below the minimum");
+        assert_eq!(x(1 << 20, 64 << 20).unwrap_err().code(), Code::OutOfRange, "a limit below the minimum");
         assert_eq!(size_for_fs(Some(&csi::CapacityRange { required_bytes: 1 << 20, limit_bytes: 0 }), "ext4").unwrap(), 1 << 20);
         let r = |req: i64, lim: i64| size_for(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }));
         assert_eq!(size_for(None).unwrap(), DEFAULT_SIZE);
@@ -560,9 +627,9 @@ mod tests {
         assert_eq!(r(MIB as i64 + 1, 0).unwrap(), 2 * MIB);
         assert_eq!(r(0, 10 * MIB as i64).unwrap(), 10 * MIB);
         assert_eq!(r(MIB as i64 + 1, 2 * MIB as i64).unwrap(), 2 * MIB);
-        assert_eq!(r(5, 100).unwrap_err().code(), tonic::Code::OutOfRange);
-        assert_eq!(r(200, 100).unwrap_err().code(), tonic::Code::OutOfRange);
-        assert_eq!(r(-1, 0).unwrap_err().code(), tonic::Code::InvalidArgument);
+        assert_eq!(r(5, 100).unwrap_err().code(), Code::OutOfRange);
+        assert_eq!(r(200, 100).unwrap_err().code(), Code::OutOfRange);
+        assert_eq!(r(-1, 0).unwrap_err().code(), Code::InvalidArgument);
     }
 
     #[test]

@@ -114,7 +114,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             let fence = el.fence();
             elector = Some(el);
             let kcfg = ::kube::Config::infer().await.map_err(|e| ControllerError::Kube(e.to_string()))?;
-            Arc::new(tokio::task::spawn_blocking(move || kube::state::KubeBackend::new(kcfg, Some(fence))).await.map_err(|e| ControllerError::Kube(e.to_string()))?.map_err(ControllerError::Kube)?)
+            Arc::new(tokio::task::spawn_blocking(move || kube::state::KubeBackend::new(kcfg, Some(fence))).await.map_err(|e| ControllerError::Kube(e.to_string()))?.map_err(|e| ControllerError::Kube(e.to_string()))?)
         }
         _ => {
             leading.set(true, "embedded store: a single controller");
@@ -140,7 +140,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         let (b, pools, grace) = (backend.clone(), cfg.pools.clone(), cfg.orphan_grace);
         tokio::task::spawn_blocking(move || -> Result<_, ControllerError> {
             let registry = store::Registry::with_backend(b.clone(), pools)?;
-            let book = volumes::VolumeBook::open(b, grace).map_err(|e| ControllerError::Volumes(e.message().to_string()))?;
+            let book = volumes::VolumeBook::open(b, grace).map_err(|e| ControllerError::Volumes(e.to_string()))?;
             Ok((Arc::new(registry), Arc::new(book)))
         })
         .await

@@ -8,7 +8,7 @@ use tonic::{Request, Response, Status};
 
 use super::auth::{Authority, Identity};
 use super::config::Config;
-use super::records::NodeRecord;
+use super::records::{Family, NodeRecord};
 use super::store::{Registry, RegistryError, Snapshot};
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_server::NodeRegistry;
@@ -154,12 +154,12 @@ impl Service {
     ) -> Result<Response<pb::RequestBlockResponse>, Status> {
         let node = req.get_ref().node_name.clone();
         self.authorize(&req, &node).await?;
-        let v4 = match pb::Family::try_from(req.get_ref().family) {
-            Ok(pb::Family::Ipv4) => true,
-            Ok(pb::Family::Ipv6) => false,
+        let family = match pb::Family::try_from(req.get_ref().family) {
+            Ok(pb::Family::Ipv4) => Family::V4,
+            Ok(pb::Family::Ipv6) => Family::V6,
             _ => return Err(Status::invalid_argument("family must be FAMILY_IPV4 or FAMILY_IPV6")),
         };
-        let rec = self.blocking(move |reg| reg.request_block(&node, v4)).await?;
+        let rec = self.blocking(move |reg| reg.request_block(&node, family)).await?;
         tracing::info!(node = %rec.name, blocks = ?rec.blocks, "extra block");
         Ok(Response::new(pb::RequestBlockResponse { node: Some(to_pb(&rec)) }))
     }

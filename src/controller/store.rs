@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use ipnetwork::IpNetwork;
 use tokio::sync::watch;
 
-use super::backend::{Backend, RedbBackend};
-use super::records::{NodeRecord, Pool, valid_node_name};
+use super::backend::{Backend, BackendError, RedbBackend};
+use super::records::{Family, NodeRecord, Pool, valid_node_name};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
@@ -23,13 +23,9 @@ pub enum RegistryError {
     #[error("{0}")]
     InvalidArgument(String),
     #[error("the {family} pools ({pools}) have no free block left")]
-    Exhausted { family: &'static str, pools: String },
+    Exhausted { family: Family, pools: String },
     #[error("store: {0}")]
-    Storage(String),
-}
-
-fn storage(e: impl std::fmt::Display) -> RegistryError {
-    RegistryError::Storage(e.to_string())
+    Storage(#[from] BackendError),
 }
 
 
@@ -61,25 +57,21 @@ fn valid_mac(mac: &str) -> bool {
     mac.is_empty() || (mac.len() == 17 && mac.split(':').all(|p| p.len() == 2 && u8::from_str_radix(p, 16).is_ok()))
 }
 
-fn family_name(v4: bool) -> &'static str {
-    if v4 { "IPv4" } else { "IPv6" }
-}
-
 impl Registry {
     /// The embedded store at `path` (local mode).
     pub fn open(path: &Path, pools: Vec<Pool>) -> Result<Self, RegistryError> {
-        Self::with_backend(RedbBackend::open(path).map_err(storage)?, pools)
+        Self::with_backend(RedbBackend::open(path)?, pools)
     }
 
     pub fn with_backend(backend: Arc<dyn Backend>, pools: Vec<Pool>) -> Result<Self, RegistryError> {
-        let (records, revision) = backend.load_nodes().map_err(storage)?;
+        let (records, revision) = backend.load_nodes()?;
         let mut nodes = BTreeMap::new();
         let mut owner = HashMap::new();
         for rec in records {
             for b in &rec.blocks {
-                let net: IpNetwork = b.parse().map_err(|_| storage(format!("node {}: bad block {b}", rec.name)))?;
+                let net: IpNetwork = b.parse().map_err(|_| BackendError::Corrupt(format!("node {}: bad block {b}", rec.name)))?;
                 if let Some(prev) = owner.insert(net, rec.name.clone()) {
-                    return Err(storage(format!("block {net} is recorded for both {prev} and {}", rec.name)));
+                    return Err(BackendError::Corrupt(format!("block {net} is recorded for both {prev} and {}", rec.name)).into());
                 }
             }
             nodes.insert(rec.name.clone(), rec);
@@ -128,7 +120,7 @@ impl Registry {
     /// Commit `records` (Some = upsert, None = delete) and publish the new snapshot.
     fn commit(&self, st: &mut State, changes: Vec<(String, Option<NodeRecord>)>) -> Result<(), RegistryError> {
         let revision = st.revision + 1;
-        self.backend.commit_nodes(&changes, revision).map_err(storage)?;
+        self.backend.commit_nodes(&changes, revision)?;
         // Durable: now update memory and tell watchers.
         for (name, rec) in changes {
             if let Some(old) = st.nodes.remove(&name) {
@@ -149,8 +141,8 @@ impl Registry {
     }
 
     /// First free block of a family, pools in configuration order.
-    fn free_block(&self, st: &State, v4: bool) -> Result<IpNetwork, RegistryError> {
-        let pools: Vec<&Pool> = self.pools.iter().filter(|p| p.net.is_ipv4() == v4).collect();
+    fn free_block(&self, st: &State, family: Family) -> Result<IpNetwork, RegistryError> {
+        let pools: Vec<&Pool> = self.pools.iter().filter(|p| Family::of(&p.net) == family).collect();
         for pool in &pools {
             let used = st.owner.keys().filter(|b| pool.net.contains(b.network())).count() as u128;
             if used >= pool.block_count() {
@@ -165,14 +157,15 @@ impl Registry {
             }
         }
         Err(RegistryError::Exhausted {
-            family: family_name(v4),
+            family,
             pools: pools.iter().map(|p| p.net.to_string()).collect::<Vec<_>>().join(", "),
         })
     }
 
-    fn families(&self) -> Vec<bool> {
-        let mut f: Vec<bool> = self.pools.iter().map(|p| p.net.is_ipv4()).collect();
-        f.sort_by(|a, b| b.cmp(a));
+    /// The families the pools serve, IPv4 first.
+    fn families(&self) -> Vec<Family> {
+        let mut f: Vec<Family> = self.pools.iter().map(|p| Family::of(&p.net)).collect();
+        f.sort();
         f.dedup();
         f
     }
@@ -204,10 +197,10 @@ impl Registry {
         rec.underlay = underlay.to_vec();
         rec.vtep_mac = vtep_mac.to_string();
         let mut taken = Vec::new();
-        for v4 in self.families() {
-            let has = rec.blocks.iter().any(|b| b.parse::<IpNetwork>().is_ok_and(|n| n.is_ipv4() == v4));
+        for family in self.families() {
+            let has = rec.blocks.iter().any(|b| b.parse::<IpNetwork>().is_ok_and(|n| Family::of(&n) == family));
             if !has {
-                let block = match self.free_block(&st, v4) {
+                let block = match self.free_block(&st, family) {
                     Ok(b) => b,
                     Err(e) => {
                         for b in taken {
@@ -235,10 +228,10 @@ impl Registry {
     }
 
     /// One more block of a family for a registered node whose blocks are full.
-    pub fn request_block(&self, name: &str, v4: bool) -> Result<NodeRecord, RegistryError> {
+    pub fn request_block(&self, name: &str, family: Family) -> Result<NodeRecord, RegistryError> {
         let mut st = self.state.lock().unwrap();
         let mut rec = st.nodes.get(name).cloned().ok_or_else(|| RegistryError::NotFound(name.to_string()))?;
-        let block = self.free_block(&st, v4)?;
+        let block = self.free_block(&st, family)?;
         rec.blocks.push(block.to_string());
         self.commit(&mut st, vec![(name.to_string(), Some(rec.clone()))])?;
         Ok(rec)
@@ -294,16 +287,16 @@ mod tests {
             r.register(&format!("n{i}"), &["192.0.2.1".into()], "").unwrap();
         }
         let e = r.register("n4", &["192.0.2.1".into()], "").unwrap_err();
-        assert!(matches!(e, RegistryError::Exhausted { family: "IPv4", .. }), "{e}");
+        assert!(matches!(e, RegistryError::Exhausted { family: Family::V4, .. }), "{e}");
         assert!(r.get("n4").is_none(), "a failed registration records nothing");
         r.remove("n3").unwrap();
-        let more = r.request_block("n0", true).unwrap();
+        let more = r.request_block("n0", Family::V4).unwrap();
         assert_eq!(more.blocks.len(), 3);
         let usage: Vec<(String, u128, u128)> =
             r.pool_usage().iter().map(|(p, used)| (p.net.to_string(), p.block_count(), *used)).collect();
         assert_eq!(usage, vec![("10.8.0.0/22".into(), 4, 4), ("fd00:8::/62".into(), 4, 3)]);
-        assert!(matches!(r.request_block("n0", true), Err(RegistryError::Exhausted { .. })));
-        assert!(matches!(r.request_block("ghost", true), Err(RegistryError::NotFound(_))));
+        assert!(matches!(r.request_block("n0", Family::V4), Err(RegistryError::Exhausted { .. })));
+        assert!(matches!(r.request_block("ghost", Family::V4), Err(RegistryError::NotFound(_))));
     }
 
     #[test]

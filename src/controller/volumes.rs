@@ -16,9 +16,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
-use tonic::{Code, Status};
+use tonic::Code;
 
-use super::backend::Backend;
+use super::backend::{Backend, BackendError};
 use super::records::{VolState, VolumeRecord};
 use crate::rpc::controller as pb;
 
@@ -59,8 +59,55 @@ pub struct VolumeBook {
     pub orphan_grace: Duration,
 }
 
-fn storage(e: impl std::fmt::Display) -> Status {
-    Status::unavailable(format!("controller store: {e}"))
+/// Why the volume book refused or could not do something. [`BookError::code`] is the one
+/// place that decides which gRPC code each answers with.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum BookError {
+    /// The backend did not commit (or load): nothing changed.
+    #[error("controller store: {0}")]
+    Store(#[from] BackendError),
+    /// The id derived from a new volume's name belongs to a volume of another name.
+    #[error("volume id {id} (for name {name:?}) is taken by volume {other:?}")]
+    IdTaken { id: String, name: String, other: String },
+    /// No connected node (within the requisite ones) has room for a new volume.
+    #[error("no node can hold {size} bytes{within} (candidates: {candidates})")]
+    NoRoom { size: u64, within: String, candidates: String },
+    #[error("volume {0} does not exist")]
+    NotFound(String),
+    #[error("volume {0} is being deleted")]
+    BeingDeleted(String),
+    /// The volume's node has not the room to grow it by `needed` bytes.
+    #[error("node {node} has {free} bytes free; growing {id} to {size} needs {needed}")]
+    NoRoomToGrow { node: String, free: u64, id: String, size: u64, needed: u64 },
+    /// The node reported a failure for the volume (its code, its message).
+    #[error("node: {message}")]
+    Node { code: Code, message: String },
+    #[error("controller shutting down")]
+    ShuttingDown,
+    /// A wait ran out of time before the node finished.
+    #[error("the node has not finished the operation yet; retry")]
+    NotYet,
+}
+
+impl BookError {
+    /// The gRPC code this error answers with (CSI and the agent API alike).
+    pub fn code(&self) -> Code {
+        match self {
+            BookError::Store(_) | BookError::ShuttingDown => Code::Unavailable,
+            BookError::IdTaken { .. } => Code::AlreadyExists,
+            BookError::NoRoom { .. } => Code::ResourceExhausted,
+            BookError::NotFound(_) | BookError::BeingDeleted(_) => Code::NotFound,
+            BookError::NoRoomToGrow { .. } => Code::OutOfRange,
+            BookError::Node { code, .. } => *code,
+            BookError::NotYet => Code::DeadlineExceeded,
+        }
+    }
+}
+
+impl From<BookError> for tonic::Status {
+    fn from(e: BookError) -> Self {
+        tonic::Status::new(e.code(), e.to_string())
+    }
 }
 
 fn now_unix() -> u64 {
@@ -89,12 +136,13 @@ pub struct Placement {
 }
 
 impl VolumeBook {
-    pub fn open(backend: Arc<dyn Backend>, orphan_grace: Duration) -> Result<Self, Status> {
+    pub fn open(backend: Arc<dyn Backend>, orphan_grace: Duration) -> Result<Self, BookError> {
         let mut vols = BTreeMap::new();
         let mut by_name = HashMap::new();
-        for rec in backend.load_volumes().map_err(storage)? {
+        for rec in backend.load_volumes()? {
             if let Some(prev) = by_name.insert(rec.name.clone(), rec.id.clone()) {
-                return Err(storage(format!("volume name {:?} recorded for both {prev} and {}", rec.name, rec.id)));
+                let msg = format!("volume name {:?} recorded for both {prev} and {}", rec.name, rec.id);
+                return Err(BackendError::Corrupt(msg).into());
             }
             vols.insert(rec.id.clone(), rec);
         }
@@ -109,8 +157,8 @@ impl VolumeBook {
         })
     }
 
-    fn commit(&self, st: &mut BookState, changes: Vec<(String, Option<VolumeRecord>)>) -> Result<(), Status> {
-        self.backend.commit_volumes(&changes).map_err(storage)?;
+    fn commit(&self, st: &mut BookState, changes: Vec<(String, Option<VolumeRecord>)>) -> Result<(), BookError> {
+        self.backend.commit_volumes(&changes)?;
         for (id, rec) in changes {
             if let Some(old) = st.vols.remove(&id) {
                 st.by_name.remove(&old.name);
@@ -161,7 +209,7 @@ impl VolumeBook {
 
     /// Take a node's report: remember it, and move records along (Creating → Ready when the
     /// file is there, Deleting → gone when it is not).
-    pub fn report(&self, r: pb::ReportVolumesRequest) -> Result<(), Status> {
+    pub fn report(&self, r: pb::ReportVolumesRequest) -> Result<(), BookError> {
         let mut st = self.st.lock().unwrap();
         let view = st.nodes.entry(r.node_name.clone()).or_default();
         view.capacity_bytes = r.capacity_bytes;
@@ -276,17 +324,14 @@ impl VolumeBook {
         fs_type: &str,
         parameters: BTreeMap<String, String>,
         placement: &Placement,
-    ) -> Result<(VolumeRecord, bool), Status> {
+    ) -> Result<(VolumeRecord, bool), BookError> {
         let mut st = self.st.lock().unwrap();
         if let Some(id) = st.by_name.get(name) {
             return Ok((st.vols[id].clone(), false));
         }
         let id = volume_id_for(name);
         if let Some(other) = st.vols.get(&id) {
-            return Err(Status::already_exists(format!(
-                "volume id {id} (for name {name:?}) is taken by volume {:?}",
-                other.name
-            )));
+            return Err(BookError::IdTaken { id, name: name.to_string(), other: other.name.clone() });
         }
         let live = Self::live_nodes(&st);
         let candidates: Vec<String> = if placement.requisite.is_empty() {
@@ -305,11 +350,11 @@ impl VolumeBook {
             });
         let Some(node) = chosen else {
             let detail: Vec<String> = candidates.iter().map(|n| format!("{n}: {} free", Self::free(&st, n))).collect();
-            return Err(Status::resource_exhausted(format!(
-                "no node can hold {size} bytes{} (candidates: {})",
-                if placement.requisite.is_empty() { String::new() } else { format!(" within {:?}", placement.requisite) },
-                if detail.is_empty() { "none connected".to_string() } else { detail.join(", ") }
-            )));
+            return Err(BookError::NoRoom {
+                size,
+                within: if placement.requisite.is_empty() { String::new() } else { format!(" within {:?}", placement.requisite) },
+                candidates: if detail.is_empty() { "none connected".to_string() } else { detail.join(", ") },
+            });
         };
         let rec = VolumeRecord {
             id: id.clone(),
@@ -327,7 +372,7 @@ impl VolumeBook {
     }
 
     /// Mark a volume for deletion (durably). `None`: no such volume.
-    pub fn begin_delete(&self, id: &str) -> Result<Option<VolumeRecord>, Status> {
+    pub fn begin_delete(&self, id: &str) -> Result<Option<VolumeRecord>, BookError> {
         let mut st = self.st.lock().unwrap();
         let Some(v) = st.vols.get(id).cloned() else { return Ok(None) };
         if v.state != VolState::Deleting {
@@ -339,7 +384,7 @@ impl VolumeBook {
     }
 
     /// Undo `begin_delete` when the node refused (the volume is in use).
-    pub fn cancel_delete(&self, id: &str) -> Result<(), Status> {
+    pub fn cancel_delete(&self, id: &str) -> Result<(), BookError> {
         let mut st = self.st.lock().unwrap();
         if let Some(v) = st.vols.get(id).cloned()
             && v.state == VolState::Deleting
@@ -353,7 +398,7 @@ impl VolumeBook {
     }
 
     /// Put a volume's desired size back after the node refused to grow it.
-    pub fn revert_expand(&self, id: &str, size: u64) -> Result<(), Status> {
+    pub fn revert_expand(&self, id: &str, size: u64) -> Result<(), BookError> {
         let mut st = self.st.lock().unwrap();
         if let Some(v) = st.vols.get(id).cloned()
             && v.size_bytes > size
@@ -364,22 +409,24 @@ impl VolumeBook {
     }
 
     /// Raise a volume's desired size (durably), checking the node has room.
-    pub fn begin_expand(&self, id: &str, size: u64) -> Result<VolumeRecord, Status> {
+    pub fn begin_expand(&self, id: &str, size: u64) -> Result<VolumeRecord, BookError> {
         let mut st = self.st.lock().unwrap();
-        let v = st.vols.get(id).cloned().ok_or_else(|| Status::not_found(format!("volume {id} does not exist")))?;
+        let v = st.vols.get(id).cloned().ok_or_else(|| BookError::NotFound(id.to_string()))?;
         if v.state == VolState::Deleting {
-            return Err(Status::not_found(format!("volume {id} is being deleted")));
+            return Err(BookError::BeingDeleted(id.to_string()));
         }
         if size <= v.size_bytes {
             return Ok(v);
         }
         let free = Self::free(&st, &v.node);
         if size - v.size_bytes > free {
-            return Err(Status::out_of_range(format!(
-                "node {} has {free} bytes free; growing {id} to {size} needs {}",
-                v.node,
-                size - v.size_bytes
-            )));
+            return Err(BookError::NoRoomToGrow {
+                node: v.node.clone(),
+                free,
+                id: id.to_string(),
+                size,
+                needed: size - v.size_bytes,
+            });
         }
         let grown = VolumeRecord { size_bytes: size, ..v };
         self.commit(&mut st, vec![(id.to_string(), Some(grown.clone()))])?;
@@ -388,17 +435,17 @@ impl VolumeBook {
 
     /// Drop a record whose creation failed on its node: it is deleted there (if anything
     /// was made) like any other.
-    pub fn abandon(&self, id: &str) -> Result<(), Status> {
+    pub fn abandon(&self, id: &str) -> Result<(), BookError> {
         self.begin_delete(id).map(|_| ())
     }
 
     /// Wait until `check` decides, re-checking after every report or record change, or
     /// until `timeout` (DEADLINE_EXCEEDED: the CO retries the call, which resumes the wait).
-    pub async fn wait<T>(
+    pub async fn wait<T, E: From<BookError>>(
         &self,
         timeout: Duration,
-        mut check: impl FnMut(&VolumeBook, &HashMap<String, NodeView>, &BTreeMap<String, VolumeRecord>) -> Option<Result<T, Status>>,
-    ) -> Result<T, Status> {
+        mut check: impl FnMut(&VolumeBook, &HashMap<String, NodeView>, &BTreeMap<String, VolumeRecord>) -> Option<Result<T, E>>,
+    ) -> Result<T, E> {
         let mut rx = self.events_tx.subscribe();
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -410,9 +457,9 @@ impl VolumeBook {
                 }
             }
             tokio::select! {
-                r = rx.changed() => if r.is_err() { return Err(Status::unavailable("controller shutting down")) },
+                r = rx.changed() => if r.is_err() { return Err(BookError::ShuttingDown.into()) },
                 _ = tokio::time::sleep_until(deadline) => {
-                    return Err(Status::deadline_exceeded("the node has not finished the operation yet; retry"));
+                    return Err(BookError::NotYet.into());
                 }
             }
         }
@@ -450,13 +497,13 @@ pub fn held<'a>(view: Option<&'a NodeView>, v: &VolumeRecord) -> Option<&'a pb::
 }
 
 /// A node failure for `id` from a reconcile against desired-set revision `since` or later,
-/// as a status.
-pub fn failure_since(view: Option<&NodeView>, id: &str, since: u64) -> Option<Status> {
+/// with the node's code.
+pub fn failure_since(view: Option<&NodeView>, id: &str, since: u64) -> Option<BookError> {
     let (code, msg, rev) = view?.failures.get(id)?;
     if *rev < since {
         return None;
     }
-    Some(Status::new(Code::from_i32(*code), format!("node: {msg}")))
+    Some(BookError::Node { code: Code::from_i32(*code), message: msg.clone() })
 }
 
 impl VolumeBook {
@@ -469,6 +516,24 @@ impl VolumeBook {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn book_errors_answer_with_one_code_each_and_keep_their_text() {
+        let store = BookError::from(BackendError::Unavailable("the Kubernetes API did not answer within 30s".into()));
+        let cases = [
+            (store, Code::Unavailable, "controller store: the Kubernetes API did not answer within 30s"),
+            (BookError::NotFound("pvc-1".into()), Code::NotFound, "volume pvc-1 does not exist"),
+            (BookError::BeingDeleted("pvc-1".into()), Code::NotFound, "volume pvc-1 is being deleted"),
+            (BookError::Node { code: Code::FailedPrecondition, message: "in use".into() }, Code::FailedPrecondition, "node: in use"),
+            (BookError::NotYet, Code::DeadlineExceeded, "the node has not finished the operation yet; retry"),
+            (BookError::ShuttingDown, Code::Unavailable, "controller shutting down"),
+        ];
+        for (e, code, text) in cases {
+            assert_eq!(e.code(), code, "{e}");
+            let s = tonic::Status::from(e);
+            assert_eq!((s.code(), s.message()), (code, text));
+        }
+    }
 
     #[test]
     fn ids_are_deterministic_and_valid() {

@@ -19,6 +19,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ObjectMeta, PostParams};
 
+use crate::controller::backend::BackendError;
+
 #[derive(Debug, Clone)]
 pub struct LeaseSettings {
     pub namespace: String,
@@ -76,15 +78,18 @@ impl Fence {
         self.state.lock().unwrap().1.clone()
     }
 
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), BackendError> {
         let st = self.state.lock().unwrap();
         if let Some(why) = &st.1 {
-            return Err(format!("not the leader any more ({why}): refusing to write"));
+            return Err(BackendError::NotLeader(format!("not the leader any more ({why}): refusing to write")));
         }
         match st.0 {
             Some(t) if t.elapsed() < self.valid => Ok(()),
-            Some(_) => Err(format!("the leader lease was not renewed within {:?}: refusing to write", self.valid)),
-            None => Err("not the leader: refusing to write".into()),
+            Some(_) => Err(BackendError::NotLeader(format!(
+                "the leader lease was not renewed within {:?}: refusing to write",
+                self.valid
+            ))),
+            None => Err(BackendError::NotLeader("not the leader: refusing to write".into())),
         }
     }
 }

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::{block_resource, is_already_exists, is_not_found, node_resource, volume_resource};
-use crate::controller::backend::{Backend, Change};
+use crate::controller::backend::{Backend, BackendError, Change};
 use crate::controller::records::{NodeRecord, VolumeRecord};
 
 const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "nodeplane-controller");
@@ -90,10 +90,10 @@ fn object(res: &ApiResource, name: &str, labels: &[(&str, &str)], spec: serde_js
     o
 }
 
-fn spec_of<T: serde::de::DeserializeOwned>(o: &DynamicObject) -> Result<T, String> {
+fn spec_of<T: serde::de::DeserializeOwned>(o: &DynamicObject) -> Result<T, BackendError> {
     let name = o.metadata.name.as_deref().unwrap_or("?");
-    let spec = o.data.get("spec").cloned().ok_or_else(|| format!("{name}: no spec"))?;
-    serde_json::from_value(spec).map_err(|e| format!("{name}: bad spec: {e}"))
+    let spec = o.data.get("spec").cloned().ok_or_else(|| BackendError::Corrupt(format!("{name}: no spec")))?;
+    serde_json::from_value(spec).map_err(|e| BackendError::Corrupt(format!("{name}: bad spec: {e}")))
 }
 
 #[derive(Default)]
@@ -124,7 +124,7 @@ struct RuntimeThread {
 }
 
 impl RuntimeThread {
-    fn start() -> Result<Self, String> {
+    fn start() -> Result<Self, BackendError> {
         let (tx, rx) = std::sync::mpsc::channel();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         std::thread::Builder::new()
@@ -133,7 +133,7 @@ impl RuntimeThread {
                 let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                     Ok(rt) => rt,
                     Err(e) => {
-                        let _ = tx.send(Err(e.to_string()));
+                        let _ = tx.send(Err(BackendError::Io(e.to_string())));
                         return;
                     }
                 };
@@ -142,21 +142,24 @@ impl RuntimeThread {
                     let _ = stopped.await;
                 });
             })
-            .map_err(|e| e.to_string())?;
-        let handle = rx.recv().map_err(|e| e.to_string())??;
+            .map_err(|e| BackendError::Io(e.to_string()))?;
+        let handle = rx.recv().map_err(|e| BackendError::Io(e.to_string()))??;
         Ok(RuntimeThread { handle, stop: Some(stop) })
     }
 
-    fn run<T: Send + 'static>(&self, f: impl std::future::Future<Output = Result<T, String>> + Send + 'static) -> Result<T, String> {
+    fn run<T: Send + 'static>(
+        &self,
+        f: impl std::future::Future<Output = Result<T, BackendError>> + Send + 'static,
+    ) -> Result<T, BackendError> {
         let (tx, rx) = std::sync::mpsc::channel();
         self.handle.spawn(async move {
             let r = match tokio::time::timeout(CALL_TIMEOUT, f).await {
                 Ok(r) => r,
-                Err(_) => Err(format!("the Kubernetes API did not answer within {CALL_TIMEOUT:?}")),
+                Err(_) => Err(BackendError::Unavailable(format!("the Kubernetes API did not answer within {CALL_TIMEOUT:?}"))),
             };
             let _ = tx.send(r);
         });
-        rx.recv().map_err(|_| "the Kubernetes state thread stopped".to_string())?
+        rx.recv().map_err(|_| BackendError::Unavailable("the Kubernetes state thread stopped".to_string()))?
     }
 }
 
@@ -168,8 +171,18 @@ impl Drop for RuntimeThread {
     }
 }
 
-fn err(what: impl std::fmt::Display) -> impl FnOnce(kube::Error) -> String {
-    move |e| format!("{what}: {e}")
+/// A failed API call as a backend error: refused when the API answered with a client error
+/// (see [`definitely_refused`]), else unavailable (the API was not reached, timed out or
+/// failed on its side).
+fn api_error(e: &kube::Error, message: String) -> BackendError {
+    if definitely_refused(e) { BackendError::Refused(message) } else { BackendError::Unavailable(message) }
+}
+
+fn err(what: impl std::fmt::Display) -> impl FnOnce(kube::Error) -> BackendError {
+    move |e| {
+        let message = format!("{what}: {e}");
+        api_error(&e, message)
+    }
 }
 
 impl KubeBackend {
@@ -178,9 +191,9 @@ impl KubeBackend {
     ///
     /// With a `fence`, every call is refused once this controller may have lost the leader
     /// lease, and a write that finds another writer's change trips the fence.
-    pub fn new(config: kube::Config, fence: Option<Arc<super::lease::Fence>>) -> Result<Self, String> {
+    pub fn new(config: kube::Config, fence: Option<Arc<super::lease::Fence>>) -> Result<Self, BackendError> {
         let rt = RuntimeThread::start()?;
-        let client = rt.run(async move { kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}")) })?;
+        let client = rt.run(async move { kube::Client::try_from(config).map_err(|e| BackendError::Unavailable(format!("Kubernetes client: {e}"))) })?;
         Ok(KubeBackend {
             nodes: Api::all_with(client.clone(), &node_resource()),
             blocks: Api::all_with(client.clone(), &block_resource()),
@@ -195,7 +208,7 @@ impl KubeBackend {
     async fn lock_block(blocks: &Api<DynamicObject>, cidr: &str, node: &str) -> Result<(), PutError> {
         let name = block_object_name(cidr);
         let spec = serde_json::to_value(BlockSpec { cidr: cidr.into(), node: node.into() })
-            .map_err(|e| PutError::Refused(e.to_string()))?;
+            .map_err(|e| PutError::Refused(BackendError::Corrupt(e.to_string())))?;
         let obj = object(&block_resource(), &name, &[MANAGED_BY, (NODE_LABEL, node)], spec, None);
         let e = match blocks.create(&PostParams::default(), &obj).await {
             Ok(_) => return Ok(()),
@@ -209,21 +222,24 @@ impl KubeBackend {
                 if held.node == node && held.cidr == cidr {
                     Ok(())
                 } else {
-                    Err(PutError::Refused(format!("block {cidr} is locked for node {:?} in the API (IPBlock {name})", held.node)))
+                    Err(PutError::Refused(BackendError::Corrupt(format!(
+                        "block {cidr} is locked for node {:?} in the API (IPBlock {name})",
+                        held.node
+                    ))))
                 }
             }
             // No lock there (also after an unknown outcome: the create did not happen).
-            Ok(None) => Err(PutError::Refused(format!("locking block {cidr} (IPBlock {name}): {e}"))),
+            Ok(None) => Err(PutError::Refused(api_error(&e, format!("locking block {cidr} (IPBlock {name}): {e}")))),
             Err(g) => Err(PutError::Unknown(format!("locking block {cidr} (IPBlock {name}): {e}; reading it back: {g}"))),
         }
     }
 
-    async fn unlock_block(blocks: &Api<DynamicObject>, cidr: &str) -> Result<(), String> {
+    async fn unlock_block(blocks: &Api<DynamicObject>, cidr: &str) -> Result<(), BackendError> {
         let name = block_object_name(cidr);
         match blocks.delete(&name, &DeleteParams::default()).await {
             Ok(_) => Ok(()),
             Err(e) if is_not_found(&e) => Ok(()),
-            Err(e) => Err(format!("releasing block {cidr} (IPBlock {name}): {e}")),
+            Err(e) => Err(api_error(&e, format!("releasing block {cidr} (IPBlock {name}): {e}"))),
         }
     }
 
@@ -233,7 +249,7 @@ impl KubeBackend {
         }
     }
 
-    fn check_fence(&self) -> Result<(), String> {
+    fn check_fence(&self) -> Result<(), BackendError> {
         self.fence.as_ref().map_or(Ok(()), |f| f.check())
     }
 }
@@ -241,8 +257,8 @@ impl KubeBackend {
 /// Why a write did not happen.
 #[derive(Debug, Clone)]
 enum PutError {
-    /// The API refused it: nothing was written.
-    Refused(String),
+    /// Refused (by the API, or because what is there forbids it): nothing was written.
+    Refused(BackendError),
     /// Another writer changed the object since it was read.
     Conflict(String),
     /// Unknown: it may or may not have been written.
@@ -252,7 +268,18 @@ enum PutError {
 impl std::fmt::Display for PutError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            PutError::Refused(m) | PutError::Conflict(m) | PutError::Unknown(m) => f.write_str(m),
+            PutError::Refused(e) => e.fmt(f),
+            PutError::Conflict(m) | PutError::Unknown(m) => f.write_str(m),
+        }
+    }
+}
+
+impl From<PutError> for BackendError {
+    fn from(e: PutError) -> Self {
+        match e {
+            PutError::Refused(e) => e,
+            PutError::Conflict(m) => BackendError::Conflict(m),
+            PutError::Unknown(m) => BackendError::Unavailable(m),
         }
     }
 }
@@ -280,7 +307,7 @@ async fn put(api: &Api<DynamicObject>, obj: DynamicObject, what: &str) -> Result
     };
     let conflict = super::is_conflict(&e) || is_already_exists(&e);
     if definitely_refused(&e) && !conflict {
-        return Err(PutError::Refused(format!("writing {what}: {e}")));
+        return Err(PutError::Refused(BackendError::Refused(format!("writing {what}: {e}"))));
     }
     match api.get_opt(&name).await {
         Ok(Some(cur)) if cur.data.get("spec") == obj.data.get("spec") => Ok(cur.metadata.resource_version.unwrap_or_default()),
@@ -288,7 +315,7 @@ async fn put(api: &Api<DynamicObject>, obj: DynamicObject, what: &str) -> Result
             "{what} was changed by another writer since this controller read it ({e}); is a second controller writing? \
              This controller stops serving; it re-reads the state when restarted"
         ))),
-        Ok(_) => Err(PutError::Refused(format!("writing {what}: {e} (read back: not written)"))),
+        Ok(_) => Err(PutError::Refused(api_error(&e, format!("writing {what}: {e} (read back: not written)")))),
         Err(g) => Err(PutError::Unknown(format!("writing {what}: {e}; reading it back: {g}"))),
     }
 }
@@ -305,17 +332,17 @@ async fn remove(api: &Api<DynamicObject>, name: &str, rv: Option<String>, what: 
         return Err(PutError::Conflict(format!("{what} was changed by another writer ({e})")));
     }
     if definitely_refused(&e) {
-        return Err(PutError::Refused(format!("deleting {what}: {e}")));
+        return Err(PutError::Refused(BackendError::Refused(format!("deleting {what}: {e}"))));
     }
     match api.get_opt(name).await {
         Ok(None) => Ok(()),
-        Ok(Some(_)) => Err(PutError::Refused(format!("deleting {what}: {e} (read back: still there)"))),
+        Ok(Some(_)) => Err(PutError::Refused(api_error(&e, format!("deleting {what}: {e} (read back: still there)")))),
         Err(g) => Err(PutError::Unknown(format!("deleting {what}: {e}; reading it back: {g}"))),
     }
 }
 
 impl Backend for KubeBackend {
-    fn load_nodes(&self) -> Result<(Vec<NodeRecord>, u64), String> {
+    fn load_nodes(&self) -> Result<(Vec<NodeRecord>, u64), BackendError> {
         self.check_fence()?;
         let (nodes, blocks) = (self.nodes.clone(), self.blocks.clone());
         let (records, revision, reserved) = self.rt.run(async move {
@@ -336,7 +363,7 @@ impl Backend for KubeBackend {
                 let spec: BlockSpec = spec_of(o)?;
                 let name = o.metadata.name.clone().unwrap_or_default();
                 if name != block_object_name(&spec.cidr) {
-                    return Err(format!("IPBlock {name} does not match its cidr {}", spec.cidr));
+                    return Err(BackendError::Corrupt(format!("IPBlock {name} does not match its cidr {}", spec.cidr)));
                 }
                 held.insert(spec.cidr, (spec.node, o.metadata.creation_timestamp.as_ref().map(|t| t.0), o.metadata.uid.clone()));
             }
@@ -346,10 +373,15 @@ impl Backend for KubeBackend {
                     named.insert(b.clone());
                     match held.get(b) {
                         Some((n, _, _)) if n == &rec.name => {}
-                        Some((n, _, _)) => return Err(format!("block {b} is in node {}'s record but locked for node {n}", rec.name)),
+                        Some((n, _, _)) => {
+                            return Err(BackendError::Corrupt(format!(
+                                "block {b} is in node {}'s record but locked for node {n}",
+                                rec.name
+                            )));
+                        }
                         None => {
                             tracing::warn!(block = %b, node = %rec.name, "block lock missing; restoring it");
-                            KubeBackend::lock_block(&blocks, b, &rec.name).await.map_err(|e| e.to_string())?;
+                            KubeBackend::lock_block(&blocks, b, &rec.name).await?;
                         }
                     }
                 }
@@ -372,7 +404,7 @@ impl Backend for KubeBackend {
                 match blocks.delete(&name, &dp).await {
                     Ok(_) => {}
                     Err(e) if is_not_found(&e) => {}
-                    Err(e) => return Err(format!("releasing stale block lock {name}: {e}")),
+                    Err(e) => return Err(api_error(&e, format!("releasing stale block lock {name}: {e}"))),
                 }
             }
             Ok((records, revision, reserved))
@@ -387,7 +419,7 @@ impl Backend for KubeBackend {
         self.reserved.lock().unwrap().clone()
     }
 
-    fn commit_nodes(&self, changes: &[Change<NodeRecord>], _revision: u64) -> Result<(), String> {
+    fn commit_nodes(&self, changes: &[Change<NodeRecord>], _revision: u64) -> Result<(), BackendError> {
         // One commit at a time (the registry serializes them already).
         let mut known = self.known.lock().unwrap();
         for (name, rec) in changes {
@@ -415,7 +447,7 @@ impl Backend for KubeBackend {
                             }
                             if result.is_ok() {
                                 let spec = NodeSpec { underlay: rec.underlay.clone(), vtep_mac: rec.vtep_mac.clone(), blocks: rec.blocks.clone() };
-                                let spec = serde_json::to_value(spec).map_err(|e| e.to_string())?;
+                                let spec = serde_json::to_value(spec).map_err(|e| BackendError::Corrupt(e.to_string()))?;
                                 result = put(&nodes, object(&node_resource(), &name2, &[MANAGED_BY], spec, rv), &format!("NodeplaneNode {name2}")).await;
                             }
                             match result {
@@ -458,7 +490,7 @@ impl Backend for KubeBackend {
                 })?;
             let new_rv = outcome.map_err(|e| {
                 self.trip(&e);
-                e.to_string()
+                BackendError::from(e)
             })?;
             match (rec, new_rv) {
                 (Some(r), Some(rv)) => {
@@ -472,7 +504,7 @@ impl Backend for KubeBackend {
         Ok(())
     }
 
-    fn load_volumes(&self) -> Result<Vec<VolumeRecord>, String> {
+    fn load_volumes(&self) -> Result<Vec<VolumeRecord>, BackendError> {
         self.check_fence()?;
         let volumes = self.volumes.clone();
         let items = self.rt.run(async move {
@@ -482,7 +514,7 @@ impl Backend for KubeBackend {
                 let rec: VolumeRecord = spec_of(o)?;
                 let name = o.metadata.name.clone().unwrap_or_default();
                 if name != volume_object_name(&rec.id) {
-                    return Err(format!("NodeplaneVolume {name} does not match its id {:?}", rec.id));
+                    return Err(BackendError::Corrupt(format!("NodeplaneVolume {name} does not match its id {:?}", rec.id)));
                 }
                 out.push((rec, name, o.metadata.resource_version.clone().unwrap_or_default()));
             }
@@ -493,7 +525,7 @@ impl Backend for KubeBackend {
         Ok(items.into_iter().map(|(r, _, _)| r).collect())
     }
 
-    fn commit_volumes(&self, changes: &[Change<VolumeRecord>]) -> Result<(), String> {
+    fn commit_volumes(&self, changes: &[Change<VolumeRecord>]) -> Result<(), BackendError> {
         let mut known = self.known.lock().unwrap();
         for (id, rec) in changes {
             self.check_fence()?;
@@ -505,7 +537,7 @@ impl Backend for KubeBackend {
                 Ok(match rec2 {
                     Some(r) => {
                         let node = r.node.clone();
-                        let spec = serde_json::to_value(&r).map_err(|e| e.to_string())?;
+                        let spec = serde_json::to_value(&r).map_err(|e| BackendError::Corrupt(e.to_string()))?;
                         let obj = object(&volume_resource(), &name2, &[MANAGED_BY, (NODE_LABEL, &node)], spec, rv);
                         put(&volumes, obj, &what).await.map(Some)
                     }
@@ -514,7 +546,7 @@ impl Backend for KubeBackend {
             })?;
             let new_rv = outcome.map_err(|e| {
                 self.trip(&e);
-                e.to_string()
+                BackendError::from(e)
             })?;
             match new_rv {
                 Some(rv) => known.volumes.insert(name, rv),
