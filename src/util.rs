@@ -5,7 +5,7 @@ use std::fs;
 use std::io;
 use std::path::Path;
 
-/// An IP address family.
+/// An IP address family. Ordered IPv4 first (the order a node's blocks are handed out in).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Family {
     V4,
@@ -139,6 +139,18 @@ impl Drop for TestDir {
 
 #[cfg(test)]
 mod tests {
+    use super::Family;
+
+    #[test]
+    fn families_print_and_order_ipv4_first() {
+        let v4: ipnetwork::IpNetwork = "10.8.0.0/24".parse().unwrap();
+        let v6: ipnetwork::IpNetwork = "fd00:8::/64".parse().unwrap();
+        assert_eq!((Family::of(&v4), Family::of(&v6)), (Family::V4, Family::V6));
+        assert_eq!(format!("{} {}", Family::V4, Family::V6), "IPv4 IPv6");
+        assert!(Family::V4 < Family::V6);
+        assert_eq!(Family::from_v6(true), Family::V6);
+    }
+
     #[test]
     fn utc_rfc3339_formats_unix_seconds() {
         assert_eq!(super::utc_rfc3339(0), "1970-01-01T00:00:00Z");

@@ -19,7 +19,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use nodeplane::controller::{auth::Authority, config::Config, records::Family};
+use nodeplane::controller::{auth::Authority, config::Config};
+use nodeplane::util::Family;
 use nodeplane::rpc::controller as pb;
 use pb::node_registry_client::NodeRegistryClient;
 use tokio::sync::Mutex;

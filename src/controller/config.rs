@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 use ipnetwork::IpNetwork;
 use serde::Deserialize;
 
-use super::records::{Family, Pool};
+use super::records::Pool;
+use crate::util::Family;
 use crate::rpc::{Listen, parse_listen};
 
 pub use crate::util::ConfigError;

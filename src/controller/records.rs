@@ -8,29 +8,6 @@ use std::collections::BTreeMap;
 use ipnetwork::IpNetwork;
 use serde::{Deserialize, Serialize};
 
-/// An address family. Ordered IPv4 first (the order a node's blocks are handed out in).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Family {
-    V4,
-    V6,
-}
-
-impl Family {
-    /// The family of a network.
-    pub fn of(net: &IpNetwork) -> Family {
-        if net.is_ipv4() { Family::V4 } else { Family::V6 }
-    }
-}
-
-impl std::fmt::Display for Family {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Family::V4 => "IPv4",
-            Family::V6 => "IPv6",
-        })
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pool {
     pub net: IpNetwork,
@@ -101,18 +78,4 @@ pub struct VolumeRecord {
     pub created_at: u64,
     #[serde(default)]
     pub parameters: BTreeMap<String, String>,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn families_print_and_order_ipv4_first() {
-        let v4: IpNetwork = "10.8.0.0/24".parse().unwrap();
-        let v6: IpNetwork = "fd00:8::/64".parse().unwrap();
-        assert_eq!((Family::of(&v4), Family::of(&v6)), (Family::V4, Family::V6));
-        assert_eq!(format!("{} {}", Family::V4, Family::V6), "IPv4 IPv6");
-        assert!(Family::V4 < Family::V6);
-    }
 }

@@ -8,7 +8,8 @@ use tonic::{Request, Response, Status};
 
 use super::auth::{Authority, Identity};
 use super::config::Config;
-use super::records::{Family, NodeRecord};
+use super::records::NodeRecord;
+use crate::util::Family;
 use super::store::{Registry, RegistryError, Snapshot};
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_server::NodeRegistry;

@@ -14,7 +14,8 @@ use ipnetwork::IpNetwork;
 use tokio::sync::watch;
 
 use super::backend::{Backend, BackendError, RedbBackend};
-use super::records::{Family, NodeRecord, Pool, valid_node_name};
+use super::records::{NodeRecord, Pool, valid_node_name};
+use crate::util::Family;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
