@@ -149,7 +149,7 @@ def workdir():
 
 
 def test_filesystem_tools_do_the_agents_work(image, workdir):
-    """The argument vectors of src/volume/fs.rs, on sparse files (no loop device needed)."""
+    """The argument vectors of src/sys/fstools.rs, on sparse files (no loop device needed)."""
     vol = [f"{workdir}:/vol"]
     ext4, xfs = workdir / "ext4.img", workdir / "xfs.img"
     with open(ext4, "wb") as f:

@@ -7,7 +7,7 @@ path, percent-encoded (`%2Fvar%2Flib%2Fkubelet%2F…`). The Rust h2 server under
 that with RST_STREAM PROTOCOL_ERROR, so kubelet never registered the CSI driver — while the
 agent, serving every socket, looked healthy. The product now normalises `:authority` on every
 Unix-socket gRPC server (src/rpc/authority.rs) and keeps a book of what kubelet answered each
-plugin (src/kubelet.rs), shown by `nodeplane status`, `/readyz` and `/metrics`.
+plugin (src/kubelet/mod.rs), shown by `nodeplane status`, `/readyz` and `/metrics`.
 
 What is tested here, against real processes:
 

@@ -71,8 +71,8 @@ def cargo_version():
 
 
 def driver_name():
-    m = DRIVER_NAME_RE.search((REPO / "src/csi/mod.rs").read_text())
-    assert m, "src/csi/mod.rs no longer defines DRIVER_NAME"
+    m = DRIVER_NAME_RE.search((REPO / "src/storage/csi/mod.rs").read_text())
+    assert m, "src/storage/csi/mod.rs no longer defines DRIVER_NAME"
     return m.group(1)
 
 

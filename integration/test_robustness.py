@@ -65,7 +65,7 @@ def fnv1a(parts):
 
 
 def host_ifname(cid, ifname="eth0"):
-    """The agent's host-side veth name for an attachment (src/agent/datapath.rs host_ifname)."""
+    """The agent's host-side veth name for an attachment (src/net/datapath/mod.rs host_ifname)."""
     return "np%013x" % (fnv1a([cid.encode(), ifname.encode()]) & 0xF_FFFF_FFFF_FFFF)
 
 

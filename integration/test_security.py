@@ -33,7 +33,7 @@ MIB = 1 << 20
 SYSTEM_PYTHON = "/usr/bin/python3"
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
-# The kept set, as src/agent/caps.rs (KEPT) and the README document it.
+# The kept set, as src/sys/caps.rs (KEPT) and the README document it.
 KEPT = {"CAP_CHOWN": 0, "CAP_DAC_READ_SEARCH": 2, "CAP_FOWNER": 3, "CAP_FSETID": 4, "CAP_NET_ADMIN": 12,
         "CAP_SYS_PTRACE": 19, "CAP_SYS_ADMIN": 21, "CAP_SYS_RESOURCE": 24, "CAP_MKNOD": 27}
 KEPT_MASK = sum(1 << n for n in KEPT.values())
@@ -97,7 +97,7 @@ print(json.dumps({"cniVersion": "1.0.0", "supportedVersions": ["0.4.0", "1.0.0",
 
 
 def test_documented_kept_set_is_the_one_in_the_code():
-    src = (harness.REPO / "src/agent/caps.rs").read_text()
+    src = (harness.REPO / "src/sys/caps.rs").read_text()
     table = src.split("pub const KEPT", 1)[1].split("];", 1)[0]
     in_code = {name: int(n) for n, name in re.findall(r'cap\((\d+), "(CAP_[A-Z_]+)"', table)}
     assert in_code == KEPT, f"caps.rs keeps {in_code}, this test (and the docs) say {KEPT}"
@@ -513,10 +513,10 @@ def test_source_runs_no_shell():
         named = re.findall(r'"(?:/usr)?(?:/s?bin/)?(' + "|".join(SHELLS) + r')"', text)
         assert not named, f"{f}: a string naming a shell: {named}"
         assert '"-c"' not in text, f'{f}: a "-c" argument'
-    assert sites == {"agent/nft.rs": ['"nft"'], "agent/install.rs": ["&bin"], "volume/fs.rs": ["tool"]}, sites
-    tools = re.findall(r'\brun\(\s*"([^"]+)"', (src / "volume/fs.rs").read_text())
+    assert sites == {"net/masquerade.rs": ['"nft"'], "agent/install.rs": ["&bin"], "sys/fstools.rs": ["tool"]}, sites
+    tools = re.findall(r'\brun\(\s*"([^"]+)"', (src / "sys/fstools.rs").read_text())
     assert tools and not {os.path.basename(t) for t in tools} & SHELLS, tools
-    print(f"\nCommand::new sites: {sites}; volume/fs.rs tools: {sorted(set(tools))}")
+    print(f"\nCommand::new sites: {sites}; sys/fstools.rs tools: {sorted(set(tools))}")
 
 
 # ---------------------------------------------------------------------------------------------
