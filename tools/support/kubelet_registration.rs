@@ -5,7 +5,9 @@
 //! the supported versions is one kubelet speaks, dial the advertised endpoint, ask the CSI
 //! driver for `NodeGetInfo` (kubelet records the node id and topology from it), then report
 //! the outcome with `NotifyRegistrationStatus`. A socket that disappears deregisters the
-//! plugin; a socket that is replaced (new inode) is registered again.
+//! plugin; a socket that is replaced is registered again (kubelet hears the new socket's
+//! create event; here a new inode or change time tells it, since a replacement socket can
+//! get the old one's inode number back).
 //!
 //! It dials the registration socket as kubelet does (grpc-go, no authority override): the
 //! HTTP/2 `:authority` is the socket path, percent-encoded — see [`watcher_authority`].
@@ -26,8 +28,8 @@ pub struct Registered {
     pub node_id: String,
     pub topology: BTreeMap<String, String>,
     pub max_volumes: i64,
-    /// Inode of the registration socket this came from.
-    pub socket_inode: u64,
+    /// Identity of the registration socket this came from: (inode, ctime s, ctime ns).
+    pub socket_inode: (u64, i64, i64),
 }
 
 pub struct KubeletEmulator {
@@ -56,7 +58,7 @@ impl KubeletEmulator {
             for e in entries.flatten() {
                 let Ok(md) = e.metadata() else { continue };
                 if md.file_type().is_socket() {
-                    seen.push((e.path(), md.ino()));
+                    seen.push((e.path(), (md.ino(), md.ctime(), md.ctime_nsec())));
                 }
             }
         }
@@ -94,12 +96,12 @@ pub fn watcher_authority(socket: &Path) -> Option<Vec<u8>> {
     }
 }
 
-async fn register(socket: &Path, ino: u64) -> Result<Registered, String> {
+async fn register(socket: &Path, ino: (u64, i64, i64)) -> Result<Registered, String> {
     register_with(socket, ino, watcher_authority(socket)).await
 }
 
 /// One registration, dialing the registration socket with this `:authority`.
-pub async fn register_with(socket: &Path, ino: u64, authority: Option<Vec<u8>>) -> Result<Registered, String> {
+pub async fn register_with(socket: &Path, ino: (u64, i64, i64), authority: Option<Vec<u8>>) -> Result<Registered, String> {
     let ch = nodeplane::rpc::authority::connect_unix_with_authority(socket, authority).await.map_err(|e| format!("dialing: {e}"))?;
     let mut rc = reg::registration_client::RegistrationClient::new(ch);
     let info = rc.get_info(reg::InfoRequest {}).await.map_err(|e| format!("GetInfo: {e}"))?.into_inner();
