@@ -16,15 +16,9 @@ impl Family {
     pub fn of(net: &ipnetwork::IpNetwork) -> Family {
         if net.is_ipv4() { Family::V4 } else { Family::V6 }
     }
-    pub fn of_addr(ip: &std::net::IpAddr) -> Family {
-        if ip.is_ipv4() { Family::V4 } else { Family::V6 }
-    }
     /// The family of a `v6` flag (as netlink calls take it).
     pub fn from_v6(v6: bool) -> Family {
         if v6 { Family::V6 } else { Family::V4 }
-    }
-    pub fn is_v6(self) -> bool {
-        self == Family::V6
     }
 }
 

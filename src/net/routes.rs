@@ -39,6 +39,7 @@ use crate::sys::netlink::{
     FdbEntry, NTF_SELF, NUD_PERMANENT, Neighbour, Netlink, NetlinkError, RTN_UNICAST, RouteEntry, RouteSpec,
     VxlanSpec, format_mac,
 };
+use crate::util::Family;
 
 /// Route protocol number marking every route nodeplane installs (`ip route show proto 78`).
 pub const RTPROT_NODEPLANE: u8 = 0x4e;
@@ -376,9 +377,6 @@ pub fn normalize(net: IpNetwork) -> IpNetwork {
     IpNetwork::new(net.network(), net.prefix()).unwrap_or(net)
 }
 
-fn family_name(v6: bool) -> crate::util::Family {
-    crate::util::Family::from_v6(v6)
-}
 
 /// The kernel state the peers call for.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -414,7 +412,7 @@ pub fn plan(cfg: &RouteConfig, local: &LocalView, peers: &[PeerNode]) -> Plan {
             match (peer.vtep_mac, peer.underlay_of(tunnel_v6)) {
                 (_, None) => Err(format!(
                     "peer has no {} underlay address for the VXLAN tunnel (ours is {})",
-                    family_name(tunnel_v6),
+                    Family::from_v6(tunnel_v6),
                     cfg.local_underlay
                 )),
                 (None, _) => Err("peer advertises no VTEP MAC".into()),
@@ -454,7 +452,7 @@ pub fn plan(cfg: &RouteConfig, local: &LocalView, peers: &[PeerNode]) -> Plan {
                     None => {
                         skip(format!(
                             "route mode direct, but the peer has no {} underlay address",
-                            family_name(v6)
+                            Family::from_v6(v6)
                         ));
                         continue;
                     }
@@ -472,7 +470,7 @@ pub fn plan(cfg: &RouteConfig, local: &LocalView, peers: &[PeerNode]) -> Plan {
                     (via, Err(why)) => {
                         let direct_why = match via {
                             Some(via) => format!("underlay {via} is not on a connected subnet"),
-                            None => format!("no {} underlay address", family_name(v6)),
+                            None => format!("no {} underlay address", Family::from_v6(v6)),
                         };
                         skip(format!("not direct ({direct_why}) and not VXLAN ({why})"));
                         continue;
@@ -842,7 +840,7 @@ impl Routes {
             let all = self
                 .nl
                 .route_entries(v6)
-                .map_err(RoutesError::netlink(format!("listing {} routes", family_name(v6))))?;
+                .map_err(RoutesError::netlink(format!("listing {} routes", Family::from_v6(v6))))?;
             main.extend(all.into_iter().filter(|r| r.table == RT_TABLE_MAIN));
         }
         let (fdb, neigh) = if vxlan_index.is_some() {
@@ -1002,7 +1000,7 @@ impl Routes {
                         }
                     }
                 }
-                Err(e) => failures.push(RoutesError::netlink(format!("teardown: listing {} routes", family_name(v6)))(e)),
+                Err(e) => failures.push(RoutesError::netlink(format!("teardown: listing {} routes", Family::from_v6(v6)))(e)),
             }
         }
         let name = self.cfg.vxlan_name.clone();

@@ -64,6 +64,11 @@ impl State {
         Ok(())
     }
 
+    /// The namespace at `path` (`None`: the agent's own).
+    fn id_of(&self, path: Option<&Path>) -> u64 {
+        path.map_or(HOST, |p| self.paths[p])
+    }
+
     fn new_ns(&mut self) -> u64 {
         self.next_ns += 1;
         let id = self.next_ns;
@@ -201,10 +206,7 @@ impl FakeNet {
     /// Change a link by hand (as another actor on the node would).
     pub fn edit_link(&self, path: Option<&Path>, name: &str, f: impl FnOnce(&mut Link)) {
         let mut st = self.lock();
-        let id = match path {
-            None => HOST,
-            Some(p) => st.paths[p],
-        };
+        let id = st.id_of(path);
         let link = st.ns.get_mut(&id).unwrap().links.iter_mut().find(|l| l.name == name).expect("link exists");
         f(link);
     }
@@ -212,10 +214,7 @@ impl FakeNet {
     /// Delete a link by hand (with its peer).
     pub fn delete_link(&self, path: Option<&Path>, name: &str) {
         let mut st = self.lock();
-        let id = match path {
-            None => HOST,
-            Some(p) => st.paths[p],
-        };
+        let id = st.id_of(path);
         if let Some(index) = st.ns[&id].links.iter().find(|l| l.name == name).map(|l| l.index) {
             st.remove_link(id, index);
         }

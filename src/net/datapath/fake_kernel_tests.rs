@@ -265,7 +265,7 @@ fn add_applies_a_queued_del_first() {
     let first = n.add("ctr", &ns).unwrap();
     let old_ips = n.dp.ipam().get(&owner("ctr")).unwrap().ips;
     // The shim queued a DEL for this attachment while the agent was away.
-    let dir = &n.dp.settings().pending_delete_dir;
+    let dir = &n.dir.0.join("pending-del");
     std::fs::create_dir_all(dir).unwrap();
     let wire = json!({"env": {"CNI_COMMAND": "DEL", "CNI_CONTAINERID": "ctr", "CNI_IFNAME": "eth0"}, "stdin": ""});
     let file = dir.join(crate::net::pending_del::file_name("ctr", "eth0"));

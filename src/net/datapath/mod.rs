@@ -98,9 +98,6 @@ fn netlink_err(context: &str, e: NetlinkError) -> NetError {
     NetError::Kernel { context: context.to_string(), source: e }
 }
 
-fn ipam_err(e: IpamError) -> NetError {
-    NetError::Ipam(e)
-}
 
 #[derive(Debug, Clone, Copy)]
 struct BridgeInfo {
@@ -222,10 +219,6 @@ impl Datapath {
     /// The node's blocks and leases.
     pub fn ipam(&self) -> &Ipam {
         &self.ipam
-    }
-
-    pub fn settings(&self) -> &Settings {
-        &self.settings
     }
 
     /// Install the controller client's block requester (controller mode).
@@ -386,7 +379,7 @@ impl Datapath {
                     report.kept += 1;
                 }
                 Some(reason) => {
-                    self.ipam.release(&lease.owner).map_err(ipam_err)?;
+                    self.ipam.release(&lease.owner).map_err(NetError::Ipam)?;
                     report.freed.push(format!(
                         "{}/{} {}: {reason}",
                         lease.owner.container_id,
@@ -441,7 +434,7 @@ impl Datapath {
         // waited for the DEL's answer before sending it): apply it now, or the periodic drain
         // would detach the new attachment later (a queue written just after a restarting
         // agent's start-up drain would otherwise only be drained after this ADD).
-        let pending = self.settings.pending_delete_dir.join(pending_del::file_name(&owner.container_id, &owner.ifname));
+        let pending = self.pending_path(owner);
         if pending_del::is_del_of(&pending, &owner.container_id, &owner.ifname) {
             tracing::info!(container = %owner.container_id, ifname = %owner.ifname, "applying the DEL queued for this attachment before its ADD");
             self.del_locked(owner)?;
@@ -477,7 +470,7 @@ impl Datapath {
             }
             other => other,
         }
-        .map_err(ipam_err)?;
+        .map_err(NetError::Ipam)?;
         let lease = reservation.lease.clone();
         let mtu = req.conf.mtu.unwrap_or(self.settings.mtu);
         let mut nl = match self.kernel.host() {
@@ -489,7 +482,7 @@ impl Datapath {
         };
         match self.plumb(&mut *nl, &*netns, req, &host_if, &lease, mtu) {
             Ok((result, cookie)) => {
-                self.ipam.commit(reservation, cookie).map_err(ipam_err).inspect_err(|_| {
+                self.ipam.commit(reservation, cookie).map_err(NetError::Ipam).inspect_err(|_| {
                     self.undo_add(&mut *nl, owner, &host_if);
                 })?;
                 tracing::info!(
@@ -635,8 +628,8 @@ impl Datapath {
         if let Some(link) = nl.link_by_name(&host_if).map_err(|e| netlink_err("lookup", e))? {
             self.retire_link(&mut *nl, &link)?;
         }
-        let released = self.ipam.release(owner).map_err(ipam_err)?;
-        let pending = self.settings.pending_delete_dir.join(pending_del::file_name(&owner.container_id, &owner.ifname));
+        let released = self.ipam.release(owner).map_err(NetError::Ipam)?;
+        let pending = self.pending_path(owner);
         let _ = std::fs::remove_file(pending);
         if let Some(l) = released {
             tracing::info!(container = %owner.container_id, ifname = %owner.ifname, pod = %l.pod, ips = %fmt_ips(&l.ips), "detached");
@@ -953,6 +946,11 @@ impl Datapath {
             out.push(f);
         }
         Ok((out, skipped))
+    }
+
+    /// Where the shim queues a DEL of `owner`.
+    fn pending_path(&self, owner: &Owner) -> std::path::PathBuf {
+        self.settings.pending_delete_dir.join(pending_del::file_name(&owner.container_id, &owner.ifname))
     }
 
     /// Run the DELs the shim queued while the agent was unreachable.
