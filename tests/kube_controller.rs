@@ -186,7 +186,7 @@ fn volume_records_round_trip() {
         name: format!("claim-{id}"),
         node: "node-a".into(),
         size_bytes: 1 << 30,
-        fs_type: "ext4".into(),
+        fs_type: nodeplane::storage::fs::FsType::Ext4,
         state,
         created_at: 1_700_000_000,
         parameters: [("csi.storage.k8s.io/fstype".to_string(), "ext4".to_string())].into(),

@@ -13,7 +13,8 @@ use crate::net::datapath::Datapath;
 use crate::obs::doctor::{Finding, Repair};
 use crate::rpc::node as api;
 
-/// The `format` field of both documents; bumped when a field changes meaning.
+/// The `format` field of both reports (and of their JSON rendering); bumped when a field
+/// changes meaning.
 pub const FORMAT: u32 = 1;
 
 #[derive(Clone)]
@@ -29,43 +30,43 @@ pub struct NodeStatus {
 }
 
 impl NodeStatus {
-    fn status(&self) -> serde_json::Value {
+    fn status(&self) -> api::StatusReport {
         let cfg = &self.cfg;
         let controller = cfg.controller.as_ref().map(|c| {
             let link = self.link.as_ref();
             let last = link.and_then(|l| l.last_message());
             let persisted = super::cluster::load_state(cfg).ok();
-            serde_json::json!({
-                "address": c.address,
-                "connected": link.is_some_and(|l| l.connected()),
-                "lastMessageUnix": last,
-                "lastMessageSecondsAgo": last.map(|t| (crate::obs::metrics::unix_now() - t).max(0.0)),
-                "blocks": persisted.map(|s| s.blocks.iter().map(|b| b.to_string()).collect::<Vec<_>>()),
-            })
+            api::ControllerLink {
+                address: c.address.clone(),
+                connected: link.is_some_and(|l| l.connected()),
+                last_message_unix: last,
+                last_message_seconds_ago: last.map(|t| (crate::obs::metrics::unix_now() - t).max(0.0)),
+                blocks: persisted.map(|s| api::BlockList { cidrs: s.blocks.iter().map(|b| b.to_string()).collect() }),
+            }
         });
-        let conditions: Vec<serde_json::Value> = self
+        let conditions = self
             .health
             .snapshot()
             .into_iter()
-            .map(|(name, ready, detail)| serde_json::json!({"name": name, "ready": ready, "detail": detail}))
+            .map(|(name, ready, detail)| api::Condition { name, ready, detail })
             .collect();
-        serde_json::json!({
-            "format": FORMAT,
-            "node": cfg.node_name,
-            "version": env!("CARGO_PKG_VERSION"),
-            "pid": std::process::id(),
-            "startedUnix": self.started.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-            "mode": if cfg.controller.is_some() { "controller" } else { "standalone" },
-            "conditions": conditions,
-            "network": self.dp.status_json(),
-            "controller": controller,
-            "storage": self.csi.as_ref().map(|c| c.status_json()),
-            "devicePlugins": self.devices.as_ref().map(|d| d.status_json()),
-            "kubelet": self.kubelet.status_json(),
-        })
+        api::StatusReport {
+            format: FORMAT,
+            node: cfg.node_name.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            pid: std::process::id(),
+            started_unix: self.started.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            mode: if cfg.controller.is_some() { api::Mode::Controller } else { api::Mode::Standalone } as i32,
+            conditions,
+            network: Some(self.dp.report()),
+            controller,
+            storage: self.csi.as_ref().map(|c| c.report()),
+            device_plugins: self.devices.as_ref().map(|d| d.report()),
+            kubelet: Some(self.kubelet.report()),
+        }
     }
 
-    fn doctor(&self, repair: bool) -> serde_json::Value {
+    fn doctor(&self, repair: bool) -> api::DoctorReport {
         // One doctor at a time: two would judge (and repair) the same objects at once.
         static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
         let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
@@ -98,33 +99,45 @@ impl NodeStatus {
                 _ => tracing::info!(kind = f.kind, subject = %f.subject, detail = %f.detail, "doctor found"),
             }
         }
-        serde_json::json!({
-            "format": FORMAT,
-            "node": self.cfg.node_name,
-            "repair": repair,
-            "findings": findings,
-            "errors": errors,
-        })
+        api::DoctorReport {
+            format: FORMAT,
+            node: self.cfg.node_name.clone(),
+            repair,
+            findings: findings.into_iter().map(finding).collect(),
+            errors,
+        }
     }
 }
 
-fn render(v: &serde_json::Value) -> Result<String, Status> {
-    serde_json::to_string(v).map_err(|e| Status::internal(e.to_string()))
+fn finding(f: Finding) -> api::Finding {
+    let repair = f.repair.map(|r| {
+        let (result, message) = match r {
+            Repair::Done(m) => (api::RepairResult::Done, m),
+            Repair::Failed(m) => (api::RepairResult::Failed, m),
+            Repair::Skipped(m) => (api::RepairResult::Skipped, m),
+        };
+        api::Repair { result: result as i32, message }
+    });
+    api::Finding { kind: f.kind.to_string(), subject: f.subject, detail: f.detail, repair }
+}
+
+fn joined(e: tokio::task::JoinError) -> Status {
+    Status::internal(e.to_string())
 }
 
 #[tonic::async_trait]
 impl api::node_status_server::NodeStatus for NodeStatus {
     async fn get_status(&self, _: Request<api::GetStatusRequest>) -> Result<Response<api::GetStatusResponse>, Status> {
         let me = self.clone();
-        let doc = tokio::task::spawn_blocking(move || me.status()).await.map_err(|e| Status::internal(e.to_string()))?;
-        Ok(Response::new(api::GetStatusResponse { json: render(&doc)? }))
+        let status = tokio::task::spawn_blocking(move || me.status()).await.map_err(joined)?;
+        Ok(Response::new(api::GetStatusResponse { status: Some(status) }))
     }
 
     async fn doctor(&self, r: Request<api::DoctorRequest>) -> Result<Response<api::DoctorResponse>, Status> {
         let repair = r.into_inner().repair;
         let me = self.clone();
-        let doc = tokio::task::spawn_blocking(move || me.doctor(repair)).await.map_err(|e| Status::internal(e.to_string()))?;
-        Ok(Response::new(api::DoctorResponse { json: render(&doc)? }))
+        let report = tokio::task::spawn_blocking(move || me.doctor(repair)).await.map_err(joined)?;
+        Ok(Response::new(api::DoctorResponse { report: Some(report) }))
     }
 }
 

@@ -385,24 +385,184 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
     })
 }
 
+/// What the agent answered: its status or its doctor's report, rendered as the JSON
+/// document `--json` prints and the human summary reads.
 async fn node_status(socket: PathBuf, doctor: Option<bool>) -> Result<serde_json::Value, String> {
     let ch = nodeplane::rpc::connect_unix(&socket)
         .await
         .map_err(|e| format!("connecting to {}: {e} (is the agent running?)", socket.display()))?;
     let mut c = nodeplane::rpc::node::node_status_client::NodeStatusClient::new(ch);
+    let missing = || "the agent's answer is empty (an agent older than this CLI?)".to_string();
     let call = async {
         match doctor {
-            None => c.get_status(nodeplane::rpc::node::GetStatusRequest {}).await.map(|r| r.into_inner().json),
-            Some(repair) => c.doctor(nodeplane::rpc::node::DoctorRequest { repair }).await.map(|r| r.into_inner().json),
+            None => c
+                .get_status(nodeplane::rpc::node::GetStatusRequest {})
+                .await
+                .map(|r| r.into_inner().status.map(|s| document::status(&s)).ok_or_else(missing)),
+            Some(repair) => c
+                .doctor(nodeplane::rpc::node::DoctorRequest { repair })
+                .await
+                .map(|r| r.into_inner().report.map(|d| document::doctor(&d)).ok_or_else(missing)),
         }
     };
     // The doctor waits up to 5 s for each attachment a CNI call holds; a hung agent must not
     // hang the operator's shell.
-    let doc = tokio::time::timeout(std::time::Duration::from_secs(120), call)
+    tokio::time::timeout(std::time::Duration::from_secs(120), call)
         .await
         .map_err(|_| "the agent did not answer within 120 s".to_string())?
-        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
-    serde_json::from_str(&doc).map_err(|e| format!("the agent's answer is not JSON: {e}"))
+        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+}
+
+/// The JSON documents of `nodeplane status --json` and `nodeplane doctor --json`, from the
+/// agent's typed reports (`nodeplane.node.v1`). Their shape is documented in
+/// docs/operations.md and carries the report's `format` number; absent sections are `null`.
+mod document {
+    use nodeplane::rpc::node as api;
+    use serde_json::{Value, json};
+
+    pub fn status(r: &api::StatusReport) -> Value {
+        json!({
+            "format": r.format,
+            "node": r.node,
+            "version": r.version,
+            "pid": r.pid,
+            "startedUnix": r.started_unix,
+            "mode": match r.mode() {
+                api::Mode::Controller => "controller",
+                api::Mode::Standalone => "standalone",
+                api::Mode::Unspecified => "unknown",
+            },
+            "conditions": r.conditions.iter().map(|c| json!({"name": c.name, "ready": c.ready, "detail": c.detail})).collect::<Vec<_>>(),
+            "network": r.network.as_ref().map(network),
+            "controller": r.controller.as_ref().map(|c| json!({
+                "address": c.address,
+                "connected": c.connected,
+                "lastMessageUnix": c.last_message_unix,
+                "lastMessageSecondsAgo": c.last_message_seconds_ago,
+                "blocks": c.blocks.as_ref().map(|b| b.cidrs.clone()),
+            })),
+            "storage": r.storage.as_ref().map(storage),
+            "devicePlugins": r.device_plugins.as_ref().map(|d| d.plugins.iter().map(|p| json!({
+                "resource": p.resource,
+                "socket": p.socket,
+                "devices": p.devices.iter().map(|d| json!({
+                    "id": d.id,
+                    "health": if d.healthy { "Healthy" } else { "Unhealthy" },
+                })).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>()),
+            "kubelet": r.kubelet.as_ref().map(kubelet),
+        })
+    }
+
+    fn network(n: &api::NetworkStatus) -> Value {
+        json!({
+            "ready": n.ready,
+            "bridge": n.bridge.as_ref().map(|b| json!({"name": b.name, "present": b.present, "up": b.up, "mac": b.mac})),
+            "blocks": n.blocks.iter().map(|b| json!({
+                "cidr": b.cidr,
+                "gateway": b.gateway,
+                "addresses": b.addresses,
+                "allocated": b.allocated,
+            })).collect::<Vec<_>>(),
+            "attachments": n.attachments.iter().map(|a| json!({
+                "containerId": a.container_id,
+                "ifname": a.ifname,
+                "pod": a.pod,
+                "state": match a.state() {
+                    api::LeaseState::Adding => "adding",
+                    api::LeaseState::Ready => "ready",
+                    api::LeaseState::Unspecified => "unknown",
+                },
+                "ips": a.ips,
+                "netns": a.netns,
+                "netnsPresent": a.netns_present,
+                "hostIf": a.host_if,
+                "hostIfPresent": a.host_if_present,
+                "hostIfOnBridge": a.host_if_on_bridge,
+            })).collect::<Vec<_>>(),
+            "unleasedHostVeths": n.unleased_host_veths,
+            "graveyardLinks": n.graveyard_links,
+        })
+    }
+
+    fn storage(s: &api::StorageStatus) -> Value {
+        json!({
+            "ready": s.ready,
+            "volumeDir": s.volume_dir,
+            "capacityBytes": s.capacity_bytes,
+            "provisionedBytes": s.provisioned_bytes,
+            "availableBytes": s.available_bytes,
+            "volumes": s.volumes.iter().map(|v| json!({
+                "id": v.id,
+                "name": v.name,
+                "sizeBytes": v.size_bytes,
+                "fsType": v.fs_type,
+                "backingFile": v.backing_file,
+                "backingFilePresent": v.backing_file_present,
+                "loopDevices": v.loop_devices.iter().map(|l| json!({"device": l.device, "mountedAt": l.mounted_at})).collect::<Vec<_>>(),
+                "staged": v.staged.as_ref().map(|st| json!({
+                    "path": st.path,
+                    "state": match st.state() {
+                        api::StageState::Staged => "staged",
+                        api::StageState::Staging => "staging",
+                        api::StageState::Unspecified => "unknown",
+                    },
+                    "mounted": st.mounted,
+                })),
+                "published": v.published.iter().map(|p| json!({"path": p.path, "readOnly": p.read_only, "mounted": p.mounted})).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    fn kubelet(k: &api::KubeletStatus) -> Value {
+        json!({
+            "graceSeconds": k.grace_seconds,
+            "required": k.required,
+            "plugins": k.plugins.iter().map(|p| json!({
+                "name": p.name,
+                "kind": match p.kind() {
+                    api::PluginKind::Csi => "csi",
+                    api::PluginKind::DevicePlugin => "deviceplugin",
+                    api::PluginKind::Unspecified => "unknown",
+                },
+                "socket": p.socket,
+                "state": match p.state() {
+                    api::RegistrationState::Waiting => "waiting",
+                    api::RegistrationState::Registered => "registered",
+                    api::RegistrationState::Refused => "refused",
+                    api::RegistrationState::Unreachable => "unreachable",
+                    api::RegistrationState::Unspecified => "unknown",
+                },
+                "error": p.error,
+                "sinceUnix": p.since_unix,
+                "registeredUnix": p.registered_unix,
+                "registrations": p.registrations,
+                "overdue": p.overdue,
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    pub fn doctor(d: &api::DoctorReport) -> Value {
+        json!({
+            "format": d.format,
+            "node": d.node,
+            "repair": d.repair,
+            "findings": d.findings.iter().map(|f| {
+                let mut v = json!({"kind": f.kind, "subject": f.subject, "detail": f.detail});
+                if let Some(r) = &f.repair {
+                    let result = match r.result() {
+                        api::RepairResult::Done => "done",
+                        api::RepairResult::Failed => "failed",
+                        api::RepairResult::Skipped => "skipped",
+                        api::RepairResult::Unspecified => "unknown",
+                    };
+                    v["repair"] = json!({"result": result, "message": r.message});
+                }
+                v
+            }).collect::<Vec<_>>(),
+            "errors": d.errors,
+        })
+    }
 }
 
 fn main() {

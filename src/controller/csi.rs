@@ -11,9 +11,9 @@ use tonic::{Code, Request, Response, Status};
 
 use super::records::{VolState, VolumeRecord};
 use super::volumes::{BookError, Placement, VolumeBook, failure_since, held};
-use crate::storage::csi::TOPOLOGY_KEY;
+use crate::storage::csi::{TOPOLOGY_KEY, capability};
+use crate::storage::fs::FsType;
 use crate::rpc::csi;
-use crate::rpc::csi::volume_capability::access_mode::Mode;
 
 /// An error of the controller's CSI service: the gRPC code and the message it answers with.
 /// Every error of this service is one of these; the volume book's errors get their code
@@ -70,61 +70,10 @@ pub struct ControllerService {
     pub op_timeout: Duration,
 }
 
-/// What the volume capabilities of a request ask for: the filesystem ("" for block).
-fn check_capabilities(caps: &[csi::VolumeCapability], fs_param: Option<&str>) -> Result<String, CsiError> {
-    use csi::volume_capability::AccessType;
-    if caps.is_empty() {
-        return Err(invalid("volume_capabilities is required"));
-    }
-    let mut fs: Option<String> = fs_param.filter(|f| !f.is_empty()).map(str::to_string);
-    let mut block = false;
-    let mut mount = false;
-    for (i, c) in caps.iter().enumerate() {
-        let mode = c
-            .access_mode
-            .as_ref()
-            .ok_or_else(|| invalid(format!("volume_capabilities[{i}].access_mode is required")))?
-            .mode;
-        match Mode::try_from(mode) {
-            Ok(Mode::SingleNodeWriter | Mode::SingleNodeReaderOnly | Mode::SingleNodeSingleWriter | Mode::SingleNodeMultiWriter) => {}
-            Ok(m) => {
-                return Err(invalid(format!(
-                    "access mode {} is not supported: nodeplane volumes are node-local (single-node modes only)",
-                    m.as_str_name()
-                )));
-            }
-            Err(_) => return Err(invalid(format!("volume_capabilities[{i}]: unknown access mode {mode}"))),
-        }
-        match c.access_type.as_ref() {
-            Some(AccessType::Block(_)) => block = true,
-            Some(AccessType::Mount(m)) => {
-                mount = true;
-                if !m.fs_type.is_empty() {
-                    if let Some(f) = &fs
-                        && f != &m.fs_type
-                    {
-                        return Err(invalid(format!(
-                            "conflicting filesystem types {f:?} and {:?}",
-                            m.fs_type
-                        )));
-                    }
-                    fs = Some(m.fs_type.clone());
-                }
-            }
-            None => return Err(invalid(format!("volume_capabilities[{i}].access_type is required"))),
-        }
-    }
-    if block && mount {
-        return Err(invalid("a volume is either block or mount, not both"));
-    }
-    if block {
-        return Ok(String::new());
-    }
-    let fs = fs.unwrap_or_else(|| "ext4".to_string());
-    if !matches!(fs.as_str(), "ext4" | "xfs") {
-        return Err(invalid(format!("filesystem {fs:?} is not supported (ext4, xfs)")));
-    }
-    Ok(fs)
+/// What the volume capabilities of a request ask a volume to hold (the reading the node
+/// shares, `storage::csi::capability`); every refusal is INVALID_ARGUMENT here.
+fn check_capabilities(caps: &[csi::VolumeCapability], fs_param: Option<&str>) -> Result<FsType, CsiError> {
+    capability::volume_kind(caps, fs_param).map_err(|e| invalid(e.to_string()))
 }
 
 /// The filesystem a StorageClass asks for (`csi.storage.k8s.io/fstype` or `fsType`).
@@ -141,9 +90,9 @@ pub const XFS_MIN_SIZE: u64 = 300 * MIB;
 
 /// [`size_for`], raised to the filesystem's minimum when the range allows it (an xfs volume
 /// below [`XFS_MIN_SIZE`] is OUT_OF_RANGE when `limit_bytes` forbids the minimum).
-pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: &str) -> Result<u64, CsiError> {
+pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: FsType) -> Result<u64, CsiError> {
     let size = size_for(range)?;
-    if fs != "xfs" || size >= XFS_MIN_SIZE {
+    if fs != FsType::Xfs || size >= XFS_MIN_SIZE {
         return Ok(size);
     }
     let lim = range.map_or(0, |r| r.limit_bytes.max(0) as u64);
@@ -196,7 +145,7 @@ fn node_of(t: &csi::Topology) -> Option<String> {
 
 fn to_csi(v: &VolumeRecord) -> csi::Volume {
     let mut ctx = std::collections::HashMap::new();
-    ctx.insert("fsType".to_string(), v.fs_type.clone());
+    ctx.insert("fsType".to_string(), v.fs_type.as_str().to_string());
     ctx.insert("node".to_string(), v.node.clone());
     csi::Volume {
         capacity_bytes: v.size_bytes as i64,
@@ -246,7 +195,7 @@ impl ControllerService {
         if r.volume_content_source.is_some() {
             return Err(invalid("volume_content_source (snapshots, clones) is not supported"));
         }
-        let size = size_for_fs(r.capacity_range.as_ref(), &fs)?;
+        let size = size_for_fs(r.capacity_range.as_ref(), fs)?;
         let mut placement = Placement::default();
         if let Some(t) = &r.accessibility_requirements {
             for (i, top) in t.requisite.iter().enumerate() {
@@ -257,8 +206,8 @@ impl ControllerService {
         }
         let params: BTreeMap<String, String> = r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         let book = self.book.clone();
-        let (name, fs2, pl) = (r.name.clone(), fs.clone(), placement.clone());
-        let (rec, created) = tokio::task::spawn_blocking(move || book.place(&name, size, &fs2, params, &pl))
+        let (name, fs2, pl) = (r.name.clone(), fs, placement.clone());
+        let (rec, created) = tokio::task::spawn_blocking(move || book.place(&name, size, fs2, params, &pl))
             .await
             .map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
         // Node failures count only from reconciles of a desired set that holds this call's
@@ -353,7 +302,7 @@ impl ControllerService {
         let v = self.book.get(&r.volume_id).ok_or_else(|| BookError::NotFound(r.volume_id.clone()))?;
         if let Some(c) = &r.volume_capability {
             let fs = check_capabilities(std::slice::from_ref(c), None)?;
-            if fs.is_empty() != v.fs_type.is_empty() {
+            if fs.is_raw() != v.fs_type.is_raw() {
                 return Err(invalid("volume_capability does not match the volume's access type"));
             }
         }
@@ -391,7 +340,7 @@ impl ControllerService {
             capacity_bytes: v.size_bytes as i64,
             // The filesystem grows on the node (NodeExpandVolume); a raw block volume's
             // loop device already grew online with its file.
-            node_expansion_required: !v.fs_type.is_empty(),
+            node_expansion_required: !v.fs_type.is_raw(),
         })
     }
 
@@ -418,16 +367,16 @@ impl ControllerService {
             }
         }
         let verdict = check_capabilities(&r.volume_capabilities, None).and_then(|fs| {
-            let fits = if fs.is_empty() {
+            let fits = if fs.is_raw() {
                 true // block access works on any volume
             } else {
-                !v.fs_type.is_empty()
+                !v.fs_type.is_raw()
                     && r.volume_capabilities.iter().all(|c| match &c.access_type {
-                        Some(csi::volume_capability::AccessType::Mount(m)) => m.fs_type.is_empty() || m.fs_type == v.fs_type,
+                        Some(csi::volume_capability::AccessType::Mount(m)) => m.fs_type.is_empty() || m.fs_type == v.fs_type.as_str(),
                         _ => true,
                     })
             };
-            if fits { Ok(()) } else { Err(invalid(format!("volume holds {:?}", v.fs_type))) }
+            if fits { Ok(()) } else { Err(invalid(format!("volume holds {:?}", v.fs_type.as_str()))) }
         });
         Ok(match verdict {
             Ok(()) => csi::ValidateVolumeCapabilitiesResponse {
@@ -615,12 +564,12 @@ mod tests {
 
     #[test]
     fn sizes_follow_the_capacity_range() {
-        let x = |req: i64, lim: i64| size_for_fs(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }), "xfs");
+        let x = |req: i64, lim: i64| size_for_fs(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }), FsType::Xfs);
         assert_eq!(x(64 << 20, 0).unwrap(), XFS_MIN_SIZE, "small xfs volumes are raised to the minimum");
         assert_eq!(x(400 << 20, 0).unwrap(), 400 << 20);
         assert_eq!(x(0, 0).unwrap(), XFS_MIN_SIZE.max(DEFAULT_SIZE));
         assert_eq!(x(1 << 20, 64 << 20).unwrap_err().code(), Code::OutOfRange, "a limit below the minimum");
-        assert_eq!(size_for_fs(Some(&csi::CapacityRange { required_bytes: 1 << 20, limit_bytes: 0 }), "ext4").unwrap(), 1 << 20);
+        assert_eq!(size_for_fs(Some(&csi::CapacityRange { required_bytes: 1 << 20, limit_bytes: 0 }), FsType::Ext4).unwrap(), 1 << 20);
         let r = |req: i64, lim: i64| size_for(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }));
         assert_eq!(size_for(None).unwrap(), DEFAULT_SIZE);
         assert_eq!(r(1, 0).unwrap(), MIB);
@@ -642,6 +591,7 @@ mod tests {
 
     #[test]
     fn capabilities_choose_the_filesystem() {
+        use csi::volume_capability::access_mode::Mode;
         use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
         let mount = |fs: &str, m: Mode| csi::VolumeCapability {
             access_mode: Some(AccessMode { mode: m as i32 }),
@@ -651,9 +601,9 @@ mod tests {
             access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
             access_type: Some(AccessType::Block(BlockVolume {})),
         };
-        assert_eq!(check_capabilities(&[mount("", Mode::SingleNodeWriter)], None).unwrap(), "ext4");
-        assert_eq!(check_capabilities(&[mount("", Mode::SingleNodeWriter)], Some("xfs")).unwrap(), "xfs");
-        assert_eq!(check_capabilities(std::slice::from_ref(&block), None).unwrap(), "");
+        assert_eq!(check_capabilities(&[mount("", Mode::SingleNodeWriter)], None).unwrap(), FsType::Ext4);
+        assert_eq!(check_capabilities(&[mount("", Mode::SingleNodeWriter)], Some("xfs")).unwrap(), FsType::Xfs);
+        assert_eq!(check_capabilities(std::slice::from_ref(&block), None).unwrap(), FsType::Raw);
         assert!(check_capabilities(&[], None).is_err());
         assert!(check_capabilities(&[mount("", Mode::MultiNodeMultiWriter)], None).is_err());
         assert!(check_capabilities(&[mount("xfs", Mode::SingleNodeWriter)], Some("ext4")).is_err());

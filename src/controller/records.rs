@@ -72,8 +72,8 @@ pub struct VolumeRecord {
     pub node: String,
     /// Desired size (grows with ControllerExpandVolume).
     pub size_bytes: u64,
-    /// "ext4", "xfs" or "" (raw block).
-    pub fs_type: String,
+    /// Serialised as "ext4", "xfs" or "" (raw block), as before it was typed.
+    pub fs_type: crate::storage::fs::FsType,
     pub state: VolState,
     pub created_at: u64,
     #[serde(default)]

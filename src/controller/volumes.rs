@@ -21,6 +21,7 @@ use tonic::Code;
 use super::backend::{Backend, BackendError};
 use super::records::{VolState, VolumeRecord};
 use crate::rpc::controller as pb;
+use crate::storage::fs::FsType;
 
 
 
@@ -189,7 +190,7 @@ impl VolumeBook {
                 .map(|v| pb::DesiredVolume {
                     id: v.id.clone(),
                     size_bytes: v.size_bytes,
-                    fs_type: v.fs_type.clone(),
+                    fs_type: v.fs_type.as_str().to_string(),
                     present: v.state != VolState::Deleting,
                     name: v.name.clone(),
                     creating: v.state == VolState::Creating,
@@ -321,7 +322,7 @@ impl VolumeBook {
         &self,
         name: &str,
         size: u64,
-        fs_type: &str,
+        fs_type: FsType,
         parameters: BTreeMap<String, String>,
         placement: &Placement,
     ) -> Result<(VolumeRecord, bool), BookError> {
@@ -361,13 +362,13 @@ impl VolumeBook {
             name: name.to_string(),
             node: node.clone(),
             size_bytes: size,
-            fs_type: fs_type.to_string(),
+            fs_type,
             state: VolState::Creating,
             created_at: now_unix(),
             parameters,
         };
         self.commit(&mut st, vec![(id.clone(), Some(rec.clone()))])?;
-        tracing::info!(volume = %id, name, node = %node, size, fs = fs_type, "volume placed");
+        tracing::info!(volume = %id, name, node = %node, size, fs = fs_type.as_str(), "volume placed");
         Ok((rec, true))
     }
 
@@ -580,26 +581,26 @@ mod tests {
         report(&b, "n1", 100, &[]);
         report(&b, "n2", 300, &[]);
         // Most free wins without preferences.
-        let (v, new) = b.place("a", 50, "ext4", Default::default(), &Placement::default()).unwrap();
+        let (v, new) = b.place("a", 50, FsType::Ext4, Default::default(), &Placement::default()).unwrap();
         assert!(new);
         assert_eq!(v.node, "n2");
         // Preferred order.
         let p = Placement { requisite: vec![], preferred: vec!["n1".into(), "n2".into()] };
-        assert_eq!(b.place("b", 50, "ext4", Default::default(), &p).unwrap().0.node, "n1");
+        assert_eq!(b.place("b", 50, FsType::Ext4, Default::default(), &p).unwrap().0.node, "n1");
         // Preferred that does not fit falls through.
-        assert_eq!(b.place("c", 80, "ext4", Default::default(), &p).unwrap().0.node, "n2");
+        assert_eq!(b.place("c", 80, FsType::Ext4, Default::default(), &p).unwrap().0.node, "n2");
         // Requisite restricts; impossible → RESOURCE_EXHAUSTED.
         let only1 = Placement { requisite: vec!["n1".into()], preferred: vec![] };
-        assert_eq!(b.place("d", 60, "ext4", Default::default(), &only1).unwrap_err().code(), Code::ResourceExhausted);
+        assert_eq!(b.place("d", 60, FsType::Ext4, Default::default(), &only1).unwrap_err().code(), Code::ResourceExhausted);
         let ghost = Placement { requisite: vec!["n9".into()], preferred: vec![] };
-        assert_eq!(b.place("e", 1, "ext4", Default::default(), &ghost).unwrap_err().code(), Code::ResourceExhausted);
+        assert_eq!(b.place("e", 1, FsType::Ext4, Default::default(), &ghost).unwrap_err().code(), Code::ResourceExhausted);
         // Same name again: the existing record.
-        let (again, new) = b.place("a", 50, "ext4", Default::default(), &Placement::default()).unwrap();
+        let (again, new) = b.place("a", 50, FsType::Ext4, Default::default(), &Placement::default()).unwrap();
         assert!(!new);
         assert_eq!(again, v);
         // A disconnected node takes nothing.
         drop(_g1);
-        assert_eq!(b.place("f", 1, "ext4", Default::default(), &only1).unwrap_err().code(), Code::ResourceExhausted);
+        assert_eq!(b.place("f", 1, FsType::Ext4, Default::default(), &only1).unwrap_err().code(), Code::ResourceExhausted);
     }
 
     #[test]
@@ -611,12 +612,12 @@ mod tests {
             let b = Arc::new(VolumeBook::open(db, Duration::from_secs(60)).unwrap());
             let _g = b.connect("n1");
             report(&b, "n1", 100, &[]);
-            let (v, _) = b.place("a", 10, "xfs", Default::default(), &Placement::default()).unwrap();
+            let (v, _) = b.place("a", 10, FsType::Xfs, Default::default(), &Placement::default()).unwrap();
             assert_eq!(v.state, VolState::Creating);
             assert!(b.desired("n1").volumes.iter().any(|d| d.id == "a" && d.present));
             report(&b, "n1", 100, &[("a", 10)]);
             assert_eq!(b.get("a").unwrap().state, VolState::Ready);
-            b.place("b", 10, "xfs", Default::default(), &Placement::default()).unwrap();
+            b.place("b", 10, FsType::Xfs, Default::default(), &Placement::default()).unwrap();
             b.begin_delete("a").unwrap();
             assert!(b.desired("n1").volumes.iter().any(|d| d.id == "a" && !d.present));
         }

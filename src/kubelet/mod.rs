@@ -13,6 +13,7 @@
 pub mod registration;
 
 use std::collections::BTreeMap;
+use crate::rpc::node as api;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -223,25 +224,32 @@ impl Registrations {
     }
 
     /// For `nodeplane status` (`kubelet.plugins`).
-    pub fn status_json(&self) -> serde_json::Value {
-        self.with(|m| {
-            let plugins: Vec<serde_json::Value> = m
+    pub fn report(&self) -> api::KubeletStatus {
+        self.with(|m| api::KubeletStatus {
+            grace_seconds: self.grace.as_secs_f64(),
+            required: self.required,
+            plugins: m
                 .iter()
-                .map(|(name, e)| {
-                    serde_json::json!({
-                        "name": name,
-                        "kind": e.kind.as_str(),
-                        "socket": e.socket,
-                        "state": e.state.name(),
-                        "error": e.state.error(),
-                        "sinceUnix": unix(e.since),
-                        "registeredUnix": e.registered_at.map(unix),
-                        "registrations": e.registrations,
-                        "overdue": e.state != State::Registered && e.waiting_since.elapsed() >= self.grace,
-                    })
+                .map(|(name, e)| api::KubeletPlugin {
+                    name: name.clone(),
+                    kind: match e.kind {
+                        Kind::Csi => api::PluginKind::Csi,
+                        Kind::DevicePlugin => api::PluginKind::DevicePlugin,
+                    } as i32,
+                    socket: e.socket.display().to_string(),
+                    state: match e.state {
+                        State::Waiting => api::RegistrationState::Waiting,
+                        State::Registered => api::RegistrationState::Registered,
+                        State::Refused(_) => api::RegistrationState::Refused,
+                        State::Unreachable(_) => api::RegistrationState::Unreachable,
+                    } as i32,
+                    error: e.state.error().map(str::to_string),
+                    since_unix: unix(e.since),
+                    registered_unix: e.registered_at.map(unix),
+                    registrations: e.registrations,
+                    overdue: e.state != State::Registered && e.waiting_since.elapsed() >= self.grace,
                 })
-                .collect();
-            serde_json::json!({"graceSeconds": self.grace.as_secs_f64(), "required": self.required, "plugins": plugins})
+                .collect(),
         })
     }
 
@@ -268,10 +276,10 @@ mod tests {
         assert_eq!(r.condition(Kind::DevicePlugin), Ok(()));
         r.registered("csi.x");
         assert_eq!(r.condition(Kind::Csi), Ok(()));
-        let st = r.status_json();
-        assert_eq!(st["plugins"][0]["state"], "registered");
-        assert_eq!(st["plugins"][0]["registrations"], 1);
-        assert!(st["plugins"][0]["registeredUnix"].as_f64().unwrap() > 0.0);
+        let st = r.report();
+        assert_eq!(st.plugins[0].state(), api::RegistrationState::Registered);
+        assert_eq!(st.plugins[0].registrations, 1);
+        assert!(st.plugins[0].registered_unix.unwrap() > 0.0);
 
         let req = Registrations::new(Duration::from_millis(0), true);
         req.served(Kind::DevicePlugin, "x/gpu", "/d/kubelet.sock".into());
@@ -293,6 +301,6 @@ mod tests {
         let r = Registrations::new(Duration::from_secs(3600), true);
         r.served(Kind::Csi, "csi.x", "/r/x-reg.sock".into());
         assert_eq!(r.condition(Kind::Csi), Ok(()));
-        assert_eq!(r.status_json()["plugins"][0]["overdue"], false);
+        assert!(!r.report().plugins[0].overdue);
     }
 }

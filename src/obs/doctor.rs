@@ -3,18 +3,16 @@
 
 /// One thing `nodeplane doctor` found: what kind of orphan, which object, why, and (when a
 /// repair was asked for) what was done about it.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone)]
 pub struct Finding {
     pub kind: &'static str,
     pub subject: String,
     pub detail: String,
     /// `None`: no repair asked for, or this kind is never repaired automatically.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub repair: Option<Repair>,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
-#[serde(tag = "result", content = "message", rename_all = "lowercase")]
+#[derive(Debug, Clone)]
 pub enum Repair {
     Done(String),
     Failed(String),

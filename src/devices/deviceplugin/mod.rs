@@ -24,6 +24,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::watch;
 
 use crate::rpc::deviceplugin as pb;
+use crate::rpc::node as api;
 use config::Resource;
 use plugin::Plugin;
 
@@ -90,20 +91,18 @@ impl Inventory {
 
     /// Every served resource with its socket and its devices as advertised, for
     /// `nodeplane status`.
-    pub fn status_json(&self) -> serde_json::Value {
+    pub fn report(&self) -> api::DevicePlugins {
         let plugins = self.0.lock().unwrap().clone();
-        serde_json::Value::Array(
-            plugins
+        api::DevicePlugins {
+            plugins: plugins
                 .iter()
-                .map(|p| {
-                    serde_json::json!({
-                        "resource": p.res.resource_name(),
-                        "socket": p.res.socket_name(),
-                        "devices": p.devices().iter().map(|d| serde_json::json!({"id": d.id, "health": d.health})).collect::<Vec<_>>(),
-                    })
+                .map(|p| api::DevicePlugin {
+                    resource: p.res.resource_name(),
+                    socket: p.res.socket_name(),
+                    devices: p.devices().iter().map(|d| api::PluginDevice { id: d.id.clone(), healthy: d.health == plugin::HEALTHY }).collect(),
                 })
                 .collect(),
-        )
+        }
     }
 
     fn set(&self, plugins: Vec<Arc<Plugin>>) {

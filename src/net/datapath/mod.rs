@@ -11,6 +11,7 @@ use ipnetwork::IpNetwork;
 
 use super::reaper::{GRAVEYARD_GROUP, Reaper, is_graveyard_name};
 use crate::net::cni::request::Request;
+use crate::rpc::node as api;
 use crate::net::cni::result::{Dns, Interface, IpConfig, ResultModel, Route};
 use crate::net::cni::{CniError, Code};
 use crate::net::ipam::{Ipam, IpamError, Lease, LeaseState, Owner};
@@ -812,51 +813,60 @@ pub const LEASE_WITHOUT_VETH: &str = "lease-without-veth";
 
 impl Datapath {
     /// The attachments as the leases and the kernel show them, for `nodeplane status`.
-    pub fn status_json(&self) -> serde_json::Value {
+    pub fn report(&self) -> api::NetworkStatus {
         let links = self.kernel.host().and_then(|mut nl| nl.links()).unwrap_or_default();
         let by_name: HashMap<&str, &Link> = links.iter().map(|l| (l.name.as_str(), l)).collect();
         let bridge = by_name.get(self.settings.bridge.as_str()).copied();
         let usage = self.ipam.block_usage();
         let mut leases = self.ipam.leases();
         leases.sort_by(|a, b| a.owner.cmp(&b.owner));
-        let attachments: Vec<serde_json::Value> = leases
+        let attachments = leases
             .iter()
             .map(|l| {
                 let veth = by_name.get(l.host_if.as_str()).copied();
-                serde_json::json!({
-                    "containerId": l.owner.container_id,
-                    "ifname": l.owner.ifname,
-                    "pod": pod_label_of(&l.pod),
-                    "state": l.state,
-                    "ips": l.ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>(),
-                    "netns": l.netns,
-                    "netnsPresent": l.state != LeaseState::Ready || self.netns_matches(l),
-                    "hostIf": l.host_if,
-                    "hostIfPresent": veth.is_some(),
-                    "hostIfOnBridge": veth.is_some_and(|v| v.up && bridge.is_some() && v.master == bridge.map(|b| b.index)),
-                })
+                api::Attachment {
+                    container_id: l.owner.container_id.clone(),
+                    ifname: l.owner.ifname.clone(),
+                    pod: pod_label_of(&l.pod),
+                    state: match l.state {
+                        LeaseState::Adding => api::LeaseState::Adding,
+                        LeaseState::Ready => api::LeaseState::Ready,
+                    } as i32,
+                    ips: l.ips.iter().map(|ip| ip.to_string()).collect(),
+                    netns: l.netns.clone(),
+                    netns_present: l.state != LeaseState::Ready || self.netns_matches(l),
+                    host_if: l.host_if.clone(),
+                    host_if_present: veth.is_some(),
+                    host_if_on_bridge: veth.is_some_and(|v| v.up && bridge.is_some() && v.master == bridge.map(|b| b.index)),
+                }
             })
             .collect();
         let held: HashSet<&str> = leases.iter().map(|l| l.host_if.as_str()).collect();
-        serde_json::json!({
-            "ready": self.ready(),
-            "bridge": {
-                "name": self.settings.bridge,
-                "present": bridge.is_some(),
-                "up": bridge.is_some_and(|b| b.up),
-                "mac": bridge.and_then(|b| b.mac).map(|m| format_mac(&m)),
-            },
-            "blocks": usage.iter().map(|(b, used)| serde_json::json!({
-                "cidr": b.net.to_string(),
-                "gateway": b.gateway().to_string(),
-                "addresses": b.capacity().to_string(),
-                "allocated": used,
-            })).collect::<Vec<_>>(),
-            "attachments": attachments,
-            "unleasedHostVeths": links.iter().filter(|l| is_host_ifname(&l.name) && !held.contains(l.name.as_str()))
-                .map(|l| l.name.clone()).collect::<Vec<_>>(),
-            "graveyardLinks": links.iter().filter(|l| is_graveyard_name(&l.name) || l.group == GRAVEYARD_GROUP).count(),
-        })
+        api::NetworkStatus {
+            ready: self.ready(),
+            bridge: Some(api::Bridge {
+                name: self.settings.bridge.clone(),
+                present: bridge.is_some(),
+                up: bridge.is_some_and(|b| b.up),
+                mac: bridge.and_then(|b| b.mac).map(|m| format_mac(&m)),
+            }),
+            blocks: usage
+                .iter()
+                .map(|(b, used)| api::Block {
+                    cidr: b.net.to_string(),
+                    gateway: b.gateway().to_string(),
+                    addresses: b.capacity().to_string(),
+                    allocated: u64::try_from(*used).unwrap_or(u64::MAX),
+                })
+                .collect(),
+            attachments,
+            unleased_host_veths: links
+                .iter()
+                .filter(|l| is_host_ifname(&l.name) && !held.contains(l.name.as_str()))
+                .map(|l| l.name.clone())
+                .collect(),
+            graveyard_links: links.iter().filter(|l| is_graveyard_name(&l.name) || l.group == GRAVEYARD_GROUP).count() as u64,
+        }
     }
 
     /// Network orphans: host veths no lease holds, leases whose pod namespace is gone (or

@@ -7,6 +7,7 @@
 //! loop table); then it turns ready; only then does the registration socket appear, so
 //! kubelet never finds a plugin it cannot use.
 
+pub mod capability;
 pub mod node;
 
 use std::path::{Path, PathBuf};

@@ -26,7 +26,9 @@ use serde::{Deserialize, Serialize};
 use tonic::Code;
 
 use crate::sys::mount::{self, MountEntry, MountOptions};
+use super::capability::{self, Capability, CapabilityError};
 use crate::rpc::csi;
+use crate::rpc::node as api;
 use crate::rpc::csi::volume_capability::access_mode::Mode;
 use crate::storage::fs as vfs;
 use crate::storage::store::{FsType, VolumeError, VolumeStore};
@@ -102,68 +104,22 @@ impl From<vfs::FsError> for CsiError {
 
 type Result<T, E = CsiError> = std::result::Result<T, E>;
 
-/// What a request's `volume_capability` asks for.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Capability {
-    pub block: bool,
-    #[serde(default)]
-    pub fs_type: String,
-    #[serde(default)]
-    pub mount_flags: Vec<String>,
-    #[serde(default)]
-    pub mount_group: String,
-    /// `csi.v1` access mode number.
-    pub access_mode: i32,
-}
-
-impl Capability {
-    fn mode(&self) -> Mode {
-        Mode::try_from(self.access_mode).unwrap_or(Mode::Unknown)
+impl From<CapabilityError> for CsiError {
+    /// The node's codes: a MULTI_NODE mode is FAILED_PRECONDITION ("exceeds the volume's
+    /// capabilities"), everything else INVALID_ARGUMENT.
+    fn from(e: CapabilityError) -> Self {
+        let code = if matches!(e, CapabilityError::MultiNode(_)) { Code::FailedPrecondition } else { Code::InvalidArgument };
+        CsiError::new(code, e.to_string())
     }
 }
 
-/// Parse and check a capability: present, an access type, a single-node access mode
-/// (node-local volumes cannot be MULTI_NODE: FAILED_PRECONDITION, "exceeds capabilities").
+/// Parse and check a request's `volume_capability`: present, an access type, a single-node
+/// access mode, a supported filesystem, well-formed mount flags and group
+/// (`super::capability` is the reading the controller shares).
 pub fn parse_capability(c: Option<&csi::VolumeCapability>) -> Result<Capability> {
-    use csi::volume_capability::AccessType;
-    let c = c.ok_or_else(|| invalid("volume_capability is required"))?;
-    let mode = c.access_mode.as_ref().ok_or_else(|| invalid("volume_capability.access_mode is required"))?.mode;
-    let cap = match c.access_type.as_ref().ok_or_else(|| invalid("volume_capability.access_type is required"))? {
-        AccessType::Block(_) => Capability {
-            block: true,
-            fs_type: String::new(),
-            mount_flags: Vec::new(),
-            mount_group: String::new(),
-            access_mode: mode,
-        },
-        AccessType::Mount(m) => Capability {
-            block: false,
-            fs_type: m.fs_type.clone(),
-            mount_flags: m.mount_flags.clone(),
-            mount_group: m.volume_mount_group.clone(),
-            access_mode: mode,
-        },
-    };
-    match Mode::try_from(mode) {
-        Ok(Mode::SingleNodeWriter | Mode::SingleNodeReaderOnly | Mode::SingleNodeSingleWriter | Mode::SingleNodeMultiWriter) => {}
-        Ok(m @ (Mode::MultiNodeReaderOnly | Mode::MultiNodeSingleWriter | Mode::MultiNodeMultiWriter)) => {
-            return Err(precondition(format!(
-                "access mode {} exceeds the volume's capabilities: nodeplane volumes are node-local (single-node modes only)",
-                m.as_str_name()
-            )));
-        }
-        Ok(Mode::Unknown) | Err(_) => return Err(invalid(format!("volume_capability.access_mode {mode} is not a known mode"))),
-    }
-    if !cap.block {
-        mount::parse_mount_flags(&cap.mount_flags).map_err(invalid)?;
-        if !cap.fs_type.is_empty() && !matches!(cap.fs_type.as_str(), "ext4" | "xfs") {
-            return Err(invalid(format!("fs_type {:?} is not supported (ext4, xfs)", cap.fs_type)));
-        }
-        if !cap.mount_group.is_empty() && cap.mount_group.parse::<u32>().is_err() {
-            return Err(invalid(format!("volume_mount_group {:?} is not a numeric group id", cap.mount_group)));
-        }
-    }
+    let c = c.ok_or_else(|| CsiError::from(CapabilityError::Missing("volume_capability".into())))?;
+    let cap = capability::parse(c, "volume_capability")?;
+    capability::check_mount_options(&cap)?;
     Ok(cap)
 }
 
@@ -1380,47 +1336,57 @@ impl NodeService {
     }
 
     /// Volumes, what is staged and published, and the loop devices and mounts behind them.
-    pub fn status_json(&self) -> serde_json::Value {
+    pub fn report(&self) -> api::StorageStatus {
         let table = self.table().unwrap_or_default();
         let loops = self.store_loops().unwrap_or_default();
         let stages = self.stage_records();
         let publishes = self.publish_records();
-        let mut volumes: Vec<serde_json::Value> = Vec::new();
+        let mut volumes = Vec::new();
         for v in self.store.list() {
             let mine: Vec<&StoreLoop> = loops.iter().filter(|l| l.volume.as_deref() == Some(v.id.as_str())).collect();
             let stage = stages.iter().find(|r| r.volume_id == v.id);
-            volumes.push(serde_json::json!({
-                "id": v.id,
-                "name": v.name,
-                "sizeBytes": v.size_bytes,
-                "fsType": v.fs_type.as_str(),
-                "backingFile": v.path.display().to_string(),
-                "backingFilePresent": v.path.exists(),
-                "loopDevices": mine.iter().map(|l| serde_json::json!({
-                    "device": l.binding.device.display().to_string(),
-                    "mountedAt": self.mounts_of(&table, l).iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
-                })).collect::<Vec<_>>(),
-                "staged": stage.map(|r| serde_json::json!({
-                    "path": r.staging_path.display().to_string(),
-                    "state": match r.state { StageState::Staged => "staged", StageState::Staging => "staging" },
-                    "mounted": !mount::mounts_at(&table, &r.staging_path).is_empty(),
-                })),
-                "published": publishes.iter().filter(|p| p.volume_id == v.id).map(|p| serde_json::json!({
-                    "path": p.target_path.display().to_string(),
-                    "readOnly": p.read_only,
-                    "mounted": !mount::mounts_at(&table, &p.target_path).is_empty(),
-                })).collect::<Vec<_>>(),
-            }));
+            volumes.push(api::VolumeStatus {
+                id: v.id.clone(),
+                name: v.name.clone(),
+                size_bytes: v.size_bytes,
+                fs_type: v.fs_type.as_str().to_string(),
+                backing_file: v.path.display().to_string(),
+                backing_file_present: v.path.exists(),
+                loop_devices: mine
+                    .iter()
+                    .map(|l| api::LoopDevice {
+                        device: l.binding.device.display().to_string(),
+                        mounted_at: self.mounts_of(&table, l).iter().map(|p| p.display().to_string()).collect(),
+                    })
+                    .collect(),
+                staged: stage.map(|r| api::Stage {
+                    path: r.staging_path.display().to_string(),
+                    state: match r.state {
+                        StageState::Staged => api::StageState::Staged,
+                        StageState::Staging => api::StageState::Staging,
+                    } as i32,
+                    mounted: !mount::mounts_at(&table, &r.staging_path).is_empty(),
+                }),
+                published: publishes
+                    .iter()
+                    .filter(|p| p.volume_id == v.id)
+                    .map(|p| api::Publish {
+                        path: p.target_path.display().to_string(),
+                        read_only: p.read_only,
+                        mounted: !mount::mounts_at(&table, &p.target_path).is_empty(),
+                    })
+                    .collect(),
+            });
         }
         let u = self.store.usage();
-        serde_json::json!({
-            "ready": self.ready(),
-            "volumeDir": self.store.dir().display().to_string(),
-            "capacityBytes": u.capacity_bytes,
-            "provisionedBytes": u.provisioned_bytes,
-            "availableBytes": u.available_bytes,
-            "volumes": volumes,
-        })
+        api::StorageStatus {
+            ready: self.ready(),
+            volume_dir: self.store.dir().display().to_string(),
+            capacity_bytes: u.capacity_bytes,
+            provisioned_bytes: u.provisioned_bytes,
+            available_bytes: u.available_bytes,
+            volumes,
+        }
     }
 
     /// Storage orphans (see the `NodeStatus.Doctor` comment in `proto/`). Repairs unmount
