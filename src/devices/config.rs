@@ -126,6 +126,12 @@ fn check(e: Entry) -> Result<Resource, String> {
             e.name
         ));
     }
+    if e.cdi {
+        // The name is the CDI class of the spec (nodeplane.dev/<name>); a runtime rejects
+        // the whole spec file for a bad one, so the entry is refused here.
+        crate::devices::cdi::check_class_name(&e.name)
+            .map_err(|m| format!("{m}; with \"cdi\": true the name is the CDI class: rename the entry or set \"cdi\": false"))?;
+    }
     if e.devices.is_empty() {
         return Err("devices must list at least one device node pattern".into());
     }

@@ -140,6 +140,18 @@ impl Registrations {
         });
     }
 
+    /// `name` waits for kubelet again (the kubelet it was registered with restarted).
+    pub fn waiting(&self, name: &str) {
+        self.with(|m| {
+            if let Some(e) = m.get_mut(name) {
+                e.state = State::Waiting;
+                e.since = SystemTime::now();
+                e.waiting_since = Instant::now();
+                e.warned = false;
+            }
+        });
+    }
+
     fn set(&self, name: &str, state: State) {
         self.with(|m| {
             let Some(e) = m.get_mut(name) else { return };

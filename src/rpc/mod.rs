@@ -167,3 +167,42 @@ pub fn oversize_is_resource_exhausted(
     }
     r
 }
+
+/// The deadline a caller set on a call (its `grpc-timeout` header: digits and one of
+/// `H M S m u n`), if any. Work that tonic cannot cancel (a blocking thread) checks it.
+pub fn deadline_of(md: &tonic::metadata::MetadataMap) -> Option<std::time::Duration> {
+    let v = md.get("grpc-timeout")?.to_str().ok()?;
+    if v.len() < 2 || v.len() > 9 {
+        return None;
+    }
+    let (digits, unit) = v.split_at(v.len() - 1);
+    let n: u64 = digits.parse().ok()?;
+    use std::time::Duration;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod deadline_tests {
+    #[test]
+    fn grpc_timeout_header() {
+        use std::time::Duration;
+        let mut md = tonic::metadata::MetadataMap::new();
+        assert_eq!(super::deadline_of(&md), None);
+        for (v, d) in [("1S", Duration::from_secs(1)), ("250m", Duration::from_millis(250)), ("2M", Duration::from_secs(120)), ("7u", Duration::from_micros(7))] {
+            md.insert("grpc-timeout", v.parse().unwrap());
+            assert_eq!(super::deadline_of(&md), Some(d), "{v}");
+        }
+        for bad in ["S", "1x", "1234567890S", "-1S"] {
+            md.insert("grpc-timeout", bad.parse().unwrap());
+            assert_eq!(super::deadline_of(&md), None, "{bad}");
+        }
+    }
+}

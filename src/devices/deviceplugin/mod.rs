@@ -1,13 +1,20 @@
 //! The agent as kubelet device plugin for every device class the device file configures.
 //!
-//! Per resource: its own gRPC server on `<kubelet>/device-plugins/nodeplane-<name>.sock`
-//! (0600), served before it registers with kubelet (`kubelet.sock` there). One event loop
-//! watches, with inotify (no polling for events): the device file (reload), the directories
-//! of every device pattern (hot-plug, removal → health), and the device-plugins directory
-//! (kubelet restarted: `kubelet.sock` created again → register again; our own socket
-//! removed → serve it again and register). Registration failures are retried with backoff
-//! while kubelet is away. A slow timer (2 s) re-checks health for changes that make no
-//! inotify event (a node that cannot be opened any more).
+//! One task per resource owns everything of that resource: its gRPC server on
+//! `<kubelet>/device-plugins/nodeplane-<name>.sock` (0600, served before it registers), its
+//! registration with kubelet (`kubelet.sock` there), its device scans and health, its CDI
+//! spec. A slow or hung kubelet, or a slow call, delays only that resource. The manager only
+//! routes events to the tasks: inotify on the device file (reload: start and stop tasks),
+//! on every device pattern's directory (hot-plug, removal → a rescan of the resources
+//! concerned) and on the device-plugins directory (a socket came or went → the tasks check).
+//!
+//! Registration: exactly one successful Register per resource per kubelet instance. A
+//! kubelet instance is told by its `kubelet.sock` (device, inode and change time: a
+//! restarted kubelet binds a new one); a re-served plugin socket is a new plugin instance
+//! and registers again. Never a second attempt while one is in flight; failures retry with
+//! backoff (10 ms doubling to 200 ms while `kubelet.sock` exists). Each task also checks its
+//! own socket and `kubelet.sock` every 200 ms without any event, so a removed directory, a
+//! replaced `kubelet.sock` or a stale socket is recovered even when inotify missed it.
 
 pub mod plugin;
 
@@ -42,24 +49,48 @@ pub struct Settings {
     pub cdi_dir: PathBuf,
 }
 
-struct Running {
-    plugin: Arc<Plugin>,
-    stop: watch::Sender<bool>,
-    server: tokio::task::JoinHandle<()>,
-    /// Registered with the kubelet instance behind the current kubelet.sock.
-    registered: bool,
-    next_attempt: Instant,
-    backoff: Duration,
+/// How often each resource checks its socket and `kubelet.sock` with no event.
+const BACKSTOP: Duration = Duration::from_millis(200);
+/// How often each resource re-judges its devices' health with no event (a node that
+/// cannot be opened any more makes none).
+const HEALTH_EVERY: Duration = Duration::from_secs(2);
+/// A Register kubelet has not answered by then is abandoned and tried again.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(30);
+const BACKOFF_MIN: Duration = Duration::from_millis(10);
+const BACKOFF_MAX: Duration = Duration::from_millis(200);
+
+/// Which socket file is at a path: a restarted kubelet (or a re-served plugin) binds a new
+/// one, with a new inode or at least a new change time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SockId {
+    dev: u64,
+    ino: u64,
+    ctime: i64,
+    ctime_ns: i64,
 }
 
-pub struct Manager {
-    s: Settings,
-    plugins: BTreeMap<String, Running>,
-    /// Last successfully loaded configuration.
-    resources: Vec<Resource>,
-    inventory: Inventory,
-    /// What kubelet answered each plugin's registration.
-    book: crate::kubelet::Registrations,
+fn sock_id(p: &Path) -> Option<SockId> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let m = std::fs::symlink_metadata(p).ok()?;
+    m.file_type().is_socket().then(|| SockId { dev: m.dev(), ino: m.ino(), ctime: m.ctime(), ctime_ns: m.ctime_nsec() })
+}
+
+/// What the manager can ask of a resource's task. Both coalesce: any number of requests
+/// before the task looks is one.
+#[derive(Default)]
+struct Wake {
+    /// Look at the sockets now (something changed in the device-plugins directory).
+    check: tokio::sync::Notify,
+    /// Rescan the devices now (something changed in a pattern's directory).
+    rescan: tokio::sync::Notify,
+}
+
+/// A running resource, as the manager holds it.
+struct Handle {
+    plugin: Arc<Plugin>,
+    wake: Arc<Wake>,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
 }
 
 /// The plugins being served, shared read-only with the metrics collector (the manager
@@ -111,29 +142,28 @@ impl Inventory {
 }
 
 fn cdi_path(s: &Settings, r: &Resource) -> PathBuf {
-    crate::devices::cdi::spec_path(&s.cdi_dir, r)
+    crate::devices::cdi::spec_path(&s.cdi_dir, &r.name)
+}
+
+/// The manager: the configured resources and their tasks.
+struct Manager {
+    s: Settings,
+    handles: BTreeMap<String, Handle>,
+    /// Last successfully loaded configuration.
+    resources: Vec<Resource>,
+    inventory: Inventory,
+    /// What kubelet answered each plugin's registration.
+    book: crate::kubelet::Registrations,
 }
 
 impl Manager {
-    pub fn new(s: Settings) -> Self {
-        Self::with_inventory(s, Inventory::default(), crate::kubelet::Registrations::default())
-    }
-
-    pub fn with_inventory(s: Settings, inventory: Inventory, book: crate::kubelet::Registrations) -> Self {
-        Manager { s, plugins: BTreeMap::new(), resources: Vec::new(), inventory, book }
-    }
-
     fn publish_inventory(&self) {
-        self.inventory.set(self.plugins.values().map(|r| r.plugin.clone()).collect());
+        self.inventory.set(self.handles.values().map(|h| h.plugin.clone()).collect());
     }
 
-    fn socket_path(&self, r: &Resource) -> PathBuf {
-        self.s.plugin_dir.join(r.socket_name())
-    }
-
-    /// Read the device file; start, restart and stop plugins to match it. A file that
-    /// cannot be used at all keeps the running set; bad entries are reported and skipped.
-    fn reload(&mut self) {
+    /// Read the device file; start, restart and stop resource tasks to match it. A file
+    /// that cannot be used at all keeps the running set; bad entries are reported and skipped.
+    async fn reload(&mut self) {
         let wanted = match std::fs::read(&self.s.config_file) {
             Ok(b) => match config::parse(&b) {
                 Ok((ok, problems)) => {
@@ -153,23 +183,22 @@ impl Manager {
                 return;
             }
         };
-        if wanted == self.resources && wanted.iter().all(|r| self.plugins.contains_key(&r.name)) {
+        if wanted == self.resources && wanted.iter().all(|r| self.handles.contains_key(&r.name)) {
             return;
         }
-        // Stop what is gone or changed.
-        let keep: Vec<String> = self
-            .plugins
+        // Stop what is gone or changed (and wait: a changed resource's new task binds the
+        // same socket path).
+        let stale: Vec<String> = self
+            .handles
             .keys()
-            .filter(|n| wanted.iter().any(|r| &r.name == *n && Some(r) == self.resources.iter().find(|o| &o.name == *n)))
+            .filter(|n| !wanted.iter().any(|r| &r.name == *n && Some(r) == self.resources.iter().find(|o| &o.name == *n)))
             .cloned()
             .collect();
-        let stale: Vec<String> = self.plugins.keys().filter(|n| !keep.contains(n)).cloned().collect();
         for name in stale {
-            if let Some(r) = self.plugins.remove(&name) {
-                let res = r.plugin.res.clone();
-                self.stop_plugin(r);
+            if let Some(h) = self.handles.remove(&name) {
+                let res = h.plugin.res.clone();
+                stop(h).await;
                 self.book.withdrawn(&res.resource_name());
-                let _ = std::fs::remove_file(self.socket_path(&res));
                 if !wanted.iter().any(|w| w.name == name && w.cdi) {
                     let _ = std::fs::remove_file(cdi_path(&self.s, &res));
                 }
@@ -178,137 +207,30 @@ impl Manager {
         }
         self.resources = wanted.clone();
         for r in wanted {
-            if !self.plugins.contains_key(&r.name) {
-                self.start_plugin(Arc::new(r));
+            if !self.handles.contains_key(&r.name) {
+                let plugin = Plugin::unscanned(Arc::new(r));
+                let wake = Arc::new(Wake::default());
+                let (stop, stop_rx) = watch::channel(false);
+                let task = Task { s: self.s.clone(), book: self.book.clone(), plugin: plugin.clone(), wake: wake.clone() };
+                let task = tokio::spawn(task.run(stop_rx));
+                self.handles.insert(plugin.res.name.clone(), Handle { plugin, wake, stop, task });
             }
         }
         self.publish_inventory();
     }
 
-    fn stop_plugin(&self, r: Running) {
-        let _ = r.stop.send(true);
-        r.server.abort();
-    }
-
-    /// Serve a plugin's socket (before any registration).
-    fn start_plugin(&mut self, res: Arc<Resource>) {
-        let plugin = Plugin::new(res.clone());
-        self.write_cdi(&plugin);
-        let sock = self.socket_path(&res);
-        let (stop, stop_rx) = watch::channel(false);
-        let server = match serve(plugin.clone(), &sock, stop_rx) {
-            Ok(h) => h,
-            Err(e) => {
-                tracing::error!(resource = %res.resource_name(), socket = %sock.display(), error = %e, "cannot serve device plugin");
-                return;
-            }
-        };
-        tracing::info!(resource = %res.resource_name(), socket = %sock.display(), devices = plugin.devices().len(), "device plugin serving");
-        self.book.served(crate::kubelet::Kind::DevicePlugin, &res.resource_name(), self.s.plugin_dir.join(KUBELET_SOCKET));
-        self.plugins.insert(
-            res.name.clone(),
-            Running { plugin, stop, server, registered: false, next_attempt: Instant::now(), backoff: Duration::from_millis(100) },
-        );
-    }
-
-    fn write_cdi(&self, p: &Plugin) {
-        if !p.res.cdi {
-            return;
-        }
-        let path = cdi_path(&self.s, &p.res);
-        let body = serde_json::to_vec_pretty(&p.cdi_spec()).expect("CDI spec serialises");
-        if let Err(e) = std::fs::create_dir_all(&self.s.cdi_dir).and_then(|_| crate::sys::fs::atomic_write(&path, &body, 0o644)) {
-            tracing::error!(file = %path.display(), error = %e, "writing CDI spec");
+    /// Ask every task to look at the sockets.
+    fn check_all(&self) {
+        for h in self.handles.values() {
+            h.wake.check.notify_one();
         }
     }
 
-    /// Register every plugin not registered yet whose retry time has come.
-    async fn register_due(&mut self) {
-        let kubelet = self.s.plugin_dir.join(KUBELET_SOCKET);
-        let now = Instant::now();
-        let due: Vec<String> = self.plugins.iter().filter(|(_, r)| !r.registered && r.next_attempt <= now).map(|(k, _)| k.clone()).collect();
-        for name in due {
-            let res = self.plugins[&name].plugin.res.clone();
-            let outcome = match tokio::time::timeout(Duration::from_secs(3), register(&kubelet, &res)).await {
-                Ok(r) => r,
-                Err(_) => Err(RegisterError::Unreachable("Register timed out after 3 s".to_string())),
-            };
-            let r = self.plugins.get_mut(&name).expect("still running");
-            match outcome {
-                Ok(()) => {
-                    r.registered = true;
-                    r.backoff = Duration::from_millis(100);
-                    tracing::info!(resource = %res.resource_name(), "device plugin registered with kubelet");
-                    self.book.registered(&res.resource_name());
-                }
-                Err(err) => {
-                    match &err {
-                        RegisterError::Refused(m) => {
-                            // Said once per refusal, not on every retry.
-                            if self.book.state(&res.resource_name()) != Some(crate::kubelet::State::Refused(m.clone())) {
-                                tracing::warn!(resource = %res.resource_name(), error = %m, "kubelet refused the device plugin registration; retrying");
-                            }
-                            self.book.refused(&res.resource_name(), m.clone());
-                        }
-                        RegisterError::Unreachable(m) => self.book.unreachable(&res.resource_name(), m.clone()),
-                    }
-                    let msg = err.to_string();
-                    tracing::debug!(resource = %res.resource_name(), error = %msg, backoff_ms = r.backoff.as_millis() as u64, "registration failed; retrying");
-                    r.next_attempt = Instant::now() + r.backoff;
-                    r.backoff = (r.backoff * 2).min(Duration::from_secs(1));
-                }
-            }
+    /// Ask the tasks with a pattern in `dir` to rescan.
+    fn rescan(&self, dir: &Path) {
+        for h in self.handles.values().filter(|h| h.plugin.res.patterns.iter().any(|p| p.dir == dir)) {
+            h.wake.rescan.notify_one();
         }
-    }
-
-    fn rescan(&mut self, only_dir: Option<&Path>) {
-        let mut changed = Vec::new();
-        for (name, r) in &self.plugins {
-            if only_dir.is_some_and(|d| !r.plugin.res.patterns.iter().any(|p| p.dir == d)) {
-                continue;
-            }
-            if r.plugin.rescan() {
-                changed.push(name.clone());
-            }
-        }
-        for name in changed {
-            let p = self.plugins[&name].plugin.clone();
-            self.write_cdi(&p);
-        }
-    }
-
-    /// Our socket for `file_name` vanished: serve it again and register again.
-    fn socket_removed(&mut self, file_name: &str) {
-        let Some(name) = self.plugins.iter().find(|(_, r)| r.plugin.res.socket_name() == file_name).map(|(k, _)| k.clone()) else {
-            return;
-        };
-        if self.socket_path(&self.plugins[&name].plugin.res).exists() {
-            return;
-        }
-        let r = self.plugins.remove(&name).expect("present");
-        let res = r.plugin.res.clone();
-        self.stop_plugin(r);
-        tracing::warn!(resource = %res.resource_name(), "device plugin socket removed; serving it again");
-        self.start_plugin(res);
-        self.publish_inventory();
-    }
-
-    fn kubelet_restarted(&mut self) {
-        tracing::info!("kubelet.sock (re)created: registering every device plugin again");
-        self.book.kubelet_restarted(crate::kubelet::Kind::DevicePlugin);
-        for r in self.plugins.values_mut() {
-            r.registered = false;
-            r.next_attempt = Instant::now();
-            // kubelet creates its socket (bind) a moment before it accepts (listen): a
-            // refused first attempt is retried after 10 ms, not after the 100 ms used while
-            // kubelet is absent.
-            r.backoff = Duration::from_millis(10);
-        }
-    }
-
-    /// When the next registration retry is due, if any plugin waits for one.
-    fn next_attempt(&self) -> Option<Instant> {
-        self.plugins.values().filter(|r| !r.registered).map(|r| r.next_attempt).min()
     }
 
     /// Directories to watch: the device file's, the plugin dir, every pattern's.
@@ -328,12 +250,239 @@ impl Manager {
     }
 }
 
-/// Bind and serve one plugin's socket.
-fn serve(plugin: Arc<Plugin>, sock: &Path, stop: watch::Receiver<bool>) -> std::io::Result<tokio::task::JoinHandle<()>> {
+/// Stop a resource task and wait for it (it stops its server and removes its socket).
+async fn stop(h: Handle) {
+    let _ = h.stop.send(true);
+    if tokio::time::timeout(Duration::from_secs(5), h.task).await.is_err() {
+        tracing::warn!(resource = %h.plugin.res.resource_name(), "device plugin task did not stop within 5 s");
+    }
+}
+
+/// A served plugin socket.
+struct Served {
+    id: SockId,
+    stop: watch::Sender<bool>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+/// The CDI spec file of a resource, as last written (or found) by its task.
+struct CdiFile {
+    path: PathBuf,
+    last: Option<Vec<u8>>,
+}
+
+impl CdiFile {
+    /// Write the spec when its content changed (validated first; an unchanged spec is not
+    /// rewritten, also not after a restart of the plugin or the agent); remove the file
+    /// when there is no device (a CDI file must list one).
+    fn sync(&mut self, cdi_dir: &Path, p: &Plugin) {
+        let Some(spec) = p.cdi_spec() else {
+            if self.last.take().is_some() || self.path.exists() {
+                let _ = std::fs::remove_file(&self.path);
+            }
+            return;
+        };
+        if let Err(e) = crate::devices::cdi::validate(&spec) {
+            tracing::error!(file = %self.path.display(), "CDI spec not written: {e}");
+            return;
+        }
+        let body = serde_json::to_vec_pretty(&spec).expect("CDI spec serialises");
+        if self.last.is_none() {
+            self.last = std::fs::read(&self.path).ok();
+        }
+        if self.last.as_deref() == Some(body.as_slice()) {
+            return;
+        }
+        match std::fs::create_dir_all(cdi_dir).and_then(|_| crate::sys::fs::atomic_write(&self.path, &body, 0o644)) {
+            Ok(()) => self.last = Some(body),
+            Err(e) => tracing::error!(file = %self.path.display(), error = %e, "writing CDI spec"),
+        }
+    }
+}
+
+/// One resource's task: see the module comment.
+struct Task {
+    s: Settings,
+    book: crate::kubelet::Registrations,
+    plugin: Arc<Plugin>,
+    wake: Arc<Wake>,
+}
+
+type Attempt = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), RegisterError>> + Send>>;
+
+impl Task {
+    /// Rescan the devices and bring the CDI spec up to date, on a blocking thread.
+    async fn refresh(&self, cdi: &mut Option<CdiFile>) {
+        let plugin = self.plugin.clone();
+        let dir = self.s.cdi_dir.clone();
+        let mut file = cdi.take();
+        let back = tokio::task::spawn_blocking(move || {
+            plugin.rescan();
+            if let Some(f) = file.as_mut() {
+                f.sync(&dir, &plugin);
+            }
+            file
+        })
+        .await;
+        *cdi = back.unwrap_or_else(|e| {
+            tracing::error!(resource = %self.plugin.res.resource_name(), error = %e, "device rescan failed");
+            None
+        });
+    }
+
+    async fn run(self, mut stop: watch::Receiver<bool>) {
+        let res = self.plugin.res.clone();
+        let name = res.resource_name();
+        let sock = self.s.plugin_dir.join(res.socket_name());
+        let kubelet = self.s.plugin_dir.join(KUBELET_SOCKET);
+        let mut cdi = res.cdi.then(|| CdiFile { path: cdi_path(&self.s, &res), last: None });
+        self.refresh(&mut cdi).await;
+        let mut served: Option<Served> = None;
+        let mut serve_error: Option<String> = None;
+        // The kubelet instance this plugin instance is registered with.
+        let mut registered: Option<SockId> = None;
+        let mut attempt: Option<(SockId, Attempt)> = None;
+        let mut next_attempt = Instant::now();
+        let mut backoff = BACKOFF_MIN;
+        let mut said_absent = false;
+        let mut last_health = Instant::now();
+        loop {
+            // Our socket: served, and the one we bound (removed or replaced → serve again:
+            // a new plugin instance, which registers again).
+            let ours = sock_id(&sock);
+            if served.is_none() || served.as_ref().map(|s| s.id) != ours {
+                if let Some(old) = served.take() {
+                    let _ = old.stop.send(true);
+                    old.server.abort();
+                    tracing::warn!(resource = %name, socket = %sock.display(), "device plugin socket removed or replaced; serving it again");
+                }
+                registered = None;
+                attempt = None;
+                match serve(self.plugin.clone(), &sock) {
+                    Ok(s) => {
+                        tracing::info!(resource = %name, socket = %sock.display(), devices = self.plugin.advertised(), "device plugin serving");
+                        self.book.served(crate::kubelet::Kind::DevicePlugin, &name, kubelet.clone());
+                        served = Some(s);
+                        serve_error = None;
+                        said_absent = false;
+                        next_attempt = Instant::now();
+                        backoff = BACKOFF_MIN;
+                    }
+                    Err(e) => {
+                        let e = e.to_string();
+                        if serve_error.as_ref() != Some(&e) {
+                            tracing::error!(resource = %name, socket = %sock.display(), error = %e, "cannot serve device plugin; retrying");
+                            serve_error = Some(e);
+                        }
+                    }
+                }
+            }
+            // kubelet: registered with the instance behind kubelet.sock now?
+            let instance = sock_id(&kubelet);
+            if registered.is_some() && registered != instance {
+                tracing::info!(resource = %name, "kubelet.sock replaced (kubelet restarted): registering again");
+                registered = None;
+                self.book.waiting(&name);
+                next_attempt = Instant::now();
+                backoff = BACKOFF_MIN;
+            }
+            if attempt.as_ref().is_some_and(|(id, _)| Some(*id) != instance) {
+                // The kubelet it was addressed to is gone; the new one gets its own.
+                attempt = None;
+                next_attempt = Instant::now();
+                backoff = BACKOFF_MIN;
+            }
+            if served.is_some() && registered.is_none() && attempt.is_none() {
+                match instance {
+                    None if !said_absent => {
+                        self.book.unreachable(
+                            &name,
+                            format!("{} does not exist (kubelet not running, or it uses another device plugin directory)", kubelet.display()),
+                        );
+                        said_absent = true;
+                    }
+                    Some(id) if Instant::now() >= next_attempt => {
+                        said_absent = false;
+                        let (k, r) = (kubelet.clone(), res.clone());
+                        attempt = Some((id, Box::pin(async move {
+                            match tokio::time::timeout(REGISTER_TIMEOUT, register(&k, &r)).await {
+                                Ok(r) => r,
+                                Err(_) => Err(RegisterError::Unreachable(format!("Register not answered within {} s", REGISTER_TIMEOUT.as_secs()))),
+                            }
+                        })));
+                    }
+                    _ => {}
+                }
+            }
+            let wake_at = if registered.is_none() && attempt.is_none() && instance.is_some() {
+                next_attempt.min(Instant::now() + BACKSTOP)
+            } else {
+                Instant::now() + BACKSTOP
+            };
+            tokio::select! {
+                _ = stopped(&mut stop) => break,
+                _ = self.wake.check.notified() => {}
+                _ = self.wake.rescan.notified() => self.refresh(&mut cdi).await,
+                outcome = async { attempt.as_mut().expect("branch enabled only with an attempt").1.as_mut().await }, if attempt.is_some() => {
+                    let (id, _) = attempt.take().expect("attempt was in flight");
+                    match outcome {
+                        Ok(()) if sock_id(&kubelet) == Some(id) => {
+                            registered = Some(id);
+                            backoff = BACKOFF_MIN;
+                            tracing::info!(resource = %name, "device plugin registered with kubelet");
+                            self.book.registered(&name);
+                        }
+                        // Registered with a kubelet that has gone since: the new one next.
+                        Ok(()) => next_attempt = Instant::now(),
+                        Err(err) => {
+                            match &err {
+                                RegisterError::Refused(m) => {
+                                    // Said once per refusal, not on every retry.
+                                    if self.book.state(&name) != Some(crate::kubelet::State::Refused(m.clone())) {
+                                        tracing::warn!(resource = %name, error = %m, "kubelet refused the device plugin registration; retrying");
+                                    }
+                                    self.book.refused(&name, m.clone());
+                                }
+                                RegisterError::Unreachable(m) => self.book.unreachable(&name, m.clone()),
+                            }
+                            tracing::debug!(resource = %name, error = %err, backoff_ms = backoff.as_millis() as u64, "registration failed; retrying");
+                            next_attempt = Instant::now() + backoff;
+                            backoff = (backoff * 2).min(BACKOFF_MAX);
+                        }
+                    }
+                }
+                _ = tokio::time::sleep_until(tokio::time::Instant::from_std(wake_at)) => {
+                    if last_health.elapsed() >= HEALTH_EVERY {
+                        self.refresh(&mut cdi).await;
+                        last_health = Instant::now();
+                    }
+                }
+            }
+        }
+        if let Some(s) = served.take() {
+            let _ = s.stop.send(true);
+            let _ = tokio::time::timeout(Duration::from_secs(2), s.server).await;
+            // Only the socket this task bound: a successor may have bound the path already.
+            if sock_id(&sock) == Some(s.id) {
+                let _ = std::fs::remove_file(&sock);
+            }
+        }
+    }
+}
+
+/// Until `rx` turns true (the guard `wait_for` returns is not held across awaits).
+async fn stopped(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+/// Bind and serve one plugin socket.
+fn serve(plugin: Arc<Plugin>, sock: &Path) -> std::io::Result<Served> {
     let listener = crate::sys::fs::bind_unix_socket(sock)?;
-    let svc = plugin::Service { plugin, stop: stop.clone() };
-    let mut stop2 = stop;
-    Ok(tokio::spawn(async move {
+    let id = sock_id(sock).ok_or_else(|| std::io::Error::other(format!("{} vanished right after bind", sock.display())))?;
+    let (stop, stop_rx) = watch::channel(false);
+    let svc = plugin::Service { plugin, stop: stop_rx.clone() };
+    let mut stop2 = stop_rx;
+    let server = tokio::spawn(async move {
         let r = tonic::transport::Server::builder()
             .layer(crate::rpc::response_layer())
             .add_service(pb::device_plugin_server::DevicePluginServer::new(svc))
@@ -344,7 +493,8 @@ fn serve(plugin: Arc<Plugin>, sock: &Path, stop: watch::Receiver<bool>) -> std::
         if let Err(e) = r {
             tracing::warn!(error = %e, "device plugin server ended");
         }
-    }))
+    });
+    Ok(Served { id, stop, server })
 }
 
 /// Why a registration did not happen.
@@ -359,9 +509,6 @@ enum RegisterError {
 }
 
 async fn register(kubelet: &Path, res: &Resource) -> Result<(), RegisterError> {
-    if !kubelet.exists() {
-        return Err(RegisterError::Unreachable(format!("{} does not exist (kubelet not running, or it uses another device plugin directory)", kubelet.display())));
-    }
     let ch = crate::rpc::connect_unix(kubelet).await.map_err(|e| RegisterError::Unreachable(format!("connecting to kubelet at {}: {e}", kubelet.display())))?;
     pb::registration_client::RegistrationClient::new(ch)
         .register(pb::RegisterRequest {
@@ -412,8 +559,8 @@ pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventor
             return;
         }
     };
-    let mut m = Manager::with_inventory(s.clone(), inventory, book);
-    m.reload();
+    let mut m = Manager { s: s.clone(), handles: BTreeMap::new(), resources: Vec::new(), inventory, book };
+    m.reload().await;
     let mut watched: BTreeMap<PathBuf, nix::sys::inotify::WatchDescriptor> = BTreeMap::new();
     let flags = AddWatchFlags::IN_CREATE
         | AddWatchFlags::IN_DELETE
@@ -423,29 +570,22 @@ pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventor
         | AddWatchFlags::IN_ATTRIB;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_health = Instant::now();
     loop {
         // Keep the watch set in step with the configuration (directories can appear later).
         for d in m.watch_dirs() {
             if !watched.contains_key(&d)
                 && let Ok(wd) = inotify.add_watch(&d, flags)
             {
-                watched.insert(d, wd);
                 // Anything that happened before the watch existed.
-                m.rescan(None);
+                if d == s.plugin_dir {
+                    m.check_all();
+                }
+                m.rescan(&d);
+                watched.insert(d, wd);
             }
         }
-        m.register_due().await;
-        let retry = m.next_attempt();
         tokio::select! {
-            _ = shutdown.wait_for(|s| *s) => break,
-            // A registration retry wakes the loop at its time, not at the next tick.
-            _ = async {
-                match retry {
-                    Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
-                    None => std::future::pending().await,
-                }
-            } => {}
+            _ = stopped(&mut shutdown) => break,
             ready = afd.readable() => {
                 let mut guard = match ready { Ok(g) => g, Err(_) => break };
                 let events = match inotify.read_events() {
@@ -455,16 +595,19 @@ pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventor
                 };
                 guard.clear_ready();
                 let mut reload = false;
-                let mut kubelet = false;
-                let mut removed_sockets = HashSet::new();
+                let mut sockets = false;
                 let mut dirs = HashSet::new();
                 for ev in events {
                     if ev.mask.contains(AddWatchFlags::IN_IGNORED) {
+                        // The directory went (a removed device-plugins/): the tasks notice
+                        // their sockets gone; the watch comes back with the directory.
+                        if watched.get(&s.plugin_dir) == Some(&ev.wd) {
+                            sockets = true;
+                        }
                         watched.retain(|_, wd| *wd != ev.wd);
                         continue;
                     }
                     let Some(dir) = watched.iter().find(|(_, wd)| **wd == ev.wd).map(|(d, _)| d.clone()) else { continue };
-                    let name = ev.name.as_ref().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
                     // Any change in the device file's directory: the file itself, or a
                     // Kubernetes ConfigMap volume swapping its `..data` symlink (the file's
                     // own path never changes then). A reload that finds the same devices
@@ -473,42 +616,27 @@ pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventor
                         reload = true;
                     }
                     if dir == s.plugin_dir {
-                        if name == KUBELET_SOCKET && ev.mask.intersects(AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO) {
-                            kubelet = true;
-                        }
-                        if ev.mask.intersects(AddWatchFlags::IN_DELETE | AddWatchFlags::IN_MOVED_FROM) {
-                            removed_sockets.insert(name.clone());
-                        }
+                        sockets = true;
                     }
                     dirs.insert(dir);
                 }
                 if reload {
-                    m.reload();
+                    m.reload().await;
                 }
-                for name in removed_sockets {
-                    m.socket_removed(&name);
-                }
-                if kubelet {
-                    m.kubelet_restarted();
+                if sockets {
+                    m.check_all();
                 }
                 for d in dirs {
-                    m.rescan(Some(&d));
+                    m.rescan(&d);
                 }
             }
-            _ = tick.tick() => {
-                if last_health.elapsed() >= Duration::from_secs(2) {
-                    m.rescan(None);
-                    last_health = Instant::now();
-                }
-            }
+            // Re-adds the watches of directories that appear later (see the top of the loop).
+            _ = tick.tick() => {}
         }
     }
     m.inventory.set(Vec::new());
-    for (_, r) in std::mem::take(&mut m.plugins) {
-        let res = r.plugin.res.clone();
-        let _ = r.stop.send(true);
-        let _ = r.server.await;
-        let _ = std::fs::remove_file(m.socket_path(&res));
+    for (_, h) in std::mem::take(&mut m.handles) {
+        stop(h).await;
     }
     tracing::info!("device plugins stopped");
 }

@@ -2,10 +2,12 @@
 //! `devices::inventory`) and the `v1beta1.DevicePlugin` service kubelet calls on the
 //! plugin's socket.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use tokio::sync::watch;
 use tokio_stream::Stream;
@@ -18,19 +20,54 @@ use crate::rpc::deviceplugin as pb;
 pub const HEALTHY: &str = "Healthy";
 pub const UNHEALTHY: &str = "Unhealthy";
 
+/// At most this many containers in one GetPreferredAllocation or Allocate request (a pod
+/// has a handful; the bound keeps one request's work proportional to the resource).
+pub const MAX_CONTAINERS: usize = 256;
+
 /// The state of one resource.
 pub struct Plugin {
     pub res: Arc<Resource>,
     nodes: Mutex<BTreeMap<PathBuf, Node>>,
+    /// Device nodes whose name cannot be a device ID or CDI device name (said once each).
+    rejected: Mutex<HashSet<PathBuf>>,
     list_tx: watch::Sender<Vec<pb::Device>>,
 }
 
+/// An ID as it may appear in a log line or an error message: at most 64 bytes of it.
+pub fn short(id: &str) -> String {
+    const MAX: usize = 64;
+    if id.len() <= MAX {
+        return format!("{id:?}");
+    }
+    let mut end = MAX;
+    while !id.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{:?}… ({} bytes)", &id[..end], id.len())
+}
+
+/// A list of IDs for a log line: the first 8 (each shortened), then how many more.
+pub fn summary(ids: &[String]) -> String {
+    let mut out: Vec<String> = ids.iter().take(8).map(|i| short(i)).collect();
+    if ids.len() > 8 {
+        out.push(format!("and {} more", ids.len() - 8));
+    }
+    format!("[{}]", out.join(", "))
+}
+
 impl Plugin {
+    /// A plugin with its devices scanned.
     pub fn new(res: Arc<Resource>) -> Arc<Self> {
-        let (list_tx, _) = watch::channel(Vec::new());
-        let p = Arc::new(Plugin { res, nodes: Mutex::new(BTreeMap::new()), list_tx });
+        let p = Self::unscanned(res);
         p.rescan();
         p
+    }
+
+    /// A plugin that has not looked for its devices yet (its task scans them off the
+    /// async runtime).
+    pub fn unscanned(res: Arc<Resource>) -> Arc<Self> {
+        let (list_tx, _) = watch::channel(Vec::new());
+        Arc::new(Plugin { res, nodes: Mutex::new(BTreeMap::new()), rejected: Mutex::default(), list_tx })
     }
 
     /// Re-read the device nodes and their health; publish the list when it changed.
@@ -49,6 +86,15 @@ impl Plugin {
                 } else {
                     base
                 };
+                // The name is the device ID kubelet sees, part of a comma-separated list in
+                // the container's environment, and the CDI device name: one that breaks
+                // any of those is not offered (the others still are).
+                if let Err(why) = crate::devices::cdi::check_device_name(&name) {
+                    if self.rejected.lock().unwrap().insert(path.clone()) {
+                        tracing::warn!(resource = %self.res.resource_name(), device = %path.display(), "device node not offered: {why}");
+                    }
+                    continue;
+                }
                 nodes.insert(path.clone(), Node { path: path.clone(), name, healthy: false, numa: numa_of(path) });
             }
         }
@@ -92,15 +138,26 @@ impl Plugin {
     /// The node behind a device ID, if the ID is one of ours.
     fn node_of(&self, id: &str) -> Option<Node> {
         let nodes = self.nodes.lock().unwrap();
+        let by_name: HashMap<&str, &Node> = nodes.values().map(|n| (n.name.as_str(), n)).collect();
+        self.lookup(&by_name, id).cloned()
+    }
+
+    /// [`Plugin::node_of`] over a name index.
+    fn lookup<'a>(&self, by_name: &HashMap<&str, &'a Node>, id: &str) -> Option<&'a Node> {
         if self.res.share == 1 {
-            return nodes.values().find(|n| n.name == id).cloned();
+            return by_name.get(id).copied();
         }
         let (stem, k) = id.rsplit_once('-')?;
-        let k: u32 = k.parse().ok()?;
-        if k >= self.res.share || k.to_string() != id.rsplit_once('-')?.1 {
+        let n: u32 = k.parse().ok()?;
+        if n >= self.res.share || n.to_string() != k {
             return None;
         }
-        nodes.values().find(|n| n.name == stem).cloned()
+        by_name.get(stem).copied()
+    }
+
+    /// How many device IDs the resource advertises now.
+    pub fn advertised(&self) -> usize {
+        self.list_tx.borrow().len()
     }
 
     /// Check every ID: unknown → INVALID_ARGUMENT, unhealthy → FAILED_PRECONDITION. Returns
@@ -109,11 +166,12 @@ impl Plugin {
         let mut out: Vec<Node> = Vec::new();
         for id in ids {
             let n = self.node_of(id).ok_or_else(|| {
-                Status::invalid_argument(format!("device {id:?} is not a device of {}", self.res.resource_name()))
+                Status::invalid_argument(format!("device {} is not a device of {}", short(id), self.res.resource_name()))
             })?;
             if !check_health(&n.path) {
                 return Err(Status::failed_precondition(format!(
-                    "device {id:?} ({}) of {} is unhealthy",
+                    "device {} ({}) of {} is unhealthy",
+                    short(id),
                     n.path.display(),
                     self.res.resource_name()
                 )));
@@ -161,80 +219,106 @@ impl Plugin {
 
     /// A preferred allocation: `must` first, then devices on the NUMA node already most used
     /// (alignment) when the nodes report NUMA, else spread over physical devices (fewest
-    /// already chosen from the same node first).
+    /// already chosen from the same node first); healthy before unhealthy, IDs we do not
+    /// know last, ties by ID. O(n log n) in the available IDs: each device node keeps its
+    /// free IDs in order and sits in a heap of its (health, NUMA node) group keyed by how
+    /// many IDs were taken from it, so a pick is a heap pop over a handful of groups.
     pub fn preferred(&self, available: &[String], must: &[String], size: usize) -> Result<Vec<String>, Status> {
+        self.preferred_by(available, must, size, None)
+    }
+
+    /// [`Plugin::preferred`], stopping with DEADLINE_EXCEEDED at `deadline`.
+    pub fn preferred_by(&self, available: &[String], must: &[String], size: usize, deadline: Option<Instant>) -> Result<Vec<String>, Status> {
         if must.len() > size {
             return Err(Status::invalid_argument(format!("{} devices must be included but only {size} asked for", must.len())));
         }
-        for id in must {
-            if !available.contains(id) {
-                return Err(Status::invalid_argument(format!("must-include device {id:?} is not available")));
-            }
+        let avail: HashSet<&str> = available.iter().map(String::as_str).collect();
+        if let Some(id) = must.iter().find(|id| !avail.contains(id.as_str())) {
+            return Err(Status::invalid_argument(format!("must-include device {} is not available", short(id))));
         }
         if size > available.len() {
             return Err(Status::invalid_argument(format!("{size} devices asked for, {} available", available.len())));
         }
-        let mut chosen: Vec<String> = must.to_vec();
-        let info: BTreeMap<String, Node> = available.iter().filter_map(|id| self.node_of(id).map(|n| (id.clone(), n))).collect();
-        // Counts of what is chosen so far, per device node and per NUMA node, kept up to
-        // date as devices are picked: each pick is one pass over the candidates (a device
-        // shared 1000 ways lists 1000 IDs; recounting per candidate made 2000 IDs take minutes).
-        let mut taken: HashSet<&str> = HashSet::new();
-        let mut on_path: HashMap<&Path, usize> = HashMap::new();
+        let nodes = self.nodes.lock().unwrap().clone();
+        let by_name: HashMap<&str, &Node> = nodes.values().map(|n| (n.name.as_str(), n)).collect();
+        let index: HashMap<&std::path::Path, usize> = nodes.values().enumerate().map(|(i, n)| (n.path.as_path(), i)).collect();
+        let node_list: Vec<&Node> = nodes.values().collect();
+        let mut used = vec![0usize; node_list.len()];
         let mut on_numa: HashMap<i64, usize> = HashMap::new();
-        fn pick<'a>(
-            info: &'a BTreeMap<String, Node>,
-            id: &str,
-            taken: &mut HashSet<&'a str>,
-            on_path: &mut HashMap<&'a Path, usize>,
-            on_numa: &mut HashMap<i64, usize>,
-        ) {
-            if let Some((key, n)) = info.get_key_value(id) {
-                taken.insert(key.as_str());
-                *on_path.entry(n.path.as_path()).or_default() += 1;
+        let mut chosen: Vec<String> = must.to_vec();
+        let must_set: HashSet<&str> = must.iter().map(String::as_str).collect();
+        for id in &must_set {
+            if let Some(n) = self.lookup(&by_name, id) {
+                used[index[n.path.as_path()]] += 1;
                 if let Some(numa) = n.numa {
                     *on_numa.entry(numa).or_default() += 1;
                 }
             }
         }
-        for id in must {
-            pick(&info, id, &mut taken, &mut on_path, &mut on_numa);
+        // Free IDs per node, largest first (so `pop` gives the smallest); unknown IDs apart.
+        let mut free: Vec<Vec<&str>> = vec![Vec::new(); node_list.len()];
+        let mut unknown: Vec<&str> = Vec::new();
+        for id in avail.iter().filter(|id| !must_set.contains(*id)) {
+            match self.lookup(&by_name, id) {
+                Some(n) => free[index[n.path.as_path()]].push(id),
+                None => unknown.push(id),
+            }
         }
-        let mut candidates: Vec<&String> = available.iter().filter(|id| !must.contains(id)).collect();
-        candidates.sort();
-        candidates.dedup();
+        for f in &mut free {
+            f.sort_unstable_by(|a, b| b.cmp(a));
+        }
+        unknown.sort_unstable_by(|a, b| b.cmp(a));
+        type Heap<'a> = BinaryHeap<Reverse<(usize, &'a str, usize)>>;
+        let mut groups: BTreeMap<(bool, Option<i64>), Heap<'_>> = BTreeMap::new();
+        for (i, n) in node_list.iter().enumerate() {
+            if let Some(first) = free[i].last() {
+                groups.entry((n.healthy, n.numa)).or_default().push(Reverse((used[i], first, i)));
+            }
+        }
+        let mut steps = 0usize;
         while chosen.len() < size {
-            let next = candidates
+            steps += 1;
+            if steps % 256 == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(Status::deadline_exceeded(format!("preferred allocation of {size} from {} IDs did not finish in time", avail.len())));
+            }
+            let best = groups
                 .iter()
-                .filter(|id| !taken.contains(id.as_str()))
-                .min_by_key(|id| {
-                    let n = info.get(id.as_str());
-                    let numa_pref = n.and_then(|n| n.numa).and_then(|numa| on_numa.get(&numa).copied()).unwrap_or(0);
-                    let spread = n.map(|n| on_path.get(n.path.as_path()).copied().unwrap_or(0)).unwrap_or(usize::MAX);
-                    let healthy = n.is_some_and(|n| n.healthy);
-                    (!healthy, std::cmp::Reverse(numa_pref), spread, id.as_str())
+                .filter_map(|(&(healthy, numa), heap)| {
+                    let Reverse(top) = heap.peek()?;
+                    let numa_pref = numa.and_then(|n| on_numa.get(&n).copied()).unwrap_or(0);
+                    Some(((!healthy, Reverse(numa_pref), top.0, top.1), (healthy, numa)))
                 })
-                .map(|id| id.as_str());
-            match next {
-                Some(id) => {
-                    // An ID with no node (gone since the list) cannot be counted: mark it taken directly.
-                    if info.contains_key(id) {
-                        pick(&info, id, &mut taken, &mut on_path, &mut on_numa);
-                    } else {
-                        taken.insert(id);
+                .min()
+                .map(|(_, k)| k);
+            let Some(key) = best else {
+                match unknown.pop() {
+                    Some(id) => {
+                        chosen.push(id.to_string());
+                        continue;
                     }
-                    chosen.push(id.to_string());
+                    None => break,
                 }
-                None => break,
+            };
+            let heap = groups.get_mut(&key).expect("group chosen from the map");
+            let Reverse((_, id, i)) = heap.pop().expect("non-empty group");
+            chosen.push(id.to_string());
+            free[i].pop();
+            used[i] += 1;
+            if let Some(numa) = key.1 {
+                *on_numa.entry(numa).or_default() += 1;
+            }
+            if let Some(next) = free[i].last() {
+                heap.push(Reverse((used[i], next, i)));
             }
         }
         Ok(chosen)
     }
 
-    /// The CDI spec of this resource's devices now.
-    pub fn cdi_spec(&self) -> serde_json::Value {
+    /// The CDI spec of this resource's devices now (`None`: no device, so no spec).
+    pub fn cdi_spec(&self) -> Option<serde_json::Value> {
         let nodes = self.nodes.lock().unwrap();
-        crate::devices::cdi::spec(&self.res, nodes.values())
+        let edits = crate::devices::cdi::Edits { permissions: &self.res.permissions, env: &self.res.env, mounts: &self.res.mounts };
+        crate::devices::cdi::spec(&self.res.resource_name(), &edits, nodes.values().map(|n| (n.name.as_str(), n.path.as_path())))
     }
 
     pub fn subscribe(&self) -> watch::Receiver<Vec<pb::Device>> {
@@ -288,31 +372,50 @@ impl pb::device_plugin_server::DevicePlugin for Service {
         &self,
         req: Request<pb::PreferredAllocationRequest>,
     ) -> Result<Response<pb::PreferredAllocationResponse>, Status> {
-        let mut out = Vec::new();
-        for c in req.into_inner().container_requests {
-            let size = usize::try_from(c.allocation_size).map_err(|_| Status::invalid_argument("allocation_size must not be negative"))?;
-            let ids = self.plugin.preferred(&c.available_device_i_ds, &c.must_include_device_i_ds, size)?;
-            out.push(pb::ContainerPreferredAllocationResponse { device_i_ds: ids });
-        }
+        // kubelet sends no deadline; a client that does is answered (and the work stopped)
+        // by it. The work runs on a blocking thread, bounded by what the resource offers.
+        let deadline = crate::rpc::deadline_of(req.metadata()).map(|d| Instant::now() + d);
+        let r = req.into_inner();
+        self.bounded(r.container_requests.len(), r.container_requests.iter().map(|c| c.available_device_i_ds.len()))?;
+        let plugin = self.plugin.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            let mut out = Vec::new();
+            for c in r.container_requests {
+                let size = usize::try_from(c.allocation_size).map_err(|_| Status::invalid_argument("allocation_size must not be negative"))?;
+                let ids = plugin.preferred_by(&c.available_device_i_ds, &c.must_include_device_i_ds, size, deadline)?;
+                out.push(pb::ContainerPreferredAllocationResponse { device_i_ds: ids });
+            }
+            Ok::<_, Status>(out)
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(pb::PreferredAllocationResponse { container_responses: out }))
     }
 
     async fn allocate(&self, req: Request<pb::AllocateRequest>) -> Result<Response<pb::AllocateResponse>, Status> {
-        let mut out = Vec::new();
-        for c in req.into_inner().container_requests {
-            match self.plugin.allocate_one(&c.devices_ids) {
-                Ok(r) => {
-                    tracing::info!(resource = %self.plugin.res.resource_name(), devices = ?c.devices_ids, "allocated");
-                    out.push(r)
-                }
-                Err(e) => {
-                    tracing::warn!(resource = %self.plugin.res.resource_name(), ids = ?c.devices_ids, error = %e.message(), "Allocate refused");
-                    // A device that went bad: make sure kubelet's view is current.
-                    self.plugin.rescan();
-                    return Err(e);
+        let r = req.into_inner();
+        self.bounded(r.container_requests.len(), r.container_requests.iter().map(|c| c.devices_ids.len()))?;
+        let plugin = self.plugin.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            let mut out = Vec::new();
+            for c in r.container_requests {
+                match plugin.allocate_one(&c.devices_ids) {
+                    Ok(r) => {
+                        tracing::info!(resource = %plugin.res.resource_name(), devices = %summary(&c.devices_ids), "allocated");
+                        out.push(r)
+                    }
+                    Err(e) => {
+                        tracing::warn!(resource = %plugin.res.resource_name(), ids = %summary(&c.devices_ids), error = %e.message(), "Allocate refused");
+                        // A device that went bad: make sure kubelet's view is current.
+                        plugin.rescan();
+                        return Err(e);
+                    }
                 }
             }
-        }
+            Ok(out)
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(pb::AllocateResponse { container_responses: out }))
     }
 
@@ -320,7 +423,28 @@ impl pb::device_plugin_server::DevicePlugin for Service {
         &self,
         req: Request<pb::PreStartContainerRequest>,
     ) -> Result<Response<pb::PreStartContainerResponse>, Status> {
-        self.plugin.resolve(&req.into_inner().devices_ids)?;
+        let ids = req.into_inner().devices_ids;
+        self.bounded(1, [ids.len()].into_iter())?;
+        let plugin = self.plugin.clone();
+        tokio::task::spawn_blocking(move || plugin.resolve(&ids)).await.map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(pb::PreStartContainerResponse {}))
+    }
+}
+
+impl Service {
+    /// Refuse a request larger than anything this resource could be asked for: more
+    /// containers than a pod has, or more IDs for one container than the resource advertises.
+    fn bounded(&self, containers: usize, ids: impl Iterator<Item = usize>) -> Result<(), Status> {
+        if containers > MAX_CONTAINERS {
+            return Err(Status::invalid_argument(format!("{containers} container requests (at most {MAX_CONTAINERS})")));
+        }
+        let cap = self.plugin.advertised();
+        if let Some(n) = ids.into_iter().find(|n| *n > cap) {
+            return Err(Status::invalid_argument(format!(
+                "{n} device IDs in one container request; {} advertises {cap}",
+                self.plugin.res.resource_name()
+            )));
+        }
+        Ok(())
     }
 }
