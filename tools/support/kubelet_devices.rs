@@ -103,6 +103,10 @@ pub struct Resource {
     pub registrations: u32,
     /// When the latest registration was accepted.
     pub registered_at: Instant,
+    /// The kubelet instance (see [`KubeletEmulator::instance`]) of the latest registration.
+    pub instance: u64,
+    /// Successful registrations with that instance, the latest included.
+    pub registrations_in_instance: u32,
     /// `ListAndWatch` messages received, over all registrations.
     pub messages: u64,
     /// `ListAndWatch` messages received on the stream of the latest registration.
@@ -176,6 +180,8 @@ struct State {
     duplicates: Vec<String>,
     /// Register of these resources sleeps this long first.
     register_delay: BTreeMap<String, Duration>,
+    /// Register calls being handled now, per resource.
+    pending: BTreeMap<String, u32>,
 }
 
 /// One resource's registrations with one kubelet instance.
@@ -314,6 +320,8 @@ impl Shared {
                     served_options: dp::DevicePluginOptions::default(),
                     registrations: 1,
                     registered_at: now,
+                    instance,
+                    registrations_in_instance: 0,
                     messages: 0,
                     messages_this_registration: 0,
                     devices: Vec::new(),
@@ -335,6 +343,8 @@ impl Shared {
         p.options = r.options;
         p.served_options = served_options;
         p.registered_at = now;
+        p.instance = instance;
+        p.registrations_in_instance = st.this_instance.get(&r.resource_name).map(|c| c.count).unwrap_or(0);
         p.streaming = true;
         p.stream_end = None;
         // The consumer may start on another worker right away; it takes the lock, so it
@@ -432,6 +442,21 @@ struct Handler(Arc<Shared>);
 impl Registration for Handler {
     async fn register(&self, request: Request<dp::RegisterRequest>) -> Result<Response<dp::Empty>, Status> {
         let r = request.into_inner();
+        // Counted while handled, also when the caller gives up and the call is dropped.
+        struct Pending(Arc<Shared>, String);
+        impl Drop for Pending {
+            fn drop(&mut self) {
+                let mut st = self.0.lock();
+                if let Some(n) = st.pending.get_mut(&self.1) {
+                    *n = n.saturating_sub(1);
+                }
+                drop(st);
+                self.0.bump();
+            }
+        }
+        *self.0.lock().pending.entry(r.resource_name.clone()).or_default() += 1;
+        self.0.bump();
+        let _pending = Pending(self.0.clone(), r.resource_name.clone());
         let what = format!("{:?} (endpoint {:?}, version {:?})", r.resource_name, r.endpoint, r.version);
         match self.0.register(r).await {
             Ok(()) => Ok(Response::new(dp::Empty {})),
@@ -585,6 +610,12 @@ impl KubeletEmulator {
     /// Successful registrations of `resource` with the current (or latest) instance.
     pub fn registrations_this_instance(&self, resource: &str) -> u32 {
         self.shared.lock().this_instance.get(resource).map(|r| r.count).unwrap_or(0)
+    }
+
+    /// Register calls of `resource` being handled right now (e.g. sleeping in a
+    /// [`KubeletEmulator::set_register_delay`]).
+    pub fn pending_registrations(&self, resource: &str) -> u32 {
+        self.shared.lock().pending.get(resource).copied().unwrap_or(0)
     }
 
     /// When `resource` first registered with the current (or latest) instance.
