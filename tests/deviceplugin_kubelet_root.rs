@@ -192,6 +192,16 @@ impl Sandbox {
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log);
+        // Should this test process die without its Drop running, the agent dies too.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         self.agent = Some(cmd.spawn().expect("starting the agent"));
     }
 
@@ -647,7 +657,10 @@ async fn digit_leading_resource_name_is_refused_for_cdi_only() {
     // Without CDI the same name is fine.
     sb.write_devices(vec![sb.entry("3dfx", "gfx[0-9]*", 1, false), sb.entry("okdev", "okdev[0-9]*", 1, true)]);
     let dfx = res("3dfx");
-    match sb.kl.wait_for(&dfx, SLOW, |r| r.streaming && r.messages_this_registration >= 1).await {
+    // A registration after this reload (today's agent registered "3dfx" already, and a
+    // changed entry is served anew).
+    let n0 = sb.kl.resource(&dfx).map(|r| r.registrations).unwrap_or(0);
+    match sb.kl.wait_for(&dfx, SLOW, |r| r.registrations > n0 && r.streaming && r.messages_this_registration >= 1).await {
         Ok(r) => {
             p.check(r.ids() == vec!["gfx0".to_string()], || format!("3dfx (cdi: false) lists {:?}", r.ids()));
             match sb.kl.allocate(&dfx, vec![vec!["gfx0".into()]]).await {
@@ -731,6 +744,20 @@ fn six(sb: &Sandbox) -> (Vec<Value>, Vec<String>) {
     (entries, names)
 }
 
+/// `rm -rf dir`, again while the agent keeps creating sockets in it (a plain
+/// `remove_dir_all` fails with ENOTEMPTY then). Panics after 2 s of trying.
+async fn rm_rf(dir: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        match fs::remove_dir_all(dir) {
+            Ok(()) => return,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) if Instant::now() >= deadline => panic!("rm -rf {}: {e} (for 2 s)", dir.display()),
+            Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
+    }
+}
+
 /// One round's check: every resource registered and listing with the new instance within
 /// `limit` of `t0`, then (after `settle`) still exactly once. `Err`: what went wrong.
 async fn round_check(sb: &Sandbox, names: &[String], t0: Instant, limit: Duration, settle: Duration) -> Result<Duration, String> {
@@ -738,11 +765,11 @@ async fn round_check(sb: &Sandbox, names: &[String], t0: Instant, limit: Duratio
     let r = sb.all_registered(names, left).await;
     let took = t0.elapsed();
     if let Err(e) = r {
-        // How long it really takes (up to 20 s more), for the report.
-        let late = sb.all_registered(names, Duration::from_secs(20)).await;
+        // How long it really takes (up to 3 s more), for the report.
+        let late = sb.all_registered(names, Duration::from_secs(3)).await;
         let after = match late {
             Ok(()) => format!("all registered {:?} after the start", t0.elapsed()),
-            Err(_) => "still not after 20 s more".to_string(),
+            Err(_) => format!("still not {:?} after the start", t0.elapsed()),
         };
         return Err(format!("{} ({after})", cut(&e, 1500)));
     }
@@ -770,9 +797,10 @@ async fn device_plugin_dir_removal_recovers_every_resource_within_1s() {
     let mut worst = Duration::ZERO;
     let rounds = 40;
     let mut failed = 0;
+    let mut ran = 0;
     for round in 1..=rounds {
         sb.kl.stop().await;
-        fs::remove_dir_all(sb.dp_dir()).unwrap_or_else(|e| panic!("rm -rf {}: {e}", sb.dp_dir().display()));
+        rm_rf(&sb.dp_dir()).await;
         tokio::time::sleep(Duration::from_millis(20)).await;
         sb.kl.start().await;
         let t0 = Instant::now();
@@ -780,15 +808,17 @@ async fn device_plugin_dir_removal_recovers_every_resource_within_1s() {
             Ok(took) => worst = worst.max(took),
             Err(e) => {
                 failed += 1;
-                if failed <= 5 {
-                    p.push(format!("round {round}: {e}"));
-                }
+                p.push(format!("round {round}: {e}"));
             }
         }
         sb.assert_alive();
+        ran = round;
+        if failed >= 3 {
+            break; // enough evidence; each failed round costs seconds
+        }
     }
-    println!("directory removal: {} of {rounds} rounds failed; worst good round {worst:?}", failed);
-    p.check(failed == 0, || format!("{failed} of {rounds} rounds failed (the first ones are listed above)"));
+    println!("directory removal: {failed} of {ran} rounds failed; worst good round {worst:?}");
+    p.check(failed == 0, || format!("{failed} of {ran} rounds failed (stopped after 3 failures; {rounds} planned)"));
     let dups = sb.kl.duplicates();
     p.check(dups.is_empty(), || format!("duplicate registrations: {dups:?}"));
     p.check(sb.refusals().is_empty(), || format!("kubelet refused registrations: {:?}", sb.refusals()));
@@ -984,6 +1014,7 @@ async fn hundred_rounds_of_kubelet_restarts_dir_removal_and_stale_sockets() {
     sb.all_registered(&names, STARTUP).await.unwrap_or_else(|e| panic!("startup: {e}\n{}", sb.log_tail()));
     let mut p = Problems::default();
     let mut failed = [0u32; 3];
+    let mut ran = [0u32; 3];
     let mut worst = [Duration::ZERO; 3];
     let modes = ["kubelet restart", "directory removal", "stale kubelet.sock"];
     for round in 0..100usize {
@@ -992,7 +1023,7 @@ async fn hundred_rounds_of_kubelet_restarts_dir_removal_and_stale_sockets() {
             0 => sb.kl.stop().await,
             1 => {
                 sb.kl.stop().await;
-                fs::remove_dir_all(sb.dp_dir()).unwrap_or_else(|e| panic!("rm -rf {}: {e}", sb.dp_dir().display()));
+                rm_rf(&sb.dp_dir()).await;
             }
             _ => {
                 sb.kl.stop_leaving_stale_socket().await;
@@ -1005,18 +1036,23 @@ async fn hundred_rounds_of_kubelet_restarts_dir_removal_and_stale_sockets() {
             Ok(took) => worst[m] = worst[m].max(took),
             Err(e) => {
                 failed[m] += 1;
-                if failed.iter().sum::<u32>() <= 6 {
-                    p.push(format!("round {} ({}): {e}", round + 1, modes[m]));
-                }
+                p.push(format!("round {} ({}): {e}", round + 1, modes[m]));
             }
         }
         sb.assert_alive();
+        ran[m] += 1;
+        if failed.iter().sum::<u32>() >= 6 {
+            break; // enough evidence; each failed round costs seconds
+        }
     }
     for m in 0..3 {
-        println!("{}: {} failed rounds, worst good round {:?}", modes[m], failed[m], worst[m]);
+        println!("{}: {} of {} rounds failed, worst good round {:?}", modes[m], failed[m], ran[m], worst[m]);
     }
     p.check(failed.iter().all(|f| *f == 0), || {
-        format!("failed rounds: {} of 34 kubelet restarts, {} of 33 directory removals, {} of 33 stale sockets", failed[0], failed[1], failed[2])
+        format!(
+            "failed rounds (stopping after 6 failures): {} of {} kubelet restarts, {} of {} directory removals, {} of {} stale sockets",
+            failed[0], ran[0], failed[1], ran[1], failed[2], ran[2]
+        )
     });
     let dups = sb.kl.duplicates();
     p.check(dups.is_empty(), || format!("{} duplicate registrations, e.g. {:?}", dups.len(), &dups[..dups.len().min(3)]));
