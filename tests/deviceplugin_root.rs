@@ -986,6 +986,14 @@ async fn kubelet_emulator_self_check() {
     assert_eq!(kl.resource("example.com/fake").unwrap().messages, 4, "a dropped stream must not count");
     assert!(register(req("v1beta1"), kl.socket()).await.is_err(), "registered with a stopped kubelet");
     kl.start().await;
+    // Kubelet deletes every socket in the directory when it starts: the plugin serves anew.
+    assert!(!sock.exists(), "the kubelet emulator kept the plugin socket at start");
+    let listener = tokio::net::UnixListener::bind(&sock).unwrap();
+    let server2 = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(DevicePluginServer::new(fake::Plugin { devices: tx.subscribe() }))
+            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+    );
     register(req("v1beta1"), kl.socket()).await.unwrap();
     let r = kl
         .wait_for("example.com/fake", Duration::from_secs(2), |r| r.registrations == 3 && r.messages_this_registration == 1)
@@ -996,6 +1004,7 @@ async fn kubelet_emulator_self_check() {
     assert!(e.contains("example.com/fake"), "{e}");
 
     kl.stop().await;
+    server2.abort();
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
 }

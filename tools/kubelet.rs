@@ -207,6 +207,8 @@ async fn serve(args: Args) -> ExitCode {
             "ready_at": ready_at,
             "resources": resources,
             "registration_failures": kl.failures(),
+            "kubelet_instance": kl.instance(),
+            "duplicate_registrations": kl.duplicates(),
             "csi": csi_json(csi, book),
         })
     };

@@ -5,8 +5,9 @@
 //!
 //! It does what kubelet's device manager does with device plugins, over the real sockets:
 //!
-//! * it serves `v1beta1.Registration` on `<kubelet_dir>/device-plugins/kubelet.sock`
-//!   (a stale socket is removed first);
+//! * when it starts it deletes every socket in `device-plugins/` (plugin sockets included,
+//!   as kubelet's device manager does: a plugin must notice and serve its socket again),
+//!   then serves `v1beta1.Registration` on `<kubelet_dir>/device-plugins/kubelet.sock`;
 //! * `Register` is handled synchronously, before answering: the API version must be
 //!   `v1beta1`, the resource name must be an extended resource name and the endpoint a
 //!   socket base name; kubelet dials `<device-plugins>/<endpoint>`, asks
@@ -14,7 +15,19 @@
 //!   a spawned task; only then does it answer `Ok`. A failure answers `InvalidArgument`
 //!   (bad request) or `FailedPrecondition` (the plugin cannot be reached or refuses a call).
 //!   A second registration of the same resource replaces the first one (kubelet does that
-//!   when a plugin restarts): the old stream is dropped;
+//!   when a plugin restarts): the old stream is dropped. One connection per registration:
+//!   each Register dials the plugin anew;
+//! * registrations are counted per kubelet *instance* (one [`KubeletEmulator::start`] ..
+//!   [`KubeletEmulator::stop`]). A Register that began in an earlier instance is refused
+//!   (`Unavailable`), as a restart cuts its connection. **Duplicate rule**: a successful
+//!   Register of resource R is a duplicate when R already registered successfully with the
+//!   same instance and the plugin socket is still the same file as at that registration
+//!   (same inode and change time: the plugin did not serve a new socket in between, so it had
+//!   no reason to register again). [`KubeletEmulator::duplicates`] lists them (over all
+//!   instances), [`KubeletEmulator::registrations_this_instance`] counts per resource;
+//! * a per-resource Register delay ([`KubeletEmulator::set_register_delay`]) makes Register
+//!   of that resource sleep before it does anything: a slow kubelet. A Register cancelled by
+//!   its caller meanwhile is dropped with the connection (it registers nothing);
 //! * it remembers, per resource name, the latest full device list, every list received,
 //!   how many lists and registrations there were, the options and the endpoint;
 //! * it calls the plugin of a resource like kubelet does at container creation
@@ -23,6 +36,8 @@
 //!   server goes away together with `kubelet.sock` and every `ListAndWatch` stream, and a new
 //!   server binds a new `kubelet.sock`. What the emulator learned before stays visible
 //!   (the registration counter keeps counting) so tests can see the plugin come back.
+//!   [`KubeletEmulator::stop_leaving_stale_socket`] stops like a crashed kubelet instead:
+//!   `kubelet.sock` stays, nothing listens on it (connect is refused) until the next start.
 //!
 //! Waiting: every change bumps a `tokio::sync::watch` counter; [`KubeletEmulator::wait_for`]
 //! wakes up on it (and polls every 10 ms as a safety net), so tests never sleep blindly.
@@ -88,6 +103,10 @@ pub struct Resource {
     pub registrations: u32,
     /// When the latest registration was accepted.
     pub registered_at: Instant,
+    /// The kubelet instance (see [`KubeletEmulator::instance`]) of the latest registration.
+    pub instance: u64,
+    /// Successful registrations with that instance, the latest included.
+    pub registrations_in_instance: u32,
     /// `ListAndWatch` messages received, over all registrations.
     pub messages: u64,
     /// `ListAndWatch` messages received on the stream of the latest registration.
@@ -151,6 +170,36 @@ struct State {
     /// Refused registrations, with why.
     failures: Vec<String>,
     next_token: u64,
+    /// The current (or latest) kubelet instance, 1-based; 0 before the first start.
+    instance: u64,
+    /// When the current instance started.
+    instance_started_at: Option<Instant>,
+    /// Successful registrations with the current instance, per resource.
+    this_instance: BTreeMap<String, InstanceRegs>,
+    /// Duplicate registrations (see the module comment), over all instances.
+    duplicates: Vec<String>,
+    /// Register of these resources sleeps this long first.
+    register_delay: BTreeMap<String, Duration>,
+    /// Register calls being handled now, per resource.
+    pending: BTreeMap<String, u32>,
+}
+
+/// One resource's registrations with one kubelet instance.
+#[derive(Debug, Clone)]
+struct InstanceRegs {
+    count: u32,
+    first_at: Instant,
+    /// Identity of the plugin socket at the latest of them.
+    socket: Option<SocketId>,
+}
+
+/// A socket file's identity: (device, inode, ctime s, ctime ns). A replacement socket can
+/// get the old inode number back; the change time tells them apart.
+type SocketId = (u64, u64, i64, i64);
+
+fn socket_id(p: &Path) -> Option<SocketId> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(p).ok().map(|m| (m.dev(), m.ino(), m.ctime(), m.ctime_nsec()))
 }
 
 struct Shared {
@@ -171,6 +220,13 @@ impl Shared {
 
     /// Kubelet's `Register`: validate, dial back, get options, open `ListAndWatch`.
     async fn register(self: &Arc<Self>, r: dp::RegisterRequest) -> Result<(), Status> {
+        let (instance, delay) = {
+            let st = self.lock();
+            (st.instance, st.register_delay.get(&r.resource_name).copied())
+        };
+        if let Some(d) = delay {
+            tokio::time::sleep(d).await;
+        }
         if r.version != API_VERSION {
             return Err(Status::invalid_argument(format!(
                 "unsupported device plugin API version {:?}; kubelet speaks {API_VERSION:?}",
@@ -206,9 +262,39 @@ impl Shared {
             .map_err(|e| Status::failed_precondition(format!("ListAndWatch: {e}")))?
             .into_inner();
 
+        // After the dial: the socket this registration talks to.
+        let sock_id = socket_id(&socket);
+
         let mut st = self.lock();
         if !st.running {
             return Err(Status::unavailable("kubelet is shutting down"));
+        }
+        if st.instance != instance {
+            return Err(Status::unavailable("kubelet restarted while this Register was in flight"));
+        }
+        let now_i = Instant::now();
+        {
+            let stm = &mut *st;
+            match stm.this_instance.get_mut(&r.resource_name) {
+                Some(prev) => {
+                    if prev.socket.is_some() && prev.socket == sock_id {
+                        stm.duplicates.push(format!(
+                            "{} registered again with kubelet instance {instance} (registration #{} with it, {:?} after the first) on the same socket {} (inode {})",
+                            r.resource_name,
+                            prev.count + 1,
+                            now_i.saturating_duration_since(prev.first_at),
+                            socket.display(),
+                            sock_id.map(|i| i.1).unwrap_or(0),
+                        ));
+                    }
+                    prev.count += 1;
+                    prev.socket = sock_id;
+                }
+                None => {
+                    stm.this_instance
+                        .insert(r.resource_name.clone(), InstanceRegs { count: 1, first_at: now_i, socket: sock_id });
+                }
+            }
         }
         st.next_token += 1;
         let token = st.next_token;
@@ -234,6 +320,8 @@ impl Shared {
                     served_options: dp::DevicePluginOptions::default(),
                     registrations: 1,
                     registered_at: now,
+                    instance,
+                    registrations_in_instance: 0,
                     messages: 0,
                     messages_this_registration: 0,
                     devices: Vec::new(),
@@ -255,6 +343,8 @@ impl Shared {
         p.options = r.options;
         p.served_options = served_options;
         p.registered_at = now;
+        p.instance = instance;
+        p.registrations_in_instance = st.this_instance.get(&r.resource_name).map(|c| c.count).unwrap_or(0);
         p.streaming = true;
         p.stream_end = None;
         // The consumer may start on another worker right away; it takes the lock, so it
@@ -352,6 +442,21 @@ struct Handler(Arc<Shared>);
 impl Registration for Handler {
     async fn register(&self, request: Request<dp::RegisterRequest>) -> Result<Response<dp::Empty>, Status> {
         let r = request.into_inner();
+        // Counted while handled, also when the caller gives up and the call is dropped.
+        struct Pending(Arc<Shared>, String);
+        impl Drop for Pending {
+            fn drop(&mut self) {
+                let mut st = self.0.lock();
+                if let Some(n) = st.pending.get_mut(&self.1) {
+                    *n = n.saturating_sub(1);
+                }
+                drop(st);
+                self.0.bump();
+            }
+        }
+        *self.0.lock().pending.entry(r.resource_name.clone()).or_default() += 1;
+        self.0.bump();
+        let _pending = Pending(self.0.clone(), r.resource_name.clone());
         let what = format!("{:?} (endpoint {:?}, version {:?})", r.resource_name, r.endpoint, r.version);
         match self.0.register(r).await {
             Ok(()) => Ok(Response::new(dp::Empty {})),
@@ -374,6 +479,8 @@ pub struct KubeletEmulator {
     kubelet_dir: PathBuf,
     shared: Arc<Shared>,
     server: Option<Server>,
+    /// `start` deletes every socket in the directory (kubelet does).
+    wipe_sockets: bool,
 }
 
 impl KubeletEmulator {
@@ -391,6 +498,7 @@ impl KubeletEmulator {
             kubelet_dir: kubelet_dir.to_path_buf(),
             shared: Arc::new(Shared { device_dir, state: Mutex::new(State::default()), changed }),
             server: None,
+            wipe_sockets: true,
         }
     }
 
@@ -415,8 +523,10 @@ impl KubeletEmulator {
         self.shared.changed.subscribe()
     }
 
-    /// Bind `kubelet.sock` (removing a stale one) and serve `Registration`: kubelet starts.
-    /// The socket exists when this returns.
+    /// Kubelet starts: delete every socket in the device plugin directory (kubelet's device
+    /// manager does so: stale `kubelet.sock` and every plugin socket alike), bind a new
+    /// `kubelet.sock` and serve `Registration`. A new kubelet instance begins (its
+    /// registration counts start at 0). The socket exists when this returns.
     pub async fn start(&mut self) {
         assert!(self.server.is_none(), "kubelet emulator already running");
         std::fs::DirBuilder::new()
@@ -424,6 +534,9 @@ impl KubeletEmulator {
             .mode(0o750)
             .create(self.device_dir())
             .unwrap_or_else(|e| panic!("creating {}: {e}", self.device_dir().display()));
+        if self.wipe_sockets {
+            self.remove_sockets();
+        }
         let sock = self.socket();
         match std::fs::remove_file(&sock) {
             Ok(()) => {}
@@ -432,7 +545,14 @@ impl KubeletEmulator {
         }
         let listener =
             tokio::net::UnixListener::bind(&sock).unwrap_or_else(|e| panic!("binding {}: {e}", sock.display()));
-        self.shared.lock().running = true;
+        {
+            let mut st = self.shared.lock();
+            st.running = true;
+            st.instance += 1;
+            st.instance_started_at = Some(Instant::now());
+            st.this_instance.clear();
+        }
+        self.shared.bump();
         let (tx, rx) = oneshot::channel::<()>();
         let server = tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(Handler(self.shared.clone())))
@@ -441,6 +561,84 @@ impl KubeletEmulator {
                 let _ = rx.await;
             });
         self.server = Some(Server { shutdown: tx, task: tokio::spawn(server) });
+    }
+
+    /// Delete every socket file in the device plugin directory (what kubelet does when it
+    /// starts). Other files and directories stay.
+    fn remove_sockets(&self) {
+        use std::os::unix::fs::FileTypeExt;
+        let Ok(entries) = std::fs::read_dir(self.device_dir()) else { return };
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_socket()) {
+                match std::fs::remove_file(e.path()) {
+                    Ok(()) => {}
+                    Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(err) => panic!("kubelet emulator: removing socket {}: {err}", e.path().display()),
+                }
+            }
+        }
+    }
+
+    /// Whether [`KubeletEmulator::start`] deletes every socket in the directory (default:
+    /// yes, like kubelet). `false` deletes only a stale `kubelet.sock`.
+    pub fn set_wipe_sockets_on_start(&mut self, wipe: bool) {
+        self.wipe_sockets = wipe;
+    }
+
+    /// Register of `resource` sleeps `delay` before doing anything (a slow kubelet);
+    /// `Duration::ZERO` removes the delay.
+    pub fn set_register_delay(&self, resource: &str, delay: Duration) {
+        let mut st = self.shared.lock();
+        if delay.is_zero() {
+            st.register_delay.remove(resource);
+        } else {
+            st.register_delay.insert(resource.to_string(), delay);
+        }
+    }
+
+    /// The current (or, when stopped, the latest) kubelet instance, 1-based (0: never
+    /// started).
+    pub fn instance(&self) -> u64 {
+        self.shared.lock().instance
+    }
+
+    /// When the current (or latest) instance started.
+    pub fn instance_started_at(&self) -> Option<Instant> {
+        self.shared.lock().instance_started_at
+    }
+
+    /// Successful registrations of `resource` with the current (or latest) instance.
+    pub fn registrations_this_instance(&self, resource: &str) -> u32 {
+        self.shared.lock().this_instance.get(resource).map(|r| r.count).unwrap_or(0)
+    }
+
+    /// Register calls of `resource` being handled right now (e.g. sleeping in a
+    /// [`KubeletEmulator::set_register_delay`]).
+    pub fn pending_registrations(&self, resource: &str) -> u32 {
+        self.shared.lock().pending.get(resource).copied().unwrap_or(0)
+    }
+
+    /// When `resource` first registered with the current (or latest) instance.
+    pub fn first_registration_this_instance(&self, resource: &str) -> Option<Instant> {
+        self.shared.lock().this_instance.get(resource).map(|r| r.first_at)
+    }
+
+    /// Every duplicate registration so far, over all instances (see the module comment for
+    /// the rule), each described starting with the resource name.
+    pub fn duplicates(&self) -> Vec<String> {
+        self.shared.lock().duplicates.clone()
+    }
+
+    /// Stop like a kubelet that died without cleaning up: as [`KubeletEmulator::stop`], then
+    /// a `kubelet.sock` is left behind with nothing listening on it (connecting is refused)
+    /// until the next [`KubeletEmulator::start`] replaces it.
+    pub async fn stop_leaving_stale_socket(&mut self) {
+        self.stop().await;
+        let sock = self.socket();
+        let l = std::os::unix::net::UnixListener::bind(&sock)
+            .unwrap_or_else(|e| panic!("binding a stale {}: {e}", sock.display()));
+        // Dropping a listener closes it and leaves the file.
+        drop(l);
     }
 
     /// Kubelet goes away: `kubelet.sock` is deleted, every `ListAndWatch` stream is dropped
@@ -505,7 +703,7 @@ impl KubeletEmulator {
     /// Human-readable state, for failure messages.
     pub fn describe(&self) -> String {
         let st = self.shared.lock();
-        let mut s = format!("kubelet emulator (running: {}):\n", st.running);
+        let mut s = format!("kubelet emulator (running: {}, instance {}):\n", st.running, st.instance);
         for (name, e) in &st.entries {
             let p = &e.public;
             s += &format!(
@@ -528,6 +726,14 @@ impl KubeletEmulator {
         }
         for f in &st.failures {
             s += &format!("  refused registration: {f}\n");
+        }
+        s += &format!("  instance {}:", st.instance);
+        for (name, r) in &st.this_instance {
+            s += &format!(" {name}×{}", r.count);
+        }
+        s += "\n";
+        for d in &st.duplicates {
+            s += &format!("  DUPLICATE registration: {d}\n");
         }
         s
     }
