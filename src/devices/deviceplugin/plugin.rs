@@ -448,3 +448,81 @@ impl Service {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The greedy choice `preferred` makes, written the slow and obvious way: each pick is a
+    /// scan of every candidate for the best (health, NUMA use, spread, ID).
+    fn reference(p: &Plugin, available: &[String], must: &[String], size: usize) -> Vec<String> {
+        let mut chosen: Vec<String> = must.to_vec();
+        let mut candidates: Vec<&String> = available.iter().filter(|id| !must.contains(id)).collect();
+        candidates.sort();
+        candidates.dedup();
+        while chosen.len() < size {
+            let count = |f: &dyn Fn(&Node) -> bool| {
+                let mut seen = HashSet::new();
+                chosen.iter().filter(|c| seen.insert(c.as_str())).filter_map(|c| p.node_of(c)).filter(|n| f(n)).count()
+            };
+            let next = candidates.iter().filter(|id| !chosen.contains(id)).min_by_key(|id| {
+                let n = p.node_of(id);
+                let numa = n.as_ref().and_then(|n| n.numa).map(|x| count(&|o: &Node| o.numa == Some(x))).unwrap_or(0);
+                let spread = n.as_ref().map(|n| count(&|o: &Node| o.path == n.path)).unwrap_or(usize::MAX);
+                (!n.as_ref().is_some_and(|n| n.healthy), Reverse(numa), spread, id.to_string())
+            });
+            match next {
+                Some(id) => chosen.push(id.to_string()),
+                None => break,
+            }
+        }
+        chosen
+    }
+
+    #[test]
+    fn preferred_makes_the_reference_choice() {
+        use proptest::prelude::*;
+        let text = br#"{"resources": [{"name": "t", "devices": ["/nonexistent/t*"], "share": 3}]}"#;
+        let (mut ok, _) = crate::devices::config::parse(text).unwrap();
+        let res = Arc::new(ok.remove(0));
+        // Nodes: (healthy, numa) for up to 6 devices; requests over their IDs plus strangers.
+        let nodes = prop::collection::vec((any::<bool>(), prop::option::of(0i64..3)), 1..6);
+        let case = nodes.prop_flat_map(|nodes| {
+            let ids: Vec<String> = (0..nodes.len()).flat_map(|i| (0..3).map(move |k| format!("t{i}-{k}"))).chain(["x-0".to_string(), "t9-0".to_string()]).collect();
+            let n = ids.len();
+            (Just(nodes), prop::sample::subsequence(ids.clone(), 0..=n), prop::sample::subsequence(ids, 0..3), 0usize..n + 2)
+        });
+        let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config { cases: 2000, ..Default::default() });
+        runner
+            .run(&case, |(nodes, available, must, size)| {
+                let p = Plugin::unscanned(res.clone());
+                {
+                    let mut m = p.nodes.lock().unwrap();
+                    for (i, (healthy, numa)) in nodes.iter().enumerate() {
+                        let path = PathBuf::from(format!("/nonexistent/t{i}"));
+                        m.insert(path.clone(), Node { path, name: format!("t{i}"), healthy: *healthy, numa: *numa });
+                    }
+                }
+                let must: Vec<String> = must.into_iter().filter(|m| available.contains(m)).collect();
+                match p.preferred(&available, &must, size) {
+                    Ok(got) => prop_assert_eq!(got, reference(&p, &available, &must, size), "{:?} {:?} {:?} {}", nodes, available, must, size),
+                    Err(e) => prop_assert!(must.len() > size || size > available.len(), "refused: {e:?}"),
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    #[test]
+    fn ids_are_shortened_for_logs() {
+        let long = "a".repeat(3 << 20);
+        let s = short(&long);
+        assert!(s.len() < 100 && s.contains("3145728 bytes"), "{s}");
+        let many: Vec<String> = (0..1000).map(|i| format!("id-{i}")).collect();
+        let s = summary(&many);
+        assert!(s.contains("and 992 more") && s.len() < 200, "{s}");
+        assert_eq!(summary(&["a".into()]), "[\"a\"]");
+        // A multi-byte character at the cut is not split.
+        assert!(short(&"é".repeat(100)).contains("200 bytes"));
+    }
+}
