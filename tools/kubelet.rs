@@ -1,5 +1,6 @@
-//! A kubelet as a process, for tests that restart or kill it (test code): the device manager
-//! of `tools/support/kubelet_devices.rs` and, unless `--no-csi`, the plugin watcher of
+//! A kubelet as a process, for tests that restart or kill it (test code), and the kubelet of
+//! every node of `scripts/local-cluster` (which also makes its one-shot Allocate): the device
+//! manager of `tools/support/kubelet_devices.rs` and, unless `--no-csi`, the plugin watcher of
 //! `tools/support/kubelet_registration.rs` for CSI drivers.
 //!
 //! ```text
