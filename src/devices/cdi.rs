@@ -10,7 +10,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::devices::config::MountSpec;
 
 /// The CDI version of the specs written.
 pub const CDI_VERSION: &str = "0.6.0";
@@ -26,7 +25,8 @@ pub fn spec_path(cdi_dir: &Path, name: &str) -> PathBuf {
 pub struct Edits<'a> {
     pub permissions: &'a str,
     pub env: &'a BTreeMap<String, String>,
-    pub mounts: &'a [MountSpec],
+    /// (host path, container path, read-only)
+    pub mounts: Vec<(&'a Path, &'a Path, bool)>,
 }
 
 /// Why a name is not a valid CDI vendor, class or device name.
@@ -87,11 +87,11 @@ pub fn spec<'a>(kind: &str, res: &Edits<'_>, devices: impl IntoIterator<Item = (
     let mounts: Vec<serde_json::Value> = res
         .mounts
         .iter()
-        .map(|m| {
+        .map(|(host, container, read_only)| {
             serde_json::json!({
-                "hostPath": m.host_path,
-                "containerPath": m.container_path,
-                "options": if m.read_only { vec!["ro", "bind"] } else { vec!["rw", "bind"] },
+                "hostPath": host,
+                "containerPath": container,
+                "options": if *read_only { vec!["ro", "bind"] } else { vec!["rw", "bind"] },
             })
         })
         .collect();

@@ -58,6 +58,11 @@ const HEALTH_EVERY: Duration = Duration::from_secs(2);
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(30);
 const BACKOFF_MIN: Duration = Duration::from_millis(10);
 const BACKOFF_MAX: Duration = Duration::from_millis(200);
+/// A kubelet that answers and refuses is asked again at most this often (its log records
+/// every Register).
+const REFUSED_BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// A socket that cannot be bound (a file in the way, a full disk) is retried at most this often.
+const SERVE_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Which socket file is at a path: a restarted kubelet (or a re-served plugin) binds a new
 /// one, with a new inode or at least a new change time.
@@ -194,16 +199,15 @@ impl Manager {
             .filter(|n| !wanted.iter().any(|r| &r.name == *n && Some(r) == self.resources.iter().find(|o| &o.name == *n)))
             .cloned()
             .collect();
-        for name in stale {
-            if let Some(h) = self.handles.remove(&name) {
-                let res = h.plugin.res.clone();
-                stop(h).await;
-                self.book.withdrawn(&res.resource_name());
-                if !wanted.iter().any(|w| w.name == name && w.cdi) {
-                    let _ = std::fs::remove_file(cdi_path(&self.s, &res));
-                }
-                tracing::info!(resource = %res.resource_name(), "device plugin stopped");
+        let stopping: Vec<Handle> = stale.iter().filter_map(|n| self.handles.remove(n)).collect();
+        let gone: Vec<Arc<Resource>> = stopping.iter().map(|h| h.plugin.res.clone()).collect();
+        stop(stopping).await;
+        for res in gone {
+            self.book.withdrawn(&res.resource_name());
+            if !wanted.iter().any(|w| w.name == res.name && w.cdi) {
+                let _ = std::fs::remove_file(cdi_path(&self.s, &res));
             }
+            tracing::info!(resource = %res.resource_name(), "device plugin stopped");
         }
         self.resources = wanted.clone();
         for r in wanted {
@@ -250,11 +254,19 @@ impl Manager {
     }
 }
 
-/// Stop a resource task and wait for it (it stops its server and removes its socket).
-async fn stop(h: Handle) {
-    let _ = h.stop.send(true);
-    if tokio::time::timeout(Duration::from_secs(5), h.task).await.is_err() {
-        tracing::warn!(resource = %h.plugin.res.resource_name(), "device plugin task did not stop within 5 s");
+/// Stop resource tasks (all at once) and wait for them: each stops its server and removes
+/// its socket. One that does not end within 5 s is aborted, so it cannot serve (or remove)
+/// a path its successor has bound.
+async fn stop(handles: Vec<Handle>) {
+    for h in &handles {
+        let _ = h.stop.send(true);
+    }
+    for h in handles {
+        let mut task = h.task;
+        if tokio::time::timeout(Duration::from_secs(5), &mut task).await.is_err() {
+            tracing::warn!(resource = %h.plugin.res.resource_name(), "device plugin task did not stop within 5 s; aborted");
+            task.abort();
+        }
     }
 }
 
@@ -287,7 +299,8 @@ impl CdiFile {
             return;
         }
         let body = serde_json::to_vec_pretty(&spec).expect("CDI spec serialises");
-        if self.last.is_none() {
+        if self.last.is_none() || !self.path.exists() {
+            // First look, or the file went behind our back: what is there now.
             self.last = std::fs::read(&self.path).ok();
         }
         if self.last.as_deref() == Some(body.as_slice()) {
@@ -308,7 +321,9 @@ struct Task {
     wake: Arc<Wake>,
 }
 
-type Attempt = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), RegisterError>> + Send>>;
+/// A registration in flight; it yields the `kubelet.sock` seen once connected (the instance
+/// it reached).
+type Attempt = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Option<SockId>, RegisterError>> + Send>>;
 
 impl Task {
     /// Rescan the devices and bring the CDI spec up to date, on a blocking thread.
@@ -326,7 +341,7 @@ impl Task {
         .await;
         *cdi = back.unwrap_or_else(|e| {
             tracing::error!(resource = %self.plugin.res.resource_name(), error = %e, "device rescan failed");
-            None
+            self.plugin.res.cdi.then(|| CdiFile { path: cdi_path(&self.s, &self.plugin.res), last: None })
         });
     }
 
@@ -341,29 +356,35 @@ impl Task {
         let mut serve_error: Option<String> = None;
         // The kubelet instance this plugin instance is registered with.
         let mut registered: Option<SockId> = None;
-        let mut attempt: Option<(SockId, Attempt)> = None;
+        let mut attempt: Option<Attempt> = None;
         let mut next_attempt = Instant::now();
         let mut backoff = BACKOFF_MIN;
+        let mut serve_at = Instant::now();
+        let mut serve_backoff = BACKOFF_MIN;
         let mut said_absent = false;
         let mut last_health = Instant::now();
         loop {
             // Our socket: served, and the one we bound (removed or replaced → serve again:
             // a new plugin instance, which registers again).
             let ours = sock_id(&sock);
-            if served.is_none() || served.as_ref().map(|s| s.id) != ours {
-                if let Some(old) = served.take() {
-                    let _ = old.stop.send(true);
-                    old.server.abort();
-                    tracing::warn!(resource = %name, socket = %sock.display(), "device plugin socket removed or replaced; serving it again");
-                }
+            if served.as_ref().is_some_and(|s| Some(s.id) != ours) {
+                let old = served.take().expect("checked");
+                let _ = old.stop.send(true);
+                old.server.abort();
+                tracing::warn!(resource = %name, socket = %sock.display(), "device plugin socket removed or replaced; serving it again");
                 registered = None;
+                // An attempt in flight was for the old socket: kubelet could not use it.
                 attempt = None;
+                self.book.waiting(&name);
+            }
+            if served.is_none() && Instant::now() >= serve_at {
                 match serve(self.plugin.clone(), &sock) {
                     Ok(s) => {
                         tracing::info!(resource = %name, socket = %sock.display(), devices = self.plugin.advertised(), "device plugin serving");
                         self.book.served(crate::kubelet::Kind::DevicePlugin, &name, kubelet.clone());
                         served = Some(s);
                         serve_error = None;
+                        serve_backoff = BACKOFF_MIN;
                         said_absent = false;
                         next_attempt = Instant::now();
                         backoff = BACKOFF_MIN;
@@ -374,6 +395,8 @@ impl Task {
                             tracing::error!(resource = %name, socket = %sock.display(), error = %e, "cannot serve device plugin; retrying");
                             serve_error = Some(e);
                         }
+                        serve_at = Instant::now() + serve_backoff;
+                        serve_backoff = (serve_backoff * 2).min(SERVE_BACKOFF_MAX);
                     }
                 }
             }
@@ -386,12 +409,9 @@ impl Task {
                 next_attempt = Instant::now();
                 backoff = BACKOFF_MIN;
             }
-            if attempt.as_ref().is_some_and(|(id, _)| Some(*id) != instance) {
-                // The kubelet it was addressed to is gone; the new one gets its own.
-                attempt = None;
-                next_attempt = Instant::now();
-                backoff = BACKOFF_MIN;
-            }
+            // An attempt in flight is never dropped for a new kubelet.sock: it may have
+            // reached the new kubelet, which would then see a second Register. It ends when
+            // the kubelet it reached answers or goes; its outcome says which one it was.
             if served.is_some() && registered.is_none() && attempt.is_none() {
                 match instance {
                     None if !said_absent => {
@@ -401,39 +421,40 @@ impl Task {
                         );
                         said_absent = true;
                     }
-                    Some(id) if Instant::now() >= next_attempt => {
+                    Some(_) if Instant::now() >= next_attempt => {
                         said_absent = false;
                         let (k, r) = (kubelet.clone(), res.clone());
-                        attempt = Some((id, Box::pin(async move {
+                        attempt = Some(Box::pin(async move {
                             match tokio::time::timeout(REGISTER_TIMEOUT, register(&k, &r)).await {
                                 Ok(r) => r,
                                 Err(_) => Err(RegisterError::Unreachable(format!("Register not answered within {} s", REGISTER_TIMEOUT.as_secs()))),
                             }
-                        })));
+                        }));
                     }
                     _ => {}
                 }
             }
-            let wake_at = if registered.is_none() && attempt.is_none() && instance.is_some() {
-                next_attempt.min(Instant::now() + BACKSTOP)
-            } else {
-                Instant::now() + BACKSTOP
-            };
+            let mut wake_at = Instant::now() + BACKSTOP;
+            if served.is_none() {
+                wake_at = wake_at.min(serve_at);
+            } else if registered.is_none() && attempt.is_none() && instance.is_some() {
+                wake_at = wake_at.min(next_attempt);
+            }
             tokio::select! {
                 _ = stopped(&mut stop) => break,
                 _ = self.wake.check.notified() => {}
                 _ = self.wake.rescan.notified() => self.refresh(&mut cdi).await,
-                outcome = async { attempt.as_mut().expect("branch enabled only with an attempt").1.as_mut().await }, if attempt.is_some() => {
-                    let (id, _) = attempt.take().expect("attempt was in flight");
+                outcome = async { attempt.as_mut().expect("branch enabled only with an attempt").as_mut().await }, if attempt.is_some() => {
+                    attempt = None;
                     match outcome {
-                        Ok(()) if sock_id(&kubelet) == Some(id) => {
+                        Ok(Some(id)) if sock_id(&kubelet) == Some(id) => {
                             registered = Some(id);
                             backoff = BACKOFF_MIN;
                             tracing::info!(resource = %name, "device plugin registered with kubelet");
                             self.book.registered(&name);
                         }
                         // Registered with a kubelet that has gone since: the new one next.
-                        Ok(()) => next_attempt = Instant::now(),
+                        Ok(_) => next_attempt = Instant::now(),
                         Err(err) => {
                             match &err {
                                 RegisterError::Refused(m) => {
@@ -447,7 +468,8 @@ impl Task {
                             }
                             tracing::debug!(resource = %name, error = %err, backoff_ms = backoff.as_millis() as u64, "registration failed; retrying");
                             next_attempt = Instant::now() + backoff;
-                            backoff = (backoff * 2).min(BACKOFF_MAX);
+                            let max = if matches!(err, RegisterError::Refused(_)) { REFUSED_BACKOFF_MAX } else { BACKOFF_MAX };
+                            backoff = (backoff * 2).min(max);
                         }
                     }
                 }
@@ -461,7 +483,10 @@ impl Task {
         }
         if let Some(s) = served.take() {
             let _ = s.stop.send(true);
-            let _ = tokio::time::timeout(Duration::from_secs(2), s.server).await;
+            let mut server = s.server;
+            if tokio::time::timeout(Duration::from_secs(2), &mut server).await.is_err() {
+                server.abort();
+            }
             // Only the socket this task bound: a successor may have bound the path already.
             if sock_id(&sock) == Some(s.id) {
                 let _ = std::fs::remove_file(&sock);
@@ -508,8 +533,11 @@ enum RegisterError {
     Refused(String),
 }
 
-async fn register(kubelet: &Path, res: &Resource) -> Result<(), RegisterError> {
+async fn register(kubelet: &Path, res: &Resource) -> Result<Option<SockId>, RegisterError> {
     let ch = crate::rpc::connect_unix(kubelet).await.map_err(|e| RegisterError::Unreachable(format!("connecting to kubelet at {}: {e}", kubelet.display())))?;
+    // The instance this connection reached (a socket replaced between a look and the
+    // connect is the new one).
+    let reached = sock_id(kubelet);
     pb::registration_client::RegistrationClient::new(ch)
         .register(pb::RegisterRequest {
             version: API_VERSION.into(),
@@ -518,7 +546,7 @@ async fn register(kubelet: &Path, res: &Resource) -> Result<(), RegisterError> {
             options: Some(pb::DevicePluginOptions { pre_start_required: res.pre_start, get_preferred_allocation_available: true }),
         })
         .await
-        .map(|_| ())
+        .map(|_| reached)
         .map_err(|s| {
             let msg = format!("Register: {:?}: {}", s.code(), s.message());
             // A transport failure is kubelet not being there; any answer from it is a refusal.
@@ -588,12 +616,20 @@ pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventor
             _ = stopped(&mut shutdown) => break,
             ready = afd.readable() => {
                 let mut guard = match ready { Ok(g) => g, Err(_) => break };
-                let events = match inotify.read_events() {
-                    Ok(ev) => ev,
-                    Err(nix::errno::Errno::EAGAIN) => { guard.clear_ready(); continue }
-                    Err(e) => { tracing::warn!(error = %e, "inotify read"); guard.clear_ready(); continue }
-                };
+                // Read until the queue is empty: the descriptor is edge-triggered, and one
+                // read returns at most a buffer's worth of events.
+                let mut events = Vec::new();
+                loop {
+                    match inotify.read_events() {
+                        Ok(ev) if !ev.is_empty() => events.extend(ev),
+                        Ok(_) | Err(nix::errno::Errno::EAGAIN) => break,
+                        Err(e) => { tracing::warn!(error = %e, "inotify read"); break }
+                    }
+                }
                 guard.clear_ready();
+                if events.is_empty() {
+                    continue;
+                }
                 let mut reload = false;
                 let mut sockets = false;
                 let mut dirs = HashSet::new();
@@ -635,8 +671,6 @@ pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventor
         }
     }
     m.inventory.set(Vec::new());
-    for (_, h) in std::mem::take(&mut m.handles) {
-        stop(h).await;
-    }
+    stop(std::mem::take(&mut m.handles).into_values().collect()).await;
     tracing::info!("device plugins stopped");
 }

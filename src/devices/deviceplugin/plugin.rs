@@ -88,8 +88,11 @@ impl Plugin {
                 };
                 // The name is the device ID kubelet sees, part of a comma-separated list in
                 // the container's environment, and the CDI device name: one that breaks
-                // any of those is not offered (the others still are).
-                if let Err(why) = crate::devices::cdi::check_device_name(&name) {
+                // any of those, or is taken already, is not offered (the others still are).
+                let checked = crate::devices::cdi::check_device_name(&name).and_then(|()| {
+                    if nodes.values().any(|n| n.name == name) { Err(format!("device name {name:?} is taken by another device node")) } else { Ok(()) }
+                });
+                if let Err(why) = checked {
                     if self.rejected.lock().unwrap().insert(path.clone()) {
                         tracing::warn!(resource = %self.res.resource_name(), device = %path.display(), "device node not offered: {why}");
                     }
@@ -136,6 +139,7 @@ impl Plugin {
     }
 
     /// The node behind a device ID, if the ID is one of ours.
+    #[cfg(test)]
     fn node_of(&self, id: &str) -> Option<Node> {
         let nodes = self.nodes.lock().unwrap();
         let by_name: HashMap<&str, &Node> = nodes.values().map(|n| (n.name.as_str(), n)).collect();
@@ -164,8 +168,10 @@ impl Plugin {
     /// the distinct device nodes, in first-seen order.
     fn resolve(&self, ids: &[String]) -> Result<Vec<Node>, Status> {
         let mut out: Vec<Node> = Vec::new();
+        let nodes = self.nodes.lock().unwrap().clone();
+        let by_name: HashMap<&str, &Node> = nodes.values().map(|n| (n.name.as_str(), n)).collect();
         for id in ids {
-            let n = self.node_of(id).ok_or_else(|| {
+            let n = self.lookup(&by_name, id).cloned().ok_or_else(|| {
                 Status::invalid_argument(format!("device {} is not a device of {}", short(id), self.res.resource_name()))
             })?;
             if !check_health(&n.path) {
@@ -317,7 +323,11 @@ impl Plugin {
     /// The CDI spec of this resource's devices now (`None`: no device, so no spec).
     pub fn cdi_spec(&self) -> Option<serde_json::Value> {
         let nodes = self.nodes.lock().unwrap();
-        let edits = crate::devices::cdi::Edits { permissions: &self.res.permissions, env: &self.res.env, mounts: &self.res.mounts };
+        let edits = crate::devices::cdi::Edits {
+            permissions: &self.res.permissions,
+            env: &self.res.env,
+            mounts: self.res.mounts.iter().map(|m| (m.host_path.as_path(), m.container_path.as_path(), m.read_only)).collect(),
+        };
         crate::devices::cdi::spec(&self.res.resource_name(), &edits, nodes.values().map(|n| (n.name.as_str(), n.path.as_path())))
     }
 
@@ -394,7 +404,9 @@ impl pb::device_plugin_server::DevicePlugin for Service {
 
     async fn allocate(&self, req: Request<pb::AllocateRequest>) -> Result<Response<pb::AllocateResponse>, Status> {
         let r = req.into_inner();
-        self.bounded(r.container_requests.len(), r.container_requests.iter().map(|c| c.devices_ids.len()))?;
+        if r.container_requests.len() > MAX_CONTAINERS {
+            return Err(Status::invalid_argument(format!("{} container requests (at most {MAX_CONTAINERS})", r.container_requests.len())));
+        }
         let plugin = self.plugin.clone();
         let out = tokio::task::spawn_blocking(move || {
             let mut out = Vec::new();
@@ -424,7 +436,6 @@ impl pb::device_plugin_server::DevicePlugin for Service {
         req: Request<pb::PreStartContainerRequest>,
     ) -> Result<Response<pb::PreStartContainerResponse>, Status> {
         let ids = req.into_inner().devices_ids;
-        self.bounded(1, [ids.len()].into_iter())?;
         let plugin = self.plugin.clone();
         tokio::task::spawn_blocking(move || plugin.resolve(&ids)).await.map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(pb::PreStartContainerResponse {}))
@@ -432,8 +443,10 @@ impl pb::device_plugin_server::DevicePlugin for Service {
 }
 
 impl Service {
-    /// Refuse a request larger than anything this resource could be asked for: more
-    /// containers than a pod has, or more IDs for one container than the resource advertises.
+    /// Refuse a GetPreferredAllocation larger than anything this resource could be asked
+    /// for: more containers than a pod has, or more available IDs for one container than the
+    /// resource advertises. (Allocate and PreStart are linear in their IDs; gRPC's 4 MiB
+    /// message limit bounds them.)
     fn bounded(&self, containers: usize, ids: impl Iterator<Item = usize>) -> Result<(), Status> {
         if containers > MAX_CONTAINERS {
             return Err(Status::invalid_argument(format!("{containers} container requests (at most {MAX_CONTAINERS})")));
@@ -523,6 +536,7 @@ mod tests {
         assert!(s.contains("and 992 more") && s.len() < 200, "{s}");
         assert_eq!(summary(&["a".into()]), "[\"a\"]");
         // A multi-byte character at the cut is not split.
-        assert!(short(&"é".repeat(100)).contains("200 bytes"));
+        let cut = short(&format!("a{}", "é".repeat(100)));
+        assert!(cut.contains("201 bytes") && cut.starts_with("\"aé"), "{cut}");
     }
 }
