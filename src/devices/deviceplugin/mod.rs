@@ -84,10 +84,10 @@ fn sock_id(p: &Path) -> Option<SockId> {
 /// before the task looks is one.
 #[derive(Default)]
 struct Wake {
-    /// Look at the sockets now (something changed in the device-plugins directory).
+    /// Look at the sockets now (something changed in the device-plugins directory). A
+    /// rescan is asked through `Plugin::rescan_wanted` (a pattern's directory changed, or
+    /// Allocate found a device gone bad).
     check: tokio::sync::Notify,
-    /// Rescan the devices now (something changed in a pattern's directory).
-    rescan: tokio::sync::Notify,
 }
 
 /// A running resource, as the manager holds it.
@@ -233,7 +233,7 @@ impl Manager {
     /// Ask the tasks with a pattern in `dir` to rescan.
     fn rescan(&self, dir: &Path) {
         for h in self.handles.values().filter(|h| h.plugin.res.patterns.iter().any(|p| p.dir == dir)) {
-            h.wake.rescan.notify_one();
+            h.plugin.rescan_wanted.notify_one();
         }
     }
 
@@ -332,10 +332,11 @@ impl Task {
         let dir = self.s.cdi_dir.clone();
         let mut file = cdi.take();
         let back = tokio::task::spawn_blocking(move || {
-            plugin.rescan();
-            if let Some(f) = file.as_mut() {
-                f.sync(&dir, &plugin);
-            }
+            plugin.rescan_then(|p| {
+                if let Some(f) = file.as_mut() {
+                    f.sync(&dir, p);
+                }
+            });
             file
         })
         .await;
@@ -443,7 +444,7 @@ impl Task {
             tokio::select! {
                 _ = stopped(&mut stop) => break,
                 _ = self.wake.check.notified() => {}
-                _ = self.wake.rescan.notified() => self.refresh(&mut cdi).await,
+                _ = self.plugin.rescan_wanted.notified() => self.refresh(&mut cdi).await,
                 outcome = async { attempt.as_mut().expect("branch enabled only with an attempt").as_mut().await }, if attempt.is_some() => {
                     attempt = None;
                     match outcome {

@@ -31,6 +31,8 @@ pub struct Plugin {
     /// Device nodes whose name cannot be a device ID or CDI device name (said once each).
     rejected: Mutex<HashSet<PathBuf>>,
     list_tx: watch::Sender<Vec<pb::Device>>,
+    /// Asks the resource's task for a rescan (with its CDI spec) soon.
+    pub rescan_wanted: tokio::sync::Notify,
 }
 
 /// An ID as it may appear in a log line or an error message: at most 64 bytes of it.
@@ -67,12 +69,19 @@ impl Plugin {
     /// async runtime).
     pub fn unscanned(res: Arc<Resource>) -> Arc<Self> {
         let (list_tx, _) = watch::channel(Vec::new());
-        Arc::new(Plugin { res, nodes: Mutex::new(BTreeMap::new()), rejected: Mutex::default(), list_tx })
+        Arc::new(Plugin { res, nodes: Mutex::new(BTreeMap::new()), rejected: Mutex::default(), list_tx, rescan_wanted: Default::default() })
     }
 
     /// Re-read the device nodes and their health; publish the list when it changed.
     /// Returns whether it changed.
     pub fn rescan(&self) -> bool {
+        self.rescan_then(|_| ())
+    }
+
+    /// [`Plugin::rescan`], running `before_publish` after the nodes are updated and before a
+    /// changed list reaches ListAndWatch: the CDI spec must name a device before kubelet
+    /// can hand it out.
+    pub fn rescan_then(&self, before_publish: impl FnOnce(&Self)) -> bool {
         let found = scan(&self.res);
         let mut nodes = self.nodes.lock().unwrap();
         for path in &found {
@@ -111,6 +120,7 @@ impl Plugin {
         let list = self.list_locked(&nodes);
         drop(nodes);
         let changed = *self.list_tx.borrow() != list;
+        before_publish(self);
         if changed {
             self.list_tx.send_replace(list);
         }
@@ -418,8 +428,9 @@ impl pb::device_plugin_server::DevicePlugin for Service {
                     }
                     Err(e) => {
                         tracing::warn!(resource = %plugin.res.resource_name(), ids = %summary(&c.devices_ids), error = %e.message(), "Allocate refused");
-                        // A device that went bad: make sure kubelet's view is current.
-                        plugin.rescan();
+                        // A device that went bad: make sure kubelet's view is current
+                        // (the task rescans, CDI spec first).
+                        plugin.rescan_wanted.notify_one();
                         return Err(e);
                     }
                 }
