@@ -190,9 +190,28 @@ fn volume_records_round_trip() {
         state,
         created_at: 1_700_000_000,
         parameters: [("csi.storage.k8s.io/fstype".to_string(), "ext4".to_string())].into(),
+        kind: Default::default(),
+        source_volume: String::new(),
+        source_snapshot: String::new(),
     };
     be.commit_volumes(&[("pvc-1".into(), Some(v("pvc-1", VolState::Creating))), ("Odd_Id".into(), Some(v("Odd_Id", VolState::Creating)))])
         .unwrap();
+    // A snapshot and a volume restored from it live in the same objects, told apart by kind.
+    let snap = VolumeRecord {
+        kind: nodeplane::controller::records::RecordKind::Snapshot,
+        source_volume: "pvc-1".into(),
+        ..v("snap-1", VolState::Ready)
+    };
+    let restored = VolumeRecord { source_snapshot: "snap-1".into(), ..v("pvc-2", VolState::Creating) };
+    be.commit_volumes(&[("snap-1".into(), Some(snap.clone())), ("pvc-2".into(), Some(restored.clone()))]).unwrap();
+    let obj = f.get(GROUP, "nodeplanevolumes", None, "snap-1").unwrap();
+    assert_eq!((obj["spec"]["kind"].as_str(), obj["spec"]["sourceVolume"].as_str()), (Some("snapshot"), Some("pvc-1")));
+    let obj = f.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
+    assert!(obj["spec"].get("kind").is_none(), "a plain volume's spec is as before: {obj}");
+    let mut loaded = backend(&f).load_volumes().unwrap();
+    loaded.sort_by(|a, b| a.id.cmp(&b.id));
+    assert!(loaded.contains(&snap) && loaded.contains(&restored), "{loaded:?}");
+    be.commit_volumes(&[("snap-1".into(), None), ("pvc-2".into(), None)]).unwrap();
     be.commit_volumes(&[("pvc-1".into(), Some(v("pvc-1", VolState::Ready)))]).unwrap();
     let obj = f.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
     assert_eq!(obj["spec"]["state"], "ready");

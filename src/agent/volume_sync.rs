@@ -17,7 +17,8 @@ use super::config::{Config, ControllerConfig};
 use crate::storage::csi::NodeService;
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_client::NodeRegistryClient;
-use crate::storage::store::{FsType, VolumeError};
+use crate::storage::csi::snapshot::Taken;
+use crate::storage::store::{FsType, Source, VolumeError};
 use crate::sys::loopdev;
 
 fn code_of(e: &VolumeError) -> Code {
@@ -25,6 +26,17 @@ fn code_of(e: &VolumeError) -> Code {
         // No room on this node: the controller's placement was wrong about it.
         VolumeError::CapacityExceeded { .. } => Code::ResourceExhausted,
         e => crate::storage::csi::node::volume_error_code(e),
+    }
+}
+
+/// The content source a desired volume names, if any.
+fn source_of(d: &pb::DesiredVolume) -> Option<Source> {
+    if !d.source_snapshot_id.is_empty() {
+        Some(Source::Snapshot(d.source_snapshot_id.clone()))
+    } else if !d.source_volume_id.is_empty() {
+        Some(Source::Volume(d.source_volume_id.clone()))
+    } else {
+        None
     }
 }
 
@@ -44,7 +56,17 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
             match d.fs_type.parse::<FsType>() {
                 Err(e) => Err(e.into()),
                 Ok(fs) => match store.get(&d.id) {
-                    Ok(None) if d.creating => store.create_named(&d.id, d.size_bytes, fs, &d.name).map(|_| ()),
+                    Ok(None) if d.creating => match source_of(d) {
+                        None => store.create_named(&d.id, d.size_bytes, fs, &d.name).map(|_| ()),
+                        Some(src) => match svc.create_volume_from(&d.id, d.size_bytes, &d.name, &src) {
+                            Ok(Taken::Done(_)) => Ok(()),
+                            Ok(Taken::Busy) => {
+                                pending = true;
+                                Ok(())
+                            }
+                            Err(e) => Err(e),
+                        },
+                    },
                     // Past creation and gone: report it (the controller shows the volume
                     // abnormal); never re-create it empty under a claim that had data.
                     Ok(None) => Err(VolumeError::NotFound(d.id.clone())),
@@ -74,6 +96,38 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
             failures.push(fail(&d.id, &e));
         }
     }
+    for d in &set.snapshots {
+        let result = if d.present {
+            match store.get_snapshot(&d.id) {
+                Ok(None) if d.creating => match svc.take_snapshot(&d.id, &d.source_volume_id, &d.name) {
+                    Ok(Taken::Done(_)) => Ok(()),
+                    Ok(Taken::Busy) => {
+                        pending = true;
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                },
+                // Past creation and gone: reported missing, never re-taken from newer data.
+                Ok(None) => Err(VolumeError::NotFound(format!("snapshot {}", d.id))),
+                Ok(Some(s)) if s.name != d.name || s.source_volume != d.source_volume_id => {
+                    Err(VolumeError::SnapshotExists { id: d.id.clone(), volume: s.source_volume, name: s.name })
+                }
+                Ok(Some(_)) => Ok(()),
+                Err(e) => Err(e),
+            }
+        } else {
+            match store.get_snapshot(&d.id) {
+                Ok(Some(s)) if s.name != d.name => Ok(()),
+                Ok(Some(_)) => store.delete_snapshot(&d.id),
+                Ok(None) => Ok(()),
+                Err(e) => Err(e),
+            }
+        };
+        if let Err(e) = result {
+            tracing::warn!(snapshot = %d.id, present = d.present, error = %e, "could not converge snapshot");
+            failures.push(fail(&d.id, &e));
+        }
+    }
     // Orphans: held, not listed.
     let grace = Duration::from_secs(set.orphan_grace_seconds);
     let listed: std::collections::HashSet<&str> = set.volumes.iter().map(|d| d.id.as_str()).collect();
@@ -81,7 +135,11 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
     let attached = |path: &std::path::Path| bound.iter().any(|b| b.backing_file == path);
     let mut orphans = Vec::new();
     let held = store.list();
-    first_orphaned.retain(|id, _| held.iter().any(|v| &v.id == id) && !listed.contains(id.as_str()));
+    let held_snaps = store.list_snapshots();
+    first_orphaned.retain(|key, _| match key.strip_prefix("snapshot/") {
+        Some(id) => held_snaps.iter().any(|s| s.id == id) && !set.snapshots.iter().any(|d| d.id == id),
+        None => held.iter().any(|v| &v.id == key) && !listed.contains(key.as_str()),
+    });
     for v in &held {
         if listed.contains(v.id.as_str()) {
             continue;
@@ -105,6 +163,27 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
         }
         orphans.push(v.id.clone());
     }
+    // Snapshots the set does not list: kept for the grace period, then reclaimed (only
+    // those the controller made: they carry a name).
+    let listed_snaps: std::collections::HashSet<&str> = set.snapshots.iter().map(|d| d.id.as_str()).collect();
+    for s in store.list_snapshots() {
+        if listed_snaps.contains(s.id.as_str()) {
+            continue;
+        }
+        let key = format!("snapshot/{}", s.id);
+        let since = *first_orphaned.entry(key.clone()).or_insert_with(Instant::now);
+        if !s.name.is_empty() && since.elapsed() >= grace {
+            match store.delete_snapshot(&s.id) {
+                Ok(()) => {
+                    tracing::warn!(snapshot = %s.id, grace_s = grace.as_secs(), "reclaimed an orphan snapshot the controller does not know");
+                    first_orphaned.remove(&key);
+                    continue;
+                }
+                Err(e) => tracing::warn!(snapshot = %s.id, error = %e, "could not reclaim orphan snapshot"),
+            }
+        }
+        orphans.push(format!("snapshot/{}", s.id));
+    }
     let volumes = store
         .list()
         .into_iter()
@@ -126,6 +205,20 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
             failures,
             orphans,
             revision: set.revision,
+            snapshots: store
+                .list_snapshots()
+                .into_iter()
+                .map(|s| pb::SnapshotState {
+                    id: s.id,
+                    source_volume_id: s.source_volume,
+                    size_bytes: s.size_bytes,
+                    name: s.name,
+                    created_at: s.created_at as i64,
+                    fs_type: s.fs_type.as_str().to_string(),
+                    method: s.method,
+                    bytes_copied: s.bytes_copied,
+                })
+                .collect(),
         },
         pending,
     )

@@ -103,6 +103,36 @@ enum Call {
         /// StorageClass parameters, KEY=VALUE (repeat), e.g. csi.storage.k8s.io/fstype=xfs.
         #[arg(long = "param")]
         params: Vec<String>,
+        /// Content source: restore this snapshot.
+        #[arg(long, conflicts_with = "from_volume")]
+        from_snapshot: Option<String>,
+        /// Content source: clone this volume.
+        #[arg(long)]
+        from_volume: Option<String>,
+    },
+    /// Controller: CreateSnapshot.
+    CreateSnapshot {
+        #[arg(long)]
+        name: String,
+        /// The source volume id.
+        #[arg(long)]
+        volume: String,
+    },
+    /// Controller: DeleteSnapshot.
+    DeleteSnapshot {
+        #[arg(long)]
+        id: String,
+    },
+    /// Controller: ListSnapshots (one page), optionally filtered by snapshot or source volume.
+    ListSnapshots {
+        #[arg(long, default_value_t = 0)]
+        max: i32,
+        #[arg(long, default_value = "")]
+        token: String,
+        #[arg(long, default_value = "")]
+        id: String,
+        #[arg(long, default_value = "")]
+        volume: String,
     },
     /// Controller: DeleteVolume.
     DeleteVolume {
@@ -222,6 +252,20 @@ fn volume_json(v: &csi::Volume) -> serde_json::Value {
         "capacityBytes": v.capacity_bytes,
         "volumeContext": v.volume_context,
         "nodes": v.accessible_topology.iter().filter_map(|t| t.segments.get(nodeplane::storage::csi::TOPOLOGY_KEY)).collect::<Vec<_>>(),
+        "contentSource": v.content_source.as_ref().and_then(|c| c.r#type.as_ref()).map(|t| match t {
+            csi::volume_content_source::Type::Snapshot(s) => json!({"snapshot": s.snapshot_id}),
+            csi::volume_content_source::Type::Volume(v) => json!({"volume": v.volume_id}),
+        }),
+    })
+}
+
+fn snapshot_json(s: &csi::Snapshot) -> serde_json::Value {
+    json!({
+        "snapshotId": s.snapshot_id,
+        "sourceVolumeId": s.source_volume_id,
+        "sizeBytes": s.size_bytes,
+        "readyToUse": s.ready_to_use,
+        "creationTime": s.creation_time.as_ref().map(|t| t.seconds),
     })
 }
 
@@ -240,7 +284,7 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
             let probe = id.probe(csi::ProbeRequest {}).await?.into_inner();
             json!({"name": info.name, "vendorVersion": info.vendor_version, "capabilities": format!("{:?}", caps.capabilities), "ready": probe.ready})
         }
-        Call::CreateVolume { name, size, limit, fs, nodes, prefer, mode, params } => {
+        Call::CreateVolume { name, size, limit, fs, nodes, prefer, mode, params, from_snapshot, from_volume } => {
             let cap = capability(if fs == "block" { "block" } else { &fs }, &mode).map_err(bad)?;
             let mut parameters = std::collections::HashMap::new();
             for p in params {
@@ -256,10 +300,43 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
                     requisite: nodes.iter().map(|n| topology(n)).collect(),
                     preferred: prefer.iter().map(|n| topology(n)).collect(),
                 }),
+                volume_content_source: {
+                    use csi::volume_content_source::{SnapshotSource, Type, VolumeSource};
+                    match (from_snapshot, from_volume) {
+                        (Some(snapshot_id), _) => Some(csi::VolumeContentSource { r#type: Some(Type::Snapshot(SnapshotSource { snapshot_id })) }),
+                        (None, Some(volume_id)) => Some(csi::VolumeContentSource { r#type: Some(Type::Volume(VolumeSource { volume_id })) }),
+                        (None, None) => None,
+                    }
+                },
                 ..Default::default()
             };
             let v = ctl.create_volume(req).await?.into_inner().volume.unwrap_or_default();
             volume_json(&v)
+        }
+        Call::CreateSnapshot { name, volume } => {
+            let r = ctl
+                .create_snapshot(csi::CreateSnapshotRequest { name, source_volume_id: volume, ..Default::default() })
+                .await?
+                .into_inner();
+            snapshot_json(&r.snapshot.unwrap_or_default())
+        }
+        Call::DeleteSnapshot { id } => {
+            ctl.delete_snapshot(csi::DeleteSnapshotRequest { snapshot_id: id, ..Default::default() }).await?;
+            json!({})
+        }
+        Call::ListSnapshots { max, token, id, volume } => {
+            let r = ctl
+                .list_snapshots(csi::ListSnapshotsRequest {
+                    max_entries: max,
+                    starting_token: token,
+                    snapshot_id: id,
+                    source_volume_id: volume,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            let entries: Vec<_> = r.entries.iter().map(|e| snapshot_json(e.snapshot.as_ref().unwrap_or(&csi::Snapshot::default()))).collect();
+            json!({"entries": entries, "nextToken": r.next_token})
         }
         Call::DeleteVolume { id } => {
             ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: id, ..Default::default() }).await?;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use tonic::{Code, Request, Response, Status};
 
 use super::records::{VolState, VolumeRecord};
-use super::volumes::{BookError, Placement, VolumeBook, failure_since, held};
+use super::volumes::{BookError, ContentSource, Placement, VolumeBook, failure_since, held, held_snapshot};
 use crate::storage::csi::{TOPOLOGY_KEY, capability};
 use crate::storage::fs::FsType;
 use crate::rpc::csi;
@@ -144,15 +144,46 @@ fn node_of(t: &csi::Topology) -> Option<String> {
 }
 
 fn to_csi(v: &VolumeRecord) -> csi::Volume {
+    use csi::volume_content_source::{SnapshotSource, Type, VolumeSource};
     let mut ctx = std::collections::HashMap::new();
     ctx.insert("fsType".to_string(), v.fs_type.as_str().to_string());
     ctx.insert("node".to_string(), v.node.clone());
+    let content_source = if !v.source_snapshot.is_empty() {
+        Some(csi::VolumeContentSource { r#type: Some(Type::Snapshot(SnapshotSource { snapshot_id: v.source_snapshot.clone() })) })
+    } else if !v.source_volume.is_empty() {
+        Some(csi::VolumeContentSource { r#type: Some(Type::Volume(VolumeSource { volume_id: v.source_volume.clone() })) })
+    } else {
+        None
+    };
     csi::Volume {
         capacity_bytes: v.size_bytes as i64,
         volume_id: v.id.clone(),
         volume_context: ctx,
-        content_source: None,
+        content_source,
         accessible_topology: vec![topology_of(&v.node)],
+    }
+}
+
+fn content_source_of(c: &csi::VolumeContentSource) -> Result<ContentSource, CsiError> {
+    use csi::volume_content_source::Type;
+    match &c.r#type {
+        Some(Type::Snapshot(s)) if !s.snapshot_id.is_empty() => Ok(ContentSource::Snapshot(s.snapshot_id.clone())),
+        Some(Type::Volume(v)) if !v.volume_id.is_empty() => Ok(ContentSource::Volume(v.volume_id.clone())),
+        Some(Type::Snapshot(_)) => Err(invalid("volume_content_source.snapshot.snapshot_id is required")),
+        Some(Type::Volume(_)) => Err(invalid("volume_content_source.volume.volume_id is required")),
+        None => Err(invalid("volume_content_source names neither a snapshot nor a volume")),
+    }
+}
+
+/// A snapshot record as CSI shows it; `ready` when the node holds it complete.
+fn snapshot_to_csi(v: &VolumeRecord, ready: bool) -> csi::Snapshot {
+    csi::Snapshot {
+        size_bytes: v.size_bytes as i64,
+        snapshot_id: v.id.clone(),
+        source_volume_id: v.source_volume.clone(),
+        creation_time: Some(crate::rpc::Timestamp { seconds: v.created_at as i64, nanos: 0 }),
+        ready_to_use: ready,
+        group_snapshot_id: String::new(),
     }
 }
 
@@ -191,11 +222,53 @@ impl ControllerService {
         if r.name.len() > 128 {
             return Err(invalid("name is longer than 128 bytes"));
         }
-        let fs = check_capabilities(&r.volume_capabilities, fs_parameter(&r.parameters))?;
-        if r.volume_content_source.is_some() {
-            return Err(invalid("volume_content_source (snapshots, clones) is not supported"));
+        if r.volume_capabilities.is_empty() {
+            return Err(invalid("volume_capabilities is required"));
         }
-        let size = size_for_fs(r.capacity_range.as_ref(), fs)?;
+        // A source that does not exist is NOT_FOUND before the other argument checks.
+        let source = r.volume_content_source.as_ref().map(content_source_of).transpose()?;
+        // A retry of a volume made from a source that is gone since finds the volume.
+        let existing = self.book.by_name(&r.name);
+        let source_rec = match (&source, &existing) {
+            (Some(s), None) => Some(self.book.source(s)?),
+            (Some(s), Some(e)) => Some(self.book.source(s).unwrap_or_else(|_| e.clone())),
+            (None, _) => None,
+        };
+        let mut fs = check_capabilities(&r.volume_capabilities, fs_parameter(&r.parameters))?;
+        if let Some(src) = &source_rec {
+            // A copy holds the source's filesystem: unless the request names another one
+            // (refused), the volume is of the source's type; block and filesystem volumes
+            // do not convert into each other.
+            let named = fs_parameter(&r.parameters).is_some()
+                || r.volume_capabilities.iter().any(|c| matches!(&c.access_type, Some(csi::volume_capability::AccessType::Mount(m)) if !m.fs_type.is_empty()));
+            if fs.is_raw() != src.fs_type.is_raw() || (named && fs != src.fs_type) {
+                return Err(invalid(format!(
+                    "{} holds {:?}; the request asks for {:?} (a volume made from it holds the same)",
+                    source.as_ref().unwrap(),
+                    src.fs_type.as_str(),
+                    fs.as_str()
+                )));
+            }
+            fs = src.fs_type;
+        }
+        let mut size = size_for_fs(r.capacity_range.as_ref(), fs)?;
+        if let Some(src) = &source_rec {
+            let required = r.capacity_range.as_ref().map_or(0, |c| c.required_bytes.max(0) as u64);
+            let limit = r.capacity_range.as_ref().map_or(0, |c| c.limit_bytes.max(0) as u64);
+            if required == 0 {
+                size = src.size_bytes; // nothing asked: the source's size
+            }
+            if size < src.size_bytes {
+                if limit > 0 && limit < src.size_bytes {
+                    return Err(CsiError::new(Code::OutOfRange, format!(
+                        "{} holds {} bytes; limit_bytes {limit} is smaller",
+                        source.as_ref().unwrap(),
+                        src.size_bytes
+                    )));
+                }
+                size = src.size_bytes;
+            }
+        }
         let mut placement = Placement::default();
         if let Some(t) = &r.accessibility_requirements {
             for (i, top) in t.requisite.iter().enumerate() {
@@ -206,8 +279,8 @@ impl ControllerService {
         }
         let params: BTreeMap<String, String> = r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         let book = self.book.clone();
-        let (name, fs2, pl) = (r.name.clone(), fs, placement.clone());
-        let (rec, created) = tokio::task::spawn_blocking(move || book.place(&name, size, fs2, params, &pl))
+        let (name, fs2, pl, src2) = (r.name.clone(), fs, placement.clone(), source.clone());
+        let (rec, created) = tokio::task::spawn_blocking(move || book.place(&name, size, fs2, params, &pl, src2.as_ref()))
             .await
             .map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
         // Node failures count only from reconciles of a desired set that holds this call's
@@ -223,16 +296,21 @@ impl ControllerService {
                 return Err(CsiError::new(Code::Aborted, format!("volume {:?} is being deleted; retry", r.name)));
             }
             let params_ok = rec.parameters == r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<BTreeMap<_, _>>();
-            if !range_ok || rec.fs_type != fs || !topo_ok || !params_ok {
+            let source_ok = match &source {
+                None => rec.source_snapshot.is_empty() && rec.source_volume.is_empty(),
+                Some(ContentSource::Snapshot(s)) => &rec.source_snapshot == s,
+                Some(ContentSource::Volume(v)) => &rec.source_volume == v,
+            };
+            if !range_ok || rec.fs_type != fs || !topo_ok || !params_ok || !source_ok {
                 return Err(CsiError::new(Code::AlreadyExists, format!(
-                    "volume {:?} exists ({} bytes, fs {:?}, node {}, its own parameters) and does not match this request",
+                    "volume {:?} exists ({} bytes, fs {:?}, node {}, its own parameters and content source) and does not match this request",
                     r.name, rec.size_bytes, rec.fs_type, rec.node
                 )));
             }
         }
         match self.await_present(&rec.id, rec.size_bytes, since).await {
             Ok(v) => Ok(csi::CreateVolumeResponse { volume: Some(to_csi(&v)) }),
-            Err(e) if matches!(e.code(), Code::ResourceExhausted | Code::InvalidArgument | Code::AlreadyExists) => {
+            Err(e) if matches!(e.code(), Code::ResourceExhausted | Code::InvalidArgument | Code::AlreadyExists | Code::NotFound | Code::OutOfRange) => {
                 // The node refused for good (its store is full, the id is taken there by
                 // another claim): the record goes (the node deletes only a file carrying
                 // this claim's name), so a retry places the volume anew.
@@ -243,6 +321,138 @@ impl ControllerService {
             }
             Err(e) => Err(e),
         }
+    }
+
+    async fn do_create_snapshot(&self, r: csi::CreateSnapshotRequest) -> Result<csi::CreateSnapshotResponse, CsiError> {
+        if r.name.is_empty() {
+            return Err(invalid("name is required"));
+        }
+        if r.name.len() > 128 {
+            return Err(invalid("name is longer than 128 bytes"));
+        }
+        if r.source_volume_id.is_empty() {
+            return Err(invalid("source_volume_id is required"));
+        }
+        let params: BTreeMap<String, String> = r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let (book, name, src) = (self.book.clone(), r.name.clone(), r.source_volume_id.clone());
+        let (rec, _created) = blocking(move || book.place_snapshot(&name, &src, params)).await?;
+        if rec.source_volume != r.source_volume_id {
+            return Err(CsiError::new(Code::AlreadyExists, format!(
+                "snapshot {:?} exists and is of volume {}, not {}",
+                r.name, rec.source_volume, r.source_volume_id
+            )));
+        }
+        if rec.state == VolState::Deleting {
+            return Err(CsiError::new(Code::Aborted, format!("snapshot {:?} is being deleted; retry", r.name)));
+        }
+        let since = self.book.revision();
+        let id = rec.id.clone();
+        // Wait for the node to finish; after op_timeout answer "not ready yet" (the
+        // snapshotter calls again until ready_to_use).
+        let out = self
+            .book
+            .wait(self.op_timeout, |_, nodes, vols| {
+                let Some(v) = vols.get(&id) else {
+                    return Some(Err(CsiError::new(Code::Aborted, format!("snapshot {id} was deleted meanwhile"))));
+                };
+                let view = nodes.get(&v.node);
+                if let Some(f) = failure_since(view, &id, since) {
+                    return Some(Err(f.into()));
+                }
+                if v.state == VolState::Ready && held_snapshot(view, v).is_some() {
+                    return Some(Ok(v.clone()));
+                }
+                if view.is_none_or(|n| n.connected == 0) {
+                    return Some(Err(CsiError::new(Code::Unavailable, format!("node {} is not connected; retry", v.node))));
+                }
+                None
+            })
+            .await;
+        match out {
+            Ok(v) => Ok(csi::CreateSnapshotResponse { snapshot: Some(snapshot_to_csi(&v, true)) }),
+            Err(e) if e.code() == Code::DeadlineExceeded => {
+                Ok(csi::CreateSnapshotResponse { snapshot: Some(snapshot_to_csi(&rec, false)) })
+            }
+            Err(e) if matches!(e.code(), Code::ResourceExhausted | Code::NotFound | Code::AlreadyExists | Code::InvalidArgument) => {
+                // The node cannot take it (its store is full, the source is gone there):
+                // the record goes, so a retry starts over.
+                tracing::warn!(snapshot = %rec.id, node = %rec.node, error = %Status::from(e.clone()), "node failed to take the snapshot; abandoning it");
+                let (book, sid) = (self.book.clone(), rec.id.clone());
+                blocking(move || book.abandon(&sid)).await?;
+                Err(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn do_delete_snapshot(&self, r: csi::DeleteSnapshotRequest) -> Result<csi::DeleteSnapshotResponse, CsiError> {
+        let id = r.snapshot_id;
+        if id.is_empty() {
+            return Err(invalid("snapshot_id is required"));
+        }
+        let Some(v) = self.book.get_snapshot(&id) else {
+            return Ok(csi::DeleteSnapshotResponse {});
+        };
+        if self.book.is_source_in_use(&id) {
+            return Err(CsiError::new(Code::FailedPrecondition, format!("snapshot {id} is being restored into a new volume; retry when that is done")));
+        }
+        let connected = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0);
+        if !connected {
+            return Err(CsiError::new(Code::Unavailable, format!("node {} holding snapshot {id} is not connected; retry", v.node)));
+        }
+        let (book, did) = (self.book.clone(), id.clone());
+        blocking(move || book.begin_delete(&did)).await?;
+        let since = self.book.revision();
+        let node = v.node.clone();
+        self.book
+            .wait(self.op_timeout, |_, nodes, vols| {
+                if !vols.contains_key(&id) {
+                    return Some(Ok(csi::DeleteSnapshotResponse {}));
+                }
+                let view = nodes.get(&node);
+                if let Some(f) = failure_since(view, &id, since) {
+                    return Some(Err(f.into()));
+                }
+                if view.is_none_or(|n| n.connected == 0) {
+                    return Some(Err(CsiError::new(Code::Unavailable, format!("node {node} went away; retry"))));
+                }
+                None
+            })
+            .await
+    }
+
+    fn snapshot_ready(&self, v: &VolumeRecord, views: &std::collections::HashMap<String, super::volumes::NodeView>) -> bool {
+        v.state == VolState::Ready && held_snapshot(views.get(&v.node), v).is_some()
+    }
+
+    async fn do_list_snapshots(&self, r: csi::ListSnapshotsRequest) -> Result<csi::ListSnapshotsResponse, CsiError> {
+        if r.max_entries < 0 {
+            return Err(invalid("max_entries must not be negative"));
+        }
+        let after = if r.starting_token.is_empty() {
+            None
+        } else {
+            Some(decode_token(&r.starting_token).ok_or_else(|| CsiError::new(Code::Aborted, format!("starting_token {:?} is not valid", r.starting_token)))?)
+        };
+        let views = self.book.node_views();
+        // Filters: an unknown snapshot or source volume lists nothing (not an error).
+        let all: Vec<VolumeRecord> = self
+            .book
+            .list_snapshots()
+            .into_iter()
+            .filter(|v| v.state != VolState::Deleting)
+            .filter(|v| r.snapshot_id.is_empty() || v.id == r.snapshot_id)
+            .filter(|v| r.source_volume_id.is_empty() || v.source_volume == r.source_volume_id)
+            .filter(|v| after.as_ref().is_none_or(|a| &v.id > a))
+            .collect();
+        let take = if r.max_entries == 0 { all.len() } else { r.max_entries as usize };
+        let page: Vec<&VolumeRecord> = all.iter().take(take).collect();
+        let next_token = if all.len() > page.len() { page.last().map(|v| encode_token(&v.id)).unwrap_or_default() } else { String::new() };
+        let entries = page
+            .into_iter()
+            .map(|v| csi::list_snapshots_response::Entry { snapshot: Some(snapshot_to_csi(v, self.snapshot_ready(v, &views))) })
+            .collect();
+        Ok(csi::ListSnapshotsResponse { entries, next_token })
     }
 
     async fn do_delete_volume(&self, r: csi::DeleteVolumeRequest) -> Result<csi::DeleteVolumeResponse, CsiError> {
@@ -296,10 +506,11 @@ impl ControllerService {
             return Err(invalid("volume_id is required"));
         }
         let range = r.capacity_range.as_ref().ok_or_else(|| invalid("capacity_range is required"))?;
+        // An unknown volume is NOT_FOUND before the other argument checks.
+        let v = self.book.get(&r.volume_id).ok_or_else(|| BookError::NotFound(r.volume_id.clone()))?;
         if range.required_bytes <= 0 && range.limit_bytes <= 0 {
             return Err(invalid("capacity_range needs required_bytes or limit_bytes"));
         }
-        let v = self.book.get(&r.volume_id).ok_or_else(|| BookError::NotFound(r.volume_id.clone()))?;
         if let Some(c) = &r.volume_capability {
             let fs = check_capabilities(std::slice::from_ref(c), None)?;
             if fs.is_raw() != v.fs_type.is_raw() {
@@ -496,6 +707,10 @@ impl csi::controller_server::Controller for ControllerService {
             rpc::Type::ListVolumes,
             rpc::Type::VolumeCondition,
             rpc::Type::SingleNodeMultiWriter,
+            rpc::Type::CreateDeleteSnapshot,
+            rpc::Type::ListSnapshots,
+            rpc::Type::CloneVolume,
+            rpc::Type::GetSnapshot,
         ]
         .into_iter()
         .map(|t| csi::ControllerServiceCapability { r#type: Some(Type::Rpc(Rpc { r#type: t as i32 })) })
@@ -515,17 +730,27 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
         unimplemented("ControllerUnpublishVolume")
     }
-    async fn create_snapshot(&self, _: Request<csi::CreateSnapshotRequest>) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
-        unimplemented("CreateSnapshot")
+    async fn create_snapshot(&self, req: Request<csi::CreateSnapshotRequest>) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
+        Ok(Response::new(self.do_create_snapshot(req.into_inner()).await?))
     }
-    async fn delete_snapshot(&self, _: Request<csi::DeleteSnapshotRequest>) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
-        unimplemented("DeleteSnapshot")
+    async fn delete_snapshot(&self, req: Request<csi::DeleteSnapshotRequest>) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
+        Ok(Response::new(self.do_delete_snapshot(req.into_inner()).await?))
     }
-    async fn list_snapshots(&self, _: Request<csi::ListSnapshotsRequest>) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
-        unimplemented("ListSnapshots")
+    async fn list_snapshots(&self, req: Request<csi::ListSnapshotsRequest>) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
+        Ok(Response::new(self.do_list_snapshots(req.into_inner()).await?))
     }
-    async fn get_snapshot(&self, _: Request<csi::GetSnapshotRequest>) -> Result<Response<csi::GetSnapshotResponse>, Status> {
-        unimplemented("GetSnapshot")
+    async fn get_snapshot(&self, req: Request<csi::GetSnapshotRequest>) -> Result<Response<csi::GetSnapshotResponse>, Status> {
+        let r = req.into_inner();
+        if r.snapshot_id.is_empty() {
+            return Err(invalid("snapshot_id is required").into());
+        }
+        let v = self
+            .book
+            .get_snapshot(&r.snapshot_id)
+            .filter(|v| v.state != VolState::Deleting)
+            .ok_or_else(|| CsiError::from(BookError::SnapshotNotFound(r.snapshot_id.clone())))?;
+        let ready = self.snapshot_ready(&v, &self.book.node_views());
+        Ok(Response::new(csi::GetSnapshotResponse { snapshot: Some(snapshot_to_csi(&v, ready)) }))
     }
     async fn controller_get_volume(
         &self,

@@ -78,4 +78,27 @@ pub struct VolumeRecord {
     pub created_at: u64,
     #[serde(default)]
     pub parameters: BTreeMap<String, String>,
+    /// A volume, or a snapshot of one (both live in the volume book and its backends).
+    #[serde(default, skip_serializing_if = "RecordKind::is_volume")]
+    pub kind: RecordKind,
+    /// A snapshot: the volume it is of. A volume: the volume it was cloned from.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub source_volume: String,
+    /// A volume restored from this snapshot.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub source_snapshot: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RecordKind {
+    #[default]
+    Volume,
+    Snapshot,
+}
+
+impl RecordKind {
+    pub fn is_volume(&self) -> bool {
+        *self == RecordKind::Volume
+    }
 }

@@ -19,7 +19,7 @@ use tokio::sync::watch;
 use tonic::Code;
 
 use super::backend::{Backend, BackendError};
-use super::records::{VolState, VolumeRecord};
+use super::records::{RecordKind, VolState, VolumeRecord};
 use crate::rpc::controller as pb;
 use crate::storage::fs::FsType;
 
@@ -36,6 +36,8 @@ pub struct NodeView {
     /// Open WatchVolumes streams of this node.
     pub connected: u32,
     pub volumes: HashMap<String, pb::VolumeState>,
+    /// Complete snapshots the node holds.
+    pub snapshots: HashMap<String, pb::SnapshotState>,
     /// id -> (code, message, revision of the desired set the failing reconcile ran against)
     pub failures: HashMap<String, (i32, String, u64)>,
     pub orphans: Vec<String>,
@@ -43,8 +45,9 @@ pub struct NodeView {
 }
 
 struct BookState {
+    /// Volumes and snapshots, by id (one id space: a snapshot's id is never a volume's).
     vols: BTreeMap<String, VolumeRecord>,
-    by_name: HashMap<String, String>,
+    by_name: HashMap<(RecordKind, String), String>,
     nodes: HashMap<String, NodeView>,
     /// Bumped on every change of any node's desired set.
     revision: u64,
@@ -75,6 +78,17 @@ pub enum BookError {
     NoRoom { size: u64, within: String, candidates: String },
     #[error("volume {0} does not exist")]
     NotFound(String),
+    #[error("snapshot {0} does not exist")]
+    SnapshotNotFound(String),
+    /// A content source that is not complete yet.
+    #[error("{0} is not ready yet; retry")]
+    SourceNotReady(String),
+    /// A content source lives on one node only, which the request's topology excludes.
+    #[error("{what} lives on node {node}, which the requisite topology {requisite:?} excludes: a volume made from it can only be on that node")]
+    SourceOutside { what: String, node: String, requisite: Vec<String> },
+    /// A volume made from a source is at least the source's size.
+    #[error("{what} holds {source_size} bytes; the new volume may have at most {size}")]
+    SourceTooLarge { what: String, source_size: u64, size: u64 },
     #[error("volume {0} is being deleted")]
     BeingDeleted(String),
     /// The volume's node has not the room to grow it by `needed` bytes.
@@ -96,8 +110,10 @@ impl BookError {
         match self {
             BookError::Store(_) | BookError::ShuttingDown => Code::Unavailable,
             BookError::IdTaken { .. } => Code::AlreadyExists,
-            BookError::NoRoom { .. } => Code::ResourceExhausted,
-            BookError::NotFound(_) | BookError::BeingDeleted(_) => Code::NotFound,
+            BookError::NoRoom { .. } | BookError::SourceOutside { .. } => Code::ResourceExhausted,
+            BookError::NotFound(_) | BookError::BeingDeleted(_) | BookError::SnapshotNotFound(_) => Code::NotFound,
+            BookError::SourceNotReady(_) => Code::Unavailable,
+            BookError::SourceTooLarge { .. } => Code::OutOfRange,
             BookError::NoRoomToGrow { .. } => Code::OutOfRange,
             BookError::Node { code, .. } => *code,
             BookError::NotYet => Code::DeadlineExceeded,
@@ -141,7 +157,7 @@ impl VolumeBook {
         let mut vols = BTreeMap::new();
         let mut by_name = HashMap::new();
         for rec in backend.load_volumes()? {
-            if let Some(prev) = by_name.insert(rec.name.clone(), rec.id.clone()) {
+            if let Some(prev) = by_name.insert((rec.kind, rec.name.clone()), rec.id.clone()) {
                 let msg = format!("volume name {:?} recorded for both {prev} and {}", rec.name, rec.id);
                 return Err(BackendError::Corrupt(msg).into());
             }
@@ -162,10 +178,10 @@ impl VolumeBook {
         self.backend.commit_volumes(&changes)?;
         for (id, rec) in changes {
             if let Some(old) = st.vols.remove(&id) {
-                st.by_name.remove(&old.name);
+                st.by_name.remove(&(old.kind, old.name));
             }
             if let Some(r) = rec {
-                st.by_name.insert(r.name.clone(), id.clone());
+                st.by_name.insert((r.kind, r.name.clone()), id.clone());
                 st.vols.insert(id, r);
             }
         }
@@ -186,11 +202,25 @@ impl VolumeBook {
             volumes: st
                 .vols
                 .values()
-                .filter(|v| v.node == node)
+                .filter(|v| v.node == node && v.kind == RecordKind::Volume)
                 .map(|v| pb::DesiredVolume {
                     id: v.id.clone(),
                     size_bytes: v.size_bytes,
                     fs_type: v.fs_type.as_str().to_string(),
+                    present: v.state != VolState::Deleting,
+                    name: v.name.clone(),
+                    creating: v.state == VolState::Creating,
+                    source_snapshot_id: v.source_snapshot.clone(),
+                    source_volume_id: v.source_volume.clone(),
+                })
+                .collect(),
+            snapshots: st
+                .vols
+                .values()
+                .filter(|v| v.node == node && v.kind == RecordKind::Snapshot)
+                .map(|v| pb::DesiredSnapshot {
+                    id: v.id.clone(),
+                    source_volume_id: v.source_volume.clone(),
                     present: v.state != VolState::Deleting,
                     name: v.name.clone(),
                     creating: v.state == VolState::Creating,
@@ -217,6 +247,7 @@ impl VolumeBook {
         view.available_bytes = r.available_bytes;
         view.reported = true;
         view.volumes = r.volumes.iter().map(|v| (v.id.clone(), v.clone())).collect();
+        view.snapshots = r.snapshots.iter().map(|v| (v.id.clone(), v.clone())).collect();
         for f in &r.failures {
             view.failures.insert(f.id.clone(), (f.code, f.message.clone(), r.revision));
         }
@@ -226,9 +257,16 @@ impl VolumeBook {
         view.last_report = Some(Instant::now());
         let mut changes = Vec::new();
         for v in st.vols.values().filter(|v| v.node == r.node_name) {
-            let held = r.volumes.iter().find(|h| h.id == v.id && h.name == v.name);
+            let held = match v.kind {
+                RecordKind::Volume => r.volumes.iter().find(|h| h.id == v.id && h.name == v.name).map(|h| h.size_bytes),
+                RecordKind::Snapshot => r
+                    .snapshots
+                    .iter()
+                    .find(|h| h.id == v.id && h.name == v.name && h.source_volume_id == v.source_volume)
+                    .map(|h| h.size_bytes),
+            };
             match (v.state, held) {
-                (VolState::Creating, Some(h)) if h.size_bytes >= v.size_bytes => {
+                (VolState::Creating, Some(h)) if h >= v.size_bytes => {
                     changes.push((v.id.clone(), Some(VolumeRecord { state: VolState::Ready, ..v.clone() })));
                 }
                 (VolState::Deleting, None) => changes.push((v.id.clone(), None)),
@@ -241,24 +279,40 @@ impl VolumeBook {
         }
         for (id, c) in &changes {
             match c {
-                Some(_) => tracing::info!(volume = %id, node = %r.node_name, "volume ready"),
-                None => tracing::info!(volume = %id, node = %r.node_name, "volume deleted"),
+                Some(v) => tracing::info!(id = %id, kind = ?v.kind, node = %r.node_name, "ready"),
+                None => tracing::info!(id = %id, node = %r.node_name, "deleted"),
             }
         }
         self.commit(&mut st, changes)
     }
 
+    /// The volume `id` (never a snapshot).
     pub fn get(&self, id: &str) -> Option<VolumeRecord> {
-        self.st.lock().unwrap().vols.get(id).cloned()
+        self.get_kind(RecordKind::Volume, id)
+    }
+
+    /// The snapshot `id`.
+    pub fn get_snapshot(&self, id: &str) -> Option<VolumeRecord> {
+        self.get_kind(RecordKind::Snapshot, id)
+    }
+
+    fn get_kind(&self, kind: RecordKind, id: &str) -> Option<VolumeRecord> {
+        self.st.lock().unwrap().vols.get(id).filter(|v| v.kind == kind).cloned()
     }
 
     pub fn by_name(&self, name: &str) -> Option<VolumeRecord> {
         let st = self.st.lock().unwrap();
-        st.by_name.get(name).and_then(|id| st.vols.get(id)).cloned()
+        st.by_name.get(&(RecordKind::Volume, name.to_string())).and_then(|id| st.vols.get(id)).cloned()
     }
 
+    /// Every volume, by id.
     pub fn list(&self) -> Vec<VolumeRecord> {
-        self.st.lock().unwrap().vols.values().cloned().collect()
+        self.st.lock().unwrap().vols.values().filter(|v| v.kind == RecordKind::Volume).cloned().collect()
+    }
+
+    /// Every snapshot, by id.
+    pub fn list_snapshots(&self) -> Vec<VolumeRecord> {
+        self.st.lock().unwrap().vols.values().filter(|v| v.kind == RecordKind::Snapshot).cloned().collect()
     }
 
     /// Volumes per state (creating, ready, deleting) and open volume streams (metrics).
@@ -266,6 +320,10 @@ impl VolumeBook {
         let st = self.st.lock().unwrap();
         let mut s = BookStats::default();
         for v in st.vols.values() {
+            if v.kind == RecordKind::Snapshot {
+                s.snapshots += 1;
+                continue;
+            }
             match v.state {
                 VolState::Creating => s.creating += 1,
                 VolState::Ready => s.ready += 1,
@@ -281,7 +339,7 @@ impl VolumeBook {
     }
 
     /// Free bytes of a node for new volumes: its reported capacity minus everything placed
-    /// on it (including volumes still being created or deleted).
+    /// on it (including volumes still being created or deleted, and snapshots).
     fn free(st: &BookState, node: &str) -> u64 {
         let Some(view) = st.nodes.get(node) else { return 0 };
         let mine: Vec<&VolumeRecord> = st.vols.values().filter(|v| v.node == node).collect();
@@ -289,7 +347,7 @@ impl VolumeBook {
         // Placed but not (fully) on the node yet: the node's own figure does not count it.
         let pending: u64 = mine
             .iter()
-            .map(|v| v.size_bytes.saturating_sub(held(Some(view), v).map(|h| h.size_bytes).unwrap_or(0)))
+            .map(|v| v.size_bytes.saturating_sub(held_bytes(Some(view), v)))
             .sum();
         view.capacity_bytes.saturating_sub(used).min(view.available_bytes.saturating_sub(pending))
     }
@@ -325,9 +383,10 @@ impl VolumeBook {
         fs_type: FsType,
         parameters: BTreeMap<String, String>,
         placement: &Placement,
+        source: Option<&ContentSource>,
     ) -> Result<(VolumeRecord, bool), BookError> {
         let mut st = self.st.lock().unwrap();
-        if let Some(id) = st.by_name.get(name) {
+        if let Some(id) = st.by_name.get(&(RecordKind::Volume, name.to_string())) {
             return Ok((st.vols[id].clone(), false));
         }
         let id = volume_id_for(name);
@@ -335,11 +394,34 @@ impl VolumeBook {
             return Err(BookError::IdTaken { id, name: name.to_string(), other: other.name.clone() });
         }
         let live = Self::live_nodes(&st);
-        let candidates: Vec<String> = if placement.requisite.is_empty() {
+        let mut candidates: Vec<String> = if placement.requisite.is_empty() {
             live.clone()
         } else {
             live.iter().filter(|n| placement.requisite.contains(n)).cloned().collect()
         };
+        let (mut source_snapshot, mut source_volume) = (String::new(), String::new());
+        if let Some(src) = source {
+            // Made by copying on the source's node: that node or none.
+            let s = Self::source_record(&st, src)?;
+            if size < s.size_bytes {
+                return Err(BookError::SourceTooLarge { what: src.to_string(), source_size: s.size_bytes, size });
+            }
+            if !placement.requisite.is_empty() && !placement.requisite.contains(&s.node) {
+                return Err(BookError::SourceOutside {
+                    what: src.to_string(),
+                    node: s.node.clone(),
+                    requisite: placement.requisite.iter().filter(|r| !r.starts_with('\0')).cloned().collect(),
+                });
+            }
+            if !live.contains(&s.node) {
+                return Err(BookError::Store(BackendError::Unavailable(format!("node {} holding {src} is not connected", s.node))));
+            }
+            candidates = vec![s.node.clone()];
+            match src {
+                ContentSource::Snapshot(i) => source_snapshot = i.clone(),
+                ContentSource::Volume(i) => source_volume = i.clone(),
+            }
+        }
         let fits = |n: &String| Self::free(&st, n) >= size;
         let chosen = placement
             .preferred
@@ -366,10 +448,88 @@ impl VolumeBook {
             state: VolState::Creating,
             created_at: now_unix(),
             parameters,
+            kind: RecordKind::Volume,
+            source_volume,
+            source_snapshot,
         };
         self.commit(&mut st, vec![(id.clone(), Some(rec.clone()))])?;
-        tracing::info!(volume = %id, name, node = %node, size, fs = fs_type.as_str(), "volume placed");
+        tracing::info!(volume = %id, name, node = %node, size, fs = fs_type.as_str(), source = ?source, "volume placed");
         Ok((rec, true))
+    }
+
+    /// The record a content source names: complete (Ready) and not going.
+    fn source_record<'a>(st: &'a BookState, src: &ContentSource) -> Result<&'a VolumeRecord, BookError> {
+        let (kind, id, missing): (RecordKind, &str, fn(String) -> BookError) = match src {
+            ContentSource::Snapshot(i) => (RecordKind::Snapshot, i, BookError::SnapshotNotFound),
+            ContentSource::Volume(i) => (RecordKind::Volume, i, BookError::NotFound),
+        };
+        let s = st.vols.get(id).filter(|v| v.kind == kind && v.state != VolState::Deleting).ok_or_else(|| missing(id.to_string()))?;
+        if s.state != VolState::Ready {
+            return Err(BookError::SourceNotReady(src.to_string()));
+        }
+        Ok(s)
+    }
+
+    /// The size, filesystem and node of a content source (checked again by `place`).
+    pub fn source(&self, src: &ContentSource) -> Result<VolumeRecord, BookError> {
+        let st = self.st.lock().unwrap();
+        Self::source_record(&st, src).cloned()
+    }
+
+    /// Record snapshot `name` of volume `source` on the volume's node, or return the existing
+    /// snapshot of that name (the caller checks it is of the same source). `Ok((record,
+    /// true))` when it was recorded now.
+    pub fn place_snapshot(&self, name: &str, source: &str, parameters: BTreeMap<String, String>) -> Result<(VolumeRecord, bool), BookError> {
+        let mut st = self.st.lock().unwrap();
+        if let Some(id) = st.by_name.get(&(RecordKind::Snapshot, name.to_string())) {
+            return Ok((st.vols[id].clone(), false));
+        }
+        let v = st
+            .vols
+            .get(source)
+            .filter(|v| v.kind == RecordKind::Volume && v.state != VolState::Deleting)
+            .cloned()
+            .ok_or_else(|| BookError::NotFound(source.to_string()))?;
+        if v.state != VolState::Ready {
+            return Err(BookError::SourceNotReady(format!("volume {source}")));
+        }
+        let id = volume_id_for(name);
+        if let Some(other) = st.vols.get(&id) {
+            return Err(BookError::IdTaken { id, name: name.to_string(), other: other.name.clone() });
+        }
+        if !Self::live_nodes(&st).contains(&v.node) {
+            return Err(BookError::Store(BackendError::Unavailable(format!("node {} holding volume {source} is not connected", v.node))));
+        }
+        let free = Self::free(&st, &v.node);
+        if free < v.size_bytes {
+            return Err(BookError::NoRoom {
+                size: v.size_bytes,
+                within: format!(" on node {} (a snapshot is taken where its volume is)", v.node),
+                candidates: format!("{}: {free} free", v.node),
+            });
+        }
+        let rec = VolumeRecord {
+            id: id.clone(),
+            name: name.to_string(),
+            node: v.node.clone(),
+            size_bytes: v.size_bytes,
+            fs_type: v.fs_type,
+            state: VolState::Creating,
+            created_at: now_unix(),
+            parameters,
+            kind: RecordKind::Snapshot,
+            source_volume: source.to_string(),
+            source_snapshot: String::new(),
+        };
+        self.commit(&mut st, vec![(id.clone(), Some(rec.clone()))])?;
+        tracing::info!(snapshot = %id, name, volume = source, node = %v.node, size = v.size_bytes, "snapshot placed");
+        Ok((rec, true))
+    }
+
+    /// Whether a volume being created is still copying from `id` (a snapshot or a volume).
+    pub fn is_source_in_use(&self, id: &str) -> bool {
+        let st = self.st.lock().unwrap();
+        st.vols.values().any(|v| v.state == VolState::Creating && (v.source_snapshot == id || v.source_volume == id) && v.kind == RecordKind::Volume)
     }
 
     /// Mark a volume for deletion (durably). `None`: no such volume.
@@ -467,12 +627,30 @@ impl VolumeBook {
     }
 }
 
+/// Where a new volume's contents come from (CSI `VolumeContentSource`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ContentSource {
+    Snapshot(String),
+    Volume(String),
+}
+
+impl std::fmt::Display for ContentSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ContentSource::Snapshot(id) => write!(f, "snapshot {id}"),
+            ContentSource::Volume(id) => write!(f, "volume {id}"),
+        }
+    }
+}
+
 /// What [`VolumeBook::stats`] counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BookStats {
     pub creating: usize,
     pub ready: usize,
     pub deleting: usize,
+    /// Snapshots, in any state.
+    pub snapshots: usize,
     /// Open `WatchVolumes` streams (one per connected agent, normally).
     pub streams: usize,
 }
@@ -492,9 +670,22 @@ impl Drop for ConnectionGuard {
     }
 }
 
-/// What `view` says its node holds for record `v` (same id and same claim name).
+/// What `view` says its node holds for volume record `v` (same id and same claim name).
 pub fn held<'a>(view: Option<&'a NodeView>, v: &VolumeRecord) -> Option<&'a pb::VolumeState> {
-    view?.volumes.get(&v.id).filter(|h| h.name == v.name)
+    view?.volumes.get(&v.id).filter(|h| h.name == v.name && v.kind == RecordKind::Volume)
+}
+
+/// The complete snapshot `view` says its node holds for snapshot record `v`.
+pub fn held_snapshot<'a>(view: Option<&'a NodeView>, v: &VolumeRecord) -> Option<&'a pb::SnapshotState> {
+    view?.snapshots.get(&v.id).filter(|h| h.name == v.name && h.source_volume_id == v.source_volume && v.kind == RecordKind::Snapshot)
+}
+
+/// Bytes of record `v` the node already holds (and so counts in its own available figure).
+fn held_bytes(view: Option<&NodeView>, v: &VolumeRecord) -> u64 {
+    match v.kind {
+        RecordKind::Volume => held(view, v).map(|h| h.size_bytes).unwrap_or(0),
+        RecordKind::Snapshot => held_snapshot(view, v).map(|h| h.size_bytes).unwrap_or(0),
+    }
 }
 
 /// A node failure for `id` from a reconcile against desired-set revision `since` or later,
@@ -581,26 +772,26 @@ mod tests {
         report(&b, "n1", 100, &[]);
         report(&b, "n2", 300, &[]);
         // Most free wins without preferences.
-        let (v, new) = b.place("a", 50, FsType::Ext4, Default::default(), &Placement::default()).unwrap();
+        let (v, new) = b.place("a", 50, FsType::Ext4, Default::default(), &Placement::default(), None).unwrap();
         assert!(new);
         assert_eq!(v.node, "n2");
         // Preferred order.
         let p = Placement { requisite: vec![], preferred: vec!["n1".into(), "n2".into()] };
-        assert_eq!(b.place("b", 50, FsType::Ext4, Default::default(), &p).unwrap().0.node, "n1");
+        assert_eq!(b.place("b", 50, FsType::Ext4, Default::default(), &p, None).unwrap().0.node, "n1");
         // Preferred that does not fit falls through.
-        assert_eq!(b.place("c", 80, FsType::Ext4, Default::default(), &p).unwrap().0.node, "n2");
+        assert_eq!(b.place("c", 80, FsType::Ext4, Default::default(), &p, None).unwrap().0.node, "n2");
         // Requisite restricts; impossible → RESOURCE_EXHAUSTED.
         let only1 = Placement { requisite: vec!["n1".into()], preferred: vec![] };
-        assert_eq!(b.place("d", 60, FsType::Ext4, Default::default(), &only1).unwrap_err().code(), Code::ResourceExhausted);
+        assert_eq!(b.place("d", 60, FsType::Ext4, Default::default(), &only1, None).unwrap_err().code(), Code::ResourceExhausted);
         let ghost = Placement { requisite: vec!["n9".into()], preferred: vec![] };
-        assert_eq!(b.place("e", 1, FsType::Ext4, Default::default(), &ghost).unwrap_err().code(), Code::ResourceExhausted);
+        assert_eq!(b.place("e", 1, FsType::Ext4, Default::default(), &ghost, None).unwrap_err().code(), Code::ResourceExhausted);
         // Same name again: the existing record.
-        let (again, new) = b.place("a", 50, FsType::Ext4, Default::default(), &Placement::default()).unwrap();
+        let (again, new) = b.place("a", 50, FsType::Ext4, Default::default(), &Placement::default(), None).unwrap();
         assert!(!new);
         assert_eq!(again, v);
         // A disconnected node takes nothing.
         drop(_g1);
-        assert_eq!(b.place("f", 1, FsType::Ext4, Default::default(), &only1).unwrap_err().code(), Code::ResourceExhausted);
+        assert_eq!(b.place("f", 1, FsType::Ext4, Default::default(), &only1, None).unwrap_err().code(), Code::ResourceExhausted);
     }
 
     #[test]
@@ -612,12 +803,12 @@ mod tests {
             let b = Arc::new(VolumeBook::open(db, Duration::from_secs(60)).unwrap());
             let _g = b.connect("n1");
             report(&b, "n1", 100, &[]);
-            let (v, _) = b.place("a", 10, FsType::Xfs, Default::default(), &Placement::default()).unwrap();
+            let (v, _) = b.place("a", 10, FsType::Xfs, Default::default(), &Placement::default(), None).unwrap();
             assert_eq!(v.state, VolState::Creating);
             assert!(b.desired("n1").volumes.iter().any(|d| d.id == "a" && d.present));
             report(&b, "n1", 100, &[("a", 10)]);
             assert_eq!(b.get("a").unwrap().state, VolState::Ready);
-            b.place("b", 10, FsType::Xfs, Default::default(), &Placement::default()).unwrap();
+            b.place("b", 10, FsType::Xfs, Default::default(), &Placement::default(), None).unwrap();
             b.begin_delete("a").unwrap();
             assert!(b.desired("n1").volumes.iter().any(|d| d.id == "a" && !d.present));
         }
@@ -625,7 +816,7 @@ mod tests {
         let b = Arc::new(VolumeBook::open(db, Duration::from_secs(60)).unwrap());
         assert_eq!(b.get("a").unwrap().state, VolState::Deleting);
         assert_eq!(b.get("b").unwrap().state, VolState::Creating);
-        assert_eq!(b.stats(), BookStats { creating: 1, ready: 0, deleting: 1, streams: 0 });
+        assert_eq!(b.stats(), BookStats { creating: 1, ready: 0, deleting: 1, snapshots: 0, streams: 0 });
         let _g = b.connect("n1");
         let _g2 = b.connect("n1");
         assert_eq!(b.stats().streams, 2);
@@ -634,6 +825,72 @@ mod tests {
         assert!(b.get("a").is_none());
         assert_eq!(b.get("b").unwrap().state, VolState::Ready);
         assert_eq!(b.by_name("b").unwrap().id, "b");
-        assert_eq!(b.stats(), BookStats { creating: 0, ready: 1, deleting: 0, streams: 1 });
+        assert_eq!(b.stats(), BookStats { creating: 0, ready: 1, deleting: 0, snapshots: 0, streams: 1 });
+    }
+
+    #[test]
+    fn snapshots_and_sources_are_placed_on_the_source_node() {
+        let (_t, b) = book("book-snap");
+        let _g1 = b.connect("n1");
+        let _g2 = b.connect("n2");
+        report(&b, "n1", 100, &[]);
+        report(&b, "n2", 300, &[]);
+        let (v, _) = b.place("a", 40, FsType::Ext4, Default::default(), &Placement::default(), None).unwrap();
+        assert_eq!(v.node, "n2");
+        // Not ready yet: neither a snapshot nor a clone can be made of it.
+        assert_eq!(b.place_snapshot("s1", "a", Default::default()).unwrap_err().code(), Code::Unavailable);
+        report(&b, "n2", 300, &[("a", 40)]);
+        assert_eq!(b.place_snapshot("s1", "nope", Default::default()).unwrap_err().code(), Code::NotFound);
+        let (s1, new) = b.place_snapshot("s1", "a", Default::default()).unwrap();
+        assert!(new);
+        assert_eq!((s1.node.as_str(), s1.size_bytes, s1.kind, s1.state), ("n2", 40, RecordKind::Snapshot, VolState::Creating));
+        assert!(!b.place_snapshot("s1", "a", Default::default()).unwrap().1, "same name: the same record");
+        // The snapshot is in n2's desired set, not among its volumes; volumes list without it.
+        let d = b.desired("n2");
+        assert_eq!(d.snapshots.len(), 1);
+        assert!(d.volumes.iter().all(|v| v.id != s1.id));
+        assert!(b.list().iter().all(|v| v.kind == RecordKind::Volume) && b.get(&s1.id).is_none());
+        // Its size counts against the node before and after the node holds it.
+        assert_eq!(b.capacity(Some(&["n2".into()]))[0].1, 300 - 80);
+        let snap = ContentSource::Snapshot(s1.id.clone());
+        assert_eq!(
+            b.place("r", 40, FsType::Ext4, Default::default(), &Placement::default(), Some(&snap)).unwrap_err().code(),
+            Code::Unavailable,
+            "a snapshot not complete yet is no source"
+        );
+        b.report(pb::ReportVolumesRequest {
+            node_name: "n2".into(),
+            capacity_bytes: 300,
+            available_bytes: 220,
+            volumes: vec![pb::VolumeState { id: "a".into(), size_bytes: 40, name: "a".into(), backing_file_present: true, ..Default::default() }],
+            snapshots: vec![pb::SnapshotState { id: s1.id.clone(), source_volume_id: "a".into(), size_bytes: 40, name: "s1".into(), ..Default::default() }],
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(b.get_snapshot(&s1.id).unwrap().state, VolState::Ready);
+        assert_eq!(b.capacity(Some(&["n2".into()]))[0].1, 220);
+        // A volume from it goes to n2 whatever the preferences; a requisite without n2 cannot be met.
+        let pref1 = Placement { requisite: vec![], preferred: vec!["n1".into()] };
+        let (r, _) = b.place("r", 50, FsType::Ext4, Default::default(), &pref1, Some(&snap)).unwrap();
+        assert_eq!((r.node.as_str(), r.source_snapshot.as_str()), ("n2", s1.id.as_str()));
+        assert_eq!(b.desired("n2").volumes.iter().find(|d| d.id == r.id).unwrap().source_snapshot_id, s1.id);
+        assert!(b.is_source_in_use(&s1.id));
+        let only1 = Placement { requisite: vec!["n1".into()], preferred: vec![] };
+        let e = b.place("r2", 50, FsType::Ext4, Default::default(), &only1, Some(&snap)).unwrap_err();
+        assert_eq!(e.code(), Code::ResourceExhausted);
+        assert!(e.to_string().contains("lives on node n2"), "{e}");
+        assert_eq!(b.place("r3", 10, FsType::Ext4, Default::default(), &pref1, Some(&snap)).unwrap_err().code(), Code::OutOfRange);
+        let gone = ContentSource::Snapshot("nope".into());
+        assert_eq!(b.place("r4", 50, FsType::Ext4, Default::default(), &pref1, Some(&gone)).unwrap_err().code(), Code::NotFound);
+        let clone = ContentSource::Volume("a".into());
+        assert_eq!(b.place("c", 40, FsType::Ext4, Default::default(), &pref1, Some(&clone)).unwrap().0.source_volume, "a");
+        // Snapshot and volume names are separate: a volume named like a snapshot is a new record
+        // only if its id is free.
+        assert_eq!(b.place("s1", 1, FsType::Ext4, Default::default(), &pref1, None).unwrap_err().code(), Code::AlreadyExists);
+        // Deleting the snapshot: it leaves the desired set once the node no longer reports it.
+        b.begin_delete(&s1.id).unwrap();
+        assert!(!b.desired("n2").snapshots[0].present);
+        report(&b, "n2", 300, &[("a", 40)]);
+        assert!(b.get_snapshot(&s1.id).is_none());
     }
 }

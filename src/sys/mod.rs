@@ -1,6 +1,6 @@
 //! Kernel primitives, without policy: rtnetlink (`netlink`), network namespace handles
 //! entered on short-lived threads (`netns`), the mount table and descriptor-based mounts
-//! (`mount`), loop devices (`loopdev`), filesystem tools (`fstools`: blkid, mkfs, grow),
+//! (`mount`), loop devices (`loopdev`), image copies and filesystem freezes (`imagecopy`), filesystem tools (`fstools`: blkid, mkfs, grow),
 //! capability dropping (`caps`), atomic files and Unix sockets (`fs`).
 //!
 //! The planes reach the kernel through two seams: `net_kernel` (links, addresses, routes,
@@ -16,6 +16,7 @@ pub mod fake_net;
 pub mod fake_volume;
 pub mod fs;
 pub mod fstools;
+pub mod imagecopy;
 pub mod loopdev;
 pub mod mount;
 pub mod net_kernel;

@@ -9,6 +9,7 @@
 
 pub mod capability;
 pub mod node;
+pub mod snapshot;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -234,7 +235,13 @@ pub async fn serve(
     tracing::info!(socket = %csi_path.display(), "CSI Identity and Node served (not ready yet)");
 
     let s = svc.clone();
-    let report = tokio::task::spawn_blocking(move || s.recover()).await.map_err(|e| e.to_string())?;
+    let report = tokio::task::spawn_blocking(move || {
+        // A crash during a snapshot's copy leaves its volume's filesystem frozen: thaw first.
+        s.thaw_staged();
+        s.recover()
+    })
+    .await
+    .map_err(|e| e.to_string())?;
     match report {
         Ok(r) => tracing::info!(
             staged = r.staged,

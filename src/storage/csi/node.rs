@@ -80,7 +80,7 @@ pub fn volume_error_code(e: &VolumeError) -> Code {
             Code::InvalidArgument
         }
         VolumeError::NotFound(_) => Code::NotFound,
-        VolumeError::AlreadyExists { .. } => Code::AlreadyExists,
+        VolumeError::AlreadyExists { .. } | VolumeError::SnapshotExists { .. } => Code::AlreadyExists,
         VolumeError::CapacityExceeded { .. } | VolumeError::Shrink { .. } => Code::OutOfRange,
         VolumeError::Busy { .. } | VolumeError::BackingFileMissing { .. } => Code::FailedPrecondition,
         VolumeError::Fs(crate::storage::store::FsError::OnlineResizeNotPermitted(_)) => Code::FailedPrecondition,
@@ -337,6 +337,17 @@ impl NodeService {
 
     pub fn ready(&self) -> bool {
         self.ready.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn kernel(&self) -> &Arc<dyn VolumeKernel> {
+        &self.kernel
+    }
+
+    /// Where volume `id` is staged as a filesystem, by its record (the caller checks the
+    /// kernel before acting on it).
+    pub(crate) fn staged_filesystem_path(&self, id: &str) -> Option<PathBuf> {
+        let r = self.load_stage(id).ok().flatten()?;
+        (r.state == StageState::Staged && !r.capability.block).then_some(r.staging_path)
     }
 
     /// Hold the whole of volume `id` (stage, unstage, expand, the doctor), or ABORTED at once

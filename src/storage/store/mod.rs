@@ -8,6 +8,7 @@
 //! <dir>/<id>.json         its metadata (id, sizeBytes, fsType, createdAt), written atomically
 //! <dir>/.<id>.img.tmp     a create in progress (renamed to <id>.img once the metadata is down)
 //! <dir>/.<id>.img.del     a delete in progress (removed after the metadata)
+//! <dir>/snapshots/         snapshots, and the copies volumes are made from (`snapshots`)
 //! ```
 //!
 //! Every step is ordered so that a crash leaves something `open` can finish or roll back:
@@ -81,6 +82,8 @@ pub enum VolumeError {
     Io { op: &'static str, path: PathBuf, source: io::Error },
     #[error("volume store: metadata {path}: {source}")]
     Metadata { path: PathBuf, source: serde_json::Error },
+    #[error("snapshot {id} already exists, of volume {volume} (name {name:?})")]
+    SnapshotExists { id: String, volume: String, name: String },
     #[error(transparent)]
     Fs(#[from] FsError),
 }
@@ -132,12 +135,12 @@ fn meta_version() -> u32 {
 pub struct Usage {
     /// Configured capacity.
     pub capacity_bytes: u64,
-    /// Sum of the volumes' sizes.
+    /// Sum of the volumes' and snapshots' sizes.
     pub provisioned_bytes: u64,
     /// `capacity - provisioned` (zero when the configuration was lowered below what exists).
     pub available_bytes: u64,
     pub volumes: usize,
-    /// Disk space the sparse images really use.
+    /// Disk space the sparse images (volumes and snapshots) really use.
     pub allocated_bytes: u64,
     /// Free space on the filesystem under the store (sparse files can overcommit it).
     pub backing_fs_free_bytes: u64,
@@ -230,11 +233,17 @@ fn classify(name: &str) -> Entry<'_> {
 
 struct Index {
     volumes: BTreeMap<String, Volume>,
+    snapshots: BTreeMap<String, snapshots::Snapshot>,
+    /// Held for copies in progress (snapshots, volumes made from a source).
+    reserved: u64,
 }
 
 impl Index {
+    /// Volumes, snapshots and copies in progress: what the capacity is spent on.
     fn provisioned(&self) -> u64 {
-        self.volumes.values().map(|v| v.size_bytes).sum()
+        self.volumes.values().map(|v| v.size_bytes).sum::<u64>()
+            + self.snapshots.values().map(|s| s.size_bytes).sum::<u64>()
+            + self.reserved
     }
 }
 
@@ -286,10 +295,11 @@ impl VolumeStore {
             return Err(io_err("locking", &lock_path)(e));
         }
         let volumes = recover(&dir, &*kernel)?;
+        let snapshots = snapshots::recover_snapshots(&dir)?;
         let store = VolumeStore {
             dir,
             capacity: capacity_bytes,
-            index: Mutex::new(Index { volumes }),
+            index: Mutex::new(Index { volumes, snapshots, reserved: 0 }),
             locks: Mutex::new(HashMap::new()),
             kernel,
             _lock: lock,
@@ -361,18 +371,19 @@ impl VolumeStore {
     }
 
     pub fn usage(&self) -> Usage {
-        let (provisioned, volumes) = {
+        let (provisioned, files, volumes) = {
             let idx = self.index.lock().unwrap();
-            (idx.provisioned(), idx.volumes.values().map(|v| v.path.clone()).collect::<Vec<_>>())
+            let files = idx.volumes.values().map(|v| v.path.clone()).chain(idx.snapshots.values().map(|s| s.path.clone()));
+            (idx.provisioned(), files.collect::<Vec<_>>(), idx.volumes.len())
         };
-        let allocated = volumes.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.blocks() * 512).sum();
+        let allocated = files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.blocks() * 512).sum();
         let backing_fs_free_bytes =
             self.kernel.statvfs(&self.dir).map(|s| s.blocks_available * s.fragment_size).unwrap_or(0);
         Usage {
             capacity_bytes: self.capacity,
             provisioned_bytes: provisioned,
             available_bytes: self.capacity.saturating_sub(provisioned),
-            volumes: volumes.len(),
+            volumes,
             allocated_bytes: allocated,
             backing_fs_free_bytes,
         }
@@ -766,6 +777,7 @@ fn recover(dir: &Path, kernel: &dyn VolumeKernel) -> Result<BTreeMap<String, Vol
                 let _ = std::fs::remove_file(entry.path());
             }
             Entry::Image(_) | Entry::Lock => {}
+            _ if name == "snapshots" => {}
             _ => tracing::warn!(dir = %dir.display(), file = name, "ignoring an unexpected file in the volume store"),
         }
     }
@@ -826,6 +838,9 @@ fn recover(dir: &Path, kernel: &dyn VolumeKernel) -> Result<BTreeMap<String, Vol
     sync_dir(dir)?;
     Ok(volumes)
 }
+
+mod snapshots;
+pub use snapshots::{Snapshot, Source};
 
 #[cfg(test)]
 mod tests;

@@ -126,7 +126,7 @@ fn create_is_idempotent_and_sparse() {
     let mut names: Vec<String> =
         fs::read_dir(s.dir()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
-    assert_eq!(names, [".lock", "pvc-a.img", "pvc-a.json"]);
+    assert_eq!(names, [".lock", "pvc-a.img", "pvc-a.json", "snapshots"]);
 }
 
 #[test]
@@ -345,4 +345,92 @@ fn names_make_claims_distinct() {
     drop(s);
     let s = VolumeStore::open(t.path(), 100 * MIB).unwrap();
     assert_eq!(s.get("pvc-a").unwrap().unwrap().name, "claim-a");
+}
+
+fn write_at(p: &Path, off: u64, data: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    fs::OpenOptions::new().write(true).open(p).unwrap().write_all_at(data, off).unwrap();
+}
+
+fn read_at(p: &Path, off: u64, len: usize) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut b = vec![0u8; len];
+    fs::File::open(p).unwrap().read_exact_at(&mut b, off).unwrap();
+    b
+}
+
+#[test]
+fn snapshots_are_point_in_time_copies_and_count_against_capacity() {
+    let t = TempDir::new("snap");
+    let s = VolumeStore::open(t.path(), 300 * MIB).unwrap();
+    let v = s.create_named("pvc-a", 100 * MIB, FsType::Ext4, "claim-a").unwrap();
+    write_at(&v.path, 5 * MIB, b"before");
+    let snap = s.create_snapshot("snap-1", "pvc-a", "snapshot-1").unwrap();
+    assert_eq!((snap.size_bytes, snap.fs_type, snap.source_volume.as_str()), (100 * MIB, FsType::Ext4, "pvc-a"));
+    assert!(snap.method == "reflink" || snap.method == "sparse-copy", "{}", snap.method);
+    if snap.method == "sparse-copy" {
+        assert!(snap.bytes_copied < 2 * MIB, "only the data is copied: {}", snap.bytes_copied);
+    }
+    // The source changes afterwards; the snapshot does not.
+    write_at(&v.path, 5 * MIB, b"after!");
+    assert_eq!(read_at(&snap.path, 5 * MIB, 6), b"before");
+    // Idempotent by id, source and name; another source or name is refused.
+    assert_eq!(s.create_snapshot("snap-1", "pvc-a", "snapshot-1").unwrap(), snap);
+    assert!(matches!(s.create_snapshot("snap-1", "pvc-a", "other"), Err(VolumeError::SnapshotExists { .. })));
+    s.create_named("pvc-b", 10 * MIB, FsType::Xfs, "claim-b").unwrap();
+    assert!(matches!(s.create_snapshot("snap-1", "pvc-b", "snapshot-1"), Err(VolumeError::SnapshotExists { .. })));
+    assert!(matches!(s.create_snapshot("snap-2", "pvc-none", "x"), Err(VolumeError::NotFound(_))));
+    // Capacity: 100 (a) + 10 (b) + 100 (snapshot) of 300.
+    assert_eq!(s.available(), 90 * MIB);
+    assert!(matches!(s.create_snapshot("snap-3", "pvc-a", "snapshot-3"), Err(VolumeError::CapacityExceeded { .. })));
+    assert!(s.dir().join("snapshots").read_dir().unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().starts_with('.')), "no temporaries left");
+    // The snapshot outlives its volume, and restores into a bigger one.
+    s.delete("pvc-a").unwrap();
+    assert!(matches!(s.create_from("pvc-c", 50 * MIB, "claim-c", &Source::Snapshot("snap-1".into())), Err(VolumeError::Shrink { .. })));
+    let r = s.create_from("pvc-c", 150 * MIB, "claim-c", &Source::Snapshot("snap-1".into())).unwrap();
+    assert_eq!((r.size_bytes, r.fs_type), (150 * MIB, FsType::Ext4));
+    assert_eq!(fs::metadata(&r.path).unwrap().len(), 150 * MIB);
+    assert_eq!(read_at(&r.path, 5 * MIB, 6), b"before");
+    assert_eq!(s.create_from("pvc-c", 150 * MIB, "claim-c", &Source::Snapshot("snap-1".into())).unwrap(), r, "idempotent");
+    // A clone of a volume.
+    write_at(&r.path, 7 * MIB, b"clone me");
+    let c = s.create_from("pvc-d", 10 * MIB, "claim-d", &Source::Volume("pvc-b".into())).unwrap();
+    assert_eq!(c.fs_type, FsType::Xfs);
+    assert!(matches!(s.create_from("pvc-e", 200 * MIB, "claim-e", &Source::Volume("pvc-c".into())), Err(VolumeError::CapacityExceeded { .. })));
+    assert!(matches!(s.create_from("pvc-e", 10 * MIB, "e", &Source::Snapshot("nope".into())), Err(VolumeError::NotFound(_))));
+    // Everything survives a reopen.
+    drop(s);
+    let s = VolumeStore::open(t.path(), 300 * MIB).unwrap();
+    assert_eq!(s.list_snapshots().len(), 1);
+    assert_eq!(s.get_snapshot("snap-1").unwrap().unwrap().name, "snapshot-1");
+    s.delete_snapshot("snap-1").unwrap();
+    s.delete_snapshot("snap-1").unwrap();
+    assert!(s.get_snapshot("snap-1").unwrap().is_none());
+    assert!(!t.path().join("snapshots/snap-1.img").exists() && !t.path().join("snapshots/snap-1.json").exists());
+}
+
+#[test]
+fn interrupted_snapshots_are_complete_or_absent() {
+    let t = TempDir::new("snap-crash");
+    {
+        let s = VolumeStore::open(t.path(), 300 * MIB).unwrap();
+        s.create_named("pvc-a", 10 * MIB, FsType::Ext4, "a").unwrap();
+        s.create_snapshot("done", "pvc-a", "done").unwrap();
+    }
+    let sd = t.path().join("snapshots");
+    // A copy that never finished (no metadata), one whose rename was lost (metadata
+    // written: the copy was complete), and a delete that stopped half-way.
+    fs::write(sd.join(".half.img.tmp"), b"partial").unwrap();
+    fs::rename(sd.join("done.img"), sd.join(".done.img.tmp")).unwrap();
+    fs::copy(sd.join("done.json"), sd.join("gone.json")).unwrap();
+    let meta = fs::read_to_string(sd.join("gone.json")).unwrap().replace("\"done\"", "\"gone\"");
+    fs::write(sd.join("gone.json"), meta).unwrap();
+    fs::write(sd.join(".gone.img.del"), b"x").unwrap();
+    let s = VolumeStore::open(t.path(), 300 * MIB).unwrap();
+    let ids: Vec<String> = s.list_snapshots().into_iter().map(|x| x.id).collect();
+    assert_eq!(ids, ["done"]);
+    let mut names: Vec<String> = fs::read_dir(&sd).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    assert_eq!(names, ["done.img", "done.json"]);
+    assert_eq!(s.available(), 280 * MIB);
 }
