@@ -5,13 +5,16 @@ binaries (`check-config`), every path the agent uses is mounted from the host wi
 propagation, probes hit the address and paths the health servers serve, the controller's RBAC
 equals the API calls its code makes (`nodeplane-controller api-calls`), selectors match
 their pods, images are pinned to the Cargo version, and the CRD schemas accept the objects
-the controller writes and reject malformed ones.
+the controller writes and reject malformed ones. The snapshot objects (daemonset/snapshots and
+the examples), whose CRDs are the upstream external-snapshotter's and not in the Kubernetes
+schemas, are validated against a strict schema of the snapshot.storage.k8s.io/v1 fields.
 
 No API server is needed. Missing tools (kubectl, kubernetes-validate, the release binaries)
 make these tests fail, never skip.
 """
 
 import copy
+import functools
 import json
 import math
 import os
@@ -36,6 +39,7 @@ DAEMONSET = REPO / "daemonset"
 BASE = DAEMONSET / "base"
 OVERLAY = DAEMONSET / "overlays" / "example"
 REGISTRAR_OVERLAY = DAEMONSET / "overlays" / "node-driver-registrar"
+SNAPSHOTS = DAEMONSET / "snapshots"
 EXAMPLES = DAEMONSET / "examples"
 KIND_E2E = REPO / "scripts" / "kind-e2e"
 AGENT_BIN = harness.AGENT_BIN
@@ -44,6 +48,8 @@ CONTROLLER_BIN = cluster.CONTROLLER_BIN
 # The Kubernetes version the manifests are validated against (named in daemonset/README.md).
 K8S_VERSION = "1.33.0"
 NAMESPACE = "nodeplane-system"
+# The VolumeSnapshot API: its CRDs come from the upstream external-snapshotter install.
+SNAPSHOT_GROUP = "snapshot.storage.k8s.io"
 DRIVER_NAME_RE = re.compile(r'pub const DRIVER_NAME: &str = "([^"]+)";')
 SUN_PATH_MAX = 107  # bytes of a Unix socket path, without the NUL
 # The environment the DaemonSet gives the agent, with sample values.
@@ -117,6 +123,25 @@ def container(doc, name):
     hits = [c for c in containers(doc) if c["name"] == name]
     assert len(hits) == 1, f"{doc['metadata']['name']}: expected one container {name}"
     return hits[0]
+
+
+def api_group(doc):
+    return doc["apiVersion"].rpartition("/")[0]
+
+
+def is_snapshot_api(doc):
+    return api_group(doc) == SNAPSHOT_GROUP
+
+
+QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+                  "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def parse_quantity(q):
+    """Bytes of a Kubernetes quantity such as 1Gi, 500M or 1073741824."""
+    m = re.fullmatch(r"(\d+)([A-Za-z]*)", str(q))
+    assert m and m.group(2) in QUANTITY_UNITS, f"not a quantity this test understands: {q!r}"
+    return int(m.group(1)) * QUANTITY_UNITS[m.group(2)]
 
 
 def workloads(docs):
@@ -231,6 +256,11 @@ def overlay():
 
 
 @pytest.fixture(scope="module")
+def snapshots():
+    return render(SNAPSHOTS)[1]
+
+
+@pytest.fixture(scope="module")
 def examples():
     docs = []
     for f in sorted(EXAMPLES.glob("*.yaml")):
@@ -300,6 +330,10 @@ def test_render_top_level_is_the_base():
         ("ClusterRoleBinding", None, "nodeplane-csi-resizer"),
         ("Role", NAMESPACE, "nodeplane-csi-resizer"),
         ("RoleBinding", NAMESPACE, "nodeplane-csi-resizer"),
+        ("ClusterRole", None, "nodeplane-csi-snapshotter"),
+        ("ClusterRoleBinding", None, "nodeplane-csi-snapshotter"),
+        ("Role", NAMESPACE, "nodeplane-csi-snapshotter"),
+        ("RoleBinding", NAMESPACE, "nodeplane-csi-snapshotter"),
         ("ConfigMap", NAMESPACE, "nodeplane-agent-config"),
         ("ConfigMap", NAMESPACE, "nodeplane-controller-config"),
         ("Service", NAMESPACE, "nodeplane-controller"),
@@ -320,6 +354,9 @@ def test_examples_are_not_in_the_base(base, examples):
 def _validate_docs(docs, what):
     import kubernetes_validate
     for d in docs:
+        if is_snapshot_api(d):
+            _validate_snapshot_api(d, what)
+            continue
         try:
             kubernetes_validate.validate(d, K8S_VERSION, strict=True)
         except kubernetes_validate.SchemaNotFoundError as e:
@@ -329,32 +366,51 @@ def _validate_docs(docs, what):
             pytest.fail(f"{what}: {key(d)} is invalid for Kubernetes {K8S_VERSION}: {path}: {e.message}")
 
 
-def _validate_cli(files, ndocs):
+NO_SCHEMA_RE = re.compile(r"^WARN .* Couldn't find schema for kind (\S+) with api version (\S+) ")
+
+
+def _validate_cli(files, docs):
+    """The kubernetes-validate command on `files` (holding `docs`): every document passes, but
+    those of the snapshot API, which it has no schema for (validated by _validate_docs)."""
     cli = need_tool("kubernetes-validate")
     res = subprocess.run([cli, "--strict", "--kubernetes-version", K8S_VERSION, *map(str, files)],
                          capture_output=True, text=True)
     out = res.stdout + res.stderr
     assert res.returncode == 0, f"kubernetes-validate failed:\n{out}"
-    bad = [l for l in out.splitlines() if l.split(" ", 1)[0] in ("WARN", "ERROR", "FATAL")]
+    lines = out.splitlines()
+    unknown = [NO_SCHEMA_RE.match(l) for l in lines]
+    unknown = sorted((m.group(2), m.group(1)) for m in unknown if m)
+    expected_unknown = sorted((d["apiVersion"], d["kind"]) for d in docs if is_snapshot_api(d))
+    assert unknown == expected_unknown, f"kinds without a schema: {unknown}, expected {expected_unknown}:\n{out}"
+    bad = [l for l in lines if l.split(" ", 1)[0] in ("WARN", "ERROR", "FATAL") and not NO_SCHEMA_RE.match(l)]
     assert not bad, "kubernetes-validate:\n" + "\n".join(bad)
-    passed = [l for l in out.splitlines() if l.startswith("INFO") and " passed " in l]
+    passed = [l for l in lines if l.startswith("INFO") and " passed " in l]
+    ndocs = len(docs) - len(expected_unknown)
     assert len(passed) == ndocs, f"{len(passed)} of {ndocs} documents passed:\n{out}"
 
 
-@pytest.mark.parametrize("path", [DAEMONSET, OVERLAY, REGISTRAR_OVERLAY], ids=["base", "overlay", "registrar-overlay"])
+@pytest.mark.parametrize("path", [DAEMONSET, OVERLAY, REGISTRAR_OVERLAY, SNAPSHOTS],
+                         ids=["base", "overlay", "registrar-overlay", "snapshots"])
 def test_kubernetes_validate_strict(path, tmp_path):
     need_tool("kubernetes-validate")
     text, docs = render(path)
     _validate_docs(docs, str(path.relative_to(REPO)))
     f = tmp_path / "rendered.yaml"
     f.write_text(text)
-    _validate_cli([f], len(docs))
+    _validate_cli([f], docs)
 
 
 def test_kubernetes_validate_strict_examples(examples):
     need_tool("kubernetes-validate")
     _validate_docs(examples, "daemonset/examples")
-    _validate_cli(sorted(EXAMPLES.glob("*.yaml")), len(examples))
+    _validate_cli(sorted(EXAMPLES.glob("*.yaml")), examples)
+
+
+def test_base_applies_without_snapshot_crds(base, overlay):
+    """`kubectl apply -k daemonset/` must work on a cluster without the VolumeSnapshot CRDs:
+    no object of the snapshot API in the base or the overlay (they live in daemonset/snapshots)."""
+    for d in base + overlay:
+        assert not is_snapshot_api(d), f"{key(d)} needs the VolumeSnapshot CRDs: it belongs in daemonset/snapshots"
 
 
 def test_validator_is_strict():
@@ -365,11 +421,124 @@ def test_validator_is_strict():
         kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
 
 
+# ----------------------------------------------------------------- the snapshot API
+#
+# snapshot.storage.k8s.io/v1 as the upstream CRDs define the fields we write (the API types of
+# kubernetes-csi/external-snapshotter client/apis/volumesnapshot/v1), strict like the
+# Kubernetes schemas: unknown fields are errors; metadata is checked by kubernetes-validate's
+# own ObjectMeta definition. Status is the snapshot-controller's and never in a manifest.
+
+def _snapshot_api_schemas():
+    meta = {"$ref": "/api/_definitions.json#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}
+    name = {"type": "string", "minLength": 1}
+
+    def top(kind, required, props):
+        return {
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "$id": f"https://kubernetes.io/api/{kind.lower()}/snapshot/v1",
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["apiVersion", "kind", "metadata", *required],
+            "properties": {"apiVersion": {"const": f"{SNAPSHOT_GROUP}/v1"}, "kind": {"const": kind},
+                           "metadata": meta, **props},
+        }
+    return {
+        "VolumeSnapshotClass": top("VolumeSnapshotClass", ["driver", "deletionPolicy"], {
+            "driver": name,
+            "deletionPolicy": {"enum": ["Delete", "Retain"]},
+            "parameters": {"type": "object", "additionalProperties": {"type": "string"}},
+        }),
+        "VolumeSnapshot": top("VolumeSnapshot", ["spec"], {
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["source"],
+                "properties": {
+                    # Exactly one of the two (the upstream CRD's oneOf).
+                    "source": {"type": "object", "additionalProperties": False,
+                               "minProperties": 1, "maxProperties": 1,
+                               "properties": {"persistentVolumeClaimName": name,
+                                              "volumeSnapshotContentName": name}},
+                    "volumeSnapshotClassName": name,
+                },
+            },
+        }),
+    }
+
+
+@functools.cache
+def _snapshot_api_validators():
+    """One validator per snapshot kind, resolving ObjectMeta in kubernetes-validate's strict
+    definitions for K8S_VERSION."""
+    import importlib.resources
+    import referencing
+    defs_file = (importlib.resources.files("kubernetes_validate") / "kubernetes-json-schema"
+                 / f"v{K8S_VERSION}-local-strict" / "_definitions.json")
+    assert defs_file.is_file(), f"kubernetes-validate has no {K8S_VERSION} definitions at {defs_file}"
+    defs = referencing.Resource.from_contents(json.loads(defs_file.read_text()))
+    registry = referencing.Registry().with_resource(defs.id(), defs)
+    return {kind: jsonschema.Draft202012Validator(schema, registry=registry)
+            for kind, schema in _snapshot_api_schemas().items()}
+
+
+def _validate_snapshot_api(doc, what=""):
+    validators = _snapshot_api_validators()
+    assert doc["apiVersion"] == f"{SNAPSHOT_GROUP}/v1" and doc["kind"] in validators, \
+        f"{what}: {key(doc)}: not a snapshot.storage.k8s.io/v1 kind this test knows"
+    errors = sorted(validators[doc["kind"]].iter_errors(doc), key=str)
+    assert not errors, f"{what}: {key(doc)} is invalid for {SNAPSHOT_GROUP}/v1: " + "; ".join(
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors)
+
+
+GOOD_SNAPSHOT_OBJECTS = [
+    {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass", "metadata": {"name": "c"},
+     "driver": "d.example", "deletionPolicy": "Retain", "parameters": {"a": "b"}},
+    {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot", "metadata": {"name": "s", "namespace": "n"},
+     "spec": {"source": {"volumeSnapshotContentName": "content-1"}}},
+]
+BAD_SNAPSHOT_OBJECTS = [
+    ("class without driver", {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+                              "metadata": {"name": "c"}, "deletionPolicy": "Delete"}),
+    ("unknown deletion policy", {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+                                 "metadata": {"name": "c"}, "driver": "d", "deletionPolicy": "Recycle"}),
+    ("unknown class field", {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+                             "metadata": {"name": "c"}, "driver": "d", "deletionPolicy": "Delete", "provisioner": "d"}),
+    ("non-string parameter", {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+                              "metadata": {"name": "c"}, "driver": "d", "deletionPolicy": "Delete", "parameters": {"a": 1}}),
+    ("unknown metadata field", {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+                                "metadata": {"name": "c", "label": {}}, "driver": "d", "deletionPolicy": "Delete"}),
+    ("two sources", {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot", "metadata": {"name": "s"},
+                     "spec": {"source": {"persistentVolumeClaimName": "a", "volumeSnapshotContentName": "b"}}}),
+    ("no source", {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot", "metadata": {"name": "s"},
+                   "spec": {"source": {}}}),
+    ("source as a string", {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot", "metadata": {"name": "s"},
+                            "spec": {"source": "pvc-a"}}),
+    ("empty class name", {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot", "metadata": {"name": "s"},
+                          "spec": {"source": {"persistentVolumeClaimName": "a"}, "volumeSnapshotClassName": ""}}),
+    ("class name misspelt", {"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot", "metadata": {"name": "s"},
+                             "spec": {"source": {"persistentVolumeClaimName": "a"}, "snapshotClassName": "c"}}),
+    ("v1beta1", {"apiVersion": "snapshot.storage.k8s.io/v1beta1", "kind": "VolumeSnapshotClass",
+                 "metadata": {"name": "c"}, "driver": "d", "deletionPolicy": "Delete"}),
+]
+
+
+@pytest.mark.parametrize("doc", GOOD_SNAPSHOT_OBJECTS, ids=lambda d: d["kind"])
+def test_snapshot_api_schema_accepts(doc):
+    _validate_snapshot_api(doc)
+
+
+@pytest.mark.parametrize("what,doc", BAD_SNAPSHOT_OBJECTS, ids=[w for w, _ in BAD_SNAPSHOT_OBJECTS])
+def test_snapshot_api_schema_rejects(what, doc):
+    """The snapshot schema is strict: each of these is refused."""
+    with pytest.raises(AssertionError):
+        _validate_snapshot_api(doc)
+
+
 # ----------------------------------------------------------------- labels, selectors, volumes
 
-def test_labels(base):
+def test_labels(base, snapshots):
     version = cargo_version()
-    for d in base:
+    for d in base + snapshots:
         labels = d["metadata"].get("labels", {})
         for k, v in (("app.kubernetes.io/name", "nodeplane"), ("app.kubernetes.io/part-of", "nodeplane"),
                      ("app.kubernetes.io/version", version)):
@@ -697,18 +866,24 @@ def test_controller_probes(deploy, controller_cfg):
         assert g["path"] == path and resolve_port(c, g["port"]) == port and "host" not in g, probe
 
 
+# The sidecars, in order, and the arguments each must have. Each has a ClusterRole and a Role
+# named nodeplane-<sidecar> (test_rbac_bindings).
+SIDECAR_ARGS = {
+    "csi-provisioner": {"--leader-election", "--feature-gates=Topology=true", "--strict-topology",
+                        "--immediate-topology=false", "--extra-create-metadata"},
+    "csi-resizer": {"--leader-election"},
+    "csi-snapshotter": {"--leader-election", "--extra-create-metadata"},
+}
+
+
 def test_csi_sidecars(deploy, controller_cfg):
     sock = controller_cfg["csiSocket"]
     ctl = container(deploy, "controller")
     ctl_mount, vol = covering_mount(deploy, ctl, sock)
     assert "emptyDir" in vol
     timeout_limit = controller_cfg.get("volumeOpTimeoutSeconds", 60)
-    expected_args = {
-        "csi-provisioner": {"--leader-election", "--feature-gates=Topology=true", "--strict-topology",
-                            "--immediate-topology=false", "--extra-create-metadata"},
-        "csi-resizer": {"--leader-election"},
-    }
-    for name, must in expected_args.items():
+    assert [c["name"] for c in containers(deploy)] == ["controller", *SIDECAR_ARGS]
+    for name, must in SIDECAR_ARGS.items():
         c = container(deploy, name)
         args = c["args"]
         assert must <= set(args), f"{name}: missing {must - set(args)}"
@@ -718,6 +893,14 @@ def test_csi_sidecars(deploy, controller_cfg):
         assert parse_duration(arg_value(args, "--timeout")) > timeout_limit, \
             f"{name}: --timeout must exceed the controller's volumeOpTimeoutSeconds ({timeout_limit})"
         assert c["image"].startswith(f"registry.k8s.io/sig-storage/{name}:v")
+        # Leader election on a Lease in the pod's namespace, where its Role is.
+        assert not any(a.startswith("--leader-election-namespace") for a in args), \
+            f"{name}: the Lease must be in the pod's namespace ({NAMESPACE}), where the sidecar's Role grants it"
+        # Locked down like the controller container; bounded memory.
+        assert c["securityContext"] == ctl["securityContext"], f"{name}: securityContext"
+        assert {"cpu", "memory"} <= set(c["resources"]["requests"]) and "memory" in c["resources"]["limits"], name
+        assert not c.get("env") and not c.get("ports"), f"{name}: nothing but its socket"
+
 
 
 # ----------------------------------------------------------------- health servers (live)
@@ -831,13 +1014,16 @@ def test_controller_rbac_equals_api_calls(base, controller_cfg):
 
 
 EXPECTED_SIDECAR_RULES = {
-    # external-provisioner v5 rbac.yaml, less snapshots, secrets, volumeattachments (no
+    # external-provisioner v5 rbac.yaml, less secrets, volumeattachments (no
     # ControllerPublish), CSIStorageCapacity (capacity tracking off) and VolumeAttributesClass.
     "nodeplane-csi-provisioner": {
         ("", "persistentvolumes"): {"get", "list", "watch", "create", "patch", "delete"},
         ("", "persistentvolumeclaims"): {"get", "list", "watch", "update"},
         ("storage.k8s.io", "storageclasses"): {"get", "list", "watch"},
         ("", "events"): {"list", "watch", "create", "update", "patch"},
+        # Restoring a PVC from a VolumeSnapshot.
+        (SNAPSHOT_GROUP, "volumesnapshots"): {"get", "list"},
+        (SNAPSHOT_GROUP, "volumesnapshotcontents"): {"get", "list"},
         ("storage.k8s.io", "csinodes"): {"get", "list", "watch"},
         ("", "nodes"): {"get", "list", "watch"},
     },
@@ -848,6 +1034,14 @@ EXPECTED_SIDECAR_RULES = {
         ("", "pods"): {"get", "list", "watch"},
         ("", "persistentvolumeclaims/status"): {"patch"},
         ("", "events"): {"list", "watch", "create", "update", "patch"},
+    },
+    # external-snapshotter v8 rbac-csi-snapshotter.yaml, less secrets and what only volume
+    # group snapshots need (groupsnapshot.storage.k8s.io, `create` on volumesnapshotcontents).
+    "nodeplane-csi-snapshotter": {
+        ("", "events"): {"list", "watch", "create", "update", "patch"},
+        (SNAPSHOT_GROUP, "volumesnapshotclasses"): {"get", "list", "watch"},
+        (SNAPSHOT_GROUP, "volumesnapshotcontents"): {"get", "list", "watch", "update", "patch"},
+        (SNAPSHOT_GROUP, "volumesnapshotcontents/status"): {"update", "patch"},
     },
 }
 LEADER_ELECTION = {("coordination.k8s.io", "leases"): {"get", "watch", "list", "delete", "update", "create"}}
@@ -860,7 +1054,7 @@ def _rules_map(rules):
     return out
 
 
-def test_rbac_bindings(base):
+def test_rbac_bindings(base, deploy):
     roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
              for d in base if d["kind"] in ("Role", "ClusterRole")}
     grants = {}
@@ -875,9 +1069,13 @@ def test_rbac_bindings(base):
             grants.setdefault((s["namespace"], s["name"]), set()).add((ref["kind"], ref["name"]))
     assert (NAMESPACE, "nodeplane-agent") not in grants, "the agent must have no Kubernetes API access"
     assert set(grants) == {(NAMESPACE, "nodeplane-controller")}
-    assert grants[(NAMESPACE, "nodeplane-controller")] == {
-        (k, n) for k in ("ClusterRole", "Role")
-        for n in ("nodeplane-controller", "nodeplane-csi-provisioner", "nodeplane-csi-resizer")}
+    # The controller's own roles and one pair per sidecar, named after it, all for the
+    # service account the Deployment runs as.
+    sa = (deploy["metadata"]["namespace"], pod_spec(deploy)["serviceAccountName"])
+    assert sa == (NAMESPACE, "nodeplane-controller")
+    assert set(EXPECTED_SIDECAR_RULES) == {f"nodeplane-{n}" for n in SIDECAR_ARGS}
+    assert grants[sa] == {
+        (k, n) for k in ("ClusterRole", "Role") for n in ("nodeplane-controller", *EXPECTED_SIDECAR_RULES)}
     for (kind, ns, name), r in roles.items():
         for rule in r["rules"]:
             for field in ("apiGroups", "resources", "verbs"):
@@ -930,7 +1128,7 @@ def test_csi_driver_and_storage_class(base):
 CRD_EXPECT = {
     "NodeplaneNode": ("nodeplanenodes", ["npnode"], ["Underlay"]),
     "IPBlock": ("ipblocks", [], ["CIDR", "Node"]),
-    "NodeplaneVolume": ("nodeplanevolumes", ["npvol"], ["Node", "Size", "State"]),
+    "NodeplaneVolume": ("nodeplanevolumes", ["npvol"], ["Node", "Size", "State", "Kind"]),
 }
 
 
@@ -994,6 +1192,13 @@ def test_crds(base):
     assert vol["properties"]["sizeBytes"] == {"type": "integer", "format": "int64", "minimum": 0}
     assert vol["properties"]["createdAt"]["format"] == "int64"
     assert vol["properties"]["parameters"]["additionalProperties"] == {"type": "string"}
+    # Snapshots share the record: what it is, and where its data came from. Optional (records
+    # written before snapshots existed have none of them), strings, described.
+    assert vol["properties"]["kind"]["enum"] == ["volume", "snapshot"]
+    for f in ("kind", "sourceVolume", "sourceSnapshot"):
+        assert vol["properties"][f]["type"] == "string", f
+        assert len(vol["properties"][f].get("description", "")) > 20, f"{f} needs a description"
+        assert f not in vol["required"], f"{f} must stay optional"
     node = _schema(base, "NodeplaneNode")["properties"]["spec"]
     assert node["required"] == ["underlay"] and node["properties"]["underlay"]["minItems"] == 1
     blk = _schema(base, "IPBlock")["properties"]["spec"]
@@ -1051,6 +1256,51 @@ spec:
 """)
 EXAMPLE_CRS = {d["kind"]: d for d in EXAMPLE_CRS}
 
+# Records with the snapshot fields: a snapshot, a volume restored from it, a clone (no kind).
+SNAPSHOT_CRS = list(yaml.safe_load_all("""
+apiVersion: nodeplane.dev/v1alpha1
+kind: NodeplaneVolume
+metadata: {name: snap-7f9c2b1e4d6a4c3b8e5f0a1b2c3d4e5f}
+spec:
+  id: snap-7f9c2b1e4d6a4c3b8e5f0a1b2c3d4e5f
+  name: snapshot-7f9c2b1e-4d6a-4c3b-8e5f-0a1b2c3d4e5f
+  node: worker-1
+  sizeBytes: 1073741824
+  fsType: ext4
+  state: creating
+  createdAt: 1767225700
+  kind: snapshot
+  sourceVolume: pvc-0b6c4bd4-4a47-4d4f-9d55-3c7e8d2f0a11
+  parameters: {csi.storage.k8s.io/volumesnapshot/name: nodeplane-example-snapshot}
+---
+apiVersion: nodeplane.dev/v1alpha1
+kind: NodeplaneVolume
+metadata: {name: pvc-5d1e0c77-2f4b-4a9e-b1c3-6e8f9a0b1c2d}
+spec:
+  id: pvc-5d1e0c77-2f4b-4a9e-b1c3-6e8f9a0b1c2d
+  name: pvc-5d1e0c77-2f4b-4a9e-b1c3-6e8f9a0b1c2d
+  node: worker-1
+  sizeBytes: 2147483648
+  fsType: ext4
+  state: ready
+  createdAt: 1767225800
+  kind: volume
+  sourceSnapshot: snap-7f9c2b1e4d6a4c3b8e5f0a1b2c3d4e5f
+---
+apiVersion: nodeplane.dev/v1alpha1
+kind: NodeplaneVolume
+metadata: {name: pvc-9a8b7c6d-5e4f-4a3b-9c2d-1e0f9a8b7c6d}
+spec:
+  id: pvc-9a8b7c6d-5e4f-4a3b-9c2d-1e0f9a8b7c6d
+  name: pvc-9a8b7c6d-5e4f-4a3b-9c2d-1e0f9a8b7c6d
+  node: worker-1
+  sizeBytes: 1073741824
+  fsType: xfs
+  state: deleting
+  createdAt: 1767225900
+  sourceVolume: pvc-0b6c4bd4-4a47-4d4f-9d55-3c7e8d2f0a11
+"""))
+
 
 def _broken(kind, mutate):
     d = copy.deepcopy(EXAMPLE_CRS[kind])
@@ -1065,6 +1315,11 @@ INVALID_CRS = [
     ("size as a string", "NodeplaneVolume", lambda s: s.update(sizeBytes="1Gi"), "sizeBytes"),
     ("non-string parameter", "NodeplaneVolume", lambda s: s["parameters"].update(replicas=3), "parameters"),
     ("unknown volume field", "NodeplaneVolume", lambda s: s.update(owner="x"), "owner"),
+    ("bad kind enum", "NodeplaneVolume", lambda s: s.update(kind="clone"), "kind"),
+    ("kind capitalised", "NodeplaneVolume", lambda s: s.update(kind="Snapshot"), "kind"),
+    ("source volume not a string", "NodeplaneVolume", lambda s: s.update(sourceVolume=["pvc-a"]), "sourceVolume"),
+    ("source snapshot not a string", "NodeplaneVolume", lambda s: s.update(sourceSnapshot=7), "sourceSnapshot"),
+    ("source snapshot misspelt", "NodeplaneVolume", lambda s: s.update(snapshotSource="snap-1"), "snapshotSource"),
     ("block without node", "IPBlock", lambda s: s.pop("node"), "node"),
     ("block without cidr", "IPBlock", lambda s: s.pop("cidr"), "cidr"),
     ("node without underlay", "NodeplaneNode", lambda s: s.update(underlay=[]), "underlay"),
@@ -1076,6 +1331,14 @@ INVALID_CRS = [
 def test_example_custom_resources_validate(base, kind):
     errors = sorted(_strict_validator(base, kind).iter_errors(EXAMPLE_CRS[kind]), key=str)
     assert not errors, f"{kind}: " + "; ".join(e.message for e in errors)
+
+
+@pytest.mark.parametrize("doc", SNAPSHOT_CRS, ids=[d["spec"].get("kind", "no-kind") + "-" + d["spec"]["state"] for d in SNAPSHOT_CRS])
+def test_snapshot_records_validate(base, doc):
+    """A snapshot, a volume restored from one and a clone (with no kind: a volume) fit the
+    NodeplaneVolume schema, so the API server keeps their new fields."""
+    errors = sorted(_strict_validator(base, "NodeplaneVolume").iter_errors(doc), key=str)
+    assert not errors, "; ".join(e.message for e in errors)
 
 
 @pytest.mark.parametrize("what,kind,mutate,field", INVALID_CRS, ids=[c[0] for c in INVALID_CRS])
@@ -1115,6 +1378,87 @@ def test_examples(base, examples, ds):
                 if res.startswith("nodeplane.dev/"):
                     requested.add(res.split("/", 1)[1])
     assert requested and requested <= names, f"example pods request {requested}, the device file offers {names}"
+
+
+def test_snapshot_class(snapshots):
+    """daemonset/snapshots: the VolumeSnapshotClass of our driver, and nothing else (it is applied
+    on its own, after the upstream CRDs)."""
+    assert [key(d) for d in snapshots] == [("VolumeSnapshotClass", None, "nodeplane-local")]
+    (vsc,) = snapshots
+    assert vsc["apiVersion"] == f"{SNAPSHOT_GROUP}/v1"
+    assert vsc["driver"] == driver_name()
+    assert vsc["deletionPolicy"] == "Delete"
+    assert not vsc.get("parameters"), "the driver takes no snapshot parameters (and no secrets)"
+    assert vsc["metadata"].get("annotations", {}).get("snapshot.storage.kubernetes.io/is-default-class", "false") == "false"
+    text = (DAEMONSET / "README.md").read_text()
+    assert "kubectl apply -k daemonset/snapshots/" in text, "daemonset/README.md must say how to apply daemonset/snapshots"
+
+
+def _claim_bytes(pvc):
+    return parse_quantity(pvc["spec"]["resources"]["requests"]["storage"])
+
+
+def test_snapshot_restore_clone_examples(base, snapshots, examples):
+    """The VolumeSnapshot names an example claim and our class; the restored claim names that
+    snapshot, the clone an example claim, each in its namespace and class, at least the source's
+    size; the pod using them runs next to the pod using the source (node-local data)."""
+    (vsc,) = snapshots
+    sc = find(base, "StorageClass", "nodeplane-local")
+    claims = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in of_kind(examples, "PersistentVolumeClaim")}
+    snaps = of_kind(examples, "VolumeSnapshot")
+    assert snaps, "daemonset/examples has no VolumeSnapshot"
+    snap_source = {}
+    for vs in snaps:
+        ns = vs["metadata"]["namespace"]
+        assert vs["spec"]["volumeSnapshotClassName"] == vsc["metadata"]["name"]
+        src = claims.get((ns, vs["spec"]["source"]["persistentVolumeClaimName"]))
+        assert src is not None, f"{key(vs)}: its source claim is not an example in {ns}"
+        assert not src["spec"].get("dataSource"), f"{key(vs)}: snapshot a plain example claim"
+        snap_source[(ns, vs["metadata"]["name"])] = src
+    # The claim each example claim's data comes from, followed to a claim without a source.
+    origin = {}
+    kinds = set()
+    for (ns, name), pvc in claims.items():
+        ds = pvc["spec"].get("dataSource")
+        assert "dataSourceRef" not in pvc["spec"], f"{name}: use dataSource (dataSourceRef is for populators)"
+        if not ds:
+            continue
+        if ds["kind"] == "VolumeSnapshot":
+            assert ds.get("apiGroup") == SNAPSHOT_GROUP, f"{name}: dataSource apiGroup"
+            src = snap_source.get((ns, ds["name"]))
+            assert src is not None, f"{name}: restores {ds['name']}, which is not an example VolumeSnapshot in {ns}"
+        else:
+            assert ds["kind"] == "PersistentVolumeClaim" and ds.get("apiGroup", "") == "", f"{name}: dataSource {ds}"
+            src = claims.get((ns, ds["name"]))
+            assert src is not None, f"{name}: clones {ds['name']}, which is not an example claim in {ns}"
+            # A clone is of the same class.
+            assert src["spec"]["storageClassName"] == pvc["spec"]["storageClassName"], name
+        kinds.add(ds["kind"])
+        assert pvc["spec"]["storageClassName"] == sc["metadata"]["name"]
+        assert pvc["spec"].get("volumeMode", "Filesystem") == src["spec"].get("volumeMode", "Filesystem"), name
+        assert _claim_bytes(pvc) >= _claim_bytes(src), f"{name}: smaller than its source {src['metadata']['name']}"
+        origin[(ns, name)] = (ns, src["metadata"]["name"])
+    assert kinds == {"VolumeSnapshot", "PersistentVolumeClaim"}, f"examples restore and clone: {kinds}"
+    # A pod using a restored or cloned claim must land on the node holding the source's data:
+    # required pod affinity (per node) to a pod that uses the source claim.
+    pods = of_kind(examples, "Pod")
+
+    def uses(pod):
+        return {(pod["metadata"]["namespace"], v["persistentVolumeClaim"]["claimName"])
+                for v in pod["spec"].get("volumes", []) if "persistentVolumeClaim" in v}
+    for pod in pods:
+        derived = uses(pod) & set(origin)
+        if not derived:
+            continue
+        terms = pod["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert len(terms) == 1 and terms[0]["topologyKey"] == "kubernetes.io/hostname", pod["metadata"]["name"]
+        ml = terms[0]["labelSelector"]["matchLabels"]
+        peers = [p for p in pods if p is not pod and p["metadata"]["namespace"] == pod["metadata"]["namespace"]
+                 and all(p["metadata"].get("labels", {}).get(k) == v for k, v in ml.items())]
+        assert len(peers) == 1, f"{pod['metadata']['name']}: its affinity selects {len(peers)} example pods"
+        for claim in derived:
+            assert origin[claim] in uses(peers[0]), \
+                f"{pod['metadata']['name']}: {claim[1]} comes from {origin[claim][1]}, which its peer pod does not use"
 
 
 def test_overlay(base, overlay):
