@@ -70,6 +70,7 @@ fn collect(leading: &Condition, state: Option<&(Arc<NodeRegistry>, Arc<VolumeBoo
         [("creating", s.creating), ("ready", s.ready), ("deleting", s.deleting)]
             .map(|(state, n)| (vec![state.to_string()], n as f64)),
     );
+    enc.gauge("nodeplane_controller_snapshots", "Snapshots recorded (in any state).", s.snapshots as f64);
     enc.gauge(
         "nodeplane_controller_volume_streams",
         "Open WatchVolumes streams: agents connected to converge volumes.",
