@@ -157,15 +157,22 @@ def leftovers(node):
     return out
 
 
-@pytest.mark.parametrize("store", ["ext4-dir", "xfs-reflink"])
-def test_snapshot_restore_and_clone_are_point_in_time_copies(prov, store):
+def tmp_reflinks():
+    """Whether the filesystem under /tmp shares extents (then the plain store reflinks too)."""
+    return run(["stat", "-f", "-c", "%T", "/tmp"]).stdout.strip() in ("xfs", "btrfs")
+
+
+@pytest.mark.parametrize("store,fs", [("ext4-dir", "ext4"), ("xfs-reflink", "xfs")])
+def test_snapshot_restore_and_clone_are_point_in_time_copies(prov, store, fs):
+    """On the xfs store the volumes are xfs too: copies carry their source's filesystem UUID,
+    so this also proves a restore and a clone mount next to their mounted source."""
     c = prov()
     n, stack = start_node(c, 61, store)
     with stack:
         c.wait_connected([n])
         ctl = c.controller
-        vid = ctl.csi("create-volume", "--name", "pvc-src", "--size", 512 * MIB, "--fs", "ext4")["volumeId"]
-        target = mount_volume(n, vid)
+        vid = ctl.csi("create-volume", "--name", "pvc-src", "--size", 512 * MIB, "--fs", fs)["volumeId"]
+        target = mount_volume(n, vid, fs)
         v1 = os.urandom(3 * MIB)
         write_file(target / "data", v1)
         write_file(target / "kept", b"before the snapshot")
@@ -173,7 +180,7 @@ def test_snapshot_restore_and_clone_are_point_in_time_copies(prov, store):
         sid = snap["snapshotId"]
         assert (snap["sourceVolumeId"], snap["sizeBytes"]) == (vid, 512 * MIB)
         meta = snapshot_meta(n, sid)
-        want = "reflink" if store == "xfs-reflink" else "sparse-copy"
+        want = "reflink" if store == "xfs-reflink" or tmp_reflinks() else "sparse-copy"
         assert meta["method"] == want, meta
         if want == "sparse-copy":
             # Only the allocated ranges were copied: the data and the filesystem's metadata.
@@ -186,14 +193,14 @@ def test_snapshot_restore_and_clone_are_point_in_time_copies(prov, store):
         write_file(target / "new", b"after the snapshot")
 
         # Restore into a bigger volume: the image is the snapshot's bytes, then zeros.
-        r = ctl.csi("create-volume", "--name", "pvc-restored", "--size", 768 * MIB, "--fs", "ext4", "--from-snapshot", sid)
+        r = ctl.csi("create-volume", "--name", "pvc-restored", "--size", 768 * MIB, "--fs", fs, "--from-snapshot", sid)
         rid = r["volumeId"]
         assert r["contentSource"] == {"snapshot": sid} and r["nodes"] == [n.ns.name] and r["capacityBytes"] == 768 * MIB
         rimg = n.volume_dir / f"{rid}.img"
         assert rimg.stat().st_size == 768 * MIB
         assert digest(rimg, 512 * MIB) == snap_digest
         assert zeros_after(rimg, 512 * MIB)
-        rt = mount_volume(n, rid, pod="pod2")
+        rt = mount_volume(n, rid, fs, pod="pod2")
         assert (rt / "data").read_bytes() == v1 and (rt / "kept").read_bytes() == b"before the snapshot"
         assert not (rt / "new").exists()
         st = os.statvfs(rt)
@@ -201,9 +208,9 @@ def test_snapshot_restore_and_clone_are_point_in_time_copies(prov, store):
         assert (target / "data").read_bytes() == v2, "the source keeps its new data"
 
         # A clone of the published (mounted, written) source: its data as of now.
-        cl = ctl.csi("create-volume", "--name", "pvc-clone", "--size", 512 * MIB, "--fs", "ext4", "--from-volume", vid)
+        cl = ctl.csi("create-volume", "--name", "pvc-clone", "--size", 512 * MIB, "--fs", fs, "--from-volume", vid)
         assert cl["contentSource"] == {"volume": vid}
-        ct = mount_volume(n, cl["volumeId"], pod="pod3")
+        ct = mount_volume(n, cl["volumeId"], fs, pod="pod3")
         assert (ct / "data").read_bytes() == v2 and (ct / "new").read_bytes() == b"after the snapshot"
         write_file(ct / "data", b"the clone is its own")
         assert (target / "data").read_bytes() == v2
@@ -212,9 +219,9 @@ def test_snapshot_restore_and_clone_are_point_in_time_copies(prov, store):
         unmount_volume(n, vid)
         ctl.csi("delete-volume", "--id", vid)
         assert vid not in n.volume_files()
-        r2 = ctl.csi("create-volume", "--name", "pvc-restored-2", "--fs", "ext4", "--from-snapshot", sid)
+        r2 = ctl.csi("create-volume", "--name", "pvc-restored-2", "--fs", fs, "--from-snapshot", sid)
         assert r2["capacityBytes"] == 512 * MIB, "no size asked: the snapshot's"
-        rt2 = mount_volume(n, r2["volumeId"], pod="pod4")
+        rt2 = mount_volume(n, r2["volumeId"], fs, pod="pod4")
         assert (rt2 / "data").read_bytes() == v1
 
         for v, pod in ((rid, "pod2"), (cl["volumeId"], "pod3"), (r2["volumeId"], "pod4")):
@@ -319,7 +326,9 @@ def test_snapshot_rpcs_answer_every_error_and_are_idempotent(prov):
     # CreateVolume from a source: NOT_FOUND first, then topology, size, filesystem.
     mk = lambda *a: ctl.csi("create-volume", "--name", "pvc-x", "--size", 64 * MIB, *a)
     assert code_of(lambda: mk("--fs", "ext4", "--from-snapshot", "snap-none")) == "NotFound"
-    assert code_of(lambda: mk("--fs", "xfs", "--from-snapshot", "snap-none")) == "NotFound", "NOT_FOUND before argument checks"
+    assert code_of(lambda: ctl.csi("create-volume", "--name", "pvc-x", "--size", 64 * MIB, "--limit", 32 * MIB, "--fs", "ext4",
+                                   "--from-snapshot", "snap-none")) == "NotFound", "NOT_FOUND before argument checks"
+    assert code_of(lambda: mk("--fs", "block", "--from-volume", "pvc-none")) == "NotFound", "NOT_FOUND before argument checks"
     assert code_of(lambda: mk("--fs", "ext4", "--from-volume", "pvc-none")) == "NotFound"
     e = None
     try:
@@ -329,6 +338,8 @@ def test_snapshot_rpcs_answer_every_error_and_are_idempotent(prov):
     assert e is not None and e.code == "ResourceExhausted" and n1.ns.name in e.message, e
     assert code_of(lambda: ctl.csi("create-volume", "--name", "pvc-x", "--size", 32 * MIB, "--limit", 32 * MIB,
                                    "--fs", "ext4", "--from-snapshot", s1["snapshotId"])) == "OutOfRange"
+    assert code_of(lambda: ctl.csi("create-volume", "--name", "pvc-x", "--size", 0, "--limit", 32 * MIB,
+                                   "--fs", "ext4", "--from-snapshot", s1["snapshotId"])) == "OutOfRange", "a limit below the source"
     assert code_of(lambda: mk("--fs", "xfs", "--from-snapshot", s1["snapshotId"])) == "InvalidArgument"
     assert code_of(lambda: mk("--fs", "block", "--from-snapshot", s1["snapshotId"])) == "InvalidArgument"
     # Same name, other source: ALREADY_EXISTS; same request: the same volume.
@@ -400,8 +411,10 @@ def test_agent_crash_inside_a_snapshot_never_shows_it_half_made(prov, point):
         assert e.code in ("Unavailable", "DeadlineExceeded"), e
     wait_exit(n)
     # Never ready while the node has not finished it.
-    for e in ctl.csi("list-snapshots")["entries"]:
-        assert not e["readyToUse"], e
+    entries = ctl.csi("list-snapshots")["entries"]
+    assert len(entries) == 1 and not entries[0]["readyToUse"], entries
+    if point == "copy-while-frozen":
+        assert not writable_within(target / "blocked", 1), "the crash left the filesystem frozen (the freeze was real)"
     n.proc = None
     n.start()
     c.wait_connected([n])
@@ -471,3 +484,48 @@ def test_agent_crash_inside_a_restore_and_controller_kill9_leave_no_orphan(prov)
     # Nothing left once the grace period (2 s here) has passed.
     time.sleep(3)
     assert leftovers(n) == [] and n.volume_files() == [] and list((n.volume_dir / "snapshots").iterdir()) == []
+
+
+@pytest.mark.parametrize("store", ["ext4-dir", "xfs-reflink"])
+def test_raw_block_volume_in_use_is_copied_only_by_reflink(prov, store):
+    """A published raw block volume cannot be frozen: only a reflink (atomic against the
+    image) is a point-in-time copy of it; elsewhere the snapshot is refused until it is
+    unpublished, and nothing is left behind."""
+    c = prov()
+    n, stack = start_node(c, 67, store)
+    with stack:
+        c.wait_connected([n])
+        ctl = c.controller
+        vid = ctl.csi("create-volume", "--name", "pvc-blk", "--size", 64 * MIB, "--fs", "block")["volumeId"]
+        staging, target = n.staging_path(vid), n.target_path(vid)
+        n.csi("stage", "--id", vid, "--staging", staging, "--fs", "block")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        n.csi("publish", "--id", vid, "--staging", staging, "--target", target, "--fs", "block")
+        with open(target, "r+b") as f:
+            f.write(b"raw bytes")
+            f.flush()
+            os.fsync(f.fileno())
+        reflinks = store == "xfs-reflink" or tmp_reflinks()
+        if reflinks:
+            sid = wait_ready(ctl, "snap-blk", vid)["snapshotId"]
+            assert snapshot_meta(n, sid)["method"] == "reflink"
+            with open(n.volume_dir / "snapshots" / f"{sid}.img", "rb") as f:
+                assert f.read(9) == b"raw bytes"
+        else:
+            e = None
+            try:
+                ctl.csi("create-snapshot", "--name", "snap-blk", "--volume", vid)
+            except CsiError as err:
+                e = err
+            assert e is not None and e.code == "FailedPrecondition" and "reflink" in e.message, e
+            assert ctl.csi("list-snapshots")["entries"] == [], "the refused snapshot's record is gone"
+            n.csi("unpublish", "--id", vid, "--target", target)
+            n.csi("unstage", "--id", vid, "--staging", staging)
+            sid = wait_ready(ctl, "snap-blk", vid)["snapshotId"]
+            n.csi("stage", "--id", vid, "--staging", staging, "--fs", "block")
+            n.csi("publish", "--id", vid, "--staging", staging, "--target", target, "--fs", "block")
+        n.csi("unpublish", "--id", vid, "--target", target)
+        n.csi("unstage", "--id", vid, "--staging", staging)
+        ctl.csi("delete-snapshot", "--id", sid)
+        ctl.csi("delete-volume", "--id", vid)
+        assert leftovers(n) == [] and n.volume_files() == []

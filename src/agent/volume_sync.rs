@@ -29,6 +29,22 @@ fn code_of(e: &VolumeError) -> Code {
     }
 }
 
+fn waiting(retries: &HashMap<String, Retry>, id: &str) -> Option<pb::VolumeFailure> {
+    retries.get(id).filter(|r| Instant::now() < r.next).map(|r| r.failure.clone())
+}
+
+fn outcome(retries: &mut HashMap<String, Retry>, id: &str, failure: Option<&pb::VolumeFailure>) {
+    match failure {
+        None => {
+            retries.remove(id);
+        }
+        Some(f) => {
+            let delay = retries.get(id).map_or(RETRY_FIRST, |r| (r.delay * 2).min(RETRY_MAX));
+            retries.insert(id.to_string(), Retry { next: Instant::now() + delay, delay, failure: f.clone() });
+        }
+    }
+}
+
 /// The content source a desired volume names, if any.
 fn source_of(d: &pb::DesiredVolume) -> Option<Source> {
     if !d.source_snapshot_id.is_empty() {
@@ -42,7 +58,29 @@ fn source_of(d: &pb::DesiredVolume) -> Option<Source> {
 
 /// Converge the store on `set`; returns the report to send. Volumes another operation holds
 /// right now are skipped (retried at the next tick); `pending` says whether any were.
-fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMap<String, Instant>, node: &str) -> (pb::ReportVolumesRequest, bool) {
+/// What the volume client remembers between passes.
+#[derive(Default)]
+struct SyncState {
+    /// Since when each orphan (volume id, or `snapshot/<id>`) has been one.
+    first_orphaned: HashMap<String, Instant>,
+    /// Copies (snapshots, volumes from a source) that failed: not tried again before
+    /// `next` (each attempt may freeze a filesystem and copy gigabytes), their failure
+    /// reported meanwhile.
+    retries: HashMap<String, Retry>,
+}
+
+struct Retry {
+    next: Instant,
+    delay: Duration,
+    failure: pb::VolumeFailure,
+}
+
+const RETRY_FIRST: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(60);
+
+fn reconcile(svc: &NodeService, set: &pb::VolumeSet, state: &mut SyncState, node: &str) -> (pb::ReportVolumesRequest, bool) {
+    let first_orphaned = &mut state.first_orphaned;
+    let retries = &mut state.retries;
     let store = &svc.store;
     let mut failures = Vec::new();
     let mut pending = false;
@@ -58,14 +96,22 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
                 Ok(fs) => match store.get(&d.id) {
                     Ok(None) if d.creating => match source_of(d) {
                         None => store.create_named(&d.id, d.size_bytes, fs, &d.name).map(|_| ()),
-                        Some(src) => match svc.create_volume_from(&d.id, d.size_bytes, &d.name, &src) {
-                            Ok(Taken::Done(_)) => Ok(()),
-                            Ok(Taken::Busy) => {
-                                pending = true;
-                                Ok(())
+                        Some(src) => {
+                            if let Some(f) = waiting(retries, &d.id) {
+                                failures.push(f);
+                                continue;
                             }
-                            Err(e) => Err(e),
-                        },
+                            let r = match svc.create_volume_from(&d.id, d.size_bytes, &d.name, &src) {
+                                Ok(Taken::Done(_)) => Ok(()),
+                                Ok(Taken::Busy) => {
+                                    pending = true;
+                                    Ok(())
+                                }
+                                Err(e) => Err(e),
+                            };
+                            outcome(retries, &d.id, r.as_ref().err().map(|e| fail(&d.id, e)).as_ref());
+                            r
+                        }
                     },
                     // Past creation and gone: report it (the controller shows the volume
                     // abnormal); never re-create it empty under a claim that had data.
@@ -99,14 +145,22 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
     for d in &set.snapshots {
         let result = if d.present {
             match store.get_snapshot(&d.id) {
-                Ok(None) if d.creating => match svc.take_snapshot(&d.id, &d.source_volume_id, &d.name) {
-                    Ok(Taken::Done(_)) => Ok(()),
-                    Ok(Taken::Busy) => {
-                        pending = true;
-                        Ok(())
+                Ok(None) if d.creating => {
+                    if let Some(f) = waiting(retries, &d.id) {
+                        failures.push(f);
+                        continue;
                     }
-                    Err(e) => Err(e),
-                },
+                    let r = match svc.take_snapshot(&d.id, &d.source_volume_id, &d.name) {
+                        Ok(Taken::Done(_)) => Ok(()),
+                        Ok(Taken::Busy) => {
+                            pending = true;
+                            Ok(())
+                        }
+                        Err(e) => Err(e),
+                    };
+                    outcome(retries, &d.id, r.as_ref().err().map(|e| fail(&d.id, e)).as_ref());
+                    r
+                }
                 // Past creation and gone: reported missing, never re-taken from newer data.
                 Ok(None) => Err(VolumeError::NotFound(format!("snapshot {}", d.id))),
                 Ok(Some(s)) if s.name != d.name || s.source_volume != d.source_volume_id => {
@@ -128,6 +182,8 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
             failures.push(fail(&d.id, &e));
         }
     }
+    // Backoffs of copies no longer asked for are dropped.
+    retries.retain(|id, _| set.snapshots.iter().any(|d| &d.id == id) || set.volumes.iter().any(|d| &d.id == id));
     // Orphans: held, not listed.
     let grace = Duration::from_secs(set.orphan_grace_seconds);
     let listed: std::collections::HashSet<&str> = set.volumes.iter().map(|d| d.id.as_str()).collect();
@@ -224,7 +280,7 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, first_orphaned: &mut HashMa
     )
 }
 
-async fn session(cfg: &Config, cc: &ControllerConfig, svc: &Arc<NodeService>, first_orphaned: &mut HashMap<String, Instant>, connected: &mut bool) -> Result<(), String> {
+async fn session(cfg: &Config, cc: &ControllerConfig, svc: &Arc<NodeService>, first_orphaned: &mut SyncState, connected: &mut bool) -> Result<(), String> {
     let token = read_token(&cc.token_file)?;
     let channel = crate::rpc::connect(&cc.address).await.map_err(|e| format!("connect: {e}"))?;
     let mut client = NodeRegistryClient::new(channel);
@@ -283,7 +339,7 @@ pub async fn run(cfg: Arc<Config>, svc: Arc<NodeService>) {
     while !svc.ready() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let mut first_orphaned = HashMap::new();
+    let mut first_orphaned = SyncState::default();
     let mut backoff = Duration::from_millis(100);
     loop {
         let mut connected = false;

@@ -257,6 +257,13 @@ impl ControllerService {
             let limit = r.capacity_range.as_ref().map_or(0, |c| c.limit_bytes.max(0) as u64);
             if required == 0 {
                 size = src.size_bytes; // nothing asked: the source's size
+                if limit > 0 && size > limit {
+                    return Err(CsiError::new(Code::OutOfRange, format!(
+                        "{} holds {} bytes; limit_bytes {limit} is smaller",
+                        source.as_ref().unwrap(),
+                        src.size_bytes
+                    )));
+                }
             }
             if size < src.size_bytes {
                 if limit > 0 && limit < src.size_bytes {
@@ -310,7 +317,7 @@ impl ControllerService {
         }
         match self.await_present(&rec.id, rec.size_bytes, since).await {
             Ok(v) => Ok(csi::CreateVolumeResponse { volume: Some(to_csi(&v)) }),
-            Err(e) if matches!(e.code(), Code::ResourceExhausted | Code::InvalidArgument | Code::AlreadyExists | Code::NotFound | Code::OutOfRange) => {
+            Err(e) if matches!(e.code(), Code::ResourceExhausted | Code::InvalidArgument | Code::AlreadyExists | Code::NotFound | Code::OutOfRange | Code::FailedPrecondition) => {
                 // The node refused for good (its store is full, the id is taken there by
                 // another claim): the record goes (the node deletes only a file carrying
                 // this claim's name), so a retry places the volume anew.
@@ -373,9 +380,10 @@ impl ControllerService {
             Err(e) if e.code() == Code::DeadlineExceeded => {
                 Ok(csi::CreateSnapshotResponse { snapshot: Some(snapshot_to_csi(&rec, false)) })
             }
-            Err(e) if matches!(e.code(), Code::ResourceExhausted | Code::NotFound | Code::AlreadyExists | Code::InvalidArgument) => {
-                // The node cannot take it (its store is full, the source is gone there):
-                // the record goes, so a retry starts over.
+            Err(e) if matches!(e.code(), Code::ResourceExhausted | Code::NotFound | Code::AlreadyExists | Code::InvalidArgument | Code::FailedPrecondition) => {
+                // The node cannot take it (its store is full, the source is gone there, a
+                // raw block volume in use on a store that cannot reflink): the record goes,
+                // so a retry starts over.
                 tracing::warn!(snapshot = %rec.id, node = %rec.node, error = %Status::from(e.clone()), "node failed to take the snapshot; abandoning it");
                 let (book, sid) = (self.book.clone(), rec.id.clone());
                 blocking(move || book.abandon(&sid)).await?;
@@ -393,9 +401,6 @@ impl ControllerService {
         let Some(v) = self.book.get_snapshot(&id) else {
             return Ok(csi::DeleteSnapshotResponse {});
         };
-        if self.book.is_source_in_use(&id) {
-            return Err(CsiError::new(Code::FailedPrecondition, format!("snapshot {id} is being restored into a new volume; retry when that is done")));
-        }
         let connected = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0);
         if !connected {
             return Err(CsiError::new(Code::Unavailable, format!("node {} holding snapshot {id} is not connected; retry", v.node)));

@@ -86,6 +86,9 @@ pub enum BookError {
     /// A content source lives on one node only, which the request's topology excludes.
     #[error("{what} lives on node {node}, which the requisite topology {requisite:?} excludes: a volume made from it can only be on that node")]
     SourceOutside { what: String, node: String, requisite: Vec<String> },
+    /// A volume is still being made from this one (or this snapshot).
+    #[error("volume {copy} is still being made from {id}; retry when it is")]
+    SourceInUse { id: String, copy: String },
     /// A volume made from a source is at least the source's size.
     #[error("{what} holds {source_size} bytes; the new volume may have at most {size}")]
     SourceTooLarge { what: String, source_size: u64, size: u64 },
@@ -113,6 +116,7 @@ impl BookError {
             BookError::NoRoom { .. } | BookError::SourceOutside { .. } => Code::ResourceExhausted,
             BookError::NotFound(_) | BookError::BeingDeleted(_) | BookError::SnapshotNotFound(_) => Code::NotFound,
             BookError::SourceNotReady(_) => Code::Unavailable,
+            BookError::SourceInUse { .. } => Code::FailedPrecondition,
             BookError::SourceTooLarge { .. } => Code::OutOfRange,
             BookError::NoRoomToGrow { .. } => Code::OutOfRange,
             BookError::Node { code, .. } => *code,
@@ -259,11 +263,19 @@ impl VolumeBook {
         for v in st.vols.values().filter(|v| v.node == r.node_name) {
             let held = match v.kind {
                 RecordKind::Volume => r.volumes.iter().find(|h| h.id == v.id && h.name == v.name).map(|h| h.size_bytes),
-                RecordKind::Snapshot => r
-                    .snapshots
-                    .iter()
-                    .find(|h| h.id == v.id && h.name == v.name && h.source_volume_id == v.source_volume)
-                    .map(|h| h.size_bytes),
+                RecordKind::Snapshot => {
+                    let h = r.snapshots.iter().find(|h| h.id == v.id && h.name == v.name && h.source_volume_id == v.source_volume);
+                    if let Some(h) = h
+                        && v.state == VolState::Creating
+                    {
+                        // Complete on the node: ready, with the size and time the node cut it at.
+                        let created_at = u64::try_from(h.created_at).unwrap_or(v.created_at);
+                        let ready = VolumeRecord { state: VolState::Ready, size_bytes: h.size_bytes, created_at, ..v.clone() };
+                        changes.push((v.id.clone(), Some(ready)));
+                        continue;
+                    }
+                    h.map(|h| h.size_bytes)
+                }
             };
             match (v.state, held) {
                 (VolState::Creating, Some(h)) if h >= v.size_bytes => {
@@ -526,16 +538,18 @@ impl VolumeBook {
         Ok((rec, true))
     }
 
-    /// Whether a volume being created is still copying from `id` (a snapshot or a volume).
-    pub fn is_source_in_use(&self, id: &str) -> bool {
-        let st = self.st.lock().unwrap();
-        st.vols.values().any(|v| v.state == VolState::Creating && (v.source_snapshot == id || v.source_volume == id) && v.kind == RecordKind::Volume)
-    }
 
-    /// Mark a volume for deletion (durably). `None`: no such volume.
+
+    /// Mark a volume or snapshot for deletion (durably). `None`: no such record. Refused
+    /// while a volume is still being made from it.
     pub fn begin_delete(&self, id: &str) -> Result<Option<VolumeRecord>, BookError> {
         let mut st = self.st.lock().unwrap();
         let Some(v) = st.vols.get(id).cloned() else { return Ok(None) };
+        if let Some(copy) = st.vols.values().find(|c| {
+            c.kind == RecordKind::Volume && c.state == VolState::Creating && c.id != id && (c.source_snapshot == id || c.source_volume == id)
+        }) {
+            return Err(BookError::SourceInUse { id: id.to_string(), copy: copy.id.clone() });
+        }
         if v.state != VolState::Deleting {
             let d = VolumeRecord { state: VolState::Deleting, ..v };
             self.commit(&mut st, vec![(id.to_string(), Some(d.clone()))])?;
@@ -874,7 +888,8 @@ mod tests {
         let (r, _) = b.place("r", 50, FsType::Ext4, Default::default(), &pref1, Some(&snap)).unwrap();
         assert_eq!((r.node.as_str(), r.source_snapshot.as_str()), ("n2", s1.id.as_str()));
         assert_eq!(b.desired("n2").volumes.iter().find(|d| d.id == r.id).unwrap().source_snapshot_id, s1.id);
-        assert!(b.is_source_in_use(&s1.id));
+        // Neither the snapshot nor a volume being cloned can go while a copy is made from it.
+        assert_eq!(b.begin_delete(&s1.id).unwrap_err().code(), Code::FailedPrecondition);
         let only1 = Placement { requisite: vec!["n1".into()], preferred: vec![] };
         let e = b.place("r2", 50, FsType::Ext4, Default::default(), &only1, Some(&snap)).unwrap_err();
         assert_eq!(e.code(), Code::ResourceExhausted);
@@ -884,6 +899,9 @@ mod tests {
         assert_eq!(b.place("r4", 50, FsType::Ext4, Default::default(), &pref1, Some(&gone)).unwrap_err().code(), Code::NotFound);
         let clone = ContentSource::Volume("a".into());
         assert_eq!(b.place("c", 40, FsType::Ext4, Default::default(), &pref1, Some(&clone)).unwrap().0.source_volume, "a");
+        assert_eq!(b.begin_delete("a").unwrap_err().code(), Code::FailedPrecondition);
+        b.abandon(&r.id).unwrap();
+        b.abandon("c").unwrap();
         // Snapshot and volume names are separate: a volume named like a snapshot is a new record
         // only if its id is free.
         assert_eq!(b.place("s1", 1, FsType::Ext4, Default::default(), &pref1, None).unwrap_err().code(), Code::AlreadyExists);

@@ -73,8 +73,38 @@ fn seek(f: &File, off: u64, whence: libc::c_int) -> io::Result<Option<u64>> {
     Ok(Some(r as u64))
 }
 
+/// How a copy may be made.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CopyLimits {
+    /// Only a reflink will do (the source may be written meanwhile: only a reflink is a
+    /// point-in-time copy then). Otherwise [`io::ErrorKind::Unsupported`].
+    pub reflink_only: bool,
+    /// Give up (`io::ErrorKind::TimedOut`) when the copy is not done by then (a frozen
+    /// filesystem is not held longer).
+    pub deadline: Option<std::time::Instant>,
+}
+
+/// `pread`/`pwrite` for one range, when `copy_file_range` cannot (across some mounts, old
+/// kernels, some filesystems).
+fn copy_range_rw(src: &File, dst: &File, mut off: u64, end: u64) -> io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0;
+    while off < end {
+        let want = ((end - off) as usize).min(buf.len());
+        let got = src.read_at(&mut buf[..want], off)?;
+        if got == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "source shrank while it was copied"));
+        }
+        dst.write_all_at(&buf[..got], off)?;
+        off += got as u64;
+        n += got as u64;
+    }
+    Ok(n)
+}
+
 /// Copy `len` bytes of `src`'s allocated ranges into the (empty) `dst`, keeping holes.
-fn sparse_copy(src: &File, dst: &File, len: u64) -> io::Result<u64> {
+fn sparse_copy(src: &File, dst: &File, len: u64, deadline: Option<std::time::Instant>) -> io::Result<u64> {
     let mut copied = 0u64;
     let mut pos = 0u64;
     while pos < len {
@@ -86,17 +116,25 @@ fn sparse_copy(src: &File, dst: &File, len: u64) -> io::Result<u64> {
         let mut off_in = data as libc::loff_t;
         let mut off_out = data as libc::loff_t;
         while (off_in as u64) < end {
-            let want = (end - off_in as u64).min(1 << 30) as usize;
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "the copy did not finish in time"));
+            }
+            // 64 MiB at a time, so the deadline is looked at often enough.
+            let want = (end - off_in as u64).min(64 << 20) as usize;
             // SAFETY: both descriptors are open; the offsets are ours.
             let n = unsafe {
                 libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), &mut off_out, want, 0)
             };
             if n < 0 {
                 let e = io::Error::last_os_error();
-                if e.raw_os_error() == Some(libc::EINTR) {
-                    continue;
+                match e.raw_os_error() {
+                    Some(libc::EINTR) => continue,
+                    Some(libc::EXDEV) | Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EINVAL) => {
+                        copied += copy_range_rw(src, dst, off_in as u64, end)?;
+                        break;
+                    }
+                    _ => return Err(e),
                 }
-                return Err(e);
             }
             if n == 0 {
                 return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "source shrank while it was copied"));
@@ -112,15 +150,18 @@ fn sparse_copy(src: &File, dst: &File, len: u64) -> io::Result<u64> {
 /// to `len`: a reflink when the filesystem can, else a sparse copy. The caller syncs `dst`.
 /// (On one filesystem that can reflink, the kernel's `copy_file_range` shares extents too,
 /// so the two methods differ by the filesystem under the store, not by a choice here.)
-pub fn copy_image(src: &File, dst: &File, len: u64) -> io::Result<CopyStats> {
+pub fn copy_image(src: &File, dst: &File, len: u64, limits: CopyLimits) -> io::Result<CopyStats> {
     let src_len = src.metadata()?.len();
-    // A reflink clones the whole file: only when the lengths agree (a snapshot, or a clone
-    // that is grown afterwards).
-    if src_len == len && reflink(src, dst)? {
+    // A reflink clones the whole file; a bigger copy is grown afterwards.
+    if src_len <= len && reflink(src, dst)? {
+        dst.set_len(len)?;
         return Ok(CopyStats { method: CopyMethod::Reflink, bytes_copied: 0 });
     }
+    if limits.reflink_only {
+        return Err(io::Error::new(io::ErrorKind::Unsupported, "the filesystem under the store cannot reflink"));
+    }
     dst.set_len(0)?;
-    let copied = sparse_copy(src, dst, len.min(src_len))?;
+    let copied = sparse_copy(src, dst, len.min(src_len), limits.deadline)?;
     dst.set_len(len)?;
     Ok(CopyStats { method: CopyMethod::Sparse, bytes_copied: copied })
 }
@@ -184,10 +225,11 @@ mod tests {
         src.write_all_at(&vec![7u8; 1 << 20], 20 << 20).unwrap();
         src.write_all_at(b"tail", (64 << 20) - 4).unwrap();
         let dst = File::options().read(true).write(true).create(true).truncate(true).open(t.0.join("dst.img")).unwrap();
-        let st = copy_image(&src, &dst, 80 << 20).unwrap();
-        // Lengths differ: never a reflink; a copy of the data only (holes are not read).
-        assert_eq!(st.method, CopyMethod::Sparse);
-        assert!(st.bytes_copied >= (1 << 20) + 8 && st.bytes_copied < 8 << 20, "{st:?}");
+        let st = copy_image(&src, &dst, 80 << 20, CopyLimits::default()).unwrap();
+        if st.method == CopyMethod::Sparse {
+            // A copy of the data only (holes are not read).
+            assert!(st.bytes_copied >= (1 << 20) + 8 && st.bytes_copied < 8 << 20, "{st:?}");
+        }
         assert_eq!(dst.metadata().unwrap().len(), 80 << 20);
         let mut b = [0u8; 4];
         dst.read_exact_at(&mut b, 0).unwrap();
@@ -199,5 +241,15 @@ mod tests {
         assert!(mid.iter().all(|&x| x == 7));
         use std::os::unix::fs::MetadataExt;
         assert!(dst.metadata().unwrap().blocks() * 512 < 8 << 20, "holes stay holes");
+        // Ranges copied by pread/pwrite when copy_file_range cannot.
+        let dst2 = File::options().read(true).write(true).create(true).truncate(true).open(t.0.join("dst2.img")).unwrap();
+        dst2.set_len(64 << 20).unwrap();
+        assert_eq!(copy_range_rw(&src, &dst2, 20 << 20, 21 << 20).unwrap(), 1 << 20);
+        dst2.read_exact_at(&mut mid, 20 << 20).unwrap();
+        assert!(mid.iter().all(|&x| x == 7));
+        // A deadline already past stops a copy that has data to move.
+        let dst3 = File::options().read(true).write(true).create(true).truncate(true).open(t.0.join("dst3.img")).unwrap();
+        let past = Some(std::time::Instant::now());
+        assert_eq!(sparse_copy(&src, &dst3, 64 << 20, past).unwrap_err().kind(), io::ErrorKind::TimedOut);
     }
 }

@@ -6,8 +6,8 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
-use crate::storage::store::{Snapshot, Source, Volume, VolumeError};
-use crate::sys::imagecopy;
+use crate::storage::store::{FROZEN_COPY_LIMIT, Snapshot, Source, Volume, VolumeError};
+use crate::sys::imagecopy::{self, CopyLimits};
 
 use super::NodeService;
 
@@ -20,44 +20,49 @@ pub enum Taken<T> {
 
 impl NodeService {
     /// The staging mount point of volume `id` when its filesystem is mounted there right
-    /// now (its loop device is what the mount point's filesystem lives on).
+    /// now (its loop device is what the mount point's filesystem lives on). Errors are
+    /// errors: a copy is never taken unfrozen because a check could not be made.
     fn mounted_staging(&self, id: &str) -> Result<Option<PathBuf>, VolumeError> {
         let Some(staging) = self.staged_filesystem_path(id) else { return Ok(None) };
         let Some(dev) = self.store.attached_device(id)? else { return Ok(None) };
-        let Ok((maj, min)) = self.kernel().dev_numbers(&dev) else { return Ok(None) };
+        let (maj, min) = self.kernel().dev_numbers(&dev).map_err(|e| VolumeError::Io { op: "inspecting", path: dev.clone(), source: e })?;
         match std::fs::metadata(&staging) {
             Ok(m) if nix::sys::stat::major(m.dev()) as u32 == maj && nix::sys::stat::minor(m.dev()) as u32 == min => {
                 Ok(Some(staging))
             }
-            _ => Ok(None),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(VolumeError::Io { op: "inspecting", path: staging, source: e }),
         }
     }
 
-    /// Run `copy` with volume `id` held and, when its filesystem is mounted, frozen.
-    fn with_consistent<T>(&self, id: &str, copy: impl FnOnce() -> Result<T, VolumeError>) -> Result<Taken<T>, VolumeError> {
-        let Ok(_g) = self.guard(id) else { return Ok(Taken::Busy) };
-        let _frozen = match self.mounted_staging(id)? {
-            Some(p) => {
-                let f = imagecopy::freeze(&p).map_err(|e| VolumeError::Io { op: "freezing", path: p.clone(), source: e })?;
-                tracing::info!(volume = id, mount = %p.display(), "filesystem frozen for a copy");
-                Some(f)
-            }
-            None => None,
-        };
-        crate::util::crash_point("copy-while-frozen");
-        copy().map(Taken::Done)
+    /// How to copy volume `id` consistently, decided right before the copy: its filesystem
+    /// frozen when it is mounted (and the copy bounded in time); a reflink only when it is
+    /// attached otherwise (a raw block volume a pod may be writing); anything when idle.
+    fn quiesce(&self, id: &str) -> Result<(Option<imagecopy::Frozen>, CopyLimits), VolumeError> {
+        if let Some(p) = self.mounted_staging(id)? {
+            let f = imagecopy::freeze(&p).map_err(|e| VolumeError::Io { op: "freezing", path: p.clone(), source: e })?;
+            tracing::info!(volume = id, mount = %p.display(), "filesystem frozen for a copy");
+            crate::util::crash_point("copy-while-frozen");
+            let deadline = Some(std::time::Instant::now() + FROZEN_COPY_LIMIT);
+            return Ok((Some(f), CopyLimits { reflink_only: false, deadline }));
+        }
+        let attached = !self.store.bindings(id)?.is_empty();
+        Ok((None, CopyLimits { reflink_only: attached, deadline: None }))
     }
 
-    /// Take snapshot `id` of volume `source` (see [`crate::storage::store::VolumeStore::create_snapshot`]).
+    /// Take snapshot `id` of volume `source` (see [`crate::storage::store::VolumeStore::create_snapshot`]),
+    /// holding the volume (no stage, unstage, expand or publish of it meanwhile).
     pub fn take_snapshot(&self, id: &str, source: &str, name: &str) -> Result<Taken<Snapshot>, VolumeError> {
-        if let Some(s) = self.store.get_snapshot(id)? {
+        if self.store.get_snapshot(id)?.is_some() {
             // Already complete: never touch (freeze) the source again.
-            return self.store.create_snapshot(id, &s.source_volume, name).map(Taken::Done);
+            return self.store.create_snapshot(id, source, name).map(Taken::Done);
         }
-        self.with_consistent(source, || self.store.create_snapshot(id, source, name))
+        let Ok(_g) = self.guard(source) else { return Ok(Taken::Busy) };
+        self.store.create_snapshot_with(id, source, name, || self.quiesce(source)).map(Taken::Done)
     }
 
-    /// Make volume `id` from `source`, grown to `size` (a clone freezes a mounted source).
+    /// Make volume `id` from `source`, grown to `size` (a clone is made like a snapshot).
     pub fn create_volume_from(&self, id: &str, size: u64, name: &str, source: &Source) -> Result<Taken<Volume>, VolumeError> {
         match source {
             Source::Snapshot(_) => self.store.create_from(id, size, name, source).map(Taken::Done),
@@ -65,7 +70,8 @@ impl NodeService {
                 if self.store.get(id)?.is_some() {
                     return self.store.create_from(id, size, name, source).map(Taken::Done);
                 }
-                self.with_consistent(v, || self.store.create_from(id, size, name, source))
+                let Ok(_g) = self.guard(v) else { return Ok(Taken::Busy) };
+                self.store.create_from_with(id, size, name, source, || self.quiesce(v)).map(Taken::Done)
             }
         }
     }

@@ -217,7 +217,7 @@ fn classify(name: &str) -> Entry<'_> {
     // sys::fs::atomic_write's temporary: ".<name>.tmp<pid>"
     if name.starts_with('.')
         && let Some(pos) = name.rfind(".tmp")
-        && name[pos + 4..].bytes().all(|b| b.is_ascii_digit())
+        && name[pos + 4..].bytes().all(|b| b.is_ascii_digit() || b == b'.')
         && pos + 4 < name.len()
     {
         return Entry::WriteTmp;
@@ -840,7 +840,7 @@ fn recover(dir: &Path, kernel: &dyn VolumeKernel) -> Result<BTreeMap<String, Vol
 }
 
 mod snapshots;
-pub use snapshots::{Snapshot, Source};
+pub use snapshots::{FROZEN_COPY_LIMIT, Snapshot, Source};
 
 #[cfg(test)]
 mod tests;

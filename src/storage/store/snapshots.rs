@@ -26,7 +26,7 @@ use super::{
     Entry, FsType, META_VERSION, Result, Volume, VolumeError, VolumeStore, classify, io_err, meta_version, now_unix,
     remove_if_exists, round_size, sync_dir, validate_id,
 };
-use crate::sys::imagecopy::{self, CopyStats};
+use crate::sys::imagecopy::{self, CopyLimits, CopyStats};
 
 /// One complete snapshot, as its metadata records it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -178,10 +178,24 @@ impl VolumeStore {
     }
 
     /// Take snapshot `id` of volume `source`: a point-in-time copy of its image, complete
-    /// before it is listed. The caller makes the image consistent first (freezes a mounted
-    /// filesystem). Idempotent: the same id, source and name returns the existing snapshot;
-    /// another source or name is [`VolumeError::SnapshotExists`].
+    /// before it is listed. Idempotent: the same id, source and name returns the existing
+    /// snapshot; another source or name is [`VolumeError::SnapshotExists`]. For a source
+    /// nothing writes to; see [`Self::create_snapshot_with`].
     pub fn create_snapshot(&self, id: &str, source: &str, name: &str) -> Result<Snapshot> {
+        self.create_snapshot_with(id, source, name, || Ok(((), CopyLimits::default())))
+    }
+
+    /// [`Self::create_snapshot`], calling `prepare` once everything is checked and the
+    /// capacity held, right before the copy: it makes the source consistent (freezes its
+    /// filesystem) and says how the copy may be made; what it returns is held during the
+    /// copy only.
+    pub fn create_snapshot_with<G>(
+        &self,
+        id: &str,
+        source: &str,
+        name: &str,
+        prepare: impl FnOnce() -> Result<(G, CopyLimits)>,
+    ) -> Result<Snapshot> {
         validate_id(id)?;
         validate_id(source)?;
         let lock = self.volume_lock(&format!("snapshot/{id}"));
@@ -201,10 +215,10 @@ impl VolumeStore {
         let tmp = sdir.join(format!(".{id}.img.tmp"));
         let meta_path = sdir.join(format!("{id}.json"));
         let result = (|| {
-            let stats = copy_into(&vol.path, &tmp, vol.size_bytes).map_err(|e| match e.kind() {
-                io::ErrorKind::NotFound => VolumeError::BackingFileMissing { id: source.to_string(), path: vol.path.clone() },
-                _ => VolumeError::Io { op: "copying", path: vol.path.clone(), source: e },
-            })?;
+            let (held, limits) = prepare()?;
+            let copied = copy_into(&vol.path, &tmp, vol.size_bytes, limits);
+            drop(held);
+            let stats = copied.map_err(|e| copy_error(id, &vol.path, e))?;
             crate::util::crash_point("snapshot-after-copy");
             let snap = Snapshot {
                 version: META_VERSION,
@@ -221,7 +235,10 @@ impl VolumeStore {
             write_json(&meta_path, &snap)?;
             crate::util::crash_point("snapshot-after-meta");
             std::fs::rename(&tmp, &img).map_err(io_err("renaming into place", &tmp))?;
-            sync_dir(&sdir)?;
+            // Renamed: complete. A lost rename is finished by `open` (the metadata is down).
+            if let Err(e) = sync_dir(&sdir) {
+                tracing::warn!(snapshot = id, error = %e, "syncing the snapshot directory after the rename");
+            }
             Ok(snap)
         })();
         match result {
@@ -251,11 +268,13 @@ impl VolumeStore {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(io_err("renaming for delete", &img)(e)),
         }
+        // Going: no longer offered, even if a step below fails (`open` finishes it).
+        let was = self.index.lock().unwrap().snapshots.remove(id).is_some();
         remove_if_exists(&sdir.join(format!("{id}.json")))?;
         sync_dir(&sdir)?;
         remove_if_exists(&del)?;
         remove_if_exists(&sdir.join(format!(".{id}.img.tmp")))?;
-        if self.index.lock().unwrap().snapshots.remove(id).is_some() {
+        if was {
             tracing::info!(snapshot = id, "snapshot deleted");
         }
         Ok(())
@@ -266,6 +285,18 @@ impl VolumeStore {
     /// filesystem type is the volume's. Idempotent like [`Self::create_named`]. A volume
     /// source that is mounted must be made consistent by the caller (frozen).
     pub fn create_from(&self, id: &str, size_bytes: u64, name: &str, source: &Source) -> Result<Volume> {
+        self.create_from_with(id, size_bytes, name, source, || Ok(((), CopyLimits::default())))
+    }
+
+    /// [`Self::create_from`], with `prepare` as for [`Self::create_snapshot_with`].
+    pub fn create_from_with<G>(
+        &self,
+        id: &str,
+        size_bytes: u64,
+        name: &str,
+        source: &Source,
+        prepare: impl FnOnce() -> Result<(G, CopyLimits)>,
+    ) -> Result<Volume> {
         validate_id(id)?;
         let size = round_size(id, size_bytes)?;
         let lock = self.volume_lock(id);
@@ -324,11 +355,16 @@ impl VolumeStore {
             path: img.clone(),
         };
         let result = (|| {
-            let stats = copy_into(&src_path, &tmp, size).map_err(|e| VolumeError::Io { op: "copying", path: src_path.clone(), source: e })?;
+            let (held, limits) = prepare()?;
+            let copied = copy_into(&src_path, &tmp, size, limits);
+            drop(held);
+            let stats = copied.map_err(|e| copy_error(id, &src_path, e))?;
             crate::util::crash_point("restore-after-copy");
             super::write_meta(&meta_path, &vol)?;
             std::fs::rename(&tmp, &img).map_err(io_err("renaming into place", &tmp))?;
-            sync_dir(&self.dir)?;
+            if let Err(e) = sync_dir(&self.dir) {
+                tracing::warn!(volume = id, error = %e, "syncing the volume directory after the rename");
+            }
             Ok(stats)
         })();
         match result {
@@ -346,8 +382,38 @@ impl VolumeStore {
     }
 }
 
+/// A failed copy, as the caller can act on it: the store's filesystem full → capacity; a copy
+/// that could not be made consistent or in time → busy (retry when the volume is idle).
+fn copy_error(id: &str, src: &Path, e: io::Error) -> VolumeError {
+    match (e.raw_os_error(), e.kind()) {
+        (Some(libc::ENOSPC) | Some(libc::EDQUOT), _) => {
+            VolumeError::CapacityExceeded { id: id.to_string(), requested: 0, available: 0, capacity: 0 }
+        }
+        (_, io::ErrorKind::NotFound) => VolumeError::BackingFileMissing { id: id.to_string(), path: src.to_path_buf() },
+        (_, io::ErrorKind::Unsupported) => VolumeError::Busy {
+            id: id.to_string(),
+            reason: "the source is in use unfrozen (a raw block volume, or a filesystem that could not be frozen) and the \
+                     store's filesystem cannot reflink: a consistent copy needs it unpublished, or a store on xfs with reflink"
+                .to_string(),
+        },
+        (_, io::ErrorKind::TimedOut) => VolumeError::Busy {
+            id: id.to_string(),
+            reason: format!(
+                "copying {} did not finish within the {} s a filesystem is kept frozen; use a store on a filesystem that can reflink for volumes this large",
+                src.display(),
+                FROZEN_COPY_LIMIT.as_secs()
+            ),
+        },
+        _ => VolumeError::Io { op: "copying", path: src.to_path_buf(), source: e },
+    }
+}
+
+/// The longest a copy runs while its source's filesystem is frozen (under kubelet's default
+/// 30 s termination grace, so a killed agent has thawed before a SIGKILL can come).
+pub const FROZEN_COPY_LIMIT: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// Copy the image `src` into the new file `dst` (0600), sized `len`, and sync it.
-fn copy_into(src: &Path, dst: &Path, len: u64) -> io::Result<CopyStats> {
+fn copy_into(src: &Path, dst: &Path, len: u64, limits: CopyLimits) -> io::Result<CopyStats> {
     let s = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(src)?;
     let d = OpenOptions::new()
         .read(true)
@@ -357,7 +423,7 @@ fn copy_into(src: &Path, dst: &Path, len: u64) -> io::Result<CopyStats> {
         .mode(0o600)
         .custom_flags(libc::O_CLOEXEC)
         .open(dst)?;
-    let stats = imagecopy::copy_image(&s, &d, len)?;
+    let stats = imagecopy::copy_image(&s, &d, len, limits)?;
     d.sync_all()?;
     Ok(stats)
 }

@@ -91,6 +91,7 @@ fn names_classify_by_suffix() {
     assert_eq!(classify("..v1.img.tmp"), Entry::CreateTmp(".v1"));
     assert_eq!(classify(".v1.img.del"), Entry::DeleteTmp("v1"));
     assert_eq!(classify(".v1.json.tmp4242"), Entry::WriteTmp);
+    assert_eq!(classify(".v1.json.tmp4242.7"), Entry::WriteTmp, "atomic_write's name: pid and sequence");
     assert_eq!(classify(".a.tmp5.json"), Entry::Meta(".a.tmp5"));
     assert_eq!(classify(".lock"), Entry::Lock);
     assert_eq!(classify("README"), Entry::Other);
