@@ -43,7 +43,8 @@ fn rt() -> tokio::runtime::Runtime {
 
 async fn kube_config(f: &FakeApiServer) -> kube::Config {
     let kc = Kubeconfig::from_yaml(&f.kubeconfig_yaml(CTL_TOKEN)).unwrap();
-    kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap()
+    // As the controller builds its clients: with its User-Agent.
+    nodeplane::controller::kube::named(kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap())
 }
 
 fn backend(f: &FakeApiServer) -> Arc<KubeBackend> {
@@ -71,6 +72,26 @@ fn locks(f: &FakeApiServer) -> Vec<(String, String)> {
         .collect();
     v.sort();
     v
+}
+
+/// Every request the controller sent carries its User-Agent, and every write its field
+/// manager; returns how many writes there were.
+fn assert_named_writes(f: &FakeApiServer) -> usize {
+    let ua = format!("nodeplane-controller/{}", env!("CARGO_PKG_VERSION"));
+    let mut writes = 0;
+    for r in f.requests() {
+        assert_eq!(r.user_agent, ua, "{r:?}");
+        if matches!(r.verb.as_str(), "create" | "update" | "patch") {
+            assert_eq!(r.field_manager, "nodeplane-controller", "{r:?}");
+            writes += 1;
+        }
+    }
+    writes
+}
+
+/// The field managers recorded in an object's managedFields.
+fn managers_of(o: &serde_json::Value) -> BTreeSet<String> {
+    o["metadata"]["managedFields"].as_array().into_iter().flatten().filter_map(|e| e["manager"].as_str().map(str::to_string)).collect()
 }
 
 fn lock_object(cidr: &str, node: &str) -> serde_json::Value {
@@ -105,6 +126,11 @@ fn registry_state_lives_in_api_objects() {
     assert_eq!(locks(&f), vec![("10.8.1.0/24".into(), "node-b".into()), ("fd00:8:0:1::/64".into(), "node-b".into())]);
     let c = r.register("node-c", &["192.0.2.3".into()], "").unwrap();
     assert_eq!(c.blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
+    // Named writes: the field manager in managedFields, the User-Agent on every request.
+    assert!(assert_named_writes(&f) >= 8);
+    let controller: BTreeSet<String> = ["nodeplane-controller".to_string()].into();
+    assert_eq!(managers_of(&f.get(GROUP, "nodeplanenodes", None, "node-c").unwrap()), controller);
+    assert_eq!(managers_of(&f.get(GROUP, "ipblocks", None, "v4-10-8-0-0-24").unwrap()), controller);
 }
 
 #[test]
@@ -282,6 +308,9 @@ fn leader_election_on_a_lease() {
         assert!(c.fence().check().is_err());
         f.set_unavailable(false);
     });
+    assert!(assert_named_writes(&f) >= 4);
+    let lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+    assert_eq!(managers_of(&lease), ["nodeplane-controller".to_string()].into());
 }
 
 fn node_object(name: &str) -> serde_json::Value {
@@ -496,6 +525,8 @@ fn two_controller_processes_fail_over_without_losing_blocks() {
     for (verb, group, resource, _) in f.calls() {
         assert!(granted.contains(&(verb.clone(), group.clone(), resource.clone())), "{verb} {group}/{resource} is not in API_CALLS");
     }
+    // The processes name themselves on every request and write.
+    assert!(assert_named_writes(&f) > 0);
 }
 
 /// A fresh directory, removed when dropped (also when the test fails).

@@ -113,7 +113,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             leading.set(true, format!("holding lease {}/{}", k.namespace, k.lease_name));
             let fence = el.fence();
             elector = Some(el);
-            let kcfg = ::kube::Config::infer().await.map_err(|e| ControllerError::Kube(e.to_string()))?;
+            let kcfg = kube::config().await.map_err(ControllerError::Kube)?;
             Arc::new(tokio::task::spawn_blocking(move || kube::state::KubeBackend::new(kcfg, Some(fence))).await.map_err(|e| ControllerError::Kube(e.to_string()))?.map_err(|e| ControllerError::Kube(e.to_string()))?)
         }
         _ => {

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ObjectMeta, PostParams};
+use kube::api::{Api, ObjectMeta};
 
 use crate::controller::backend::BackendError;
 
@@ -153,7 +153,7 @@ impl Elector {
                     metadata: ObjectMeta { name: Some(self.s.name.clone()), namespace: Some(self.s.namespace.clone()), ..Default::default() },
                     spec: Some(self.spec(None)),
                 };
-                return match self.api.create(&PostParams::default(), &lease).await {
+                return match self.api.create(&super::post_params(), &lease).await {
                     Ok(_) => Ok(Attempt::Leading),
                     Err(e) if super::is_already_exists(&e) => Ok(Attempt::Raced),
                     Err(e) => Err(e),
@@ -184,7 +184,7 @@ impl Elector {
         }
         let mut next = current.clone();
         next.spec = Some(self.spec(Some(&spec)));
-        match self.api.replace(&self.s.name, &PostParams::default(), &next).await {
+        match self.api.replace(&self.s.name, &super::post_params(), &next).await {
             Ok(l) => {
                 let s = l.spec.clone().unwrap_or_default();
                 self.observed = Some((
@@ -268,7 +268,7 @@ impl Elector {
         spec.holder_identity = None;
         spec.lease_duration_seconds = Some(1);
         spec.renew_time = Some(now());
-        match self.api.replace(&self.s.name, &PostParams::default(), &l).await {
+        match self.api.replace(&self.s.name, &super::post_params(), &l).await {
             Ok(_) => tracing::info!(lease = %self.s.name, "leader lease released"),
             Err(e) => tracing::warn!(error = %e, lease = %self.s.name, "could not release the leader lease"),
         }

@@ -80,11 +80,44 @@ pub fn volume_resource() -> ApiResource {
     resource("NodeplaneVolume", "nodeplanevolumes")
 }
 
-/// A client from the environment: `KUBECONFIG` / `~/.kube/config`, else the in-cluster
-/// service account.
+/// The field manager of every write (`?fieldManager=`): what `managedFields` and audit logs
+/// name as the writer.
+pub const FIELD_MANAGER: &str = "nodeplane-controller";
+
+/// The User-Agent of every request: the binary and its version.
+pub fn user_agent() -> String {
+    format!("nodeplane-controller/{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// Create/replace parameters naming the controller as the field manager.
+pub fn post_params() -> kube::api::PostParams {
+    kube::api::PostParams { field_manager: Some(FIELD_MANAGER.to_string()), ..Default::default() }
+}
+
+/// Patch parameters naming the controller as the field manager.
+pub fn patch_params() -> kube::api::PatchParams {
+    kube::api::PatchParams { field_manager: Some(FIELD_MANAGER.to_string()), ..Default::default() }
+}
+
+/// Makes every request of a client built from `cfg` carry the controller's User-Agent.
+pub fn named(mut cfg: kube::Config) -> kube::Config {
+    use hyper::header::{HeaderValue, USER_AGENT};
+    cfg.headers.retain(|(k, _)| k != USER_AGENT);
+    if let Ok(v) = HeaderValue::from_str(&user_agent()) {
+        cfg.headers.push((USER_AGENT, v));
+    }
+    cfg
+}
+
+/// The client configuration from the environment (`KUBECONFIG` / `~/.kube/config`, else the
+/// in-cluster service account), with the controller's User-Agent.
+pub async fn config() -> Result<kube::Config, String> {
+    kube::Config::infer().await.map(named).map_err(|e| format!("Kubernetes client configuration: {e}"))
+}
+
+/// A client from the environment (see [`config`]).
 pub async fn client() -> Result<kube::Client, String> {
-    let cfg = kube::Config::infer().await.map_err(|e| format!("Kubernetes client configuration: {e}"))?;
-    kube::Client::try_from(cfg).map_err(|e| format!("Kubernetes client: {e}"))
+    kube::Client::try_from(config().await?).map_err(|e| format!("Kubernetes client: {e}"))
 }
 
 /// The API's verdict on a failed call, if it was one.

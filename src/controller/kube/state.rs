@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, ListParams, Preconditions};
 use kube::core::{ApiResource, DynamicObject, ObjectMeta};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -193,6 +193,7 @@ impl KubeBackend {
     /// lease, and a write that finds another writer's change trips the fence.
     pub fn new(config: kube::Config, fence: Option<Arc<super::lease::Fence>>) -> Result<Self, BackendError> {
         let rt = RuntimeThread::start()?;
+        let config = super::named(config);
         let client = rt.run(async move { kube::Client::try_from(config).map_err(|e| BackendError::Unavailable(format!("Kubernetes client: {e}"))) })?;
         Ok(KubeBackend {
             nodes: Api::all_with(client.clone(), &node_resource()),
@@ -210,7 +211,7 @@ impl KubeBackend {
         let spec = serde_json::to_value(BlockSpec { cidr: cidr.into(), node: node.into() })
             .map_err(|e| PutError::Refused(BackendError::Corrupt(e.to_string())))?;
         let obj = object(&block_resource(), &name, &[MANAGED_BY, (NODE_LABEL, node)], spec, None);
-        let e = match blocks.create(&PostParams::default(), &obj).await {
+        let e = match blocks.create(&super::post_params(), &obj).await {
             Ok(_) => return Ok(()),
             Err(e) => e,
         };
@@ -297,9 +298,9 @@ fn definitely_refused(e: &kube::Error) -> bool {
 async fn put(api: &Api<DynamicObject>, obj: DynamicObject, what: &str) -> Result<String, PutError> {
     let name = obj.metadata.name.clone().unwrap_or_default();
     let written = if obj.metadata.resource_version.is_some() {
-        api.replace(&name, &PostParams::default(), &obj).await
+        api.replace(&name, &super::post_params(), &obj).await
     } else {
-        api.create(&PostParams::default(), &obj).await
+        api.create(&super::post_params(), &obj).await
     };
     let e = match written {
         Ok(o) => return Ok(o.metadata.resource_version.unwrap_or_default()),
