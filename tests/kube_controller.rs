@@ -79,7 +79,8 @@ fn locks(f: &FakeApiServer) -> Vec<(String, String)> {
 fn assert_named_writes(f: &FakeApiServer) -> usize {
     let ua = format!("nodeplane-controller/{}", env!("CARGO_PKG_VERSION"));
     let mut writes = 0;
-    for r in f.requests() {
+    // (Requests of the tests' stand-in for an operator's kubectl are not the controller's.)
+    for r in f.requests().into_iter().filter(|r| !r.user_agent.starts_with("kubectl/")) {
         assert_eq!(r.user_agent, ua, "{r:?}");
         if matches!(r.verb.as_str(), "create" | "update" | "patch") {
             assert_eq!(r.field_manager, "nodeplane-controller", "{r:?}");
@@ -566,4 +567,171 @@ fn a_second_writer_is_a_typed_conflict() {
         Err(RegistryError::Storage(BackendError::Conflict(m))) => assert!(m.contains("another writer"), "{m}"),
         other => panic!("want a conflict, got {other:?}"),
     }
+}
+
+// ---- issue 18: node names of any length, conflicts that are not another leader -------------
+
+#[test]
+fn node_names_of_any_valid_length_register_and_get_blocks() {
+    use nodeplane::controller::kube::state::{NODE_ANNOTATION, NODE_HASH_LABEL, node_hash};
+    use nodeplane::controller::store::RegistryError;
+    let f = fake();
+    let r = registry(&f);
+    let n63 = "n".repeat(63);
+    let n64 = format!("{}.example", "m".repeat(56));
+    let n253 = format!("{}.{}.{}.{}", "a".repeat(63), "b".repeat(63), "c".repeat(63), "d".repeat(61));
+    assert_eq!((n63.len(), n64.len(), n253.len()), (63, 64, 253));
+    for name in ["x", n63.as_str(), n64.as_str(), n253.as_str()] {
+        let rec = r.register(name, &["192.0.2.1".into()], "").unwrap_or_else(|e| panic!("{} characters: {e}", name.len()));
+        assert_eq!(rec.blocks.len(), 2, "{name}");
+        let obj = f.get(GROUP, "nodeplanenodes", None, name).expect("the record is named after the node");
+        assert_eq!(obj["metadata"]["labels"][NODE_HASH_LABEL], node_hash(name));
+        for b in &rec.blocks {
+            let lock = f.get(GROUP, "ipblocks", None, &block_object_name(b)).unwrap();
+            assert_eq!(lock["spec"]["node"], name);
+            assert_eq!(lock["metadata"]["annotations"][NODE_ANNOTATION], name);
+            let hash = lock["metadata"]["labels"][NODE_HASH_LABEL].as_str().unwrap();
+            assert_eq!((hash, hash.len()), (node_hash(name).as_str(), 56));
+        }
+    }
+    assert_eq!(node_hash("x"), "54a2f7f92a5f975d8096af77a126edda7da60c5aa872ef1b871701ae", "printf x | sha224sum");
+    // Found again by a new controller; a selector on the hash finds a node's locks.
+    let r = registry(&f);
+    assert_eq!(r.get(&n253).unwrap().blocks.len(), 2);
+    // Invalid names: refused at Register, naming the rule; nothing written.
+    let before = f.list(GROUP, "nodeplanenodes").len();
+    for bad in ["Bad_Name", "a..b", "-a", "a.", &"z".repeat(254), ""] {
+        let e = r.register(bad, &["192.0.2.1".into()], "").unwrap_err();
+        assert!(matches!(e, RegistryError::InvalidArgument(_)), "{bad:?}: {e:?}");
+        let m = e.to_string();
+        assert!(m.contains("RFC 1123 subdomain") && m.contains("253 characters"), "{m}");
+        let status = tonic::Status::from(e);
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    }
+    assert_eq!(f.list(GROUP, "nodeplanenodes").len(), before);
+}
+
+#[test]
+fn objects_of_the_old_label_encoding_are_still_found_and_migrated() {
+    use nodeplane::controller::kube::state::{NODE_HASH_LABEL, node_hash};
+    let f = fake();
+    // As written by the previous version: the node name itself in the label nodeplane.dev/node.
+    let legacy = json!({"nodeplane.dev/node": "node-a", "app.kubernetes.io/managed-by": "nodeplane-controller"});
+    f.put_object(GROUP, "nodeplanenodes", None, json!({"apiVersion": format!("{GROUP}/v1alpha1"), "kind": "NodeplaneNode",
+        "metadata": {"name": "node-a", "labels": {"app.kubernetes.io/managed-by": "nodeplane-controller"}},
+        "spec": {"underlay": ["192.0.2.1"], "vtepMac": "", "blocks": ["10.8.0.0/24"]}}));
+    let mut lock = lock_object("10.8.0.0/24", "node-a");
+    lock["metadata"]["labels"] = legacy.clone();
+    f.put_object(GROUP, "ipblocks", None, lock);
+    f.put_object(GROUP, "nodeplanevolumes", None, json!({"apiVersion": format!("{GROUP}/v1alpha1"), "kind": "NodeplaneVolume",
+        "metadata": {"name": "pvc-1", "labels": legacy},
+        "spec": {"id": "pvc-1", "name": "claim", "node": "node-a", "sizeBytes": 1024, "fsType": "ext4", "state": "ready", "createdAt": 1}}));
+    let be = backend(&f);
+    let r = Registry::with_backend(be.clone(), pools()).unwrap();
+    assert_eq!(r.get("node-a").unwrap().blocks, vec!["10.8.0.0/24"], "the old objects are found");
+    let vols = be.load_volumes().unwrap();
+    assert_eq!(vols.len(), 1);
+    // A rewrite moves an object to the new encoding.
+    let mut v = vols[0].clone();
+    v.size_bytes = 2048;
+    be.commit_volumes(&[("pvc-1".into(), Some(v))]).unwrap();
+    let obj = f.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
+    assert!(obj["metadata"]["labels"].get("nodeplane.dev/node").is_none(), "{obj}");
+    assert_eq!(obj["metadata"]["labels"][NODE_HASH_LABEL], node_hash("node-a"));
+    r.register("node-a", &["192.0.2.1".into()], "").unwrap();
+    let obj = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    assert_eq!(obj["metadata"]["labels"][NODE_HASH_LABEL], node_hash("node-a"));
+}
+
+/// Another client (`kubectl label`'s field manager) merge-patches labels onto an object.
+fn label_as_other_client(f: &FakeApiServer, plural: &str, name: &str, key: &str, value: &str) {
+    let rt = rt();
+    rt.block_on(async {
+        let mut cfg = kube_config(f).await;
+        cfg.headers = vec![(hyper::header::USER_AGENT, hyper::header::HeaderValue::from_static("kubectl/v1.36.0"))];
+        let client = kube::Client::try_from(cfg).unwrap();
+        let ar = match plural {
+            "nodeplanenodes" => nodeplane::controller::kube::node_resource(),
+            "ipblocks" => nodeplane::controller::kube::block_resource(),
+            _ => nodeplane::controller::kube::volume_resource(),
+        };
+        let api: kube::Api<kube::api::DynamicObject> = kube::Api::all_with(client, &ar);
+        let pp = kube::api::PatchParams { field_manager: Some("kubectl-label".into()), ..Default::default() };
+        let p = json!({"metadata": {"labels": {key: value}}});
+        api.patch(name, &pp, &kube::api::Patch::Merge(&p)).await.unwrap();
+    });
+}
+
+#[test]
+fn a_label_added_by_another_client_does_not_restart_the_leader() {
+    use nodeplane::controller::backend::BackendError;
+    use nodeplane::controller::store::RegistryError;
+    let f = fake();
+    let rt = rt();
+    let client = rt.block_on(async { kube::Client::try_from(kube_config(&f).await).unwrap() });
+    let mut el = Elector::new(client, settings("ctl-a"));
+    let fence = el.fence();
+    let mut renew = || assert_eq!(rt.block_on(el.try_acquire_or_renew()).unwrap(), Attempt::Leading);
+    renew();
+    let cfg = rt.block_on(kube_config(&f));
+    let be = Arc::new(KubeBackend::new(cfg, Some(fence.clone())).unwrap());
+    let r = Registry::with_backend(be.clone(), pools()).unwrap();
+    r.register("node-a", &["192.0.2.1".into()], "").unwrap();
+    // An operator labels the record and a block lock.
+    label_as_other_client(&f, "nodeplanenodes", "node-a", "team", "net");
+    label_as_other_client(&f, "ipblocks", "v4-10-8-0-0-24", "audit", "2026");
+    renew();
+    // The leader's next write meets 409 Conflict, re-reads, sees the Lease still its own, merges.
+    let rec = r.request_block("node-a", Family::V4).expect("the leader keeps writing");
+    assert_eq!(rec.blocks.len(), 3);
+    assert!(fence.check().is_ok() && fence.lost().is_none(), "not fenced");
+    let obj = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    assert_eq!(obj["metadata"]["labels"]["team"], "net", "the other client's label is kept: {obj}");
+    assert_eq!(obj["spec"]["blocks"].as_array().unwrap().len(), 3);
+    let managers = managers_of(&obj);
+    assert!(managers.contains("kubectl-label") && managers.contains("nodeplane-controller"), "{managers:?}");
+    // ... and the write after that too (no conflict left behind; it keeps the label).
+    r.register("node-a", &["192.0.2.7".into()], "").unwrap();
+    let obj = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    assert_eq!((obj["metadata"]["labels"]["team"].as_str(), obj["spec"]["underlay"][0].as_str()), (Some("net"), Some("192.0.2.7")));
+    // The labelled lock is untouched by the writes, and released normally with its node.
+    let lock = f.get(GROUP, "ipblocks", None, "v4-10-8-0-0-24").unwrap();
+    assert_eq!(lock["metadata"]["labels"]["audit"], "2026");
+    assert_eq!(managers_of(&lock), ["kubectl-label".to_string(), "nodeplane-controller".to_string()].into());
+    // A spec edited by hand is put back by the leader's next write (the leader owns the spec).
+    let mut edited = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    edited["spec"]["underlay"] = json!(["198.51.100.1"]);
+    f.put_object(GROUP, "nodeplanenodes", None, edited);
+    renew();
+    r.register("node-a", &["192.0.2.8".into()], "").unwrap();
+    assert_eq!(f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap()["spec"]["underlay"], json!(["192.0.2.8"]));
+    // Volumes too.
+    let vol = VolumeRecord {
+        id: "pvc-1".into(), name: "claim".into(), node: "node-a".into(), size_bytes: 1 << 20,
+        fs_type: nodeplane::storage::fs::FsType::Ext4, state: VolState::Creating, created_at: 1,
+        parameters: Default::default(), kind: Default::default(), source_volume: String::new(), source_snapshot: String::new(),
+    };
+    be.commit_volumes(&[("pvc-1".into(), Some(vol.clone()))]).unwrap();
+    label_as_other_client(&f, "nodeplanevolumes", "pvc-1", "backup", "yes");
+    be.commit_volumes(&[("pvc-1".into(), Some(VolumeRecord { state: VolState::Ready, ..vol }))]).unwrap();
+    let obj = f.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
+    assert_eq!((obj["metadata"]["labels"]["backup"].as_str(), obj["spec"]["state"].as_str()), (Some("yes"), Some("ready")));
+    label_as_other_client(&f, "nodeplanevolumes", "pvc-1", "backup", "no");
+    be.commit_volumes(&[("pvc-1".into(), None)]).unwrap();
+    assert!(f.get(GROUP, "nodeplanevolumes", None, "pvc-1").is_none(), "a delete after another client's change goes through");
+    assert!(r.remove("node-a").is_ok());
+    assert!(locks(&f).is_empty());
+    assert!(fence.lost().is_none());
+    assert!(assert_named_writes(&f) > 0);
+    // Only another holder of the Lease fences: ctl-b takes the Lease, someone changes a record.
+    r.register("node-b", &["192.0.2.2".into()], "").unwrap();
+    let mut lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+    lease["spec"]["holderIdentity"] = json!("ctl-b");
+    f.put_object("coordination.k8s.io", "leases", Some(NS), lease);
+    label_as_other_client(&f, "nodeplanenodes", "node-b", "team", "x");
+    match r.request_block("node-b", Family::V4) {
+        Err(RegistryError::Storage(BackendError::Conflict(m))) => assert!(m.contains("ctl-b"), "{m}"),
+        other => panic!("want a fencing conflict, got {other:?}"),
+    }
+    assert!(fence.lost().is_some() && fence.check().is_err(), "fenced");
 }

@@ -14,7 +14,7 @@ use ipnetwork::IpNetwork;
 use tokio::sync::watch;
 
 use super::backend::{Backend, BackendError, RedbBackend};
-use super::records::{NodeRecord, Pool, valid_node_name};
+use super::records::{NodeRecord, Pool, subdomain_error};
 use crate::util::Family;
 
 #[derive(Debug, thiserror::Error)]
@@ -174,8 +174,8 @@ impl Registry {
     /// Register or re-register: the same node keeps its blocks; a family it has no block of
     /// gets one. Underlay addresses and VTEP MAC are updated.
     pub fn register(&self, name: &str, underlay: &[String], vtep_mac: &str) -> Result<NodeRecord, RegistryError> {
-        if !valid_node_name(name) {
-            return Err(RegistryError::InvalidArgument(format!("node name {name:?} is not a valid DNS-1123 name")));
+        if let Some(why) = subdomain_error(name) {
+            return Err(RegistryError::InvalidArgument(format!("node name {name:?} {why}")));
         }
         if underlay.is_empty() {
             return Err(RegistryError::InvalidArgument("underlay_addresses must not be empty".into()));

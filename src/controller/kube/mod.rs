@@ -142,3 +142,51 @@ pub(crate) fn is_conflict(e: &kube::Error) -> bool {
 pub fn valid_object_name(name: &str) -> bool {
     crate::controller::records::valid_node_name(name)
 }
+
+/// Kubernetes' rule for label values, as an error message names it.
+pub const LABEL_VALUE_RULE: &str = "a label value must be at most 63 characters, empty or alphanumerics, '-', '_' and '.' \
+     starting and ending with an alphanumeric character (regex (([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?)";
+
+fn label_name_ok(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+        && b.iter().all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c))
+}
+
+/// Why `v` is not a valid label value, if it is not.
+pub fn label_value_error(v: &str) -> Option<String> {
+    (!v.is_empty() && !label_name_ok(v)).then(|| format!("label value {v:?} is invalid: {LABEL_VALUE_RULE}"))
+}
+
+/// Why `k` is not a valid label key (`[prefix/]name`: a DNS-1123 subdomain and a name of at
+/// most 63 characters), if it is not.
+pub fn label_key_error(k: &str) -> Option<String> {
+    let (prefix, name) = k.split_once('/').map_or((None, k), |(p, n)| (Some(p), n));
+    if let Some(why) = prefix.and_then(crate::controller::records::subdomain_error) {
+        return Some(format!("label key {k:?}: the prefix {why}"));
+    }
+    (!label_name_ok(name)).then(|| {
+        format!("label key {k:?}: the name must be 1 to 63 alphanumerics, '-', '_' and '.', starting and ending with an alphanumeric character")
+    })
+}
+
+/// Checks an object's name and labels against Kubernetes' rules before it is written, so that
+/// a bad one is a clear error here rather than the API server's refusal of the write.
+pub fn check_object<'a>(
+    kind: &str,
+    name: &str,
+    labels: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> Result<(), String> {
+    if let Some(why) = crate::controller::records::subdomain_error(name) {
+        return Err(format!("{kind} name {name:?} {why}"));
+    }
+    for (k, v) in labels {
+        if let Some(why) = label_key_error(k).or_else(|| label_value_error(v)) {
+            return Err(format!("{kind} {name}: {why}"));
+        }
+    }
+    Ok(())
+}
