@@ -339,7 +339,8 @@ fn node_deletion_releases_blocks_also_across_a_relist() {
     let rt = rt();
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let client = rt.block_on(async { kube::Client::try_from(kube_config(&f).await).unwrap() });
-    let task = rt.spawn(nodeplane::controller::kube::nodes::follow(client, reg.clone(), stop));
+    let gate = nodeplane::controller::kube::nodes::NodeGate::new(client.clone());
+    let task = rt.spawn(nodeplane::controller::kube::nodes::follow(client, reg.clone(), gate, stop));
     // node-d has no Node object at all: released by the first list.
     wait_until("node-d released", Duration::from_secs(10), || reg.get("node-d").is_none());
     // A Delete event.
@@ -734,4 +735,86 @@ fn a_label_added_by_another_client_does_not_restart_the_leader() {
         other => panic!("want a fencing conflict, got {other:?}"),
     }
     assert!(fence.lost().is_some() && fence.check().is_err(), "fenced");
+}
+
+#[test]
+fn a_deleted_nodes_agent_is_refused_and_its_blocks_stay_released() {
+    use nodeplane::controller::kube::nodes::{AdmitError, NodeGate, follow};
+    use nodeplane::controller::store::RegistryError;
+    let f = fake();
+    for n in ["node-a", "node-b"] {
+        f.put_object("", "nodes", None, node_object(n));
+    }
+    let reg = Arc::new(registry(&f));
+    let rt = rt();
+    let client = rt.block_on(async { kube::Client::try_from(kube_config(&f).await).unwrap() });
+    let gate = NodeGate::new(client.clone());
+    let g = gate.clone();
+    reg.set_admission(Arc::new(move |n: &str| g.refused(n)));
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let task = rt.spawn(follow(client, reg.clone(), gate.clone(), stop));
+    // What the server does at Register: admit (FAILED_PRECONDITION when refused), then register.
+    let register = |node: &str| -> Result<Vec<String>, tonic::Code> {
+        match rt.block_on(gate.admit(node)) {
+            Err(AdmitError::Refused(m)) => {
+                assert!(m.contains(node), "{m}");
+                return Err(tonic::Code::FailedPrecondition);
+            }
+            Err(AdmitError::Unavailable(m)) => panic!("{m}"),
+            Ok(()) => {}
+        }
+        reg.register(node, &["192.0.2.1".into()], "").map(|r| r.blocks).map_err(|e| tonic::Status::from(e).code())
+    };
+    assert_eq!(register("node-a").unwrap().len(), 2);
+    assert_eq!(register("node-b").unwrap().len(), 2);
+    // No Node object at all: refused, nothing written.
+    assert_eq!(register("node-c"), Err(tonic::Code::FailedPrecondition));
+    assert!(f.get(GROUP, "nodeplanenodes", None, "node-c").is_none());
+    // node-b's Node is deleted while its agent runs: released, and its agent's next Register
+    // is refused; so is one that got past the admission before the deletion was seen (the
+    // registry asks the gate under its lock).
+    f.delete_object("", "nodes", None, "node-b");
+    wait_until("node-b released", Duration::from_secs(10), || reg.get("node-b").is_none());
+    assert_eq!(register("node-b"), Err(tonic::Code::FailedPrecondition));
+    match reg.register("node-b", &["192.0.2.2".into()], "") {
+        Err(RegistryError::FailedPrecondition(m)) => assert!(m.contains("node-b") && m.contains("Node object"), "{m}"),
+        other => panic!("want FAILED_PRECONDITION, got {other:?}"),
+    }
+    let ghosts = |f: &FakeApiServer| {
+        f.get(GROUP, "nodeplanenodes", None, "node-b").is_some() || locks(f).iter().any(|(_, n)| n == "node-b")
+    };
+    assert!(!ghosts(&f), "no ghost NodeplaneNode or IPBlock");
+    // Across relists (the watch breaks, history is compacted: a fresh list), the agent keeps
+    // retrying and keeps being refused; no ghost comes back.
+    for round in 0..2 {
+        let lists = || f.calls().iter().filter(|c| c.0 == "list" && c.2 == "nodes").count();
+        let before = lists();
+        // (While the watch is held, another Node appears: the watch's resourceVersion is then
+        // older than the compaction, so its resume gets 410 Gone and the watcher lists again.)
+        f.set_paused(true);
+        f.put_object("", "nodes", None, node_object(&format!("node-z{round}")));
+        f.compact();
+        f.close_watches();
+        f.set_paused(false);
+        wait_until("a relist", Duration::from_secs(20), || lists() > before);
+        for _ in 0..3 {
+            assert_eq!(register("node-b"), Err(tonic::Code::FailedPrecondition), "round {round}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert!(!ghosts(&f), "round {round}: no ghost NodeplaneNode or IPBlock");
+        assert!(reg.get("node-b").is_none());
+    }
+    assert!(reg.get("node-a").is_some(), "node-a keeps its blocks");
+    // A Node being deleted (deletionTimestamp set, finalizers pending) may not register either.
+    let mut a = f.get("", "nodes", None, "node-a").unwrap();
+    a["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+    f.put_object("", "nodes", None, a);
+    wait_until("node-a seen being deleted", Duration::from_secs(10), || gate.refused("node-a").is_some());
+    assert_eq!(register("node-a"), Err(tonic::Code::FailedPrecondition));
+    // A Node object that comes back (same name, a new machine) registers again.
+    f.put_object("", "nodes", None, node_object("node-b"));
+    wait_until("node-b seen again", Duration::from_secs(10), || gate.refused("node-b").is_none());
+    assert_eq!(register("node-b").unwrap().len(), 2);
+    let _ = stop_tx.send(true);
+    rt.block_on(task).unwrap();
 }

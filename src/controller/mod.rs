@@ -149,9 +149,17 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     metrics.loaded(registry.clone(), book.clone());
     let snap = registry.snapshot();
     tracing::info!(store = %backend.describe(), nodes = snap.nodes.len(), volumes = book.list().len(), revision = snap.revision, pools = ?cfg.cluster_cidrs(), "state loaded");
-    let follower = match (&cfg.store, &client) {
-        (config::Store::Kubernetes(_), Some(c)) => Some(tokio::spawn(kube::nodes::follow(c.clone(), registry.clone(), stopping.clone()))),
-        _ => None,
+    // In a cluster, registration follows the Node objects: a node without one (deleted while
+    // its agent still runs) is refused, also between relists.
+    let (follower, node_gate) = match (&cfg.store, &client) {
+        (config::Store::Kubernetes(_), Some(c)) => {
+            let gate = kube::nodes::NodeGate::new(c.clone());
+            let g = gate.clone();
+            registry.set_admission(Arc::new(move |name: &str| g.refused(name)));
+            let task = tokio::spawn(kube::nodes::follow(c.clone(), registry.clone(), gate.clone(), stopping.clone()));
+            (Some(task), Some(gate))
+        }
+        _ => (None, None),
     };
     let authority = Arc::new(authority);
     let cfg = Arc::new(cfg);
@@ -162,6 +170,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         cfg: cfg.clone(),
         stopping: stopping.clone(),
         requests: metrics.requests.clone(),
+        node_gate,
     };
     let until_stopped = |mut s: tokio::sync::watch::Receiver<bool>| async move {
         let _ = s.wait_for(|v| *v).await;
