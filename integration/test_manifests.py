@@ -1163,11 +1163,14 @@ def test_controller_rbac_equals_api_calls(base, controller_cfg):
         if g == "nodeplane.dev":
             assert (g, res) in crds, f"the controller uses {res}.{g}, which no CRD defines"
             assert namespaced == (crds[(g, res)] == "Namespaced")
-    # Reads and renewals of leases are limited to the controller's own Lease.
-    lease = controller_cfg["store"]["leaseName"]
+    # Reads and updates are limited to the controller's own Lease and Secret (the token keys:
+    # store.hmacSecretName, default nodeplane-controller-hmac); create cannot be limited by name.
+    own = {"leases": controller_cfg["store"]["leaseName"],
+           "secrets": controller_cfg["store"].get("hmacSecretName", "nodeplane-controller-hmac")}
     for r in role["rules"]:
         if set(r["verbs"]) - {"create"}:
-            assert r.get("resourceNames") == [lease], f"lease rule {r} should be limited to {lease}"
+            (res,) = r["resources"]
+            assert r.get("resourceNames") == [own[res]], f"rule {r} should be limited to {own[res]}"
 
 
 EXPECTED_SIDECAR_RULES = {
@@ -1238,7 +1241,11 @@ def test_rbac_bindings(base, deploy):
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field], f"{kind} {name}: wildcard in {field}"
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), f"{kind} {name}: {rule}"
-            assert "secrets" not in rule["resources"], f"{kind} {name} grants secrets"
+            if "secrets" in rule["resources"]:
+                # Only the controller's token keys: its own Secret, in its namespace.
+                assert (kind, ns, name) == ("Role", NAMESPACE, "nodeplane-controller"), f"{kind} {name} grants secrets"
+                assert rule["resources"] == ["secrets"] and (
+                    rule.get("resourceNames") == ["nodeplane-controller-hmac"] or rule["verbs"] == ["create"]), rule
             if name != "nodeplane-controller":
                 assert "nodeplane.dev" not in rule["apiGroups"], f"{kind} {name} touches nodeplane.dev"
     for name, expected in EXPECTED_SIDECAR_RULES.items():

@@ -34,6 +34,7 @@ fn fake() -> FakeApiServer {
     f.register(GROUP, "v1alpha1", "nodeplanenodes", "NodeplaneNode", false);
     f.register(GROUP, "v1alpha1", "ipblocks", "IPBlock", false);
     f.register(GROUP, "v1alpha1", "nodeplanevolumes", "NodeplaneVolume", false);
+    f.register("", "v1", "secrets", "Secret", true);
     f
 }
 
@@ -444,7 +445,6 @@ fn controller(dir: &std::path::Path, kubeconfig: &std::path::Path, name: &str) -
     let cfg = json!({
         "dataDir": data, "listen": format!("127.0.0.1:{grpc}"), "healthAddress": format!("127.0.0.1:{health}"),
         "pools": [{"cidr": "10.8.0.0/22", "blockPrefix": 24}, {"cidr": "fd00:8::/62", "blockPrefix": 64}],
-        "secretFile": dir.join("secret"),
         "store": {"kind": "kubernetes", "namespace": NS, "leaseDurationSeconds": 3, "renewDeadlineSeconds": 2, "retryPeriodSeconds": 1},
         "agentAuth": {"kind": "tokenReview", "audience": "nodeplane", "serviceAccount": AGENT_SA},
     });
@@ -817,4 +817,127 @@ fn a_deleted_nodes_agent_is_refused_and_its_blocks_stay_released() {
     assert_eq!(register("node-b").unwrap().len(), 2);
     let _ = stop_tx.send(true);
     rt.block_on(task).unwrap();
+}
+
+// ---- the token-signing secret in a Secret --------------------------------------------------
+
+async fn admin_list(grpc: u16, token: &str) -> Result<usize, tonic::Code> {
+    use nodeplane::rpc::controller as pb;
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{grpc}"))
+        .unwrap()
+        .connect()
+        .await
+        .map_err(|_| tonic::Code::Unavailable)?;
+    let mut c = pb::node_registry_client::NodeRegistryClient::new(ch);
+    let mut req = tonic::Request::new(pb::WatchNodesRequest { node_name: String::new() });
+    req.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    let mut stream = c.watch_nodes(req).await.map_err(|s| s.code())?.into_inner();
+    Ok(stream.message().await.map_err(|s| s.code())?.map(|l| l.nodes.len()).unwrap_or(0))
+}
+
+fn mint(dir: &std::path::Path, kubeconfig: &std::path::Path, name: &str, identity: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_nodeplane-controller"))
+        .args(["token", "--config"])
+        .arg(dir.join(format!("{name}.json")))
+        .arg(identity)
+        .env("KUBECONFIG", kubeconfig)
+        .env("POD_NAME", name)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "token: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+#[test]
+fn two_controllers_starting_together_agree_on_the_token_secret() {
+    use nodeplane::controller::kube::secret::{DEFAULT_NAME, load_or_create};
+    let f = fake();
+    rt().block_on(async {
+        let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+        let (a, b) = tokio::join!(load_or_create(client.clone(), NS, DEFAULT_NAME), load_or_create(client.clone(), NS, DEFAULT_NAME));
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(a, b);
+        assert!(a.current.len() >= 32 && a.previous.is_none());
+        assert_eq!(load_or_create(client.clone(), NS, DEFAULT_NAME).await.unwrap(), a, "read, not made again");
+    });
+    let creates = f.requests().iter().filter(|r| r.resource == "secrets" && r.verb == "create").count();
+    assert!((1..=2).contains(&creates), "{creates}");
+    let s = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
+    assert_eq!(s["type"], "Opaque");
+    assert_eq!(managers_of(&s), ["nodeplane-controller".to_string()].into());
+    // Emptied by hand: a key is added (update), not a second Secret.
+    let mut s = s;
+    s["data"] = json!({});
+    f.put_object("", "secrets", Some(NS), s);
+    let keys = rt().block_on(async {
+        load_or_create(kube::Client::try_from(kube_config(&f).await).unwrap(), NS, DEFAULT_NAME).await.unwrap()
+    });
+    assert!(keys.current.len() >= 32);
+    assert!(f.requests().iter().any(|r| r.resource == "secrets" && r.verb == "update" && r.field_manager == "nodeplane-controller"));
+    // A key too short is an error, not silently replaced.
+    let mut s = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
+    s["data"]["previous"] = json!("c2hvcnQ=");
+    f.put_object("", "secrets", Some(NS), s);
+    let e = rt().block_on(async {
+        load_or_create(kube::Client::try_from(kube_config(&f).await).unwrap(), NS, DEFAULT_NAME).await.unwrap_err()
+    });
+    assert!(e.contains("previous") && e.contains("fewer than 32"), "{e}");
+}
+
+#[test]
+fn an_admin_token_survives_a_controller_restart() {
+    let f = fake();
+    let dir = tempdir("kube-hmac");
+    let kubeconfig = dir.join("kubeconfig");
+    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
+    f.put_object("", "nodes", None, node_object("node-1"));
+    let a = controller(&dir, &kubeconfig, "ctl-a");
+    wait_until("ctl-a ready", Duration::from_secs(20), || http_get(a.health, "/readyz") == Some(200));
+    let secret = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").expect("the Secret was generated");
+    assert!(secret["data"]["current"].as_str().is_some_and(|k| k.len() >= 44), "{secret}");
+    let admin = mint(&dir, &kubeconfig, "ctl-a", "@admin");
+    let node = mint(&dir, &kubeconfig, "ctl-a", "node-1");
+    let rt = rt();
+    assert_eq!(rt.block_on(admin_list(a.grpc, &admin)), Ok(0));
+    assert_eq!(rt.block_on(register(a.grpc, &node, "node-1")).unwrap().len(), 2);
+    // A new controller pod: nothing of the old one's data dir survives (an emptyDir).
+    unsafe { libc::kill(a.proc.0.id() as i32, libc::SIGTERM) };
+    drop(a);
+    std::fs::remove_dir_all(dir.join("ctl-a")).unwrap();
+    assert!(!dir.join("secret").exists() && !dir.join("ctl-b").join("secret").exists());
+    let b = controller(&dir, &kubeconfig, "ctl-b");
+    wait_until("ctl-b ready", Duration::from_secs(20), || http_get(b.health, "/readyz") == Some(200));
+    assert_eq!(rt.block_on(admin_list(b.grpc, &admin)), Ok(1), "the @admin token minted before the restart works");
+    assert_eq!(rt.block_on(register(b.grpc, &node, "node-1")).unwrap().len(), 2);
+    // Rollover: the old key becomes `previous`, a new `current` signs; old tokens still work.
+    let mut s = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
+    let old_key = s["data"]["current"].clone();
+    s["data"] = json!({"current": "bmV3LWtleS1uZXcta2V5LW5ldy1rZXktbmV3LWtleS0zMmJ5dGVz", "previous": old_key});
+    f.put_object("", "secrets", Some(NS), s);
+    unsafe { libc::kill(b.proc.0.id() as i32, libc::SIGTERM) };
+    drop(b);
+    let c = controller(&dir, &kubeconfig, "ctl-c");
+    wait_until("ctl-c ready", Duration::from_secs(20), || http_get(c.health, "/readyz") == Some(200));
+    let admin2 = mint(&dir, &kubeconfig, "ctl-c", "@admin");
+    assert_ne!(admin2, admin, "signed with the new key");
+    assert_eq!(rt.block_on(admin_list(c.grpc, &admin)), Ok(1), "the previous key's token during the rollover");
+    assert_eq!(rt.block_on(admin_list(c.grpc, &admin2)), Ok(1));
+    // The rollover ends (previous removed): the old token is refused, the new one works.
+    let mut s = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
+    s["data"].as_object_mut().unwrap().remove("previous");
+    f.put_object("", "secrets", Some(NS), s);
+    unsafe { libc::kill(c.proc.0.id() as i32, libc::SIGTERM) };
+    drop(c);
+    let d = controller(&dir, &kubeconfig, "ctl-d");
+    wait_until("ctl-d ready", Duration::from_secs(20), || http_get(d.health, "/readyz") == Some(200));
+    assert_eq!(rt.block_on(admin_list(d.grpc, &admin)), Err(tonic::Code::Unauthenticated));
+    assert_eq!(rt.block_on(admin_list(d.grpc, &admin2)), Ok(1));
+    drop(d);
+    // What the processes called is in API_CALLS (the RBAC), the Secret's included.
+    let granted: BTreeSet<(String, String, String)> =
+        API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
+    for (verb, group, resource, _) in f.calls() {
+        assert!(granted.contains(&(verb.clone(), group.clone(), resource.clone())), "{verb} {group}/{resource} is not in API_CALLS");
+    }
+    assert!(assert_named_writes(&f) > 0);
 }

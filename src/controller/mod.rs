@@ -48,6 +48,26 @@ async fn termination() {
     }
 }
 
+/// The token authority: its keys from the file, or (Kubernetes mode) from the Secret, made
+/// once if missing.
+pub async fn token_authority(cfg: &Config, client: Option<&::kube::Client>) -> Result<auth::Authority, ControllerError> {
+    match &cfg.token_secret {
+        config::TokenSecret::File(path) => {
+            let secret = auth::load_or_create_secret(path).map_err(io_ctx(format!("token secret {}", path.display())))?;
+            Ok(auth::Authority::new(secret))
+        }
+        config::TokenSecret::Kubernetes { namespace, name } => {
+            let client = match client {
+                Some(c) => c.clone(),
+                None => kube::client().await.map_err(ControllerError::Kube)?,
+            };
+            let keys = kube::secret::load_or_create(client, namespace, name).await.map_err(ControllerError::Kube)?;
+            tracing::info!(secret = %format!("{namespace}/{name}"), rollover = keys.previous.is_some(), "token signing keys loaded");
+            Ok(auth::Authority::with_keys(keys.current, keys.previous))
+        }
+    }
+}
+
 /// Serve the agent API until SIGTERM/SIGINT (or, in Kubernetes mode, until leadership is
 /// lost: then the error says so and the process exits non-zero for its Deployment to
 /// restart it as a candidate).
@@ -81,9 +101,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             let _ = stop_tx.send(true);
         });
     }
-    let secret = auth::load_or_create_secret(&cfg.secret_file).map_err(io_ctx("token secret"))?;
-    let mut authority = auth::Authority::new(secret);
     let client = if cfg.uses_kubernetes() { Some(kube::client().await.map_err(ControllerError::Kube)?) } else { None };
+    let mut authority = token_authority(&cfg, client.as_ref()).await?;
     if let (config::AgentAuth::TokenReview { audience, service_account }, Some(c)) = (&cfg.agent_auth, &client) {
         authority = authority.with_reviewer(kube::review::TokenReviewer::new(c.clone(), audience, service_account));
         tracing::info!(audience = %audience, service_account = %service_account, "agents authenticate with projected service-account tokens (TokenReview)");

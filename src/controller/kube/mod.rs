@@ -9,6 +9,7 @@
 pub mod lease;
 pub mod nodes;
 pub mod review;
+pub mod secret;
 pub mod state;
 
 use kube::core::ApiResource;
@@ -54,6 +55,10 @@ pub const API_CALLS: &[ApiCall] = &[
     call("", "nodes", "watch", false),
     // agent identity
     call("authentication.k8s.io", "tokenreviews", "create", false),
+    // the token-signing secret (get/update limited to its name; create cannot be)
+    call("", "secrets", "get", true),
+    call("", "secrets", "create", true),
+    call("", "secrets", "update", true),
     // leader election
     call("coordination.k8s.io", "leases", "get", true),
     call("coordination.k8s.io", "leases", "create", true),
