@@ -941,3 +941,42 @@ fn an_admin_token_survives_a_controller_restart() {
     }
     assert!(assert_named_writes(&f) > 0);
 }
+
+#[test]
+fn register_through_the_controller_checks_the_name_then_the_node_object() {
+    let f = fake();
+    let dir = tempdir("kube-register-rules");
+    let kubeconfig = dir.join("kubeconfig");
+    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
+    let long = format!("{}.{}.{}.{}", "a".repeat(63), "b".repeat(63), "c".repeat(63), "d".repeat(61));
+    for n in ["node-1", long.as_str()] {
+        f.put_object("", "nodes", None, node_object(n));
+    }
+    let a = controller(&dir, &kubeconfig, "ctl-a");
+    wait_until("ctl-a ready", Duration::from_secs(20), || http_get(a.health, "/readyz") == Some(200));
+    let admin = mint(&dir, &kubeconfig, "ctl-a", "@admin");
+    let rt = rt();
+    // A 253-character name with its Node object registers and gets its blocks.
+    assert_eq!(rt.block_on(register(a.grpc, &admin, &long)).unwrap().len(), 2);
+    // Invalid names: INVALID_ARGUMENT naming the rule (also when no Node could have it).
+    for bad in ["Bad_Name", "a..b", &"z".repeat(254)] {
+        let e = rt.block_on(register(a.grpc, &admin, bad)).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad}: {e:?}");
+        assert!(e.message().contains("RFC 1123 subdomain"), "{}", e.message());
+    }
+    // A valid name without a Node object: FAILED_PRECONDITION naming it; nothing written.
+    let e = rt.block_on(register(a.grpc, &admin, "node-2")).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("\"node-2\"") && e.message().contains("Node object"), "{}", e.message());
+    assert!(f.get(GROUP, "nodeplanenodes", None, "node-2").is_none());
+    assert!(!locks(&f).iter().any(|(_, n)| n == "node-2"));
+    // The Node object appears: the same agent's next try registers.
+    f.put_object("", "nodes", None, node_object("node-2"));
+    wait_until("node-2 admitted", Duration::from_secs(10), || rt.block_on(register(a.grpc, &admin, "node-2")).is_ok());
+    // Deleted while its agent runs: released, and refused from then on.
+    f.delete_object("", "nodes", None, "node-2");
+    wait_until("node-2 released", Duration::from_secs(10), || f.get(GROUP, "nodeplanenodes", None, "node-2").is_none());
+    assert_eq!(rt.block_on(register(a.grpc, &admin, "node-2")).unwrap_err().code(), tonic::Code::FailedPrecondition);
+    assert!(!locks(&f).iter().any(|(_, n)| n == "node-2"));
+    drop(a);
+}

@@ -141,6 +141,10 @@ impl Service {
     async fn do_register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
         let node = req.get_ref().node_name.clone();
         self.authorize(&req, &node).await?;
+        // A bad name is INVALID_ARGUMENT whatever the cluster holds (before the Node lookup).
+        if let Some(why) = super::records::subdomain_error(&node) {
+            return Err(Status::invalid_argument(format!("node name {node:?} {why}")));
+        }
         if let Some(gate) = &self.node_gate {
             gate.admit(&node).await.map_err(|e| match e {
                 super::kube::nodes::AdmitError::Refused(m) => {
