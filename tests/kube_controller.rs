@@ -980,3 +980,32 @@ fn register_through_the_controller_checks_the_name_then_the_node_object() {
     assert!(!locks(&f).iter().any(|(_, n)| n == "node-2"));
     drop(a);
 }
+
+#[test]
+fn a_leader_whose_lease_was_freed_by_someone_else_stops() {
+    let f = fake();
+    rt().block_on(async {
+        let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+        let mut a = Elector::new(client, settings("ctl-a"));
+        a.acquire(|_| {}).await;
+        // Someone (another holder's release, or a hand edit) empties the holder: a's next
+        // renewal would take the free lease again, but another controller may have led in
+        // between, so a stops instead of trusting what it knows.
+        let mut lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+        lease["spec"]["holderIdentity"] = serde_json::Value::Null;
+        f.put_object("coordination.k8s.io", "leases", Some(NS), lease);
+        let lost = a.keep(std::future::pending()).await.expect("lost");
+        assert!(lost.contains("released or taken over"), "{lost}");
+        assert!(a.fence().check().is_err());
+        // A label on the Lease by another client is not a loss (a renewal races, then renews).
+        let mut b = Elector::new(kube::Client::try_from(kube_config(&f).await).unwrap(), settings("ctl-b"));
+        b.acquire(|_| {}).await;
+        let mut lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+        lease["metadata"]["labels"] = json!({"team": "net"});
+        f.put_object("coordination.k8s.io", "leases", Some(NS), lease);
+        let kept = b.keep(tokio::time::sleep(Duration::from_millis(1200))).await;
+        assert_eq!(kept, None, "b kept leading until told to stop");
+        let lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+        assert_eq!(lease["metadata"]["labels"]["team"], "net", "the label is kept by the renewals");
+    });
+}
