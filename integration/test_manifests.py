@@ -421,6 +421,163 @@ def test_validator_is_strict():
         kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
 
 
+# ----------------------------------------------------------------- canonical quantities
+#
+# `kubectl apply` reports "configured" when what it sends differs from what the server
+# stored, and the server stores every resource.Quantity in its canonical form
+# (k8s.io/apimachinery/pkg/api/resource, Quantity.CanonicalizeBytes): `10000` comes back as
+# `10k`, `1000m` as `1`, `1024Mi` as `1Gi`. So every quantity in the manifests is written as
+# the server would store it, as a string, and a second `kubectl apply -k daemonset/` changes
+# nothing. Which fields are quantities comes from the Kubernetes schemas themselves.
+
+QUANTITY_RE = re.compile(r"^([+-]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?[0-9]+|[numkMGTPE]?)$")
+DECIMAL_SI_SUFFIX = {-9: "n", -6: "u", -3: "m", 0: "", 3: "k", 6: "M", 9: "G", 12: "T", 15: "P", 18: "E"}
+BINARY_SI_SUFFIX = ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"]
+QUANTITY_DEF = "io.k8s.apimachinery.pkg.api.resource.Quantity"
+
+
+def canonical_quantity(q):
+    """The form the API server stores quantity `q` in. The suffix decides the format
+    (binary: Ki..Ei; decimal exponent: e<n>; decimal SI: n u m "" k M G T P E); values are
+    rounded up (away from zero) to nano units; then, with no precision lost and no fractional
+    digits, the exponent is as large as possible: a multiple of 3 for the decimal formats,
+    of 1024 for the binary one. A binary value below 1024 in magnitude, or not a whole
+    number, is written as decimal SI."""
+    from fractions import Fraction
+    m = QUANTITY_RE.match(q)
+    assert m, f"{q!r} is not a Kubernetes quantity"
+    sign, number, suffix = m.groups()
+    value = Fraction(number)
+    if suffix in BINARY_SI_SUFFIX[1:]:
+        fmt, value = "BinarySI", value * 1024 ** BINARY_SI_SUFFIX.index(suffix)
+    elif re.fullmatch(r"[eE][+-]?[0-9]+", suffix):
+        fmt, value = "DecimalExponent", value * Fraction(10) ** int(suffix[1:])
+    else:
+        exp = {v: k for k, v in DECIMAL_SI_SUFFIX.items()}[suffix]
+        fmt, value = "DecimalSI", value * Fraction(10) ** exp
+    if value == 0:
+        return "0"
+    nanos = -((-value * 10**9).__floor__())  # rounded up to a whole number of nano units
+    sign = "-" if sign == "-" else ""
+    if fmt == "BinarySI":
+        if nanos < 1024 * 10**9 or nanos % 10**9:
+            fmt = "DecimalSI"
+        else:
+            mantissa, exp = nanos // 10**9, 0
+            while mantissa % 1024 == 0 and exp < len(BINARY_SI_SUFFIX) - 1:
+                mantissa, exp = mantissa // 1024, exp + 1
+            return f"{sign}{mantissa}{BINARY_SI_SUFFIX[exp]}"
+    mantissa, exp = nanos, -9
+    while mantissa % 1000 == 0:
+        mantissa, exp = mantissa // 1000, exp + 3
+    if fmt == "DecimalSI" and exp in DECIMAL_SI_SUFFIX:
+        return f"{sign}{mantissa}{DECIMAL_SI_SUFFIX[exp]}"
+    return f"{sign}{mantissa}" + (f"e{exp}" if exp else "")
+
+
+@functools.lru_cache(maxsize=1)
+def _k8s_definitions():
+    import kubernetes_validate
+    path = (Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+            / f"v{K8S_VERSION}-local-strict" / "_definitions.json")
+    return json.loads(path.read_text())["$defs"]
+
+
+def _definition_of(doc):
+    group, _, version = doc["apiVersion"].rpartition("/")
+    for d in _k8s_definitions().values():
+        for gvk in d.get("x-kubernetes-group-version-kind", []):
+            if (gvk["group"], gvk["version"], gvk["kind"]) == (group, version, doc["kind"]):
+                return d
+    return None
+
+
+def quantities(doc):
+    """(path, value) of every field of `doc` whose schema is a resource.Quantity (none for
+    kinds without a Kubernetes schema: custom resources are stored as written)."""
+    defs = _k8s_definitions()
+    out = []
+
+    def walk(value, schema, path):
+        while "$ref" in schema:
+            name = schema["$ref"].rsplit("/", 1)[1]
+            if name == QUANTITY_DEF:
+                out.append((path, value))
+                return
+            schema = defs[name]
+        if isinstance(value, dict):
+            props = schema.get("properties", {})
+            extra = schema.get("additionalProperties")
+            for k, v in value.items():
+                if k in props:
+                    walk(v, props[k], f"{path}.{k}")
+                elif isinstance(extra, dict):
+                    walk(v, extra, f"{path}.{k}")
+        elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+            for i, v in enumerate(value):
+                walk(v, schema["items"], f"{path}[{i}]")
+
+    schema = _definition_of(doc)
+    if schema is not None:
+        walk(doc, schema, "")
+    return out
+
+
+def non_canonical_quantities(docs):
+    bad = []
+    for d in docs:
+        for path, q in quantities(d):
+            if not isinstance(q, str):
+                bad.append(f"{key(d)}{path}: {q!r} is not a string (the server stores {canonical_quantity(str(q))!r})")
+            elif canonical_quantity(q) != q:
+                bad.append(f"{key(d)}{path}: {q!r} is stored as {canonical_quantity(q)!r}")
+    return bad
+
+
+@pytest.mark.parametrize("q,stored", [
+    ("10000", "10k"), ("10k", "10k"), ("1000m", "1"), ("1500m", "1500m"), ("1.5", "1500m"), ("0.5", "500m"),
+    ("100m", "100m"), ("50m", "50m"), ("1", "1"), ("0", "0"), ("0.0", "0"), ("1000", "1k"), ("1000k", "1M"),
+    ("1024Mi", "1Gi"), ("1536Mi", "1536Mi"), ("1.5Gi", "1536Mi"), ("64Mi", "64Mi"), ("1024Ki", "1Mi"),
+    ("0.5Ki", "512"), ("1023", "1023"), ("1Ki", "1Ki"), ("1025", "1025"), ("2048", "2048"), ("1e3", "1e3"),
+    ("1000e3", "1e6"), ("12e6", "12e6"), ("1E", "1E"), ("-1000m", "-1"), ("0.1m", "100u"), ("1n", "1n"),
+    ("1000000u", "1"), ("+5", "5"), ("05", "5"),
+])
+def test_canonical_quantity_rule(q, stored):
+    assert canonical_quantity(q) == stored
+
+
+@pytest.mark.parametrize("which", ["base", "overlay", "snapshots", "examples"])
+def test_quantities_are_canonical(which, request):
+    """A second `kubectl apply` changes nothing: every quantity is the string the server stores."""
+    docs = request.getfixturevalue(which)
+    if which in ("base", "examples"):
+        found = [q for d in docs for q in quantities(d)]
+        assert len(found) >= 10, f"{which}: only {found} found (is the schema walk broken?)"
+    assert not non_canonical_quantities(docs), "\n".join(non_canonical_quantities(docs))
+
+
+def test_registrar_overlay_quantities_are_canonical():
+    assert not non_canonical_quantities(render(REGISTRAR_OVERLAY)[1])
+
+
+def test_quantity_check_finds_the_old_quota(base):
+    """The check fails on what shipped before: the ResourceQuota's pods "10000" (stored as 10k)."""
+    docs = copy.deepcopy(base)
+    quota = find(docs, "ResourceQuota", "nodeplane-critical-pods", NAMESPACE)
+    assert ("ResourceQuota", NAMESPACE, "nodeplane-critical-pods") == key(quota)
+    assert (".spec.hard.pods", quota["spec"]["hard"]["pods"]) in quantities(quota)
+    quota["spec"]["hard"]["pods"] = "10000"
+    bad = non_canonical_quantities(docs)
+    assert bad == [f"{key(quota)}.spec.hard.pods: '10000' is stored as '10k'"], bad
+    # Every request and limit is seen too.
+    ds_doc = find(docs, "DaemonSet", "nodeplane-agent", NAMESPACE)
+    c = pod_spec(ds_doc)["containers"][0]
+    c["resources"]["limits"]["memory"] = "1024Mi"
+    c["resources"]["requests"]["cpu"] = 1
+    bad = non_canonical_quantities(docs)
+    assert len(bad) == 3 and any("1024Mi" in b and "'1Gi'" in b for b in bad) and any("not a string" in b for b in bad), bad
+
+
 # ----------------------------------------------------------------- the snapshot API
 #
 # snapshot.storage.k8s.io/v1 as the upstream CRDs define the fields we write (the API types of
@@ -1006,11 +1163,14 @@ def test_controller_rbac_equals_api_calls(base, controller_cfg):
         if g == "nodeplane.dev":
             assert (g, res) in crds, f"the controller uses {res}.{g}, which no CRD defines"
             assert namespaced == (crds[(g, res)] == "Namespaced")
-    # Reads and renewals of leases are limited to the controller's own Lease.
-    lease = controller_cfg["store"]["leaseName"]
+    # Reads and updates are limited to the controller's own Lease and Secret (the token keys:
+    # store.hmacSecretName, default nodeplane-controller-hmac); create cannot be limited by name.
+    own = {"leases": controller_cfg["store"]["leaseName"],
+           "secrets": controller_cfg["store"].get("hmacSecretName", "nodeplane-controller-hmac")}
     for r in role["rules"]:
         if set(r["verbs"]) - {"create"}:
-            assert r.get("resourceNames") == [lease], f"lease rule {r} should be limited to {lease}"
+            (res,) = r["resources"]
+            assert r.get("resourceNames") == [own[res]], f"rule {r} should be limited to {own[res]}"
 
 
 EXPECTED_SIDECAR_RULES = {
@@ -1081,7 +1241,11 @@ def test_rbac_bindings(base, deploy):
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field], f"{kind} {name}: wildcard in {field}"
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), f"{kind} {name}: {rule}"
-            assert "secrets" not in rule["resources"], f"{kind} {name} grants secrets"
+            if "secrets" in rule["resources"]:
+                # Only the controller's token keys: its own Secret, in its namespace.
+                assert (kind, ns, name) == ("Role", NAMESPACE, "nodeplane-controller"), f"{kind} {name} grants secrets"
+                assert rule["resources"] == ["secrets"] and (
+                    rule.get("resourceNames") == ["nodeplane-controller-hmac"] or rule["verbs"] == ["create"]), rule
             if name != "nodeplane-controller":
                 assert "nodeplane.dev" not in rule["apiGroups"], f"{kind} {name} touches nodeplane.dev"
     for name, expected in EXPECTED_SIDECAR_RULES.items():
@@ -1101,7 +1265,7 @@ def test_namespace_and_quota(base):
     (expr,) = q["spec"]["scopeSelector"]["matchExpressions"]
     assert expr["scopeName"] == "PriorityClass" and expr["operator"] == "In"
     assert used <= set(expr["values"])
-    assert int(q["spec"]["hard"]["pods"]) >= 5002, "room for an agent on every node (5000) and two controllers"
+    assert parse_quantity(q["spec"]["hard"]["pods"]) >= 5002, "room for an agent on every node (5000) and two controllers"
     for d in base:
         if d["kind"] not in ("Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding",
                              "CSIDriver", "StorageClass"):

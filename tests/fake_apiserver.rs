@@ -1057,3 +1057,135 @@ async fn bad_requests_get_status_errors() {
         .collect();
     assert_eq!(names, BTreeSet::from(["n".to_string()]));
 }
+
+#[tokio::test]
+async fn names_and_labels_follow_kubernetes_rules() {
+    let e = env().await;
+    let blocks: Api<DynamicObject> = Api::all_with(e.client.clone(), &ipblocks());
+    let pp = PostParams::default();
+    let labelled = |name: &str, k: &str, v: &str| {
+        let mut o = ipblock(name, "10.0.0.0/24");
+        o.metadata.labels = Some([(k.to_string(), v.to_string())].into());
+        o
+    };
+    // Names: a DNS-1123 subdomain of at most 253 characters.
+    let long = format!("{}.{}.{}.{}", "a".repeat(63), "b".repeat(63), "c".repeat(63), "d".repeat(61));
+    assert_eq!(long.len(), 253);
+    blocks.create(&pp, &ipblock(&long, "x")).await.expect("a 253-character name");
+    let (code, reason, msg) = api_err(blocks.create(&pp, &ipblock(&format!("{long}e"), "x")).await);
+    assert_eq!((code, reason.as_str()), (422, "Invalid"));
+    assert!(msg.contains("metadata.name: Invalid value: ") && msg.contains("must be no more than 253 characters"), "{msg}");
+    for bad in ["Bad_Name", "a..b", "-a", "a-", "a.-b"] {
+        let (code, _, msg) = api_err(blocks.create(&pp, &ipblock(bad, "x")).await);
+        assert_eq!(code, 422, "{bad}");
+        assert!(msg.contains("a lowercase RFC 1123 subdomain must consist of"), "{bad}: {msg}");
+    }
+    // Label values: at most 63 characters, alphanumeric at both ends.
+    blocks.create(&pp, &labelled("l63", "nodeplane.io/node", &"n".repeat(63))).await.expect("63-character label value");
+    blocks.create(&pp, &labelled("lempty", "nodeplane.io/node", "")).await.expect("empty label value");
+    let raw_status = |v: &str| {
+        let body = json!({"apiVersion": format!("{GROUP}/v1"), "kind": "IpBlock",
+                          "metadata": {"name": "l64", "labels": {"nodeplane.io/node": v}}, "spec": {}});
+        raw_auth(&e.server, "POST", &format!("/apis/{GROUP}/v1/ipblocks"), Some("application/json"), &body.to_string())
+    };
+    let (code, status) = raw_status(&"n".repeat(64));
+    assert_eq!(code, 422);
+    assert_eq!(status["kind"], "Status");
+    assert_eq!(status["reason"], "Invalid");
+    assert_eq!(
+        status["message"],
+        format!("IpBlock.{GROUP} \"l64\" is invalid: metadata.labels: Invalid value: \"{}\": must be no more than 63 characters", "n".repeat(64))
+    );
+    assert_eq!(status["details"]["causes"][0]["field"], "metadata.labels");
+    assert_eq!(status["details"]["causes"][0]["reason"], "FieldValueInvalid");
+    assert_eq!(status["details"]["kind"], "IpBlock");
+    let (code, status) = raw_status("-bad-");
+    assert_eq!(code, 422);
+    assert!(status["message"].as_str().unwrap().contains("a valid label must be an empty string or consist of"), "{status}");
+    // Label keys are qualified names.
+    let (code, _, msg) = api_err(blocks.create(&pp, &labelled("k1", "Bad Key/x", "v")).await);
+    assert_eq!(code, 422);
+    assert!(msg.contains("prefix part a lowercase RFC 1123 subdomain"), "{msg}");
+    let (code, _, msg) = api_err(blocks.create(&pp, &labelled("k2", &format!("x/{}", "k".repeat(64)), "v")).await);
+    assert_eq!(code, 422);
+    assert!(msg.contains("name part must be no more than 63 characters"), "{msg}");
+    // Also on update and patch.
+    let mut o = blocks.get("l63").await.unwrap();
+    o.metadata.labels = Some([("nodeplane.io/node".to_string(), "x".repeat(70))].into());
+    assert_eq!(api_err(blocks.replace("l63", &pp, &o).await).0, 422);
+    let p = json!({"metadata": {"labels": {"nodeplane.io/node": "y".repeat(70)}}});
+    assert_eq!(api_err(blocks.patch("l63", &PatchParams::default(), &Patch::Merge(&p)).await).0, 422);
+    // Annotations: at most 256 KiB together.
+    let mut big = ipblock("big", "x");
+    big.metadata.annotations = Some([("a".to_string(), "x".repeat(256 * 1024))].into());
+    let (code, _, msg) = api_err(blocks.create(&pp, &big).await);
+    assert_eq!(code, 422);
+    assert!(msg.contains("metadata.annotations: Too long: must have at most 262144 bytes"), "{msg}");
+}
+
+/// The managers of an object and the top-level-ish fields each owns ("spec.cidr", "metadata.labels.x").
+fn managers(o: &DynamicObject) -> BTreeMap<String, BTreeSet<String>> {
+    fn walk(v: &Value, path: &mut Vec<String>, out: &mut BTreeSet<String>) {
+        let kids: Vec<_> = v.as_object().map(|m| m.iter().filter(|(k, _)| k.starts_with("f:")).collect()).unwrap_or_default();
+        if kids.is_empty() {
+            out.insert(path.join("."));
+        }
+        for (k, c) in kids {
+            path.push(k[2..].to_string());
+            walk(c, path, out);
+            path.pop();
+        }
+    }
+    let mut out = BTreeMap::new();
+    for e in o.metadata.managed_fields.clone().unwrap_or_default() {
+        assert_eq!(e.operation.as_deref(), Some("Update"));
+        assert_eq!(e.fields_type.as_deref(), Some("FieldsV1"));
+        assert!(e.time.is_some());
+        let mut set = BTreeSet::new();
+        walk(&e.fields_v1.map(|f| f.0).unwrap_or_default(), &mut Vec::new(), &mut set);
+        out.insert(e.manager.unwrap_or_default(), set);
+    }
+    out
+}
+
+#[tokio::test]
+async fn writes_are_recorded_under_their_field_manager() {
+    let e = env().await;
+    let blocks: Api<DynamicObject> = Api::all_with(e.client.clone(), &ipblocks());
+    let by = |m: &str| PostParams { field_manager: Some(m.into()), ..PostParams::default() };
+    let set = |xs: &[&str]| xs.iter().map(|s| s.to_string()).collect::<BTreeSet<String>>();
+    let created = blocks.create(&by("alice"), &ipblock("b1", "10.0.0.0/24")).await.unwrap();
+    assert_eq!(managers(&created), [("alice".to_string(), set(&["spec.cidr"]))].into());
+    // Another client labels it (kubectl label's manager): both are recorded.
+    let p = json!({"metadata": {"labels": {"team": "net"}}});
+    let pp = PatchParams { field_manager: Some("kubectl-label".into()), ..PatchParams::default() };
+    let labelled = blocks.patch("b1", &pp, &Patch::Merge(&p)).await.unwrap();
+    assert_eq!(
+        managers(&labelled),
+        [("alice".to_string(), set(&["spec.cidr"])), ("kubectl-label".to_string(), set(&["metadata.labels.team"]))].into()
+    );
+    // bob changes the cidr: alice owned only that, so she is gone; a no-op write changes nothing.
+    let mut o = labelled.clone();
+    o.data["spec"]["cidr"] = json!("10.0.1.0/24");
+    let replaced = blocks.replace("b1", &by("bob"), &o).await.unwrap();
+    assert_eq!(
+        managers(&replaced),
+        [("bob".to_string(), set(&["spec.cidr"])), ("kubectl-label".to_string(), set(&["metadata.labels.team"]))].into()
+    );
+    let again = blocks.replace("b1", &by("carol"), &replaced).await.unwrap();
+    assert_eq!(again.metadata.resource_version, replaced.metadata.resource_version, "no-op");
+    assert_eq!(managers(&again), managers(&replaced));
+    // No field manager: the User-Agent's product (kube-rs sends none: "unknown").
+    let anon = blocks.create(&PostParams::default(), &ipblock("b2", "x")).await.unwrap();
+    assert_eq!(managers(&anon).keys().cloned().collect::<Vec<_>>(), vec!["unknown".to_string()]);
+    let mut cfg = config_for(&e.server, &e.dir, TOKEN).await;
+    cfg.headers.push((hyper::header::USER_AGENT, hyper::header::HeaderValue::from_static("tool/1.2 (linux)")));
+    let tool: Api<DynamicObject> = Api::all_with(Client::try_from(cfg).unwrap(), &ipblocks());
+    let t = tool.create(&PostParams::default(), &ipblock("b3", "x")).await.unwrap();
+    assert_eq!(managers(&t).keys().cloned().collect::<Vec<_>>(), vec!["tool".to_string()]);
+    // The requests keep both.
+    let reqs = e.server.requests();
+    let r = reqs.iter().find(|r| r.verb == "create" && r.name.is_none() && r.user_agent.starts_with("tool/")).unwrap();
+    assert_eq!((r.resource.as_str(), r.field_manager.as_str()), ("ipblocks", ""));
+    assert!(reqs.iter().any(|r| r.verb == "patch" && r.name.as_deref() == Some("b1") && r.field_manager == "kubectl-label"));
+}

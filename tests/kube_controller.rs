@@ -34,6 +34,7 @@ fn fake() -> FakeApiServer {
     f.register(GROUP, "v1alpha1", "nodeplanenodes", "NodeplaneNode", false);
     f.register(GROUP, "v1alpha1", "ipblocks", "IPBlock", false);
     f.register(GROUP, "v1alpha1", "nodeplanevolumes", "NodeplaneVolume", false);
+    f.register("", "v1", "secrets", "Secret", true);
     f
 }
 
@@ -43,7 +44,8 @@ fn rt() -> tokio::runtime::Runtime {
 
 async fn kube_config(f: &FakeApiServer) -> kube::Config {
     let kc = Kubeconfig::from_yaml(&f.kubeconfig_yaml(CTL_TOKEN)).unwrap();
-    kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap()
+    // As the controller builds its clients: with its User-Agent.
+    nodeplane::controller::kube::named(kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap())
 }
 
 fn backend(f: &FakeApiServer) -> Arc<KubeBackend> {
@@ -71,6 +73,27 @@ fn locks(f: &FakeApiServer) -> Vec<(String, String)> {
         .collect();
     v.sort();
     v
+}
+
+/// Every request the controller sent carries its User-Agent, and every write its field
+/// manager; returns how many writes there were.
+fn assert_named_writes(f: &FakeApiServer) -> usize {
+    let ua = format!("nodeplane-controller/{}", env!("CARGO_PKG_VERSION"));
+    let mut writes = 0;
+    // (Requests of the tests' stand-in for an operator's kubectl are not the controller's.)
+    for r in f.requests().into_iter().filter(|r| !r.user_agent.starts_with("kubectl/")) {
+        assert_eq!(r.user_agent, ua, "{r:?}");
+        if matches!(r.verb.as_str(), "create" | "update" | "patch") {
+            assert_eq!(r.field_manager, "nodeplane-controller", "{r:?}");
+            writes += 1;
+        }
+    }
+    writes
+}
+
+/// The field managers recorded in an object's managedFields.
+fn managers_of(o: &serde_json::Value) -> BTreeSet<String> {
+    o["metadata"]["managedFields"].as_array().into_iter().flatten().filter_map(|e| e["manager"].as_str().map(str::to_string)).collect()
 }
 
 fn lock_object(cidr: &str, node: &str) -> serde_json::Value {
@@ -105,6 +128,11 @@ fn registry_state_lives_in_api_objects() {
     assert_eq!(locks(&f), vec![("10.8.1.0/24".into(), "node-b".into()), ("fd00:8:0:1::/64".into(), "node-b".into())]);
     let c = r.register("node-c", &["192.0.2.3".into()], "").unwrap();
     assert_eq!(c.blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
+    // Named writes: the field manager in managedFields, the User-Agent on every request.
+    assert!(assert_named_writes(&f) >= 8);
+    let controller: BTreeSet<String> = ["nodeplane-controller".to_string()].into();
+    assert_eq!(managers_of(&f.get(GROUP, "nodeplanenodes", None, "node-c").unwrap()), controller);
+    assert_eq!(managers_of(&f.get(GROUP, "ipblocks", None, "v4-10-8-0-0-24").unwrap()), controller);
 }
 
 #[test]
@@ -282,6 +310,9 @@ fn leader_election_on_a_lease() {
         assert!(c.fence().check().is_err());
         f.set_unavailable(false);
     });
+    assert!(assert_named_writes(&f) >= 4);
+    let lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+    assert_eq!(managers_of(&lease), ["nodeplane-controller".to_string()].into());
 }
 
 fn node_object(name: &str) -> serde_json::Value {
@@ -309,7 +340,8 @@ fn node_deletion_releases_blocks_also_across_a_relist() {
     let rt = rt();
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let client = rt.block_on(async { kube::Client::try_from(kube_config(&f).await).unwrap() });
-    let task = rt.spawn(nodeplane::controller::kube::nodes::follow(client, reg.clone(), stop));
+    let gate = nodeplane::controller::kube::nodes::NodeGate::new(client.clone());
+    let task = rt.spawn(nodeplane::controller::kube::nodes::follow(client, reg.clone(), gate, stop));
     // node-d has no Node object at all: released by the first list.
     wait_until("node-d released", Duration::from_secs(10), || reg.get("node-d").is_none());
     // A Delete event.
@@ -413,7 +445,6 @@ fn controller(dir: &std::path::Path, kubeconfig: &std::path::Path, name: &str) -
     let cfg = json!({
         "dataDir": data, "listen": format!("127.0.0.1:{grpc}"), "healthAddress": format!("127.0.0.1:{health}"),
         "pools": [{"cidr": "10.8.0.0/22", "blockPrefix": 24}, {"cidr": "fd00:8::/62", "blockPrefix": 64}],
-        "secretFile": dir.join("secret"),
         "store": {"kind": "kubernetes", "namespace": NS, "leaseDurationSeconds": 3, "renewDeadlineSeconds": 2, "retryPeriodSeconds": 1},
         "agentAuth": {"kind": "tokenReview", "audience": "nodeplane", "serviceAccount": AGENT_SA},
     });
@@ -496,6 +527,8 @@ fn two_controller_processes_fail_over_without_losing_blocks() {
     for (verb, group, resource, _) in f.calls() {
         assert!(granted.contains(&(verb.clone(), group.clone(), resource.clone())), "{verb} {group}/{resource} is not in API_CALLS");
     }
+    // The processes name themselves on every request and write.
+    assert!(assert_named_writes(&f) > 0);
 }
 
 /// A fresh directory, removed when dropped (also when the test fails).
@@ -535,4 +568,444 @@ fn a_second_writer_is_a_typed_conflict() {
         Err(RegistryError::Storage(BackendError::Conflict(m))) => assert!(m.contains("another writer"), "{m}"),
         other => panic!("want a conflict, got {other:?}"),
     }
+}
+
+// ---- issue 18: node names of any length, conflicts that are not another leader -------------
+
+#[test]
+fn node_names_of_any_valid_length_register_and_get_blocks() {
+    use nodeplane::controller::kube::state::{NODE_ANNOTATION, NODE_HASH_LABEL, node_hash};
+    use nodeplane::controller::store::RegistryError;
+    let f = fake();
+    let r = registry(&f);
+    let n63 = "n".repeat(63);
+    let n64 = format!("{}.example", "m".repeat(56));
+    let n253 = format!("{}.{}.{}.{}", "a".repeat(63), "b".repeat(63), "c".repeat(63), "d".repeat(61));
+    assert_eq!((n63.len(), n64.len(), n253.len()), (63, 64, 253));
+    for name in ["x", n63.as_str(), n64.as_str(), n253.as_str()] {
+        let rec = r.register(name, &["192.0.2.1".into()], "").unwrap_or_else(|e| panic!("{} characters: {e}", name.len()));
+        assert_eq!(rec.blocks.len(), 2, "{name}");
+        let obj = f.get(GROUP, "nodeplanenodes", None, name).expect("the record is named after the node");
+        assert_eq!(obj["metadata"]["labels"][NODE_HASH_LABEL], node_hash(name));
+        for b in &rec.blocks {
+            let lock = f.get(GROUP, "ipblocks", None, &block_object_name(b)).unwrap();
+            assert_eq!(lock["spec"]["node"], name);
+            assert_eq!(lock["metadata"]["annotations"][NODE_ANNOTATION], name);
+            let hash = lock["metadata"]["labels"][NODE_HASH_LABEL].as_str().unwrap();
+            assert_eq!((hash, hash.len()), (node_hash(name).as_str(), 56));
+        }
+    }
+    assert_eq!(node_hash("x"), "54a2f7f92a5f975d8096af77a126edda7da60c5aa872ef1b871701ae", "printf x | sha224sum");
+    // Found again by a new controller; a selector on the hash finds a node's locks.
+    let r = registry(&f);
+    assert_eq!(r.get(&n253).unwrap().blocks.len(), 2);
+    // Invalid names: refused at Register, naming the rule; nothing written.
+    let before = f.list(GROUP, "nodeplanenodes").len();
+    for bad in ["Bad_Name", "a..b", "-a", "a.", &"z".repeat(254), ""] {
+        let e = r.register(bad, &["192.0.2.1".into()], "").unwrap_err();
+        assert!(matches!(e, RegistryError::InvalidArgument(_)), "{bad:?}: {e:?}");
+        let m = e.to_string();
+        assert!(m.contains("RFC 1123 subdomain") && m.contains("253 characters"), "{m}");
+        let status = tonic::Status::from(e);
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    }
+    assert_eq!(f.list(GROUP, "nodeplanenodes").len(), before);
+}
+
+#[test]
+fn objects_of_the_old_label_encoding_are_still_found_and_migrated() {
+    use nodeplane::controller::kube::state::{NODE_HASH_LABEL, node_hash};
+    let f = fake();
+    // As written by the previous version: the node name itself in the label nodeplane.dev/node.
+    let legacy = json!({"nodeplane.dev/node": "node-a", "app.kubernetes.io/managed-by": "nodeplane-controller"});
+    f.put_object(GROUP, "nodeplanenodes", None, json!({"apiVersion": format!("{GROUP}/v1alpha1"), "kind": "NodeplaneNode",
+        "metadata": {"name": "node-a", "labels": {"app.kubernetes.io/managed-by": "nodeplane-controller"}},
+        "spec": {"underlay": ["192.0.2.1"], "vtepMac": "", "blocks": ["10.8.0.0/24"]}}));
+    let mut lock = lock_object("10.8.0.0/24", "node-a");
+    lock["metadata"]["labels"] = legacy.clone();
+    f.put_object(GROUP, "ipblocks", None, lock);
+    f.put_object(GROUP, "nodeplanevolumes", None, json!({"apiVersion": format!("{GROUP}/v1alpha1"), "kind": "NodeplaneVolume",
+        "metadata": {"name": "pvc-1", "labels": legacy},
+        "spec": {"id": "pvc-1", "name": "claim", "node": "node-a", "sizeBytes": 1024, "fsType": "ext4", "state": "ready", "createdAt": 1}}));
+    let be = backend(&f);
+    let r = Registry::with_backend(be.clone(), pools()).unwrap();
+    assert_eq!(r.get("node-a").unwrap().blocks, vec!["10.8.0.0/24"], "the old objects are found");
+    let vols = be.load_volumes().unwrap();
+    assert_eq!(vols.len(), 1);
+    // A rewrite moves an object to the new encoding.
+    let mut v = vols[0].clone();
+    v.size_bytes = 2048;
+    be.commit_volumes(&[("pvc-1".into(), Some(v))]).unwrap();
+    let obj = f.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
+    assert!(obj["metadata"]["labels"].get("nodeplane.dev/node").is_none(), "{obj}");
+    assert_eq!(obj["metadata"]["labels"][NODE_HASH_LABEL], node_hash("node-a"));
+    r.register("node-a", &["192.0.2.1".into()], "").unwrap();
+    let obj = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    assert_eq!(obj["metadata"]["labels"][NODE_HASH_LABEL], node_hash("node-a"));
+}
+
+/// Another client (`kubectl label`'s field manager) merge-patches labels onto an object.
+fn label_as_other_client(f: &FakeApiServer, plural: &str, name: &str, key: &str, value: &str) {
+    let rt = rt();
+    rt.block_on(async {
+        let mut cfg = kube_config(f).await;
+        cfg.headers = vec![(hyper::header::USER_AGENT, hyper::header::HeaderValue::from_static("kubectl/v1.36.0"))];
+        let client = kube::Client::try_from(cfg).unwrap();
+        let ar = match plural {
+            "nodeplanenodes" => nodeplane::controller::kube::node_resource(),
+            "ipblocks" => nodeplane::controller::kube::block_resource(),
+            _ => nodeplane::controller::kube::volume_resource(),
+        };
+        let api: kube::Api<kube::api::DynamicObject> = kube::Api::all_with(client, &ar);
+        let pp = kube::api::PatchParams { field_manager: Some("kubectl-label".into()), ..Default::default() };
+        let p = json!({"metadata": {"labels": {key: value}}});
+        api.patch(name, &pp, &kube::api::Patch::Merge(&p)).await.unwrap();
+    });
+}
+
+#[test]
+fn a_label_added_by_another_client_does_not_restart_the_leader() {
+    use nodeplane::controller::backend::BackendError;
+    use nodeplane::controller::store::RegistryError;
+    let f = fake();
+    let rt = rt();
+    let client = rt.block_on(async { kube::Client::try_from(kube_config(&f).await).unwrap() });
+    let mut el = Elector::new(client, settings("ctl-a"));
+    let fence = el.fence();
+    let mut renew = || assert_eq!(rt.block_on(el.try_acquire_or_renew()).unwrap(), Attempt::Leading);
+    renew();
+    let cfg = rt.block_on(kube_config(&f));
+    let be = Arc::new(KubeBackend::new(cfg, Some(fence.clone())).unwrap());
+    let r = Registry::with_backend(be.clone(), pools()).unwrap();
+    r.register("node-a", &["192.0.2.1".into()], "").unwrap();
+    // An operator labels the record and a block lock.
+    label_as_other_client(&f, "nodeplanenodes", "node-a", "team", "net");
+    label_as_other_client(&f, "ipblocks", "v4-10-8-0-0-24", "audit", "2026");
+    renew();
+    // The leader's next write meets 409 Conflict, re-reads, sees the Lease still its own, merges.
+    let rec = r.request_block("node-a", Family::V4).expect("the leader keeps writing");
+    assert_eq!(rec.blocks.len(), 3);
+    assert!(fence.check().is_ok() && fence.lost().is_none(), "not fenced");
+    let obj = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    assert_eq!(obj["metadata"]["labels"]["team"], "net", "the other client's label is kept: {obj}");
+    assert_eq!(obj["spec"]["blocks"].as_array().unwrap().len(), 3);
+    let managers = managers_of(&obj);
+    assert!(managers.contains("kubectl-label") && managers.contains("nodeplane-controller"), "{managers:?}");
+    // ... and the write after that too (no conflict left behind; it keeps the label).
+    r.register("node-a", &["192.0.2.7".into()], "").unwrap();
+    let obj = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    assert_eq!((obj["metadata"]["labels"]["team"].as_str(), obj["spec"]["underlay"][0].as_str()), (Some("net"), Some("192.0.2.7")));
+    // The labelled lock is untouched by the writes, and released normally with its node.
+    let lock = f.get(GROUP, "ipblocks", None, "v4-10-8-0-0-24").unwrap();
+    assert_eq!(lock["metadata"]["labels"]["audit"], "2026");
+    assert_eq!(managers_of(&lock), ["kubectl-label".to_string(), "nodeplane-controller".to_string()].into());
+    // A spec edited by hand is put back by the leader's next write (the leader owns the spec).
+    let mut edited = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    edited["spec"]["underlay"] = json!(["198.51.100.1"]);
+    f.put_object(GROUP, "nodeplanenodes", None, edited);
+    renew();
+    r.register("node-a", &["192.0.2.8".into()], "").unwrap();
+    assert_eq!(f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap()["spec"]["underlay"], json!(["192.0.2.8"]));
+    // Volumes too.
+    let vol = VolumeRecord {
+        id: "pvc-1".into(), name: "claim".into(), node: "node-a".into(), size_bytes: 1 << 20,
+        fs_type: nodeplane::storage::fs::FsType::Ext4, state: VolState::Creating, created_at: 1,
+        parameters: Default::default(), kind: Default::default(), source_volume: String::new(), source_snapshot: String::new(),
+    };
+    be.commit_volumes(&[("pvc-1".into(), Some(vol.clone()))]).unwrap();
+    label_as_other_client(&f, "nodeplanevolumes", "pvc-1", "backup", "yes");
+    be.commit_volumes(&[("pvc-1".into(), Some(VolumeRecord { state: VolState::Ready, ..vol }))]).unwrap();
+    let obj = f.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
+    assert_eq!((obj["metadata"]["labels"]["backup"].as_str(), obj["spec"]["state"].as_str()), (Some("yes"), Some("ready")));
+    label_as_other_client(&f, "nodeplanevolumes", "pvc-1", "backup", "no");
+    be.commit_volumes(&[("pvc-1".into(), None)]).unwrap();
+    assert!(f.get(GROUP, "nodeplanevolumes", None, "pvc-1").is_none(), "a delete after another client's change goes through");
+    assert!(r.remove("node-a").is_ok());
+    assert!(locks(&f).is_empty());
+    assert!(fence.lost().is_none());
+    assert!(assert_named_writes(&f) > 0);
+    // Only another holder of the Lease fences: ctl-b takes the Lease, someone changes a record.
+    r.register("node-b", &["192.0.2.2".into()], "").unwrap();
+    let mut lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+    lease["spec"]["holderIdentity"] = json!("ctl-b");
+    f.put_object("coordination.k8s.io", "leases", Some(NS), lease);
+    label_as_other_client(&f, "nodeplanenodes", "node-b", "team", "x");
+    match r.request_block("node-b", Family::V4) {
+        Err(RegistryError::Storage(BackendError::Conflict(m))) => assert!(m.contains("ctl-b"), "{m}"),
+        other => panic!("want a fencing conflict, got {other:?}"),
+    }
+    assert!(fence.lost().is_some() && fence.check().is_err(), "fenced");
+}
+
+#[test]
+fn a_deleted_nodes_agent_is_refused_and_its_blocks_stay_released() {
+    use nodeplane::controller::kube::nodes::{AdmitError, NodeGate, follow};
+    use nodeplane::controller::store::RegistryError;
+    let f = fake();
+    for n in ["node-a", "node-b"] {
+        f.put_object("", "nodes", None, node_object(n));
+    }
+    let reg = Arc::new(registry(&f));
+    let rt = rt();
+    let client = rt.block_on(async { kube::Client::try_from(kube_config(&f).await).unwrap() });
+    let gate = NodeGate::new(client.clone());
+    let g = gate.clone();
+    reg.set_admission(Arc::new(move |n: &str| g.refused(n)));
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let task = rt.spawn(follow(client, reg.clone(), gate.clone(), stop));
+    // What the server does at Register: admit (FAILED_PRECONDITION when refused), then register.
+    let register = |node: &str| -> Result<Vec<String>, tonic::Code> {
+        match rt.block_on(gate.admit(node)) {
+            Err(AdmitError::Refused(m)) => {
+                assert!(m.contains(node), "{m}");
+                return Err(tonic::Code::FailedPrecondition);
+            }
+            Err(AdmitError::Unavailable(m)) => panic!("{m}"),
+            Ok(()) => {}
+        }
+        reg.register(node, &["192.0.2.1".into()], "").map(|r| r.blocks).map_err(|e| tonic::Status::from(e).code())
+    };
+    assert_eq!(register("node-a").unwrap().len(), 2);
+    assert_eq!(register("node-b").unwrap().len(), 2);
+    // No Node object at all: refused, nothing written.
+    assert_eq!(register("node-c"), Err(tonic::Code::FailedPrecondition));
+    assert!(f.get(GROUP, "nodeplanenodes", None, "node-c").is_none());
+    // node-b's Node is deleted while its agent runs: released, and its agent's next Register
+    // is refused; so is one that got past the admission before the deletion was seen (the
+    // registry asks the gate under its lock).
+    f.delete_object("", "nodes", None, "node-b");
+    wait_until("node-b released", Duration::from_secs(10), || reg.get("node-b").is_none());
+    assert_eq!(register("node-b"), Err(tonic::Code::FailedPrecondition));
+    match reg.register("node-b", &["192.0.2.2".into()], "") {
+        Err(RegistryError::FailedPrecondition(m)) => assert!(m.contains("node-b") && m.contains("Node object"), "{m}"),
+        other => panic!("want FAILED_PRECONDITION, got {other:?}"),
+    }
+    let ghosts = |f: &FakeApiServer| {
+        f.get(GROUP, "nodeplanenodes", None, "node-b").is_some() || locks(f).iter().any(|(_, n)| n == "node-b")
+    };
+    assert!(!ghosts(&f), "no ghost NodeplaneNode or IPBlock");
+    // Across relists (the watch breaks, history is compacted: a fresh list), the agent keeps
+    // retrying and keeps being refused; no ghost comes back.
+    for round in 0..2 {
+        let lists = || f.calls().iter().filter(|c| c.0 == "list" && c.2 == "nodes").count();
+        let before = lists();
+        // (While the watch is held, another Node appears: the watch's resourceVersion is then
+        // older than the compaction, so its resume gets 410 Gone and the watcher lists again.)
+        f.set_paused(true);
+        f.put_object("", "nodes", None, node_object(&format!("node-z{round}")));
+        f.compact();
+        f.close_watches();
+        f.set_paused(false);
+        wait_until("a relist", Duration::from_secs(20), || lists() > before);
+        for _ in 0..3 {
+            assert_eq!(register("node-b"), Err(tonic::Code::FailedPrecondition), "round {round}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert!(!ghosts(&f), "round {round}: no ghost NodeplaneNode or IPBlock");
+        assert!(reg.get("node-b").is_none());
+    }
+    assert!(reg.get("node-a").is_some(), "node-a keeps its blocks");
+    // A Node being deleted (deletionTimestamp set, finalizers pending) may not register either.
+    let mut a = f.get("", "nodes", None, "node-a").unwrap();
+    a["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+    f.put_object("", "nodes", None, a);
+    wait_until("node-a seen being deleted", Duration::from_secs(10), || gate.refused("node-a").is_some());
+    assert_eq!(register("node-a"), Err(tonic::Code::FailedPrecondition));
+    // A Node object that comes back (same name, a new machine) registers again.
+    f.put_object("", "nodes", None, node_object("node-b"));
+    wait_until("node-b seen again", Duration::from_secs(10), || gate.refused("node-b").is_none());
+    assert_eq!(register("node-b").unwrap().len(), 2);
+    let _ = stop_tx.send(true);
+    rt.block_on(task).unwrap();
+}
+
+// ---- the token-signing secret in a Secret --------------------------------------------------
+
+async fn admin_list(grpc: u16, token: &str) -> Result<usize, tonic::Code> {
+    use nodeplane::rpc::controller as pb;
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{grpc}"))
+        .unwrap()
+        .connect()
+        .await
+        .map_err(|_| tonic::Code::Unavailable)?;
+    let mut c = pb::node_registry_client::NodeRegistryClient::new(ch);
+    let mut req = tonic::Request::new(pb::WatchNodesRequest { node_name: String::new() });
+    req.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    let mut stream = c.watch_nodes(req).await.map_err(|s| s.code())?.into_inner();
+    Ok(stream.message().await.map_err(|s| s.code())?.map(|l| l.nodes.len()).unwrap_or(0))
+}
+
+fn mint(dir: &std::path::Path, kubeconfig: &std::path::Path, name: &str, identity: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_nodeplane-controller"))
+        .args(["token", "--config"])
+        .arg(dir.join(format!("{name}.json")))
+        .arg(identity)
+        .env("KUBECONFIG", kubeconfig)
+        .env("POD_NAME", name)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "token: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+#[test]
+fn two_controllers_starting_together_agree_on_the_token_secret() {
+    use nodeplane::controller::kube::secret::{DEFAULT_NAME, load_or_create};
+    let f = fake();
+    rt().block_on(async {
+        let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+        let (a, b) = tokio::join!(load_or_create(client.clone(), NS, DEFAULT_NAME), load_or_create(client.clone(), NS, DEFAULT_NAME));
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(a, b);
+        assert!(a.current.len() >= 32 && a.previous.is_none());
+        assert_eq!(load_or_create(client.clone(), NS, DEFAULT_NAME).await.unwrap(), a, "read, not made again");
+    });
+    let creates = f.requests().iter().filter(|r| r.resource == "secrets" && r.verb == "create").count();
+    assert!((1..=2).contains(&creates), "{creates}");
+    let s = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
+    assert_eq!(s["type"], "Opaque");
+    assert_eq!(managers_of(&s), ["nodeplane-controller".to_string()].into());
+    // Emptied by hand: a key is added (update), not a second Secret.
+    let mut s = s;
+    s["data"] = json!({});
+    f.put_object("", "secrets", Some(NS), s);
+    let keys = rt().block_on(async {
+        load_or_create(kube::Client::try_from(kube_config(&f).await).unwrap(), NS, DEFAULT_NAME).await.unwrap()
+    });
+    assert!(keys.current.len() >= 32);
+    assert!(f.requests().iter().any(|r| r.resource == "secrets" && r.verb == "update" && r.field_manager == "nodeplane-controller"));
+    // A key too short is an error, not silently replaced.
+    let mut s = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
+    s["data"]["previous"] = json!("c2hvcnQ=");
+    f.put_object("", "secrets", Some(NS), s);
+    let e = rt().block_on(async {
+        load_or_create(kube::Client::try_from(kube_config(&f).await).unwrap(), NS, DEFAULT_NAME).await.unwrap_err()
+    });
+    assert!(e.contains("previous") && e.contains("fewer than 32"), "{e}");
+}
+
+#[test]
+fn an_admin_token_survives_a_controller_restart() {
+    let f = fake();
+    let dir = tempdir("kube-hmac");
+    let kubeconfig = dir.join("kubeconfig");
+    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
+    f.put_object("", "nodes", None, node_object("node-1"));
+    let a = controller(&dir, &kubeconfig, "ctl-a");
+    wait_until("ctl-a ready", Duration::from_secs(20), || http_get(a.health, "/readyz") == Some(200));
+    let secret = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").expect("the Secret was generated");
+    assert!(secret["data"]["current"].as_str().is_some_and(|k| k.len() >= 44), "{secret}");
+    let admin = mint(&dir, &kubeconfig, "ctl-a", "@admin");
+    let node = mint(&dir, &kubeconfig, "ctl-a", "node-1");
+    let rt = rt();
+    assert_eq!(rt.block_on(admin_list(a.grpc, &admin)), Ok(0));
+    assert_eq!(rt.block_on(register(a.grpc, &node, "node-1")).unwrap().len(), 2);
+    // A new controller pod: nothing of the old one's data dir survives (an emptyDir).
+    unsafe { libc::kill(a.proc.0.id() as i32, libc::SIGTERM) };
+    drop(a);
+    std::fs::remove_dir_all(dir.join("ctl-a")).unwrap();
+    assert!(!dir.join("secret").exists() && !dir.join("ctl-b").join("secret").exists());
+    let b = controller(&dir, &kubeconfig, "ctl-b");
+    wait_until("ctl-b ready", Duration::from_secs(20), || http_get(b.health, "/readyz") == Some(200));
+    assert_eq!(rt.block_on(admin_list(b.grpc, &admin)), Ok(1), "the @admin token minted before the restart works");
+    assert_eq!(rt.block_on(register(b.grpc, &node, "node-1")).unwrap().len(), 2);
+    // Rollover: the old key becomes `previous`, a new `current` signs; old tokens still work.
+    let mut s = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
+    let old_key = s["data"]["current"].clone();
+    s["data"] = json!({"current": "bmV3LWtleS1uZXcta2V5LW5ldy1rZXktbmV3LWtleS0zMmJ5dGVz", "previous": old_key});
+    f.put_object("", "secrets", Some(NS), s);
+    unsafe { libc::kill(b.proc.0.id() as i32, libc::SIGTERM) };
+    drop(b);
+    let c = controller(&dir, &kubeconfig, "ctl-c");
+    wait_until("ctl-c ready", Duration::from_secs(20), || http_get(c.health, "/readyz") == Some(200));
+    let admin2 = mint(&dir, &kubeconfig, "ctl-c", "@admin");
+    assert_ne!(admin2, admin, "signed with the new key");
+    assert_eq!(rt.block_on(admin_list(c.grpc, &admin)), Ok(1), "the previous key's token during the rollover");
+    assert_eq!(rt.block_on(admin_list(c.grpc, &admin2)), Ok(1));
+    // The rollover ends (previous removed): the old token is refused, the new one works.
+    let mut s = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
+    s["data"].as_object_mut().unwrap().remove("previous");
+    f.put_object("", "secrets", Some(NS), s);
+    unsafe { libc::kill(c.proc.0.id() as i32, libc::SIGTERM) };
+    drop(c);
+    let d = controller(&dir, &kubeconfig, "ctl-d");
+    wait_until("ctl-d ready", Duration::from_secs(20), || http_get(d.health, "/readyz") == Some(200));
+    assert_eq!(rt.block_on(admin_list(d.grpc, &admin)), Err(tonic::Code::Unauthenticated));
+    assert_eq!(rt.block_on(admin_list(d.grpc, &admin2)), Ok(1));
+    drop(d);
+    // What the processes called is in API_CALLS (the RBAC), the Secret's included.
+    let granted: BTreeSet<(String, String, String)> =
+        API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
+    for (verb, group, resource, _) in f.calls() {
+        assert!(granted.contains(&(verb.clone(), group.clone(), resource.clone())), "{verb} {group}/{resource} is not in API_CALLS");
+    }
+    assert!(assert_named_writes(&f) > 0);
+}
+
+#[test]
+fn register_through_the_controller_checks_the_name_then_the_node_object() {
+    let f = fake();
+    let dir = tempdir("kube-register-rules");
+    let kubeconfig = dir.join("kubeconfig");
+    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
+    let long = format!("{}.{}.{}.{}", "a".repeat(63), "b".repeat(63), "c".repeat(63), "d".repeat(61));
+    for n in ["node-1", long.as_str()] {
+        f.put_object("", "nodes", None, node_object(n));
+    }
+    let a = controller(&dir, &kubeconfig, "ctl-a");
+    wait_until("ctl-a ready", Duration::from_secs(20), || http_get(a.health, "/readyz") == Some(200));
+    let admin = mint(&dir, &kubeconfig, "ctl-a", "@admin");
+    let rt = rt();
+    // A 253-character name with its Node object registers and gets its blocks.
+    assert_eq!(rt.block_on(register(a.grpc, &admin, &long)).unwrap().len(), 2);
+    // Invalid names: INVALID_ARGUMENT naming the rule (also when no Node could have it).
+    for bad in ["Bad_Name", "a..b", &"z".repeat(254)] {
+        let e = rt.block_on(register(a.grpc, &admin, bad)).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad}: {e:?}");
+        assert!(e.message().contains("RFC 1123 subdomain"), "{}", e.message());
+    }
+    // A valid name without a Node object: FAILED_PRECONDITION naming it; nothing written.
+    let e = rt.block_on(register(a.grpc, &admin, "node-2")).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("\"node-2\"") && e.message().contains("Node object"), "{}", e.message());
+    assert!(f.get(GROUP, "nodeplanenodes", None, "node-2").is_none());
+    assert!(!locks(&f).iter().any(|(_, n)| n == "node-2"));
+    // The Node object appears: the same agent's next try registers.
+    f.put_object("", "nodes", None, node_object("node-2"));
+    wait_until("node-2 admitted", Duration::from_secs(10), || rt.block_on(register(a.grpc, &admin, "node-2")).is_ok());
+    // Deleted while its agent runs: released, and refused from then on.
+    f.delete_object("", "nodes", None, "node-2");
+    wait_until("node-2 released", Duration::from_secs(10), || f.get(GROUP, "nodeplanenodes", None, "node-2").is_none());
+    assert_eq!(rt.block_on(register(a.grpc, &admin, "node-2")).unwrap_err().code(), tonic::Code::FailedPrecondition);
+    assert!(!locks(&f).iter().any(|(_, n)| n == "node-2"));
+    drop(a);
+}
+
+#[test]
+fn a_leader_whose_lease_was_freed_by_someone_else_stops() {
+    let f = fake();
+    rt().block_on(async {
+        let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+        let mut a = Elector::new(client, settings("ctl-a"));
+        a.acquire(|_| {}).await;
+        // Someone (another holder's release, or a hand edit) empties the holder: a's next
+        // renewal would take the free lease again, but another controller may have led in
+        // between, so a stops instead of trusting what it knows.
+        let mut lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+        lease["spec"]["holderIdentity"] = serde_json::Value::Null;
+        f.put_object("coordination.k8s.io", "leases", Some(NS), lease);
+        let lost = a.keep(std::future::pending()).await.expect("lost");
+        assert!(lost.contains("released or taken over"), "{lost}");
+        assert!(a.fence().check().is_err());
+        // A label on the Lease by another client is not a loss (a renewal races, then renews).
+        let mut b = Elector::new(kube::Client::try_from(kube_config(&f).await).unwrap(), settings("ctl-b"));
+        b.acquire(|_| {}).await;
+        let mut lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+        lease["metadata"]["labels"] = json!({"team": "net"});
+        f.put_object("coordination.k8s.io", "leases", Some(NS), lease);
+        let kept = b.keep(tokio::time::sleep(Duration::from_millis(1200))).await;
+        assert_eq!(kept, None, "b kept leading until told to stop");
+        let lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+        assert_eq!(lease["metadata"]["labels"]["team"], "net", "the label is kept by the renewals");
+    });
 }

@@ -8,6 +8,10 @@
 //!     --register nodeplane.io/v1/ipblocks/IpBlock/cluster
 //! ```
 //!
+//! A controller in Kubernetes mode also needs its CRDs and Secrets (its token-signing keys):
+//! `--register nodeplane.dev/v1alpha1/nodeplanenodes/NodeplaneNode/cluster` (likewise
+//! `ipblocks/IPBlock`, `nodeplanevolumes/NodeplaneVolume`) and `--register core/v1/secrets/Secret/namespaced`.
+//!
 //! Prints `READY <url>` on stdout once it serves and the kubeconfig (using the first
 //! `--token`) is written, then serves until SIGTERM, SIGINT or EOF on stdin (so a parent that
 //! holds the stdin pipe takes it down when it dies; pass `--ignore-stdin` to run with stdin

@@ -31,7 +31,8 @@ enum Cmd {
     },
     /// Print every Kubernetes API call the controller makes (JSON), for RBAC.
     ApiCalls,
-    /// Print a credential for a node (or `@admin`), signed with the controller's secret.
+    /// Print a credential for a node (or `@admin`), signed with the controller's secret (in
+    /// Kubernetes mode read from its Secret, with the kubeconfig of the environment).
     Token {
         #[arg(long)]
         config: PathBuf,
@@ -88,8 +89,8 @@ fn main() -> anyhow::Result<()> {
             if identity != controller::auth::ADMIN && !controller::records::valid_node_name(&identity) {
                 anyhow::bail!("{identity:?} is neither a valid node name nor {}", controller::auth::ADMIN);
             }
-            let secret = controller::auth::load_or_create_secret(&cfg.secret_file)?;
-            println!("{}", controller::auth::Authority::new(secret).mint(&identity));
+            let authority = rt.block_on(controller::token_authority(&cfg, None))?;
+            println!("{}", authority.mint(&identity));
         }
         Cmd::RemoveNode { controller, token_file, node } => rt.block_on(async {
             let mut c = client(&controller).await?;

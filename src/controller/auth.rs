@@ -32,13 +32,19 @@ impl Identity {
 }
 
 pub struct Authority {
-    secret: Vec<u8>,
+    /// The signing key, then keys still accepted (the previous one, during a rollover).
+    keys: Vec<Vec<u8>>,
     reviewer: Option<std::sync::Arc<super::kube::review::TokenReviewer>>,
 }
 
 impl Authority {
     pub fn new(secret: Vec<u8>) -> Self {
-        Authority { secret, reviewer: None }
+        Authority { keys: vec![secret], reviewer: None }
+    }
+
+    /// Signs with `current`; also accepts tokens signed with `previous` (a key rollover).
+    pub fn with_keys(current: Vec<u8>, previous: Option<Vec<u8>>) -> Self {
+        Authority { keys: std::iter::once(current).chain(previous).collect(), reviewer: None }
     }
 
     pub fn with_reviewer(mut self, reviewer: super::kube::review::TokenReviewer) -> Self {
@@ -66,14 +72,15 @@ impl Authority {
         }
     }
 
-    fn mac(&self, identity: &str) -> Hmac<Sha256> {
-        let mut mac = Hmac::<Sha256>::new_from_slice(&self.secret).expect("HMAC takes any key length");
+    fn mac(key: &[u8], identity: &str) -> Hmac<Sha256> {
+        let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes any key length");
         mac.update(identity.as_bytes());
         mac
     }
 
+    /// A token for `identity`, signed with the current key.
     pub fn mint(&self, identity: &str) -> String {
-        format!("{PREFIX}.{identity}.{}", hex::encode(self.mac(identity).finalize().into_bytes()))
+        format!("{PREFIX}.{identity}.{}", hex::encode(Self::mac(&self.keys[0], identity).finalize().into_bytes()))
     }
 
     /// Check an `authorization` header value ("Bearer <token>").
@@ -82,7 +89,11 @@ impl Authority {
         let rest = token.strip_prefix(PREFIX)?.strip_prefix('.')?;
         let (identity, sig) = rest.rsplit_once('.')?;
         let sig = hex::decode(sig).ok()?;
-        self.mac(identity).verify_slice(&sig).ok()?;
+        // Every key is tried (constant time each), so that timing says nothing about which.
+        let valid = self.keys.iter().fold(false, |ok, k| Self::mac(k, identity).verify_slice(&sig).is_ok() | ok);
+        if !valid {
+            return None;
+        }
         Some(if identity == ADMIN { Identity::Admin } else { Identity::Node(identity.to_string()) })
     }
 }
@@ -130,6 +141,15 @@ mod tests {
         let other = Authority::new(b"another secret, 32 bytes long!!!".to_vec());
         assert_eq!(other.verify(&format!("Bearer {t}")), None);
         assert_eq!(a.verify(&t), None, "missing Bearer prefix");
+        // A rollover: signed with the new key, the old one's tokens still accepted.
+        let old_key = b"0123456789abcdef0123456789abcdef".to_vec();
+        let new_key = b"fedcba9876543210fedcba9876543210".to_vec();
+        let rolled = Authority::with_keys(new_key.clone(), Some(old_key));
+        assert_eq!(rolled.verify(&format!("Bearer {t}")), Some(Identity::Node("node-1".into())));
+        let fresh = rolled.mint("node-1");
+        assert_ne!(fresh, t);
+        assert_eq!(Authority::new(new_key).verify(&format!("Bearer {fresh}")), Some(Identity::Node("node-1".into())));
+        assert_eq!(a.verify(&format!("Bearer {fresh}")), None, "the old key alone does not accept the new tokens");
         assert!(Identity::Node("a".into()).may_act_for("a"));
         assert!(!Identity::Node("a".into()).may_act_for("b"));
     }

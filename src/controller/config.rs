@@ -32,6 +32,8 @@ pub struct FileConfig {
     #[serde(default = "default_port")]
     pub vxlan_port: u16,
     /// File holding the token-signing secret; default `<dataDir>/secret` (made on first start).
+    /// In Kubernetes mode the default is a Secret instead (`store.hmacSecretName`); a
+    /// `secretFile` given there is used as it is (e.g. a mounted Secret).
     pub secret_file: Option<PathBuf>,
     /// Unix socket for CSI Identity + Controller (the provisioner and resizer sidecars);
     /// default `<dataDir>/csi.sock`.
@@ -66,6 +68,9 @@ pub struct StoreFile {
     pub lease_duration_seconds: Option<u64>,
     pub renew_deadline_seconds: Option<u64>,
     pub retry_period_seconds: Option<u64>,
+    /// The Secret (in `namespace`) holding the token-signing keys; default
+    /// `nodeplane-controller-hmac`, generated on first start.
+    pub hmac_secret_name: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -92,6 +97,15 @@ pub struct KubeStore {
 pub enum Store {
     Embedded,
     Kubernetes(KubeStore),
+}
+
+/// Where the token-signing (HMAC) keys live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenSecret {
+    /// A file (local mode, or given explicitly): made on first start.
+    File(PathBuf),
+    /// A Secret with keys `current` and `previous` (Kubernetes mode): made on first start.
+    Kubernetes { namespace: String, name: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,6 +138,7 @@ pub struct Config {
     pub vxlan_vni: u32,
     pub vxlan_port: u16,
     pub secret_file: PathBuf,
+    pub token_secret: TokenSecret,
     pub csi_socket: PathBuf,
     pub orphan_grace: std::time::Duration,
     pub volume_op_timeout: std::time::Duration,
@@ -199,6 +214,18 @@ impl Config {
             Some(a) => Some(a.parse().map_err(|_| bad(format!("healthAddress {a:?} is not host:port")))?),
         };
         let store = resolve_store(f.store.as_ref(), env).map_err(bad)?;
+        let token_secret = match (&store, &f.secret_file) {
+            (Store::Kubernetes(k), None) => {
+                let name = f.store.as_ref().and_then(|s| s.hmac_secret_name.clone()).unwrap_or_else(|| {
+                    super::kube::secret::DEFAULT_NAME.to_string()
+                });
+                if let Some(why) = super::records::subdomain_error(&name) {
+                    return Err(bad(format!("store.hmacSecretName {name:?} {why}")));
+                }
+                TokenSecret::Kubernetes { namespace: k.namespace.clone(), name }
+            }
+            _ => TokenSecret::File(secret_file.clone()),
+        };
         let agent_auth = match &f.agent_auth {
             None => AgentAuth::Hmac,
             Some(a) if a.kind == "hmac" => AgentAuth::Hmac,
@@ -223,6 +250,7 @@ impl Config {
             vxlan_vni: f.vxlan_vni,
             vxlan_port: f.vxlan_port,
             secret_file,
+            token_secret,
             csi_socket,
             orphan_grace: std::time::Duration::from_secs(f.orphan_grace_seconds),
             volume_op_timeout: std::time::Duration::from_secs(f.volume_op_timeout_seconds),
@@ -258,8 +286,13 @@ impl Config {
                 serde_json::json!({"kind": "tokenReview", "audience": audience, "serviceAccount": service_account})
             }
         };
+        let token_secret = match &self.token_secret {
+            TokenSecret::File(p) => serde_json::json!({"kind": "file", "path": p}),
+            TokenSecret::Kubernetes { namespace, name } => serde_json::json!({"kind": "secret", "namespace": namespace, "name": name}),
+        };
         serde_json::json!({
             "dataDir": self.data_dir, "listen": listen, "csiSocket": self.csi_socket, "secretFile": self.secret_file,
+            "tokenSecret": token_secret,
             "healthAddress": self.health_address.map(|a| a.to_string()),
             "pools": self.pools.iter().map(|p| serde_json::json!({"cidr": p.net.to_string(), "blockPrefix": p.block_prefix})).collect::<Vec<_>>(),
             "vxlanVni": self.vxlan_vni, "vxlanPort": self.vxlan_port,
@@ -370,6 +403,13 @@ mod tests {
         assert_eq!(c.health_address.unwrap().port(), 9641);
         assert!(c.uses_kubernetes());
         assert_eq!(c.to_json()["agentAuth"]["audience"], "nodeplane");
+        // Kubernetes mode keeps the token keys in a Secret, never in the data dir.
+        assert_eq!(c.token_secret, TokenSecret::Kubernetes { namespace: "nodeplane-system".into(), name: "nodeplane-controller-hmac".into() });
+        let c = Config::resolve_with_env(f(r#","store":{"kind":"kubernetes","hmacSecretName":"hmac-2"},"secretFile":"/run/s/key""#), &env).unwrap();
+        assert_eq!(c.token_secret, TokenSecret::File("/run/s/key".into()), "an explicit file wins");
+        let e = Config::resolve_with_env(f(r#","store":{"kind":"kubernetes","hmacSecretName":"Bad_Name"}"#), &env).unwrap_err();
+        assert!(e.to_string().contains("hmacSecretName"), "{e}");
+        assert_eq!(Config::resolve_with_env(f(""), &env).unwrap().token_secret, TokenSecret::File("/tmp/x/secret".into()));
         let err = |extra: &str, env: &dyn Fn(&str) -> Option<String>| Config::resolve_with_env(f(extra), env).unwrap_err().to_string();
         assert!(err(r#","store":{"kind":"kubernetes"}"#, &|_| None).contains("POD_NAMESPACE"));
         assert!(err(r#","store":{"kind":"etcd"}"#, &env).contains("store.kind"));

@@ -48,6 +48,26 @@ async fn termination() {
     }
 }
 
+/// The token authority: its keys from the file, or (Kubernetes mode) from the Secret, made
+/// once if missing.
+pub async fn token_authority(cfg: &Config, client: Option<&::kube::Client>) -> Result<auth::Authority, ControllerError> {
+    match &cfg.token_secret {
+        config::TokenSecret::File(path) => {
+            let secret = auth::load_or_create_secret(path).map_err(io_ctx(format!("token secret {}", path.display())))?;
+            Ok(auth::Authority::new(secret))
+        }
+        config::TokenSecret::Kubernetes { namespace, name } => {
+            let client = match client {
+                Some(c) => c.clone(),
+                None => kube::client().await.map_err(ControllerError::Kube)?,
+            };
+            let keys = kube::secret::load_or_create(client, namespace, name).await.map_err(ControllerError::Kube)?;
+            tracing::info!(secret = %format!("{namespace}/{name}"), rollover = keys.previous.is_some(), "token signing keys loaded");
+            Ok(auth::Authority::with_keys(keys.current, keys.previous))
+        }
+    }
+}
+
 /// Serve the agent API until SIGTERM/SIGINT (or, in Kubernetes mode, until leadership is
 /// lost: then the error says so and the process exits non-zero for its Deployment to
 /// restart it as a candidate).
@@ -81,9 +101,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             let _ = stop_tx.send(true);
         });
     }
-    let secret = auth::load_or_create_secret(&cfg.secret_file).map_err(io_ctx("token secret"))?;
-    let mut authority = auth::Authority::new(secret);
     let client = if cfg.uses_kubernetes() { Some(kube::client().await.map_err(ControllerError::Kube)?) } else { None };
+    let mut authority = token_authority(&cfg, client.as_ref()).await?;
     if let (config::AgentAuth::TokenReview { audience, service_account }, Some(c)) = (&cfg.agent_auth, &client) {
         authority = authority.with_reviewer(kube::review::TokenReviewer::new(c.clone(), audience, service_account));
         tracing::info!(audience = %audience, service_account = %service_account, "agents authenticate with projected service-account tokens (TokenReview)");
@@ -113,7 +132,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             leading.set(true, format!("holding lease {}/{}", k.namespace, k.lease_name));
             let fence = el.fence();
             elector = Some(el);
-            let kcfg = ::kube::Config::infer().await.map_err(|e| ControllerError::Kube(e.to_string()))?;
+            let kcfg = kube::config().await.map_err(ControllerError::Kube)?;
             Arc::new(tokio::task::spawn_blocking(move || kube::state::KubeBackend::new(kcfg, Some(fence))).await.map_err(|e| ControllerError::Kube(e.to_string()))?.map_err(|e| ControllerError::Kube(e.to_string()))?)
         }
         _ => {
@@ -149,9 +168,17 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     metrics.loaded(registry.clone(), book.clone());
     let snap = registry.snapshot();
     tracing::info!(store = %backend.describe(), nodes = snap.nodes.len(), volumes = book.list().len(), revision = snap.revision, pools = ?cfg.cluster_cidrs(), "state loaded");
-    let follower = match (&cfg.store, &client) {
-        (config::Store::Kubernetes(_), Some(c)) => Some(tokio::spawn(kube::nodes::follow(c.clone(), registry.clone(), stopping.clone()))),
-        _ => None,
+    // In a cluster, registration follows the Node objects: a node without one (deleted while
+    // its agent still runs) is refused, also between relists.
+    let (follower, node_gate) = match (&cfg.store, &client) {
+        (config::Store::Kubernetes(_), Some(c)) => {
+            let gate = kube::nodes::NodeGate::new(c.clone());
+            let g = gate.clone();
+            registry.set_admission(Arc::new(move |name: &str| g.refused(name)));
+            let task = tokio::spawn(kube::nodes::follow(c.clone(), registry.clone(), gate.clone(), stopping.clone()));
+            (Some(task), Some(gate))
+        }
+        _ => (None, None),
     };
     let authority = Arc::new(authority);
     let cfg = Arc::new(cfg);
@@ -162,6 +189,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         cfg: cfg.clone(),
         stopping: stopping.clone(),
         requests: metrics.requests.clone(),
+        node_gate,
     };
     let until_stopped = |mut s: tokio::sync::watch::Receiver<bool>| async move {
         let _ = s.wait_for(|v| *v).await;

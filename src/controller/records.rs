@@ -46,14 +46,32 @@ pub struct NodeRecord {
     pub blocks: Vec<String>,
 }
 
+/// Kubernetes' rule for object names (and so for node names), as an error message names it.
+pub const SUBDOMAIN_RULE: &str = "must be a lowercase RFC 1123 subdomain (the Kubernetes rule for object and node names): \
+     at most 253 characters of lower case alphanumerics, '-' and '.', every '.'-separated part starting and ending with \
+     an alphanumeric character (regex [a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)";
+
+/// Why `name` is not a DNS-1123 subdomain (Kubernetes object names, node names), if it is not.
+pub fn subdomain_error(name: &str) -> Option<String> {
+    let part_ok = |p: &str| {
+        let b = p.as_bytes();
+        !b.is_empty()
+            && b[0].is_ascii_alphanumeric()
+            && b[b.len() - 1].is_ascii_alphanumeric()
+            && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+    };
+    if name.is_empty() {
+        return Some(format!("is empty; it {SUBDOMAIN_RULE}"));
+    }
+    if name.len() > 253 {
+        return Some(format!("has {} characters; it {SUBDOMAIN_RULE}", name.len()));
+    }
+    (!name.split('.').all(part_ok)).then(|| SUBDOMAIN_RULE.to_string())
+}
+
 /// Node names follow Kubernetes object names (DNS-1123 subdomain).
 pub fn valid_node_name(name: &str) -> bool {
-    let b = name.as_bytes();
-    !b.is_empty()
-        && b.len() <= 253
-        && b[0].is_ascii_alphanumeric()
-        && b[b.len() - 1].is_ascii_alphanumeric()
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'.')
+    subdomain_error(name).is_none()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

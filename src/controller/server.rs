@@ -23,6 +23,8 @@ pub struct Service {
     pub stopping: tokio::sync::watch::Receiver<bool>,
     /// Calls answered, by method and gRPC code (see `super::metrics`).
     pub requests: Arc<crate::obs::metrics::CounterVec>,
+    /// In a cluster: registration follows the Node objects.
+    pub node_gate: Option<Arc<super::kube::nodes::NodeGate>>,
 }
 
 impl From<RegistryError> for Status {
@@ -30,6 +32,7 @@ impl From<RegistryError> for Status {
         match e {
             RegistryError::NotFound(_) => Status::not_found(e.to_string()),
             RegistryError::InvalidArgument(_) => Status::invalid_argument(e.to_string()),
+            RegistryError::FailedPrecondition(_) => Status::failed_precondition(e.to_string()),
             RegistryError::Exhausted { .. } => Status::resource_exhausted(e.to_string()),
             RegistryError::Storage(_) => Status::unavailable(e.to_string()),
         }
@@ -138,6 +141,19 @@ impl Service {
     async fn do_register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
         let node = req.get_ref().node_name.clone();
         self.authorize(&req, &node).await?;
+        // A bad name is INVALID_ARGUMENT whatever the cluster holds (before the Node lookup).
+        if let Some(why) = super::records::subdomain_error(&node) {
+            return Err(Status::invalid_argument(format!("node name {node:?} {why}")));
+        }
+        if let Some(gate) = &self.node_gate {
+            gate.admit(&node).await.map_err(|e| match e {
+                super::kube::nodes::AdmitError::Refused(m) => {
+                    tracing::warn!(node = %node, reason = %m, "registration refused");
+                    Status::failed_precondition(m)
+                }
+                super::kube::nodes::AdmitError::Unavailable(m) => Status::unavailable(m),
+            })?;
+        }
         let r = req.into_inner();
         let rec = self.blocking(move |reg| reg.register(&r.node_name, &r.underlay_addresses, &r.vtep_mac)).await?;
         tracing::info!(node = %rec.name, blocks = ?rec.blocks, underlay = ?rec.underlay, "registered");

@@ -14,7 +14,7 @@ use ipnetwork::IpNetwork;
 use tokio::sync::watch;
 
 use super::backend::{Backend, BackendError, RedbBackend};
-use super::records::{NodeRecord, Pool, valid_node_name};
+use super::records::{NodeRecord, Pool, subdomain_error};
 use crate::util::Family;
 
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +23,10 @@ pub enum RegistryError {
     NotFound(String),
     #[error("{0}")]
     InvalidArgument(String),
+    /// The node may not register now (in a cluster: it has no Node object, or it is being
+    /// deleted).
+    #[error("{0}")]
+    FailedPrecondition(String),
     #[error("the {family} pools ({pools}) have no free block left")]
     Exhausted { family: Family, pools: String },
     #[error("store: {0}")]
@@ -46,11 +50,16 @@ struct State {
     revision: u64,
 }
 
+/// Says why a node may not register now (None: it may). Asked under the registry's lock, so
+/// it must not block: it answers from what is already known.
+pub type Admission = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
+
 pub struct Registry {
     backend: Arc<dyn Backend>,
     pools: Vec<Pool>,
     state: Mutex<State>,
     tx: watch::Sender<Arc<Snapshot>>,
+    admission: Mutex<Option<Admission>>,
 }
 
 
@@ -84,7 +93,14 @@ impl Registry {
         }
         let snapshot = Arc::new(Snapshot { nodes: nodes.values().cloned().collect(), revision });
         let (tx, _) = watch::channel(snapshot);
-        Ok(Registry { backend, pools, state: Mutex::new(State { nodes, owner, revision }), tx })
+        Ok(Registry { backend, pools, state: Mutex::new(State { nodes, owner, revision }), tx, admission: Mutex::new(None) })
+    }
+
+    /// Every registration from now on asks `admission` first, under the registry's lock: a
+    /// removal made after the admission learnt a node is gone cannot be undone by a
+    /// registration that was already on its way.
+    pub fn set_admission(&self, admission: Admission) {
+        *self.admission.lock().unwrap() = Some(admission);
     }
 
     /// The backend, shared with the volume book.
@@ -174,8 +190,8 @@ impl Registry {
     /// Register or re-register: the same node keeps its blocks; a family it has no block of
     /// gets one. Underlay addresses and VTEP MAC are updated.
     pub fn register(&self, name: &str, underlay: &[String], vtep_mac: &str) -> Result<NodeRecord, RegistryError> {
-        if !valid_node_name(name) {
-            return Err(RegistryError::InvalidArgument(format!("node name {name:?} is not a valid DNS-1123 name")));
+        if let Some(why) = subdomain_error(name) {
+            return Err(RegistryError::InvalidArgument(format!("node name {name:?} {why}")));
         }
         if underlay.is_empty() {
             return Err(RegistryError::InvalidArgument("underlay_addresses must not be empty".into()));
@@ -188,6 +204,10 @@ impl Registry {
             return Err(RegistryError::InvalidArgument(format!("vtep_mac {vtep_mac:?} is not a MAC address")));
         }
         let mut st = self.state.lock().unwrap();
+        let admission = self.admission.lock().unwrap().clone();
+        if let Some(why) = admission.and_then(|a| a(name)) {
+            return Err(RegistryError::FailedPrecondition(why));
+        }
         let mut rec = st.nodes.get(name).cloned().unwrap_or_else(|| NodeRecord {
             name: name.to_string(),
             underlay: Vec::new(),

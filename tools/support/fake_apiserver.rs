@@ -19,6 +19,16 @@
 //!   carrying one, or `DeleteOptions.preconditions` that do not match give `409 Conflict`;
 //! * `POST` of an existing name gives `409 AlreadyExists`; `generateName` is honoured;
 //! * JSON merge patch and JSON patch (RFC 6902); other patch types get `415`;
+//! * Kubernetes' rules for object names (DNS-1123 subdomain, at most 253 characters), label
+//!   keys and values (qualified names; values at most 63 characters of
+//!   `([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]`) and the total size of annotations (256 KiB),
+//!   on create, update and patch: `422 Invalid` with the real server's messages and causes;
+//! * `managedFields`: every create, update and patch records its field manager (the
+//!   `fieldManager` parameter, else the User-Agent up to its first `/`, else `unknown`), the
+//!   operation `Update`, the time and the fields it set (`FieldsV1`; lists are atomic), and
+//!   takes the fields it changed away from the other managers, as the real server does for
+//!   non-apply writes; [`FakeApiServer::requests`] also keeps each request's User-Agent and
+//!   field manager;
 //! * label selectors (`k=v`, `k==v`, `k!=v`, `k`, `!k`, `k in (a,b)`, `k notin (a,b)`) and
 //!   field selectors on `metadata.name` / `metadata.namespace`, for list, watch and
 //!   deletecollection;
@@ -37,8 +47,10 @@
 //! * a watch from a resourceVersion newer than the current one waits for it instead of
 //!   failing with `ResourceVersionTooLarge`;
 //! * no admission, RBAC, namespaces-must-exist check, finalizers, graceful deletion, owner
-//!   references / garbage collection, managedFields, server-side apply (`415`), strategic
-//!   merge patch (`415`), `dryRun` (`400`), or schema validation beyond names;
+//!   references / garbage collection, server-side apply (`415`), strategic merge patch
+//!   (`415`), `dryRun` (`400`), or schema validation beyond names and labels (names are
+//!   checked as DNS-1123 subdomains for every resource, also where the real server wants a
+//!   DNS label, e.g. namespaces);
 //! * which types count as built in is guessed from the group (`""`, no dot, or `*.k8s.io`):
 //!   built-in types allow unconditional `PUT` (no resourceVersion), answer `DELETE` with a
 //!   `Status` and list items without `kind`/`apiVersion`; custom resources require a
@@ -72,7 +84,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::{Bytes, Frame, Incoming, SizeHint};
-use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
+use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue, USER_AGENT};
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
@@ -113,6 +125,21 @@ impl UserInfo {
 
 /// One request as RBAC would see it: (verb, group, resource, namespace).
 pub type Call = (String, String, String, Option<String>);
+
+/// One authenticated request to a resource path, with who said they sent it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RequestRecord {
+    pub verb: String,
+    pub group: String,
+    /// Plural, or `plural/sub` for a subresource.
+    pub resource: String,
+    pub namespace: Option<String>,
+    pub name: Option<String>,
+    /// The `User-Agent` header ("" if none).
+    pub user_agent: String,
+    /// The `fieldManager` query parameter ("" if none).
+    pub field_manager: String,
+}
 
 /// The fake apiserver; see the module documentation.
 pub struct FakeApiServer {
@@ -267,9 +294,17 @@ impl FakeApiServer {
         self.shared.lock().calls.clone()
     }
 
-    /// Forgets the recorded [`calls`](Self::calls).
+    /// Forgets the recorded [`calls`](Self::calls) and [`requests`](Self::requests).
     pub fn clear_calls(&self) {
-        self.shared.lock().calls.clear();
+        let mut st = self.shared.lock();
+        st.calls.clear();
+        st.requests.clear();
+    }
+
+    /// Every authenticated request to a resource path so far, in arrival order, with its
+    /// User-Agent and field manager.
+    pub fn requests(&self) -> Vec<RequestRecord> {
+        self.shared.lock().requests.clone()
     }
 
     /// The stored object, as a GET would return it.
@@ -467,6 +502,7 @@ struct State {
     watchers: Vec<mpsc::UnboundedSender<Arc<Ev>>>,
     tokens: HashMap<String, UserInfo>,
     calls: Vec<Call>,
+    requests: Vec<RequestRecord>,
     failures: Vec<Failure>,
     rng: u64,
 }
@@ -484,6 +520,7 @@ impl State {
             watchers: Vec::new(),
             tokens: HashMap::new(),
             calls: Vec::new(),
+            requests: Vec::new(),
             failures: Vec::new(),
             rng: seed | 1,
         }
@@ -682,6 +719,20 @@ impl ApiError {
         d["causes"] = json!([{ "reason": "FieldValueInvalid", "message": detail, "field": field }]);
         let what = if def.group.is_empty() { def.kind.clone() } else { format!("{}.{}", def.kind, def.group) };
         ApiError::new(422, "Invalid", format!("{what} \"{name}\" is invalid: {field}: {detail}"), Some(d))
+    }
+    /// `422 Invalid` with several (field, message) causes, worded like the real server's.
+    fn invalid_causes(def: &ResourceDef, name: &str, causes: &[(String, String)]) -> ApiError {
+        if let [(field, detail)] = causes {
+            return ApiError::invalid(def, name, field, detail);
+        }
+        let mut d = details(def, name);
+        d["kind"] = json!(def.kind);
+        d["causes"] = Value::Array(
+            causes.iter().map(|(f, m)| json!({"reason": "FieldValueInvalid", "message": m, "field": f})).collect(),
+        );
+        let what = if def.group.is_empty() { def.kind.clone() } else { format!("{}.{}", def.kind, def.group) };
+        let all: Vec<String> = causes.iter().map(|(f, m)| format!("{f}: {m}")).collect();
+        ApiError::new(422, "Invalid", format!("{what} \"{name}\" is invalid: [{}]", all.join(", ")), Some(d))
     }
     fn injected(def: &ResourceDef, name: &str, verb: &str, code: u16) -> ApiError {
         match code {
@@ -993,11 +1044,31 @@ async fn route(shared: &Arc<Shared>, req: Request<Incoming>) -> ApiResult<Respon
     };
 
     let content_type = req.headers().get(CONTENT_TYPE).and_then(|h| h.to_str().ok()).unwrap_or("").to_string();
+    let user_agent = req.headers().get(USER_AGENT).and_then(|h| h.to_str().ok()).unwrap_or("").to_string();
+    let field_manager = query.get("fieldManager").cloned().unwrap_or_default();
+    // The manager a write is recorded under, as the real server picks it.
+    let manager = if !field_manager.is_empty() {
+        field_manager.clone()
+    } else {
+        match user_agent.split('/').next().unwrap_or("") {
+            "" => "unknown".to_string(),
+            m => m.chars().take(128).collect(),
+        }
+    };
     let r = Req { method, query, content_type, body: req.into_body() };
 
     let (def, injected) = {
         let mut st = shared.lock();
         st.calls.push((verb.to_string(), group.to_string(), resource.clone(), ns.map(str::to_string)));
+        st.requests.push(RequestRecord {
+            verb: verb.to_string(),
+            group: group.to_string(),
+            resource: resource.clone(),
+            namespace: ns.map(str::to_string),
+            name: name.map(str::to_string),
+            user_agent: user_agent.clone(),
+            field_manager: field_manager.clone(),
+        });
         let def = st.resources.get(&key(group, plural)).cloned();
         let def = match def {
             Some(d) if d.version == version => d,
@@ -1040,18 +1111,18 @@ async fn route(shared: &Arc<Shared>, req: Request<Incoming>) -> ApiResult<Respon
         ("create", None) if !status_sub => {
             reject_dry_run(&r.query)?;
             let body = r.json_body().await?;
-            let obj = create(&mut shared.lock(), &def, ns, body)?;
+            let obj = create(&mut shared.lock(), &def, ns, body, &manager)?;
             Ok(json_response(201, &obj))
         }
         ("update", Some(n)) => {
             reject_dry_run(&r.query)?;
             let body = r.json_body().await?;
-            let obj = update(&mut shared.lock(), &def, ns, n, body, status_sub)?;
+            let obj = update(&mut shared.lock(), &def, ns, n, body, status_sub, &manager)?;
             Ok(json_response(200, &obj))
         }
         ("patch", Some(n)) => {
             reject_dry_run(&r.query)?;
-            let obj = patch(shared, &def, ns, n, r, status_sub).await?;
+            let obj = patch(shared, &def, ns, n, r, status_sub, &manager).await?;
             Ok(json_response(200, &obj))
         }
         ("delete", Some(n)) if !status_sub => {
@@ -1158,6 +1229,256 @@ fn is_dns_subdomain(s: &str) -> bool {
         })
 }
 
+const SUBDOMAIN_RULE: &str = "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')";
+const LABEL_VALUE_RULE: &str = "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or '12345', regex used for validation is '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')";
+const NAME_PART_RULE: &str = "name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for validation is '([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')";
+/// The real server's limit on all annotations of an object together (keys and values).
+const ANNOTATIONS_MAX: usize = 256 * 1024;
+
+/// Why `s` is not a DNS-1123 subdomain (Kubernetes' object names), in the real server's words.
+fn subdomain_error(s: &str) -> Option<String> {
+    if s.len() > 253 {
+        return Some("must be no more than 253 characters".into());
+    }
+    (!is_dns_subdomain(s)).then(|| SUBDOMAIN_RULE.to_string())
+}
+
+/// `([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]`
+fn is_label_name(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+        && b.iter().all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c))
+}
+
+/// Why `k` is not a qualified name (label and annotation keys).
+fn label_key_errors(k: &str) -> Vec<String> {
+    let (prefix, name) = match k.split_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, k),
+    };
+    let mut errs = Vec::new();
+    if name.is_empty() {
+        errs.push("name part must be non-empty".to_string());
+    } else {
+        if name.len() > 63 {
+            errs.push("name part must be no more than 63 characters".to_string());
+        }
+        if !is_label_name(name) {
+            errs.push(NAME_PART_RULE.to_string());
+        }
+    }
+    if let Some(p) = prefix {
+        if p.is_empty() {
+            errs.push("prefix part must be non-empty".to_string());
+        } else if let Some(e) = subdomain_error(p) {
+            errs.push(format!("prefix part {e}"));
+        }
+    }
+    errs
+}
+
+/// Why `v` is not a label value.
+fn label_value_errors(v: &str) -> Vec<String> {
+    let mut errs = Vec::new();
+    if v.len() > 63 {
+        errs.push("must be no more than 63 characters".to_string());
+    }
+    if !v.is_empty() && !is_label_name(v) {
+        errs.push(LABEL_VALUE_RULE.to_string());
+    }
+    errs
+}
+
+/// Labels and annotations of an object to be stored, as the real server's ObjectMeta
+/// validation checks them: `422 Invalid` with one cause per problem.
+fn validate_metadata(def: &ResourceDef, name: &str, obj: &Value) -> ApiResult<()> {
+    let mut causes: Vec<(String, String)> = Vec::new();
+    let meta = &obj["metadata"];
+    match &meta["labels"] {
+        Value::Null => {}
+        Value::Object(labels) => {
+            for (k, v) in labels {
+                for e in label_key_errors(k) {
+                    causes.push(("metadata.labels".into(), format!("Invalid value: {}: {e}", json!(k))));
+                }
+                match v.as_str() {
+                    Some(v) => {
+                        for e in label_value_errors(v) {
+                            causes.push(("metadata.labels".into(), format!("Invalid value: {}: {e}", json!(v))));
+                        }
+                    }
+                    None => return Err(ApiError::bad_request(format!("label {k:?}: the value must be a string"))),
+                }
+            }
+        }
+        _ => return Err(ApiError::bad_request("metadata.labels must be an object")),
+    }
+    match &meta["annotations"] {
+        Value::Null => {}
+        Value::Object(anns) => {
+            let mut total = 0;
+            for (k, v) in anns {
+                for e in label_key_errors(k) {
+                    causes.push(("metadata.annotations".into(), format!("Invalid value: {}: {e}", json!(k))));
+                }
+                total += k.len() + v.as_str().map_or(0, str::len);
+            }
+            if total > ANNOTATIONS_MAX {
+                causes.push(("metadata.annotations".into(), format!("Too long: must have at most {ANNOTATIONS_MAX} bytes")));
+            }
+        }
+        _ => return Err(ApiError::bad_request("metadata.annotations must be an object")),
+    }
+    if causes.is_empty() { Ok(()) } else { Err(ApiError::invalid_causes(def, name, &causes)) }
+}
+
+// ---------------------------------------------------------------------------------------------
+// managedFields (non-apply writes)
+// ---------------------------------------------------------------------------------------------
+
+type FieldPath = Vec<String>;
+
+/// The fields a manager can own: every leaf (a scalar, a list — atomic — or an empty object),
+/// outside the metadata the server sets; in metadata only labels, annotations, finalizers and
+/// ownerReferences.
+fn owned_leaves(obj: &Value) -> BTreeMap<FieldPath, Value> {
+    fn walk(v: &Value, path: &mut FieldPath, out: &mut BTreeMap<FieldPath, Value>) {
+        match v {
+            Value::Object(m) if !m.is_empty() => {
+                for (k, c) in m {
+                    path.push(k.clone());
+                    walk(c, path, out);
+                    path.pop();
+                }
+            }
+            _ => {
+                out.insert(path.clone(), v.clone());
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    let Some(m) = obj.as_object() else { return out };
+    for (k, v) in m {
+        match k.as_str() {
+            "kind" | "apiVersion" => {}
+            "metadata" => {
+                for mk in ["labels", "annotations", "finalizers", "ownerReferences"] {
+                    if let Some(mv) = v.get(mk).filter(|x| !x.is_null()) {
+                        let mut path = vec!["metadata".to_string(), mk.to_string()];
+                        walk(mv, &mut path, &mut out);
+                    }
+                }
+            }
+            _ => {
+                let mut path = vec![k.clone()];
+                walk(v, &mut path, &mut out);
+            }
+        }
+    }
+    out
+}
+
+fn fields_v1(paths: &BTreeSet<FieldPath>) -> Value {
+    let mut root = json!({});
+    for p in paths {
+        let mut cur = &mut root;
+        for seg in p {
+            cur = cur.as_object_mut().expect("fieldsV1 nodes are objects").entry(format!("f:{seg}")).or_insert_with(|| json!({}));
+        }
+    }
+    root
+}
+
+fn paths_of(fields: &Value) -> BTreeSet<FieldPath> {
+    fn walk(v: &Value, path: &mut FieldPath, out: &mut BTreeSet<FieldPath>) {
+        let children: Vec<(&String, &Value)> =
+            v.as_object().map(|m| m.iter().filter(|(k, _)| k.starts_with("f:")).collect()).unwrap_or_default();
+        if children.is_empty() {
+            if !path.is_empty() {
+                out.insert(path.clone());
+            }
+            return;
+        }
+        for (k, c) in children {
+            path.push(k[2..].to_string());
+            walk(c, path, out);
+            path.pop();
+        }
+    }
+    let mut out = BTreeSet::new();
+    walk(fields, &mut Vec::new(), &mut out);
+    out
+}
+
+/// The `metadata.managedFields` of an object, if it has a non-empty list (a request that
+/// carries one replaces the stored one, as on the real server).
+fn request_managed_fields(obj: &Value) -> Option<Vec<Value>> {
+    obj["metadata"]["managedFields"].as_array().filter(|a| !a.is_empty()).cloned()
+}
+
+fn without_managed_fields(obj: &Value) -> Value {
+    let mut o = obj.clone();
+    if let Some(m) = o["metadata"].as_object_mut() {
+        m.remove("managedFields");
+    }
+    o
+}
+
+/// `entries` after `manager` wrote `new` over `old` (None: created): it owns what it set or
+/// changed, the others lose that; fields that are gone are nobody's.
+fn record_write(
+    entries: Vec<Value>,
+    old: Option<&Value>,
+    new: &Value,
+    manager: &str,
+    api_version: &str,
+    subresource: Option<&str>,
+) -> Vec<Value> {
+    let before = old.map(owned_leaves).unwrap_or_default();
+    let after = owned_leaves(new);
+    let changed: BTreeSet<FieldPath> =
+        after.iter().filter(|(p, v)| before.get(*p) != Some(*v)).map(|(p, _)| p.clone()).collect();
+    let live: BTreeSet<&FieldPath> = after.keys().collect();
+    let is_mine = |e: &Value| {
+        e["manager"] == json!(manager)
+            && e["operation"] == json!("Update")
+            && e["subresource"].as_str() == subresource
+    };
+    let mut out = Vec::new();
+    let mut mine: BTreeSet<FieldPath> = BTreeSet::new();
+    let mut position = None;
+    for e in entries {
+        let owned: BTreeSet<FieldPath> =
+            paths_of(&e["fieldsV1"]).into_iter().filter(|p| live.contains(p) && !changed.contains(p)).collect();
+        if is_mine(&e) {
+            mine = owned;
+            position = Some(out.len());
+            continue;
+        }
+        if owned.is_empty() {
+            continue;
+        }
+        let mut e = e;
+        e["fieldsV1"] = fields_v1(&owned);
+        out.push(e);
+    }
+    mine.extend(changed);
+    let mut entry = json!({
+        "manager": manager, "operation": "Update", "apiVersion": api_version, "time": rfc3339_now(),
+        "fieldsType": "FieldsV1", "fieldsV1": fields_v1(&mine),
+    });
+    if let Some(s) = subresource {
+        entry["subresource"] = json!(s);
+    }
+    match position {
+        Some(i) => out.insert(i, entry),
+        None => out.push(entry),
+    }
+    out
+}
+
 /// Checks `kind`/`apiVersion` of a request body against the endpoint.
 fn check_types(def: &ResourceDef, body: &Value) -> ApiResult<()> {
     let kind = body["kind"].as_str().unwrap_or("");
@@ -1198,7 +1519,7 @@ fn fix_namespace(def: &ResourceDef, ns: &str, obj: &mut Value) -> ApiResult<()> 
     Ok(())
 }
 
-fn create(st: &mut State, def: &ResourceDef, ns: &str, mut obj: Value) -> ApiResult<Value> {
+fn create(st: &mut State, def: &ResourceDef, ns: &str, mut obj: Value, manager: &str) -> ApiResult<Value> {
     check_types(def, &obj)?;
     if obj.get("metadata").is_none_or(Value::is_null) {
         obj["metadata"] = json!({});
@@ -1218,16 +1539,10 @@ fn create(st: &mut State, def: &ResourceDef, ns: &str, mut obj: Value) -> ApiRes
         name = format!("{prefix}{}", st.generate_suffix());
         obj["metadata"]["name"] = json!(name);
     }
-    if !is_dns_subdomain(&name) {
-        return Err(ApiError::invalid(
-            def,
-            &name,
-            "metadata.name",
-            &format!(
-                "Invalid value: {name:?}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"
-            ),
-        ));
+    if let Some(why) = subdomain_error(&name) {
+        return Err(ApiError::invalid(def, &name, "metadata.name", &format!("Invalid value: {}: {why}", json!(name))));
     }
+    validate_metadata(def, &name, &obj)?;
     if obj["metadata"]["resourceVersion"].as_str().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::new(
             500,
@@ -1241,6 +1556,8 @@ fn create(st: &mut State, def: &ResourceDef, ns: &str, mut obj: Value) -> ApiRes
         return Err(ApiError::already_exists(def, &name));
     }
     st.init_meta(&mut obj);
+    let base = request_managed_fields(&obj).unwrap_or_default();
+    obj["metadata"]["managedFields"] = json!(record_write(base, None, &obj, manager, &def.api_version(), None));
     Ok(st.commit(def, okey, obj, None, EvType::Added))
 }
 
@@ -1256,6 +1573,7 @@ fn finish_update(
     mut new: Value,
     status_sub: bool,
     require_rv: bool,
+    manager: &str,
 ) -> ApiResult<Value> {
     if !new["metadata"].is_object() {
         if new.get("metadata").is_none_or(Value::is_null) {
@@ -1271,6 +1589,10 @@ fn finish_update(
         )));
     }
     fix_namespace(def, ns, &mut new)?;
+    if !status_sub {
+        validate_metadata(def, name, &new)?;
+    }
+    let given_fields = request_managed_fields(&new);
     let old_uid = old["metadata"]["uid"].as_str().unwrap_or("").to_string();
     if let Some(uid) = new["metadata"]["uid"].as_str().filter(|u| !u.is_empty())
         && uid != old_uid
@@ -1326,15 +1648,26 @@ fn finish_update(
     let generation = if spec_of(&old) != spec_of(&result) { generation + 1 } else { generation };
     result["metadata"]["generation"] = json!(generation);
     result["metadata"]["resourceVersion"] = json!(old_rv);
-    if result == old {
+    if without_managed_fields(&result) == without_managed_fields(&old) {
         // A no-op write: nothing is stored, the resourceVersion stays, no watch event.
         return Ok(old);
     }
+    let base = given_fields.or_else(|| request_managed_fields(&old)).unwrap_or_default();
+    let sub = status_sub.then_some("status");
+    result["metadata"]["managedFields"] = json!(record_write(base, Some(&old), &result, manager, &def.api_version(), sub));
     let okey = (ns.to_string(), name.to_string());
     Ok(st.commit(def, okey, result, Some(old), EvType::Modified))
 }
 
-fn update(st: &mut State, def: &ResourceDef, ns: &str, name: &str, body: Value, status_sub: bool) -> ApiResult<Value> {
+fn update(
+    st: &mut State,
+    def: &ResourceDef,
+    ns: &str,
+    name: &str,
+    body: Value,
+    status_sub: bool,
+    manager: &str,
+) -> ApiResult<Value> {
     check_types(def, &body)?;
     let body_name = body["metadata"]["name"].as_str().unwrap_or("");
     if body_name != name {
@@ -1348,7 +1681,7 @@ fn update(st: &mut State, def: &ResourceDef, ns: &str, name: &str, body: Value, 
         .and_then(|m| m.get(&(ns.to_string(), name.to_string())))
         .cloned()
         .ok_or_else(|| ApiError::not_found(def, name))?;
-    finish_update(st, def, ns, name, old, body, status_sub, true)
+    finish_update(st, def, ns, name, old, body, status_sub, true, manager)
 }
 
 async fn patch(
@@ -1358,6 +1691,7 @@ async fn patch(
     name: &str,
     r: Req,
     status_sub: bool,
+    manager: &str,
 ) -> ApiResult<Value> {
     let mime = r.content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
     let merge = match mime.as_str() {
@@ -1398,7 +1732,7 @@ async fn patch(
     if !kind_ok {
         return Err(ApiError::bad_request("a patch may not change kind or apiVersion"));
     }
-    finish_update(&mut st, def, ns, name, old, new, status_sub, false)
+    finish_update(&mut st, def, ns, name, old, new, status_sub, false, manager)
 }
 
 #[derive(Default)]

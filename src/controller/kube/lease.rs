@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ObjectMeta, PostParams};
+use kube::api::{Api, ObjectMeta};
 
 use crate::controller::backend::BackendError;
 
@@ -50,11 +50,30 @@ pub enum Attempt {
 pub struct Fence {
     valid: Duration,
     state: std::sync::Mutex<(Option<Instant>, Option<String>)>,
+    lease: Option<LeaseRef>,
+}
+
+/// The Lease a fence stands for and this candidate's name in it: a writer that meets a
+/// conflict reads it to tell another controller (a new holder) from any other client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseRef {
+    pub namespace: String,
+    pub name: String,
+    pub identity: String,
 }
 
 impl Fence {
     pub fn new(valid: Duration) -> Self {
-        Fence { valid, state: std::sync::Mutex::new((None, None)) }
+        Fence { valid, state: std::sync::Mutex::new((None, None)), lease: None }
+    }
+
+    /// A fence for holding this Lease.
+    pub fn for_lease(valid: Duration, lease: LeaseRef) -> Self {
+        Fence { lease: Some(lease), ..Fence::new(valid) }
+    }
+
+    pub fn lease(&self) -> Option<&LeaseRef> {
+        self.lease.as_ref()
     }
 
     /// A renewal that started at `at` succeeded.
@@ -109,7 +128,8 @@ fn now() -> MicroTime {
 
 impl Elector {
     pub fn new(client: kube::Client, s: LeaseSettings) -> Self {
-        let fence = std::sync::Arc::new(Fence::new(s.renew_deadline));
+        let lease = LeaseRef { namespace: s.namespace.clone(), name: s.name.clone(), identity: s.identity.clone() };
+        let fence = std::sync::Arc::new(Fence::for_lease(s.renew_deadline, lease));
         Elector { api: Api::namespaced(client, &s.namespace), s, fence, observed: None }
     }
 
@@ -138,22 +158,29 @@ impl Elector {
 
     /// One try to acquire or renew.
     pub async fn try_acquire_or_renew(&mut self) -> Result<Attempt, kube::Error> {
+        self.try_renew().await.map(|(a, _)| a)
+    }
+
+    /// One try; also whether the lease was already ours when read (a renewal, not an
+    /// acquisition).
+    async fn try_renew(&mut self) -> Result<(Attempt, bool), kube::Error> {
         let started = Instant::now();
-        let r = self.attempt().await;
+        let mut was_ours = false;
+        let r = self.attempt(&mut was_ours).await;
         if matches!(r, Ok(Attempt::Leading)) {
             self.fence.renewed(started);
         }
-        r
+        r.map(|a| (a, was_ours))
     }
 
-    async fn attempt(&mut self) -> Result<Attempt, kube::Error> {
+    async fn attempt(&mut self, was_ours: &mut bool) -> Result<Attempt, kube::Error> {
         let current = match self.api.get_opt(&self.s.name).await? {
             None => {
                 let lease = Lease {
                     metadata: ObjectMeta { name: Some(self.s.name.clone()), namespace: Some(self.s.namespace.clone()), ..Default::default() },
                     spec: Some(self.spec(None)),
                 };
-                return match self.api.create(&PostParams::default(), &lease).await {
+                return match self.api.create(&super::post_params(), &lease).await {
                     Ok(_) => Ok(Attempt::Leading),
                     Err(e) if super::is_already_exists(&e) => Ok(Attempt::Raced),
                     Err(e) => Err(e),
@@ -179,12 +206,13 @@ impl Elector {
             }
         };
         let ours = holder == self.s.identity;
+        *was_ours = ours;
         if !holder.is_empty() && !ours && seen_at.elapsed() < Duration::from_secs(duration as u64) {
             return Ok(Attempt::HeldBy(holder));
         }
         let mut next = current.clone();
         next.spec = Some(self.spec(Some(&spec)));
-        match self.api.replace(&self.s.name, &PostParams::default(), &next).await {
+        match self.api.replace(&self.s.name, &super::post_params(), &next).await {
             Ok(l) => {
                 let s = l.spec.clone().unwrap_or_default();
                 self.observed = Some((
@@ -244,11 +272,17 @@ impl Elector {
             // Measured from the start of the attempt: a slow answer must not stretch the time
             // this leader believes it holds the lease.
             let started = Instant::now();
-            let attempt = tokio::time::timeout(self.s.renew_deadline, self.try_acquire_or_renew()).await;
+            let attempt = tokio::time::timeout(self.s.renew_deadline, self.try_renew()).await;
             match attempt {
-                Ok(Ok(Attempt::Leading)) => last_renew = started,
-                Ok(Ok(Attempt::HeldBy(h))) => return lost(format!("the lease is now held by {h}")),
-                Ok(Ok(Attempt::Raced)) => tracing::warn!(lease = %self.s.name, "lease renewal raced with another writer"),
+                Ok(Ok((Attempt::Leading, true))) => last_renew = started,
+                // The lease was free (released or emptied by someone else) and this renewal
+                // took it again: another holder may have led meanwhile, so what this process
+                // knows may be stale.
+                Ok(Ok((Attempt::Leading, false))) => {
+                    return lost("the lease was released or taken over by someone else meanwhile".to_string());
+                }
+                Ok(Ok((Attempt::HeldBy(h), _))) => return lost(format!("the lease is now held by {h}")),
+                Ok(Ok((Attempt::Raced, _))) => tracing::warn!(lease = %self.s.name, "lease renewal raced with another writer"),
                 Ok(Err(e)) => tracing::warn!(error = %e, lease = %self.s.name, "lease renewal failed"),
                 Err(_) => tracing::warn!(lease = %self.s.name, "lease renewal timed out"),
             }
@@ -268,7 +302,7 @@ impl Elector {
         spec.holder_identity = None;
         spec.lease_duration_seconds = Some(1);
         spec.renew_time = Some(now());
-        match self.api.replace(&self.s.name, &PostParams::default(), &l).await {
+        match self.api.replace(&self.s.name, &super::post_params(), &l).await {
             Ok(_) => tracing::info!(lease = %self.s.name, "leader lease released"),
             Err(e) => tracing::warn!(error = %e, lease = %self.s.name, "could not release the leader lease"),
         }

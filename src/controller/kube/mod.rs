@@ -9,6 +9,7 @@
 pub mod lease;
 pub mod nodes;
 pub mod review;
+pub mod secret;
 pub mod state;
 
 use kube::core::ApiResource;
@@ -54,6 +55,10 @@ pub const API_CALLS: &[ApiCall] = &[
     call("", "nodes", "watch", false),
     // agent identity
     call("authentication.k8s.io", "tokenreviews", "create", false),
+    // the token-signing secret (get/update limited to its name; create cannot be)
+    call("", "secrets", "get", true),
+    call("", "secrets", "create", true),
+    call("", "secrets", "update", true),
     // leader election
     call("coordination.k8s.io", "leases", "get", true),
     call("coordination.k8s.io", "leases", "create", true),
@@ -80,11 +85,44 @@ pub fn volume_resource() -> ApiResource {
     resource("NodeplaneVolume", "nodeplanevolumes")
 }
 
-/// A client from the environment: `KUBECONFIG` / `~/.kube/config`, else the in-cluster
-/// service account.
+/// The field manager of every write (`?fieldManager=`): what `managedFields` and audit logs
+/// name as the writer.
+pub const FIELD_MANAGER: &str = "nodeplane-controller";
+
+/// The User-Agent of every request: the binary and its version.
+pub fn user_agent() -> String {
+    format!("nodeplane-controller/{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// Create/replace parameters naming the controller as the field manager.
+pub fn post_params() -> kube::api::PostParams {
+    kube::api::PostParams { field_manager: Some(FIELD_MANAGER.to_string()), ..Default::default() }
+}
+
+/// Patch parameters naming the controller as the field manager.
+pub fn patch_params() -> kube::api::PatchParams {
+    kube::api::PatchParams { field_manager: Some(FIELD_MANAGER.to_string()), ..Default::default() }
+}
+
+/// Makes every request of a client built from `cfg` carry the controller's User-Agent.
+pub fn named(mut cfg: kube::Config) -> kube::Config {
+    use hyper::header::{HeaderValue, USER_AGENT};
+    cfg.headers.retain(|(k, _)| k != USER_AGENT);
+    if let Ok(v) = HeaderValue::from_str(&user_agent()) {
+        cfg.headers.push((USER_AGENT, v));
+    }
+    cfg
+}
+
+/// The client configuration from the environment (`KUBECONFIG` / `~/.kube/config`, else the
+/// in-cluster service account), with the controller's User-Agent.
+pub async fn config() -> Result<kube::Config, String> {
+    kube::Config::infer().await.map(named).map_err(|e| format!("Kubernetes client configuration: {e}"))
+}
+
+/// A client from the environment (see [`config`]).
 pub async fn client() -> Result<kube::Client, String> {
-    let cfg = kube::Config::infer().await.map_err(|e| format!("Kubernetes client configuration: {e}"))?;
-    kube::Client::try_from(cfg).map_err(|e| format!("Kubernetes client: {e}"))
+    kube::Client::try_from(config().await?).map_err(|e| format!("Kubernetes client: {e}"))
 }
 
 /// The API's verdict on a failed call, if it was one.
@@ -108,4 +146,52 @@ pub(crate) fn is_conflict(e: &kube::Error) -> bool {
 /// A DNS-1123 subdomain (Kubernetes object names).
 pub fn valid_object_name(name: &str) -> bool {
     crate::controller::records::valid_node_name(name)
+}
+
+/// Kubernetes' rule for label values, as an error message names it.
+pub const LABEL_VALUE_RULE: &str = "a label value must be at most 63 characters, empty or alphanumerics, '-', '_' and '.' \
+     starting and ending with an alphanumeric character (regex (([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?)";
+
+fn label_name_ok(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+        && b.iter().all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c))
+}
+
+/// Why `v` is not a valid label value, if it is not.
+pub fn label_value_error(v: &str) -> Option<String> {
+    (!v.is_empty() && !label_name_ok(v)).then(|| format!("label value {v:?} is invalid: {LABEL_VALUE_RULE}"))
+}
+
+/// Why `k` is not a valid label key (`[prefix/]name`: a DNS-1123 subdomain and a name of at
+/// most 63 characters), if it is not.
+pub fn label_key_error(k: &str) -> Option<String> {
+    let (prefix, name) = k.split_once('/').map_or((None, k), |(p, n)| (Some(p), n));
+    if let Some(why) = prefix.and_then(crate::controller::records::subdomain_error) {
+        return Some(format!("label key {k:?}: the prefix {why}"));
+    }
+    (!label_name_ok(name)).then(|| {
+        format!("label key {k:?}: the name must be 1 to 63 alphanumerics, '-', '_' and '.', starting and ending with an alphanumeric character")
+    })
+}
+
+/// Checks an object's name and labels against Kubernetes' rules before it is written, so that
+/// a bad one is a clear error here rather than the API server's refusal of the write.
+pub fn check_object<'a>(
+    kind: &str,
+    name: &str,
+    labels: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> Result<(), String> {
+    if let Some(why) = crate::controller::records::subdomain_error(name) {
+        return Err(format!("{kind} name {name:?} {why}"));
+    }
+    for (k, v) in labels {
+        if let Some(why) = label_key_error(k).or_else(|| label_value_error(v)) {
+            return Err(format!("{kind} {name}: {why}"));
+        }
+    }
+    Ok(())
 }

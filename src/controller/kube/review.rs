@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
-use kube::api::{Api, PostParams};
+use kube::api::Api;
 use sha2::Digest;
 
 pub const NODE_NAME_EXTRA: &str = "authentication.kubernetes.io/node-name";
@@ -84,7 +84,7 @@ impl TokenReviewer {
         };
         // Bounded: the client retries an overloaded API server, but an agent's call must not
         // hang on it.
-        let answer = tokio::time::timeout(REVIEW_TIMEOUT, self.api.create(&PostParams::default(), &tr))
+        let answer = tokio::time::timeout(REVIEW_TIMEOUT, self.api.create(&super::post_params(), &tr))
             .await
             .map_err(|_| ReviewError::Unavailable(format!("TokenReview: no answer within {REVIEW_TIMEOUT:?}")))?
             .map_err(|e| ReviewError::Unavailable(format!("TokenReview: {e}")))?;

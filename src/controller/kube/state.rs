@@ -8,8 +8,22 @@
 //!   even if two controllers ever wrote at once.
 //! - `NodeplaneVolume` (name derived from the volume id): the volume book's record.
 //!
-//! Writes carry the resourceVersion last seen (optimistic concurrency): a write that lost a
-//! race with another writer fails with Conflict instead of overwriting it.
+//! Writes carry the resourceVersion last seen (optimistic concurrency). A write that meets
+//! `409 Conflict` re-reads the object and the leader Lease: if the Lease is still this
+//! controller's, the other writer was not a controller (an operator's `kubectl label`, a GitOps
+//! tool), so the write is merged (the other writer's labels, annotations and other metadata
+//! kept, this controller's spec and own labels put) and retried; only when another holder wrote
+//! the Lease is it a conflict that fences this controller. Without a Lease (a backend built
+//! without one, in tests) a conflict cannot be attributed and always fences.
+//!
+//! Node names are never put into a label value as they are (a node name may have 253
+//! characters, a label value 63): objects carry the label `nodeplane.dev/node-hash` (the
+//! SHA-224 of the name, 56 hex digits: bounded and collision-resistant, for selectors) and the
+//! full name in the annotation `nodeplane.dev/node` (and in `spec.node`). Every object name
+//! and label is checked against Kubernetes' rules before it is written. Objects written with
+//! the old label `nodeplane.dev/node` (the name itself) are read as before (nothing selects on
+//! labels: every load lists all objects and reads the spec), and lose that label the next time
+//! they are rewritten.
 //!
 //! Order of writes, so that a crash at any point leaves a state [`KubeBackend::load_nodes`]
 //! repairs: a node's new blocks are locked *before* its record names them; a record is
@@ -22,7 +36,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, ListParams, Preconditions};
 use kube::core::{ApiResource, DynamicObject, ObjectMeta};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -32,7 +46,15 @@ use crate::controller::backend::{Backend, BackendError, Change};
 use crate::controller::records::{NodeRecord, VolumeRecord};
 
 const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "nodeplane-controller");
-const NODE_LABEL: &str = "nodeplane.dev/node";
+/// The label selecting a node's objects: [`node_hash`] of its name.
+pub const NODE_HASH_LABEL: &str = "nodeplane.dev/node-hash";
+/// The annotation with the node's full name.
+pub const NODE_ANNOTATION: &str = "nodeplane.dev/node";
+/// The label of earlier versions holding the node name itself (invalid for names over 63
+/// characters): removed when an object is rewritten.
+const LEGACY_NODE_LABEL: &str = "nodeplane.dev/node";
+/// How often a write that keeps meeting other (non-controller) writers is merged and retried.
+const MERGE_ATTEMPTS: usize = 5;
 /// Bound on one backend call (several API requests).
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// A lock no record names is released at load only when older than this: a younger one may
@@ -78,15 +100,85 @@ pub fn volume_object_name(id: &str) -> String {
     format!("v-{}", hex::encode(&sha2::Sha256::digest(id.as_bytes())[..16]))
 }
 
-fn object(res: &ApiResource, name: &str, labels: &[(&str, &str)], spec: serde_json::Value, rv: Option<String>) -> DynamicObject {
+/// The value of [`NODE_HASH_LABEL`] for a node: SHA-224 of its name in hex (56 characters,
+/// a valid label value for any name; `printf %s NAME | sha224sum`).
+pub fn node_hash(node: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha224::digest(node.as_bytes()))
+}
+
+/// The labels and annotations this controller puts on an object about `node`.
+fn node_meta(node: &str) -> (Vec<(String, String)>, Vec<(String, String)>) {
+    let mut labels = vec![(MANAGED_BY.0.to_string(), MANAGED_BY.1.to_string())];
+    let mut annotations = Vec::new();
+    if !node.is_empty() {
+        labels.push((NODE_HASH_LABEL.to_string(), node_hash(node)));
+        annotations.push((NODE_ANNOTATION.to_string(), node.to_string()));
+    }
+    (labels, annotations)
+}
+
+/// What this controller last saw of an object it wrote or read: the resourceVersion its next
+/// write carries, and the metadata other clients put there (kept on rewrite).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Seen {
+    rv: String,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+}
+
+impl Seen {
+    fn of(o: &DynamicObject) -> Seen {
+        Seen {
+            rv: o.metadata.resource_version.clone().unwrap_or_default(),
+            labels: o.metadata.labels.clone().unwrap_or_default(),
+            annotations: o.metadata.annotations.clone().unwrap_or_default(),
+        }
+    }
+}
+
+/// The object to write: `spec`, this controller's labels and annotations over those `seen`
+/// (another client's are kept; the legacy node label is dropped), at `seen`'s
+/// resourceVersion (a create without it). Checked against Kubernetes' rules first.
+fn object(
+    res: &ApiResource,
+    name: &str,
+    node: &str,
+    spec: serde_json::Value,
+    seen: Option<&Seen>,
+) -> Result<DynamicObject, BackendError> {
+    let (ours, our_annotations) = node_meta(node);
+    let mut labels = seen.map(|s| s.labels.clone()).unwrap_or_default();
+    labels.remove(LEGACY_NODE_LABEL);
+    labels.extend(ours);
+    let mut annotations = seen.map(|s| s.annotations.clone()).unwrap_or_default();
+    annotations.extend(our_annotations);
+    super::check_object(&res.kind, name, &labels).map_err(BackendError::Refused)?;
     let mut o = DynamicObject::new(name, res);
     o.metadata = ObjectMeta {
         name: Some(name.to_string()),
-        labels: Some(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>()),
-        resource_version: rv,
+        labels: Some(labels),
+        annotations: (!annotations.is_empty()).then_some(annotations),
+        resource_version: seen.map(|s| s.rv.clone()),
         ..Default::default()
     };
     o.data = json!({ "spec": spec });
+    Ok(o)
+}
+
+/// `ours` merged onto `current` (another writer's version): its metadata with our labels and
+/// annotations over its own, our spec, at its resourceVersion.
+fn merged(current: &DynamicObject, ours: &DynamicObject) -> DynamicObject {
+    let mut o = current.clone();
+    let mut labels = current.metadata.labels.clone().unwrap_or_default();
+    labels.remove(LEGACY_NODE_LABEL);
+    labels.extend(ours.metadata.labels.clone().unwrap_or_default());
+    o.metadata.labels = Some(labels);
+    let mut annotations = current.metadata.annotations.clone().unwrap_or_default();
+    annotations.extend(ours.metadata.annotations.clone().unwrap_or_default());
+    o.metadata.annotations = (!annotations.is_empty()).then_some(annotations);
+    o.metadata.managed_fields = None;
+    o.data["spec"] = ours.data["spec"].clone();
     o
 }
 
@@ -98,10 +190,56 @@ fn spec_of<T: serde::de::DeserializeOwned>(o: &DynamicObject) -> Result<T, Backe
 
 #[derive(Default)]
 struct Known {
-    /// node name -> (record, resourceVersion)
-    nodes: HashMap<String, (NodeRecord, String)>,
-    /// volume object name -> resourceVersion
-    volumes: HashMap<String, String>,
+    /// node name -> (record, what was seen of its object)
+    nodes: HashMap<String, (NodeRecord, Seen)>,
+    /// volume object name -> what was seen of it
+    volumes: HashMap<String, Seen>,
+}
+
+/// Who may settle a conflict: the leader Lease this controller holds (see the module
+/// documentation). Cheap to clone into a call.
+#[derive(Clone)]
+struct Leadership {
+    leases: Api<k8s_openapi::api::coordination::v1::Lease>,
+    lease: super::lease::LeaseRef,
+    fence: Arc<super::lease::Fence>,
+}
+
+impl Leadership {
+    /// Ok if this controller still holds the Lease: then a conflict was another client's,
+    /// not another controller's. A Lease held by someone else is a fencing conflict.
+    async fn still_ours(this: &Option<Leadership>, what: &str, e: &kube::Error) -> Result<(), PutError> {
+        let Some(l) = this else {
+            return Err(PutError::Conflict(format!(
+                "{what} was changed by another writer since this controller read it ({e}), and without a leader \
+                 Lease that writer may be another controller. This controller stops serving; it re-reads the state \
+                 when restarted"
+            )));
+        };
+        l.fence.check().map_err(PutError::Refused)?;
+        match l.leases.get_opt(&l.lease.name).await {
+            Ok(Some(lease)) => {
+                let holder = lease.spec.and_then(|s| s.holder_identity).unwrap_or_default();
+                if holder == l.lease.identity {
+                    Ok(())
+                } else {
+                    Err(PutError::Conflict(format!(
+                        "{what} was changed by another writer ({e}) and the leader Lease {}/{} is now held by {holder:?}: \
+                         another controller leads. This controller stops serving",
+                        l.lease.namespace, l.lease.name
+                    )))
+                }
+            }
+            Ok(None) => Err(PutError::Refused(BackendError::Unavailable(format!(
+                "{what} was changed by another writer ({e}) and the leader Lease {}/{} is missing: not writing until it \
+                 is renewed",
+                l.lease.namespace, l.lease.name
+            )))),
+            Err(g) => Err(PutError::Refused(BackendError::Unavailable(format!(
+                "{what} was changed by another writer ({e}); reading the leader Lease to tell who: {g}"
+            )))),
+        }
+    }
 }
 
 pub struct KubeBackend {
@@ -112,6 +250,7 @@ pub struct KubeBackend {
     nodes: Api<DynamicObject>,
     blocks: Api<DynamicObject>,
     volumes: Api<DynamicObject>,
+    leadership: Option<Leadership>,
     known: Mutex<Known>,
 }
 
@@ -193,8 +332,14 @@ impl KubeBackend {
     /// lease, and a write that finds another writer's change trips the fence.
     pub fn new(config: kube::Config, fence: Option<Arc<super::lease::Fence>>) -> Result<Self, BackendError> {
         let rt = RuntimeThread::start()?;
+        let config = super::named(config);
         let client = rt.run(async move { kube::Client::try_from(config).map_err(|e| BackendError::Unavailable(format!("Kubernetes client: {e}"))) })?;
+        let leadership = fence.as_ref().and_then(|f| {
+            let lease = f.lease()?.clone();
+            Some(Leadership { leases: Api::namespaced(client.clone(), &lease.namespace), lease, fence: f.clone() })
+        });
         Ok(KubeBackend {
+            leadership,
             nodes: Api::all_with(client.clone(), &node_resource()),
             blocks: Api::all_with(client.clone(), &block_resource()),
             volumes: Api::all_with(client, &volume_resource()),
@@ -209,8 +354,8 @@ impl KubeBackend {
         let name = block_object_name(cidr);
         let spec = serde_json::to_value(BlockSpec { cidr: cidr.into(), node: node.into() })
             .map_err(|e| PutError::Refused(BackendError::Corrupt(e.to_string())))?;
-        let obj = object(&block_resource(), &name, &[MANAGED_BY, (NODE_LABEL, node)], spec, None);
-        let e = match blocks.create(&PostParams::default(), &obj).await {
+        let obj = object(&block_resource(), &name, node, spec, None).map_err(PutError::Refused)?;
+        let e = match blocks.create(&super::post_params(), &obj).await {
             Ok(_) => return Ok(()),
             Err(e) => e,
         };
@@ -290,55 +435,85 @@ fn definitely_refused(e: &kube::Error) -> bool {
     super::api_status(e).is_some_and(|s| (400..500).contains(&s.code) && s.code != 408)
 }
 
-/// Create, or replace at the resourceVersion last seen; the new resourceVersion. A write
+/// Create, or replace at the resourceVersion last seen; what the object is now. A write
 /// refused for a stale resourceVersion, or whose fate is unknown, is settled by reading the
 /// object back: if it already holds exactly this spec, it is written (by this controller,
-/// just now or by an earlier attempt whose answer was lost).
-async fn put(api: &Api<DynamicObject>, obj: DynamicObject, what: &str) -> Result<String, PutError> {
+/// just now or by an earlier attempt whose answer was lost). Another client's change (the
+/// Lease still ours) is merged and the write retried; see the module documentation.
+async fn put(api: &Api<DynamicObject>, mut obj: DynamicObject, what: &str, leader: &Option<Leadership>) -> Result<Seen, PutError> {
     let name = obj.metadata.name.clone().unwrap_or_default();
-    let written = if obj.metadata.resource_version.is_some() {
-        api.replace(&name, &PostParams::default(), &obj).await
-    } else {
-        api.create(&PostParams::default(), &obj).await
-    };
-    let e = match written {
-        Ok(o) => return Ok(o.metadata.resource_version.unwrap_or_default()),
-        Err(e) => e,
-    };
-    let conflict = super::is_conflict(&e) || is_already_exists(&e);
-    if definitely_refused(&e) && !conflict {
-        return Err(PutError::Refused(BackendError::Refused(format!("writing {what}: {e}"))));
+    for _ in 0..MERGE_ATTEMPTS {
+        let written = if obj.metadata.resource_version.is_some() {
+            api.replace(&name, &super::post_params(), &obj).await
+        } else {
+            api.create(&super::post_params(), &obj).await
+        };
+        let e = match written {
+            Ok(o) => return Ok(Seen::of(&o)),
+            Err(e) => e,
+        };
+        let conflict = super::is_conflict(&e) || is_already_exists(&e);
+        if definitely_refused(&e) && !conflict {
+            return Err(PutError::Refused(BackendError::Refused(format!("writing {what}: {e}"))));
+        }
+        let current = match api.get_opt(&name).await {
+            Ok(Some(cur)) if cur.data.get("spec") == obj.data.get("spec") => return Ok(Seen::of(&cur)),
+            Ok(cur) if conflict => cur,
+            Ok(_) => return Err(PutError::Refused(api_error(&e, format!("writing {what}: {e} (read back: not written)")))),
+            Err(g) => return Err(PutError::Unknown(format!("writing {what}: {e}; reading it back: {g}"))),
+        };
+        Leadership::still_ours(leader, what, &e).await?;
+        obj = match current {
+            Some(cur) => {
+                tracing::info!(object = %what, "another client changed the object (the leader Lease is still ours): merging and retrying");
+                merged(&cur, &obj)
+            }
+            // Deleted meanwhile by another client: create it again.
+            None => {
+                obj.metadata.resource_version = None;
+                obj
+            }
+        };
     }
-    match api.get_opt(&name).await {
-        Ok(Some(cur)) if cur.data.get("spec") == obj.data.get("spec") => Ok(cur.metadata.resource_version.unwrap_or_default()),
-        Ok(_) if conflict => Err(PutError::Conflict(format!(
-            "{what} was changed by another writer since this controller read it ({e}); is a second controller writing? \
-             This controller stops serving; it re-reads the state when restarted"
-        ))),
-        Ok(_) => Err(PutError::Refused(api_error(&e, format!("writing {what}: {e} (read back: not written)")))),
-        Err(g) => Err(PutError::Unknown(format!("writing {what}: {e}; reading it back: {g}"))),
-    }
+    Err(PutError::Refused(BackendError::Unavailable(format!(
+        "writing {what}: it kept being changed by other clients ({MERGE_ATTEMPTS} attempts); retry later"
+    ))))
 }
 
-/// Delete at the resourceVersion last seen; absent is success.
-async fn remove(api: &Api<DynamicObject>, name: &str, rv: Option<String>, what: &str) -> Result<(), PutError> {
-    let dp = DeleteParams { preconditions: rv.map(|rv| Preconditions { resource_version: Some(rv), uid: None }), ..Default::default() };
-    let e = match api.delete(name, &dp).await {
-        Ok(_) => return Ok(()),
-        Err(e) if is_not_found(&e) => return Ok(()),
-        Err(e) => e,
-    };
-    if super::is_conflict(&e) {
-        return Err(PutError::Conflict(format!("{what} was changed by another writer ({e})")));
+/// Delete at the resourceVersion last seen; absent is success. Another client's change (the
+/// Lease still ours) does not stop it: the delete is retried at the new resourceVersion.
+async fn remove(api: &Api<DynamicObject>, name: &str, rv: Option<String>, what: &str, leader: &Option<Leadership>) -> Result<(), PutError> {
+    let mut rv = rv;
+    for _ in 0..MERGE_ATTEMPTS {
+        let dp = DeleteParams { preconditions: rv.clone().map(|rv| Preconditions { resource_version: Some(rv), uid: None }), ..Default::default() };
+        let e = match api.delete(name, &dp).await {
+            Ok(_) => return Ok(()),
+            Err(e) if is_not_found(&e) => return Ok(()),
+            Err(e) => e,
+        };
+        if super::is_conflict(&e) {
+            Leadership::still_ours(leader, what, &e).await?;
+            match api.get_opt(name).await {
+                Ok(None) => return Ok(()),
+                Ok(Some(cur)) => {
+                    rv = cur.metadata.resource_version.clone();
+                    continue;
+                }
+                Err(g) => return Err(PutError::Refused(api_error(&e, format!("deleting {what}: {e}; reading it back: {g}")))),
+            }
+        }
+        if definitely_refused(&e) {
+            return Err(PutError::Refused(BackendError::Refused(format!("deleting {what}: {e}"))));
+        }
+        return match api.get_opt(name).await {
+            Ok(None) => Ok(()),
+            Ok(Some(_)) => Err(PutError::Refused(api_error(&e, format!("deleting {what}: {e} (read back: still there)")))),
+            Err(g) => Err(PutError::Unknown(format!("deleting {what}: {e}; reading it back: {g}"))),
+        };
     }
-    if definitely_refused(&e) {
-        return Err(PutError::Refused(BackendError::Refused(format!("deleting {what}: {e}"))));
-    }
-    match api.get_opt(name).await {
-        Ok(None) => Ok(()),
-        Ok(Some(_)) => Err(PutError::Refused(api_error(&e, format!("deleting {what}: {e} (read back: still there)")))),
-        Err(g) => Err(PutError::Unknown(format!("deleting {what}: {e}; reading it back: {g}"))),
-    }
+    Err(PutError::Refused(BackendError::Unavailable(format!(
+        "deleting {what}: it kept being changed by other clients ({MERGE_ATTEMPTS} attempts); retry later"
+    ))))
 }
 
 impl Backend for KubeBackend {
@@ -353,7 +528,7 @@ impl Backend for KubeBackend {
                 let name = o.metadata.name.clone().unwrap_or_default();
                 let spec: NodeSpec = spec_of(o)?;
                 let rec = NodeRecord { name, underlay: spec.underlay, vtep_mac: spec.vtep_mac, blocks: spec.blocks };
-                records.push((rec, o.metadata.resource_version.clone().unwrap_or_default()));
+                records.push((rec, Seen::of(o)));
             }
             // Locks are listed after the records: a lock written meanwhile is younger than
             // STALE_LOCK_AGE and only reserved below, never released.
@@ -426,16 +601,17 @@ impl Backend for KubeBackend {
             self.check_fence()?;
             let old = known.nodes.get(name).cloned();
             let (nodes, blocks, name2, rec2) = (self.nodes.clone(), self.blocks.clone(), name.clone(), rec.clone());
-            let outcome: Result<Option<String>, PutError> = self
+            let leader = self.leadership.clone();
+            let outcome: Result<Option<Seen>, PutError> = self
                 .rt
                 .run(async move {
                     let old_blocks: Vec<String> = old.as_ref().map(|(r, _)| r.blocks.clone()).unwrap_or_default();
-                    let rv = old.map(|(_, rv)| rv);
+                    let seen = old.map(|(_, seen)| seen);
                     Ok(match rec2 {
                         Some(rec) => {
                             // Lock the new blocks before the record names them.
                             let mut locked = Vec::new();
-                            let mut result = Ok(String::new());
+                            let mut result = Ok(Seen::default());
                             for b in rec.blocks.iter().filter(|b| !old_blocks.contains(b)) {
                                 match KubeBackend::lock_block(&blocks, b, &name2).await {
                                     Ok(()) => locked.push(b.clone()),
@@ -448,7 +624,10 @@ impl Backend for KubeBackend {
                             if result.is_ok() {
                                 let spec = NodeSpec { underlay: rec.underlay.clone(), vtep_mac: rec.vtep_mac.clone(), blocks: rec.blocks.clone() };
                                 let spec = serde_json::to_value(spec).map_err(|e| BackendError::Corrupt(e.to_string()))?;
-                                result = put(&nodes, object(&node_resource(), &name2, &[MANAGED_BY], spec, rv), &format!("NodeplaneNode {name2}")).await;
+                                result = match object(&node_resource(), &name2, &name2, spec, seen.as_ref()) {
+                                    Ok(obj) => put(&nodes, obj, &format!("NodeplaneNode {name2}"), &leader).await,
+                                    Err(e) => Err(PutError::Refused(e)),
+                                };
                             }
                             match result {
                                 Ok(new_rv) => {
@@ -475,7 +654,7 @@ impl Backend for KubeBackend {
                                 }
                             }
                         }
-                        None => match remove(&nodes, &name2, rv, &format!("NodeplaneNode {name2}")).await {
+                        None => match remove(&nodes, &name2, seen.map(|s| s.rv), &format!("NodeplaneNode {name2}"), &leader).await {
                             Ok(()) => {
                                 for b in &old_blocks {
                                     if let Err(e) = KubeBackend::unlock_block(&blocks, b).await {
@@ -516,12 +695,12 @@ impl Backend for KubeBackend {
                 if name != volume_object_name(&rec.id) {
                     return Err(BackendError::Corrupt(format!("NodeplaneVolume {name} does not match its id {:?}", rec.id)));
                 }
-                out.push((rec, name, o.metadata.resource_version.clone().unwrap_or_default()));
+                out.push((rec, name, Seen::of(o)));
             }
             Ok(out)
         })?;
         let mut known = self.known.lock().unwrap();
-        known.volumes = items.iter().map(|(_, n, rv)| (n.clone(), rv.clone())).collect();
+        known.volumes = items.iter().map(|(_, n, seen)| (n.clone(), seen.clone())).collect();
         Ok(items.into_iter().map(|(r, _, _)| r).collect())
     }
 
@@ -530,18 +709,20 @@ impl Backend for KubeBackend {
         for (id, rec) in changes {
             self.check_fence()?;
             let name = volume_object_name(id);
-            let rv = known.volumes.get(&name).cloned();
+            let seen = known.volumes.get(&name).cloned();
             let (volumes, name2, rec2) = (self.volumes.clone(), name.clone(), rec.clone());
-            let outcome: Result<Option<String>, PutError> = self.rt.run(async move {
+            let leader = self.leadership.clone();
+            let outcome: Result<Option<Seen>, PutError> = self.rt.run(async move {
                 let what = format!("NodeplaneVolume {name2}");
                 Ok(match rec2 {
                     Some(r) => {
-                        let node = r.node.clone();
                         let spec = serde_json::to_value(&r).map_err(|e| BackendError::Corrupt(e.to_string()))?;
-                        let obj = object(&volume_resource(), &name2, &[MANAGED_BY, (NODE_LABEL, &node)], spec, rv);
-                        put(&volumes, obj, &what).await.map(Some)
+                        match object(&volume_resource(), &name2, &r.node, spec, seen.as_ref()) {
+                            Ok(obj) => put(&volumes, obj, &what, &leader).await.map(Some),
+                            Err(e) => Err(PutError::Refused(e)),
+                        }
                     }
-                    None => remove(&volumes, &name2, rv, &what).await.map(|_| None),
+                    None => remove(&volumes, &name2, seen.map(|s| s.rv), &what, &leader).await.map(|_| None),
                 })
             })?;
             let new_rv = outcome.map_err(|e| {
