@@ -66,6 +66,11 @@ fn internal(msg: impl Into<String>) -> CsiError {
 fn not_found(id: &str) -> CsiError {
     CsiError::new(Code::NotFound, format!("volume {id} does not exist on this node"))
 }
+/// A known volume asked about at a path where it is neither staged nor published.
+fn not_at(id: &str, raw_path: &str) -> CsiError {
+    let shown: String = raw_path.chars().take(4096).collect();
+    CsiError::new(Code::NotFound, format!("volume {id} does not exist at {shown:?}: it is not staged or published there"))
+}
 
 impl From<CsiError> for tonic::Status {
     fn from(e: CsiError) -> Self {
@@ -208,6 +213,10 @@ pub struct NodeService {
     /// The store's kernel: mounts, device numbers and filesystem tools go through it too.
     kernel: Arc<dyn VolumeKernel>,
     busy: Mutex<HashMap<String, Holds>>,
+    /// The publish records, by target path: loaded from `<state>/csi/publish/` at start and
+    /// kept in step with every record the service writes or removes, so a call never lists
+    /// the directory (the records are this process' own; nothing else writes them).
+    publishes: Mutex<HashMap<PathBuf, PublishRecord>>,
     /// Signalled whenever a hold is released.
     released: Condvar,
     ready: AtomicBool,
@@ -312,11 +321,16 @@ impl NodeService {
             &["method"],
             crate::obs::metrics::LATENCY_BUCKETS,
         );
+        let publishes = Self::read_publish_records(&settings.record_dir)
+            .into_iter()
+            .map(|r| (r.target_path.clone(), r))
+            .collect();
         Ok(NodeService {
             settings,
             kernel: store.kernel().clone(),
             store,
             busy: Mutex::new(HashMap::new()),
+            publishes: Mutex::new(publishes),
             released: Condvar::new(),
             ready: AtomicBool::new(false),
             operations,
@@ -409,10 +423,40 @@ impl NodeService {
         Ok(self.released.wait_timeout(busy, left).unwrap_or_else(|p| p.into_inner()).0)
     }
 
+    /// A request's `volume_id`: required (INVALID_ARGUMENT when empty). An id the store
+    /// could never have made (`validate_id` refuses it) names a volume that does not exist:
+    /// NOT_FOUND, like any unknown id, and it is never used to build a path.
     fn volume_id<'a>(&self, v: &'a str) -> Result<&'a str> {
         let id = required("volume_id", v)?;
-        crate::storage::store::validate_id(id).map_err(|e| invalid(e.to_string()))?;
+        if crate::storage::store::validate_id(id).is_err() {
+            let shown: String = id.chars().take(140).collect();
+            return Err(CsiError::new(Code::NotFound, format!("volume {shown:?} does not exist (not a valid volume id)")));
+        }
         Ok(id)
+    }
+
+    /// NOT_FOUND unless volume `id` exists in the store. Checked before any path argument
+    /// (the spec lists NOT_FOUND for "volume does not exist"), so an unknown volume with a
+    /// bad path is NOT_FOUND; the path is never looked at.
+    fn existing(&self, id: &str) -> Result<crate::storage::store::Volume> {
+        self.store.get(id)?.ok_or_else(|| not_found(id))
+    }
+
+    /// Whether the agent has any record of volume `id`: a stage record, or a publish record
+    /// naming it (a volume deleted from the store while something of it was left staged or
+    /// published is still torn down).
+    fn recorded(&self, id: &str) -> Result<bool> {
+        Ok(self.load_stage(id)?.is_some() || self.publishes_lock().values().any(|r| r.volume_id == id))
+    }
+
+    /// NOT_FOUND for a teardown of a volume that neither exists nor has a record. A mount is
+    /// only ever made after its record is written, so no record means nothing of ours.
+    fn known_or_recorded(&self, id: &str) -> Result<bool> {
+        let known = self.store.get(id)?.is_some();
+        if !known && !self.recorded(id)? {
+            return Err(not_found(id));
+        }
+        Ok(known)
     }
 
     fn path(&self, field: &str, v: &str) -> Result<PathBuf> {
@@ -465,12 +509,45 @@ impl NodeService {
         Self::load(&self.stage_record_path(id))
     }
 
+    fn publishes_lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, PublishRecord>> {
+        self.publishes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn load_publish(&self, target: &Path) -> Result<Option<PublishRecord>> {
-        Ok(Self::load::<PublishRecord>(&self.publish_record_path(target))?.filter(|r| r.target_path == target))
+        Ok(self.publishes_lock().get(target).cloned())
+    }
+
+    /// Write a publish record (file first, then the in-memory view).
+    fn save_publish(&self, rec: &PublishRecord) -> Result<()> {
+        Self::save(&self.publish_record_path(&rec.target_path), rec)?;
+        self.publishes_lock().insert(rec.target_path.clone(), rec.clone());
+        Ok(())
+    }
+
+    /// Remove the publish record of `target` (file first, then the in-memory view).
+    fn remove_publish(&self, target: &Path) -> Result<()> {
+        Self::remove(&self.publish_record_path(target))?;
+        self.publishes_lock().remove(target);
+        Ok(())
     }
 
     fn publish_records(&self) -> Vec<PublishRecord> {
-        let dir = self.settings.record_dir.join("publish");
+        self.publishes_lock().values().cloned().collect()
+    }
+
+    /// Whether a publish record puts volume `id` at `raw` (compared as a path, nothing on
+    /// disk looked at).
+    fn published_at(&self, id: &str, raw: &str) -> bool {
+        self.publishes_lock().get(Path::new(raw)).is_some_and(|r| r.volume_id == id)
+    }
+
+    /// The publish records of volume `id`.
+    fn publishes_of(&self, id: &str) -> Vec<PublishRecord> {
+        self.publishes_lock().values().filter(|r| r.volume_id == id).cloned().collect()
+    }
+
+    fn read_publish_records(record_dir: &Path) -> Vec<PublishRecord> {
+        let dir = record_dir.join("publish");
         let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
         entries
             .flatten()
@@ -552,6 +629,8 @@ impl NodeService {
 
     pub fn stage(&self, req: &csi::NodeStageVolumeRequest) -> Result<()> {
         let id = self.volume_id(&req.volume_id)?;
+        required("staging_target_path", &req.staging_target_path)?;
+        self.existing(id)?;
         let staging = self.path("staging_target_path", &req.staging_target_path)?;
         let cap = parse_capability(req.volume_capability.as_ref())?;
         let opts = mount::parse_mount_flags(&cap.mount_flags).map_err(invalid)?;
@@ -711,6 +790,8 @@ impl NodeService {
 
     pub fn unstage(&self, req: &csi::NodeUnstageVolumeRequest) -> Result<()> {
         let id = self.volume_id(&req.volume_id)?;
+        required("staging_target_path", &req.staging_target_path)?;
+        self.known_or_recorded(id)?;
         let staging = self.path("staging_target_path", &req.staging_target_path)?;
         let _g = self.guard(id)?;
         let known = self.store.get(id)?.is_some();
@@ -753,6 +834,8 @@ impl NodeService {
 
     pub fn publish(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
         let id = self.volume_id(&req.volume_id)?;
+        required("target_path", &req.target_path)?;
+        self.existing(id)?;
         let target = self.path("target_path", &req.target_path)?;
         let cap = parse_capability(req.volume_capability.as_ref())?;
         if req.staging_target_path.is_empty() {
@@ -830,9 +913,9 @@ impl NodeService {
         }
         // SINGLE_NODE_SINGLE_WRITER: one workload only.
         let others: Vec<PublishRecord> = self
-            .publish_records()
+            .publishes_of(id)
             .into_iter()
-            .filter(|r| r.volume_id == id && r.target_path != target)
+            .filter(|r| r.target_path != target)
             .filter(|r| mount::top_mount_at(&table, &r.target_path).is_some_and(|m| self.is_volume_mount(m, &devices)))
             .collect();
         let single = |m: i32| Mode::try_from(m) == Ok(Mode::SingleNodeSingleWriter);
@@ -845,8 +928,7 @@ impl NodeService {
 
         let created_target = !target.exists();
         let rec = PublishRecord { created_target: created_target || existing.is_some_and(|e| e.created_target), ..want };
-        let rec_path = self.publish_record_path(&target);
-        Self::save(&rec_path, &rec)?;
+        self.save_publish(&rec)?;
         crate::util::crash_point("publish-after-record");
         let result = (|| -> Result<()> {
             if cap.block {
@@ -896,7 +978,7 @@ impl NodeService {
             if rec.created_target {
                 let _ = remove_target(&target);
             }
-            let _ = Self::remove(&rec_path);
+            let _ = self.remove_publish(&target);
             if cap.block && read_only {
                 let _ = self.release_read_only_device(id, &target);
             }
@@ -922,6 +1004,8 @@ impl NodeService {
 
     pub fn unpublish(&self, req: &csi::NodeUnpublishVolumeRequest) -> Result<()> {
         let id = self.volume_id(&req.volume_id)?;
+        required("target_path", &req.target_path)?;
+        self.known_or_recorded(id)?;
         let target = self.path("target_path", &req.target_path)?;
         let _target = self.target_guard(id, &target, TARGET_WAIT)?;
         let known = self.store.get(id)?.is_some();
@@ -947,14 +1031,14 @@ impl NodeService {
                 // The shared read-only device: decided one publication at a time, after this
                 // record is gone, so the last of two concurrent unpublishes releases it.
                 let _publishing = self.publishing_guard(id, TARGET_WAIT)?;
-                Self::remove(&self.publish_record_path(&target))?;
+                self.remove_publish(&target)?;
                 if let Err(e) = self.release_read_only_device(id, &target) {
                     // Unpublished all the same; unstage detaches every device of the volume.
                     tracing::warn!(volume = id, error = %e.msg, "read-only loop device not released yet");
                 }
             }
         }
-        Self::remove(&self.publish_record_path(&target))?;
+        self.remove_publish(&target)?;
         tracing::info!(volume = id, target = %target.display(), "volume unpublished");
         Ok(())
     }
@@ -962,17 +1046,19 @@ impl NodeService {
     pub fn stats(&self, req: &csi::NodeGetVolumeStatsRequest) -> Result<csi::NodeGetVolumeStatsResponse> {
         use csi::volume_usage::Unit;
         let id = self.volume_id(&req.volume_id)?;
+        required("volume_path", &req.volume_path)?;
+        let vol = self.existing(id)?;
+        // Where the volume is, from the agent's own records: any other path (a relative
+        // one included) is NOT_FOUND, decided without touching the filesystem.
+        let stage = self.load_stage(id)?.filter(|r| r.staging_path == Path::new(&req.volume_path));
+        if stage.is_none() && !self.published_at(id, &req.volume_path) {
+            return Err(not_at(id, &req.volume_path));
+        }
         let path = self.path("volume_path", &req.volume_path)?;
-        let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
         let table = self.table()?;
         let devices = self.volume_devices(id)?;
         let here = mount::top_mount_at(&table, &path).filter(|m| self.is_volume_mount(m, &devices));
-        let stage = self.load_stage(id)?.filter(|r| r.staging_path == path);
         let block_staged_here = stage.as_ref().is_some_and(|r| r.capability.block && r.state == StageState::Staged);
-        let recorded = stage.is_some() || self.load_publish(&path)?.is_some_and(|r| r.volume_id == id);
-        if here.is_none() && !recorded {
-            return Err(CsiError::new(Code::NotFound, format!("volume {id} is not staged or published at {}", path.display())));
-        }
         let mut problems = Vec::new();
         if !vol.path.exists() {
             problems.push(format!("backing file {} is missing", vol.path.display()));
@@ -1018,7 +1104,19 @@ impl NodeService {
 
     pub fn expand(&self, req: &csi::NodeExpandVolumeRequest) -> Result<csi::NodeExpandVolumeResponse> {
         let id = self.volume_id(&req.volume_id)?;
-        let path = self.path("volume_path", &req.volume_path)?;
+        required("volume_path", &req.volume_path)?;
+        self.existing(id)?;
+        // As for stats: a path the records do not put the volume at is NOT_FOUND, without
+        // touching the filesystem. A block volume staged here grows whatever path kubelet
+        // names for it (the device is the volume), as long as that path is a valid one.
+        let stage = self.load_stage(id)?;
+        let at_record = stage.as_ref().is_some_and(|r| r.staging_path == Path::new(&req.volume_path))
+            || self.published_at(id, &req.volume_path);
+        let block_staged_rec = stage.as_ref().is_some_and(|r| r.capability.block && r.state == StageState::Staged);
+        if !at_record && !block_staged_rec {
+            return Err(not_at(id, &req.volume_path));
+        }
+        let path = self.path("volume_path", &req.volume_path).map_err(|e| if at_record { e } else { not_at(id, &req.volume_path) })?;
         if !req.staging_target_path.is_empty() {
             self.path("staging_target_path", &req.staging_target_path)?;
         }
@@ -1044,7 +1142,7 @@ impl NodeService {
         let at_path = mount::top_mount_at(&table, &path).is_some_and(|m| self.is_volume_mount(m, &devices));
         let block_staged = self.load_stage(id)?.is_some_and(|r| r.capability.block && r.state == StageState::Staged);
         if !at_path && !block_staged {
-            return Err(precondition(format!("volume {id} is not staged or published at {}", path.display())));
+            return Err(precondition(format!("volume {id} is recorded at {} but not mounted there", path.display())));
         }
         let want = required_bytes.max(vol.size_bytes);
         let rounded = crate::storage::store::round_size(id, want)?;
@@ -1127,7 +1225,7 @@ impl NodeService {
             if mounted {
                 report.published += 1;
             } else if !r.target_path.exists() {
-                Self::remove(&self.publish_record_path(&r.target_path))?;
+                self.remove_publish(&r.target_path)?;
                 report.dropped_publish_records += 1;
             } else {
                 // The target exists unmounted (interrupted publish or reboot): kubelet's
@@ -1423,7 +1521,7 @@ impl NodeService {
                 }
             };
             let stage = self.load_stage(&id)?;
-            let publishes: Vec<PublishRecord> = self.publish_records().into_iter().filter(|r| r.volume_id == id).collect();
+            let publishes: Vec<PublishRecord> = self.publishes_of(&id);
             let recorded = stage.is_some() || !publishes.is_empty();
             for l in self.store_loops()?.into_iter().filter(|l| l.volume.as_deref() == Some(id.as_str())) {
                 let dev = l.binding.device.display().to_string();
