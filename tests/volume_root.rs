@@ -12,7 +12,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -630,4 +630,98 @@ fn the_sandbox_cleans_up_after_a_panic() {
     assert!(mounts_under(&dir).is_empty(), "mounts left under {}", dir.display());
     assert!(!loop_bindings().iter().any(|(_, b)| b.starts_with(&*dir)), "loop devices left bound");
     assert!(!dir.exists());
+}
+
+// ----- in-process signature probing against blkid -----
+
+/// The in-process probe (`fstools::probe_type`, what the agent runs before mkfs) against
+/// `blkid -p` (`fstools::blkid_type`) on real loop devices holding what the real tools make.
+#[test]
+fn in_process_probe_agrees_with_blkid() {
+    use nodeplane::sys::fstools::{blkid_type, probe_type};
+    let sb = Sandbox::new("probe");
+    for tool in ["mkswap", "sfdisk", "mkfs.ext2", "mkfs.ext3"] {
+        assert!(
+            ["/usr/sbin", "/sbin", "/usr/bin", "/bin"].iter().any(|d| Path::new(d).join(tool).is_file()),
+            "required tool {tool:?} is not installed (Debian: util-linux, fdisk, e2fsprogs; scripts/install-deps)"
+        );
+    }
+    let run = |cmd: &[&str], stdin: Option<&str>| {
+        let mut c = std::process::Command::new(cmd[0]);
+        c.args(&cmd[1..]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+        c.stdin(if stdin.is_some() { std::process::Stdio::piped() } else { std::process::Stdio::null() });
+        let mut child = c.spawn().unwrap();
+        if let Some(s) = stdin {
+            child.stdin.take().unwrap().write_all(s.as_bytes()).unwrap();
+        }
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    type Make<'a> = Box<dyn Fn(&str) + 'a>;
+    let cases: Vec<(&str, Make, Option<&str>)> = vec![
+        ("blank", Box::new(|_: &str| {}), None),
+        ("ext4", Box::new(|d: &str| run(&["mkfs.ext4", "-F", "-q", d], None)), Some("ext4")),
+        (
+            "ext4 lazy",
+            Box::new(|d: &str| run(&["mkfs.ext4", "-F", "-q", "-E", "lazy_itable_init=1,lazy_journal_init=1", d], None)),
+            Some("ext4"),
+        ),
+        ("ext3", Box::new(|d: &str| run(&["mkfs.ext3", "-F", "-q", d], None)), Some("ext3")),
+        ("ext2", Box::new(|d: &str| run(&["mkfs.ext2", "-F", "-q", d], None)), Some("ext2")),
+        ("xfs", Box::new(|d: &str| run(&["mkfs.xfs", "-f", "-q", d], None)), Some("xfs")),
+        ("swap", Box::new(|d: &str| run(&["mkswap", d], None)), Some("swap")),
+        (
+            "dos",
+            Box::new(|d: &str| run(&["sfdisk", "-q", "--no-reread", "--no-tell-kernel", d], Some("label: dos\n,64M,83\n"))),
+            Some("partition-table:dos"),
+        ),
+        (
+            "gpt",
+            Box::new(|d: &str| run(&["sfdisk", "-q", "--no-reread", "--no-tell-kernel", d], Some("label: gpt\n,64M\n"))),
+            Some("partition-table:gpt"),
+        ),
+    ];
+    for (i, (what, make, want)) in cases.iter().enumerate() {
+        let img = sb.dir.join(format!("probe-{i}.img"));
+        let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+        f.set_len(512 * MIB).unwrap();
+        let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
+        make(dev.to_str().unwrap());
+        let started = Instant::now();
+        let ours = probe_type(&dev, Some(&img)).unwrap();
+        let took = started.elapsed();
+        assert_eq!(probe_type(&dev, None).unwrap(), ours, "{what}: reading the regions whole agrees");
+        let started = Instant::now();
+        let theirs = blkid_type(&dev).unwrap();
+        let blkid_took = started.elapsed();
+        println!("{what}: in-process {ours:?} in {took:?}; blkid -p {theirs:?} in {blkid_took:?}");
+        assert_eq!(ours.as_deref(), *want, "{what}: in-process probe");
+        assert_eq!(ours, theirs, "{what}: in-process probe and blkid -p disagree");
+        // A mkfs'd device is never blank to the probe.
+        loopdev::detach(&dev, f.metadata().unwrap().dev(), f.metadata().unwrap().ino()).unwrap();
+    }
+    // Data that is no known signature: blkid finds nothing, the probe refuses to call it blank.
+    let img = sb.dir.join("probe-data.img");
+    let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+    f.set_len(512 * MIB).unwrap();
+    f.write_all_at(&pattern(4096, 7), 300 * 1024).unwrap();
+    let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
+    assert_eq!(blkid_type(&dev).unwrap(), None, "blkid finds no signature in the pattern");
+    for image in [Some(img.as_path()), None] {
+        let ours = probe_type(&dev, image).unwrap().unwrap_or_default();
+        assert!(ours.starts_with("unknown data"), "{ours}");
+    }
+    loopdev::detach(&dev, f.metadata().unwrap().dev(), f.metadata().unwrap().ino()).unwrap();
+
+    // Written through the device by a writer that still holds it open, not yet written back
+    // to the file (so the file still shows a hole there): the probe still sees it.
+    let img = sb.dir.join("probe-dirty.img");
+    let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+    f.set_len(512 * MIB).unwrap();
+    let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
+    let writer = OpenOptions::new().write(true).open(&dev).unwrap();
+    writer.write_all_at(b"XFSB\0\0\x10\0", 0).unwrap();
+    assert_eq!(probe_type(&dev, Some(&img)).unwrap().as_deref(), Some("xfs"), "dirty device pages");
+    drop(writer);
+    loopdev::detach(&dev, f.metadata().unwrap().dev(), f.metadata().unwrap().ino()).unwrap();
 }

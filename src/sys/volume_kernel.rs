@@ -94,6 +94,11 @@ pub trait VolumeKernel: Send + Sync {
 
     /// The filesystem (or other signature) on `dev`; `None` when blank.
     fn fs_probe(&self, dev: &Path) -> Result<Option<String>, FsError>;
+    /// [`Self::fs_probe`] of the loop device `dev` bound to `image`: the real kernel reads
+    /// only where the image holds data.
+    fn fs_probe_loop(&self, dev: &Path, _image: &Path) -> Result<Option<String>, FsError> {
+        self.fs_probe(dev)
+    }
     fn mkfs(&self, dev: &Path, fs: FsType) -> Result<(), FsError>;
     /// The size the filesystem of type `fs` on `dev` spans; `None` when it holds none.
     fn fs_size(&self, dev: &Path, fs: FsType) -> Result<Option<u64>, FsError>;
@@ -198,7 +203,11 @@ impl VolumeKernel for Kernel {
     }
 
     fn fs_probe(&self, dev: &Path) -> Result<Option<String>, FsError> {
-        super::fstools::blkid_type(dev)
+        super::fstools::probe_type(dev, None)
+    }
+
+    fn fs_probe_loop(&self, dev: &Path, image: &Path) -> Result<Option<String>, FsError> {
+        super::fstools::probe_type(dev, Some(image))
     }
 
     fn mkfs(&self, dev: &Path, fs: FsType) -> Result<(), FsError> {

@@ -731,7 +731,7 @@ impl NodeService {
             return Ok(());
         }
         let fs = vol.fs_type;
-        match self.kernel.fs_probe(&dev)? {
+        match self.kernel.fs_probe_loop(&dev, &vol.path)? {
             None => {
                 tracing::info!(volume = id, device = %dev.display(), fs = fs.as_str(), "blank device: making a filesystem");
                 self.kernel.mkfs(&dev, fs)?;
