@@ -725,3 +725,134 @@ fn in_process_probe_agrees_with_blkid() {
     drop(writer);
     loopdev::detach(&dev, f.metadata().unwrap().dev(), f.metadata().unwrap().ino()).unwrap();
 }
+
+// ----- the node path's per-volume lookups -----
+
+/// `loopdev::find_backed_by` answers from the process' view of the loop devices; it must
+/// agree with a walk of every device, notice a device detached behind its back at once, and
+/// one bound behind its back (by `losetup`) once the view is older than `RESCAN_AFTER`.
+#[test]
+fn loop_lookups_agree_with_a_walk_of_every_device() {
+    let sb = Sandbox::new("loop-view");
+    let mut imgs = Vec::new();
+    for i in 0..4 {
+        let img = sb.dir.join(format!("view-{i}.img"));
+        let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+        f.set_len(64 * MIB).unwrap();
+        let m = f.metadata().unwrap();
+        if i < 3 {
+            loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
+        }
+        if i == 0 {
+            loopdev::attach(&f, &img, loopdev::AttachOptions { read_only: true, autoclear: false }).unwrap();
+        }
+        imgs.push((img, m.dev(), m.ino()));
+    }
+    let check = |what: &str| {
+        for (img, dev, ino) in &imgs {
+            let mut a = loopdev::find_backed_by(img, *dev, *ino).unwrap();
+            let mut b = loopdev::find_backed_by_walking(img, *dev, *ino).unwrap();
+            a.sort_by_key(|x| x.number);
+            b.sort_by_key(|x| x.number);
+            assert_eq!(a, b, "{what}: {}", img.display());
+        }
+    };
+    check("attached here");
+    assert_eq!(loopdev::find_backed_by(&imgs[0].0, imgs[0].1, imgs[0].2).unwrap().len(), 2);
+    assert_eq!(loopdev::find_backed_by(&imgs[3].0, imgs[3].1, imgs[3].2).unwrap().len(), 0);
+    // Detached by someone else: gone from the next answer.
+    let d1 = loopdev::find_backed_by(&imgs[1].0, imgs[1].1, imgs[1].2).unwrap().remove(0).device;
+    let st = std::process::Command::new("losetup").arg("-d").arg(&d1).status().unwrap();
+    assert!(st.success());
+    std::thread::sleep(Duration::from_millis(100));
+    check("one detached by losetup");
+    // Bound by someone else: seen once the view is older than RESCAN_AFTER.
+    let out = std::process::Command::new("losetup").args(["--find", "--show"]).arg(&imgs[3].0).output().unwrap();
+    assert!(out.status.success());
+    std::thread::sleep(loopdev::RESCAN_AFTER + Duration::from_millis(200));
+    check("one bound by losetup");
+    assert_eq!(loopdev::find_backed_by(&imgs[3].0, imgs[3].1, imgs[3].2).unwrap().len(), 1);
+    for (img, dev, ino) in &imgs {
+        for b in loopdev::find_backed_by(img, *dev, *ino).unwrap() {
+            loopdev::detach(&b.device, *dev, *ino).unwrap();
+        }
+        assert_eq!(loopdev::find_backed_by_walking(img, *dev, *ino).unwrap(), vec![]);
+    }
+}
+
+/// `mount::top_mount` (statx of the path alone) against the mount table.
+#[test]
+fn top_mount_agrees_with_the_mount_table() {
+    use nodeplane::sys::mount::{mount_table, top_mount};
+    let sb = Sandbox::new("top-mount");
+    let plain = sb.mount_point("plain");
+    let tmp = sb.mount_point("tmp");
+    let bind = sb.mount_point("bind");
+    let stacked = sb.mount_point("stacked");
+    nix::mount::mount(Some("tmpfs"), &tmp, Some("tmpfs"), MsFlags::empty(), None::<&str>).unwrap();
+    fs::create_dir(tmp.join("sub")).unwrap();
+    nix::mount::mount(Some(&tmp.join("sub")), &bind, None::<&str>, MsFlags::MS_BIND, None::<&str>).unwrap();
+    nix::mount::mount(None::<&str>, &bind, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY, None::<&str>)
+        .unwrap();
+    nix::mount::mount(Some("tmpfs"), &stacked, Some("tmpfs"), MsFlags::empty(), None::<&str>).unwrap();
+    nix::mount::mount(Some("tmpfs"), &stacked, Some("tmpfs"), MsFlags::MS_RDONLY, None::<&str>).unwrap();
+    let table = mount_table().unwrap();
+    for p in [&plain, &tmp, &bind, &stacked, &sb.dir.join("missing")] {
+        let want = table.iter().rev().find(|m| &m.mount_point == p);
+        let got = top_mount(p).unwrap();
+        assert_eq!(got.is_some(), want.is_some(), "{}", p.display());
+        if let (Some(g), Some(w)) = (got, want) {
+            assert_eq!((g.id, g.major, g.minor), (w.id, w.major, w.minor), "{}", p.display());
+            assert_eq!(g.read_only(), w.read_only(), "{}", p.display());
+            assert_eq!(g.fs_type, "tmpfs");
+        }
+    }
+    // The root of a loop device's ext4.
+    let img = sb.dir.join("top.img");
+    let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+    f.set_len(64 * MIB).unwrap();
+    let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
+    vfs::mkfs(&dev, FsType::Ext4).unwrap();
+    let at = sb.mount_point("ext4");
+    mount(&dev, &at, FsType::Ext4);
+    let g = top_mount(&at).unwrap().unwrap();
+    let (major, minor) = nodeplane::sys::mount::dev_numbers(&dev).unwrap();
+    assert_eq!((g.major, g.minor, g.fs_type.as_str()), (major, minor, "ext4"));
+    assert_eq!(top_mount(&at.join("lost+found")).unwrap(), None, "a directory inside a mount is no mount root");
+    umount(&at);
+    loopdev::detach(&dev, f.metadata().unwrap().dev(), f.metadata().unwrap().ino()).unwrap();
+    for p in [&stacked, &stacked, &bind, &tmp] {
+        umount(p);
+    }
+}
+
+/// ext4 on a fresh (all-holes) image is made lazily — the journal and inode tables are not
+/// written as zeros — and is a clean filesystem; an image that holds data anywhere gets the
+/// journal zeroed.
+#[test]
+fn mkfs_writes_little_on_a_fresh_image_and_zeroes_the_journal_otherwise() {
+    let sb = Sandbox::new("lazy-mkfs");
+    let allocated = |img: &Path| fs::metadata(img).unwrap().blocks() * 512;
+    let make = |name: &str, data_at: Option<u64>| {
+        let img = sb.dir.join(name);
+        let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+        f.set_len(1024 * MIB).unwrap();
+        if let Some(at) = data_at {
+            f.write_all_at(&pattern(4096, 3), at).unwrap();
+        }
+        let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
+        assert_eq!(nodeplane::sys::probe::loop_image_is_all_holes(&dev), data_at.is_none());
+        let before = allocated(&img);
+        vfs::mkfs(&dev, FsType::Ext4).unwrap();
+        let out = std::process::Command::new("e2fsck").args(["-f", "-n"]).arg(&dev).output().unwrap();
+        assert!(out.status.success(), "e2fsck: {}", String::from_utf8_lossy(&out.stdout));
+        let written = allocated(&img) - before;
+        loopdev::detach(&dev, f.metadata().unwrap().dev(), f.metadata().unwrap().ino()).unwrap();
+        written
+    };
+    let fresh = make("fresh.img", None);
+    let used = make("used.img", Some(500 * MIB));
+    println!("mkfs.ext4 of 1 GiB: {} KiB written on a fresh image, {} KiB on one holding data", fresh >> 10, used >> 10);
+    assert!(fresh < 4 * MIB, "fresh image: {fresh} bytes written");
+    assert!(used > 16 * MIB, "an image holding data must get its journal zeroed: {used} bytes written");
+}

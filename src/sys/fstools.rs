@@ -162,9 +162,21 @@ pub fn blkid_type(dev: &Path) -> Result<Option<String>, FsError> {
 
 /// Make a filesystem on `dev`. Forces (`-F` / `-f`): the caller checks [`probe_type`] first
 /// and never calls this on a device that has data.
+///
+/// ext4 on a loop device whose image is all holes (a fresh sparse file: every byte reads as
+/// zero) is made with `-E lazy_itable_init=1,lazy_journal_init=1`: the inode tables and the
+/// journal are not written out as zeros (≈0.6 MiB written for 1 GiB instead of ≈33 MiB).
+/// Skipping the journal's zeroing is safe only where no stale journal blocks can exist,
+/// which an all-zero device guarantees; any other device gets the journal zeroed.
 pub fn mkfs(dev: &Path, fs: FsType) -> Result<(), FsError> {
     let d = dev.as_os_str();
     match fs {
+        FsType::Ext4 if super::probe::loop_image_is_all_holes(dev) => run(
+            "mkfs.ext4",
+            &["-F".as_ref(), "-q".as_ref(), "-E".as_ref(), "lazy_itable_init=1,lazy_journal_init=1".as_ref(), d],
+            &[],
+        )
+        .map(|_| ()),
         FsType::Ext4 => run("mkfs.ext4", &["-F".as_ref(), "-q".as_ref(), d], &[]).map(|_| ()),
         FsType::Xfs => run("mkfs.xfs", &["-f".as_ref(), "-q".as_ref(), d], &[]).map(|_| ()),
         FsType::Raw => Err(FsError::Raw("make")),

@@ -27,6 +27,7 @@
 
 use std::fs::File;
 use std::io;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -96,6 +97,34 @@ pub fn probe_loop(dev: &Path, image: &Path) -> io::Result<Probe> {
     };
     let r = Regions { size, head: read(0, head_len, head_data)?, tail_start, tail: read(tail_start, size, tail_data)? };
     Ok(classify(&r))
+}
+
+/// Whether `dev` is a loop device bound (at offset 0) to a file that holds no data at all —
+/// every byte of it a hole, so the device reads as zeros throughout. Dirty pages of the
+/// device are written back first. Any doubt (not a loop device, the file not found or not
+/// the bound one, a filesystem that cannot tell holes) is `false`.
+pub fn loop_image_is_all_holes(dev: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let check = || -> io::Result<bool> {
+        let f = File::open(dev)?;
+        let info = super::loopdev::status(&f)?;
+        if info.lo_offset != 0 {
+            return Ok(false);
+        }
+        write_back(&f)?;
+        let number = super::loopdev::device_number_of(dev)?;
+        let mut raw = std::fs::read(format!("/sys/block/loop{number}/loop/backing_file"))?;
+        while raw.last() == Some(&b'\n') {
+            raw.pop();
+        }
+        let img = File::open(Path::new(std::ffi::OsStr::from_bytes(&raw)))?;
+        let md = img.metadata()?;
+        if (md.dev(), md.ino()) != (info.lo_device, info.lo_inode) {
+            return Ok(false);
+        }
+        Ok(data_ranges(&img, 0, u64::MAX)?.is_empty())
+    };
+    check().unwrap_or(false)
 }
 
 /// Write back the dirty pages of the device `f` and wait for them (`sync_file_range`).

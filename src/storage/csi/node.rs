@@ -601,15 +601,30 @@ impl NodeService {
         false
     }
 
+    /// The topmost mount on `path`, from `statx` of the path alone (the cost does not grow
+    /// with the node's mounts).
+    fn top_at(&self, path: &Path) -> Result<Option<MountEntry>> {
+        self.kernel.top_mount(path).map_err(io_internal(format!("inspecting the mount at {}", path.display())))
+    }
+
+    /// Whether one of `devices` is mounted at `path`: the topmost mount, or — read from the
+    /// mount table only when another mount sits on top — one beneath it.
+    fn ours_at(&self, path: &Path, devices: &[LoopDev]) -> Result<bool> {
+        match self.top_at(path)? {
+            None => Ok(false),
+            Some(m) if self.is_volume_mount(&m, devices) => Ok(true),
+            Some(_) => Ok(mount::mounts_at(&self.table()?, path).iter().any(|m| self.is_volume_mount(m, devices))),
+        }
+    }
+
     /// Unmount this volume's mounts stacked on `path`, topmost first, stopping at the first
     /// mount that is not the volume's (someone else's mount is never taken away).
     fn unmount_ours(&self, id: &str, path: &Path) -> Result<usize> {
         let mut n = 0;
+        let devices = self.volume_devices(id)?;
         loop {
-            let table = self.table()?;
-            let devices = self.volume_devices(id)?;
-            match mount::top_mount_at(&table, path) {
-                Some(m) if self.is_volume_mount(m, &devices) => {
+            match self.top_at(path)? {
+                Some(m) if self.is_volume_mount(&m, &devices) => {
                     self.kernel.unmount(path).map_err(errno_internal(format!("unmounting {}", path.display())))?;
                     n += 1;
                 }
@@ -637,11 +652,10 @@ impl NodeService {
         let _g = self.guard(id)?;
         let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
         check_fits(&vol, &cap)?;
-        let table = self.table()?;
         let devices = self.volume_devices(id)?;
         let rec = self.load_stage(id)?;
         if let Some(r) = &rec {
-            let mounted_there = mount::mounts_at(&table, &r.staging_path).iter().any(|m| self.is_volume_mount(m, &devices));
+            let mounted_there = self.ours_at(&r.staging_path, &devices)?;
             let staged_there = r.state == StageState::Staged && (mounted_there || (r.capability.block && !devices.is_empty()));
             if r.staging_path != staging && staged_there {
                 return Err(precondition(format!(
@@ -656,9 +670,9 @@ impl NodeService {
                 ));
             }
         }
-        if let Some(top) = mount::top_mount_at(&table, &staging) {
+        if let Some(top) = self.top_at(&staging)? {
             if !cap.block
-                && self.is_volume_mount(top, &devices)
+                && self.is_volume_mount(&top, &devices)
                 && top.read_only() == opts.flags.contains(nix::mount::MsFlags::MS_RDONLY)
             {
                 // Already mounted here (a retry, possibly after a restart): finish the record.
@@ -796,19 +810,30 @@ impl NodeService {
         let _g = self.guard(id)?;
         let known = self.store.get(id)?.is_some();
         let rec = self.load_stage(id)?;
-        let table = self.table()?;
         let devices = self.volume_devices(id)?;
-        let ours_here: Vec<&MountEntry> =
-            mount::mounts_at(&table, &staging).into_iter().filter(|m| self.is_volume_mount(m, &devices)).collect();
+        let ours_here = self.ours_at(&staging, &devices)?;
         let rec_here = rec.as_ref().is_some_and(|r| r.staging_path == staging);
-        if !known && !rec_here && ours_here.is_empty() {
+        if !known && !rec_here && !ours_here {
             return Err(not_found(id));
         }
-        if !rec_here && ours_here.is_empty() {
+        if !rec_here && !ours_here {
             return Ok(()); // not staged here: nothing to do
         }
         // Still published somewhere? Unstaging under a running workload would pull the
-        // volume away from it.
+        // volume away from it. The records name the publications the agent made (checked
+        // at their own paths); the mount table is read once more for any other mount of the
+        // volume (a bind mount someone else made of it), which the records cannot know.
+        let recorded: Vec<String> = self
+            .publishes_of(id)
+            .into_iter()
+            .filter(|r| r.target_path != staging)
+            .filter(|r| self.ours_at(&r.target_path, &devices).unwrap_or(true))
+            .map(|r| r.target_path.display().to_string())
+            .collect();
+        if !recorded.is_empty() {
+            return Err(precondition(format!("volume {id} is still published at {}; unpublish it first", recorded.join(", "))));
+        }
+        let table = if devices.is_empty() { Vec::new() } else { self.table()? };
         let publications: Vec<String> = table
             .iter()
             .filter(|m| m.mount_point != staging && self.is_volume_mount(m, &devices))
@@ -852,7 +877,6 @@ impl NodeService {
         let _publishing = self.publishing_guard(id, TARGET_WAIT)?;
         let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
         check_fits(&vol, &cap)?;
-        let table = self.table()?;
         let devices = self.volume_devices(id)?;
         let stage = self.load_stage(id)?;
         let staged_here = match &stage {
@@ -867,7 +891,7 @@ impl NodeService {
                 if cap.block {
                     devices.iter().any(|d| !d.ro)
                 } else {
-                    mount::top_mount_at(&table, &staging).is_some_and(|m| self.is_volume_mount(m, &devices))
+                    self.top_at(&staging)?.is_some_and(|m| self.is_volume_mount(&m, &devices))
                 }
             }
             _ => false,
@@ -884,13 +908,13 @@ impl NodeService {
             created_target: false,
         };
         let existing = self.load_publish(&target)?;
-        let top = mount::top_mount_at(&table, &target);
+        let top = self.top_at(&target)?;
         if let Some(r) = &existing {
             let same = r.volume_id == want.volume_id
                 && r.staging_path == want.staging_path
                 && r.capability == want.capability
                 && r.read_only == want.read_only;
-            let mounted = top.is_some_and(|m| self.is_volume_mount(m, &devices));
+            let mounted = top.as_ref().is_some_and(|m| self.is_volume_mount(m, &devices));
             if mounted && same {
                 return Ok(());
             }
@@ -916,7 +940,7 @@ impl NodeService {
             .publishes_of(id)
             .into_iter()
             .filter(|r| r.target_path != target)
-            .filter(|r| mount::top_mount_at(&table, &r.target_path).is_some_and(|m| self.is_volume_mount(m, &devices)))
+            .filter(|r| self.top_at(&r.target_path).ok().flatten().is_some_and(|m| self.is_volume_mount(&m, &devices)))
             .collect();
         let single = |m: i32| Mode::try_from(m) == Ok(Mode::SingleNodeSingleWriter);
         if let Some(o) = others.iter().find(|o| single(cap.access_mode) || single(o.capability.access_mode)) {
@@ -1010,9 +1034,8 @@ impl NodeService {
         let _target = self.target_guard(id, &target, TARGET_WAIT)?;
         let known = self.store.get(id)?.is_some();
         let rec = self.load_publish(&target)?.filter(|r| r.volume_id == id);
-        let table = self.table()?;
         let devices = self.volume_devices(id)?;
-        let ours = mount::mounts_at(&table, &target).iter().any(|m| self.is_volume_mount(m, &devices));
+        let ours = self.ours_at(&target, &devices)?;
         if !known && rec.is_none() && !ours {
             return Err(not_found(id));
         }
@@ -1055,9 +1078,8 @@ impl NodeService {
             return Err(not_at(id, &req.volume_path));
         }
         let path = self.path("volume_path", &req.volume_path)?;
-        let table = self.table()?;
         let devices = self.volume_devices(id)?;
-        let here = mount::top_mount_at(&table, &path).filter(|m| self.is_volume_mount(m, &devices));
+        let here = self.top_at(&path)?.filter(|m| self.is_volume_mount(m, &devices));
         let block_staged_here = stage.as_ref().is_some_and(|r| r.capability.block && r.state == StageState::Staged);
         let mut problems = Vec::new();
         if !vol.path.exists() {
@@ -1137,9 +1159,8 @@ impl NodeService {
         if let Some(c) = &cap {
             check_fits(&vol, c)?;
         }
-        let table = self.table()?;
         let devices = self.volume_devices(id)?;
-        let at_path = mount::top_mount_at(&table, &path).is_some_and(|m| self.is_volume_mount(m, &devices));
+        let at_path = self.top_at(&path)?.is_some_and(|m| self.is_volume_mount(&m, &devices));
         let block_staged = self.load_stage(id)?.is_some_and(|r| r.capability.block && r.state == StageState::Staged);
         if !at_path && !block_staged {
             return Err(precondition(format!("volume {id} is recorded at {} but not mounted there", path.display())));
@@ -1162,7 +1183,8 @@ impl NodeService {
                 match vol.fs_type {
                     FsType::Xfs => {
                         // xfs grows through a writable mount of it: the staging mount.
-                        let rw = table
+                        let rw = self
+                            .table()?
                             .iter()
                             .find(|m| self.is_volume_mount(m, &devices) && !m.read_only())
                             .map(|m| m.mount_point.clone())

@@ -967,6 +967,33 @@ fn unknown_volume_with_a_record_left_is_still_torn_down() {
     assert_eq!(e.fake.mounts_at(&t).len(), 1, "the other volume's mount stays");
 }
 
+// ----- cost per call -----
+
+#[test]
+fn the_node_path_reads_no_table_of_every_mount_or_loop_device() {
+    // Stage, publish and unpublish decide from the volume's own paths (statx of each) and
+    // its own loop devices; unstage reads the mount table once, for mounts of the volume
+    // that no record names. Nothing walks every loop device.
+    let e = Env::new("flat");
+    for i in 0..5 {
+        let id = format!("other{i}");
+        e.volume(&id, FsType::Ext4);
+        e.stage(&id, &e.staging(&id), mount_cap("ext4", &[])).unwrap();
+    }
+    e.volume("v1", FsType::Ext4);
+    let staging = e.staging("v1");
+    let t = e.target("pod1", "v1");
+    let counts = |e: &Env| (e.fake.count("mount_table"), e.fake.count("loop_bound_devices"));
+    e.fake.clear_calls();
+    e.stage("v1", &staging, mount_cap("ext4", &[])).unwrap();
+    e.publish("v1", &t, &staging, mount_cap("ext4", &[]), false).unwrap();
+    e.unpublish("v1", &t).unwrap();
+    assert_eq!(counts(&e), (0, 0), "stage, publish, unpublish: {:?}", e.fake.calls());
+    e.unstage("v1", &staging).unwrap();
+    assert_eq!(counts(&e), (1, 0), "unstage: {:?}", e.fake.calls());
+    assert!(e.fake.mounts_at(&staging).is_empty());
+}
+
 // ----- start-up -----
 
 #[test]
