@@ -1,8 +1,11 @@
 //! The CSI Node service's work: stage, publish, unpublish, unstage, stats and expansion of
 //! node-local volumes, as blocking functions (the gRPC layer runs them on blocking threads).
 //!
-//! Truth is the kernel's: `/proc/self/mountinfo` and the loop table are read before every
-//! decision. Small records under `<state>/csi/` say what was asked (capability, paths, which
+//! Truth is the kernel's, asked about this volume only, so a call costs the same however many
+//! volumes the node has: the mount on each of the volume's own paths (`statx` of the path:
+//! mount root, device), the loop devices bound to its image (confirmed with
+//! `LOOP_GET_STATUS64`); the whole mount table is read only where a mount nothing records
+//! could matter (beneath a foreign mount; once per unstage). Small records under `<state>/csi/` say what was asked (capability, paths, which
 //! target the agent created), so an incompatible repeat is told apart from an idempotent
 //! one, and a restart can finish or roll back what it interrupted:
 //!
