@@ -981,7 +981,8 @@ async fn conformance_node_errors() {
     // Filesystem type mismatch.
     assert_code(c.stage(id, &staging, mount_cap("xfs", Mode::SingleNodeWriter)).await, Code::InvalidArgument, "fs mismatch");
     // Invalid ids and paths: traversal, outside the kubelet dir, through a symlink.
-    assert_code(c.stage("../../etc", &staging, cap.clone()).await, Code::InvalidArgument, "traversal id");
+    // An id the store could never have made names no volume: NOT_FOUND.
+    assert_code(c.stage("../../etc", &staging, cap.clone()).await, Code::NotFound, "traversal id");
     assert_code(c.stage(id, "/etc/np-stage", cap.clone()).await, Code::InvalidArgument, "path outside kubelet");
     assert_code(
         c.stage(id, &format!("{}/../../../../../etc", sb.kubelet().display()), cap.clone()).await,
@@ -1076,7 +1077,26 @@ async fn conformance_node_errors() {
     assert_code(c.expand(id, &target, 64 * MIB, 48 * MIB).await, Code::OutOfRange, "required above limit");
     assert_code(c.expand(id, &target, 64 * MIB + 1, 64 * MIB + 100).await, Code::OutOfRange, "rounding exceeds limit");
     assert_code(c.expand(id, &target, 8u64 << 30, 0).await, Code::OutOfRange, "beyond the node's capacity");
-    assert_code(c.expand(id, &target2, 64 * MIB, 0).await, Code::FailedPrecondition, "expand where not published");
+    assert_code(c.expand(id, &target2, 64 * MIB, 0).await, Code::NotFound, "expand where not published");
+
+    // Precedence (the spec's NOT_FOUND before argument checks), one rule each.
+    let rel = target.trim_start_matches('/').to_string();
+    for (what, p) in [("relative", rel.as_str()), ("outside", "/etc/np-x"), ("dotdot", "/a/../etc")] {
+        assert_code(c.stage("pvc-nope", p, cap.clone()).await, Code::NotFound, &format!("stage unknown, {what} path"));
+        assert_code(c.unstage("pvc-nope", p).await, Code::NotFound, &format!("unstage unknown, {what} path"));
+        assert_code(c.publish("pvc-nope", &staging, p, cap.clone(), false).await, Code::NotFound, &format!("publish unknown, {what} path"));
+        assert_code(c.unpublish("pvc-nope", p).await, Code::NotFound, &format!("unpublish unknown, {what} path"));
+        assert_code(c.stats("pvc-nope", p).await, Code::NotFound, &format!("stats unknown, {what} path"));
+        assert_code(c.expand("pvc-nope", p, 64 * MIB, 0).await, Code::NotFound, &format!("expand unknown, {what} path"));
+        // A known volume: stats and expand say it is not there; the others refuse the path.
+        assert_code(c.stats(id, p).await, Code::NotFound, &format!("stats known, {what} path"));
+        assert_code(c.expand(id, p, 64 * MIB, 0).await, Code::NotFound, &format!("expand known, {what} path"));
+        assert_code(c.unpublish(id, p).await, Code::InvalidArgument, &format!("unpublish known, {what} path"));
+    }
+    assert_code(c.stats("", &rel).await, Code::InvalidArgument, "stats without id, relative path");
+    assert_code(c.expand("", &rel, 64 * MIB, 0).await, Code::InvalidArgument, "expand without id, relative path");
+    assert_code(c.stats("pvc-nope", "").await, Code::InvalidArgument, "stats unknown volume without path");
+    assert!(!Path::new(&rel).exists(), "a relative path was created");
 
     // NodeUnpublishVolume / NodeUnstageVolume.
     assert_code(c.unpublish("", &target).await, Code::InvalidArgument, "unpublish without id");

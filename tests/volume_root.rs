@@ -12,7 +12,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -630,4 +630,229 @@ fn the_sandbox_cleans_up_after_a_panic() {
     assert!(mounts_under(&dir).is_empty(), "mounts left under {}", dir.display());
     assert!(!loop_bindings().iter().any(|(_, b)| b.starts_with(&*dir)), "loop devices left bound");
     assert!(!dir.exists());
+}
+
+// ----- in-process signature probing against blkid -----
+
+/// The in-process probe (`fstools::probe_type`, what the agent runs before mkfs) against
+/// `blkid -p` (`fstools::blkid_type`) on real loop devices holding what the real tools make.
+#[test]
+fn in_process_probe_agrees_with_blkid() {
+    use nodeplane::sys::fstools::{blkid_type, probe_type};
+    let sb = Sandbox::new("probe");
+    for tool in ["mkswap", "sfdisk", "mkfs.ext2", "mkfs.ext3"] {
+        assert!(
+            ["/usr/sbin", "/sbin", "/usr/bin", "/bin"].iter().any(|d| Path::new(d).join(tool).is_file()),
+            "required tool {tool:?} is not installed (Debian: util-linux, fdisk, e2fsprogs; scripts/install-deps)"
+        );
+    }
+    let run = |cmd: &[&str], stdin: Option<&str>| {
+        let mut c = std::process::Command::new(cmd[0]);
+        c.args(&cmd[1..]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+        c.stdin(if stdin.is_some() { std::process::Stdio::piped() } else { std::process::Stdio::null() });
+        let mut child = c.spawn().unwrap();
+        if let Some(s) = stdin {
+            child.stdin.take().unwrap().write_all(s.as_bytes()).unwrap();
+        }
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    type Make<'a> = Box<dyn Fn(&str) + 'a>;
+    let cases: Vec<(&str, Make, Option<&str>)> = vec![
+        ("blank", Box::new(|_: &str| {}), None),
+        ("ext4", Box::new(|d: &str| run(&["mkfs.ext4", "-F", "-q", d], None)), Some("ext4")),
+        (
+            "ext4 lazy",
+            Box::new(|d: &str| run(&["mkfs.ext4", "-F", "-q", "-E", "lazy_itable_init=1,lazy_journal_init=1", d], None)),
+            Some("ext4"),
+        ),
+        ("ext3", Box::new(|d: &str| run(&["mkfs.ext3", "-F", "-q", d], None)), Some("ext3")),
+        ("ext2", Box::new(|d: &str| run(&["mkfs.ext2", "-F", "-q", d], None)), Some("ext2")),
+        ("xfs", Box::new(|d: &str| run(&["mkfs.xfs", "-f", "-q", d], None)), Some("xfs")),
+        ("swap", Box::new(|d: &str| run(&["mkswap", d], None)), Some("swap")),
+        (
+            "dos",
+            Box::new(|d: &str| run(&["sfdisk", "-q", "--no-reread", "--no-tell-kernel", d], Some("label: dos\n,64M,83\n"))),
+            Some("partition-table:dos"),
+        ),
+        (
+            "gpt",
+            Box::new(|d: &str| run(&["sfdisk", "-q", "--no-reread", "--no-tell-kernel", d], Some("label: gpt\n,64M\n"))),
+            Some("partition-table:gpt"),
+        ),
+    ];
+    for (i, (what, make, want)) in cases.iter().enumerate() {
+        let img = sb.dir.join(format!("probe-{i}.img"));
+        let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+        f.set_len(512 * MIB).unwrap();
+        let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
+        make(dev.to_str().unwrap());
+        let started = Instant::now();
+        let ours = probe_type(&dev, Some(&img)).unwrap();
+        let took = started.elapsed();
+        assert_eq!(probe_type(&dev, None).unwrap(), ours, "{what}: reading the regions whole agrees");
+        let started = Instant::now();
+        let theirs = blkid_type(&dev).unwrap();
+        let blkid_took = started.elapsed();
+        println!("{what}: in-process {ours:?} in {took:?}; blkid -p {theirs:?} in {blkid_took:?}");
+        assert_eq!(ours.as_deref(), *want, "{what}: in-process probe");
+        assert_eq!(ours, theirs, "{what}: in-process probe and blkid -p disagree");
+        // A mkfs'd device is never blank to the probe.
+        loopdev::detach(&dev, f.metadata().unwrap().dev(), f.metadata().unwrap().ino()).unwrap();
+    }
+    // Data that is no known signature: blkid finds nothing, the probe refuses to call it blank.
+    let img = sb.dir.join("probe-data.img");
+    let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+    f.set_len(512 * MIB).unwrap();
+    f.write_all_at(&pattern(4096, 7), 300 * 1024).unwrap();
+    let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
+    assert_eq!(blkid_type(&dev).unwrap(), None, "blkid finds no signature in the pattern");
+    for image in [Some(img.as_path()), None] {
+        let ours = probe_type(&dev, image).unwrap().unwrap_or_default();
+        assert!(ours.starts_with("unknown data"), "{ours}");
+    }
+    loopdev::detach(&dev, f.metadata().unwrap().dev(), f.metadata().unwrap().ino()).unwrap();
+
+    // Written through the device by a writer that still holds it open, not yet written back
+    // to the file (so the file still shows a hole there): the probe still sees it.
+    let img = sb.dir.join("probe-dirty.img");
+    let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+    f.set_len(512 * MIB).unwrap();
+    let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
+    let writer = OpenOptions::new().write(true).open(&dev).unwrap();
+    writer.write_all_at(b"XFSB\0\0\x10\0", 0).unwrap();
+    assert_eq!(probe_type(&dev, Some(&img)).unwrap().as_deref(), Some("xfs"), "dirty device pages");
+    drop(writer);
+    loopdev::detach(&dev, f.metadata().unwrap().dev(), f.metadata().unwrap().ino()).unwrap();
+}
+
+// ----- the node path's per-volume lookups -----
+
+/// `loopdev::find_backed_by` answers from the process' view of the loop devices; it must
+/// agree with a walk of every device, notice a device detached behind its back at once, and
+/// one bound behind its back (by `losetup`) once the view is older than `RESCAN_AFTER`.
+#[test]
+fn loop_lookups_agree_with_a_walk_of_every_device() {
+    let sb = Sandbox::new("loop-view");
+    let mut imgs = Vec::new();
+    for i in 0..4 {
+        let img = sb.dir.join(format!("view-{i}.img"));
+        let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+        f.set_len(64 * MIB).unwrap();
+        let m = f.metadata().unwrap();
+        if i < 3 {
+            loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
+        }
+        if i == 0 {
+            loopdev::attach(&f, &img, loopdev::AttachOptions { read_only: true, autoclear: false }).unwrap();
+        }
+        imgs.push((img, m.dev(), m.ino()));
+    }
+    let check = |what: &str| {
+        for (img, dev, ino) in &imgs {
+            let mut a = loopdev::find_backed_by(img, *dev, *ino).unwrap();
+            let mut b = loopdev::find_backed_by_walking(img, *dev, *ino).unwrap();
+            a.sort_by_key(|x| x.number);
+            b.sort_by_key(|x| x.number);
+            assert_eq!(a, b, "{what}: {}", img.display());
+        }
+    };
+    check("attached here");
+    assert_eq!(loopdev::find_backed_by(&imgs[0].0, imgs[0].1, imgs[0].2).unwrap().len(), 2);
+    assert_eq!(loopdev::find_backed_by(&imgs[3].0, imgs[3].1, imgs[3].2).unwrap().len(), 0);
+    // Detached by someone else: gone from the next answer.
+    let d1 = loopdev::find_backed_by(&imgs[1].0, imgs[1].1, imgs[1].2).unwrap().remove(0).device;
+    let st = std::process::Command::new("losetup").arg("-d").arg(&d1).status().unwrap();
+    assert!(st.success());
+    std::thread::sleep(Duration::from_millis(100));
+    check("one detached by losetup");
+    // Bound by someone else: seen once the view is older than RESCAN_AFTER.
+    let out = std::process::Command::new("losetup").args(["--find", "--show"]).arg(&imgs[3].0).output().unwrap();
+    assert!(out.status.success());
+    std::thread::sleep(loopdev::RESCAN_AFTER + Duration::from_millis(200));
+    check("one bound by losetup");
+    assert_eq!(loopdev::find_backed_by(&imgs[3].0, imgs[3].1, imgs[3].2).unwrap().len(), 1);
+    for (img, dev, ino) in &imgs {
+        for b in loopdev::find_backed_by(img, *dev, *ino).unwrap() {
+            loopdev::detach(&b.device, *dev, *ino).unwrap();
+        }
+        assert_eq!(loopdev::find_backed_by_walking(img, *dev, *ino).unwrap(), vec![]);
+    }
+}
+
+/// `mount::top_mount` (statx of the path alone) against the mount table.
+#[test]
+fn top_mount_agrees_with_the_mount_table() {
+    use nodeplane::sys::mount::{mount_table, top_mount};
+    let sb = Sandbox::new("top-mount");
+    let plain = sb.mount_point("plain");
+    let tmp = sb.mount_point("tmp");
+    let bind = sb.mount_point("bind");
+    let stacked = sb.mount_point("stacked");
+    nix::mount::mount(Some("tmpfs"), &tmp, Some("tmpfs"), MsFlags::empty(), None::<&str>).unwrap();
+    fs::create_dir(tmp.join("sub")).unwrap();
+    nix::mount::mount(Some(&tmp.join("sub")), &bind, None::<&str>, MsFlags::MS_BIND, None::<&str>).unwrap();
+    nix::mount::mount(None::<&str>, &bind, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY, None::<&str>)
+        .unwrap();
+    nix::mount::mount(Some("tmpfs"), &stacked, Some("tmpfs"), MsFlags::empty(), None::<&str>).unwrap();
+    nix::mount::mount(Some("tmpfs"), &stacked, Some("tmpfs"), MsFlags::MS_RDONLY, None::<&str>).unwrap();
+    let table = mount_table().unwrap();
+    for p in [&plain, &tmp, &bind, &stacked, &sb.dir.join("missing")] {
+        let want = table.iter().rev().find(|m| &m.mount_point == p);
+        let got = top_mount(p).unwrap();
+        assert_eq!(got.is_some(), want.is_some(), "{}", p.display());
+        if let (Some(g), Some(w)) = (got, want) {
+            assert_eq!((g.id, g.major, g.minor), (w.id, w.major, w.minor), "{}", p.display());
+            assert_eq!(g.read_only(), w.read_only(), "{}", p.display());
+            assert_eq!(g.fs_type, "tmpfs");
+        }
+    }
+    // The root of a loop device's ext4.
+    let img = sb.dir.join("top.img");
+    let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+    f.set_len(64 * MIB).unwrap();
+    let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
+    vfs::mkfs(&dev, FsType::Ext4).unwrap();
+    let at = sb.mount_point("ext4");
+    mount(&dev, &at, FsType::Ext4);
+    let g = top_mount(&at).unwrap().unwrap();
+    let (major, minor) = nodeplane::sys::mount::dev_numbers(&dev).unwrap();
+    assert_eq!((g.major, g.minor, g.fs_type.as_str()), (major, minor, "ext4"));
+    assert_eq!(top_mount(&at.join("lost+found")).unwrap(), None, "a directory inside a mount is no mount root");
+    umount(&at);
+    loopdev::detach(&dev, f.metadata().unwrap().dev(), f.metadata().unwrap().ino()).unwrap();
+    for p in [&stacked, &stacked, &bind, &tmp] {
+        umount(p);
+    }
+}
+
+/// ext4 on a fresh (all-holes) image is made lazily — the journal and inode tables are not
+/// written as zeros — and is a clean filesystem; an image that holds data anywhere gets the
+/// journal zeroed.
+#[test]
+fn mkfs_writes_little_on_a_fresh_image_and_zeroes_the_journal_otherwise() {
+    let sb = Sandbox::new("lazy-mkfs");
+    let allocated = |img: &Path| fs::metadata(img).unwrap().blocks() * 512;
+    let make = |name: &str, data_at: Option<u64>| {
+        let img = sb.dir.join(name);
+        let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+        f.set_len(1024 * MIB).unwrap();
+        if let Some(at) = data_at {
+            f.write_all_at(&pattern(4096, 3), at).unwrap();
+        }
+        let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
+        assert_eq!(nodeplane::sys::probe::loop_image_is_all_holes(&dev), data_at.is_none());
+        let before = allocated(&img);
+        vfs::mkfs(&dev, FsType::Ext4).unwrap();
+        let out = std::process::Command::new("e2fsck").args(["-f", "-n"]).arg(&dev).output().unwrap();
+        assert!(out.status.success(), "e2fsck: {}", String::from_utf8_lossy(&out.stdout));
+        let written = allocated(&img) - before;
+        loopdev::detach(&dev, f.metadata().unwrap().dev(), f.metadata().unwrap().ino()).unwrap();
+        written
+    };
+    let fresh = make("fresh.img", None);
+    let used = make("used.img", Some(500 * MIB));
+    println!("mkfs.ext4 of 1 GiB: {} KiB written on a fresh image, {} KiB on one holding data", fresh >> 10, used >> 10);
+    assert!(fresh < 4 * MIB, "fresh image: {fresh} bytes written");
+    assert!(used > 16 * MIB, "an image holding data must get its journal zeroed: {used} bytes written");
 }

@@ -1,5 +1,6 @@
 //! CSI node benchmark (root): create + stage + publish of a 1 GiB ext4 volume through a
-//! running agent, and unpublish + unstage + delete, against the reference — the same steps
+//! running agent (which probes signatures in-process and runs only mkfs.ext4), and
+//! unpublish + unstage + delete, against the reference — the same steps
 //! done with the standard tools a shell-based node plugin runs (`truncate`, `losetup`,
 //! `blkid`, `mkfs.ext4`, `mount`, `mount --bind`; `umount`, `losetup -d`, `rm`) — measured in
 //! the same run on the same disk.
@@ -235,6 +236,17 @@ fn main() {
                 pf.seq_down / rf.seq_down
             );
             println!("up = create + stage (mkfs) + publish; down = unpublish + unstage + delete");
+            // Issue #17's targets: half the CLI tools' time, and a call in a sequence of
+            // `seq` volumes costing what a single one does (flat in the node's volumes).
+            let verdict = |ok: bool| if ok { "PASS" } else { "FAIL" };
+            let up = pf.up_median / rf.up_median;
+            let down = pf.down_median / rf.down_median;
+            let flat_up = pf.seq_up / (seq as f64 * pf.up_median);
+            let flat_down = pf.seq_down / (seq as f64 * pf.down_median);
+            println!("{}  up: {up:.3}x reference (target <= 0.5x)", verdict(up <= 0.5));
+            println!("{}  down: {down:.3}x reference (target <= 0.5x)", verdict(down <= 0.5));
+            println!("{}  {seq} up in sequence: {flat_up:.3}x {seq} singles (target <= 1.1x)", verdict(flat_up <= 1.1));
+            println!("{}  {seq} down in sequence: {flat_down:.3}x {seq} singles (target <= 1.1x)", verdict(flat_down <= 1.1));
         })
     }));
     let _ = child.kill();

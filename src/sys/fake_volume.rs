@@ -317,6 +317,11 @@ impl VolumeKernel for FakeKernel {
         Ok(st.table.clone())
     }
 
+    fn top_mount(&self, path: &Path) -> io::Result<Option<MountEntry>> {
+        let st = self.enter("top_mount", &[&path.display()]).map_err(os)?;
+        Ok(st.table.iter().rev().find(|m| m.mount_point == path).cloned())
+    }
+
     fn dev_numbers(&self, dev: &Path) -> io::Result<(u32, u32)> {
         let st = self.enter("dev_numbers", &[&dev.display()]).map_err(os)?;
         match loop_number(dev) {

@@ -197,6 +197,11 @@ fn device_number(device: &Path) -> io::Result<u32> {
         })
 }
 
+/// `N` of `/dev/loopN`.
+pub fn device_number_of(device: &Path) -> io::Result<u32> {
+    device_number(device)
+}
+
 /// `LOOP_GET_STATUS64` on an open device.
 pub fn status(dev: &File) -> io::Result<LoopInfo64> {
     let mut info = LoopInfo64::default();
@@ -215,13 +220,118 @@ pub fn device_size(device: &Path) -> io::Result<u64> {
     Ok(size)
 }
 
+/// This process' view of which loop devices are bound to which file (`(st_dev, st_ino)` →
+/// device numbers): seeded by one walk of every bound device, kept up to date by
+/// [`attach`] and [`detach`], and walked again when a lookup finds nothing and the last
+/// walk is older than [`RESCAN_AFTER`] (a binding another process made meanwhile). Every
+/// device it names is confirmed with `LOOP_GET_STATUS64` before it is returned, so a stale
+/// entry is dropped, never believed.
+struct Known {
+    walked: Option<Instant>,
+    by_file: std::collections::BTreeMap<(u64, u64), std::collections::BTreeSet<u32>>,
+}
+
+static KNOWN: std::sync::Mutex<Known> = std::sync::Mutex::new(Known { walked: None, by_file: std::collections::BTreeMap::new() });
+
+/// How old the last walk of every loop device may be before a lookup that finds nothing
+/// walks them again.
+pub const RESCAN_AFTER: Duration = Duration::from_secs(2);
+
+fn known() -> std::sync::MutexGuard<'static, Known> {
+    KNOWN.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Walk every bound loop device and record which file each is bound to.
+fn walk(k: &mut Known) -> io::Result<()> {
+    let mut by_file: std::collections::BTreeMap<(u64, u64), std::collections::BTreeSet<u32>> = Default::default();
+    for b in bound_devices()? {
+        let Ok(dev) = open_device(b.number, false, false) else { continue };
+        if let Ok(info) = status(&dev) {
+            by_file.entry((info.lo_device, info.lo_inode)).or_default().insert(b.number);
+        }
+    }
+    k.by_file = by_file;
+    k.walked = Some(Instant::now());
+    Ok(())
+}
+
+/// The binding of device `number` as sysfs shows it, when it is bound to `(st_dev, st_ino)`
+/// (`LOOP_GET_STATUS64` confirms). `Ok(None)`: unbound or bound to another file.
+fn confirm(number: u32, st_dev: u64, st_ino: u64) -> io::Result<Option<LoopBinding>> {
+    let device = PathBuf::from(format!("/dev/loop{number}"));
+    let dev = match open_device(number, false, false) {
+        Ok(d) => d,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO) | Some(libc::ENOENT)) => return Ok(None),
+        Err(e) => return Err(ctx("opening", &device)(e)),
+    };
+    let info = match status(&dev) {
+        Ok(info) if info.lo_inode == st_ino && info.lo_device == st_dev => info,
+        Ok(_) => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => return Ok(None),
+        Err(e) => return Err(ctx("LOOP_GET_STATUS64 on", &device)(e)),
+    };
+    let Ok(mut raw) = fs::read(format!("/sys/block/loop{number}/loop/backing_file")) else { return Ok(None) };
+    while raw.last() == Some(&b'\n') {
+        raw.pop();
+    }
+    const DELETED: &[u8] = b" (deleted)";
+    let deleted = raw.ends_with(DELETED);
+    if deleted {
+        raw.truncate(raw.len() - DELETED.len());
+    }
+    Ok(Some(LoopBinding {
+        device,
+        number,
+        backing_file: PathBuf::from(OsString::from_vec(raw)),
+        deleted,
+        read_only: info.lo_flags & LO_FLAGS_READ_ONLY != 0,
+    }))
+}
+
 /// The loop devices bound to the file `(st_dev, st_ino)`, whose canonical path is `path`.
 ///
-/// Candidates come from sysfs: a device whose `backing_file` is `path`, or names a file that
-/// is (still, after a rename) this inode. Each is confirmed with `LOOP_GET_STATUS64`: the
-/// kernel's backing inode and device must be ours, so a file that was replaced under the
-/// same name never matches.
+/// From this process' view of the loop devices (see [`Known`]): the cost is that of the
+/// devices bound to this file, not of every loop device on the node. Each candidate is
+/// confirmed with `LOOP_GET_STATUS64` (the kernel's backing inode and device must be this
+/// file's, so a file replaced under the same name never matches). When none is found and
+/// the last walk is older than [`RESCAN_AFTER`], every device is walked again first.
 pub fn find_backed_by(path: &Path, st_dev: u64, st_ino: u64) -> io::Result<Vec<LoopBinding>> {
+    let _ = path;
+    let mut k = known();
+    if k.walked.is_none() {
+        walk(&mut k)?;
+    }
+    let mut found = confirm_all(&mut k, st_dev, st_ino)?;
+    if found.is_empty() && k.walked.is_none_or(|t| t.elapsed() > RESCAN_AFTER) {
+        walk(&mut k)?;
+        found = confirm_all(&mut k, st_dev, st_ino)?;
+    }
+    Ok(found)
+}
+
+fn confirm_all(k: &mut Known, st_dev: u64, st_ino: u64) -> io::Result<Vec<LoopBinding>> {
+    let numbers: Vec<u32> = k.by_file.get(&(st_dev, st_ino)).map(|s| s.iter().copied().collect()).unwrap_or_default();
+    let mut found = Vec::new();
+    for n in numbers {
+        match confirm(n, st_dev, st_ino)? {
+            Some(b) => found.push(b),
+            None => forget(k, n),
+        }
+    }
+    Ok(found)
+}
+
+fn forget(k: &mut Known, number: u32) {
+    k.by_file.retain(|_, set| {
+        set.remove(&number);
+        !set.is_empty()
+    });
+}
+
+/// The walk [`find_backed_by`] did before it kept a view of the loop devices: every bound
+/// device's sysfs name compared, each candidate confirmed. Kept as the reference the view
+/// is tested against.
+pub fn find_backed_by_walking(path: &Path, st_dev: u64, st_ino: u64) -> io::Result<Vec<LoopBinding>> {
     let mut found = Vec::new();
     for b in bound_devices()? {
         let same_name = b.backing_file == path;
@@ -289,6 +399,11 @@ pub fn attach(backing: &File, name: &Path, opts: AttachOptions) -> io::Result<Pa
         match result {
             Ok(()) => {
                 tracing::debug!(device = number, file = %name.display(), attempt, "loop device bound");
+                if let Ok(md) = backing.metadata() {
+                    let mut k = known();
+                    forget(&mut k, number);
+                    k.by_file.entry((md.dev(), md.ino())).or_default().insert(number);
+                }
                 return Ok(PathBuf::from(format!("/dev/loop{number}")));
             }
             // EBUSY: someone bound it first. ENXIO/ENOENT: it was removed meanwhile.
@@ -395,6 +510,7 @@ pub fn detach(device: &Path, st_dev: u64, st_ino: u64) -> Result<(), DetachError
         let bound = fs::metadata(format!("/sys/block/loop{number}/loop/backing_file")).is_ok();
         if !bound || !still_ours()? {
             tracing::debug!(device = %device.display(), "loop device unbound");
+            forget(&mut known(), number);
             return Ok(());
         }
         if Instant::now() >= deadline {

@@ -1,6 +1,7 @@
 //! Kernel primitives, without policy: rtnetlink (`netlink`), network namespace handles
 //! entered on short-lived threads (`netns`), the mount table and descriptor-based mounts
-//! (`mount`), loop devices (`loopdev`), image copies and filesystem freezes (`imagecopy`), filesystem tools (`fstools`: blkid, mkfs, grow),
+//! (`mount`), loop devices (`loopdev`), image copies and filesystem freezes (`imagecopy`),
+//! filesystem signatures read in-process (`probe`), filesystem tools (`fstools`: mkfs, grow),
 //! capability dropping (`caps`), atomic files and Unix sockets (`fs`).
 //!
 //! The planes reach the kernel through two seams: `net_kernel` (links, addresses, routes,
@@ -22,4 +23,5 @@ pub mod mount;
 pub mod net_kernel;
 pub mod netlink;
 pub mod netns;
+pub mod probe;
 pub mod volume_kernel;

@@ -1,7 +1,8 @@
 //! The mount table and the mount operations the CSI node service performs.
 //!
-//! Every decision reads `/proc/self/mountinfo` first (the kernel's truth, which survives an
-//! agent restart); mounts are made with `mount(2)` directly, never through a shell or
+//! Decisions read the kernel's truth, which survives an agent restart: `/proc/self/mountinfo`,
+//! or for one path `statx` of it ([`top_mount`], which costs the same however many mounts the
+//! node has); mounts are made with `mount(2)` directly, never through a shell or
 //! `mount(8)`.
 
 use std::io;
@@ -97,6 +98,66 @@ pub fn mounts_at<'a>(table: &'a [MountEntry], path: &Path) -> Vec<&'a MountEntry
 /// The topmost mount on `path` (what a lookup of the path sees).
 pub fn top_mount_at<'a>(table: &'a [MountEntry], path: &Path) -> Option<&'a MountEntry> {
     table.iter().rev().find(|m| m.mount_point == path)
+}
+
+/// The topmost mount on `path`, without reading the mount table: `statx` tells whether the
+/// path is the root of a mount (`STATX_ATTR_MOUNT_ROOT`), its mount id and its filesystem's
+/// device numbers; `statfs` the filesystem type and whether it is read-only. `None` when
+/// nothing is mounted there (or the path does not exist). The entry has no source, root or
+/// parent (`source` is empty, `root` is `/`, `parent` 0). An error of kind `Unsupported`
+/// when the kernel cannot tell mount roots (before 5.8): read the table then.
+pub fn top_mount(path: &Path) -> io::Result<Option<MountEntry>> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))?;
+    // SAFETY: statx fills the zeroed struct it is given; the path is a valid C string.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    let flags = libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT | libc::AT_STATX_DONT_SYNC;
+    let rc = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), flags, libc::STATX_BASIC_STATS | libc::STATX_MNT_ID, &mut stx) };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::ENOENT) | Some(libc::ENOTDIR) => Ok(None),
+            _ => Err(e),
+        };
+    }
+    let root_flag = libc::STATX_ATTR_MOUNT_ROOT as u64;
+    if stx.stx_attributes_mask & root_flag == 0 || stx.stx_mask & libc::STATX_MNT_ID == 0 {
+        return Err(io::Error::new(io::ErrorKind::Unsupported, "statx cannot tell mount roots on this kernel"));
+    }
+    if stx.stx_attributes & root_flag == 0 {
+        return Ok(None);
+    }
+    // SAFETY: statfs fills the zeroed struct it is given.
+    let mut sfs: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut sfs) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fs_type = match sfs.f_type as i64 {
+        0xEF53 => "ext4".to_string(),
+        0x5846_5342 => "xfs".to_string(),
+        0x0102_1994 => "tmpfs".to_string(), // devtmpfs too
+        0x9123_683E => "btrfs".to_string(),
+        t => format!("fs-0x{t:x}"),
+    };
+    // SAFETY: statvfs fills the zeroed struct it is given.
+    let mut svfs: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut svfs) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let ro = svfs.f_flag & libc::ST_RDONLY != 0;
+    Ok(Some(MountEntry {
+        id: stx.stx_mnt_id as u32,
+        parent: 0,
+        major: stx.stx_dev_major,
+        minor: stx.stx_dev_minor,
+        root: PathBuf::from("/"),
+        mount_point: path.to_path_buf(),
+        options: vec![if ro { "ro" } else { "rw" }.to_string()],
+        fs_type,
+        source: String::new(),
+        super_options: Vec::new(),
+    }))
 }
 
 /// Major and minor numbers of a block device node.

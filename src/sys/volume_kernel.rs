@@ -45,6 +45,11 @@ pub struct FsStats {
 pub trait VolumeKernel: Send + Sync {
     /// This process' mount table (`/proc/self/mountinfo`).
     fn mount_table(&self) -> io::Result<Vec<MountEntry>>;
+    /// The topmost mount on `path` (what a lookup of the path sees), `None` when nothing is
+    /// mounted there. The default reads the whole mount table.
+    fn top_mount(&self, path: &Path) -> io::Result<Option<MountEntry>> {
+        Ok(self.mount_table()?.into_iter().rev().find(|m| m.mount_point == path))
+    }
     /// Major and minor numbers of the device node `dev` (`st_rdev`).
     fn dev_numbers(&self, dev: &Path) -> io::Result<(u32, u32)>;
     /// When `path` (followed) is a block device node: its major and minor numbers.
@@ -94,6 +99,11 @@ pub trait VolumeKernel: Send + Sync {
 
     /// The filesystem (or other signature) on `dev`; `None` when blank.
     fn fs_probe(&self, dev: &Path) -> Result<Option<String>, FsError>;
+    /// [`Self::fs_probe`] of the loop device `dev` bound to `image`: the real kernel reads
+    /// only where the image holds data.
+    fn fs_probe_loop(&self, dev: &Path, _image: &Path) -> Result<Option<String>, FsError> {
+        self.fs_probe(dev)
+    }
     fn mkfs(&self, dev: &Path, fs: FsType) -> Result<(), FsError>;
     /// The size the filesystem of type `fs` on `dev` spans; `None` when it holds none.
     fn fs_size(&self, dev: &Path, fs: FsType) -> Result<Option<u64>, FsError>;
@@ -108,6 +118,15 @@ pub struct Kernel;
 impl VolumeKernel for Kernel {
     fn mount_table(&self) -> io::Result<Vec<MountEntry>> {
         super::mount::mount_table()
+    }
+
+    fn top_mount(&self, path: &Path) -> io::Result<Option<MountEntry>> {
+        match super::mount::top_mount(path) {
+            Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+                Ok(self.mount_table()?.into_iter().rev().find(|m| m.mount_point == path))
+            }
+            r => r,
+        }
     }
 
     fn dev_numbers(&self, dev: &Path) -> io::Result<(u32, u32)> {
@@ -198,7 +217,11 @@ impl VolumeKernel for Kernel {
     }
 
     fn fs_probe(&self, dev: &Path) -> Result<Option<String>, FsError> {
-        super::fstools::blkid_type(dev)
+        super::fstools::probe_type(dev, None)
+    }
+
+    fn fs_probe_loop(&self, dev: &Path, image: &Path) -> Result<Option<String>, FsError> {
+        super::fstools::probe_type(dev, Some(image))
     }
 
     fn mkfs(&self, dev: &Path, fs: FsType) -> Result<(), FsError> {

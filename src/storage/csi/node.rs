@@ -1,8 +1,11 @@
 //! The CSI Node service's work: stage, publish, unpublish, unstage, stats and expansion of
 //! node-local volumes, as blocking functions (the gRPC layer runs them on blocking threads).
 //!
-//! Truth is the kernel's: `/proc/self/mountinfo` and the loop table are read before every
-//! decision. Small records under `<state>/csi/` say what was asked (capability, paths, which
+//! Truth is the kernel's, asked about this volume only, so a call costs the same however many
+//! volumes the node has: the mount on each of the volume's own paths (`statx` of the path:
+//! mount root, device), the loop devices bound to its image (confirmed with
+//! `LOOP_GET_STATUS64`); the whole mount table is read only where a mount nothing records
+//! could matter (beneath a foreign mount; once per unstage). Small records under `<state>/csi/` say what was asked (capability, paths, which
 //! target the agent created), so an incompatible repeat is told apart from an idempotent
 //! one, and a restart can finish or roll back what it interrupted:
 //!
@@ -65,6 +68,11 @@ fn internal(msg: impl Into<String>) -> CsiError {
 }
 fn not_found(id: &str) -> CsiError {
     CsiError::new(Code::NotFound, format!("volume {id} does not exist on this node"))
+}
+/// A known volume asked about at a path where it is neither staged nor published.
+fn not_at(id: &str, raw_path: &str) -> CsiError {
+    let shown: String = raw_path.chars().take(4096).collect();
+    CsiError::new(Code::NotFound, format!("volume {id} does not exist at {shown:?}: it is not staged or published there"))
 }
 
 impl From<CsiError> for tonic::Status {
@@ -208,6 +216,10 @@ pub struct NodeService {
     /// The store's kernel: mounts, device numbers and filesystem tools go through it too.
     kernel: Arc<dyn VolumeKernel>,
     busy: Mutex<HashMap<String, Holds>>,
+    /// The publish records, by target path: loaded from `<state>/csi/publish/` at start and
+    /// kept in step with every record the service writes or removes, so a call never lists
+    /// the directory (the records are this process' own; nothing else writes them).
+    publishes: Mutex<HashMap<PathBuf, PublishRecord>>,
     /// Signalled whenever a hold is released.
     released: Condvar,
     ready: AtomicBool,
@@ -312,11 +324,16 @@ impl NodeService {
             &["method"],
             crate::obs::metrics::LATENCY_BUCKETS,
         );
+        let publishes = Self::read_publish_records(&settings.record_dir)
+            .into_iter()
+            .map(|r| (r.target_path.clone(), r))
+            .collect();
         Ok(NodeService {
             settings,
             kernel: store.kernel().clone(),
             store,
             busy: Mutex::new(HashMap::new()),
+            publishes: Mutex::new(publishes),
             released: Condvar::new(),
             ready: AtomicBool::new(false),
             operations,
@@ -420,10 +437,40 @@ impl NodeService {
         Ok(self.released.wait_timeout(busy, left).unwrap_or_else(|p| p.into_inner()).0)
     }
 
+    /// A request's `volume_id`: required (INVALID_ARGUMENT when empty). An id the store
+    /// could never have made (`validate_id` refuses it) names a volume that does not exist:
+    /// NOT_FOUND, like any unknown id, and it is never used to build a path.
     fn volume_id<'a>(&self, v: &'a str) -> Result<&'a str> {
         let id = required("volume_id", v)?;
-        crate::storage::store::validate_id(id).map_err(|e| invalid(e.to_string()))?;
+        if crate::storage::store::validate_id(id).is_err() {
+            let shown: String = id.chars().take(140).collect();
+            return Err(CsiError::new(Code::NotFound, format!("volume {shown:?} does not exist (not a valid volume id)")));
+        }
         Ok(id)
+    }
+
+    /// NOT_FOUND unless volume `id` exists in the store. Checked before any path argument
+    /// (the spec lists NOT_FOUND for "volume does not exist"), so an unknown volume with a
+    /// bad path is NOT_FOUND; the path is never looked at.
+    fn existing(&self, id: &str) -> Result<crate::storage::store::Volume> {
+        self.store.get(id)?.ok_or_else(|| not_found(id))
+    }
+
+    /// Whether the agent has any record of volume `id`: a stage record, or a publish record
+    /// naming it (a volume deleted from the store while something of it was left staged or
+    /// published is still torn down).
+    fn recorded(&self, id: &str) -> Result<bool> {
+        Ok(self.load_stage(id)?.is_some() || self.publishes_lock().values().any(|r| r.volume_id == id))
+    }
+
+    /// NOT_FOUND for a teardown of a volume that neither exists nor has a record. A mount is
+    /// only ever made after its record is written, so no record means nothing of ours.
+    fn known_or_recorded(&self, id: &str) -> Result<bool> {
+        let known = self.store.get(id)?.is_some();
+        if !known && !self.recorded(id)? {
+            return Err(not_found(id));
+        }
+        Ok(known)
     }
 
     fn path(&self, field: &str, v: &str) -> Result<PathBuf> {
@@ -476,12 +523,45 @@ impl NodeService {
         Self::load(&self.stage_record_path(id))
     }
 
+    fn publishes_lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, PublishRecord>> {
+        self.publishes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn load_publish(&self, target: &Path) -> Result<Option<PublishRecord>> {
-        Ok(Self::load::<PublishRecord>(&self.publish_record_path(target))?.filter(|r| r.target_path == target))
+        Ok(self.publishes_lock().get(target).cloned())
+    }
+
+    /// Write a publish record (file first, then the in-memory view).
+    fn save_publish(&self, rec: &PublishRecord) -> Result<()> {
+        Self::save(&self.publish_record_path(&rec.target_path), rec)?;
+        self.publishes_lock().insert(rec.target_path.clone(), rec.clone());
+        Ok(())
+    }
+
+    /// Remove the publish record of `target` (file first, then the in-memory view).
+    fn remove_publish(&self, target: &Path) -> Result<()> {
+        Self::remove(&self.publish_record_path(target))?;
+        self.publishes_lock().remove(target);
+        Ok(())
     }
 
     fn publish_records(&self) -> Vec<PublishRecord> {
-        let dir = self.settings.record_dir.join("publish");
+        self.publishes_lock().values().cloned().collect()
+    }
+
+    /// Whether a publish record puts volume `id` at `raw` (compared as a path, nothing on
+    /// disk looked at).
+    fn published_at(&self, id: &str, raw: &str) -> bool {
+        self.publishes_lock().get(Path::new(raw)).is_some_and(|r| r.volume_id == id)
+    }
+
+    /// The publish records of volume `id`.
+    fn publishes_of(&self, id: &str) -> Vec<PublishRecord> {
+        self.publishes_lock().values().filter(|r| r.volume_id == id).cloned().collect()
+    }
+
+    fn read_publish_records(record_dir: &Path) -> Vec<PublishRecord> {
+        let dir = record_dir.join("publish");
         let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
         entries
             .flatten()
@@ -535,15 +615,30 @@ impl NodeService {
         false
     }
 
+    /// The topmost mount on `path`, from `statx` of the path alone (the cost does not grow
+    /// with the node's mounts).
+    fn top_at(&self, path: &Path) -> Result<Option<MountEntry>> {
+        self.kernel.top_mount(path).map_err(io_internal(format!("inspecting the mount at {}", path.display())))
+    }
+
+    /// Whether one of `devices` is mounted at `path`: the topmost mount, or — read from the
+    /// mount table only when another mount sits on top — one beneath it.
+    fn ours_at(&self, path: &Path, devices: &[LoopDev]) -> Result<bool> {
+        match self.top_at(path)? {
+            None => Ok(false),
+            Some(m) if self.is_volume_mount(&m, devices) => Ok(true),
+            Some(_) => Ok(mount::mounts_at(&self.table()?, path).iter().any(|m| self.is_volume_mount(m, devices))),
+        }
+    }
+
     /// Unmount this volume's mounts stacked on `path`, topmost first, stopping at the first
     /// mount that is not the volume's (someone else's mount is never taken away).
     fn unmount_ours(&self, id: &str, path: &Path) -> Result<usize> {
         let mut n = 0;
+        let devices = self.volume_devices(id)?;
         loop {
-            let table = self.table()?;
-            let devices = self.volume_devices(id)?;
-            match mount::top_mount_at(&table, path) {
-                Some(m) if self.is_volume_mount(m, &devices) => {
+            match self.top_at(path)? {
+                Some(m) if self.is_volume_mount(&m, &devices) => {
                     self.kernel.unmount(path).map_err(errno_internal(format!("unmounting {}", path.display())))?;
                     n += 1;
                 }
@@ -563,17 +658,18 @@ impl NodeService {
 
     pub fn stage(&self, req: &csi::NodeStageVolumeRequest) -> Result<()> {
         let id = self.volume_id(&req.volume_id)?;
+        required("staging_target_path", &req.staging_target_path)?;
+        self.existing(id)?;
         let staging = self.path("staging_target_path", &req.staging_target_path)?;
         let cap = parse_capability(req.volume_capability.as_ref())?;
         let opts = mount::parse_mount_flags(&cap.mount_flags).map_err(invalid)?;
         let _g = self.guard(id)?;
         let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
         check_fits(&vol, &cap)?;
-        let table = self.table()?;
         let devices = self.volume_devices(id)?;
         let rec = self.load_stage(id)?;
         if let Some(r) = &rec {
-            let mounted_there = mount::mounts_at(&table, &r.staging_path).iter().any(|m| self.is_volume_mount(m, &devices));
+            let mounted_there = self.ours_at(&r.staging_path, &devices)?;
             let staged_there = r.state == StageState::Staged && (mounted_there || (r.capability.block && !devices.is_empty()));
             if r.staging_path != staging && staged_there {
                 return Err(precondition(format!(
@@ -588,9 +684,9 @@ impl NodeService {
                 ));
             }
         }
-        if let Some(top) = mount::top_mount_at(&table, &staging) {
+        if let Some(top) = self.top_at(&staging)? {
             if !cap.block
-                && self.is_volume_mount(top, &devices)
+                && self.is_volume_mount(&top, &devices)
                 && top.read_only() == opts.flags.contains(nix::mount::MsFlags::MS_RDONLY)
             {
                 // Already mounted here (a retry, possibly after a restart): finish the record.
@@ -663,7 +759,7 @@ impl NodeService {
             return Ok(());
         }
         let fs = vol.fs_type;
-        match self.kernel.fs_probe(&dev)? {
+        match self.kernel.fs_probe_loop(&dev, &vol.path)? {
             None => {
                 tracing::info!(volume = id, device = %dev.display(), fs = fs.as_str(), "blank device: making a filesystem");
                 self.kernel.mkfs(&dev, fs)?;
@@ -694,6 +790,16 @@ impl NodeService {
                 .create(staging)
                 .map_err(io_internal(format!("creating {}", staging.display())))?;
         }
+        // A restore or clone of an xfs volume carries its source's filesystem UUID, and xfs
+        // refuses to mount a second filesystem with a UUID already mounted: `nouuid`, as
+        // snapshot-capable local drivers do (ext4 does not care).
+        let nouuid;
+        let opts = if fs == FsType::Xfs && !opts.data.iter().any(|d| d == "nouuid") {
+            nouuid = MountOptions { flags: opts.flags, data: opts.data.iter().cloned().chain(["nouuid".to_string()]).collect() };
+            &nouuid
+        } else {
+            opts
+        };
         self.kernel.mount_device(&dev, &self.settings.kubelet_dir, staging, fs.as_str(), opts).map_err(|e| match e {
             MountError::Source(e) | MountError::Target(e) => {
                 invalid(format!("staging_target_path {}: {e}", staging.display()))
@@ -722,23 +828,36 @@ impl NodeService {
 
     pub fn unstage(&self, req: &csi::NodeUnstageVolumeRequest) -> Result<()> {
         let id = self.volume_id(&req.volume_id)?;
+        required("staging_target_path", &req.staging_target_path)?;
+        self.known_or_recorded(id)?;
         let staging = self.path("staging_target_path", &req.staging_target_path)?;
         let _g = self.guard(id)?;
         let known = self.store.get(id)?.is_some();
         let rec = self.load_stage(id)?;
-        let table = self.table()?;
         let devices = self.volume_devices(id)?;
-        let ours_here: Vec<&MountEntry> =
-            mount::mounts_at(&table, &staging).into_iter().filter(|m| self.is_volume_mount(m, &devices)).collect();
+        let ours_here = self.ours_at(&staging, &devices)?;
         let rec_here = rec.as_ref().is_some_and(|r| r.staging_path == staging);
-        if !known && !rec_here && ours_here.is_empty() {
+        if !known && !rec_here && !ours_here {
             return Err(not_found(id));
         }
-        if !rec_here && ours_here.is_empty() {
+        if !rec_here && !ours_here {
             return Ok(()); // not staged here: nothing to do
         }
         // Still published somewhere? Unstaging under a running workload would pull the
-        // volume away from it.
+        // volume away from it. The records name the publications the agent made (checked
+        // at their own paths); the mount table is read once more for any other mount of the
+        // volume (a bind mount someone else made of it), which the records cannot know.
+        let recorded: Vec<String> = self
+            .publishes_of(id)
+            .into_iter()
+            .filter(|r| r.target_path != staging)
+            .filter(|r| self.ours_at(&r.target_path, &devices).unwrap_or(true))
+            .map(|r| r.target_path.display().to_string())
+            .collect();
+        if !recorded.is_empty() {
+            return Err(precondition(format!("volume {id} is still published at {}; unpublish it first", recorded.join(", "))));
+        }
+        let table = if devices.is_empty() { Vec::new() } else { self.table()? };
         let publications: Vec<String> = table
             .iter()
             .filter(|m| m.mount_point != staging && self.is_volume_mount(m, &devices))
@@ -764,6 +883,8 @@ impl NodeService {
 
     pub fn publish(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
         let id = self.volume_id(&req.volume_id)?;
+        required("target_path", &req.target_path)?;
+        self.existing(id)?;
         let target = self.path("target_path", &req.target_path)?;
         let cap = parse_capability(req.volume_capability.as_ref())?;
         if req.staging_target_path.is_empty() {
@@ -780,7 +901,6 @@ impl NodeService {
         let _publishing = self.publishing_guard(id, TARGET_WAIT)?;
         let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
         check_fits(&vol, &cap)?;
-        let table = self.table()?;
         let devices = self.volume_devices(id)?;
         let stage = self.load_stage(id)?;
         let staged_here = match &stage {
@@ -795,7 +915,7 @@ impl NodeService {
                 if cap.block {
                     devices.iter().any(|d| !d.ro)
                 } else {
-                    mount::top_mount_at(&table, &staging).is_some_and(|m| self.is_volume_mount(m, &devices))
+                    self.top_at(&staging)?.is_some_and(|m| self.is_volume_mount(&m, &devices))
                 }
             }
             _ => false,
@@ -812,13 +932,13 @@ impl NodeService {
             created_target: false,
         };
         let existing = self.load_publish(&target)?;
-        let top = mount::top_mount_at(&table, &target);
+        let top = self.top_at(&target)?;
         if let Some(r) = &existing {
             let same = r.volume_id == want.volume_id
                 && r.staging_path == want.staging_path
                 && r.capability == want.capability
                 && r.read_only == want.read_only;
-            let mounted = top.is_some_and(|m| self.is_volume_mount(m, &devices));
+            let mounted = top.as_ref().is_some_and(|m| self.is_volume_mount(m, &devices));
             if mounted && same {
                 return Ok(());
             }
@@ -841,10 +961,10 @@ impl NodeService {
         }
         // SINGLE_NODE_SINGLE_WRITER: one workload only.
         let others: Vec<PublishRecord> = self
-            .publish_records()
+            .publishes_of(id)
             .into_iter()
-            .filter(|r| r.volume_id == id && r.target_path != target)
-            .filter(|r| mount::top_mount_at(&table, &r.target_path).is_some_and(|m| self.is_volume_mount(m, &devices)))
+            .filter(|r| r.target_path != target)
+            .filter(|r| self.top_at(&r.target_path).ok().flatten().is_some_and(|m| self.is_volume_mount(&m, &devices)))
             .collect();
         let single = |m: i32| Mode::try_from(m) == Ok(Mode::SingleNodeSingleWriter);
         if let Some(o) = others.iter().find(|o| single(cap.access_mode) || single(o.capability.access_mode)) {
@@ -856,8 +976,7 @@ impl NodeService {
 
         let created_target = !target.exists();
         let rec = PublishRecord { created_target: created_target || existing.is_some_and(|e| e.created_target), ..want };
-        let rec_path = self.publish_record_path(&target);
-        Self::save(&rec_path, &rec)?;
+        self.save_publish(&rec)?;
         crate::util::crash_point("publish-after-record");
         let result = (|| -> Result<()> {
             if cap.block {
@@ -907,7 +1026,7 @@ impl NodeService {
             if rec.created_target {
                 let _ = remove_target(&target);
             }
-            let _ = Self::remove(&rec_path);
+            let _ = self.remove_publish(&target);
             if cap.block && read_only {
                 let _ = self.release_read_only_device(id, &target);
             }
@@ -933,13 +1052,14 @@ impl NodeService {
 
     pub fn unpublish(&self, req: &csi::NodeUnpublishVolumeRequest) -> Result<()> {
         let id = self.volume_id(&req.volume_id)?;
+        required("target_path", &req.target_path)?;
+        self.known_or_recorded(id)?;
         let target = self.path("target_path", &req.target_path)?;
         let _target = self.target_guard(id, &target, TARGET_WAIT)?;
         let known = self.store.get(id)?.is_some();
         let rec = self.load_publish(&target)?.filter(|r| r.volume_id == id);
-        let table = self.table()?;
         let devices = self.volume_devices(id)?;
-        let ours = mount::mounts_at(&table, &target).iter().any(|m| self.is_volume_mount(m, &devices));
+        let ours = self.ours_at(&target, &devices)?;
         if !known && rec.is_none() && !ours {
             return Err(not_found(id));
         }
@@ -958,14 +1078,14 @@ impl NodeService {
                 // The shared read-only device: decided one publication at a time, after this
                 // record is gone, so the last of two concurrent unpublishes releases it.
                 let _publishing = self.publishing_guard(id, TARGET_WAIT)?;
-                Self::remove(&self.publish_record_path(&target))?;
+                self.remove_publish(&target)?;
                 if let Err(e) = self.release_read_only_device(id, &target) {
                     // Unpublished all the same; unstage detaches every device of the volume.
                     tracing::warn!(volume = id, error = %e.msg, "read-only loop device not released yet");
                 }
             }
         }
-        Self::remove(&self.publish_record_path(&target))?;
+        self.remove_publish(&target)?;
         tracing::info!(volume = id, target = %target.display(), "volume unpublished");
         Ok(())
     }
@@ -973,17 +1093,18 @@ impl NodeService {
     pub fn stats(&self, req: &csi::NodeGetVolumeStatsRequest) -> Result<csi::NodeGetVolumeStatsResponse> {
         use csi::volume_usage::Unit;
         let id = self.volume_id(&req.volume_id)?;
-        let path = self.path("volume_path", &req.volume_path)?;
-        let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
-        let table = self.table()?;
-        let devices = self.volume_devices(id)?;
-        let here = mount::top_mount_at(&table, &path).filter(|m| self.is_volume_mount(m, &devices));
-        let stage = self.load_stage(id)?.filter(|r| r.staging_path == path);
-        let block_staged_here = stage.as_ref().is_some_and(|r| r.capability.block && r.state == StageState::Staged);
-        let recorded = stage.is_some() || self.load_publish(&path)?.is_some_and(|r| r.volume_id == id);
-        if here.is_none() && !recorded {
-            return Err(CsiError::new(Code::NotFound, format!("volume {id} is not staged or published at {}", path.display())));
+        required("volume_path", &req.volume_path)?;
+        let vol = self.existing(id)?;
+        // Where the volume is, from the agent's own records: any other path (a relative
+        // one included) is NOT_FOUND, decided without touching the filesystem.
+        let stage = self.load_stage(id)?.filter(|r| r.staging_path == Path::new(&req.volume_path));
+        if stage.is_none() && !self.published_at(id, &req.volume_path) {
+            return Err(not_at(id, &req.volume_path));
         }
+        let path = self.path("volume_path", &req.volume_path)?;
+        let devices = self.volume_devices(id)?;
+        let here = self.top_at(&path)?.filter(|m| self.is_volume_mount(m, &devices));
+        let block_staged_here = stage.as_ref().is_some_and(|r| r.capability.block && r.state == StageState::Staged);
         let mut problems = Vec::new();
         if !vol.path.exists() {
             problems.push(format!("backing file {} is missing", vol.path.display()));
@@ -1029,7 +1150,19 @@ impl NodeService {
 
     pub fn expand(&self, req: &csi::NodeExpandVolumeRequest) -> Result<csi::NodeExpandVolumeResponse> {
         let id = self.volume_id(&req.volume_id)?;
-        let path = self.path("volume_path", &req.volume_path)?;
+        required("volume_path", &req.volume_path)?;
+        self.existing(id)?;
+        // As for stats: a path the records do not put the volume at is NOT_FOUND, without
+        // touching the filesystem. A block volume staged here grows whatever path kubelet
+        // names for it (the device is the volume), as long as that path is a valid one.
+        let stage = self.load_stage(id)?;
+        let at_record = stage.as_ref().is_some_and(|r| r.staging_path == Path::new(&req.volume_path))
+            || self.published_at(id, &req.volume_path);
+        let block_staged_rec = stage.as_ref().is_some_and(|r| r.capability.block && r.state == StageState::Staged);
+        if !at_record && !block_staged_rec {
+            return Err(not_at(id, &req.volume_path));
+        }
+        let path = self.path("volume_path", &req.volume_path).map_err(|e| if at_record { e } else { not_at(id, &req.volume_path) })?;
         if !req.staging_target_path.is_empty() {
             self.path("staging_target_path", &req.staging_target_path)?;
         }
@@ -1050,12 +1183,11 @@ impl NodeService {
         if let Some(c) = &cap {
             check_fits(&vol, c)?;
         }
-        let table = self.table()?;
         let devices = self.volume_devices(id)?;
-        let at_path = mount::top_mount_at(&table, &path).is_some_and(|m| self.is_volume_mount(m, &devices));
+        let at_path = self.top_at(&path)?.is_some_and(|m| self.is_volume_mount(&m, &devices));
         let block_staged = self.load_stage(id)?.is_some_and(|r| r.capability.block && r.state == StageState::Staged);
         if !at_path && !block_staged {
-            return Err(precondition(format!("volume {id} is not staged or published at {}", path.display())));
+            return Err(precondition(format!("volume {id} is recorded at {} but not mounted there", path.display())));
         }
         let want = required_bytes.max(vol.size_bytes);
         let rounded = crate::storage::store::round_size(id, want)?;
@@ -1075,7 +1207,8 @@ impl NodeService {
                 match vol.fs_type {
                     FsType::Xfs => {
                         // xfs grows through a writable mount of it: the staging mount.
-                        let rw = table
+                        let rw = self
+                            .table()?
                             .iter()
                             .find(|m| self.is_volume_mount(m, &devices) && !m.read_only())
                             .map(|m| m.mount_point.clone())
@@ -1138,7 +1271,7 @@ impl NodeService {
             if mounted {
                 report.published += 1;
             } else if !r.target_path.exists() {
-                Self::remove(&self.publish_record_path(&r.target_path))?;
+                self.remove_publish(&r.target_path)?;
                 report.dropped_publish_records += 1;
             } else {
                 // The target exists unmounted (interrupted publish or reboot): kubelet's
@@ -1434,7 +1567,7 @@ impl NodeService {
                 }
             };
             let stage = self.load_stage(&id)?;
-            let publishes: Vec<PublishRecord> = self.publish_records().into_iter().filter(|r| r.volume_id == id).collect();
+            let publishes: Vec<PublishRecord> = self.publishes_of(&id);
             let recorded = stage.is_some() || !publishes.is_empty();
             for l in self.store_loops()?.into_iter().filter(|l| l.volume.as_deref() == Some(id.as_str())) {
                 let dev = l.binding.device.display().to_string();

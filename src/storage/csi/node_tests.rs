@@ -702,20 +702,18 @@ fn a_held_volume_answers_aborted() {
     let e = Env::new("aborted");
     e.volume("v1", FsType::Ext4);
     let staging = e.staging("v1");
+    e.volume("v3", FsType::Ext4);
+    let staging3 = e.staging("v3");
+    e.stage("v3", &staging3, mount_cap("ext4", &[])).unwrap();
     e.fake.clear_calls();
     {
         let _g = e.svc.guard("v1").unwrap();
+        let _g3 = e.svc.guard("v3").unwrap();
         assert_eq!(e.stage("v1", &staging, mount_cap("ext4", &[])).unwrap_err().code, Code::Aborted);
         assert_eq!(e.unstage("v1", &staging).unwrap_err().code, Code::Aborted);
-        let err = e
-            .svc
-            .expand(&csi::NodeExpandVolumeRequest {
-                volume_id: "v1".into(),
-                volume_path: s(&staging),
-                ..Default::default()
-            })
-            .unwrap_err();
-        assert_eq!(err.code, Code::Aborted);
+        assert_eq!(e.expand("v3", &s(&staging3)).unwrap_err().code, Code::Aborted);
+        // Where the records put nothing, the answer needs no hold: NOT_FOUND.
+        assert_eq!(e.expand("v1", &s(&staging)).unwrap_err().code, Code::NotFound);
         assert_eq!(e.svc.guard("v1").err().map(|e| e.code), Some(Code::Aborted));
         // Another volume is not held.
         drop(e.svc.guard("v2").unwrap());
@@ -784,11 +782,9 @@ fn bad_paths_and_fields_are_invalid_before_any_kernel_call() {
         Code::InvalidArgument
     );
     assert_eq!(e.unpublish("v1", empty).unwrap_err().code, Code::InvalidArgument);
-    for id in ["", "UPPER", "a/b", ".."] {
-        assert_eq!(e.stage(id, &staging, mount_cap("ext4", &[])).unwrap_err().code, Code::InvalidArgument, "{id:?}");
-        assert_eq!(e.unstage(id, &staging).unwrap_err().code, Code::InvalidArgument, "{id:?}");
-        assert_eq!(e.unpublish(id, &t).unwrap_err().code, Code::InvalidArgument, "{id:?}");
-    }
+    assert_eq!(e.stage("", &staging, mount_cap("ext4", &[])).unwrap_err().code, Code::InvalidArgument);
+    assert_eq!(e.unstage("", &staging).unwrap_err().code, Code::InvalidArgument);
+    assert_eq!(e.unpublish("", &t).unwrap_err().code, Code::InvalidArgument);
     // No capability; a target inside the staging path.
     let no_cap =
         csi::NodeStageVolumeRequest { volume_id: "v1".into(), staging_target_path: s(&staging), ..Default::default() };
@@ -806,6 +802,196 @@ fn bad_paths_and_fields_are_invalid_before_any_kernel_call() {
     assert_eq!(e.fake.calls(), Vec::<String>::new(), "nothing reached the kernel");
     assert!(e.fake.mounts().is_empty());
     assert_eq!(e.stage_record("v1"), None);
+}
+
+// ----- error precedence (the spec's NOT_FOUND before argument checks) -----
+
+impl Env {
+    fn stats(&self, id: &str, path: &str) -> Result<csi::NodeGetVolumeStatsResponse> {
+        self.svc.stats(&csi::NodeGetVolumeStatsRequest { volume_id: id.into(), volume_path: path.into(), ..Default::default() })
+    }
+
+    fn expand(&self, id: &str, path: &str) -> Result<csi::NodeExpandVolumeResponse> {
+        self.svc.expand(&csi::NodeExpandVolumeRequest {
+            volume_id: id.into(),
+            volume_path: path.into(),
+            capacity_range: Some(csi::CapacityRange { required_bytes: (96 * MIB) as i64, limit_bytes: 0 }),
+            ..Default::default()
+        })
+    }
+
+    /// The code of each of the six Node RPCs for volume `id` with `path` in every path
+    /// field (and a good capability and staging path elsewhere).
+    fn codes(&self, id: &str, path: &str, good_staging: &Path) -> Vec<(&'static str, Code)> {
+        let p = Path::new(path);
+        let code = |r: std::result::Result<(), CsiError>| r.err().map_or(Code::Ok, |e| e.code);
+        vec![
+            ("stage", code(self.stage(id, p, mount_cap("ext4", &[])))),
+            ("unstage", code(self.unstage(id, p))),
+            ("publish", code(self.publish(id, p, good_staging, mount_cap("ext4", &[]), false))),
+            ("unpublish", code(self.unpublish(id, p))),
+            ("stats", code(self.stats(id, path).map(drop))),
+            ("expand", code(self.expand(id, path).map(drop))),
+        ]
+    }
+}
+
+fn all(code: Code) -> Vec<(&'static str, Code)> {
+    ["stage", "unstage", "publish", "unpublish", "stats", "expand"].into_iter().map(|m| (m, code)).collect()
+}
+
+#[test]
+fn unknown_volume_with_a_relative_path_is_not_found_for_every_rpc() {
+    let e = Env::new("prec-unknown-rel");
+    let staging = e.staging("ghost");
+    e.fake.clear_calls();
+    assert_eq!(e.codes("ghost", "relative/path", &staging), all(Code::NotFound));
+    assert_eq!(e.fake.calls(), Vec::<String>::new(), "nothing reached the kernel");
+    assert!(!e.kubelet().join("relative").exists() && !Path::new("relative").exists());
+}
+
+#[test]
+fn unknown_volume_with_a_path_outside_or_with_dotdot_is_not_found_for_every_rpc() {
+    let e = Env::new("prec-unknown-out");
+    let k = s(e.kubelet());
+    let staging = e.staging("ghost");
+    e.fake.clear_calls();
+    for p in ["/etc/x".to_string(), format!("{k}/pods/../../etc"), k.clone(), format!("{k}-sibling/x")] {
+        assert_eq!(e.codes("ghost", &p, &staging), all(Code::NotFound), "{p}");
+    }
+    // Other arguments are not looked at either: no capability, a bad staging path.
+    let no_cap = csi::NodeStageVolumeRequest { volume_id: "ghost".into(), staging_target_path: "x".into(), ..Default::default() };
+    assert_eq!(e.svc.stage(&no_cap).unwrap_err().code, Code::NotFound);
+    let t = e.target("pod1", "ghost");
+    assert_eq!(e.publish("ghost", &t, Path::new("rel"), mount_cap("vfat", &[]), false).unwrap_err().code, Code::NotFound);
+    assert_eq!(e.fake.calls(), Vec::<String>::new(), "nothing reached the kernel");
+    assert!(e.fake.mounts().is_empty());
+}
+
+#[test]
+fn malformed_volume_id_is_not_found_and_an_empty_one_invalid() {
+    let e = Env::new("prec-ids");
+    e.volume("v1", FsType::Ext4);
+    let staging = e.staging("v1");
+    let t = e.target("pod1", "v1");
+    e.fake.clear_calls();
+    let long = "a".repeat(300);
+    for id in ["UPPER", "a/b", "..", ".", "../../etc", long.as_str()] {
+        assert_eq!(e.codes(id, &s(&t), &staging), all(Code::NotFound), "{id:?}");
+    }
+    assert_eq!(e.codes("", &s(&t), &staging), all(Code::InvalidArgument), "empty volume_id");
+    assert_eq!(e.codes("", "relative", &staging), all(Code::InvalidArgument), "empty volume_id, relative path");
+    assert_eq!(e.fake.calls(), Vec::<String>::new(), "nothing reached the kernel");
+}
+
+#[test]
+fn missing_path_is_invalid_even_for_an_unknown_volume() {
+    let e = Env::new("prec-empty-path");
+    e.volume("v1", FsType::Ext4);
+    let staging = e.staging("v1");
+    e.fake.clear_calls();
+    assert_eq!(e.codes("ghost", "", &staging), all(Code::InvalidArgument));
+    assert_eq!(e.codes("v1", "", &staging), all(Code::InvalidArgument));
+    assert_eq!(e.fake.calls(), Vec::<String>::new());
+}
+
+#[test]
+fn known_volume_with_a_bad_path_is_invalid_for_stage_publish_and_teardown() {
+    let e = Env::new("prec-known-bad");
+    e.volume("v1", FsType::Ext4);
+    let staging = e.staging("v1");
+    e.fake.clear_calls();
+    for p in ["relative/path", "/etc/x"] {
+        let got: Vec<_> = e.codes("v1", p, &staging).into_iter().filter(|(m, _)| !matches!(*m, "stats" | "expand")).collect();
+        let want: Vec<_> = all(Code::InvalidArgument).into_iter().filter(|(m, _)| !matches!(*m, "stats" | "expand")).collect();
+        assert_eq!(got, want, "{p}");
+    }
+    assert_eq!(e.fake.calls(), Vec::<String>::new());
+}
+
+#[test]
+fn known_volume_at_a_relative_path_is_not_found_for_stats_and_expand() {
+    let e = Env::new("prec-known-rel");
+    e.volume("v1", FsType::Ext4);
+    let staging = e.staging("v1");
+    let t = e.target("pod1", "v1");
+    e.stage("v1", &staging, mount_cap("ext4", &[])).unwrap();
+    e.publish("v1", &t, &staging, mount_cap("ext4", &[]), false).unwrap();
+    e.fake.clear_calls();
+    let rel = s(&t).trim_start_matches('/').to_string();
+    for p in [rel.as_str(), "relative/path", "mount"] {
+        assert_eq!(e.stats("v1", p).unwrap_err().code, Code::NotFound, "stats {p}");
+        assert_eq!(e.expand("v1", p).unwrap_err().code, Code::NotFound, "expand {p}");
+    }
+    assert_eq!(e.fake.calls(), Vec::<String>::new(), "decided from the records, no kernel call");
+}
+
+#[test]
+fn known_volume_where_it_is_not_published_is_not_found_for_stats_and_expand() {
+    let e = Env::new("prec-known-elsewhere");
+    e.volume("v1", FsType::Ext4);
+    let staging = e.staging("v1");
+    let t = e.target("pod1", "v1");
+    e.stage("v1", &staging, mount_cap("ext4", &[])).unwrap();
+    e.publish("v1", &t, &staging, mount_cap("ext4", &[]), false).unwrap();
+    let k = s(e.kubelet());
+    // Another volume's target, an existing directory nothing is mounted at, a symlink that
+    // leads out, `..`, outside: none of them is looked at.
+    std::os::unix::fs::symlink("/etc", e.kubelet().join("pods/evil")).unwrap();
+    let other = e.target("pod2", "v1");
+    e.fake.clear_calls();
+    for p in [s(&other), format!("{k}/pods"), format!("{k}/pods/evil/x"), format!("{k}/pods/../../etc"), "/etc".into()] {
+        assert_eq!(e.stats("v1", &p).unwrap_err().code, Code::NotFound, "stats {p}");
+        assert_eq!(e.expand("v1", &p).unwrap_err().code, Code::NotFound, "expand {p}");
+    }
+    assert_eq!(e.fake.calls(), Vec::<String>::new(), "decided from the records, no kernel call");
+    assert!(!other.exists(), "the unpublished target was not created");
+    // The recorded paths still answer.
+    assert!(e.stats("v1", &s(&t)).is_ok());
+    assert!(e.stats("v1", &s(&staging)).is_ok());
+}
+
+#[test]
+fn unknown_volume_with_a_record_left_is_still_torn_down() {
+    // A volume whose metadata is gone while it was published: the records make it known to
+    // the teardown, which still unmounts and detaches.
+    let e = Env::new("prec-recorded");
+    e.volume("v1", FsType::Ext4);
+    let staging = e.staging("v1");
+    let t = e.target("pod1", "v1");
+    e.stage("v1", &staging, mount_cap("ext4", &[])).unwrap();
+    e.publish("v1", &t, &staging, mount_cap("ext4", &[]), false).unwrap();
+    assert!(e.svc.recorded("v1").unwrap());
+    // Another volume's records do not make a ghost known.
+    assert_eq!(e.unpublish("ghost", &t).unwrap_err().code, Code::NotFound);
+    assert_eq!(e.fake.mounts_at(&t).len(), 1, "the other volume's mount stays");
+}
+
+// ----- cost per call -----
+
+#[test]
+fn the_node_path_reads_no_table_of_every_mount_or_loop_device() {
+    // Stage, publish and unpublish decide from the volume's own paths (statx of each) and
+    // its own loop devices; unstage reads the mount table once, for mounts of the volume
+    // that no record names. Nothing walks every loop device.
+    let e = Env::new("flat");
+    for i in 0..5 {
+        let id = format!("other{i}");
+        e.volume(&id, FsType::Ext4);
+        e.stage(&id, &e.staging(&id), mount_cap("ext4", &[])).unwrap();
+    }
+    e.volume("v1", FsType::Ext4);
+    let staging = e.staging("v1");
+    let t = e.target("pod1", "v1");
+    let counts = |e: &Env| (e.fake.count("mount_table"), e.fake.count("loop_bound_devices"));
+    e.fake.clear_calls();
+    e.stage("v1", &staging, mount_cap("ext4", &[])).unwrap();
+    e.publish("v1", &t, &staging, mount_cap("ext4", &[]), false).unwrap();
+    e.unpublish("v1", &t).unwrap();
+    assert_eq!(counts(&e), (0, 0), "stage, publish, unpublish: {:?}", e.fake.calls());
+    e.unstage("v1", &staging).unwrap();
+    assert_eq!(counts(&e), (1, 0), "unstage: {:?}", e.fake.calls());
+    assert!(e.fake.mounts_at(&staging).is_empty());
 }
 
 // ----- start-up -----
