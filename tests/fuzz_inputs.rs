@@ -1621,28 +1621,51 @@ fn agent_csi(agent: &mut Agent, rt: &tokio::runtime::Runtime) {
             "{code:?}: {msg} (took {took:?})"
         );
         let cap_code = if cap_required { model_capability(&cap).flatten() } else { None };
+        // The precedence of issue 17: a missing required field (volume id, the call's own
+        // path, volume_capability) is INVALID_ARGUMENT; then a volume that does not exist
+        // (unknown, or an id no volume can have) is NOT_FOUND before any other check.
+        let required_empty = match &call {
+            CsiCall::Stage { staging, .. } | CsiCall::Unstage { staging, .. } => staging.is_empty(),
+            CsiCall::Publish { target, .. } | CsiCall::Unpublish { target, .. } => target.is_empty(),
+            CsiCall::Stats { path, .. } | CsiCall::Expand { path, .. } => path.is_empty(),
+        };
+        if id.is_empty() || required_empty || (cap_required && cap.is_none()) {
+            prop_assert_eq!(code, Code::InvalidArgument, "{}", msg);
+            return Ok(());
+        }
+        if !model_id(id) || id == "vol-missing" {
+            prop_assert_eq!(code, Code::NotFound, "{}", msg);
+            return Ok(());
+        }
         // Publishing without the staging path this plugin needs (STAGE_UNSTAGE_VOLUME) is
-        // FAILED_PRECONDITION once id, target and capability are good (pinned by
+        // FAILED_PRECONDITION once target and capability are good (pinned by
         // tests/csi_root.rs, conformance_node_errors).
         if let CsiCall::Publish { staging, target, .. } = &call
             && staging.is_empty()
-            && model_id(id)
             && p(target)
             && model_capability(&cap) == Some(None)
         {
             prop_assert_eq!(code, Code::FailedPrecondition, "{}", msg);
             return Ok(());
         }
-        if !model_id(id) || !paths_ok {
-            // Bad id or path: INVALID_ARGUMENT (or the capability's own refusal, when it is
-            // checked first).
-            prop_assert!(code == Code::InvalidArgument || Some(code) == cap_code, "{code:?}: {msg}");
-        } else if cap_required && let Some(Some(want)) = model_capability(&cap) {
-            prop_assert_eq!(code, want, "{}", msg);
-        } else if id == "vol-missing" && cap_required && model_capability(&cap) == Some(None) {
-            prop_assert_eq!(code, Code::NotFound, "{}", msg);
-        } else if id == "vol-missing" && matches!(call, CsiCall::Stats { .. }) {
-            prop_assert_eq!(code, Code::NotFound, "{}", msg);
+        match &call {
+            // A known volume asked about where it is not published (any bad path included).
+            CsiCall::Stats { path, .. } | CsiCall::Expand { path, .. } if !p(path) => {
+                prop_assert_eq!(code, Code::NotFound, "{}", msg);
+            }
+            CsiCall::Expand { .. } if !paths_ok => {
+                prop_assert!(code == Code::InvalidArgument || code == Code::NotFound, "{code:?}: {msg}");
+            }
+            _ if !paths_ok => {
+                // Bad path: INVALID_ARGUMENT (or the capability's own refusal, when it is
+                // checked first).
+                prop_assert!(code == Code::InvalidArgument || Some(code) == cap_code, "{code:?}: {msg}");
+            }
+            _ => {
+                if cap_required && let Some(Some(want)) = model_capability(&cap) {
+                    prop_assert_eq!(code, want, "{}", msg);
+                }
+            }
         }
         Ok(())
     });

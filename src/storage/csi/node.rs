@@ -659,6 +659,10 @@ impl NodeService {
     pub fn stage(&self, req: &csi::NodeStageVolumeRequest) -> Result<()> {
         let id = self.volume_id(&req.volume_id)?;
         required("staging_target_path", &req.staging_target_path)?;
+        // A required field that is missing stays INVALID_ARGUMENT, before NOT_FOUND.
+        if req.volume_capability.is_none() {
+            return Err(invalid("volume_capability is required"));
+        }
         self.existing(id)?;
         let staging = self.path("staging_target_path", &req.staging_target_path)?;
         let cap = parse_capability(req.volume_capability.as_ref())?;
@@ -884,6 +888,9 @@ impl NodeService {
     pub fn publish(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
         let id = self.volume_id(&req.volume_id)?;
         required("target_path", &req.target_path)?;
+        if req.volume_capability.is_none() {
+            return Err(invalid("volume_capability is required"));
+        }
         self.existing(id)?;
         let target = self.path("target_path", &req.target_path)?;
         let cap = parse_capability(req.volume_capability.as_ref())?;

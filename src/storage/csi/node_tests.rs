@@ -859,9 +859,10 @@ fn unknown_volume_with_a_path_outside_or_with_dotdot_is_not_found_for_every_rpc(
     for p in ["/etc/x".to_string(), format!("{k}/pods/../../etc"), k.clone(), format!("{k}-sibling/x")] {
         assert_eq!(e.codes("ghost", &p, &staging), all(Code::NotFound), "{p}");
     }
-    // Other arguments are not looked at either: no capability, a bad staging path.
+    // Other arguments are not looked at either (a bad capability, a bad staging path), but a
+    // required field that is missing is INVALID_ARGUMENT first.
     let no_cap = csi::NodeStageVolumeRequest { volume_id: "ghost".into(), staging_target_path: "x".into(), ..Default::default() };
-    assert_eq!(e.svc.stage(&no_cap).unwrap_err().code, Code::NotFound);
+    assert_eq!(e.svc.stage(&no_cap).unwrap_err().code, Code::InvalidArgument);
     let t = e.target("pod1", "ghost");
     assert_eq!(e.publish("ghost", &t, Path::new("rel"), mount_cap("vfat", &[]), false).unwrap_err().code, Code::NotFound);
     assert_eq!(e.fake.calls(), Vec::<String>::new(), "nothing reached the kernel");
