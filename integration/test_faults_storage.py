@@ -275,7 +275,9 @@ def test_controller_kill9_during_creates_deletes_and_expansions(prov):
     harness.wait_until(lambda: c.files() == placed, timeout=20, what="backing files == controller volumes")
     converged = time.time() - faults_done
     for n in nodes:
-        left = sorted(f for f in os.listdir(n.volume_dir) if f != ".lock")
+        # `snapshots/` is part of the store's layout (and holds nothing here).
+        assert not os.listdir(n.volume_dir / "snapshots"), f"{n.ns.name}: snapshots left"
+        left = sorted(f for f in os.listdir(n.volume_dir) if f not in (".lock", "snapshots"))
         expect = sorted(f"{v}{ext}" for v, nn in placed.items() if nn == n.ns.name for ext in (".img", ".json"))
         assert left == expect, f"{n.ns.name}: volume dir {left}, expected {expect}"
     orphans = len(set(c.files()) - want)
