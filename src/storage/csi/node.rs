@@ -657,12 +657,14 @@ impl NodeService {
     // ----- Node RPCs -----
 
     pub fn stage(&self, req: &csi::NodeStageVolumeRequest) -> Result<()> {
-        let id = self.volume_id(&req.volume_id)?;
+        // A required field that is missing stays INVALID_ARGUMENT, before NOT_FOUND (also
+        // for an id no volume can have).
+        required("volume_id", &req.volume_id)?;
         required("staging_target_path", &req.staging_target_path)?;
-        // A required field that is missing stays INVALID_ARGUMENT, before NOT_FOUND.
         if req.volume_capability.is_none() {
             return Err(invalid("volume_capability is required"));
         }
+        let id = self.volume_id(&req.volume_id)?;
         self.existing(id)?;
         let staging = self.path("staging_target_path", &req.staging_target_path)?;
         let cap = parse_capability(req.volume_capability.as_ref())?;
@@ -831,8 +833,9 @@ impl NodeService {
     }
 
     pub fn unstage(&self, req: &csi::NodeUnstageVolumeRequest) -> Result<()> {
-        let id = self.volume_id(&req.volume_id)?;
+        required("volume_id", &req.volume_id)?;
         required("staging_target_path", &req.staging_target_path)?;
+        let id = self.volume_id(&req.volume_id)?;
         self.known_or_recorded(id)?;
         let staging = self.path("staging_target_path", &req.staging_target_path)?;
         let _g = self.guard(id)?;
@@ -886,11 +889,12 @@ impl NodeService {
     }
 
     pub fn publish(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
-        let id = self.volume_id(&req.volume_id)?;
+        required("volume_id", &req.volume_id)?;
         required("target_path", &req.target_path)?;
         if req.volume_capability.is_none() {
             return Err(invalid("volume_capability is required"));
         }
+        let id = self.volume_id(&req.volume_id)?;
         self.existing(id)?;
         let target = self.path("target_path", &req.target_path)?;
         let cap = parse_capability(req.volume_capability.as_ref())?;
@@ -1058,8 +1062,9 @@ impl NodeService {
     }
 
     pub fn unpublish(&self, req: &csi::NodeUnpublishVolumeRequest) -> Result<()> {
-        let id = self.volume_id(&req.volume_id)?;
+        required("volume_id", &req.volume_id)?;
         required("target_path", &req.target_path)?;
+        let id = self.volume_id(&req.volume_id)?;
         self.known_or_recorded(id)?;
         let target = self.path("target_path", &req.target_path)?;
         let _target = self.target_guard(id, &target, TARGET_WAIT)?;
@@ -1099,8 +1104,9 @@ impl NodeService {
 
     pub fn stats(&self, req: &csi::NodeGetVolumeStatsRequest) -> Result<csi::NodeGetVolumeStatsResponse> {
         use csi::volume_usage::Unit;
-        let id = self.volume_id(&req.volume_id)?;
+        required("volume_id", &req.volume_id)?;
         required("volume_path", &req.volume_path)?;
+        let id = self.volume_id(&req.volume_id)?;
         let vol = self.existing(id)?;
         // Where the volume is, from the agent's own records: any other path (a relative
         // one included) is NOT_FOUND, decided without touching the filesystem.
@@ -1156,8 +1162,9 @@ impl NodeService {
     }
 
     pub fn expand(&self, req: &csi::NodeExpandVolumeRequest) -> Result<csi::NodeExpandVolumeResponse> {
-        let id = self.volume_id(&req.volume_id)?;
+        required("volume_id", &req.volume_id)?;
         required("volume_path", &req.volume_path)?;
+        let id = self.volume_id(&req.volume_id)?;
         self.existing(id)?;
         // As for stats: a path the records do not put the volume at is NOT_FOUND, without
         // touching the filesystem. A block volume staged here grows whatever path kubelet

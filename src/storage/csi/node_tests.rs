@@ -893,6 +893,7 @@ fn missing_path_is_invalid_even_for_an_unknown_volume() {
     e.fake.clear_calls();
     assert_eq!(e.codes("ghost", "", &staging), all(Code::InvalidArgument));
     assert_eq!(e.codes("v1", "", &staging), all(Code::InvalidArgument));
+    assert_eq!(e.codes("UPPER", "", &staging), all(Code::InvalidArgument), "a missing field before an impossible id");
     assert_eq!(e.fake.calls(), Vec::<String>::new());
 }
 
