@@ -33,16 +33,38 @@ fn waiting(retries: &HashMap<String, Retry>, id: &str) -> Option<pb::VolumeFailu
     retries.get(id).filter(|r| Instant::now() < r.next).map(|r| r.failure.clone())
 }
 
-fn outcome(retries: &mut HashMap<String, Retry>, id: &str, failure: Option<&pb::VolumeFailure>) {
-    match failure {
-        None => {
+/// One copy (a snapshot, a volume from a source) with its backoff: `None` while it backs
+/// off (the caller reports its last failure again, [`waiting`]); otherwise its outcome, a
+/// held source counting as pending (retried at the next tick).
+fn copy_attempt<T>(
+    retries: &mut HashMap<String, Retry>,
+    pending: &mut bool,
+    id: &str,
+    copy: impl FnOnce() -> Result<Taken<T>, VolumeError>,
+) -> Option<Result<(), VolumeError>> {
+    if waiting(retries, id).is_some() {
+        return None;
+    }
+    match copy() {
+        Ok(Taken::Done(_)) => {
             retries.remove(id);
+            Some(Ok(()))
         }
-        Some(f) => {
+        Ok(Taken::Busy) => {
+            retries.remove(id);
+            *pending = true;
+            Some(Ok(()))
+        }
+        Err(e) => {
             let delay = retries.get(id).map_or(RETRY_FIRST, |r| (r.delay * 2).min(RETRY_MAX));
-            retries.insert(id.to_string(), Retry { next: Instant::now() + delay, delay, failure: f.clone() });
+            retries.insert(id.to_string(), Retry { next: Instant::now() + delay, delay, failure: failure_of(id, &e) });
+            Some(Err(e))
         }
     }
+}
+
+fn failure_of(id: &str, e: &VolumeError) -> pb::VolumeFailure {
+    pb::VolumeFailure { id: id.to_string(), code: code_of(e) as i32, message: e.to_string() }
 }
 
 /// The content source a desired volume names, if any.
@@ -84,7 +106,6 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, state: &mut SyncState, node
     let store = &svc.store;
     let mut failures = Vec::new();
     let mut pending = false;
-    let fail = |id: &str, e: &VolumeError| pb::VolumeFailure { id: id.to_string(), code: code_of(e) as i32, message: e.to_string() };
     for d in &set.volumes {
         let Ok(_guard) = svc.guard(&d.id) else {
             pending = true;
@@ -96,22 +117,13 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, state: &mut SyncState, node
                 Ok(fs) => match store.get(&d.id) {
                     Ok(None) if d.creating => match source_of(d) {
                         None => store.create_named(&d.id, d.size_bytes, fs, &d.name).map(|_| ()),
-                        Some(src) => {
-                            if let Some(f) = waiting(retries, &d.id) {
-                                failures.push(f);
+                        Some(src) => match copy_attempt(retries, &mut pending, &d.id, || svc.create_volume_from(&d.id, d.size_bytes, &d.name, &src)) {
+                            Some(r) => r,
+                            None => {
+                                failures.extend(waiting(retries, &d.id));
                                 continue;
                             }
-                            let r = match svc.create_volume_from(&d.id, d.size_bytes, &d.name, &src) {
-                                Ok(Taken::Done(_)) => Ok(()),
-                                Ok(Taken::Busy) => {
-                                    pending = true;
-                                    Ok(())
-                                }
-                                Err(e) => Err(e),
-                            };
-                            outcome(retries, &d.id, r.as_ref().err().map(|e| fail(&d.id, e)).as_ref());
-                            r
-                        }
+                        },
                     },
                     // Past creation and gone: report it (the controller shows the volume
                     // abnormal); never re-create it empty under a claim that had data.
@@ -139,28 +151,19 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, state: &mut SyncState, node
         };
         if let Err(e) = result {
             tracing::warn!(volume = %d.id, present = d.present, error = %e, "could not converge volume");
-            failures.push(fail(&d.id, &e));
+            failures.push(failure_of(&d.id, &e));
         }
     }
     for d in &set.snapshots {
         let result = if d.present {
             match store.get_snapshot(&d.id) {
-                Ok(None) if d.creating => {
-                    if let Some(f) = waiting(retries, &d.id) {
-                        failures.push(f);
+                Ok(None) if d.creating => match copy_attempt(retries, &mut pending, &d.id, || svc.take_snapshot(&d.id, &d.source_volume_id, &d.name)) {
+                    Some(r) => r,
+                    None => {
+                        failures.extend(waiting(retries, &d.id));
                         continue;
                     }
-                    let r = match svc.take_snapshot(&d.id, &d.source_volume_id, &d.name) {
-                        Ok(Taken::Done(_)) => Ok(()),
-                        Ok(Taken::Busy) => {
-                            pending = true;
-                            Ok(())
-                        }
-                        Err(e) => Err(e),
-                    };
-                    outcome(retries, &d.id, r.as_ref().err().map(|e| fail(&d.id, e)).as_ref());
-                    r
-                }
+                },
                 // Past creation and gone: reported missing, never re-taken from newer data.
                 Ok(None) => Err(VolumeError::NotFound(format!("snapshot {}", d.id))),
                 Ok(Some(s)) if s.name != d.name || s.source_volume != d.source_volume_id => {
@@ -179,7 +182,7 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, state: &mut SyncState, node
         };
         if let Err(e) = result {
             tracing::warn!(snapshot = %d.id, present = d.present, error = %e, "could not converge snapshot");
-            failures.push(fail(&d.id, &e));
+            failures.push(failure_of(&d.id, &e));
         }
     }
     // Backoffs of copies no longer asked for are dropped.

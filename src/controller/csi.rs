@@ -408,14 +408,19 @@ impl ControllerService {
         let (book, did) = (self.book.clone(), id.clone());
         blocking(move || book.begin_delete(&did)).await?;
         let since = self.book.revision();
-        let node = v.node.clone();
+        self.await_gone(&id, &v.node, since).await.map(|()| csi::DeleteSnapshotResponse {})
+    }
+
+    /// Wait until record `id` (a volume or snapshot marked for deletion) is gone from its
+    /// `node`, or the node failed the delete (in a reconcile of revision `since` or later).
+    async fn await_gone(&self, id: &str, node: &str, since: u64) -> Result<(), CsiError> {
         self.book
             .wait(self.op_timeout, |_, nodes, vols| {
-                if !vols.contains_key(&id) {
-                    return Some(Ok(csi::DeleteSnapshotResponse {}));
+                if !vols.contains_key(id) {
+                    return Some(Ok(()));
                 }
-                let view = nodes.get(&node);
-                if let Some(f) = failure_since(view, &id, since) {
+                let view = nodes.get(node);
+                if let Some(f) = failure_since(view, id, since) {
                     return Some(Err(f.into()));
                 }
                 if view.is_none_or(|n| n.connected == 0) {
@@ -431,30 +436,17 @@ impl ControllerService {
     }
 
     async fn do_list_snapshots(&self, r: csi::ListSnapshotsRequest) -> Result<csi::ListSnapshotsResponse, CsiError> {
-        if r.max_entries < 0 {
-            return Err(invalid("max_entries must not be negative"));
-        }
-        let after = if r.starting_token.is_empty() {
-            None
-        } else {
-            Some(decode_token(&r.starting_token).ok_or_else(|| CsiError::new(Code::Aborted, format!("starting_token {:?} is not valid", r.starting_token)))?)
-        };
         let views = self.book.node_views();
         // Filters: an unknown snapshot or source volume lists nothing (not an error).
-        let all: Vec<VolumeRecord> = self
+        let all = self
             .book
             .list_snapshots()
             .into_iter()
-            .filter(|v| v.state != VolState::Deleting)
             .filter(|v| r.snapshot_id.is_empty() || v.id == r.snapshot_id)
-            .filter(|v| r.source_volume_id.is_empty() || v.source_volume == r.source_volume_id)
-            .filter(|v| after.as_ref().is_none_or(|a| &v.id > a))
-            .collect();
-        let take = if r.max_entries == 0 { all.len() } else { r.max_entries as usize };
-        let page: Vec<&VolumeRecord> = all.iter().take(take).collect();
-        let next_token = if all.len() > page.len() { page.last().map(|v| encode_token(&v.id)).unwrap_or_default() } else { String::new() };
+            .filter(|v| r.source_volume_id.is_empty() || v.source_volume == r.source_volume_id);
+        let (page, next_token) = page_of(all, r.max_entries, &r.starting_token)?;
         let entries = page
-            .into_iter()
+            .iter()
             .map(|v| csi::list_snapshots_response::Entry { snapshot: Some(snapshot_to_csi(v, self.snapshot_ready(v, &views))) })
             .collect();
         Ok(csi::ListSnapshotsResponse { entries, next_token })
@@ -476,22 +468,7 @@ impl ControllerService {
         tokio::task::spawn_blocking(move || book.begin_delete(&did)).await.map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
         let since = self.book.revision();
         let node = v.node.clone();
-        let out = self
-            .book
-            .wait(self.op_timeout, |_, nodes, vols| {
-                if !vols.contains_key(&id) {
-                    return Some(Ok(()));
-                }
-                let view = nodes.get(&node);
-                if let Some(f) = failure_since(view, &id, since) {
-                    return Some(Err(f.into()));
-                }
-                if view.is_none_or(|n| n.connected == 0) {
-                    return Some(Err(CsiError::new(Code::Unavailable, format!("node {node} went away; retry"))));
-                }
-                None
-            })
-            .await;
+        let out = self.await_gone(&id, &node, since).await;
         match out {
             Ok(()) => Ok(csi::DeleteVolumeResponse {}),
             Err(e) if e.code() == Code::FailedPrecondition => {
@@ -609,27 +586,10 @@ impl ControllerService {
     }
 
     async fn do_list_volumes(&self, r: csi::ListVolumesRequest) -> Result<csi::ListVolumesResponse, CsiError> {
-        if r.max_entries < 0 {
-            return Err(invalid("max_entries must not be negative"));
-        }
-        let after = if r.starting_token.is_empty() {
-            None
-        } else {
-            Some(decode_token(&r.starting_token).ok_or_else(|| CsiError::new(Code::Aborted, format!("starting_token {:?} is not valid", r.starting_token)))?)
-        };
         let views = self.book.node_views();
-        let all: Vec<VolumeRecord> = self
-            .book
-            .list()
-            .into_iter()
-            .filter(|v| v.state != VolState::Deleting)
-            .filter(|v| after.as_ref().is_none_or(|a| &v.id > a))
-            .collect();
-        let take = if r.max_entries == 0 { all.len() } else { r.max_entries as usize };
-        let page: Vec<&VolumeRecord> = all.iter().take(take).collect();
-        let next_token = if all.len() > page.len() { page.last().map(|v| encode_token(&v.id)).unwrap_or_default() } else { String::new() };
+        let (page, next_token) = page_of(self.book.list(), r.max_entries, &r.starting_token)?;
         let entries = page
-            .into_iter()
+            .iter()
             .map(|v| {
                 let condition = match held(views.get(&v.node), v) {
                     Some(h) if !h.backing_file_present => {
@@ -769,6 +729,33 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
         unimplemented("ControllerModifyVolume")
     }
+}
+
+/// One page of `records` (by id) that are not being deleted, after `starting_token`, at most
+/// `max_entries` (0: all), and the token of the next page ("" when this is the last).
+fn page_of(
+    records: impl IntoIterator<Item = VolumeRecord>,
+    max_entries: i32,
+    starting_token: &str,
+) -> Result<(Vec<VolumeRecord>, String), CsiError> {
+    if max_entries < 0 {
+        return Err(invalid("max_entries must not be negative"));
+    }
+    let after = if starting_token.is_empty() {
+        None
+    } else {
+        Some(decode_token(starting_token).ok_or_else(|| CsiError::new(Code::Aborted, format!("starting_token {starting_token:?} is not valid")))?)
+    };
+    let mut all: Vec<VolumeRecord> = records
+        .into_iter()
+        .filter(|v| v.state != VolState::Deleting)
+        .filter(|v| after.as_ref().is_none_or(|a| &v.id > a))
+        .collect();
+    let take = if max_entries == 0 { all.len() } else { max_entries as usize };
+    let more = all.len() > take;
+    all.truncate(take);
+    let next_token = if more { all.last().map(|v| encode_token(&v.id)).unwrap_or_default() } else { String::new() };
+    Ok((all, next_token))
 }
 
 /// Pagination tokens: `np1.` + hex of the last volume id returned.

@@ -126,6 +126,13 @@ pub struct Volume {
     pub path: PathBuf,
 }
 
+impl Volume {
+    /// A new volume's metadata, created now.
+    fn new(id: &str, size_bytes: u64, fs_type: FsType, name: &str, path: PathBuf) -> Self {
+        Volume { version: META_VERSION, id: id.to_string(), size_bytes, fs_type, created_at: now_unix(), name: name.to_string(), path }
+    }
+}
+
 fn meta_version() -> u32 {
     META_VERSION
 }
@@ -352,6 +359,20 @@ impl VolumeStore {
         Ok(self.dir.join(format!("{id}.img")))
     }
 
+    /// Where a new volume `id`'s image goes: refused while an image nobody's metadata claims
+    /// is there (possibly someone's data; not ours to reuse or overwrite; `orphans`
+    /// reports it).
+    fn free_image_path(&self, id: &str) -> Result<PathBuf> {
+        let img = self.dir.join(format!("{id}.img"));
+        if img.symlink_metadata().is_ok() {
+            return Err(VolumeError::Busy {
+                id: id.to_string(),
+                reason: format!("{} exists without metadata (an orphan; delete it first)", img.display()),
+            });
+        }
+        Ok(img)
+    }
+
     fn meta_path(&self, id: &str) -> PathBuf {
         self.dir.join(format!("{id}.json"))
     }
@@ -425,26 +446,10 @@ impl VolumeStore {
                 capacity: self.capacity,
             });
         }
-        let img = self.dir.join(format!("{id}.img"));
-        if img.symlink_metadata().is_ok() {
-            // An image nobody's metadata claims: possibly someone's data. Not ours to reuse
-            // or overwrite; `orphans` reports it.
-            return Err(VolumeError::Busy {
-                id: id.to_string(),
-                reason: format!("{} exists without metadata (an orphan; delete it first)", img.display()),
-            });
-        }
+        let img = self.free_image_path(id)?;
         let tmp = self.dir.join(format!(".{id}.img.tmp"));
         let meta_path = self.meta_path(id);
-        let vol = Volume {
-            version: META_VERSION,
-            id: id.to_string(),
-            size_bytes: size,
-            fs_type,
-            created_at: now_unix(),
-            name: name.to_string(),
-            path: img.clone(),
-        };
+        let vol = Volume::new(id, size, fs_type, name, img.clone());
         let result = (|| {
             let f = OpenOptions::new()
                 .write(true)

@@ -329,13 +329,7 @@ impl VolumeStore {
         if size < src_size {
             return Err(VolumeError::Shrink { id: id.to_string(), current: src_size, requested: size });
         }
-        let img = self.dir.join(format!("{id}.img"));
-        if img.symlink_metadata().is_ok() {
-            return Err(VolumeError::Busy {
-                id: id.to_string(),
-                reason: format!("{} exists without metadata (an orphan; delete it first)", img.display()),
-            });
-        }
+        let img = self.free_image_path(id)?;
         let _vlock;
         let _vg;
         if let Source::Volume(v) = source {
@@ -345,15 +339,7 @@ impl VolumeStore {
         let _r = self.reserve(id, size)?;
         let tmp = self.dir.join(format!(".{id}.img.tmp"));
         let meta_path = self.meta_path(id);
-        let vol = Volume {
-            version: META_VERSION,
-            id: id.to_string(),
-            size_bytes: size,
-            fs_type,
-            created_at: now_unix(),
-            name: name.to_string(),
-            path: img.clone(),
-        };
+        let vol = Volume::new(id, size, fs_type, name, img.clone());
         let result = (|| {
             let (held, limits) = prepare()?;
             let copied = copy_into(&src_path, &tmp, size, limits);
