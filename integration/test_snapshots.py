@@ -22,23 +22,7 @@ import pytest
 
 import harness
 from harness import CsiError
-from test_provisioning import MIB, ProvCluster, code_of
-
-
-@pytest.fixture
-def prov():
-    made = []
-
-    def make(**kw):
-        c = ProvCluster(**kw)
-        made.append(c)
-        return c
-
-    try:
-        yield make
-    finally:
-        for c in made:
-            c.close()
+from test_provisioning import MIB, code_of, prov  # noqa: F401 (prov is the clusters fixture)
 
 
 def run(cmd, check=True, **kw):
