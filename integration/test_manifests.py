@@ -1163,14 +1163,18 @@ def test_controller_rbac_equals_api_calls(base, controller_cfg):
         if g == "nodeplane.dev":
             assert (g, res) in crds, f"the controller uses {res}.{g}, which no CRD defines"
             assert namespaced == (crds[(g, res)] == "Namespaced")
-    # Reads and updates are limited to the controller's own Lease and Secret (the token keys:
-    # store.hmacSecretName, default nodeplane-controller-hmac); create cannot be limited by name.
-    own = {"leases": controller_cfg["store"]["leaseName"],
-           "secrets": controller_cfg["store"].get("hmacSecretName", "nodeplane-controller-hmac")}
+    # Reads and updates are limited to the controller's own Lease, Secrets (the token keys:
+    # store.hmacSecretName, default nodeplane-controller-hmac; the bootstrap TLS pair:
+    # tls.bootstrap.secretName) and CA ConfigMap; create cannot be limited by name.
+    bootstrap = controller_cfg["tls"]["bootstrap"]
+    own = {"leases": [controller_cfg["store"]["leaseName"]],
+           "secrets": [controller_cfg["store"].get("hmacSecretName", "nodeplane-controller-hmac"),
+                       bootstrap.get("secretName", "nodeplane-controller-tls")],
+           "configmaps": [bootstrap.get("caConfigMapName", "nodeplane-ca")]}
     for r in role["rules"]:
         if set(r["verbs"]) - {"create"}:
             (res,) = r["resources"]
-            assert r.get("resourceNames") == [own[res]], f"rule {r} should be limited to {own[res]}"
+            assert r.get("resourceNames") == own[res], f"rule {r} should be limited to {own[res]}"
 
 
 EXPECTED_SIDECAR_RULES = {
@@ -1242,10 +1246,11 @@ def test_rbac_bindings(base, deploy):
                 assert "*" not in rule[field], f"{kind} {name}: wildcard in {field}"
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), f"{kind} {name}: {rule}"
             if "secrets" in rule["resources"]:
-                # Only the controller's token keys: its own Secret, in its namespace.
+                # Only the controller's token keys and TLS pair: its own Secrets, in its namespace.
                 assert (kind, ns, name) == ("Role", NAMESPACE, "nodeplane-controller"), f"{kind} {name} grants secrets"
                 assert rule["resources"] == ["secrets"] and (
-                    rule.get("resourceNames") == ["nodeplane-controller-hmac"] or rule["verbs"] == ["create"]), rule
+                    rule.get("resourceNames") == ["nodeplane-controller-hmac", "nodeplane-controller-tls"]
+                    or rule["verbs"] == ["create"]), rule
             if name != "nodeplane-controller":
                 assert "nodeplane.dev" not in rule["apiGroups"], f"{kind} {name} touches nodeplane.dev"
     for name, expected in EXPECTED_SIDECAR_RULES.items():

@@ -6,7 +6,8 @@
 #[path = "../tools/support/fake_apiserver.rs"]
 mod fake_apiserver;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,6 +36,7 @@ fn fake() -> FakeApiServer {
     f.register(GROUP, "v1alpha1", "ipblocks", "IPBlock", false);
     f.register(GROUP, "v1alpha1", "nodeplanevolumes", "NodeplaneVolume", false);
     f.register("", "v1", "secrets", "Secret", true);
+    f.register("", "v1", "configmaps", "ConfigMap", true);
     f
 }
 
@@ -438,7 +440,28 @@ struct Ctl {
     grpc: u16,
 }
 
+/// The CA each controller's gRPC port is verified against (the helpers below connect over
+/// TLS, as agents do).
+static CAS: std::sync::Mutex<BTreeMap<u16, (PathBuf, Option<String>)>> = std::sync::Mutex::new(BTreeMap::new());
+
+/// A controller serving TLS with a certificate from `certs init` in `dir/tls` (made once
+/// per test dir, shared by its controllers as a mounted Secret would be).
 fn controller(dir: &std::path::Path, kubeconfig: &std::path::Path, name: &str) -> Ctl {
+    let tls = dir.join("tls");
+    if !tls.join("tls.crt").exists() {
+        let out = Command::new(env!("CARGO_BIN_EXE_nodeplane-controller"))
+            .args(["certs", "init", "--san", "127.0.0.1", "--dir"])
+            .arg(&tls)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "certs init: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let ctl = controller_with(dir, kubeconfig, name, json!({"dir": tls}));
+    CAS.lock().unwrap().insert(ctl.grpc, (tls.join("ca.crt"), None));
+    ctl
+}
+
+fn controller_with(dir: &std::path::Path, kubeconfig: &std::path::Path, name: &str, tls: serde_json::Value) -> Ctl {
     let (health, grpc) = (free_port(), free_port());
     let data = dir.join(name);
     std::fs::create_dir_all(&data).unwrap();
@@ -447,6 +470,7 @@ fn controller(dir: &std::path::Path, kubeconfig: &std::path::Path, name: &str) -
         "pools": [{"cidr": "10.8.0.0/22", "blockPrefix": 24}, {"cidr": "fd00:8::/62", "blockPrefix": 64}],
         "store": {"kind": "kubernetes", "namespace": NS, "leaseDurationSeconds": 3, "renewDeadlineSeconds": 2, "retryPeriodSeconds": 1},
         "agentAuth": {"kind": "tokenReview", "audience": "nodeplane", "serviceAccount": AGENT_SA},
+        "tls": tls,
     });
     let path = dir.join(format!("{name}.json"));
     std::fs::write(&path, cfg.to_string()).unwrap();
@@ -464,9 +488,16 @@ fn controller(dir: &std::path::Path, kubeconfig: &std::path::Path, name: &str) -
     Ctl { proc: Proc(child), health, grpc }
 }
 
+/// A TLS channel to the controller on `grpc`, verified as an agent verifies it.
+async fn channel(grpc: u16) -> Result<tonic::transport::Channel, String> {
+    let (ca_file, server_name) = CAS.lock().unwrap().get(&grpc).cloned().expect("a controller started by a helper");
+    let files = nodeplane::rpc::tls::ClientFiles { ca_file, server_name, ..Default::default() };
+    nodeplane::rpc::connect_with(&format!("127.0.0.1:{grpc}"), Some(&files)).await
+}
+
 async fn register(grpc: u16, token: &str, node: &str) -> Result<Vec<String>, tonic::Status> {
     use nodeplane::rpc::controller as pb;
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{grpc}")).unwrap().connect().await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let ch = channel(grpc).await.map_err(tonic::Status::unavailable)?;
     let mut c = pb::node_registry_client::NodeRegistryClient::new(ch);
     let mut req = tonic::Request::new(pb::RegisterRequest { node_name: node.into(), underlay_addresses: vec!["192.0.2.9".into()], vtep_mac: String::new() });
     req.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
@@ -823,11 +854,7 @@ fn a_deleted_nodes_agent_is_refused_and_its_blocks_stay_released() {
 
 async fn admin_list(grpc: u16, token: &str) -> Result<usize, tonic::Code> {
     use nodeplane::rpc::controller as pb;
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{grpc}"))
-        .unwrap()
-        .connect()
-        .await
-        .map_err(|_| tonic::Code::Unavailable)?;
+    let ch = channel(grpc).await.map_err(|_| tonic::Code::Unavailable)?;
     let mut c = pb::node_registry_client::NodeRegistryClient::new(ch);
     let mut req = tonic::Request::new(pb::WatchNodesRequest { node_name: String::new() });
     req.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
@@ -1008,4 +1035,53 @@ fn a_leader_whose_lease_was_freed_by_someone_else_stops() {
         let lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
         assert_eq!(lease["metadata"]["labels"]["team"], "net", "the label is kept by the renewals");
     });
+}
+
+// ---- TLS without cert-manager (tls.bootstrap) ----------------------------------------------
+
+#[test]
+fn tls_bootstrap_makes_one_ca_that_agents_verify_across_restarts() {
+    let f = fake();
+    let dir = tempdir("kube-tls");
+    let kubeconfig = dir.join("kubeconfig");
+    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
+    f.put_object("", "nodes", None, node_object("node-1"));
+    let svc = format!("nodeplane-controller.{NS}.svc");
+    let start = |name: &str| {
+        let c = controller_with(&dir, &kubeconfig, name, json!({"bootstrap": {}}));
+        wait_until(&format!("{name} ready"), Duration::from_secs(20), || http_get(c.health, "/readyz") == Some(200));
+        c
+    };
+    let a = start("ctl-a");
+    let secret = f.get("", "secrets", Some(NS), "nodeplane-controller-tls").expect("the TLS Secret was generated");
+    assert_eq!(secret["type"], "kubernetes.io/tls");
+    for k in ["tls.crt", "tls.key", "ca.crt", "ca.key"] {
+        assert!(secret["data"][k].as_str().is_some_and(|v| !v.is_empty()), "{k} missing: {secret}");
+    }
+    // The agents' CA bundle: the ConfigMap.
+    let cm = f.get("", "configmaps", Some(NS), "nodeplane-ca").expect("the CA ConfigMap was published");
+    let ca_pem = cm["data"]["ca.crt"].as_str().unwrap().to_string();
+    let ca_file = dir.join("ca-from-configmap.crt");
+    std::fs::write(&ca_file, &ca_pem).unwrap();
+    // Verified against the Service's DNS name, as agents reach it.
+    CAS.lock().unwrap().insert(a.grpc, (ca_file.clone(), Some(svc.clone())));
+    let admin = mint(&dir, &kubeconfig, "ctl-a", "@admin");
+    let rt = rt();
+    assert_eq!(rt.block_on(admin_list(a.grpc, &admin)), Ok(0));
+    // A name the certificate does not carry is refused.
+    CAS.lock().unwrap().insert(a.grpc, (ca_file.clone(), Some("evil.example".into())));
+    assert_eq!(rt.block_on(admin_list(a.grpc, &admin)), Err(tonic::Code::Unavailable));
+    let served = std::fs::read(dir.join("ctl-a/tls/tls.crt")).unwrap();
+    unsafe { libc::kill(a.proc.0.id() as i32, libc::SIGTERM) };
+    drop(a);
+    // A new pod with an empty data dir: the same CA and certificate, from the Secret.
+    std::fs::remove_dir_all(dir.join("ctl-a")).unwrap();
+    let b = start("ctl-b");
+    assert_eq!(std::fs::read(dir.join("ctl-b/tls/tls.crt")).unwrap(), served, "the Secret's certificate is reused");
+    CAS.lock().unwrap().insert(b.grpc, (ca_file, Some(svc)));
+    assert_eq!(rt.block_on(admin_list(b.grpc, &admin)), Ok(0), "the CA bundle the agents mounted still verifies it");
+    let creates = |plural: &str| f.requests().iter().filter(|r| r.resource == plural && r.verb == "create").count();
+    assert_eq!(creates("configmaps"), 1);
+    assert_eq!(f.get("", "configmaps", Some(NS), "nodeplane-ca").unwrap()["data"]["ca.crt"], ca_pem.as_str());
+    assert!(f.requests().iter().filter(|r| r.resource == "secrets" && r.verb == "create").all(|r| r.field_manager == "nodeplane-controller"));
 }

@@ -56,14 +56,22 @@ fn grpc_err(op: &str, s: &tonic::Status) -> String {
     format!("{op}: {:?}: {}", s.code(), s.message())
 }
 
+/// `msg` with the bearer token; an empty token (a client certificate is the credential)
+/// adds none.
 pub(crate) fn authed<T>(msg: T, token: &str) -> Result<Request<T>, String> {
     let mut req = Request::new(msg);
+    if token.is_empty() {
+        return Ok(req);
+    }
     let value = format!("Bearer {token}").parse().map_err(|_| "token is not valid header text".to_string())?;
     req.metadata_mut().insert("authorization", value);
     Ok(req)
 }
 
 pub(crate) fn read_token(path: &Path) -> Result<String, String> {
+    if path.as_os_str().is_empty() {
+        return Ok(String::new());
+    }
     std::fs::read_to_string(path)
         .map(|t| t.trim().to_string())
         .map_err(|e| format!("reading token {}: {e}", path.display()))
@@ -196,7 +204,7 @@ impl Client {
     /// One connection: register, then follow the membership stream until it breaks.
     async fn session(self: &Arc<Self>, connected: &mut bool) -> Result<(), String> {
         let token = read_token(&self.cc.token_file)?;
-        let channel = crate::rpc::connect(&self.cc.address).await.map_err(|e| format!("connect: {e}"))?;
+        let channel = crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?;
         let mut client = NodeRegistryClient::new(channel);
         let underlay: Vec<String> = self.cc.underlay_addresses.iter().map(|a| a.to_string()).collect();
         let me = self.cfg.node_name.clone();
@@ -269,7 +277,7 @@ fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, family: 
     let c = client.clone();
     handle.block_on(async move {
         let token = read_token(&c.cc.token_file)?;
-        let channel = crate::rpc::connect(&c.cc.address).await.map_err(|e| format!("connect: {e}"))?;
+        let channel = crate::rpc::connect_with(&c.cc.address, c.cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?;
         let family = match family {
             Family::V4 => pb::Family::Ipv4,
             Family::V6 => pb::Family::Ipv6,
@@ -289,6 +297,11 @@ fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, family: 
 /// Run the cluster client forever (reconnecting with backoff), keeping `link` up to date.
 pub async fn run(cfg: Arc<Config>, dp: Arc<Datapath>, link: Arc<Link>) {
     let Some(cc) = cfg.controller.clone() else { return };
+    if cc.insecure {
+        tracing::warn!(address = %cc.address, "controller.insecure: true: this node's credential goes to the controller in plaintext; configure controller.tls");
+    } else if cc.tls.is_some() {
+        tracing::info!(address = %cc.address, client_certificate = cc.tls.as_ref().is_some_and(|t| t.cert_file.is_some()), "controller reached over TLS");
+    }
     let client = Arc::new(Client {
         cfg,
         dp: dp.clone(),

@@ -29,8 +29,17 @@ pub struct ControllerConfig {
     /// `unix:/path` or `host:port`; empty (or absent): env `NODEPLANE_CONTROLLER_ADDRESS`.
     #[serde(default)]
     pub address: String,
-    /// File holding this node's credential (`nodeplane-controller token NODE`).
+    /// File holding this node's credential (`nodeplane-controller token NODE`, or a
+    /// projected service-account token). May be left out when `tls` gives a client
+    /// certificate: the certificate is then the credential.
+    #[serde(default)]
     pub token_file: PathBuf,
+    /// TLS to a TCP address: the CA bundle the controller is verified against, optionally
+    /// the name to verify and a client certificate. Required for TCP unless `insecure`.
+    pub tls: Option<crate::rpc::tls::ClientFiles>,
+    /// Talk plaintext to a TCP address (a warning at every start).
+    #[serde(default)]
+    pub insecure: bool,
     /// This node's underlay address(es); the first one is the VXLAN endpoint. Empty (or
     /// absent): env `NODE_IPS` (comma-separated; a DaemonSet sets it from `status.hostIP`).
     #[serde(default)]
@@ -309,7 +318,30 @@ impl Config {
                     }
                 };
             }
-            crate::rpc::parse_listen(&c.address).map_err(|e| ConfigError::Invalid(format!("controller.address: {e}")))?;
+            let tcp = matches!(
+                crate::rpc::parse_listen(&c.address).map_err(|e| ConfigError::Invalid(format!("controller.address: {e}")))?,
+                crate::rpc::Listen::Tcp(_)
+            );
+            match (&c.tls, c.insecure) {
+                (None, false) if tcp => {
+                    return bad(format!(
+                        "controller.address {:?} is TCP: give controller.tls (caFile: the controller's CA bundle), or set controller.insecure: true to send the credential in plaintext",
+                        c.address
+                    ));
+                }
+                (Some(_), true) => return bad("controller.tls and controller.insecure: true contradict each other".into()),
+                (Some(t), false) if !t.ca_file.is_absolute() => {
+                    return bad(format!("controller.tls.caFile {} must be absolute", t.ca_file.display()));
+                }
+                (Some(t), false) if t.cert_file.is_some() != t.key_file.is_some() => {
+                    return bad("controller.tls.certFile and keyFile go together".into());
+                }
+                _ => {}
+            }
+            let has_cert = c.tls.as_ref().is_some_and(|t| t.cert_file.is_some());
+            if c.token_file.as_os_str().is_empty() && !has_cert {
+                return bad("controller.tokenFile is required (or a client certificate in controller.tls)".into());
+            }
             if c.underlay_addresses.is_empty() {
                 let Some(list) = env(ENV_NODE_IPS) else {
                     return bad(format!(
@@ -556,8 +588,25 @@ mod tests {
     }
 
     #[test]
+    fn tcp_to_the_controller_needs_tls_or_insecure() {
+        let env = [("NODE_NAME", "w1"), ("NODE_IPS", "192.0.2.7")];
+        let cfg = |c: &str| format!(r#"{{"shimSource":"/x","controller":{{"address":"10.0.0.1:9650"{c}}}}}"#);
+        let err = |c: &str| parse_env(&cfg(c), &env).unwrap_err().to_string();
+        assert!(err(r#","tokenFile":"/t""#).contains("controller.insecure: true"));
+        assert!(err(r#","tokenFile":"/t","insecure":true,"tls":{"caFile":"/c"}"#).contains("contradict"));
+        assert!(err(r#","tokenFile":"/t","tls":{"caFile":"c.crt"}"#).contains("absolute"));
+        assert!(err(r#","tls":{"caFile":"/c"}"#).contains("tokenFile is required"));
+        assert!(err(r#","tls":{"caFile":"/c","certFile":"/a"}"#).contains("go together"));
+        let c = parse_env(&cfg(r#","tls":{"caFile":"/c","certFile":"/a","keyFile":"/b"}"#), &env).unwrap();
+        assert!(c.controller.unwrap().token_file.as_os_str().is_empty(), "a client certificate is the credential");
+        assert!(parse_env(&cfg(r#","tokenFile":"/t","insecure":true"#), &env).unwrap().controller.unwrap().insecure);
+        let unix = r#"{"shimSource":"/x","controller":{"address":"unix:/run/c.sock","tokenFile":"/t"}}"#;
+        assert!(parse_env(unix, &env).is_ok(), "a Unix socket needs no TLS");
+    }
+
+    #[test]
     fn controller_values_from_env() {
-        let shared = r#"{"shimSource":"/x","controller":{"address":"","tokenFile":"/t"}}"#;
+        let shared = r#"{"shimSource":"/x","controller":{"address":"","tokenFile":"/t","tls":{"caFile":"/ca.crt"}}}"#;
         let env = [
             ("NODE_NAME", "w1"),
             ("NODE_IPS", "192.0.2.7, 2001:db8::7"),
@@ -570,7 +619,7 @@ mod tests {
         let ips: Vec<std::net::IpAddr> = vec!["192.0.2.7".parse().unwrap(), "2001:db8::7".parse().unwrap()];
         assert_eq!(cc.underlay_addresses, ips);
         // Absent keys behave like empty ones.
-        let absent = r#"{"shimSource":"/x","controller":{"tokenFile":"/t"}}"#;
+        let absent = r#"{"shimSource":"/x","controller":{"tokenFile":"/t","insecure":true}}"#;
         let cc = parse_env(absent, &env).unwrap().controller.unwrap();
         assert_eq!((cc.address.as_str(), cc.underlay_addresses), ("10.0.0.1:9650", ips));
 

@@ -285,7 +285,7 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, state: &mut SyncState, node
 
 async fn session(cfg: &Config, cc: &ControllerConfig, svc: &Arc<NodeService>, first_orphaned: &mut SyncState, connected: &mut bool) -> Result<(), String> {
     let token = read_token(&cc.token_file)?;
-    let channel = crate::rpc::connect(&cc.address).await.map_err(|e| format!("connect: {e}"))?;
+    let channel = crate::rpc::connect_with(&cc.address, cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?;
     let mut client = NodeRegistryClient::new(channel);
     let node = cfg.node_name.clone();
     let mut stream = client

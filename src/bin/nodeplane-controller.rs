@@ -44,6 +44,8 @@ enum Cmd {
         controller: String,
         #[arg(long)]
         token_file: PathBuf,
+        #[command(flatten)]
+        tls: TlsArgs,
         node: String,
     },
     /// Print the registered nodes and their blocks (admin credential).
@@ -52,7 +54,63 @@ enum Cmd {
         controller: String,
         #[arg(long)]
         token_file: PathBuf,
+        #[command(flatten)]
+        tls: TlsArgs,
     },
+    /// Make certificates without cert-manager: a CA, serving and node client certificates.
+    Certs {
+        #[command(subcommand)]
+        cmd: CertsCmd,
+    },
+}
+
+/// How the CLI reaches a TCP controller: TLS with `--ca-file`, else plaintext (which a TLS
+/// controller refuses).
+#[derive(clap::Args)]
+struct TlsArgs {
+    /// CA bundle the controller's certificate must chain to.
+    #[arg(long)]
+    ca_file: Option<PathBuf>,
+    /// The name to verify the certificate against (default: the address's host).
+    #[arg(long)]
+    server_name: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum CertsCmd {
+    /// The CA in DIR (`ca.crt`, `ca.key`; made if missing) and a serving certificate for
+    /// the SANs (`tls.crt`, `tls.key`), the layout of a `kubernetes.io/tls` Secret.
+    Init {
+        #[arg(long)]
+        dir: PathBuf,
+        /// A DNS name or IP address the controller is reached by. Repeatable.
+        #[arg(long, required = true)]
+        san: Vec<String>,
+        #[arg(long, default_value_t = 365)]
+        days: i64,
+    },
+    /// A certificate signed by the CA in CA_DIR, written to OUT/tls.crt and OUT/tls.key:
+    /// serving (`--san`) or a node's client certificate (`--node`, CN=system:node:<node>).
+    Issue {
+        #[arg(long)]
+        ca_dir: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long)]
+        san: Vec<String>,
+        #[arg(long, conflicts_with = "san")]
+        node: Option<String>,
+        /// Validity in days; negative: already expired (for testing what refuses it).
+        #[arg(long, default_value_t = 365, allow_negative_numbers = true)]
+        days: i64,
+    },
+}
+
+fn write_pair(dir: &std::path::Path, (cert, key): (String, String)) -> anyhow::Result<()> {
+    use controller::certs::{TLS_CERT, TLS_KEY, write_pem};
+    write_pem(&dir.join(TLS_KEY), &key, true).with_context(|| format!("writing {}", dir.join(TLS_KEY).display()))?;
+    write_pem(&dir.join(TLS_CERT), &cert, false).with_context(|| format!("writing {}", dir.join(TLS_CERT).display()))?;
+    Ok(())
 }
 
 fn bearer(token_file: &PathBuf) -> anyhow::Result<tonic::metadata::MetadataValue<tonic::metadata::Ascii>> {
@@ -62,8 +120,16 @@ fn bearer(token_file: &PathBuf) -> anyhow::Result<tonic::metadata::MetadataValue
 
 async fn client(
     address: &str,
+    tls: &TlsArgs,
 ) -> anyhow::Result<pb::node_registry_client::NodeRegistryClient<tonic::transport::Channel>> {
-    let ch = nodeplane::rpc::connect(address).await.with_context(|| format!("connecting to {address}"))?;
+    let files = tls.ca_file.clone().map(|ca_file| nodeplane::rpc::tls::ClientFiles {
+        ca_file,
+        server_name: tls.server_name.clone(),
+        ..Default::default()
+    });
+    let ch = nodeplane::rpc::connect_with(address, files.as_ref())
+        .await
+        .map_err(|e| anyhow::anyhow!("connecting to {address}: {e}"))?;
     Ok(pb::node_registry_client::NodeRegistryClient::new(ch))
 }
 
@@ -92,16 +158,16 @@ fn main() -> anyhow::Result<()> {
             let authority = rt.block_on(controller::token_authority(&cfg, None))?;
             println!("{}", authority.mint(&identity));
         }
-        Cmd::RemoveNode { controller, token_file, node } => rt.block_on(async {
-            let mut c = client(&controller).await?;
+        Cmd::RemoveNode { controller, token_file, tls, node } => rt.block_on(async {
+            let mut c = client(&controller, &tls).await?;
             let mut req = tonic::Request::new(pb::RemoveNodeRequest { node_name: node.clone() });
             req.metadata_mut().insert("authorization", bearer(&token_file)?);
             let resp = c.remove_node(req).await?.into_inner();
             println!("removed {node}; released {}", resp.released_blocks.join(", "));
             anyhow::Ok(())
         })?,
-        Cmd::List { controller, token_file } => rt.block_on(async {
-            let mut c = client(&controller).await?;
+        Cmd::List { controller, token_file, tls } => rt.block_on(async {
+            let mut c = client(&controller, &tls).await?;
             let mut req = tonic::Request::new(pb::WatchNodesRequest { node_name: String::new() });
             req.metadata_mut().insert("authorization", bearer(&token_file)?);
             let mut stream = c.watch_nodes(req).await?.into_inner();
@@ -112,6 +178,27 @@ fn main() -> anyhow::Result<()> {
             }
             anyhow::Ok(())
         })?,
+        Cmd::Certs { cmd: CertsCmd::Init { dir, san, days } } => {
+            let ca = controller::certs::ca_in(&dir, 3650).map_err(anyhow::Error::msg)?;
+            write_pair(&dir, ca.issue_server(&san, days).map_err(anyhow::Error::msg)?)?;
+            println!("{}", dir.display());
+        }
+        Cmd::Certs { cmd: CertsCmd::Issue { ca_dir, out, san, node, days } } => {
+            use controller::certs::{CA_CERT, CA_KEY};
+            let read = |f: &str| std::fs::read_to_string(ca_dir.join(f)).with_context(|| format!("reading {}", ca_dir.join(f).display()));
+            let ca = controller::certs::Ca::load(&read(CA_CERT)?, &read(CA_KEY)?).map_err(anyhow::Error::msg)?;
+            let pair = match node {
+                Some(n) => {
+                    if !controller::records::valid_node_name(&n) {
+                        anyhow::bail!("{n:?} is not a valid node name");
+                    }
+                    ca.issue_client(&format!("{}{n}", nodeplane::rpc::tls::NODE_CN_PREFIX), days)
+                }
+                None => ca.issue_server(&san, days),
+            };
+            write_pair(&out, pair.map_err(anyhow::Error::msg)?)?;
+            println!("{}", out.display());
+        }
     }
     Ok(())
 }

@@ -53,6 +53,61 @@ pub struct FileConfig {
     /// `nodeplane-controller token`) or `{"kind": "tokenReview", ...}` (projected
     /// service-account tokens; HMAC tokens keep working, e.g. for the admin).
     pub agent_auth: Option<AgentAuthFile>,
+    /// TLS for a TCP `listen` address (required there unless `insecure`).
+    pub tls: Option<TlsFile>,
+    /// Serve a TCP `listen` address in plaintext (a warning at every start): bearer tokens
+    /// then cross the network readable by anyone on it.
+    #[serde(default)]
+    pub insecure: bool,
+}
+
+/// `tls`: the serving certificate's files, or (Kubernetes mode) a Secret made on first start.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TlsFile {
+    /// The directory of a mounted `kubernetes.io/tls` Secret: `tls.crt` and `tls.key` in it
+    /// (the names cert-manager writes).
+    pub dir: Option<PathBuf>,
+    /// Or the two files by name.
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+    /// CA bundle for client certificates (mTLS: `CN=system:node:<node>` names the node);
+    /// none: agents authenticate by token only.
+    pub client_ca_file: Option<PathBuf>,
+    /// How often the files are checked for a rotated pair (default 5 s).
+    pub reload_seconds: Option<u64>,
+    /// Kubernetes mode without cert-manager: the controller makes its own CA and serving
+    /// certificate into a Secret on first start and publishes the CA in a ConfigMap.
+    pub bootstrap: Option<BootstrapFile>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BootstrapFile {
+    /// Default `nodeplane-controller-tls`.
+    pub secret_name: Option<String>,
+    /// Default `nodeplane-ca` (key `ca.crt`).
+    pub ca_config_map_name: Option<String>,
+    /// The serving certificate's DNS names; default the Service's
+    /// (`nodeplane-controller`, `.<namespace>`, `.<namespace>.svc`, `.<namespace>.svc.cluster.local`).
+    #[serde(default)]
+    pub dns_names: Vec<String>,
+}
+
+/// Resolved `tls`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tls {
+    pub files: crate::rpc::tls::ServerFiles,
+    pub reload: std::time::Duration,
+    pub bootstrap: Option<Bootstrap>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bootstrap {
+    pub namespace: String,
+    pub secret_name: String,
+    pub ca_config_map_name: String,
+    pub dns_names: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -145,6 +200,9 @@ pub struct Config {
     pub health_address: Option<std::net::SocketAddr>,
     pub store: Store,
     pub agent_auth: AgentAuth,
+    /// TLS on the TCP listener; None on a Unix socket, or TCP with `insecure`.
+    pub tls: Option<Tls>,
+    pub insecure: bool,
 }
 
 
@@ -240,7 +298,10 @@ impl Config {
             }
             Some(a) => return Err(bad(format!("agentAuth.kind {:?} is neither \"hmac\" nor \"tokenReview\"", a.kind))),
         };
+        let tls = resolve_tls(&f, &listen, &store).map_err(bad)?;
         Ok(Config {
+            tls,
+            insecure: f.insecure,
             health_address,
             store,
             agent_auth,
@@ -298,8 +359,77 @@ impl Config {
             "vxlanVni": self.vxlan_vni, "vxlanPort": self.vxlan_port,
             "orphanGraceSeconds": self.orphan_grace.as_secs(), "volumeOpTimeoutSeconds": self.volume_op_timeout.as_secs(),
             "store": store, "agentAuth": agent_auth,
+            "tls": self.tls.as_ref().map(|t| serde_json::json!({
+                "certFile": t.files.cert_file, "keyFile": t.files.key_file, "clientCaFile": t.files.client_ca_file,
+                "reloadSeconds": t.reload.as_secs(),
+                "bootstrap": t.bootstrap.as_ref().map(|b| serde_json::json!({
+                    "secretName": b.secret_name, "caConfigMapName": b.ca_config_map_name, "dnsNames": b.dns_names,
+                })),
+            })),
+            "insecure": self.insecure,
         })
     }
+}
+
+fn resolve_tls(f: &FileConfig, listen: &Listen, store: &Store) -> Result<Option<Tls>, String> {
+    let Some(t) = &f.tls else {
+        if matches!(listen, Listen::Tcp(_)) && !f.insecure {
+            return Err(format!(
+                "listen {:?} is TCP: give tls (a certificate: tls.dir, or tls.certFile and tls.keyFile; in Kubernetes mode also tls.bootstrap), or set insecure: true to serve plaintext",
+                f.listen
+            ));
+        }
+        return Ok(None);
+    };
+    if !matches!(listen, Listen::Tcp(_)) {
+        return Err(format!("tls applies to a TCP listen address, and {:?} is a Unix socket", f.listen));
+    }
+    if f.insecure {
+        return Err("tls and insecure: true contradict each other".into());
+    }
+    let bootstrap = match (&t.bootstrap, store) {
+        (None, _) => None,
+        (Some(b), Store::Kubernetes(k)) => {
+            let ns = &k.namespace;
+            let secret_name = b.secret_name.clone().unwrap_or_else(|| "nodeplane-controller-tls".into());
+            let ca_config_map_name = b.ca_config_map_name.clone().unwrap_or_else(|| "nodeplane-ca".into());
+            for (what, n) in [("secretName", &secret_name), ("caConfigMapName", &ca_config_map_name)] {
+                if let Some(why) = super::records::subdomain_error(n) {
+                    return Err(format!("tls.bootstrap.{what} {n:?} {why}"));
+                }
+            }
+            let svc = "nodeplane-controller";
+            let dns_names = if b.dns_names.is_empty() {
+                vec![svc.to_string(), format!("{svc}.{ns}"), format!("{svc}.{ns}.svc"), format!("{svc}.{ns}.svc.cluster.local")]
+            } else {
+                b.dns_names.clone()
+            };
+            Some(Bootstrap { namespace: ns.clone(), secret_name, ca_config_map_name, dns_names })
+        }
+        (Some(_), Store::Embedded) => {
+            return Err("tls.bootstrap needs store kind kubernetes (locally, make the files with `nodeplane-controller certs init`)".into());
+        }
+    };
+    let (cert_file, key_file) = match (&t.dir, &t.cert_file, &t.key_file, &bootstrap) {
+        (Some(d), None, None, None) => (d.join(super::certs::TLS_CERT), d.join(super::certs::TLS_KEY)),
+        (None, Some(c), Some(k), None) => (c.clone(), k.clone()),
+        (None, None, None, Some(_)) => {
+            let d = f.data_dir.join("tls");
+            (d.join(super::certs::TLS_CERT), d.join(super::certs::TLS_KEY))
+        }
+        (_, _, _, Some(_)) => return Err("tls.bootstrap writes its own files: give no tls.dir, certFile or keyFile with it".into()),
+        (Some(_), _, _, None) => return Err("tls: give either dir or certFile and keyFile".into()),
+        _ => return Err("tls: give dir (holding tls.crt and tls.key), or both certFile and keyFile".into()),
+    };
+    let reload = std::time::Duration::from_secs(t.reload_seconds.unwrap_or(5));
+    if reload.is_zero() {
+        return Err("tls.reloadSeconds must be positive".into());
+    }
+    Ok(Some(Tls {
+        files: crate::rpc::tls::ServerFiles { cert_file, key_file, client_ca_file: t.client_ca_file.clone() },
+        reload,
+        bootstrap,
+    }))
 }
 
 fn resolve_store(f: Option<&StoreFile>, env: &dyn Fn(&str) -> Option<String>) -> Result<Store, String> {
@@ -380,7 +510,7 @@ mod tests {
     fn store_and_auth() {
         let f = |extra: &str| -> FileConfig {
             serde_json::from_str(&format!(
-                r#"{{"dataDir":"/tmp/x","listen":"0.0.0.0:9650","pools":[{{"cidr":"10.0.0.0/16","blockPrefix":24}}]{extra}}}"#
+                r#"{{"dataDir":"/tmp/x","listen":"0.0.0.0:9650","insecure":true,"pools":[{{"cidr":"10.0.0.0/16","blockPrefix":24}}]{extra}}}"#
             ))
             .unwrap()
         };
@@ -417,6 +547,35 @@ mod tests {
         assert!(err(r#","agentAuth":{"kind":"tokenReview"}"#, &env).contains("serviceAccount"));
         assert!(err(r#","agentAuth":{"kind":"tokenReview","serviceAccount":"bob"}"#, &env).contains("system:serviceaccount"));
         assert!(err(r#","healthAddress":"nowhere""#, &env).contains("healthAddress"));
+    }
+
+    #[test]
+    fn tcp_needs_tls_or_insecure() {
+        let f = |listen: &str, extra: &str| -> FileConfig {
+            serde_json::from_str(&format!(
+                r#"{{"dataDir":"/tmp/x","listen":"{listen}","pools":[{{"cidr":"10.0.0.0/16","blockPrefix":24}}]{extra}}}"#
+            ))
+            .unwrap()
+        };
+        let env = |k: &str| (k == "POD_NAMESPACE").then(|| "ns".to_string());
+        let err = |l: &str, x: &str| Config::resolve_with_env(f(l, x), &env).unwrap_err().to_string();
+        assert!(err("127.0.0.1:9650", "").contains("insecure: true"));
+        let c = Config::resolve_with_env(f("127.0.0.1:9650", r#","insecure":true"#), &env).unwrap();
+        assert!(c.insecure && c.tls.is_none());
+        let c = Config::resolve_with_env(f("127.0.0.1:9650", r#","tls":{"dir":"/etc/np/tls"}"#), &env).unwrap();
+        let t = c.tls.unwrap();
+        assert_eq!(t.files.cert_file, PathBuf::from("/etc/np/tls/tls.crt"));
+        assert_eq!(t.files.key_file, PathBuf::from("/etc/np/tls/tls.key"));
+        assert!(err("unix:/tmp/x.sock", r#","tls":{"dir":"/d"}"#).contains("Unix socket"));
+        assert!(err("127.0.0.1:1", r#","tls":{"certFile":"/c"}"#).contains("both certFile and keyFile"));
+        assert!(err("127.0.0.1:1", r#","tls":{"bootstrap":{}}"#).contains("kubernetes"));
+        assert!(err("127.0.0.1:1", r#","tls":{"dir":"/d"},"insecure":true"#).contains("contradict"));
+        let k = r#","store":{"kind":"kubernetes"},"tls":{"bootstrap":{}}"#;
+        let b = Config::resolve_with_env(f("0.0.0.0:9650", k), &env).unwrap().tls.unwrap();
+        assert_eq!(b.files.cert_file, PathBuf::from("/tmp/x/tls/tls.crt"));
+        let bs = b.bootstrap.unwrap();
+        assert_eq!(bs.secret_name, "nodeplane-controller-tls");
+        assert!(bs.dns_names.contains(&"nodeplane-controller.ns.svc".to_string()));
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 pub mod auth;
 pub mod backend;
+pub mod certs;
 pub mod config;
 pub mod csi;
 pub mod kube;
@@ -30,6 +31,8 @@ pub enum ControllerError {
     Volumes(String),
     #[error("Kubernetes: {0}")]
     Kube(String),
+    #[error("TLS: {0}")]
+    Tls(String),
     #[error("leadership lost: {0}")]
     LostLeadership(String),
 }
@@ -106,6 +109,20 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     if let (config::AgentAuth::TokenReview { audience, service_account }, Some(c)) = (&cfg.agent_auth, &client) {
         authority = authority.with_reviewer(kube::review::TokenReviewer::new(c.clone(), audience, service_account));
         tracing::info!(audience = %audience, service_account = %service_account, "agents authenticate with projected service-account tokens (TokenReview)");
+    }
+    // The serving certificate (made first, in Kubernetes mode with tls.bootstrap): a
+    // certificate that does not load stops the start here, before anything is served.
+    let acceptor = match &cfg.tls {
+        Some(t) => {
+            if let (Some(b), Some(c)) = (&t.bootstrap, &client) {
+                kube::tls::bootstrap(c.clone(), b, &t.files).await.map_err(ControllerError::Tls)?;
+            }
+            Some(crate::rpc::tls::Acceptor::load(t.files.clone()).map_err(ControllerError::Tls)?)
+        }
+        None => None,
+    };
+    if cfg.insecure {
+        tracing::warn!(listen = ?cfg.listen, "insecure: true: the agent API is served in plaintext, so bearer tokens cross the network readable by anyone on it; configure tls");
     }
     // Leadership first (Kubernetes mode): nobody but the leader reads or writes the state.
     let mut elector = None;
@@ -224,8 +241,28 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             let local = listener.local_addr().map_err(io_ctx("local addr"))?;
             tracing::info!(address = %local, "ready");
             serving.set(true, format!("serving on {local}"));
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-            router.serve_with_incoming_shutdown(incoming, until_stopped(stopping.clone())).await
+            match (acceptor, &cfg.tls) {
+                (Some(acceptor), Some(t)) => {
+                    let reloader = acceptor.watch(t.reload, stopping.clone());
+                    tracing::info!(
+                        address = %local,
+                        cert = %t.files.cert_file.display(),
+                        client_certificates = t.files.client_ca_file.is_some(),
+                        "ready (TLS)"
+                    );
+                    serving.set(true, format!("serving on {local} (TLS)"));
+                    let incoming = crate::rpc::tls::incoming(listener, acceptor);
+                    let r = router.serve_with_incoming_shutdown(incoming, until_stopped(stopping.clone())).await;
+                    reloader.abort();
+                    r
+                }
+                _ => {
+                    tracing::info!(address = %local, "ready (plaintext: insecure)");
+                    serving.set(true, format!("serving on {local} (plaintext, insecure)"));
+                    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                    router.serve_with_incoming_shutdown(incoming, until_stopped(stopping.clone())).await
+                }
+            }
         }
     };
     serving.set(false, "stopped");

@@ -53,14 +53,38 @@ fn node_list(s: &Snapshot) -> pb::NodeList {
 }
 
 impl Service {
+    /// Who calls: a verified client certificate (mTLS) names its node; else the bearer
+    /// token does. With both, they must name the same node: a node certificate with
+    /// another node's (or the admin's) token is refused, not upgraded.
     async fn identity<T>(&self, req: &Request<T>) -> Result<Identity, Status> {
-        let header = req
-            .metadata()
-            .get("authorization")
-            .ok_or_else(|| Status::unauthenticated("missing authorization (Bearer token)"))?
-            .to_str()
-            .map_err(|_| Status::unauthenticated("malformed authorization header"))?;
-        self.authority.identify(header).await
+        let from_cert = match req.peer_certs() {
+            Some(certs) if !certs.is_empty() => {
+                let node = crate::rpc::tls::node_of_certificate(&certs[0]).map_err(Status::unauthenticated)?;
+                if !crate::controller::records::valid_node_name(&node) {
+                    return Err(Status::unauthenticated(format!("the client certificate names {node:?}, which is not a valid node name")));
+                }
+                Some(node)
+            }
+            _ => None,
+        };
+        let header = match req.metadata().get("authorization") {
+            None => None,
+            Some(v) => Some(v.to_str().map_err(|_| Status::unauthenticated("malformed authorization header"))?),
+        };
+        match (from_cert, header) {
+            (Some(node), None) => Ok(Identity::Node(node)),
+            (Some(node), Some(h)) => {
+                let by_token = self.authority.identify(h).await?;
+                if by_token != Identity::Node(node.clone()) {
+                    return Err(Status::unauthenticated(format!(
+                        "the client certificate names node {node:?} but the bearer token names {by_token:?}"
+                    )));
+                }
+                Ok(by_token)
+            }
+            (None, Some(h)) => self.authority.identify(h).await,
+            (None, None) => Err(Status::unauthenticated("missing authorization (Bearer token or client certificate)")),
+        }
     }
 
     async fn authorize<T>(&self, req: &Request<T>, node: &str) -> Result<Identity, Status> {

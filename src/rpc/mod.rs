@@ -59,6 +59,17 @@ pub async fn connect(address: &str) -> Result<tonic::transport::Channel, tonic::
     }
 }
 
+/// A client channel to a controller at `unix:/path` or `host:port`, over TLS when `tls` is
+/// given (a TCP address without it is plaintext: callers refuse that unless configured
+/// `insecure`). Errors carry their causes (a refused certificate says why).
+pub async fn connect_with(address: &str, tls: Option<&tls::ClientFiles>) -> Result<tonic::transport::Channel, String> {
+    match (parse_listen(address)?, tls) {
+        (Listen::Unix(path), _) => connect_unix(&path).await.map_err(|e| tls::chain(&e)),
+        (Listen::Tcp(addr), Some(t)) => tls::connect(addr, t).await,
+        (Listen::Tcp(_), None) => connect(address).await.map_err(|e| tls::chain(&e)),
+    }
+}
+
 /// A gRPC client channel over the Unix socket at `path` (the authority is a placeholder;
 /// every call goes to the socket).
 pub async fn connect_unix(path: &std::path::Path) -> Result<tonic::transport::Channel, tonic::transport::Error> {
@@ -138,6 +149,7 @@ impl From<Timestamp> for SystemTime {
 }
 
 pub mod authority;
+pub mod tls;
 
 #[cfg(test)]
 mod tests;

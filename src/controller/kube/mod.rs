@@ -11,6 +11,7 @@ pub mod nodes;
 pub mod review;
 pub mod secret;
 pub mod state;
+pub mod tls;
 
 use kube::core::ApiResource;
 use serde::Serialize;
@@ -59,6 +60,10 @@ pub const API_CALLS: &[ApiCall] = &[
     call("", "secrets", "get", true),
     call("", "secrets", "create", true),
     call("", "secrets", "update", true),
+    // tls.bootstrap: the CA bundle agents mount (get/update limited to its name)
+    call("", "configmaps", "get", true),
+    call("", "configmaps", "create", true),
+    call("", "configmaps", "update", true),
     // leader election
     call("coordination.k8s.io", "leases", "get", true),
     call("coordination.k8s.io", "leases", "create", true),

@@ -1,0 +1,177 @@
+//! `tls.bootstrap`: a cluster without cert-manager. On first start the controller makes its
+//! own CA and a serving certificate for the Service's DNS names into a Secret (type
+//! `kubernetes.io/tls`: `tls.crt`, `tls.key`, plus `ca.crt` and `ca.key`), and publishes
+//! the CA (`ca.crt`) in a ConfigMap the agents mount. Every start reads the Secret: the same
+//! certificate for every controller replica, across restarts. A serving certificate with
+//! less than 30 days left (or not naming every configured DNS name) is re-issued by the same
+//! CA, so agents keep trusting it.
+//!
+//! Create races between two starting controllers end like the HMAC Secret's: `409
+//! AlreadyExists` re-reads and uses the winner's.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kube::api::{Api, ObjectMeta};
+
+use crate::controller::certs::{CA_CERT, CA_KEY, Ca, TLS_CERT, TLS_KEY};
+use crate::controller::config::Bootstrap;
+use crate::rpc::tls::ServerFiles;
+
+const ATTEMPTS: usize = 5;
+const CA_DAYS: i64 = 3650;
+const SERVING_DAYS: i64 = 365;
+const RENEW_BEFORE_SECS: i64 = 30 * 86400;
+
+fn labels() -> BTreeMap<String, String> {
+    [("app.kubernetes.io/managed-by".to_string(), "nodeplane-controller".to_string())].into()
+}
+
+fn text(data: &BTreeMap<String, ByteString>, k: &str) -> Option<String> {
+    data.get(k).and_then(|v| String::from_utf8(v.0.clone()).ok()).filter(|s| !s.trim().is_empty())
+}
+
+/// Does the serving certificate still do: valid for 30 more days and naming every DNS name?
+fn serving_ok(cert_pem: &str, dns_names: &[String]) -> bool {
+    let Ok(certs) = crate::rpc::tls::certs_of(cert_pem.as_bytes(), "tls.crt") else { return false };
+    let Ok((_, c)) = x509_parser::parse_x509_certificate(&certs[0]) else { return false };
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
+    if c.validity().not_after.timestamp() < now + RENEW_BEFORE_SECS {
+        return false;
+    }
+    let names: Vec<String> = match c.subject_alternative_name() {
+        Ok(Some(san)) => san
+            .value
+            .general_names
+            .iter()
+            .filter_map(|g| match g {
+                x509_parser::extensions::GeneralName::DNSName(n) => Some(n.to_string()),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    dns_names.iter().all(|n| names.contains(n))
+}
+
+/// The Secret's data with a usable serving pair: (data, changed?).
+fn complete(data: BTreeMap<String, ByteString>, b: &Bootstrap) -> Result<(BTreeMap<String, ByteString>, bool), String> {
+    if let (Some(c), Some(_), Some(_)) = (text(&data, TLS_CERT), text(&data, TLS_KEY), text(&data, CA_CERT))
+        && serving_ok(&c, &b.dns_names)
+    {
+        return Ok((data, false));
+    }
+    let ca = match (text(&data, CA_CERT), text(&data, CA_KEY)) {
+        (Some(c), Some(k)) => Ca::load(&c, &k)?,
+        _ => Ca::generate("nodeplane CA", CA_DAYS)?,
+    };
+    let (cert, key) = ca.issue_server(&b.dns_names, SERVING_DAYS)?;
+    let mut data = data;
+    data.insert(CA_CERT.into(), ByteString(ca.cert_pem().as_bytes().to_vec()));
+    data.insert(CA_KEY.into(), ByteString(ca.key_pem().into_bytes()));
+    data.insert(TLS_CERT.into(), ByteString(cert.into_bytes()));
+    data.insert(TLS_KEY.into(), ByteString(key.into_bytes()));
+    Ok((data, true))
+}
+
+/// Make (or read) the Secret, write the serving pair to `files`, publish the CA.
+pub async fn bootstrap(client: kube::Client, b: &Bootstrap, files: &ServerFiles) -> Result<(), String> {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &b.namespace);
+    let what = format!("Secret {}/{}", b.namespace, b.secret_name);
+    let mut data = None;
+    for _ in 0..ATTEMPTS {
+        match secrets.get_opt(&b.secret_name).await.map_err(|e| format!("reading {what}: {e}"))? {
+            Some(s) => {
+                let (d, changed) = complete(s.data.clone().unwrap_or_default(), b)?;
+                if !changed {
+                    data = Some(d);
+                    break;
+                }
+                let mut s = s;
+                s.data = Some(d.clone());
+                match secrets.replace(&b.secret_name, &super::post_params(), &s).await {
+                    Ok(_) => {
+                        tracing::info!(secret = %what, "serving certificate (re-)issued by the bootstrap CA");
+                        data = Some(d);
+                        break;
+                    }
+                    Err(e) if super::is_conflict(&e) => continue,
+                    Err(e) => return Err(format!("updating {what}: {e}")),
+                }
+            }
+            None => {
+                let (d, _) = complete(BTreeMap::new(), b)?;
+                let s = Secret {
+                    metadata: ObjectMeta {
+                        name: Some(b.secret_name.clone()),
+                        namespace: Some(b.namespace.clone()),
+                        labels: Some(labels()),
+                        ..Default::default()
+                    },
+                    type_: Some("kubernetes.io/tls".into()),
+                    data: Some(d.clone()),
+                    ..Default::default()
+                };
+                match secrets.create(&super::post_params(), &s).await {
+                    Ok(_) => {
+                        tracing::info!(secret = %what, names = ?b.dns_names, "CA and serving certificate generated");
+                        data = Some(d);
+                        break;
+                    }
+                    Err(e) if super::is_already_exists(&e) => continue,
+                    Err(e) => return Err(format!("creating {what}: {e}")),
+                }
+            }
+        }
+    }
+    let data = data.ok_or_else(|| format!("{what}: kept changing while it was read ({ATTEMPTS} attempts)"))?;
+    let get = |k: &str| text(&data, k).ok_or_else(|| format!("{what}: no {k}"));
+    let (cert, key, ca) = (get(TLS_CERT)?, get(TLS_KEY)?, get(CA_CERT)?);
+    crate::controller::certs::write_pem(&files.key_file, &key, true).map_err(|e| format!("writing {}: {e}", files.key_file.display()))?;
+    crate::controller::certs::write_pem(&files.cert_file, &cert, false).map_err(|e| format!("writing {}: {e}", files.cert_file.display()))?;
+    publish_ca(client, b, &ca).await
+}
+
+/// The ConfigMap holding `ca.crt`, created or brought up to date.
+async fn publish_ca(client: kube::Client, b: &Bootstrap, ca: &str) -> Result<(), String> {
+    let maps: Api<ConfigMap> = Api::namespaced(client, &b.namespace);
+    let what = format!("ConfigMap {}/{}", b.namespace, b.ca_config_map_name);
+    for _ in 0..ATTEMPTS {
+        match maps.get_opt(&b.ca_config_map_name).await.map_err(|e| format!("reading {what}: {e}"))? {
+            Some(m) if m.data.as_ref().and_then(|d| d.get(CA_CERT)).map(String::as_str) == Some(ca) => return Ok(()),
+            Some(mut m) => {
+                m.data.get_or_insert_with(BTreeMap::new).insert(CA_CERT.into(), ca.to_string());
+                match maps.replace(&b.ca_config_map_name, &super::post_params(), &m).await {
+                    Ok(_) => {
+                        tracing::info!(configmap = %what, "CA bundle updated");
+                        return Ok(());
+                    }
+                    Err(e) if super::is_conflict(&e) => continue,
+                    Err(e) => return Err(format!("updating {what}: {e}")),
+                }
+            }
+            None => {
+                let m = ConfigMap {
+                    metadata: ObjectMeta {
+                        name: Some(b.ca_config_map_name.clone()),
+                        namespace: Some(b.namespace.clone()),
+                        labels: Some(labels()),
+                        ..Default::default()
+                    },
+                    data: Some([(CA_CERT.to_string(), ca.to_string())].into()),
+                    ..Default::default()
+                };
+                match maps.create(&super::post_params(), &m).await {
+                    Ok(_) => {
+                        tracing::info!(configmap = %what, "CA bundle published");
+                        return Ok(());
+                    }
+                    Err(e) if super::is_already_exists(&e) => continue,
+                    Err(e) => return Err(format!("creating {what}: {e}")),
+                }
+            }
+        }
+    }
+    Err(format!("{what}: kept changing while it was written ({ATTEMPTS} attempts)"))
+}
