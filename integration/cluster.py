@@ -30,18 +30,43 @@ from harness import run
 CONTROLLER_BIN = harness.TARGET / "nodeplane-controller"
 
 
+# Where a cluster's controller listens: an address on the underlay namespace's loopback,
+# which every node reaches through its segment's router (RFC 2544 range, like the underlay).
+CONTROLLER_IP = "198.18.0.1"
+CONTROLLER_PORT = 9650
+
+
 class Controller:
-    def __init__(self, root, pools=None, start=True, extra=None):
+    """The controller process. By default on a Unix socket in the test's namespace; with
+    `netns` (the underlay's), it runs in that namespace and serves TCP + TLS on
+    CONTROLLER_IP, with a CA and serving certificate made by `certs init` (agents get
+    `controller.tls.caFile`, admin commands run in that namespace with `--ca-file`)."""
+
+    def __init__(self, root, pools=None, start=True, extra=None, netns=None, tls=True):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.netns = netns
         self.socket = self.root / "controller.sock"
-        self.address = f"unix:{self.socket}"
+        self.ca = None
+        if netns and not tls:  # plaintext TCP (benchmarks compare it with TLS)
+            self.address = f"{CONTROLLER_IP}:{CONTROLLER_PORT}"
+        elif netns:
+            tls = self.root / "tls"
+            run([str(CONTROLLER_BIN), "certs", "init", "--dir", str(tls), "--san", CONTROLLER_IP])
+            self.ca = tls / "ca.crt"
+            self.address = f"{CONTROLLER_IP}:{CONTROLLER_PORT}"
+        else:
+            self.address = f"unix:{self.socket}"
         self.cfg = {
             "dataDir": str(self.root / "data"),
             "listen": self.address,
             "pools": pools or [{"cidr": "10.244.0.0/16", "blockPrefix": 24},
                                {"cidr": "fd00:10:244::/48", "blockPrefix": 64}],
         }
+        if self.ca:
+            self.cfg["tls"] = {"dir": str(self.root / "tls")}
+        elif netns:
+            self.cfg["insecure"] = True
         self.cfg.update(extra or {})
         self.csi_socket = self.root / "data/csi.sock"
         self.cfg_path = self.root / "controller.json"
@@ -56,13 +81,14 @@ class Controller:
     def start(self, timeout=15):
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([str(CONTROLLER_BIN), "serve", "--config", str(self.cfg_path)],
+        self.proc = subprocess.Popen(self.in_netns([str(CONTROLLER_BIN), "serve", "--config", str(self.cfg_path)]),
                                      stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"controller exited {self.proc.returncode}: {self.log()}")
-            if self.socket.exists() and " ready" in self.log()[offset:]:
+            listening = " ready (TLS)" if self.ca else " ready"
+            if (self.netns or self.socket.exists()) and listening in self.log()[offset:]:
                 return
             time.sleep(0.02)
         raise RuntimeError(f"controller not ready: {self.log()}")
@@ -92,13 +118,31 @@ class Controller:
     def kill9(self):
         self.stop(signal.SIGKILL)
 
+    def in_netns(self, argv):
+        """`argv` run in the controller's namespace (nsenter execs it: the PID is the program's)."""
+        return ["nsenter", f"--net=/var/run/netns/{self.netns}", *argv] if self.netns else argv
+
+    def admin(self, *args, check=True):
+        """An admin command (`list`, `remove-node`) against the controller, as an operator
+        on the node network runs it."""
+        tls = ["--ca-file", str(self.ca)] if self.ca else []
+        return run(self.in_netns([str(CONTROLLER_BIN), *args, "--controller", self.address, *tls]), check=check)
+
+    def agent_controller_cfg(self, token_file):
+        """The `controller` section of an agent's configuration, without its underlay."""
+        cfg = {"address": self.address, "tokenFile": str(token_file)}
+        if self.ca:
+            cfg["tls"] = {"caFile": str(self.ca)}
+        elif self.netns:
+            cfg["insecure"] = True
+        return cfg
+
     def token(self, identity):
         return run([str(CONTROLLER_BIN), "token", "--config", str(self.cfg_path), identity]).stdout.strip()
 
     def nodes(self):
         """name -> {underlay, blocks, vtep} as the controller reports them (admin `list`)."""
-        out = run([str(CONTROLLER_BIN), "list", "--controller", self.address,
-                   "--token-file", str(self.admin_token_file)]).stdout
+        out = self.admin("list", "--token-file", str(self.admin_token_file)).stdout
         nodes = {}
         for line in out.splitlines()[1:]:
             name, underlay, blocks, vtep = line.split("\t")
@@ -108,8 +152,7 @@ class Controller:
         return nodes
 
     def remove_node(self, name):
-        return run([str(CONTROLLER_BIN), "remove-node", "--controller", self.address,
-                    "--token-file", str(self.admin_token_file), name]).stdout
+        return self.admin("remove-node", "--token-file", str(self.admin_token_file), name).stdout
 
 
 def underlay6(seg, host):
@@ -142,7 +185,10 @@ class Underlay:
         """Bridge ul<seg> with the router addresses 198.19.<seg>.254/24 and fd19:<seg>::fe/64."""
         if seg not in self.segments:
             br = f"ulbr{seg}"
-            run(["ip", "-n", self.ns.name, "link", "add", br, "type", "bridge"])
+            # A fixed MAC: a bridge without one takes its lowest port's, so it changes as nodes
+            # come and go, and a node's cached neighbour entry for the router then points at
+            # a MAC nobody has (its traffic to the controller, behind the router, is lost).
+            run(["ip", "-n", self.ns.name, "link", "add", br, "address", f"02:19:00:00:{seg:02x}:fe", "type", "bridge"])
             _no_dad(self.ns.name, br)
             run(["ip", "-n", self.ns.name, "addr", "add", f"198.19.{seg}.254/24", "dev", br])
             run(["ip", "-n", self.ns.name, "addr", "add", f"{underlay6(seg, 0xfe)}/64", "dev", br, "nodad"])
@@ -194,8 +240,7 @@ def cluster_node(controller, underlay, seg, host, mode="auto", tag="cn", start=T
     node.cfg["podCidrs"] = []
     if csi is not None:
         node.cfg["csi"] = csi
-    node.cfg["controller"] = {"address": controller.address, "tokenFile": str(token_file),
-                              "underlayAddresses": addrs, "routeMode": mode}
+    node.cfg["controller"] = {**controller.agent_controller_cfg(token_file), "underlayAddresses": addrs, "routeMode": mode}
     node.cfg_path.write_text(json.dumps(node.cfg))
     node.underlay = addr
     node.underlay6 = underlay6(seg, host) if ipv6 else None
@@ -213,9 +258,11 @@ class Cluster:
         self.controller = None
         self.underlay = None
         try:
-            self.controller = Controller(self.root / "controller", pools=pools, start=False, extra=controller_extra)
-            self.controller.start()
             self.underlay = Underlay()
+            self.underlay.ns.exec(["ip", "addr", "add", f"{CONTROLLER_IP}/32", "dev", "lo"])
+            self.controller = Controller(self.root / "controller", pools=pools, start=False, extra=controller_extra,
+                                         netns=self.underlay.ns.name)
+            self.controller.start()
         except BaseException:
             self.close()
             raise

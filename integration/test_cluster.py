@@ -627,8 +627,7 @@ def test_agent_with_bad_credentials_is_rejected(make_cluster):
     # A node credential may not remove another node.
     tok = a.root / "a.token"
     tok.write_text(c.controller.token(a.ns.name))
-    res = harness.run([str(cluster.CONTROLLER_BIN), "remove-node", "--controller", c.controller.address,
-                       "--token-file", str(tok), b.ns.name], check=False)
+    res = c.controller.admin("remove-node", "--token-file", str(tok), b.ns.name, check=False)
     assert res.returncode != 0, f"node {a.ns.name} removed node {b.ns.name}: {res.stdout}"
     assert b.ns.name in c.controller.nodes()
 
@@ -648,6 +647,35 @@ def test_rejected_agent_logs_the_grpc_code(make_cluster):
         if not re.search(code[name], lines[0]):
             wrong[name] = lines[0]
     assert not wrong, "agent log lacks the gRPC code name: " + json.dumps(wrong, indent=1)
+
+
+def test_agents_reach_the_controller_only_over_verified_tls(make_cluster):
+    """The cluster helper's controller serves TCP + TLS on the underlay. An agent given a CA
+    that did not sign the controller's certificate, and one configured for plaintext, never
+    register (and say why in their logs); the correctly configured node beside them does."""
+    c = make_cluster()
+    good = c.node(0, 1)
+    assert good.ns.name in c.controller.nodes()
+    other_ca = c.root / "other-ca"
+    harness.run([str(cluster.CONTROLLER_BIN), "certs", "init", "--dir", str(other_ca), "--san", cluster.CONTROLLER_IP])
+    wrong_ca = c.node(0, 2, start=False)
+    wrong_ca.cfg["controller"]["tls"]["caFile"] = str(other_ca / "ca.crt")
+    plain = c.node(0, 3, start=False)
+    del plain.cfg["controller"]["tls"]
+    plain.cfg["controller"]["insecure"] = True
+    for n in (wrong_ca, plain):
+        n.cfg_path.write_text(json.dumps(n.cfg))
+        n.start(wait=False)
+    wait_until(lambda: "UnknownIssuer" in clean_log(wrong_ca.log()) or "unknown issuer" in clean_log(wrong_ca.log()),
+               timeout=15, what="the agent with the wrong CA to log the refused certificate")
+    wait_until(lambda: "insecure: true" in clean_log(plain.log()) and "controller session ended" in clean_log(plain.log()),
+               timeout=15, what="the plaintext agent to warn and fail its session")
+    wait_until(lambda: "TLS handshake failed" in c.controller.log(), timeout=15,
+               what="the controller to log the plaintext client")
+    names = set(c.controller.nodes())
+    assert good.ns.name in names and wrong_ca.ns.name not in names and plain.ns.name not in names, names
+    for n in (wrong_ca, plain):
+        assert not n.conflist_path.exists(), f"{n.ns.name} has no block, so no CNI config"
 
 
 # ----- 7. re-sync after reconnect -----

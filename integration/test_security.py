@@ -284,7 +284,8 @@ def test_every_socket_is_0600_root_and_refuses_an_unprivileged_user():
                                     any("/plugins_registry/" in p for p in s) else None)(listening_unix_sockets(node.proc.pid)),
                            timeout=20, what="the agent's CNI, CSI, node, registration and device plugin sockets")
         ctl = listening_unix_sockets(c.controller.proc.pid)
-        assert ctl == {str(c.controller.socket), str(c.controller.csi_socket)}, ctl
+        # The agent API is TCP + TLS (on the underlay): the CSI socket is its only Unix socket.
+        assert ctl == {str(c.controller.csi_socket)}, ctl
         sockets = sorted(found | ctl)
         print("\nsockets checked:\n  " + "\n  ".join(sockets))
 
@@ -542,7 +543,10 @@ GRPC = textwrap.dedent("""
             return varint(num << 3 | 2) + varint(len(b)) + b
         return varint(num << 3) + varint(v)
     body = b"".join(field(n, v) for n, v in a["fields"])
-    ch = grpc.insecure_channel("unix:" + a["socket"])
+    if a.get("ca"):  # TCP + TLS, verified against the controller's CA
+        ch = grpc.secure_channel(a["address"], grpc.ssl_channel_credentials(open(a["ca"], "rb").read()))
+    else:
+        ch = grpc.insecure_channel("unix:" + a["socket"])
     md = [("authorization", "Bearer " + a["token"])] if a["token"] else []
     method = a["method"] if a["method"].startswith("/") else "/nodeplane.controller.v1.NodeRegistry/" + a["method"]
     same = lambda b: b
@@ -560,9 +564,13 @@ GRPC = textwrap.dedent("""
 
 
 def grpc_call(ctl, token, method, fields, stream=False, socket_path=None):
+    """One call with Python's grpc: to `socket_path`, else to the controller as it serves
+    (its Unix socket, or TCP + TLS from inside its namespace)."""
+    tls = ctl.ca is not None and socket_path is None
     arg = json.dumps({"socket": str(socket_path or ctl.socket), "token": token, "method": method, "fields": fields,
-                      "stream": stream})
-    return json.loads(run([SYSTEM_PYTHON, "-c", GRPC, arg], timeout=30).stdout)
+                      "stream": stream, "address": ctl.address if tls else None, "ca": str(ctl.ca) if tls else None})
+    argv = [SYSTEM_PYTHON, "-c", GRPC, arg]
+    return json.loads(run(ctl.in_netns(argv) if tls else argv, timeout=30).stdout)
 
 
 def test_a_node_credential_cannot_act_for_another_node():

@@ -46,6 +46,18 @@ struct Args {
     /// Send every call over one shared connection instead of one connection per registration.
     #[arg(long)]
     shared_channel: bool,
+    /// TLS to a TCP controller: the CA bundle its certificate chains to (each new connection
+    /// then includes a TLS handshake, as a starting agent's does).
+    #[arg(long)]
+    ca_file: Option<PathBuf>,
+}
+
+/// The TLS settings of every connection (`--ca-file`).
+static TLS: std::sync::OnceLock<Option<nodeplane::rpc::tls::ClientFiles>> = std::sync::OnceLock::new();
+
+async fn connect(address: &str) -> Result<tonic::transport::Channel, String> {
+    let tls = TLS.get().and_then(|t| t.as_ref());
+    nodeplane::rpc::connect_with(address, tls).await.map_err(|e| format!("connect: {e}"))
 }
 
 struct Outcome {
@@ -76,7 +88,7 @@ async fn register_one(
 ) -> Result<pb::RegisterResponse, String> {
     let channel = match shared {
         Some(c) => c,
-        None => nodeplane::rpc::connect(address).await.map_err(|e| format!("connect: {e}"))?,
+        None => connect(address).await?,
     };
     let mut client = NodeRegistryClient::new(channel);
     let mut req = tonic::Request::new(pb::RegisterRequest {
@@ -95,6 +107,7 @@ async fn register_one(
 
 fn main() {
     let args = Args::parse();
+    let _ = TLS.set(args.ca_file.clone().map(|ca_file| nodeplane::rpc::tls::ClientFiles { ca_file, ..Default::default() }));
     if args.n == 0 || args.concurrency == 0 {
         eprintln!("register_load: -n and --concurrency must be positive");
         std::process::exit(2);
@@ -135,7 +148,7 @@ fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let result = rt.block_on(async move {
         let shared = if args.shared_channel {
-            Some(nodeplane::rpc::connect(&args.controller).await.map_err(|e| format!("connect: {e}"))?)
+            Some(connect(&args.controller).await?)
         } else {
             None
         };
