@@ -106,11 +106,10 @@ enum CertsCmd {
     },
 }
 
+/// `tls.crt` and `tls.key` in `dir`.
 fn write_pair(dir: &std::path::Path, (cert, key): (String, String)) -> anyhow::Result<()> {
-    use controller::certs::{TLS_CERT, TLS_KEY, write_pem};
-    write_pem(&dir.join(TLS_KEY), &key, true).with_context(|| format!("writing {}", dir.join(TLS_KEY).display()))?;
-    write_pem(&dir.join(TLS_CERT), &cert, false).with_context(|| format!("writing {}", dir.join(TLS_CERT).display()))?;
-    Ok(())
+    use controller::certs::{TLS_CERT, TLS_KEY};
+    controller::certs::write_pair(&dir.join(TLS_CERT), &dir.join(TLS_KEY), &cert, &key).map_err(anyhow::Error::msg)
 }
 
 fn bearer(token_file: &PathBuf) -> anyhow::Result<tonic::metadata::MetadataValue<tonic::metadata::Ascii>> {
@@ -184,9 +183,9 @@ fn main() -> anyhow::Result<()> {
             println!("{}", dir.display());
         }
         Cmd::Certs { cmd: CertsCmd::Issue { ca_dir, out, san, node, days } } => {
-            use controller::certs::{CA_CERT, CA_KEY};
-            let read = |f: &str| std::fs::read_to_string(ca_dir.join(f)).with_context(|| format!("reading {}", ca_dir.join(f).display()));
-            let ca = controller::certs::Ca::load(&read(CA_CERT)?, &read(CA_KEY)?).map_err(anyhow::Error::msg)?;
+            let ca = controller::certs::ca_of_dir(&ca_dir)
+                .map_err(anyhow::Error::msg)?
+                .with_context(|| format!("{} holds no CA (ca.crt and ca.key): make one with `certs init`", ca_dir.display()))?;
             let pair = match node {
                 Some(n) => {
                     if !controller::records::valid_node_name(&n) {

@@ -111,28 +111,40 @@ impl Ca {
 }
 
 /// Write a PEM file atomically (keys 0600, certificates 0644).
-pub fn write_pem(path: &std::path::Path, pem: &str, secret: bool) -> std::io::Result<()> {
+fn write_pem(path: &std::path::Path, pem: &str, secret: bool) -> std::io::Result<()> {
     if let Some(d) = path.parent() {
         std::fs::create_dir_all(d)?;
     }
     crate::sys::fs::atomic_write(path, pem.as_bytes(), if secret { 0o600 } else { 0o644 })
 }
 
-/// The CA in `dir` (`ca.crt`, `ca.key`), made if missing.
-pub fn ca_in(dir: &std::path::Path, days: i64) -> Result<Ca, String> {
+/// A certificate and its key, written key first (so a reader that sees the new certificate
+/// finds its key).
+pub fn write_pair(cert_file: &std::path::Path, key_file: &std::path::Path, cert: &str, key: &str) -> Result<(), String> {
+    write_pem(key_file, key, true).map_err(|e| format!("writing {}: {e}", key_file.display()))?;
+    write_pem(cert_file, cert, false).map_err(|e| format!("writing {}: {e}", cert_file.display()))
+}
+
+/// The CA in `dir` (`ca.crt`, `ca.key`): Ok(None) if neither file is there.
+pub fn ca_of_dir(dir: &std::path::Path) -> Result<Option<Ca>, String> {
     let (c, k) = (dir.join(CA_CERT), dir.join(CA_KEY));
     match (std::fs::read_to_string(&c), std::fs::read_to_string(&k)) {
-        (Ok(c), Ok(k)) => Ca::load(&c, &k),
+        (Ok(c), Ok(k)) => Ca::load(&c, &k).map(Some),
         (Err(e), _) | (_, Err(e)) if e.kind() != std::io::ErrorKind::NotFound => {
             Err(format!("reading the CA in {}: {e}", dir.display()))
         }
-        _ => {
-            let ca = Ca::generate("nodeplane CA", days)?;
-            write_pem(&k, &ca.key_pem(), true).map_err(|e| format!("writing {}: {e}", k.display()))?;
-            write_pem(&c, ca.cert_pem(), false).map_err(|e| format!("writing {}: {e}", c.display()))?;
-            Ok(ca)
-        }
+        _ => Ok(None),
     }
+}
+
+/// The CA in `dir`, made if missing.
+pub fn ca_in(dir: &std::path::Path, days: i64) -> Result<Ca, String> {
+    if let Some(ca) = ca_of_dir(dir)? {
+        return Ok(ca);
+    }
+    let ca = Ca::generate("nodeplane CA", days)?;
+    write_pair(&dir.join(CA_CERT), &dir.join(CA_KEY), ca.cert_pem(), &ca.key_pem())?;
+    Ok(ca)
 }
 
 #[cfg(test)]

@@ -239,8 +239,6 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         Listen::Tcp(addr) => {
             let listener = tokio::net::TcpListener::bind(addr).await.map_err(io_ctx(format!("binding {addr}")))?;
             let local = listener.local_addr().map_err(io_ctx("local addr"))?;
-            tracing::info!(address = %local, "ready");
-            serving.set(true, format!("serving on {local}"));
             match (acceptor, &cfg.tls) {
                 (Some(acceptor), Some(t)) => {
                     let reloader = acceptor.watch(t.reload, stopping.clone());

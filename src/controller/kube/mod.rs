@@ -94,6 +94,14 @@ pub fn volume_resource() -> ApiResource {
 /// name as the writer.
 pub const FIELD_MANAGER: &str = "nodeplane-controller";
 
+/// The label every object the controller makes carries.
+pub(crate) const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "nodeplane-controller");
+
+/// [`MANAGED_BY`] as an object's labels.
+pub(crate) fn managed_labels() -> std::collections::BTreeMap<String, String> {
+    [(MANAGED_BY.0.to_string(), MANAGED_BY.1.to_string())].into()
+}
+
 /// The User-Agent of every request: the binary and its version.
 pub fn user_agent() -> String {
     format!("nodeplane-controller/{}", env!("CARGO_PKG_VERSION"))

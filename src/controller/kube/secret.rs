@@ -77,7 +77,7 @@ pub async fn load_or_create(client: kube::Client, namespace: &str, name: &str) -
                 }
             }
             None => {
-                let labels = [("app.kubernetes.io/managed-by".to_string(), "nodeplane-controller".to_string())].into();
+                let labels = super::managed_labels();
                 let s = Secret {
                     metadata: ObjectMeta {
                         name: Some(name.into()),

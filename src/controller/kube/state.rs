@@ -45,7 +45,7 @@ use super::{block_resource, is_already_exists, is_not_found, node_resource, volu
 use crate::controller::backend::{Backend, BackendError, Change};
 use crate::controller::records::{NodeRecord, VolumeRecord};
 
-const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "nodeplane-controller");
+use super::MANAGED_BY;
 /// The label selecting a node's objects: [`node_hash`] of its name.
 pub const NODE_HASH_LABEL: &str = "nodeplane.dev/node-hash";
 /// The annotation with the node's full name.

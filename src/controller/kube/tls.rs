@@ -24,10 +24,6 @@ const CA_DAYS: i64 = 3650;
 const SERVING_DAYS: i64 = 365;
 const RENEW_BEFORE_SECS: i64 = 30 * 86400;
 
-fn labels() -> BTreeMap<String, String> {
-    [("app.kubernetes.io/managed-by".to_string(), "nodeplane-controller".to_string())].into()
-}
-
 fn text(data: &BTreeMap<String, ByteString>, k: &str) -> Option<String> {
     data.get(k).and_then(|v| String::from_utf8(v.0.clone()).ok()).filter(|s| !s.trim().is_empty())
 }
@@ -106,7 +102,7 @@ pub async fn bootstrap(client: kube::Client, b: &Bootstrap, files: &ServerFiles)
                     metadata: ObjectMeta {
                         name: Some(b.secret_name.clone()),
                         namespace: Some(b.namespace.clone()),
-                        labels: Some(labels()),
+                        labels: Some(super::managed_labels()),
                         ..Default::default()
                     },
                     type_: Some("kubernetes.io/tls".into()),
@@ -128,8 +124,7 @@ pub async fn bootstrap(client: kube::Client, b: &Bootstrap, files: &ServerFiles)
     let data = data.ok_or_else(|| format!("{what}: kept changing while it was read ({ATTEMPTS} attempts)"))?;
     let get = |k: &str| text(&data, k).ok_or_else(|| format!("{what}: no {k}"));
     let (cert, key, ca) = (get(TLS_CERT)?, get(TLS_KEY)?, get(CA_CERT)?);
-    crate::controller::certs::write_pem(&files.key_file, &key, true).map_err(|e| format!("writing {}: {e}", files.key_file.display()))?;
-    crate::controller::certs::write_pem(&files.cert_file, &cert, false).map_err(|e| format!("writing {}: {e}", files.cert_file.display()))?;
+    crate::controller::certs::write_pair(&files.cert_file, &files.key_file, &cert, &key)?;
     publish_ca(client, b, &ca).await
 }
 
@@ -156,7 +151,7 @@ async fn publish_ca(client: kube::Client, b: &Bootstrap, ca: &str) -> Result<(),
                     metadata: ObjectMeta {
                         name: Some(b.ca_config_map_name.clone()),
                         namespace: Some(b.namespace.clone()),
-                        labels: Some(labels()),
+                        labels: Some(super::managed_labels()),
                         ..Default::default()
                     },
                     data: Some([(CA_CERT.to_string(), ca.to_string())].into()),
