@@ -396,10 +396,14 @@ def make_devices(node, name, count, share=None):
 HEALTH_PORT = 9640  # the agent's default healthAddress is 127.0.0.1:9640, in the node's namespace
 
 _HTTP_CLIENT = r"""
-import http.client, json, sys
-path, port, method = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+import http.client, json, ssl, sys
+path, port, method, host, ca = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 try:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    if ca:
+        # Verified against the CA and the host (an IP address: its IP SAN), as a scraper does.
+        c = http.client.HTTPSConnection(host, port, timeout=5, context=ssl.create_default_context(cafile=ca))
+    else:
+        c = http.client.HTTPConnection(host, port, timeout=5)
     c.request(method, path)
     r = c.getresponse()
     print(json.dumps({"status": r.status, "body": r.read().decode(), "headers": {k.lower(): v for k, v in r.getheaders()}}))
@@ -408,12 +412,14 @@ except ConnectionRefusedError:
 """
 
 
-def health_request(ns, path, port=HEALTH_PORT, method="GET"):
-    """One HTTP request to 127.0.0.1:`port` inside network namespace `ns` (a Netns).
+def health_request(ns, path, port=HEALTH_PORT, method="GET", host="127.0.0.1", ca=None):
+    """One HTTP request to `host`:`port` inside network namespace `ns` (a Netns); HTTPS
+    verified against CA bundle `ca` when given.
 
     Returns {"status", "body", "headers"}, or None when nothing listens there (connection
-    refused). Any other failure (reset, timeout) raises."""
-    out = run(["nsenter", f"--net={ns.path}", "python3", "-c", _HTTP_CLIENT, path, str(port), method], timeout=30).stdout
+    refused). Any other failure (reset, timeout, a certificate that does not verify) raises."""
+    out = run(["nsenter", f"--net={ns.path}", "python3", "-c", _HTTP_CLIENT, path, str(port), method, host, str(ca or "")],
+              timeout=30).stdout
     reply = json.loads(out)
     return None if reply.get("refused") else reply
 

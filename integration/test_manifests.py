@@ -1018,9 +1018,13 @@ def test_controller_probes(deploy, controller_cfg):
     # The kubelet probes the pod IP (the node's address): the server must listen on all.
     assert host in ("0.0.0.0", "::"), f"healthAddress {controller_cfg['healthAddress']} is not reachable from the kubelet"
     assert resolve_port(c, "health") == port
+    # The health port is a TCP listener: TLS whenever the controller has tls, and the probes
+    # must then speak HTTPS (HTTP would get no answer and the pod would be restarted).
+    scheme = "HTTPS" if "tls" in controller_cfg else "HTTP"
     for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         g = c[probe]["httpGet"]
         assert g["path"] == path and resolve_port(c, g["port"]) == port and "host" not in g, probe
+        assert g.get("scheme", "HTTP") == scheme, f"{probe} scheme {g.get('scheme', 'HTTP')}, the controller serves {scheme}"
 
 
 # The sidecars, in order, and the arguments each must have. Each has a ClusterRole and a Role
@@ -1063,15 +1067,20 @@ def test_csi_sidecars(deploy, controller_cfg):
 # ----------------------------------------------------------------- health servers (live)
 
 def _http_status(url, netns=None):
-    # Retries a refused connection for a few seconds (the server may start just after the
-    # process reports ready); an HTTP answer of any status is final.
-    code = ("import sys, time, urllib.request, urllib.error\n"
+    """The status `url` answers; https:// as kubelet's prober (certificate not verified).
+    None when the server closes the connection without an HTTP answer (plain HTTP to a TLS
+    port). A refused connection is retried for a few seconds (the server may start just after
+    the process reports ready); an HTTP answer of any status is final."""
+    code = ("import http.client, ssl, sys, time, urllib.request, urllib.error\n"
+            "ctx = ssl._create_unverified_context()\n"
             "deadline = time.time() + 10\n"
             "while True:\n"
             "    try:\n"
-            "        print(urllib.request.urlopen(sys.argv[1], timeout=5).status); break\n"
+            "        print(urllib.request.urlopen(sys.argv[1], timeout=5, context=ctx).status); break\n"
             "    except urllib.error.HTTPError as e:\n"
             "        print(e.code); break\n"
+            "    except (http.client.RemoteDisconnected, ConnectionResetError, http.client.BadStatusLine):\n"
+            "        print('none'); break\n"
             "    except OSError:\n"
             "        if time.time() > deadline: raise\n"
             "        time.sleep(0.1)\n")
@@ -1080,7 +1089,8 @@ def _http_status(url, netns=None):
         args = ["nsenter", f"--net={netns}", *args]
     res = subprocess.run(args, capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, f"GET {url}: {res.stderr}"
-    return int(res.stdout.strip())
+    out = res.stdout.strip()
+    return None if out == "none" else int(out)
 
 
 def _wait_status(url, netns=None, want=200, timeout=15):
@@ -1112,18 +1122,25 @@ def test_agent_health_server_serves_probe_paths(ds, agent_cfg):
 
 
 def test_controller_health_server_serves_probe_paths(deploy, controller_cfg, tmp_path):
-    """A real controller (local mode) answers the probes' paths on its healthAddress port."""
+    """A real controller (local mode, with a certificate as the shipped config has one)
+    answers the probes' paths on its healthAddress port, by the probes' scheme, the way
+    kubelet probes (HTTPS unverified); plain HTTP gets no answer."""
     need_binary(CONTROLLER_BIN)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctl = cluster.Controller(tmp_path / "ctl", extra={"healthAddress": f"127.0.0.1:{port}"})
+    tls = tmp_path / "tls"
+    subprocess.run([str(CONTROLLER_BIN), "certs", "init", "--dir", str(tls), "--san", "127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    ctl = cluster.Controller(tmp_path / "ctl", extra={"healthAddress": f"127.0.0.1:{port}", "tls": {"dir": str(tls)}})
     try:
         c = container(deploy, "controller")
         for probe in ("livenessProbe", "readinessProbe"):
-            path = c[probe]["httpGet"]["path"]
-            assert _wait_status(f"http://127.0.0.1:{port}{path}") == 200, f"controller {probe} {path}"
-        assert _http_status(f"http://127.0.0.1:{port}/no-such-path") == 404
+            g = c[probe]["httpGet"]
+            url = f"{g.get('scheme', 'HTTP').lower()}://127.0.0.1:{port}{g['path']}"
+            assert _wait_status(url) == 200, f"controller {probe} {url}"
+        assert _http_status(f"https://127.0.0.1:{port}/no-such-path") == 404
+        assert _http_status(f"http://127.0.0.1:{port}/healthz") is None, "plain HTTP must get no answer"
     finally:
         ctl.stop()
 

@@ -94,11 +94,11 @@ def agent_scrape(node):
     return Scrape(r["body"])
 
 
-def http_scrape(port, ns=None):
-    """/metrics on 127.0.0.1:`port`, here or inside namespace `ns` (a cluster's controller
-    runs in the underlay namespace)."""
+def http_scrape(port, ns=None, host="127.0.0.1", ca=None):
+    """/metrics on `host`:`port`, here or inside namespace `ns` (a cluster's controller
+    runs in the underlay namespace, and its health endpoint is HTTPS: verified against `ca`)."""
     if ns is not None:
-        r = harness.health_request(ns, "/metrics", port=port)
+        r = harness.health_request(ns, "/metrics", port=port, host=host, ca=ca)
         assert r is not None and r["status"] == 200, r
         assert r["headers"]["content-type"] == CONTENT_TYPE, r["headers"]
         return Scrape(r["body"])
@@ -231,7 +231,8 @@ def free_port():
 
 def test_controller_and_agent_metrics_in_a_cluster():
     port = free_port()
-    c = cluster.Cluster(controller_extra={"healthAddress": f"127.0.0.1:{port}", "orphanGraceSeconds": 2})
+    c = cluster.Cluster(controller_extra={"healthAddress": f"{cluster.CONTROLLER_IP}:{port}", "orphanGraceSeconds": 2})
+    scrape = lambda: http_scrape(port, c.underlay.ns, host=cluster.CONTROLLER_IP, ca=c.controller.ca)
     pods = []
     try:
         started = time.time()
@@ -241,7 +242,7 @@ def test_controller_and_agent_metrics_in_a_cluster():
         wait_for(lambda: all(ctl.csi("capacity", "--node", n.ns.name)["maximumVolumeSize"] > 0 for n in (n1, n2)),
                  what="both nodes' volume capacity at the controller")
 
-        s = http_scrape(port, c.underlay.ns)
+        s = scrape()
         assert s.value("nodeplane_controller_leader") == 1
         nodes = ctl.nodes()
         assert s.value("nodeplane_controller_nodes") == len(nodes) == 2
@@ -262,7 +263,7 @@ def test_controller_and_agent_metrics_in_a_cluster():
         bad.write_text(n1.token_file.read_text())
         res = ctl.admin("remove-node", "--token-file", str(bad), n2.ns.name, check=False)
         assert res.returncode != 0
-        s2 = http_scrape(port, c.underlay.ns)
+        s2 = scrape()
         assert s2.value("nodeplane_controller_requests_total", method="RemoveNode", code="PermissionDenied") == 1
         assert s2.value("nodeplane_controller_nodes") == 2
 
@@ -271,8 +272,8 @@ def test_controller_and_agent_metrics_in_a_cluster():
         staging, target = n1.staging_path(vid), n1.target_path(vid)
         n1.csi("stage", "--id", vid, "--staging", staging, "--fs", "ext4")
         n1.csi("publish", "--id", vid, "--staging", staging, "--target", target, "--fs", "ext4")
-        wait_for(lambda: http_scrape(port, c.underlay.ns).get("nodeplane_controller_volumes", state="ready") == 1, what="volume ready")
-        s = http_scrape(port, c.underlay.ns)
+        wait_for(lambda: scrape().get("nodeplane_controller_volumes", state="ready") == 1, what="volume ready")
+        s = scrape()
         assert s.value("nodeplane_controller_volumes", state="ready") == len(ctl.volumes()) == 1
         assert s.value("nodeplane_controller_volumes", state="creating") == 0
 
@@ -306,19 +307,19 @@ def test_controller_and_agent_metrics_in_a_cluster():
         a = agent_scrape(n1)
         assert a.value("nodeplane_csi_staged") == 0 and a.value("nodeplane_csi_published") == 0
         ctl.csi("delete-volume", "--id", vid)
-        wait_for(lambda: http_scrape(port, c.underlay.ns).value("nodeplane_controller_volumes", state="ready") == 0, what="volume gone")
+        wait_for(lambda: scrape().value("nodeplane_controller_volumes", state="ready") == 0, what="volume gone")
         assert agent_scrape(n1).value("nodeplane_csi_volumes") == 0
 
         # A node removed: nodes and allocated blocks drop at once.
         n2.stop()
         ctl.remove_node(n2.ns.name)
-        s = http_scrape(port, c.underlay.ns)
+        s = scrape()
         assert s.value("nodeplane_controller_nodes") == 1
         left = ctl.nodes()[n1.ns.name]["blocks"]
         for pool in pools:
             held = sum(1 for b in left if (":" in b) == (":" in pool))
             assert s.value("nodeplane_controller_pool_blocks_allocated", pool=pool) == held, pool
-        wait_for(lambda: http_scrape(port, c.underlay.ns).value("nodeplane_controller_volume_streams") == 1, what="one volume stream")
+        wait_for(lambda: scrape().value("nodeplane_controller_volume_streams") == 1, what="one volume stream")
 
         # The controller goes away: the agent says so.
         ctl.stop()

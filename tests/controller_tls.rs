@@ -5,7 +5,7 @@
 //! What must be refused is refused at the transport (plaintext, a wrong CA, a wrong name,
 //! an expired certificate), a rotated certificate reaches new connections while an
 //! established WatchNodes stream goes on, and a node's client certificate acts for that
-//! node only, on every RPC.
+//! node only, on every RPC. The health endpoint is TLS with the same certificate.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -18,6 +18,9 @@ use tonic::Code;
 use tonic::transport::Channel;
 
 const BIN: &str = env!("CARGO_BIN_EXE_nodeplane-controller");
+
+#[path = "../tools/support/https_get.rs"]
+mod https_get;
 
 type Client = NodeRegistryClient<Channel>;
 
@@ -37,6 +40,7 @@ struct TlsCtl {
     dir: PathBuf,
     config: PathBuf,
     addr: String,
+    health: u16,
     child: Option<Child>,
 }
 
@@ -49,15 +53,17 @@ impl TlsCtl {
         run(&["certs", "init", "--dir", tls.to_str().unwrap(), "--san", "127.0.0.1", "--san", "controller.test"]);
         run(&["certs", "init", "--dir", dir.join("foreign").to_str().unwrap(), "--san", "127.0.0.1"]);
         let addr = format!("127.0.0.1:{}", free_port());
+        let health = free_port();
         let config = dir.join("controller.json");
         let cfg = serde_json::json!({
             "dataDir": dir.join("data"),
             "listen": addr,
+            "healthAddress": format!("127.0.0.1:{health}"),
             "pools": [{"cidr": "10.244.0.0/16", "blockPrefix": 24}],
             "tls": {"dir": tls, "clientCaFile": tls.join("ca.crt"), "reloadSeconds": 1},
         });
         std::fs::write(&config, cfg.to_string()).unwrap();
-        let mut c = TlsCtl { dir, config, addr, child: None };
+        let mut c = TlsCtl { dir, config, addr, health, child: None };
         c.start();
         c
     }
@@ -108,6 +114,11 @@ impl TlsCtl {
         args.extend_from_slice(&["--days", &d]);
         run(&args);
         out
+    }
+
+    /// `GET path` on the health endpoint over TLS, verified against `ca` as `name`.
+    fn health_get(&self, path: &str, ca: &Path, name: &str, alpn: &[&[u8]]) -> Result<(u16, String), String> {
+        https_get::get(self.health, path, https_get::Mode::Verified { ca, name, alpn })
     }
 
     async fn connect(&self, files: &ClientFiles) -> Result<Client, String> {
@@ -247,6 +258,39 @@ async fn rotation_keeps_established_streams() {
     assert_eq!(list.nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), ["node-r"]);
     // And the old connection still carries new calls.
     c.register(bearer(register("node-s"), &ctl.token("node-s"))).await.expect("the established connection serves new calls");
+    // The health endpoint follows the same files.
+    let ca = ctl.ca();
+    assert_eq!(ctl.health_get("/healthz", &ca, "rotated.test", &[]).map(|r| r.0), Ok(200));
+    let e = ctl.health_get("/healthz", &ca, "127.0.0.1", &[]).unwrap_err();
+    assert!(e.contains("NotValidForName") || e.contains("not valid for name"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_health_endpoint_is_tls_with_the_serving_certificate() {
+    let ctl = TlsCtl::new("health");
+    let ca = ctl.ca();
+    // kubelet's HTTPS probe (no ALPN, no verification) answers.
+    assert_eq!(https_get::get(ctl.health, "/readyz", https_get::Mode::Probe), Ok((200, "ok\n".to_string())));
+    // A client offering no ALPN and a scraper offering h2 and http/1.1: both get HTTP/1.1
+    // over TLS, verified like the agent API. The client CA is on (mTLS) and they send no
+    // certificate: probes carry none.
+    for alpn in [&[][..], &[&b"h2"[..], &b"http/1.1"[..]][..]] {
+        assert_eq!(ctl.health_get("/healthz", &ca, "127.0.0.1", alpn), Ok((200, "ok\n".to_string())), "ALPN {alpn:?}");
+        assert_eq!(ctl.health_get("/readyz", &ca, "controller.test", alpn).map(|r| r.0), Ok(200));
+    }
+    let (code, body) = ctl.health_get("/metrics", &ca, "127.0.0.1", &[]).unwrap();
+    assert_eq!(code, 200);
+    assert!(body.contains("nodeplane_controller_leader 1"), "{body}");
+    // Plain HTTP gets no answer: the handshake fails and the connection is closed.
+    let e = https_get::get(ctl.health, "/healthz", https_get::Mode::Plain).unwrap_err();
+    assert!(e.contains("no HTTP response"), "{e}");
+    // The wrong CA and the wrong name are refused as on the agent API.
+    let e = ctl.health_get("/healthz", &ctl.dir.join("foreign/ca.crt"), "127.0.0.1", &[]).unwrap_err();
+    assert!(e.contains("UnknownIssuer") || e.contains("unknown issuer"), "{e}");
+    let e = ctl.health_get("/healthz", &ca, "other.test", &[]).unwrap_err();
+    assert!(e.contains("NotValidForName") || e.contains("not valid for name"), "{e}");
+    // A client that insists on h2 is refused at the handshake rather than spoken HTTP/1.1 to.
+    assert!(ctl.health_get("/healthz", &ca, "127.0.0.1", &[b"h2"]).is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

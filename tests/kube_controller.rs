@@ -5,6 +5,8 @@
 
 #[path = "../tools/support/fake_apiserver.rs"]
 mod fake_apiserver;
+#[path = "../tools/support/https_get.rs"]
+mod https_get;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -424,14 +426,10 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// The status of `GET path` on the controller's health port, probed as kubelet probes it
+/// (HTTPS, certificate not verified: these controllers serve TLS).
 fn http_get(port: u16, path: &str) -> Option<u16> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    out.split_whitespace().nth(1)?.parse().ok()
+    https_get::get(port, path, https_get::Mode::Probe).ok().map(|r| r.0)
 }
 
 struct Ctl {
@@ -1084,4 +1082,102 @@ fn tls_bootstrap_makes_one_ca_that_agents_verify_across_restarts() {
     assert_eq!(creates("configmaps"), 1);
     assert_eq!(f.get("", "configmaps", Some(NS), "nodeplane-ca").unwrap()["data"]["ca.crt"], ca_pem.as_str());
     assert!(f.requests().iter().filter(|r| r.resource == "secrets" && r.verb == "create").all(|r| r.field_manager == "nodeplane-controller"));
+}
+
+#[test]
+fn tls_bootstrap_agrees_under_a_start_race_and_renews_with_the_same_ca() {
+    use k8s_openapi::api::core::v1::Secret;
+    use nodeplane::controller::certs::Ca;
+    use nodeplane::controller::config::Bootstrap;
+    use nodeplane::controller::kube::tls::bootstrap;
+    use nodeplane::rpc::tls::{ServerFiles, certs_of, not_after};
+    let f = fake();
+    let dir = tempdir("kube-tls-race");
+    let b = Bootstrap {
+        namespace: NS.into(),
+        secret_name: "nodeplane-controller-tls".into(),
+        ca_config_map_name: "nodeplane-ca".into(),
+        dns_names: vec![format!("nodeplane-controller.{NS}.svc")],
+    };
+    let files = |n: &str| ServerFiles { cert_file: dir.join(n).join("tls.crt"), key_file: dir.join(n).join("tls.key"), client_ca_file: None };
+    let read = |n: &str| std::fs::read_to_string(dir.join(n).join("tls.crt")).unwrap();
+    let secret = || -> Secret { serde_json::from_value(f.get("", "secrets", Some(NS), "nodeplane-controller-tls").unwrap()).unwrap() };
+    let text = |s: &Secret, k: &str| String::from_utf8(s.data.as_ref().unwrap()[k].0.clone()).unwrap();
+    let days_left = |pem: &str| (not_after(&certs_of(pem.as_bytes(), "c").unwrap()[0]).unwrap() - now_secs()) / 86400;
+    // Two controllers starting at the same moment.
+    let run = |x: &str, y: &str| {
+        let (fx, fy) = (files(x), files(y));
+        rt().block_on(async {
+            let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+            let (rx, ry) = tokio::join!(bootstrap(client.clone(), &b, &fx), bootstrap(client.clone(), &b, &fy));
+            rx.unwrap();
+            ry.unwrap();
+        })
+    };
+
+    // Two controllers starting at once against no Secret: one CA, one pair, both serve it.
+    run("a", "b");
+    assert_eq!(read("a"), read("b"), "both controllers serve the same certificate");
+    let s = secret();
+    assert_eq!(text(&s, "tls.crt"), read("a"));
+    let ca_pem = text(&s, "ca.crt");
+    let cm = f.get("", "configmaps", Some(NS), "nodeplane-ca").unwrap();
+    assert_eq!(cm["data"]["ca.crt"], ca_pem.as_str(), "the published CA is the Secret's");
+    let creates = |plural: &str| f.requests().iter().filter(|r| r.resource == plural && r.verb == "create").count();
+    assert!((1..=2).contains(&creates("secrets")), "a create each at most");
+    assert!(days_left(&read("a")) > 300);
+
+    // 10 days left (signed by the same CA): re-issued at the next start by that CA, so the
+    // agents' CA bundle still verifies it; the ConfigMap is not rewritten.
+    let ca = Ca::load(&ca_pem, &text(&s, "ca.key")).unwrap();
+    let (near, near_key) = ca.issue_server(&b.dns_names, 10).unwrap();
+    let mut s = s;
+    let data = s.data.as_mut().unwrap();
+    data.insert("tls.crt".into(), k8s_openapi::ByteString(near.clone().into_bytes()));
+    data.insert("tls.key".into(), k8s_openapi::ByteString(near_key.into_bytes()));
+    f.put_object("", "secrets", Some(NS), serde_json::to_value(&s).unwrap());
+    let updates_before = f.requests().iter().filter(|r| r.resource == "configmaps" && r.verb == "update").count();
+    run("c", "d");
+    let renewed = read("c");
+    assert_eq!(renewed, read("d"));
+    assert_ne!(renewed, near, "a certificate with 10 days left is renewed");
+    assert!(days_left(&renewed) > 300, "renewed for a year");
+    let s = secret();
+    assert_eq!(text(&s, "ca.crt"), ca_pem, "the CA stays");
+    let acc = ServerFiles { cert_file: dir.join("c/tls.crt"), key_file: dir.join("c/tls.key"), client_ca_file: None };
+    nodeplane::rpc::tls::Acceptor::load(acc).expect("the renewed pair loads (key matches)");
+    let chain = webpki_chains(&ca_pem, &renewed, &b.dns_names[0]);
+    assert!(chain.is_ok(), "the renewed certificate chains to the published CA: {chain:?}");
+    assert_eq!(f.requests().iter().filter(|r| r.resource == "configmaps" && r.verb == "update").count(), updates_before);
+
+    // A DNS name added to the configuration: re-issued naming it, same CA.
+    let mut b2 = b.clone();
+    b2.dns_names.push("controller.example".into());
+    rt().block_on(async {
+        let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+        bootstrap(client, &b2, &files("e")).await.unwrap();
+    });
+    assert!(webpki_chains(&ca_pem, &read("e"), "controller.example").is_ok());
+    assert_eq!(text(&secret(), "ca.crt"), ca_pem);
+}
+
+fn now_secs() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64
+}
+
+/// Does `cert` (PEM) verify against CA `ca` (PEM) for `name`, as an agent verifies it?
+fn webpki_chains(ca: &str, cert: &str, name: &str) -> Result<(), String> {
+    use nodeplane::rpc::tls::{certs_of, provider};
+    let mut roots = rustls::RootCertStore::empty();
+    for c in certs_of(ca.as_bytes(), "ca")? {
+        roots.add(c).map_err(|e| e.to_string())?;
+    }
+    let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider()).build().map_err(|e| e.to_string())?;
+    let leaf = certs_of(cert.as_bytes(), "cert")?;
+    let name = rustls::pki_types::ServerName::try_from(name.to_string()).map_err(|e| e.to_string())?;
+    use rustls::client::danger::ServerCertVerifier;
+    verifier
+        .verify_server_cert(&leaf[0], &leaf[1..], &name, &[], rustls::pki_types::UnixTime::now())
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }

@@ -291,7 +291,7 @@ pub async fn serve(
                     return Err(AgentError::Setup(format!("healthAddress {addr}: {e}")));
                 }
             };
-            Some(tokio::spawn(crate::obs::health::serve(l, health.clone(), async move {
+            Some(tokio::spawn(crate::obs::health::serve(l, health.clone(), None, async move {
                 let _ = health_stop_rx.await;
             })))
         }

@@ -298,7 +298,7 @@ impl Config {
             }
             Some(a) => return Err(bad(format!("agentAuth.kind {:?} is neither \"hmac\" nor \"tokenReview\"", a.kind))),
         };
-        let tls = resolve_tls(&f, &listen, &store).map_err(bad)?;
+        let tls = resolve_tls(&f, &listen, health_address, &store).map_err(bad)?;
         Ok(Config {
             tls,
             insecure: f.insecure,
@@ -371,18 +371,26 @@ impl Config {
     }
 }
 
-fn resolve_tls(f: &FileConfig, listen: &Listen, store: &Store) -> Result<Option<Tls>, String> {
+/// `tls` covers every TCP listener: a TCP `listen` and the health endpoint.
+fn resolve_tls(f: &FileConfig, listen: &Listen, health: Option<std::net::SocketAddr>, store: &Store) -> Result<Option<Tls>, String> {
+    let mut tcp = Vec::new();
+    if matches!(listen, Listen::Tcp(_)) {
+        tcp.push(format!("listen {:?}", f.listen));
+    }
+    if let Some(h) = health {
+        tcp.push(format!("healthAddress \"{h}\""));
+    }
     let Some(t) = &f.tls else {
-        if matches!(listen, Listen::Tcp(_)) && !f.insecure {
+        if !tcp.is_empty() && !f.insecure {
             return Err(format!(
-                "listen {:?} is TCP: give tls (a certificate: tls.dir, or tls.certFile and tls.keyFile; in Kubernetes mode also tls.bootstrap), or set insecure: true to serve plaintext",
-                f.listen
+                "{} is TCP: give tls (a certificate: tls.dir, or tls.certFile and tls.keyFile; in Kubernetes mode also tls.bootstrap), or set insecure: true to serve plaintext",
+                tcp.join(" and ")
             ));
         }
         return Ok(None);
     };
-    if !matches!(listen, Listen::Tcp(_)) {
-        return Err(format!("tls applies to a TCP listen address, and {:?} is a Unix socket", f.listen));
+    if tcp.is_empty() {
+        return Err(format!("tls applies to TCP listeners, and {:?} is a Unix socket with no healthAddress", f.listen));
     }
     if f.insecure {
         return Err("tls and insecure: true contradict each other".into());
@@ -567,6 +575,15 @@ mod tests {
         assert_eq!(t.files.cert_file, PathBuf::from("/etc/np/tls/tls.crt"));
         assert_eq!(t.files.key_file, PathBuf::from("/etc/np/tls/tls.key"));
         assert!(err("unix:/tmp/x.sock", r#","tls":{"dir":"/d"}"#).contains("Unix socket"));
+        // The health endpoint is a TCP listener too: TLS, or plaintext only with insecure.
+        let h = r#","healthAddress":"127.0.0.1:9641""#;
+        let e = err("unix:/tmp/x.sock", h);
+        assert!(e.contains("healthAddress \"127.0.0.1:9641\" is TCP") && e.contains("insecure: true"), "{e}");
+        let e = err("127.0.0.1:9650", h);
+        assert!(e.contains("listen \"127.0.0.1:9650\" and healthAddress"), "{e}");
+        assert!(Config::resolve_with_env(f("unix:/tmp/x.sock", &format!(r#"{h},"tls":{{"dir":"/d"}}"#)), &env).unwrap().tls.is_some());
+        assert!(Config::resolve_with_env(f("unix:/tmp/x.sock", &format!(r#"{h},"insecure":true"#)), &env).unwrap().tls.is_none());
+        assert!(Config::resolve_with_env(f("unix:/tmp/x.sock", ""), &env).unwrap().tls.is_none(), "Unix sockets alone need neither");
         assert!(err("127.0.0.1:1", r#","tls":{"certFile":"/c"}"#).contains("both certFile and keyFile"));
         assert!(err("127.0.0.1:1", r#","tls":{"bootstrap":{}}"#).contains("kubernetes"));
         assert!(err("127.0.0.1:1", r#","tls":{"dir":"/d"},"insecure":true"#).contains("contradict"));

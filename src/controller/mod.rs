@@ -85,15 +85,10 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         let r = metrics.registry.clone();
         health.with_metrics(Arc::new(move || r.render()))
     };
-    let health_task = match cfg.health_address {
-        Some(addr) => {
-            let l = crate::obs::health::bind(&addr.to_string()).map_err(io_ctx(format!("binding health address {addr}")))?;
-            let mut s = stopping.clone();
-            tracing::info!(address = %addr, "health endpoint: /healthz /readyz /metrics");
-            Some(tokio::spawn(crate::obs::health::serve(l, health.clone(), async move {
-                let _ = s.wait_for(|v| *v).await;
-            })))
-        }
+    // Bound first so a bad or taken address fails the start; served once the serving
+    // certificate is loaded (the endpoint is TLS whenever the agent API is).
+    let health_listener = match cfg.health_address {
+        Some(addr) => Some(crate::obs::health::bind(&addr.to_string()).map_err(io_ctx(format!("binding health address {addr}")))?),
         None => None,
     };
     {
@@ -122,8 +117,17 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         None => None,
     };
     if cfg.insecure {
-        tracing::warn!(listen = ?cfg.listen, "insecure: true: the agent API is served in plaintext, so bearer tokens cross the network readable by anyone on it; configure tls");
+        tracing::warn!(listen = ?cfg.listen, health = ?cfg.health_address, "insecure: true: the TCP listeners serve plaintext, so bearer tokens cross the network readable by anyone on it; configure tls");
     }
+    // Every TLS listener follows the files (the agent API's and the health endpoint's).
+    let reloader = acceptor.as_ref().zip(cfg.tls.as_ref()).map(|(a, t)| a.watch(t.reload, stopping.clone()));
+    let health_task = health_listener.map(|l| {
+        let mut s = stopping.clone();
+        let tls = acceptor.clone().map(|a| -> crate::obs::health::TlsSource { Arc::new(move || a.http1_config()) });
+        tokio::spawn(crate::obs::health::serve(l, health.clone(), tls, async move {
+            let _ = s.wait_for(|v| *v).await;
+        }))
+    });
     // Leadership first (Kubernetes mode): nobody but the leader reads or writes the state.
     let mut elector = None;
     let backend: Arc<dyn backend::Backend> = match (&cfg.store, &client) {
@@ -241,7 +245,6 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             let local = listener.local_addr().map_err(io_ctx("local addr"))?;
             match (acceptor, &cfg.tls) {
                 (Some(acceptor), Some(t)) => {
-                    let reloader = acceptor.watch(t.reload, stopping.clone());
                     tracing::info!(
                         address = %local,
                         cert = %t.files.cert_file.display(),
@@ -250,9 +253,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
                     );
                     serving.set(true, format!("serving on {local} (TLS)"));
                     let incoming = crate::rpc::tls::incoming(listener, acceptor);
-                    let r = router.serve_with_incoming_shutdown(incoming, until_stopped(stopping.clone())).await;
-                    reloader.abort();
-                    r
+                    router.serve_with_incoming_shutdown(incoming, until_stopped(stopping.clone())).await
                 }
                 _ => {
                     tracing::info!(address = %local, "ready (plaintext: insecure)");
@@ -272,6 +273,9 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     };
     serving.set(false, "stopped");
     let _ = stop_tx.send(true);
+    if let Some(r) = reloader {
+        r.abort();
+    }
     let _ = csi_task.await;
     let _ = std::fs::remove_file(&cfg.csi_socket);
     if let Some(f) = follower {

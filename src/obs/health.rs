@@ -1,5 +1,5 @@
-//! Health endpoint for probes: liveness (`/healthz`) and readiness (`/readyz`) over plain
-//! HTTP/1.1, shared by the agent and the controller.
+//! Health endpoint for probes: liveness (`/healthz`) and readiness (`/readyz`) over
+//! HTTP/1.1, plain or (given a [`TlsSource`]) over TLS, shared by the agent and the controller.
 //!
 //! Readiness is the conjunction of named conditions that the process's parts register and
 //! set (`cni`, `csi`, …). `/readyz` answers 200 `ok` when every condition holds, else 503
@@ -42,6 +42,13 @@ struct Entry {
     ready: bool,
     detail: String,
 }
+
+/// The TLS config to accept the next connection with (read per connection, so a reloaded
+/// certificate is used from the next handshake on).
+pub type TlsSource = Arc<dyn Fn() -> Arc<rustls::ServerConfig> + Send + Sync>;
+
+/// A TLS handshake must complete within this time.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Renders the process's metrics in the Prometheus text format.
 pub type MetricsSource = Arc<dyn Fn() -> String + Send + Sync>;
@@ -178,17 +185,20 @@ pub fn bind(addr: &str) -> std::io::Result<std::net::TcpListener> {
     Ok(std::net::TcpListener::from(fd))
 }
 
-/// Serve HTTP/1.1 until `shutdown` resolves. The port is closed before this returns.
+/// Serve HTTP/1.1 (over TLS with `tls`) until `shutdown` resolves. The port is closed
+/// before this returns.
 pub async fn serve(
     listener: std::net::TcpListener,
     health: Health,
+    tls: Option<TlsSource>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     listener.set_nonblocking(true)?;
     let listener = tokio::net::TcpListener::from_std(listener)?;
     let local = listener.local_addr()?;
     let paths = if health.metrics.is_some() { "/healthz, /readyz, /metrics" } else { "/healthz, /readyz" };
-    tracing::info!(address = %local, paths, "health endpoint served");
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    tracing::info!(address = %local, paths, scheme, "health endpoint served");
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut conns = tokio::task::JoinSet::new();
@@ -205,8 +215,19 @@ pub async fn serve(
                     };
                     let health = health.clone();
                     let stop = stop_rx.clone();
+                    let _ = stream.set_nodelay(true);
+                    let tls = tls.as_ref().map(|source| tokio_rustls::TlsAcceptor::from(source()));
                     conns.spawn(async move {
-                        serve_connection(stream, health, stop).await;
+                        match tls {
+                            None => serve_connection(stream, health, stop).await,
+                            // The handshake is part of the connection's task: a silent client
+                            // holds a slot for at most HANDSHAKE_TIMEOUT.
+                            Some(tls) => match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
+                                Ok(Ok(s)) => serve_connection(s, health, stop).await,
+                                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "health endpoint: TLS handshake failed (plain HTTP is not served)"),
+                                Err(_) => tracing::debug!(%peer, "health endpoint: TLS handshake not completed in time"),
+                            },
+                        }
                         drop(slot);
                     });
                 }
@@ -232,12 +253,10 @@ pub async fn serve(
     Ok(())
 }
 
-async fn serve_connection(
-    stream: tokio::net::TcpStream,
-    health: Health,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    let _ = stream.set_nodelay(true);
+async fn serve_connection<S>(stream: S, health: Health, mut stop: tokio::sync::watch::Receiver<bool>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let health = health.clone();
         async move { Ok::<_, Infallible>(respond(&health, req.method(), req.uri()).await) }
@@ -430,7 +449,7 @@ mod tests {
         let l = bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(serve(l, health.clone(), async move {
+        let task = tokio::spawn(serve(l, health.clone(), None, async move {
             let _ = rx.await;
         }));
         (addr, tx, task)

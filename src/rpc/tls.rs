@@ -103,7 +103,7 @@ fn now() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
 }
 
-/// The server config from the files' contents.
+/// The server config from the files' contents (no ALPN protocols set).
 fn server_config(files: &ServerFiles, cert: &[u8], key: &[u8], ca: Option<&[u8]>) -> Result<rustls::ServerConfig, String> {
     let certs = certs_of(cert, &files.cert_file.display().to_string())?;
     let key = key_of(key, &files.key_file.display().to_string())?;
@@ -129,27 +129,33 @@ fn server_config(files: &ServerFiles, cert: &[u8], key: &[u8], ca: Option<&[u8]>
         }
         _ => builder.with_no_client_auth(),
     };
-    let mut cfg = builder
+    builder
         .with_single_cert(certs, key)
-        .map_err(|e| format!("{} with {}: {e}", files.cert_file.display(), files.key_file.display()))?;
-    cfg.alpn_protocols = vec![b"h2".to_vec()];
-    Ok(cfg)
+        .map_err(|e| format!("{} with {}: {e}", files.cert_file.display(), files.key_file.display()))
 }
 
-/// The server side: the current config, replaced when the files change.
+/// The configs made from one reading of the files: gRPC (ALPN `h2`) and the health
+/// endpoint (ALPN `http/1.1`; a client that offers no ALPN, as kubelet's prober, gets it too).
+struct Configs {
+    digest: [u8; 32],
+    grpc: Arc<rustls::ServerConfig>,
+    http1: Arc<rustls::ServerConfig>,
+}
+
+/// The server side: the current configs, replaced when the files change.
 pub struct Acceptor {
     files: ServerFiles,
-    current: RwLock<([u8; 32], Arc<rustls::ServerConfig>)>,
+    current: RwLock<Configs>,
 }
 
 impl Acceptor {
     /// Load the files (an error if they do not make a usable config).
     pub fn load(files: ServerFiles) -> Result<Arc<Acceptor>, String> {
-        let (digest, cfg) = Self::read(&files)?;
-        Ok(Arc::new(Acceptor { files, current: RwLock::new((digest, Arc::new(cfg))) }))
+        let configs = Self::read(&files)?;
+        Ok(Arc::new(Acceptor { files, current: RwLock::new(configs) }))
     }
 
-    fn read(files: &ServerFiles) -> Result<([u8; 32], rustls::ServerConfig), String> {
+    fn read(files: &ServerFiles) -> Result<Configs, String> {
         let cert = read(&files.cert_file, "certificate")?;
         let key = read(&files.key_file, "key")?;
         let ca = files.client_ca_file.as_deref().map(|p| read(p, "client CA")).transpose()?;
@@ -159,25 +165,35 @@ impl Acceptor {
             h.update(part);
         }
         let digest: [u8; 32] = h.finalize().into();
-        Ok((digest, server_config(files, &cert, &key, ca.as_deref())?))
+        let mut grpc = server_config(files, &cert, &key, ca.as_deref())?;
+        let mut http1 = grpc.clone();
+        grpc.alpn_protocols = vec![b"h2".to_vec()];
+        http1.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Configs { digest, grpc: Arc::new(grpc), http1: Arc::new(http1) })
     }
 
     pub fn files(&self) -> &ServerFiles {
         &self.files
     }
 
+    /// The config for gRPC (HTTP/2).
     pub fn config(&self) -> Arc<rustls::ServerConfig> {
-        self.current.read().expect("TLS config lock").1.clone()
+        self.current.read().expect("TLS config lock").grpc.clone()
+    }
+
+    /// The config for the health endpoint (HTTP/1.1), same certificate.
+    pub fn http1_config(&self) -> Arc<rustls::ServerConfig> {
+        self.current.read().expect("TLS config lock").http1.clone()
     }
 
     /// Re-read the files: Ok(true) if a changed pair is now in use.
     pub fn reload(&self) -> Result<bool, String> {
-        let (digest, cfg) = Self::read(&self.files)?;
+        let configs = Self::read(&self.files)?;
         let mut cur = self.current.write().expect("TLS config lock");
-        if cur.0 == digest {
+        if cur.digest == configs.digest {
             return Ok(false);
         }
-        *cur = (digest, Arc::new(cfg));
+        *cur = configs;
         Ok(true)
     }
 

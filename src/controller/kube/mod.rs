@@ -6,6 +6,7 @@
 //! resource, verb) this module uses; the shipped RBAC must grant exactly these (a manifest
 //! test compares them with `nodeplane-controller api-calls`).
 
+pub mod ensure;
 pub mod lease;
 pub mod nodes;
 pub mod review;
@@ -100,6 +101,16 @@ pub(crate) const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "no
 /// [`MANAGED_BY`] as an object's labels.
 pub(crate) fn managed_labels() -> std::collections::BTreeMap<String, String> {
     [(MANAGED_BY.0.to_string(), MANAGED_BY.1.to_string())].into()
+}
+
+/// The metadata of an object the controller makes in `namespace`: its name and [`MANAGED_BY`].
+pub(crate) fn managed_meta(namespace: &str, name: &str) -> kube::api::ObjectMeta {
+    kube::api::ObjectMeta {
+        name: Some(name.into()),
+        namespace: Some(namespace.into()),
+        labels: Some(managed_labels()),
+        ..Default::default()
+    }
 }
 
 /// The User-Agent of every request: the binary and its version.

@@ -13,13 +13,14 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Api, ObjectMeta};
+use kube::api::Api;
+
+use super::ensure::Outcome;
 
 pub const DEFAULT_NAME: &str = "nodeplane-controller-hmac";
 pub const CURRENT: &str = "current";
 pub const PREVIOUS: &str = "previous";
 const MIN_LEN: usize = 32;
-const ATTEMPTS: usize = 5;
 
 /// The keys a controller signs with (`current`) and also verifies with (`previous`).
 #[derive(Clone, PartialEq, Eq)]
@@ -58,48 +59,28 @@ fn keys_of(s: &Secret, what: &str) -> Result<Option<Keys>, String> {
 pub async fn load_or_create(client: kube::Client, namespace: &str, name: &str) -> Result<Keys, String> {
     let api: Api<Secret> = Api::namespaced(client, namespace);
     let what = format!("Secret {namespace}/{name}");
-    for _ in 0..ATTEMPTS {
-        match api.get_opt(name).await.map_err(|e| format!("reading {what}: {e}"))? {
-            Some(s) => {
-                if let Some(keys) = keys_of(&s, &what)? {
-                    return Ok(keys);
-                }
-                // There, but without a signing key (made empty by hand): add one.
-                let mut s = s;
-                s.data.get_or_insert_with(BTreeMap::new).insert(CURRENT.into(), ByteString(random_key()));
-                match api.replace(name, &super::post_params(), &s).await {
-                    Ok(s) => {
-                        tracing::info!(secret = %what, "token signing key generated (the Secret had none)");
-                        return keys_of(&s, &what)?.ok_or_else(|| format!("{what}: written without a key"));
-                    }
-                    Err(e) if super::is_conflict(&e) => continue,
-                    Err(e) => return Err(format!("adding a signing key to {what}: {e}")),
-                }
-            }
-            None => {
-                let labels = super::managed_labels();
-                let s = Secret {
-                    metadata: ObjectMeta {
-                        name: Some(name.into()),
-                        namespace: Some(namespace.into()),
-                        labels: Some(labels),
-                        ..Default::default()
-                    },
-                    type_: Some("Opaque".into()),
-                    data: Some([(CURRENT.to_string(), ByteString(random_key()))].into()),
-                    ..Default::default()
-                };
-                match api.create(&super::post_params(), &s).await {
-                    Ok(s) => {
-                        tracing::info!(secret = %what, "token signing secret generated");
-                        return keys_of(&s, &what)?.ok_or_else(|| format!("{what}: written without a key"));
-                    }
-                    // Another controller made it first: use that one.
-                    Err(e) if super::is_already_exists(&e) => continue,
-                    Err(e) => return Err(format!("creating {what}: {e}")),
-                }
-            }
+    let fresh = || {
+        Ok(Secret {
+            metadata: super::managed_meta(namespace, name),
+            type_: Some("Opaque".into()),
+            data: Some([(CURRENT.to_string(), ByteString(random_key()))].into()),
+            ..Default::default()
+        })
+    };
+    // There, but without a signing key (made empty by hand): add one.
+    let fix = |s: &Secret| -> Result<Option<Secret>, String> {
+        if keys_of(s, &what)?.is_some() {
+            return Ok(None);
         }
+        let mut s = s.clone();
+        s.data.get_or_insert_with(BTreeMap::new).insert(CURRENT.into(), ByteString(random_key()));
+        Ok(Some(s))
+    };
+    let (s, outcome) = super::ensure::ensure(&api, &what, name, fresh, fix).await?;
+    match outcome {
+        Outcome::Created => tracing::info!(secret = %what, "token signing secret generated"),
+        Outcome::Updated => tracing::info!(secret = %what, "token signing key generated (the Secret had none)"),
+        Outcome::Found => {}
     }
-    Err(format!("{what}: kept changing while it was read ({ATTEMPTS} attempts)"))
+    keys_of(&s, &what)?.ok_or_else(|| format!("{what}: written without a key"))
 }

@@ -13,13 +13,13 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use kube::api::{Api, ObjectMeta};
+use kube::api::Api;
 
+use super::ensure::Outcome;
 use crate::controller::certs::{CA_CERT, CA_KEY, Ca, TLS_CERT, TLS_KEY};
 use crate::controller::config::Bootstrap;
 use crate::rpc::tls::ServerFiles;
 
-const ATTEMPTS: usize = 5;
 const CA_DAYS: i64 = 3650;
 const SERVING_DAYS: i64 = 365;
 const RENEW_BEFORE_SECS: i64 = 30 * 86400;
@@ -75,53 +75,25 @@ fn complete(data: BTreeMap<String, ByteString>, b: &Bootstrap) -> Result<(BTreeM
 pub async fn bootstrap(client: kube::Client, b: &Bootstrap, files: &ServerFiles) -> Result<(), String> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &b.namespace);
     let what = format!("Secret {}/{}", b.namespace, b.secret_name);
-    let mut data = None;
-    for _ in 0..ATTEMPTS {
-        match secrets.get_opt(&b.secret_name).await.map_err(|e| format!("reading {what}: {e}"))? {
-            Some(s) => {
-                let (d, changed) = complete(s.data.clone().unwrap_or_default(), b)?;
-                if !changed {
-                    data = Some(d);
-                    break;
-                }
-                let mut s = s;
-                s.data = Some(d.clone());
-                match secrets.replace(&b.secret_name, &super::post_params(), &s).await {
-                    Ok(_) => {
-                        tracing::info!(secret = %what, "serving certificate (re-)issued by the bootstrap CA");
-                        data = Some(d);
-                        break;
-                    }
-                    Err(e) if super::is_conflict(&e) => continue,
-                    Err(e) => return Err(format!("updating {what}: {e}")),
-                }
-            }
-            None => {
-                let (d, _) = complete(BTreeMap::new(), b)?;
-                let s = Secret {
-                    metadata: ObjectMeta {
-                        name: Some(b.secret_name.clone()),
-                        namespace: Some(b.namespace.clone()),
-                        labels: Some(super::managed_labels()),
-                        ..Default::default()
-                    },
-                    type_: Some("kubernetes.io/tls".into()),
-                    data: Some(d.clone()),
-                    ..Default::default()
-                };
-                match secrets.create(&super::post_params(), &s).await {
-                    Ok(_) => {
-                        tracing::info!(secret = %what, names = ?b.dns_names, "CA and serving certificate generated");
-                        data = Some(d);
-                        break;
-                    }
-                    Err(e) if super::is_already_exists(&e) => continue,
-                    Err(e) => return Err(format!("creating {what}: {e}")),
-                }
-            }
-        }
+    let fresh = || {
+        Ok(Secret {
+            metadata: super::managed_meta(&b.namespace, &b.secret_name),
+            type_: Some("kubernetes.io/tls".into()),
+            data: Some(complete(BTreeMap::new(), b)?.0),
+            ..Default::default()
+        })
+    };
+    let fix = |s: &Secret| -> Result<Option<Secret>, String> {
+        let (d, changed) = complete(s.data.clone().unwrap_or_default(), b)?;
+        Ok(changed.then(|| Secret { data: Some(d), ..s.clone() }))
+    };
+    let (s, outcome) = super::ensure::ensure(&secrets, &what, &b.secret_name, fresh, fix).await?;
+    match outcome {
+        Outcome::Created => tracing::info!(secret = %what, names = ?b.dns_names, "CA and serving certificate generated"),
+        Outcome::Updated => tracing::info!(secret = %what, "serving certificate (re-)issued by the bootstrap CA"),
+        Outcome::Found => {}
     }
-    let data = data.ok_or_else(|| format!("{what}: kept changing while it was read ({ATTEMPTS} attempts)"))?;
+    let data = s.data.unwrap_or_default();
     let get = |k: &str| text(&data, k).ok_or_else(|| format!("{what}: no {k}"));
     let (cert, key, ca) = (get(TLS_CERT)?, get(TLS_KEY)?, get(CA_CERT)?);
     crate::controller::certs::write_pair(&files.cert_file, &files.key_file, &cert, &key)?;
@@ -132,41 +104,25 @@ pub async fn bootstrap(client: kube::Client, b: &Bootstrap, files: &ServerFiles)
 async fn publish_ca(client: kube::Client, b: &Bootstrap, ca: &str) -> Result<(), String> {
     let maps: Api<ConfigMap> = Api::namespaced(client, &b.namespace);
     let what = format!("ConfigMap {}/{}", b.namespace, b.ca_config_map_name);
-    for _ in 0..ATTEMPTS {
-        match maps.get_opt(&b.ca_config_map_name).await.map_err(|e| format!("reading {what}: {e}"))? {
-            Some(m) if m.data.as_ref().and_then(|d| d.get(CA_CERT)).map(String::as_str) == Some(ca) => return Ok(()),
-            Some(mut m) => {
-                m.data.get_or_insert_with(BTreeMap::new).insert(CA_CERT.into(), ca.to_string());
-                match maps.replace(&b.ca_config_map_name, &super::post_params(), &m).await {
-                    Ok(_) => {
-                        tracing::info!(configmap = %what, "CA bundle updated");
-                        return Ok(());
-                    }
-                    Err(e) if super::is_conflict(&e) => continue,
-                    Err(e) => return Err(format!("updating {what}: {e}")),
-                }
-            }
-            None => {
-                let m = ConfigMap {
-                    metadata: ObjectMeta {
-                        name: Some(b.ca_config_map_name.clone()),
-                        namespace: Some(b.namespace.clone()),
-                        labels: Some(super::managed_labels()),
-                        ..Default::default()
-                    },
-                    data: Some([(CA_CERT.to_string(), ca.to_string())].into()),
-                    ..Default::default()
-                };
-                match maps.create(&super::post_params(), &m).await {
-                    Ok(_) => {
-                        tracing::info!(configmap = %what, "CA bundle published");
-                        return Ok(());
-                    }
-                    Err(e) if super::is_already_exists(&e) => continue,
-                    Err(e) => return Err(format!("creating {what}: {e}")),
-                }
-            }
+    let fresh = || {
+        Ok(ConfigMap {
+            metadata: super::managed_meta(&b.namespace, &b.ca_config_map_name),
+            data: Some([(CA_CERT.to_string(), ca.to_string())].into()),
+            ..Default::default()
+        })
+    };
+    let fix = |m: &ConfigMap| -> Result<Option<ConfigMap>, String> {
+        if m.data.as_ref().and_then(|d| d.get(CA_CERT)).map(String::as_str) == Some(ca) {
+            return Ok(None);
         }
+        let mut m = m.clone();
+        m.data.get_or_insert_with(BTreeMap::new).insert(CA_CERT.into(), ca.to_string());
+        Ok(Some(m))
+    };
+    match super::ensure::ensure(&maps, &what, &b.ca_config_map_name, fresh, fix).await?.1 {
+        Outcome::Created => tracing::info!(configmap = %what, "CA bundle published"),
+        Outcome::Updated => tracing::info!(configmap = %what, "CA bundle updated"),
+        Outcome::Found => {}
     }
-    Err(format!("{what}: kept changing while it was written ({ATTEMPTS} attempts)"))
+    Ok(())
 }
