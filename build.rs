@@ -19,6 +19,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         PathBuf::from("proto/pluginregistration/v1/api.proto"),
         // kubelet device plugin API v1beta1 (package `v1beta1`).
         PathBuf::from("proto/deviceplugin/v1beta1/api.proto"),
+        // kubelet DRA plugin API v1 (package `k8s.io.kubelet.pkg.apis.dra.v1`).
+        PathBuf::from("proto/dra/v1/api.proto"),
+        // kubelet DRA device health v1alpha1 (package `v1alpha1`).
+        PathBuf::from("proto/drahealth/v1alpha1/api.proto"),
     ];
     let includes = [PathBuf::from("proto"), wkt_include];
 

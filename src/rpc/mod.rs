@@ -93,6 +93,20 @@ pub mod deviceplugin {
     tonic::include_proto!("v1beta1");
 }
 
+/// Kubelet DRA kubelet-plugin API v1 (package `k8s.io.kubelet.pkg.apis.dra.v1`, service
+/// `DRAPlugin`; registered as `v1.DRAPlugin`), over `<kubelet>/plugins/<driver>/dra.sock`.
+#[allow(clippy::all, clippy::pedantic, missing_docs, non_snake_case)]
+pub mod dra {
+    tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+}
+
+/// Kubelet DRA device health v1alpha1 (package `v1alpha1`, service `DRAResourceHealth`),
+/// served on the same socket as [`dra`].
+#[allow(clippy::all, clippy::pedantic, missing_docs, non_snake_case)]
+pub mod drahealth {
+    tonic::include_proto!("v1alpha1");
+}
+
 /// The serialized `FileDescriptorSet` of every proto the crate compiles
 /// (with custom options such as `csi.v1.csi_secret`), for introspection and tests.
 pub const FILE_DESCRIPTOR_SET: &[u8] =

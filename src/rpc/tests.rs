@@ -722,6 +722,50 @@ fn device_plugin_v1beta1_numbers_and_names() {
 }
 
 #[test]
+fn dra_v1_and_health_v1alpha1_numbers_and_names() {
+    use super::dra;
+    use super::drahealth as health;
+    let claim = dra::Claim { namespace: "ns".into(), uid: "u-1".into(), name: "c".into() };
+    let claim_bytes = [ld(1, b"ns"), ld(2, b"u-1"), ld(3, b"c")].concat();
+    assert_eq!(claim.encode_to_vec(), claim_bytes);
+    assert_eq!(dra::NodePrepareResourcesRequest { claims: vec![claim.clone()] }.encode_to_vec(), ld(1, &claim_bytes));
+    assert_eq!(dra::NodeUnprepareResourcesRequest { claims: vec![claim] }.encode_to_vec(), ld(1, &claim_bytes));
+    let dev = dra::Device {
+        request_names: vec!["r".into()],
+        pool_name: "p".into(),
+        device_name: "d".into(),
+        cdi_device_ids: vec!["nodeplane.dev/dra=x".into()],
+    };
+    let dev_bytes = [ld(1, b"r"), ld(2, b"p"), ld(3, b"d"), ld(4, b"nodeplane.dev/dra=x")].concat();
+    assert_eq!(dev.encode_to_vec(), dev_bytes);
+    let one = dra::NodePrepareResourceResponse { devices: vec![dev], error: "e".into() };
+    let one_bytes = [ld(1, &dev_bytes), ld(2, b"e")].concat();
+    assert_eq!(one.encode_to_vec(), one_bytes);
+    let resp = dra::NodePrepareResourcesResponse { claims: [("u-1".to_string(), one)].into() };
+    assert_eq!(resp.encode_to_vec(), ld(1, &[ld(1, b"u-1"), ld(2, &one_bytes)].concat()));
+    let un = dra::NodeUnprepareResourcesResponse { claims: [("u-1".to_string(), dra::NodeUnprepareResourceResponse { error: "e".into() })].into() };
+    assert_eq!(un.encode_to_vec(), ld(1, &[ld(1, b"u-1"), ld(2, &ld(1, b"e"))].concat()));
+    assert_eq!(dra::dra_plugin_server::SERVICE_NAME, "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin");
+
+    let h = health::DeviceHealth {
+        device: Some(health::DeviceIdentifier { pool_name: "p".into(), device_name: "d".into() }),
+        health: health::HealthStatus::Unhealthy as i32,
+        last_updated_time: 1_700_000_000,
+        health_check_timeout_seconds: 30,
+        message: "gone".into(),
+    };
+    let h_bytes = [ld(1, &[ld(1, b"p"), ld(2, b"d")].concat()), vi(2, 2), vi(3, 1_700_000_000), vi(4, 30), ld(5, b"gone")].concat();
+    assert_eq!(h.encode_to_vec(), h_bytes);
+    assert_eq!(health::NodeWatchResourcesResponse { devices: vec![h] }.encode_to_vec(), ld(1, &h_bytes));
+    assert_eq!(health::NodeWatchResourcesRequest {}.encode_to_vec(), Vec::<u8>::new());
+    assert_eq!((health::HealthStatus::Unknown as i32, health::HealthStatus::Healthy as i32), (0, 1));
+    assert_eq!(health::dra_resource_health_server::SERVICE_NAME, "v1alpha1.DRAResourceHealth");
+    for name in ["request_names", "pool_name", "device_name", "cdi_device_ids", "last_updated_time", "health_check_timeout_seconds"] {
+        assert!(descriptor_has_field_name(name), "field name {name:?} missing from the descriptor");
+    }
+}
+
+#[test]
 fn grpc_service_names() {
     assert_eq!(csi::identity_server::SERVICE_NAME, "csi.v1.Identity");
     assert_eq!(csi::controller_server::SERVICE_NAME, "csi.v1.Controller");
