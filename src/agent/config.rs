@@ -80,6 +80,20 @@ pub struct DevicePluginFileConfig {
     pub cdi_dir: Option<PathBuf>,
 }
 
+/// The DRA kubelet plugin `dra.nodeplane.dev` (off unless `enabled: true`).
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DraFileConfig {
+    #[serde(default)]
+    pub enabled: Option<bool>,
+    /// Where `dra.sock` is served (default `<kubeletDir>/plugins/dra.nodeplane.dev`).
+    pub plugin_dir: Option<PathBuf>,
+    /// The device file (default: the device plugins' `configFile`).
+    pub config_file: Option<PathBuf>,
+    /// Where per-claim CDI specs are written (default: the device plugins' `cdiDir`).
+    pub cdi_dir: Option<PathBuf>,
+}
+
 /// Resolved CSI settings.
 #[derive(Debug, Clone)]
 pub struct CsiConfig {
@@ -151,6 +165,8 @@ pub struct FileConfig {
     pub csi: Option<CsiFileConfig>,
     #[serde(default)]
     pub device_plugins: Option<DevicePluginFileConfig>,
+    #[serde(default)]
+    pub dra: Option<DraFileConfig>,
     /// The shim binary to install; default: `nodeplane-cni` next to the agent binary.
     pub shim_source: Option<PathBuf>,
     /// Where the kernel boot id is read (tests point this elsewhere to simulate a reboot).
@@ -237,6 +253,8 @@ pub struct Config {
     pub csi: Option<CsiConfig>,
     /// `None`: device plugins are off.
     pub device_plugins: Option<crate::devices::deviceplugin::Settings>,
+    /// `None`: the DRA plugin is off.
+    pub dra: Option<crate::devices::dra::Settings>,
     pub shim_source: PathBuf,
     pub boot_id_file: PathBuf,
     pub controller: Option<ControllerConfig>,
@@ -434,6 +452,29 @@ impl Config {
             plugin_dir: device_plugin_dir.clone(),
             cdi_dir: dpf.cdi_dir.clone().unwrap_or_else(|| under(&root, "/var/run/cdi")),
         });
+        let draf = f.dra.clone().unwrap_or_default();
+        let dra = if draf.enabled.unwrap_or(false) {
+            let plugin_dir = draf.plugin_dir.clone().unwrap_or_else(|| kubelet_dir.join("plugins").join(crate::devices::dra::DRIVER_NAME));
+            if !plugin_dir.is_absolute() {
+                return bad(format!("dra.pluginDir {} must be absolute", plugin_dir.display()));
+            }
+            Some(crate::devices::dra::Settings {
+                node_name: node_name.clone(),
+                config_file: draf.config_file.clone().unwrap_or_else(|| match &device_plugins {
+                    Some(d) => d.config_file.clone(),
+                    None => dpf.config_file.clone().unwrap_or_else(|| under(&root, "/etc/nodeplane/devices.json")),
+                }),
+                cdi_dir: draf.cdi_dir.clone().unwrap_or_else(|| match &device_plugins {
+                    Some(d) => d.cdi_dir.clone(),
+                    None => dpf.cdi_dir.clone().unwrap_or_else(|| under(&root, "/var/run/cdi")),
+                }),
+                plugin_dir,
+                registry_dir: kubelet_dir.join("plugins_registry"),
+                state_dir: state_dir.clone(),
+            })
+        } else {
+            None
+        };
         let dns = f
             .dns
             .map(|d| Dns { nameservers: d.nameservers, domain: d.domain, search: d.search, options: d.options })
@@ -448,6 +489,10 @@ impl Config {
             if c.self_register {
                 sockets.push(crate::storage::csi::registration_socket(&kubelet_dir));
             }
+        }
+        if let Some(d) = &dra {
+            sockets.push(d.socket());
+            sockets.push(d.registration_socket());
         }
         for s in sockets {
             if s.as_os_str().len() >= 108 {
@@ -478,6 +523,7 @@ impl Config {
             kubelet_registration_grace,
             csi,
             device_plugins,
+            dra,
             cni_bin_dir: f.cni_bin_dir.unwrap_or_else(|| under(&root, "/opt/cni/bin")),
             cni_conf_dir: f.cni_conf_dir.unwrap_or_else(|| under(&root, "/etc/cni/net.d")),
             shim_source,
@@ -714,6 +760,20 @@ impl Config {
                     "configFile": abs(&d.config_file),
                     "pluginDir": abs(&d.plugin_dir),
                     "cdiDir": abs(&d.cdi_dir),
+                }),
+                None => json!({"enabled": false}),
+            },
+            "dra": match &self.dra {
+                Some(d) => json!({
+                    "enabled": true,
+                    "driver": crate::devices::dra::DRIVER_NAME,
+                    "pluginDir": abs(&d.plugin_dir),
+                    "socket": abs(&d.socket()),
+                    "registrationSocket": abs(&d.registration_socket()),
+                    "configFile": abs(&d.config_file),
+                    "cdiDir": abs(&d.cdi_dir),
+                    "claimDir": abs(&crate::devices::dra::claim_dir(&d.state_dir)),
+                    "preparedDir": abs(&crate::devices::dra::prepared_dir(&d.state_dir)),
                 }),
                 None => json!({"enabled": false}),
             },

@@ -320,6 +320,7 @@ pub async fn serve(
             ended.store(true, std::sync::atomic::Ordering::SeqCst);
         })
     });
+    let dra = cfg.dra.clone().map(|s| tokio::spawn(crate::devices::dra::run(s, stop_rx.clone(), book.clone())));
     let readiness_task = tokio::spawn(readiness.run());
     let node_api = status::NodeStatus {
         cfg: cfg.clone(),
@@ -391,6 +392,9 @@ pub async fn serve(
     }
     let _ = stop_tx.send(true);
     if let Some(t) = device_plugins {
+        let _ = t.await;
+    }
+    if let Some(t) = dra {
         let _ = t.await;
     }
     if let Some(t) = csi_task {

@@ -6,8 +6,10 @@
 //! - `csi` (when enabled): recovery is done (`NodeService::ready`, the moment `Probe` turns
 //!   ready) and the CSI and kubelet registration sockets accept connections.
 //! - `deviceplugins` (when enabled): the manager runs, the device file is usable (or absent:
-//!   no resources) and every resource it defines has its plugin socket served.
-//! - for both, kubelet's answer ([`crate::kubelet`]): a plugin kubelet refused fails the
+//!   no resources) and every resource it offers as a device plugin has its socket served.
+//! - `dra` (when enabled): the DRA plugin's `dra.sock` and its registration socket accept
+//!   connections.
+//! - for all three, kubelet's answer ([`crate::kubelet`]): a plugin kubelet refused fails the
 //!   condition with kubelet's message; one not registered within the grace period fails it
 //!   when `requireKubeletRegistration` is set (and is warned about either way).
 //!
@@ -36,6 +38,7 @@ pub(crate) struct Readiness {
     cni_inode: Option<u64>,
     csi: Option<(Arc<crate::storage::csi::NodeService>, Condition)>,
     devices: Option<Devices>,
+    dra: Option<(crate::devices::dra::Settings, Condition)>,
     /// Socket path → the inode that accepted a connection.
     verified: HashMap<PathBuf, u64>,
     book: crate::kubelet::Registrations,
@@ -76,6 +79,7 @@ impl Readiness {
             }),
             _ => None,
         };
+        let dra = cfg.dra.clone().map(|s| (s, health.condition("dra")));
         let cni_inode = std::fs::symlink_metadata(&cfg.cni_socket)
             .ok()
             .map(|m| m.ino());
@@ -86,6 +90,7 @@ impl Readiness {
             cni_inode,
             csi,
             devices,
+            dra,
             verified: HashMap::new(),
             book,
         }
@@ -114,6 +119,19 @@ impl Readiness {
             set(&d.cond, st);
             self.devices = Some(d);
         }
+        if let Some((s, cond)) = self.dra.clone() {
+            let st = self.dra_state(&s).await;
+            set(&cond, st);
+        }
+    }
+
+    async fn dra_state(&mut self, s: &crate::devices::dra::Settings) -> Result<(), String> {
+        for sock in [s.socket(), s.registration_socket()] {
+            if !self.served(&sock).await {
+                return Err(format!("DRA socket {} is not served yet", sock.display()));
+            }
+        }
+        self.book.condition(crate::kubelet::Kind::Dra)
     }
 
     fn cni_state(&self) -> Result<(), String> {
@@ -180,6 +198,7 @@ impl Readiness {
                     .map(|(resources, _)| {
                         resources
                             .iter()
+                            .filter(|r| r.offer == crate::devices::config::Offer::DevicePlugin)
                             .map(|r| (r.socket_name(), r.resource_name()))
                             .collect()
                     })

@@ -3,6 +3,11 @@
 //! the sidecars and kubelet would send, one call per invocation, JSON on stdout. A failed
 //! call prints `{"code": "...", "message": "..."}` on stdout and exits 2.
 //!
+//! `nodeplane dra prepare|unprepare` stands in for kubelet and the API server in local DRA
+//! mode: it writes (removes) the claim file in the agent's claims directory and calls
+//! NodePrepareResources (NodeUnprepareResources) on the DRA socket exactly as kubelet does,
+//! printing the answer as JSON (exit 1 when the claim failed, 2 when the call did).
+//!
 //! `nodeplane status` and `nodeplane doctor [--repair]` ask a node's agent (its node API
 //! socket) what the node is doing and which orphans it has; see `nodeplane::agent::status`.
 
@@ -31,6 +36,11 @@ enum Top {
         #[command(subcommand)]
         call: Call,
     },
+    /// Prepare or unprepare a DRA claim on this node's agent, as kubelet would (local mode).
+    Dra {
+        #[command(subcommand)]
+        call: DraCall,
+    },
     /// What the node's agent is doing: attachments and leases, blocks, volumes and mounts,
     /// devices and their health, the link to the controller.
     Status {
@@ -51,6 +61,128 @@ enum Top {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// Where the agent's DRA socket and state directory are.
+#[derive(clap::Args)]
+struct DraAt {
+    /// The DRA plugin socket (default: from --config, else
+    /// /var/lib/kubelet/plugins/dra.nodeplane.dev/dra.sock).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// The agent's configuration file, to find its DRA socket and state directory.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The agent's state directory (default: from --config, else /var/lib/nodeplane).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+}
+
+impl DraAt {
+    /// (socket, state directory)
+    fn resolve(&self) -> Result<(PathBuf, PathBuf), String> {
+        let cfg = match &self.config {
+            Some(c) => Some(nodeplane::agent::config::Config::load(c).map_err(|e| format!("{}: {e}", c.display()))?),
+            None => None,
+        };
+        let socket = match (&self.socket, &cfg) {
+            (Some(s), _) => s.clone(),
+            (None, Some(c)) => match &c.dra {
+                Some(d) => d.socket(),
+                None => c.kubelet_dir.join("plugins").join(nodeplane::devices::dra::DRIVER_NAME).join("dra.sock"),
+            },
+            (None, None) => PathBuf::from("/var/lib/kubelet/plugins/dra.nodeplane.dev/dra.sock"),
+        };
+        let state = match (&self.state_dir, &cfg) {
+            (Some(s), _) => s.clone(),
+            (None, Some(c)) => c.state_dir.clone(),
+            (None, None) => PathBuf::from("/var/lib/nodeplane"),
+        };
+        Ok((socket, state))
+    }
+}
+
+#[derive(Subcommand)]
+enum DraCall {
+    /// Write the claim file into the agent's claims directory, then NodePrepareResources.
+    Prepare {
+        /// A claim file: {"namespace", "name", "uid", "results": [{"request", "driver", "pool", "device"}]}.
+        #[arg(long)]
+        claim_file: PathBuf,
+        #[command(flatten)]
+        at: DraAt,
+    },
+    /// NodeUnprepareResources, then remove the claim file.
+    Unprepare {
+        #[arg(long)]
+        uid: String,
+        #[arg(long)]
+        namespace: String,
+        #[arg(long)]
+        name: String,
+        #[command(flatten)]
+        at: DraAt,
+    },
+}
+
+/// Run one `nodeplane dra` call: the JSON answer and whether every claim succeeded.
+async fn dra_call(c: DraCall) -> Result<(serde_json::Value, bool), String> {
+    use nodeplane::devices::dra;
+    use nodeplane::rpc::dra as pb;
+    let connect = |socket: PathBuf| async move {
+        let ch = nodeplane::rpc::connect_unix(&socket).await.map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
+        Ok::<_, String>(pb::dra_plugin_client::DraPluginClient::new(ch))
+    };
+    match c {
+        DraCall::Prepare { claim_file, at } => {
+            let (socket, state) = at.resolve()?;
+            let raw = std::fs::read(&claim_file).map_err(|e| format!("reading {}: {e}", claim_file.display()))?;
+            let claim: dra::ClaimFile = serde_json::from_slice(&raw).map_err(|e| format!("{}: {e}", claim_file.display()))?;
+            dra::check_uid(&claim.uid)?;
+            let dir = dra::claim_dir(&state);
+            let target = dir.join(format!("{}.json", claim.uid));
+            let body = serde_json::to_vec_pretty(&claim).expect("claim serialises");
+            std::fs::create_dir_all(&dir)
+                .and_then(|_| nodeplane::sys::fs::atomic_write(&target, &body, 0o600))
+                .map_err(|e| format!("writing {}: {e}", target.display()))?;
+            let req = pb::NodePrepareResourcesRequest {
+                claims: vec![pb::Claim { namespace: claim.namespace.clone(), uid: claim.uid.clone(), name: claim.name.clone() }],
+            };
+            let answer = connect(socket).await?.node_prepare_resources(req).await.map_err(|s| format!("NodePrepareResources: {:?}: {}", s.code(), s.message()))?;
+            let claims = answer.into_inner().claims;
+            let ok = claims.get(&claim.uid).is_some_and(|c| c.error.is_empty());
+            let doc: serde_json::Map<String, serde_json::Value> = claims
+                .into_iter()
+                .map(|(uid, c)| {
+                    let devices: Vec<serde_json::Value> = c
+                        .devices
+                        .iter()
+                        .map(|d| json!({"requestNames": d.request_names, "poolName": d.pool_name, "deviceName": d.device_name, "cdiDeviceIds": d.cdi_device_ids}))
+                        .collect();
+                    (uid, json!({"devices": devices, "error": c.error}))
+                })
+                .collect();
+            Ok((json!({ "claims": doc }), ok))
+        }
+        DraCall::Unprepare { uid, namespace, name, at } => {
+            let (socket, state) = at.resolve()?;
+            dra::check_uid(&uid)?;
+            let req = pb::NodeUnprepareResourcesRequest { claims: vec![pb::Claim { namespace, uid: uid.clone(), name }] };
+            let answer = connect(socket).await?.node_unprepare_resources(req).await.map_err(|s| format!("NodeUnprepareResources: {:?}: {}", s.code(), s.message()))?;
+            let claims = answer.into_inner().claims;
+            let ok = claims.get(&uid).is_some_and(|c| c.error.is_empty());
+            if ok {
+                let file = dra::claim_dir(&state).join(format!("{uid}.json"));
+                match std::fs::remove_file(&file) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(format!("removing {}: {e}", file.display())),
+                }
+            }
+            let doc: serde_json::Map<String, serde_json::Value> = claims.into_iter().map(|(uid, c)| (uid, json!({"error": c.error}))).collect();
+            Ok((json!({ "claims": doc }), ok))
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -600,6 +732,7 @@ mod document {
                 "kind": match p.kind() {
                     api::PluginKind::Csi => "csi",
                     api::PluginKind::DevicePlugin => "deviceplugin",
+                    api::PluginKind::Dra => "dra",
                     api::PluginKind::Unspecified => "unknown",
                 },
                 "socket": p.socket,
@@ -653,6 +786,16 @@ fn main() {
             }
             Err(s) => {
                 println!("{}", json!({"code": format!("{:?}", s.code()), "message": s.message()}));
+                std::process::exit(2);
+            }
+        },
+        Top::Dra { call: c } => match rt.block_on(dra_call(c)) {
+            Ok((doc, ok)) => {
+                println!("{}", serde_json::to_string_pretty(&doc).expect("JSON values serialise"));
+                std::process::exit(if ok { 0 } else { 1 });
+            }
+            Err(e) => {
+                eprintln!("nodeplane: {e}");
                 std::process::exit(2);
             }
         },

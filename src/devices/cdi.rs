@@ -67,25 +67,19 @@ pub fn check_device_name(name: &str) -> Result<(), String> {
     check_name("CDI device", name, true, &['-', '_', '.', ':'])
 }
 
-/// The CDI spec of kind `kind` with one device per `(name, device node)`, the container edits
-/// the resource adds (env, mounts) at the top level. `None` when there is no device: a CDI
-/// file must list at least one, so then there is no file.
-pub fn spec<'a>(kind: &str, res: &Edits<'_>, devices: impl IntoIterator<Item = (&'a str, &'a Path)>) -> Option<serde_json::Value> {
-    let devices: Vec<serde_json::Value> = devices
-        .into_iter()
-        .map(|(name, path)| {
-            serde_json::json!({
-                "name": name,
-                "containerEdits": {"deviceNodes": [{"path": path, "hostPath": path, "permissions": res.permissions}]},
-            })
-        })
-        .collect();
-    if devices.is_empty() {
-        return None;
-    }
-    let env: Vec<String> = res.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    let mounts: Vec<serde_json::Value> = res
-        .mounts
+/// The device node edit of one device.
+fn node_edit(path: &Path, permissions: &str) -> serde_json::Value {
+    serde_json::json!({"path": path, "hostPath": path, "permissions": permissions})
+}
+
+/// A resource's environment as CDI `NAME=VALUE` entries.
+fn env_list(res: &Edits<'_>) -> Vec<String> {
+    res.env.iter().map(|(k, v)| format!("{k}={v}")).collect()
+}
+
+/// A resource's mounts as CDI bind mounts.
+fn mount_list(res: &Edits<'_>) -> Vec<serde_json::Value> {
+    res.mounts
         .iter()
         .map(|(host, container, read_only)| {
             serde_json::json!({
@@ -94,13 +88,52 @@ pub fn spec<'a>(kind: &str, res: &Edits<'_>, devices: impl IntoIterator<Item = (
                 "options": if *read_only { vec!["ro", "bind"] } else { vec!["rw", "bind"] },
             })
         })
+        .collect()
+}
+
+/// The CDI spec of kind `kind` with one device per `(name, device node)`, the container edits
+/// the resource adds (env, mounts) at the top level. `None` when there is no device: a CDI
+/// file must list at least one, so then there is no file.
+pub fn spec<'a>(kind: &str, res: &Edits<'_>, devices: impl IntoIterator<Item = (&'a str, &'a Path)>) -> Option<serde_json::Value> {
+    let devices: Vec<serde_json::Value> = devices
+        .into_iter()
+        .map(|(name, path)| serde_json::json!({"name": name, "containerEdits": {"deviceNodes": [node_edit(path, res.permissions)]}}))
         .collect();
+    if devices.is_empty() {
+        return None;
+    }
     Some(serde_json::json!({
         "cdiVersion": CDI_VERSION,
         "kind": kind,
         "devices": devices,
-        "containerEdits": {"env": env, "mounts": mounts},
+        "containerEdits": {"env": env_list(res), "mounts": mount_list(res)},
     }))
+}
+
+/// The CDI spec of kind `kind` whose devices may come from different resources: each
+/// `(name, device node, its resource's edits)` carries its own device node, env and mounts.
+/// `None` when there is no device.
+pub fn spec_per_device<'a>(
+    kind: &str,
+    devices: impl IntoIterator<Item = (&'a str, &'a Path, &'a Edits<'a>)>,
+) -> Option<serde_json::Value> {
+    let devices: Vec<serde_json::Value> = devices
+        .into_iter()
+        .map(|(name, path, res)| {
+            serde_json::json!({
+                "name": name,
+                "containerEdits": {
+                    "deviceNodes": [node_edit(path, res.permissions)],
+                    "env": env_list(res),
+                    "mounts": mount_list(res),
+                },
+            })
+        })
+        .collect();
+    if devices.is_empty() {
+        return None;
+    }
+    Some(serde_json::json!({"cdiVersion": CDI_VERSION, "kind": kind, "devices": devices}))
 }
 
 /// Check a spec against the CDI rules a runtime applies when it loads the file: version,

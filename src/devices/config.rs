@@ -5,9 +5,16 @@
 //! {"resources": [
 //!   {"name": "kvm", "devices": ["/dev/kvm"], "share": 4, "permissions": "rw",
 //!    "mounts": [{"hostPath": "/lib/x", "containerPath": "/lib/x", "readOnly": true}],
-//!    "env": {"KVM": "1"}, "cdi": true, "preStart": false}
+//!    "env": {"KVM": "1"}, "cdi": true, "preStart": false, "offer": "devicePlugin"}
 //! ]}
 //! ```
+//!
+//! `offer` says which kubelet allocator hands the resource's devices out: `"devicePlugin"`
+//! (the default: a v1beta1 device plugin `nodeplane.dev/<name>`) or `"dra"` (devices of the
+//! DRA driver `dra.nodeplane.dev`, see `devices::dra`). The rule for `"both"`: it is
+//! refused at load, naming the entry, because two allocators counting the same device
+//! nodes would hand one device to two pods without either knowing. Offer a device through
+//! both by giving each allocator its own entry with disjoint patterns.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -45,6 +52,34 @@ struct Entry {
     cdi: bool,
     #[serde(default)]
     pre_start: bool,
+    #[serde(default)]
+    offer: Option<String>,
+}
+
+/// Which kubelet allocator offers a resource's devices (see the module comment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Offer {
+    #[default]
+    DevicePlugin,
+    Dra,
+}
+
+impl Offer {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Offer::DevicePlugin => "devicePlugin",
+            Offer::Dra => "dra",
+        }
+    }
+}
+
+fn parse_offer(o: Option<&str>) -> Result<Offer, String> {
+    match o {
+        None | Some("devicePlugin") => Ok(Offer::DevicePlugin),
+        Some("dra") => Ok(Offer::Dra),
+        Some("both") => Err("offer \"both\" is refused: one device must never be handed out by the device plugin and by DRA at once; give each allocator its own entry with disjoint device patterns".into()),
+        Some(o) => Err(format!("offer {o:?} is not \"devicePlugin\" or \"dra\"")),
+    }
 }
 
 fn one() -> u32 {
@@ -69,6 +104,7 @@ pub struct Resource {
     pub env: BTreeMap<String, String>,
     pub cdi: bool,
     pub pre_start: bool,
+    pub offer: Offer,
 }
 
 impl Resource {
@@ -132,6 +168,7 @@ fn check(e: Entry) -> Result<Resource, String> {
         crate::devices::cdi::check_class_name(&e.name)
             .map_err(|m| format!("{m}; with \"cdi\": true the name is the CDI class: rename the entry or set \"cdi\": false"))?;
     }
+    let offer = parse_offer(e.offer.as_deref())?;
     if e.devices.is_empty() {
         return Err("devices must list at least one device node pattern".into());
     }
@@ -162,6 +199,7 @@ fn check(e: Entry) -> Result<Resource, String> {
         env: e.env,
         cdi: e.cdi,
         pre_start: e.pre_start,
+        offer,
     })
 }
 
@@ -344,5 +382,22 @@ mod tests {
         assert!(parse(b"[]").is_err());
         assert!(parse(b"{\"resources\": 3}").is_err());
         assert_eq!(parse(b"{}").unwrap().0.len(), 0);
+    }
+
+    #[test]
+    fn offer_is_one_allocator_and_both_is_refused() {
+        let text = br#"{"resources": [
+            {"name": "a", "devices": ["/dev/a"]},
+            {"name": "b", "devices": ["/dev/b"], "offer": "dra"},
+            {"name": "c", "devices": ["/dev/c"], "offer": "devicePlugin"},
+            {"name": "d", "devices": ["/dev/d"], "offer": "both"},
+            {"name": "e", "devices": ["/dev/e"], "offer": "DRA"}
+        ]}"#;
+        let (ok, problems) = parse(text).unwrap();
+        let offers: Vec<(&str, Offer)> = ok.iter().map(|r| (r.name.as_str(), r.offer)).collect();
+        assert_eq!(offers, vec![("a", Offer::DevicePlugin), ("b", Offer::Dra), ("c", Offer::DevicePlugin)]);
+        assert_eq!(problems.len(), 2, "{problems:#?}");
+        assert!(problems[0].starts_with("resources[3] (\"d\"): offer \"both\" is refused"), "{}", problems[0]);
+        assert!(problems[1].starts_with("resources[4] (\"e\")") && problems[1].contains("\"DRA\""), "{}", problems[1]);
     }
 }

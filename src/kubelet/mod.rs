@@ -25,6 +25,7 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(30);
 pub enum Kind {
     Csi,
     DevicePlugin,
+    Dra,
 }
 
 impl Kind {
@@ -32,6 +33,7 @@ impl Kind {
         match self {
             Kind::Csi => "csi",
             Kind::DevicePlugin => "deviceplugin",
+            Kind::Dra => "dra",
         }
     }
 }
@@ -247,6 +249,7 @@ impl Registrations {
                     kind: match e.kind {
                         Kind::Csi => api::PluginKind::Csi,
                         Kind::DevicePlugin => api::PluginKind::DevicePlugin,
+                        Kind::Dra => api::PluginKind::Dra,
                     } as i32,
                     socket: e.socket.display().to_string(),
                     state: match e.state {

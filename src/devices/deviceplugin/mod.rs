@@ -150,6 +150,12 @@ fn cdi_path(s: &Settings, r: &Resource) -> PathBuf {
     crate::devices::cdi::spec_path(&s.cdi_dir, &r.name)
 }
 
+/// The resources served as device plugins: those offered through DRA only are not (the
+/// DRA driver hands them out; see `config::Offer`).
+fn offered_here(resources: Vec<Resource>) -> Vec<Resource> {
+    resources.into_iter().filter(|r| r.offer == config::Offer::DevicePlugin).collect()
+}
+
 /// The manager: the configured resources and their tasks.
 struct Manager {
     s: Settings,
@@ -175,7 +181,7 @@ impl Manager {
                     for p in &problems {
                         tracing::error!(file = %self.s.config_file.display(), "invalid device plugin entry, skipped: {p}");
                     }
-                    ok
+                    offered_here(ok)
                 }
                 Err(e) => {
                     tracing::error!(file = %self.s.config_file.display(), error = %e, "device file unusable; keeping the current device plugins");
@@ -674,4 +680,23 @@ pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventor
     m.inventory.set(Vec::new());
     stop(std::mem::take(&mut m.handles).into_values().collect()).await;
     tracing::info!("device plugins stopped");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dra_resources_are_no_device_plugins() {
+        let text = br#"{"resources": [
+            {"name": "plain", "devices": ["/dev/p*"]},
+            {"name": "claimed", "devices": ["/dev/c*"], "offer": "dra"},
+            {"name": "counted", "devices": ["/dev/k*"], "offer": "devicePlugin"}
+        ]}"#;
+        let (ok, problems) = config::parse(text).unwrap();
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(ok.len(), 3);
+        let names: Vec<String> = offered_here(ok).into_iter().map(|r| r.name).collect();
+        assert_eq!(names, vec!["plain".to_string(), "counted".to_string()]);
+    }
 }
