@@ -10,9 +10,11 @@ host's root namespace, and only processes this suite started are ever signalled.
 """
 
 import ipaddress
+import os
 import json
 import re
 import shutil
+import signal
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -473,12 +475,20 @@ def test_removed_node_with_running_agent_stops_using_released_blocks(make_cluste
     c = make_cluster(pools=TWO_BLOCK_POOLS)
     a, b = c.node(0, 1), c.node(0, 2)
     released = c.controller.nodes()[b.ns.name]["blocks"]
-    c.controller.remove_node(b.ns.name)  # b's agent keeps running
-    d = c.node(0, 3)
+    # b's agent keeps running, but is held (SIGSTOP) until d has taken the released blocks:
+    # otherwise b's own re-registration (100 ms after it sees the removal) can win the only
+    # free block and d never starts. While held, b still has its blocks and its stream.
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    try:
+        c.controller.remove_node(b.ns.name)
+        d = c.node(0, 3)
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
     recs = c.controller.nodes()
     assert sorted(recs[d.ns.name]["blocks"]) == sorted(released), "precondition: d took b's released blocks"
     pd = d.add_pod("p")[0]
-    time.sleep(0.3)  # b has long seen the new membership
+    # b sees the new membership (it was queued on its stream while it was held).
+    wait_until(lambda: "node removed by the controller" in b.log(), timeout=10, what=f"{b.ns.name} to see its removal")
 
     pod = harness.Pod(b, "late")
     b.pods.append(pod)
