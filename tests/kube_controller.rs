@@ -1167,11 +1167,8 @@ fn now_secs() -> i64 {
 
 /// Does `cert` (PEM) verify against CA `ca` (PEM) for `name`, as an agent verifies it?
 fn webpki_chains(ca: &str, cert: &str, name: &str) -> Result<(), String> {
-    use nodeplane::rpc::tls::{certs_of, provider};
-    let mut roots = rustls::RootCertStore::empty();
-    for c in certs_of(ca.as_bytes(), "ca")? {
-        roots.add(c).map_err(|e| e.to_string())?;
-    }
+    use nodeplane::rpc::tls::{certs_of, provider, roots_of};
+    let roots = roots_of(ca.as_bytes(), "ca")?;
     let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider()).build().map_err(|e| e.to_string())?;
     let leaf = certs_of(cert.as_bytes(), "cert")?;
     let name = rustls::pki_types::ServerName::try_from(name.to_string()).map_err(|e| e.to_string())?;

@@ -196,9 +196,8 @@ impl Readiness {
             let parsed = match std::fs::read(file) {
                 Ok(b) => crate::devices::config::parse(&b)
                     .map(|(resources, _)| {
-                        resources
+                        crate::devices::deviceplugin::offered_here(resources)
                             .iter()
-                            .filter(|r| r.offer == crate::devices::config::Offer::DevicePlugin)
                             .map(|r| (r.socket_name(), r.resource_name()))
                             .collect()
                     })

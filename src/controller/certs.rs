@@ -157,13 +157,7 @@ mod tests {
         let ca = Ca::generate("t", 2).unwrap();
         let again = Ca::load(ca.cert_pem(), &ca.key_pem()).unwrap();
         let (cert, _) = again.issue_server(&["x.example".into(), "127.0.0.1".into()], 1).unwrap();
-        let roots = {
-            let mut r = rustls::RootCertStore::empty();
-            for c in crate::rpc::tls::certs_of(ca.cert_pem().as_bytes(), "ca").unwrap() {
-                r.add(c).unwrap();
-            }
-            std::sync::Arc::new(r)
-        };
+        let roots = std::sync::Arc::new(crate::rpc::tls::roots_of(ca.cert_pem().as_bytes(), "ca").unwrap());
         let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(roots, crate::rpc::tls::provider())
             .build()
             .unwrap();

@@ -69,7 +69,8 @@ fn key_of(pem: &[u8], what: &str) -> Result<PrivateKeyDer<'static>, String> {
     PrivateKeyDer::from_pem_slice(pem).map_err(|e| format!("{what}: no usable private key: {e}"))
 }
 
-fn roots_of(pem: &[u8], what: &str) -> Result<rustls::RootCertStore, String> {
+/// A root store of every certificate of a PEM bundle (`what` names it in errors).
+pub fn roots_of(pem: &[u8], what: &str) -> Result<rustls::RootCertStore, String> {
     let mut roots = rustls::RootCertStore::empty();
     for c in certs_of(pem, what)? {
         roots.add(c).map_err(|e| format!("{what}: not a usable CA certificate: {e}"))?;

@@ -151,8 +151,8 @@ fn cdi_path(s: &Settings, r: &Resource) -> PathBuf {
 }
 
 /// The resources served as device plugins: those offered through DRA only are not (the
-/// DRA driver hands them out; see `config::Offer`).
-fn offered_here(resources: Vec<Resource>) -> Vec<Resource> {
+/// DRA driver hands them out; see `config::Offer`). Readiness counts the same set.
+pub fn offered_here(resources: Vec<Resource>) -> Vec<Resource> {
     resources.into_iter().filter(|r| r.offer == config::Offer::DevicePlugin).collect()
 }
 
