@@ -1731,3 +1731,53 @@ def test_kind_e2e_script_parses():
     assert KIND_E2E.exists() and os.access(KIND_E2E, os.X_OK), f"{KIND_E2E} missing or not executable"
     res = subprocess.run(["bash", "-n", str(KIND_E2E)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+DRA = DAEMONSET / "dra"
+# resource.k8s.io/v1 (DRA GA) exists from Kubernetes 1.34.
+DRA_K8S_VERSION = "1.34.0"
+DRA_DRIVER = "dra.nodeplane.dev"
+
+
+def _dra_docs():
+    text, docs = render(DRA)
+    return text, docs + load_yaml_docs(DRA / "example-claim-pod.yaml")
+
+
+def test_dra_manifests_validate_strict_against_1_34(tmp_path):
+    import kubernetes_validate
+    need_tool("kubernetes-validate")
+    _, docs = _dra_docs()
+    for d in docs:
+        try:
+            kubernetes_validate.validate(d, DRA_K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            pytest.fail(f"daemonset/dra: {key(d)} is invalid for Kubernetes {DRA_K8S_VERSION}: {path}: {e.message}")
+    # And they are not for 1.33 (no resource.k8s.io/v1 there): why they are not in the base.
+    dc = find(docs, "DeviceClass", "nodeplane.dev")
+    with pytest.raises((kubernetes_validate.SchemaNotFoundError, kubernetes_validate.ValidationError)):
+        kubernetes_validate.validate(dc, K8S_VERSION, strict=True)
+
+
+def test_dra_device_class_selects_the_driver_and_the_example_uses_it(base):
+    _, docs = _dra_docs()
+    dc = find(docs, "DeviceClass", "nodeplane.dev")
+    (sel,) = dc["spec"]["selectors"]
+    assert sel["cel"]["expression"] == f'device.driver == "{DRA_DRIVER}"'
+    # The agents' registration and the controller's slices name the same driver.
+    assert DRA_DRIVER in (REPO / "src/devices/dra.rs").read_text()
+    rct = find(docs, "ResourceClaimTemplate", "one-acc", "default")
+    (req,) = rct["spec"]["spec"]["devices"]["requests"]
+    assert req["exactly"]["deviceClassName"] == dc["metadata"]["name"]
+    pod = find(docs, "Pod", "dra-example", "default")
+    (rc,) = pod["spec"]["resourceClaims"]
+    assert rc["resourceClaimTemplateName"] == rct["metadata"]["name"]
+    assert pod["spec"]["containers"][0]["resources"]["claims"] == [{"name": rc["name"]}]
+    # No DRA object in the base (a cluster before 1.34 must still apply it).
+    assert not [key(d) for d in base if d.get("apiVersion", "").startswith("resource.k8s.io/")]
+    # Only the controller may write ResourceSlices: no other role of the base grants it.
+    for d in base:
+        if d["kind"] in ("ClusterRole", "Role") and d["metadata"]["name"] != "nodeplane-controller":
+            for r in d.get("rules", []):
+                assert "resource.k8s.io" not in r.get("apiGroups", []), f"{key(d)} grants {r}"

@@ -13,6 +13,8 @@
 
 #[path = "../tools/support/cdi_validate.rs"]
 mod cdi_validate;
+#[path = "../tools/support/kubelet_dra.rs"]
+mod kubelet_dra;
 
 use std::collections::BTreeMap;
 use std::fs::{self, OpenOptions};
@@ -30,6 +32,7 @@ use serde_json::{Value, json};
 const AGENT: &str = env!("CARGO_BIN_EXE_nodeplane-agent");
 const SHIM: &str = env!("CARGO_BIN_EXE_nodeplane-cni");
 const CLI: &str = env!("CARGO_BIN_EXE_nodeplane");
+const CONTROLLER: &str = env!("CARGO_BIN_EXE_nodeplane-controller");
 const NODE: &str = "dra-node";
 const DRIVER: &str = "dra.nodeplane.dev";
 const STARTUP: Duration = Duration::from_secs(20);
@@ -41,11 +44,12 @@ fn require_root() {
 struct Sandbox {
     dir: PathBuf,
     agent: Option<Child>,
+    controller: Option<Child>,
 }
 
 impl Drop for Sandbox {
     fn drop(&mut self) {
-        if let Some(mut c) = self.agent.take() {
+        for mut c in [self.agent.take(), self.controller.take()].into_iter().flatten() {
             let _ = c.kill();
             let _ = c.wait();
         }
@@ -71,7 +75,72 @@ impl Sandbox {
             "dra": {"enabled": true},
         });
         fs::write(dir.join("agent.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
-        Sandbox { dir, agent: None }
+        Sandbox { dir, agent: None, controller: None }
+    }
+
+    /// A local-mode controller on a Unix socket in the sandbox, and the agent configured to
+    /// use it (with this node's token).
+    fn start_controller(&mut self) {
+        let ctl = self.dir.join("ctl");
+        fs::create_dir_all(&ctl).unwrap();
+        let cfg = json!({
+            "dataDir": ctl.join("data"),
+            "listen": format!("unix:{}", ctl.join("controller.sock").display()),
+            "pools": [{"cidr": "10.99.0.0/16", "blockPrefix": 24}],
+        });
+        fs::write(ctl.join("controller.json"), cfg.to_string()).unwrap();
+        let out = Command::new(CONTROLLER).args(["token", "--config"]).arg(ctl.join("controller.json")).arg(NODE).output().unwrap();
+        assert!(out.status.success(), "token: {}", String::from_utf8_lossy(&out.stderr));
+        fs::write(ctl.join("node.token"), &out.stdout).unwrap();
+        let log = fs::File::create(ctl.join("controller.log")).unwrap();
+        let child = Command::new(CONTROLLER)
+            .args(["serve", "--config"])
+            .arg(ctl.join("controller.json"))
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.controller = Some(child);
+        let deadline = Instant::now() + STARTUP;
+        while !fs::symlink_metadata(ctl.join("controller.sock")).is_ok_and(|m| m.file_type().is_socket()) {
+            assert!(Instant::now() < deadline, "controller not serving:\n{}", fs::read_to_string(ctl.join("controller.log")).unwrap_or_default());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mut agent: Value = serde_json::from_slice(&fs::read(self.config()).unwrap()).unwrap();
+        agent["controller"] = json!({
+            "address": format!("unix:{}", ctl.join("controller.sock").display()),
+            "tokenFile": ctl.join("node.token"),
+            "underlayAddresses": ["192.0.2.10"],
+        });
+        fs::write(self.config(), serde_json::to_vec_pretty(&agent).unwrap()).unwrap();
+    }
+
+    fn controller_config(&self) -> PathBuf {
+        self.dir.join("ctl/controller.json")
+    }
+
+    /// The controller's published slices (local mode: files), by name.
+    fn slices(&self) -> BTreeMap<String, Value> {
+        let dir = self.dir.join("ctl/data/resourceslices");
+        let mut out = BTreeMap::new();
+        for e in fs::read_dir(dir).into_iter().flatten().flatten() {
+            if let Ok(v) = serde_json::from_slice::<Value>(&fs::read(e.path()).unwrap_or_default()) {
+                out.insert(v["metadata"]["name"].as_str().unwrap_or_default().to_string(), v);
+            }
+        }
+        out
+    }
+
+    /// The device names of this node's pool.
+    fn pool_devices(&self) -> Vec<String> {
+        self.slices()
+            .values()
+            .filter(|s| s["spec"]["nodeName"] == NODE)
+            .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+            .map(|d| d["name"].as_str().unwrap_or_default().to_string())
+            .collect()
     }
 
     fn config(&self) -> PathBuf {
@@ -454,4 +523,153 @@ async fn health_and_offer() {
     assert!(!sb.cdi_spec(uid).exists() && !sb.cdi_spec(gone).exists());
     drop(stream);
     sb.stop_agent().await;
+}
+
+/// The kubelet emulator's DRA side: registration (versions read, endpoint dialed), prepare
+/// and unprepare through it, health heard on its NodeWatchResources stream; a kubelet
+/// restart (a new instance that knows nothing) re-registers within 1 s, also when the
+/// restart wiped the registration socket; a removed device node reaches the new kubelet as
+/// unhealthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubelet_emulator_registers_prepares_hears_health_and_re_registers_after_restart() {
+    let mut sb = Sandbox::new("kubelet");
+    for n in ["acc0", "acc1"] {
+        sb.mknod(n);
+    }
+    sb.write_devices(json!([{"name": "acc", "devices": [format!("{}/dev/acc*", sb.dir.display())], "offer": "dra"}]));
+    sb.start_and_wait().await;
+    let mut kubelet = kubelet_dra::DraKubelet::new(&sb.kubelet());
+    kubelet.start();
+    let r = kubelet.wait_registered(DRIVER, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(r.versions, [kubelet_dra::DRA_V1, kubelet_dra::HEALTH_V1ALPHA1]);
+    assert_eq!(r.endpoint, sb.dra_sock());
+    let healthy = hpb::HealthStatus::Healthy as i32;
+    let unhealthy = hpb::HealthStatus::Unhealthy as i32;
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while kubelet.health(DRIVER).values().filter(|h| h.0 == healthy).count() != 2 {
+        assert!(Instant::now() < deadline, "kubelet heard {:?}", kubelet.health(DRIVER));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sb.write_claim(&json!({"namespace": "ns", "name": "c", "uid": A, "results": [result("r", DRIVER, NODE, "acc-acc0")]}));
+    let got = kubelet.prepare(DRIVER, &[("ns", "c", A)]).await.unwrap();
+    assert_eq!(ok_devices(&got, A), vec![device(&["r"], "acc-acc0", A)]);
+    cdi_validate::validate(&fs::read_to_string(sb.cdi_spec(A)).unwrap()).unwrap();
+
+    // Restart without touching the socket, then a restart that wipes plugins_registry.
+    for wipe in [false, true] {
+        kubelet.stop();
+        if wipe {
+            fs::remove_file(sb.reg_sock()).unwrap();
+        }
+        let t = Instant::now();
+        kubelet.start();
+        let r = kubelet.wait_registered(DRIVER, Duration::from_secs(1)).await.unwrap_or_else(|e| panic!("wipe={wipe}: {e}\n{}", sb.log()));
+        eprintln!("kubelet restart (wipe={wipe}) -> registered again in {:?}", r.at - t);
+        assert!(kubelet.failures().is_empty(), "{:?}", kubelet.failures());
+    }
+    // The restarted kubelet prepares again (same answer) and hears health.
+    let again = kubelet.prepare(DRIVER, &[("ns", "c", A)]).await.unwrap();
+    assert_eq!(ok_devices(&again, A), ok_devices(&got, A));
+    fs::remove_file(sb.dev("acc1")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while kubelet.health(DRIVER).get("acc-acc1").map(|h| h.0) != Some(unhealthy) {
+        assert!(Instant::now() < deadline, "kubelet heard {:?}:\n{}", kubelet.health(DRIVER), sb.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(kubelet.health(DRIVER).get("acc-acc0").map(|h| h.0), Some(healthy));
+    for _ in 0..2 {
+        let u = kubelet.unprepare(DRIVER, &[("ns", "c", A)]).await.unwrap();
+        assert_eq!(u[A].error, "");
+    }
+    assert!(!sb.cdi_spec(A).exists() && !sb.checkpoint(A).exists());
+    kubelet.stop();
+    sb.stop_agent().await;
+}
+
+/// Controller mode: the agent reports its DRA devices and the controller publishes them as
+/// the node's ResourceSlice pool (local mode: files in its data dir) with the attributes;
+/// a device node plugged in reaches the pool within 1 s, one removed leaves it; an unknown
+/// claim (no claim file) is asked of the controller, whose answer the error carries; the
+/// node's removal deletes its pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_reach_the_controllers_slices_and_follow_hot_plug() {
+    let mut sb = Sandbox::new("slices");
+    for n in ["acc0", "acc1"] {
+        sb.mknod(n);
+    }
+    sb.write_devices(json!([{"name": "acc", "devices": [format!("{}/dev/acc*", sb.dir.display())], "offer": "dra", "vendor": "acme", "model": "a1"}]));
+    sb.start_controller();
+    sb.start_and_wait().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sb.pool_devices() != ["acc-acc0", "acc-acc1"] {
+        assert!(
+            Instant::now() < deadline,
+            "pool {:?} not published:\n{}\ncontroller:\n{}",
+            sb.pool_devices(),
+            sb.log(),
+            fs::read_to_string(sb.dir.join("ctl/controller.log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let slices = sb.slices();
+    assert_eq!(slices.len(), 1, "{slices:?}");
+    let s = &slices[&format!("{NODE}-dra.nodeplane.dev-0")];
+    assert_eq!(s["apiVersion"], "resource.k8s.io/v1");
+    assert_eq!(s["kind"], "ResourceSlice");
+    assert_eq!(s["spec"]["driver"], DRIVER);
+    assert_eq!(s["spec"]["pool"]["name"], NODE);
+    assert_eq!(s["spec"]["pool"]["resourceSliceCount"], 1);
+    let gen1 = s["spec"]["pool"]["generation"].as_i64().unwrap();
+    let attrs = &s["spec"]["devices"][0]["attributes"];
+    assert_eq!(attrs["resource"], json!({"string": "acc"}));
+    assert_eq!(attrs["path"], json!({"string": sb.dev("acc0").to_str().unwrap()}));
+    assert_eq!(attrs["vendor"], json!({"string": "acme"}));
+    assert_eq!(attrs["model"], json!({"string": "a1"}));
+    assert_eq!(attrs["driverVersion"], json!({"version": env!("CARGO_PKG_VERSION")}));
+
+    // Hot-plug: in the pool within 1 s.
+    let t = Instant::now();
+    sb.mknod("acc2");
+    while !sb.pool_devices().contains(&"acc-acc2".to_string()) {
+        assert!(t.elapsed() < Duration::from_secs(1), "acc-acc2 not in the pool within 1 s: {:?}", sb.pool_devices());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    eprintln!("device node created -> ResourceSlice updated: {:?}", t.elapsed());
+    let s = &sb.slices()[&format!("{NODE}-dra.nodeplane.dev-0")];
+    assert!(s["spec"]["pool"]["generation"].as_i64().unwrap() > gen1);
+    // Removed: it leaves the pool (the health stream says unhealthy; the scheduler must not
+    // pick it).
+    fs::remove_file(sb.dev("acc1")).unwrap();
+    let t = Instant::now();
+    while sb.pool_devices().contains(&"acc-acc1".to_string()) {
+        assert!(t.elapsed() < Duration::from_secs(1), "acc-acc1 still in the pool after 1 s");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(sb.pool_devices(), ["acc-acc0", "acc-acc2"]);
+
+    // No claim file: the controller is asked; in local mode it has no claims, and says so.
+    let r = sb.prepare(&[("ns", "remote", U)]).await;
+    let e = &r[U].error;
+    assert!(e.contains("ns/remote") && e.contains("controller") && e.contains("local mode"), "{e}");
+    assert!(!sb.cdi_spec(U).exists());
+
+    // The node leaves the cluster: its pool goes.
+    sb.stop_agent().await;
+    let admin = sb.dir.join("ctl/admin.token");
+    let out = Command::new(CONTROLLER).args(["token", "--config"]).arg(sb.controller_config()).arg("@admin").output().unwrap();
+    fs::write(&admin, &out.stdout).unwrap();
+    let out = Command::new(CONTROLLER)
+        .args(["remove-node", "--controller"])
+        .arg(format!("unix:{}", sb.dir.join("ctl/controller.sock").display()))
+        .arg("--token-file")
+        .arg(&admin)
+        .arg(NODE)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "remove-node: {}", String::from_utf8_lossy(&out.stderr));
+    let t = Instant::now();
+    while !sb.slices().is_empty() {
+        assert!(t.elapsed() < Duration::from_secs(5), "slices left after the node was removed: {:?}", sb.slices().keys());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -508,16 +508,7 @@ fn two_controller_processes_fail_over_without_losing_blocks() {
     let dir = tempdir("kube-failover");
     let kubeconfig = dir.join("kubeconfig");
     f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
-    f.add_token(
-        "agent-n1",
-        UserInfo {
-            username: AGENT_SA.into(),
-            uid: "u1".into(),
-            groups: vec![],
-            extra: [(nodeplane::controller::kube::review::NODE_NAME_EXTRA.to_string(), vec!["node-1".to_string()])].into(),
-            audiences: vec!["nodeplane".into()],
-        },
-    );
+    agent_token(&f, "agent-n1", "node-1");
     f.put_object("", "nodes", None, node_object("node-1"));
     let a = controller(&dir, &kubeconfig, "ctl-a");
     wait_until("ctl-a ready", Duration::from_secs(20), || http_get(a.health, "/readyz") == Some(200));
@@ -1177,4 +1168,200 @@ fn webpki_chains(ca: &str, cert: &str, name: &str) -> Result<(), String> {
         .verify_server_cert(&leaf[0], &leaf[1..], &name, &[], rustls::pki_types::UnixTime::now())
         .map(|_| ())
         .map_err(|e| e.to_string())
+}
+
+// ---- DRA: ResourceSlices from the nodes' reports, claims served to nodes --------------------
+
+fn agent_token(f: &FakeApiServer, token: &str, node: &str) {
+    f.add_token(
+        token,
+        UserInfo {
+            username: AGENT_SA.into(),
+            uid: format!("uid-{node}"),
+            groups: vec![],
+            extra: [(nodeplane::controller::kube::review::NODE_NAME_EXTRA.to_string(), vec![node.to_string()])].into(),
+            audiences: vec!["nodeplane".into()],
+        },
+    );
+}
+
+fn dra_device(name: &str, numa: i64) -> nodeplane::rpc::controller::DraDevice {
+    use nodeplane::rpc::controller as pb;
+    pb::DraDevice {
+        name: name.into(),
+        attributes: [
+            ("numaNode".to_string(), pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Int(numa)) }),
+            ("vendor".to_string(), pb::DeviceAttribute { value: Some(pb::device_attribute::Value::String("acme".into())) }),
+            ("driverVersion".to_string(), pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Version("0.1.0".into())) }),
+        ]
+        .into(),
+        // Written in the API server's canonical form ("1024k"), so that what is read back
+        // compares equal and an unchanged pool is never rewritten.
+        capacity: [("size".to_string(), "1024000".to_string())].into(),
+    }
+}
+
+async fn registry_client(grpc: u16) -> nodeplane::rpc::controller::node_registry_client::NodeRegistryClient<tonic::transport::Channel> {
+    nodeplane::rpc::controller::node_registry_client::NodeRegistryClient::new(channel(grpc).await.unwrap())
+}
+
+fn bearer<T>(msg: T, token: &str) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(msg);
+    req.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    req
+}
+
+async fn report(grpc: u16, token: &str, node: &str, devices: Vec<nodeplane::rpc::controller::DraDevice>) -> Result<(), tonic::Status> {
+    report_epoch(grpc, token, node, devices, 1).await
+}
+
+async fn report_epoch(grpc: u16, token: &str, node: &str, devices: Vec<nodeplane::rpc::controller::DraDevice>, epoch: u64) -> Result<(), tonic::Status> {
+    use nodeplane::rpc::controller as pb;
+    let req = pb::ReportDevicesRequest { node_name: node.into(), driver: "dra.nodeplane.dev".into(), devices, epoch };
+    registry_client(grpc).await.report_devices(bearer(req, token)).await.map(|_| ())
+}
+
+/// node → (generation, device names, slices) of the published pools.
+fn pools_in(f: &FakeApiServer) -> BTreeMap<String, (i64, Vec<String>, usize)> {
+    let mut out: BTreeMap<String, (i64, Vec<String>, usize)> = BTreeMap::new();
+    for s in f.list("resource.k8s.io", "resourceslices") {
+        let node = s["spec"]["nodeName"].as_str().unwrap().to_string();
+        let e = out.entry(node).or_default();
+        e.0 = s["spec"]["pool"]["generation"].as_i64().unwrap();
+        e.1.extend(s["spec"]["devices"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().to_string()));
+        e.2 += 1;
+    }
+    out
+}
+
+#[test]
+fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only() {
+    use nodeplane::rpc::controller as pb;
+    // ResourceSlices and ResourceClaims are among the fake's built-in resources.
+    let f = fake();
+    let dir = tempdir("kube-dra");
+    let kubeconfig = dir.join("kubeconfig");
+    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
+    agent_token(&f, "agent-n1", "node-1");
+    agent_token(&f, "agent-n2", "node-2");
+    f.put_object("", "nodes", None, node_object("node-1"));
+    f.put_object("", "nodes", None, node_object("node-2"));
+    let ctl = controller(&dir, &kubeconfig, "ctl");
+    wait_until("controller ready", Duration::from_secs(20), || http_get(ctl.health, "/readyz") == Some(200));
+    let rt = rt();
+    // Before any report: no ResourceSlice call at all (a cluster without DRA sees none).
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!f.calls().iter().any(|c| c.2 == "resourceslices"), "{:?}", f.calls());
+    rt.block_on(register(ctl.grpc, "agent-n1", "node-1")).unwrap();
+    rt.block_on(register(ctl.grpc, "agent-n2", "node-2")).unwrap();
+    rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![dra_device("gpu-b", 1), dra_device("gpu-a", 0)])).unwrap();
+    wait_until("node-1's pool", Duration::from_secs(5), || pools_in(&f).contains_key("node-1"));
+    let slices = f.list("resource.k8s.io", "resourceslices");
+    assert_eq!(slices.len(), 1);
+    let s = &slices[0];
+    assert_eq!(s["metadata"]["name"], "node-1-dra.nodeplane.dev-0");
+    assert_eq!(s["metadata"]["labels"]["app.kubernetes.io/managed-by"], "nodeplane-controller");
+    assert_eq!(s["spec"]["driver"], "dra.nodeplane.dev");
+    assert_eq!(s["spec"]["nodeName"], "node-1");
+    assert_eq!(s["spec"]["pool"], json!({"name": "node-1", "generation": 1, "resourceSliceCount": 1}));
+    assert_eq!(
+        s["spec"]["devices"][0],
+        json!({"name": "gpu-a", "attributes": {"numaNode": {"int": 0}, "vendor": {"string": "acme"}, "driverVersion": {"version": "0.1.0"}},
+               "capacity": {"size": {"value": "1024k"}}})
+    );
+    assert_eq!(s["spec"]["devices"][1]["name"], "gpu-b");
+    // The same report again, and a pass over every pool (another node's first report wakes
+    // the publisher): node-1's slice is not written again.
+    let rv = |f: &FakeApiServer, name: &str| f.get("resource.k8s.io", "resourceslices", None, name).map(|s| s["metadata"]["resourceVersion"].clone());
+    let before = rv(&f, "node-1-dra.nodeplane.dev-0");
+    rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![dra_device("gpu-a", 0), dra_device("gpu-b", 1)])).unwrap();
+    rt.block_on(report(ctl.grpc, "agent-n2", "node-2", vec![dra_device("fpga-0", 0)])).unwrap();
+    wait_until("node-2's pool", Duration::from_secs(5), || pools_in(&f).contains_key("node-2"));
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(rv(&f, "node-1-dra.nodeplane.dev-0"), before, "an unchanged pool was rewritten");
+    // kubelet restarts and deletes its node's slices; the agent reports the same devices
+    // under a new epoch (kubelet registered the plugin again): the pool is written again.
+    assert!(f.delete_object("resource.k8s.io", "resourceslices", None, "node-2-dra.nodeplane.dev-0"));
+    let t = Instant::now();
+    rt.block_on(report_epoch(ctl.grpc, "agent-n2", "node-2", vec![dra_device("fpga-0", 0)], 2)).unwrap();
+    wait_until("node-2's pool written again", Duration::from_secs(2), || pools_in(&f).contains_key("node-2"));
+    eprintln!("new epoch -> wiped pool written again: {:?}", t.elapsed());
+    assert_eq!(pools_in(&f)["node-2"].1, ["fpga-0"]);
+    // A device plugged in: the pool's next generation lists it.
+    let t = Instant::now();
+    rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![dra_device("gpu-a", 0), dra_device("gpu-b", 1), dra_device("gpu-c", 0)])).unwrap();
+    wait_until("gpu-c published", Duration::from_secs(1), || pools_in(&f)["node-1"].1.contains(&"gpu-c".to_string()));
+    eprintln!("report -> ResourceSlice updated: {:?}", t.elapsed());
+    assert_eq!(pools_in(&f)["node-1"], (2, vec!["gpu-a".into(), "gpu-b".into(), "gpu-c".into()], 1));
+    // One removed (unplugged or unhealthy: the agent leaves it out): it leaves the pool.
+    rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![dra_device("gpu-a", 0), dra_device("gpu-c", 0)])).unwrap();
+    wait_until("gpu-b gone", Duration::from_secs(1), || !pools_in(&f)["node-1"].1.contains(&"gpu-b".to_string()));
+    assert_eq!(pools_in(&f)["node-1"].0, 3);
+    // A node speaks for itself only; a malformed report is refused and changes nothing.
+    assert_eq!(rt.block_on(report(ctl.grpc, "agent-n1", "node-2", vec![dra_device("x", 0)])).unwrap_err().code(), tonic::Code::PermissionDenied);
+    let e = rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![dra_device("Bad_Name", 0)])).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    let mut bad_version = dra_device("gpu-a", 0);
+    bad_version.attributes.insert("driverVersion".into(), pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Version("v1".into())) });
+    let e = rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![bad_version])).unwrap_err();
+    assert!(e.code() == tonic::Code::InvalidArgument && e.message().contains("semantic version"), "{e:?}");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(pools_in(&f)["node-1"], (3, vec!["gpu-a".into(), "gpu-c".into()], 1), "a refused report changed the pool");
+
+    // Claims: a node gets its own results of this driver, nothing of another node.
+    let claim = f.put_object(
+        "resource.k8s.io",
+        "resourceclaims",
+        Some("team-a"),
+        json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "gpus", "namespace": "team-a"},
+               "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "nodeplane.dev", "count": 2}}]}},
+               "status": {"allocation": {"devices": {"results": [
+                   {"request": "gpu", "driver": "dra.nodeplane.dev", "pool": "node-1", "device": "gpu-a"},
+                   {"request": "gpu", "driver": "dra.nodeplane.dev", "pool": "node-1", "device": "gpu-c"},
+                   {"request": "gpu", "driver": "gpu.example.com", "pool": "node-1", "device": "other"}]}}}}),
+    );
+    let uid = claim["metadata"]["uid"].as_str().unwrap().to_string();
+    let get = |token: &str, node: &str, name: &str, uid: &str| {
+        let req = pb::GetClaimRequest { node_name: node.into(), namespace: "team-a".into(), name: name.into(), uid: uid.into() };
+        rt.block_on(async { registry_client(ctl.grpc).await.get_claim(bearer(req, token)).await.map(|r| r.into_inner().results) })
+    };
+    let got = get("agent-n1", "node-1", "gpus", &uid).unwrap();
+    assert_eq!(got.iter().map(|r| (r.request.as_str(), r.device.as_str())).collect::<Vec<_>>(), [("gpu", "gpu-a"), ("gpu", "gpu-c")]);
+    assert!(got.iter().all(|r| r.driver == "dra.nodeplane.dev" && r.pool == "node-1"));
+    // Another node's claim, another UID, a missing claim: one answer (NOT_FOUND naming the
+    // claim), so a node learns nothing about claims that are not its own.
+    let other = get("agent-n2", "node-2", "gpus", &uid).unwrap_err();
+    let wrong_uid = get("agent-n1", "node-1", "gpus", "another-uid").unwrap_err();
+    let missing = get("agent-n1", "node-1", "missing", "u").unwrap_err();
+    for e in [&other, &wrong_uid, &missing] {
+        assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    }
+    assert!(missing.message().contains("team-a/missing"), "{missing:?}");
+    assert_eq!(other.message(), format!("ResourceClaim team-a/gpus ({uid}) has no allocation of dra.nodeplane.dev on node \"node-2\""));
+    assert_eq!(get("agent-n1", "node-2", "gpus", &uid).unwrap_err().code(), tonic::Code::PermissionDenied);
+    assert_eq!(get("agent-n1", "node-1", "Not/A/Name", "u").unwrap_err().code(), tonic::Code::InvalidArgument);
+
+    // The Node object goes: its pool goes, the other node's stays.
+    assert!(f.delete_object("", "nodes", None, "node-1"));
+    wait_until("node-1's pool deleted", Duration::from_secs(10), || !pools_in(&f).contains_key("node-1"));
+    assert!(pools_in(&f).contains_key("node-2"));
+    // A restarted controller finds the published pool and does not rewrite it for the same
+    // report; a changed one continues the generation from the API.
+    let gen2 = pools_in(&f)["node-2"].0;
+    let before = rv(&f, "node-2-dra.nodeplane.dev-0");
+    drop(ctl);
+    let ctl = controller(&dir, &kubeconfig, "ctl2");
+    wait_until("controller ready again", Duration::from_secs(20), || http_get(ctl.health, "/readyz") == Some(200));
+    rt.block_on(report_epoch(ctl.grpc, "agent-n2", "node-2", vec![dra_device("fpga-0", 0)], 2)).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(rv(&f, "node-2-dra.nodeplane.dev-0"), before, "a restarted controller rewrote an unchanged pool");
+    rt.block_on(report_epoch(ctl.grpc, "agent-n2", "node-2", vec![dra_device("fpga-0", 0), dra_device("fpga-1", 0)], 2)).unwrap();
+    wait_until("fpga-1 published", Duration::from_secs(5), || pools_in(&f)["node-2"].1.len() == 2);
+    assert_eq!(pools_in(&f)["node-2"].0, gen2 + 1, "the generation continues from the published pool");
+    drop(ctl);
+    let granted: BTreeSet<(String, String, String)> =
+        API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
+    for (verb, group, resource, _) in f.calls() {
+        assert!(granted.contains(&(verb.clone(), group.clone(), resource.clone())), "{verb} {group}/{resource} is not in API_CALLS");
+    }
 }

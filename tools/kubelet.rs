@@ -1,7 +1,8 @@
 //! A kubelet as a process, for tests that restart or kill it (test code), and the kubelet of
 //! every node of `scripts/local-cluster` (which also makes its one-shot Allocate): the device
 //! manager of `tools/support/kubelet_devices.rs` and, unless `--no-csi`, the plugin watcher of
-//! `tools/support/kubelet_registration.rs` for CSI drivers.
+//! `tools/support/kubelet_registration.rs` for CSI drivers and the DRA manager of
+//! `tools/support/kubelet_dra.rs` for DRA drivers (registration, health stream).
 //!
 //! ```text
 //! cargo build --release --example kubelet
@@ -31,7 +32,9 @@
 //!    "registration_failures": […],
 //!    "csi": {"drivers": {"<name>": {"endpoint", "versions", "node_id", "topology",
 //!        "max_volumes", "registration_socket", "registered_at"}},
-//!        "registrations", "failures": […]}}
+//!        "registrations", "failures": […]},
+//!    "dra": {"drivers": {"<name>": {"endpoint", "versions", "registration_socket",
+//!        "health": {"<device>": "Healthy|Unhealthy|Unknown"}}}, "registrations", "failures": […]}}
 //!   ```
 //!
 //!   Everything is what this process learned: a new kubelet starts from nothing, as a
@@ -54,6 +57,9 @@ mod kubelet_emulator;
 #[allow(dead_code)]
 #[path = "support/kubelet_registration.rs"]
 mod csi_watcher;
+
+#[path = "support/kubelet_dra.rs"]
+mod dra_manager;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -183,6 +189,22 @@ fn write_state(path: &Path, state: &Value) {
     }
 }
 
+fn dra_json(dra: &dra_manager::DraKubelet) -> Value {
+    let drivers: serde_json::Map<String, Value> = dra
+        .registrations_now()
+        .into_iter()
+        .map(|r| {
+            let health: BTreeMap<String, &str> = dra
+                .health(&r.name)
+                .into_iter()
+                .map(|(d, (h, _))| (d, match h { 1 => "Healthy", 2 => "Unhealthy", _ => "Unknown" }))
+                .collect();
+            (r.name.clone(), json!({"endpoint": r.endpoint, "versions": r.versions, "registration_socket": r.socket, "health": health}))
+        })
+        .collect();
+    json!({"drivers": drivers, "registrations": dra.registrations(), "failures": dra.failures()})
+}
+
 async fn serve(args: Args) -> ExitCode {
     let clock = Clock::new();
     let started_at = clock.now();
@@ -194,11 +216,15 @@ async fn serve(args: Args) -> ExitCode {
     let mut changes = kl.changes();
     let mut csi = csi_watcher::KubeletEmulator::new(&args.kubelet_dir);
     let mut book = CsiBook::default();
+    let mut dra = dra_manager::DraKubelet::new(&args.kubelet_dir);
+    if !args.no_csi {
+        dra.start();
+    }
     let mut writes = 0u64;
     let mut last: Option<Value> = None;
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let snapshot = |kl: &KubeletEmulator, csi: &csi_watcher::KubeletEmulator, book: &CsiBook| {
+    let snapshot = |kl: &KubeletEmulator, csi: &csi_watcher::KubeletEmulator, book: &CsiBook, dra: &dra_manager::DraKubelet| {
         let resources: serde_json::Map<String, Value> =
             kl.resources().iter().map(|(k, r)| (k.clone(), resource_json(r, &clock))).collect();
         json!({
@@ -211,11 +237,12 @@ async fn serve(args: Args) -> ExitCode {
             "kubelet_instance": kl.instance(),
             "duplicate_registrations": kl.duplicates(),
             "csi": csi_json(csi, book),
+            "dra": dra_json(dra),
         })
     };
     let mut announced = false;
     loop {
-        let mut state = snapshot(&kl, &csi, &book);
+        let mut state = snapshot(&kl, &csi, &book, &dra);
         if last.as_ref() != Some(&state) {
             last = Some(state.clone());
             writes += 1;
@@ -249,7 +276,8 @@ async fn serve(args: Args) -> ExitCode {
         }
     }
     kl.stop().await;
-    let mut state = snapshot(&kl, &csi, &book);
+    dra.stop();
+    let mut state = snapshot(&kl, &csi, &book, &dra);
     state["running"] = json!(false);
     state["stopped_at"] = json!(clock.now());
     state["writes"] = json!(writes + 1);

@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod config;
+pub mod device_sync;
 pub mod install;
 pub mod metrics;
 mod readiness;
@@ -320,7 +321,13 @@ pub async fn serve(
             ended.store(true, std::sync::atomic::Ordering::SeqCst);
         })
     });
-    let dra = cfg.dra.clone().map(|s| tokio::spawn(crate::devices::dra::run(s, stop_rx.clone(), book.clone())));
+    let dra = cfg.dra.clone().map(|s| {
+        // One inventory for kubelet (dra.sock) and the controller (the ResourceSlices).
+        let devices = Arc::new(crate::devices::dra::Devices::default());
+        let reporter = tokio::spawn(device_sync::run(cfg.clone(), devices.clone(), book.clone()));
+        let plugin = tokio::spawn(crate::devices::dra::run(s, stop_rx.clone(), book.clone(), devices, device_sync::claim_lookup(&cfg)));
+        (plugin, reporter)
+    });
     let readiness_task = tokio::spawn(readiness.run());
     let node_api = status::NodeStatus {
         cfg: cfg.clone(),
@@ -394,8 +401,9 @@ pub async fn serve(
     if let Some(t) = device_plugins {
         let _ = t.await;
     }
-    if let Some(t) = dra {
-        let _ = t.await;
+    if let Some((plugin, reporter)) = dra {
+        reporter.abort();
+        let _ = plugin.await;
     }
     if let Some(t) = csi_task {
         let _ = t.await;

@@ -7,6 +7,7 @@ pub mod backend;
 pub mod certs;
 pub mod config;
 pub mod csi;
+pub mod dra;
 pub mod kube;
 pub mod metrics;
 pub mod records;
@@ -201,6 +202,13 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         }
         _ => (None, None),
     };
+    // DRA: the nodes' devices as ResourceSlices (the API in a cluster, files locally).
+    let devices = Arc::new(dra::DeviceBook::default());
+    let (sink, claims): (Arc<dyn dra::SliceSink>, Option<Arc<dyn dra::ClaimSource>>) = match &client {
+        Some(c) if cfg.uses_kubernetes() => (Arc::new(kube::slices::KubeSlices::new(c.clone())), Some(Arc::new(kube::slices::KubeClaims::new(c.clone())))),
+        _ => (Arc::new(dra::DirSink::new(cfg.data_dir.join("resourceslices"))), None),
+    };
+    let publisher = tokio::spawn(dra::Publisher { book: devices.clone(), registry: registry.clone(), sink }.run(stopping.clone()));
     let authority = Arc::new(authority);
     let cfg = Arc::new(cfg);
     let svc = server::Service {
@@ -211,6 +219,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         stopping: stopping.clone(),
         requests: metrics.requests.clone(),
         node_gate,
+        devices,
+        claims,
     };
     let until_stopped = |mut s: tokio::sync::watch::Receiver<bool>| async move {
         let _ = s.wait_for(|v| *v).await;
@@ -277,6 +287,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         r.abort();
     }
     let _ = csi_task.await;
+    let _ = publisher.await;
     let _ = std::fs::remove_file(&cfg.csi_socket);
     if let Some(f) = follower {
         let _ = f.await;

@@ -25,6 +25,10 @@ pub struct Service {
     pub requests: Arc<crate::obs::metrics::CounterVec>,
     /// In a cluster: registration follows the Node objects.
     pub node_gate: Option<Arc<super::kube::nodes::NodeGate>>,
+    /// The DRA devices nodes report (published as ResourceSlices).
+    pub devices: Arc<super::dra::DeviceBook>,
+    /// Where claims are read (Kubernetes mode).
+    pub claims: Option<Arc<dyn super::dra::ClaimSource>>,
 }
 
 impl From<RegistryError> for Status {
@@ -159,6 +163,17 @@ impl NodeRegistry for Service {
     ) -> Result<Response<pb::ReportVolumesResponse>, Status> {
         self.counted("ReportVolumes", self.do_report_volumes(req).await)
     }
+
+    async fn report_devices(
+        &self,
+        req: Request<pb::ReportDevicesRequest>,
+    ) -> Result<Response<pb::ReportDevicesResponse>, Status> {
+        self.counted("ReportDevices", self.do_report_devices(req).await)
+    }
+
+    async fn get_claim(&self, req: Request<pb::GetClaimRequest>) -> Result<Response<pb::GetClaimResponse>, Status> {
+        self.counted("GetClaim", self.do_get_claim(req).await)
+    }
 }
 
 impl Service {
@@ -284,5 +299,45 @@ impl Service {
         let book = self.volumes.clone();
         tokio::task::spawn_blocking(move || book.report(r)).await.map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(pb::ReportVolumesResponse {}))
+    }
+
+    async fn do_report_devices(
+        &self,
+        req: Request<pb::ReportDevicesRequest>,
+    ) -> Result<Response<pb::ReportDevicesResponse>, Status> {
+        let node = req.get_ref().node_name.clone();
+        self.authorize(&req, &node).await?;
+        let r = req.into_inner();
+        super::dra::check_report(&r).map_err(|e| Status::invalid_argument(format!("node {node:?}: {e}")))?;
+        self.devices.report(&node, r.devices, r.epoch);
+        Ok(Response::new(pb::ReportDevicesResponse {}))
+    }
+
+    async fn do_get_claim(&self, req: Request<pb::GetClaimRequest>) -> Result<Response<pb::GetClaimResponse>, Status> {
+        let node = req.get_ref().node_name.clone();
+        self.authorize(&req, &node).await?;
+        let r = req.into_inner();
+        super::dra::check_claim_request(&r)?;
+        let Some(source) = &self.claims else {
+            return Err(Status::failed_precondition(
+                "this controller has no Kubernetes API (local mode): give the claim to the agent as a claim file (nodeplane dra prepare)",
+            ));
+        };
+        let claim = source
+            .get(&r.namespace, &r.name)
+            .await
+            .map_err(|e| Status::unavailable(format!("reading ResourceClaim {}/{}: {e}", r.namespace, r.name)))?;
+        let results = match claim.as_ref().map(|c| super::dra::claim_results(c, &r.uid, &node)) {
+            Some(Ok(results)) => results,
+            other => {
+                let why = match other {
+                    Some(Err(why)) => why,
+                    _ => "the claim does not exist".to_string(),
+                };
+                tracing::info!(node = %node, claim = %format!("{}/{}", r.namespace, r.name), uid = %r.uid, reason = %why, "claim not served to the node");
+                return Err(super::dra::claim_not_found(&r.namespace, &r.name, &r.uid, &node));
+            }
+        };
+        Ok(Response::new(pb::GetClaimResponse { results }))
     }
 }

@@ -5,7 +5,8 @@
 //! {"resources": [
 //!   {"name": "kvm", "devices": ["/dev/kvm"], "share": 4, "permissions": "rw",
 //!    "mounts": [{"hostPath": "/lib/x", "containerPath": "/lib/x", "readOnly": true}],
-//!    "env": {"KVM": "1"}, "cdi": true, "preStart": false, "offer": "devicePlugin"}
+//!    "env": {"KVM": "1"}, "cdi": true, "preStart": false, "offer": "devicePlugin",
+//!    "vendor": "acme", "model": "x1"}
 //! ]}
 //! ```
 //!
@@ -25,6 +26,8 @@ use serde::Deserialize;
 /// (the socket name and CDI file name derive from it).
 pub const MAX_NAME: usize = 40;
 pub const MAX_SHARE: u32 = 1000;
+/// The longest `vendor` / `model` (a DRA string attribute may hold 64 characters).
+pub const MAX_ATTRIBUTE: usize = 64;
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -54,6 +57,10 @@ struct Entry {
     pre_start: bool,
     #[serde(default)]
     offer: Option<String>,
+    #[serde(default)]
+    vendor: Option<String>,
+    #[serde(default)]
+    model: Option<String>,
 }
 
 /// Which kubelet allocator offers a resource's devices (see the module comment).
@@ -105,6 +112,10 @@ pub struct Resource {
     pub cdi: bool,
     pub pre_start: bool,
     pub offer: Offer,
+    /// The DRA attributes `vendor` and `model` of every device of the resource (else read
+    /// from sysfs where the device has PCI IDs).
+    pub vendor: Option<String>,
+    pub model: Option<String>,
 }
 
 impl Resource {
@@ -190,7 +201,16 @@ fn check(e: Entry) -> Result<Resource, String> {
             return Err(format!("env name {k:?} is not a valid variable name"));
         }
     }
+    for (what, v) in [("vendor", &e.vendor), ("model", &e.model)] {
+        if let Some(v) = v {
+            if v.is_empty() || v.len() > MAX_ATTRIBUTE || v.chars().any(|c| c.is_control()) {
+                return Err(format!("{what} {v:?} must be 1 to {MAX_ATTRIBUTE} characters without control characters"));
+            }
+        }
+    }
     Ok(Resource {
+        vendor: e.vendor,
+        model: e.model,
         name: e.name,
         patterns,
         share: e.share,

@@ -1,5 +1,8 @@
-//! The agent as the node's DRA kubelet plugin, driver `dra.nodeplane.dev` (local mode: the
-//! allocation of a claim comes from a claim file, not from the API server).
+//! The agent as the node's DRA kubelet plugin, driver `dra.nodeplane.dev`. The allocation of
+//! a claim comes from a claim file (local mode) or, when there is none and the agent has a
+//! controller, from the controller, which reads the ResourceClaim from the API (agents need
+//! no API access). The controller also publishes the devices as the node's ResourceSlice
+//! pool: the agent reports them (`agent::device_sync`).
 //!
 //! Sockets: the plugin serves `DRAPlugin` (v1) and `DRAResourceHealth` (v1alpha1) on
 //! `<pluginDir>/dra.sock` (0600), and only then offers kubelet plugin registration on
@@ -17,7 +20,14 @@
 //! also matched by a device plugin resource is never a DRA device (the device plugin keeps
 //! it, with a warning): one device is never handed out by both allocators. A device that
 //! was seen and disappeared stays listed, unhealthy, until its resource leaves the file.
-//! Health is `inventory::check_health`, judged every second.
+//! Health is `inventory::check_health`, judged every 100 ms (a rescan of the device file's
+//! DRA entries: a few directory reads and one open per device).
+//!
+//! Attributes of each device (ResourceSlice `attributes`, the driver's domain implied):
+//! `resource` and `path` (strings), `driverVersion` (the agent's version), `numaNode` (int,
+//! where sysfs knows it), `vendor` and `model` (strings: the device file entry's, else the
+//! PCI vendor and device IDs from sysfs where the device has them); capacity `size` (bytes)
+//! of a block device.
 //!
 //! Claim file (`<stateDir>/dra/claims/<uid>.json`, written by `nodeplane dra prepare` or
 //! any tool standing in for the API server):
@@ -58,7 +68,7 @@ pub const SUPPORTED_VERSIONS: &[&str] = &["v1.DRAPlugin", "v1alpha1.DRAResourceH
 pub const HEALTH_TIMEOUT_SECONDS: i64 = 30;
 /// The health stream repeats the list at least this often (well inside the timeout).
 const RESEND_EVERY: Duration = Duration::from_secs(10);
-const SCAN_EVERY: Duration = Duration::from_secs(1);
+const SCAN_EVERY: Duration = Duration::from_millis(100);
 const BACKSTOP: Duration = Duration::from_millis(250);
 /// Claims one call may carry (kubelet batches the claims of one pod's sync).
 pub const MAX_CLAIMS: usize = 256;
@@ -66,6 +76,8 @@ pub const MAX_CLAIMS: usize = 256;
 pub const MAX_RESULTS: usize = 32;
 /// The largest claim file read.
 const MAX_CLAIM_FILE: u64 = 1 << 20;
+/// How long a claim's allocation may take to come from the controller.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Where things are.
 #[derive(Debug, Clone)]
@@ -171,6 +183,55 @@ pub struct Device {
     pub resource: Arc<Resource>,
     pub path: PathBuf,
     pub healthy: bool,
+    pub numa: Option<i64>,
+    /// PCI vendor and device IDs from sysfs.
+    pub pci: (Option<String>, Option<String>),
+    /// Bytes, of a block device.
+    pub size: Option<u64>,
+}
+
+/// One attribute value (resource.k8s.io/v1 `DeviceAttribute`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attr {
+    Int(i64),
+    Str(String),
+    Version(String),
+}
+
+impl Device {
+    fn probe(name: String, resource: Arc<Resource>, path: PathBuf) -> Device {
+        let healthy = inventory::check_health(&path);
+        let numa = inventory::numa_of(&path);
+        let pci = inventory::pci_ids_of(&path);
+        let size = inventory::block_size_of(&path);
+        Device { name, resource, path, healthy, numa, pci, size }
+    }
+
+    /// The device's attributes (see the module comment).
+    pub fn attributes(&self) -> BTreeMap<&'static str, Attr> {
+        let mut a = BTreeMap::new();
+        a.insert("resource", Attr::Str(self.resource.name.clone()));
+        let path = self.path.to_string_lossy();
+        if path.len() <= 64 {
+            a.insert("path", Attr::Str(path.into_owned()));
+        }
+        a.insert("driverVersion", Attr::Version(env!("CARGO_PKG_VERSION").to_string()));
+        if let Some(n) = self.numa {
+            a.insert("numaNode", Attr::Int(n));
+        }
+        if let Some(v) = self.resource.vendor.clone().or_else(|| self.pci.0.clone()) {
+            a.insert("vendor", Attr::Str(v));
+        }
+        if let Some(m) = self.resource.model.clone().or_else(|| self.pci.1.clone()) {
+            a.insert("model", Attr::Str(m));
+        }
+        a
+    }
+
+    /// The device's capacities, as Kubernetes quantities.
+    pub fn capacity(&self) -> BTreeMap<&'static str, String> {
+        self.size.map(|b| ("size", b.to_string())).into_iter().collect()
+    }
 }
 
 /// The DRA devices of the node, rescanned from the device file; `changed` counts changes.
@@ -178,6 +239,8 @@ pub struct Devices {
     list: Mutex<BTreeMap<String, Device>>,
     /// Unix seconds of the last health judgement.
     checked: Mutex<i64>,
+    /// The device file has been looked at (read or not) at least once.
+    scanned: std::sync::atomic::AtomicBool,
     changed: watch::Sender<u64>,
     /// Problems already logged (each once).
     warned: Mutex<HashSet<String>>,
@@ -189,13 +252,24 @@ fn unix_now() -> i64 {
 
 impl Default for Devices {
     fn default() -> Self {
-        Devices { list: Mutex::default(), checked: Mutex::new(0), changed: watch::channel(0).0, warned: Mutex::default() }
+        Devices {
+            list: Mutex::default(),
+            checked: Mutex::new(0),
+            scanned: Default::default(),
+            changed: watch::channel(0).0,
+            warned: Mutex::default(),
+        }
     }
 }
 
 impl Devices {
     pub fn list(&self) -> Vec<Device> {
         self.list.lock().unwrap().values().cloned().collect()
+    }
+
+    /// Whether the device file has been looked at at least once (whatever it held).
+    pub fn scanned(&self) -> bool {
+        self.scanned.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub fn subscribe(&self) -> watch::Receiver<u64> {
@@ -211,6 +285,11 @@ impl Devices {
     /// Read the device file, scan and judge every DRA device (blocking). A file that cannot
     /// be used keeps the current list.
     pub fn refresh(&self, config_file: &Path) {
+        self.rescan(config_file);
+        self.scanned.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn rescan(&self, config_file: &Path) {
         let resources = match std::fs::read(config_file) {
             Ok(b) => match config::parse(&b) {
                 Ok((ok, _problems)) => ok,
@@ -228,6 +307,8 @@ impl Devices {
         let taken: HashSet<PathBuf> =
             resources.iter().filter(|r| r.offer == Offer::DevicePlugin).flat_map(inventory::scan).collect();
         let mut next: BTreeMap<String, Device> = BTreeMap::new();
+        // Devices seen before keep what sysfs said about them; only their health is judged.
+        let before = self.list.lock().unwrap().clone();
         let dra: Vec<Arc<Resource>> = resources.into_iter().filter(|r| r.offer == Offer::Dra).map(Arc::new).collect();
         for res in &dra {
             for path in inventory::scan(res) {
@@ -248,8 +329,11 @@ impl Devices {
                     self.warn_once(format!("DRA: {} and {} both become device {name:?}; {} skipped", other.path.display(), path.display(), path.display()));
                     continue;
                 }
-                let healthy = inventory::check_health(&path);
-                next.insert(name.clone(), Device { name, resource: res.clone(), path, healthy });
+                let d = match before.get(&name) {
+                    Some(o) if o.path == path => Device { healthy: inventory::check_health(&path), resource: res.clone(), ..o.clone() },
+                    _ => Device::probe(name.clone(), res.clone(), path),
+                };
+                next.insert(name, d);
             }
         }
         let mut list = self.list.lock().unwrap();
@@ -320,9 +404,24 @@ fn to_pb(d: &PreparedDevice) -> pb::Device {
 }
 
 /// Prepare and unprepare: the node half of the driver.
+/// Where a claim's allocation comes from when it has no claim file: the controller. `Ok`
+/// carries the claim's results (any driver, any pool: prepare keeps its own).
+pub type ClaimLookup =
+    Arc<dyn Fn(pb::Claim) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<AllocationResult>, String>> + Send>> + Send + Sync>;
+
 pub struct Claims {
     pub s: Settings,
     pub devices: Arc<Devices>,
+}
+
+/// The outcome of looking a claim up before preparing it.
+pub enum Looked {
+    /// No need (prepared before, or it has a claim file): prepare reads what it needs.
+    Local,
+    /// The controller's allocation results.
+    Remote(Vec<AllocationResult>),
+    /// The controller could not say.
+    Failed(String),
 }
 
 impl Claims {
@@ -334,8 +433,21 @@ impl Claims {
             .map_err(|e| format!("writing {}: {e}", path.display()))
     }
 
+    /// Whether preparing `c` needs its allocation from elsewhere (no checkpoint and no
+    /// claim file).
+    fn needs_lookup(&self, c: &pb::Claim) -> bool {
+        check_uid(&c.uid).is_ok()
+            && !self.s.checkpoint(&c.uid).exists()
+            && !claim_dir(&self.s.state_dir).join(format!("{}.json", c.uid)).exists()
+    }
+
     /// Prepare one claim: its devices, or why not (blocking).
     pub fn prepare(&self, c: &pb::Claim) -> Result<Vec<PreparedDevice>, String> {
+        self.prepare_with(c, Looked::Local)
+    }
+
+    /// Prepare one claim, its allocation from the claim file or as `looked` says (blocking).
+    pub fn prepare_with(&self, c: &pb::Claim, looked: Looked) -> Result<Vec<PreparedDevice>, String> {
         let who = format!("claim {}/{} ({})", c.namespace, c.name, c.uid);
         check_uid(&c.uid).map_err(|e| format!("{who}: {e}"))?;
         let cp_path = self.s.checkpoint(&c.uid);
@@ -351,6 +463,16 @@ impl Claims {
             }
             return Ok(cp.devices);
         }
+        let results = match looked {
+            Looked::Remote(results) => results,
+            Looked::Failed(e) => return Err(format!("{who} is unknown: no claim file, and the controller: {e}")),
+            Looked::Local => self.claim_file(c, &who)?,
+        };
+        self.prepare_results(c, &who, &results, &cp_path, &spec_path)
+    }
+
+    /// The results of `c`'s claim file.
+    fn claim_file(&self, c: &pb::Claim, who: &str) -> Result<Vec<AllocationResult>, String> {
         let file = claim_dir(&self.s.state_dir).join(format!("{}.json", c.uid));
         let raw = match std::fs::metadata(&file).and_then(|m| {
             if m.len() > MAX_CLAIM_FILE {
@@ -375,13 +497,17 @@ impl Claims {
                 claim.uid
             ));
         }
-        if claim.results.len() > MAX_RESULTS {
-            return Err(format!("{who}: {} allocation results, more than {MAX_RESULTS}", claim.results.len()));
+        Ok(claim.results)
+    }
+
+    fn prepare_results(&self, c: &pb::Claim, who: &str, results: &[AllocationResult], cp_path: &Path, spec_path: &Path) -> Result<Vec<PreparedDevice>, String> {
+        if results.len() > MAX_RESULTS {
+            return Err(format!("{who}: {} allocation results, more than {MAX_RESULTS}", results.len()));
         }
         let pool = &self.s.node_name;
         // Device → request names, in the claim's order.
         let mut wanted: Vec<(String, Vec<String>)> = Vec::new();
-        for r in claim.results.iter().filter(|r| r.driver == DRIVER_NAME && &r.pool == pool) {
+        for r in results.iter().filter(|r| r.driver == DRIVER_NAME && &r.pool == pool) {
             match wanted.iter_mut().find(|(d, _)| *d == r.device) {
                 Some((_, reqs)) => {
                     if !reqs.contains(&r.request) {
@@ -466,6 +592,7 @@ struct Service {
     /// Serialises prepare and unprepare.
     lock: Arc<tokio::sync::Mutex<()>>,
     stop: watch::Receiver<bool>,
+    lookup: Option<ClaimLookup>,
 }
 
 impl Service {
@@ -491,7 +618,40 @@ impl pb::dra_plugin_server::DraPlugin for Service {
         &self,
         r: Request<pb::NodePrepareResourcesRequest>,
     ) -> Result<Response<pb::NodePrepareResourcesResponse>, Status> {
-        let out = self.each(r.into_inner().claims, Claims::prepare).await?;
+        let claims = r.into_inner().claims;
+        if claims.len() > MAX_CLAIMS {
+            return Err(Status::invalid_argument(format!("{} claims in one call, more than {MAX_CLAIMS}", claims.len())));
+        }
+        // Allocations not known here come from the controller: looked up before the lock
+        // (a slow controller holds up no other call), all at once, under one deadline well
+        // inside kubelet's call timeout. A claim prepared before, or with a claim file,
+        // needs none.
+        let mut looked: Vec<Looked> = claims.iter().map(|_| Looked::Local).collect();
+        if let Some(lookup) = &self.lookup {
+            let mut set = tokio::task::JoinSet::new();
+            for (i, c) in claims.iter().enumerate() {
+                if self.claims.needs_lookup(c) {
+                    let fut = lookup(c.clone());
+                    set.spawn(async move { (i, tokio::time::timeout(LOOKUP_TIMEOUT, fut).await) });
+                }
+            }
+            while let Some(done) = set.join_next().await {
+                if let Ok((i, r)) = done {
+                    looked[i] = match r {
+                        Ok(Ok(results)) => Looked::Remote(results),
+                        Ok(Err(e)) => Looked::Failed(e),
+                        Err(_) => Looked::Failed(format!("no answer within {LOOKUP_TIMEOUT:?}")),
+                    };
+                }
+            }
+        }
+        let _serial = self.lock.lock().await;
+        let cl = self.claims.clone();
+        let out: Vec<(String, Result<Vec<PreparedDevice>, String>)> = tokio::task::spawn_blocking(move || {
+            claims.iter().zip(looked).map(|(c, l)| (c.uid.clone(), cl.prepare_with(c, l))).collect()
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?;
         let claims = out
             .into_iter()
             .map(|(uid, res)| {
@@ -602,22 +762,29 @@ async fn withdraw(o: Offered) {
 
 /// Serve the DRA plugin until `shutdown` turns true; then remove its sockets (registration
 /// first). The plugin directory must be absolute (kubelet dials the endpoint as given).
-pub async fn run(s: Settings, mut shutdown: watch::Receiver<bool>, book: crate::kubelet::Registrations) {
-    let devices = Arc::new(Devices::default());
-    {
-        let (d, f) = (devices.clone(), s.config_file.clone());
-        let _ = tokio::task::spawn_blocking(move || d.refresh(&f)).await;
-    }
+pub async fn run(
+    s: Settings,
+    mut shutdown: watch::Receiver<bool>,
+    book: crate::kubelet::Registrations,
+    devices: Arc<Devices>,
+    lookup: Option<ClaimLookup>,
+) {
     let sock = s.socket();
     let listener = match crate::sys::fs::bind_unix_socket(&sock) {
         Ok(l) => l,
         Err(e) => {
+            // Never scanned, so nothing is reported to the controller either: no pool of
+            // devices nobody can prepare.
             tracing::error!(socket = %sock.display(), error = %e, "DRA plugin disabled: cannot bind its socket");
             return;
         }
     };
+    {
+        let (d, f) = (devices.clone(), s.config_file.clone());
+        let _ = tokio::task::spawn_blocking(move || d.refresh(&f)).await;
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
-    let svc = Service { claims: Arc::new(Claims { s: s.clone(), devices: devices.clone() }), lock: Arc::default(), stop: stop_rx.clone() };
+    let svc = Service { claims: Arc::new(Claims { s: s.clone(), devices: devices.clone() }), lock: Arc::default(), stop: stop_rx.clone(), lookup };
     let mut server_stop = stop_rx;
     let server = tokio::spawn(
         tonic::transport::Server::builder()
@@ -634,7 +801,8 @@ pub async fn run(s: Settings, mut shutdown: watch::Receiver<bool>, book: crate::
     let mut last_error: Option<String> = None;
     let mut tick = tokio::time::interval(BACKSTOP);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_scan = std::time::Instant::now();
+    let mut scan = tokio::time::interval(SCAN_EVERY);
+    scan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         // The registration socket: offered, and still the one we bound.
         if offered.as_ref().is_some_and(|o| o.id.is_none() || sock_id(&reg_path) != o.id) {
@@ -657,12 +825,10 @@ pub async fn run(s: Settings, mut shutdown: watch::Receiver<bool>, book: crate::
         }
         tokio::select! {
             _ = stopped(&mut shutdown) => break,
-            _ = tick.tick() => {
-                if last_scan.elapsed() >= SCAN_EVERY {
-                    let (d, f) = (devices.clone(), s.config_file.clone());
-                    let _ = tokio::task::spawn_blocking(move || d.refresh(&f)).await;
-                    last_scan = std::time::Instant::now();
-                }
+            _ = tick.tick() => {}
+            _ = scan.tick() => {
+                let (d, f) = (devices.clone(), s.config_file.clone());
+                let _ = tokio::task::spawn_blocking(move || d.refresh(&f)).await;
             }
         }
     }

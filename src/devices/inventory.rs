@@ -55,12 +55,33 @@ pub fn check_health(path: &Path) -> bool {
     }
 }
 
-/// The NUMA node of a device from sysfs (`/sys/dev/{char,block}/M:m/device/numa_node`).
-pub fn numa_of(path: &Path) -> Option<i64> {
+/// `/sys/dev/{char,block}/M:m/<rel>` of a device node, read and trimmed.
+fn sysfs_read(path: &Path, rel: &str) -> Option<String> {
     let m = std::fs::metadata(path).ok()?;
     let kind = if m.file_type().is_block_device() { "block" } else { "char" };
     let rdev = m.rdev();
-    let p = format!("/sys/dev/{kind}/{}:{}/device/numa_node", nix::sys::stat::major(rdev), nix::sys::stat::minor(rdev));
-    let n: i64 = std::fs::read_to_string(p).ok()?.trim().parse().ok()?;
+    let p = format!("/sys/dev/{kind}/{}:{}/{rel}", nix::sys::stat::major(rdev), nix::sys::stat::minor(rdev));
+    Some(std::fs::read_to_string(p).ok()?.trim().to_string())
+}
+
+/// The NUMA node of a device from sysfs (`/sys/dev/{char,block}/M:m/device/numa_node`).
+pub fn numa_of(path: &Path) -> Option<i64> {
+    let n: i64 = sysfs_read(path, "device/numa_node")?.parse().ok()?;
     (n >= 0).then_some(n)
+}
+
+/// The PCI vendor and device IDs of a device from sysfs (`device/vendor`, `device/device`,
+/// e.g. "0x10de"), where it has them.
+pub fn pci_ids_of(path: &Path) -> (Option<String>, Option<String>) {
+    let id = |rel| sysfs_read(path, rel).filter(|v| v.len() <= 16 && v.starts_with("0x"));
+    (id("device/vendor"), id("device/device"))
+}
+
+/// The size in bytes of a block device (sysfs `size`, in 512-byte sectors).
+pub fn block_size_of(path: &Path) -> Option<u64> {
+    let m = std::fs::metadata(path).ok()?;
+    if !m.file_type().is_block_device() {
+        return None;
+    }
+    sysfs_read(path, "size")?.parse::<u64>().ok()?.checked_mul(512)
 }

@@ -189,6 +189,11 @@ impl Registrations {
         self.with(|m| m.remove(name));
     }
 
+    /// How often kubelet has registered `name` since it was first served (0 when unknown).
+    pub fn registrations(&self, name: &str) -> u64 {
+        self.with(|m| m.get(name).map_or(0, |e| e.registrations))
+    }
+
     pub fn state(&self, name: &str) -> Option<State> {
         self.with(|m| m.get(name).map(|e| e.state.clone()))
     }

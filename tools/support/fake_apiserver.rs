@@ -40,6 +40,9 @@
 //!   existing object, as a real apiserver's does (kube's `watcher` never asks for that: it
 //!   lists first and watches from the list's resourceVersion).
 //!
+//! Resources known from the start: `nodes`, `leases`, `tokenreviews`, and DRA's
+//! `resourceslices` (cluster-scoped) and `resourceclaims` (namespaced); tests register more.
+//!
 //! Known differences from a real apiserver (all deliberate, to stay small):
 //!
 //! * list ignores `limit`/`continue` (everything comes back in one page, no continue token)
@@ -181,6 +184,10 @@ impl FakeApiServer {
         let server = FakeApiServer { shared, addr, shutdown: Some(tx), thread: Some(thread) };
         server.register("", "v1", "nodes", "Node", false);
         server.register("coordination.k8s.io", "v1", "leases", "Lease", true);
+        // DRA (resource.k8s.io/v1, Kubernetes 1.34+): the node pools the controller publishes and
+        // the claims it reads for the nodes.
+        server.register("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", false);
+        server.register("resource.k8s.io", "v1", "resourceclaims", "ResourceClaim", true);
         {
             let mut st = server.shared.lock();
             st.resources.insert(

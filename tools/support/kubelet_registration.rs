@@ -37,7 +37,13 @@ pub struct KubeletEmulator {
     pub registered: BTreeMap<PathBuf, Registered>,
     /// Registration attempts that failed, with why (kubelet reports these to the plugin).
     pub failures: Vec<String>,
+    /// Sockets of another kubelet handler (`DRAPlugin`: `kubelet_dra.rs`), by identity: left
+    /// alone, not reported to.
+    pub others: BTreeMap<PathBuf, (u64, i64, i64)>,
 }
+
+/// The error of a socket that belongs to another handler.
+const OTHER_HANDLER: &str = "DRAPlugin: another handler's plugin";
 
 const KUBELET_CSI_VERSIONS: &[&str] = &["1.0.0"];
 
@@ -47,6 +53,7 @@ impl KubeletEmulator {
             registry_dir: kubelet_dir.join("plugins_registry"),
             registered: BTreeMap::new(),
             failures: Vec::new(),
+            others: BTreeMap::new(),
         }
     }
 
@@ -63,15 +70,19 @@ impl KubeletEmulator {
             }
         }
         self.registered.retain(|p, r| seen.iter().any(|(sp, ino)| sp == p && *ino == r.socket_inode));
+        self.others.retain(|p, id| seen.iter().any(|(sp, sid)| sp == p && sid == id));
         let mut n = 0;
         for (path, ino) in seen {
-            if self.registered.contains_key(&path) {
+            if self.registered.contains_key(&path) || self.others.get(&path) == Some(&ino) {
                 continue;
             }
             match register(&path, ino).await {
                 Ok(r) => {
                     self.registered.insert(path, r);
                     n += 1;
+                }
+                Err(e) if e == OTHER_HANDLER => {
+                    self.others.insert(path, ino);
                 }
                 Err(e) => self.failures.push(format!("{}: {e}", path.display())),
             }
@@ -105,6 +116,9 @@ pub async fn register_with(socket: &Path, ino: (u64, i64, i64), authority: Optio
     let ch = nodeplane::rpc::authority::connect_unix_with_authority(socket, authority).await.map_err(|e| format!("dialing: {e}"))?;
     let mut rc = reg::registration_client::RegistrationClient::new(ch);
     let info = rc.get_info(reg::InfoRequest {}).await.map_err(|e| format!("GetInfo: {e}"))?.into_inner();
+    if info.r#type == "DRAPlugin" {
+        return Err(OTHER_HANDLER.into());
+    }
     let outcome = async {
         if info.r#type != "CSIPlugin" {
             return Err(format!("plugin type {:?} is not CSIPlugin", info.r#type));

@@ -11,6 +11,7 @@ pub mod lease;
 pub mod nodes;
 pub mod review;
 pub mod secret;
+pub mod slices;
 pub mod state;
 pub mod tls;
 
@@ -65,6 +66,12 @@ pub const API_CALLS: &[ApiCall] = &[
     call("", "configmaps", "get", true),
     call("", "configmaps", "create", true),
     call("", "configmaps", "update", true),
+    // DRA: the nodes' ResourceSlice pools, and the claims nodes prepare (any namespace)
+    call("resource.k8s.io", "resourceslices", "list", false),
+    call("resource.k8s.io", "resourceslices", "create", false),
+    call("resource.k8s.io", "resourceslices", "update", false),
+    call("resource.k8s.io", "resourceslices", "delete", false),
+    call("resource.k8s.io", "resourceclaims", "get", false),
     // leader election
     call("coordination.k8s.io", "leases", "get", true),
     call("coordination.k8s.io", "leases", "create", true),

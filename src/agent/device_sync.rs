@@ -1,0 +1,153 @@
+//! Controller mode, DRA: report the node's DRA devices to the controller (`ReportDevices`,
+//! the complete healthy set after every change and every [`RESEND`]; the controller
+//! publishes them as the node's ResourceSlice pool), and ask it for the allocation of a claim
+//! that kubelet names and that has no claim file here (`GetClaim`). The agent needs no API
+//! access for either.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Mutex;
+use tonic::transport::Channel;
+
+use super::cluster::{authed, read_token};
+use super::config::{Config, ControllerConfig};
+use crate::devices::dra::{self, AllocationResult, Attr, ClaimLookup, Devices};
+use crate::rpc::controller as pb;
+use crate::rpc::controller::node_registry_client::NodeRegistryClient;
+
+/// A report is sent again this often without a change (a restarted controller learns the
+/// devices within this time even before the agent reconnects).
+pub const RESEND: Duration = Duration::from_secs(30);
+
+/// The report of `devices`: the healthy ones, with their attributes and capacities.
+pub fn report_of(node: &str, devices: &[dra::Device], epoch: u64) -> pb::ReportDevicesRequest {
+    let devices = devices
+        .iter()
+        .filter(|d| d.healthy)
+        .map(|d| pb::DraDevice {
+            name: d.name.clone(),
+            attributes: d
+                .attributes()
+                .into_iter()
+                .map(|(k, v)| {
+                    let value = match v {
+                        Attr::Int(i) => pb::device_attribute::Value::Int(i),
+                        Attr::Str(s) => pb::device_attribute::Value::String(s),
+                        Attr::Version(v) => pb::device_attribute::Value::Version(v),
+                    };
+                    (k.to_string(), pb::DeviceAttribute { value: Some(value) })
+                })
+                .collect(),
+            capacity: d.capacity().into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+        })
+        .collect();
+    pb::ReportDevicesRequest { node_name: node.to_string(), driver: dra::DRIVER_NAME.to_string(), devices, epoch }
+}
+
+/// One connection to the controller, made on first use and again after a failure.
+struct Link {
+    cc: ControllerConfig,
+    channel: Mutex<Option<Channel>>,
+}
+
+impl Link {
+    async fn client(&self) -> Result<(NodeRegistryClient<Channel>, String), String> {
+        let token = read_token(&self.cc.token_file)?;
+        let mut ch = self.channel.lock().await;
+        if ch.is_none() {
+            *ch = Some(crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?);
+        }
+        Ok((NodeRegistryClient::new(ch.clone().expect("set above")), token))
+    }
+
+    async fn broken(&self) {
+        *self.channel.lock().await = None;
+    }
+}
+
+/// Report the devices until the process ends (reconnecting with backoff). The epoch is how
+/// often kubelet has registered the DRA plugin: a new registration (kubelet restarted, and
+/// deleted the node's slices) is reported at once.
+pub async fn run(cfg: Arc<Config>, devices: Arc<Devices>, book: crate::kubelet::Registrations) {
+    let Some(cc) = cfg.controller.clone() else { return };
+    let link = Link { cc, channel: Mutex::new(None) };
+    let mut changed = devices.subscribe();
+    // The first report says what the first scan found (not an empty set before it).
+    while !devices.scanned() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut backoff = Duration::from_millis(100);
+    let mut last_error: Option<String> = None;
+    loop {
+        changed.borrow_and_update();
+        let epoch = book.registrations(dra::DRIVER_NAME);
+        let report = report_of(&cfg.node_name, &devices.list(), epoch);
+        let count = report.devices.len();
+        let sent = match link.client().await {
+            Ok((mut client, token)) => match authed(report, &token) {
+                Ok(req) => client.report_devices(req).await.map_err(|s| format!("report devices: {:?}: {}", s.code(), s.message())),
+                Err(e) => Err(e),
+            },
+            Err(e) => Err(e),
+        };
+        match sent {
+            Ok(_) => {
+                if last_error.take().is_some() {
+                    tracing::info!(devices = count, "DRA devices reported to the controller again");
+                }
+                tracing::debug!(devices = count, "DRA devices reported");
+                backoff = Duration::from_millis(100);
+                let resend = tokio::time::Instant::now() + RESEND;
+                loop {
+                    tokio::select! {
+                        r = changed.changed() => if r.is_err() { return } else { break },
+                        _ = tokio::time::sleep_until(resend) => break,
+                        _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                            if book.registrations(dra::DRIVER_NAME) != epoch {
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                link.broken().await;
+                if last_error.as_ref() != Some(&e) {
+                    tracing::warn!(error = %e, "cannot report DRA devices to the controller; retrying");
+                    last_error = Some(e);
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+/// Claim allocations from the controller, for `dra::run`.
+pub fn claim_lookup(cfg: &Config) -> Option<ClaimLookup> {
+    let cc = cfg.controller.clone()?;
+    let node = cfg.node_name.clone();
+    let link = Arc::new(Link { cc, channel: Mutex::new(None) });
+    Some(Arc::new(move |c: crate::rpc::dra::Claim| {
+        let (link, node) = (link.clone(), node.clone());
+        Box::pin(async move {
+            let (mut client, token) = link.client().await?;
+            let req = authed(pb::GetClaimRequest { node_name: node, namespace: c.namespace, name: c.name, uid: c.uid }, &token)?;
+            match client.get_claim(req).await {
+                Ok(r) => Ok(r
+                    .into_inner()
+                    .results
+                    .into_iter()
+                    .map(|r| AllocationResult { request: r.request, driver: r.driver, pool: r.pool, device: r.device })
+                    .collect()),
+                Err(s) => {
+                    if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal) {
+                        link.broken().await;
+                    }
+                    Err(format!("{:?}: {}", s.code(), s.message()))
+                }
+            }
+        })
+    }))
+}
