@@ -1264,6 +1264,10 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
     assert_eq!(s["spec"]["driver"], "dra.nodeplane.dev");
     assert_eq!(s["spec"]["nodeName"], "node-1");
     assert_eq!(s["spec"]["pool"], json!({"name": "node-1", "generation": 1, "resourceSliceCount": 1}));
+    // Owned by the Node object: the API's garbage collector deletes it with the Node, also
+    // while no controller runs.
+    let node_uid = f.get("", "nodes", None, "node-1").unwrap()["metadata"]["uid"].clone();
+    assert_eq!(s["metadata"]["ownerReferences"], json!([{"apiVersion": "v1", "kind": "Node", "name": "node-1", "uid": node_uid}]));
     assert_eq!(
         s["spec"]["devices"][0],
         json!({"name": "gpu-a", "attributes": {"numaNode": {"int": 0}, "vendor": {"string": "acme"}, "driverVersion": {"version": "0.1.0"}},

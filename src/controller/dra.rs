@@ -10,7 +10,8 @@
 //! unchanged report writes nothing. A device the node cannot open is not reported, so it
 //! leaves the pool (device taints are alpha in v1 and not relied on). A node's slices are
 //! deleted when it leaves the registry (in a cluster: when its Node object goes) and when it
-//! reports no device. After a controller restart the published slices are kept until the
+//! reports no device; in a cluster each slice is also owned by its Node object, so the API's
+//! garbage collector deletes it with the Node even while no controller runs. After a controller restart the published slices are kept until the
 //! node reports again.
 //!
 //! Where the slices go: the Kubernetes API (`resource.k8s.io/v1`) in Kubernetes mode; in

@@ -1,6 +1,8 @@
 //! DRA in Kubernetes mode: ResourceSlices written through the API (`resource.k8s.io/v1`,
 //! Kubernetes 1.34 and later) and ResourceClaims read from it (see `controller::dra`).
 
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
 use kube::core::ApiResource;
 use serde_json::Value;
@@ -35,11 +37,28 @@ fn api_error(e: kube::Error) -> String {
 
 pub struct KubeSlices {
     api: Api<DynamicObject>,
+    nodes: Api<Node>,
 }
 
 impl KubeSlices {
     pub fn new(client: kube::Client) -> KubeSlices {
-        KubeSlices { api: Api::all_with(client, &resource("ResourceSlice", "resourceslices")) }
+        KubeSlices { api: Api::all_with(client.clone(), &resource("ResourceSlice", "resourceslices")), nodes: Api::all(client) }
+    }
+
+    /// The slice owned by its Node object (read now, never cached: a Node made again under
+    /// the same name has another UID), so the API's garbage collector deletes it with the
+    /// Node even while no controller runs. A Node that cannot be read leaves the slice
+    /// without owner (the controller deletes it when the node leaves the registry).
+    async fn owned(&self, mut o: DynamicObject) -> DynamicObject {
+        let node = o.data.pointer("/spec/nodeName").and_then(Value::as_str).map(String::from);
+        if let Some(node) = node
+            && let Ok(Some(n)) = self.nodes.get_opt(&node).await
+            && let Some(uid) = n.metadata.uid
+        {
+            o.metadata.owner_references =
+                Some(vec![OwnerReference { api_version: "v1".into(), kind: "Node".into(), name: node, uid, ..Default::default() }]);
+        }
+        o
     }
 }
 
@@ -51,7 +70,7 @@ impl SliceSink for KubeSlices {
         list.items.into_iter().map(to_value).collect()
     }
     async fn create(&self, obj: Value) -> Result<Value, String> {
-        let mut o = to_object(obj)?;
+        let mut o = self.owned(to_object(obj)?).await;
         match self.api.create(&super::post_params(), &o).await {
             Ok(made) => to_value(made),
             // A slice of this name the list did not show (its label removed, or written by
@@ -66,7 +85,7 @@ impl SliceSink for KubeSlices {
         }
     }
     async fn replace(&self, obj: Value) -> Result<Value, String> {
-        let o = to_object(obj)?;
+        let o = self.owned(to_object(obj)?).await;
         let name = o.metadata.name.clone().unwrap_or_default();
         to_value(self.api.replace(&name, &super::post_params(), &o).await.map_err(api_error)?)
     }
