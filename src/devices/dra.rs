@@ -108,6 +108,9 @@ impl Settings {
     fn checkpoint(&self, uid: &str) -> PathBuf {
         prepared_dir(&self.state_dir).join(format!("{uid}.json"))
     }
+    fn claim_file(&self, uid: &str) -> PathBuf {
+        claim_dir(&self.state_dir).join(format!("{uid}.json"))
+    }
 }
 
 /// The registration socket in kubelet's `plugins_registry` directory.
@@ -403,12 +406,12 @@ fn to_pb(d: &PreparedDevice) -> pb::Device {
     }
 }
 
-/// Prepare and unprepare: the node half of the driver.
 /// Where a claim's allocation comes from when it has no claim file: the controller. `Ok`
 /// carries the claim's results (any driver, any pool: prepare keeps its own).
 pub type ClaimLookup =
     Arc<dyn Fn(pb::Claim) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<AllocationResult>, String>> + Send>> + Send + Sync>;
 
+/// Prepare and unprepare: the node half of the driver.
 pub struct Claims {
     pub s: Settings,
     pub devices: Arc<Devices>,
@@ -438,12 +441,7 @@ impl Claims {
     fn needs_lookup(&self, c: &pb::Claim) -> bool {
         check_uid(&c.uid).is_ok()
             && !self.s.checkpoint(&c.uid).exists()
-            && !claim_dir(&self.s.state_dir).join(format!("{}.json", c.uid)).exists()
-    }
-
-    /// Prepare one claim: its devices, or why not (blocking).
-    pub fn prepare(&self, c: &pb::Claim) -> Result<Vec<PreparedDevice>, String> {
-        self.prepare_with(c, Looked::Local)
+            && !self.s.claim_file(&c.uid).exists()
     }
 
     /// Prepare one claim, its allocation from the claim file or as `looked` says (blocking).
@@ -473,7 +471,7 @@ impl Claims {
 
     /// The results of `c`'s claim file.
     fn claim_file(&self, c: &pb::Claim, who: &str) -> Result<Vec<AllocationResult>, String> {
-        let file = claim_dir(&self.s.state_dir).join(format!("{}.json", c.uid));
+        let file = self.s.claim_file(&c.uid);
         let raw = match std::fs::metadata(&file).and_then(|m| {
             if m.len() > MAX_CLAIM_FILE {
                 Err(std::io::Error::other(format!("{} bytes, more than {MAX_CLAIM_FILE}", m.len())))
@@ -585,6 +583,14 @@ impl Claims {
     }
 }
 
+/// A call carries at most [`MAX_CLAIMS`] claims (INVALID_ARGUMENT before any work).
+fn check_batch(claims: &[pb::Claim]) -> Result<(), Status> {
+    if claims.len() > MAX_CLAIMS {
+        return Err(Status::invalid_argument(format!("{} claims in one call, more than {MAX_CLAIMS}", claims.len())));
+    }
+    Ok(())
+}
+
 /// The gRPC face: both services of `dra.sock`.
 #[derive(Clone)]
 struct Service {
@@ -601,9 +607,7 @@ impl Service {
         claims: Vec<pb::Claim>,
         f: fn(&Claims, &pb::Claim) -> T,
     ) -> Result<Vec<(String, T)>, Status> {
-        if claims.len() > MAX_CLAIMS {
-            return Err(Status::invalid_argument(format!("{} claims in one call, more than {MAX_CLAIMS}", claims.len())));
-        }
+        check_batch(&claims)?;
         let _serial = self.lock.lock().await;
         let c = self.claims.clone();
         tokio::task::spawn_blocking(move || claims.iter().map(|claim| (claim.uid.clone(), f(&c, claim))).collect())
@@ -619,9 +623,7 @@ impl pb::dra_plugin_server::DraPlugin for Service {
         r: Request<pb::NodePrepareResourcesRequest>,
     ) -> Result<Response<pb::NodePrepareResourcesResponse>, Status> {
         let claims = r.into_inner().claims;
-        if claims.len() > MAX_CLAIMS {
-            return Err(Status::invalid_argument(format!("{} claims in one call, more than {MAX_CLAIMS}", claims.len())));
-        }
+        check_batch(&claims)?;
         // Allocations not known here come from the controller: looked up before the lock
         // (a slow controller holds up no other call), all at once, under one deadline well
         // inside kubelet's call timeout. A claim prepared before, or with a claim file,
