@@ -533,6 +533,20 @@ async fn lifecycle(fs_type: &str, size: u64) {
             assert!(mounted_at(Path::new(t)).is_none());
             assert!(!Path::new(t).exists(), "{t} left behind by unpublish");
         }
+        if !block && round == 0 {
+            // The filesystem also mounted where no record says (a bind mount of the staging
+            // dir made by hand): unstage refuses and names it, and the volume is staged as
+            // before (the staging mount is put back after the detach found the device held).
+            let by_hand = sb.dir.join(format!("by-hand-{name}"));
+            fs::create_dir_all(&by_hand).unwrap();
+            nix::mount::mount(Some(Path::new(&staging)), &by_hand, None::<&str>, nix::mount::MsFlags::MS_BIND, None::<&str>)
+                .unwrap();
+            let msg = assert_code(c.unstage(&id, &staging).await, Code::FailedPrecondition, "unstage while mounted by hand");
+            assert!(msg.contains(&by_hand.display().to_string()), "{msg}");
+            assert!(mounted_at(Path::new(&staging)).is_some(), "the staging mount is back");
+            assert_eq!(fs::read(Path::new(&staging).join("data.bin")).unwrap(), data);
+            nix::mount::umount2(&by_hand, nix::mount::MntFlags::empty()).unwrap();
+        }
         for _ in 0..2 {
             c.unstage(&id, &staging).await.unwrap();
         }

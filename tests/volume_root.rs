@@ -856,3 +856,139 @@ fn mkfs_writes_little_on_a_fresh_image_and_zeroes_the_journal_otherwise() {
     assert!(fresh < 4 * MIB, "fresh image: {fresh} bytes written");
     assert!(used > 16 * MIB, "an image holding data must get its journal zeroed: {used} bytes written");
 }
+
+fn tool_out(tool: &str, args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(tool).args(args).output().unwrap_or_else(|e| panic!("{tool}: {e}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// `dumpe2fs -h` as field → value, without what makes each filesystem its own (the checksum
+/// seed of a template copy is its template's: `metadata_csum_seed` keeps it apart from the UUID).
+fn ext4_layout(dev: &Path) -> std::collections::BTreeMap<String, String> {
+    let (code, text) = tool_out("dumpe2fs", &["-h", dev.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    text.lines()
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .filter(|(k, _)| {
+            !["Filesystem UUID", "Directory Hash Seed", "Checksum seed", "Filesystem created", "Last write time", "Last mount time", "Last checked", "Checksum", "Lifetime writes", "Journal checksum"]
+                .contains(&k.as_str())
+        })
+        .collect()
+}
+
+#[test]
+fn ext4_from_its_template_is_mkfs_output_with_its_own_identity() {
+    let sb = Sandbox::new("template");
+    let store = sb.open(4096 * MIB);
+    let kernel = store.kernel().clone();
+    // Two volumes of one size (the second reuses the first's template), one of another.
+    let mut devs = Vec::new();
+    for (id, size) in [("t1", 1024 * MIB), ("t2", 1024 * MIB), ("t3", 48 * MIB)] {
+        store.create(id, size, FsType::Ext4).unwrap();
+        let dev = store.attach(id).unwrap();
+        kernel.mkfs(&dev, FsType::Ext4).unwrap();
+        devs.push((id, dev));
+    }
+    let templates: Vec<String> = fs::read_dir(store.dir().join("fs-templates"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("ext4-"))
+        .collect();
+    assert_eq!(templates.len(), 2, "one template per size: {templates:?}");
+    let mut uuids = std::collections::BTreeSet::new();
+    for (id, dev) in &devs {
+        let d = dev.to_str().unwrap();
+        let (code, text) = tool_out("e2fsck", &["-f", "-n", d]);
+        assert_eq!(code, 0, "{id}: e2fsck -fn of a filesystem made from its template: {text}");
+        let (_, uuid) = tool_out("blkid", &["-p", "-o", "value", "-s", "UUID", d]);
+        assert_eq!(uuid.trim().len(), 36, "{id}: {uuid}");
+        assert!(uuids.insert(uuid.trim().to_string()), "{id}: UUID {uuid} is not its own");
+    }
+    // The same layout as mkfs.ext4 itself makes on a blank device of that size.
+    let reference = sb.dir.join("reference.img");
+    File::create(&reference).unwrap().set_len(1024 * MIB).unwrap();
+    let rdev = loopdev::attach(&File::options().read(true).write(true).open(&reference).unwrap(), &reference, Default::default()).unwrap();
+    let mut args = nodeplane::sys::ext4_template::MKFS_OPTIONS.to_vec();
+    args.push(rdev.to_str().unwrap());
+    assert_eq!(tool_out("mkfs.ext4", &args).0, 0);
+    let reference_layout = ext4_layout(&rdev);
+    let m = fs::metadata(&reference).unwrap();
+    loopdev::detach(&rdev, m.dev(), m.ino()).unwrap();
+    assert_eq!(ext4_layout(&devs[0].1), reference_layout, "layout of the template copy vs mkfs.ext4");
+    // Used, remounted, checked again: an ordinary ext4.
+    let (_, dev) = &devs[1];
+    let mnt = sb.mount_point("t2");
+    mount(dev, &mnt, FsType::Ext4);
+    let data = pattern(5 * MIB as usize, 3);
+    fs::create_dir_all(mnt.join("a/b")).unwrap();
+    fs::write(mnt.join("a/b/data"), &data).unwrap();
+    umount(&mnt);
+    let (code, text) = tool_out("e2fsck", &["-f", "-n", dev.to_str().unwrap()]);
+    assert_eq!(code, 0, "after use: {text}");
+    mount(dev, &mnt, FsType::Ext4);
+    assert_eq!(fs::read(mnt.join("a/b/data")).unwrap(), data);
+    umount(&mnt);
+    for (id, _) in &devs {
+        store.detach(id).unwrap();
+        store.delete(id).unwrap();
+    }
+}
+
+#[test]
+fn an_interrupted_template_copy_is_recognised_and_nothing_else_is() {
+    let sb = Sandbox::new("interrupted");
+    let store = sb.open(1024 * MIB);
+    let kernel = store.kernel().clone();
+    let all_holes = |img: &Path| {
+        let f = File::open(img).unwrap();
+        // SAFETY: lseek on an fd we own.
+        let r = unsafe { libc::lseek(f.as_raw_fd(), 0, libc::SEEK_DATA) };
+        r < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO)
+    };
+    // A copy whose primary superblock never got written (what a crash between the flush
+    // and the last write leaves): only the template's bytes, and no signature at 1 KiB.
+    let interrupted = |id: &str| -> (PathBuf, PathBuf) {
+        let v = store.create(id, 64 * MIB, FsType::Ext4).unwrap();
+        let dev = store.attach(id).unwrap();
+        kernel.mkfs(&dev, FsType::Ext4).unwrap();
+        let f = OpenOptions::new().write(true).open(&dev).unwrap();
+        f.write_all_at(&[0u8; 1024], 1024).unwrap();
+        f.sync_all().unwrap();
+        (dev, v.path)
+    };
+    let (dev, img) = interrupted("cut");
+    assert!(vfs::blkid_type(&dev).unwrap().is_none(), "no signature without the primary superblock");
+    assert!(kernel.reclaim_interrupted_mkfs(&dev, &img).unwrap(), "an interrupted copy is recognised");
+    assert!(all_holes(&img), "reclaimed: the image reads as zeros again");
+    kernel.mkfs(&dev, FsType::Ext4).unwrap();
+    assert_eq!(tool_out("e2fsck", &["-f", "-n", dev.to_str().unwrap()]).0, 0);
+
+    // One byte of someone's data beside the template's bytes, or one changed byte among
+    // them: not ours, never reclaimed, nothing discarded.
+    let (dev, img) = interrupted("beside");
+    let f = OpenOptions::new().write(true).open(&dev).unwrap();
+    f.write_all_at(b"x", 40 * MIB).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    assert!(!kernel.reclaim_interrupted_mkfs(&dev, &img).unwrap(), "data outside the template's ranges");
+    assert!(!all_holes(&img));
+    let (dev, img) = interrupted("among");
+    let mut b = [0u8; 1];
+    let f = OpenOptions::new().read(true).write(true).open(&dev).unwrap();
+    f.read_exact_at(&mut b, 2048 + 7).unwrap();
+    f.write_all_at(&[b[0] ^ 0x5a], 2048 + 7).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    assert!(!kernel.reclaim_interrupted_mkfs(&dev, &img).unwrap(), "a changed byte inside the template's ranges");
+    // A finished filesystem is not "interrupted" either.
+    store.create("whole", 64 * MIB, FsType::Ext4).unwrap();
+    let dev = store.attach("whole").unwrap();
+    kernel.mkfs(&dev, FsType::Ext4).unwrap();
+    assert!(!kernel.reclaim_interrupted_mkfs(&dev, &store.get("whole").unwrap().unwrap().path).unwrap());
+    for id in ["cut", "beside", "among", "whole"] {
+        store.detach(id).unwrap();
+        store.delete(id).unwrap();
+    }
+}

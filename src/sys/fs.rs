@@ -10,6 +10,15 @@ use std::path::Path;
 /// Write `data` to `path` atomically: a temp file in the same directory, fsync'd, renamed
 /// over the target, directory fsync'd. A reader sees the old file or the new one, never part.
 pub fn atomic_write(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    atomic_replace(path, data, mode)?;
+    let dir = path.parent().ok_or_else(|| io::Error::other("path has no parent"))?;
+    File::open(dir)?.sync_all()
+}
+
+/// [`atomic_write`] without the directory fsync: the content is durable before the name
+/// points at it, the name itself only once the caller syncs the directory (several renames
+/// in one directory then share one sync).
+pub fn atomic_replace(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
     let dir = path.parent().ok_or_else(|| io::Error::other("path has no parent"))?;
     let name = path.file_name().ok_or_else(|| io::Error::other("path has no file name"))?;
     let mut tmp_name = std::ffi::OsString::from(".");
@@ -25,8 +34,7 @@ pub fn atomic_write(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
         f.set_permissions(fs::Permissions::from_mode(mode))?;
         f.sync_all()?;
         drop(f);
-        fs::rename(&tmp, path)?;
-        File::open(dir)?.sync_all()
+        fs::rename(&tmp, path)
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);

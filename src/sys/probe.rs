@@ -140,7 +140,7 @@ fn write_back(f: &File) -> io::Result<()> {
 
 /// The ranges of `[start, end)` where `f` holds data (the whole range when the filesystem
 /// cannot say).
-fn data_ranges(f: &File, start: u64, end: u64) -> io::Result<Vec<(u64, u64)>> {
+pub(crate) fn data_ranges(f: &File, start: u64, end: u64) -> io::Result<Vec<(u64, u64)>> {
     use std::os::unix::io::AsRawFd;
     let fd = f.as_raw_fd();
     let seek = |off: u64, whence: libc::c_int| -> io::Result<Option<u64>> {

@@ -654,6 +654,32 @@ impl NodeService {
         }
     }
 
+    /// Mounts of the volume's devices that are neither at `staging` nor at a recorded
+    /// staging path (read from the mount table).
+    fn unrecorded_mounts(&self, staging: &Path, devices: &[LoopDev], rec: Option<&StageRecord>) -> Result<Vec<String>> {
+        let table = if devices.is_empty() { Vec::new() } else { self.table()? };
+        Ok(table
+            .iter()
+            .filter(|m| m.mount_point != staging && self.is_volume_mount(m, devices))
+            .filter(|m| rec.is_none_or(|r| r.staging_path != m.mount_point))
+            .map(|m| m.mount_point.display().to_string())
+            .collect())
+    }
+
+    /// Mount the volume back at its staging path after an unstage that found it still in use
+    /// (the filesystem is still mounted elsewhere, so this mounts that same filesystem).
+    fn restage_after_refusal(&self, id: &str, staging: &Path, rec: &StageRecord, devices: &[LoopDev]) -> Result<()> {
+        let dev = devices.iter().find(|d| !d.ro).ok_or_else(|| internal(format!("volume {id} has no read-write device")))?;
+        let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
+        let mut opts = mount::parse_mount_flags(&rec.capability.mount_flags).map_err(invalid)?;
+        if vol.fs_type == FsType::Xfs && !opts.data.iter().any(|d| d == "nouuid") {
+            opts.data.push("nouuid".to_string());
+        }
+        self.kernel
+            .mount_device(&dev.path, &self.settings.kubelet_dir, staging, vol.fs_type.as_str(), &opts)
+            .map_err(|e| internal(format!("mounting {} at {}: {e:?}", dev.path.display(), staging.display())))
+    }
+
     // ----- Node RPCs -----
 
     pub fn stage(&self, req: &csi::NodeStageVolumeRequest) -> Result<()> {
@@ -772,6 +798,11 @@ impl NodeService {
                 crate::util::crash_point("stage-after-mkfs");
             }
             Some(t) if t == fs.as_str() => {}
+            Some(other) if self.kernel.reclaim_interrupted_mkfs(&dev, &vol.path).map_err(io_internal(format!("inspecting {}", dev.display())))? => {
+                tracing::warn!(volume = id, device = %dev.display(), found = %other, "an interrupted mkfs of this volume: making the filesystem again");
+                self.kernel.mkfs(&dev, fs)?;
+                crate::util::crash_point("stage-after-mkfs");
+            }
             Some(other) => {
                 return Err(precondition(format!(
                     "volume {id}: {} holds {other:?}, not {}; refusing to mount or format it",
@@ -852,8 +883,7 @@ impl NodeService {
         }
         // Still published somewhere? Unstaging under a running workload would pull the
         // volume away from it. The records name the publications the agent made (checked
-        // at their own paths); the mount table is read once more for any other mount of the
-        // volume (a bind mount someone else made of it), which the records cannot know.
+        // at their own paths).
         let recorded: Vec<String> = self
             .publishes_of(id)
             .into_iter()
@@ -864,25 +894,46 @@ impl NodeService {
         if !recorded.is_empty() {
             return Err(precondition(format!("volume {id} is still published at {}; unpublish it first", recorded.join(", "))));
         }
-        let table = if devices.is_empty() { Vec::new() } else { self.table()? };
-        let publications: Vec<String> = table
-            .iter()
-            .filter(|m| m.mount_point != staging && self.is_volume_mount(m, &devices))
-            .filter(|m| rec.as_ref().is_none_or(|r| r.staging_path != m.mount_point))
-            .map(|m| m.mount_point.display().to_string())
-            .collect();
-        if !publications.is_empty() {
-            return Err(precondition(format!(
-                "volume {id} is still published at {}; unpublish it first",
-                publications.join(", ")
-            )));
+        // A mount of the volume no record names (someone else's bind mount of it): for a
+        // filesystem staged as recorded, the device itself tells, after the unmount below —
+        // the filesystem holds its device exclusively while any mount of it is left, so
+        // the detach is refused — and the mount table is read only then, to name the mounts
+        // and put the staging mount back. Otherwise (raw block: a bind-mounted device node
+        // does not hold the device; or no record) the table is read first, as the rule.
+        let fs_as_recorded = rec.as_ref().filter(|r| r.staging_path == staging && !r.capability.block && ours_here);
+        if fs_as_recorded.is_none() {
+            let publications = self.unrecorded_mounts(&staging, &devices, rec.as_ref())?;
+            if !publications.is_empty() {
+                return Err(precondition(format!(
+                    "volume {id} is still published at {}; unpublish it first",
+                    publications.join(", ")
+                )));
+            }
         }
         let n = self.unmount_ours(id, &staging)?;
         crate::util::crash_point("unstage-after-unmount");
-        self.store.detach(id).map_err(|e| match e {
-            VolumeError::Busy { .. } => precondition(format!("volume {id} unmounted but its device is still in use: {e}")),
-            e => e.into(),
-        })?;
+        match self.store.detach(id) {
+            Err(VolumeError::Busy { .. })
+                if n > 0
+                    && let Some(r) = fs_as_recorded
+                    && let publications = self.unrecorded_mounts(&staging, &devices, rec.as_ref())?
+                    && !publications.is_empty() =>
+            {
+                let restored = self.restage_after_refusal(id, &staging, r, &devices);
+                return Err(precondition(format!(
+                    "volume {id} is still published at {}; unpublish it first{}",
+                    publications.join(", "),
+                    match restored {
+                        Ok(()) => String::new(),
+                        Err(e) => format!(" (and mounting it back at {} failed: {e})", staging.display()),
+                    }
+                )));
+            }
+            Err(e @ VolumeError::Busy { .. }) => {
+                return Err(precondition(format!("volume {id} unmounted but its device is still in use: {e}")));
+            }
+            r => r?,
+        }
         Self::remove(&self.stage_record_path(id))?;
         tracing::info!(volume = id, staging = %staging.display(), unmounted = n, "volume unstaged");
         Ok(())

@@ -276,7 +276,7 @@ impl VolumeStore {
     /// Takes the directory's lock, loads every volume's metadata and finishes or rolls back
     /// whatever a crash interrupted (see the module docs).
     pub fn open(dir: &Path, capacity_bytes: u64) -> Result<Self> {
-        Self::open_with(dir, capacity_bytes, Arc::new(Kernel))
+        Self::open_with(dir, capacity_bytes, Arc::new(Kernel::with_templates(dir.join(TEMPLATES_DIR))))
     }
 
     /// [`Self::open`] reaching loop devices and `statvfs` through `kernel` (a fake in tests).
@@ -460,9 +460,12 @@ impl VolumeStore {
                 .open(&tmp)
                 .map_err(io_err("creating", &tmp))?;
             f.set_len(size).map_err(io_err("sizing", &tmp))?;
-            f.sync_all().map_err(io_err("syncing", &tmp))?;
             drop(f);
-            write_meta(&meta_path, &vol)?;
+            // Two syncs: the metadata's content, then the directory (both names at once).
+            // The image's size needs none: a crash that loses it is an interrupted
+            // expansion to recovery, which sets the size the metadata gives. The metadata
+            // is renamed first, so an image is never in place without it.
+            write_meta_unsynced_dir(&meta_path, &vol)?;
             std::fs::rename(&tmp, &img).map_err(io_err("renaming into place", &tmp))?;
             sync_dir(&self.dir)
         })();
@@ -473,6 +476,7 @@ impl VolumeStore {
         }
         idx.volumes.insert(id.to_string(), vol.clone());
         tracing::info!(volume = id, size, fs = fs_type.as_str(), "volume created");
+        self.kernel.prepare_mkfs(size, fs_type);
         Ok(vol)
     }
 
@@ -502,7 +506,9 @@ impl VolumeStore {
                 std::fs::rename(&img, &del).map_err(io_err("renaming for delete", &img))?;
                 remove_if_exists(&meta_path)?;
                 sync_dir(&self.dir)?;
-                remove_if_exists(&del)?;
+                // The volume is gone from here on (a restart finishes the delete); its
+                // blocks are freed off the caller's path.
+                unlink_later(del);
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => remove_if_exists(&meta_path)?,
             Err(e) => return Err(io_err("inspecting", &img)(e)),
@@ -728,6 +734,62 @@ fn missing_or(id: &str, path: &Path, op: &'static str, e: io::Error) -> VolumeEr
     }
 }
 
+/// The volume store's subdirectory of ext4 templates ([`crate::sys::ext4_template`]).
+pub const TEMPLATES_DIR: &str = "fs-templates";
+
+/// How long the store's unlink thread waits for deletes to stop coming before it frees
+/// the images of those deleted, and the longest it lets one wait.
+const UNLINK_IDLE: std::time::Duration = std::time::Duration::from_millis(100);
+const UNLINK_MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Remove `path` (a deleted volume's image, renamed to `.<id>.img.del`) on the store's
+/// unlink thread. Freeing an image's blocks costs the backing filesystem a millisecond or
+/// more (more with online discard), and it competes with the unmounts of a teardown burst
+/// (kubelet tears a node's pods down together): the thread frees them once deletes have
+/// stopped for [`UNLINK_IDLE`], or after [`UNLINK_MAX_WAIT`] at most. Capacity is
+/// accounted by the index, which forgot the volume already; a file a crash leaves is
+/// removed by [`recover`].
+fn unlink_later(path: PathBuf) {
+    static QUEUE: std::sync::OnceLock<Mutex<std::sync::mpsc::Sender<PathBuf>>> = std::sync::OnceLock::new();
+    let q = QUEUE.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<PathBuf>();
+        std::thread::Builder::new()
+            .name("store-unlink".into())
+            .spawn(move || {
+                while let Ok(first) = rx.recv() {
+                    let since = std::time::Instant::now();
+                    let mut pending = vec![first];
+                    while since.elapsed() < UNLINK_MAX_WAIT {
+                        match rx.recv_timeout(UNLINK_IDLE.min(UNLINK_MAX_WAIT.saturating_sub(since.elapsed()))) {
+                            Ok(p) => pending.push(p),
+                            Err(_) => break,
+                        }
+                    }
+                    for p in pending {
+                        if let Err(e) = std::fs::remove_file(&p)
+                            && e.kind() != io::ErrorKind::NotFound
+                        {
+                            tracing::warn!(file = %p.display(), error = %e, "removing a deleted volume's image");
+                        }
+                    }
+                }
+            })
+            .expect("spawning the unlink thread");
+        Mutex::new(tx)
+    });
+    if let Err(std::sync::mpsc::SendError(p)) = q.lock().unwrap().send(path) {
+        let _ = std::fs::remove_file(p);
+    }
+}
+
+/// [`write_meta`] without the directory sync: the caller syncs the directory.
+fn write_meta_unsynced_dir(path: &Path, vol: &Volume) -> Result<()> {
+    let mut data =
+        serde_json::to_vec_pretty(vol).map_err(|source| VolumeError::Metadata { path: path.to_path_buf(), source })?;
+    data.push(b'\n');
+    crate::sys::fs::atomic_replace(path, &data, 0o600).map_err(io_err("writing", path))
+}
+
 fn write_meta(path: &Path, vol: &Volume) -> Result<()> {
     let mut data =
         serde_json::to_vec_pretty(vol).map_err(|source| VolumeError::Metadata { path: path.to_path_buf(), source })?;
@@ -782,7 +844,7 @@ fn recover(dir: &Path, kernel: &dyn VolumeKernel) -> Result<BTreeMap<String, Vol
                 let _ = std::fs::remove_file(entry.path());
             }
             Entry::Image(_) | Entry::Lock => {}
-            _ if name == "snapshots" => {}
+            _ if name == "snapshots" || name == TEMPLATES_DIR => {}
             _ => tracing::warn!(dir = %dir.display(), file = name, "ignoring an unexpected file in the volume store"),
         }
     }
