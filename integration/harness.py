@@ -119,6 +119,9 @@ class Node:
         self.proc = None
         self.pods = []
         self.agent_args = []  # extra command-line arguments for the agent (e.g. --log-format json)
+        # Run the agent in a PID (and mount) namespace of its own, as in a DaemonSet pod:
+        # PIDs the runtime names are not its PIDs.
+        self.own_pid_namespace = False
         if start:
             self.start()
 
@@ -129,8 +132,9 @@ class Node:
         # across restarts, and a killed agent leaves its socket and conflist behind).
         self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "a")
+        pid_ns = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM"] if self.own_pid_namespace else []
         self.proc = subprocess.Popen(
-            ["nsenter", f"--net={self.ns.path}", str(AGENT_BIN), "--config", str(self.cfg_path), *self.agent_args],
+            ["nsenter", f"--net={self.ns.path}", *pid_ns, str(AGENT_BIN), "--config", str(self.cfg_path), *self.agent_args],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL,
         )
         if wait:
@@ -157,6 +161,21 @@ class Node:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
     def stop(self, sig=signal.SIGTERM):
+        if self.own_pid_namespace and self.proc and self.proc.poll() is None:
+            # Signal the agent itself (unshare, its parent here, only waits for it).
+            try:
+                kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+            except OSError:
+                kids = []
+            for k in kids:
+                try:
+                    os.kill(int(k), sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
         stop_process(self.proc, sig)
         self.proc = None
 

@@ -897,9 +897,9 @@ def test_agent_paths_are_mounted(ds, agent_resolved, controller_cfg):
     assert m.get("mountPropagation") == "Bidirectional"
     for k in ("csi.socket", "csi.registrationSocket", "devicePlugins.pluginDir"):
         assert covering_mount(ds, c, get(agent_resolved, k))[0] is m, k
-    # Network namespaces appear after the agent starts: propagate host mounts in.
-    m, vol = covering_mount(ds, c, "/var/run/netns/cni-0")
-    assert m.get("mountPropagation") in ("HostToContainer", "Bidirectional")
+    # No network namespace directory: the shim passes the pod's namespace as a descriptor
+    # (the agent never resolves the runtime's CNI_NETNS path), so none is mounted.
+    assert not any(os.path.normpath(m["mountPath"]) in ("/var/run/netns", "/run/netns") for m in c["volumeMounts"])
     # /dev from the host: loop devices made later, device plugin nodes, hot-plug.
     m, vol = covering_mount(ds, c, "/dev/loop-control")
     assert m["mountPath"] == "/dev" and vol["hostPath"]["path"] == "/dev"

@@ -28,7 +28,7 @@ GRAVEYARD_RE = re.compile(r"^npz[0-9a-f]{12}$")
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 TUNING = harness.REF_CNI_DIR / "tuning"
 MAX_CONFIG_BYTES = 1 << 20
-LEASE_KEYS = {"containerId", "ifname", "state", "netns", "netnsInode", "netnsCookie", "hostIf", "ips", "pod"}
+LEASE_KEYS = {"containerId", "ifname", "state", "netns", "netnsInode", "netnsCookie", "hostIf", "hostIfindex", "ips", "pod"}
 
 
 # ----- helpers -----
@@ -389,7 +389,7 @@ def test_crash_mid_del_is_completed(node):
     by_cid = assert_consistent(node)
     assert set(by_cid) == {keep.cid}, f"expected only {keep.cid}, have {sorted(by_cid)}"
     assert "drained pending delete" in log and d1.cid in log, log
-    assert "host veth is gone" in log and d2.cid in log, log
+    assert "its host veth went with it" in log and d2.cid in log, log
     assert node.wait_no_graveyard(), f"graveyard not reaped: {node_links(node)[2]}"
     links = node.ns.links()
     assert h1 not in links and h2 not in links and grave not in links
@@ -501,23 +501,29 @@ def test_netns_gone_without_reboot(node):
 
 def test_same_inode_new_namespace_is_told_apart_by_cookie(node):
     """nsfs inode numbers are reused once a namespace dies, so the lease also records the
-    namespace cookie (never reused). A lease whose namespace has the recorded inode but a
-    different cookie is stale: simulate exactly that by changing the recorded cookie."""
+    namespace cookie (never reused). CHECK compares the namespace the shim passes (by
+    descriptor) with both: a namespace with the recorded inode but another cookie is not the
+    attachment's. Simulated exactly by changing the recorded cookie."""
     (a, ra), (b, rb) = node.add_pod("ka"), node.add_pod("kb")
     leases = node.leases()
     for lease in leases.values():
         assert lease["netnsCookie"] != 0, lease
         assert lease["netnsInode"] == os.stat(lease["netns"]).st_ino
+        assert lease["hostIfindex"] != 0, lease
     assert len({l["netnsCookie"] for l in leases.values()}) == 2
     node.kill9()
     path = node.lease_dir / f"{a.cid}:eth0.json"
     lease = json.loads(path.read_text())
     lease["netnsCookie"] += 1
     path.write_text(json.dumps(lease))
-    offset = start_agent(node)
-    log = log_since(node, offset)
-    assert set(assert_consistent(node)) == {b.cid}
-    assert "pod network namespace is gone" in log and a.cid in log, log
+    start_agent(node)
+    # The restart judges leases by their host veth (the runtime's netns path is never
+    # resolved by the agent): both are kept.
+    assert set(assert_consistent(node)) == {a.cid, b.cid}
+    rc, err, raw = node.cni("CHECK", a.cid, "eth0", a.ns.path, conf=dict(node.netconf(), prevResult=ra))
+    assert rc != 0 and "is not the one" in err["msg"], raw
+    rc, _, raw = node.cni("CHECK", b.cid, "eth0", b.ns.path, conf=dict(node.netconf(), prevResult=rb))
+    assert rc == 0, raw
     check_pods_kernel([(b, rb)])
     for p in (a, b):
         rc, _, raw = node.cni("DEL", p.cid, "eth0", p.ns.path, conf=node.netconf())

@@ -18,7 +18,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::net::cni::request::{self, Env};
@@ -163,13 +163,15 @@ pub fn prepare_csi(cfg: &Config) -> Result<Option<Arc<crate::storage::csi::NodeS
     Ok(Some(Arc::new(svc)))
 }
 
-/// Answer one CNI invocation (blocking).
-pub fn handle(dp: &Datapath, env: &Env, stdin: &[u8]) -> Reply {
-    handle_coded(dp, env, stdin).0
+/// Answer one CNI invocation (blocking). `netns`: the pod's network namespace as the shim
+/// opened it and passed it with the request (ADD and CHECK need it; the runtime's path in
+/// `CNI_NETNS` is never resolved here).
+pub fn handle(dp: &Datapath, env: &Env, stdin: &[u8], netns: Option<std::os::fd::OwnedFd>) -> Reply {
+    handle_coded(dp, env, stdin, netns).0
 }
 
 /// [`handle`], also returning the CNI error code answered (`None`: success).
-pub fn handle_coded(dp: &Datapath, env: &Env, stdin: &[u8]) -> (Reply, Option<u32>) {
+pub fn handle_coded(dp: &Datapath, env: &Env, stdin: &[u8], netns: Option<std::os::fd::OwnedFd>) -> (Reply, Option<u32>) {
     let version = request::sniff_version(stdin);
     let command = match request::parse_command(env) {
         Ok(c) => c,
@@ -193,10 +195,22 @@ pub fn handle_coded(dp: &Datapath, env: &Env, stdin: &[u8]) -> (Reply, Option<u3
         pod = req.pod_name(),
     );
     let _entered = span.enter();
+    let pod_netns = || -> Result<Box<dyn crate::sys::net_kernel::PodNetns>, crate::net::datapath::NetError> {
+        let path = req.netns.as_deref().expect("validated: ADD and CHECK have CNI_NETNS");
+        let fd = netns.ok_or_else(|| {
+            crate::net::datapath::NetError::NoDescriptor(format!(
+                "the shim passed no descriptor of CNI_NETNS {} (a shim older than this agent, during an upgrade?); try again",
+                path.display()
+            ))
+        })?;
+        crate::sys::netns::Netns::from_fd(fd, path)
+            .map(|n| Box::new(n) as Box<dyn crate::sys::net_kernel::PodNetns>)
+            .map_err(crate::net::datapath::NetError::NoNetns)
+    };
     let out = match command {
-        Command::Add => dp.add(&req).map(|r| Reply::ok(&r.render(v))),
+        Command::Add => pod_netns().and_then(|ns| dp.add(&req, ns)).map(|r| Reply::ok(&r.render(v))),
         Command::Del => dp.del(&req).map(|_| Reply::empty()),
-        Command::Check => dp.check(&req).map(|_| Reply::empty()),
+        Command::Check => pod_netns().and_then(|ns| dp.check(&req, ns)).map(|_| Reply::empty()),
         Command::Gc => dp.gc(&req).map(|_| Reply::empty()),
         Command::Status => dp.status().map(|_| Reply::empty()),
         Command::Version => unreachable!("answered above"),
@@ -210,22 +224,41 @@ pub fn handle_coded(dp: &Datapath, env: &Env, stdin: &[u8]) -> (Reply, Option<u3
     }
 }
 
-async fn serve_conn(dp: Arc<Datapath>, cni: Arc<metrics::CniMetrics>, mut stream: UnixStream) -> std::io::Result<()> {
-    let read = async {
-        let mut header = [0u8; 4];
-        stream.read_exact(&mut header).await?;
-        let mut body = vec![0u8; wire::decode_len(header)?];
-        stream.read_exact(&mut body).await?;
-        Ok::<_, std::io::Error>(body)
+/// Read one request frame from the shim, with the descriptor it passed (`SCM_RIGHTS`), if any.
+async fn read_request(stream: &UnixStream) -> std::io::Result<(WireRequest, Option<std::os::fd::OwnedFd>)> {
+    use std::os::fd::AsFd;
+    let mut fds = Vec::new();
+    let fill = async |buf: &mut [u8], fds: &mut Vec<std::os::fd::OwnedFd>| -> std::io::Result<()> {
+        let mut at = 0;
+        while at < buf.len() {
+            let n = stream
+                .async_io(tokio::io::Interest::READABLE, || crate::sys::fdpass::recv(stream.as_fd(), &mut buf[at..], fds))
+                .await?;
+            if n == 0 {
+                return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the shim closed mid-request"));
+            }
+            at += n;
+        }
+        Ok(())
     };
-    let body = tokio::time::timeout(Duration::from_secs(10), read)
+    let mut header = [0u8; 4];
+    fill(&mut header, &mut fds).await?;
+    let mut body = vec![0u8; wire::decode_len(header)?];
+    fill(&mut body, &mut fds).await?;
+    if fds.len() > 1 {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{} descriptors sent with one request", fds.len())));
+    }
+    let req: WireRequest = serde_json::from_slice(&body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    Ok((req, fds.pop()))
+}
+
+async fn serve_conn(dp: Arc<Datapath>, cni: Arc<metrics::CniMetrics>, mut stream: UnixStream) -> std::io::Result<()> {
+    let (req, netns) = tokio::time::timeout(Duration::from_secs(10), read_request(&stream))
         .await
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "request read timed out"))??;
-    let req: WireRequest =
-        serde_json::from_slice(&body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
     let started = Instant::now();
     let cmd = req.env.get("CNI_COMMAND").cloned().unwrap_or_default();
-    let (reply, code) = tokio::task::spawn_blocking(move || handle_coded(&dp, &req.env, req.stdin.as_bytes()))
+    let (reply, code) = tokio::task::spawn_blocking(move || handle_coded(&dp, &req.env, req.stdin.as_bytes(), netns))
         .await
         .map_err(std::io::Error::other)?;
     let elapsed = started.elapsed();

@@ -48,6 +48,10 @@ pub enum LeaseState {
     Ready,
 }
 
+fn is_zero(v: &u32) -> bool {
+    *v == 0
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
     #[serde(flatten)]
@@ -62,6 +66,11 @@ pub struct Lease {
     pub netns_cookie: u64,
     #[serde(rename = "hostIf")]
     pub host_if: String,
+    /// The host veth's ifindex (set at commit; 0 in leases from before it was recorded).
+    /// Interface indexes of a namespace are not reused while it lives, so a link that has
+    /// the name but another index is not this attachment's.
+    #[serde(rename = "hostIfindex", default, skip_serializing_if = "is_zero")]
+    pub host_ifindex: u32,
     /// Addresses with the block's prefix length.
     pub ips: Vec<IpNetwork>,
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -331,13 +340,14 @@ impl Ipam {
     /// The file is rewritten in place with one write: a crash before it leaves `adding`
     /// (rolled back at start), one after it leaves `ready`. No new file is created, which
     /// matters: creating files is the slowest step of an ADD on some filesystems.
-    pub fn commit(&self, reservation: Reservation, netns_cookie: u64) -> Result<Lease, IpamError> {
+    pub fn commit(&self, reservation: Reservation, netns_cookie: u64, host_ifindex: u32) -> Result<Lease, IpamError> {
         let Reservation { lease, file } = reservation;
         let lease = {
             let mut inner = self.inner.lock().unwrap();
             let Some(l) = inner.leases.get_mut(&lease.owner) else { return Ok(lease) };
             l.state = LeaseState::Ready;
             l.netns_cookie = netns_cookie;
+            l.host_ifindex = host_ifindex;
             l.clone()
         };
         let body = serde_json::to_vec(&lease).expect("lease serializes");
@@ -381,6 +391,7 @@ mod tests {
             netns: "/x".into(),
             netns_inode: 1,
             netns_cookie: 0,
+            host_ifindex: 0,
             host_if: "npx".into(),
             ips: vec![],
             pod: String::new(),
@@ -432,7 +443,7 @@ mod tests {
         let dir = guard.0.clone();
         let (ipam, _) = Ipam::load(&dir).unwrap();
         ipam.assign_block("10.1.3.0/24".parse().unwrap()).unwrap();
-        let a = ipam.commit(ipam.reserve(lease("a")).unwrap(), 7).unwrap();
+        let a = ipam.commit(ipam.reserve(lease("a")).unwrap(), 7, 9).unwrap();
         let b = ipam.reserve(lease("b")).unwrap().lease;
         fs::write(dir.join("half-created.json"), b"").unwrap();
         fs::write(dir.join("junk.json.tmp"), b"{").unwrap();

@@ -64,7 +64,13 @@ fn connect_waiting(socket: &Path, wait: Duration) -> io::Result<UnixStream> {
     }
 }
 
-fn call_agent(socket: &Path, wire: &WireRequest, cmd: Command, wait: Duration) -> io::Result<Reply> {
+fn call_agent(
+    socket: &Path,
+    wire: &WireRequest,
+    netns: Option<std::os::fd::BorrowedFd<'_>>,
+    cmd: Command,
+    wait: Duration,
+) -> io::Result<Reply> {
     // STATUS must answer now (the runtime asks whether ADD can work *now*); DEL is queued
     // durably when the agent is away, so it never waits either.
     let wait = if matches!(cmd, Command::Add | Command::Check | Command::Gc) { wait } else { Duration::ZERO };
@@ -74,7 +80,7 @@ fn call_agent(socket: &Path, wire: &WireRequest, cmd: Command, wait: Duration) -
         let mut stream = connect_waiting(socket, left)?;
         stream.set_write_timeout(Some(Duration::from_secs(10)))?;
         stream.set_read_timeout(Some(timeout_for(cmd)))?;
-        match exchange(&mut stream, wire) {
+        match exchange(&mut stream, wire, netns) {
             // The agent went away between accepting (or queueing) the connection and
             // answering: it is stopping or crashed. Ask the next one, within the same bound.
             // (An ADD the old agent finished but could not answer is refused by the new one
@@ -115,12 +121,34 @@ pub fn run(env: Env, stdin: &[u8]) -> Reply {
         .clone()
         .or_else(|| std::env::var_os(SOCKET_ENV).map(PathBuf::from))
         .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET));
+    // ADD and CHECK work in the pod's namespace: opened here, in the runtime's mount and PID
+    // namespaces (where its path means what the runtime meant), and handed to the agent.
+    let netns = match (command, req.netns.as_deref()) {
+        (Command::Add | Command::Check, Some(path)) => match open_netns(path) {
+            Ok(f) => Some(f),
+            Err(e) => return Reply::error(&e, &version),
+        },
+        _ => None,
+    };
     let wire = WireRequest { env, stdin: String::from_utf8_lossy(stdin).into_owned() };
     let wait = req.conf.agent_wait_seconds.map(Duration::from_secs).unwrap_or(DEFAULT_AGENT_WAIT);
-    match call_agent(&socket, &wire, command, wait) {
+    match call_agent(&socket, &wire, netns.as_ref().map(std::os::fd::AsFd::as_fd), command, wait) {
         Ok(reply) => reply,
         Err(e) => unreachable_reply(&req, &wire, &socket, &e, &version),
     }
+}
+
+/// Open `CNI_NETNS` and check that it is a network namespace (code 4 otherwise, with the
+/// agent's words for it).
+fn open_netns(path: &Path) -> Result<std::fs::File, CniError> {
+    use crate::sys::netns::NetnsError;
+    let bad = |e: NetnsError| CniError::new(Code::InvalidEnv, format!("CNI_NETNS: {e}"));
+    let f = std::fs::File::open(path).map_err(|e| match e.kind() {
+        io::ErrorKind::NotFound => bad(NetnsError::NotFound(path.to_path_buf())),
+        _ => bad(NetnsError::Io { path: path.to_path_buf(), source: e }),
+    })?;
+    crate::sys::netns::check_netns(&f, path).map_err(bad)?;
+    Ok(f)
 }
 
 fn unreachable_reply(

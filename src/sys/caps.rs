@@ -40,7 +40,6 @@ pub const KEPT: &[Cap] = &[
     cap(3, "CAP_FOWNER", "volume_mount_group: chmod of a volume root that a pod has chowned to another user"),
     cap(4, "CAP_FSETID", "volume_mount_group: the set-gid bit on a root whose group is not the agent's"),
     cap(12, "CAP_NET_ADMIN", "links, addresses, routes, neighbours, VXLAN, sysctls and nftables (netlink, nft)"),
-    cap(19, "CAP_SYS_PTRACE", "opening a pod's /proc/PID/ns/net when its process runs as another user or with other caps"),
     cap(21, "CAP_SYS_ADMIN", "setns into pod namespaces; mount/umount for CSI; loop device setup; xfs_growfs"),
     cap(24, "CAP_SYS_RESOURCE", "online ext4 growth (resize2fs on a mounted volume: EXT4_IOC_RESIZE_FS)"),
     cap(27, "CAP_MKNOD", "creating /dev/loopN when the node's /dev lacks the device node (containers)"),

@@ -154,6 +154,12 @@ impl FakeNet {
         }
     }
 
+    /// The namespace stays, but `path` no longer names it (as for an agent that does not see
+    /// the runtime's mount namespace).
+    pub fn remove_netns_path_only(&self, path: &Path) {
+        self.lock().paths.remove(path);
+    }
+
     /// `path` now holds another namespace (the old one gone).
     pub fn replace_netns(&self, path: &Path) {
         self.remove_netns(path);

@@ -3,7 +3,8 @@
 //! (`mount`), loop devices (`loopdev`), image copies and filesystem freezes (`imagecopy`),
 //! filesystem signatures read in-process (`probe`), filesystem tools (`fstools`: mkfs, grow),
 //! ext4 formatted from a per-size template of mkfs.ext4's own output (`ext4_template`),
-//! capability dropping (`caps`), atomic files and Unix sockets (`fs`).
+//! capability dropping (`caps`), atomic files and Unix sockets (`fs`), descriptors passed
+//! over Unix sockets (`fdpass`).
 //!
 //! The planes reach the kernel through two seams: `net_kernel` (links, addresses, routes,
 //! namespaces for the pod network) and `volume_kernel` (loop devices, mounts, filesystem
@@ -17,6 +18,7 @@ pub mod ext4_template;
 pub mod fake_net;
 #[cfg(test)]
 pub mod fake_volume;
+pub mod fdpass;
 pub mod fs;
 pub mod fstools;
 pub mod imagecopy;

@@ -39,21 +39,18 @@ impl Netns {
             io::ErrorKind::NotFound => NetnsError::NotFound(path.to_path_buf()),
             _ => NetnsError::Io { path: path.to_path_buf(), source: e },
         })?;
-        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-        // SAFETY: valid fd and a properly sized out-struct.
-        let rc = unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) };
-        if rc != 0 {
-            return Err(NetnsError::Io { path: path.to_path_buf(), source: io::Error::last_os_error() });
-        }
-        if st.f_type as i64 != NSFS_MAGIC {
-            return Err(NetnsError::NotNetns(path.to_path_buf()));
-        }
-        // Confirm it is a *network* namespace, not another kind.
-        // SAFETY: NS_GET_NSTYPE takes no argument and returns the CLONE_NEW* flag.
-        let ty = unsafe { libc::ioctl(file.as_raw_fd(), NS_GET_NSTYPE) };
-        if ty >= 0 && ty != libc::CLONE_NEWNET {
-            return Err(NetnsError::NotNetns(path.to_path_buf()));
-        }
+        Self::from_file(file, path)
+    }
+
+    /// A namespace opened by someone else (the shim, in the runtime's mount and PID
+    /// namespaces) and handed over as a descriptor; `path` is what they opened, for messages
+    /// only: it is never resolved here.
+    pub fn from_fd(fd: std::os::fd::OwnedFd, path: &Path) -> Result<Self, NetnsError> {
+        Self::from_file(File::from(fd), path)
+    }
+
+    fn from_file(file: File, path: &Path) -> Result<Self, NetnsError> {
+        check_netns(&file, path)?;
         Ok(Netns { file, path: path.to_path_buf() })
     }
 
@@ -80,6 +77,26 @@ impl AsFd for Netns {
 }
 
 const NS_GET_NSTYPE: libc::c_ulong = 0xb703; // _IO(0xb7, 0x3)
+
+/// Is `file` (opened from `path`) a network namespace? nsfs, and of type `CLONE_NEWNET`.
+pub fn check_netns(file: &File, path: &Path) -> Result<(), NetnsError> {
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid fd and a properly sized out-struct.
+    let rc = unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) };
+    if rc != 0 {
+        return Err(NetnsError::Io { path: path.to_path_buf(), source: io::Error::last_os_error() });
+    }
+    if st.f_type as i64 != NSFS_MAGIC {
+        return Err(NetnsError::NotNetns(path.to_path_buf()));
+    }
+    // Confirm it is a *network* namespace, not another kind.
+    // SAFETY: NS_GET_NSTYPE takes no argument and returns the CLONE_NEW* flag.
+    let ty = unsafe { libc::ioctl(file.as_raw_fd(), NS_GET_NSTYPE) };
+    if ty >= 0 && ty != libc::CLONE_NEWNET {
+        return Err(NetnsError::NotNetns(path.to_path_buf()));
+    }
+    Ok(())
+}
 
 /// Open a netlink socket bound to the namespace `fd`, without ever changing the namespace
 /// of a thread that does anything else.

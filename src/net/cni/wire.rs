@@ -1,7 +1,7 @@
 //! Shim <-> agent framing on the CNI socket: one request, one reply per connection.
 //! Each frame is a 4-byte big-endian length followed by that many bytes of JSON.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 
 use serde::{Deserialize, Serialize};
 
@@ -36,10 +36,12 @@ pub fn decode_len(header: [u8; 4]) -> io::Result<usize> {
     Ok(len)
 }
 
-/// Blocking exchange used by the shim.
-pub fn exchange<S: Read + Write>(stream: &mut S, req: &WireRequest) -> io::Result<Reply> {
-    stream.write_all(&encode(req)?)?;
-    stream.flush()?;
+/// Blocking exchange used by the shim. `netns`: the pod's network namespace, opened by the
+/// shim and passed with the request (`SCM_RIGHTS`), so the agent never resolves the
+/// runtime's path in its own mount and PID namespaces.
+pub fn exchange(stream: &mut std::os::unix::net::UnixStream, req: &WireRequest, netns: Option<std::os::fd::BorrowedFd<'_>>) -> io::Result<Reply> {
+    use std::os::fd::AsFd;
+    crate::sys::fdpass::send(stream.as_fd(), &encode(req)?, netns)?;
     let mut header = [0u8; 4];
     stream.read_exact(&mut header)?;
     let mut body = vec![0u8; decode_len(header)?];

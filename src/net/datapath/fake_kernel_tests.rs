@@ -58,11 +58,13 @@ impl Node {
     }
 
     fn add(&self, id: &str, netns: &Path) -> Result<Value, CniError> {
-        self.dp.add(&request("ADD", id, Some(netns), None)).map(|r| r.render("1.0.0")).map_err(CniError::from)
+        let ns = self.fake.open_netns(netns).map_err(|e| CniError::from(netns_err(e)))?;
+        self.dp.add(&request("ADD", id, Some(netns), None), ns).map(|r| r.render("1.0.0")).map_err(CniError::from)
     }
 
     fn check(&self, id: &str, netns: &Path, prev: &Value) -> Result<(), CniError> {
-        self.dp.check(&request("CHECK", id, Some(netns), Some(prev))).map_err(CniError::from)
+        let ns = self.fake.open_netns(netns).map_err(|e| CniError::from(netns_err(e)))?;
+        self.dp.check(&request("CHECK", id, Some(netns), Some(prev)), ns).map_err(CniError::from)
     }
 
     fn del(&self, id: &str, netns: Option<&Path>) -> Result<(), CniError> {
@@ -308,6 +310,7 @@ fn del_is_idempotent_over_every_partial_state() {
                 netns: ns.display().to_string(),
                 netns_inode: 0,
                 netns_cookie: 0,
+                host_ifindex: 0,
                 host_if: host_ifname(&owner("ctr")),
                 ips: Vec::new(),
                 pod: "shop/cart-7".into(),
@@ -380,6 +383,9 @@ fn check_reports_each_broken_part() {
         }),
         ("namespace gone", Code::InvalidEnv, "does not exist", |n, ns, _| {
             n.fake.remove_netns(ns);
+        }),
+        ("another namespace at the path", Code::Internal, "is not the one", |n, ns, _| {
+            n.fake.replace_netns(ns);
         }),
         ("interface gone", Code::Internal, "not found in network namespace", |n, ns, _| {
             n.fake.edit_netns(ns, |s| s.links.retain(|l| l.name != "eth0"));
@@ -510,26 +516,33 @@ fn reconcile_frees_what_a_restart_cannot_keep() {
 
 #[test]
 fn doctor_finds_and_repairs_orphans_but_never_a_live_pod() {
+    // A lease is judged by its host veth (the pair lives and dies with the pod's namespace,
+    // whose path is the runtime's and never resolved by the agent).
     let n = node("doctor");
     let (a, b, c) = (n.netns("a"), n.netns("b"), n.netns("c"));
     n.add("alive", &a).unwrap();
     n.add("pod-gone", &b).unwrap();
     n.add("veth-gone", &c).unwrap();
-    n.fake.replace_netns(&b);
+    n.fake.remove_netns(&b);
     let veth_gone = n.dp.ipam().get(&owner("veth-gone")).unwrap().host_if;
-    n.fake.edit_link(None, &veth_gone, |l| l.name = "x-renamed".into());
+    n.fake.delete_link(None, &veth_gone);
+    // A namespace path the agent cannot see (the runtime's, elsewhere) means nothing.
+    n.fake.remove_netns_path_only(&a);
     let (found, skipped) = n.dp.doctor(false).unwrap();
     assert!(skipped.is_empty(), "{skipped:?}");
     let mut kinds: Vec<(&str, String)> = found.iter().map(|f| (f.kind, f.subject.clone())).collect();
     kinds.sort();
     assert_eq!(
         kinds,
-        vec![(LEASE_WITHOUT_POD, "pod-gone/eth0".to_string()), (LEASE_WITHOUT_VETH, "veth-gone/eth0".to_string())]
+        vec![(LEASE_WITHOUT_POD, "pod-gone/eth0".to_string()), (LEASE_WITHOUT_POD, "veth-gone/eth0".to_string())]
     );
     let (found, _) = n.dp.doctor(true).unwrap();
     assert_eq!(found.len(), 2);
     assert!(n.dp.ipam().get(&owner("pod-gone")).is_none(), "repaired");
-    assert!(n.dp.ipam().get(&owner("veth-gone")).is_some(), "a live pod keeps its addresses");
+    assert!(n.dp.ipam().get(&owner("veth-gone")).is_none(), "repaired");
+    assert!(n.dp.ipam().get(&owner("alive")).is_some(), "a live pod keeps its addresses");
+    // And a restart keeps it too.
+    assert_eq!(n.dp.reconcile(false).unwrap().kept, 1);
     assert!(n.dp.ipam().get(&owner("alive")).is_some());
 }
 

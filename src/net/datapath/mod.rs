@@ -47,6 +47,9 @@ pub enum NetError {
     /// CNI_NETNS names no network namespace.
     #[error("CNI_NETNS: {0}")]
     NoNetns(NetnsError),
+    /// The request came without the descriptor of its pod namespace.
+    #[error("{0}")]
+    NoDescriptor(String),
     /// The pod's namespace exists but could not be entered or read.
     #[error("netns: {0}")]
     Netns(NetnsError),
@@ -79,6 +82,7 @@ impl From<NetError> for CniError {
         let code = match &e {
             NetError::Kernel { .. } | NetError::Netns(_) | NetError::Broken(_) => Code::Internal,
             NetError::NoNetns(_) => Code::InvalidEnv,
+            NetError::NoDescriptor(_) => Code::TryAgainLater,
             NetError::Ipam(IpamError::NoBlock(_) | IpamError::Exhausted { .. }) | NetError::NoBlock(_) => Code::TryAgainLater,
             NetError::Ipam(IpamError::Io { .. }) | NetError::Io(_) => Code::Io,
             NetError::Ipam(IpamError::BadBlock(..)) => Code::Internal,
@@ -367,10 +371,11 @@ impl Datapath {
                 Some("node rebooted")
             } else if lease.state != LeaseState::Ready {
                 Some("ADD never completed")
-            } else if !self.netns_matches(&lease) {
-                Some("pod network namespace is gone")
-            } else if !by_name.contains_key(lease.host_if.as_str()) {
-                Some("host veth is gone")
+            } else if let Some(why) = veth_gone(&lease, by_name.get(lease.host_if.as_str()).copied()) {
+                // The pair dies with the pod's namespace: no host veth, no pod network. (The
+                // namespace's path is the runtime's, in its own mount and PID namespaces:
+                // never resolved here.)
+                Some(why)
             } else {
                 None
             };
@@ -425,12 +430,14 @@ impl Datapath {
 
     // ----- CNI commands -----
 
-    pub fn add(&self, req: &Request) -> Result<ResultModel, NetError> {
+    /// ADD in the pod namespace `netns`: opened by the shim in the runtime's namespaces and
+    /// handed over as a descriptor (`req.netns`, the runtime's path, is only recorded).
+    pub fn add(&self, req: &Request, netns: Box<dyn PodNetns>) -> Result<ResultModel, NetError> {
         let owner = Owner { container_id: req.container_id.clone(), ifname: req.ifname.clone() };
-        self.locks.run(&owner, || self.add_locked(req, &owner))
+        self.locks.run(&owner, || self.add_locked(req, &owner, netns))
     }
 
-    fn add_locked(&self, req: &Request, owner: &Owner) -> Result<ResultModel, NetError> {
+    fn add_locked(&self, req: &Request, owner: &Owner, netns: Box<dyn PodNetns>) -> Result<ResultModel, NetError> {
         // A DEL the shim queued while no agent answered came before this ADD (the runtime
         // waited for the DEL's answer before sending it): apply it now, or the periodic drain
         // would detach the new attachment later (a queue written just after a restarting
@@ -451,7 +458,6 @@ impl Datapath {
             ));
         }
         let netns_path = req.netns.as_deref().expect("validated: ADD has CNI_NETNS");
-        let netns = self.open_netns(netns_path)?;
         let host_if = host_ifname(owner);
         let lease_template = Lease {
             owner: owner.clone(),
@@ -459,6 +465,7 @@ impl Datapath {
             netns: netns_path.display().to_string(),
             netns_inode: netns.inode().unwrap_or(0),
             netns_cookie: 0,
+            host_ifindex: 0,
             host_if: host_if.clone(),
             ips: Vec::new(),
             pod: format!("{}/{}", req.pod_namespace(), req.pod_name()),
@@ -482,8 +489,8 @@ impl Datapath {
             }
         };
         match self.plumb(&mut *nl, &*netns, req, &host_if, &lease, mtu) {
-            Ok((result, cookie)) => {
-                self.ipam.commit(reservation, cookie).map_err(NetError::Ipam).inspect_err(|_| {
+            Ok((result, cookie, host_ifindex)) => {
+                self.ipam.commit(reservation, cookie, host_ifindex).map_err(NetError::Ipam).inspect_err(|_| {
                     self.undo_add(&mut *nl, owner, &host_if);
                 })?;
                 tracing::info!(
@@ -512,8 +519,8 @@ impl Datapath {
         }
     }
 
-    /// Create and configure the veth pair; returns this plugin's own result and the pod
-    /// namespace's cookie.
+    /// Create and configure the veth pair; returns this plugin's own result, the pod
+    /// namespace's cookie and the host veth's ifindex.
     fn plumb(
         &self,
         nl: &mut dyn Links,
@@ -522,7 +529,7 @@ impl Datapath {
         host_if: &str,
         lease: &Lease,
         mtu: u32,
-    ) -> Result<(ResultModel, u64), NetError> {
+    ) -> Result<(ResultModel, u64, u32), NetError> {
         let bridge = self.bridge()?;
         let host_mac = random_mac();
         let peer_mac = random_mac();
@@ -614,7 +621,7 @@ impl Datapath {
             routes,
             dns: if conf_dns.is_empty() { self.settings.dns.clone() } else { conf_dns },
         };
-        Ok((result, pod_nl.netns_cookie()))
+        Ok((result, pod_nl.netns_cookie(), peer.peer.unwrap_or(0)))
     }
 
     pub fn del(&self, req: &Request) -> Result<(), NetError> {
@@ -638,12 +645,14 @@ impl Datapath {
         Ok(())
     }
 
-    pub fn check(&self, req: &Request) -> Result<(), NetError> {
+    /// CHECK in the pod namespace `netns` (a descriptor from the shim, as for ADD), which
+    /// must be the namespace the attachment was made in.
+    pub fn check(&self, req: &Request, netns: Box<dyn PodNetns>) -> Result<(), NetError> {
         let owner = Owner { container_id: req.container_id.clone(), ifname: req.ifname.clone() };
-        self.locks.run(&owner, || self.check_locked(req, &owner))
+        self.locks.run(&owner, || self.check_locked(req, &owner, netns))
     }
 
-    fn check_locked(&self, req: &Request, owner: &Owner) -> Result<(), NetError> {
+    fn check_locked(&self, req: &Request, owner: &Owner, netns: Box<dyn PodNetns>) -> Result<(), NetError> {
         let fail = |m: String| Err(NetError::Broken(m));
         let Some(lease) = self.ipam.get(owner) else {
             return Err(NetError::UnknownContainer(
@@ -670,9 +679,17 @@ impl Datapath {
                 return fail(format!("prevResult address {ip} is not leased to {}/{}", owner.container_id, owner.ifname));
             }
         }
-        let netns = self.open_netns(netns_path)?;
         let mut pod_nl = netns.links().map_err(netns_err)?;
         let ns = netns_path.display();
+        // The namespace handed over must be the attachment's own: same inode, same cookie
+        // (an inode number can be reused by a later namespace; a cookie never is).
+        let (inode, cookie) = (netns.inode().unwrap_or(0), pod_nl.netns_cookie());
+        if (lease.netns_inode != 0 && inode != lease.netns_inode) || (lease.netns_cookie != 0 && cookie != lease.netns_cookie) {
+            return fail(format!(
+                "network namespace {ns} is not the one {}/{} was attached in (inode {inode}, cookie {cookie}; attached in inode {}, cookie {})",
+                owner.container_id, owner.ifname, lease.netns_inode, lease.netns_cookie
+            ));
+        }
         let Some(peer) = pod_nl.link_by_name(&req.ifname).map_err(|e| netlink_err("lookup", e))? else {
             return fail(format!("interface {} not found in network namespace {ns}", req.ifname));
         };
@@ -809,7 +826,6 @@ fn netns_err(e: NetnsError) -> NetError {
 /// Orphan kinds (the `kind` of a [`Finding`]).
 pub const VETH_WITHOUT_LEASE: &str = "veth-without-lease";
 pub const LEASE_WITHOUT_POD: &str = "lease-without-pod";
-pub const LEASE_WITHOUT_VETH: &str = "lease-without-veth";
 
 impl Datapath {
     /// The attachments as the leases and the kernel show them, for `nodeplane status`.
@@ -834,7 +850,8 @@ impl Datapath {
                     } as i32,
                     ips: l.ips.iter().map(|ip| ip.to_string()).collect(),
                     netns: l.netns.clone(),
-                    netns_present: l.state != LeaseState::Ready || self.netns_matches(l),
+                    // The pair lives and dies with the pod's namespace.
+                    netns_present: l.state != LeaseState::Ready || veth_gone(l, veth).is_none(),
                     host_if: l.host_if.clone(),
                     host_if_present: veth.is_some(),
                     host_if_on_bridge: veth.is_some_and(|v| v.up && bridge.is_some() && v.master == bridge.map(|b| b.index)),
@@ -888,29 +905,15 @@ impl Datapath {
                 let mut f = if lease.state != LeaseState::Ready {
                     Finding::new(LEASE_WITHOUT_POD, subject.clone(), detail("its ADD never completed"))
                 } else {
-                    match self.netns_check(&lease) {
-                        NetnsCheck::Gone(why) => Finding::new(LEASE_WITHOUT_POD, subject.clone(), detail(why)),
-                        // Could not tell (EACCES from an LSM, EMFILE, …): never a reason to
-                        // take a pod's network away.
-                        NetnsCheck::Unknown(e) => return Some(Err(format!("{subject}: could not check its namespace: {e}"))),
-                        NetnsCheck::Same => {
-                            let present =
-                                self.kernel.host().and_then(|mut nl| nl.link_by_name(&lease.host_if)).ok().flatten().is_some();
-                            if present {
-                                return None;
-                            }
-                            let mut f = Finding::new(
-                                LEASE_WITHOUT_VETH,
-                                subject.clone(),
-                                detail(&format!("host veth {} is gone", lease.host_if)),
-                            );
-                            if repair {
-                                f.repair = Some(Repair::Skipped(
-                                    "the pod is still there: the runtime's CHECK fails and it recreates the pod".into(),
-                                ));
-                            }
-                            return Some(Ok(f));
-                        }
+                    // Judged by the host veth: the pair lives and dies with the pod's
+                    // namespace, whose path (the runtime's) is never resolved here.
+                    match self.kernel.host().and_then(|mut nl| nl.link_by_name(&lease.host_if)) {
+                        Ok(link) => match veth_gone(&lease, link.as_ref()) {
+                            None => return None,
+                            Some(why) => Finding::new(LEASE_WITHOUT_POD, subject.clone(), detail(why)),
+                        },
+                        // Could not tell: never a reason to take a pod's network away.
+                        Err(e) => return Some(Err(format!("{subject}: could not look up {}: {e}", lease.host_if))),
                     }
                 };
                 if repair {
@@ -1000,48 +1003,16 @@ impl Datapath {
 /// How long the doctor waits for a CNI call on an attachment before skipping it.
 const DOCTOR_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-enum NetnsCheck {
-    Same,
-    Gone(&'static str),
-    Unknown(String),
-}
-
-impl Datapath {
-    fn open_netns(&self, path: &Path) -> Result<Box<dyn PodNetns>, NetError> {
-        self.kernel.open_netns(path).map_err(netns_err)
-    }
-
-    /// Is the lease's namespace still the one it was made in? (Not knowing counts as no.)
-    fn netns_matches(&self, lease: &Lease) -> bool {
-        matches!(self.netns_check(lease), NetnsCheck::Same)
-    }
-
-    /// Whether the lease's namespace is still the one it was made in, telling "gone" from "could
-    /// not look" (the doctor repairs only the first). Same inode is not proof (inode numbers are
-    /// reused); the cookie is.
-    fn netns_check(&self, lease: &Lease) -> NetnsCheck {
-        let ns = match self.kernel.open_netns(Path::new(&lease.netns)) {
-            Ok(ns) => ns,
-            Err(NetnsError::NotFound(_)) => return NetnsCheck::Gone("its pod network namespace is gone"),
-            Err(NetnsError::NotNetns(_)) => return NetnsCheck::Gone("its netns path is no network namespace any more"),
-            Err(e) => return NetnsCheck::Unknown(e.to_string()),
-        };
-        if lease.netns_inode != 0 {
-            match ns.inode() {
-                Ok(i) if i == lease.netns_inode => {}
-                Ok(_) => return NetnsCheck::Gone("its netns path now holds another namespace"),
-                Err(e) => return NetnsCheck::Unknown(e.to_string()),
-            }
+/// Why the lease's host veth says its pod network is gone (`None`: it is there). The pair
+/// lives and dies with the pod's namespace; a link of the same name with another ifindex is
+/// someone else's.
+fn veth_gone(lease: &Lease, link: Option<&Link>) -> Option<&'static str> {
+    match link {
+        None => Some("pod network namespace is gone (its host veth went with it)"),
+        Some(l) if lease.host_ifindex != 0 && l.index != lease.host_ifindex => {
+            Some("pod network namespace is gone (its host veth's name is another link's now)")
         }
-        if lease.netns_cookie == 0 {
-            return NetnsCheck::Same;
-        }
-        match ns.links().map(|nl| nl.netns_cookie()) {
-            Ok(0) => NetnsCheck::Unknown("the namespace cookie could not be read".into()),
-            Ok(c) if c == lease.netns_cookie => NetnsCheck::Same,
-            Ok(_) => NetnsCheck::Gone("its netns path now holds another namespace (same inode, other cookie)"),
-            Err(e) => NetnsCheck::Unknown(e.to_string()),
-        }
+        Some(_) => None,
     }
 }
 
