@@ -64,6 +64,10 @@ impl Sandbox {
     fn open(&self, capacity: u64) -> VolumeStore {
         VolumeStore::open(&self.store_dir(), capacity).unwrap()
     }
+    /// The store as the agent opens it: ext4 made from per-size templates.
+    fn open_with_templates(&self, capacity: u64) -> VolumeStore {
+        VolumeStore::open_with_templates(&self.store_dir(), capacity).unwrap()
+    }
     fn mount_point(&self, name: &str) -> PathBuf {
         let p = self.dir.join("mnt").join(name);
         fs::create_dir_all(&p).unwrap();
@@ -881,7 +885,7 @@ fn ext4_layout(dev: &Path) -> std::collections::BTreeMap<String, String> {
 #[test]
 fn ext4_from_its_template_is_mkfs_output_with_its_own_identity() {
     let sb = Sandbox::new("template");
-    let store = sb.open(4096 * MIB);
+    let store = sb.open_with_templates(4096 * MIB);
     let kernel = store.kernel().clone();
     // Two volumes of one size (the second reuses the first's template), one of another.
     let mut devs = Vec::new();
@@ -939,7 +943,7 @@ fn ext4_from_its_template_is_mkfs_output_with_its_own_identity() {
 #[test]
 fn an_interrupted_template_copy_is_recognised_and_nothing_else_is() {
     let sb = Sandbox::new("interrupted");
-    let store = sb.open(1024 * MIB);
+    let store = sb.open_with_templates(1024 * MIB);
     let kernel = store.kernel().clone();
     let all_holes = |img: &Path| {
         let f = File::open(img).unwrap();

@@ -57,6 +57,8 @@ pub fn build(src: Sources) -> (Arc<Registry>, Arc<CniMetrics>) {
             LATENCY_BUCKETS,
         ),
     });
+    registry.register_histogram(src.dp.steps.clone());
+    registry.register_histogram(src.dp.steps.clone());
     if let Some(svc) = &src.csi {
         registry.register_counter(svc.operations.clone());
         registry.register_histogram(svc.durations.clone());

@@ -18,7 +18,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::net::cni::request::{self, Env};
@@ -152,7 +151,7 @@ pub fn prepare_csi(cfg: &Config) -> Result<Option<Arc<crate::storage::csi::NodeS
             half
         }
     };
-    let store = crate::storage::store::VolumeStore::open(&c.volume_dir, capacity).map_err(|e| AgentError::Setup(e.to_string()))?;
+    let store = crate::storage::store::VolumeStore::open_with_templates(&c.volume_dir, capacity).map_err(|e| AgentError::Setup(e.to_string()))?;
     let settings = crate::storage::csi::NodeSettings {
         node_id: cfg.node_name.clone(),
         kubelet_dir,
@@ -224,16 +223,20 @@ pub fn handle_coded(dp: &Datapath, env: &Env, stdin: &[u8], netns: Option<std::o
     }
 }
 
-/// Read one request frame from the shim, with the descriptor it passed (`SCM_RIGHTS`), if any.
-async fn read_request(stream: &UnixStream) -> std::io::Result<(WireRequest, Option<std::os::fd::OwnedFd>)> {
+/// Read one request frame from the shim, with the descriptor it passed (`SCM_RIGHTS`), if
+/// any. Blocking (the socket has a read timeout).
+fn read_request(stream: &std::os::unix::net::UnixStream) -> std::io::Result<(WireRequest, Option<std::os::fd::OwnedFd>)> {
     use std::os::fd::AsFd;
     let mut fds = Vec::new();
-    let fill = async |buf: &mut [u8], fds: &mut Vec<std::os::fd::OwnedFd>| -> std::io::Result<()> {
+    let fill = |buf: &mut [u8], fds: &mut Vec<std::os::fd::OwnedFd>| -> std::io::Result<()> {
         let mut at = 0;
         while at < buf.len() {
-            let n = stream
-                .async_io(tokio::io::Interest::READABLE, || crate::sys::fdpass::recv(stream.as_fd(), &mut buf[at..], fds))
-                .await?;
+            let n = match crate::sys::fdpass::recv(stream.as_fd(), &mut buf[at..], fds) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "request read timed out"));
+                }
+                r => r?,
+            };
             if n == 0 {
                 return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the shim closed mid-request"));
             }
@@ -242,9 +245,9 @@ async fn read_request(stream: &UnixStream) -> std::io::Result<(WireRequest, Opti
         Ok(())
     };
     let mut header = [0u8; 4];
-    fill(&mut header, &mut fds).await?;
+    fill(&mut header, &mut fds)?;
     let mut body = vec![0u8; wire::decode_len(header)?];
-    fill(&mut body, &mut fds).await?;
+    fill(&mut body, &mut fds)?;
     if fds.len() > 1 {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{} descriptors sent with one request", fds.len())));
     }
@@ -252,24 +255,32 @@ async fn read_request(stream: &UnixStream) -> std::io::Result<(WireRequest, Opti
     Ok((req, fds.pop()))
 }
 
-async fn serve_conn(dp: Arc<Datapath>, cni: Arc<metrics::CniMetrics>, mut stream: UnixStream) -> std::io::Result<()> {
-    let (req, netns) = tokio::time::timeout(Duration::from_secs(10), read_request(&stream))
-        .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "request read timed out"))??;
+/// One shim connection, start to end, on a blocking thread: one request, one reply. No
+/// hand-over between threads on the way (each costs a wake-up on the request's path).
+fn serve_conn(dp: &Datapath, cni: &metrics::CniMetrics, stream: std::os::unix::net::UnixStream) -> std::io::Result<()> {
+    use std::io::Write;
+    let accepted = Instant::now();
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    stream.set_write_timeout(Some(Duration::from_secs(10)))?;
+    let (req, netns) = read_request(&stream)?;
     let started = Instant::now();
     let cmd = req.env.get("CNI_COMMAND").cloned().unwrap_or_default();
-    let (reply, code) = tokio::task::spawn_blocking(move || handle_coded(&dp, &req.env, req.stdin.as_bytes(), netns))
-        .await
-        .map_err(std::io::Error::other)?;
-    let elapsed = started.elapsed();
     // Only known commands become label values: the environment is the caller's input.
-    cni.observe(Command::parse(&cmd).map_or("unknown", |c| c.as_str()), code, elapsed.as_secs_f64());
+    let label = Command::parse(&cmd).map_or("unknown", |c| c.as_str());
+    dp.steps.observe(&[label, "read"], (started - accepted).as_secs_f64());
+    let (reply, code) = handle_coded(dp, &req.env, req.stdin.as_bytes(), netns);
+    let elapsed = started.elapsed();
+    cni.observe(label, code, elapsed.as_secs_f64());
     tracing::debug!(command = %cmd, exit = reply.exit_code, micros = elapsed.as_micros() as u64, "cni");
-    stream.write_all(&wire::encode(&reply)?).await?;
-    stream.shutdown().await
+    let answering = Instant::now();
+    (&stream).write_all(&wire::encode(&reply)?)?;
+    let r = stream.shutdown(std::net::Shutdown::Write);
+    dp.steps.observe(&[label, "reply"], answering.elapsed().as_secs_f64());
+    r
 }
 
-/// Serve one shim connection on its own task, counted for the shutdown drain.
+/// Serve one shim connection on a blocking thread, counted for the shutdown drain.
 fn spawn_conn(
     dp: &Arc<Datapath>,
     cni: &Arc<metrics::CniMetrics>,
@@ -278,8 +289,15 @@ fn spawn_conn(
 ) {
     let (dp, cni) = (dp.clone(), cni.clone());
     let guard = tracker.enter();
-    tokio::spawn(async move {
-        if let Err(e) = serve_conn(dp, cni, stream).await {
+    let stream = match stream.into_std() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "CNI connection");
+            return;
+        }
+    };
+    tokio::task::spawn_blocking(move || {
+        if let Err(e) = serve_conn(&dp, &cni, stream) {
             tracing::warn!(error = %e, "CNI connection");
         }
         drop(guard);

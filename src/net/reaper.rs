@@ -4,8 +4,10 @@
 //! for that: it takes the host end down, detaches it from the bridge and moves it into the
 //! graveyard link group (from that instant the pod's old address is unreachable), renames it
 //! to a private graveyard name (so the attachment's own name is free for a new ADD) and wakes
-//! this thread. The thread waits a moment for more, then deletes the whole group with one
-//! request, so the kernel pays the grace period once per batch instead of once per pod.
+//! this thread. The thread waits until retirements stop coming for a moment, then deletes the
+//! whole group with one request, so the kernel pays the grace period once per batch instead
+//! of once per pod — and not in the middle of a burst of DELs, whose own netlink requests
+//! would wait for the deletion's hold on the kernel's RTNL lock.
 //! The graveyard is plain kernel state: after a crash the next start finds it again.
 
 use std::sync::Arc;
@@ -20,8 +22,10 @@ use crate::sys::net_kernel::{Links, NetKernel};
 pub const GRAVEYARD_PREFIX: &str = "npz";
 /// Link group of retired links ("np" in ASCII).
 pub const GRAVEYARD_GROUP: u32 = 0x6e70;
-/// How long the reaper waits for more retirements before deleting a batch.
-const BATCH_WINDOW: Duration = Duration::from_millis(20);
+/// How long retirements must stop coming before the reaper deletes a batch...
+const BATCH_IDLE: Duration = Duration::from_millis(20);
+/// ...and the longest a retired link waits for that.
+const BATCH_MAX: Duration = Duration::from_secs(1);
 
 enum Msg {
     Reap,
@@ -90,8 +94,8 @@ fn run(rx: Receiver<Msg>, kernel: Arc<dyn NetKernel>) {
         let mut waiters = Vec::new();
         let mut batch = 0u64;
         let mut msg = Some(first);
-        let deadline = std::time::Instant::now() + BATCH_WINDOW;
-        // Collect everything that arrives within the batch window (a flush ends it at once).
+        let deadline = std::time::Instant::now() + BATCH_MAX;
+        // Collect everything that arrives until the retirements pause (a flush ends it at once).
         loop {
             match msg.take() {
                 Some(Msg::Reap) => batch += 1,
@@ -102,7 +106,7 @@ fn run(rx: Receiver<Msg>, kernel: Arc<dyn NetKernel>) {
                 None => {}
             }
             let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match rx.recv_timeout(left) {
+            match rx.recv_timeout(left.min(BATCH_IDLE)) {
                 Ok(m) => msg = Some(m),
                 Err(RecvTimeoutError::Timeout) => break,
                 Err(RecvTimeoutError::Disconnected) => break,

@@ -25,6 +25,35 @@ pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// seconds (CNI commands, volume operations).
 pub const LATENCY_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
+/// Histogram buckets (seconds) for the steps inside one request (tens of microseconds to
+/// tens of milliseconds).
+pub const STEP_BUCKETS: &[f64] = &[0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1];
+
+/// Times the steps of one request into a histogram labelled `(command, step)`: each
+/// [`Steps::mark`] observes the time since the previous mark (or the start).
+pub struct Steps<'a> {
+    h: &'a HistogramVec,
+    command: &'a str,
+    last: std::time::Instant,
+}
+
+impl<'a> Steps<'a> {
+    pub fn start(h: &'a HistogramVec, command: &'a str) -> Self {
+        Steps { h, command, last: std::time::Instant::now() }
+    }
+
+    /// Like [`Steps::start`], from an earlier instant (time spent before the work began).
+    pub fn since(h: &'a HistogramVec, command: &'a str, at: std::time::Instant) -> Self {
+        Steps { h, command, last: at }
+    }
+
+    pub fn mark(&mut self, step: &str) {
+        let now = std::time::Instant::now();
+        self.h.observe(&[self.command, step], (now - self.last).as_secs_f64());
+        self.last = now;
+    }
+}
+
 /// `[a-zA-Z_:][a-zA-Z0-9_:]*`
 pub fn valid_metric_name(name: &str) -> bool {
     let mut chars = name.chars();

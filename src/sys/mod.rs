@@ -1,5 +1,5 @@
 //! Kernel primitives, without policy: rtnetlink (`netlink`), network namespace handles
-//! entered on short-lived threads (`netns`), the mount table and descriptor-based mounts
+//! (`netns`: entered only around one `socket` call), the mount table and descriptor-based mounts
 //! (`mount`), loop devices (`loopdev`), image copies and filesystem freezes (`imagecopy`),
 //! filesystem signatures read in-process (`probe`), filesystem tools (`fstools`: mkfs, grow),
 //! ext4 formatted from a per-size template of mkfs.ext4's own output (`ext4_template`),

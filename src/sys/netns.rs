@@ -1,8 +1,8 @@
 //! Network namespace handles.
 //!
-//! `setns` changes the calling *thread*. The agent never calls it on a thread that runs
-//! anything else: [`netlink_in`] spawns a short-lived OS thread, enters the namespace there,
-//! opens a netlink socket (which stays bound to that namespace for its whole life) and exits.
+//! `setns` changes the calling *thread*. [`netlink_in`] enters a pod's namespace only for the
+//! one `socket` call that opens a netlink socket there (bound to that namespace for its whole
+//! life) and returns to the process's namespace at once — or aborts the process.
 
 use std::fs::File;
 use std::io;
@@ -98,26 +98,37 @@ pub fn check_netns(file: &File, path: &Path) -> Result<(), NetnsError> {
     Ok(())
 }
 
-/// Open a netlink socket bound to the namespace `fd`, without ever changing the namespace
-/// of a thread that does anything else.
+/// Open a netlink socket bound to the namespace `fd` (it stays bound to that namespace for its
+/// whole life), entering the namespace on the calling thread only for the `socket` call and
+/// going straight back: no other code runs on the thread in between, and nothing here
+/// awaits. A thread that could not go back would run the process's later work in a pod's
+/// namespace: the process aborts instead (the DaemonSet restarts it; leases and mounts
+/// survive). (A thread started per call, or a hand-over to an opener thread, costs more than
+/// all the rest of the work.)
 pub fn netlink_in(fd: BorrowedFd<'_>, path: &Path) -> Result<Netlink, NetnsError> {
-    let raw = fd.as_raw_fd();
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            // SAFETY: raw is a valid namespace fd for the duration of this scope.
-            if unsafe { libc::setns(raw, libc::CLONE_NEWNET) } != 0 {
-                return Err(NetnsError::Setns {
-                    path: path.to_path_buf(),
-                    source: io::Error::last_os_error(),
-                });
-            }
-            Ok(Netlink::open()?)
-        })
-        .join()
-        .unwrap_or_else(|_| {
-            Err(NetnsError::Io { path: path.to_path_buf(), source: io::Error::other("thread panicked") })
-        })
-    })
+    let home = home_netns().map_err(|e| NetnsError::Io { path: PathBuf::from("/proc/self/ns/net"), source: e })?;
+    // SAFETY: a valid namespace fd, borrowed for the call.
+    if unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(NetnsError::Setns { path: path.to_path_buf(), source: io::Error::last_os_error() });
+    }
+    let opened = Netlink::open();
+    // SAFETY: the process's own namespace fd, open for the life of the process.
+    if unsafe { libc::setns(home.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        let e = io::Error::last_os_error();
+        tracing::error!(error = %e, "could not return to the agent's network namespace after opening a socket in {}; aborting", path.display());
+        std::process::abort();
+    }
+    Ok(opened?)
+}
+
+/// The process's own network namespace, opened once (every thread of the agent lives in it).
+fn home_netns() -> io::Result<&'static File> {
+    static HOME: std::sync::OnceLock<File> = std::sync::OnceLock::new();
+    if let Some(f) = HOME.get() {
+        return Ok(f);
+    }
+    let f = File::open("/proc/self/ns/net")?;
+    Ok(HOME.get_or_init(|| f))
 }
 
 /// Write a sysctl of the *calling process's* network namespace (e.g. forwarding).

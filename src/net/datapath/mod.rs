@@ -21,6 +21,7 @@ use crate::sys::netlink::{Link, NetlinkError, format_mac, random_mac};
 use crate::sys::netns::NetnsError;
 use crate::net::pending_del;
 use crate::obs::doctor::{Finding, Repair};
+use crate::obs::metrics::{HistogramVec, STEP_BUCKETS, Steps};
 use crate::util::Family;
 
 /// Host-side veth name of an attachment: "np" + 13 hex digits of a stable hash.
@@ -194,7 +195,12 @@ pub struct Datapath {
     /// The conflist is written once the node has a block (it is then ready for ADD).
     conflist_written: std::sync::atomic::AtomicBool,
     block_source: std::sync::OnceLock<BlockSource>,
+    /// Where the time of ADD and CHECK goes, step by step (the agent exports it).
+    pub steps: Arc<HistogramVec>,
 }
+
+/// The steps of ADD and CHECK, timed into [`Datapath::steps`].
+pub const STEPS_METRIC: &str = "nodeplane_cni_step_duration_seconds";
 
 /// What a startup reconcile did (logged by the agent, used by tests through the logs).
 #[derive(Debug, Default)]
@@ -218,6 +224,12 @@ impl Datapath {
             cluster_cidrs: Mutex::new(cluster),
             conflist_written: Default::default(),
             block_source: Default::default(),
+            steps: HistogramVec::new(
+                STEPS_METRIC,
+                "Time of each step of a CNI request inside the agent, by command and step.",
+                &["command", "step"],
+                STEP_BUCKETS,
+            ),
         }
     }
 
@@ -438,6 +450,7 @@ impl Datapath {
     }
 
     fn add_locked(&self, req: &Request, owner: &Owner, netns: Box<dyn PodNetns>) -> Result<ResultModel, NetError> {
+        let mut steps = Steps::start(&self.steps, "ADD");
         // A DEL the shim queued while no agent answered came before this ADD (the runtime
         // waited for the DEL's answer before sending it): apply it now, or the periodic drain
         // would detach the new attachment later (a queue written just after a restarting
@@ -479,6 +492,7 @@ impl Datapath {
             other => other,
         }
         .map_err(NetError::Ipam)?;
+        steps.mark("reserve");
         let lease = reservation.lease.clone();
         let mtu = req.conf.mtu.unwrap_or(self.settings.mtu);
         let mut nl = match self.kernel.host() {
@@ -488,11 +502,12 @@ impl Datapath {
                 return Err(netlink_err("netlink", e));
             }
         };
-        match self.plumb(&mut *nl, &*netns, req, &host_if, &lease, mtu) {
+        match self.plumb(&mut *nl, &*netns, req, &host_if, &lease, mtu, &mut steps) {
             Ok((result, cookie, host_ifindex)) => {
                 self.ipam.commit(reservation, cookie, host_ifindex).map_err(NetError::Ipam).inspect_err(|_| {
                     self.undo_add(&mut *nl, owner, &host_if);
                 })?;
+                steps.mark("commit");
                 tracing::info!(
                     container = %owner.container_id, ifname = %owner.ifname, pod = %lease.pod,
                     ips = %fmt_ips(&lease.ips), host_if = %host_if, "attached"
@@ -529,6 +544,7 @@ impl Datapath {
         host_if: &str,
         lease: &Lease,
         mtu: u32,
+        steps: &mut Steps<'_>,
     ) -> Result<(ResultModel, u64, u32), NetError> {
         let bridge = self.bridge()?;
         let host_mac = random_mac();
@@ -578,10 +594,12 @@ impl Datapath {
                 Err(e) => return Err(netlink_err(&format!("creating veth for {}", req.ifname), e)),
             }
         }
+        steps.mark("veth");
         let mut pod_nl = match pod_nl {
             Some(p) => p,
             None => netns.links().map_err(netns_err)?,
         };
+        steps.mark("netns-socket");
         let peer = pod_nl
             .link_by_name(&req.ifname)
             .map_err(|e| netlink_err("lookup", e))?
@@ -605,6 +623,7 @@ impl Datapath {
         pod_nl
             .apply(&reqs)
             .map_err(|e| netlink_err(&format!("configuring {} in {}", req.ifname, netns.path().display()), e))?;
+        steps.mark("configure");
         let conf_dns = req.conf.dns.clone().unwrap_or_default();
         let result = ResultModel {
             interfaces: vec![
@@ -653,6 +672,7 @@ impl Datapath {
     }
 
     fn check_locked(&self, req: &Request, owner: &Owner, netns: Box<dyn PodNetns>) -> Result<(), NetError> {
+        let mut steps = Steps::start(&self.steps, "CHECK");
         let fail = |m: String| Err(NetError::Broken(m));
         let Some(lease) = self.ipam.get(owner) else {
             return Err(NetError::UnknownContainer(
@@ -679,7 +699,9 @@ impl Datapath {
                 return fail(format!("prevResult address {ip} is not leased to {}/{}", owner.container_id, owner.ifname));
             }
         }
+        steps.mark("lease");
         let mut pod_nl = netns.links().map_err(netns_err)?;
+        steps.mark("netns-socket");
         let ns = netns_path.display();
         // The namespace handed over must be the attachment's own: same inode, same cookie
         // (an inode number can be reused by a later namespace; a cookie never is).
@@ -717,6 +739,7 @@ impl Datapath {
                 return fail(format!("default route via {} on {} is missing in {ns}", gw.map(|g| g.to_string()).unwrap_or_default(), req.ifname));
             }
         }
+        steps.mark("pod-state");
         let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         let Some(host) = nl.link_by_name(&lease.host_if).map_err(|e| netlink_err("lookup", e))? else {
             return fail(format!("host veth {} is missing", lease.host_if));
@@ -734,6 +757,7 @@ impl Datapath {
         if peer.peer != Some(host.index) {
             return fail(format!("interface {} in {ns} is not the peer of host veth {}", req.ifname, lease.host_if));
         }
+        steps.mark("host-state");
         Ok(())
     }
 

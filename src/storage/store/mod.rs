@@ -7,13 +7,15 @@
 //! <dir>/<id>.img          the volume's bytes (sparse; `File::set_len`)
 //! <dir>/<id>.json         its metadata (id, sizeBytes, fsType, createdAt), written atomically
 //! <dir>/.<id>.img.tmp     a create in progress (renamed to <id>.img once the metadata is down)
-//! <dir>/.<id>.img.del     a delete in progress (removed after the metadata)
+//! <dir>/.<id>.img.del     a deleted volume's image (freed by the unlink thread, or at start)
 //! <dir>/snapshots/         snapshots, and the copies volumes are made from (`snapshots`)
+//! <dir>/fs-templates/      ext4 templates, one per size (`open_with_templates`, the agent's)
 //! ```
 //!
 //! Every step is ordered so that a crash leaves something `open` can finish or roll back:
 //! a create writes the image under its temporary name, then the metadata, then renames the
-//! image; a delete renames the image away, removes the metadata, then the image. An image
+//! image; a delete renames the image away, removes the metadata, syncs the directory (the
+//! volume is gone from here on), then frees the image off the caller's path. An image
 //! without metadata is therefore never a half-done create: it is reported by
 //! [`VolumeStore::orphans`], never removed behind the operator's back.
 //!
@@ -276,6 +278,12 @@ impl VolumeStore {
     /// Takes the directory's lock, loads every volume's metadata and finishes or rolls back
     /// whatever a crash interrupted (see the module docs).
     pub fn open(dir: &Path, capacity_bytes: u64) -> Result<Self> {
+        Self::open_with(dir, capacity_bytes, Arc::new(Kernel::default()))
+    }
+
+    /// [`Self::open`] making ext4 from per-size templates kept in `<dir>/fs-templates`
+    /// ([`crate::sys::ext4_template`]; what the agent uses).
+    pub fn open_with_templates(dir: &Path, capacity_bytes: u64) -> Result<Self> {
         Self::open_with(dir, capacity_bytes, Arc::new(Kernel::with_templates(dir.join(TEMPLATES_DIR))))
     }
 
