@@ -125,6 +125,9 @@ pub struct FileConfig {
     pub bridge: String,
     #[serde(default = "yes")]
     pub masquerade: bool,
+    /// Enforce Kubernetes NetworkPolicy (controller mode only: the controller compiles it).
+    #[serde(default = "yes")]
+    pub network_policy: bool,
     #[serde(default)]
     pub dns: Option<DnsConfig>,
     /// Extra plugin entries appended to the conflist after nodeplane (portmap, bandwidth…).
@@ -235,6 +238,8 @@ pub struct Config {
     pub mtu: u32,
     pub bridge: String,
     pub masquerade: bool,
+    /// NetworkPolicy enforced (controller mode and `networkPolicy` not false).
+    pub network_policy: bool,
     pub dns: Dns,
     pub chained_plugins: Vec<serde_json::Value>,
     pub cni_version: String,
@@ -506,6 +511,7 @@ impl Config {
             mtu: f.mtu,
             bridge: f.bridge,
             masquerade: f.masquerade,
+            network_policy: f.network_policy,
             dns,
             chained_plugins: f.chained_plugins,
             cni_version,
@@ -723,6 +729,7 @@ impl Config {
             "mtu": self.mtu,
             "bridge": self.bridge,
             "masquerade": self.masquerade,
+            "networkPolicy": self.network_policy,
             "dns": {"nameservers": self.dns.nameservers, "domain": self.dns.domain, "search": self.dns.search, "options": self.dns.options},
             "chainedPlugins": self.chained_plugins,
             "cniVersion": self.cni_version,

@@ -7,6 +7,7 @@ pub mod config;
 pub mod device_sync;
 pub mod install;
 pub mod metrics;
+pub mod policy_sync;
 mod readiness;
 pub mod status;
 pub mod volume_sync;
@@ -363,6 +364,9 @@ pub async fn serve(
     drain_tick.tick().await;
     let tracker = tokio_util_tracker::Tracker::default();
     let cluster_client = tokio::spawn(cluster::run(cfg.clone(), dp.clone(), link.clone().unwrap_or_default()));
+    // NetworkPolicy (controller mode): the hook is in place before the first ADD is read.
+    let policy = policy_sync::install(&cfg, &dp);
+    let policy_task = policy.clone().map(|p| tokio::spawn(policy_sync::run(p, dp.clone())));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let volume_client = csi.clone().map(|svc| tokio::spawn(volume_sync::run(cfg.clone(), svc)));
     let device_plugins = cfg.device_plugins.clone().map(|s| {
@@ -468,6 +472,9 @@ pub async fn serve(
     }
     tracing::info!("shutting down: no new requests; finishing in-flight ones");
     cluster_client.abort();
+    if let Some(t) = policy_task {
+        t.abort();
+    }
     if tokio::time::timeout(Duration::from_secs(30), tracker.wait_idle()).await.is_err() {
         tracing::warn!("in-flight requests did not finish within 30s");
     }

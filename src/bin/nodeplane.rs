@@ -28,6 +28,13 @@ struct Args {
 
 #[derive(Subcommand)]
 enum Top {
+    /// NetworkPolicy objects of a controller in local mode (in a cluster: kubectl).
+    Policy {
+        #[command(flatten)]
+        at: ControllerAt,
+        #[command(subcommand)]
+        call: PolicyCall,
+    },
     /// Call a CSI endpoint.
     Csi {
         /// The CSI Unix socket.
@@ -61,6 +68,40 @@ enum Top {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// How to reach the controller as the admin (local mode's policy objects).
+#[derive(clap::Args)]
+struct ControllerAt {
+    /// The controller's address: a Unix socket path or host:port (TLS unless --insecure).
+    #[arg(long)]
+    controller: String,
+    /// A file holding the admin token (`nodeplane-controller token @admin`).
+    #[arg(long)]
+    token_file: PathBuf,
+    /// The CA bundle to verify the controller's certificate with (TCP).
+    #[arg(long)]
+    ca_file: Option<PathBuf>,
+    /// The name to verify the certificate against (default: the address's host).
+    #[arg(long)]
+    server_name: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum PolicyCall {
+    /// Create or replace the Namespaces, Pods (labels, container ports) and NetworkPolicies
+    /// in a JSON file ("-": stdin): one object, a List, or several documents.
+    Apply {
+        #[arg(short = 'f', long = "filename")]
+        file: PathBuf,
+    },
+    /// Delete the objects named in a JSON file (kind, namespace and name are read).
+    Delete {
+        #[arg(short = 'f', long = "filename")]
+        file: PathBuf,
+    },
+    /// Every object applied, as a JSON List.
+    List,
 }
 
 /// Where the agent's DRA socket and state directory are.
@@ -775,6 +816,47 @@ mod document {
     }
 }
 
+async fn policy_call(at: ControllerAt, call: PolicyCall) -> Result<String, String> {
+    use nodeplane::rpc::controller as pb;
+    let read = |f: &PathBuf| -> Result<String, String> {
+        if f.as_os_str() == "-" {
+            let mut s = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).map_err(|e| format!("stdin: {e}"))?;
+            Ok(s)
+        } else {
+            std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))
+        }
+    };
+    let token = std::fs::read_to_string(&at.token_file).map_err(|e| format!("{}: {e}", at.token_file.display()))?;
+    let bearer: tonic::metadata::MetadataValue<tonic::metadata::Ascii> =
+        format!("Bearer {}", token.trim()).parse().map_err(|_| "the token is not valid header text".to_string())?;
+    let tls = at.ca_file.clone().map(|ca_file| nodeplane::rpc::tls::ClientFiles {
+        ca_file,
+        cert_file: None,
+        key_file: None,
+        server_name: at.server_name.clone(),
+    });
+    let ch = nodeplane::rpc::connect_with(&at.controller, tls.as_ref()).await.map_err(|e| format!("connecting to {}: {e}", at.controller))?;
+    let mut c = pb::network_policies_client::NetworkPoliciesClient::new(ch);
+    fn with<T>(m: T, bearer: &tonic::metadata::MetadataValue<tonic::metadata::Ascii>) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(m);
+        r.metadata_mut().insert("authorization", bearer.clone());
+        r
+    }
+    let status = |s: tonic::Status| format!("{:?}: {}", s.code(), s.message());
+    match call {
+        PolicyCall::Apply { file } => {
+            let r = c.apply_objects(with(pb::ApplyObjectsRequest { json: read(&file)? }, &bearer)).await.map_err(status)?;
+            Ok(r.into_inner().applied.iter().map(|a| format!("{a} applied")).collect::<Vec<_>>().join("\n"))
+        }
+        PolicyCall::Delete { file } => {
+            let r = c.delete_objects(with(pb::DeleteObjectsRequest { json: read(&file)? }, &bearer)).await.map_err(status)?;
+            Ok(r.into_inner().deleted.iter().map(|a| format!("{a} deleted")).collect::<Vec<_>>().join("\n"))
+        }
+        PolicyCall::List => Ok(c.list_objects(with(pb::ListObjectsRequest {}, &bearer)).await.map_err(status)?.into_inner().json),
+    }
+}
+
 fn main() {
     let args = Args::parse();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
@@ -793,6 +875,16 @@ fn main() {
             Ok((doc, ok)) => {
                 println!("{}", serde_json::to_string_pretty(&doc).expect("JSON values serialise"));
                 std::process::exit(if ok { 0 } else { 1 });
+            }
+            Err(e) => {
+                eprintln!("nodeplane: {e}");
+                std::process::exit(2);
+            }
+        },
+        Top::Policy { at, call: c } => match rt.block_on(policy_call(at, c)) {
+            Ok(out) => {
+                println!("{out}");
+                return;
             }
             Err(e) => {
                 eprintln!("nodeplane: {e}");

@@ -10,6 +10,7 @@ pub mod csi;
 pub mod dra;
 pub mod kube;
 pub mod metrics;
+pub mod policy;
 pub mod records;
 pub mod server;
 pub mod store;
@@ -36,6 +37,8 @@ pub enum ControllerError {
     Tls(String),
     #[error("leadership lost: {0}")]
     LostLeadership(String),
+    #[error("network policy: {0}")]
+    Policy(String),
 }
 
 fn io_ctx(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ControllerError {
@@ -209,6 +212,15 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         _ => (Arc::new(dra::DirSink::new(cfg.data_dir.join("resourceslices"))), None),
     };
     let publisher = tokio::spawn(dra::Publisher { book: devices.clone(), registry: registry.clone(), sink }.run(stopping.clone()));
+    // NetworkPolicy: objects from the API in a cluster, applied with `nodeplane policy` here.
+    let local_policy = !cfg.uses_kubernetes();
+    let policy_book = policy::PolicyBook::new(local_policy.then(|| cfg.data_dir.join("policy-objects.json")))
+        .map_err(ControllerError::Policy)?;
+    metrics.registry.register_histogram(policy_book.compile_seconds.clone());
+    let policy_follower = match &client {
+        Some(c) if !local_policy => Some(tokio::spawn(kube::policy::follow(c.clone(), policy_book.clone(), stopping.clone()))),
+        _ => None,
+    };
     let authority = Arc::new(authority);
     let cfg = Arc::new(cfg);
     let svc = server::Service {
@@ -222,6 +234,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         devices,
         claims,
     };
+    let svc = Arc::new(svc);
+    let policy_svc = policy::server::Service { book: policy_book.clone(), registry: svc.clone(), local: local_policy };
     let until_stopped = |mut s: tokio::sync::watch::Receiver<bool>| async move {
         let _ = s.wait_for(|v| *v).await;
     };
@@ -239,7 +253,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     tracing::info!(socket = %cfg.csi_socket.display(), "CSI Identity and Controller served");
     let router = tonic::transport::Server::builder()
         .layer(crate::rpc::response_layer())
-        .add_service(crate::rpc::controller::node_registry_server::NodeRegistryServer::new(svc));
+        .add_service(crate::rpc::controller::node_registry_server::NodeRegistryServer::from_arc(svc))
+        .add_service(crate::rpc::controller::network_policies_server::NetworkPoliciesServer::new(policy_svc));
     let served = match &cfg.listen {
         Listen::Unix(path) => {
             let listener = crate::sys::fs::bind_unix_socket(path).map_err(io_ctx(format!("binding {}", path.display())))?;
@@ -290,6 +305,9 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     let _ = publisher.await;
     let _ = std::fs::remove_file(&cfg.csi_socket);
     if let Some(f) = follower {
+        let _ = f.await;
+    }
+    if let Some(f) = policy_follower {
         let _ = f.await;
     }
     // Nothing is served any more: only now may a successor take over.

@@ -9,6 +9,7 @@
 pub mod ensure;
 pub mod lease;
 pub mod nodes;
+pub mod policy;
 pub mod review;
 pub mod secret;
 pub mod slices;
@@ -72,6 +73,14 @@ pub const API_CALLS: &[ApiCall] = &[
     call("resource.k8s.io", "resourceslices", "update", false),
     call("resource.k8s.io", "resourceslices", "delete", false),
     call("resource.k8s.io", "resourceclaims", "get", false),
+    // NetworkPolicy: the policies, the pods they select (labels, named ports) and the
+    // namespaces (labels), watched cluster-wide
+    call("networking.k8s.io", "networkpolicies", "list", false),
+    call("networking.k8s.io", "networkpolicies", "watch", false),
+    call("", "pods", "list", false),
+    call("", "pods", "watch", false),
+    call("", "namespaces", "list", false),
+    call("", "namespaces", "watch", false),
     // leader election
     call("coordination.k8s.io", "leases", "get", true),
     call("coordination.k8s.io", "leases", "create", true),

@@ -62,6 +62,9 @@ pub enum NetError {
     /// An attachment or interface of that name exists already.
     #[error("{0}")]
     AlreadyExists(String),
+    /// The pod's network policy could not be put in force (the controller unreachable…).
+    #[error("network policy: {0}")]
+    Policy(String),
     /// No attachment of that container and interface.
     #[error("{0}")]
     UnknownContainer(String),
@@ -83,7 +86,7 @@ impl From<NetError> for CniError {
         let code = match &e {
             NetError::Kernel { .. } | NetError::Netns(_) | NetError::Broken(_) => Code::Internal,
             NetError::NoNetns(_) => Code::InvalidEnv,
-            NetError::NoDescriptor(_) => Code::TryAgainLater,
+            NetError::NoDescriptor(_) | NetError::Policy(_) => Code::TryAgainLater,
             NetError::Ipam(IpamError::NoBlock(_) | IpamError::Exhausted { .. }) | NetError::NoBlock(_) => Code::TryAgainLater,
             NetError::Ipam(IpamError::Io { .. }) | NetError::Io(_) => Code::Io,
             NetError::Ipam(IpamError::BadBlock(..)) => Code::Internal,
@@ -178,6 +181,18 @@ pub struct Settings {
     pub pending_delete_dir: std::path::PathBuf,
 }
 
+/// What the datapath tells of pods coming and going (NetworkPolicy: the controller learns
+/// the pod's addresses, the node's enforcement its veth).
+pub enum PodEvent<'a> {
+    /// Attached (before the ADD returns; an error undoes the ADD).
+    Started { pod: &'a str, host_if: &'a str, ips: &'a [IpNetwork] },
+    /// Detached (errors are logged: the pod is gone either way).
+    Stopped { pod: &'a str, host_if: &'a str },
+}
+
+/// Called with every [`PodEvent`]; installed by the agent when policy is enforced.
+pub type PodHook = Box<dyn Fn(PodEvent<'_>) -> Result<(), String> + Send + Sync>;
+
 /// Publishes the node's network to the runtime, once it has a block: the agent installs the
 /// shim and writes the conflist here. Called until it succeeds once.
 pub type Publish = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
@@ -195,6 +210,7 @@ pub struct Datapath {
     /// The conflist is written once the node has a block (it is then ready for ADD).
     conflist_written: std::sync::atomic::AtomicBool,
     block_source: std::sync::OnceLock<BlockSource>,
+    pod_hook: std::sync::OnceLock<PodHook>,
     /// Where the time of ADD and CHECK goes, step by step (the agent exports it).
     pub steps: Arc<HistogramVec>,
 }
@@ -224,6 +240,7 @@ impl Datapath {
             cluster_cidrs: Mutex::new(cluster),
             conflist_written: Default::default(),
             block_source: Default::default(),
+            pod_hook: Default::default(),
             steps: HistogramVec::new(
                 STEPS_METRIC,
                 "Time of each step of a CNI request inside the agent, by command and step.",
@@ -241,6 +258,11 @@ impl Datapath {
     /// Install the controller client's block requester (controller mode).
     pub fn set_block_source(&self, source: BlockSource) {
         let _ = self.block_source.set(source);
+    }
+
+    /// Install the pod hook (NetworkPolicy enforcement).
+    pub fn set_pod_hook(&self, hook: PodHook) {
+        let _ = self.pod_hook.set(hook);
     }
 
     /// Is the node ready for ADD (has a block, conflist written)?
@@ -508,6 +530,15 @@ impl Datapath {
                     self.undo_add(&mut *nl, owner, &host_if);
                 })?;
                 steps.mark("commit");
+                if let Some(hook) = self.pod_hook.get() {
+                    let ev = PodEvent::Started { pod: &lease.pod, host_if: &host_if, ips: &lease.ips };
+                    if let Err(e) = hook(ev) {
+                        self.undo_add(&mut *nl, owner, &host_if);
+                        let _ = hook(PodEvent::Stopped { pod: &lease.pod, host_if: &host_if });
+                        return Err(NetError::Policy(e));
+                    }
+                    steps.mark("policy");
+                }
                 tracing::info!(
                     container = %owner.container_id, ifname = %owner.ifname, pod = %lease.pod,
                     ips = %fmt_ips(&lease.ips), host_if = %host_if, "attached"
@@ -659,6 +690,11 @@ impl Datapath {
         let pending = self.pending_path(owner);
         let _ = std::fs::remove_file(pending);
         if let Some(l) = released {
+            if let Some(hook) = self.pod_hook.get()
+                && let Err(e) = hook(PodEvent::Stopped { pod: &l.pod, host_if: &l.host_if })
+            {
+                tracing::warn!(pod = %l.pod, error = %e, "policy: pod stopped");
+            }
             tracing::info!(container = %owner.container_id, ifname = %owner.ifname, pod = %l.pod, ips = %fmt_ips(&l.ips), "detached");
         }
         Ok(())

@@ -1,0 +1,365 @@
+//! Kubernetes NetworkPolicy, the controller's half: the objects policy is computed from
+//! (Namespaces, Pods, NetworkPolicies — watched from the API in Kubernetes mode, applied as
+//! JSON in local mode), the pods the agents attached, and each node's compiled view
+//! (`compile`), streamed to the node as a snapshot, then changes (`server`).
+//!
+//! Every change recompiles and compares each node's view with the one before: a node whose
+//! view changed gets a new revision (the book's counter, strictly increasing), and its
+//! streams send what differs from what they sent last. A slow stream therefore never holds
+//! anyone up and never falls behind by more than one comparison.
+
+pub mod compile;
+pub mod model;
+pub mod server;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+
+use compile::NodeView;
+use model::{Attached, Key, Objects};
+
+/// A node's current view and the revision at which it last changed.
+#[derive(Debug, Clone, Default)]
+pub struct Versioned {
+    pub revision: u64,
+    pub view: Arc<NodeView>,
+}
+
+#[derive(Default)]
+struct State {
+    objects: Objects,
+    views: BTreeMap<String, Versioned>,
+    revision: u64,
+}
+
+/// The policy book: objects, attachments and every node's compiled view.
+pub struct PolicyBook {
+    state: Mutex<State>,
+    changed: tokio::sync::watch::Sender<u64>,
+    /// Local mode: where applied objects are kept across restarts.
+    file: Option<PathBuf>,
+    /// Time of each recompilation (seconds), for the controller's metrics.
+    pub compile_seconds: Arc<crate::obs::metrics::HistogramVec>,
+}
+
+/// Objects applied in local mode, as stored.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Stored {
+    namespaces: Vec<Namespace>,
+    pods: Vec<Pod>,
+    policies: Vec<NetworkPolicy>,
+}
+
+impl PolicyBook {
+    /// `file`: local mode's store of applied objects (loaded now); `None` in Kubernetes mode.
+    pub fn new(file: Option<PathBuf>) -> Result<Arc<Self>, String> {
+        let (changed, _) = tokio::sync::watch::channel(0);
+        let book = PolicyBook {
+            state: Mutex::new(State::default()),
+            changed,
+            file,
+            compile_seconds: crate::obs::metrics::HistogramVec::new(
+                "nodeplane_controller_policy_compile_seconds",
+                "Time to recompile every node's NetworkPolicy view after a change.",
+                &[],
+                crate::obs::metrics::STEP_BUCKETS,
+            ),
+        };
+        if let Some(f) = &book.file {
+            match std::fs::read(f) {
+                Ok(b) => {
+                    let stored: Stored = serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", f.display()))?;
+                    let mut st = book.state.lock().unwrap();
+                    for n in &stored.namespaces {
+                        st.objects.set_namespace(n)?;
+                    }
+                    for p in &stored.pods {
+                        st.objects.set_pod(p)?;
+                    }
+                    for p in &stored.policies {
+                        st.objects.set_policy(p)?;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(format!("{}: {e}", f.display())),
+            }
+        }
+        Ok(Arc::new(book))
+    }
+
+    /// Wakes whenever some node's view changed.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// The node's current view (an empty one, revision 0, for a node without any).
+    pub fn view(&self, node: &str) -> Versioned {
+        self.state.lock().unwrap().views.get(node).cloned().unwrap_or_default()
+    }
+
+    /// Change the objects (under the lock), then recompile and publish.
+    fn change<T>(&self, f: impl FnOnce(&mut Objects) -> T) -> T {
+        let mut st = self.state.lock().unwrap();
+        let out = f(&mut st.objects);
+        let started = std::time::Instant::now();
+        let new = compile::compile(&st.objects);
+        self.compile_seconds.observe(&[], started.elapsed().as_secs_f64());
+        let mut changed = false;
+        let nodes: Vec<String> = st.views.keys().chain(new.keys()).cloned().collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+        let next = st.revision + 1;
+        for node in nodes {
+            let view = new.get(&node).cloned().unwrap_or_default();
+            let same = st.views.get(&node).is_some_and(|v| *v.view == view);
+            if !same {
+                st.views.insert(node, Versioned { revision: next, view: Arc::new(view) });
+                changed = true;
+            }
+        }
+        if changed {
+            st.revision = next;
+            self.changed.send_replace(next);
+        }
+        out
+    }
+
+    // ----- the agents -----
+
+    /// A pod attached on `node`. Returns the node's revision that includes it, and whether
+    /// a policy isolates it.
+    pub fn pod_started(&self, node: &str, key: Key, ips: Vec<std::net::IpAddr>) -> (u64, bool) {
+        let text = model::key_text(&key);
+        self.change(|o| {
+            o.attached.insert(key, Attached { node: node.to_string(), ips });
+        });
+        let v = self.view(node);
+        (v.revision, v.view.isolates(&text))
+    }
+
+    pub fn pod_stopped(&self, node: &str, key: &Key) {
+        self.change(|o| {
+            if o.attached.get(key).is_some_and(|a| a.node == node) {
+                o.attached.remove(key);
+            }
+        });
+    }
+
+    /// Everything `node` holds now: its other pods are forgotten.
+    pub fn report_pods(&self, node: &str, pods: Vec<(Key, Vec<std::net::IpAddr>)>) {
+        self.change(|o| {
+            o.attached.retain(|_, a| a.node != node);
+            for (k, ips) in pods {
+                o.attached.insert(k, Attached { node: node.to_string(), ips });
+            }
+        });
+    }
+
+    /// A node left the cluster: its pods go.
+    pub fn forget_node(&self, node: &str) {
+        self.change(|o| o.attached.retain(|_, a| a.node != node));
+    }
+
+    // ----- the objects (Kubernetes watches, or local mode) -----
+
+    pub fn set_namespace(&self, ns: &Namespace) -> Result<(), String> {
+        self.change(|o| o.set_namespace(ns).map(|_| ()))
+    }
+
+    pub fn remove_namespace(&self, name: &str) {
+        self.change(|o| {
+            o.namespaces.remove(name);
+        });
+    }
+
+    pub fn set_pod(&self, pod: &Pod) -> Result<(), String> {
+        self.change(|o| o.set_pod(pod).map(|_| ()))
+    }
+
+    pub fn remove_pod(&self, key: &Key) {
+        self.change(|o| {
+            o.pods.remove(key);
+        });
+    }
+
+    pub fn set_policy(&self, p: &NetworkPolicy) -> Result<(), String> {
+        self.change(|o| o.set_policy(p).map(|_| ()))
+    }
+
+    pub fn remove_policy(&self, key: &Key) {
+        self.change(|o| {
+            o.policies.remove(key);
+        });
+    }
+
+    /// Replace every object of one kind at once (a relist of the API).
+    pub fn replace_all(&self, namespaces: Option<&[Namespace]>, pods: Option<&[Pod]>, policies: Option<&[NetworkPolicy]>) {
+        self.change(|o| {
+            if let Some(list) = namespaces {
+                o.namespaces.clear();
+                for n in list {
+                    let _ = o.set_namespace(n);
+                }
+            }
+            if let Some(list) = pods {
+                o.pods.clear();
+                for p in list {
+                    let _ = o.set_pod(p);
+                }
+            }
+            if let Some(list) = policies {
+                o.policies.clear();
+                for p in list {
+                    if let Err(e) = o.set_policy(p) {
+                        tracing::warn!(error = %e, "ignoring a NetworkPolicy");
+                    }
+                }
+            }
+        })
+    }
+
+    /// Local mode: apply objects given as JSON (one object, a `List`, or several documents).
+    /// All are checked before any is applied. Returns "Kind namespace/name" of each.
+    pub fn apply_json(&self, json: &str) -> Result<Vec<String>, String> {
+        let objects = parse_objects(json)?;
+        let mut stored = self.stored()?;
+        let mut applied = Vec::new();
+        let mut staged = self.state.lock().unwrap().objects.clone();
+        for obj in &objects {
+            applied.push(stage(&mut staged, &mut stored, obj, true)?);
+        }
+        self.save(&stored)?;
+        self.change(|o| {
+            o.namespaces = staged.namespaces;
+            o.pods = staged.pods;
+            o.policies = staged.policies;
+        });
+        Ok(applied)
+    }
+
+    /// Local mode: delete the objects named (kind, namespace, name) in `json`.
+    pub fn delete_json(&self, json: &str) -> Result<Vec<String>, String> {
+        let objects = parse_objects(json)?;
+        let mut stored = self.stored()?;
+        let mut staged = self.state.lock().unwrap().objects.clone();
+        let mut deleted = Vec::new();
+        for obj in &objects {
+            deleted.push(stage(&mut staged, &mut stored, obj, false)?);
+        }
+        self.save(&stored)?;
+        self.change(|o| {
+            o.namespaces = staged.namespaces;
+            o.pods = staged.pods;
+            o.policies = staged.policies;
+        });
+        Ok(deleted)
+    }
+
+    /// Every applied object (local mode), as a JSON List.
+    pub fn list_json(&self) -> Result<String, String> {
+        let s = self.stored()?;
+        let mut items: Vec<serde_json::Value> = Vec::new();
+        let with_kind = |kind: &str, v: serde_json::Value, api: &str| {
+            let mut v = v;
+            v["kind"] = kind.into();
+            v["apiVersion"] = api.into();
+            v
+        };
+        for n in &s.namespaces {
+            items.push(with_kind("Namespace", serde_json::to_value(n).unwrap_or_default(), "v1"));
+        }
+        for p in &s.pods {
+            items.push(with_kind("Pod", serde_json::to_value(p).unwrap_or_default(), "v1"));
+        }
+        for p in &s.policies {
+            items.push(with_kind("NetworkPolicy", serde_json::to_value(p).unwrap_or_default(), "networking.k8s.io/v1"));
+        }
+        serde_json::to_string_pretty(&serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items})).map_err(|e| e.to_string())
+    }
+
+    fn stored(&self) -> Result<Stored, String> {
+        let Some(f) = &self.file else {
+            return Err("objects come from the Kubernetes API here (apply them with kubectl)".into());
+        };
+        match std::fs::read(f) {
+            Ok(b) => serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", f.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Stored::default()),
+            Err(e) => Err(format!("{}: {e}", f.display())),
+        }
+    }
+
+    fn save(&self, s: &Stored) -> Result<(), String> {
+        let f = self.file.as_ref().ok_or("no local object store")?;
+        let body = serde_json::to_vec_pretty(s).map_err(|e| e.to_string())?;
+        crate::sys::fs::atomic_write(f, &body, 0o600).map_err(|e| format!("writing {}: {e}", f.display()))
+    }
+
+    /// How many objects of each kind and attached pods (for metrics and status).
+    pub fn counts(&self) -> (usize, usize, usize, usize) {
+        let st = self.state.lock().unwrap();
+        (st.objects.namespaces.len(), st.objects.pods.len(), st.objects.policies.len(), st.objects.attached.len())
+    }
+}
+
+/// The objects in a JSON text: one object, a List, or several documents one after another.
+fn parse_objects(json: &str) -> Result<Vec<serde_json::Value>, String> {
+    let mut out = Vec::new();
+    for doc in serde_json::Deserializer::from_str(json).into_iter::<serde_json::Value>() {
+        let v = doc.map_err(|e| format!("not JSON: {e}"))?;
+        match v.get("kind").and_then(|k| k.as_str()) {
+            Some("List") => out.extend(v.get("items").and_then(|i| i.as_array()).cloned().unwrap_or_default()),
+            _ => out.push(v),
+        }
+    }
+    if out.is_empty() {
+        return Err("no objects given".into());
+    }
+    Ok(out)
+}
+
+/// Apply (or delete) one object in `o` and in `stored`.
+fn stage(o: &mut Objects, stored: &mut Stored, obj: &serde_json::Value, apply: bool) -> Result<String, String> {
+    let kind = obj.get("kind").and_then(|k| k.as_str()).unwrap_or("");
+    let bad = |e: serde_json::Error| format!("a {kind}: {e}");
+    match kind {
+        "Namespace" => {
+            let n: Namespace = serde_json::from_value(obj.clone()).map_err(bad)?;
+            let name = n.metadata.name.clone().ok_or("a Namespace without metadata.name")?;
+            stored.namespaces.retain(|x| x.metadata.name.as_deref() != Some(&name));
+            if apply {
+                o.set_namespace(&n)?;
+                stored.namespaces.push(n);
+            } else {
+                o.namespaces.remove(&name);
+            }
+            Ok(format!("Namespace {name}"))
+        }
+        "Pod" => {
+            let p: Pod = serde_json::from_value(obj.clone()).map_err(bad)?;
+            let key = model::object_key(&p.metadata, "Pod")?;
+            stored.pods.retain(|x| model::object_key(&x.metadata, "Pod").ok().as_ref() != Some(&key));
+            if apply {
+                o.set_pod(&p)?;
+                stored.pods.push(p);
+            } else {
+                o.pods.remove(&key);
+            }
+            Ok(format!("Pod {}", model::key_text(&key)))
+        }
+        "NetworkPolicy" => {
+            let p: NetworkPolicy = serde_json::from_value(obj.clone()).map_err(bad)?;
+            let key = model::object_key(&p.metadata, "NetworkPolicy")?;
+            stored.policies.retain(|x| model::object_key(&x.metadata, "NetworkPolicy").ok().as_ref() != Some(&key));
+            if apply {
+                o.set_policy(&p)?;
+                stored.policies.push(p);
+            } else {
+                o.policies.remove(&key);
+            }
+            Ok(format!("NetworkPolicy {}", model::key_text(&key)))
+        }
+        other => Err(format!("kind {other:?} is not Namespace, Pod or NetworkPolicy")),
+    }
+}

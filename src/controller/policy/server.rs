@@ -1,0 +1,176 @@
+//! The gRPC face of the policy book (`nodeplane.controller.v1.NetworkPolicies`).
+
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use super::PolicyBook;
+use super::compile::is_empty;
+use crate::controller::auth::Identity;
+use crate::rpc::controller as pb;
+use crate::rpc::controller::network_policies_server::NetworkPolicies;
+
+pub struct Service {
+    pub book: Arc<PolicyBook>,
+    /// Who may call (the same credentials as the registry's).
+    pub registry: Arc<crate::controller::server::Service>,
+    /// Local mode: objects are applied through this service; in Kubernetes mode they come
+    /// from the API.
+    pub local: bool,
+}
+
+type PolicyStream = Pin<Box<dyn Stream<Item = Result<pb::PolicyUpdate, Status>> + Send>>;
+
+impl Service {
+    async fn node(&self, req: &Request<impl Sized>, node: &str) -> Result<(), Status> {
+        self.registry.authorize_node(req, node).await
+    }
+
+    async fn admin(&self, req: &Request<impl Sized>) -> Result<(), Status> {
+        match self.registry.caller(req).await? {
+            Identity::Admin => Ok(()),
+            Identity::Node(n) => Err(Status::permission_denied(format!("node {n:?} may not change or list policy objects"))),
+        }
+    }
+
+    /// The pod's key and addresses, checked: a valid namespace/name, and addresses inside
+    /// the node's own pod blocks (a node acts only on its own blocks).
+    fn pod_of(&self, node: &str, p: Option<pb::PodAddress>) -> Result<((String, String), Vec<IpAddr>), Status> {
+        let p = p.ok_or_else(|| Status::invalid_argument("pod is required"))?;
+        if p.namespace.is_empty() || p.name.is_empty() || p.namespace.len() > 253 || p.name.len() > 253 {
+            return Err(Status::invalid_argument("pod namespace and name are required (at most 253 characters)"));
+        }
+        let blocks: Vec<ipnetwork::IpNetwork> =
+            self.registry.node_blocks(node).iter().filter_map(|b| b.parse().ok()).collect();
+        let mut ips = Vec::new();
+        for s in &p.ips {
+            let ip: IpAddr = s.parse().map_err(|_| Status::invalid_argument(format!("pod address {s:?} is not an IP address")))?;
+            if !blocks.iter().any(|b| b.contains(ip)) {
+                return Err(Status::permission_denied(format!("{ip} is not in a pod block of node {node:?}")));
+            }
+            ips.push(ip);
+        }
+        Ok(((p.namespace, p.name), ips))
+    }
+}
+
+#[tonic::async_trait]
+impl NetworkPolicies for Service {
+    type WatchPolicyStream = PolicyStream;
+
+    async fn watch_policy(&self, req: Request<pb::WatchPolicyRequest>) -> Result<Response<PolicyStream>, Status> {
+        let node = req.get_ref().node_name.clone();
+        self.node(&req, &node).await?;
+        let book = self.book.clone();
+        let mut stopping = self.registry.stopping.clone();
+        let mut changed = book.subscribe();
+        let stream = async_stream_updates(move |tx: tokio::sync::mpsc::Sender<Result<pb::PolicyUpdate, Status>>| async move {
+            let mut sent = None::<Arc<super::compile::NodeView>>;
+            loop {
+                changed.borrow_and_update();
+                let v = book.view(&node);
+                let update = match &sent {
+                    None => Some(v.view.snapshot(v.revision)),
+                    Some(last) if !Arc::ptr_eq(last, &v.view) => Some(v.view.delta_from(last, v.revision)).filter(|u| !is_empty(u)),
+                    Some(_) => None,
+                };
+                if let Some(u) = update {
+                    if tx.send(Ok(u)).await.is_err() {
+                        return;
+                    }
+                    sent = Some(v.view.clone());
+                }
+                tokio::select! {
+                    r = changed.changed() => if r.is_err() { return },
+                    _ = stopping.wait_for(|s| *s) => return,
+                }
+            }
+        });
+        Ok(Response::new(stream))
+    }
+
+    async fn pod_started(&self, req: Request<pb::PodStartedRequest>) -> Result<Response<pb::PodStartedResponse>, Status> {
+        let node = req.get_ref().node_name.clone();
+        self.node(&req, &node).await?;
+        let (key, ips) = self.pod_of(&node, req.into_inner().pod)?;
+        let book = self.book.clone();
+        let (revision, isolated) = tokio::task::spawn_blocking(move || book.pod_started(&node, key, ips))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(pb::PodStartedResponse { revision, isolated }))
+    }
+
+    async fn pod_stopped(&self, req: Request<pb::PodStoppedRequest>) -> Result<Response<pb::PodStoppedResponse>, Status> {
+        let node = req.get_ref().node_name.clone();
+        self.node(&req, &node).await?;
+        let p = req.into_inner().pod.ok_or_else(|| Status::invalid_argument("pod is required"))?;
+        let book = self.book.clone();
+        tokio::task::spawn_blocking(move || book.pod_stopped(&node, &(p.namespace, p.name)))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(pb::PodStoppedResponse {}))
+    }
+
+    async fn report_pods(&self, req: Request<pb::ReportPodsRequest>) -> Result<Response<pb::ReportPodsResponse>, Status> {
+        let node = req.get_ref().node_name.clone();
+        self.node(&req, &node).await?;
+        let mut pods = Vec::new();
+        for p in req.into_inner().pods {
+            pods.push(self.pod_of(&node, Some(p))?);
+        }
+        let book = self.book.clone();
+        tokio::task::spawn_blocking(move || book.report_pods(&node, pods)).await.map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(pb::ReportPodsResponse {}))
+    }
+
+    async fn apply_objects(&self, req: Request<pb::ApplyObjectsRequest>) -> Result<Response<pb::ApplyObjectsResponse>, Status> {
+        self.admin(&req).await?;
+        if !self.local {
+            return Err(Status::failed_precondition("this controller reads NetworkPolicies, Pods and Namespaces from the Kubernetes API: apply them with kubectl"));
+        }
+        let book = self.book.clone();
+        let json = req.into_inner().json;
+        let applied = tokio::task::spawn_blocking(move || book.apply_json(&json))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(Status::invalid_argument)?;
+        Ok(Response::new(pb::ApplyObjectsResponse { applied }))
+    }
+
+    async fn delete_objects(&self, req: Request<pb::DeleteObjectsRequest>) -> Result<Response<pb::DeleteObjectsResponse>, Status> {
+        self.admin(&req).await?;
+        if !self.local {
+            return Err(Status::failed_precondition("this controller reads NetworkPolicies, Pods and Namespaces from the Kubernetes API: delete them with kubectl"));
+        }
+        let book = self.book.clone();
+        let json = req.into_inner().json;
+        let deleted = tokio::task::spawn_blocking(move || book.delete_json(&json))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(Status::invalid_argument)?;
+        Ok(Response::new(pb::DeleteObjectsResponse { deleted }))
+    }
+
+    async fn list_objects(&self, req: Request<pb::ListObjectsRequest>) -> Result<Response<pb::ListObjectsResponse>, Status> {
+        self.admin(&req).await?;
+        if !self.local {
+            return Err(Status::failed_precondition("this controller reads policy objects from the Kubernetes API: list them with kubectl"));
+        }
+        let json = self.book.list_json().map_err(Status::internal)?;
+        Ok(Response::new(pb::ListObjectsResponse { json }))
+    }
+}
+
+/// A stream fed by a task (bounded: a consumer that does not read holds only its own task).
+fn async_stream_updates<F, Fut>(f: F) -> PolicyStream
+where
+    F: FnOnce(tokio::sync::mpsc::Sender<Result<pb::PolicyUpdate, Status>>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tokio::spawn(f(tx));
+    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
