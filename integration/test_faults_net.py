@@ -21,6 +21,7 @@ import ipaddress
 import json
 import os
 import random
+import re
 import shutil
 import threading
 import time
@@ -57,7 +58,25 @@ def ping(ns, ip, deadline=4):
 
 
 def nft_ruleset(node):
-    return nsrun(node.ns, ["nft", "list", "ruleset"]).stdout
+    """The ruleset, table by table in name order (the order tables were made in is not part
+    of the state), less the anti-spoofing set's elements (one per live pod address: see
+    spoof_elements)."""
+    out = nsrun(node.ns, ["nft", "list", "ruleset"]).stdout
+    tables = ["table " + t for t in ("\n" + out).split("\ntable ") if t.strip()]
+    tables = [re.sub(r"\n\s*elements = \{[^}]*\}", "", t) if t.startswith("table bridge nodeplane-antispoof ") else t
+              for t in tables]
+    return "\n".join(sorted(t.rstrip("\n") for t in tables)) + "\n"
+
+
+def spoof_elements(node):
+    """(address, host veth) pairs allowed by the anti-spoofing table."""
+    got = json.loads(nsrun(node.ns, ["nft", "-j", "list", "table", "bridge", "nodeplane-antispoof"]).stdout)
+    out = set()
+    for o in got["nftables"]:
+        for e in (o.get("set") or {}).get("elem", []):
+            ip, ifname = e["concat"]
+            out.add((ip, ifname))
+    return out
 
 
 def bridge_ports(node):
@@ -331,6 +350,13 @@ def test_agent_kill9_during_200_pod_storm(make_cluster):
         if veths != want_veths or graves:
             problems.append(f"{name}: stray pod links {sorted(veths - want_veths)}, graveyard {sorted(graves)}")
 
+        spoof = spoof_elements(n)
+        want_spoof = {(str(ipaddress.ip_interface(a).ip), host_ifname(cid)) for cid in want
+                      for a in (files.get(f"{cid}:eth0.json") or {}).get("ips", [])}
+        leaks[f"{short(n)}_spoof_extra"] = len(spoof - want_spoof)
+        if spoof != want_spoof:
+            problems.append(f"{name}: anti-spoofing entries != survivors' addresses: extra={sorted(spoof - want_spoof)} "
+                            f"missing={sorted(want_spoof - spoof)}")
         after = nft_ruleset(n)
         leaks[f"{short(n)}_nft_changed"] = int(after != nft_before[name])
         if after != nft_before[name]:
@@ -446,7 +472,8 @@ def test_node_reboot_in_cluster(make_cluster):
             run(["ip", "-n", b.ns.name, "link", "del", dev])
     for fam in ("-4", "-6"):
         run(["ip", "-n", b.ns.name, fam, "route", "flush", "proto", PROTO])
-    nsrun(b.ns, ["nft", "delete", "table", "inet", "nodeplane"])
+    for table in (("inet", "nodeplane"), ("inet", "nodeplane-policy"), ("bridge", "nodeplane-antispoof")):
+        nsrun(b.ns, ["nft", "delete", "table", *table])
     for key in ("net.ipv4.ip_forward=0", "net.ipv6.conf.all.forwarding=0"):
         nsrun(b.ns, ["sysctl", "-qw", key])
     # Only what the OS' own network config brings back at boot is left: the underlay link.
@@ -470,7 +497,13 @@ def test_node_reboot_in_cluster(make_cluster):
     host_left = sum(map(len, pod_links(b))) + len(bridge_ports(b))
     assert host_left == 0, f"host-side leftovers: {pod_links(b)} {bridge_ports(b)}"
     assert BRIDGE in b.ns.links(), "the agent did not re-create the bridge"
-    assert nft_ruleset(b) == nft_before, "masquerade table not restored as it was"
+    # The tables are made as the agent starts serving (the policy table once its enforcer
+    # starts, just before the first CNI request is read): give it a moment.
+    deadline = time.monotonic() + 5
+    while nft_ruleset(b) != nft_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert nft_ruleset(b) == nft_before, "nftables tables not restored as they were"
+    assert spoof_elements(b) == set(), f"anti-spoofing entries of freed pods: {spoof_elements(b)}"
 
     # Same blocks from the controller, and routes to (and from) every other node again.
     recs_after = wait_routes(nodes, c.controller, direct, timeout=10)

@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::fs;
-use std::io::{Cursor, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::ffi::OsStringExt;
 use std::os::unix::net::UnixListener;
 use std::os::unix::process::CommandExt;
@@ -604,23 +604,6 @@ fn wire_frames_are_bounded() {
     });
     // The shim's exchange: a reply announcing more than MAX_FRAME is refused after reading the
     // 4-byte header only (nothing allocated, nothing more read); random replies never panic.
-    struct Duplex {
-        input: Cursor<Vec<u8>>,
-        out: Vec<u8>,
-    }
-    impl Read for Duplex {
-        fn read(&mut self, b: &mut [u8]) -> std::io::Result<usize> {
-            self.input.read(b)
-        }
-    }
-    impl Write for Duplex {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.out.write(b)
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
     let req_strategy = (
         prop::collection::btree_map(".{0,10}", ".{0,30}", 0..5),
         ".{0,200}",
@@ -632,16 +615,24 @@ fn wire_frames_are_bounded() {
     );
     fuzz("wire exchange", cases(5000), req_strategy, |(env, stdin, reply)| {
         let req = WireRequest { env: env.clone(), stdin: stdin.clone() };
-        let mut s = Duplex { input: Cursor::new(reply.clone()), out: Vec::new() };
-        let r = wire::exchange(&mut s, &req);
+        // A real socket pair: the agent's end holds the reply, then EOF.
+        let (mut shim, mut agent) = std::os::unix::net::UnixStream::pair().unwrap();
+        agent.write_all(&reply).unwrap();
+        agent.shutdown(std::net::Shutdown::Write).unwrap();
+        let r = wire::exchange(&mut shim, &req, None);
+        shim.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut sent = Vec::new();
+        agent.read_to_end(&mut sent).unwrap();
         // What was sent is one frame that decodes to the request.
-        let len = wire::decode_len(s.out[..4].try_into().unwrap()).unwrap();
-        prop_assert_eq!(len, s.out.len() - 4);
-        let back: WireRequest = serde_json::from_slice(&s.out[4..]).unwrap();
+        let len = wire::decode_len(sent[..4].try_into().unwrap()).unwrap();
+        prop_assert_eq!(len, sent.len() - 4);
+        let back: WireRequest = serde_json::from_slice(&sent[4..]).unwrap();
         prop_assert_eq!((back.env, back.stdin), (env, stdin));
         if reply.len() >= 4 && u32::from_be_bytes(reply[..4].try_into().unwrap()) as usize > MAX_FRAME {
             prop_assert!(r.is_err());
-            prop_assert_eq!(s.input.position(), 4, "read past the header of an oversized frame");
+            let mut rest = Vec::new();
+            shim.read_to_end(&mut rest).unwrap();
+            prop_assert_eq!(rest.len(), reply.len() - 4, "read past the header of an oversized frame");
         }
         if let Ok(rep) = r {
             let body = &reply[4..];
@@ -787,7 +778,8 @@ fn good_env(cmd: &str, sock: &Path) -> Vec<(&'static str, OsString)> {
         ("CNI_COMMAND", cmd.into()),
         ("CNI_CONTAINERID", "c1".into()),
         ("CNI_IFNAME", "eth0".into()),
-        ("CNI_NETNS", "/proc/nonexistent/ns/net".into()),
+        // A namespace that exists (the shim's own): the shim opens it before it connects.
+        ("CNI_NETNS", "/proc/self/ns/net".into()),
         ("NODEPLANE_CNI_SOCKET", sock.as_os_str().to_owned()),
     ]
 }
@@ -1428,14 +1420,15 @@ fn agent_cni_socket(agent: &mut Agent) {
                 prop_assert_eq!(code, e.code as u32, "agent: {}; in process: {}", msg, e.msg);
             }
             Ok(req) => {
-                // Valid, with a network namespace path that does not exist.
+                // Valid, sent without the namespace's descriptor (a raw frame, no SCM_RIGHTS):
+                // the agent never resolves the path itself.
                 if reply.exit_code != 0 {
                     let (code, msg, _) = code_of(&reply.stdout).map_err(TestCaseError::fail)?;
                     prop_assert!(!msg.is_empty());
                     match req.command.as_str() {
-                        "ADD" => prop_assert_eq!(code, 4, "{}", msg),
-                        // No such attachment (3) or no such namespace (4).
-                        "CHECK" => prop_assert!(code == 3 || code == 4, "code {code}: {msg}"),
+                        "ADD" => prop_assert_eq!(code, 11, "{}", msg),
+                        // No such attachment (3) or no descriptor to compare (11).
+                        "CHECK" => prop_assert!(code == 3 || code == 11, "code {code}: {msg}"),
                         _ => prop_assert!(![5, 999].contains(&code), "code {code}: {msg}"),
                     }
                 }

@@ -529,12 +529,24 @@ impl Enforcer {
         Enforcer { st: Mutex::default(), applied_cv: Condvar::new(), run }
     }
 
-    /// Start: the anti-spoofing table for the pods the node has (from its leases). The
-    /// policy table is left as it is until the controller's snapshot replaces it.
+    /// Start: the anti-spoofing table for the pods the node has (from its leases). A policy
+    /// table left by an earlier agent stays in force until the controller's snapshot
+    /// replaces it (pods keep their isolation across a restart); without one, an empty one
+    /// is made now, so the table is there from the start.
     pub fn start(&self, veths: BTreeMap<String, Vec<IpAddr>>) -> Result<(), String> {
         let mut st = self.st.lock().unwrap();
         (self.run)(&render_antispoof(&veths))?;
         st.veths = veths;
+        let present = Command::new("nft")
+            .args(["list", "table", "inet", TABLE])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .map_err(|e| format!("running nft: {e}"))?
+            .success();
+        if !present {
+            (self.run)(&render_snapshot(&View::default()))?;
+        }
         Ok(())
     }
 
