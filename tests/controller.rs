@@ -239,7 +239,7 @@ async fn remove_node(c: &mut Client, token: &str, name: &str) -> Result<Vec<Stri
 }
 
 async fn watch(c: &mut Client, token: &str, name: &str) -> Result<tonic::Streaming<pb::NodeList>, tonic::Status> {
-    let req = authed(pb::WatchNodesRequest { node_name: name.into() }, token);
+    let req = authed(pb::WatchNodesRequest { node_name: name.into(), ..Default::default() }, token);
     Ok(tokio::time::timeout(Duration::from_secs(5), c.watch_nodes(req))
         .await
         .expect("WatchNodes did not answer within 5 s")?
@@ -376,7 +376,7 @@ async fn crash_round(round: usize, delay: Duration) {
             .iter()
             .map(|(n, b)| pb::Node { name: n.clone(), pod_blocks: b.clone(), ..Default::default() })
             .collect(),
-        revision: 0,
+        ..Default::default()
     };
     assert_blocks_consistent(&pre, &CRASH_POOLS);
 
@@ -619,7 +619,7 @@ async fn auth_rejects_missing_invalid_and_foreign_credentials() {
         "RequestBlock without token",
     );
     assert_code(
-        c.watch_nodes(tonic::Request::new(pb::WatchNodesRequest { node_name: "node-a".into() })).await,
+        c.watch_nodes(tonic::Request::new(pb::WatchNodesRequest { node_name: "node-a".into(), ..Default::default() })).await,
         Code::Unauthenticated,
         "WatchNodes without token",
     );
@@ -888,6 +888,129 @@ async fn watch_streams_full_lists_on_every_change() {
     let now = next_list(&mut late, Duration::from_secs(1)).await.expect("late watcher's first message");
     assert_eq!(by_name(&now).keys().collect::<Vec<_>>(), ["node-b", "node-c"]);
     eprintln!("watch: join seen after {join_ms} ms, removal after {leave_ms} ms");
+}
+
+/// One simulated agent of the delta test: its view (the agent's own type) and its stream.
+struct DeltaAgent {
+    view: nodeplane::agent::cluster::Members,
+    stream: Option<tonic::Streaming<pb::NodeList>>,
+    /// Reconnects that resumed from a revision (each must start with a delta, not a snapshot).
+    resumed: usize,
+    snapshots: usize,
+}
+
+async fn open_delta(c: &mut Client, token: &str, a: &mut DeltaAgent, name: &str) {
+    let req = pb::WatchNodesRequest { node_name: name.into(), deltas: true, since_revision: a.view.revision, epoch: a.view.epoch };
+    let resuming = a.view.revision != 0;
+    let mut s = c.watch_nodes(authed(req, token)).await.expect("WatchNodes").into_inner();
+    let first = next_list(&mut s, Duration::from_secs(5)).await.expect("a first message within 5 s");
+    if resuming {
+        assert!(!first.snapshot, "{name} resumed from revision {} but got a snapshot", a.view.revision);
+        a.resumed += 1;
+    }
+    a.snapshots += usize::from(first.snapshot);
+    a.view.apply(first).unwrap_or_else(|e| panic!("{name}: {e}"));
+    a.stream = Some(s);
+}
+
+/// Apply whatever the stream has ready (each message must follow the view exactly).
+async fn drain_delta(a: &mut DeltaAgent, name: &str) {
+    let Some(s) = a.stream.as_mut() else { return };
+    while let Ok(m) = tokio::time::timeout(Duration::from_millis(5), s.message()).await {
+        let m = m.expect("stream error").expect("stream ended");
+        a.snapshots += usize::from(m.snapshot);
+        a.view.apply(m).unwrap_or_else(|e| panic!("{name}: a gap on a stream that never fell behind: {e}"));
+    }
+}
+
+/// Issue 21: membership deltas under random joins, changes and leaves, with agents that
+/// disconnect at random points (resuming from their revision, or from nothing); at the end
+/// every agent's view equals the controller's, each delta applied exactly once in order
+/// (a gap or a repeat fails `Members::apply`). NODEPLANE_DELTA_SEED replays a run.
+#[tokio::test(flavor = "multi_thread")]
+async fn delta_streams_converge_under_random_changes_and_disconnects() {
+    let seed = std::env::var("NODEPLANE_DELTA_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(random_u64);
+    eprintln!("NODEPLANE_DELTA_SEED={seed}");
+    let mut x = seed | 1;
+    let mut rnd = move |n: usize| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % n as u64) as usize
+    };
+    let mut ctl = wide_ctl("deltas");
+    let admin = ctl.token(ADMIN);
+    let names: Vec<String> = (0..24).map(|i| format!("n{i:02}")).collect();
+    let tokens: Vec<String> = names.iter().map(|n| ctl.token(n)).collect();
+    ctl.start().await;
+    let mut c = ctl.client().await;
+    let mut wc = ctl.client().await;
+    let mut agents: Vec<DeltaAgent> =
+        (0..6).map(|_| DeltaAgent { view: Default::default(), stream: None, resumed: 0, snapshots: 0 }).collect();
+    let watcher = |i: usize| format!("n{i:02}");
+    for i in 0..agents.len() {
+        register(&mut c, &tokens[i], &names[i], i).await.unwrap();
+    }
+    let mut registered: std::collections::BTreeSet<usize> = (0..agents.len()).collect();
+    for (i, a) in agents.iter_mut().enumerate() {
+        open_delta(&mut wc, &tokens[i], a, &watcher(i)).await;
+    }
+    for step in 0..400 {
+        let i = rnd(names.len());
+        match rnd(100) {
+            // Join, or change (a new underlay and MAC) of a registered node.
+            0..=39 => {
+                register(&mut c, &tokens[i], &names[i], i + 1000 * rnd(3)).await.unwrap();
+                registered.insert(i);
+            }
+            // Leave (watching agents stay: their nodes are not removed).
+            40..=54 if i >= agents.len() && registered.contains(&i) => {
+                remove_node(&mut c, &admin, &names[i]).await.unwrap();
+                registered.remove(&i);
+            }
+            // An agent drops its stream; it comes back later from its revision, or (one in
+            // three) having lost its view (a restarted agent).
+            55..=69 => {
+                let a = rnd(agents.len());
+                agents[a].stream = None;
+                if rnd(3) == 0 {
+                    agents[a].view = Default::default();
+                }
+            }
+            70..=79 => {
+                let a = rnd(agents.len());
+                if agents[a].stream.is_none() {
+                    open_delta(&mut wc, &tokens[a], &mut agents[a], &watcher(a)).await;
+                }
+            }
+            _ => {
+                let a = rnd(agents.len());
+                drain_delta(&mut agents[a], &watcher(a)).await;
+            }
+        }
+        if step % 50 == 0 {
+            for (a, agent) in agents.iter_mut().enumerate() {
+                drain_delta(agent, &watcher(a)).await;
+            }
+        }
+    }
+    // The controller's view: a client without deltas gets the complete list.
+    let want = by_name(&node_list(&mut wc, &admin).await);
+    assert_eq!(want.keys().cloned().collect::<std::collections::BTreeSet<_>>(),
+               registered.iter().map(|&i| names[i].clone()).collect());
+    for (a, agent) in agents.iter_mut().enumerate() {
+        if agent.stream.is_none() {
+            open_delta(&mut wc, &tokens[a], agent, &watcher(a)).await;
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while agent.view.nodes != want && Instant::now() < deadline {
+            drain_delta(agent, &watcher(a)).await;
+        }
+        assert_eq!(agent.view.nodes, want, "agent {a}'s view (seed {seed})");
+    }
+    let resumed: usize = agents.iter().map(|a| a.resumed).sum();
+    assert!(resumed > 0, "no agent resumed from a revision (seed {seed})");
+    eprintln!("deltas: {resumed} resumes from a revision, {} snapshots", agents.iter().map(|a| a.snapshots).sum::<usize>());
 }
 
 // ---------------------------------------------------------------------------------------------

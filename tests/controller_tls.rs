@@ -161,7 +161,7 @@ fn register(node: &str) -> pb::RegisterRequest {
 /// The node list an admin sees (a fresh TLS connection).
 async fn admin_list(ctl: &TlsCtl, admin: &str) -> pb::NodeList {
     let mut c = ctl.connect(&ctl.files(None, None)).await.expect("admin connects");
-    let mut s = c.watch_nodes(bearer(pb::WatchNodesRequest { node_name: String::new() }, admin)).await.unwrap().into_inner();
+    let mut s = c.watch_nodes(bearer(pb::WatchNodesRequest { node_name: String::new(), ..Default::default() }, admin)).await.unwrap().into_inner();
     s.message().await.unwrap().unwrap()
 }
 
@@ -232,7 +232,7 @@ async fn rotation_keeps_established_streams() {
     let ctl = TlsCtl::new("rotate");
     let admin = ctl.token("@admin");
     let mut c = ctl.connect(&ctl.files(None, None)).await.unwrap();
-    let mut stream = c.watch_nodes(bearer(pb::WatchNodesRequest { node_name: String::new() }, &admin)).await.unwrap().into_inner();
+    let mut stream = c.watch_nodes(bearer(pb::WatchNodesRequest { node_name: String::new(), ..Default::default() }, &admin)).await.unwrap().into_inner();
     assert_eq!(stream.message().await.unwrap().unwrap().nodes.len(), 0);
 
     // A new pair naming only rotated.test, written as a Secret update would (two files, one
@@ -318,7 +318,7 @@ async fn client_certificates_act_for_their_node_only() {
             .map(|_| ()),
         "RequestBlock",
     );
-    denied(c.watch_nodes(tonic::Request::new(pb::WatchNodesRequest { node_name: b.clone() })).await.map(|_| ()), "WatchNodes");
+    denied(c.watch_nodes(tonic::Request::new(pb::WatchNodesRequest { node_name: b.clone(), ..Default::default() })).await.map(|_| ()), "WatchNodes");
     denied(c.remove_node(tonic::Request::new(pb::RemoveNodeRequest { node_name: b.clone() })).await.map(|_| ()), "RemoveNode");
     denied(c.watch_volumes(tonic::Request::new(pb::WatchVolumesRequest { node_name: b.clone() })).await.map(|_| ()), "WatchVolumes");
     denied(

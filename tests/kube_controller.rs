@@ -845,7 +845,7 @@ async fn admin_list(grpc: u16, token: &str) -> Result<usize, tonic::Code> {
     use nodeplane::rpc::controller as pb;
     let ch = channel(grpc).await.map_err(|_| tonic::Code::Unavailable)?;
     let mut c = pb::node_registry_client::NodeRegistryClient::new(ch);
-    let mut req = tonic::Request::new(pb::WatchNodesRequest { node_name: String::new() });
+    let mut req = tonic::Request::new(pb::WatchNodesRequest { node_name: String::new(), ..Default::default() });
     req.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
     let mut stream = c.watch_nodes(req).await.map_err(|s| s.code())?.into_inner();
     Ok(stream.message().await.map_err(|s| s.code())?.map(|l| l.nodes.len()).unwrap_or(0))
@@ -1368,4 +1368,161 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
     for (verb, group, resource, _) in f.calls() {
         assert!(granted.contains(&(verb.clone(), group.clone(), resource.clone())), "{verb} {group}/{resource} is not in API_CALLS");
     }
+}
+
+// ---- NetworkPolicy: compiled from the API's objects, streamed to the node ------------------
+
+#[test]
+fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
+    use nodeplane::rpc::controller as pb;
+    let f = fake();
+    let dir = tempdir("kube-netpol");
+    let kubeconfig = dir.join("kubeconfig");
+    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
+    agent_token(&f, "agent-n1", "node-1");
+    f.put_object("", "nodes", None, node_object("node-1"));
+    f.put_object("", "namespaces", None, json!({"metadata": {"name": "x", "labels": {"team": "a"}}}));
+    f.put_object("", "namespaces", None, json!({"metadata": {"name": "y", "labels": {"team": "b"}}}));
+    for (ns, pod) in [("x", "a"), ("y", "b")] {
+        f.put_object("", "pods", Some(ns), json!({"metadata": {"namespace": ns, "name": pod, "labels": {"pod": pod}},
+            "spec": {"containers": [{"name": "c", "ports": [{"name": "http", "containerPort": 8080}]}]}}));
+    }
+    f.put_object("networking.k8s.io", "networkpolicies", Some("x"), json!({"metadata": {"namespace": "x", "name": "from-team-b"},
+        "spec": {"podSelector": {"matchLabels": {"pod": "a"}},
+                 "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"team": "b"}}}], "ports": [{"port": "http"}]}]}}));
+    let ctl = controller(&dir, &kubeconfig, "ctl");
+    wait_until("controller ready", Duration::from_secs(20), || http_get(ctl.health, "/readyz") == Some(200));
+    let rt = rt();
+    let blocks = rt.block_on(register(ctl.grpc, "agent-n1", "node-1")).unwrap();
+    let v4: ipnetwork::Ipv4Network = blocks.iter().find_map(|b| b.parse().ok()).unwrap();
+    let ip = |i: u32| std::net::Ipv4Addr::from(u32::from(v4.network()) + i).to_string();
+    rt.block_on(async {
+        let ch = channel(ctl.grpc).await.unwrap();
+        let mut c = pb::network_policies_client::NetworkPoliciesClient::new(ch);
+        fn authed<M>(m: M) -> tonic::Request<M> {
+            let mut r = tonic::Request::new(m);
+            r.metadata_mut().insert("authorization", "Bearer agent-n1".parse().unwrap());
+            r
+        }
+        let mut stream = c.watch_policy(authed(pb::WatchPolicyRequest { node_name: "node-1".into() })).await.unwrap().into_inner();
+        let snap = stream.message().await.unwrap().unwrap();
+        assert!(snap.snapshot && snap.pods.is_empty(), "{snap:?}");
+        // The pods attached on node-1 (their labels come from the API).
+        for (ns, pod, i) in [("x", "a", 2), ("y", "b", 3)] {
+            let pa = pb::PodAddress { namespace: ns.into(), name: pod.into(), ips: vec![ip(i)] };
+            let r = c.pod_started(authed(pb::PodStartedRequest { node_name: "node-1".into(), pod: Some(pa) })).await.unwrap().into_inner();
+            assert_eq!(r.isolated, ns == "x", "{ns}/{pod}: {r:?}");
+        }
+        // Someone else's addresses are refused: a node acts only on its own blocks.
+        let foreign = pb::PodAddress { namespace: "x".into(), name: "z".into(), ips: vec!["192.0.2.1".into()] };
+        let e = c.pod_started(authed(pb::PodStartedRequest { node_name: "node-1".into(), pod: Some(foreign) })).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+        // Local mode's object API is refused here: objects come from the API.
+        let mut admin = tonic::Request::new(pb::ApplyObjectsRequest { json: "{}".into() });
+        admin.metadata_mut().insert("authorization", "Bearer agent-n1".parse().unwrap());
+        assert_eq!(c.apply_objects(admin).await.unwrap_err().code(), tonic::Code::PermissionDenied);
+        // The stream's view: x/a isolated by x/from-team-b, which admits y's pods (y/b) on the
+        // named port resolved on x/a.
+        let mut view = nodeplane::net::policy::View::default();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let u = tokio::time::timeout(deadline - Instant::now(), stream.message()).await.expect("the view").unwrap().unwrap();
+            view = view.applied(&u).unwrap();
+            if view.pods.len() == 2 && !view.policies.is_empty() && view.address_sets.values().any(|s| !s.cidrs.is_empty()) {
+                break;
+            }
+        }
+        let xa = &view.pods["x/a"];
+        assert!(!xa.ingress_group.is_empty() && xa.egress_group.is_empty(), "{xa:?}");
+        let pol = view.policies.values().next().unwrap();
+        assert_eq!(pol.name, "x/from-team-b");
+        let set = view.address_sets.values().next().unwrap();
+        assert_eq!(set.cidrs, vec![format!("{}/32", ip(3))], "team b = y/b");
+        let ports = view.port_sets.values().next().unwrap();
+        assert_eq!((ports.targets[0].ip.as_str(), ports.targets[0].port), (ip(2).as_str(), 8080));
+        // The namespace's labels change in the API: y is no longer team b, the set empties.
+        f.put_object("", "namespaces", None, json!({"metadata": {"name": "y", "labels": {"team": "c"}}}));
+        loop {
+            let u = tokio::time::timeout(Duration::from_secs(5), stream.message()).await.expect("a change").unwrap().unwrap();
+            assert!(!u.snapshot);
+            view = view.applied(&u).unwrap();
+            if view.address_sets.values().all(|s| s.cidrs.is_empty()) {
+                break;
+            }
+        }
+        // The policy deleted in the API: x/a is no longer isolated, its group and policy go.
+        assert!(f.delete_object("networking.k8s.io", "networkpolicies", Some("x"), "from-team-b"));
+        loop {
+            let u = tokio::time::timeout(Duration::from_secs(5), stream.message()).await.expect("a change").unwrap().unwrap();
+            view = view.applied(&u).unwrap();
+            if view.policies.is_empty() {
+                break;
+            }
+        }
+        assert!(view.groups.is_empty() && view.pods["x/a"].ingress_group.is_empty(), "{view:?}");
+    });
+    // Only list and watch, as the RBAC grants.
+    let granted: BTreeSet<(String, String, String)> =
+        API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
+    for (verb, group, resource) in f.calls().into_iter().map(|c| (c.0, c.1, c.2)) {
+        assert!(granted.contains(&(verb.clone(), group.clone(), resource.clone())), "{verb} {group}/{resource} is not in API_CALLS");
+    }
+    for r in ["networkpolicies", "pods", "namespaces"] {
+        assert!(f.calls().iter().any(|c| c.2 == r && c.0 == "watch"), "{r} is watched");
+    }
+}
+
+/// Issue 21: a registry of 5,000 nodes (records and block locks) loads from the API in pages
+/// (`limit` 500 and `continue`, every page from the snapshot of the first, as the fake serves
+/// them), not in one answer, and nothing is lost between pages; the stream then serves it.
+#[test]
+fn a_5000_node_registry_loads_in_pages() {
+    const N: usize = 5000;
+    let f = fake();
+    for i in 0..N {
+        let name = format!("node-{i:05}");
+        let v4 = format!("10.{}.{}.0/24", i / 256, i % 256);
+        f.put_object(GROUP, "nodeplanenodes", None, json!({"apiVersion": format!("{GROUP}/v1alpha1"), "kind": "NodeplaneNode",
+            "metadata": {"name": name}, "spec": {"underlay": [format!("198.18.{}.{}", i / 250, 1 + i % 250)], "vtepMac": "", "blocks": [v4]}}));
+        f.put_object(GROUP, "ipblocks", None, lock_object(&v4, &name));
+    }
+    let pools = vec![Pool { net: "10.0.0.0/8".parse().unwrap(), block_prefix: 24 }];
+    let r = Registry::with_backend(backend(&f), pools).unwrap();
+    assert_eq!(r.node_count(), N);
+    assert_eq!(r.get("node-04999").unwrap().blocks, vec!["10.19.135.0/24"]);
+    // The next free block is after all of them: every lock was read.
+    let more = r.register("node-new", &["198.18.100.1".into()], "").unwrap();
+    assert_eq!(more.blocks, vec![format!("10.{}.{}.0/24", N / 256, N % 256)]);
+    let lists: Vec<_> = f.requests().into_iter().filter(|q| q.verb == "list").collect();
+    for res in ["nodeplanenodes", "ipblocks"] {
+        let pages: Vec<_> = lists.iter().filter(|q| q.resource == res).collect();
+        assert_eq!(pages.len(), N / 500, "{res}: {} pages", pages.len());
+        assert!(pages.iter().all(|q| q.limit.as_deref() == Some("500")), "{res}: {pages:?}");
+        assert_eq!(pages.iter().filter(|q| q.continued).count(), N / 500 - 1, "{res}");
+    }
+    // The membership stream starts with all of them (one shared snapshot).
+    match r.follow(0, 0).0 {
+        nodeplane::controller::store::Start::Snapshot(s) => assert_eq!(s.nodes.len(), N + 1),
+        _ => panic!("a new client gets a snapshot"),
+    }
+}
+
+/// A continue token the API server let expire between two pages (410 Expired, as after a
+/// compaction) starts the list again from a fresh snapshot: nothing half-listed is used.
+#[test]
+fn an_expired_continue_token_restarts_the_list() {
+    let f = fake();
+    for i in 0..1200 {
+        let v4 = format!("10.{}.{}.0/24", i / 256, i % 256);
+        f.put_object(GROUP, "ipblocks", None, lock_object(&v4, &format!("node-{i:05}")));
+        f.put_object(GROUP, "nodeplanenodes", None, json!({"apiVersion": format!("{GROUP}/v1alpha1"), "kind": "NodeplaneNode",
+            "metadata": {"name": format!("node-{i:05}")}, "spec": {"underlay": ["198.18.0.1"], "vtepMac": "", "blocks": [v4]}}));
+    }
+    // The second page's token has expired, twice: the third list goes through.
+    f.expire_continue(2);
+    let pools = vec![Pool { net: "10.0.0.0/8".parse().unwrap(), block_prefix: 24 }];
+    let r = Registry::with_backend(backend(&f), pools).unwrap();
+    assert_eq!(r.node_count(), 1200);
+    let starts = f.requests().into_iter().filter(|q| q.verb == "list" && q.resource == "nodeplanenodes" && !q.continued).count();
+    assert_eq!(starts, 3, "the list started again after each expired token");
 }

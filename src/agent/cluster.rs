@@ -2,8 +2,11 @@
 //! so the node keeps serving while the controller is away), and program routes to every
 //! other node from the membership stream.
 //!
-//! Every message of the stream is the complete node list, so a reconnect re-syncs routes
-//! completely: nothing missed while disconnected can leave a stale or missing route.
+//! The stream starts with a snapshot (or, on a reconnect, the changes since the revision
+//! the agent holds) and then carries deltas, each naming the revision it applies to: a
+//! delta is programmed as the few route, FDB and neighbour changes it implies, a snapshot
+//! as a complete sync, and a gap (a delta for another revision) asks for a snapshot. A
+//! periodic audit reads the kernel again and repairs drift.
 
 use std::net::IpAddr;
 use std::path::Path;
@@ -129,6 +132,56 @@ struct Client {
     vtep_mac: Mutex<String>,
     /// Serializes applying our own record (the stream and a block request can race).
     applying: tokio::sync::Mutex<()>,
+    /// The membership as last received (kept across reconnects: a reconnect asks for the
+    /// changes since its revision).
+    members: Mutex<Members>,
+}
+
+/// The cluster's membership as the stream delivered it.
+#[derive(Debug, Default)]
+pub struct Members {
+    pub epoch: u64,
+    pub revision: u64,
+    pub nodes: std::collections::BTreeMap<String, pb::Node>,
+}
+
+/// What one message of the membership stream means for the routes.
+#[derive(Debug, PartialEq)]
+pub enum Applied {
+    /// The view was replaced: sync completely.
+    Snapshot,
+    /// Peers added or changed, and names removed.
+    Delta { changed: Vec<pb::Node>, removed: Vec<String> },
+}
+
+impl Members {
+    /// Apply one message. Err: a delta that does not follow the view (another epoch or
+    /// revision): the view is cleared, and the stream must be asked for a snapshot.
+    pub fn apply(&mut self, m: pb::NodeList) -> Result<Applied, String> {
+        // Epoch 0: a controller older than deltas, whose every message is the complete list.
+        if m.snapshot || m.epoch == 0 {
+            self.nodes = m.nodes.into_iter().map(|n| (n.name.clone(), n)).collect();
+            self.epoch = m.epoch;
+            self.revision = m.revision;
+            return Ok(Applied::Snapshot);
+        }
+        if m.epoch != self.epoch || m.base_revision != self.revision || self.revision == 0 {
+            let why = format!(
+                "membership delta {}..{} (epoch {:x}) does not follow revision {} (epoch {:x})",
+                m.base_revision, m.revision, m.epoch, self.revision, self.epoch
+            );
+            *self = Members::default();
+            return Err(why);
+        }
+        for name in &m.removed {
+            self.nodes.remove(name);
+        }
+        for n in &m.nodes {
+            self.nodes.insert(n.name.clone(), n.clone());
+        }
+        self.revision = m.revision;
+        Ok(Applied::Delta { changed: m.nodes, removed: m.removed })
+    }
 }
 
 impl Client {
@@ -187,14 +240,37 @@ impl Client {
         .map_err(|e| e.to_string())?
     }
 
-    async fn sync_routes(self: &Arc<Self>, nodes: Vec<pb::Node>) -> Result<(), String> {
+    /// Program routes for one message of the stream (a complete sync for a snapshot or the
+    /// audit, the implied changes for a delta).
+    async fn program_routes(self: &Arc<Self>, what: Option<Applied>) -> Result<(), String> {
         let me = self.clone();
         tokio::task::spawn_blocking(move || {
-            let peers = peers_of(&me.cfg.node_name, &nodes);
             let mut routes = me.routes.lock().unwrap();
             let r = routes.as_mut().ok_or("route programmer not initialised")?;
-            let report = r.sync(&peers).map_err(|e| e.to_string())?;
-            tracing::debug!(peers = peers.len(), ?report, "routes synced");
+            let t = std::time::Instant::now();
+            let kind = match &what {
+                Some(Applied::Delta { .. }) => "delta",
+                Some(Applied::Snapshot) => "snapshot",
+                None => "audit",
+            };
+            let report = match what {
+                Some(Applied::Delta { changed, removed }) => {
+                    let changed: Vec<pb::Node> = changed.into_iter().filter(|n| n.name != me.cfg.node_name).collect();
+                    r.update(peers_of(&me.cfg.node_name, &changed), &removed)
+                }
+                Some(Applied::Snapshot) => {
+                    let nodes: Vec<pb::Node> = me.members.lock().unwrap().nodes.values().cloned().collect();
+                    r.sync(&peers_of(&me.cfg.node_name, &nodes))
+                }
+                None => r.resync(),
+            }
+            .map_err(|e| e.to_string())?;
+            let took_us = t.elapsed().as_micros() as u64;
+            if kind == "audit" && report.changes() == 0 {
+                tracing::debug!(kind, peers = r.peers().count(), took_us, "routes audited: no drift");
+            } else {
+                tracing::info!(kind, peers = r.peers().count(), changes = report.changes(), took_us, "routes programmed");
+            }
             Ok(())
         })
         .await
@@ -242,30 +318,70 @@ impl Client {
         *connected = true;
         tracing::info!(blocks = ?node.pod_blocks, "registered with the controller");
 
-        let mut stream = client
-            .watch_nodes(authed(pb::WatchNodesRequest { node_name: me.clone() }, &token)?)
-            .await
-            .map_err(|s| grpc_err("watch", &s))?
-            .into_inner();
-        self.link.connected.store(true, Ordering::SeqCst);
-        loop {
-            let list = match stream.message().await {
-                Ok(Some(l)) => {
-                    self.link.message();
-                    l
-                }
-                Ok(None) => return Err("controller closed the membership stream".into()),
-                Err(s) => return Err(grpc_err("watch", &s)),
+        let audit_every = Duration::from_secs(self.cc.route_audit_seconds.max(1));
+        let mut audit = tokio::time::interval_at(tokio::time::Instant::now() + audit_every, audit_every);
+        audit.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        'watch: loop {
+            let (epoch, since) = {
+                let m = self.members.lock().unwrap();
+                (m.epoch, m.revision)
             };
-            self.sync_routes(list.nodes.clone()).await?;
-            match list.nodes.iter().find(|n| n.name == me) {
-                Some(own) => self.apply_self(own, None).await?,
-                None => {
-                    // Removed from the cluster: its blocks may already belong to another node.
-                    for gone in self.dp.ipam().retain_blocks(&[]) {
-                        tracing::warn!(block = %gone.net, "node removed by the controller: block withdrawn");
+            let req = pb::WatchNodesRequest { node_name: me.clone(), deltas: true, since_revision: since, epoch };
+            let mut stream = client
+                .watch_nodes(authed(req, &token)?)
+                .await
+                .map_err(|s| grpc_err("watch", &s))?
+                .into_inner();
+            self.link.connected.store(true, Ordering::SeqCst);
+            loop {
+                let msg = tokio::select! {
+                    m = stream.message() => m,
+                    _ = audit.tick() => {
+                        if self.members.lock().unwrap().revision != 0 {
+                            self.program_routes(None).await?;
+                        }
+                        continue;
                     }
-                    return Err("this node was removed from the cluster; registering again".into());
+                };
+                let list = match msg {
+                    Ok(Some(l)) => {
+                        self.link.message();
+                        l
+                    }
+                    Ok(None) => return Err("controller closed the membership stream".into()),
+                    Err(s) => return Err(grpc_err("watch", &s)),
+                };
+                let applied = self.members.lock().unwrap().apply(list);
+                let applied = match applied {
+                    Ok(a) => a,
+                    Err(why) => {
+                        tracing::warn!(%why, "asking the controller for a snapshot");
+                        continue 'watch;
+                    }
+                };
+                let own = match &applied {
+                    Applied::Snapshot => self.members.lock().unwrap().nodes.get(&me).cloned().ok_or(()),
+                    Applied::Delta { changed, removed } => match changed.iter().find(|n| n.name == me) {
+                        Some(n) => Ok(n.clone()),
+                        None if removed.contains(&me) => Err(()),
+                        None => Ok(pb::Node::default()),
+                    },
+                };
+                if matches!(&applied, Applied::Delta { changed, removed } if changed.is_empty() && removed.is_empty()) {
+                    continue;
+                }
+                self.program_routes(Some(applied)).await?;
+                match own {
+                    Ok(n) if n.name.is_empty() => {}
+                    Ok(n) => self.apply_self(&n, None).await?,
+                    Err(()) => {
+                        // Removed from the cluster: its blocks may already belong to another node.
+                        for gone in self.dp.ipam().retain_blocks(&[]) {
+                            tracing::warn!(block = %gone.net, "node removed by the controller: block withdrawn");
+                        }
+                        *self.members.lock().unwrap() = Members::default();
+                        return Err("this node was removed from the cluster; registering again".into());
+                    }
                 }
             }
         }
@@ -310,6 +426,7 @@ pub async fn run(cfg: Arc<Config>, dp: Arc<Datapath>, link: Arc<Link>) {
         routes: Mutex::new(None),
         vtep_mac: Mutex::new(String::new()),
         applying: tokio::sync::Mutex::new(()),
+        members: Mutex::new(Members::default()),
     });
     let handle = tokio::runtime::Handle::current();
     let c = client.clone();
@@ -327,5 +444,40 @@ pub async fn run(cfg: Arc<Config>, dp: Arc<Datapath>, link: Arc<Link>) {
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str, ul: &str) -> pb::Node {
+        pb::Node { name: name.into(), underlay_addresses: vec![ul.into()], ..Default::default() }
+    }
+
+    #[test]
+    fn members_follow_snapshots_and_deltas_and_refuse_gaps() {
+        let mut m = Members::default();
+        // A delta before any snapshot is a gap.
+        let d = pb::NodeList { epoch: 7, base_revision: 0, revision: 1, ..Default::default() };
+        assert!(m.apply(d).is_err());
+        let snap = pb::NodeList { snapshot: true, epoch: 7, revision: 5, nodes: vec![node("a", "192.0.2.1"), node("b", "192.0.2.2")], ..Default::default() };
+        assert_eq!(m.apply(snap.clone()).unwrap(), Applied::Snapshot);
+        let d = pb::NodeList { epoch: 7, base_revision: 5, revision: 7, nodes: vec![node("c", "192.0.2.3"), node("a", "192.0.2.9")], removed: vec!["b".into()], ..Default::default() };
+        assert!(matches!(m.apply(d.clone()).unwrap(), Applied::Delta { .. }));
+        assert_eq!(m.nodes.keys().collect::<Vec<_>>(), ["a", "c"]);
+        assert_eq!(m.nodes["a"].underlay_addresses, ["192.0.2.9"]);
+        assert_eq!(m.revision, 7);
+        // The same delta again (a repeat), one from another revision or another epoch: the
+        // view is cleared and a snapshot must be asked for.
+        assert!(m.apply(d.clone()).is_err());
+        assert_eq!((m.revision, m.nodes.len()), (0, 0));
+        m.apply(snap.clone()).unwrap();
+        let other_epoch = pb::NodeList { epoch: 8, base_revision: 5, revision: 6, ..Default::default() };
+        assert!(m.apply(other_epoch).is_err());
+        // A controller older than deltas (epoch 0): every message is the complete list.
+        let old = pb::NodeList { revision: 3, nodes: vec![node("z", "192.0.2.26")], ..Default::default() };
+        assert_eq!(m.apply(old).unwrap(), Applied::Snapshot);
+        assert_eq!(m.nodes.keys().collect::<Vec<_>>(), ["z"]);
     }
 }

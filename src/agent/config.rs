@@ -48,6 +48,14 @@ pub struct ControllerConfig {
     /// "direct" or "vxlan".
     #[serde(default)]
     pub route_mode: crate::net::routes::RouteMode,
+    /// Seconds between complete route audits: the kernel is read again and drift (a route
+    /// removed by hand) repaired. Membership changes in between are applied as deltas.
+    #[serde(default = "default_route_audit")]
+    pub route_audit_seconds: u64,
+}
+
+fn default_route_audit() -> u64 {
+    60
 }
 
 /// The CSI node plugin (on unless `enabled: false`).

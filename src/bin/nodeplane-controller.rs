@@ -167,7 +167,7 @@ fn main() -> anyhow::Result<()> {
         })?,
         Cmd::List { controller, token_file, tls } => rt.block_on(async {
             let mut c = client(&controller, &tls).await?;
-            let mut req = tonic::Request::new(pb::WatchNodesRequest { node_name: String::new() });
+            let mut req = tonic::Request::new(pb::WatchNodesRequest { node_name: String::new(), ..Default::default() });
             req.metadata_mut().insert("authorization", bearer(&token_file)?);
             let mut stream = c.watch_nodes(req).await?.into_inner();
             let list = stream.message().await?.context("controller closed the stream")?;

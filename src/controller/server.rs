@@ -10,7 +10,7 @@ use super::auth::{Authority, Identity};
 use super::config::Config;
 use super::records::NodeRecord;
 use crate::util::Family;
-use super::store::{Registry, RegistryError, Snapshot};
+use super::store::{Change, Registry, RegistryError, Snapshot, Start};
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_server::NodeRegistry;
 
@@ -52,8 +52,44 @@ pub fn to_pb(r: &NodeRecord) -> pb::Node {
     }
 }
 
-fn node_list(s: &Snapshot) -> pb::NodeList {
-    pb::NodeList { nodes: s.nodes.iter().map(to_pb).collect(), revision: s.revision }
+/// Membership snapshots being built and queued at once (see `do_watch_nodes`).
+static SNAPSHOTS_IN_FLIGHT: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(16);
+
+fn node_list(s: &Snapshot, epoch: u64) -> pb::NodeList {
+    pb::NodeList {
+        nodes: s.nodes.iter().map(to_pb).collect(),
+        revision: s.revision,
+        snapshot: true,
+        epoch,
+        ..Default::default()
+    }
+}
+
+/// One delta from the registry at `base` through `changes` (consecutive, in order): the
+/// last state of every node touched, each named once.
+fn delta(base: u64, changes: &[Arc<Change>], epoch: u64) -> pb::NodeList {
+    let mut last: std::collections::BTreeMap<&str, Option<&NodeRecord>> = std::collections::BTreeMap::new();
+    for c in changes {
+        for r in &c.upserts {
+            last.insert(&r.name, Some(r));
+        }
+        for n in &c.removed {
+            last.insert(n, None);
+        }
+    }
+    let mut out = pb::NodeList {
+        revision: changes.last().map_or(base, |c| c.revision),
+        base_revision: base,
+        epoch,
+        ..Default::default()
+    };
+    for (name, rec) in last {
+        match rec {
+            Some(r) => out.nodes.push(to_pb(r)),
+            None => out.removed.push(name.to_string()),
+        }
+    }
+    out
 }
 
 impl Service {
@@ -238,21 +274,83 @@ impl Service {
     async fn do_watch_nodes(&self, req: Request<pb::WatchNodesRequest>) -> Result<Response<NodeStream>, Status> {
         let node = req.get_ref().node_name.clone();
         self.authorize(&req, &node).await?;
-        let mut rx = self.registry.subscribe();
+        let r = req.into_inner();
         let mut stopping = self.stopping.clone();
         let (tx, out) = tokio::sync::mpsc::channel(4);
-        // Send the full list now and after every change (intermediate states coalesce: each
-        // message is complete); end on shutdown or when the client goes away.
+        let registry = self.registry.clone();
+        if !r.deltas {
+            // A client without deltas: the full list now and after every change
+            // (intermediate states coalesce: each message is complete).
+            let mut rx = registry.subscribe();
+            tokio::spawn(async move {
+                loop {
+                    rx.borrow_and_update();
+                    let snap = registry.snapshot();
+                    let list = node_list(&snap, registry.epoch());
+                    if tx.send(Ok(list)).await.is_err() {
+                        return;
+                    }
+                    tokio::select! {
+                        changed = rx.changed() => if changed.is_err() { return },
+                        _ = stopping.wait_for(|s| *s) => return,
+                        _ = tx.closed() => return,
+                    }
+                }
+            });
+            return Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out))));
+        }
         tokio::spawn(async move {
-            loop {
-                let snap = rx.borrow_and_update().clone();
-                if tx.send(Ok(node_list(&snap))).await.is_err() {
+            let epoch = registry.epoch();
+            let mut at = if r.epoch == epoch { r.since_revision } else { 0 };
+            'resume: loop {
+                let (start, mut rx) = registry.follow(epoch, at);
+                let sent = match start {
+                    Start::Snapshot(snap) => {
+                        // Snapshots are O(nodes) each: a few at a time, so a reconnect storm
+                        // of every agent does not hold one copy per agent at once.
+                        let Ok(_permit) = SNAPSHOTS_IN_FLIGHT.acquire().await else { return };
+                        at = snap.revision;
+                        tx.send(Ok(node_list(&snap, epoch))).await
+                    }
+                    Start::Changes(changes) => {
+                        let d = delta(at, &changes, epoch);
+                        at = d.revision;
+                        tx.send(Ok(d)).await
+                    }
+                };
+                if sent.is_err() {
                     return;
                 }
-                tokio::select! {
-                    changed = rx.changed() => if changed.is_err() { return },
-                    _ = stopping.wait_for(|s| *s) => return,
-                    _ = tx.closed() => return,
+                loop {
+                    let next = tokio::select! {
+                        c = rx.recv() => c,
+                        _ = stopping.wait_for(|s| *s) => return,
+                        _ = tx.closed() => return,
+                    };
+                    let mut changes = match next {
+                        Ok(c) => vec![c],
+                        // Fallen behind the buffer: start again from where the client is
+                        // (the history, or a snapshot).
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue 'resume,
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                    };
+                    // Whatever else is already waiting goes in the same message.
+                    while changes.len() < 256 {
+                        match rx.try_recv() {
+                            Ok(c) => changes.push(c),
+                            Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_)) => continue 'resume,
+                            Err(_) => break,
+                        }
+                    }
+                    changes.retain(|c| c.revision > at);
+                    if changes.is_empty() {
+                        continue;
+                    }
+                    let d = delta(at, &changes, epoch);
+                    at = d.revision;
+                    if tx.send(Ok(d)).await.is_err() {
+                        return;
+                    }
                 }
             }
         });

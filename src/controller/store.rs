@@ -44,10 +44,48 @@ pub struct Snapshot {
     pub revision: u64,
 }
 
+/// One committed change of the registry: the records written and the names removed.
+#[derive(Debug, Clone, Default)]
+pub struct Change {
+    /// The revision the change made; it applies to the registry at `revision - 1`.
+    pub revision: u64,
+    pub upserts: Vec<NodeRecord>,
+    pub removed: Vec<String>,
+}
+
+/// Where a membership stream starts (see [`Registry::follow`]).
+pub enum Start {
+    /// The complete registry.
+    Snapshot(Arc<Snapshot>),
+    /// The changes after the client's revision, in order (possibly none).
+    Changes(Vec<Arc<Change>>),
+}
+
+/// How many changes the registry keeps for clients that reconnect, and how many a stream
+/// may fall behind before it is sent a snapshot instead.
+pub const HISTORY: usize = 4096;
+const STREAM_BUFFER: usize = 1024;
+
 struct State {
     nodes: BTreeMap<String, NodeRecord>,
     owner: HashMap<IpNetwork, String>,
     revision: u64,
+    /// The last [`HISTORY`] changes, oldest first.
+    history: std::collections::VecDeque<Arc<Change>>,
+    /// The snapshot of this revision, once asked for (shared by every stream that starts
+    /// with it: one copy, not one per agent).
+    snapshot: Option<Arc<Snapshot>>,
+}
+
+impl State {
+    fn snapshot(&mut self) -> Arc<Snapshot> {
+        if let Some(s) = &self.snapshot {
+            return s.clone();
+        }
+        let s = Arc::new(Snapshot { nodes: self.nodes.values().cloned().collect(), revision: self.revision });
+        self.snapshot = Some(s.clone());
+        s
+    }
 }
 
 /// Says why a node may not register now (None: it may). Asked under the registry's lock, so
@@ -58,7 +96,13 @@ pub struct Registry {
     backend: Arc<dyn Backend>,
     pools: Vec<Pool>,
     state: Mutex<State>,
-    tx: watch::Sender<Arc<Snapshot>>,
+    /// The revision, for those who re-read the registry after a change.
+    tx: watch::Sender<u64>,
+    /// Every change, for membership streams (a receiver that falls [`STREAM_BUFFER`] behind
+    /// is told it lagged).
+    changes: tokio::sync::broadcast::Sender<Arc<Change>>,
+    /// This registry instance: revisions are comparable only within one epoch.
+    epoch: u64,
     admission: Mutex<Option<Admission>>,
 }
 
@@ -91,9 +135,13 @@ impl Registry {
                 owner.entry(net).or_insert_with(|| RESERVED.to_string());
             }
         }
-        let snapshot = Arc::new(Snapshot { nodes: nodes.values().cloned().collect(), revision });
-        let (tx, _) = watch::channel(snapshot);
-        Ok(Registry { backend, pools, state: Mutex::new(State { nodes, owner, revision }), tx, admission: Mutex::new(None) })
+        let (tx, _) = watch::channel(revision);
+        let (changes, _) = tokio::sync::broadcast::channel(STREAM_BUFFER);
+        let state = State { nodes, owner, revision, history: Default::default(), snapshot: None };
+        let mut seed = [0u8; 8];
+        crate::util::fill_random(&mut seed);
+        let epoch = u64::from_le_bytes(seed).max(1);
+        Ok(Registry { backend, pools, state: Mutex::new(state), tx, changes, epoch, admission: Mutex::new(None) })
     }
 
     /// Every registration from now on asks `admission` first, under the registry's lock: a
@@ -108,12 +156,39 @@ impl Registry {
         self.backend.clone()
     }
 
+    /// The registry now (a copy: O(nodes)).
     pub fn snapshot(&self) -> Arc<Snapshot> {
-        self.tx.borrow().clone()
+        self.state.lock().unwrap().snapshot()
     }
 
-    pub fn subscribe(&self) -> watch::Receiver<Arc<Snapshot>> {
+    /// The revision, changed after every commit.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.tx.subscribe()
+    }
+
+    /// Start following the registry from a client's revision `since` (0: none): the changes
+    /// after it when they are all still held, else a snapshot; and the receiver of every
+    /// later change. Both are taken under the registry's lock, so nothing falls between them.
+    pub fn follow(&self, epoch: u64, since: u64) -> (Start, tokio::sync::broadcast::Receiver<Arc<Change>>) {
+        let mut st = self.state.lock().unwrap();
+        let rx = self.changes.subscribe();
+        let held = epoch == self.epoch
+            && since > 0
+            && (since == st.revision || (since < st.revision && st.history.front().is_some_and(|c| c.revision <= since + 1)));
+        let start = if held {
+            Start::Changes(st.history.iter().filter(|c| c.revision > since).cloned().collect())
+        } else {
+            Start::Snapshot(st.snapshot())
+        };
+        (start, rx)
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    pub fn node_count(&self) -> usize {
+        self.state.lock().unwrap().nodes.len()
     }
 
     pub fn get(&self, name: &str) -> Option<NodeRecord> {
@@ -139,7 +214,12 @@ impl Registry {
         let revision = st.revision + 1;
         self.backend.commit_nodes(&changes, revision)?;
         // Durable: now update memory and tell watchers.
+        let mut change = Change { revision, ..Default::default() };
         for (name, rec) in changes {
+            match &rec {
+                Some(r) => change.upserts.push(r.clone()),
+                None => change.removed.push(name.clone()),
+            }
             if let Some(old) = st.nodes.remove(&name) {
                 for b in old.blocks.iter().filter_map(|b| b.parse::<IpNetwork>().ok()) {
                     st.owner.remove(&b);
@@ -153,7 +233,15 @@ impl Registry {
             }
         }
         st.revision = revision;
-        self.tx.send_replace(Arc::new(Snapshot { nodes: st.nodes.values().cloned().collect(), revision }));
+        st.snapshot = None;
+        let change = Arc::new(change);
+        if st.history.len() == HISTORY {
+            st.history.pop_front();
+        }
+        st.history.push_back(change.clone());
+        // Sent under the lock: a stream started by `follow` sees every change after its start.
+        let _ = self.changes.send(change);
+        self.tx.send_replace(revision);
         Ok(())
     }
 

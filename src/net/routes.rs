@@ -393,8 +393,12 @@ pub struct Plan {
 /// Decide how every peer block is reached. Peers are taken in name order so that a block
 /// or VTEP MAC claimed twice (a controller bug) resolves the same way every time.
 pub fn plan(cfg: &RouteConfig, local: &LocalView, peers: &[PeerNode]) -> Plan {
+    plan_of(cfg, local, peers.iter())
+}
+
+fn plan_of<'a>(cfg: &RouteConfig, local: &LocalView, peers: impl Iterator<Item = &'a PeerNode>) -> Plan {
     let mut out = Plan::default();
-    let mut sorted: Vec<&PeerNode> = peers.iter().collect();
+    let mut sorted: Vec<&PeerNode> = peers.collect();
     sorted.sort_by(|a, b| a.name.cmp(&b.name));
     let tunnel_v6 = cfg.local_underlay.is_ipv6();
     let vxlan_mode = cfg.mode != RouteMode::Direct;
@@ -666,6 +670,68 @@ pub fn diff(plan: &Plan, current: &Current, vxlan_index: Option<u32>) -> Vec<Op>
     ops
 }
 
+/// The route entry a planned route was installed as (for removing it without a dump).
+fn entry_of(r: &PeerRoute, vxlan_index: Option<u32>) -> RouteEntry {
+    let v6 = r.block.is_ipv6();
+    RouteEntry {
+        v6,
+        dst: r.block.network(),
+        prefix: r.block.prefix(),
+        gateway: Some(r.via),
+        oif: if r.kind == RouteKind::Vxlan { vxlan_index } else { None },
+        table: RT_TABLE_MAIN,
+        protocol: RTPROT_NODEPLANE,
+        priority: default_metric(v6),
+        kind: RTN_UNICAST,
+        onlink: r.kind == RouteKind::Vxlan,
+    }
+}
+
+/// The changes from one applied plan to the next, without reading the kernel: what a
+/// membership delta implies (a joining peer: its route, FDB entry and neighbour; a leaving
+/// one: the same removed). In the order of [`diff`].
+pub fn plan_diff(old: &Plan, new: &Plan, vxlan_index: Option<u32>) -> Vec<Op> {
+    let mut ops = Vec::new();
+    for (mac, (dst, peer)) in &new.fdb {
+        match old.fdb.get(mac) {
+            Some((d, _)) if d == dst => {}
+            was => ops.push(Op::SetFdb { mac: *mac, dst: *dst, peer: peer.clone(), new: was.is_none() }),
+        }
+    }
+    for (ip, (mac, peer)) in &new.neigh {
+        match old.neigh.get(ip) {
+            Some((m, _)) if m == mac => {}
+            was => ops.push(Op::SetNeigh { ip: *ip, mac: *mac, peer: peer.clone(), new: was.is_none() }),
+        }
+    }
+    for (block, want) in &new.routes {
+        match old.routes.get(block) {
+            // The kernel route is the same (its peer's tunnel end is the FDB entry's business).
+            Some(was) if was.kind == want.kind && route_spec(was, vxlan_index) == route_spec(want, vxlan_index) => {}
+            was => {
+                let remove_first = was
+                    .filter(|w| want.kind == RouteKind::Vxlan && block.is_ipv6() && w.kind != RouteKind::Vxlan)
+                    .map(|w| entry_of(w, vxlan_index));
+                ops.push(Op::SetRoute { route: want.clone(), spec: route_spec(want, vxlan_index), new: was.is_none(), remove_first });
+            }
+        }
+    }
+    for (block, was) in &old.routes {
+        if !new.routes.contains_key(block) {
+            ops.push(Op::DelRoute { entry: entry_of(was, vxlan_index) });
+        }
+    }
+    for ip in old.neigh.keys().filter(|ip| !new.neigh.contains_key(*ip)) {
+        ops.push(Op::DelNeigh { ip: *ip });
+    }
+    for (mac, (dst, _)) in &old.fdb {
+        if !new.fdb.contains_key(mac) {
+            ops.push(Op::DelFdb { mac: *mac, dst: Some(*dst) });
+        }
+    }
+    ops
+}
+
 // ----- the kernel side -----
 
 /// Programs cross-node routes in one network namespace (the one [`Routes::new`] ran in).
@@ -674,6 +740,11 @@ pub struct Routes {
     nl: Netlink,
     /// ifindex and MAC of our VXLAN device, as last ensured.
     vtep: Option<(u32, [u8; 6])>,
+    /// The peers, by name, as last given.
+    peers: BTreeMap<String, PeerNode>,
+    /// What the last complete sync found and made (local view, plan in force): deltas are
+    /// applied against it. None: the next change is a complete sync.
+    applied: Option<(LocalView, Plan)>,
 }
 
 fn gone(e: &NetlinkError) -> bool {
@@ -686,14 +757,14 @@ impl Routes {
     pub fn new(cfg: RouteConfig) -> Result<Self, RoutesError> {
         cfg.validate()?;
         let nl = Netlink::open().map_err(RoutesError::netlink("opening netlink socket"))?;
-        Ok(Routes { cfg, nl, vtep: None })
+        Ok(Routes { cfg, nl, vtep: None, peers: BTreeMap::new(), applied: None })
     }
 
     /// Like [`Routes::new`], on a socket already bound to the target namespace
     /// (e.g. from [`crate::sys::netns::Netns::netlink`]).
     pub fn with_netlink(cfg: RouteConfig, nl: Netlink) -> Result<Self, RoutesError> {
         cfg.validate()?;
-        Ok(Routes { cfg, nl, vtep: None })
+        Ok(Routes { cfg, nl, vtep: None, peers: BTreeMap::new(), applied: None })
     }
 
     pub fn config(&self) -> &RouteConfig {
@@ -832,6 +903,58 @@ impl Routes {
     /// Every change is attempted even when some fail; failures come back together in
     /// [`RoutesError::Incomplete`] with the report of what was done.
     pub fn sync(&mut self, peers: &[PeerNode]) -> Result<SyncReport, RoutesError> {
+        self.peers = peers.iter().map(|p| (p.name.clone(), p.clone())).collect();
+        self.resync()
+    }
+
+    /// The peers as last given.
+    pub fn peers(&self) -> impl Iterator<Item = &PeerNode> {
+        self.peers.values()
+    }
+
+    /// A membership delta: `changed` peers added or replaced, `removed` ones gone. Applied
+    /// as the few kernel changes it implies, planned against the last complete sync (no
+    /// kernel dump); without one, or when a change fails, a complete sync.
+    pub fn update(&mut self, changed: Vec<PeerNode>, removed: &[String]) -> Result<SyncReport, RoutesError> {
+        for name in removed {
+            self.peers.remove(name);
+        }
+        for p in changed {
+            self.peers.insert(p.name.clone(), p);
+        }
+        let Some((local, old)) = self.applied.take() else {
+            return self.resync();
+        };
+        let vxlan_index = self.vtep.map(|(i, _)| i);
+        let new = plan_of(&self.cfg, &local, self.peers.values());
+        let ops = plan_diff(&old, &new, vxlan_index);
+        let mut report = SyncReport {
+            unroutable: new.unroutable.iter().filter(|u| !old.unroutable.contains(u)).cloned().collect(),
+            vtep_mac: self.vtep.map(|(_, m)| m),
+            ..Default::default()
+        };
+        let mut failures = Vec::new();
+        for op in &ops {
+            if let Err(e) = self.apply(op, vxlan_index, &mut report) {
+                failures.push(e);
+            }
+        }
+        for u in &report.unroutable {
+            tracing::warn!(peer = %u.peer, block = %u.block, reason = %u.reason, "peer block not routable");
+        }
+        if !failures.is_empty() {
+            // The kernel is not what the plan says: look at it again.
+            tracing::warn!(failures = failures.len(), "route delta incomplete; syncing completely");
+            return self.resync();
+        }
+        report.routed = new.routes.values().cloned().collect();
+        self.applied = Some((local, new));
+        Ok(report)
+    }
+
+    /// Converge the kernel to the peers as last given, reading it completely (the audit).
+    pub fn resync(&mut self) -> Result<SyncReport, RoutesError> {
+        self.applied = None;
         let vtep_mac = self.ensure_vtep()?;
         let vxlan_index = self.vtep.map(|(i, _)| i);
         let addrs = self.nl.addresses(None).map_err(RoutesError::netlink("listing addresses"))?;
@@ -852,7 +975,7 @@ impl Routes {
             (Vec::new(), Vec::new())
         };
         let local = LocalView::from_kernel(&addrs, &main, vxlan_index);
-        let plan = plan(&self.cfg, &local, peers);
+        let plan = plan_of(&self.cfg, &local, self.peers.values());
         let current = Current::select(main, fdb, neigh, vxlan_index);
         let ops = diff(&plan, &current, vxlan_index);
 
@@ -883,6 +1006,7 @@ impl Routes {
             );
         }
         if failures.is_empty() {
+            self.applied = Some((local, plan));
             Ok(report)
         } else {
             Err(RoutesError::Incomplete { report: Box::new(report), failures })
@@ -984,6 +1108,7 @@ impl Routes {
     /// and the VXLAN device (with it its FDB and neighbour entries). Already gone is
     /// success; every step is attempted and all failures are reported together.
     pub fn teardown(&mut self) -> Result<(), RoutesError> {
+        self.applied = None;
         let mut failures = Vec::new();
         let mut removed = 0;
         for v6 in [false, true] {
@@ -1096,6 +1221,37 @@ mod tests {
 
     fn kinds(p: &Plan) -> Vec<(String, RouteKind, IpAddr)> {
         p.routes.values().map(|r| (r.block.to_string(), r.kind, r.via)).collect()
+    }
+
+    /// A delta planned against the last plan is exactly what a complete diff against the
+    /// kernel state that plan made would do: a leaving peer's routes, neighbours and FDB
+    /// entry go, a moved peer's FDB entry is replaced, the others are left alone.
+    #[test]
+    fn plan_diff_is_the_few_changes_a_delta_implies() {
+        let cfg = cfg(RouteMode::Vxlan);
+        let old = plan(&cfg, &local(), &peers());
+        let empty = plan_diff(&Plan::default(), &old, Some(VX));
+        assert_eq!(empty.len(), 2 + 4 + 4, "2 FDB entries, 4 neighbours, 4 routes: {empty:?}");
+        assert!(plan_diff(&old, &old, Some(VX)).is_empty());
+        // n3 leaves.
+        let new = plan(&cfg, &local(), &peers()[..1]);
+        let ops = plan_diff(&old, &new, Some(VX));
+        let dels_route: Vec<_> = ops.iter().filter_map(|o| if let Op::DelRoute { entry } = o { Some((entry.dst, entry.prefix, entry.oif, entry.onlink)) } else { None }).collect();
+        assert_eq!(dels_route, vec![(ip("10.244.3.0"), 24, Some(VX), true), (ip("fd00:3::"), 64, Some(VX), true)]);
+        assert_eq!(ops.iter().filter(|o| matches!(o, Op::DelNeigh { .. })).count(), 2);
+        assert_eq!(ops.iter().filter(|o| matches!(o, Op::DelFdb { mac, dst } if *mac == MAC3 && *dst == Some(ip("198.51.100.3")))).count(), 1);
+        assert_eq!(ops.len(), 5, "{ops:?}");
+        // n2 moves to another underlay address: one FDB entry replaced, nothing else.
+        let mut moved = peers();
+        moved[0].underlay[0] = ip("192.0.2.99");
+        let ops = plan_diff(&old, &plan(&cfg, &local(), &moved), Some(VX));
+        assert!(matches!(ops.as_slice(), [Op::SetFdb { mac, new: false, .. }] if *mac == MAC2), "{ops:?}");
+        // The removal of a route made by the plan, as the kernel reports that route, is the
+        // entry plan_diff deletes (so deleting it by its own fields finds it).
+        let r = &old.routes[&net("10.244.2.0/24")];
+        let installed = route_spec(r, Some(VX));
+        let e = entry_of(r, Some(VX));
+        assert_eq!((e.dst, e.prefix, e.gateway, e.oif, e.onlink), (installed.dst, installed.prefix, Some(installed.gateway), installed.oif, installed.onlink));
     }
 
     #[test]

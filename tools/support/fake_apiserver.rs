@@ -40,13 +40,16 @@
 //!   existing object, as a real apiserver's does (kube's `watcher` never asks for that: it
 //!   lists first and watches from the list's resourceVersion).
 //!
-//! Resources known from the start: `nodes`, `leases`, `tokenreviews`, and DRA's
-//! `resourceslices` (cluster-scoped) and `resourceclaims` (namespaced); tests register more.
+//! Resources known from the start: `nodes`, `leases`, `tokenreviews`, DRA's
+//! `resourceslices` (cluster-scoped) and `resourceclaims` (namespaced), and what NetworkPolicy
+//! is computed from: `namespaces`, `pods`, `networkpolicies`; tests register more.
 //!
 //! Known differences from a real apiserver (all deliberate, to stay small):
 //!
-//! * list ignores `limit`/`continue` (everything comes back in one page, no continue token)
-//!   and `resourceVersion`/`resourceVersionMatch` (always the latest state);
+//! * list pages with `limit`/`continue` like the real server (every page from the snapshot
+//!   of the first, `remainingItemCount`, 410 `Expired` for a token older than the last
+//!   compaction) but ignores `resourceVersion`/`resourceVersionMatch` (always the latest
+//!   state);
 //! * a watch from a resourceVersion newer than the current one waits for it instead of
 //!   failing with `ResourceVersionTooLarge`;
 //! * no admission, RBAC, namespaces-must-exist check, finalizers, graceful deletion, owner
@@ -142,6 +145,9 @@ pub struct RequestRecord {
     pub user_agent: String,
     /// The `fieldManager` query parameter ("" if none).
     pub field_manager: String,
+    /// A list's `limit` and whether it carried a `continue` token (paging).
+    pub limit: Option<String>,
+    pub continued: bool,
 }
 
 /// The fake apiserver; see the module documentation.
@@ -188,6 +194,10 @@ impl FakeApiServer {
         // the claims it reads for the nodes.
         server.register("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", false);
         server.register("resource.k8s.io", "v1", "resourceclaims", "ResourceClaim", true);
+        // NetworkPolicy: what the controller compiles the nodes' policies from.
+        server.register("", "v1", "namespaces", "Namespace", false);
+        server.register("", "v1", "pods", "Pod", true);
+        server.register("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", true);
         {
             let mut st = server.shared.lock();
             st.resources.insert(
@@ -269,9 +279,18 @@ impl FakeApiServer {
 
     /// Forgets the watch history up to now: a watch from an older resourceVersion gets a
     /// `410 Expired` ERROR event. Open watches are not affected.
+    /// The next `count` list requests that carry a continue token find it expired (410
+    /// `Expired`), as when the server compacted between two pages.
+    pub fn expire_continue(&self, count: usize) {
+        self.shared.lock().expire_continues = count;
+    }
+
     pub fn compact(&self) {
         let mut st = self.shared.lock();
         st.compacted = st.rv;
+        // Continue tokens of older snapshots expire with them (410 on the next page).
+        let rv = st.rv;
+        st.pages.retain(|_, (at, _)| *at >= rv);
         st.history.clear();
     }
 
@@ -512,6 +531,12 @@ struct State {
     requests: Vec<RequestRecord>,
     failures: Vec<Failure>,
     rng: u64,
+    /// Paged lists in progress: continue token -> (resourceVersion of the first page, the
+    /// items not yet served). A real apiserver serves every page from the snapshot of the
+    /// first one; so does this one.
+    pages: HashMap<String, (u64, Vec<Value>)>,
+    /// The next this many continued lists find their token expired (as after a compaction).
+    expire_continues: usize,
 }
 
 impl State {
@@ -521,6 +546,8 @@ impl State {
         State {
             rv: 1,
             compacted: 0,
+            pages: HashMap::new(),
+            expire_continues: 0,
             resources: HashMap::new(),
             objects: HashMap::new(),
             history: Vec::new(),
@@ -1075,6 +1102,8 @@ async fn route(shared: &Arc<Shared>, req: Request<Incoming>) -> ApiResult<Respon
             name: name.map(str::to_string),
             user_agent: user_agent.clone(),
             field_manager: field_manager.clone(),
+            limit: r.query.get("limit").cloned(),
+            continued: r.query.get("continue").is_some_and(|c| !c.is_empty()),
         });
         let def = st.resources.get(&key(group, plural)).cloned();
         let def = match def {
@@ -1816,21 +1845,55 @@ fn list(
     q: &HashMap<String, String>,
 ) -> ApiResult<Response<RespBody>> {
     let sel = Selector::from_query(q)?;
-    let st = shared.lock();
-    let items: Vec<Value> = st
-        .objects
-        .get(&def.key())
-        .map(|m| {
-            m.iter()
-                .filter(|((ons, _), o)| (ns.is_empty() || ons == ns) && sel.matches(o))
-                .map(|(_, o)| list_item(def, o.clone()))
-                .collect()
-        })
-        .unwrap_or_default();
+    let limit: usize = match q.get("limit").map(|l| l.parse::<i64>()) {
+        None => 0,
+        Some(Ok(l)) if l >= 0 => l as usize,
+        Some(_) => return Err(ApiError::new(400, "BadRequest", "limit must be a non-negative integer", None)),
+    };
+    let mut st = shared.lock();
+    let (rv, mut items) = match q.get("continue").filter(|c| !c.is_empty()) {
+        Some(token) => match st.pages.remove(token) {
+            Some(_) if st.expire_continues > 0 => {
+                st.expire_continues -= 1;
+                return Err(ApiError::new(410, "Expired", "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.", None));
+            }
+            Some(page) => page,
+            None => {
+                return Err(ApiError::new(
+                    410,
+                    "Expired",
+                    "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
+                    None,
+                ));
+            }
+        },
+        None => {
+            let items = st
+                .objects
+                .get(&def.key())
+                .map(|m| {
+                    m.iter()
+                        .filter(|((ons, _), o)| (ns.is_empty() || ons == ns) && sel.matches(o))
+                        .map(|(_, o)| list_item(def, o.clone()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            (st.rv, items)
+        }
+    };
+    let mut metadata = json!({"resourceVersion": rv.to_string()});
+    if limit > 0 && items.len() > limit {
+        let rest = items.split_off(limit);
+        st.rng = st.rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let token = format!("np-{rv}-{:016x}", st.rng);
+        metadata["continue"] = json!(token);
+        metadata["remainingItemCount"] = json!(rest.len());
+        st.pages.insert(token, (rv, rest));
+    }
     Ok(json_response(
         200,
         &json!({"kind": format!("{}List", def.kind), "apiVersion": def.api_version(),
-                "metadata": {"resourceVersion": st.rv.to_string()}, "items": items}),
+                "metadata": metadata, "items": items}),
     ))
 }
 

@@ -173,6 +173,51 @@ pub(crate) fn api_status(e: &kube::Error) -> Option<&kube::core::Status> {
     }
 }
 
+/// Objects per page of a list: a cluster of thousands of nodes is read in pages, never in
+/// one answer the API server has to build (and hold) at once.
+pub const LIST_PAGE: u32 = 500;
+/// Bound on one page of a list (the whole list is bounded by its page count, not by one
+/// fixed figure).
+pub const PAGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Every object of a list, read in pages of [`LIST_PAGE`] (`limit`/`continue`), and the
+/// resourceVersion of the snapshot they all come from. A continue token the server let
+/// expire (410 between pages) starts the list again, at most three times.
+pub(crate) async fn list_all<K>(api: &kube::Api<K>, lp: &kube::api::ListParams) -> Result<(Vec<K>, Option<String>), kube::Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let mut attempt = 0;
+    'again: loop {
+        attempt += 1;
+        let mut items = Vec::new();
+        let mut version = None;
+        let mut token: Option<String> = None;
+        loop {
+            let mut page = lp.clone().limit(LIST_PAGE);
+            if let Some(t) = &token {
+                page = page.continue_token(t);
+            }
+            let list = match tokio::time::timeout(PAGE_TIMEOUT, api.list(&page)).await {
+                Ok(Ok(l)) => l,
+                Ok(Err(e)) if token.is_some() && attempt < 3 && api_status(&e).is_some_and(|s| s.code == 410) => continue 'again,
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    return Err(kube::Error::Service(format!("a page of the list did not come within {PAGE_TIMEOUT:?}").into()));
+                }
+            };
+            if version.is_none() {
+                version = list.metadata.resource_version.clone();
+            }
+            items.extend(list.items);
+            match list.metadata.continue_.filter(|c| !c.is_empty()) {
+                Some(next) => token = Some(next),
+                None => return Ok((items, version)),
+            }
+        }
+    }
+}
+
 pub(crate) fn is_not_found(e: &kube::Error) -> bool {
     api_status(e).is_some_and(|s| s.is_not_found())
 }

@@ -130,7 +130,9 @@ async fn release(registry: &Arc<Registry>, name: String, why: &'static str) {
 /// Follow Node objects until `stop` turns true.
 pub async fn follow(client: kube::Client, registry: Arc<Registry>, gate: Arc<NodeGate>, mut stop: tokio::sync::watch::Receiver<bool>) {
     let api: Api<Node> = Api::all(client);
-    let mut events = std::pin::pin!(watcher(api.clone(), watcher::Config::default()).default_backoff());
+    // Listed in pages, then watched with bookmarks (a relist after a 410 resumes from the last one).
+    let config = watcher::Config::default().page_size(super::LIST_PAGE);
+    let mut events = std::pin::pin!(watcher(api.clone(), config).default_backoff());
     let mut listed: Option<HashSet<String>> = None;
     loop {
         let ev = tokio::select! {

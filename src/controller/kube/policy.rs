@@ -76,7 +76,7 @@ pub async fn follow(client: kube::Client, book: Arc<PolicyBook>, stop: tokio::sy
 
 async fn follow_kind<K: Feed>(api: Api<K>, book: Arc<PolicyBook>, mut stop: tokio::sync::watch::Receiver<bool>) {
     // Pages of 500 on every (re)list (bookmarks are on by default).
-    let config = watcher::Config::default().page_size(500);
+    let config = watcher::Config::default().page_size(super::LIST_PAGE);
     let mut events = std::pin::pin!(watcher(api, config).default_backoff());
     let mut listing: Option<Vec<K>> = None;
     loop {

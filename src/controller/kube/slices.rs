@@ -66,8 +66,8 @@ impl KubeSlices {
 impl SliceSink for KubeSlices {
     async fn list(&self) -> Result<Vec<Value>, String> {
         let lp = ListParams::default().labels(&format!("{}={}", super::MANAGED_BY.0, super::MANAGED_BY.1));
-        let list = self.api.list(&lp).await.map_err(api_error)?;
-        list.items.into_iter().map(to_value).collect()
+        let (items, _) = super::list_all(&self.api, &lp).await.map_err(api_error)?;
+        items.into_iter().map(to_value).collect()
     }
     async fn create(&self, obj: Value) -> Result<Value, String> {
         let mut o = self.owned(to_object(obj)?).await;

@@ -290,11 +290,24 @@ impl RuntimeThread {
         &self,
         f: impl std::future::Future<Output = Result<T, BackendError>> + Send + 'static,
     ) -> Result<T, BackendError> {
+        self.run_within(Some(CALL_TIMEOUT), f)
+    }
+
+    /// `bound` None: the call bounds its own requests (the paged loads: each page bounded,
+    /// the whole by the cluster's size).
+    fn run_within<T: Send + 'static>(
+        &self,
+        bound: Option<Duration>,
+        f: impl std::future::Future<Output = Result<T, BackendError>> + Send + 'static,
+    ) -> Result<T, BackendError> {
         let (tx, rx) = std::sync::mpsc::channel();
         self.handle.spawn(async move {
-            let r = match tokio::time::timeout(CALL_TIMEOUT, f).await {
-                Ok(r) => r,
-                Err(_) => Err(BackendError::Unavailable(format!("the Kubernetes API did not answer within {CALL_TIMEOUT:?}"))),
+            let r = match bound {
+                None => f.await,
+                Some(b) => match tokio::time::timeout(b, f).await {
+                    Ok(r) => r,
+                    Err(_) => Err(BackendError::Unavailable(format!("the Kubernetes API did not answer within {b:?}"))),
+                },
             };
             let _ = tx.send(r);
         });
@@ -520,11 +533,11 @@ impl Backend for KubeBackend {
     fn load_nodes(&self) -> Result<(Vec<NodeRecord>, u64), BackendError> {
         self.check_fence()?;
         let (nodes, blocks) = (self.nodes.clone(), self.blocks.clone());
-        let (records, revision, reserved) = self.rt.run(async move {
-            let list = nodes.list(&ListParams::default()).await.map_err(err("listing nodeplanenodes"))?;
-            let revision = list.metadata.resource_version.as_deref().and_then(|v| v.parse().ok()).unwrap_or(0u64);
+        let (records, revision, reserved) = self.rt.run_within(None, async move {
+            let (items, version) = super::list_all(&nodes, &ListParams::default()).await.map_err(err("listing nodeplanenodes"))?;
+            let revision = version.as_deref().and_then(|v| v.parse().ok()).unwrap_or(0u64);
             let mut records = Vec::new();
-            for o in &list.items {
+            for o in &items {
                 let name = o.metadata.name.clone().unwrap_or_default();
                 let spec: NodeSpec = spec_of(o)?;
                 let rec = NodeRecord { name, underlay: spec.underlay, vtep_mac: spec.vtep_mac, blocks: spec.blocks };
@@ -532,9 +545,9 @@ impl Backend for KubeBackend {
             }
             // Locks are listed after the records: a lock written meanwhile is younger than
             // STALE_LOCK_AGE and only reserved below, never released.
-            let locks = blocks.list(&ListParams::default()).await.map_err(err("listing ipblocks"))?;
+            let (locks, _) = super::list_all(&blocks, &ListParams::default()).await.map_err(err("listing ipblocks"))?;
             let mut held: HashMap<String, (String, Option<k8s_openapi::jiff::Timestamp>, Option<String>)> = HashMap::new();
-            for o in &locks.items {
+            for o in &locks {
                 let spec: BlockSpec = spec_of(o)?;
                 let name = o.metadata.name.clone().unwrap_or_default();
                 if name != block_object_name(&spec.cidr) {
@@ -686,10 +699,10 @@ impl Backend for KubeBackend {
     fn load_volumes(&self) -> Result<Vec<VolumeRecord>, BackendError> {
         self.check_fence()?;
         let volumes = self.volumes.clone();
-        let items = self.rt.run(async move {
-            let list = volumes.list(&ListParams::default()).await.map_err(err("listing nodeplanevolumes"))?;
+        let items = self.rt.run_within(None, async move {
+            let (list, _) = super::list_all(&volumes, &ListParams::default()).await.map_err(err("listing nodeplanevolumes"))?;
             let mut out = Vec::new();
-            for o in &list.items {
+            for o in &list {
                 let rec: VolumeRecord = spec_of(o)?;
                 let name = o.metadata.name.clone().unwrap_or_default();
                 if name != volume_object_name(&rec.id) {

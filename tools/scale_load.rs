@@ -1,0 +1,423 @@
+//! Scale load for `scripts/bench-scale`: N simulated agents in one process, each a real gRPC
+//! client of a running `nodeplane-controller` (its own token, `Register`, then a
+//! `WatchNodes` stream with deltas, applied like an agent applies them: a delta that does
+//! not follow the view asks for a snapshot again). Then joins and leaves, one at a time, and
+//! what follows is measured: registration rate, how long until every simulated agent has
+//! seen a change, the bytes each agent received per change, the controller's RSS and CPU.
+//!
+//!     target/release/examples/scale_load --controller unix:/tmp/x/controller.sock \
+//!         --config /tmp/x/controller.json --nodes 5000 --joins 100 --leaves 100
+//!
+//! Each agent keeps its view as a bitmap over the names this tool knows (N + joins), so the
+//! tool itself stays small at 5,000 × 5,000; at the end every agent's view is compared with
+//! the controller's membership (`views_equal`). Prints one JSON object. Exit status 1 when a
+//! call failed, a change was not seen by every agent in time, or a view differs.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use nodeplane::controller::{auth::Authority, config::Config};
+use nodeplane::rpc::controller as pb;
+use pb::node_registry_client::NodeRegistryClient;
+use prost::Message;
+use serde_json::json;
+
+#[derive(Parser)]
+#[command(about = "N simulated agents against a nodeplane-controller")]
+struct Args {
+    /// Controller address (`unix:/path` or `host:port`).
+    #[arg(long)]
+    controller: String,
+    /// The controller's configuration file (token-signing secret).
+    #[arg(long)]
+    config: PathBuf,
+    #[arg(long, default_value_t = 1000)]
+    nodes: usize,
+    #[arg(long, default_value_t = 20)]
+    joins: usize,
+    #[arg(long, default_value_t = 20)]
+    leaves: usize,
+    /// HTTP/2 connections the agents' calls are spread over (0: one per 100 agents).
+    #[arg(long, default_value_t = 0)]
+    conns: usize,
+    /// Registrations in flight at once.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Streams opened at once while the agents connect (each waits for its snapshot).
+    #[arg(long, default_value_t = 64)]
+    connect_wave: usize,
+    /// The controller's PID, for its RSS and CPU.
+    #[arg(long)]
+    controller_pid: Option<u32>,
+    #[arg(long, default_value = "sim")]
+    prefix: String,
+    /// How long one change may take to reach every agent before the run fails.
+    #[arg(long, default_value_t = 30.0)]
+    change_timeout: f64,
+    /// Register the N nodes and stop (peers for a real agent).
+    #[arg(long)]
+    register_only: bool,
+    /// TLS to a TCP controller: the CA bundle its certificate chains to.
+    #[arg(long)]
+    ca_file: Option<PathBuf>,
+    /// Where the nodes' underlay addresses and VTEP MACs start (another run's nodes must
+    /// not share them).
+    #[arg(long, default_value_t = 0)]
+    index_offset: usize,
+}
+
+static OFFSET: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The change being watched for: node `index` present (join) or absent (leave).
+#[derive(Clone, Copy)]
+struct Event {
+    id: u64,
+    index: usize,
+    join: bool,
+    t0: Instant,
+}
+
+struct Shared {
+    names: HashMap<String, usize>,
+    words: usize,
+    event: Mutex<Option<Event>>,
+    /// Agents that have seen the current event, and when (since its t0).
+    seen: Mutex<Vec<Duration>>,
+    seen_all: tokio::sync::Notify,
+    agents: usize,
+    bytes: AtomicU64,
+    messages: AtomicU64,
+    snapshots: AtomicU64,
+    gaps: AtomicU64,
+    watching: AtomicUsize,
+    views: Mutex<Vec<Vec<u64>>>,
+}
+
+impl Shared {
+    fn observe(&self, bits: &[u64], last: &mut u64) {
+        let Some(ev) = *self.event.lock().unwrap() else { return };
+        if ev.id == *last {
+            return;
+        }
+        let has = bits[ev.index / 64] & (1 << (ev.index % 64)) != 0;
+        if has == ev.join {
+            *last = ev.id;
+            let took = ev.t0.elapsed();
+            let mut seen = self.seen.lock().unwrap();
+            seen.push(took);
+            if seen.len() == self.agents {
+                self.seen_all.notify_one();
+            }
+        }
+    }
+}
+
+fn bearer<T>(msg: T, token: &str) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.metadata_mut().insert("authorization", format!("Bearer {token}").parse().expect("token is header text"));
+    r
+}
+
+fn underlay(i: usize) -> String {
+    // 198.18.0.0/16 (RFC 2544): stored, never used.
+    format!("198.18.{}.{}", i / 250, 1 + i % 250)
+}
+
+async fn register(ch: &tonic::transport::Channel, name: &str, token: &str, i: usize) -> Result<(), String> {
+    let i = i + OFFSET.load(Ordering::Relaxed);
+    // A VTEP MAC of its own, so the node is reachable over VXLAN (locally administered).
+    let mac = format!("02:5e:{:02x}:{:02x}:{:02x}:{:02x}", (i >> 24) & 0xff, (i >> 16) & 0xff, (i >> 8) & 0xff, i & 0xff);
+    let req = pb::RegisterRequest { node_name: name.into(), underlay_addresses: vec![underlay(i)], vtep_mac: mac };
+    NodeRegistryClient::new(ch.clone()).register(bearer(req, token)).await.map(|_| ()).map_err(|s| format!("register {name}: {s}"))
+}
+
+/// One simulated agent: follow the stream forever, applying it to a bitmap view.
+async fn agent(slot: usize, ch: tonic::transport::Channel, name: String, token: String, sh: Arc<Shared>, ready: tokio::sync::oneshot::Sender<()>) {
+    let mut ready = Some(ready);
+    let (mut epoch, mut revision) = (0u64, 0u64);
+    let mut bits = vec![0u64; sh.words];
+    let mut last = 0u64;
+    loop {
+        let req = pb::WatchNodesRequest { node_name: name.clone(), deltas: true, since_revision: revision, epoch };
+        let mut stream = match NodeRegistryClient::new(ch.clone()).watch_nodes(bearer(req, &token)).await {
+            Ok(s) => s.into_inner(),
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        while let Ok(Some(m)) = stream.message().await {
+            sh.bytes.fetch_add(m.encoded_len() as u64, Ordering::Relaxed);
+            sh.messages.fetch_add(1, Ordering::Relaxed);
+            if m.snapshot {
+                sh.snapshots.fetch_add(1, Ordering::Relaxed);
+                bits.iter_mut().for_each(|w| *w = 0);
+                for n in &m.nodes {
+                    if let Some(&i) = sh.names.get(&n.name) {
+                        bits[i / 64] |= 1 << (i % 64);
+                    }
+                }
+                (epoch, revision) = (m.epoch, m.revision);
+            } else if m.epoch != epoch || m.base_revision != revision {
+                sh.gaps.fetch_add(1, Ordering::Relaxed);
+                (epoch, revision) = (0, 0);
+                break;
+            } else {
+                for n in &m.removed {
+                    if let Some(&i) = sh.names.get(n) {
+                        bits[i / 64] &= !(1 << (i % 64));
+                    }
+                }
+                for n in &m.nodes {
+                    if let Some(&i) = sh.names.get(&n.name) {
+                        bits[i / 64] |= 1 << (i % 64);
+                    }
+                }
+                revision = m.revision;
+            }
+            sh.views.lock().unwrap()[slot].clone_from(&bits);
+            if let Some(r) = ready.take() {
+                sh.watching.fetch_add(1, Ordering::SeqCst);
+                let _ = r.send(());
+            }
+            sh.observe(&bits, &mut last);
+        }
+    }
+}
+
+fn pctl(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i]
+}
+
+fn r3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// (RSS in MiB, CPU seconds) of a process.
+fn usage(pid: Option<u32>) -> (f64, f64) {
+    let Some(pid) = pid else { return (0.0, 0.0) };
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss_kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0);
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let cpu = (f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)) / ticks;
+    (rss_kib / 1024.0, cpu)
+}
+
+fn main() {
+    let args = Args::parse();
+    if args.index_offset + args.nodes + args.joins > 62_000 {
+        eprintln!("scale_load: --index-offset + --nodes + --joins must stay below 62,000 (198.18.0.0/16; 198.19/16 is the test underlay)");
+        std::process::exit(2);
+    }
+    OFFSET.store(args.index_offset, Ordering::Relaxed);
+    let cfg = Config::load(&args.config).unwrap_or_else(|e| {
+        eprintln!("scale_load: {e}");
+        std::process::exit(2)
+    });
+    let secret = std::fs::read(&cfg.secret_file).unwrap_or_else(|e| {
+        eprintln!("scale_load: reading {}: {e} (has the controller started?)", cfg.secret_file.display());
+        std::process::exit(2)
+    });
+    let authority = Authority::new(secret);
+    let n = args.nodes;
+    let total = n + args.joins;
+    let names: Vec<String> = (0..total)
+        .map(|i| if i < n { format!("{}-{i:05}", args.prefix) } else { format!("{}-join-{:04}", args.prefix, i - n) })
+        .collect();
+    let tokens: Vec<String> = names.iter().map(|n| authority.mint(n)).collect();
+    let sh = Arc::new(Shared {
+        names: names.iter().enumerate().map(|(i, n)| (n.clone(), i)).collect(),
+        words: total.div_ceil(64),
+        event: Mutex::new(None),
+        seen: Mutex::new(Vec::new()),
+        seen_all: tokio::sync::Notify::new(),
+        agents: n,
+        bytes: AtomicU64::new(0),
+        messages: AtomicU64::new(0),
+        snapshots: AtomicU64::new(0),
+        gaps: AtomicU64::new(0),
+        watching: AtomicUsize::new(0),
+        views: Mutex::new(vec![Vec::new(); n]),
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let result: Result<serde_json::Value, String> = rt.block_on(async {
+        let conns = if args.conns == 0 { n.div_ceil(100).max(1) } else { args.conns };
+        let mut chans = Vec::new();
+        for _ in 0..conns {
+            let tls = args.ca_file.clone().map(|ca_file| nodeplane::rpc::tls::ClientFiles { ca_file, ..Default::default() });
+            chans.push(nodeplane::rpc::connect_with(&args.controller, tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?);
+        }
+        let (_, cpu0) = usage(args.controller_pid);
+
+        // 1. Registration of N nodes.
+        let t = Instant::now();
+        let next = Arc::new(AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for _ in 0..args.concurrency.min(n).max(1) {
+            let (next, chans, names, tokens) = (next.clone(), chans.clone(), names.clone(), tokens.clone());
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    if i >= n {
+                        return Ok::<(), String>(());
+                    }
+                    register(&chans[i % chans.len()], &names[i], &tokens[i], i).await?;
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.map_err(|e| e.to_string())??;
+        }
+        let reg_s = t.elapsed().as_secs_f64();
+        let (rss_registered, _) = usage(args.controller_pid);
+        if args.register_only {
+            return Ok(json!({"nodes": n, "registration": {"seconds": r3(reg_s), "per_second": r3(n as f64 / reg_s)}, "failures": []}));
+        }
+
+        // 2. Every agent watching, connecting in waves.
+        let t = Instant::now();
+        let mut waiting = Vec::new();
+        for i in 0..n {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            tokio::spawn(agent(i, chans[i % chans.len()].clone(), names[i].clone(), tokens[i].clone(), sh.clone(), tx));
+            waiting.push(rx);
+            if waiting.len() == args.connect_wave || i == n - 1 {
+                for rx in waiting.drain(..) {
+                    tokio::time::timeout(Duration::from_secs(120), rx).await.map_err(|_| "an agent got no snapshot in 120 s")?.map_err(|_| "agent ended")?;
+                }
+            }
+        }
+        let watch_s = t.elapsed().as_secs_f64();
+        let snapshot_bytes = sh.bytes.load(Ordering::SeqCst);
+        let (rss_watching, _) = usage(args.controller_pid);
+
+        // 3. Joins, then leaves, one at a time: each until every agent has seen it.
+        let mut phases = serde_json::Map::new();
+        let mut failures = Vec::new();
+        let mut rss_peak = rss_watching;
+        let mut ev_id = 0;
+        for (phase, count) in [("join", args.joins), ("leave", args.leaves.min(args.joins))] {
+            let bytes0 = sh.bytes.load(Ordering::SeqCst);
+            let msgs0 = sh.messages.load(Ordering::SeqCst);
+            let mut all_seen = Vec::new();
+            let mut each = Vec::new();
+            for k in 0..count {
+                let i = n + k;
+                ev_id += 1;
+                sh.seen.lock().unwrap().clear();
+                let t0 = Instant::now();
+                *sh.event.lock().unwrap() = Some(Event { id: ev_id, index: i, join: phase == "join", t0 });
+                let ch = &chans[i % chans.len()];
+                if phase == "join" {
+                    register(ch, &names[i], &tokens[i], i).await?;
+                } else {
+                    let req = pb::RemoveNodeRequest { node_name: names[i].clone() };
+                    NodeRegistryClient::new(ch.clone()).remove_node(bearer(req, &tokens[i])).await.map_err(|s| format!("remove {}: {s}", names[i]))?;
+                }
+                let deadline = t0 + Duration::from_secs_f64(args.change_timeout);
+                let all = loop {
+                    let notified = sh.seen_all.notified();
+                    if sh.seen.lock().unwrap().len() >= n {
+                        break true;
+                    }
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if tokio::time::timeout(left, notified).await.is_err() {
+                        break false;
+                    }
+                };
+                if !all {
+                    failures.push(format!("{phase} of {}: seen by {} of {n} agents in {} s", names[i], sh.seen.lock().unwrap().len(), args.change_timeout));
+                    continue;
+                }
+                let seen = sh.seen.lock().unwrap().clone();
+                all_seen.push(seen.iter().max().copied().unwrap_or_default().as_secs_f64() * 1000.0);
+                each.extend(seen.iter().map(|d| d.as_secs_f64() * 1000.0));
+                rss_peak = rss_peak.max(usage(args.controller_pid).0);
+            }
+            *sh.event.lock().unwrap() = None;
+            all_seen.sort_by(f64::total_cmp);
+            each.sort_by(f64::total_cmp);
+            let bytes = sh.bytes.load(Ordering::SeqCst) - bytes0;
+            let msgs = sh.messages.load(Ordering::SeqCst) - msgs0;
+            phases.insert(
+                phase.to_string(),
+                json!({
+                    "changes": count,
+                    "all_agents_ms": {"median": r3(pctl(&all_seen, 0.5)), "p99": r3(pctl(&all_seen, 0.99)), "max": r3(all_seen.last().copied().unwrap_or(0.0))},
+                    "one_agent_ms": {"median": r3(pctl(&each, 0.5)), "p99": r3(pctl(&each, 0.99))},
+                    "bytes_per_change_per_agent": r3(bytes as f64 / (count.max(1) * n) as f64),
+                    "messages_per_change_per_agent": r3(msgs as f64 / (count.max(1) * n) as f64),
+                }),
+            );
+        }
+        let (rss_end, cpu_end) = usage(args.controller_pid);
+
+        // 4. Every agent's view = the controller's membership (the names this tool made).
+        let mut ch = NodeRegistryClient::new(chans[0].clone());
+        let req = pb::WatchNodesRequest { node_name: names[0].clone(), deltas: true, ..Default::default() };
+        let mut s = ch.watch_nodes(bearer(req, &tokens[0])).await.map_err(|e| e.to_string())?.into_inner();
+        let snap = s.message().await.map_err(|e| e.to_string())?.ok_or("no snapshot")?;
+        let mut want = vec![0u64; sh.words];
+        for node in &snap.nodes {
+            if let Some(&i) = sh.names.get(&node.name) {
+                want[i / 64] |= 1 << (i % 64);
+            }
+        }
+        // The last delta may still be on its way to some agents.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let equal = loop {
+            let equal = sh.views.lock().unwrap().iter().filter(|v| **v == want).count();
+            if equal == n || Instant::now() > deadline {
+                break equal;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        if equal != n {
+            failures.push(format!("{} of {n} agents' views differ from the controller's", n - equal));
+        }
+        Ok(json!({
+            "nodes": n,
+            "connections": conns,
+            "registration": {"seconds": r3(reg_s), "per_second": r3(n as f64 / reg_s)},
+            "watching": {"seconds": r3(watch_s), "snapshot_bytes_per_agent": r3(snapshot_bytes as f64 / n as f64)},
+            "phases": phases,
+            "snapshots": sh.snapshots.load(Ordering::SeqCst),
+            "gaps": sh.gaps.load(Ordering::SeqCst),
+            "views_equal": equal,
+            "controller": {
+                "rss_mib_registered": r3(rss_registered),
+                "rss_mib_watching": r3(rss_watching),
+                "rss_mib_peak": r3(rss_peak.max(rss_end)),
+                "cpu_seconds": r3(cpu_end - cpu0),
+            },
+            "failures": failures,
+        }))
+    });
+    match result {
+        Ok(v) => {
+            let failed = !v["failures"].as_array().is_none_or(|f| f.is_empty());
+            println!("{v}");
+            // Agents' streams are still open: leave without waiting for them.
+            std::process::exit(i32::from(failed));
+        }
+        Err(e) => {
+            eprintln!("scale_load: {e}");
+            std::process::exit(1);
+        }
+    }
+}
