@@ -142,6 +142,7 @@ async fn agent(slot: usize, ch: tonic::transport::Channel, name: String, token: 
     let mut bits = vec![0u64; sh.words];
     let mut last = 0u64;
     loop {
+        let mut in_snapshot = false;
         let req = pb::WatchNodesRequest { node_name: name.clone(), deltas: true, since_revision: revision, epoch };
         let mut stream = match NodeRegistryClient::new(ch.clone()).watch_nodes(bearer(req, &token)).await {
             Ok(s) => s.into_inner(),
@@ -154,12 +155,19 @@ async fn agent(slot: usize, ch: tonic::transport::Channel, name: String, token: 
             sh.bytes.fetch_add(m.encoded_len() as u64, Ordering::Relaxed);
             sh.messages.fetch_add(1, Ordering::Relaxed);
             if m.snapshot {
-                sh.snapshots.fetch_add(1, Ordering::Relaxed);
-                bits.iter_mut().for_each(|w| *w = 0);
+                // In parts: the view is replaced from the first part on, complete at the last.
+                if !in_snapshot {
+                    sh.snapshots.fetch_add(1, Ordering::Relaxed);
+                    bits.iter_mut().for_each(|w| *w = 0);
+                }
                 for n in &m.nodes {
                     if let Some(&i) = sh.names.get(&n.name) {
                         bits[i / 64] |= 1 << (i % 64);
                     }
+                }
+                in_snapshot = m.more;
+                if in_snapshot {
+                    continue;
                 }
                 (epoch, revision) = (m.epoch, m.revision);
             } else if m.epoch != epoch || m.base_revision != revision {
@@ -371,11 +379,16 @@ fn main() {
         let mut ch = NodeRegistryClient::new(chans[0].clone());
         let req = pb::WatchNodesRequest { node_name: names[0].clone(), deltas: true, ..Default::default() };
         let mut s = ch.watch_nodes(bearer(req, &tokens[0])).await.map_err(|e| e.to_string())?.into_inner();
-        let snap = s.message().await.map_err(|e| e.to_string())?.ok_or("no snapshot")?;
         let mut want = vec![0u64; sh.words];
-        for node in &snap.nodes {
-            if let Some(&i) = sh.names.get(&node.name) {
-                want[i / 64] |= 1 << (i % 64);
+        loop {
+            let part = s.message().await.map_err(|e| e.to_string())?.ok_or("no snapshot")?;
+            for node in &part.nodes {
+                if let Some(&i) = sh.names.get(&node.name) {
+                    want[i / 64] |= 1 << (i % 64);
+                }
+            }
+            if !part.more {
+                break;
             }
         }
         // The last delta may still be on its way to some agents.

@@ -143,6 +143,8 @@ pub struct Members {
     pub epoch: u64,
     pub revision: u64,
     pub nodes: std::collections::BTreeMap<String, pb::Node>,
+    /// The parts of a snapshot received so far (it replaces the view with its last part).
+    pending: Option<Vec<pb::Node>>,
 }
 
 /// What one message of the membership stream means for the routes.
@@ -152,6 +154,8 @@ pub enum Applied {
     Snapshot,
     /// Peers added or changed, and names removed.
     Delta { changed: Vec<pb::Node>, removed: Vec<String> },
+    /// A part of a snapshot, more to come: nothing to do yet.
+    Partial,
 }
 
 impl Members {
@@ -160,10 +164,20 @@ impl Members {
     pub fn apply(&mut self, m: pb::NodeList) -> Result<Applied, String> {
         // Epoch 0: a controller older than deltas, whose every message is the complete list.
         if m.snapshot || m.epoch == 0 {
-            self.nodes = m.nodes.into_iter().map(|n| (n.name.clone(), n)).collect();
+            let mut nodes = self.pending.take().unwrap_or_default();
+            nodes.extend(m.nodes);
+            if m.more {
+                self.pending = Some(nodes);
+                return Ok(Applied::Partial);
+            }
+            self.nodes = nodes.into_iter().map(|n| (n.name.clone(), n)).collect();
             self.epoch = m.epoch;
             self.revision = m.revision;
             return Ok(Applied::Snapshot);
+        }
+        if self.pending.is_some() {
+            *self = Members::default();
+            return Err("a delta in the middle of a snapshot".into());
         }
         if m.epoch != self.epoch || m.base_revision != self.revision || self.revision == 0 {
             let why = format!(
@@ -250,7 +264,7 @@ impl Client {
             let t = std::time::Instant::now();
             let kind = match &what {
                 Some(Applied::Delta { .. }) => "delta",
-                Some(Applied::Snapshot) => "snapshot",
+                Some(Applied::Snapshot | Applied::Partial) => "snapshot",
                 None => "audit",
             };
             let report = match what {
@@ -258,7 +272,7 @@ impl Client {
                     let changed: Vec<pb::Node> = changed.into_iter().filter(|n| n.name != me.cfg.node_name).collect();
                     r.update(peers_of(&me.cfg.node_name, &changed), &removed)
                 }
-                Some(Applied::Snapshot) => {
+                Some(Applied::Snapshot | Applied::Partial) => {
                     let nodes: Vec<pb::Node> = me.members.lock().unwrap().nodes.values().cloned().collect();
                     r.sync(&peers_of(&me.cfg.node_name, &nodes))
                 }
@@ -360,6 +374,7 @@ impl Client {
                     }
                 };
                 let own = match &applied {
+                    Applied::Partial => continue,
                     Applied::Snapshot => self.members.lock().unwrap().nodes.get(&me).cloned().ok_or(()),
                     Applied::Delta { changed, removed } => match changed.iter().find(|n| n.name == me) {
                         Some(n) => Ok(n.clone()),
@@ -475,6 +490,17 @@ mod tests {
         m.apply(snap.clone()).unwrap();
         let other_epoch = pb::NodeList { epoch: 8, base_revision: 5, revision: 6, ..Default::default() };
         assert!(m.apply(other_epoch).is_err());
+        m.apply(snap.clone()).unwrap();
+        // A snapshot in parts replaces the view at its last part.
+        let part = |names: &[&str], more: bool| pb::NodeList {
+            snapshot: true, epoch: 9, revision: 20, more,
+            nodes: names.iter().map(|n| node(n, "192.0.2.1")).collect(), ..Default::default()
+        };
+        assert_eq!(m.apply(part(&["p", "q"], true)).unwrap(), Applied::Partial);
+        assert_eq!(m.nodes.keys().collect::<Vec<_>>(), ["a", "b"], "unchanged until the last part");
+        assert_eq!(m.apply(part(&["r"], false)).unwrap(), Applied::Snapshot);
+        assert_eq!(m.nodes.keys().collect::<Vec<_>>(), ["p", "q", "r"]);
+        assert_eq!((m.epoch, m.revision), (9, 20));
         // A controller older than deltas (epoch 0): every message is the complete list.
         let old = pb::NodeList { revision: 3, nodes: vec![node("z", "192.0.2.26")], ..Default::default() };
         assert_eq!(m.apply(old).unwrap(), Applied::Snapshot);

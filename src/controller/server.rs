@@ -54,6 +54,8 @@ pub fn to_pb(r: &NodeRecord) -> pb::Node {
 
 /// Membership snapshots being built and queued at once (see `do_watch_nodes`).
 static SNAPSHOTS_IN_FLIGHT: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(16);
+/// Nodes per part of a snapshot sent to a client with deltas (about 20 KB).
+const SNAPSHOT_PART: usize = 256;
 
 fn node_list(s: &Snapshot, epoch: u64) -> pb::NodeList {
     pb::NodeList {
@@ -310,7 +312,26 @@ impl Service {
                         // of every agent does not hold one copy per agent at once.
                         let Ok(_permit) = SNAPSHOTS_IN_FLIGHT.acquire().await else { return };
                         at = snap.revision;
-                        tx.send(Ok(node_list(&snap, epoch))).await
+                        // In parts: a long-lived stream keeps an encoding buffer as large as
+                        // its largest message.
+                        let parts = snap.nodes.len().div_ceil(SNAPSHOT_PART).max(1);
+                        let mut sent = Ok(());
+                        for i in 0..parts {
+                            let nodes = snap.nodes.iter().skip(i * SNAPSHOT_PART).take(SNAPSHOT_PART);
+                            let part = pb::NodeList {
+                                nodes: nodes.map(to_pb).collect(),
+                                revision: snap.revision,
+                                snapshot: true,
+                                epoch,
+                                more: i + 1 < parts,
+                                ..Default::default()
+                            };
+                            sent = tx.send(Ok(part)).await;
+                            if sent.is_err() {
+                                break;
+                            }
+                        }
+                        sent
                     }
                     Start::Changes(changes) => {
                         let d = delta(at, &changes, epoch);

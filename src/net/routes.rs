@@ -398,6 +398,14 @@ pub fn plan(cfg: &RouteConfig, local: &LocalView, peers: &[PeerNode]) -> Plan {
 
 fn plan_of<'a>(cfg: &RouteConfig, local: &LocalView, peers: impl Iterator<Item = &'a PeerNode>) -> Plan {
     let mut out = Plan::default();
+    plan_into(cfg, local, &mut out, peers);
+    out
+}
+
+/// Plan `peers` into `out`, which may already hold other peers' entries (a block or VTEP
+/// MAC they hold is not given to these: the next complete sync decides such a conflict by
+/// name order, as [`plan`] does).
+fn plan_into<'a>(cfg: &RouteConfig, local: &LocalView, out: &mut Plan, peers: impl Iterator<Item = &'a PeerNode>) {
     let mut sorted: Vec<&PeerNode> = peers.collect();
     sorted.sort_by(|a, b| a.name.cmp(&b.name));
     let tunnel_v6 = cfg.local_underlay.is_ipv6();
@@ -499,7 +507,6 @@ fn plan_of<'a>(cfg: &RouteConfig, local: &LocalView, peers: impl Iterator<Item =
             out.routes.insert(block, route);
         }
     }
-    out
 }
 
 /// The kernel objects this module owns, as found.
@@ -668,6 +675,73 @@ pub fn diff(plan: &Plan, current: &Current, vxlan_index: Option<u32>) -> Vec<Op>
     ops.extend(dels_neigh);
     ops.extend(dels_fdb);
     ops
+}
+
+impl Plan {
+    /// The keys a peer's entries can have: its (normalized) blocks, their gateways, its MAC.
+    fn keys_of(peer: &PeerNode) -> (Vec<IpNetwork>, Vec<IpAddr>) {
+        let blocks: Vec<IpNetwork> = peer.blocks.iter().map(|b| normalize(*b)).collect();
+        let gateways = blocks.iter().filter_map(|b| Block::new(*b).ok().map(|b| b.gateway())).collect();
+        (blocks, gateways)
+    }
+
+    /// Take the entries of `peers` out of the plan (as a plan of their own), found by their
+    /// keys: O(their entries), not O(plan).
+    fn take_entries(&mut self, peers: &[PeerNode]) -> Plan {
+        let mut out = Plan::default();
+        for p in peers {
+            let (blocks, gateways) = Self::keys_of(p);
+            for b in blocks {
+                if self.routes.get(&b).is_some_and(|r| r.peer == p.name) {
+                    out.routes.extend(self.routes.remove_entry(&b));
+                }
+            }
+            for g in gateways {
+                if self.neigh.get(&g).is_some_and(|v| v.1 == p.name) {
+                    out.neigh.extend(self.neigh.remove_entry(&g));
+                }
+            }
+            if let Some(mac) = p.vtep_mac
+                && self.fdb.get(&mac).is_some_and(|v| v.1 == p.name)
+            {
+                out.fdb.extend(self.fdb.remove_entry(&mac));
+            }
+        }
+        let names: Vec<&str> = peers.iter().map(|p| p.name.as_str()).collect();
+        self.unroutable.retain(|u| {
+            let ours = names.contains(&u.peer.as_str());
+            if ours {
+                out.unroutable.push(u.clone());
+            }
+            !ours
+        });
+        out
+    }
+
+    /// A copy of the entries of `peers`.
+    fn copy_entries(&self, peers: &[&PeerNode]) -> Plan {
+        let mut out = Plan::default();
+        for p in peers {
+            let (blocks, gateways) = Self::keys_of(p);
+            for b in blocks {
+                if let Some(r) = self.routes.get(&b).filter(|r| r.peer == p.name) {
+                    out.routes.insert(b, r.clone());
+                }
+            }
+            for g in gateways {
+                if let Some(v) = self.neigh.get(&g).filter(|v| v.1 == p.name) {
+                    out.neigh.insert(g, v.clone());
+                }
+            }
+            if let Some(mac) = p.vtep_mac
+                && let Some(v) = self.fdb.get(&mac).filter(|v| v.1 == p.name)
+            {
+                out.fdb.insert(mac, v.clone());
+            }
+        }
+        out.unroutable = self.unroutable.iter().filter(|u| peers.iter().any(|p| p.name == u.peer)).cloned().collect();
+        out
+    }
 }
 
 /// The route entry a planned route was installed as (for removing it without a dump).
@@ -916,20 +990,29 @@ impl Routes {
     /// as the few kernel changes it implies, planned against the last complete sync (no
     /// kernel dump); without one, or when a change fails, a complete sync.
     pub fn update(&mut self, changed: Vec<PeerNode>, removed: &[String]) -> Result<SyncReport, RoutesError> {
+        // The touched peers as they were (their entries in the plan in force) and are.
+        let mut was = Vec::new();
         for name in removed {
-            self.peers.remove(name);
+            was.extend(self.peers.remove(name));
         }
+        let changed_names: Vec<String> = changed.iter().map(|p| p.name.clone()).collect();
         for p in changed {
-            self.peers.insert(p.name.clone(), p);
+            was.extend(self.peers.insert(p.name.clone(), p));
         }
-        let Some((local, old)) = self.applied.take() else {
+        let Some((local, mut plan)) = self.applied.take() else {
             return self.resync();
         };
         let vxlan_index = self.vtep.map(|(i, _)| i);
-        let new = plan_of(&self.cfg, &local, self.peers.values());
-        let ops = plan_diff(&old, &new, vxlan_index);
+        // Take the touched peers' entries out of the plan in force, plan those peers again
+        // into it, and change the kernel by the difference: O(peers) in memory, a few
+        // kernel calls.
+        let before = plan.take_entries(&was);
+        let again: Vec<&PeerNode> = changed_names.iter().filter_map(|n| self.peers.get(n)).collect();
+        plan_into(&self.cfg, &local, &mut plan, again.iter().copied());
+        let after = plan.copy_entries(&again);
+        let ops = plan_diff(&before, &after, vxlan_index);
         let mut report = SyncReport {
-            unroutable: new.unroutable.iter().filter(|u| !old.unroutable.contains(u)).cloned().collect(),
+            unroutable: after.unroutable.clone(),
             vtep_mac: self.vtep.map(|(_, m)| m),
             ..Default::default()
         };
@@ -947,8 +1030,8 @@ impl Routes {
             tracing::warn!(failures = failures.len(), "route delta incomplete; syncing completely");
             return self.resync();
         }
-        report.routed = new.routes.values().cloned().collect();
-        self.applied = Some((local, new));
+        report.routed = after.routes.into_values().collect();
+        self.applied = Some((local, plan));
         Ok(report)
     }
 
