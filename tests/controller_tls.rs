@@ -320,7 +320,7 @@ async fn client_certificates_act_for_their_node_only() {
     );
     denied(c.watch_nodes(tonic::Request::new(pb::WatchNodesRequest { node_name: b.clone(), ..Default::default() })).await.map(|_| ()), "WatchNodes");
     denied(c.remove_node(tonic::Request::new(pb::RemoveNodeRequest { node_name: b.clone() })).await.map(|_| ()), "RemoveNode");
-    denied(c.watch_volumes(tonic::Request::new(pb::WatchVolumesRequest { node_name: b.clone() })).await.map(|_| ()), "WatchVolumes");
+    denied(c.watch_volumes(tonic::Request::new(pb::WatchVolumesRequest { node_name: b.clone(), ..Default::default() })).await.map(|_| ()), "WatchVolumes");
     denied(
         c.report_volumes(tonic::Request::new(pb::ReportVolumesRequest { node_name: b.clone(), ..Default::default() }))
             .await

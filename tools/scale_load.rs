@@ -4,6 +4,11 @@
 //! not follow the view asks for a snapshot again). Then joins and leaves, one at a time, and
 //! what follows is measured: registration rate, how long until every simulated agent has
 //! seen a change, the bytes each agent received per change, the controller's RSS and CPU.
+//! With `--volumes K`, every agent also follows its node's `WatchVolumes` stream (deltas)
+//! and answers like a node whose store makes and removes what it is asked for
+//! (`ReportVolumes`); then K volumes are created and deleted through the controller's CSI
+//! socket, one at a time: the call latency and how many volume-stream messages (and bytes)
+//! all agents together received per change, which must not grow with N.
 //!
 //!     target/release/examples/scale_load --controller unix:/tmp/x/controller.sock \
 //!         --config /tmp/x/controller.json --nodes 5000 --joins 100 --leaves 100
@@ -68,6 +73,9 @@ struct Args {
     /// not share them).
     #[arg(long, default_value_t = 0)]
     index_offset: usize,
+    /// Volumes created and deleted through the controller's CSI socket (0: no volume phase).
+    #[arg(long, default_value_t = 0)]
+    volumes: usize,
 }
 
 static OFFSET: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -95,6 +103,9 @@ struct Shared {
     gaps: AtomicU64,
     watching: AtomicUsize,
     views: Mutex<Vec<Vec<u64>>>,
+    vol_bytes: AtomicU64,
+    vol_messages: AtomicU64,
+    vol_complete: AtomicU64,
 }
 
 impl Shared {
@@ -197,6 +208,65 @@ async fn agent(slot: usize, ch: tonic::transport::Channel, name: String, token: 
     }
 }
 
+/// One simulated node's volume side: follow its desired set (deltas, kept across
+/// reconnects like the agent keeps it) and report a store that holds exactly the present
+/// volumes, after every message.
+async fn volume_agent(ch: tonic::transport::Channel, name: String, token: String, sh: Arc<Shared>, ready: tokio::sync::oneshot::Sender<()>) {
+    const CAPACITY: u64 = 1 << 40;
+    let mut ready = Some(ready);
+    let mut view = nodeplane::agent::volume_sync::DesiredView::default();
+    let mut client = NodeRegistryClient::new(ch);
+    loop {
+        let (since_revision, epoch) = view.resume();
+        let req = pb::WatchVolumesRequest { node_name: name.clone(), deltas: true, since_revision, epoch };
+        let mut stream = match client.watch_volumes(bearer(req, &token)).await {
+            Ok(s) => s.into_inner(),
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        while let Ok(Some(m)) = stream.message().await {
+            sh.vol_bytes.fetch_add(m.encoded_len() as u64, Ordering::Relaxed);
+            sh.vol_messages.fetch_add(1, Ordering::Relaxed);
+            sh.vol_complete.fetch_add(u64::from(m.complete), Ordering::Relaxed);
+            if view.apply(m).is_err() {
+                sh.gaps.fetch_add(1, Ordering::Relaxed);
+                break;
+            }
+            let set = view.set();
+            let volumes: Vec<pb::VolumeState> = set
+                .volumes
+                .iter()
+                .filter(|d| d.present)
+                .map(|d| pb::VolumeState {
+                    id: d.id.clone(),
+                    size_bytes: d.size_bytes,
+                    fs_type: d.fs_type.clone(),
+                    backing_file_present: true,
+                    name: d.name.clone(),
+                    ..Default::default()
+                })
+                .collect();
+            let used: u64 = volumes.iter().map(|v| v.size_bytes).sum();
+            let report = pb::ReportVolumesRequest {
+                node_name: name.clone(),
+                capacity_bytes: CAPACITY,
+                available_bytes: CAPACITY.saturating_sub(used),
+                volumes,
+                revision: set.revision,
+                ..Default::default()
+            };
+            if client.report_volumes(bearer(report, &token)).await.is_err() {
+                break;
+            }
+            if let Some(r) = ready.take() {
+                let _ = r.send(());
+            }
+        }
+    }
+}
+
 fn pctl(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -224,6 +294,81 @@ fn usage(pid: Option<u32>) -> (f64, f64) {
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let cpu = (f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)) / ticks;
     (rss_kib / 1024.0, cpu)
+}
+
+async fn volume_phase(
+    args: &Args,
+    cfg: &Config,
+    chans: &[tonic::transport::Channel],
+    names: &[String],
+    tokens: &[String],
+    sh: &Arc<Shared>,
+    failures: &mut Vec<String>,
+) -> Result<serde_json::Value, String> {
+    use nodeplane::rpc::csi;
+    let n = names.len();
+    let t = Instant::now();
+    let mut waiting = Vec::new();
+    for i in 0..n {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(volume_agent(chans[i % chans.len()].clone(), names[i].clone(), tokens[i].clone(), sh.clone(), tx));
+        waiting.push(rx);
+        if waiting.len() == args.connect_wave || i == n - 1 {
+            for rx in waiting.drain(..) {
+                tokio::time::timeout(Duration::from_secs(120), rx).await.map_err(|_| "a volume stream got no set in 120 s")?.map_err(|_| "volume agent ended")?;
+            }
+        }
+    }
+    let open_s = t.elapsed().as_secs_f64();
+    let csi_ch = nodeplane::rpc::connect_with(&format!("unix:{}", cfg.csi_socket.display()), None).await?;
+    let mut ctl = csi::controller_client::ControllerClient::new(csi_ch);
+    let cap = csi::VolumeCapability {
+        access_mode: Some(csi::volume_capability::AccessMode { mode: csi::volume_capability::access_mode::Mode::SingleNodeWriter as i32 }),
+        access_type: Some(csi::volume_capability::AccessType::Mount(csi::volume_capability::MountVolume { fs_type: "ext4".into(), ..Default::default() })),
+    };
+    let (m0, b0) = (sh.vol_messages.load(Ordering::SeqCst), sh.vol_bytes.load(Ordering::SeqCst));
+    let (mut create_ms, mut delete_ms, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+    for k in 0..args.volumes {
+        // Spread over the nodes: each volume preferring another one.
+        let node = &names[(k * 7919) % n];
+        let pref = csi::Topology { segments: [(nodeplane::storage::csi::TOPOLOGY_KEY.to_string(), node.clone())].into_iter().collect() };
+        let req = csi::CreateVolumeRequest {
+            name: format!("{}-vol-{k:04}", args.prefix),
+            capacity_range: Some(csi::CapacityRange { required_bytes: 1 << 30, limit_bytes: 0 }),
+            volume_capabilities: vec![cap.clone()],
+            accessibility_requirements: Some(csi::TopologyRequirement { requisite: vec![], preferred: vec![pref] }),
+            ..Default::default()
+        };
+        let t0 = Instant::now();
+        match ctl.create_volume(req).await {
+            Ok(r) => {
+                create_ms.push(t0.elapsed().as_secs_f64() * 1000.0);
+                ids.push(r.into_inner().volume.unwrap_or_default().volume_id);
+            }
+            Err(s) => failures.push(format!("CreateVolume {k}: {s}")),
+        }
+    }
+    for id in ids {
+        let t0 = Instant::now();
+        match ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: id.clone(), ..Default::default() }).await {
+            Ok(_) => delete_ms.push(t0.elapsed().as_secs_f64() * 1000.0),
+            Err(s) => failures.push(format!("DeleteVolume {id}: {s}")),
+        }
+    }
+    // Two changes of the desired set per volume (placed, ready) and per delete (going, gone).
+    let changes = (4 * create_ms.len()).max(1) as f64;
+    let (msgs, bytes) = (sh.vol_messages.load(Ordering::SeqCst) - m0, sh.vol_bytes.load(Ordering::SeqCst) - b0);
+    create_ms.sort_by(f64::total_cmp);
+    delete_ms.sort_by(f64::total_cmp);
+    Ok(json!({
+        "volumes": args.volumes,
+        "streams_open_seconds": r3(open_s),
+        "create_ms": {"median": r3(pctl(&create_ms, 0.5)), "p99": r3(pctl(&create_ms, 0.99))},
+        "delete_ms": {"median": r3(pctl(&delete_ms, 0.5)), "p99": r3(pctl(&delete_ms, 0.99))},
+        "stream_messages_per_change_all_agents": r3(msgs as f64 / changes),
+        "stream_bytes_per_change_all_agents": r3(bytes as f64 / changes),
+        "complete_sets_after_open": sh.vol_complete.load(Ordering::SeqCst).saturating_sub(n as u64),
+    }))
 }
 
 fn main() {
@@ -261,6 +406,9 @@ fn main() {
         gaps: AtomicU64::new(0),
         watching: AtomicUsize::new(0),
         views: Mutex::new(vec![Vec::new(); n]),
+        vol_bytes: AtomicU64::new(0),
+        vol_messages: AtomicU64::new(0),
+        vol_complete: AtomicU64::new(0),
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let result: Result<serde_json::Value, String> = rt.block_on(async {
@@ -373,6 +521,12 @@ fn main() {
                 }),
             );
         }
+        // 3b. Volumes: every agent follows its node's volume set; K created and deleted.
+        let mut volumes = serde_json::Value::Null;
+        if args.volumes > 0 {
+            volumes = volume_phase(&args, &cfg, &chans, &names[..n], &tokens[..n], &sh, &mut failures).await?;
+            rss_peak = rss_peak.max(usage(args.controller_pid).0);
+        }
         let (rss_end, cpu_end) = usage(args.controller_pid);
 
         // 4. Every agent's view = the controller's membership (the names this tool made).
@@ -409,6 +563,7 @@ fn main() {
             "registration": {"seconds": r3(reg_s), "per_second": r3(n as f64 / reg_s)},
             "watching": {"seconds": r3(watch_s), "snapshot_bytes_per_agent": r3(snapshot_bytes as f64 / n as f64)},
             "phases": phases,
+            "volumes": volumes,
             "snapshots": sh.snapshots.load(Ordering::SeqCst),
             "gaps": sh.gaps.load(Ordering::SeqCst),
             "views_equal": equal,

@@ -2,11 +2,14 @@
 //! (`WatchVolumes`), converge the node-local store on it, and report what the store holds
 //! (`ReportVolumes`) after every change and periodically.
 //!
-//! Every message is the complete desired set, so a reconnect re-syncs completely. Volumes
+//! The stream brings the node's complete set first, then only what changed (deltas naming
+//! the revision they apply to); the agent keeps the set across reconnects and resumes from
+//! its revision, and a delta that does not apply to what it holds makes it ask for the
+//! complete set again. Reconciles always work on the complete set ([`DesiredView`]). Volumes
 //! the store holds but the set does not list are orphans: reported, and reclaimed once they
 //! have been orphans for the controller's grace period (never while attached).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,6 +23,77 @@ use crate::rpc::controller::node_registry_client::NodeRegistryClient;
 use crate::storage::csi::snapshot::Taken;
 use crate::storage::store::{FsType, Source, VolumeError};
 use crate::sys::loopdev;
+
+/// The node's desired set as the controller's stream built it up.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct DesiredView {
+    /// A complete set has arrived (in this epoch).
+    have: bool,
+    epoch: u64,
+    revision: u64,
+    orphan_grace_seconds: u64,
+    volumes: BTreeMap<String, pb::DesiredVolume>,
+    snapshots: BTreeMap<String, pb::DesiredSnapshot>,
+}
+
+impl DesiredView {
+    /// Take one message of the stream. A complete set (or any set from a controller that
+    /// sends no epoch: an older one, whose every message is complete) replaces the view; a
+    /// delta applies only to the view of its epoch at exactly its base revision. Otherwise
+    /// the view is dropped and the error says why (the caller watches again from nothing).
+    pub fn apply(&mut self, set: pb::VolumeSet) -> Result<(), String> {
+        if set.complete || set.epoch == 0 {
+            *self = DesiredView {
+                have: true,
+                epoch: set.epoch,
+                revision: set.revision,
+                orphan_grace_seconds: set.orphan_grace_seconds,
+                volumes: set.volumes.into_iter().map(|v| (v.id.clone(), v)).collect(),
+                snapshots: set.snapshots.into_iter().map(|s| (s.id.clone(), s)).collect(),
+            };
+            return Ok(());
+        }
+        if !self.have || set.epoch != self.epoch || set.base_revision != self.revision {
+            let why = format!(
+                "volume delta for revision {} of epoch {:x} does not apply to the set held (revision {} of epoch {:x}, complete: {})",
+                set.base_revision, set.epoch, self.revision, self.epoch, self.have
+            );
+            *self = DesiredView::default();
+            return Err(why);
+        }
+        for id in &set.removed {
+            self.volumes.remove(id);
+            self.snapshots.remove(id);
+        }
+        for v in set.volumes {
+            self.volumes.insert(v.id.clone(), v);
+        }
+        for s in set.snapshots {
+            self.snapshots.insert(s.id.clone(), s);
+        }
+        self.revision = set.revision;
+        self.orphan_grace_seconds = set.orphan_grace_seconds;
+        Ok(())
+    }
+
+    /// What to ask the controller for: (revision held, its epoch), or (0, 0) for everything.
+    pub fn resume(&self) -> (u64, u64) {
+        if self.have { (self.revision, self.epoch) } else { (0, 0) }
+    }
+
+    /// The complete set held.
+    pub fn set(&self) -> pb::VolumeSet {
+        pb::VolumeSet {
+            volumes: self.volumes.values().cloned().collect(),
+            snapshots: self.snapshots.values().cloned().collect(),
+            revision: self.revision,
+            orphan_grace_seconds: self.orphan_grace_seconds,
+            complete: true,
+            epoch: self.epoch,
+            ..Default::default()
+        }
+    }
+}
 
 fn code_of(e: &VolumeError) -> Code {
     match e {
@@ -283,13 +357,22 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, state: &mut SyncState, node
     )
 }
 
-async fn session(cfg: &Config, cc: &ControllerConfig, svc: &Arc<NodeService>, first_orphaned: &mut SyncState, connected: &mut bool) -> Result<(), String> {
+async fn session(
+    cfg: &Config,
+    cc: &ControllerConfig,
+    svc: &Arc<NodeService>,
+    first_orphaned: &mut SyncState,
+    view: &mut DesiredView,
+    connected: &mut bool,
+) -> Result<(), String> {
     let token = read_token(&cc.token_file)?;
     let channel = crate::rpc::connect_with(&cc.address, cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?;
     let mut client = NodeRegistryClient::new(channel);
     let node = cfg.node_name.clone();
+    let (since_revision, epoch) = view.resume();
+    let req = pb::WatchVolumesRequest { node_name: node.clone(), deltas: true, since_revision, epoch };
     let mut stream = client
-        .watch_volumes(authed(pb::WatchVolumesRequest { node_name: node.clone() }, &token)?)
+        .watch_volumes(authed(req, &token)?)
         .await
         .map_err(|s| format!("watch volumes: {:?}: {}", s.code(), s.message()))?
         .into_inner();
@@ -303,7 +386,11 @@ async fn session(cfg: &Config, cc: &ControllerConfig, svc: &Arc<NodeService>, fi
         let periodic = tokio::select! {
             m = stream.message() => {
                 match m {
-                    Ok(Some(set)) => last = Some(set),
+                    // A view that cannot take the message is dropped: watch again from nothing.
+                    Ok(Some(set)) => {
+                        view.apply(set)?;
+                        last = Some(view.set());
+                    }
                     Ok(None) => return Err("controller closed the volume stream".into()),
                     Err(s) => return Err(format!("volume stream: {:?}: {}", s.code(), s.message())),
                 }
@@ -343,10 +430,11 @@ pub async fn run(cfg: Arc<Config>, svc: Arc<NodeService>) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let mut first_orphaned = SyncState::default();
+    let mut view = DesiredView::default();
     let mut backoff = Duration::from_millis(100);
     loop {
         let mut connected = false;
-        if let Err(e) = session(&cfg, &cc, &svc, &mut first_orphaned, &mut connected).await {
+        if let Err(e) = session(&cfg, &cc, &svc, &mut first_orphaned, &mut view, &mut connected).await {
             tracing::warn!(error = %e, "controller volume session ended");
         }
         if connected {
@@ -356,3 +444,44 @@ pub async fn run(cfg: Arc<Config>, svc: Arc<NodeService>) {
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vol(id: &str, size: u64) -> pb::DesiredVolume {
+        pb::DesiredVolume { id: id.into(), size_bytes: size, present: true, name: id.into(), ..Default::default() }
+    }
+
+    fn ids(v: &DesiredView) -> Vec<(String, u64)> {
+        v.set().volumes.into_iter().map(|d| (d.id, d.size_bytes)).collect()
+    }
+
+    #[test]
+    fn the_view_takes_complete_sets_and_deltas_in_order_only() {
+        let mut v = DesiredView::default();
+        assert_eq!(v.resume(), (0, 0));
+        // A delta without a complete set first is refused.
+        let delta = pb::VolumeSet { volumes: vec![vol("c", 1)], revision: 9, base_revision: 7, epoch: 5, ..Default::default() };
+        assert!(v.apply(delta.clone()).is_err());
+        let full = pb::VolumeSet { volumes: vec![vol("a", 1), vol("b", 2)], revision: 7, epoch: 5, complete: true, ..Default::default() };
+        v.apply(full).unwrap();
+        assert_eq!(v.resume(), (7, 5));
+        let delta = pb::VolumeSet { removed: vec!["a".into()], volumes: vec![vol("b", 3), vol("c", 1)], ..delta };
+        v.apply(delta.clone()).unwrap();
+        assert_eq!(ids(&v), vec![("b".to_string(), 3), ("c".to_string(), 1)]);
+        assert_eq!(v.resume(), (9, 5));
+        // The same delta again (a repeat) or one of another epoch: dropped, start over.
+        let mut again = v.clone();
+        assert!(again.apply(delta.clone()).unwrap_err().contains("does not apply"));
+        assert_eq!((again.resume(), ids(&again)), ((0, 0), vec![]));
+        let other = pb::VolumeSet { epoch: 6, base_revision: 9, revision: 10, ..Default::default() };
+        assert!(v.clone().apply(other).is_err());
+        // An older controller (no epoch): every message is complete.
+        let old = pb::VolumeSet { volumes: vec![vol("z", 4)], revision: 3, ..Default::default() };
+        v.apply(old).unwrap();
+        assert_eq!(ids(&v), vec![("z".to_string(), 4)]);
+        assert_eq!(v.resume(), (3, 0));
+    }
+}
+

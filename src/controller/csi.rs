@@ -292,7 +292,7 @@ impl ControllerService {
             .map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
         // Node failures count only from reconciles of a desired set that holds this call's
         // change (a report computed against an older set may still arrive after it).
-        let since = self.book.revision();
+        let since = self.book.revision_of(&rec.node);
         if !created {
             // Same name: compatible → the same volume; otherwise ALREADY_EXISTS.
             let range_ok = r.capacity_range.as_ref().is_none_or(|c| {
@@ -352,7 +352,7 @@ impl ControllerService {
         if rec.state == VolState::Deleting {
             return Err(CsiError::new(Code::Aborted, format!("snapshot {:?} is being deleted; retry", r.name)));
         }
-        let since = self.book.revision();
+        let since = self.book.revision_of(&rec.node);
         let id = rec.id.clone();
         // Wait for the node to finish; after op_timeout answer "not ready yet" (the
         // snapshotter calls again until ready_to_use).
@@ -407,7 +407,7 @@ impl ControllerService {
         }
         let (book, did) = (self.book.clone(), id.clone());
         blocking(move || book.begin_delete(&did)).await?;
-        let since = self.book.revision();
+        let since = self.book.revision_of(&v.node);
         self.await_gone(&id, &v.node, since).await.map(|()| csi::DeleteSnapshotResponse {})
     }
 
@@ -466,7 +466,7 @@ impl ControllerService {
         }
         let (book, did) = (self.book.clone(), id.clone());
         tokio::task::spawn_blocking(move || book.begin_delete(&did)).await.map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
-        let since = self.book.revision();
+        let since = self.book.revision_of(&v.node);
         let node = v.node.clone();
         let out = self.await_gone(&id, &node, since).await;
         match out {
@@ -513,7 +513,7 @@ impl ControllerService {
         let grown = tokio::task::spawn_blocking(move || book.begin_expand(&vid, size))
             .await
             .map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
-        let since = self.book.revision();
+        let since = self.book.revision_of(&grown.node);
         let v = match self.await_present(&grown.id, grown.size_bytes, since).await {
             Ok(v) => v,
             Err(e) if !matches!(e.code(), Code::DeadlineExceeded | Code::Unavailable) => {

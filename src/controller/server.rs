@@ -393,17 +393,35 @@ impl Service {
     async fn do_watch_volumes(&self, req: Request<pb::WatchVolumesRequest>) -> Result<Response<VolumeStream>, Status> {
         let node = req.get_ref().node_name.clone();
         self.authorize(&req, &node).await?;
+        let r = req.into_inner();
         let book = self.volumes.clone();
-        let mut rx = book.subscribe_desired();
+        // Woken only by changes of this node's set.
+        let mut rx = book.subscribe_node(&node);
         let mut stopping = self.stopping.clone();
         let (tx, out) = tokio::sync::mpsc::channel(4);
-        tracing::info!(node = %node, "volume stream opened");
+        // The revision the client holds: a resume within this epoch gets what changed since.
+        let mut held = (r.deltas && r.epoch == book.epoch() && r.since_revision > 0).then_some(r.since_revision);
+        tracing::info!(node = %node, deltas = r.deltas, resume = ?held, "volume stream opened");
         tokio::spawn(async move {
             // The node counts as connected (a placement target) while this stream lives.
             let _guard = book.connect(&node);
+            let mut first = true;
             loop {
                 rx.borrow_and_update();
-                if tx.send(Ok(book.desired(&node))).await.is_err() {
+                let next = if r.deltas {
+                    // A slow client is never queued for: it gets what changed since the
+                    // last message it took, however many changes that covers.
+                    let (set, changed) = book.desired_since(&node, held);
+                    held = Some(set.revision);
+                    // The first message always goes (possibly an empty delta: "in sync").
+                    (changed || first).then_some(set)
+                } else {
+                    Some(book.desired(&node))
+                };
+                first = false;
+                if let Some(set) = next
+                    && tx.send(Ok(set)).await.is_err()
+                {
                     break;
                 }
                 tokio::select! {

@@ -8,10 +8,15 @@
 //! node converges on the recorded desired state when it reconnects: a retried CreateVolume
 //! finds the same volume, a retried DeleteVolume finishes the delete.
 //!
-//! Nodes learn their desired set through `WatchVolumes` (the complete set on every change)
-//! and answer with `ReportVolumes`; callers waiting for an outcome are woken by each report.
+//! Nodes learn their desired set through `WatchVolumes` and answer with `ReportVolumes`;
+//! callers waiting for an outcome are woken by each report. Each node's set has its own
+//! revision (the book's revision at the node's last change) and a short log of the ids it
+//! changed, so a change wakes only the streams of the nodes it touches, and an agent that
+//! applies deltas gets the records changed since the revision it holds (or its complete set
+//! when the log no longer reaches back that far, or the book is another epoch). Building a
+//! set costs the node's records (an index by node), never a scan of the cluster's.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -44,20 +49,63 @@ pub struct NodeView {
     pub last_report: Option<Instant>,
 }
 
+/// Changes kept per node for resuming a WatchVolumes stream; an agent further behind gets
+/// its complete set (which costs only that node's records).
+const NODE_LOG: usize = 128;
+
+/// One node's desired-set history.
+struct NodeLog {
+    /// The book's revision at this node's last change (the book's first revision when none).
+    rev: u64,
+    /// Every change after this revision is in `log`; older ones were dropped.
+    floor: u64,
+    /// (revision, id of the volume or snapshot that changed), oldest first.
+    log: VecDeque<(u64, String)>,
+    /// Wakes this node's streams with `rev`.
+    tx: watch::Sender<u64>,
+}
+
+impl NodeLog {
+    fn new(base: u64) -> Self {
+        NodeLog { rev: base, floor: base, log: VecDeque::new(), tx: watch::channel(base).0 }
+    }
+}
+
 struct BookState {
     /// Volumes and snapshots, by id (one id space: a snapshot's id is never a volume's).
     vols: BTreeMap<String, VolumeRecord>,
     by_name: HashMap<(RecordKind, String), String>,
+    /// Ids of the records placed on each node.
+    by_node: HashMap<String, BTreeSet<String>>,
     nodes: HashMap<String, NodeView>,
-    /// Bumped on every change of any node's desired set.
+    /// Bumped on every committed change.
     revision: u64,
+    /// Per node: revision, change log and stream wake-ups (made on first use).
+    logs: HashMap<String, NodeLog>,
 }
+
+impl BookState {
+    fn records_on<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a VolumeRecord> + 'a {
+        self.by_node.get(node).into_iter().flatten().filter_map(|id| self.vols.get(id))
+    }
+
+    fn log_of(&mut self, node: &str) -> &mut NodeLog {
+        self.logs.entry(node.to_string()).or_insert_with(|| NodeLog::new(FIRST_REVISION))
+    }
+
+    fn node_revision(&self, node: &str) -> u64 {
+        self.logs.get(node).map_or(FIRST_REVISION, |l| l.rev)
+    }
+}
+
+/// The book's revision when it opens (it counts from here in each epoch).
+const FIRST_REVISION: u64 = 1;
 
 pub struct VolumeBook {
     backend: Arc<dyn Backend>,
     st: Mutex<BookState>,
-    /// Desired-set revision, for WatchVolumes.
-    desired_tx: watch::Sender<u64>,
+    /// This book instance: revisions are comparable only within one epoch.
+    epoch: u64,
     /// Wakes waiters after every report or record change.
     events_tx: watch::Sender<u64>,
     pub orphan_grace: Duration,
@@ -160,19 +208,29 @@ impl VolumeBook {
     pub fn open(backend: Arc<dyn Backend>, orphan_grace: Duration) -> Result<Self, BookError> {
         let mut vols = BTreeMap::new();
         let mut by_name = HashMap::new();
+        let mut by_node: HashMap<String, BTreeSet<String>> = HashMap::new();
         for rec in backend.load_volumes()? {
             if let Some(prev) = by_name.insert((rec.kind, rec.name.clone()), rec.id.clone()) {
                 let msg = format!("volume name {:?} recorded for both {prev} and {}", rec.name, rec.id);
                 return Err(BackendError::Corrupt(msg).into());
             }
+            by_node.entry(rec.node.clone()).or_default().insert(rec.id.clone());
             vols.insert(rec.id.clone(), rec);
         }
-        let (desired_tx, _) = watch::channel(0);
         let (events_tx, _) = watch::channel(0);
+        let mut seed = [0u8; 8];
+        crate::util::fill_random(&mut seed);
         Ok(VolumeBook {
             backend,
-            st: Mutex::new(BookState { vols, by_name, nodes: HashMap::new(), revision: 1 }),
-            desired_tx,
+            st: Mutex::new(BookState {
+                vols,
+                by_name,
+                by_node,
+                nodes: HashMap::new(),
+                revision: FIRST_REVISION,
+                logs: HashMap::new(),
+            }),
+            epoch: u64::from_le_bytes(seed).max(1),
             events_tx,
             orphan_grace,
         })
@@ -180,59 +238,110 @@ impl VolumeBook {
 
     fn commit(&self, st: &mut BookState, changes: Vec<(String, Option<VolumeRecord>)>) -> Result<(), BookError> {
         self.backend.commit_volumes(&changes)?;
+        let rev = st.revision + 1;
+        // (node, id) of every set that changed: the record's old node and its new one.
+        let mut touched = BTreeSet::new();
         for (id, rec) in changes {
             if let Some(old) = st.vols.remove(&id) {
                 st.by_name.remove(&(old.kind, old.name));
+                if let Some(ids) = st.by_node.get_mut(&old.node) {
+                    ids.remove(&id);
+                    if ids.is_empty() {
+                        st.by_node.remove(&old.node);
+                    }
+                }
+                touched.insert((old.node, id.clone()));
             }
             if let Some(r) = rec {
                 st.by_name.insert((r.kind, r.name.clone()), id.clone());
+                st.by_node.entry(r.node.clone()).or_default().insert(id.clone());
+                touched.insert((r.node.clone(), id.clone()));
                 st.vols.insert(id, r);
             }
         }
-        st.revision += 1;
-        self.desired_tx.send_replace(st.revision);
+        st.revision = rev;
+        let mut woken = BTreeSet::new();
+        for (node, id) in touched {
+            let log = st.log_of(&node);
+            log.rev = rev;
+            log.log.push_back((rev, id));
+            while log.log.len() > NODE_LOG {
+                if let Some((r, _)) = log.log.pop_front() {
+                    log.floor = r;
+                }
+            }
+            woken.insert(node);
+        }
+        for node in woken {
+            st.log_of(&node).tx.send_replace(rev);
+        }
         self.events_tx.send_modify(|v| *v += 1);
         Ok(())
     }
 
-    pub fn subscribe_desired(&self) -> watch::Receiver<u64> {
-        self.desired_tx.subscribe()
+    /// This book instance (revisions of another epoch are not comparable).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Wakes with the node's revision whenever its desired set changes.
+    pub fn subscribe_node(&self, node: &str) -> watch::Receiver<u64> {
+        self.st.lock().unwrap().log_of(node).tx.subscribe()
+    }
+
+    /// The revision of `node`'s desired set now (a report made against this revision or a
+    /// later one has seen every change committed before).
+    pub fn revision_of(&self, node: &str) -> u64 {
+        self.st.lock().unwrap().node_revision(node)
     }
 
     /// The complete desired set of `node`.
     pub fn desired(&self, node: &str) -> pb::VolumeSet {
         let st = self.st.lock().unwrap();
-        pb::VolumeSet {
-            volumes: st
-                .vols
-                .values()
-                .filter(|v| v.node == node && v.kind == RecordKind::Volume)
-                .map(|v| pb::DesiredVolume {
-                    id: v.id.clone(),
-                    size_bytes: v.size_bytes,
-                    fs_type: v.fs_type.as_str().to_string(),
-                    present: v.state != VolState::Deleting,
-                    name: v.name.clone(),
-                    creating: v.state == VolState::Creating,
-                    source_snapshot_id: v.source_snapshot.clone(),
-                    source_volume_id: v.source_volume.clone(),
-                })
-                .collect(),
-            snapshots: st
-                .vols
-                .values()
-                .filter(|v| v.node == node && v.kind == RecordKind::Snapshot)
-                .map(|v| pb::DesiredSnapshot {
-                    id: v.id.clone(),
-                    source_volume_id: v.source_volume.clone(),
-                    present: v.state != VolState::Deleting,
-                    name: v.name.clone(),
-                    creating: v.state == VolState::Creating,
-                })
-                .collect(),
-            revision: st.revision,
+        self.complete_set(&st, node)
+    }
+
+    fn complete_set(&self, st: &BookState, node: &str) -> pb::VolumeSet {
+        let mut set = pb::VolumeSet {
+            revision: st.node_revision(node),
             orphan_grace_seconds: self.orphan_grace.as_secs(),
+            complete: true,
+            epoch: self.epoch,
+            ..Default::default()
+        };
+        for v in st.records_on(node) {
+            add_desired(&mut set, v);
         }
+        set
+    }
+
+    /// What a client holding `node`'s set at revision `since` (of this epoch; `None`: no
+    /// set) needs: the records changed since then and the ids removed, or the complete set
+    /// when `since` is older than the node's log reaches or not one of its revisions. The
+    /// bool is false when nothing changed since `since`.
+    pub fn desired_since(&self, node: &str, since: Option<u64>) -> (pb::VolumeSet, bool) {
+        let st = self.st.lock().unwrap();
+        let (rev, floor) = st.logs.get(node).map_or((FIRST_REVISION, FIRST_REVISION), |l| (l.rev, l.floor));
+        let Some(since) = since.filter(|s| (floor..=rev).contains(s)) else {
+            return (self.complete_set(&st, node), true);
+        };
+        let mut set = pb::VolumeSet {
+            revision: rev,
+            orphan_grace_seconds: self.orphan_grace.as_secs(),
+            base_revision: since,
+            epoch: self.epoch,
+            ..Default::default()
+        };
+        let Some(log) = st.logs.get(node) else { return (set, false) };
+        let ids: BTreeSet<&String> = log.log.iter().filter(|(r, _)| *r > since).map(|(_, id)| id).collect();
+        let changed = !ids.is_empty();
+        for id in ids {
+            match st.vols.get(id).filter(|v| v.node == node) {
+                Some(v) => add_desired(&mut set, v),
+                None => set.removed.push(id.clone()),
+            }
+        }
+        (set, changed)
     }
 
     /// A node's volume stream opened; the guard marks it disconnected when dropped.
@@ -260,7 +369,7 @@ impl VolumeBook {
         view.orphans = r.orphans.clone();
         view.last_report = Some(Instant::now());
         let mut changes = Vec::new();
-        for v in st.vols.values().filter(|v| v.node == r.node_name) {
+        for v in st.records_on(&r.node_name) {
             let held = match v.kind {
                 RecordKind::Volume => r.volumes.iter().find(|h| h.id == v.id && h.name == v.name).map(|h| h.size_bytes),
                 RecordKind::Snapshot => {
@@ -354,7 +463,7 @@ impl VolumeBook {
     /// on it (including volumes still being created or deleted, and snapshots).
     fn free(st: &BookState, node: &str) -> u64 {
         let Some(view) = st.nodes.get(node) else { return 0 };
-        let mine: Vec<&VolumeRecord> = st.vols.values().filter(|v| v.node == node).collect();
+        let mine: Vec<&VolumeRecord> = st.records_on(node).collect();
         let used: u64 = mine.iter().map(|v| v.size_bytes).sum();
         // Placed but not (fully) on the node yet: the node's own figure does not count it.
         let pending: u64 = mine
@@ -684,6 +793,29 @@ impl Drop for ConnectionGuard {
     }
 }
 
+/// Record `v` as its node's desired set lists it.
+fn add_desired(set: &mut pb::VolumeSet, v: &VolumeRecord) {
+    match v.kind {
+        RecordKind::Volume => set.volumes.push(pb::DesiredVolume {
+            id: v.id.clone(),
+            size_bytes: v.size_bytes,
+            fs_type: v.fs_type.as_str().to_string(),
+            present: v.state != VolState::Deleting,
+            name: v.name.clone(),
+            creating: v.state == VolState::Creating,
+            source_snapshot_id: v.source_snapshot.clone(),
+            source_volume_id: v.source_volume.clone(),
+        }),
+        RecordKind::Snapshot => set.snapshots.push(pb::DesiredSnapshot {
+            id: v.id.clone(),
+            source_volume_id: v.source_volume.clone(),
+            present: v.state != VolState::Deleting,
+            name: v.name.clone(),
+            creating: v.state == VolState::Creating,
+        }),
+    }
+}
+
 /// What `view` says its node holds for volume record `v` (same id and same claim name).
 pub fn held<'a>(view: Option<&'a NodeView>, v: &VolumeRecord) -> Option<&'a pb::VolumeState> {
     view?.volumes.get(&v.id).filter(|h| h.name == v.name && v.kind == RecordKind::Volume)
@@ -712,12 +844,6 @@ pub fn failure_since(view: Option<&NodeView>, id: &str, since: u64) -> Option<Bo
     Some(BookError::Node { code: Code::from_i32(*code), message: msg.clone() })
 }
 
-impl VolumeBook {
-    /// The current desired-set revision (bumped by every committed change).
-    pub fn revision(&self) -> u64 {
-        self.st.lock().unwrap().revision
-    }
-}
 
 #[cfg(test)]
 mod tests {
@@ -910,5 +1036,144 @@ mod tests {
         assert!(!b.desired("n2").snapshots[0].present);
         report(&b, "n2", 300, &[("a", 40)]);
         assert!(b.get_snapshot(&s1.id).is_none());
+    }
+
+    /// Follows one node's set the way the agent does (deltas on a view it keeps).
+    struct Follower {
+        node: String,
+        view: crate::agent::volume_sync::DesiredView,
+        rx: watch::Receiver<u64>,
+        completes: usize,
+    }
+
+    impl Follower {
+        fn take(&mut self, b: &VolumeBook, first: bool) {
+            let (since, epoch) = self.view.resume();
+            let held = (since > 0 && epoch == b.epoch()).then_some(since);
+            let (set, changed) = b.desired_since(&self.node, held);
+            assert!(changed || first || !self.rx.has_changed().unwrap(), "{}: woken without a change", self.node);
+            self.rx.borrow_and_update();
+            if changed || first {
+                self.completes += set.complete as usize;
+                self.view.apply(set).unwrap();
+            }
+        }
+
+        fn sets_equal(&self, b: &VolumeBook) {
+            let want = b.desired(&self.node);
+            let got = self.view.set();
+            assert_eq!((&got.volumes, &got.snapshots, got.revision), (&want.volumes, &want.snapshots, want.revision), "{}", self.node);
+        }
+    }
+
+    #[test]
+    fn desired_deltas_follow_each_node_through_random_changes_and_resumes() {
+        let (_t, b) = book("book-deltas");
+        let nodes = ["n1", "n2", "n3"];
+        let _guards: Vec<_> = nodes.iter().map(|n| b.connect(n)).collect();
+        for n in nodes {
+            report(&b, n, 1 << 40, &[]);
+        }
+        let mut fs: Vec<Follower> = nodes
+            .iter()
+            .map(|n| Follower { node: n.to_string(), view: Default::default(), rx: b.subscribe_node(n), completes: 0 })
+            .collect();
+        for f in &mut fs {
+            f.take(&b, true);
+        }
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let mut names = 0;
+        for step in 0..600 {
+            let ids: Vec<VolumeRecord> = b.list();
+            match rnd(6) {
+                0 | 1 => {
+                    names += 1;
+                    let p = Placement { requisite: vec![], preferred: vec![nodes[rnd(3) as usize].to_string()] };
+                    b.place(&format!("v{names}"), 1 + rnd(100), FsType::Ext4, Default::default(), &p, None).unwrap();
+                }
+                2 if !ids.is_empty() => {
+                    // The node reports what it was asked for: creations done, deletions gone.
+                    let v = &ids[rnd(ids.len() as u64) as usize];
+                    let held: Vec<(String, u64)> = b
+                        .desired(&v.node)
+                        .volumes
+                        .iter()
+                        .filter(|d| d.present && rnd(4) > 0)
+                        .map(|d| (d.id.clone(), d.size_bytes))
+                        .collect();
+                    let held: Vec<(&str, u64)> = held.iter().map(|(i, s)| (i.as_str(), *s)).collect();
+                    report(&b, &v.node, 1 << 40, &held);
+                }
+                3 if !ids.is_empty() => {
+                    let v = &ids[rnd(ids.len() as u64) as usize];
+                    let _ = b.begin_delete(&v.id);
+                }
+                4 if !ids.is_empty() => {
+                    let v = &ids[rnd(ids.len() as u64) as usize];
+                    let _ = b.begin_expand(&v.id, v.size_bytes + 1);
+                }
+                _ => {
+                    // A disconnect: the follower keeps its view and resumes later, or (now
+                    // and then) loses it and starts from nothing.
+                    let f = &mut fs[rnd(3) as usize];
+                    if rnd(4) == 0 {
+                        f.view = Default::default();
+                    }
+                    f.take(&b, true);
+                    continue;
+                }
+            }
+            // Followers take what woke them, not always at once (some fall behind).
+            for f in &mut fs {
+                if f.rx.has_changed().unwrap() && rnd(3) > 0 {
+                    f.take(&b, false);
+                }
+            }
+            if step % 50 == 0 {
+                for f in &mut fs {
+                    f.take(&b, false);
+                    f.sets_equal(&b);
+                }
+            }
+        }
+        for f in &mut fs {
+            f.take(&b, false);
+            f.sets_equal(&b);
+        }
+        assert!(b.list().len() > 20, "the run made volumes");
+        let completes: usize = fs.iter().map(|f| f.completes).sum();
+        assert!(completes < 60, "followers resumed with deltas, not complete sets ({completes})");
+        // A change of n1 wakes n1 only, and its delta names just that volume.
+        let p = Placement { requisite: vec!["n1".into()], preferred: vec![] };
+        let (v, _) = b.place("only-n1", 1, FsType::Ext4, Default::default(), &p, None).unwrap();
+        assert!(fs[0].rx.has_changed().unwrap() && !fs[1].rx.has_changed().unwrap() && !fs[2].rx.has_changed().unwrap());
+        let (since, _) = fs[0].view.resume();
+        let (d, changed) = b.desired_since("n1", Some(since));
+        assert!(changed && !d.complete && d.base_revision == since);
+        assert_eq!(d.volumes.iter().map(|v| v.id.as_str()).collect::<Vec<_>>(), vec![v.id.as_str()]);
+        assert!(d.removed.is_empty() && d.snapshots.is_empty());
+        assert_eq!(b.revision_of("n1"), d.revision);
+        assert!(b.revision_of("n2") < d.revision);
+        // Too far behind (the log holds NODE_LOG changes) or a revision the node never had:
+        // the complete set.
+        for i in 0..NODE_LOG + 1 {
+            b.begin_expand(&v.id, 2 + i as u64).unwrap();
+        }
+        assert!(b.desired_since("n1", Some(since)).0.complete);
+        assert!(b.desired_since("n1", Some(b.revision_of("n1") + 1)).0.complete);
+        assert!(b.desired_since("n1", None).0.complete);
+        let (_, changed) = b.desired_since("n1", Some(b.revision_of("n1")));
+        assert!(!changed);
+        // A view refuses a delta it cannot take and starts over.
+        let mut stale = fs[1].view.clone();
+        let (d1, _) = b.desired_since("n1", Some(b.revision_of("n1") - 1));
+        assert!(stale.apply(d1).is_err());
+        assert_eq!(stale.resume(), (0, 0));
     }
 }

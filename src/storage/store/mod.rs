@@ -301,13 +301,23 @@ impl VolumeStore {
             .custom_flags(libc::O_CLOEXEC)
             .open(&lock_path)
             .map_err(io_err("opening", &lock_path))?;
-        // SAFETY: flock on our own fd.
-        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        // A store closed a moment ago can still be locked for a moment: a process another
+        // thread was spawning holds a copy of the descriptor (close-on-exec) until its exec.
+        // So a taken lock is tried again for LOCK_WAIT before it counts as another owner's.
+        let since = std::time::Instant::now();
+        loop {
+            // SAFETY: flock on our own fd.
+            if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                break;
+            }
             let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                return Err(io_err("locking", &lock_path)(e));
+            }
+            if since.elapsed() >= LOCK_WAIT {
                 return Err(VolumeError::Locked { dir, lock: lock_path });
             }
-            return Err(io_err("locking", &lock_path)(e));
+            std::thread::sleep(std::time::Duration::from_millis(5));
         }
         let volumes = recover(&dir, &*kernel)?;
         let snapshots = snapshots::recover_snapshots(&dir)?;
@@ -741,6 +751,9 @@ fn missing_or(id: &str, path: &Path, op: &'static str, e: io::Error) -> VolumeEr
         io_err(op, path)(e)
     }
 }
+
+/// How long [`VolumeStore::open_with`] retries a store lock that is taken.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// The volume store's subdirectory of ext4 templates ([`crate::sys::ext4_template`]).
 pub const TEMPLATES_DIR: &str = "fs-templates";
