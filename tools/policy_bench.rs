@@ -4,7 +4,7 @@
 //! private network namespace; then the table's rule and set-element counts, and the time to
 //! compile, to render, to load the whole table and to apply one change in place.
 //!
-//!     policy_bench <netns path> [pods,policies ...]     (default 100,10 1000,10 100,100 1000,100)
+//!     policy_bench <netns path> [pods,policies ...]     (default 100,10 1000,10 100,100 1000,100 1000,1000)
 //!
 //! The model: pods spread over 10 namespaces and 10 apps (labels `app`, `tier`); each policy
 //! selects one app in one namespace and admits two peers: another app of the same namespace
@@ -117,7 +117,7 @@ fn main() {
     let mut shapes: Vec<(usize, usize)> =
         args.map(|a| a.split_once(',').map(|(x, y)| (x.parse().unwrap(), y.parse().unwrap())).expect("pods,policies")).collect();
     if shapes.is_empty() {
-        shapes = vec![(100, 10), (1000, 10), (100, 100), (1000, 100)];
+        shapes = vec![(100, 10), (1000, 10), (100, 100), (1000, 100), (1000, 1000)];
     }
     println!("NetworkPolicy state of one node (model: 10 namespaces x 10 apps x 3 tiers; each policy: 2 peers, 2 ports)");
     println!(
@@ -152,19 +152,17 @@ fn main() {
         );
         rows.insert((pods, policies), (rules, elements));
     }
-    // Growth: with pods + policies, not their product, the state at (1000, 100) is about
-    // (1000, 10) + (100, 100) - (100, 10); their product would make it ~10x (1000, 10).
-    if let (Some(a), Some(b), Some(c), Some(d)) =
-        (rows.get(&(100, 10)), rows.get(&(1000, 10)), rows.get(&(100, 100)), rows.get(&(1000, 100)))
-    {
-        let additive = |f: fn(&(usize, usize)) -> usize| f(b) as f64 + f(c) as f64 - f(a) as f64;
-        let product = |f: fn(&(usize, usize)) -> usize| f(b) as f64 * f(c) as f64 / f(a) as f64;
+    // Growth: each figure from 100 to 1,000 pods (at 100 policies) and from 100 to 1,000
+    // policies (at 1,000 pods). Grown with pods + policies, each factor stays near 10 or
+    // below; their product would be x10 in both directions and x100 from corner to corner.
+    if let (Some(a), Some(b), Some(c)) = (rows.get(&(100, 100)), rows.get(&(1000, 100)), rows.get(&(1000, 1000))) {
         for (what, f) in [("rules", (|r: &(usize, usize)| r.0) as fn(&(usize, usize)) -> usize), ("set elements", |r| r.1)] {
+            let x = |n: usize, d: usize| n as f64 / d.max(1) as f64;
             println!(
-                "{what} at 1000 pods x 100 policies: {} (additive model {:.0}, product model {:.0})",
-                f(d),
-                additive(f),
-                product(f)
+                "{what}: x{:.2} from 100 to 1000 pods, x{:.2} from 100 to 1000 policies, x{:.2} from (100 pods, 100 policies) to (1000, 1000) (a product: x100)",
+                x(f(b), f(a)),
+                x(f(c), f(b)),
+                x(f(c), f(a))
             );
         }
     }

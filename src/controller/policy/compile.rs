@@ -150,7 +150,7 @@ impl Compiler<'_> {
             spec.ingress.iter().flatten().map(|r| (r.from.as_ref(), r.ports.as_ref())).collect()
         };
         let mut out = Vec::new();
-        for (ri, (peers, ports)) in rules.into_iter().enumerate() {
+        for (peers, ports) in rules {
             let peers = peers.filter(|p| !p.is_empty());
             let mut rule = pb::PolicyRule::default();
             for peer in peers.into_iter().flatten() {
@@ -164,10 +164,10 @@ impl Compiler<'_> {
                 rule.peers.push(pb::PeerMatch { peer: Some(m) });
             }
             let mut named = Vec::new();
-            for (pi, port) in ports.into_iter().flatten().enumerate() {
+            for port in ports.into_iter().flatten() {
                 let protocol = Protocol::parse(port.protocol.as_deref()).unwrap_or(Protocol::Tcp);
                 match &port.port {
-                    Some(IntOrString::String(name)) => named.push((pi, name.clone(), protocol)),
+                    Some(IntOrString::String(name)) => named.push((name.clone(), protocol)),
                     Some(IntOrString::Int(n)) => rule.ports.push(pb::PortMatch {
                         protocol: pb_protocol(protocol) as i32,
                         port: *n as u32,
@@ -176,8 +176,35 @@ impl Compiler<'_> {
                     None => rule.ports.push(pb::PortMatch { protocol: pb_protocol(protocol) as i32, port: 0, end_port: 0 }),
                 }
             }
-            for (pi, name, protocol) in named {
-                let set_id = id_of(&[id.as_bytes(), &(ri as u64).to_le_bytes(), &(pi as u64).to_le_bytes()]);
+            for (name, protocol) in named {
+                // One set per content, shared by every rule that resolves the same name on the
+                // same pods (so sets grow with the distinct selectors, not with the policies):
+                // ingress, the pods the policy selects (its namespace and podSelector);
+                // egress, the destinations the rule's peers allow.
+                let owner = if egress {
+                    match peers {
+                        None => "*".to_string(),
+                        Some(list) => list
+                            .iter()
+                            .map(|p| match &p.ip_block {
+                                Some(b) => serde_json::to_string(b).unwrap_or_default(),
+                                None => selector_set_id(&key.0, p),
+                            })
+                            .collect::<Vec<_>>()
+                            .join(","),
+                    }
+                } else {
+                    format!("{}|{}", key.0, serde_json::to_string(&spec.pod_selector).unwrap_or_default())
+                };
+                let direction: &[u8] = if egress { b"e" } else { b"i" };
+                let proto = format!("{protocol:?}");
+                let set_id = id_of(&[b"port|", direction, b"|", owner.as_bytes(), b"|", name.as_bytes(), b"|", proto.as_bytes()]);
+                if !rule.port_sets.contains(&set_id) {
+                    rule.port_sets.push(set_id.clone());
+                }
+                if self.view.port_sets.contains_key(&set_id) {
+                    continue;
+                }
                 // Ingress: the name on the selected pod itself; egress: on the destination,
                 // any pod the rule's peers allow (every pod when it names none).
                 let holders: Vec<&Key> = if egress {
@@ -208,8 +235,7 @@ impl Compiler<'_> {
                 }
                 targets.sort_by(|a, b| (&a.ip, a.protocol, a.port).cmp(&(&b.ip, b.protocol, b.port)));
                 targets.dedup();
-                self.view.port_sets.insert(set_id.clone(), pb::PortSet { id: set_id.clone(), targets });
-                rule.port_sets.push(set_id);
+                self.view.port_sets.insert(set_id.clone(), pb::PortSet { id: set_id, targets });
             }
             out.push(rule);
         }
@@ -410,5 +436,31 @@ mod tests {
         assert_eq!(n1.groups.len(), 1);
         assert_eq!(n1.policies.len(), 10);
         assert_eq!(n1.address_sets.len(), 1, "one distinct selector, one set");
+        // Named ports too: 10 policies resolving `http` on the same pods share one port set
+        // (ingress: the same namespace and podSelector; egress: the same peers), one per
+        // direction and distinct selection; another name or selection gets its own.
+        let mut o = objects();
+        for i in 0..10 {
+            apply(&mut o, "x", &format!("n{i}"), serde_json::json!({
+                "podSelector": {},
+                "policyTypes": ["Ingress", "Egress"],
+                "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": format!("p{i}")}}}], "ports": [{"port": "http"}, {"port": "http"}]}],
+                "egress": [{"to": [{"namespaceSelector": {"matchLabels": {"team": "b"}}}], "ports": [{"port": "http"}]}]
+            }));
+        }
+        apply(&mut o, "x", "other", serde_json::json!({
+            "podSelector": {"matchLabels": {"pod": "a"}}, "ingress": [{"ports": [{"port": "http"}]}]
+        }));
+        let n1 = &compile(&o)["n1"];
+        assert_eq!(n1.port_sets.len(), 3, "{:?}", n1.port_sets.keys());
+        let ingress: BTreeSet<&String> =
+            n1.policies.values().filter(|p| !p.egress && p.name.starts_with("x/n")).flat_map(|p| &p.rules[0].port_sets).collect();
+        let [shared] = ingress.into_iter().collect::<Vec<_>>()[..] else { panic!("one shared ingress set") };
+        assert!(n1.policies.values().all(|p| p.rules.iter().all(|r| r.port_sets.len() <= 1)), "a name listed twice is one set");
+        assert_eq!(n1.port_sets[shared].targets.len(), 1, "x/a on n1, 8080");
+        let egress: BTreeSet<&String> = n1.policies.values().filter(|p| p.egress).flat_map(|p| &p.rules[0].port_sets).collect();
+        assert_eq!(egress.len(), 1);
+        // y's pods: y/a (8082) and y/b (8083), wherever they run.
+        assert_eq!(n1.port_sets[*egress.first().unwrap()].targets.len(), 2);
     }
 }
