@@ -260,7 +260,8 @@ impl VolumeBook {
             }
         }
         st.revision = rev;
-        let mut woken = BTreeSet::new();
+        // Streams woken here read the sets only once this lock is released, so a node with
+        // several changed ids is woken once with all of them logged.
         for (node, id) in touched {
             let log = st.log_of(&node);
             log.rev = rev;
@@ -270,10 +271,7 @@ impl VolumeBook {
                     log.floor = r;
                 }
             }
-            woken.insert(node);
-        }
-        for node in woken {
-            st.log_of(&node).tx.send_replace(rev);
+            log.tx.send_replace(rev);
         }
         self.events_tx.send_modify(|v| *v += 1);
         Ok(())

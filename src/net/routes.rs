@@ -687,34 +687,18 @@ impl Plan {
 
     /// Take the entries of `peers` out of the plan (as a plan of their own), found by their
     /// keys: O(their entries), not O(plan).
-    fn take_entries(&mut self, peers: &[PeerNode]) -> Plan {
-        let mut out = Plan::default();
-        for p in peers {
-            let (blocks, gateways) = Self::keys_of(p);
-            for b in blocks {
-                if self.routes.get(&b).is_some_and(|r| r.peer == p.name) {
-                    out.routes.extend(self.routes.remove_entry(&b));
-                }
-            }
-            for g in gateways {
-                if self.neigh.get(&g).is_some_and(|v| v.1 == p.name) {
-                    out.neigh.extend(self.neigh.remove_entry(&g));
-                }
-            }
-            if let Some(mac) = p.vtep_mac
-                && self.fdb.get(&mac).is_some_and(|v| v.1 == p.name)
-            {
-                out.fdb.extend(self.fdb.remove_entry(&mac));
-            }
+    fn take_entries(&mut self, peers: &[&PeerNode]) -> Plan {
+        let out = self.copy_entries(peers);
+        for b in out.routes.keys() {
+            self.routes.remove(b);
         }
-        let names: Vec<&str> = peers.iter().map(|p| p.name.as_str()).collect();
-        self.unroutable.retain(|u| {
-            let ours = names.contains(&u.peer.as_str());
-            if ours {
-                out.unroutable.push(u.clone());
-            }
-            !ours
-        });
+        for g in out.neigh.keys() {
+            self.neigh.remove(g);
+        }
+        for m in out.fdb.keys() {
+            self.fdb.remove(m);
+        }
+        self.unroutable.retain(|u| !out.unroutable.contains(u));
         out
     }
 
@@ -1006,7 +990,7 @@ impl Routes {
         // Take the touched peers' entries out of the plan in force, plan those peers again
         // into it, and change the kernel by the difference: O(peers) in memory, a few
         // kernel calls.
-        let before = plan.take_entries(&was);
+        let before = plan.take_entries(&was.iter().collect::<Vec<_>>());
         let again: Vec<&PeerNode> = changed_names.iter().filter_map(|n| self.peers.get(n)).collect();
         plan_into(&self.cfg, &local, &mut plan, again.iter().copied());
         let after = plan.copy_entries(&again);
