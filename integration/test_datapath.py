@@ -26,7 +26,12 @@ def test_two_pods_ping_each_other_and_gateway(node):
     assert b.ns.ping(gw6), "IPv6 pod-to-gateway"
     # Host end is on the bridge.
     host_if = ra["interfaces"][1]["name"]
-    assert node.ns.links()[host_if]["master"] == "np0"
+    host_link = node.ns.links()[host_if]
+    assert host_link["master"] == "np0"
+    # One queue each way on both ends (the kernel's default is one per possible CPU, each
+    # a set of sysfs objects made at every ADD; only XDP uses them, and none is attached).
+    for link in (links["eth0"], host_link):
+        assert (link["num_tx_queues"], link["num_rx_queues"]) == (1, 1), link
     # Masquerade rule for traffic leaving the cluster ranges.
     rules = node.ns.exec(["nft", "-j", "list", "table", "inet", "nodeplane"]).stdout
     text = node.ns.exec(["nft", "list", "table", "inet", "nodeplane"]).stdout

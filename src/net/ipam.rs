@@ -13,7 +13,8 @@ use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
 
 use ipnetwork::IpNetwork;
 use serde::{Deserialize, Serialize};
@@ -143,6 +144,52 @@ struct Inner {
 pub struct Ipam {
     dir: PathBuf,
     inner: Mutex<Inner>,
+    spares: Arc<Spares>,
+    /// Wakes the thread that refills `spares`; dropped with the Ipam, which ends it.
+    refill: mpsc::Sender<()>,
+}
+
+/// How many empty lease files are kept made ahead of the ADDs that need them.
+const SPARES: usize = 8;
+
+/// Empty files made ahead of time in a directory beside the lease directory (same
+/// filesystem). Creating a file is the slowest step of a reservation (0.14 ms on this
+/// machine's ext4, against 5 us to write into an open one and 21 us to rename): a
+/// reservation writes its lease into a spare and renames it into place, and a thread makes
+/// the next spare off the request path. The rename makes the lease appear whole: a crash
+/// leaves either no lease or a complete one (and at worst a spare with content, emptied
+/// at the next start).
+struct Spares {
+    dir: PathBuf,
+    files: Mutex<Vec<(fs::File, PathBuf)>>,
+    next: AtomicU64,
+}
+
+impl Spares {
+    fn make(&self) -> io::Result<()> {
+        loop {
+            let n = self.next.fetch_add(1, Ordering::Relaxed);
+            let path = self.dir.join(format!("{n}"));
+            match fs::OpenOptions::new().write(true).create_new(true).open(&path) {
+                Ok(file) => {
+                    self.files.lock().unwrap().push((file, path));
+                    return Ok(());
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn fill(&self) {
+        while self.files.lock().unwrap().len() < SPARES {
+            if let Err(e) = self.make() {
+                // Only a speed-up: reservations create their files themselves meanwhile.
+                tracing::debug!(error = %e, dir = %self.dir.display(), "making a spare lease file");
+                return;
+            }
+        }
+    }
 }
 
 fn lease_file(dir: &Path, owner: &Owner) -> PathBuf {
@@ -184,11 +231,85 @@ impl Ipam {
                 }
             }
         }
+        let spares = Arc::new(Self::load_spares(dir));
+        let (refill, wake) = mpsc::channel::<()>();
+        let filler = Arc::clone(&spares);
+        std::thread::Builder::new()
+            .name("ipam-spares".into())
+            .spawn(move || {
+                filler.fill();
+                while wake.recv().is_ok() {
+                    filler.fill();
+                }
+            })
+            .map_err(io_err)?;
         let ipam = Ipam {
             dir: dir.to_path_buf(),
             inner: Mutex::new(Inner { blocks: Vec::new(), used, leases, cursor: HashMap::new() }),
+            spares,
+            refill,
         };
         Ok((ipam, problems))
+    }
+
+    /// The spares left by the last run (emptied: content there is a reservation a crash
+    /// interrupted before its rename, so it never was a lease), or a new spare directory.
+    fn load_spares(dir: &Path) -> Spares {
+        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "ipam".into());
+        let spare_dir = dir.with_file_name(format!("{name}.spare"));
+        let mut files = Vec::new();
+        let mut next = 0;
+        if fs::create_dir_all(&spare_dir).is_ok()
+            && let Ok(entries) = fs::read_dir(&spare_dir)
+        {
+            for e in entries.flatten() {
+                let path = e.path();
+                let n = e.file_name().to_str().and_then(|n| n.parse::<u64>().ok());
+                let file = fs::OpenOptions::new().write(true).open(&path);
+                match (n, file) {
+                    (Some(n), Ok(f)) if f.set_len(0).is_ok() => {
+                        next = next.max(n + 1);
+                        files.push((f, path));
+                    }
+                    _ => {
+                        let _ = fs::remove_file(&path);
+                    }
+                }
+            }
+        }
+        Spares { dir: spare_dir, files: Mutex::new(files), next: AtomicU64::new(next) }
+    }
+
+    /// Write a new lease's file: into a spare renamed into place when one is ready, else a
+    /// file created here.
+    fn write_new(&self, path: &Path, body: &[u8]) -> io::Result<fs::File> {
+        let spare = self.spares.files.lock().unwrap().pop();
+        if let Some((file, spare_path)) = spare {
+            match file.write_all_at(body, 0).and_then(|_| fs::rename(&spare_path, path)) {
+                Ok(()) => {
+                    let _ = self.refill.send(());
+                    return Ok(file);
+                }
+                Err(e) => {
+                    // Emptied and kept (a full disk: the same spare serves the next try),
+                    // or dropped when even that fails; then the slow path says why.
+                    if file.set_len(0).is_ok() && spare_path.exists() {
+                        self.spares.files.lock().unwrap().push((file, spare_path));
+                    } else {
+                        let _ = fs::remove_file(&spare_path);
+                    }
+                    if e.raw_os_error() != Some(libc::EXDEV) {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(body).map(|_| f))
     }
 
     /// Plug in a block (from configuration or from the controller).
@@ -320,12 +441,7 @@ impl Ipam {
             inner.leases.insert(lease.owner.clone(), lease.clone());
         }
         let path = lease_file(&self.dir, &lease.owner);
-        let written = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .and_then(|mut f| f.write_all(&serde_json::to_vec(&lease).expect("lease serializes")).map(|_| f));
+        let written = self.write_new(&path, &serde_json::to_vec(&lease).expect("lease serializes"));
         match written {
             Ok(file) => Ok(Reservation { lease, file }),
             Err(source) => {
@@ -401,7 +517,7 @@ mod tests {
     #[test]
     fn allocates_distinct_and_skips_reserved() {
         let guard = crate::util::TestDir::new("ipam-distinct");
-        let dir = guard.0.clone();
+        let dir = guard.0.join("leases");
         let (ipam, _) = Ipam::load(&dir).unwrap();
         ipam.assign_block("10.1.2.0/29".parse().unwrap()).unwrap();
         ipam.assign_block("fd00:1::/125".parse().unwrap()).unwrap();
@@ -440,7 +556,7 @@ mod tests {
     #[test]
     fn survives_reload() {
         let guard = crate::util::TestDir::new("ipam-reload");
-        let dir = guard.0.clone();
+        let dir = guard.0.join("leases");
         let (ipam, _) = Ipam::load(&dir).unwrap();
         ipam.assign_block("10.1.3.0/24".parse().unwrap()).unwrap();
         let a = ipam.commit(ipam.reserve(lease("a")).unwrap(), 7, 9).unwrap();
@@ -458,6 +574,52 @@ mod tests {
         assert!(c.ips[0].ip() != a.ips[0].ip() && c.ips[0].ip() != b.ips[0].ip());
         ipam.release(&a.owner).unwrap();
         assert!(!lease_file(&dir, &a.owner).exists());
+    }
+
+    fn inodes(dir: &Path) -> HashSet<u64> {
+        use std::os::unix::fs::MetadataExt;
+        fs::read_dir(dir).unwrap().map(|e| e.unwrap().metadata().unwrap().ino()).collect()
+    }
+
+    fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !f() {
+            assert!(std::time::Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn leases_are_written_into_spares_made_ahead() {
+        let guard = crate::util::TestDir::new("ipam-spares");
+        let dir = guard.0.join("leases");
+        let spare_dir = guard.0.join("leases.spare");
+        let (ipam, _) = Ipam::load(&dir).unwrap();
+        ipam.assign_block("10.1.4.0/24".parse().unwrap()).unwrap();
+        wait_for("the spares", || inodes(&spare_dir).len() == SPARES);
+        let spares = inodes(&spare_dir);
+        let r = ipam.reserve(lease("a")).unwrap();
+        let path = lease_file(&dir, &r.lease.owner);
+        // The lease is one of the spares, renamed, and whole.
+        let ino = std::os::unix::fs::MetadataExt::ino(&fs::metadata(&path).unwrap());
+        assert!(spares.contains(&ino), "the lease file was created, not taken from the spares");
+        assert_eq!(serde_json::from_slice::<Lease>(&fs::read(&path).unwrap()).unwrap(), r.lease);
+        let committed = ipam.commit(r, 5, 6).unwrap();
+        assert_eq!(serde_json::from_slice::<Lease>(&fs::read(&path).unwrap()).unwrap(), committed);
+        // Made again off the request path; never one the lease took.
+        wait_for("the refill", || inodes(&spare_dir).len() == SPARES);
+        assert!(!inodes(&spare_dir).contains(&ino));
+        // A spare with content (a crash between its write and its rename) is no lease and
+        // is emptied at the next start; a stray file there is removed.
+        let some = fs::read_dir(&spare_dir).unwrap().next().unwrap().unwrap().path();
+        fs::write(&some, serde_json::to_vec(&lease("ghost")).unwrap()).unwrap();
+        fs::write(spare_dir.join("stray"), b"x").unwrap();
+        drop(ipam);
+        let (ipam, problems) = Ipam::load(&dir).unwrap();
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(fs::metadata(&some).unwrap().len(), 0);
+        assert!(!spare_dir.join("stray").exists());
+        assert_eq!(ipam.leases(), vec![committed]);
     }
 
     #[test]

@@ -492,6 +492,7 @@ impl Datapath {
                 ),
             ));
         }
+        steps.mark("prepare");
         let netns_path = req.netns.as_deref().expect("validated: ADD has CNI_NETNS");
         let host_if = host_ifname(owner);
         let lease_template = Lease {
