@@ -168,7 +168,7 @@ fn print_row(name: &str, f: &Figures) {
     );
 }
 
-fn main() {
+pub fn main() {
     let agent = std::env::args().nth(1).expect("usage: csi_bench <path to nodeplane-agent> [singles] [sequence] [rounds]");
     let singles: usize = std::env::args().nth(2).map(|s| s.parse().unwrap()).unwrap_or(20);
     let seq: usize = std::env::args().nth(3).map(|s| s.parse().unwrap()).unwrap_or(50);

@@ -257,7 +257,7 @@ async fn reregistration(dir: &Path, restarts: usize) {
     );
 }
 
-fn main() {
+pub fn main() {
     let usage = "usage: deviceplugin_bench <nodeplane-agent> [allocations] [hotplugs] [preferred-calls] [restarts]";
     let agent = std::env::args().nth(1).expect(usage);
     let arg = |i: usize, d: usize| std::env::args().nth(i).map(|s| s.parse().expect(usage)).unwrap_or(d);

@@ -90,7 +90,7 @@ fn spawn(cmd: &mut Command, log: &Path) -> Child {
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
+pub async fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 3 {
         eprintln!("usage: dra_bench <nodeplane-agent> <nodeplane-controller> [prepares] [hotplugs]");

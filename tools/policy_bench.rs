@@ -111,7 +111,7 @@ fn view_of(o: &Objects) -> (View, f64) {
     (View::default().applied(&u).unwrap(), ms)
 }
 
-fn main() {
+pub fn main() {
     let mut args = std::env::args().skip(1);
     let netns = args.next().expect("usage: policy_bench <netns path> [pods,policies ...]");
     let mut shapes: Vec<(usize, usize)> =

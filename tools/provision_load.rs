@@ -42,7 +42,7 @@ async fn create(c: &mut Client, name: String, size: i64) -> String {
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
+pub async fn main() {
     let a: Vec<String> = std::env::args().collect();
     let sock = std::path::PathBuf::from(&a[1]);
     let seq: usize = a[2].parse().unwrap();

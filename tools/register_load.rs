@@ -3,7 +3,7 @@
 //! object with the throughput and latency.
 //!
 //!     cargo build --release --examples
-//!     target/release/examples/register_load --controller unix:/tmp/x/controller.sock \
+//!     target/release/examples/benches register_load --controller unix:/tmp/x/controller.sock \
 //!         --config /tmp/x/controller.json -n 200 --concurrency 16
 //!
 //! Credentials are minted like `nodeplane-controller token NODE` does: with the controller's
@@ -105,7 +105,7 @@ async fn register_one(
         .map_err(|s| format!("{}: {}", s.code(), s.message()))
 }
 
-fn main() {
+pub fn main() {
     let args = Args::parse();
     let _ = TLS.set(args.ca_file.clone().map(|ca_file| nodeplane::rpc::tls::ClientFiles { ca_file, ..Default::default() }));
     if args.n == 0 || args.concurrency == 0 {

@@ -93,7 +93,7 @@ impl Drop for Cleanup {
     }
 }
 
-fn main() {
+pub fn main() {
     let runs: usize = std::env::args().nth(1).map(|a| a.parse().expect("RUNS")).unwrap_or(9);
     let base = std::env::temp_dir().join(format!("np-snapbench-{}", std::process::id()));
     std::fs::create_dir_all(&base).unwrap();

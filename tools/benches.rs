@@ -1,0 +1,54 @@
+//! The benchmark drivers of `scripts/bench-*`, linked as one binary.
+//!
+//!     benches TOOL [ARGS...]      TOOL: csi_bench, snapshot_bench, deviceplugin_bench,
+//!                                 dra_bench, policy_bench, provision_load, register_load
+//!
+//! One binary, not seven: CI only compiles these (the bench scripts run them), and every
+//! binary is linked with the release profile's thin LTO over all of the dependencies, about
+//! 30 s each on two cores. Each tool reads its arguments from `std::env::args()` as its own
+//! program did, so `benches TOOL ARGS` runs itself again with `TOOL` as argv[0] and `ARGS`
+//! after it.
+
+use std::os::unix::process::CommandExt;
+
+#[path = "csi_bench.rs"]
+mod csi_bench;
+#[path = "deviceplugin_bench.rs"]
+mod deviceplugin_bench;
+#[path = "dra_bench.rs"]
+mod dra_bench;
+#[path = "policy_bench.rs"]
+mod policy_bench;
+#[path = "provision_load.rs"]
+mod provision_load;
+#[path = "register_load.rs"]
+mod register_load;
+#[path = "snapshot_bench.rs"]
+mod snapshot_bench;
+
+const TOOLS: [&str; 7] =
+    ["csi_bench", "snapshot_bench", "deviceplugin_bench", "dra_bench", "policy_bench", "provision_load", "register_load"];
+
+fn main() {
+    let argv0 = std::env::args().next().unwrap_or_default();
+    match argv0.rsplit('/').next().unwrap_or_default() {
+        "csi_bench" => csi_bench::main(),
+        "snapshot_bench" => snapshot_bench::main(),
+        "deviceplugin_bench" => deviceplugin_bench::main(),
+        "dra_bench" => dra_bench::main(),
+        "policy_bench" => policy_bench::main(),
+        "provision_load" => provision_load::main(),
+        "register_load" => register_load::main(),
+        _ => {
+            let mut args = std::env::args_os().skip(1);
+            let tool = args.next().and_then(|t| t.into_string().ok()).unwrap_or_default();
+            if !TOOLS.contains(&tool.as_str()) {
+                eprintln!("usage: benches TOOL [ARGS...]; TOOL is one of {}", TOOLS.join(", "));
+                std::process::exit(2);
+            }
+            let err = std::process::Command::new("/proc/self/exe").arg0(&tool).args(args).exec();
+            eprintln!("benches: running {tool}: {err}");
+            std::process::exit(1);
+        }
+    }
+}
