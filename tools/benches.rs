@@ -26,29 +26,34 @@ mod register_load;
 #[path = "snapshot_bench.rs"]
 mod snapshot_bench;
 
-const TOOLS: [&str; 7] =
-    ["csi_bench", "snapshot_bench", "deviceplugin_bench", "dra_bench", "policy_bench", "provision_load", "register_load"];
+/// Each tool by the name it answers to (its old program name).
+const TOOLS: [(&str, fn()); 7] = [
+    ("csi_bench", csi_bench::main),
+    ("snapshot_bench", snapshot_bench::main),
+    ("deviceplugin_bench", deviceplugin_bench::main),
+    ("dra_bench", dra_bench::main),
+    ("policy_bench", policy_bench::main),
+    ("provision_load", provision_load::main),
+    ("register_load", register_load::main),
+];
+
+fn tool(name: &str) -> Option<fn()> {
+    TOOLS.iter().find(|(n, _)| *n == name).map(|(_, main)| *main)
+}
 
 fn main() {
     let argv0 = std::env::args().next().unwrap_or_default();
-    match argv0.rsplit('/').next().unwrap_or_default() {
-        "csi_bench" => csi_bench::main(),
-        "snapshot_bench" => snapshot_bench::main(),
-        "deviceplugin_bench" => deviceplugin_bench::main(),
-        "dra_bench" => dra_bench::main(),
-        "policy_bench" => policy_bench::main(),
-        "provision_load" => provision_load::main(),
-        "register_load" => register_load::main(),
-        _ => {
-            let mut args = std::env::args_os().skip(1);
-            let tool = args.next().and_then(|t| t.into_string().ok()).unwrap_or_default();
-            if !TOOLS.contains(&tool.as_str()) {
-                eprintln!("usage: benches TOOL [ARGS...]; TOOL is one of {}", TOOLS.join(", "));
-                std::process::exit(2);
-            }
-            let err = std::process::Command::new("/proc/self/exe").arg0(&tool).args(args).exec();
-            eprintln!("benches: running {tool}: {err}");
-            std::process::exit(1);
-        }
+    if let Some(main) = tool(argv0.rsplit('/').next().unwrap_or_default()) {
+        return main();
     }
+    let mut args = std::env::args_os().skip(1);
+    let name = args.next().and_then(|t| t.into_string().ok()).unwrap_or_default();
+    if tool(&name).is_none() {
+        let names: Vec<&str> = TOOLS.iter().map(|(n, _)| *n).collect();
+        eprintln!("usage: benches TOOL [ARGS...]; TOOL is one of {}", names.join(", "));
+        std::process::exit(2);
+    }
+    let err = std::process::Command::new("/proc/self/exe").arg0(&name).args(args).exec();
+    eprintln!("benches: running {name}: {err}");
+    std::process::exit(1);
 }
