@@ -18,7 +18,7 @@ def pytest_sessionstart(session):
         problems.append("integration tests must run as root (they create network namespaces)")
     for b in (harness.AGENT_BIN, harness.SHIM_BIN):
         if not b.exists():
-            problems.append(f"{b} is missing: run `cargo build --release` first")
+            problems.append(f"{b} is missing: run `cargo build --release` and scripts/build-shim first")
     for tool in ("ip", "nsenter", "nft", "ping"):
         if shutil.which(tool) is None:
             problems.append(f"{tool} is not installed")

@@ -1,6 +1,8 @@
 """Single-node datapath: pods reach each other and the gateway; masquerade is in place."""
 
 import json
+import shutil
+import subprocess
 
 import harness
 
@@ -46,6 +48,35 @@ def test_conflist_version_defaults_to_1_0_0(node):
     pod, res = node.add_pod()
     assert res["cniVersion"] == "1.0.0"
     assert "mtu" not in res["interfaces"][2]
+
+
+def test_installed_shim_runs_without_the_hosts_c_library(node, tmp_path):
+    """The runtime execs the shim on the host, with the host's C library, not the one the
+    agent's image was built with: the shim the agent installed must need none. Run in a root
+    directory holding nothing but the shim (no loader, no libc), it still answers VERSION and
+    reports a missing agent with the right CNI code, as a statically linked binary does; a
+    dynamically linked one fails to exec there."""
+    installed = node.bin_dir / "nodeplane"
+    head = installed.read_bytes()
+    assert head[:4] == b"\x7fELF"
+    root = tmp_path / "bare-root"
+    root.mkdir()
+    (root / "nodeplane").write_bytes(head)
+    (root / "nodeplane").chmod(0o755)
+    conf = json.dumps({"cniVersion": "1.1.0", "name": "x", "type": "nodeplane",
+                       "agentSocket": "/no-agent.sock", "agentWaitSeconds": 0})
+    chroot = shutil.which("chroot")
+    assert chroot, "chroot (coreutils) is missing"
+    env = {"CNI_COMMAND": "VERSION"}
+    res = subprocess.run([chroot, str(root), "/nodeplane"], input=conf.encode(), env=env, capture_output=True,
+                         timeout=30)
+    assert res.returncode == 0, (res.returncode, res.stderr)
+    assert "1.0.0" in json.loads(res.stdout)["supportedVersions"]
+    # STATUS goes to the agent socket, absent in the bare root: code 50, not a crash.
+    env = {"CNI_COMMAND": "STATUS", "CNI_PATH": "/"}
+    res = subprocess.run([chroot, str(root), "/nodeplane"], input=conf.encode(), env=env, capture_output=True,
+                         timeout=30)
+    assert res.returncode == 1 and json.loads(res.stdout)["code"] == 50, (res.stdout, res.stderr)
 
 
 def test_result_carries_dns_mtu_and_interfaces(node):

@@ -77,21 +77,7 @@ pub fn crash_point(point: &str) {
     }
 }
 
-/// FNV-1a, 64 bit: stable across versions and processes (used to derive interface names).
-pub fn fnv1a(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for (i, p) in parts.iter().enumerate() {
-        if i > 0 {
-            h ^= 0xff;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        for b in *p {
-            h ^= *b as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    h
-}
+pub use nodeplane_cni::fnv1a;
 
 /// A configuration file that cannot be used (shared by the agent and the controller).
 #[derive(Debug, thiserror::Error)]

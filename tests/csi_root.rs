@@ -34,7 +34,6 @@ use tonic::Code;
 use tonic::transport::Channel;
 
 const AGENT: &str = env!("CARGO_BIN_EXE_nodeplane-agent");
-const SHIM: &str = env!("CARGO_BIN_EXE_nodeplane-cni");
 const MIB: u64 = 1 << 20;
 
 fn require_root() {
@@ -155,7 +154,7 @@ impl Sandbox {
         let cfg = serde_json::json!({
             "nodeName": format!("csi-{name}"),
             "root": dir.join("root"),
-            "shimSource": SHIM,
+            "shimSource": crate::shim(),
             "csi": {"capacityBytes": 4u64 << 30, "maxVolumes": 16},
         });
         fs::write(dir.join("agent.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();

@@ -53,7 +53,6 @@ use serde_json::{Value, json};
 use tonic::Code;
 
 const AGENT: &str = env!("CARGO_BIN_EXE_nodeplane-agent");
-const SHIM: &str = env!("CARGO_BIN_EXE_nodeplane-cni");
 /// How long an agent may take from start to its first registrations.
 const STARTUP: Duration = Duration::from_secs(20);
 /// A bound for things the contract gives no time for.
@@ -101,7 +100,7 @@ impl Sandbox {
         let cfg = json!({
             "nodeName": format!("dpk-{name}"),
             "root": dir.join("root"),
-            "shimSource": SHIM,
+            "shimSource": crate::shim(),
             "csi": {"enabled": false},
             "healthAddress": format!("127.0.0.1:{HEALTH_PORT}"),
             "devicePlugins": {"configFile": dir.join("devices.json"), "cdiDir": dir.join("cdi")},

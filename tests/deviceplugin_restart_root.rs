@@ -34,7 +34,6 @@ use nix::unistd::Pid;
 use serde_json::json;
 
 const AGENT: &str = env!("CARGO_BIN_EXE_nodeplane-agent");
-const SHIM: &str = env!("CARGO_BIN_EXE_nodeplane-cni");
 const RES: &str = "nodeplane.dev/rolldev";
 const STARTUP: Duration = Duration::from_secs(20);
 
@@ -68,7 +67,7 @@ impl Sandbox {
         fs::write(dir.join("devices.json"), devices.to_string()).unwrap();
         let kl = KubeletEmulator::new(&dir.join("root/var/lib/kubelet"));
         let sb = Sandbox { dir, agent: None, kl };
-        sb.write_config(Path::new(SHIM));
+        sb.write_config(Path::new(crate::shim()));
         sb
     }
 
@@ -204,7 +203,7 @@ async fn device_assignments_survive_restart_crash_and_upgrade() {
     let upgrade = sb.dir.join("upgrade");
     fs::create_dir_all(&upgrade).unwrap();
     fs::copy(AGENT, upgrade.join("nodeplane-agent")).unwrap();
-    let mut shim = fs::read(SHIM).unwrap();
+    let mut shim = fs::read(crate::shim()).unwrap();
     shim.extend_from_slice(b"\0upgrade");
     fs::write(upgrade.join("nodeplane-cni"), shim).unwrap();
 

@@ -31,7 +31,6 @@ use serde_json::{Value, json};
 use tonic::Code;
 
 const AGENT: &str = env!("CARGO_BIN_EXE_nodeplane-agent");
-const SHIM: &str = env!("CARGO_BIN_EXE_nodeplane-cni");
 /// The resource of the default entry ("testdev").
 const RES: &str = "nodeplane.dev/testdev";
 /// How long an agent may take from start to a first registration.
@@ -80,7 +79,7 @@ impl Sandbox {
         let cfg = json!({
             "nodeName": format!("dp-{name}"),
             "root": dir.join("root"),
-            "shimSource": SHIM,
+            "shimSource": crate::shim(),
             "csi": {"enabled": false},
             "devicePlugins": {"configFile": dir.join("devices.json"), "cdiDir": dir.join("cdi")},
         });

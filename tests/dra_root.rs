@@ -30,7 +30,6 @@ use nodeplane::rpc::pluginregistration as reg;
 use serde_json::{Value, json};
 
 const AGENT: &str = env!("CARGO_BIN_EXE_nodeplane-agent");
-const SHIM: &str = env!("CARGO_BIN_EXE_nodeplane-cni");
 const CLI: &str = env!("CARGO_BIN_EXE_nodeplane");
 const CONTROLLER: &str = env!("CARGO_BIN_EXE_nodeplane-controller");
 const NODE: &str = "dra-node";
@@ -69,7 +68,7 @@ impl Sandbox {
         let cfg = json!({
             "nodeName": NODE,
             "root": dir.join("root"),
-            "shimSource": SHIM,
+            "shimSource": crate::shim(),
             "csi": {"enabled": false},
             "devicePlugins": {"configFile": dir.join("devices.json"), "cdiDir": dir.join("cdi")},
             "dra": {"enabled": true},

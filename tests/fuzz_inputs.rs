@@ -92,7 +92,7 @@ fn short(s: &str) -> String {
 fn bin_dir() -> PathBuf {
     match std::env::var_os("NODEPLANE_TARGET") {
         Some(d) => PathBuf::from(d),
-        None => PathBuf::from(env!("CARGO_BIN_EXE_nodeplane-cni")).parent().unwrap().to_path_buf(),
+        None => PathBuf::from(env!("CARGO_BIN_EXE_nodeplane-agent")).parent().unwrap().to_path_buf(),
     }
 }
 fn shim_bin() -> PathBuf {

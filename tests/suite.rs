@@ -19,3 +19,14 @@ mod fuzz_inputs;
 mod kube_controller;
 mod routes_root;
 mod volume_root;
+
+/// The CNI shim: built statically by scripts/build-shim (its own package, shim/) into the
+/// directory cargo puts this package's binaries in.
+pub fn shim() -> &'static str {
+    static PATH: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        let p = std::path::Path::new(env!("CARGO_BIN_EXE_nodeplane-agent")).with_file_name("nodeplane-cni");
+        assert!(p.is_file(), "{} is missing: run scripts/build-shim (scripts/test does)", p.display());
+        p.display().to_string()
+    });
+    &PATH
+}

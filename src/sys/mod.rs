@@ -18,7 +18,7 @@ pub mod ext4_template;
 pub mod fake_net;
 #[cfg(test)]
 pub mod fake_volume;
-pub mod fdpass;
+pub use nodeplane_cni::fdpass;
 pub mod fs;
 pub mod fstools;
 pub mod imagecopy;

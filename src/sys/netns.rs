@@ -11,8 +11,6 @@ use std::path::{Path, PathBuf};
 
 use crate::sys::netlink::Netlink;
 
-const NSFS_MAGIC: i64 = 0x6e73_6673;
-
 #[derive(Debug, thiserror::Error)]
 pub enum NetnsError {
     #[error("network namespace {0} does not exist")]
@@ -27,6 +25,17 @@ pub enum NetnsError {
     Netlink(#[from] crate::sys::netlink::NetlinkError),
 }
 
+impl From<nodeplane_cni::nsfs::NsfsError> for NetnsError {
+    fn from(e: nodeplane_cni::nsfs::NsfsError) -> Self {
+        use nodeplane_cni::nsfs::NsfsError as E;
+        match e {
+            E::NotFound(p) => NetnsError::NotFound(p),
+            E::NotNetns(p) => NetnsError::NotNetns(p),
+            E::Io { path, source } => NetnsError::Io { path, source },
+        }
+    }
+}
+
 /// An open network namespace (a file descriptor on nsfs).
 pub struct Netns {
     file: File,
@@ -35,22 +44,16 @@ pub struct Netns {
 
 impl Netns {
     pub fn open(path: &Path) -> Result<Self, NetnsError> {
-        let file = File::open(path).map_err(|e| match e.kind() {
-            io::ErrorKind::NotFound => NetnsError::NotFound(path.to_path_buf()),
-            _ => NetnsError::Io { path: path.to_path_buf(), source: e },
-        })?;
-        Self::from_file(file, path)
+        let file = nodeplane_cni::nsfs::open_netns(path)?;
+        Ok(Netns { file, path: path.to_path_buf() })
     }
 
     /// A namespace opened by someone else (the shim, in the runtime's mount and PID
     /// namespaces) and handed over as a descriptor; `path` is what they opened, for messages
     /// only: it is never resolved here.
     pub fn from_fd(fd: std::os::fd::OwnedFd, path: &Path) -> Result<Self, NetnsError> {
-        Self::from_file(File::from(fd), path)
-    }
-
-    fn from_file(file: File, path: &Path) -> Result<Self, NetnsError> {
-        check_netns(&file, path)?;
+        let file = File::from(fd);
+        nodeplane_cni::nsfs::check_netns(&file, path)?;
         Ok(Netns { file, path: path.to_path_buf() })
     }
 
@@ -74,28 +77,6 @@ impl AsFd for Netns {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.file.as_fd()
     }
-}
-
-const NS_GET_NSTYPE: libc::c_ulong = 0xb703; // _IO(0xb7, 0x3)
-
-/// Is `file` (opened from `path`) a network namespace? nsfs, and of type `CLONE_NEWNET`.
-pub fn check_netns(file: &File, path: &Path) -> Result<(), NetnsError> {
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: valid fd and a properly sized out-struct.
-    let rc = unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) };
-    if rc != 0 {
-        return Err(NetnsError::Io { path: path.to_path_buf(), source: io::Error::last_os_error() });
-    }
-    if st.f_type as i64 != NSFS_MAGIC {
-        return Err(NetnsError::NotNetns(path.to_path_buf()));
-    }
-    // Confirm it is a *network* namespace, not another kind.
-    // SAFETY: NS_GET_NSTYPE takes no argument and returns the CLONE_NEW* flag.
-    let ty = unsafe { libc::ioctl(file.as_raw_fd(), NS_GET_NSTYPE) };
-    if ty >= 0 && ty != libc::CLONE_NEWNET {
-        return Err(NetnsError::NotNetns(path.to_path_buf()));
-    }
-    Ok(())
 }
 
 /// Open a netlink socket bound to the namespace `fd` (it stays bound to that namespace for its

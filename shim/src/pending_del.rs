@@ -1,21 +1,21 @@
 //! The pending-DEL queue: a DEL the shim could not deliver (no agent listening) is written
 //! here, one file per attachment, and answered success, so pod deletion never blocks on the
 //! agent. The agent drains the queue at start and every few seconds, and an ADD of the same
-//! attachment applies its queued DEL first ([`crate::net::datapath::Datapath`]). The file
+//! attachment applies its queued DEL first ([`the agent's datapath`]). The file
 //! name is a hash of the attachment; its content (the wire request) decides what it is.
 
 use std::io;
 use std::path::{Path, PathBuf};
 
-use crate::net::cni::request::{self, Request};
-use crate::net::cni::wire::WireRequest;
+use crate::cni::request::{self, Request};
+use crate::cni::wire::WireRequest;
 
 /// Where the shim queues when the network configuration names no `pendingDeleteDir`.
 pub const DEFAULT_DIR: &str = "/var/lib/nodeplane/pending-del";
 
 /// File name of the queued DEL of one attachment (same attachment, same file).
 pub fn file_name(container_id: &str, ifname: &str) -> String {
-    format!("del-{:016x}.json", crate::util::fnv1a(&[container_id.as_bytes(), ifname.as_bytes()]))
+    format!("del-{:016x}.json", crate::fnv1a(&[container_id.as_bytes(), ifname.as_bytes()]))
 }
 
 /// Durably queue a DEL for the agent.
@@ -23,7 +23,7 @@ pub fn queue(dir: &Path, req: &Request, wire: &WireRequest) -> io::Result<PathBu
     std::fs::create_dir_all(dir)?;
     let path = dir.join(file_name(&req.container_id, &req.ifname));
     let body = serde_json::to_vec(wire).map_err(io::Error::other)?;
-    crate::sys::fs::atomic_write(&path, &body, 0o600)?;
+    crate::fsutil::atomic_write(&path, &body, 0o600)?;
     Ok(path)
 }
 
@@ -58,7 +58,7 @@ pub fn entries(dir: &Path) -> Vec<Entry> {
             .and_then(|b| serde_json::from_slice::<WireRequest>(&b).ok())
             .and_then(|w| request::parse(&w.env, w.stdin.as_bytes()).ok());
         out.push(match parsed {
-            Some(req) if req.command == crate::net::cni::Command::Del => Entry::Del { path, req },
+            Some(req) if req.command == crate::cni::Command::Del => Entry::Del { path, req },
             _ => Entry::Invalid { path, name },
         });
     }

@@ -41,7 +41,7 @@ pub fn decode_len(header: [u8; 4]) -> io::Result<usize> {
 /// runtime's path in its own mount and PID namespaces.
 pub fn exchange(stream: &mut std::os::unix::net::UnixStream, req: &WireRequest, netns: Option<std::os::fd::BorrowedFd<'_>>) -> io::Result<Reply> {
     use std::os::fd::AsFd;
-    crate::sys::fdpass::send(stream.as_fd(), &encode(req)?, netns)?;
+    crate::fdpass::send(stream.as_fd(), &encode(req)?, netns)?;
     let mut header = [0u8; 4];
     stream.read_exact(&mut header)?;
     let mut body = vec![0u8; decode_len(header)?];

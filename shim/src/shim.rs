@@ -10,9 +10,9 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::net::cni::request::{self, ENV_KEYS, Env};
-use crate::net::cni::wire::{WireRequest, exchange};
-use crate::net::cni::{CniError, Code, Command, MAX_CONFIG_BYTES, Reply, version_result};
+use crate::cni::request::{self, ENV_KEYS, Env};
+use crate::cni::wire::{WireRequest, exchange};
+use crate::cni::{CniError, Code, Command, MAX_CONFIG_BYTES, Reply, version_result};
 
 pub const DEFAULT_SOCKET: &str = "/run/nodeplane/cni.sock";
 /// Environment override for the agent socket (tests, unusual layouts).
@@ -141,14 +141,7 @@ pub fn run(env: Env, stdin: &[u8]) -> Reply {
 /// Open `CNI_NETNS` and check that it is a network namespace (code 4 otherwise, with the
 /// agent's words for it).
 fn open_netns(path: &Path) -> Result<std::fs::File, CniError> {
-    use crate::sys::netns::NetnsError;
-    let bad = |e: NetnsError| CniError::new(Code::InvalidEnv, format!("CNI_NETNS: {e}"));
-    let f = std::fs::File::open(path).map_err(|e| match e.kind() {
-        io::ErrorKind::NotFound => bad(NetnsError::NotFound(path.to_path_buf())),
-        _ => bad(NetnsError::Io { path: path.to_path_buf(), source: e }),
-    })?;
-    crate::sys::netns::check_netns(&f, path).map_err(bad)?;
-    Ok(f)
+    crate::nsfs::open_netns(path).map_err(|e| CniError::new(Code::InvalidEnv, format!("CNI_NETNS: {e}")))
 }
 
 fn unreachable_reply(
@@ -161,8 +154,8 @@ fn unreachable_reply(
     let why = format!("nodeplane agent at {} is not reachable: {cause}", socket.display());
     match req.command {
         Command::Del => {
-            let dir = req.conf.pending_delete_dir.clone().unwrap_or_else(|| PathBuf::from(crate::net::pending_del::DEFAULT_DIR));
-            match crate::net::pending_del::queue(&dir, req, wire) {
+            let dir = req.conf.pending_delete_dir.clone().unwrap_or_else(|| PathBuf::from(crate::pending_del::DEFAULT_DIR));
+            match crate::pending_del::queue(&dir, req, wire) {
                 Ok(_) => Reply::empty(),
                 Err(e) => Reply::error(
                     &CniError::new(Code::Io, format!("{why}; queueing the delete in {} failed: {e}", dir.display())),
@@ -211,7 +204,7 @@ mod tests {
         // DEL is queued durably and succeeds.
         let del = run(env("DEL"), &conf(&dir, "1.1.0"));
         assert_eq!(del, Reply::empty());
-        let queued = dir.join("pending").join(crate::net::pending_del::file_name("c1", "eth0"));
+        let queued = dir.join("pending").join(crate::pending_del::file_name("c1", "eth0"));
         let rec: WireRequest = serde_json::from_slice(&std::fs::read(&queued).unwrap()).unwrap();
         assert_eq!(rec.env["CNI_COMMAND"], "DEL");
         assert!(request::parse(&rec.env, rec.stdin.as_bytes()).is_ok());
@@ -225,7 +218,7 @@ mod tests {
         let v = run(e, br#"{"cniVersion":"0.4.0"}"#);
         let out: serde_json::Value = serde_json::from_str(&v.stdout).unwrap();
         assert_eq!(out["cniVersion"], "0.4.0");
-        assert_eq!(out["supportedVersions"].as_array().unwrap().len(), crate::net::cni::SUPPORTED_VERSIONS.len());
+        assert_eq!(out["supportedVersions"].as_array().unwrap().len(), crate::cni::SUPPORTED_VERSIONS.len());
         let bad = run(env("ADD"), b"{not json");
         assert_eq!((bad.exit_code, code(&bad)), (1, 6));
     }

@@ -277,7 +277,7 @@ mod tests {
     #[test]
     fn renders_each_version_and_round_trips() {
         let r = sample();
-        for v in crate::net::cni::SUPPORTED_VERSIONS {
+        for v in crate::cni::SUPPORTED_VERSIONS {
             let out = r.render(v);
             assert_eq!(out["cniVersion"], *v);
             let legacy = version_cmp(v, "1.0.0").is_lt();
