@@ -285,7 +285,14 @@ impl Links for FakeLinks {
             return Err(errno("create_bridge", libc::EEXIST));
         }
         let mac = [0x02, 0xbb, 0, 0, (index >> 8) as u8, index as u8];
-        space.links.push(Link { index, name: name.into(), mac: Some(mac), kind: Some("bridge".into()), ..Default::default() });
+        space.links.push(Link {
+            index,
+            name: name.into(),
+            mac: Some(mac),
+            kind: Some("bridge".into()),
+            mcast_snooping: Some(false),
+            ..Default::default()
+        });
         Ok(())
     }
 
@@ -320,6 +327,7 @@ impl Links for FakeLinks {
             group: 0,
             kind: Some("veth".into()),
             peer: Some(peer),
+            mcast_snooping: None,
         };
         let host = veth(host_index, v.host_name, v.host_mac, true, v.master, peer_index);
         let peer = veth(peer_index, v.peer_name, v.peer_mac, false, None, host_index);
@@ -392,6 +400,15 @@ impl Links for FakeLinks {
         let space = st.space(self.ns, "set_mac")?;
         let pos = find(space, index, "set_mac")?;
         space.links[pos].mac = Some(mac);
+        Ok(())
+    }
+
+    fn set_mcast_snooping(&mut self, index: u32, on: bool) -> Result<()> {
+        let mut st = self.lock();
+        st.enter(self.ns, "set_mcast_snooping", format!("{index} {on}"))?;
+        let space = st.space(self.ns, "set_mcast_snooping")?;
+        let pos = find(space, index, "set_mcast_snooping")?;
+        space.links[pos].mcast_snooping = Some(on);
         Ok(())
     }
 

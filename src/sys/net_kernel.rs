@@ -61,6 +61,7 @@ pub trait Links: Send {
         group: Option<u32>,
     ) -> Result<()>;
     fn set_mac(&mut self, index: u32, mac: [u8; 6]) -> Result<()>;
+    fn set_mcast_snooping(&mut self, index: u32, on: bool) -> Result<()>;
     fn addresses(&mut self, index: Option<u32>) -> Result<Vec<Addr>>;
     fn add_address(&mut self, index: u32, ip: IpAddr, prefix: u8) -> Result<()>;
     fn routes(&mut self, v6: bool) -> Result<Vec<Route>>;
@@ -170,6 +171,9 @@ impl Links for Netlink {
     }
     fn set_mac(&mut self, index: u32, mac: [u8; 6]) -> Result<()> {
         Netlink::set_mac(self, index, mac)
+    }
+    fn set_mcast_snooping(&mut self, index: u32, on: bool) -> Result<()> {
+        Netlink::set_mcast_snooping(self, index, on)
     }
     fn addresses(&mut self, index: Option<u32>) -> Result<Vec<Addr>> {
         Netlink::addresses(self, index)

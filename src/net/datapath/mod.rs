@@ -329,6 +329,13 @@ impl Datapath {
         if let Some(mac) = link.mac {
             nl.set_mac(link.index, mac).map_err(|e| netlink_err(&format!("pinning the MAC of {name}"), e))?;
         }
+        // A bridge this agent made has snooping off from the start; one adopted from an
+        // earlier version (or made by someone else) is turned over once.
+        if link.mcast_snooping != Some(false) {
+            nl.set_mcast_snooping(link.index, false)
+                .map_err(|e| netlink_err(&format!("turning off multicast snooping on {name}"), e))?;
+            tracing::info!(bridge = %name, "multicast snooping turned off (no querier on the pod bridge: it only cost work)");
+        }
         if !link.up {
             // The bridge routes IPv6 for pods of other nodes: its link-local address must be
             // usable at once, not tentative for a second or two of duplicate detection (which
