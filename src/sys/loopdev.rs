@@ -328,17 +328,30 @@ fn confirm_all(k: &mut Known, st_dev: u64, st_ino: u64) -> io::Result<Vec<LoopBi
     for n in numbers {
         match confirm(n, st_dev, st_ino)? {
             Some(b) => found.push(b),
-            None => forget(k, n),
+            None => forget_for(k, (st_dev, st_ino), n),
         }
     }
     Ok(found)
 }
 
+/// Device `number` is bound to nothing the view names any more (it was just bound anew).
 fn forget(k: &mut Known, number: u32) {
     k.by_file.retain(|_, set| {
         set.remove(&number);
         !set.is_empty()
     });
+}
+
+/// Device `number` is no longer bound to the file `key`. Only that pair is dropped: by the
+/// time the caller found out, another thread may have bound the same (lowest free) number to
+/// another file and recorded it, and that entry is true.
+fn forget_for(k: &mut Known, key: (u64, u64), number: u32) {
+    if let Some(set) = k.by_file.get_mut(&key) {
+        set.remove(&number);
+        if set.is_empty() {
+            k.by_file.remove(&key);
+        }
+    }
 }
 
 /// The walk [`find_backed_by`] did before it kept a view of the loop devices: every bound
@@ -523,7 +536,7 @@ pub fn detach(device: &Path, st_dev: u64, st_ino: u64) -> Result<(), DetachError
         let bound = fs::metadata(format!("/sys/block/loop{number}/loop/backing_file")).is_ok();
         if !bound || !still_ours()? {
             tracing::debug!(device = %device.display(), "loop device unbound");
-            forget(&mut known(), number);
+            forget_for(&mut known(), (st_dev, st_ino), number);
             return Ok(());
         }
         if Instant::now() >= deadline {
@@ -573,6 +586,30 @@ pub fn is_block_device(path: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Thread A detaches loop1 (file X); before it updates the view, thread B binds file Y,
+    /// which the kernel gives the same lowest free number, and records it. A's update must
+    /// not drop B's true entry (it did: a lookup of Y then found nothing for up to
+    /// RESCAN_AFTER while the kernel had Y on loop1). Same for a lookup of X that finds
+    /// loop1 no longer X's.
+    #[test]
+    fn a_stale_binding_is_dropped_for_its_own_file_only() {
+        let (x, y) = ((1, 100), (1, 200));
+        let mut k = Known { walked: None, by_file: Default::default() };
+        k.by_file.entry(x).or_default().insert(1);
+        // B's attach of Y on loop1: any other file's claim on 1 is stale, Y's is recorded.
+        forget(&mut k, 1);
+        k.by_file.entry(y).or_default().insert(1);
+        // A's detach of X finishes.
+        forget_for(&mut k, x, 1);
+        assert_eq!(k.by_file.get(&y).map(|s| s.iter().copied().collect::<Vec<_>>()), Some(vec![1]));
+        assert!(!k.by_file.contains_key(&x));
+        // A lookup of X that finds 1 bound elsewhere drops only X's claim.
+        k.by_file.entry(x).or_default().insert(1);
+        forget_for(&mut k, x, 1);
+        assert_eq!(k.by_file.get(&y).map(|s| s.len()), Some(1));
+        assert!(!k.by_file.contains_key(&x));
+    }
 
     #[test]
     fn sysfs_walk_parses_backing_files() {
