@@ -1,7 +1,7 @@
 //! The pending-DEL queue: a DEL the shim could not deliver (no agent listening) is written
 //! here, one file per attachment, and answered success, so pod deletion never blocks on the
 //! agent. The agent drains the queue at start and every few seconds, and an ADD of the same
-//! attachment applies its queued DEL first ([`the agent's datapath`]). The file
+//! attachment applies its queued DEL first (the agent's `Datapath::add`). The file
 //! name is a hash of the attachment; its content (the wire request) decides what it is.
 
 use std::io;

@@ -331,10 +331,7 @@ impl Netlink {
         if let Some(mtu) = mtu {
             msg.attributes.push(LinkAttribute::Mtu(mtu));
         }
-        msg.attributes.push(LinkAttribute::LinkInfo(vec![
-            LinkInfo::Kind(InfoKind::Bridge),
-            LinkInfo::Data(InfoData::Bridge(vec![InfoBridge::MulticastSnooping(false)])),
-        ]));
+        msg.attributes.push(bridge_snooping(false));
         self.request(
             RouteNetlinkMessage::NewLink(msg),
             NLM_F_CREATE | NLM_F_EXCL,
@@ -397,10 +394,7 @@ impl Netlink {
     pub fn set_mcast_snooping(&mut self, index: u32, on: bool) -> Result<()> {
         let mut msg = LinkMessage::default();
         msg.header.index = index;
-        msg.attributes.push(LinkAttribute::LinkInfo(vec![
-            LinkInfo::Kind(InfoKind::Bridge),
-            LinkInfo::Data(InfoData::Bridge(vec![InfoBridge::MulticastSnooping(on)])),
-        ]));
+        msg.attributes.push(bridge_snooping(on));
         self.request(RouteNetlinkMessage::NewLink(msg), 0, &format!("set mcast_snooping of link {index}"))
     }
 
@@ -491,6 +485,14 @@ fn route_ip(a: &RouteAddress) -> Option<IpAddr> {
         RouteAddress::Inet6(v6) => Some(IpAddr::V6(*v6)),
         _ => None,
     }
+}
+
+/// A bridge's link info with its multicast snooping set: made so, or changed.
+fn bridge_snooping(on: bool) -> LinkAttribute {
+    LinkAttribute::LinkInfo(vec![
+        LinkInfo::Kind(InfoKind::Bridge),
+        LinkInfo::Data(InfoData::Bridge(vec![InfoBridge::MulticastSnooping(on)])),
+    ])
 }
 
 fn parse_link(l: &LinkMessage) -> Link {
