@@ -2,6 +2,7 @@
 //! tasks of each plane it runs (cluster client, CSI, device plugins, node API, health).
 //! It wires the planes together and owns the configuration; no plane imports it.
 
+mod acceptors;
 pub mod cluster;
 pub mod config;
 pub mod device_sync;
@@ -18,8 +19,6 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use tokio::net::{UnixListener, UnixStream};
 
 use crate::net::cni::request::{self, Env};
 use crate::net::cni::wire::{self, WireRequest};
@@ -261,7 +260,6 @@ fn read_request(stream: &std::os::unix::net::UnixStream) -> std::io::Result<(Wir
 fn serve_conn(dp: &Datapath, cni: &metrics::CniMetrics, stream: std::os::unix::net::UnixStream) -> std::io::Result<()> {
     use std::io::Write;
     let accepted = Instant::now();
-    stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     stream.set_write_timeout(Some(Duration::from_secs(10)))?;
     let (req, netns) = read_request(&stream)?;
@@ -279,30 +277,6 @@ fn serve_conn(dp: &Datapath, cni: &metrics::CniMetrics, stream: std::os::unix::n
     let r = stream.shutdown(std::net::Shutdown::Write);
     dp.steps.observe(&[label, "reply"], answering.elapsed().as_secs_f64());
     r
-}
-
-/// Serve one shim connection on a blocking thread, counted for the shutdown drain.
-fn spawn_conn(
-    dp: &Arc<Datapath>,
-    cni: &Arc<metrics::CniMetrics>,
-    tracker: &tokio_util_tracker::Tracker,
-    stream: UnixStream,
-) {
-    let (dp, cni) = (dp.clone(), cni.clone());
-    let guard = tracker.enter();
-    let stream = match stream.into_std() {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(error = %e, "CNI connection");
-            return;
-        }
-    };
-    tokio::task::spawn_blocking(move || {
-        if let Err(e) = serve_conn(&dp, &cni, stream) {
-            tracing::warn!(error = %e, "CNI connection");
-        }
-        drop(guard);
-    });
 }
 
 /// Serve the CNI socket until SIGTERM/SIGINT, then finish in-flight requests.
@@ -356,13 +330,10 @@ pub async fn serve(
             return Err(AgentError::Setup(format!("binding {}: {e}", cfg.node_socket.display())));
         }
     };
-    listener.set_nonblocking(true).map_err(io_ctx("listener"))?;
-    let listener = UnixListener::from_std(listener).map_err(io_ctx("listener"))?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_ctx("signal"))?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(io_ctx("signal"))?;
     let mut drain_tick = tokio::time::interval(Duration::from_secs(5));
     drain_tick.tick().await;
-    let tracker = tokio_util_tracker::Tracker::default();
     let cluster_client = tokio::spawn(cluster::run(cfg.clone(), dp.clone(), link.clone().unwrap_or_default()));
     // NetworkPolicy (controller mode): the hook is in place before the first ADD is read.
     let policy = policy_sync::install(&cfg, &dp);
@@ -407,12 +378,18 @@ pub async fn serve(
             let _ = rx.wait_for(|v| *v).await;
         }))
     });
+    // The CNI socket is served from here on: the policy hook is in place (above).
+    let acceptors = {
+        let (dp, cni) = (dp.clone(), cni_metrics.clone());
+        acceptors::Acceptors::start(listener, move |stream| {
+            if let Err(e) = serve_conn(&dp, &cni, stream) {
+                tracing::warn!(error = %e, "CNI connection");
+            }
+        })
+        .map_err(io_ctx("starting the CNI acceptors"))?
+    };
     loop {
         tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => spawn_conn(&dp, &cni_metrics, &tracker, stream),
-                Err(e) => tracing::warn!(error = %e, "accept"),
-            },
             _ = drain_tick.tick() => {
                 let dp = dp.clone();
                 let _ = tokio::task::spawn_blocking(move || dp.drain_pending()).await;
@@ -436,13 +413,7 @@ pub async fn serve(
     // New shims must find no socket (they wait for the next agent) rather than queue on a
     // listener nobody will accept from; what is queued already is served.
     let _ = fs::remove_file(&cfg.cni_socket);
-    loop {
-        match tokio::time::timeout(Duration::ZERO, listener.accept()).await {
-            Ok(Ok((stream, _))) => spawn_conn(&dp, &cni_metrics, &tracker, stream),
-            _ => break,
-        }
-    }
-    drop(listener);
+    acceptors.stop();
     // Not ready from here on; liveness keeps answering until the end.
     readiness_task.abort();
     let _ = readiness_task.await;
@@ -475,7 +446,8 @@ pub async fn serve(
     if let Some(t) = policy_task {
         t.abort();
     }
-    if tokio::time::timeout(Duration::from_secs(30), tracker.wait_idle()).await.is_err() {
+    let finished = tokio::task::spawn_blocking(move || acceptors.wait(Duration::from_secs(30))).await;
+    if !matches!(finished, Ok(true)) {
         tracing::warn!("in-flight requests did not finish within 30s");
     }
     let _ = health_stop.send(());
@@ -487,38 +459,4 @@ pub async fn serve(
         }
     }
     Ok(())
-}
-
-/// Counts in-flight connections so shutdown can wait for them.
-mod tokio_util_tracker {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use tokio::sync::Notify;
-
-    #[derive(Default, Clone)]
-    pub struct Tracker(Arc<(AtomicUsize, Notify)>);
-    pub struct Guard(Arc<(AtomicUsize, Notify)>);
-
-    impl Tracker {
-        pub fn enter(&self) -> Guard {
-            self.0.0.fetch_add(1, Ordering::SeqCst);
-            Guard(self.0.clone())
-        }
-        pub async fn wait_idle(&self) {
-            loop {
-                let notified = self.0.1.notified();
-                if self.0.0.load(Ordering::SeqCst) == 0 {
-                    return;
-                }
-                notified.await;
-            }
-        }
-    }
-    impl Drop for Guard {
-        fn drop(&mut self) {
-            if self.0.0.fetch_sub(1, Ordering::SeqCst) == 1 {
-                self.0.1.notify_waiters();
-            }
-        }
-    }
 }
