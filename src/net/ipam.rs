@@ -192,6 +192,50 @@ impl Spares {
     }
 }
 
+/// A reserved lease's file, to be written: see [`Ipam::reserve_begin`]. It holds what it
+/// needs (no borrow of the [`Ipam`]), so another thread can write it.
+pub struct LeaseWrite {
+    spares: Arc<Spares>,
+    refill: mpsc::Sender<()>,
+    path: PathBuf,
+    body: Vec<u8>,
+}
+
+impl LeaseWrite {
+    /// Write a new lease's file: into a spare renamed into place when one is ready, else a
+    /// file created here.
+    pub fn run(self) -> io::Result<fs::File> {
+        let (path, body) = (&self.path, &self.body[..]);
+        let spare = self.spares.files.lock().unwrap().pop();
+        if let Some((file, spare_path)) = spare {
+            match file.write_all_at(body, 0).and_then(|_| fs::rename(&spare_path, path)) {
+                Ok(()) => {
+                    let _ = self.refill.send(());
+                    return Ok(file);
+                }
+                Err(e) => {
+                    // Emptied and kept (a full disk: the same spare serves the next try),
+                    // or dropped when even that fails; then the slow path says why.
+                    if file.set_len(0).is_ok() && spare_path.exists() {
+                        self.spares.files.lock().unwrap().push((file, spare_path));
+                    } else {
+                        let _ = fs::remove_file(&spare_path);
+                    }
+                    if e.raw_os_error() != Some(libc::EXDEV) {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(body).map(|_| f))
+    }
+}
+
 fn lease_file(dir: &Path, owner: &Owner) -> PathBuf {
     // Container ids cannot contain ':' and interface names cannot either: unambiguous.
     dir.join(format!("{}:{}.json", owner.container_id, owner.ifname))
@@ -285,38 +329,6 @@ impl Ipam {
             }
         }
         Spares { dir: spare_dir, files: Mutex::new(files), next: AtomicU64::new(next) }
-    }
-
-    /// Write a new lease's file: into a spare renamed into place when one is ready, else a
-    /// file created here.
-    fn write_new(&self, path: &Path, body: &[u8]) -> io::Result<fs::File> {
-        let spare = self.spares.files.lock().unwrap().pop();
-        if let Some((file, spare_path)) = spare {
-            match file.write_all_at(body, 0).and_then(|_| fs::rename(&spare_path, path)) {
-                Ok(()) => {
-                    let _ = self.refill.send(());
-                    return Ok(file);
-                }
-                Err(e) => {
-                    // Emptied and kept (a full disk: the same spare serves the next try),
-                    // or dropped when even that fails; then the slow path says why.
-                    if file.set_len(0).is_ok() && spare_path.exists() {
-                        self.spares.files.lock().unwrap().push((file, spare_path));
-                    } else {
-                        let _ = fs::remove_file(&spare_path);
-                    }
-                    if e.raw_os_error() != Some(libc::EXDEV) {
-                        return Err(e);
-                    }
-                }
-            }
-        }
-        fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .and_then(|mut f| f.write_all(body).map(|_| f))
     }
 
     /// Plug in a block (from configuration or from the controller).
@@ -419,7 +431,17 @@ impl Ipam {
     }
 
     /// Reserve one address per family that has a block, and persist the lease as `adding`.
-    pub fn reserve(&self, mut lease: Lease) -> Result<Reservation, IpamError> {
+    pub fn reserve(&self, lease: Lease) -> Result<Reservation, IpamError> {
+        let (lease, write) = self.reserve_begin(lease)?;
+        let written = write.run();
+        self.reserve_finish(lease, written)
+    }
+
+    /// [`Ipam::reserve`] in three parts: the addresses are taken here (in memory), the
+    /// returned [`LeaseWrite`] persists the lease on any thread, and
+    /// [`Ipam::reserve_finish`] is given its outcome, which it must be given in every case
+    /// (a failed write gives the addresses back).
+    pub fn reserve_begin(&self, mut lease: Lease) -> Result<(Lease, LeaseWrite), IpamError> {
         {
             let mut inner = self.inner.lock().unwrap();
             let families: Vec<Family> = {
@@ -447,11 +469,22 @@ impl Ipam {
             lease.state = LeaseState::Adding;
             inner.leases.insert(lease.owner.clone(), lease.clone());
         }
-        let path = lease_file(&self.dir, &lease.owner);
-        let written = self.write_new(&path, &serde_json::to_vec(&lease).expect("lease serializes"));
+        let write = LeaseWrite {
+            spares: self.spares.clone(),
+            refill: self.refill.clone(),
+            path: lease_file(&self.dir, &lease.owner),
+            body: serde_json::to_vec(&lease).expect("lease serializes"),
+        };
+        Ok((lease, write))
+    }
+
+    /// The end of a reservation begun with [`Ipam::reserve_begin`]: `written` is what its
+    /// [`LeaseWrite::run`] returned.
+    pub fn reserve_finish(&self, lease: Lease, written: io::Result<fs::File>) -> Result<Reservation, IpamError> {
         match written {
             Ok(file) => Ok(Reservation { lease, file }),
             Err(source) => {
+                let path = lease_file(&self.dir, &lease.owner);
                 self.forget(&lease.owner);
                 let _ = fs::remove_file(&path);
                 Err(IpamError::Io { path, source })

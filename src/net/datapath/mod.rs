@@ -24,6 +24,8 @@ use crate::obs::doctor::{Finding, Repair};
 use crate::obs::metrics::{HistogramVec, STEP_BUCKETS, Steps};
 use crate::util::Family;
 
+mod side;
+
 /// Host-side veth name of an attachment: "np" + 13 hex digits of a stable hash.
 pub fn host_ifname(owner: &Owner) -> String {
     let h = crate::util::fnv1a(&[owner.container_id.as_bytes(), owner.ifname.as_bytes()]);
@@ -211,6 +213,8 @@ pub struct Datapath {
     conflist_written: std::sync::atomic::AtomicBool,
     block_source: std::sync::OnceLock<BlockSource>,
     pod_hook: std::sync::OnceLock<PodHook>,
+    /// Runs an ADD's lease write and pod socket opening while the ADD creates its veth.
+    side: side::Side,
     /// Where the time of ADD and CHECK goes, step by step (the agent exports it).
     pub steps: Arc<HistogramVec>,
 }
@@ -241,6 +245,7 @@ impl Datapath {
             conflist_written: Default::default(),
             block_source: Default::default(),
             pod_hook: Default::default(),
+            side: side::Side::start("cni-side"),
             steps: HistogramVec::new(
                 STEPS_METRIC,
                 "Time of each step of a CNI request inside the agent, by command and step.",
@@ -475,10 +480,11 @@ impl Datapath {
     /// handed over as a descriptor (`req.netns`, the runtime's path, is only recorded).
     pub fn add(&self, req: &Request, netns: Box<dyn PodNetns>) -> Result<ResultModel, NetError> {
         let owner = Owner { container_id: req.container_id.clone(), ifname: req.ifname.clone() };
+        let netns: Arc<dyn PodNetns> = Arc::from(netns);
         self.locks.run(&owner, || self.add_locked(req, &owner, netns))
     }
 
-    fn add_locked(&self, req: &Request, owner: &Owner, netns: Box<dyn PodNetns>) -> Result<ResultModel, NetError> {
+    fn add_locked(&self, req: &Request, owner: &Owner, netns: Arc<dyn PodNetns>) -> Result<ResultModel, NetError> {
         let mut steps = Steps::start(&self.steps, "ADD");
         // A DEL the shim queued while no agent answered came before this ADD (the runtime
         // waited for the DEL's answer before sending it): apply it now, or the periodic drain
@@ -499,6 +505,7 @@ impl Datapath {
                 ),
             ));
         }
+        let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         steps.mark("prepare");
         let netns_path = req.netns.as_deref().expect("validated: ADD has CNI_NETNS");
         let host_if = host_ifname(owner);
@@ -513,27 +520,44 @@ impl Datapath {
             ips: Vec::new(),
             pod: format!("{}/{}", req.pod_namespace(), req.pod_name()),
         };
-        let reservation = match self.ipam.reserve(lease_template.clone()) {
+        let (lease, write) = match self.ipam.reserve_begin(lease_template.clone()) {
             Err(IpamError::Exhausted { family, .. }) if self.block_source.get().is_some() => {
                 let source = self.block_source.get().expect("checked");
                 source(family).map_err(|e| NetError::NoBlock(format!("{family} block full and no new block: {e}")))?;
-                self.ipam.reserve(lease_template)
+                self.ipam.reserve_begin(lease_template)
             }
             other => other,
         }
         .map_err(NetError::Ipam)?;
+        // The lease file is written, and a link socket opened in the pod's namespace, on the
+        // helper thread while this one has the kernel create the veth pair; both are joined
+        // before anything depends on them (and before any rollback, which removes the file).
+        let side = {
+            let ns = netns.clone();
+            self.side.run(move || (write.run(), ns.links()))
+        };
         steps.mark("reserve");
-        let lease = reservation.lease.clone();
         let mtu = req.conf.mtu.unwrap_or(self.settings.mtu);
-        let mut nl = match self.kernel.host() {
-            Ok(nl) => nl,
+        let created = self.create_veth(&mut *nl, &*netns, req, &host_if, mtu);
+        let (written, pod_links) = side.wait();
+        let reservation = match self.ipam.reserve_finish(lease, written) {
+            Ok(r) => r,
             Err(e) => {
-                let _ = self.ipam.release(owner);
-                return Err(netlink_err("netlink", e));
+                if created.is_ok() {
+                    self.undo_link(&mut *nl, &host_if);
+                }
+                return Err(NetError::Ipam(e));
             }
         };
-        match self.plumb(&mut *nl, &*netns, req, &host_if, &lease, mtu, &mut steps) {
+        steps.mark("veth");
+        let lease = reservation.lease.clone();
+        let configured = created.and_then(|macs| {
+            let pod_nl = pod_links.map_err(netns_err)?;
+            self.configure(pod_nl, &*netns, req, &host_if, &lease, mtu, macs)
+        });
+        match configured {
             Ok((result, cookie, host_ifindex)) => {
+                steps.mark("configure");
                 self.ipam.commit(reservation, cookie, host_ifindex).map_err(NetError::Ipam).inspect_err(|_| {
                     self.undo_add(&mut *nl, owner, &host_if);
                 })?;
@@ -564,27 +588,29 @@ impl Datapath {
     }
 
     fn undo_add(&self, nl: &mut dyn Links, owner: &Owner, host_if: &str) {
-        if let Ok(Some(link)) = nl.link_by_name(host_if)
-            && let Err(e) = self.retire_link(nl, &link) {
-                tracing::warn!(error = %e, host_if, "rolling back veth");
-            }
+        self.undo_link(nl, host_if);
         if let Err(e) = self.ipam.release(owner) {
             tracing::warn!(error = %e, "rolling back lease");
         }
     }
 
-    /// Create and configure the veth pair; returns this plugin's own result, the pod
-    /// namespace's cookie and the host veth's ifindex.
-    fn plumb(
+    fn undo_link(&self, nl: &mut dyn Links, host_if: &str) {
+        if let Ok(Some(link)) = nl.link_by_name(host_if)
+            && let Err(e) = self.retire_link(nl, &link) {
+                tracing::warn!(error = %e, host_if, "rolling back veth");
+            }
+    }
+
+    /// Create the veth pair, the host end on the bridge and the peer in `netns`; returns
+    /// the two ends' MAC addresses.
+    fn create_veth(
         &self,
         nl: &mut dyn Links,
         netns: &dyn PodNetns,
         req: &Request,
         host_if: &str,
-        lease: &Lease,
         mtu: u32,
-        steps: &mut Steps<'_>,
-    ) -> Result<(ResultModel, u64, u32), NetError> {
+    ) -> Result<([u8; 6], [u8; 6]), NetError> {
         let bridge = self.bridge()?;
         let host_mac = random_mac();
         let peer_mac = random_mac();
@@ -602,7 +628,7 @@ impl Datapath {
         loop {
             attempt += 1;
             match nl.create_veth(&spec) {
-                Ok(()) => break,
+                Ok(()) => return Ok((host_mac, peer_mac)),
                 Err(e) if e.is(libc::EEXIST) && attempt <= 2 => {
                     // Either a stale host end (no lease holds it: we checked under the
                     // attachment lock) or the name is taken inside the pod.
@@ -633,12 +659,22 @@ impl Datapath {
                 Err(e) => return Err(netlink_err(&format!("creating veth for {}", req.ifname), e)),
             }
         }
-        steps.mark("veth");
-        let mut pod_nl = match pod_nl {
-            Some(p) => p,
-            None => netns.links().map_err(netns_err)?,
-        };
-        steps.mark("netns-socket");
+    }
+
+    /// Configure the pod's end of a new veth pair through `pod_nl` (a socket in its
+    /// namespace); returns this plugin's own result, the pod namespace's cookie and the
+    /// host veth's ifindex.
+    #[allow(clippy::too_many_arguments)]
+    fn configure(
+        &self,
+        mut pod_nl: Box<dyn Links>,
+        netns: &dyn PodNetns,
+        req: &Request,
+        host_if: &str,
+        lease: &Lease,
+        mtu: u32,
+        (host_mac, peer_mac): ([u8; 6], [u8; 6]),
+    ) -> Result<(ResultModel, u64, u32), NetError> {
         let peer = pod_nl
             .link_by_name(&req.ifname)
             .map_err(|e| netlink_err("lookup", e))?
@@ -662,7 +698,6 @@ impl Datapath {
         pod_nl
             .apply(&reqs)
             .map_err(|e| netlink_err(&format!("configuring {} in {}", req.ifname, netns.path().display()), e))?;
-        steps.mark("configure");
         let conf_dns = req.conf.dns.clone().unwrap_or_default();
         let result = ResultModel {
             interfaces: vec![
