@@ -8,8 +8,9 @@
 //! was 0.15-0.2 ms between the shim's connect and the agent reading the request.
 //!
 //! The pool grows when a connection takes its last idle acceptor (50 ADDs at once get as
-//! many threads, up to [`MAX_THREADS`]) and shrinks back to [`KEEP_IDLE`] idle threads as
-//! requests finish. Stopping shuts the listener for reading: connections already queued
+//! many threads, up to [`MAX_THREADS`]) and shrinks back to [`KEEP_IDLE`] idle threads
+//! once they have waited [`LINGER`] with nothing to accept (so a burst of DELs after a
+//! burst of ADDs finds its threads made). Stopping shuts the listener for reading: connections already queued
 //! are still accepted and served, then each acceptor's accept fails and it ends.
 
 use std::io;
@@ -23,6 +24,8 @@ use std::time::{Duration, Instant};
 pub const MAX_THREADS: usize = 256;
 /// Idle acceptors kept when requests finish.
 pub const KEEP_IDLE: usize = 2;
+/// How long an acceptor beyond [`KEEP_IDLE`] waits for a connection before it ends.
+pub const LINGER: Duration = Duration::from_secs(10);
 
 type Serve = dyn Fn(UnixStream) + Send + Sync;
 
@@ -52,7 +55,27 @@ impl Acceptors {
     /// accepted it. Threads enter the current tokio runtime, if any, so the request path
     /// can reach it as it could from `spawn_blocking`.
     pub fn start(listener: UnixListener, serve: impl Fn(UnixStream) + Send + Sync + 'static) -> io::Result<Self> {
+        Self::start_with(listener, LINGER, serve)
+    }
+
+    fn start_with(listener: UnixListener, linger: Duration, serve: impl Fn(UnixStream) + Send + Sync + 'static) -> io::Result<Self> {
         listener.set_nonblocking(false)?;
+        // accept(2) on a blocking socket honours its receive timeout: an idle acceptor
+        // wakes up every `linger` to see whether it is one too many.
+        let tv = libc::timeval { tv_sec: linger.as_secs() as libc::time_t, tv_usec: linger.subsec_micros() as libc::suseconds_t };
+        // SAFETY: setsockopt on the listener's open descriptor with a timeval of the right size.
+        if unsafe {
+            libc::setsockopt(
+                listener.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&tv as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        } != 0
+        {
+            return Err(io::Error::last_os_error());
+        }
         let shared = Arc::new(Shared {
             listener,
             serve: Box::new(serve),
@@ -138,11 +161,14 @@ fn run(shared: &Arc<Shared>) {
                 drop(st);
                 (shared.serve)(stream);
                 st = shared.state.lock().unwrap();
-                if st.idle >= KEEP_IDLE && !(stopping || shared.stopping.load(Ordering::SeqCst)) {
+            }
+            Err(_) if stopping => break,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::TimedOut => {
+                // Nothing to accept for a while: one too many?
+                if st.idle >= KEEP_IDLE {
                     break;
                 }
             }
-            Err(_) if stopping => break,
             Err(e) => {
                 // EMFILE, ENOMEM: the connection stays queued; try again shortly.
                 drop(st);
@@ -187,7 +213,7 @@ mod tests {
         let most = Arc::new(AtomicUsize::new(0));
         let gate = Arc::new((Mutex::new(false), Condvar::new()));
         let (i, m, g) = (inside.clone(), most.clone(), gate.clone());
-        let acc = Acceptors::start(l, move |s| {
+        let acc = Acceptors::start_with(l, Duration::from_millis(100), move |s| {
             let now = i.fetch_add(1, Ordering::SeqCst) + 1;
             m.fetch_max(now, Ordering::SeqCst);
             let mut open = g.0.lock().unwrap();
