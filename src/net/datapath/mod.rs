@@ -544,7 +544,10 @@ impl Datapath {
             Ok(r) => r,
             Err(e) => {
                 if created.is_ok() {
-                    self.undo_link(&mut *nl, &host_if);
+                    // The lease could not be written (a full state disk): the pair goes now,
+                    // not through the graveyard, so nothing of the attempt outlives its answer
+                    // (neither end: the pod's goes with the host's).
+                    self.delete_link_now(&mut *nl, &host_if);
                 }
                 return Err(NetError::Ipam(e));
             }
@@ -591,6 +594,15 @@ impl Datapath {
         self.undo_link(nl, host_if);
         if let Err(e) = self.ipam.release(owner) {
             tracing::warn!(error = %e, "rolling back lease");
+        }
+    }
+
+    fn delete_link_now(&self, nl: &mut dyn Links, host_if: &str) {
+        if let Ok(Some(link)) = nl.link_by_name(host_if)
+            && let Err(e) = nl.delete_link(link.index)
+        {
+            tracing::warn!(error = %e, host_if, "deleting the veth of a failed ADD; retiring it instead");
+            self.undo_link(nl, host_if);
         }
     }
 
