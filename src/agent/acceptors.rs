@@ -10,8 +10,9 @@
 //! The pool grows when a connection takes its last idle acceptor (50 ADDs at once get as
 //! many threads, up to [`MAX_THREADS`]) and shrinks back to [`KEEP_IDLE`] idle threads
 //! once they have waited [`LINGER`] with nothing to accept (so a burst of DELs after a
-//! burst of ADDs finds its threads made). Stopping shuts the listener for reading: connections already queued
-//! are still accepted and served, then each acceptor's accept fails and it ends.
+//! burst of ADDs finds its threads made). Stopping shuts the listener for reading:
+//! connections already queued are still accepted and served, then each acceptor's accept
+//! fails and it ends.
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -84,11 +85,13 @@ impl Acceptors {
             ended: Condvar::new(),
             stopping: AtomicBool::new(false),
         });
+        // Made first: if a thread cannot be started, dropping it stops the ones that were.
+        let acceptors = Acceptors { shared };
         for _ in 0..KEEP_IDLE {
-            let mut st = shared.state.lock().unwrap();
-            spawn(&shared, &mut st)?;
+            let mut st = acceptors.shared.state.lock().unwrap();
+            spawn(&acceptors.shared, &mut st)?;
         }
-        Ok(Acceptors { shared })
+        Ok(acceptors)
     }
 
     /// No new connections: what is queued already is still served. Returns at once.

@@ -598,11 +598,12 @@ impl Datapath {
     }
 
     fn delete_link_now(&self, nl: &mut dyn Links, host_if: &str) {
-        if let Ok(Some(link)) = nl.link_by_name(host_if)
-            && let Err(e) = nl.delete_link(link.index)
-        {
+        let Ok(Some(link)) = nl.link_by_name(host_if) else { return };
+        if let Err(e) = nl.delete_link(link.index) {
             tracing::warn!(error = %e, host_if, "deleting the veth of a failed ADD; retiring it instead");
-            self.undo_link(nl, host_if);
+            if let Err(e) = self.retire_link(nl, &link) {
+                tracing::warn!(error = %e, host_if, "rolling back veth");
+            }
         }
     }
 
