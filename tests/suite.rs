@@ -17,6 +17,7 @@ mod dra_root;
 mod fake_apiserver;
 mod fuzz_inputs;
 mod kube_controller;
+mod netlink_root;
 mod routes_root;
 mod volume_root;
 

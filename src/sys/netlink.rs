@@ -9,7 +9,7 @@ use std::net::IpAddr;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_ECHO, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
     NetlinkPayload,
 };
 use netlink_packet_route::address::{
@@ -63,6 +63,14 @@ pub struct Link {
     pub peer: Option<u32>,
     /// For a bridge: whether it snoops IGMP/MLD (`mcast_snooping`).
     pub mcast_snooping: Option<bool>,
+}
+
+/// The two ends of a veth pair the kernel just made, as it echoed them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CreatedVeth {
+    pub host_index: u32,
+    /// In the peer's namespace.
+    pub peer_index: u32,
 }
 
 /// An address assigned to an interface.
@@ -202,15 +210,20 @@ impl Netlink {
         Ok(out)
     }
 
-    /// Send several requests in one write and collect every ack; the first failure (in
-    /// request order) is returned. Saves a round trip per request on hot paths.
+    /// Send several requests in one write; the first failure (in request order) is returned.
+    /// Saves a round trip per request on hot paths.
+    ///
+    /// Only the last request asks for an ack. The kernel handles the requests of one write in
+    /// order and answers every failure whether or not an ack was asked, so the last one's
+    /// answer comes after every other answer there is: one read instead of one per request.
     pub fn batch(&mut self, reqs: Vec<Req>) -> Result<()> {
         let mut out = Vec::new();
         let mut seqs = Vec::with_capacity(reqs.len());
-        for r in &reqs {
+        for (i, r) in reqs.iter().enumerate() {
             self.seq = self.seq.wrapping_add(1);
             let mut header = NetlinkHeader::default();
-            header.flags = NLM_F_REQUEST | NLM_F_ACK | r.flags;
+            let ack = if i + 1 == reqs.len() { NLM_F_ACK } else { 0 };
+            header.flags = NLM_F_REQUEST | ack | r.flags;
             header.sequence_number = self.seq;
             let mut packet = NetlinkMessage::new(header, NetlinkPayload::from(r.msg.clone()));
             packet.finalize();
@@ -224,20 +237,17 @@ impl Netlink {
         }
         self.socket.send(&out, 0).map_err(|e| err(&reqs[0].op, e))?;
         let mut first_err: Option<(usize, NetlinkError)> = None;
-        let mut acked = 0;
-        let total = seqs.len();
+        let last = seqs.len() - 1;
         self.recv_each(&reqs[0].op, |msg| {
             let Some(i) = seqs.iter().position(|s| *s == msg.header.sequence_number) else { return Ok(false) };
-            if let NetlinkPayload::Error(e) = msg.payload {
-                acked += 1;
-                if let Some(code) = e.code {
-                    let failure = err(&reqs[i].op, io::Error::from_raw_os_error(-code.get()));
-                    if first_err.as_ref().is_none_or(|(j, _)| i < *j) {
-                        first_err = Some((i, failure));
-                    }
+            let NetlinkPayload::Error(e) = msg.payload else { return Ok(false) };
+            if let Some(code) = e.code {
+                let failure = err(&reqs[i].op, io::Error::from_raw_os_error(-code.get()));
+                if first_err.as_ref().is_none_or(|(j, _)| i < *j) {
+                    first_err = Some((i, failure));
                 }
             }
-            Ok(acked == total)
+            Ok(i == last)
         })?;
         match first_err {
             Some((_, e)) => Err(e),
@@ -284,7 +294,11 @@ impl Netlink {
 
     /// Create a veth pair: host end here (optionally enslaved to `master`), peer end moved
     /// into `peer_netns`, in one request. The host end is created up; the peer is not.
-    pub fn create_veth(&mut self, spec: &VethSpec<'_>) -> Result<()> {
+    ///
+    /// Returns the host end's and the peer's ifindex as the kernel echoed them
+    /// (`NLM_F_ECHO`, honoured for new links since Linux 6.3), so the caller needs no lookup
+    /// in the pod's namespace; `None` from an older kernel, which only acks.
+    pub fn create_veth(&mut self, spec: &VethSpec<'_>) -> Result<Option<CreatedVeth>> {
         // The peer cannot be created up: the kernel opens it before the pair is linked
         // (veth_open would fail with ENOTCONN). The caller brings it up in its namespace.
         let mut peer = LinkMessage::default();
@@ -316,11 +330,18 @@ impl Netlink {
             LinkInfo::Kind(InfoKind::Veth),
             LinkInfo::Data(InfoData::Veth(InfoVeth::Peer(peer))),
         ]));
-        self.request(
-            RouteNetlinkMessage::NewLink(msg),
-            NLM_F_CREATE | NLM_F_EXCL,
-            &format!("create veth {} <-> {}", spec.host_name, spec.peer_name),
-        )
+        let op = format!("create veth {} <-> {}", spec.host_name, spec.peer_name);
+        let seq = self.send(RouteNetlinkMessage::NewLink(msg), NLM_F_CREATE | NLM_F_EXCL | NLM_F_ECHO | NLM_F_ACK, &op)?;
+        let echoed = self.recv_until_done(seq, &op)?;
+        Ok(echoed.iter().find_map(|m| match m {
+            RouteNetlinkMessage::NewLink(l) => {
+                let link = parse_link(l);
+                (link.name == spec.host_name && link.index != 0)
+                    .then_some(link.peer.map(|peer| CreatedVeth { host_index: link.index, peer_index: peer }))
+                    .flatten()
+            }
+            _ => None,
+        }))
     }
 
     /// Create a bridge, administratively down (the caller tunes it, then brings it up), with
