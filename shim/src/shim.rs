@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::cni::request::{self, ENV_KEYS, Env};
-use crate::cni::wire::{WireRequest, exchange};
+use crate::cni::wire::{WireRequest, encode, exchange_frame};
 use crate::cni::{CniError, Code, Command, MAX_CONFIG_BYTES, Reply, version_result};
 
 pub const DEFAULT_SOCKET: &str = "/run/nodeplane/cni.sock";
@@ -41,6 +41,9 @@ fn timeout_for(cmd: Command) -> Duration {
     }
 }
 
+/// How long the request may take to be sent, and a connection to be accepted.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// How long ADD, CHECK and GC wait for an agent that is not listening, unless the network
 /// configuration says otherwise (`agentWaitSeconds`): long enough for an agent restart or
 /// a rolling upgrade, short next to the runtime's own timeouts.
@@ -48,11 +51,28 @@ pub const DEFAULT_AGENT_WAIT: Duration = Duration::from_secs(10);
 
 /// Connect, waiting up to `wait` while the socket is missing or refuses (the agent is
 /// restarting). Other errors (permissions…) are returned at once.
-fn connect_waiting(socket: &Path, wait: Duration) -> io::Result<UnixStream> {
+///
+/// The socket's timeouts (`read` for the answer, [`WRITE_TIMEOUT`] for the request and for a
+/// connect the agent does not accept) are set before it connects: an accepting thread of the
+/// agent wakes as the connection is made, and the request should be there when it reads.
+fn connect_waiting(socket: &Path, wait: Duration, read: Duration) -> io::Result<UnixStream> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr};
+    let addr = UnixAddr::new(socket).map_err(io::Error::from)?;
     let deadline = std::time::Instant::now() + wait;
     loop {
-        match UnixStream::connect(socket) {
-            Ok(s) => return Ok(s),
+        let fd = nix::sys::socket::socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)
+            .map_err(io::Error::from)?;
+        let stream = UnixStream::from(fd);
+        stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+        stream.set_read_timeout(Some(read))?;
+        match nix::sys::socket::connect(std::os::fd::AsRawFd::as_raw_fd(&stream), &addr).map_err(io::Error::from) {
+            Ok(()) => return Ok(stream),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the agent did not accept the connection on {} within {WRITE_TIMEOUT:?}", socket.display()),
+                ));
+            }
             Err(e)
                 if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused)
                     && std::time::Instant::now() < deadline =>
@@ -74,13 +94,12 @@ fn call_agent(
     // STATUS must answer now (the runtime asks whether ADD can work *now*); DEL is queued
     // durably when the agent is away, so it never waits either.
     let wait = if matches!(cmd, Command::Add | Command::Check | Command::Gc) { wait } else { Duration::ZERO };
+    let frame = encode(wire)?;
     let deadline = std::time::Instant::now() + wait;
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let mut stream = connect_waiting(socket, left)?;
-        stream.set_write_timeout(Some(Duration::from_secs(10)))?;
-        stream.set_read_timeout(Some(timeout_for(cmd)))?;
-        match exchange(&mut stream, wire, netns) {
+        let mut stream = connect_waiting(socket, left, timeout_for(cmd))?;
+        match exchange_frame(&mut stream, &frame, netns) {
             // The agent went away between accepting (or queueing) the connection and
             // answering: it is stopping or crashed. Ask the next one, within the same bound.
             // (An ADD the old agent finished but could not answer is refused by the new one

@@ -223,35 +223,47 @@ pub fn handle_coded(dp: &Datapath, env: &Env, stdin: &[u8], netns: Option<std::o
     }
 }
 
+/// The first read of a request asks for this much: a whole request of a usual size (the
+/// network configuration and environment: a few KiB).
+const FIRST_READ: usize = 16 * 1024;
+
 /// Read one request frame from the shim, with the descriptor it passed (`SCM_RIGHTS`), if
 /// any. Blocking (the socket has a read timeout).
 fn read_request(stream: &std::os::unix::net::UnixStream) -> std::io::Result<(WireRequest, Option<std::os::fd::OwnedFd>)> {
     use std::os::fd::AsFd;
     let mut fds = Vec::new();
-    let fill = |buf: &mut [u8], fds: &mut Vec<std::os::fd::OwnedFd>| -> std::io::Result<()> {
-        let mut at = 0;
-        while at < buf.len() {
+    // Read until `buf` holds at least `want` bytes (more may come: the read asks for all of
+    // `buf`'s room, so a request sent in one write is read in one call).
+    let fill = |buf: &mut Vec<u8>, want: usize, fds: &mut Vec<std::os::fd::OwnedFd>| -> std::io::Result<()> {
+        while buf.len() < want {
+            let at = buf.len();
+            buf.resize(buf.capacity().max(want), 0);
             let n = match crate::sys::fdpass::recv(stream.as_fd(), &mut buf[at..], fds) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "request read timed out"));
                 }
-                r => r?,
+                r => r.inspect_err(|_| buf.truncate(at))?,
             };
+            buf.truncate(at + n);
             if n == 0 {
                 return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the shim closed mid-request"));
             }
-            at += n;
         }
         Ok(())
     };
-    let mut header = [0u8; 4];
-    fill(&mut header, &mut fds)?;
-    let mut body = vec![0u8; wire::decode_len(header)?];
-    fill(&mut body, &mut fds)?;
+    let mut buf = Vec::with_capacity(FIRST_READ);
+    fill(&mut buf, 4, &mut fds)?;
+    let len = wire::decode_len(buf[..4].try_into().expect("4 bytes"))?;
+    buf.reserve_exact((4 + len).saturating_sub(buf.len()));
+    fill(&mut buf, 4 + len, &mut fds)?;
+    if buf.len() > 4 + len {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "bytes after the request"));
+    }
+    let body = &buf[4..];
     if fds.len() > 1 {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{} descriptors sent with one request", fds.len())));
     }
-    let req: WireRequest = serde_json::from_slice(&body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    let req: WireRequest = serde_json::from_slice(body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
     Ok((req, fds.pop()))
 }
 
@@ -273,8 +285,9 @@ fn serve_conn(dp: &Datapath, cni: &metrics::CniMetrics, stream: std::os::unix::n
     cni.observe(label, code, elapsed.as_secs_f64());
     tracing::debug!(command = %cmd, exit = reply.exit_code, micros = elapsed.as_micros() as u64, "cni");
     let answering = Instant::now();
-    (&stream).write_all(&wire::encode(&reply)?)?;
-    let r = stream.shutdown(std::net::Shutdown::Write);
+    // The shim reads exactly the frame; the connection is closed when `stream` drops, after
+    // the answer is on its way.
+    let r = (&stream).write_all(&wire::encode(&reply)?);
     dp.steps.observe(&[label, "reply"], answering.elapsed().as_secs_f64());
     r
 }
