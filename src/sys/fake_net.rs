@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::net_kernel::{LinkStep, Links, NetKernel, PodNetns, Result, Veth};
-use super::netlink::{Addr, CreatedVeth, Link, NetlinkError, Route};
+use super::netlink::{Addr, Link, NetlinkError, Route};
 use super::netns::NetnsError;
 
 const HOST: u64 = 0;
@@ -43,8 +43,6 @@ struct State {
     next_index: u32,
     calls: Vec<String>,
     faults: Vec<Fault>,
-    /// Answer veth creations without their ifindexes, as kernels before 6.3 do.
-    no_echo: bool,
     sysctls: BTreeMap<String, String>,
 }
 
@@ -179,11 +177,6 @@ impl FakeNet {
         self.lock().faults.push(Fault { op: op.to_string(), skip, errno });
     }
 
-    /// Answer veth creations as a kernel before 6.3 does: an ack without the new links.
-    pub fn without_echo(&self) {
-        self.lock().no_echo = true;
-    }
-
     /// Calls so far, oldest first (`host <op> <detail>` or `ns<N> <op> <detail>`).
     pub fn calls(&self) -> Vec<String> {
         self.lock().calls.clone()
@@ -303,7 +296,7 @@ impl Links for FakeLinks {
         Ok(())
     }
 
-    fn create_veth(&mut self, v: &Veth<'_>) -> Result<Option<CreatedVeth>> {
+    fn create_veth(&mut self, v: &Veth<'_>) -> Result<()> {
         let mut st = self.lock();
         st.enter(self.ns, "create_veth", format!("{} {} {}", v.host_name, v.peer_name, v.peer.path().display()))?;
         let Some(&peer_ns) = st.paths.get(v.peer.path()) else {
@@ -340,7 +333,7 @@ impl Links for FakeLinks {
         let peer = veth(peer_index, v.peer_name, v.peer_mac, false, None, host_index);
         st.space(self.ns, "create_veth")?.links.push(host);
         st.space(peer_ns, "create_veth")?.links.push(peer);
-        Ok((!st.no_echo).then_some(CreatedVeth { host_index, peer_index }))
+        Ok(())
     }
 
     fn delete_link(&mut self, index: u32) -> Result<()> {

@@ -13,7 +13,7 @@ use std::net::IpAddr;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
 
-use super::netlink::{Addr, CreatedVeth, Link, Netlink, NetlinkError, Req, Route, VethSpec};
+use super::netlink::{Addr, Link, Netlink, NetlinkError, Req, Route, VethSpec};
 use super::netns::{Netns, NetnsError};
 
 pub type Result<T> = std::result::Result<T, NetlinkError>;
@@ -47,8 +47,7 @@ pub trait Links: Send {
     /// A bridge, administratively down.
     fn create_bridge(&mut self, name: &str) -> Result<()>;
     /// The host end is created up (enslaved to `master`), the peer down in its namespace.
-    /// The two ifindexes when the kernel says them with its answer (Linux 6.3 and later).
-    fn create_veth(&mut self, veth: &Veth<'_>) -> Result<Option<CreatedVeth>>;
+    fn create_veth(&mut self, veth: &Veth<'_>) -> Result<()>;
     fn delete_link(&mut self, index: u32) -> Result<()>;
     /// Every link of `group` in one request; no member is not an error.
     fn delete_group(&mut self, group: u32) -> Result<()>;
@@ -134,7 +133,7 @@ impl Links for Netlink {
     fn create_bridge(&mut self, name: &str) -> Result<()> {
         Netlink::create_bridge(self, name, None)
     }
-    fn create_veth(&mut self, v: &Veth<'_>) -> Result<Option<CreatedVeth>> {
+    fn create_veth(&mut self, v: &Veth<'_>) -> Result<()> {
         let Some(peer_netns) = v.peer.fd() else {
             return Err(NetlinkError {
                 op: format!("create veth {}: {} has no namespace descriptor", v.host_name, v.peer.path().display()),

@@ -9,7 +9,7 @@ use std::net::IpAddr;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_ECHO, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
     NetlinkPayload,
 };
 use netlink_packet_route::address::{
@@ -63,14 +63,6 @@ pub struct Link {
     pub peer: Option<u32>,
     /// For a bridge: whether it snoops IGMP/MLD (`mcast_snooping`).
     pub mcast_snooping: Option<bool>,
-}
-
-/// The two ends of a veth pair the kernel just made, as it echoed them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CreatedVeth {
-    pub host_index: u32,
-    /// In the peer's namespace.
-    pub peer_index: u32,
 }
 
 /// An address assigned to an interface.
@@ -294,11 +286,7 @@ impl Netlink {
 
     /// Create a veth pair: host end here (optionally enslaved to `master`), peer end moved
     /// into `peer_netns`, in one request. The host end is created up; the peer is not.
-    ///
-    /// Returns the host end's and the peer's ifindex as the kernel echoed them
-    /// (`NLM_F_ECHO`, honoured for new links since Linux 6.3), so the caller needs no lookup
-    /// in the pod's namespace; `None` from an older kernel, which only acks.
-    pub fn create_veth(&mut self, spec: &VethSpec<'_>) -> Result<Option<CreatedVeth>> {
+    pub fn create_veth(&mut self, spec: &VethSpec<'_>) -> Result<()> {
         // The peer cannot be created up: the kernel opens it before the pair is linked
         // (veth_open would fail with ENOTCONN). The caller brings it up in its namespace.
         let mut peer = LinkMessage::default();
@@ -330,18 +318,11 @@ impl Netlink {
             LinkInfo::Kind(InfoKind::Veth),
             LinkInfo::Data(InfoData::Veth(InfoVeth::Peer(peer))),
         ]));
-        let op = format!("create veth {} <-> {}", spec.host_name, spec.peer_name);
-        let seq = self.send(RouteNetlinkMessage::NewLink(msg), NLM_F_CREATE | NLM_F_EXCL | NLM_F_ECHO | NLM_F_ACK, &op)?;
-        let echoed = self.recv_until_done(seq, &op)?;
-        Ok(echoed.iter().find_map(|m| match m {
-            RouteNetlinkMessage::NewLink(l) => {
-                let link = parse_link(l);
-                (link.name == spec.host_name && link.index != 0)
-                    .then_some(link.peer.map(|peer| CreatedVeth { host_index: link.index, peer_index: peer }))
-                    .flatten()
-            }
-            _ => None,
-        }))
+        self.request(
+            RouteNetlinkMessage::NewLink(msg),
+            NLM_F_CREATE | NLM_F_EXCL,
+            &format!("create veth {} <-> {}", spec.host_name, spec.peer_name),
+        )
     }
 
     /// Create a bridge, administratively down (the caller tunes it, then brings it up), with

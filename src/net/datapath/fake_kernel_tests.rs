@@ -164,32 +164,6 @@ fn add_plumbs_the_pod_and_del_removes_everything() {
     assert_eq!(n.dp.ipam().get(&owner("ctr-b")).unwrap().ips.len(), 2);
 }
 
-/// The kernel's echo of the new veth pair names both ends: ADD asks nothing more in the pod's
-/// namespace before configuring it. A kernel without the echo (before 6.3) gets the lookup,
-/// and both end in the same state.
-#[test]
-fn add_uses_the_echoed_ifindexes_and_looks_up_without_them() {
-    for echo in [true, false] {
-        let n = node(&format!("echo-{echo}"));
-        if !echo {
-            n.fake.without_echo();
-        }
-        let ns = n.netns("pod");
-        n.fake.clear_calls();
-        n.add("ctr", &ns).unwrap();
-        let lookups: Vec<String> =
-            n.fake.calls().into_iter().filter(|c| !c.starts_with("host ") && c.contains(" link_by_name ")).collect();
-        assert_eq!(lookups.len(), usize::from(!echo), "echo {echo}: {lookups:?}");
-        let lease = n.dp.ipam().get(&owner("ctr")).unwrap();
-        let host = n.fake.host_link(&lease.host_if).unwrap();
-        assert_eq!(lease.host_ifindex, host.index, "echo {echo}");
-        let pod = n.fake.netns(&ns).unwrap();
-        let eth0 = pod.links.iter().find(|l| l.name == "eth0").unwrap();
-        assert!(eth0.up && pod.addrs.iter().filter(|a| a.index == eth0.index).count() == 2, "echo {echo}");
-        assert!(pod.routes.iter().all(|(_, r)| r.oif == Some(eth0.index)), "echo {echo}: {:?}", pod.routes);
-    }
-}
-
 /// Every kernel step of ADD, failed in turn: the ADD fails with the right code, and nothing
 /// is left behind — no lease, no host veth, nothing in the pod — so the retry succeeds.
 #[test]
@@ -199,16 +173,13 @@ fn add_rolls_back_when_any_step_fails() {
         ("host", 0, Code::Internal),
         ("create_veth", 0, Code::Internal),
         ("netns_links", 0, Code::Internal),
-        // The pod-side lookup of the new peer (only made when the kernel did not echo it).
+        // The pod-side lookup of the new peer.
         ("link_by_name", 0, Code::Internal),
         ("apply", 0, Code::Internal),
     ];
     for &(op, skip, code) in steps {
         let n = node(&format!("rollback-{op}"));
         let ns = n.netns("pod");
-        if op == "link_by_name" {
-            n.fake.without_echo();
-        }
         n.fake.fail_after(op, skip, libc::EPERM);
         let err = n.add("ctr", &ns).expect_err(op);
         assert_eq!(err.code, code, "{op}: {err:?}");

@@ -17,7 +17,7 @@ use crate::net::cni::{CniError, Code};
 use crate::net::ipam::{Ipam, IpamError, Lease, LeaseState, Owner};
 pub use crate::sys::net_kernel::NetKernel;
 use crate::sys::net_kernel::{LinkStep, Links, PodNetns, Veth};
-use crate::sys::netlink::{CreatedVeth, Link, NetlinkError, format_mac, random_mac};
+use crate::sys::netlink::{Link, NetlinkError, format_mac, random_mac};
 use crate::sys::netns::NetnsError;
 use crate::net::pending_del;
 use crate::obs::doctor::{Finding, Repair};
@@ -109,13 +109,6 @@ fn netlink_err(context: &str, e: NetlinkError) -> NetError {
     NetError::Kernel { context: context.to_string(), source: e }
 }
 
-/// A veth pair an ADD just made.
-struct NewVeth {
-    host_mac: [u8; 6],
-    peer_mac: [u8; 6],
-    /// Its ifindexes, when the kernel echoed them.
-    indexes: Option<CreatedVeth>,
-}
 
 #[derive(Debug, Clone, Copy)]
 struct BridgeInfo {
@@ -561,9 +554,9 @@ impl Datapath {
         };
         steps.mark("veth");
         let lease = reservation.lease.clone();
-        let configured = created.and_then(|veth| {
+        let configured = created.and_then(|macs| {
             let pod_nl = pod_links.map_err(netns_err)?;
-            self.configure(pod_nl, &*netns, req, &host_if, &lease, mtu, veth)
+            self.configure(pod_nl, &*netns, req, &host_if, &lease, mtu, macs)
         });
         match configured {
             Ok((result, cookie, host_ifindex)) => {
@@ -622,7 +615,7 @@ impl Datapath {
     }
 
     /// Create the veth pair, the host end on the bridge and the peer in `netns`; returns
-    /// what the new pair is (MAC addresses, and ifindexes when the kernel echoed them).
+    /// the two ends' MAC addresses.
     fn create_veth(
         &self,
         nl: &mut dyn Links,
@@ -630,7 +623,7 @@ impl Datapath {
         req: &Request,
         host_if: &str,
         mtu: u32,
-    ) -> Result<NewVeth, NetError> {
+    ) -> Result<([u8; 6], [u8; 6]), NetError> {
         let bridge = self.bridge()?;
         let host_mac = random_mac();
         let peer_mac = random_mac();
@@ -648,7 +641,7 @@ impl Datapath {
         loop {
             attempt += 1;
             match nl.create_veth(&spec) {
-                Ok(indexes) => return Ok(NewVeth { host_mac, peer_mac, indexes }),
+                Ok(()) => return Ok((host_mac, peer_mac)),
                 Err(e) if e.is(libc::EEXIST) && attempt <= 2 => {
                     // Either a stale host end (no lease holds it: we checked under the
                     // attachment lock) or the name is taken inside the pod.
@@ -693,33 +686,24 @@ impl Datapath {
         host_if: &str,
         lease: &Lease,
         mtu: u32,
-        veth: NewVeth,
+        (host_mac, peer_mac): ([u8; 6], [u8; 6]),
     ) -> Result<(ResultModel, u64, u32), NetError> {
-        let NewVeth { host_mac, peer_mac, indexes } = veth;
-        // The kernel said where the peer is (Linux 6.3 and later); else it is looked up.
-        let (peer_index, host_index) = match indexes {
-            Some(c) => (c.peer_index, c.host_index),
-            None => {
-                let peer = pod_nl
-                    .link_by_name(&req.ifname)
-                    .map_err(|e| netlink_err("lookup", e))?
-                    .ok_or_else(|| internal("veth", format!("{} missing in pod after creation", req.ifname)))?;
-                (peer.index, peer.peer.unwrap_or(0))
-            }
-        };
-        // One batch: lo up (always ifindex 1 in a namespace; a no-op in the kernel when the
-        // runtime's loopback step already did it), the interface up, then its addresses and
-        // default routes. Addresses precede the routes that need them.
-        let mut reqs = vec![LinkStep::Up { index: 1 }, LinkStep::Up { index: peer_index }];
+        let peer = pod_nl
+            .link_by_name(&req.ifname)
+            .map_err(|e| netlink_err("lookup", e))?
+            .ok_or_else(|| internal("veth", format!("{} missing in pod after creation", req.ifname)))?;
+        // One batch: lo up (always ifindex 1 in a namespace), the interface up, then its
+        // addresses and default routes. Addresses precede the routes that need them.
+        let mut reqs = vec![LinkStep::Up { index: 1 }, LinkStep::Up { index: peer.index }];
         let mut ips = Vec::new();
         let mut routes = Vec::new();
         for ip in &lease.ips {
-            reqs.push(LinkStep::Address { index: peer_index, ip: ip.ip(), prefix: ip.prefix() });
+            reqs.push(LinkStep::Address { index: peer.index, ip: ip.ip(), prefix: ip.prefix() });
         }
         for ip in &lease.ips {
             let block = self.ipam.block_of(ip.ip()).ok_or_else(|| internal("ipam", format!("{ip} has no block")))?;
             let gw = block.gateway();
-            reqs.push(LinkStep::DefaultRoute { gateway: gw, oif: peer_index });
+            reqs.push(LinkStep::DefaultRoute { gateway: gw, oif: peer.index });
             ips.push(IpConfig { address: *ip, gateway: Some(gw), interface: Some(2) });
             let any = if ip.is_ipv4() { "0.0.0.0/0" } else { "::/0" };
             routes.push(Route { dst: any.parse().expect("literal"), gw: Some(gw) });
@@ -743,7 +727,7 @@ impl Datapath {
             routes,
             dns: if conf_dns.is_empty() { self.settings.dns.clone() } else { conf_dns },
         };
-        Ok((result, pod_nl.netns_cookie(), host_index))
+        Ok((result, pod_nl.netns_cookie(), peer.peer.unwrap_or(0)))
     }
 
     pub fn del(&self, req: &Request) -> Result<(), NetError> {
