@@ -619,7 +619,7 @@ fn wire_frames_are_bounded() {
         let (mut shim, mut agent) = std::os::unix::net::UnixStream::pair().unwrap();
         agent.write_all(&reply).unwrap();
         agent.shutdown(std::net::Shutdown::Write).unwrap();
-        let r = wire::exchange(&mut shim, &req, None);
+        let r = wire::exchange(&mut shim, &wire::encode(&req).unwrap(), None);
         shim.shutdown(std::net::Shutdown::Write).unwrap();
         let mut sent = Vec::new();
         agent.read_to_end(&mut sent).unwrap();

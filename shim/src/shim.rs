@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::cni::request::{self, ENV_KEYS, Env};
-use crate::cni::wire::{WireRequest, encode, exchange_frame};
+use crate::cni::wire::{WireRequest, encode, exchange};
 use crate::cni::{CniError, Code, Command, MAX_CONFIG_BYTES, Reply, version_result};
 
 pub const DEFAULT_SOCKET: &str = "/run/nodeplane/cni.sock";
@@ -99,7 +99,7 @@ fn call_agent(
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         let mut stream = connect_waiting(socket, left, timeout_for(cmd))?;
-        match exchange_frame(&mut stream, &frame, netns) {
+        match exchange(&mut stream, &frame, netns) {
             // The agent went away between accepting (or queueing) the connection and
             // answering: it is stopping or crashed. Ask the next one, within the same bound.
             // (An ADD the old agent finished but could not answer is refused by the new one

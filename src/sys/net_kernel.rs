@@ -76,7 +76,8 @@ pub trait PodNetns: Send + Sync {
     fn path(&self) -> &Path;
     /// Inode number of the namespace (identifies it while it lives; may be reused).
     fn inode(&self) -> io::Result<u64>;
-    /// A link socket inside the namespace (opened on a short-lived thread).
+    /// A link socket inside the namespace (the calling thread enters it for the `socket`
+    /// call only: [`super::netns::netlink_in`]).
     fn links(&self) -> std::result::Result<Box<dyn Links>, NetnsError>;
     /// The namespace descriptor, for moving a link into it (`None` for fakes).
     fn fd(&self) -> Option<BorrowedFd<'_>>;

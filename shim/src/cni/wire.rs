@@ -36,16 +36,12 @@ pub fn decode_len(header: [u8; 4]) -> io::Result<usize> {
     Ok(len)
 }
 
-/// Blocking exchange used by the shim. `netns`: the pod's network namespace, opened by the
-/// shim and passed with the request (`SCM_RIGHTS`), so the agent never resolves the
-/// runtime's path in its own mount and PID namespaces.
-pub fn exchange(stream: &mut std::os::unix::net::UnixStream, req: &WireRequest, netns: Option<std::os::fd::BorrowedFd<'_>>) -> io::Result<Reply> {
-    exchange_frame(stream, &encode(req)?, netns)
-}
-
-/// [`exchange`] of a request already encoded (the shim encodes before it connects, so the
-/// agent's thread, woken by the connection, finds the request there).
-pub fn exchange_frame(stream: &mut std::os::unix::net::UnixStream, frame: &[u8], netns: Option<std::os::fd::BorrowedFd<'_>>) -> io::Result<Reply> {
+/// Blocking exchange used by the shim: send `frame` (an [`encode`]d request; the shim encodes
+/// before it connects, so the agent's thread, woken by the connection, finds the request
+/// there) and read the reply. `netns`: the pod's network namespace, opened by the shim and
+/// passed with the request (`SCM_RIGHTS`), so the agent never resolves the runtime's path in
+/// its own mount and PID namespaces.
+pub fn exchange(stream: &mut std::os::unix::net::UnixStream, frame: &[u8], netns: Option<std::os::fd::BorrowedFd<'_>>) -> io::Result<Reply> {
     use std::os::fd::AsFd;
     crate::fdpass::send(stream.as_fd(), frame, netns)?;
     let mut header = [0u8; 4];
