@@ -70,3 +70,36 @@ fn batch_returns_the_first_failure_and_reads_every_answer() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("10.77.1.1/32") && text.contains("10.77.2.1/32"), "{text}");
 }
+
+/// `index_of` (an ioctl on the socket, not a netlink request) answers for the socket's own
+/// namespace, whatever namespace the calling thread is in: the agent asks from the node's
+/// namespace about the pod's end through a socket made in the pod's.
+#[test]
+fn index_of_answers_in_the_sockets_namespace() {
+    let ns = Namespaces::new(&["ix"]);
+    let name = ns.0[0].clone();
+    // Four links (veth pairs: this kernel has no dummy links), so the one asked about is not
+    // simply the first after lo.
+    for (l, peer) in [("npix0", "npix1"), ("npix2", "npix3")] {
+        let out = Command::new("ip").args(["-n", &name, "link", "add", l, "type", "veth", "peer", "name", peer]).output().expect("ip");
+        assert!(out.status.success(), "ip link add {l}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let out = Command::new("ip").args(["-n", &name, "-o", "link", "show", "npix1"]).output().expect("ip");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let want: u32 = text.split(':').next().and_then(|n| n.trim().parse().ok()).unwrap_or_else(|| panic!("ifindex in {text:?}"));
+    let nl = std::thread::scope(|s| {
+        s.spawn(|| {
+            let fd = File::open(format!("/run/netns/{name}")).expect("netns");
+            nix::sched::setns(&fd, CloneFlags::CLONE_NEWNET).expect("setns");
+            Netlink::open().expect("netlink")
+        })
+        .join()
+        .expect("thread")
+    });
+    // This thread is in the test's own namespace, which has no link of that name.
+    assert_eq!(nl.index_of("npix1").expect("index_of"), Some(want));
+    assert_eq!(nl.index_of("lo").expect("index_of"), Some(1));
+    assert_eq!(nl.index_of("npix9").expect("no such link"), None);
+    let e = nl.index_of("a-name-longer-than-15").expect_err("too long for a link name");
+    assert!(e.is(libc::EINVAL), "{e:?}");
+}

@@ -276,6 +276,12 @@ impl Links for FakeLinks {
         Ok(st.space(self.ns, "link_by_name")?.links.iter().find(|l| l.name == name).cloned())
     }
 
+    fn index_of(&mut self, name: &str) -> Result<Option<u32>> {
+        let mut st = self.lock();
+        st.enter(self.ns, "index_of", name.to_string())?;
+        Ok(st.space(self.ns, "index_of")?.links.iter().find(|l| l.name == name).map(|l| l.index))
+    }
+
     fn create_bridge(&mut self, name: &str) -> Result<()> {
         let mut st = self.lock();
         st.enter(self.ns, "create_bridge", name.to_string())?;

@@ -44,6 +44,8 @@ pub struct Veth<'a> {
 pub trait Links: Send {
     fn links(&mut self) -> Result<Vec<Link>>;
     fn link_by_name(&mut self, name: &str) -> Result<Option<Link>>;
+    /// Only the index of the link named `name`: cheaper than [`Links::link_by_name`].
+    fn index_of(&mut self, name: &str) -> Result<Option<u32>>;
     /// A bridge, administratively down.
     fn create_bridge(&mut self, name: &str) -> Result<()>;
     /// The host end is created up (enslaved to `master`), the peer down in its namespace.
@@ -130,6 +132,9 @@ impl Links for Netlink {
     }
     fn link_by_name(&mut self, name: &str) -> Result<Option<Link>> {
         Netlink::link_by_name(self, name)
+    }
+    fn index_of(&mut self, name: &str) -> Result<Option<u32>> {
+        Netlink::index_of(self, name)
     }
     fn create_bridge(&mut self, name: &str) -> Result<()> {
         Netlink::create_bridge(self, name, None)

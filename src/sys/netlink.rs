@@ -135,6 +135,40 @@ impl Netlink {
         if rc == 0 { cookie } else { 0 }
     }
 
+    /// The index of the link named `name` in this socket's namespace (`None`: no such link).
+    ///
+    /// An ioctl (SIOCGIFINDEX) on this socket, not a netlink request: the kernel looks the
+    /// name up under RCU and answers the number, without the RTNL lock and without building
+    /// the link's whole description (a GETLINK answer is 1.5 KiB: statistics, every IPv6
+    /// setting), 2 us against 25-29 us for the request and its answer on this machine. The
+    /// ioctl acts in the namespace the socket was made in, which is what a netlink request
+    /// on it does too.
+    pub fn index_of(&self, name: &str) -> Result<Option<u32>> {
+        let op = || format!("index of {name}");
+        // SAFETY: an all-zero ifreq is a valid value of the C struct.
+        let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+        let bytes = name.as_bytes();
+        if bytes.is_empty() || bytes.len() >= ifr.ifr_name.len() || bytes.contains(&0) {
+            return Err(NetlinkError { op: op(), source: io::Error::from_raw_os_error(libc::EINVAL) });
+        }
+        for (d, s) in ifr.ifr_name.iter_mut().zip(bytes) {
+            *d = *s as libc::c_char;
+        }
+        // SAFETY: SIOCGIFINDEX reads ifr_name (NUL-terminated: the struct was zeroed and the
+        // name is shorter than the field) and writes ifr_ifindex of the ifreq we own.
+        let rc = unsafe { libc::ioctl(self.socket.as_raw_fd(), libc::SIOCGIFINDEX, &mut ifr) };
+        if rc != 0 {
+            let e = io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::ENODEV) => Ok(None),
+                _ => Err(NetlinkError { op: op(), source: e }),
+            };
+        }
+        // SAFETY: the kernel filled the ifindex member of the union on success.
+        let index = unsafe { ifr.ifr_ifru.ifru_ifindex };
+        Ok(u32::try_from(index).ok().filter(|i| *i > 0))
+    }
+
     fn send(&mut self, msg: RouteNetlinkMessage, flags: u16, op: &str) -> Result<u32> {
         self.seq = self.seq.wrapping_add(1);
         let mut header = NetlinkHeader::default();

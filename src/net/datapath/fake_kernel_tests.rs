@@ -173,8 +173,9 @@ fn add_rolls_back_when_any_step_fails() {
         ("host", 0, Code::Internal),
         ("create_veth", 0, Code::Internal),
         ("netns_links", 0, Code::Internal),
-        // The pod-side lookup of the new peer.
-        ("link_by_name", 0, Code::Internal),
+        // The new pair's ends looked up by name: the host's, then the pod's.
+        ("index_of", 0, Code::Internal),
+        ("index_of", 1, Code::Internal),
         ("apply", 0, Code::Internal),
     ];
     for &(op, skip, code) in steps {

@@ -110,6 +110,14 @@ fn netlink_err(context: &str, e: NetlinkError) -> NetError {
 }
 
 
+/// What [`Datapath::create_veth`] made: the MAC addresses it gave both ends and the host
+/// end's index (looked up by name once the pair exists).
+struct Created {
+    host_mac: [u8; 6],
+    peer_mac: [u8; 6],
+    host_index: u32,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct BridgeInfo {
     index: u32,
@@ -554,9 +562,9 @@ impl Datapath {
         };
         steps.mark("veth");
         let lease = reservation.lease.clone();
-        let configured = created.and_then(|macs| {
+        let configured = created.and_then(|created| {
             let pod_nl = pod_links.map_err(netns_err)?;
-            self.configure(pod_nl, &*netns, req, &host_if, &lease, mtu, macs)
+            self.configure(pod_nl, &*netns, req, &host_if, &lease, mtu, created)
         });
         match configured {
             Ok((result, cookie, host_ifindex)) => {
@@ -615,7 +623,7 @@ impl Datapath {
     }
 
     /// Create the veth pair, the host end on the bridge and the peer in `netns`; returns
-    /// the two ends' MAC addresses.
+    /// the two ends' MAC addresses and the host end's index.
     fn create_veth(
         &self,
         nl: &mut dyn Links,
@@ -623,7 +631,7 @@ impl Datapath {
         req: &Request,
         host_if: &str,
         mtu: u32,
-    ) -> Result<([u8; 6], [u8; 6]), NetError> {
+    ) -> Result<Created, NetError> {
         let bridge = self.bridge()?;
         let host_mac = random_mac();
         let peer_mac = random_mac();
@@ -641,7 +649,13 @@ impl Datapath {
         loop {
             attempt += 1;
             match nl.create_veth(&spec) {
-                Ok(()) => return Ok((host_mac, peer_mac)),
+                Ok(()) => {
+                    let host_index = nl
+                        .index_of(host_if)
+                        .map_err(|e| netlink_err("lookup", e))?
+                        .ok_or_else(|| internal("veth", format!("{host_if} missing after its creation")))?;
+                    return Ok(Created { host_mac, peer_mac, host_index });
+                }
                 Err(e) if e.is(libc::EEXIST) && attempt <= 2 => {
                     // Either a stale host end (no lease holds it: we checked under the
                     // attachment lock) or the name is taken inside the pod.
@@ -686,24 +700,24 @@ impl Datapath {
         host_if: &str,
         lease: &Lease,
         mtu: u32,
-        (host_mac, peer_mac): ([u8; 6], [u8; 6]),
+        Created { host_mac, peer_mac, host_index }: Created,
     ) -> Result<(ResultModel, u64, u32), NetError> {
         let peer = pod_nl
-            .link_by_name(&req.ifname)
+            .index_of(&req.ifname)
             .map_err(|e| netlink_err("lookup", e))?
             .ok_or_else(|| internal("veth", format!("{} missing in pod after creation", req.ifname)))?;
         // One batch: lo up (always ifindex 1 in a namespace), the interface up, then its
         // addresses and default routes. Addresses precede the routes that need them.
-        let mut reqs = vec![LinkStep::Up { index: 1 }, LinkStep::Up { index: peer.index }];
+        let mut reqs = vec![LinkStep::Up { index: 1 }, LinkStep::Up { index: peer }];
         let mut ips = Vec::new();
         let mut routes = Vec::new();
         for ip in &lease.ips {
-            reqs.push(LinkStep::Address { index: peer.index, ip: ip.ip(), prefix: ip.prefix() });
+            reqs.push(LinkStep::Address { index: peer, ip: ip.ip(), prefix: ip.prefix() });
         }
         for ip in &lease.ips {
             let block = self.ipam.block_of(ip.ip()).ok_or_else(|| internal("ipam", format!("{ip} has no block")))?;
             let gw = block.gateway();
-            reqs.push(LinkStep::DefaultRoute { gateway: gw, oif: peer.index });
+            reqs.push(LinkStep::DefaultRoute { gateway: gw, oif: peer });
             ips.push(IpConfig { address: *ip, gateway: Some(gw), interface: Some(2) });
             let any = if ip.is_ipv4() { "0.0.0.0/0" } else { "::/0" };
             routes.push(Route { dst: any.parse().expect("literal"), gw: Some(gw) });
@@ -727,7 +741,7 @@ impl Datapath {
             routes,
             dns: if conf_dns.is_empty() { self.settings.dns.clone() } else { conf_dns },
         };
-        Ok((result, pod_nl.netns_cookie(), peer.peer.unwrap_or(0)))
+        Ok((result, pod_nl.netns_cookie(), host_index))
     }
 
     pub fn del(&self, req: &Request) -> Result<(), NetError> {
