@@ -131,6 +131,25 @@ impl Block {
 pub struct Reservation {
     pub lease: Lease,
     file: fs::File,
+    /// The file's length: the `adding` lease and its room (see [`COMMIT_ROOM`]).
+    len: usize,
+}
+
+/// A new lease's file ends in this many spaces (JSON allows whitespace after the value),
+/// room for what its commit adds: the namespace's cookie (up to 20 digits where the
+/// reservation has `0`: 19 more) and the host veth's index, which the reservation leaves
+/// out (`,"hostIfindex":` and up to 10 digits: 25), while the state's name gets shorter
+/// (`adding` to `ready`). The commit then overwrites the file in place with one write of
+/// the same length, padded with spaces: no truncation, which on ext4 takes the inode
+/// through the journal's orphan list and back (8 us against 2.5 us for the write alone
+/// here).
+const COMMIT_ROOM: usize = 48;
+
+/// A new lease's file, written by [`LeaseWrite::run`].
+#[derive(Debug)]
+pub struct WrittenLease {
+    file: fs::File,
+    len: usize,
 }
 
 struct Inner {
@@ -204,7 +223,12 @@ pub struct LeaseWrite {
 impl LeaseWrite {
     /// Write a new lease's file: into a spare renamed into place when one is ready, else a
     /// file created here.
-    pub fn run(self) -> io::Result<fs::File> {
+    pub fn run(self) -> io::Result<WrittenLease> {
+        let len = self.body.len();
+        self.write().map(|file| WrittenLease { file, len })
+    }
+
+    fn write(self) -> io::Result<fs::File> {
         let (path, body) = (&self.path, &self.body[..]);
         let spare = self.spares.files.lock().unwrap().pop();
         if let Some((file, spare_path)) = spare {
@@ -473,16 +497,20 @@ impl Ipam {
             spares: self.spares.clone(),
             refill: self.refill.clone(),
             path: lease_file(&self.dir, &lease.owner),
-            body: serde_json::to_vec(&lease).expect("lease serializes"),
+            body: {
+                let mut body = serde_json::to_vec(&lease).expect("lease serializes");
+                body.resize(body.len() + COMMIT_ROOM, b' ');
+                body
+            },
         };
         Ok((lease, write))
     }
 
     /// The end of a reservation begun with [`Ipam::reserve_begin`]: `written` is what its
     /// [`LeaseWrite::run`] returned.
-    pub fn reserve_finish(&self, lease: Lease, written: io::Result<fs::File>) -> Result<Reservation, IpamError> {
+    pub fn reserve_finish(&self, lease: Lease, written: io::Result<WrittenLease>) -> Result<Reservation, IpamError> {
         match written {
-            Ok(file) => Ok(Reservation { lease, file }),
+            Ok(WrittenLease { file, len }) => Ok(Reservation { lease, file, len }),
             Err(source) => {
                 let path = lease_file(&self.dir, &lease.owner);
                 self.forget(&lease.owner);
@@ -497,7 +525,7 @@ impl Ipam {
     /// (rolled back at start), one after it leaves `ready`. No new file is created, which
     /// matters: creating files is the slowest step of an ADD on some filesystems.
     pub fn commit(&self, reservation: Reservation, netns_cookie: u64, host_ifindex: u32) -> Result<Lease, IpamError> {
-        let Reservation { lease, file } = reservation;
+        let Reservation { lease, file, len } = reservation;
         let lease = {
             let mut inner = self.inner.lock().unwrap();
             let Some(l) = inner.leases.get_mut(&lease.owner) else { return Ok(lease) };
@@ -506,11 +534,16 @@ impl Ipam {
             l.host_ifindex = host_ifindex;
             l.clone()
         };
-        let body = serde_json::to_vec(&lease).expect("lease serializes");
+        let mut body = serde_json::to_vec(&lease).expect("lease serializes");
         let path = lease_file(&self.dir, &lease.owner);
-        file.write_all_at(&body, 0)
-            .and_then(|_| file.set_len(body.len() as u64))
-            .map_err(|source| IpamError::Io { path, source })?;
+        let written = if body.len() <= len {
+            // The usual case: the same length, in one write.
+            body.resize(len, b' ');
+            file.write_all_at(&body, 0)
+        } else {
+            file.write_all_at(&body, 0).and_then(|_| file.set_len(body.len() as u64))
+        };
+        written.map_err(|source| IpamError::Io { path, source })?;
         Ok(lease)
     }
 
@@ -660,6 +693,38 @@ mod tests {
         assert_eq!(fs::metadata(&some).unwrap().len(), 0);
         assert!(!spare_dir.join("stray").exists());
         assert_eq!(ipam.leases(), vec![committed]);
+    }
+
+    /// A commit rewrites the lease in place at the file's own length, with the largest
+    /// cookie and index there are; a body longer than the room (not made by reserve) still
+    /// leaves exactly the committed lease.
+    #[test]
+    fn commit_overwrites_in_place_at_the_same_length() {
+        let guard = crate::util::TestDir::new("ipam-commit-room");
+        let dir = guard.0.join("leases");
+        let (ipam, _) = Ipam::load(&dir).unwrap();
+        ipam.assign_block("10.1.5.0/24".parse().unwrap()).unwrap();
+        ipam.assign_block("fd00:5::/64".parse().unwrap()).unwrap();
+        let r = ipam.reserve(lease("a")).unwrap();
+        let path = lease_file(&dir, &r.lease.owner);
+        let reserved_len = fs::metadata(&path).unwrap().len();
+        let committed = ipam.commit(r, u64::MAX, u32::MAX).unwrap();
+        assert_eq!(fs::metadata(&path).unwrap().len(), reserved_len, "rewritten at the reservation's length");
+        assert_eq!(serde_json::from_slice::<Lease>(&fs::read(&path).unwrap()).unwrap(), committed);
+
+        let r = ipam.reserve(lease("b")).unwrap();
+        let path = lease_file(&dir, &r.lease.owner);
+        let short = Reservation { len: 10, ..r };
+        let committed_b = ipam.commit(short, 7, 8).unwrap();
+        let body = fs::read(&path).unwrap();
+        assert_eq!(body, serde_json::to_vec(&committed_b).unwrap(), "written whole and cut at its end");
+        // Both load as they were committed.
+        drop(ipam);
+        let (ipam, problems) = Ipam::load(&dir).unwrap();
+        assert!(problems.is_empty(), "{problems:?}");
+        let mut loaded = ipam.leases();
+        loaded.sort_by(|x, y| x.owner.container_id.cmp(&y.owner.container_id));
+        assert_eq!(loaded, vec![committed, committed_b]);
     }
 
     #[test]
