@@ -130,9 +130,7 @@ impl Block {
 #[derive(Debug)]
 pub struct Reservation {
     pub lease: Lease,
-    file: fs::File,
-    /// The file's length: the `adding` lease and its room (see [`COMMIT_ROOM`]).
-    len: usize,
+    written: WrittenLease,
 }
 
 /// A new lease's file ends in this many spaces (JSON allows whitespace after the value),
@@ -149,6 +147,7 @@ const COMMIT_ROOM: usize = 48;
 #[derive(Debug)]
 pub struct WrittenLease {
     file: fs::File,
+    /// The file's length: the `adding` lease and its room (see [`COMMIT_ROOM`]).
     len: usize,
 }
 
@@ -510,7 +509,7 @@ impl Ipam {
     /// [`LeaseWrite::run`] returned.
     pub fn reserve_finish(&self, lease: Lease, written: io::Result<WrittenLease>) -> Result<Reservation, IpamError> {
         match written {
-            Ok(WrittenLease { file, len }) => Ok(Reservation { lease, file, len }),
+            Ok(written) => Ok(Reservation { lease, written }),
             Err(source) => {
                 let path = lease_file(&self.dir, &lease.owner);
                 self.forget(&lease.owner);
@@ -525,7 +524,7 @@ impl Ipam {
     /// (rolled back at start), one after it leaves `ready`. No new file is created, which
     /// matters: creating files is the slowest step of an ADD on some filesystems.
     pub fn commit(&self, reservation: Reservation, netns_cookie: u64, host_ifindex: u32) -> Result<Lease, IpamError> {
-        let Reservation { lease, file, len } = reservation;
+        let Reservation { lease, written: WrittenLease { file, len } } = reservation;
         let lease = {
             let mut inner = self.inner.lock().unwrap();
             let Some(l) = inner.leases.get_mut(&lease.owner) else { return Ok(lease) };
@@ -714,7 +713,7 @@ mod tests {
 
         let r = ipam.reserve(lease("b")).unwrap();
         let path = lease_file(&dir, &r.lease.owner);
-        let short = Reservation { len: 10, ..r };
+        let short = Reservation { written: WrittenLease { len: 10, ..r.written }, ..r };
         let committed_b = ipam.commit(short, 7, 8).unwrap();
         let body = fs::read(&path).unwrap();
         assert_eq!(body, serde_json::to_vec(&committed_b).unwrap(), "written whole and cut at its end");
