@@ -102,7 +102,7 @@ pub fn top_mount_at<'a>(table: &'a [MountEntry], path: &Path) -> Option<&'a Moun
 
 /// The topmost mount on `path`, without reading the mount table: `statx` tells whether the
 /// path is the root of a mount (`STATX_ATTR_MOUNT_ROOT`), its mount id and its filesystem's
-/// device numbers; `statfs` the filesystem type and whether it is read-only. `None` when
+/// device numbers; `statfs` the filesystem type and whether the mount is read-only. `None` when
 /// nothing is mounted there (or the path does not exist). The entry has no source, root or
 /// parent (`source` is empty, `root` is `/`, `parent` 0). An error of kind `Unsupported`
 /// when the kernel cannot tell mount roots (before 5.8): read the table then.
@@ -129,8 +129,8 @@ pub fn top_mount(path: &Path) -> io::Result<Option<MountEntry>> {
         return Ok(None);
     }
     // SAFETY: statfs fills the zeroed struct it is given.
-    let mut sfs: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statfs(c.as_ptr(), &mut sfs) } < 0 {
+    let mut sfs: libc::statfs64 = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs64(c.as_ptr(), &mut sfs) } < 0 {
         return Err(io::Error::last_os_error());
     }
     let fs_type = match sfs.f_type as i64 {
@@ -140,12 +140,9 @@ pub fn top_mount(path: &Path) -> io::Result<Option<MountEntry>> {
         0x9123_683E => "btrfs".to_string(),
         t => format!("fs-0x{t:x}"),
     };
-    // SAFETY: statvfs fills the zeroed struct it is given.
-    let mut svfs: libc::statvfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statvfs(c.as_ptr(), &mut svfs) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let ro = svfs.f_flag & libc::ST_RDONLY != 0;
+    // statfs's f_flags holds the mount's flags (Linux 2.6.36 on; the libc crate names the
+    // field in statfs64 only): glibc's statvfs would make this same statfs call again.
+    let ro = (sfs.f_flags as libc::c_ulong) & libc::ST_RDONLY != 0;
     Ok(Some(MountEntry {
         id: stx.stx_mnt_id as u32,
         parent: 0,

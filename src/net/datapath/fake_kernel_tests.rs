@@ -16,11 +16,12 @@ use crate::util::TestDir;
 const V4: &str = "10.88.3.0/24";
 const V6: &str = "fd00:88:3::/64";
 
+/// Fields drop in order: the datapath (and its threads) before the directory it writes in.
 struct Node {
-    dir: TestDir,
-    fake: FakeNet,
     dp: Datapath,
+    fake: FakeNet,
     published: Arc<AtomicUsize>,
+    dir: TestDir,
 }
 
 fn node(tag: &str) -> Node {

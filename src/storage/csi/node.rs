@@ -634,11 +634,16 @@ impl NodeService {
     /// Unmount this volume's mounts stacked on `path`, topmost first, stopping at the first
     /// mount that is not the volume's (someone else's mount is never taken away).
     fn unmount_ours(&self, id: &str, path: &Path) -> Result<usize> {
+        self.unmount_of(id, path, &self.volume_devices(id)?)
+    }
+
+    /// [`Self::unmount_ours`] with the volume's devices as the caller found them (under the
+    /// lock it holds), so a request looks its loop devices up once.
+    fn unmount_of(&self, id: &str, path: &Path, devices: &[LoopDev]) -> Result<usize> {
         let mut n = 0;
-        let devices = self.volume_devices(id)?;
         loop {
             match self.top_at(path)? {
-                Some(m) if self.is_volume_mount(&m, &devices) => {
+                Some(m) if self.is_volume_mount(&m, devices) => {
                     self.kernel.unmount(path).map_err(errno_internal(format!("unmounting {}", path.display())))?;
                     n += 1;
                 }
@@ -910,7 +915,7 @@ impl NodeService {
                 )));
             }
         }
-        let n = self.unmount_ours(id, &staging)?;
+        let n = self.unmount_of(id, &staging, &devices)?;
         crate::util::crash_point("unstage-after-unmount");
         match self.store.detach(id) {
             Err(VolumeError::Busy { .. })
@@ -1130,7 +1135,7 @@ impl NodeService {
             return Ok(()); // not published there
         }
         if ours || rec.is_some() {
-            self.unmount_ours(id, &target)?;
+            self.unmount_of(id, &target, &devices)?;
             crate::util::crash_point("unpublish-after-unmount");
         }
         if let Some(r) = &rec {
