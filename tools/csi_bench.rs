@@ -42,6 +42,26 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
+/// CPU time (ms) the process `pid` has used so far, all its threads, dead ones included
+/// (`/proc/<pid>/stat`'s utime + stime: clock ticks, 10 ms apart).
+fn process_cpu_ms(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let rest = stat.rsplit_once(") ").map(|(_, r)| r).unwrap_or("");
+    let f: Vec<u64> = rest.split(' ').skip(11).take(2).filter_map(|x| x.parse().ok()).collect();
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    f.iter().sum::<u64>() as f64 * 1000.0 / tick
+}
+
+/// The machine's CPU time so far (ms): busy (user, nice, system, irq, softirq) and stolen by
+/// the host, from `/proc/stat`.
+fn machine_cpu_ms() -> (f64, f64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<u64> = stat.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let at = |i: usize| f.get(i).copied().unwrap_or(0) as f64 * 1000.0 / tick;
+    (at(0) + at(1) + at(2) + at(5) + at(6), at(7))
+}
+
 struct Reference {
     dir: PathBuf,
 }
@@ -192,6 +212,7 @@ pub fn main() {
         .stderr(log)
         .spawn()
         .unwrap();
+    let agent_pid = child.id(); // unshare execs the agent: the same process
     let kubelet = dir.join("root/var/lib/kubelet");
     let reg = kubelet.join("plugins_registry/csi.nodeplane.dev-reg.sock");
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -231,9 +252,11 @@ pub fn main() {
             let mut seq_totals: Vec<[f64; 4]> = Vec::new();
             let (mut flat_ups, mut flat_downs) = (Vec::new(), Vec::new());
             let mut seq_rounds = Vec::new();
+            let mut round_lines = Vec::new();
             let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
             for round in 0..rounds {
                 let (mut round_up, mut round_down) = (vec![], vec![]);
+                let recorded_before: Vec<usize> = p.steps.values().map(|v| v.len()).collect();
                 // Each timed block starts with nothing dirty in the page cache: the CLI's
                 // mkfs.ext4 leaves tens of MiB per volume to write back, which would
                 // otherwise land in whatever runs next.
@@ -242,6 +265,7 @@ pub fn main() {
                 // journal commit, a deferred unlink) lands on the next call in both, and the
                 // only difference is how many volumes the node holds.
                 p.record = true;
+                let cpu0 = (process_cpu_ms(agent_pid), machine_cpu_ms());
                 for i in 0..singles {
                     let id = format!("pvc-single-{round}-{i}");
                     let t = Instant::now();
@@ -251,6 +275,7 @@ pub fn main() {
                     p.down(&id).await;
                     round_down.push(ms(t.elapsed()));
                 }
+                let cpu1 = (process_cpu_ms(agent_pid), machine_cpu_ms());
                 settle();
                 for i in 0..singles {
                     let t = Instant::now();
@@ -262,8 +287,16 @@ pub fn main() {
                 }
                 // The sequence's calls are timed too: the first tenth against the last tenth
                 // shows whether a call's cost grows with the volumes on the node.
+                // This round's singles, step by step (mean ms), for the round's line below.
+                let round_singles: Vec<(&'static str, f64)> = p
+                    .steps
+                    .iter()
+                    .enumerate()
+                    .map(|(n, (k, v))| (*k, mean(&v[recorded_before.get(n).copied().unwrap_or(0)..])))
+                    .collect();
                 let singles_steps = std::mem::take(&mut p.steps);
                 settle();
+                let cpu2 = (process_cpu_ms(agent_pid), machine_cpu_ms());
                 let t = Instant::now();
                 for i in 0..seq {
                     p.up(&format!("pvc-seq-{round}-{i}")).await;
@@ -274,6 +307,7 @@ pub fn main() {
                     p.down(&format!("pvc-seq-{round}-{i}")).await;
                 }
                 let p_seq_down = ms(t.elapsed());
+                let cpu3 = (process_cpu_ms(agent_pid), machine_cpu_ms());
                 seq_rounds.push(std::mem::replace(&mut p.steps, singles_steps));
                 p.record = false;
                 settle();
@@ -291,6 +325,31 @@ pub fn main() {
                 // the hiccups a total of 50 calls always holds).
                 flat_ups.push(p_seq_up / (seq as f64 * mean(&round_up)));
                 flat_downs.push(p_seq_down / (seq as f64 * mean(&round_down)));
+                // Where a round's sequence and singles differ: each step's mean per call.
+                let in_seq = seq_rounds.last().expect("pushed above");
+                let by_step: Vec<String> = round_singles
+                    .iter()
+                    .map(|(k, single)| format!("{} {single:.2}/{:.2}", &k[2..], in_seq.get(k).map(|v| mean(v)).unwrap_or(f64::NAN)))
+                    .collect();
+                // CPU per volume brought up and down: the agent's own (its threads, the
+                // mounts and loop set-up it asks the kernel for) and the whole machine's
+                // (writeback, loop workers, anything else running), and the host's steal.
+                let per = |a: f64, b: f64, n: usize| (b - a) / n as f64;
+                round_lines.push(format!(
+                    "round {}: up {:.2}/{:.2}, down {:.2}/{:.2}; {}; CPU per volume up+down: agent {:.2}/{:.2}, machine {:.2}/{:.2}, stolen {:.2}/{:.2}",
+                    round + 1,
+                    mean(&round_up),
+                    p_seq_up / seq as f64,
+                    mean(&round_down),
+                    p_seq_down / seq as f64,
+                    by_step.join(", "),
+                    per(cpu0.0, cpu1.0, singles),
+                    per(cpu2.0, cpu3.0, seq),
+                    per(cpu0.1 .0, cpu1.1 .0, singles),
+                    per(cpu2.1 .0, cpu3.1 .0, seq),
+                    per(cpu0.1 .1, cpu1.1 .1, singles),
+                    per(cpu2.1 .1, cpu3.1 .1, seq),
+                ));
                 pu.extend(round_up);
                 pd.extend(round_down);
             }
@@ -336,6 +395,10 @@ pub fn main() {
                 "in sequence, mean ms per call with the fewest vs the most volumes on the node (a tenth each): {}",
                 growth.join(", ")
             );
+            println!("per round, mean ms per call, single / in sequence:");
+            for l in &round_lines {
+                println!("  {l}");
+            }
             // Issue #17's targets: half the CLI tools' time, and a call in a sequence of
             // `seq` volumes costing what a single one does (flat in the node's volumes).
             let verdict = |ok: bool| if ok { "PASS" } else { "FAIL" };

@@ -36,6 +36,7 @@ use crate::rpc::csi::volume_capability::access_mode::Mode;
 use crate::storage::fs as vfs;
 use crate::storage::store::{FsType, VolumeError, VolumeStore};
 use crate::sys::loopdev;
+use crate::sys::spares::Spares;
 use crate::sys::volume_kernel::{MountError, VolumeKernel};
 
 /// A failed CSI call: the gRPC code the spec asks for and a message naming what was wrong.
@@ -220,6 +221,9 @@ pub struct NodeService {
     /// kept in step with every record the service writes or removes, so a call never lists
     /// the directory (the records are this process' own; nothing else writes them).
     publishes: Mutex<HashMap<PathBuf, PublishRecord>>,
+    /// The records' spare files (`<state>/csi/.spare`): records are written into them and
+    /// given back when removed or replaced, so staging and publishing allocate no inode.
+    spares: Spares,
     /// Signalled whenever a hold is released.
     released: Condvar,
     ready: AtomicBool,
@@ -238,6 +242,10 @@ pub struct MountCounts {
     /// Published target paths.
     pub published: usize,
 }
+
+/// Record files kept as spares at most (a teardown of this many volumes gives back their
+/// stage and publish records).
+const RECORD_SPARES: usize = 256;
 
 /// How long a publish or unpublish waits for a stage, unstage or expand of its volume (or a
 /// publish for another publish of it) before it answers ABORTED.
@@ -324,6 +332,7 @@ impl NodeService {
             &["method"],
             crate::obs::metrics::LATENCY_BUCKETS,
         );
+        let spares = Spares::open(settings.record_dir.join(".spare"), 0o600, RECORD_SPARES)?;
         let publishes = Self::read_publish_records(&settings.record_dir)
             .into_iter()
             .map(|r| (r.target_path.clone(), r))
@@ -334,6 +343,7 @@ impl NodeService {
             store,
             busy: Mutex::new(HashMap::new()),
             publishes: Mutex::new(publishes),
+            spares,
             released: Condvar::new(),
             ready: AtomicBool::new(false),
             operations,
@@ -505,14 +515,16 @@ impl NodeService {
 
     /// Records are replaced atomically but not fsync'd: they describe mounts and loop
     /// devices, which a power loss takes away with them, while an agent crash keeps what
-    /// the kernel already has (the page cache survives the process).
-    fn save<T: Serialize>(path: &Path, rec: &T) -> Result<()> {
+    /// the kernel already has (the page cache survives the process). A record is written
+    /// into a spare file and the one it replaces becomes a spare ([`crate::sys::spares`]).
+    fn save<T: Serialize>(&self, path: &Path, rec: &T) -> Result<()> {
         let data = serde_json::to_vec_pretty(rec).map_err(|e| internal(e.to_string()))?;
-        crate::sys::fs::atomic_write_nosync(path, &data).map_err(io_internal(format!("writing {}", path.display())))
+        self.spares.write(path, &data, false).map_err(io_internal(format!("writing {}", path.display())))
     }
 
-    fn remove(path: &Path) -> Result<()> {
-        match std::fs::remove_file(path) {
+    /// Remove a record (gone already is fine), keeping its file as a spare.
+    fn remove_record(&self, path: &Path) -> Result<()> {
+        match self.spares.remove(path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(internal(format!("removing {}: {e}", path.display()))),
@@ -533,14 +545,14 @@ impl NodeService {
 
     /// Write a publish record (file first, then the in-memory view).
     fn save_publish(&self, rec: &PublishRecord) -> Result<()> {
-        Self::save(&self.publish_record_path(&rec.target_path), rec)?;
+        self.save(&self.publish_record_path(&rec.target_path), rec)?;
         self.publishes_lock().insert(rec.target_path.clone(), rec.clone());
         Ok(())
     }
 
     /// Remove the publish record of `target` (file first, then the in-memory view).
     fn remove_publish(&self, target: &Path) -> Result<()> {
-        Self::remove(&self.publish_record_path(target))?;
+        self.remove_record(&self.publish_record_path(target))?;
         self.publishes_lock().remove(target);
         Ok(())
     }
@@ -736,7 +748,7 @@ impl NodeService {
                 if r.state != StageState::Staged || r.staging_path != staging {
                     r.state = StageState::Staged;
                     r.staging_path = staging.clone();
-                    Self::save(&self.stage_record_path(id), &r)?;
+                    self.save(&self.stage_record_path(id), &r)?;
                 }
                 return Ok(());
             }
@@ -755,7 +767,7 @@ impl NodeService {
             return Ok(()); // already staged (kubelet repeats NodeStage for every pod)
         }
         let rec_path = self.stage_record_path(id);
-        Self::save(
+        self.save(
             &rec_path,
             &StageRecord { volume_id: id.to_string(), staging_path: staging.clone(), capability: cap.clone(), state: StageState::Staging },
         )?;
@@ -764,7 +776,7 @@ impl NodeService {
         let result = self.stage_work(&vol, &staging, &cap, &opts);
         match result {
             Ok(()) => {
-                Self::save(
+                self.save(
                     &rec_path,
                     &StageRecord { volume_id: id.to_string(), staging_path: staging, capability: cap, state: StageState::Staged },
                 )?;
@@ -780,8 +792,8 @@ impl NodeService {
                 }
                 // Back to the record as it was (a staged volume stays staged).
                 let _ = match &rec {
-                    Some(r) if attached_before => Self::save(&rec_path, r),
-                    _ => Self::remove(&rec_path),
+                    Some(r) if attached_before => self.save(&rec_path, r),
+                    _ => self.remove_record(&rec_path),
                 };
                 Err(e)
             }
@@ -939,7 +951,7 @@ impl NodeService {
             }
             r => r?,
         }
-        Self::remove(&self.stage_record_path(id))?;
+        self.remove_record(&self.stage_record_path(id))?;
         tracing::info!(volume = id, staging = %staging.display(), unmounted = n, "volume unstaged");
         Ok(())
     }
@@ -1327,7 +1339,7 @@ impl NodeService {
                     staged_ids.insert(r.volume_id.clone());
                     continue;
                 }
-                Self::remove(&self.stage_record_path(&r.volume_id))?;
+                self.remove_record(&self.stage_record_path(&r.volume_id))?;
                 tracing::info!(volume = %r.volume_id, staging = %r.staging_path.display(), "rolled back an interrupted stage");
                 report.rolled_back_stages += 1;
                 continue;

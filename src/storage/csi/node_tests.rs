@@ -634,6 +634,46 @@ fn unstage_refuses_while_published_then_detaches() {
 }
 
 #[test]
+fn records_reuse_the_files_of_removed_ones() {
+    use std::os::unix::fs::MetadataExt;
+    let e = Env::new("record-spares");
+    let record_inodes = |e: &Env| -> Vec<u64> {
+        let mut v: Vec<u64> = ["stage", "publish", ".spare"]
+            .iter()
+            .flat_map(|d| std::fs::read_dir(e.svc.settings.record_dir.join(d)).unwrap())
+            .map(|f| f.unwrap().metadata().unwrap().ino())
+            .collect();
+        v.sort();
+        v
+    };
+    let cycle = |id: &str| {
+        e.volume(id, FsType::Ext4);
+        let staging = e.staging(id);
+        e.stage(id, &staging, mount_cap("ext4", &[])).unwrap();
+        let t = e.target("pod1", id);
+        e.publish(id, &t, &staging, mount_cap("ext4", &[]), false).unwrap();
+        assert_eq!(e.publish_record(&t).map(|r| r.volume_id), Some(id.to_string()));
+        assert_eq!(e.stage_record(id).map(|r| r.state), Some(StageState::Staged));
+        e.unpublish(id, &t).unwrap();
+        e.unstage(id, &staging).unwrap();
+        assert_eq!((e.stage_record(id), e.publish_record(&t)), (None, None));
+    };
+    cycle("v1");
+    let after_first = record_inodes(&e);
+    // The first life cycle made two files (the staging record, then the staged one, which
+    // took its place and left it as the spare the publish record was written into) and
+    // left both as spares; the next ones write into those and give them back.
+    assert_eq!(after_first.len(), 2, "{after_first:?}");
+    cycle("v2");
+    cycle("v3");
+    assert_eq!(record_inodes(&e), after_first, "no record file allocated or freed");
+    // A restart keeps them, and an unreadable record is still no record.
+    let dir = e.svc.settings.record_dir.clone();
+    std::fs::write(dir.join("stage/v9.json"), b"{").unwrap();
+    assert_eq!(e.stage_record("v9"), None);
+}
+
+#[test]
 fn unstage_block_detaches() {
     let e = Env::new("unstage-block");
     e.volume("b1", FsType::Raw);
@@ -1016,11 +1056,11 @@ fn recover_rolls_back_an_interrupted_stage() {
         capability: parse_capability(Some(&mount_cap("ext4", &[]))).unwrap(),
         state,
     };
-    NodeService::save(&e.svc.stage_record_path("v1"), &rec("v1", &s1, StageState::Staging)).unwrap();
+    e.svc.save(&e.svc.stage_record_path("v1"), &rec("v1", &s1, StageState::Staging)).unwrap();
     // v2: crashed after the mount, before the record said staged: kept.
     let s2 = e.staging("v2");
     e.stage("v2", &s2, mount_cap("ext4", &[])).unwrap();
-    NodeService::save(&e.svc.stage_record_path("v2"), &rec("v2", &s2, StageState::Staging)).unwrap();
+    e.svc.save(&e.svc.stage_record_path("v2"), &rec("v2", &s2, StageState::Staging)).unwrap();
     // v3: attached with no record at all: detached.
     e.svc.store.attach("v3").unwrap();
     assert_eq!(e.attached().len(), 3);
@@ -1052,7 +1092,7 @@ fn recover_keeps_the_record_when_the_detach_fails() {
         capability: parse_capability(Some(&mount_cap("ext4", &[]))).unwrap(),
         state: StageState::Staging,
     };
-    NodeService::save(&e.svc.stage_record_path("v1"), &r).unwrap();
+    e.svc.save(&e.svc.stage_record_path("v1"), &r).unwrap();
     e.fake.fail("loop_detach", Errno::EBUSY);
     let report = e.svc.recover().unwrap();
     assert_eq!(report.rolled_back_stages, 0);

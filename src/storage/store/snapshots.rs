@@ -346,7 +346,8 @@ impl VolumeStore {
             drop(held);
             let stats = copied.map_err(|e| copy_error(id, &src_path, e))?;
             crate::util::crash_point("restore-after-copy");
-            super::write_meta(&meta_path, &vol)?;
+            self.write_meta_unsynced_dir(&meta_path, &vol)?;
+            sync_dir(&self.dir)?;
             std::fs::rename(&tmp, &img).map_err(io_err("renaming into place", &tmp))?;
             if let Err(e) = sync_dir(&self.dir) {
                 tracing::warn!(volume = id, error = %e, "syncing the volume directory after the rename");

@@ -127,7 +127,8 @@ fn create_is_idempotent_and_sparse() {
     let mut names: Vec<String> =
         fs::read_dir(s.dir()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
-    assert_eq!(names, [".lock", "pvc-a.img", "pvc-a.json", "snapshots"]);
+    assert_eq!(names, [".lock", ".spare", "pvc-a.img", "pvc-a.json", "snapshots"]);
+    assert_eq!(fs::read_dir(s.dir().join(".spare")).unwrap().count(), 0, "nothing in the spares either");
 }
 
 #[test]
@@ -189,6 +190,26 @@ fn delete_is_idempotent() {
     s.delete("never-existed").unwrap();
     assert!(s.get("v").unwrap().is_none());
     assert!(!s.dir().join("v.img").exists() && !s.dir().join("v.json").exists());
+    assert_eq!(s.available(), 1024 * MIB);
+    // The deleted volume's metadata file is kept as a spare and is the next volume's (no
+    // inode freed, none allocated); its content is the new volume's alone.
+    let spares: Vec<u64> = fs::read_dir(s.dir().join(".spare")).unwrap().map(|e| e.unwrap().metadata().unwrap().ino()).collect();
+    assert_eq!(spares.len(), 1);
+    s.create("w", MIB, FsType::Raw).unwrap();
+    assert_eq!(fs::metadata(s.dir().join("w.json")).unwrap().ino(), spares[0]);
+    let json: serde_json::Value = serde_json::from_slice(&fs::read(s.dir().join("w.json")).unwrap()).unwrap();
+    assert_eq!(json["id"], "w");
+    assert_eq!(fs::metadata(s.dir().join("w.json")).unwrap().permissions().mode() & 0o777, 0o600);
+    // Expanding rewrites it: the old version becomes the spare.
+    let before = fs::metadata(s.dir().join("w.json")).unwrap().ino();
+    s.expand("w", 2 * MIB).unwrap();
+    assert_ne!(fs::metadata(s.dir().join("w.json")).unwrap().ino(), before, "replaced whole, not written in place");
+    assert_eq!(fs::read_dir(s.dir().join(".spare")).unwrap().count(), 1);
+    drop(s);
+    let s = VolumeStore::open(t.path(), 1024 * MIB).unwrap();
+    assert_eq!(s.get("w").unwrap().unwrap().size_bytes, 2 * MIB, "the spare directory is no volume, and w survives");
+    assert_eq!(s.list().len(), 1);
+    s.delete("w").unwrap();
     assert_eq!(s.available(), 1024 * MIB);
     // Unknown volumes: attach is NotFound, detach is success.
     assert!(matches!(s.attach("v"), Err(VolumeError::NotFound(_))));
