@@ -22,7 +22,7 @@ use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, Weak, mpsc};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Spare files in one directory, for files of one filesystem and one mode.
@@ -33,6 +33,8 @@ pub struct Spares {
     cap: usize,
     files: Mutex<Vec<PathBuf>>,
     next: AtomicU64,
+    /// Wakes the thread that keeps spares made ahead ([`Spares::keep_ready`]), with how many.
+    filler: Mutex<Option<(mpsc::Sender<()>, usize)>>,
 }
 
 impl Spares {
@@ -54,7 +56,7 @@ impl Spares {
                 }
             }
         }
-        Ok(Spares { dir, mode, cap, files: Mutex::new(files), next: AtomicU64::new(next) })
+        Ok(Spares { dir, mode, cap, files: Mutex::new(files), next: AtomicU64::new(next), filler: Mutex::new(None) })
     }
 
     /// The pool's directory.
@@ -72,7 +74,68 @@ impl Spares {
     }
 
     fn take(&self) -> Option<PathBuf> {
-        self.files.lock().unwrap().pop()
+        let (taken, left) = {
+            let mut files = self.files.lock().unwrap();
+            (files.pop(), files.len())
+        };
+        if let Some((wake, ready)) = &*self.filler.lock().unwrap()
+            && left < *ready
+        {
+            let _ = wake.send(());
+        }
+        taken
+    }
+
+    /// Keep `ready` spares made ahead (at most the pool's cap), on a thread that runs only
+    /// when a CPU has nothing else to do: the pool is filled at once and topped up whenever
+    /// a write takes it below `ready`. A node's first volumes (or a burst of them larger
+    /// than the removals before it gave back) then allocate no inode on the request path.
+    /// The thread ends with the pool.
+    pub fn keep_ready(self: &Arc<Self>, ready: usize) {
+        let ready = ready.min(self.cap);
+        let (wake, woken) = mpsc::channel::<()>();
+        *self.filler.lock().unwrap() = Some((wake, ready));
+        let pool: Weak<Spares> = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new().name("spares-fill".into()).spawn(move || {
+            let idle = libc::sched_param { sched_priority: 0 };
+            // SAFETY: sets this thread's own scheduling policy.
+            if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &idle) } != 0 {
+                tracing::debug!(error = %io::Error::last_os_error(), "spare files: SCHED_IDLE");
+            }
+            // The pool is held for one file at a time: once its owner drops it, at most the
+            // file being made is made.
+            loop {
+                loop {
+                    let Some(p) = pool.upgrade() else { return };
+                    if p.len() >= ready || !p.make_one() {
+                        break;
+                    }
+                }
+                if woken.recv().is_err() {
+                    return;
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, dir = %self.dir.display(), "no thread to make spare files ahead; they are made as needed");
+        }
+    }
+
+    /// Make one spare; `false` when that failed (a full disk: writes make their own files).
+    fn make_one(&self) -> bool {
+        let path = self.fresh_name();
+        let made = OpenOptions::new().write(true).create_new(true).mode(self.mode).custom_flags(libc::O_CLOEXEC).open(&path);
+        match made {
+            Ok(_) => {
+                self.put(path);
+                true
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => true,
+            Err(e) => {
+                tracing::debug!(error = %e, dir = %self.dir.display(), "making a spare file");
+                false
+            }
+        }
     }
 
     fn put(&self, path: PathBuf) {
@@ -258,6 +321,37 @@ mod tests {
         p.write(&c, b"c", false).unwrap();
         assert_eq!(inode(&c), old);
         assert_eq!(fs::read(&c).unwrap(), b"c");
+    }
+
+    #[test]
+    fn spares_are_made_ahead_and_topped_up() {
+        let t = crate::util::TestDir::new("spares-ahead");
+        let p = Arc::new(pool(&t.0));
+        p.keep_ready(3);
+        let wait = |n: usize| {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while p.len() != n || fs::read_dir(p.dir()).unwrap().count() != n {
+                assert!(std::time::Instant::now() < deadline, "{} spares, not {n}", p.len());
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        };
+        wait(3);
+        let made: Vec<u64> = fs::read_dir(p.dir()).unwrap().map(|e| inode(&e.unwrap().path())).collect();
+        let a = t.0.join("a.json");
+        p.write(&a, b"a", false).unwrap();
+        assert!(made.contains(&inode(&a)), "written into a spare made ahead");
+        assert_eq!(fs::metadata(&a).unwrap().permissions().mode() & 0o777, 0o600);
+        wait(3);
+        // Never beyond the cap (4 here), whatever is asked.
+        let q = Arc::new(Spares::open(t.0.join("other"), 0o600, 2).unwrap());
+        q.keep_ready(10);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while q.len() < 2 {
+            assert!(std::time::Instant::now() < deadline);
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(fs::read_dir(q.dir()).unwrap().count(), 2);
     }
 
     #[test]

@@ -223,7 +223,7 @@ pub struct NodeService {
     publishes: Mutex<HashMap<PathBuf, PublishRecord>>,
     /// The records' spare files (`<state>/csi/.spare`): records are written into them and
     /// given back when removed or replaced, so staging and publishing allocate no inode.
-    spares: Spares,
+    spares: Arc<Spares>,
     /// Signalled whenever a hold is released.
     released: Condvar,
     ready: AtomicBool,
@@ -246,6 +246,9 @@ pub struct MountCounts {
 /// Record files kept as spares at most (a teardown of this many volumes gives back their
 /// stage and publish records).
 const RECORD_SPARES: usize = 256;
+/// Record files made ahead: a burst of new volumes (each a stage record and a publish
+/// record, and the stage record's replacement) writes into these.
+const RECORD_SPARES_READY: usize = 128;
 
 /// How long a publish or unpublish waits for a stage, unstage or expand of its volume (or a
 /// publish for another publish of it) before it answers ABORTED.
@@ -332,7 +335,8 @@ impl NodeService {
             &["method"],
             crate::obs::metrics::LATENCY_BUCKETS,
         );
-        let spares = Spares::open(settings.record_dir.join(".spare"), 0o600, RECORD_SPARES)?;
+        let spares = Arc::new(Spares::open(settings.record_dir.join(".spare"), 0o600, RECORD_SPARES)?);
+        spares.keep_ready(RECORD_SPARES_READY);
         let publishes = Self::read_publish_records(&settings.record_dir)
             .into_iter()
             .map(|r| (r.target_path.clone(), r))

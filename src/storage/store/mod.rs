@@ -269,7 +269,7 @@ pub struct VolumeStore {
     /// The metadata files' spares ([`crate::sys::spares`]): a volume's metadata is written
     /// into one and given back when the volume goes, so creating and deleting volumes
     /// allocates and frees no inode for it.
-    spares: Spares,
+    spares: Arc<Spares>,
     _lock: File,
 }
 
@@ -327,7 +327,8 @@ impl VolumeStore {
         }
         let volumes = recover(&dir, &*kernel)?;
         let spares_dir = dir.join(SPARES_DIR);
-        let spares = Spares::open(spares_dir.clone(), 0o600, SPARES_KEPT).map_err(io_err("opening", &spares_dir))?;
+        let spares = Arc::new(Spares::open(spares_dir.clone(), 0o600, SPARES_KEPT).map_err(io_err("opening", &spares_dir))?);
+        spares.keep_ready(SPARES_READY);
         let snapshots = snapshots::recover_snapshots(&dir)?;
         let store = VolumeStore {
             dir,
@@ -771,6 +772,8 @@ pub const TEMPLATES_DIR: &str = "fs-templates";
 const SPARES_DIR: &str = ".spare";
 /// Spares kept at most: a teardown of this many volumes gives back every metadata file.
 const SPARES_KEPT: usize = 256;
+/// Spares made ahead, for the metadata of a burst of new volumes.
+const SPARES_READY: usize = 64;
 
 /// How long the store's unlink thread waits for deletes to stop coming before it frees
 /// the images of those deleted, and the longest it lets one wait.
