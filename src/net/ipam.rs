@@ -169,7 +169,7 @@ pub struct Ipam {
 
 /// How many empty lease files are kept made ahead of the ADDs that need them.
 const SPARES: usize = 8;
-/// How many a burst of DELs may leave (their own lease files, emptied) for the ADDs after.
+/// How many a burst of DELs may leave (their own lease files) for the ADDs after.
 const RECYCLED_MAX: usize = 128;
 
 /// Empty files made ahead of time in a directory beside the lease directory (same
@@ -203,7 +203,7 @@ impl Spares {
 
     /// Take the file at `path` (a lease's, on the pool's filesystem) in as a spare: its name
     /// is gone when this returns, as with `remove_file` (`NotFound` when there was none);
-    /// it is emptied and kept while the pool has room, so a DEL frees no inode and the next
+    /// it is kept while the pool has room (its content until it is written again), so a DEL frees no inode and the next
     /// ADD allocates none (see [`crate::sys::spares`] for why that matters).
     fn recycle(&self, path: &Path) -> io::Result<()> {
         if self.files.lock().unwrap().len() >= RECYCLED_MAX {
@@ -212,9 +212,12 @@ impl Spares {
         let spare = self.dir.join(self.next.fetch_add(1, Ordering::Relaxed).to_string());
         match fs::rename(path, &spare) {
             Ok(()) => {
-                match fs::OpenOptions::new().write(true).open(&spare).and_then(|f| f.set_len(0).map(|()| f)) {
+                // Not emptied here: a file truncated to 0 is flushed by ext4 when it is next
+                // closed (its auto_da_alloc), which would land in the ADD that commits into
+                // it; the write that reuses it cuts it to its new length instead.
+                match fs::OpenOptions::new().write(true).open(&spare) {
                     Ok(file) => self.files.lock().unwrap().push((file, spare)),
-                    // The lease is gone either way; a spare that cannot be emptied is not kept.
+                    // The lease is gone either way; a spare that cannot be opened is not kept.
                     Err(_) => {
                         let _ = fs::remove_file(&spare);
                     }
@@ -258,7 +261,13 @@ impl LeaseWrite {
         let (path, body) = (&self.path, &self.body[..]);
         let spare = self.spares.files.lock().unwrap().pop();
         if let Some((file, spare_path)) = spare {
-            match file.write_all_at(body, 0).and_then(|_| fs::rename(&spare_path, path)) {
+            // A recycled spare still holds its last lease: cut to this one's length.
+            let cut = |f: &fs::File| match f.metadata() {
+                Ok(m) if m.len() > body.len() as u64 => f.set_len(body.len() as u64),
+                Ok(_) => Ok(()),
+                Err(e) => Err(e),
+            };
+            match file.write_all_at(body, 0).and_then(|_| cut(&file)).and_then(|_| fs::rename(&spare_path, path)) {
                 Ok(()) => {
                     let _ = self.refill.send(());
                     return Ok(file);
@@ -718,6 +727,39 @@ mod tests {
         assert!(problems.is_empty(), "{problems:?}");
         assert_eq!(fs::metadata(&some).unwrap().len(), 0);
         assert!(!spare_dir.join("stray").exists());
+        assert_eq!(ipam.leases(), vec![committed]);
+    }
+
+    #[test]
+    fn a_released_lease_file_is_the_next_one() {
+        let guard = crate::util::TestDir::new("ipam-recycle");
+        let dir = guard.0.join("leases");
+        let (ipam, _) = Ipam::load(&dir).unwrap();
+        ipam.assign_block("10.1.5.0/24".parse().unwrap()).unwrap();
+        let mut long = lease("a-container-with-a-long-id");
+        long.pod = "ns/a-pod-with-a-long-name-and-more".into();
+        let r = ipam.reserve(long).unwrap();
+        let path = lease_file(&dir, &r.lease.owner);
+        let ino = std::os::unix::fs::MetadataExt::ino(&fs::metadata(&path).unwrap());
+        let owner = r.lease.owner.clone();
+        ipam.commit(r, 5, 6).unwrap();
+        // The spares are made again first (so none is made after the release's).
+        let spare_dir = guard.0.join("leases.spare");
+        wait_for("the refill", || inodes(&spare_dir).len() == SPARES);
+        ipam.release(&owner).unwrap();
+        assert!(!path.exists());
+        assert_eq!(inodes(&spare_dir).len(), SPARES + 1, "kept as a spare, not unlinked");
+        // The next lease is written into the released file (the most recent spare), cut to
+        // its own length: it parses whole, nothing of the longer lease after it.
+        let r = ipam.reserve(lease("b")).unwrap();
+        let path = lease_file(&dir, &r.lease.owner);
+        assert_eq!(std::os::unix::fs::MetadataExt::ino(&fs::metadata(&path).unwrap()), ino);
+        assert_eq!(serde_json::from_slice::<Lease>(&fs::read(&path).unwrap()).unwrap(), r.lease);
+        let committed = ipam.commit(r, 7, 8).unwrap();
+        assert_eq!(serde_json::from_slice::<Lease>(&fs::read(&path).unwrap()).unwrap(), committed);
+        drop(ipam);
+        let (ipam, problems) = Ipam::load(&dir).unwrap();
+        assert!(problems.is_empty(), "{problems:?}");
         assert_eq!(ipam.leases(), vec![committed]);
     }
 

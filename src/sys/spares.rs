@@ -11,7 +11,7 @@
 //! time was that scan. A file that is recycled is never freed, and one taken from the pool
 //! is never allocated. Elsewhere it is still cheaper than an unlink and a create: one rename.
 //!
-//! A spare holds whatever its last use left until it is taken, and is truncated when taken:
+//! A spare holds whatever its last use left until it is taken, and is overwritten when taken:
 //! a reader that opened a file just before it was removed still reads what it held. Every
 //! file is written whole and renamed into place, so a crash leaves either the old file or
 //! the new one, and at worst a spare with content (spares are never read). Only small state
@@ -163,12 +163,18 @@ impl Spares {
         };
         let written = (|| {
             let mut o = OpenOptions::new();
-            o.write(true).truncate(true).custom_flags(libc::O_CLOEXEC);
+            // No O_TRUNC: ext4 flushes a file truncated to 0 when it is closed (auto_da_alloc),
+            // which would put a write-back on the request path; the old content is cut to the
+            // new length after the write instead (the file is not in place yet).
+            o.write(true).custom_flags(libc::O_CLOEXEC);
             if new {
                 o.create_new(true).mode(self.mode);
             }
             let mut f = o.open(&path)?;
             f.write_all(data)?;
+            if f.metadata()?.len() > data.len() as u64 {
+                f.set_len(data.len() as u64)?;
+            }
             f.set_permissions(fs::Permissions::from_mode(self.mode))?;
             if sync {
                 f.sync_all()?;
