@@ -275,10 +275,11 @@ def test_controller_kill9_during_creates_deletes_and_expansions(prov):
     harness.wait_until(lambda: c.files() == placed, timeout=20, what="backing files == controller volumes")
     converged = time.time() - faults_done
     for n in nodes:
-        # `snapshots/` is part of the store's layout (and holds nothing here), as is
-        # `fs-templates/` (ext4 templates, one per size).
+        # `snapshots/` is part of the store's layout (and holds nothing here), as are
+        # `fs-templates/` (ext4 templates, one per size) and `.spare/` (metadata files kept
+        # for reuse instead of unlinked: never read).
         assert not os.listdir(n.volume_dir / "snapshots"), f"{n.ns.name}: snapshots left"
-        left = sorted(f for f in os.listdir(n.volume_dir) if f not in (".lock", "snapshots", "fs-templates"))
+        left = sorted(f for f in os.listdir(n.volume_dir) if f not in (".lock", "snapshots", "fs-templates", ".spare"))
         expect = sorted(f"{v}{ext}" for v, nn in placed.items() if nn == n.ns.name for ext in (".img", ".json"))
         assert left == expect, f"{n.ns.name}: volume dir {left}, expected {expect}"
     orphans = len(set(c.files()) - want)
@@ -667,11 +668,16 @@ def test_interrupted_stage_rolled_back_while_device_busy_leaves_no_loop(prov):
 # ----- case 3: the agent's state dir is full -----
 
 def state_files(state):
-    """Every file under the state dir (the filler excepted): relative path -> bytes."""
+    """Every file under the state dir (the filler excepted): relative path -> bytes. Spare
+    files (`.spare/`, `<leases>.spare/`: files kept for reuse, never read as state, made
+    ahead by a thread of their own) are not state and are left out."""
     out = {}
     for p in Path(state).rglob("*"):
+        rel = p.relative_to(state)
+        if any(part.endswith(".spare") for part in rel.parts[:-1]):
+            continue
         if p.is_file() and p.name != "filler":
-            out[str(p.relative_to(state))] = p.read_bytes()
+            out[str(rel)] = p.read_bytes()
     return out
 
 
