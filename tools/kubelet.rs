@@ -184,9 +184,21 @@ fn csi_json(w: &csi_watcher::KubeletEmulator, book: &CsiBook) -> Value {
 
 fn write_state(path: &Path, state: &Value) {
     let body = serde_json::to_vec_pretty(state).expect("state serialises");
-    if let Err(e) = nodeplane::sys::fs::atomic_write_nosync(path, &body) {
+    if let Err(e) = replace_unsynced(path, &body) {
         eprintln!("kubelet: writing {}: {e}", path.display());
     }
+}
+
+/// The emulator's state file is for tests to read while it runs: replaced whole (a reader never
+/// sees half of it) but not fsynced (nothing reads it after a reboot). A failed write leaves no
+/// temporary file behind.
+fn replace_unsynced(path: &Path, body: &[u8]) -> std::io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    std::fs::write(&tmp, body).and_then(|()| std::fs::rename(&tmp, path)).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
 }
 
 fn dra_json(dra: &dra_manager::DraKubelet) -> Value {
