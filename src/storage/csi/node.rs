@@ -777,15 +777,22 @@ impl NodeService {
         )?;
         crate::util::crash_point("stage-after-record");
         let attached_before = devices.iter().any(|d| !d.ro);
-        let result = self.stage_work(&vol, &staging, &cap, &opts);
+        // The final record is part of the work: when it cannot be written (a full state disk,
+        // where the first record went into a spare that already had room) the stage is rolled
+        // back like any other failure, not left mounted under a "staging" record.
+        let result = self.stage_work(&vol, &staging, &cap, &opts).and_then(|()| {
+            self.save(
+                &rec_path,
+                &StageRecord {
+                    volume_id: id.to_string(),
+                    staging_path: staging.clone(),
+                    capability: cap.clone(),
+                    state: StageState::Staged,
+                },
+            )
+        });
         match result {
-            Ok(()) => {
-                self.save(
-                    &rec_path,
-                    &StageRecord { volume_id: id.to_string(), staging_path: staging, capability: cap, state: StageState::Staged },
-                )?;
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err(e) => {
                 // Roll back to where we started: nothing mounted, not attached (unless it was).
                 if !cap.block {
