@@ -276,10 +276,11 @@ def test_controller_kill9_during_creates_deletes_and_expansions(prov):
     converged = time.time() - faults_done
     for n in nodes:
         # `snapshots/` is part of the store's layout (and holds nothing here), as are
-        # `fs-templates/` (ext4 templates, one per size) and `.spare/` (metadata files kept
-        # for reuse instead of unlinked: never read).
+        # `fs-templates/` (ext4 templates, one per size), `.spare/` (metadata files kept
+        # for reuse instead of unlinked: never read) and `.unused/` (empty files made ahead
+        # for images).
         assert not os.listdir(n.volume_dir / "snapshots"), f"{n.ns.name}: snapshots left"
-        left = sorted(f for f in os.listdir(n.volume_dir) if f not in (".lock", "snapshots", "fs-templates", ".spare"))
+        left = sorted(f for f in os.listdir(n.volume_dir) if f not in (".lock", "snapshots", "fs-templates", ".spare", ".unused"))
         expect = sorted(f"{v}{ext}" for v, nn in placed.items() if nn == n.ns.name for ext in (".img", ".json"))
         assert left == expect, f"{n.ns.name}: volume dir {left}, expected {expect}"
     orphans = len(set(c.files()) - want)

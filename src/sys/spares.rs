@@ -17,6 +17,12 @@
 //! the new one, and at worst a spare with content (spares are never read). Only small state
 //! files belong here; a volume's image never does (a holder of its descriptor, such as a
 //! loop device, would then reach whatever the inode held next).
+//!
+//! A pool can also hold only what was never used ([`Spares::made_ahead`]): empty files or empty
+//! directories made ahead at idle priority and handed out once ([`Spares::take_unused`],
+//! [`Spares::place`]), never given back. A volume's image and the CSI staging and target
+//! directories come from such pools, so creating a volume allocates no inode on the request
+//! path either, and nothing that was once an image is ever reused.
 
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
@@ -25,12 +31,22 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak, mpsc};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// What a pool holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    File,
+    Dir,
+}
+
 /// Spare files in one directory, for files of one filesystem and one mode.
 #[derive(Debug)]
 pub struct Spares {
     dir: PathBuf,
     mode: u32,
     cap: usize,
+    kind: Kind,
+    /// Only entries never used: made by the pool, handed out once, never given back.
+    unused_only: bool,
     files: Mutex<Vec<PathBuf>>,
     next: AtomicU64,
     /// Wakes the thread that keeps spares made ahead ([`Spares::keep_ready`]), with how many.
@@ -42,21 +58,85 @@ impl Spares {
     /// gives out get `mode`. The spares a previous run left are kept (their names are
     /// numbers; anything else there is removed).
     pub fn open(dir: PathBuf, mode: u32, cap: usize) -> io::Result<Spares> {
+        Self::open_as(dir, mode, cap, Kind::File, false)
+    }
+
+    /// A pool of `kind` entries that were never used, made with `mode` (under the umask, as
+    /// `open(2)` and `mkdir(2)` apply it) by [`Spares::keep_ready`] and handed out once by
+    /// [`Spares::take_unused`] or [`Spares::place`]. Of what a previous run left, only the
+    /// empty files (or empty directories) with numbers for names are kept: one taken and
+    /// not yet in place at a crash is removed (an empty directory) or unlinked (a file).
+    pub fn made_ahead(dir: PathBuf, kind: Kind, mode: u32, cap: usize) -> io::Result<Spares> {
+        Self::open_as(dir, mode, cap, kind, true)
+    }
+
+    fn open_as(dir: PathBuf, mode: u32, cap: usize, kind: Kind, unused_only: bool) -> io::Result<Spares> {
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
         let mut files = Vec::new();
         let mut next = 0;
         for e in fs::read_dir(&dir)?.flatten() {
+            let path = e.path();
+            let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+            let fits = match kind {
+                Kind::File => e.file_type().is_ok_and(|t| t.is_file()),
+                Kind::Dir => is_dir,
+            };
+            let unused = || match kind {
+                Kind::File => e.metadata().is_ok_and(|m| m.len() == 0),
+                Kind::Dir => fs::read_dir(&path).is_ok_and(|mut d| d.next().is_none()),
+            };
             match e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()) {
-                Some(n) if files.len() < cap && e.file_type().is_ok_and(|t| t.is_file()) => {
+                Some(n) if files.len() < cap && fits && (!unused_only || unused()) => {
                     next = next.max(n + 1);
-                    files.push(e.path());
+                    files.push(path);
+                }
+                // Never a directory with anything in it: that is left, and logged.
+                _ if is_dir => {
+                    if let Err(e) = fs::remove_dir(&path) {
+                        tracing::warn!(error = %e, path = %path.display(), "not a spare, left in place");
+                    }
                 }
                 _ => {
-                    let _ = fs::remove_file(e.path());
+                    let _ = fs::remove_file(&path);
                 }
             }
         }
-        Ok(Spares { dir, mode, cap, files: Mutex::new(files), next: AtomicU64::new(next), filler: Mutex::new(None) })
+        Ok(Spares {
+            dir,
+            mode,
+            cap,
+            kind,
+            unused_only,
+            files: Mutex::new(files),
+            next: AtomicU64::new(next),
+            filler: Mutex::new(None),
+        })
+    }
+
+    /// An entry of a [`Spares::made_ahead`] pool, never used, now the caller's (to rename
+    /// into place, or to remove); `None` when none is ready.
+    pub fn take_unused(&self) -> Option<PathBuf> {
+        debug_assert!(self.unused_only);
+        self.take()
+    }
+
+    /// Put an entry of a [`Spares::made_ahead`] pool at `dest`, which must not exist
+    /// (`renameat2(RENAME_NOREPLACE)`: `AlreadyExists` when it does). `Ok(false)` when the
+    /// pool had none ready, `dest`'s directory is missing or on another filesystem, or the
+    /// kernel cannot rename without replacing: the caller makes `dest` itself then.
+    pub fn place(&self, dest: &Path) -> io::Result<bool> {
+        debug_assert!(self.unused_only);
+        let Some(spare) = self.take() else { return Ok(false) };
+        match rename2(&spare, dest, libc::RENAME_NOREPLACE) {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                self.keep_or_drop(spare);
+                match e.raw_os_error() {
+                    Some(libc::ENOENT | libc::EXDEV | libc::EINVAL | libc::ENOSYS) => Ok(false),
+                    _ => Err(e),
+                }
+            }
+        }
     }
 
     /// The pool's directory.
@@ -124,9 +204,18 @@ impl Spares {
     /// Make one spare; `false` when that failed (a full disk: writes make their own files).
     fn make_one(&self) -> bool {
         let path = self.fresh_name();
-        let made = OpenOptions::new().write(true).create_new(true).mode(self.mode).custom_flags(libc::O_CLOEXEC).open(&path);
+        let made = match self.kind {
+            Kind::File => OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(self.mode)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(&path)
+                .map(drop),
+            Kind::Dir => fs::DirBuilder::new().mode(self.mode).create(&path),
+        };
         match made {
-            Ok(_) => {
+            Ok(()) => {
                 self.put(path);
                 true
             }
@@ -157,6 +246,7 @@ impl Spares {
     /// `sync` (the caller syncs the directory when the name must be durable too). The file
     /// `dest` replaces becomes a spare.
     pub fn write(&self, dest: &Path, data: &[u8], sync: bool) -> io::Result<()> {
+        debug_assert!(!self.unused_only && self.kind == Kind::File);
         let (path, new) = match self.take() {
             Some(p) => (p, false),
             None => (self.fresh_name(), true),
@@ -224,6 +314,7 @@ impl Spares {
     /// Remove the file at `path` as `remove_file` does (the name is gone when this returns;
     /// `NotFound` when there was none), keeping its inode as a spare while the pool has room.
     pub fn remove(&self, path: &Path) -> io::Result<()> {
+        debug_assert!(!self.unused_only && self.kind == Kind::File);
         if self.len() >= self.cap {
             return fs::remove_file(path);
         }
@@ -266,11 +357,16 @@ fn write_beside(dest: &Path, data: &[u8], mode: u32, sync: bool) -> io::Result<(
 
 /// Exchange the names `a` and `b` atomically (`renameat2(RENAME_EXCHANGE)`).
 fn exchange(a: &Path, b: &Path) -> io::Result<()> {
+    rename2(a, b, libc::RENAME_EXCHANGE)
+}
+
+/// `renameat2(a, b, flags)`, both paths resolved from the working directory as given.
+fn rename2(a: &Path, b: &Path, flags: libc::c_uint) -> io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let a = std::ffi::CString::new(a.as_os_str().as_bytes()).map_err(io::Error::other)?;
     let b = std::ffi::CString::new(b.as_os_str().as_bytes()).map_err(io::Error::other)?;
     // SAFETY: two NUL-terminated paths, resolved from the working directory as given.
-    let r = unsafe { libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE) };
+    let r = unsafe { libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), flags) };
     if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
@@ -390,6 +486,79 @@ mod tests {
         assert!(p.remove(&sub).is_err());
         assert!(sub.is_dir(), "left where it was");
         assert_eq!(p.len(), 5);
+    }
+
+    fn wait_len(p: &Spares, n: usize) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while p.len() < n {
+            assert!(std::time::Instant::now() < deadline, "{} made ahead, not {n}", p.len());
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn directories_made_ahead_are_placed_once_and_never_over_anything() {
+        let t = crate::util::TestDir::new("spares-dirs");
+        let p = Arc::new(Spares::made_ahead(t.0.join(".dirs"), Kind::Dir, 0o750, 4).unwrap());
+        p.keep_ready(2);
+        wait_len(&p, 2);
+        let made: Vec<u64> = fs::read_dir(p.dir()).unwrap().map(|e| inode(&e.unwrap().path())).collect();
+        let a = t.0.join("a");
+        assert!(p.place(&a).unwrap());
+        assert!(a.is_dir() && made.contains(&inode(&a)), "one of the directories made ahead");
+        assert_eq!(fs::read_dir(&a).unwrap().count(), 0);
+        // Something already there: refused, nothing moved, the spare kept.
+        wait_len(&p, 2);
+        let before = p.len();
+        let b = t.0.join("b");
+        fs::write(&b, b"data").unwrap();
+        assert_eq!(p.place(&b).unwrap_err().kind(), io::ErrorKind::AlreadyExists);
+        assert_eq!(fs::read(&b).unwrap(), b"data");
+        fs::create_dir(t.0.join("c")).unwrap();
+        assert_eq!(p.place(&t.0.join("c")).unwrap_err().kind(), io::ErrorKind::AlreadyExists, "not even an empty directory");
+        assert_eq!(p.len(), before);
+        // No parent: the caller makes it (with its parents), the spare is kept.
+        assert!(!p.place(&t.0.join("no/such")).unwrap());
+        assert_eq!(p.len(), before);
+        // A spare that vanished is dropped, not handed out again.
+        let gone = p.files.lock().unwrap().last().cloned().unwrap();
+        fs::remove_dir(&gone).unwrap();
+        assert!(!p.place(&t.0.join("d")).unwrap() || t.0.join("d").is_dir());
+        assert!(!p.files.lock().unwrap().contains(&gone));
+        // A restart keeps the empty ones; one with content is left alone, a file removed.
+        drop(p);
+        let spare_dir = t.0.join(".dirs");
+        fs::create_dir(spare_dir.join("90")).unwrap();
+        fs::write(spare_dir.join("90/x"), b"").unwrap();
+        fs::write(spare_dir.join("91"), b"").unwrap();
+        let p = Spares::made_ahead(spare_dir.clone(), Kind::Dir, 0o750, 4).unwrap();
+        assert!(spare_dir.join("90/x").exists(), "never removed with what it holds");
+        assert!(!spare_dir.join("91").exists());
+        assert!(!p.files.lock().unwrap().iter().any(|f| f.ends_with("90")));
+        assert!(p.len() >= 1);
+    }
+
+    #[test]
+    fn files_made_ahead_are_handed_out_unused() {
+        let t = crate::util::TestDir::new("spares-unused");
+        let p = Arc::new(Spares::made_ahead(t.0.join(".img"), Kind::File, 0o600, 3).unwrap());
+        assert!(p.take_unused().is_none(), "nothing made yet");
+        p.keep_ready(3);
+        wait_len(&p, 3);
+        let f = p.take_unused().unwrap();
+        assert_eq!(fs::metadata(&f).unwrap().len(), 0);
+        assert_eq!(fs::metadata(&f).unwrap().permissions().mode() & 0o777, 0o600);
+        // Taken and used but not put in place (a crash): not kept by the next start.
+        fs::write(&f, b"image data").unwrap();
+        wait_len(&p, 3);
+        drop(p);
+        let q = Spares::made_ahead(t.0.join(".img"), Kind::File, 0o600, 8).unwrap();
+        assert!(!f.exists(), "a used file is no spare");
+        assert_eq!(q.len(), 3);
+        for _ in 0..3 {
+            assert_eq!(fs::metadata(q.take_unused().unwrap()).unwrap().len(), 0);
+        }
+        assert!(q.take_unused().is_none());
     }
 
     #[test]

@@ -224,6 +224,12 @@ pub struct NodeService {
     /// The records' spare files (`<state>/csi/.spare`): records are written into them and
     /// given back when removed or replaced, so staging and publishing allocate no inode.
     spares: Arc<Spares>,
+    /// Empty directories made ahead at idle priority on the kubelet's filesystem
+    /// (`<kubelet>/plugins/<driver>/.unused-dirs`), never used before: a staging or target
+    /// directory the plugin creates is one of them when one is ready, so staging and
+    /// publishing allocate no inode on the caller's path. `None` when the pool could not be
+    /// opened (the directories are made as they are needed then).
+    unused_dirs: Option<Arc<Spares>>,
     /// Signalled whenever a hold is released.
     released: Condvar,
     ready: AtomicBool,
@@ -249,6 +255,8 @@ const RECORD_SPARES: usize = 256;
 /// Record files made ahead: a burst of new volumes (each a stage record and a publish
 /// record, and the stage record's replacement) writes into these.
 const RECORD_SPARES_READY: usize = 128;
+/// Directories made ahead: a burst of this many stages and publishes creates none.
+const UNUSED_DIRS_READY: usize = 64;
 
 /// How long a publish or unpublish waits for a stage, unstage or expand of its volume (or a
 /// publish for another publish of it) before it answers ABORTED.
@@ -337,6 +345,18 @@ impl NodeService {
         );
         let spares = Arc::new(Spares::open(settings.record_dir.join(".spare"), 0o600, RECORD_SPARES)?);
         spares.keep_ready(RECORD_SPARES_READY);
+        let pool = settings.kubelet_dir.join("plugins").join(super::DRIVER_NAME).join(".unused-dirs");
+        let unused_dirs = match Spares::made_ahead(pool.clone(), crate::sys::spares::Kind::Dir, 0o750, UNUSED_DIRS_READY) {
+            Ok(p) => {
+                let p = Arc::new(p);
+                p.keep_ready(UNUSED_DIRS_READY);
+                Some(p)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, dir = %pool.display(), "no directories made ahead; they are made as needed");
+                None
+            }
+        };
         let publishes = Self::read_publish_records(&settings.record_dir)
             .into_iter()
             .map(|r| (r.target_path.clone(), r))
@@ -348,6 +368,7 @@ impl NodeService {
             busy: Mutex::new(HashMap::new()),
             publishes: Mutex::new(publishes),
             spares,
+            unused_dirs,
             released: Condvar::new(),
             ready: AtomicBool::new(false),
             operations,
@@ -849,11 +870,17 @@ impl NodeService {
             self.kernel.grow_fs(&dev, fs)?;
         }
         if !staging.exists() {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o750)
-                .create(staging)
-                .map_err(io_internal(format!("creating {}", staging.display())))?;
+            match self.place_unused_dir(staging) {
+                Ok(true) => {}
+                Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
+                    return Err(internal(format!("creating {}: {e}", staging.display())));
+                }
+                _ => std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o750)
+                    .create(staging)
+                    .map_err(io_internal(format!("creating {}", staging.display())))?,
+            }
         }
         // A restore or clone of an xfs volume carries its source's filesystem UUID, and xfs
         // refuses to mount a second filesystem with a UUID already mounted: `nouuid`, as
@@ -1093,7 +1120,7 @@ impl NodeService {
                 if !cap.mount_group.is_empty() {
                     apply_mount_group(&staging, &cap.mount_group)?;
                 }
-                if created_target {
+                if created_target && !self.place_unused_dir(&target).map_err(io_internal(format!("creating {}", target.display())))? {
                     std::fs::DirBuilder::new()
                         .mode(0o750)
                         .create(&target)
@@ -1429,6 +1456,18 @@ fn apply_mount_group(root: &Path, gid: &str) -> Result<()> {
             .map_err(io_internal(format!("chmod {}", root.display())))?;
     }
     Ok(())
+}
+
+impl NodeService {
+    /// Put a directory made ahead at `path` (which must not exist): `Ok(false)` when none is
+    /// ready or it cannot go there (`path`'s parent missing, another filesystem), and the
+    /// caller makes the directory itself.
+    fn place_unused_dir(&self, path: &Path) -> io::Result<bool> {
+        match &self.unused_dirs {
+            Some(p) => p.place(path),
+            None => Ok(false),
+        }
+    }
 }
 
 /// Remove a target the plugin created: an empty directory, or the file a block volume was

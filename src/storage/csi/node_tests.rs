@@ -1174,3 +1174,51 @@ fn doctor_repairs_what_no_record_accounts_for_and_leaves_the_rest() {
     assert_eq!((e.fake.mounts_at(&s_ok).len(), e.fake.mounts_at(&t).len()), (1, 1));
     assert_eq!(e.svc.doctor(true).unwrap().0.len(), 0);
 }
+
+#[test]
+fn staging_and_target_directories_are_directories_made_ahead() {
+    let e = Env::new("dirs-ahead");
+    let pool = e.kubelet().join("plugins").join(crate::storage::csi::DRIVER_NAME).join(".unused-dirs");
+    let inodes = || -> Vec<u64> { std::fs::read_dir(&pool).unwrap().map(|d| d.unwrap().metadata().unwrap().ino()).collect() };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    // The pool made whole, so that nothing is made while a call takes one.
+    while inodes().len() < UNUSED_DIRS_READY {
+        assert!(std::time::Instant::now() < deadline, "{} directories made ahead in {}", inodes().len(), pool.display());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let ahead = inodes();
+    e.volume("v", FsType::Ext4);
+    // kubelet makes the staging path's parent (it holds vol_data.json there).
+    let staging = e.staging("v");
+    std::fs::create_dir_all(staging.parent().unwrap()).unwrap();
+    e.stage("v", &staging, mount_cap("ext4", &[])).unwrap();
+    let m = std::fs::metadata(&staging).unwrap();
+    assert!(m.is_dir() && ahead.contains(&m.ino()), "the staging directory is one made ahead");
+    let target = e.target("p", "v");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while inodes().len() < UNUSED_DIRS_READY {
+        assert!(std::time::Instant::now() < deadline, "the pool is not made whole again");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let ahead = inodes();
+    e.publish("v", &target, &staging, mount_cap("ext4", &[]), false).unwrap();
+    let m = std::fs::metadata(&target).unwrap();
+    assert!(m.is_dir() && ahead.contains(&m.ino()), "so is the target");
+    assert!(e.publish_record(&target).unwrap().created_target);
+    assert!(e.fake.mounts().iter().any(|mt| mt.mount_point == target));
+    // Removed as before when unpublished: a made-ahead directory is the plugin's to remove.
+    e.unpublish("v", &target).unwrap();
+    assert!(!target.exists());
+    // Without a parent (a staging path kubelet did not prepare), made as before.
+    e.volume("w", FsType::Ext4);
+    let staging = e.staging("w");
+    e.stage("w", &staging, mount_cap("ext4", &[])).unwrap();
+    assert!(staging.is_dir());
+    // A publish target that exists is never replaced by one.
+    let t2 = e.target("p2", "w");
+    std::fs::create_dir(&t2).unwrap();
+    let before = std::fs::metadata(&t2).unwrap().ino();
+    e.publish("w", &t2, &staging, mount_cap("ext4", &[]), false).unwrap();
+    assert_eq!(std::fs::metadata(&t2).unwrap().ino(), before);
+    assert!(!e.publish_record(&t2).unwrap().created_target);
+}

@@ -11,6 +11,7 @@
 //! <dir>/snapshots/         snapshots, and the copies volumes are made from (`snapshots`)
 //! <dir>/fs-templates/      ext4 templates, one per size (`open_with_templates`, the agent's)
 //! <dir>/.spare/            metadata files removed, kept to be written again (`sys::spares`)
+//! <dir>/.unused/           empty files made ahead, each a new volume's image once (`sys::spares`)
 //! ```
 //!
 //! Every step is ordered so that a crash leaves something `open` can finish or roll back:
@@ -270,6 +271,9 @@ pub struct VolumeStore {
     /// into one and given back when the volume goes, so creating and deleting volumes
     /// allocates and frees no inode for it.
     spares: Arc<Spares>,
+    /// Empty files made ahead at idle priority, never used before: a new volume's image is
+    /// one of them when one is ready, so a create allocates no inode on the caller's path.
+    unused_images: Arc<Spares>,
     _lock: File,
 }
 
@@ -329,6 +333,12 @@ impl VolumeStore {
         let spares_dir = dir.join(SPARES_DIR);
         let spares = Arc::new(Spares::open(spares_dir.clone(), 0o600, SPARES_KEPT).map_err(io_err("opening", &spares_dir))?);
         spares.keep_ready(SPARES_READY);
+        let unused_dir = dir.join(UNUSED_IMAGES_DIR);
+        let unused_images = Arc::new(
+            Spares::made_ahead(unused_dir.clone(), crate::sys::spares::Kind::File, 0o600, UNUSED_IMAGES_READY)
+                .map_err(io_err("opening", &unused_dir))?,
+        );
+        unused_images.keep_ready(UNUSED_IMAGES_READY);
         let snapshots = snapshots::recover_snapshots(&dir)?;
         let store = VolumeStore {
             dir,
@@ -337,6 +347,7 @@ impl VolumeStore {
             locks: Mutex::new(HashMap::new()),
             kernel,
             spares,
+            unused_images,
             _lock: lock,
         };
         let provisioned = store.index.lock().unwrap().provisioned();
@@ -478,11 +489,16 @@ impl VolumeStore {
         let tmp = self.dir.join(format!(".{id}.img.tmp"));
         let meta_path = self.meta_path(id);
         let vol = Volume::new(id, size, fs_type, name, img.clone());
+        // The image is a file made ahead and never used, renamed to the create's temporary
+        // name (so a crash leaves what recovery knows), else a new file.
+        let made_ahead = self.unused_images.take_unused().is_some_and(|p| {
+            std::fs::rename(&p, &tmp).inspect_err(|_| drop(std::fs::remove_file(&p))).is_ok()
+        });
         let result = (|| {
             let f = OpenOptions::new()
                 .write(true)
                 .create(true)
-                .truncate(true)
+                .truncate(!made_ahead)
                 .mode(0o600)
                 .custom_flags(libc::O_CLOEXEC)
                 .open(&tmp)
@@ -774,6 +790,10 @@ const SPARES_DIR: &str = ".spare";
 const SPARES_KEPT: usize = 256;
 /// Spares made ahead, for the metadata of a burst of new volumes.
 const SPARES_READY: usize = 64;
+/// Empty files made ahead for images, in the store directory (see [`crate::sys::spares`]).
+const UNUSED_IMAGES_DIR: &str = ".unused";
+/// Images made ahead: a burst of this many new volumes allocates no inode for them.
+const UNUSED_IMAGES_READY: usize = 32;
 
 /// How long the store's unlink thread waits for deletes to stop coming before it frees
 /// the images of those deleted, and the longest it lets one wait.
@@ -888,7 +908,7 @@ fn recover(dir: &Path, kernel: &dyn VolumeKernel) -> Result<BTreeMap<String, Vol
                 let _ = std::fs::remove_file(entry.path());
             }
             Entry::Image(_) | Entry::Lock => {}
-            _ if name == "snapshots" || name == TEMPLATES_DIR || name == SPARES_DIR => {}
+            _ if name == "snapshots" || name == TEMPLATES_DIR || name == SPARES_DIR || name == UNUSED_IMAGES_DIR => {}
             _ => tracing::warn!(dir = %dir.display(), file = name, "ignoring an unexpected file in the volume store"),
         }
     }

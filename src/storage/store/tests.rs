@@ -133,13 +133,51 @@ fn create_is_idempotent_and_sparse() {
     let mut names: Vec<String> =
         fs::read_dir(s.dir()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
-    assert_eq!(names, [".lock", ".spare", "pvc-a.img", "pvc-a.json", "snapshots"]);
+    assert_eq!(names, [".lock", ".spare", ".unused", "pvc-a.img", "pvc-a.json", "snapshots"]);
     // The spares are empty files with numbers for names (made ahead; nothing written yet).
     for e in fs::read_dir(s.dir().join(".spare")).unwrap() {
         let e = e.unwrap();
         assert!(e.file_name().to_str().unwrap().parse::<u64>().is_ok(), "{e:?}");
         assert_eq!(e.metadata().unwrap().len(), 0);
     }
+}
+
+#[test]
+fn images_are_files_made_ahead_and_only_ever_one_volume_s() {
+    let t = TempDir::new("unused-images");
+    let s = VolumeStore::open(t.path(), 1024 * MIB).unwrap();
+    let unused = s.dir().join(".unused");
+    let inodes = |d: &Path| -> Vec<u64> { fs::read_dir(d).unwrap().map(|e| e.unwrap().metadata().unwrap().ino()).collect() };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    // The pool made whole, so that nothing is made while the create takes one.
+    while inodes(&unused).len() < UNUSED_IMAGES_READY {
+        assert!(std::time::Instant::now() < deadline, "no images made ahead");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let ahead = inodes(&unused);
+    let v = s.create("v", 64 * MIB, FsType::Raw).unwrap();
+    let m = fs::metadata(&v.path).unwrap();
+    assert!(ahead.contains(&m.ino()), "the image is a file made ahead");
+    assert_eq!(m.len(), 64 * MIB);
+    assert_eq!(m.permissions().mode() & 0o777, 0o600);
+    assert!(!s.dir().join(".v.img.tmp").exists());
+    // A deleted image is freed, never made a spare: only new files are in the pool.
+    s.delete("v").unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while s.dir().join(".v.img.del").exists() {
+        assert!(std::time::Instant::now() < deadline);
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    for e in fs::read_dir(&unused).unwrap() {
+        assert_eq!(e.unwrap().metadata().unwrap().len(), 0, "made ahead, empty");
+    }
+    // One taken and sized when the agent died is no spare at the next start.
+    drop(s);
+    let sized = unused.join("9999");
+    fs::write(&sized, b"x").unwrap();
+    let s = VolumeStore::open(t.path(), 1024 * MIB).unwrap();
+    assert!(!sized.exists());
+    assert!(s.list().is_empty());
 }
 
 #[test]
