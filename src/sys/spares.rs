@@ -19,8 +19,8 @@
 //! loop device, would then reach whatever the inode held next).
 //!
 //! A pool can also hold only what was never used ([`Spares::made_ahead`]): empty files or empty
-//! directories made ahead at idle priority and handed out once ([`Spares::take_unused`],
-//! [`Spares::place`]), never given back. A volume's image and the CSI staging and target
+//! directories made ahead at idle priority and handed out once ([`Spares::place`]), never
+//! given back. A volume's image and the CSI staging and target
 //! directories come from such pools, so creating a volume allocates no inode on the request
 //! path either, and nothing that was once an image is ever reused.
 
@@ -63,9 +63,10 @@ impl Spares {
 
     /// A pool of `kind` entries that were never used, made with `mode` (under the umask, as
     /// `open(2)` and `mkdir(2)` apply it) by [`Spares::keep_ready`] and handed out once by
-    /// [`Spares::take_unused`] or [`Spares::place`]. Of what a previous run left, only the
-    /// empty files (or empty directories) with numbers for names are kept: one taken and
-    /// not yet in place at a crash is removed (an empty directory) or unlinked (a file).
+    /// [`Spares::place`]. Of what a previous run left, only the
+    /// empty files (or empty directories) with numbers for names are kept; any other file is
+    /// unlinked (one taken and written but not yet in place at a crash), a directory with
+    /// anything in it left where it is.
     pub fn made_ahead(dir: PathBuf, kind: Kind, mode: u32, cap: usize) -> io::Result<Spares> {
         Self::open_as(dir, mode, cap, kind, true)
     }
@@ -113,30 +114,41 @@ impl Spares {
         })
     }
 
-    /// An entry of a [`Spares::made_ahead`] pool, never used, now the caller's (to rename
-    /// into place, or to remove); `None` when none is ready.
-    pub fn take_unused(&self) -> Option<PathBuf> {
-        debug_assert!(self.unused_only);
-        self.take()
-    }
-
     /// Put an entry of a [`Spares::made_ahead`] pool at `dest`, which must not exist
-    /// (`renameat2(RENAME_NOREPLACE)`: `AlreadyExists` when it does). `Ok(false)` when the
-    /// pool had none ready, `dest`'s directory is missing or on another filesystem, or the
-    /// kernel cannot rename without replacing: the caller makes `dest` itself then.
+    /// (`renameat2(RENAME_NOREPLACE)`: `AlreadyExists` when it does, and the entry stays in
+    /// the pool). `Ok(false)` when the pool had none ready or the entry could not go there
+    /// (`dest`'s directory missing, another filesystem or mount, a kernel that cannot rename
+    /// without replacing, or anything else): the caller makes `dest` itself then, and its own
+    /// error is the one to report. An entry that failed for a reason of its own is removed, so
+    /// that one bad entry never fails the calls after it. The thread that makes entries ahead
+    /// is woken only after the rename: making one holds the pool directory's lock, which the
+    /// rename out of it needs too.
     pub fn place(&self, dest: &Path) -> io::Result<bool> {
         debug_assert!(self.unused_only);
-        let Some(spare) = self.take() else { return Ok(false) };
-        match rename2(&spare, dest, libc::RENAME_NOREPLACE) {
-            Ok(()) => Ok(true),
-            Err(e) => {
-                self.keep_or_drop(spare);
-                match e.raw_os_error() {
-                    Some(libc::ENOENT | libc::EXDEV | libc::EINVAL | libc::ENOSYS) => Ok(false),
-                    _ => Err(e),
+        let spare = self.files.lock().unwrap().pop();
+        let placed = match spare {
+            None => Ok(false),
+            Some(spare) => match rename2(&spare, dest, libc::RENAME_NOREPLACE) {
+                Ok(()) => Ok(true),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                    self.keep_or_drop(spare);
+                    Err(e)
                 }
-            }
-        }
+                Err(e) => {
+                    match e.raw_os_error() {
+                        // The destination's doing: the entry is as good as before.
+                        Some(libc::ENOENT | libc::EXDEV | libc::EINVAL | libc::ENOSYS) => self.keep_or_drop(spare),
+                        _ => {
+                            tracing::debug!(error = %e, spare = %spare.display(), dest = %dest.display(), "a spare that could not be placed is removed");
+                            self.discard(&spare);
+                        }
+                    }
+                    Ok(false)
+                }
+            },
+        };
+        self.wake_if_low();
+        placed
     }
 
     /// The pool's directory.
@@ -154,16 +166,27 @@ impl Spares {
     }
 
     fn take(&self) -> Option<PathBuf> {
-        let (taken, left) = {
-            let mut files = self.files.lock().unwrap();
-            (files.pop(), files.len())
-        };
+        let taken = self.files.lock().unwrap().pop();
+        self.wake_if_low();
+        taken
+    }
+
+    /// Wake the thread that makes spares ahead when the pool holds fewer than it keeps ready.
+    fn wake_if_low(&self) {
+        let left = self.len();
         if let Some((wake, ready)) = &*self.filler.lock().unwrap()
             && left < *ready
         {
             let _ = wake.send(());
         }
-        taken
+    }
+
+    /// Remove a spare from the disk (a directory in a pool of directories).
+    fn discard(&self, path: &Path) {
+        let _ = match self.kind {
+            Kind::File => fs::remove_file(path),
+            Kind::Dir => fs::remove_dir(path),
+        };
     }
 
     /// Keep `ready` spares made ahead (at most the pool's cap), on a thread that runs only
@@ -307,7 +330,7 @@ impl Spares {
             files.push(path);
         } else {
             drop(files);
-            let _ = fs::remove_file(&path);
+            self.discard(&path);
         }
     }
 
@@ -541,24 +564,35 @@ mod tests {
     #[test]
     fn files_made_ahead_are_handed_out_unused() {
         let t = crate::util::TestDir::new("spares-unused");
+        let dest = |i: u32| t.0.join(format!("img-{i}"));
         let p = Arc::new(Spares::made_ahead(t.0.join(".img"), Kind::File, 0o600, 3).unwrap());
-        assert!(p.take_unused().is_none(), "nothing made yet");
+        assert!(!p.place(&dest(0)).unwrap(), "nothing made yet");
+        assert!(!dest(0).exists());
         p.keep_ready(3);
         wait_len(&p, 3);
-        let f = p.take_unused().unwrap();
-        assert_eq!(fs::metadata(&f).unwrap().len(), 0);
-        assert_eq!(fs::metadata(&f).unwrap().permissions().mode() & 0o777, 0o600);
-        // Taken and used but not put in place (a crash): not kept by the next start.
-        fs::write(&f, b"image data").unwrap();
+        let made: Vec<u64> = fs::read_dir(p.dir()).unwrap().map(|e| inode(&e.unwrap().path())).collect();
+        assert!(p.place(&dest(1)).unwrap());
+        let m = fs::metadata(dest(1)).unwrap();
+        assert!(m.is_file() && m.len() == 0 && made.contains(&inode(&dest(1))), "an empty file made ahead");
+        assert_eq!(m.permissions().mode() & 0o777, 0o600);
+        // Something at the destination: refused, left as it was, the spare kept.
         wait_len(&p, 3);
+        fs::write(dest(2), b"data").unwrap();
+        assert_eq!(p.place(&dest(2)).unwrap_err().kind(), io::ErrorKind::AlreadyExists);
+        assert_eq!(fs::read(dest(2)).unwrap(), b"data");
+        assert_eq!(p.len(), 3);
+        // A file in the pool with something in it is no spare at the next start.
+        let f = p.files.lock().unwrap().last().cloned().unwrap();
+        fs::write(&f, b"image data").unwrap();
         drop(p);
         let q = Spares::made_ahead(t.0.join(".img"), Kind::File, 0o600, 8).unwrap();
         assert!(!f.exists(), "a used file is no spare");
-        assert_eq!(q.len(), 3);
-        for _ in 0..3 {
-            assert_eq!(fs::metadata(q.take_unused().unwrap()).unwrap().len(), 0);
+        assert_eq!(q.len(), 2);
+        for i in 10..12 {
+            assert!(q.place(&dest(i)).unwrap());
+            assert_eq!(fs::metadata(dest(i)).unwrap().len(), 0);
         }
-        assert!(q.take_unused().is_none());
+        assert!(!q.place(&dest(20)).unwrap());
     }
 
     #[test]

@@ -345,8 +345,15 @@ impl NodeService {
         );
         let spares = Arc::new(Spares::open(settings.record_dir.join(".spare"), 0o600, RECORD_SPARES)?);
         spares.keep_ready(RECORD_SPARES_READY);
-        let pool = settings.kubelet_dir.join("plugins").join(super::DRIVER_NAME).join(".unused-dirs");
-        let unused_dirs = match Spares::made_ahead(pool.clone(), crate::sys::spares::Kind::Dir, 0o750, UNUSED_DIRS_READY) {
+        let plugin_dir = settings.kubelet_dir.join("plugins").join(super::DRIVER_NAME);
+        let pool = plugin_dir.join(".unused-dirs");
+        // The plugin's directory as the socket's bind makes it (the pool itself is 0700).
+        let unused_dirs = match std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o750)
+            .create(&plugin_dir)
+            .and_then(|()| Spares::made_ahead(pool.clone(), crate::sys::spares::Kind::Dir, 0o750, UNUSED_DIRS_READY))
+        {
             Ok(p) => {
                 let p = Arc::new(p);
                 p.keep_ready(UNUSED_DIRS_READY);

@@ -490,10 +490,9 @@ impl VolumeStore {
         let meta_path = self.meta_path(id);
         let vol = Volume::new(id, size, fs_type, name, img.clone());
         // The image is a file made ahead and never used, renamed to the create's temporary
-        // name (so a crash leaves what recovery knows), else a new file.
-        let made_ahead = self.unused_images.take_unused().is_some_and(|p| {
-            std::fs::rename(&p, &tmp).inspect_err(|_| drop(std::fs::remove_file(&p))).is_ok()
-        });
+        // name (so a crash leaves what recovery knows), else a new file (also when a
+        // temporary file is in the way: it is truncated as before).
+        let made_ahead = self.unused_images.place(&tmp).unwrap_or(false);
         let result = (|| {
             let f = OpenOptions::new()
                 .write(true)
