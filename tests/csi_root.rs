@@ -222,11 +222,25 @@ impl Sandbox {
             Some(p) => cmd.env("NODEPLANE_CRASH_AT", p),
             None => cmd.env_remove("NODEPLANE_CRASH_AT"),
         };
+        // Right after a crash the new agent may find the state-dir lock still held for a
+        // moment (a child the dead agent was spawning shares it until it execs); it then exits
+        // and is started again, as the DaemonSet would.
+        let refused = |log: &str| log.matches("another agent holds").count();
+        let mut refused_before = refused(&self.log());
+        let mut restarts = 0;
         self.agent = Some(cmd.spawn().expect("starting the agent"));
         let deadline = Instant::now() + Duration::from_secs(20);
         while !self.reg_sock().exists() {
             if let Some(st) = self.agent.as_mut().unwrap().try_wait().unwrap() {
-                panic!("agent exited during start-up ({st}):\n{}", self.log());
+                let log = self.log();
+                if refused(&log) > refused_before && restarts < 20 {
+                    refused_before = refused(&log);
+                    restarts += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    self.agent = Some(cmd.spawn().expect("starting the agent"));
+                    continue;
+                }
+                panic!("agent exited during start-up ({st}):\n{log}");
             }
             assert!(Instant::now() < deadline, "agent not ready within 20 s:\n{}", self.log());
             tokio::time::sleep(Duration::from_millis(20)).await;
