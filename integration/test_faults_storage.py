@@ -351,8 +351,9 @@ def start_agent(node, crash_at=None):
     """(Re)start the node's agent, with NODEPLANE_CRASH_AT set for that process only.
 
     Right after a kill -9 the new agent may find the state-dir lock still held for a moment
-    (a child the killed agent was spawning still shares the lock until it execs); it then
-    exits, and is started again as the DaemonSet would (counted in RESTARTS_REFUSED)."""
+    (a child the killed agent was spawning still shares the lock until it execs); it waits
+    up to 10 s for it, and should it still exit for it, it is started again as the DaemonSet
+    would (counted in RESTARTS_REFUSED)."""
     node.stop()
     if crash_at:
         os.environ["NODEPLANE_CRASH_AT"] = crash_at

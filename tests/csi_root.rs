@@ -223,8 +223,9 @@ impl Sandbox {
             None => cmd.env_remove("NODEPLANE_CRASH_AT"),
         };
         // Right after a crash the new agent may find the state-dir lock still held for a
-        // moment (a child the dead agent was spawning shares it until it execs); it then exits
-        // and is started again, as the DaemonSet would.
+        // moment (a child the dead agent was spawning shares it until it execs); it waits up
+        // to 10 s for it, and should it still exit for it, it is started again, as the
+        // DaemonSet would.
         let refused = |log: &str| log.matches("another agent holds").count();
         let mut refused_before = refused(&self.log());
         let mut restarts = 0;

@@ -41,7 +41,7 @@ fn io_ctx(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> AgentErr
 }
 
 /// Exclusive lock on the state dir: two agents must never share leases.
-fn lock_state_dir(dir: &Path) -> Result<fs::File, AgentError> {
+fn lock_state_dir(dir: &Path, wait: Duration) -> Result<fs::File, AgentError> {
     fs::create_dir_all(dir).map_err(io_ctx(format!("creating {}", dir.display())))?;
     let path = dir.join("agent.lock");
     let f = fs::OpenOptions::new()
@@ -50,23 +50,45 @@ fn lock_state_dir(dir: &Path) -> Result<fs::File, AgentError> {
         .write(true)
         .open(&path)
         .map_err(io_ctx(format!("opening {}", path.display())))?;
-    // SAFETY: flock on a file descriptor we own.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        return Err(AgentError::Setup(format!(
-            "another agent holds {} ({})",
-            path.display(),
-            std::io::Error::last_os_error()
-        )));
+    // The lock may be held for a moment by an agent on its way out: the one a rollout or a
+    // restart replaces (kubelet starts the new container once the old one's process is gone,
+    // but a child it was spawning shares the lock until that child execs). Wait a little, as
+    // an operator would, before failing the start-up (and the container's restart back-off).
+    let deadline = Instant::now() + wait;
+    let mut waiting = false;
+    loop {
+        // SAFETY: flock on a file descriptor we own.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            if waiting {
+                tracing::info!(lock = %path.display(), "state-dir lock acquired");
+            }
+            return Ok(f);
+        }
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EWOULDBLOCK) || Instant::now() >= deadline {
+            return Err(AgentError::Setup(format!("another agent holds {} ({err})", path.display())));
+        }
+        if !waiting {
+            waiting = true;
+            tracing::warn!(
+                lock = %path.display(),
+                "another agent holds the state-dir lock; waiting up to {} s for it to exit",
+                wait.as_secs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
-    Ok(f)
 }
+
+/// How long a starting agent waits for the state-dir lock before giving up.
+const STATE_LOCK_WAIT: Duration = Duration::from_secs(10);
 
 /// Everything up to (not including) serving: returns the configuration, the datapath, the
 /// bound listener and the state-directory lock.
 #[allow(clippy::type_complexity)]
 pub fn prepare(cfg: Config) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix::net::UnixListener, fs::File), AgentError> {
     let cfg = Arc::new(cfg);
-    let lock = lock_state_dir(&cfg.state_dir)?;
+    let lock = lock_state_dir(&cfg.state_dir, STATE_LOCK_WAIT)?;
 
     let boot_id = crate::sys::fs::read_boot_id(&cfg.boot_id_file).map_err(io_ctx("reading boot id"))?;
     let boot_file = cfg.state_dir.join("boot_id");
@@ -472,4 +494,45 @@ pub async fn serve(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod lock_tests {
+    use super::*;
+
+    fn hold(dir: &Path) -> fs::File {
+        let f = fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("agent.lock")).unwrap();
+        // SAFETY: flock on a descriptor we own.
+        assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+        f
+    }
+
+    #[test]
+    fn a_lock_released_within_the_wait_is_taken() {
+        let dir = crate::util::TestDir::new("lock-released");
+        let held = hold(&dir.0);
+        let t = Instant::now();
+        let releaser = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(held);
+        });
+        let lock = lock_state_dir(&dir.0, Duration::from_secs(5)).expect("taken once released");
+        assert!(t.elapsed() >= Duration::from_millis(150), "it waited for the holder");
+        releaser.join().unwrap();
+        // Now this process holds it: another open of the file cannot take it.
+        let other = fs::OpenOptions::new().write(true).open(dir.0.join("agent.lock")).unwrap();
+        // SAFETY: as above.
+        assert_ne!(unsafe { libc::flock(other.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+        drop(lock);
+    }
+
+    #[test]
+    fn a_lock_still_held_after_the_wait_fails_the_start() {
+        let dir = crate::util::TestDir::new("lock-held");
+        let _held = hold(&dir.0);
+        let t = Instant::now();
+        let err = lock_state_dir(&dir.0, Duration::from_millis(300)).expect_err("still held");
+        assert!(t.elapsed() >= Duration::from_millis(300));
+        assert!(err.to_string().contains("another agent holds"), "{err}");
+    }
 }

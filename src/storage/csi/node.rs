@@ -819,24 +819,21 @@ impl NodeService {
                 },
             )
         });
-        match result {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                // Roll back to where we started: nothing mounted, not attached (unless it was).
-                if !cap.block {
-                    let _ = self.unmount_ours(id, &staging);
-                }
-                if !attached_before && let Err(d) = self.store.detach(id) {
-                    tracing::warn!(volume = id, error = %d, "rolling back a failed stage: detach failed");
-                }
-                // Back to the record as it was (a staged volume stays staged).
-                let _ = match &rec {
-                    Some(r) if attached_before => self.save(&rec_path, r),
-                    _ => self.remove_record(&rec_path),
-                };
-                Err(e)
+        if result.is_err() {
+            // Roll back to where we started: nothing mounted, not attached (unless it was).
+            if !cap.block {
+                let _ = self.unmount_ours(id, &staging);
             }
+            if !attached_before && let Err(d) = self.store.detach(id) {
+                tracing::warn!(volume = id, error = %d, "rolling back a failed stage: detach failed");
+            }
+            // Back to the record as it was (a staged volume stays staged).
+            let _ = match &rec {
+                Some(r) if attached_before => self.save(&rec_path, r),
+                _ => self.remove_record(&rec_path),
+            };
         }
+        result
     }
 
     fn stage_work(&self, vol: &crate::storage::store::Volume, staging: &Path, cap: &Capability, opts: &MountOptions) -> Result<()> {
@@ -876,18 +873,14 @@ impl NodeService {
             tracing::info!(volume = id, from = fs_size, to = dev_size, "growing ext4 before mounting");
             self.kernel.grow_fs(&dev, fs)?;
         }
-        if !staging.exists() {
-            match self.place_unused_dir(staging) {
-                Ok(true) => {}
-                Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
-                    return Err(internal(format!("creating {}: {e}", staging.display())));
-                }
-                _ => std::fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o750)
-                    .create(staging)
-                    .map_err(io_internal(format!("creating {}", staging.display())))?,
-            }
+        // A directory made ahead, else (none ready, no parent yet, or something appeared
+        // there meanwhile) made here, parents included.
+        if !staging.exists() && !matches!(self.place_unused_dir(staging), Ok(true)) {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o750)
+                .create(staging)
+                .map_err(io_internal(format!("creating {}", staging.display())))?;
         }
         // A restore or clone of an xfs volume carries its source's filesystem UUID, and xfs
         // refuses to mount a second filesystem with a UUID already mounted: `nouuid`, as
