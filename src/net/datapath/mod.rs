@@ -750,20 +750,26 @@ impl Datapath {
     }
 
     fn del_locked(&self, owner: &Owner) -> Result<(), NetError> {
+        let mut steps = Steps::start(&self.steps, "DEL");
         let host_if = self.ipam.get(owner).map(|l| l.host_if).unwrap_or_else(|| host_ifname(owner));
         let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         // Detach first: once this returns, the old address is off the bridge.
-        if let Some(link) = nl.link_by_name(&host_if).map_err(|e| netlink_err("lookup", e))? {
+        let link = nl.link_by_name(&host_if).map_err(|e| netlink_err("lookup", e))?;
+        steps.mark("lookup");
+        if let Some(link) = link {
             self.retire_link(&mut *nl, &link)?;
+            steps.mark("retire");
         }
         let released = self.ipam.release(owner).map_err(NetError::Ipam)?;
         let pending = self.pending_path(owner);
         let _ = std::fs::remove_file(pending);
+        steps.mark("release");
         if let Some(l) = released {
-            if let Some(hook) = self.pod_hook.get()
-                && let Err(e) = hook(PodEvent::Stopped { pod: &l.pod, host_if: &l.host_if })
-            {
-                tracing::warn!(pod = %l.pod, error = %e, "policy: pod stopped");
+            if let Some(hook) = self.pod_hook.get() {
+                if let Err(e) = hook(PodEvent::Stopped { pod: &l.pod, host_if: &l.host_if }) {
+                    tracing::warn!(pod = %l.pod, error = %e, "policy: pod stopped");
+                }
+                steps.mark("policy");
             }
             tracing::info!(container = %owner.container_id, ifname = %owner.ifname, pod = %l.pod, ips = %fmt_ips(&l.ips), "detached");
         }
