@@ -222,26 +222,13 @@ impl Sandbox {
             Some(p) => cmd.env("NODEPLANE_CRASH_AT", p),
             None => cmd.env_remove("NODEPLANE_CRASH_AT"),
         };
-        // Right after a crash the new agent may find the state-dir lock still held for a
-        // moment (a child the dead agent was spawning shares it until it execs); it waits up
-        // to 10 s for it, and should it still exit for it, it is started again, as the
-        // DaemonSet would.
-        let refused = |log: &str| log.matches("another agent holds").count();
-        let mut refused_before = refused(&self.log());
-        let mut restarts = 0;
+        // Right after a crash the state-dir lock may still be held for a moment (a child the
+        // dead agent was spawning shares it until it execs): the agent waits for it itself.
         self.agent = Some(cmd.spawn().expect("starting the agent"));
         let deadline = Instant::now() + Duration::from_secs(20);
         while !self.reg_sock().exists() {
             if let Some(st) = self.agent.as_mut().unwrap().try_wait().unwrap() {
-                let log = self.log();
-                if refused(&log) > refused_before && restarts < 20 {
-                    refused_before = refused(&log);
-                    restarts += 1;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    self.agent = Some(cmd.spawn().expect("starting the agent"));
-                    continue;
-                }
-                panic!("agent exited during start-up ({st}):\n{log}");
+                panic!("agent exited during start-up ({st}):\n{}", self.log());
             }
             assert!(Instant::now() < deadline, "agent not ready within 20 s:\n{}", self.log());
             tokio::time::sleep(Duration::from_millis(20)).await;

@@ -147,7 +147,7 @@ impl Spares {
                 }
             },
         };
-        self.wake_if_low();
+        self.wake_if_low(self.len());
         placed
     }
 
@@ -166,14 +166,17 @@ impl Spares {
     }
 
     fn take(&self) -> Option<PathBuf> {
-        let taken = self.files.lock().unwrap().pop();
-        self.wake_if_low();
+        let (taken, left) = {
+            let mut files = self.files.lock().unwrap();
+            (files.pop(), files.len())
+        };
+        self.wake_if_low(left);
         taken
     }
 
-    /// Wake the thread that makes spares ahead when the pool holds fewer than it keeps ready.
-    fn wake_if_low(&self) {
-        let left = self.len();
+    /// Wake the thread that makes spares ahead when the pool holds `left`, fewer than it
+    /// keeps ready.
+    fn wake_if_low(&self, left: usize) {
         if let Some((wake, ready)) = &*self.filler.lock().unwrap()
             && left < *ready
         {

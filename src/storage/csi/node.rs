@@ -875,7 +875,7 @@ impl NodeService {
         }
         // A directory made ahead, else (none ready, no parent yet, or something appeared
         // there meanwhile) made here, parents included.
-        if !staging.exists() && !matches!(self.place_unused_dir(staging), Ok(true)) {
+        if !staging.exists() && !self.place_unused_dir(staging) {
             std::fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o750)
@@ -1120,7 +1120,7 @@ impl NodeService {
                 if !cap.mount_group.is_empty() {
                     apply_mount_group(&staging, &cap.mount_group)?;
                 }
-                if created_target && !self.place_unused_dir(&target).map_err(io_internal(format!("creating {}", target.display())))? {
+                if created_target && !self.place_unused_dir(&target) {
                     std::fs::DirBuilder::new()
                         .mode(0o750)
                         .create(&target)
@@ -1459,14 +1459,11 @@ fn apply_mount_group(root: &Path, gid: &str) -> Result<()> {
 }
 
 impl NodeService {
-    /// Put a directory made ahead at `path` (which must not exist): `Ok(false)` when none is
-    /// ready or it cannot go there (`path`'s parent missing, another filesystem), and the
-    /// caller makes the directory itself.
-    fn place_unused_dir(&self, path: &Path) -> io::Result<bool> {
-        match &self.unused_dirs {
-            Some(p) => p.place(path),
-            None => Ok(false),
-        }
+    /// Put a directory made ahead at `path`; `false` when none is ready or it cannot go
+    /// there (`path`'s parent missing, another filesystem, something already at `path`):
+    /// the caller makes the directory itself then, and reports its own error.
+    fn place_unused_dir(&self, path: &Path) -> bool {
+        self.unused_dirs.as_ref().is_some_and(|p| matches!(p.place(path), Ok(true)))
     }
 }
 
