@@ -25,6 +25,27 @@ CLI_BIN = TARGET / "nodeplane"
 REF_CNI_DIR = Path(os.environ.get("REF_CNI_DIR", "/usr/lib/cni"))
 
 RUN_PREFIX = f"npt{os.getpid()}-"
+
+# The agent retires a pod's host veth (DEL, a failed ADD, GC) by taking it down, off the
+# bridge and into this link group in one request; the link keeps its name until the reaper
+# deletes it, or until an ADD that needs the name renames it to npz + 12 hex.
+GRAVEYARD_GROUP = str(0x6E70)
+
+
+def bridge_port_state(link):
+    """The bridge port state of `link` (ip -j -d link): "forwarding", "disabled", ...; None
+    when it is no bridge's port."""
+    info = link.get("linkinfo", {})
+    if info.get("info_slave_kind") != "bridge":
+        return None
+    return info.get("info_slave_data", {}).get("state")
+
+
+def is_graveyard(name, link):
+    """`link` (ip -j -d link) is a retired link waiting for the agent's reaper."""
+    if link.get("group") == GRAVEYARD_GROUP:
+        return True
+    return len(name) == 15 and name.startswith("npz") and all(c in "0123456789abcdef" for c in name[3:])
 _ns_counter = itertools.count(1)
 _block_counter = itertools.count(1)
 
@@ -247,13 +268,22 @@ class Node:
         return {p.name: json.loads(p.read_text()) for p in self.lease_dir.iterdir() if p.suffix == ".json"}
 
     def host_veths(self):
-        """Host-side pod veths (np + 13 hex) and graveyard links (npz…)."""
+        """Host-side links named like ours: pod veths (np + 13 hex), live or retired, and
+        graveyard links renamed out of an ADD's way (npz + 12 hex)."""
         return {n: l for n, l in self.ns.links().items() if n.startswith("np") and len(n) == 15}
+
+    def pod_veths(self):
+        """Live host-side pod veths: named like ours and not retired into the graveyard."""
+        return {n: l for n, l in self.host_veths().items() if not is_graveyard(n, l)}
+
+    def graveyard(self):
+        """Retired links the agent's reaper has yet to delete."""
+        return {n: l for n, l in self.ns.links().items() if is_graveyard(n, l)}
 
     def wait_no_graveyard(self, timeout=20):
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if not [n for n in self.host_veths() if n.startswith("npz")]:
+            if not self.graveyard():
                 return True
             time.sleep(0.05)
         return False

@@ -30,7 +30,7 @@ import harness
 from harness import run
 from test_cluster import (make_cluster, wait_routes, cluster_state, our_routes, assert_no_block_twice,  # noqa: F401
                           in_block, clean_log)
-from test_robustness import host_ifname, HOST_VETH_RE, GRAVEYARD_RE, norm_ips, result_ips, start_agent, log_since
+from test_robustness import host_ifname, HOST_VETH_RE, norm_ips, result_ips, start_agent, log_since
 
 BRIDGE = "np0"
 VXLAN_DEV = "np.vxlan"
@@ -85,9 +85,10 @@ def bridge_ports(node):
 
 
 def pod_links(node):
-    """(host pod veths, graveyard links) in the node namespace, by name pattern."""
-    names = set(node.ns.links())
-    return {n for n in names if HOST_VETH_RE.match(n)}, {n for n in names if GRAVEYARD_RE.match(n)}
+    """(live host pod veths, graveyard links) in the node namespace."""
+    links = node.ns.links()
+    graves = {n for n, l in links.items() if harness.is_graveyard(n, l)}
+    return {n for n in links if HOST_VETH_RE.match(n)} - graves, graves
 
 
 def pending_dels(node):

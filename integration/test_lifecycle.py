@@ -41,12 +41,12 @@ def host_if_of(result):
 
 
 def graveyard(node):
-    return {n: l for n, l in node.host_veths().items() if n.startswith("npz")}
+    return node.graveyard()
 
 
 def live_veths(node):
     """Host veths named like ours (np + 13 hex), graveyard excluded."""
-    return {n: l for n, l in node.host_veths().items() if not n.startswith("npz")}
+    return node.pod_veths()
 
 
 def host_veths_empty(node):
@@ -89,8 +89,9 @@ def assert_del_ok(rc, parsed, raw):
 def assert_fully_gone(node, pod, host_if):
     """Lease, host veth (and its graveyard twin) and the pod's interface are all gone."""
     assert lease_key(pod.cid, pod.ifname) not in node.leases()
-    assert host_if not in node.ns.links()
+    assert host_if not in node.pod_veths()
     assert node.wait_no_graveyard(), f"graveyard not reaped: {sorted(graveyard(node))}"
+    assert host_if not in node.ns.links()
     assert pod.ifname not in pod.ns.links(), pod.ns.links().keys()
 
 
@@ -109,26 +110,74 @@ def test_del_removes_lease_veth_pod_interface_and_keeps_nft(node):
     assert host_if in links and links[host_if]["master"] == "np0"
     assert "eth0" in pod.ns.links()
     assert nft_rules(node) == rules_before, "ADD must not touch the firewall"
+    # A second pod reaches the first over the bridge, both families, before the DEL...
+    peer, peer_res = node.add_pod("del-peer")
+    addrs = [ip["address"].split("/")[0] for ip in res["ips"]]
+    assert len(addrs) == 2, res["ips"]
+    for a in addrs:
+        assert peer.ns.ping(a), f"{a} unreachable before DEL"
 
     assert_del_ok(*del_pod(node, pod))
 
-    # Synchronously: lease gone, the name is gone, anything in the graveyard is detached and down.
+    # Synchronously: the lease is gone, and the host end is retired: down, in the graveyard
+    # group, a disabled bridge port (the reaper deletes it later). The pod's namespace still
+    # exists (the runtime removes it after the DEL), yet its old addresses are unreachable.
     assert lease_key(pod.cid) not in node.leases()
-    assert not [p for p in node.lease_dir.iterdir() if p.suffix == ".json"], list(node.lease_dir.iterdir())
+    assert len([p for p in node.lease_dir.iterdir() if p.suffix == ".json"]) == 1, list(node.lease_dir.iterdir())
     links = node.ns.links()
-    assert host_if not in links, f"{host_if} still exists right after DEL"
-    for name, l in links.items():
-        if name.startswith("npz"):
-            assert l.get("master") != "np0", f"graveyard link {name} still on the bridge: {l}"
-            assert "UP" not in l["flags"], f"graveyard link {name} still up: {l}"
-    bridge_ports = [n for n, l in links.items() if l.get("master") == "np0"]
-    assert bridge_ports == [], f"bridge still has ports after DEL: {bridge_ports}"
+    assert host_if not in node.pod_veths(), f"{host_if} still live right after DEL: {links.get(host_if)}"
+    for name, l in node.graveyard().items():
+        assert "UP" not in l["flags"], f"graveyard link {name} still up: {l}"
+        assert harness.bridge_port_state(l) in (None, "disabled"), f"graveyard link {name} still forwards: {l}"
+    forwarding = [n for n, l in links.items() if harness.bridge_port_state(l) not in (None, "disabled")]
+    assert forwarding == [host_if_of(peer_res)], f"bridge ports still forwarding after DEL: {forwarding}"
+    for a in addrs:
+        assert not peer.ns.ping(a, wait=1), f"{a} still reachable right after DEL"
+    assert_del_ok(*del_pod(node, peer))
 
     # The reaper deletes it in the background: then the pod end is gone as well.
     assert node.wait_no_graveyard(), f"graveyard not reaped: {sorted(graveyard(node))}"
     assert host_veths_empty(node)
     assert "eth0" not in pod.ns.links(), pod.ns.links().keys()
     assert nft_rules(node) == rules_before, "DEL must not touch the firewall"
+
+
+def test_add_again_right_after_del(node):
+    """A retired host veth keeps its name until the reaper deletes it: an ADD of the same
+    attachment right after its DEL (a runtime's retry in the same namespace; podman's restart,
+    in a new one) still gets the name, a live port, and a network that works."""
+    peer, _ = node.add_pod("again-peer")
+
+    def assert_attached(pod, res):
+        host_if = host_if_of(res)
+        l = node.pod_veths().get(host_if)
+        assert l is not None and "UP" in l["flags"], f"{host_if} not live: {node.host_veths()}"
+        assert harness.bridge_port_state(l) == "forwarding", l
+        for a in [ip["address"].split("/")[0] for ip in res["ips"]]:
+            assert peer.ns.ping(a), f"{a} unreachable"
+        return host_if
+
+    pod, res = node.add_pod("again")
+    host_if = assert_attached(pod, res)
+    # Same namespace: the pod's old eth0 is still there (it goes with the retired host end).
+    assert_del_ok(*del_pod(node, pod))
+    rc, res2, raw = node.cni("ADD", pod.cid, "eth0", pod.ns.path, conf=node.netconf())
+    assert rc == 0, raw
+    assert assert_attached(pod, res2) == host_if
+    # A new namespace for the same container.
+    assert_del_ok(*del_pod(node, pod))
+    moved = new_pod(node, "again2")
+    moved.cid = pod.cid
+    rc, res3, raw = node.cni("ADD", moved.cid, "eth0", moved.ns.path, conf=node.netconf())
+    assert rc == 0, raw
+    assert assert_attached(moved, res3) == host_if
+    assert set(node.pod_veths()) == {host_if, host_if_of(peer.result)}, node.host_veths()
+    assert_del_ok(*del_pod(node, moved))
+    assert_del_ok(*del_pod(node, peer))
+    assert node.leases() == {}
+    assert node.wait_no_graveyard(), f"graveyard not reaped: {sorted(graveyard(node))}"
+    assert host_veths_empty(node)
+    assert "eth0" not in pod.ns.links() and "eth0" not in moved.ns.links()
 
 
 # ----- 2. DEL is idempotent and tolerant -----
@@ -356,9 +405,10 @@ def _gc_round(node, key, tag):
     assert lease_key(keep.cid) in leases
     for p, r in drop:
         assert lease_key(p.cid) not in leases, f"{key}: lease of {p.cid} survived GC"
-        assert host_if_of(r) not in node.ns.links(), f"{key}: host veth of {p.cid} survived GC"
+        assert host_if_of(r) not in node.pod_veths(), f"{key}: host veth of {p.cid} survived GC"
     assert node.wait_no_graveyard()
-    for p, _ in drop:
+    for p, r in drop:
+        assert host_if_of(r) not in node.ns.links()
         assert "eth0" not in p.ns.links()
     assert set(live_veths(node)) == {host_if_of(rkeep)}
     assert keep.ns.ping(rkeep["ips"][0]["gateway"]), f"{key}: kept pod lost IPv4"
@@ -385,9 +435,9 @@ def test_gc_removes_unleased_host_veth(node):
     assert stray in node.ns.links() and peer in node.ns.links()
     rc, _, raw = _gc(node, "cni.dev/valid-attachments", [keep])
     assert rc == 0, raw
-    assert stray not in node.ns.links()
+    assert stray not in node.pod_veths()
     assert node.wait_no_graveyard()
-    assert peer not in node.ns.links()
+    assert stray not in node.ns.links() and peer not in node.ns.links()
     assert set(live_veths(node)) == {host_if_of(rkeep)}
     assert list(node.leases()) == [lease_key(keep.cid)]
 

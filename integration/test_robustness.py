@@ -24,7 +24,6 @@ import harness
 
 VERSIONS = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]
 HOST_VETH_RE = re.compile(r"^np[0-9a-f]{13}$")
-GRAVEYARD_RE = re.compile(r"^npz[0-9a-f]{12}$")
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 TUNING = harness.REF_CNI_DIR / "tuning"
 MAX_CONFIG_BYTES = 1 << 20
@@ -97,8 +96,8 @@ def gateways(result):
 
 def node_links(node):
     links = node.ns.links()
-    veths = {n: l for n, l in links.items() if HOST_VETH_RE.match(n)}
-    graves = sorted(n for n in links if GRAVEYARD_RE.match(n))
+    veths = {n: l for n, l in links.items() if HOST_VETH_RE.match(n) and not harness.is_graveyard(n, l)}
+    graves = sorted(n for n, l in links.items() if harness.is_graveyard(n, l))
     return links, veths, graves
 
 
@@ -369,6 +368,7 @@ def test_crash_mid_add_is_rolled_back(node):
 
 def test_crash_mid_del_is_completed(node):
     (d1, r1), (d2, r2), (keep, rk) = node.add_pod("d"), node.add_pod("d"), node.add_pod("keep")
+    d3, r3 = node.add_pod("d")
     node.kill9()
     # d1: the agent died after taking the host veth down and off the bridge, before renaming
     # it; the runtime's DEL failed on the broken connection, so the shim queued it.
@@ -383,6 +383,10 @@ def test_crash_mid_del_is_completed(node):
     grave = "npz%012x" % random.getrandbits(48)
     harness.run(["ip", "-n", node.ns.name, "link", "set", h2, "down", "nomaster"])
     harness.run(["ip", "-n", node.ns.name, "link", "set", h2, "name", grave])
+    # d3: the agent died after retiring the host veth (down and into the graveyard group in
+    # one request; it keeps its name), before releasing the lease.
+    h3 = host_ifname(d3.cid)
+    harness.run(["ip", "-n", node.ns.name, "link", "set", h3, "down", "group", harness.GRAVEYARD_GROUP])
 
     offset = start_agent(node)
     log = log_since(node, offset)
@@ -390,14 +394,15 @@ def test_crash_mid_del_is_completed(node):
     assert set(by_cid) == {keep.cid}, f"expected only {keep.cid}, have {sorted(by_cid)}"
     assert "drained pending delete" in log and d1.cid in log, log
     assert "its host veth went with it" in log and d2.cid in log, log
+    assert "the host veth was retired" in log and d3.cid in log, log
     assert node.wait_no_graveyard(), f"graveyard not reaped: {node_links(node)[2]}"
     links = node.ns.links()
-    assert h1 not in links and h2 not in links and grave not in links
-    assert "eth0" not in d1.ns.links() and "eth0" not in d2.ns.links()
+    assert h1 not in links and h2 not in links and grave not in links and h3 not in links
+    assert "eth0" not in d1.ns.links() and "eth0" not in d2.ns.links() and "eth0" not in d3.ns.links()
     assert list(node.pending_dir.glob("del-*.json")) == []
     check_pods_kernel([(keep, rk)])
     # The runtime repeats its DELs (idempotent), the untouched pod is still fine, then goes.
-    for p in (d1, d2):
+    for p in (d1, d2, d3):
         cni_ok(node, "DEL", p)
     cni_ok(node, "CHECK", keep, conf=node.netconf(prevResult=rk))
     cni_ok(node, "DEL", keep)

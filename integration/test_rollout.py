@@ -539,7 +539,7 @@ def test_restart_crash_and_upgrade_under_traffic():
             # One lease and one host veth per pod: none leaked, none doubled.
             assert set(a.leases()) == {f"{p.cid}:eth0.json" for p in a_pods}, (mode, sorted(a.leases()))
             assert a.wait_no_graveyard()
-            veths = {n for n in a.host_veths() if not n.startswith("npz")}
+            veths = set(a.pod_veths())
             assert veths == {host_if_of(p.result) for p in a_pods}, (mode, sorted(veths))
             assert {l["hostIf"] for l in a.leases().values()} == veths
             ips = [ip for p in a_pods for ip in p.ips()]

@@ -188,7 +188,7 @@ def test_doctor_finds_and_repairs_exactly_the_orphans():
         assert rc == 0, "everything found was repaired"
         assert len(doc["findings"]) == 4 and all(f["repair"]["result"] == "done" for f in doc["findings"]), doc
         # The kernel and the state agree.
-        wait_for(lambda: stray_veth not in n.ns.links() and not [l for l in n.ns.links() if l.startswith("npz")],
+        wait_for(lambda: stray_veth not in n.ns.links() and not n.graveyard(),
                  what="the stray veth deleted")
         assert doomed_lease not in n.leases()
         assert {l["containerId"] for l in n.leases().values()} == {healthy.cid}

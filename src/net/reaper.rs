@@ -1,13 +1,13 @@
 //! Deferred, batched veth deletion.
 //!
 //! Deleting one veth costs the kernel an RCU grace period (16–20 ms here). DEL does not wait
-//! for that: it takes the host end down, detaches it from the bridge and moves it into the
-//! graveyard link group (from that instant the pod's old address is unreachable), renames it
-//! to a private graveyard name (so the attachment's own name is free for a new ADD) and wakes
-//! this thread. The thread waits until retirements stop coming for a moment, then deletes the
-//! whole group with one request, so the kernel pays the grace period once per batch instead
-//! of once per pod — and not in the middle of a burst of DELs, whose own netlink requests
-//! would wait for the deletion's hold on the kernel's RTNL lock.
+//! for that: in one request it takes the host end down (the bridge disables the port: from
+//! that instant the pod's old address is unreachable) and moves it into the graveyard link
+//! group, then wakes this thread. The link keeps its name; an ADD that needs the name renames
+//! it to a private graveyard name first. The thread waits until retirements stop coming for
+//! a moment, then deletes the whole group with one request, so the kernel pays the grace
+//! period once per batch instead of once per pod — and not in the middle of a burst of DELs,
+//! whose own netlink requests would wait for the deletion's hold on the kernel's RTNL lock.
 //! The graveyard is plain kernel state: after a crash the next start finds it again.
 
 use std::sync::Arc;

@@ -400,6 +400,16 @@ impl Links for FakeLinks {
         Ok(())
     }
 
+    fn retire_named(&mut self, name: &str, group: u32) -> Result<bool> {
+        let mut st = self.lock();
+        st.enter(self.ns, "retire_named", format!("{name} group={group}"))?;
+        let space = st.space(self.ns, "retire_named")?;
+        let Some(l) = space.links.iter_mut().find(|l| l.name == name) else { return Ok(false) };
+        l.up = false;
+        l.group = group;
+        Ok(true)
+    }
+
     fn set_mac(&mut self, index: u32, mac: [u8; 6]) -> Result<()> {
         let mut st = self.lock();
         st.enter(self.ns, "set_mac", index.to_string())?;

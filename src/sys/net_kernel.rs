@@ -62,6 +62,9 @@ pub trait Links: Send {
         rename: Option<&str>,
         group: Option<u32>,
     ) -> Result<()>;
+    /// The link named `name` down and into `group`, selected by name in the same
+    /// request; `Ok(false)` when there is no such link.
+    fn retire_named(&mut self, name: &str, group: u32) -> Result<bool>;
     fn set_mac(&mut self, index: u32, mac: [u8; 6]) -> Result<()>;
     fn set_mcast_snooping(&mut self, index: u32, on: bool) -> Result<()>;
     fn addresses(&mut self, index: Option<u32>) -> Result<Vec<Addr>>;
@@ -174,6 +177,9 @@ impl Links for Netlink {
         group: Option<u32>,
     ) -> Result<()> {
         Netlink::set_link_group(self, index, up, master, rename, group)
+    }
+    fn retire_named(&mut self, name: &str, group: u32) -> Result<bool> {
+        Netlink::retire_named(self, name, group)
     }
     fn set_mac(&mut self, index: u32, mac: [u8; 6]) -> Result<()> {
         Netlink::set_mac(self, index, mac)

@@ -413,6 +413,22 @@ impl Netlink {
         self.request(RouteNetlinkMessage::SetLink(msg), 0, &format!("set link {index}"))
     }
 
+    /// Take the link named `name` down and into link `group` (it stays on its master, as a
+    /// disabled port), in one
+    /// request that selects the link by its name (no lookup first: a lookup is a request of
+    /// its own, queued on the kernel's RTNL lock like every other). `Ok(false)`: no such link.
+    pub fn retire_named(&mut self, name: &str, group: u32) -> Result<bool> {
+        let mut msg = LinkMessage::default();
+        msg.header.change_mask = LinkFlags::Up;
+        msg.attributes.push(LinkAttribute::IfName(name.to_string()));
+        msg.attributes.push(LinkAttribute::Group(group));
+        match self.request(RouteNetlinkMessage::SetLink(msg), 0, &format!("retire link {name}")) {
+            Ok(()) => Ok(true),
+            Err(e) if e.is(libc::ENODEV) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Set a link's MAC address. On a bridge this also pins it: the kernel stops deriving the
     /// bridge's address from its ports (which changes it whenever ports come and go).
     pub fn set_mac(&mut self, index: u32, mac: [u8; 6]) -> Result<()> {

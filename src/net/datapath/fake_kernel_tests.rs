@@ -357,15 +357,64 @@ fn del_that_cannot_reach_the_kernel_keeps_the_lease_for_the_retry() {
 #[test]
 fn del_of_nothing_changes_no_kernel_state() {
     let n = node("del-nothing");
+    let before = format!("{:?}", n.fake.host().unwrap().links().unwrap());
     n.fake.clear_calls();
     n.del("ghost", None).unwrap();
+    // DEL retires the link by its name in one request (no lookup first): with no such link
+    // that request is all it sends, and it changes nothing.
     let changes: Vec<String> = n
         .fake
         .calls()
         .into_iter()
         .filter(|c| !c.contains(" link_by_name ") && !c.contains(" links ") && !c.contains(" host ") && !c.contains(" delete_group "))
         .collect();
-    assert_eq!(changes, Vec::<String>::new());
+    let ghost = host_ifname(&owner("ghost"));
+    assert_eq!(changes, vec![format!("host retire_named {ghost} group={GRAVEYARD_GROUP}")]);
+    assert_eq!(format!("{:?}", n.fake.host().unwrap().links().unwrap()), before);
+}
+
+/// DEL leaves the host end in the graveyard under its own name: an ADD of the same
+/// attachment right away (in a new namespace: podman's restart) still gets that name, live.
+#[test]
+fn add_right_after_del_gets_the_name_back() {
+    let n = node("readd");
+    let (first, second) = (n.netns("first"), n.netns("second"));
+    n.add("ctr", &first).unwrap();
+    let host = host_ifname(&owner("ctr"));
+    let old = n.fake.host_link(&host).unwrap();
+    n.del("ctr", Some(&first)).unwrap();
+    n.add("ctr", &second).unwrap();
+    let new = n.fake.host_link(&host).expect("the name is live again");
+    assert_ne!(new.index, old.index);
+    assert!(new.up && new.group == 0, "{new:?}");
+    assert_eq!(new.master, n.fake.host_link("np0").map(|b| b.index));
+    // The old pair is gone once the reaper caught up; the new one is the only link of ours.
+    assert_eq!(n.our_host_links(), vec![host]);
+    assert_eq!(n.pod_links(&first), vec!["lo".to_string()]);
+    n.del("ctr", Some(&second)).unwrap();
+    n.assert_clean(&second);
+}
+
+/// The bridge's repair re-attaches every leased host veth, but not one that was retired (a
+/// DEL that stopped before it freed the lease): that one stays down for the reaper.
+#[test]
+fn bridge_repair_leaves_retired_links_down() {
+    let n = node("repair-retired");
+    let (live_ns, dead_ns) = (n.netns("live"), n.netns("dead"));
+    n.add("live", &live_ns).unwrap();
+    n.add("dead", &dead_ns).unwrap();
+    let (live, dead) = (host_ifname(&owner("live")), host_ifname(&owner("dead")));
+    n.fake.edit_link(None, &live, |l| l.master = None);
+    n.fake.edit_link(None, &dead, |l| {
+        l.up = false;
+        l.group = GRAVEYARD_GROUP;
+    });
+    n.dp.ensure_bridge().unwrap();
+    let bridge = n.fake.host_link("np0").unwrap().index;
+    let l = n.fake.host_link(&live).unwrap();
+    assert!(l.up && l.master == Some(bridge), "{l:?}");
+    let d = n.fake.host_link(&dead).unwrap();
+    assert!(!d.up && d.group == GRAVEYARD_GROUP, "{d:?}");
 }
 
 /// Every way CHECK can find an attachment broken, one at a time, each with its message.

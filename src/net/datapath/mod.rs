@@ -36,6 +36,18 @@ pub fn is_host_ifname(name: &str) -> bool {
     name.len() == 15 && name.starts_with("np") && name[2..].bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
+/// A pod's host veth, live: named like one and not retired into the graveyard group (a
+/// retired link keeps its name until the reaper deletes it or an ADD needs the name).
+fn is_pod_veth(link: &Link) -> bool {
+    is_host_ifname(&link.name) && link.group != GRAVEYARD_GROUP
+}
+
+/// A retired link, waiting for the reaper: in the graveyard group, or renamed into the
+/// graveyard by an ADD that needed its name (or by an older agent).
+fn is_graveyard(link: &Link) -> bool {
+    link.group == GRAVEYARD_GROUP || is_graveyard_name(&link.name)
+}
+
 /// What can go wrong in the datapath. Mapped to CNI error codes in one place
 /// (`From<NetError> for CniError`); the message is the same either way.
 #[derive(Debug, thiserror::Error)]
@@ -381,7 +393,9 @@ impl Datapath {
             .collect();
         for lease in self.ipam.leases().into_iter().filter(|l| l.state == LeaseState::Ready) {
             let Some(port) = ports.get(&lease.host_if) else { continue };
-            if port.master == Some(link.index) && port.up {
+            // A retired link (its DEL stopped short of the lease: reconcile frees it) stays
+            // down for the reaper.
+            if (port.master == Some(link.index) && port.up) || !is_pod_veth(port) {
                 continue;
             }
             self.locks.run(&lease.owner, || -> Result<(), NetError> {
@@ -391,6 +405,9 @@ impl Datapath {
                 let Some(port) = nl.link_by_name(&lease.host_if).map_err(|e| netlink_err("lookup", e))? else {
                     return Ok(());
                 };
+                if !is_pod_veth(&port) {
+                    return Ok(());
+                }
                 nl.set_link(port.index, Some(true), Some(link.index), None, None)
                     .map_err(|e| netlink_err(&format!("re-attaching {} to {name}", port.name), e))?;
                 tracing::warn!(host_if = %port.name, bridge = %name, "re-attached pod veth to the bridge");
@@ -450,8 +467,10 @@ impl Datapath {
             }
         }
         for link in &links {
-            let ours = is_host_ifname(&link.name) && !keep_links.contains(&link.name);
-            if ours || is_graveyard_name(&link.name) || link.group == GRAVEYARD_GROUP {
+            if link.group == GRAVEYARD_GROUP {
+                self.reaper.reap();
+                report.reaped_links += 1;
+            } else if is_graveyard_name(&link.name) || (is_pod_veth(link) && !keep_links.contains(&link.name)) {
                 self.retire_link(&mut *nl, link)?;
                 report.reaped_links += 1;
             }
@@ -459,27 +478,43 @@ impl Datapath {
         Ok(report)
     }
 
-    /// Retire a host veth: down, off the bridge and into the graveyard group in one
-    /// synchronous request (the old address is unreachable from then on), then renamed out
-    /// of the way; the reaper deletes the graveyard in batches.
+    /// Retire a host veth: down and into the graveyard group in one synchronous request.
+    /// Down is enough to cut the pod off: the bridge disables the port (and forgets the MAC
+    /// addresses it learnt there), and the pod's end loses its carrier. Leaving the bridge
+    /// would cost the request a second RCU grace period under the RTNL lock, which every DEL
+    /// in a burst waits for; the reaper's deletion detaches it anyway. The link keeps its name
+    /// until the reaper deletes it (in batches): an ADD that needs the name first renames it
+    /// out of the way ([`Datapath::clear_name`]).
     fn retire_link(&self, nl: &mut dyn Links, link: &Link) -> Result<(), NetError> {
-        match nl.set_link(link.index, Some(false), Some(0), None, Some(GRAVEYARD_GROUP)) {
+        match nl.set_link(link.index, Some(false), None, None, Some(GRAVEYARD_GROUP)) {
             Ok(()) => {}
             Err(e) if e.is(libc::ENODEV) => return Ok(()),
             Err(e) => return Err(netlink_err(&format!("detaching {}", link.name), e)),
         }
-        if !is_graveyard_name(&link.name) {
-            for _ in 0..8 {
-                match nl.set_link(link.index, None, None, Some(&self.reaper.next_name()), None) {
-                    Ok(()) => break,
-                    Err(e) if e.is(libc::EEXIST) => continue,
-                    Err(e) if e.is(libc::ENODEV) => return Ok(()),
-                    Err(e) => return Err(netlink_err(&format!("renaming {}", link.name), e)),
-                }
-            }
-        }
         self.reaper.reap();
         Ok(())
+    }
+
+    /// The host veth name `host_if` is taken by `stale`, a link no lease holds (the caller
+    /// checked under the attachment lock): a retired link is renamed to a graveyard name (it
+    /// is down, so the kernel allows it; the reaper deletes it with the rest), anything else
+    /// is deleted now.
+    fn clear_name(&self, nl: &mut dyn Links, stale: &Link) -> Result<(), NetError> {
+        if stale.group != GRAVEYARD_GROUP {
+            return match nl.delete_link(stale.index) {
+                Err(e) if !e.is(libc::ENODEV) => Err(netlink_err("removing stale veth", e)),
+                _ => Ok(()),
+            };
+        }
+        for _ in 0..8 {
+            match nl.set_link(stale.index, None, None, Some(&self.reaper.next_name()), None) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is(libc::EEXIST) => continue,
+                Err(e) if e.is(libc::ENODEV) => return Ok(()),
+                Err(e) => return Err(netlink_err(&format!("renaming {}", stale.name), e)),
+            }
+        }
+        Err(internal("veth", format!("no free graveyard name for {}", stale.name)))
     }
 
     // ----- CNI commands -----
@@ -660,7 +695,7 @@ impl Datapath {
                     // Either a stale host end (no lease holds it: we checked under the
                     // attachment lock) or the name is taken inside the pod.
                     if let Some(stale) = nl.link_by_name(host_if).map_err(|e| netlink_err("lookup", e))? {
-                        nl.delete_link(stale.index).map_err(|e| netlink_err("removing stale veth", e))?;
+                        self.clear_name(nl, &stale)?;
                         continue;
                     }
                     let pnl = pod_nl.get_or_insert(netns.links().map_err(netns_err)?);
@@ -753,13 +788,15 @@ impl Datapath {
         let mut steps = Steps::start(&self.steps, "DEL");
         let host_if = self.ipam.get(owner).map(|l| l.host_if).unwrap_or_else(|| host_ifname(owner));
         let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
-        // Detach first: once this returns, the old address is off the bridge.
-        let link = nl.link_by_name(&host_if).map_err(|e| netlink_err("lookup", e))?;
-        steps.mark("lookup");
-        if let Some(link) = link {
-            self.retire_link(&mut *nl, &link)?;
-            steps.mark("retire");
+        // Detach first: once this returns, the old address is off the bridge. One request,
+        // selecting the link by its name: no lookup of its own on the kernel's RTNL lock.
+        let retired = nl
+            .retire_named(&host_if, GRAVEYARD_GROUP)
+            .map_err(|e| netlink_err(&format!("detaching {host_if}"), e))?;
+        if retired {
+            self.reaper.reap();
         }
+        steps.mark("retire");
         let released = self.ipam.release(owner).map_err(NetError::Ipam)?;
         let pending = self.pending_path(owner);
         let _ = std::fs::remove_file(pending);
@@ -898,7 +935,7 @@ impl Datapath {
         let held: HashSet<String> = self.ipam.leases().into_iter().map(|l| l.host_if).collect();
         let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         let links = nl.links().map_err(|e| netlink_err("listing links", e))?;
-        for link in links.iter().filter(|l| is_host_ifname(&l.name) && !held.contains(&l.name)) {
+        for link in links.iter().filter(|l| is_pod_veth(l) && !held.contains(&l.name)) {
             if let Err(e) = self.retire_link(&mut *nl, link) {
                 errors.push(e.to_string());
             }
@@ -1015,10 +1052,10 @@ impl Datapath {
             attachments,
             unleased_host_veths: links
                 .iter()
-                .filter(|l| is_host_ifname(&l.name) && !held.contains(l.name.as_str()))
+                .filter(|l| is_pod_veth(l) && !held.contains(l.name.as_str()))
                 .map(|l| l.name.clone())
                 .collect(),
-            graveyard_links: links.iter().filter(|l| is_graveyard_name(&l.name) || l.group == GRAVEYARD_GROUP).count() as u64,
+            graveyard_links: links.iter().filter(|l| is_graveyard(l)).count() as u64,
         }
     }
 
@@ -1072,12 +1109,12 @@ impl Datapath {
         let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         let links = nl.links().map_err(|e| netlink_err("listing links", e))?;
         let held: HashSet<String> = self.ipam.leases().into_iter().map(|l| l.host_if).collect();
-        for link in links.iter().filter(|l| is_host_ifname(&l.name)) {
+        for link in links.iter().filter(|l| is_pod_veth(l)) {
             // Leases are reserved before their veth is made: a veth an ADD made after the
             // snapshot above has a lease by now, so look again before judging it.
             let held = held.contains(&link.name) || self.ipam.leases().iter().any(|l| l.host_if == link.name);
             // A failed ADD removes its veth and then its lease: still there now means orphaned.
-            let still_there = matches!(nl.link_by_name(&link.name), Ok(Some(l)) if l.index == link.index);
+            let still_there = matches!(nl.link_by_name(&link.name), Ok(Some(l)) if l.index == link.index && is_pod_veth(&l));
             if held || !still_there {
                 continue;
             }
@@ -1148,6 +1185,7 @@ fn veth_gone(lease: &Lease, link: Option<&Link>) -> Option<&'static str> {
         Some(l) if lease.host_ifindex != 0 && l.index != lease.host_ifindex => {
             Some("pod network namespace is gone (its host veth's name is another link's now)")
         }
+        Some(l) if l.group == GRAVEYARD_GROUP => Some("its DEL had begun (the host veth was retired)"),
         Some(_) => None,
     }
 }
