@@ -26,9 +26,9 @@ REF_CNI_DIR = Path(os.environ.get("REF_CNI_DIR", "/usr/lib/cni"))
 
 RUN_PREFIX = f"npt{os.getpid()}-"
 
-# The agent retires a pod's host veth (DEL, a failed ADD, GC) by taking it down, off the
-# bridge and into this link group in one request; the link keeps its name until the reaper
-# deletes it, or until an ADD that needs the name renames it to npz + 12 hex.
+# The agent retires a pod's host veth (DEL, a failed ADD, GC) by taking it down (a disabled
+# bridge port) and into this link group in one request; the link keeps its name until the
+# reaper deletes it, or until an ADD that needs the name renames it to npz + 12 hex.
 GRAVEYARD_GROUP = str(0x6E70)
 
 
@@ -46,6 +46,8 @@ def is_graveyard(name, link):
     if link.get("group") == GRAVEYARD_GROUP:
         return True
     return len(name) == 15 and name.startswith("npz") and all(c in "0123456789abcdef" for c in name[3:])
+
+
 _ns_counter = itertools.count(1)
 _block_counter = itertools.count(1)
 

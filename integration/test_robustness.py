@@ -370,8 +370,8 @@ def test_crash_mid_del_is_completed(node):
     (d1, r1), (d2, r2), (keep, rk) = node.add_pod("d"), node.add_pod("d"), node.add_pod("keep")
     d3, r3 = node.add_pod("d")
     node.kill9()
-    # d1: the agent died after taking the host veth down and off the bridge, before renaming
-    # it; the runtime's DEL failed on the broken connection, so the shim queued it.
+    # d1: an older agent died after taking the host veth down and off the bridge, before
+    # renaming it; the runtime's DEL failed on the broken connection, so the shim queued it.
     h1 = host_ifname(d1.cid)
     harness.run(["ip", "-n", node.ns.name, "link", "set", h1, "down", "nomaster"])
     rc, _, raw = node.cni("DEL", d1.cid, "eth0", d1.ns.path, conf=node.netconf())

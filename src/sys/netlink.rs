@@ -414,9 +414,9 @@ impl Netlink {
     }
 
     /// Take the link named `name` down and into link `group` (it stays on its master, as a
-    /// disabled port), in one
-    /// request that selects the link by its name (no lookup first: a lookup is a request of
-    /// its own, queued on the kernel's RTNL lock like every other). `Ok(false)`: no such link.
+    /// disabled port), in one request that selects the link by its name (no lookup first: a
+    /// lookup is a request of its own, queued on the kernel's RTNL lock like every other).
+    /// `Ok(false)`: no such link.
     pub fn retire_named(&mut self, name: &str, group: u32) -> Result<bool> {
         let mut msg = LinkMessage::default();
         msg.header.change_mask = LinkFlags::Up;

@@ -80,7 +80,7 @@ impl Node {
         self.fake
             .host_links()
             .into_iter()
-            .filter(|l| is_host_ifname(&l.name) || is_graveyard_name(&l.name) || l.group == GRAVEYARD_GROUP)
+            .filter(|l| is_host_ifname(&l.name) || is_graveyard(l))
             .map(|l| l.name)
             .collect()
     }

@@ -788,8 +788,9 @@ impl Datapath {
         let mut steps = Steps::start(&self.steps, "DEL");
         let host_if = self.ipam.get(owner).map(|l| l.host_if).unwrap_or_else(|| host_ifname(owner));
         let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
-        // Detach first: once this returns, the old address is off the bridge. One request,
-        // selecting the link by its name: no lookup of its own on the kernel's RTNL lock.
+        // Retire first: once this returns, the host end is down (a disabled bridge port) and the
+        // old address unreachable. One request, selecting the link by its name: no lookup of
+        // its own on the kernel's RTNL lock.
         let retired = nl
             .retire_named(&host_if, GRAVEYARD_GROUP)
             .map_err(|e| netlink_err(&format!("detaching {host_if}"), e))?;
