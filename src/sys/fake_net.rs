@@ -22,8 +22,7 @@ const HOST: u64 = 0;
 pub struct FakeNs {
     pub links: Vec<Link>,
     pub addrs: Vec<Addr>,
-    /// (IPv6?, route)
-    pub routes: Vec<(bool, Route)>,
+    pub routes: Vec<Route>,
     pub cookie: u64,
     pub inode: u64,
 }
@@ -93,7 +92,7 @@ impl State {
         let Some(pos) = space.links.iter().position(|l| l.index == index) else { return };
         let link = space.links.remove(pos);
         space.addrs.retain(|a| a.index != index);
-        space.routes.retain(|(_, r)| r.oif != Some(index));
+        space.routes.retain(|r| r.oif != Some(index));
         for l in space.links.iter_mut().filter(|l| l.master == Some(index)) {
             l.master = None;
         }
@@ -441,10 +440,10 @@ impl Links for FakeLinks {
         add_address(st.space(self.ns, "add_address")?, index, ip, prefix, "add_address")
     }
 
-    fn routes(&mut self, v6: bool) -> Result<Vec<Route>> {
+    fn routes(&mut self) -> Result<Vec<Route>> {
         let mut st = self.lock();
-        st.enter(self.ns, "routes", if v6 { "ipv6" } else { "ipv4" }.into())?;
-        Ok(st.space(self.ns, "routes")?.routes.iter().filter(|(f, _)| *f == v6).map(|(_, r)| r.clone()).collect())
+        st.enter(self.ns, "routes", String::new())?;
+        Ok(st.space(self.ns, "routes")?.routes.clone())
     }
 
     fn apply(&mut self, steps: &[LinkStep]) -> Result<()> {
@@ -466,12 +465,11 @@ impl Links for FakeLinks {
                     if !space.addrs.iter().any(|a| a.index == oif && same_subnet(a.ip, gateway, a.prefix)) {
                         return Err(errno("apply: route", libc::ENETUNREACH));
                     }
-                    let r = Route { dst: None, gateway: Some(gateway), oif: Some(oif) };
                     let v6 = gateway.is_ipv6();
-                    if space.routes.iter().any(|(f, x)| *f == v6 && x.dst.is_none()) {
+                    if space.routes.iter().any(|x| x.v6 == v6 && x.dst.is_none()) {
                         return Err(errno("apply: route", libc::EEXIST));
                     }
-                    space.routes.push((v6, r));
+                    space.routes.push(Route { v6, dst: None, gateway: Some(gateway), oif: Some(oif) });
                 }
             }
         }

@@ -69,7 +69,8 @@ pub trait Links: Send {
     fn set_mcast_snooping(&mut self, index: u32, on: bool) -> Result<()>;
     fn addresses(&mut self, index: Option<u32>) -> Result<Vec<Addr>>;
     fn add_address(&mut self, index: u32, ip: IpAddr, prefix: u8) -> Result<()>;
-    fn routes(&mut self, v6: bool) -> Result<Vec<Route>>;
+    /// Main-table routes of both families.
+    fn routes(&mut self) -> Result<Vec<Route>>;
     /// Apply `steps` in one batch, stopping at the first failure.
     fn apply(&mut self, steps: &[LinkStep]) -> Result<()>;
     /// The namespace's cookie (never reused, unlike its inode); 0 when unknown.
@@ -193,8 +194,8 @@ impl Links for Netlink {
     fn add_address(&mut self, index: u32, ip: IpAddr, prefix: u8) -> Result<()> {
         Netlink::add_address(self, index, ip, prefix)
     }
-    fn routes(&mut self, v6: bool) -> Result<Vec<Route>> {
-        Netlink::routes(self, v6)
+    fn routes(&mut self) -> Result<Vec<Route>> {
+        Netlink::routes(self)
     }
     fn apply(&mut self, steps: &[LinkStep]) -> Result<()> {
         let reqs = steps

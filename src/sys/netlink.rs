@@ -16,7 +16,8 @@ use netlink_packet_route::address::{
     AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage, AddressScope,
 };
 use netlink_packet_route::link::{
-    InfoBridge, InfoData, InfoKind, InfoVeth, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
+    InfoBridge, InfoData, InfoKind, InfoVeth, LinkAttribute, LinkExtentMask, LinkFlags, LinkInfo,
+    LinkMessage,
 };
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
@@ -76,6 +77,7 @@ pub struct Addr {
 /// A route in the main table (only the parts we program and verify).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Route {
+    pub v6: bool,
     pub dst: Option<(IpAddr, u8)>,
     pub gateway: Option<IpAddr>,
     pub oif: Option<u32>,
@@ -294,7 +296,7 @@ impl Netlink {
     // ----- links -----
 
     pub fn links(&mut self) -> Result<Vec<Link>> {
-        let msgs = self.dump(RouteNetlinkMessage::GetLink(LinkMessage::default()), "dump links")?;
+        let msgs = self.dump(RouteNetlinkMessage::GetLink(get_link(None)), "dump links")?;
         Ok(msgs
             .into_iter()
             .filter_map(|m| match m {
@@ -305,9 +307,7 @@ impl Netlink {
     }
 
     pub fn link_by_name(&mut self, name: &str) -> Result<Option<Link>> {
-        let mut msg = LinkMessage::default();
-        msg.attributes.push(LinkAttribute::IfName(name.to_string()));
-        let seq = self.send(RouteNetlinkMessage::GetLink(msg), NLM_F_ACK, "get link")?;
+        let seq = self.send(RouteNetlinkMessage::GetLink(get_link(Some(name))), NLM_F_ACK, "get link")?;
         match self.recv_until_done(seq, &format!("get link {name}")) {
             Ok(msgs) => Ok(msgs.iter().find_map(|m| match m {
                 RouteNetlinkMessage::NewLink(l) => Some(parse_link(l)),
@@ -503,16 +503,20 @@ impl Netlink {
         self.request(r.msg, r.flags, &r.op)
     }
 
-    /// Routes of the main table for one family.
-    pub fn routes(&mut self, v6: bool) -> Result<Vec<Route>> {
-        let mut req = RouteMessage::default();
-        req.header.address_family = if v6 { AddressFamily::Inet6 } else { AddressFamily::Inet };
-        let msgs = self.dump(RouteNetlinkMessage::GetRoute(req), "dump routes")?;
+    /// Routes of the main table, both families, in one dump (`AF_UNSPEC`: the kernel walks
+    /// every family's routes for it).
+    pub fn routes(&mut self) -> Result<Vec<Route>> {
+        let msgs = self.dump(RouteNetlinkMessage::GetRoute(RouteMessage::default()), "dump routes")?;
         Ok(msgs
             .into_iter()
             .filter_map(|m| match m {
                 RouteNetlinkMessage::NewRoute(r) if r.header.table == RouteHeader::RT_TABLE_MAIN => {
-                    let mut route = Route { dst: None, gateway: None, oif: None };
+                    let v6 = match r.header.address_family {
+                        AddressFamily::Inet => false,
+                        AddressFamily::Inet6 => true,
+                        _ => return None,
+                    };
+                    let mut route = Route { v6, dst: None, gateway: None, oif: None };
                     for a in &r.attributes {
                         match a {
                             RouteAttribute::Destination(d) => {
@@ -529,6 +533,18 @@ impl Netlink {
             })
             .collect())
     }
+}
+
+/// A GETLINK request (by name, or a dump) that asks the kernel to leave the link
+/// statistics out of its answers: nothing here reads them, and they are about a quarter of
+/// each answer (two blocks of counters).
+fn get_link(name: Option<&str>) -> LinkMessage {
+    let mut msg = LinkMessage::default();
+    if let Some(name) = name {
+        msg.attributes.push(LinkAttribute::IfName(name.to_string()));
+    }
+    msg.attributes.push(LinkAttribute::ExtMask(vec![LinkExtentMask::SkipStats]));
+    msg
 }
 
 fn route_ip(a: &RouteAddress) -> Option<IpAddr> {

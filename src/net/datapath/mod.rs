@@ -881,10 +881,12 @@ impl Datapath {
                 return fail(format!("address {ip} is missing from {} in {ns}", req.ifname));
             }
         }
+        let routes = pod_nl.routes().map_err(|e| netlink_err("routes", e))?;
         for ip in &lease.ips {
             let gw = self.ipam.block_of(ip.ip()).map(|b| b.gateway());
-            let routes = pod_nl.routes(ip.is_ipv6()).map_err(|e| netlink_err("routes", e))?;
-            let ok = routes.iter().any(|r| r.dst.is_none() && r.gateway == gw && r.oif == Some(peer.index));
+            let ok = routes
+                .iter()
+                .any(|r| r.v6 == ip.is_ipv6() && r.dst.is_none() && r.gateway == gw && r.oif == Some(peer.index));
             if !ok {
                 return fail(format!("default route via {} on {} is missing in {ns}", gw.map(|g| g.to_string()).unwrap_or_default(), req.ifname));
             }
@@ -894,11 +896,11 @@ impl Datapath {
         let Some(host) = nl.link_by_name(&lease.host_if).map_err(|e| netlink_err("lookup", e))? else {
             return fail(format!("host veth {} is missing", lease.host_if));
         };
-        let bridge = nl.link_by_name(&self.settings.bridge).map_err(|e| netlink_err("lookup", e))?;
-        let Some(bridge) = bridge else {
+        // Only the bridge's index is needed: an ioctl, not a second GETLINK.
+        let Some(bridge) = nl.index_of(&self.settings.bridge).map_err(|e| netlink_err("lookup", e))? else {
             return fail(format!("bridge {} is missing", self.settings.bridge));
         };
-        if host.master != Some(bridge.index) {
+        if host.master != Some(bridge) {
             return fail(format!("host veth {} is not attached to bridge {}", lease.host_if, self.settings.bridge));
         }
         if !host.up {
