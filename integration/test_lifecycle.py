@@ -254,8 +254,9 @@ def test_agent_down_queues_del_and_fails_others(node):
     node.start()
     wait_until(lambda: not list(node.pending_dir.glob("del-*.json")), what="pending delete drained")
     wait_until(lambda: lease_key(pod.cid) not in node.leases(), what="lease freed")
-    assert host_if not in node.ns.links()
+    # A retired link keeps its name until the reaper deletes it (at most about 1 s).
     assert node.wait_no_graveyard()
+    assert host_if not in node.ns.links()
     assert node.host_veths() == {}
     assert "eth0" not in pod.ns.links()
     assert node.leases() == {}
@@ -569,8 +570,9 @@ def test_agent_killed_del_is_queued_and_drained(node):
     node.start()
     wait_until(lambda: not list(node.pending_dir.glob("del-*.json")), what="pending delete drained")
     wait_until(lambda: lease_key(pod.cid) not in node.leases(), what="lease freed")
-    assert host_if not in node.ns.links()
+    # A retired link keeps its name until the reaper deletes it (at most about 1 s).
     assert node.wait_no_graveyard()
+    assert host_if not in node.ns.links()
     assert node.host_veths() == {}
 
 

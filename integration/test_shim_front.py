@@ -175,8 +175,9 @@ class FakeAgent:
             self.requests.append(json.loads(data[4:]) if len(data) > 4 else None)
             if self.behaviour == "silent":
                 held.append(conn)  # never answers
-            elif self.behaviour == "garbage":
-                body = b"not json"
+            elif self.behaviour in ("garbage", "unusual"):
+                # "unusual": a valid answer the front does not read itself (an exponent).
+                body = b"not json" if self.behaviour == "garbage" else b'{"exit_code":0,"stdout":"","x":1e5}'
                 conn.sendall(struct.pack(">I", len(body)) + body)
                 conn.close()
             else:  # "hangup"
@@ -191,29 +192,50 @@ class FakeAgent:
 
 
 def test_front_hands_over_what_happened_to_the_request(node, tmp_path):
-    """The agent was reached: silent until the timeout (STATUS: 10 s) or a malformed answer
-    is answered as an unreachable agent, without a second request (it may have been carried
-    out); a connection closed before any answer is asked again by the full shim."""
+    """The agent was reached and the front could not finish: the full shim goes on as it
+    would after its own first attempt. Silent until the timeout (STATUS: 10 s): answered
+    as an unreachable agent, not asked again. An answer the front does not read: decoded
+    by the full shim (garbage is an error, a valid one is the answer). The connection
+    closed before an answer: STATUS is not asked again (it never waits), ADD is, until its
+    agentWaitSeconds are over."""
     sock = tmp_path / "fake.sock"
-    for behaviour, requests, code, words in (
-        ("silent", 1, 50, "Resource temporarily unavailable"),
-        ("garbage", 1, 50, "Bad message"),
-        ("hangup", 2, 50, "not reachable"),
+    pod = harness.Pod(node, "fake")
+    node.pods.append(pod)
+    for command, behaviour, wait in (
+        ("STATUS", "silent", 0),
+        ("STATUS", "garbage", 0),
+        ("STATUS", "unusual", 0),
+        ("STATUS", "hangup", 0),
+        ("ADD", "hangup", 1),
     ):
         fake = FakeAgent(sock, behaviour)
         try:
             conf = node.netconf(LATEST)
             conf["agentSocket"] = str(sock)
+            conf["agentWaitSeconds"] = wait
             t0 = time.monotonic()
-            rc, out, trace = traced(node, "STATUS", conf=conf)
+            rc, out, trace = traced(node, command, pod if command == "ADD" else None, conf=conf)
             took = time.monotonic() - t0
         finally:
             fake.close()
             sock.unlink()
-        assert rc == 1 and not served_by_front(trace), (behaviour, out)
+        case = (command, behaviour, out, len(fake.requests))
+        assert not served_by_front(trace), case
+        assert all(r and r["env"]["CNI_COMMAND"] == command for r in fake.requests), fake.requests
+        if behaviour == "unusual":
+            assert (rc, out, len(fake.requests)) == (0, "", 1), case
+            continue
+        assert rc == 1, case
         err = json.loads(out)
-        assert err["code"] == code and words in err["msg"], (behaviour, err)
-        assert len(fake.requests) == requests, (behaviour, fake.requests)
-        assert all(r and r["env"]["CNI_COMMAND"] == "STATUS" for r in fake.requests), fake.requests
+        assert err["code"] == (11 if command == "ADD" else 50) and "not reachable" in err["msg"], case
         if behaviour == "silent":
+            assert "Resource temporarily unavailable" in err["msg"] and len(fake.requests) == 1, case
             assert 9.5 < took < 15, took
+        elif behaviour == "garbage":
+            assert "at line 1 column" in err["msg"] and len(fake.requests) == 1, case
+        elif command == "STATUS":
+            assert "failed to fill whole buffer" in err["msg"] and len(fake.requests) == 1, case
+        else:
+            # Asked again every 50 ms while the second lasts.
+            assert "failed to fill whole buffer" in err["msg"] and len(fake.requests) >= 3, case
+            assert 0.9 < took < 4, took

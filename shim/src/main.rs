@@ -26,12 +26,42 @@ fn main() {
             std::process::exit(reply.exit_code);
         }
     };
-    let agent_failed = front.agent_errno.map(std::io::Error::from_raw_os_error);
-    let reply = nodeplane_cni::shim::run_after_front(nodeplane_cni::shim::env_from_process(), &stdin, agent_failed);
+    let reply = nodeplane_cni::shim::run_after_front(nodeplane_cni::shim::env_from_process(), &stdin, after_front(&front));
     let mut out = std::io::stdout().lock();
     if !reply.stdout.is_empty() {
         let _ = writeln!(out, "{}", reply.stdout);
     }
     let _ = out.flush();
     std::process::exit(reply.exit_code);
+}
+
+/// What the front had done with the agent, as the full shim takes it.
+fn after_front(front: &nodeplane_cni_front::Handover) -> nodeplane_cni::shim::AfterFront {
+    use nodeplane_cni::shim::AfterFront;
+    use nodeplane_cni_front::Failure;
+    let Some(failure) = front.failure else { return AfterFront::Nothing };
+    match failure {
+        Failure::Lost(errno) => {
+            let error = match errno {
+                Some(e) => std::io::Error::from_raw_os_error(e),
+                // What `read_exact` says when the agent closes the connection first.
+                None => std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "failed to fill whole buffer"),
+            };
+            let elapsed = front.started_ns.map(|t| monotonic_ns().saturating_sub(t)).unwrap_or(0);
+            AfterFront::Lost { error, elapsed: std::time::Duration::from_nanos(elapsed) }
+        }
+        Failure::Answer(body) => AfterFront::Answer(Ok(body.to_vec())),
+        Failure::OversizeAnswer(len) => AfterFront::Answer(Err(len)),
+        Failure::NotAccepted => AfterFront::NotAccepted,
+    }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds (the front's clock).
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime fills the timespec we own.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) } != 0 {
+        return 0;
+    }
+    (ts.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(ts.tv_nsec as u64)
 }

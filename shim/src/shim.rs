@@ -52,6 +52,27 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// a rolling upgrade, short next to the runtime's own timeouts.
 pub const DEFAULT_AGENT_WAIT: Duration = Duration::from_secs(10);
 
+/// The agent's listen queue stayed full for [`WRITE_TIMEOUT`].
+fn not_accepted(socket: &Path) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        format!("the agent did not accept the connection on {} within {WRITE_TIMEOUT:?}", socket.display()),
+    )
+}
+
+/// The agent went away between accepting (or queueing) the connection and answering: it
+/// is stopping or crashed, and the next one may be asked.
+fn agent_went_away(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::UnexpectedEof | io::ErrorKind::BrokenPipe)
+}
+
+/// How long `cmd` waits for an agent that is not there: STATUS must answer now (the runtime
+/// asks whether ADD can work *now*); DEL is queued durably when the agent is away, so it
+/// never waits either.
+fn wait_for(cmd: Command, wait: Duration) -> Duration {
+    if matches!(cmd, Command::Add | Command::Check | Command::Gc) { wait } else { Duration::ZERO }
+}
+
 /// Connect, waiting up to `wait` while the socket is missing or refuses (the agent is
 /// restarting). Other errors (permissions…) are returned at once.
 ///
@@ -70,12 +91,7 @@ fn connect_waiting(socket: &Path, wait: Duration, read: Duration) -> io::Result<
         stream.set_read_timeout(Some(read))?;
         match nix::sys::socket::connect(std::os::fd::AsRawFd::as_raw_fd(&stream), &addr).map_err(io::Error::from) {
             Ok(()) => return Ok(stream),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("the agent did not accept the connection on {} within {WRITE_TIMEOUT:?}", socket.display()),
-                ));
-            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(not_accepted(socket)),
             Err(e)
                 if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused)
                     && std::time::Instant::now() < deadline =>
@@ -94,9 +110,7 @@ fn call_agent(
     cmd: Command,
     wait: Duration,
 ) -> io::Result<Reply> {
-    // STATUS must answer now (the runtime asks whether ADD can work *now*); DEL is queued
-    // durably when the agent is away, so it never waits either.
-    let wait = if matches!(cmd, Command::Add | Command::Check | Command::Gc) { wait } else { Duration::ZERO };
+    let wait = wait_for(cmd, wait);
     let frame = encode(wire)?;
     let deadline = std::time::Instant::now() + wait;
     loop {
@@ -107,12 +121,7 @@ fn call_agent(
             // answering: it is stopping or crashed. Ask the next one, within the same bound.
             // (An ADD the old agent finished but could not answer is refused by the new one
             // as already attached; the runtime then DELs and retries.)
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::ConnectionReset | io::ErrorKind::UnexpectedEof | io::ErrorKind::BrokenPipe
-                ) && std::time::Instant::now() < deadline =>
-            {
+            Err(e) if agent_went_away(&e) && std::time::Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(50));
             }
             other => return other,
@@ -122,14 +131,30 @@ fn call_agent(
 
 /// Run one invocation. Returns what to print on stdout and the exit code.
 pub fn run(env: Env, stdin: &[u8]) -> Reply {
-    run_after_front(env, stdin, None)
+    run_after_front(env, stdin, AfterFront::Nothing)
 }
 
-/// [`run`], after the binary's front (`nodeplane_cni_front`) handed over: `agent_failed`
-/// when it had sent the request and the agent failed to answer it (no answer in time, a
-/// malformed one). That is answered as an unreachable agent is, without asking again:
-/// the request may have been carried out.
-pub fn run_after_front(env: Env, stdin: &[u8], agent_failed: Option<io::Error>) -> Reply {
+/// How the binary's front (`nodeplane_cni_front`) had got on with the agent when it
+/// handed over: what [`call_agent`] would have seen after its first attempt.
+#[derive(Debug)]
+pub enum AfterFront {
+    /// Nothing sent, or nothing the full shim needs to know: it asks the agent itself.
+    Nothing,
+    /// The request was sent and the connection failed before the answer, `elapsed` after
+    /// the shim started.
+    Lost { error: io::Error, elapsed: Duration },
+    /// An answer the front did not read: its body, or the length its header announced
+    /// (beyond the frame limit).
+    Answer(Result<Vec<u8>, u32>),
+    /// The agent did not accept the connection in time.
+    NotAccepted,
+}
+
+/// [`run`], after the binary's front handed over. Whatever the agent may already have been
+/// sent is treated as [`call_agent`] treats its own first attempt: a lost connection is
+/// asked again only by ADD, CHECK and GC and only within their wait; an answer is decoded
+/// as every answer is; a full listen queue is not waited for twice.
+pub fn run_after_front(env: Env, stdin: &[u8], front: AfterFront) -> Reply {
     let version = request::sniff_version(stdin);
     let command = match request::parse_command(&env) {
         Ok(c) => c,
@@ -162,9 +187,22 @@ pub fn run_after_front(env: Env, stdin: &[u8], agent_failed: Option<io::Error>) 
     };
     let wire = WireRequest { env, stdin: String::from_utf8_lossy(stdin).into_owned() };
     let wait = req.conf.agent_wait_seconds.map(Duration::from_secs).unwrap_or(DEFAULT_AGENT_WAIT);
-    let answer = match agent_failed {
-        Some(e) => Err(e),
-        None => call_agent(&socket, &wire, netns.as_ref().map(std::os::fd::AsFd::as_fd), command, wait),
+    let netns_fd = netns.as_ref().map(std::os::fd::AsFd::as_fd);
+    let answer = match front {
+        AfterFront::Nothing => call_agent(&socket, &wire, netns_fd, command, wait),
+        AfterFront::NotAccepted => Err(not_accepted(&socket)),
+        AfterFront::Answer(Ok(body)) => crate::cni::wire::decode_reply(&body),
+        AfterFront::Answer(Err(len)) => {
+            crate::cni::wire::decode_len(len.to_be_bytes()).and_then(|_| Err(io::Error::other("answer over the frame limit")))
+        }
+        AfterFront::Lost { error, elapsed } => match wait_for(command, wait).checked_sub(elapsed) {
+            Some(left) if agent_went_away(&error) && !left.is_zero() => {
+                let pause = Duration::from_millis(50);
+                std::thread::sleep(pause);
+                call_agent(&socket, &wire, netns_fd, command, left.saturating_sub(pause))
+            }
+            _ => Err(error),
+        },
     };
     match answer {
         Ok(reply) => reply,

@@ -231,7 +231,8 @@ impl<'a> Scan<'a> {
                 return None;
             }
         }
-        if n == 0 || (first == b'0' && n > 1) || matches!(self.peek(), Some(b'.' | b'e' | b'E')) {
+        // `-0` too: serde_json reads it as a float (left to the full shim).
+        if n == 0 || (first == b'0' && (n > 1 || neg)) || matches!(self.peek(), Some(b'.' | b'e' | b'E')) {
             return None;
         }
         let v = if neg { -v } else { v };
@@ -613,6 +614,7 @@ mod tests {
             br#"{"stdout":""}"#,
             br#"{"exit_code":1.0,"stdout":""}"#,
             br#"{"exit_code":01,"stdout":""}"#,
+            br#"{"exit_code":-0,"stdout":""}"#,
             br#"{"exit_code":99999999999,"stdout":""}"#,
             br#"{"exit_code":0,"stdout":"","stdout":""}"#,
         ] {

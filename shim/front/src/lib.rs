@@ -12,7 +12,8 @@
 //! listening, a namespace that does not open, a connection lost) makes it return: the
 //! entry then starts the C library as usual and the full shim (`nodeplane_cni::shim`)
 //! does everything again from the start, with the stdin the front read and, when the
-//! agent was reached but did not answer in time, that error ([`handover`]).
+//! front had reached the agent, how that went ([`handover`]): the full shim then carries on
+//! as after its own first attempt.
 //!
 //! The front validates nothing the agent validates: the agent parses every request with
 //! the same code the full shim uses and answers the same errors.
@@ -61,14 +62,48 @@ static STDIN: Shared<[u8; MAX_CONFIG_BYTES + 1]> = Shared(UnsafeCell::new([0; MA
 static FRAME: Shared<[u8; 4 + MAX_FRAME]> = Shared(UnsafeCell::new([0; 4 + MAX_FRAME]));
 static REPLY: Shared<[u8; MAX_FRAME]> = Shared(UnsafeCell::new([0; MAX_FRAME]));
 static OUTPUT: Shared<[u8; MAX_FRAME + 1]> = Shared(UnsafeCell::new([0; MAX_FRAME + 1]));
-static STATE: Shared<State> = Shared(UnsafeCell::new(State { stdin_taken: false, stdin_len: 0, stdin_errno: 0, agent_errno: 0 }));
+static STATE: Shared<State> = Shared(UnsafeCell::new(State {
+    stdin_taken: false,
+    stdin_len: 0,
+    stdin_errno: 0,
+    failure: NO_FAILURE,
+    errno: 0,
+    len: 0,
+    started_ns: 0,
+}));
+
+const NO_FAILURE: u8 = 0;
+const LOST: u8 = 1;
+const UNREAD_ANSWER: u8 = 2;
+const OVERSIZE_ANSWER: u8 = 3;
+const NOT_ACCEPTED: u8 = 4;
 
 #[derive(Clone, Copy)]
 struct State {
     stdin_taken: bool,
     stdin_len: usize,
     stdin_errno: i32,
-    agent_errno: i32,
+    /// One of the failure kinds above; `errno` (0: the agent closed the connection) and
+    /// `len` (the answer's length) go with them.
+    failure: u8,
+    errno: i32,
+    len: usize,
+    /// CLOCK_MONOTONIC when the front began, in nanoseconds.
+    started_ns: u64,
+}
+
+/// How the exchange with the agent failed, when the front had connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The request was (being) sent, then the connection failed before a whole answer:
+    /// the error's errno, `None` when the agent closed the connection.
+    Lost(Option<i32>),
+    /// A whole answer the front does not read plainly (the full shim decodes it).
+    Answer(&'static [u8]),
+    /// An answer whose header announces this many bytes, beyond the frame limit.
+    OversizeAnswer(u32),
+    /// The agent did not accept the connection within the send timeout.
+    NotAccepted,
 }
 
 /// What the front leaves to the full shim.
@@ -77,16 +112,16 @@ pub struct Handover {
     /// The stdin the front consumed (at most `MAX_CONFIG_BYTES + 1` bytes), or the error
     /// (errno) that ended reading it; `None`: stdin is untouched.
     pub stdin: Option<Result<&'static [u8], i32>>,
-    /// The request was sent and the agent failed to answer it (errno: `EAGAIN` when it
-    /// did not answer in time, `EBADMSG` for a malformed answer): answer as the full
-    /// shim answers an unreachable agent, without asking again.
-    pub agent_errno: Option<i32>,
+    /// How the exchange failed, if the front got that far.
+    pub failure: Option<Failure>,
+    /// CLOCK_MONOTONIC when the front began (nanoseconds), if it ran.
+    pub started_ns: Option<u64>,
 }
 
 /// What the front did, for the full shim's `main` (nothing, unless the shim was entered
-/// through [`nodeplane_cni_entry`]).
+/// through `nodeplane_cni_entry`).
 pub fn handover() -> Handover {
-    // SAFETY: see `Shared`: nothing writes STATE or STDIN any more once main runs.
+    // SAFETY: see `Shared`: nothing writes STATE or the buffers any more once main runs.
     let st = unsafe { *STATE.0.get() };
     let stdin = if !st.stdin_taken {
         None
@@ -97,7 +132,18 @@ pub fn handover() -> Handover {
         let all: &'static [u8; MAX_CONFIG_BYTES + 1] = unsafe { &*STDIN.0.get() };
         Some(Ok(all.get(..st.stdin_len).unwrap_or(&[])))
     };
-    Handover { stdin, agent_errno: (st.agent_errno != 0).then_some(st.agent_errno) }
+    let failure = match st.failure {
+        LOST => Some(Failure::Lost((st.errno != 0).then_some(st.errno))),
+        UNREAD_ANSWER => {
+            // SAFETY: as above.
+            let all: &'static [u8; MAX_FRAME] = unsafe { &*REPLY.0.get() };
+            Some(Failure::Answer(all.get(..st.len).unwrap_or(&[])))
+        }
+        OVERSIZE_ANSWER => Some(Failure::OversizeAnswer(st.len as u32)),
+        NOT_ACCEPTED => Some(Failure::NotAccepted),
+        _ => None,
+    };
+    Handover { stdin, failure, started_ns: (st.started_ns != 0).then_some(st.started_ns) }
 }
 
 /// The address of the entry point, for the binary to keep it linked.

@@ -3,7 +3,10 @@
 use core::arch::{asm, global_asm};
 
 use super::json::{self, Field, Out};
-use super::{Cmd, Env, FRAME, FORWARDED, KEYS, MAX_CONFIG_BYTES, MAX_FRAME, NETNS, OUTPUT, REPLY, SOCKET, STATE, STDIN};
+use super::{
+    Cmd, Env, FORWARDED, FRAME, KEYS, LOST, MAX_CONFIG_BYTES, MAX_FRAME, NETNS, NOT_ACCEPTED, OUTPUT, OVERSIZE_ANSWER, REPLY, SOCKET,
+    STATE, STDIN, UNREAD_ANSWER,
+};
 
 // The process starts here (the kernel's stack: argc, argv, envp, auxv). Run the front on
 // that stack; if it returns, restore the registers the C library's `_start` expects (the
@@ -27,9 +30,7 @@ global_asm!(
 );
 
 const EINTR: isize = 4;
-const EBADMSG: i32 = 74;
-const EPIPE: i32 = 32;
-const ECONNRESET: i32 = 104;
+const EAGAIN: isize = 11;
 
 #[inline(always)]
 unsafe fn syscall(n: usize, a: usize, b: usize, c: usize, d: usize, e: usize, f: usize) -> isize {
@@ -53,6 +54,7 @@ const SYS_RECVFROM: usize = 45;
 const SYS_SENDMSG: usize = 46;
 const SYS_SETSOCKOPT: usize = 54;
 const SYS_FSTATFS: usize = 138;
+const SYS_CLOCK_GETTIME: usize = 228;
 const SYS_EXIT_GROUP: usize = 231;
 const SYS_OPENAT: usize = 257;
 
@@ -66,6 +68,16 @@ fn exit(code: i32) -> ! {
         // SAFETY: ends the process.
         unsafe { syscall(SYS_EXIT_GROUP, code as usize, 0, 0, 0, 0, 0) };
     }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds (the clock `Instant` reads).
+fn now_ns() -> u64 {
+    const CLOCK_MONOTONIC: usize = 1;
+    let mut ts = [0i64; 2];
+    // SAFETY: a struct timespec to fill.
+    let r = unsafe { syscall(SYS_CLOCK_GETTIME, CLOCK_MONOTONIC, ts.as_mut_ptr() as usize, 0, 0, 0, 0) };
+    let [sec, nsec] = ts;
+    if r != 0 { 0 } else { (sec as u64).wrapping_mul(1_000_000_000).wrapping_add(nsec as u64) }
 }
 
 /// Write all of `b` to `fd` (errors end it: the reader went away, as the full shim ignores).
@@ -276,8 +288,16 @@ fn open_netns(path: &'static [u8]) -> Option<i32> {
     Some(fd)
 }
 
+enum Connect {
+    Connected(i32),
+    /// Not accepted within the send timeout (a listen queue that stays full).
+    NotAccepted,
+    /// Anything else: the full shim connects again, and waits for an agent as it does.
+    Failed,
+}
+
 /// A connected stream socket to `path`, its timeouts set first (as the full shim sets them).
-fn connect(path: &[u8], answer_secs: i64) -> Option<i32> {
+fn connect(path: &[u8], answer_secs: i64) -> Connect {
     const AF_UNIX: usize = 1;
     const SOCK_STREAM_CLOEXEC: usize = 1 | 0o2000000;
     const SOL_SOCKET: usize = 1;
@@ -285,48 +305,54 @@ fn connect(path: &[u8], answer_secs: i64) -> Option<i32> {
     const SO_SNDTIMEO: usize = 21;
     let mut addr = [0u8; 110]; // sockaddr_un: family, then sun_path[108]
     if path.len() >= 108 {
-        return None;
+        return Connect::Failed;
     }
     let mut i = 0;
     while i < path.len() {
-        *addr.get_mut(2 + i)? = *path.get(i)?;
+        match (addr.get_mut(2 + i), path.get(i)) {
+            (Some(d), Some(c)) => *d = *c,
+            _ => return Connect::Failed,
+        }
         i += 1;
     }
-    *addr.get_mut(0)? = AF_UNIX as u8;
+    if let Some(family) = addr.get_mut(0) {
+        *family = AF_UNIX as u8;
+    }
     // SAFETY: plain socket creation.
     let fd = unsafe { syscall(SYS_SOCKET, AF_UNIX, SOCK_STREAM_CLOEXEC, 0, 0, 0, 0) };
     if fd < 0 {
-        return None;
+        return Connect::Failed;
     }
     let fd = fd as i32;
     let send: [i64; 2] = [10, 0];
     let answer: [i64; 2] = [answer_secs, 0];
-    // SAFETY: struct timeval values of the right size, a socket we own, a sockaddr_un of
-    // the given length.
+    // SAFETY: struct timeval values of the right size, a socket we own.
     let ok = unsafe {
         syscall(SYS_SETSOCKOPT, fd as usize, SOL_SOCKET, SO_SNDTIMEO, send.as_ptr() as usize, 16, 0) == 0
             && syscall(SYS_SETSOCKOPT, fd as usize, SOL_SOCKET, SO_RCVTIMEO, answer.as_ptr() as usize, 16, 0) == 0
-            && syscall(SYS_CONNECT, fd as usize, addr.as_ptr() as usize, 2 + path.len() + 1, 0, 0, 0) == 0
     };
     if !ok {
         close(fd);
-        return None;
+        return Connect::Failed;
     }
-    Some(fd)
+    // SAFETY: a sockaddr_un of the given length.
+    let r = unsafe { syscall(SYS_CONNECT, fd as usize, addr.as_ptr() as usize, 2 + path.len() + 1, 0, 0, 0) };
+    if r != 0 {
+        close(fd);
+        return if r == -EAGAIN { Connect::NotAccepted } else { Connect::Failed };
+    }
+    Connect::Connected(fd)
 }
 
 enum Fail {
-    /// Before any answer: the full shim sends the request again.
-    Retry,
-    /// The agent did not answer properly: the full shim reports it.
-    Errno(i32),
+    /// The connection failed before a whole answer: errno, or `None` when the agent closed it.
+    Lost(Option<i32>),
+    /// The answer's header announces more than a frame may hold.
+    Oversize(u32),
 }
 
-fn fail_of(r: isize) -> Fail {
-    match -r as i32 {
-        EPIPE | ECONNRESET => Fail::Retry,
-        e => Fail::Errno(e),
-    }
+fn lost(r: isize) -> Fail {
+    Fail::Lost(Some(-r as i32))
 }
 
 /// Send `frame` (with `netns` attached to its first bytes), read the answer's frame.
@@ -350,19 +376,20 @@ fn exchange(sock: i32, frame: &[u8], netns: Option<i32>) -> Result<&'static [u8]
             continue;
         }
         if r <= 0 {
-            return Err(if r == 0 { Fail::Retry } else { fail_of(r) });
+            return Err(if r == 0 { Fail::Lost(None) } else { lost(r) });
         }
         sent += r as usize;
     }
     let mut header = [0u8; 4];
     recv_exact(sock, &mut header)?;
-    let len = u32::from_be_bytes(header) as usize;
-    if len > MAX_FRAME {
-        return Err(Fail::Errno(EBADMSG));
-    }
+    let announced = u32::from_be_bytes(header);
+    let len = announced as usize;
     // SAFETY: see `Shared`.
     let reply: &'static mut [u8; MAX_FRAME] = unsafe { &mut *REPLY.0.get() };
-    let body = reply.get_mut(..len).ok_or(Fail::Errno(EBADMSG))?;
+    let body = match reply.get_mut(..len) {
+        Some(body) if len <= MAX_FRAME => body,
+        _ => return Err(Fail::Oversize(announced)),
+    };
     recv_exact(sock, body)?;
     Ok(body)
 }
@@ -377,10 +404,10 @@ fn recv_exact(sock: i32, buf: &mut [u8]) -> Result<(), Fail> {
             continue;
         }
         if r == 0 {
-            return Err(Fail::Retry); // the agent went away before answering
+            return Err(Fail::Lost(None)); // the agent went away before answering
         }
         if r < 0 {
-            return Err(fail_of(r));
+            return Err(lost(r));
         }
         got += r as usize;
     }
@@ -397,6 +424,8 @@ pub unsafe extern "C" fn nodeplane_cni_front(sp: *const usize) {
     if !unsafe { self_relocate() } {
         return;
     }
+    // SAFETY: see `Shared`.
+    unsafe { (*STATE.0.get()).started_ns = now_ns() };
     ignore_sigpipe();
     // SAFETY: the initial stack: argc, argv[argc], NULL, envp..., NULL.
     let env = unsafe {
@@ -456,14 +485,16 @@ pub unsafe extern "C" fn nodeplane_cni_front(sp: *const usize) {
     } else {
         None
     };
-    let done = |code: Option<i32>| {
+    // Hand over (closing what the front opened), with how the exchange failed, if it did.
+    let done = |failure: u8, errno: i32, len: usize| {
         if let Some(fd) = netns {
             close(fd);
         }
-        if let Some(e) = code {
-            // SAFETY: see `Shared`.
-            unsafe { (*STATE.0.get()).agent_errno = e };
-        }
+        // SAFETY: see `Shared`.
+        let st = unsafe { &mut *STATE.0.get() };
+        st.failure = failure;
+        st.errno = errno;
+        st.len = len;
     };
     let mut pairs: [(&[u8], &[u8]); FORWARDED] = [(&[], &[]); FORWARDED];
     let mut n = 0;
@@ -477,24 +508,24 @@ pub unsafe extern "C" fn nodeplane_cni_front(sp: *const usize) {
     let frame_buf: &'static mut [u8; 4 + MAX_FRAME] = unsafe { &mut *FRAME.0.get() };
     let mut frame = Out::new(frame_buf);
     if json::encode_request(pairs.get(..n).unwrap_or(&[]), stdin, &mut frame).is_none() {
-        return done(None);
+        return done(super::NO_FAILURE, 0, 0);
     }
-    let Some(sock) = connect(socket, super::answer_timeout(cmd)) else { return done(None) };
-    let body = match exchange(sock, frame.written(), netns) {
+    let sock = match connect(socket, super::answer_timeout(cmd)) {
+        Connect::Connected(fd) => fd,
+        Connect::NotAccepted => return done(NOT_ACCEPTED, 0, 0),
+        Connect::Failed => return done(super::NO_FAILURE, 0, 0),
+    };
+    let body = exchange(sock, frame.written(), netns);
+    close(sock);
+    let body = match body {
         Ok(body) => body,
-        Err(Fail::Retry) => {
-            close(sock);
-            return done(None);
-        }
-        Err(Fail::Errno(e)) => {
-            close(sock);
-            return done(Some(e));
-        }
+        Err(Fail::Lost(errno)) => return done(LOST, errno.unwrap_or(0), 0),
+        Err(Fail::Oversize(len)) => return done(OVERSIZE_ANSWER, 0, len as usize),
     };
     let mut out = Out::new(output);
     let Some(code) = json::decode_reply(body, &mut out) else {
-        close(sock);
-        return done(Some(EBADMSG));
+        // Not read plainly here: the full shim decodes it as it decodes every answer.
+        return done(UNREAD_ANSWER, 0, body.len());
     };
     if !out.is_empty() {
         out.byte(b'\n');

@@ -48,5 +48,10 @@ pub fn exchange(stream: &mut std::os::unix::net::UnixStream, frame: &[u8], netns
     stream.read_exact(&mut header)?;
     let mut body = vec![0u8; decode_len(header)?];
     stream.read_exact(&mut body)?;
-    serde_json::from_slice(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+    decode_reply(&body)
+}
+
+/// A reply frame's body.
+pub fn decode_reply(body: &[u8]) -> io::Result<Reply> {
+    serde_json::from_slice(body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
