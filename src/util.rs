@@ -36,9 +36,7 @@ pub fn fill_random(buf: &mut [u8]) {
     let mut filled = 0;
     while filled < buf.len() {
         // SAFETY: writing into our own buffer, bounded by its length.
-        let n = unsafe {
-            libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0)
-        };
+        let n = unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
         if n > 0 {
             filled += n as usize;
         }
@@ -117,7 +115,9 @@ impl Drop for TestDir {
         // lease files): remove_dir_all then fails on a directory that is not empty. Retry.
         for _ in 0..50 {
             match fs::remove_dir_all(&self.0) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => std::thread::sleep(std::time::Duration::from_millis(10)),
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    std::thread::sleep(std::time::Duration::from_millis(10))
+                }
                 _ => return,
             }
         }

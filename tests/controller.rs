@@ -437,10 +437,8 @@ async fn crash_round(round: usize, delay: Duration) {
 #[tokio::test(flavor = "multi_thread")]
 async fn kill9_during_concurrent_registrations_keeps_blocks() {
     // Three random delays in 5..=40 ms, one from each third of the range so they differ.
-    let delays: Vec<u64> = [(5u64, 16u64), (16, 28), (28, 41)]
-        .iter()
-        .map(|(lo, hi)| lo + random_u64() % (hi - lo))
-        .collect();
+    let delays: Vec<u64> =
+        [(5u64, 16u64), (16, 28), (28, 41)].iter().map(|(lo, hi)| lo + random_u64() % (hi - lo)).collect();
     for (round, d) in delays.into_iter().enumerate() {
         crash_round(round, Duration::from_millis(d)).await;
     }
@@ -619,7 +617,8 @@ async fn auth_rejects_missing_invalid_and_foreign_credentials() {
         "RequestBlock without token",
     );
     assert_code(
-        c.watch_nodes(tonic::Request::new(pb::WatchNodesRequest { node_name: "node-a".into(), ..Default::default() })).await,
+        c.watch_nodes(tonic::Request::new(pb::WatchNodesRequest { node_name: "node-a".into(), ..Default::default() }))
+            .await,
         Code::Unauthenticated,
         "WatchNodes without token",
     );
@@ -900,7 +899,12 @@ struct DeltaAgent {
 }
 
 async fn open_delta(c: &mut Client, token: &str, a: &mut DeltaAgent, name: &str) {
-    let req = pb::WatchNodesRequest { node_name: name.into(), deltas: true, since_revision: a.view.revision, epoch: a.view.epoch };
+    let req = pb::WatchNodesRequest {
+        node_name: name.into(),
+        deltas: true,
+        since_revision: a.view.revision,
+        epoch: a.view.epoch,
+    };
     let resuming = a.view.revision != 0;
     let mut s = c.watch_nodes(authed(req, token)).await.expect("WatchNodes").into_inner();
     let first = next_list(&mut s, Duration::from_secs(5)).await.expect("a first message within 5 s");
@@ -996,8 +1000,10 @@ async fn delta_streams_converge_under_random_changes_and_disconnects() {
     }
     // The controller's view: a client without deltas gets the complete list.
     let want = by_name(&node_list(&mut wc, &admin).await);
-    assert_eq!(want.keys().cloned().collect::<std::collections::BTreeSet<_>>(),
-               registered.iter().map(|&i| names[i].clone()).collect());
+    assert_eq!(
+        want.keys().cloned().collect::<std::collections::BTreeSet<_>>(),
+        registered.iter().map(|&i| names[i].clone()).collect()
+    );
     for (a, agent) in agents.iter_mut().enumerate() {
         if agent.stream.is_none() {
             open_delta(&mut wc, &tokens[a], agent, &watcher(a)).await;
@@ -1010,7 +1016,10 @@ async fn delta_streams_converge_under_random_changes_and_disconnects() {
     }
     let resumed: usize = agents.iter().map(|a| a.resumed).sum();
     assert!(resumed > 0, "no agent resumed from a revision (seed {seed})");
-    eprintln!("deltas: {resumed} resumes from a revision, {} snapshots", agents.iter().map(|a| a.snapshots).sum::<usize>());
+    eprintln!(
+        "deltas: {resumed} resumes from a revision, {} snapshots",
+        agents.iter().map(|a| a.snapshots).sum::<usize>()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

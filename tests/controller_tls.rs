@@ -155,13 +155,21 @@ fn bearer<T>(msg: T, token: &str) -> tonic::Request<T> {
 }
 
 fn register(node: &str) -> pb::RegisterRequest {
-    pb::RegisterRequest { node_name: node.into(), underlay_addresses: vec!["192.0.2.7".into()], vtep_mac: String::new() }
+    pb::RegisterRequest {
+        node_name: node.into(),
+        underlay_addresses: vec!["192.0.2.7".into()],
+        vtep_mac: String::new(),
+    }
 }
 
 /// The node list an admin sees (a fresh TLS connection).
 async fn admin_list(ctl: &TlsCtl, admin: &str) -> pb::NodeList {
     let mut c = ctl.connect(&ctl.files(None, None)).await.expect("admin connects");
-    let mut s = c.watch_nodes(bearer(pb::WatchNodesRequest { node_name: String::new(), ..Default::default() }, admin)).await.unwrap().into_inner();
+    let mut s = c
+        .watch_nodes(bearer(pb::WatchNodesRequest { node_name: String::new(), ..Default::default() }, admin))
+        .await
+        .unwrap()
+        .into_inner();
     s.message().await.unwrap().unwrap()
 }
 
@@ -232,7 +240,11 @@ async fn rotation_keeps_established_streams() {
     let ctl = TlsCtl::new("rotate");
     let admin = ctl.token("@admin");
     let mut c = ctl.connect(&ctl.files(None, None)).await.unwrap();
-    let mut stream = c.watch_nodes(bearer(pb::WatchNodesRequest { node_name: String::new(), ..Default::default() }, &admin)).await.unwrap().into_inner();
+    let mut stream = c
+        .watch_nodes(bearer(pb::WatchNodesRequest { node_name: String::new(), ..Default::default() }, &admin))
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(stream.message().await.unwrap().unwrap().nodes.len(), 0);
 
     // A new pair naming only rotated.test, written as a Secret update would (two files, one
@@ -254,10 +266,16 @@ async fn rotation_keeps_established_streams() {
     // The stream opened before the rotation still delivers: a node registering now shows up.
     let mut c2 = ctl.connect(&ctl.files(Some("rotated.test"), None)).await.unwrap();
     c2.register(bearer(register("node-r"), &ctl.token("node-r"))).await.unwrap();
-    let list = tokio::time::timeout(Duration::from_secs(5), stream.message()).await.expect("the old stream went quiet").unwrap().unwrap();
+    let list = tokio::time::timeout(Duration::from_secs(5), stream.message())
+        .await
+        .expect("the old stream went quiet")
+        .unwrap()
+        .unwrap();
     assert_eq!(list.nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), ["node-r"]);
     // And the old connection still carries new calls.
-    c.register(bearer(register("node-s"), &ctl.token("node-s"))).await.expect("the established connection serves new calls");
+    c.register(bearer(register("node-s"), &ctl.token("node-s")))
+        .await
+        .expect("the established connection serves new calls");
     // The health endpoint follows the same files.
     let ca = ctl.ca();
     assert_eq!(ctl.health_get("/healthz", &ca, "rotated.test", &[]).map(|r| r.0), Ok(200));
@@ -300,7 +318,11 @@ async fn client_certificates_act_for_their_node_only() {
     let a = ctl.issue("node-a", &["--node", "node-a"], 30);
     let mut c = ctl.connect(&ctl.files(None, Some(&a))).await.unwrap();
     // No token: the certificate is the credential.
-    let resp = c.register(tonic::Request::new(register("node-a"))).await.expect("node-a registers by certificate").into_inner();
+    let resp = c
+        .register(tonic::Request::new(register("node-a")))
+        .await
+        .expect("node-a registers by certificate")
+        .into_inner();
     assert!(!resp.node.unwrap().pod_blocks.is_empty(), "node-a got a block");
     let names: Vec<String> = admin_list(&ctl, &admin).await.nodes.into_iter().map(|n| n.name).collect();
     assert_eq!(names, ["node-a"]);
@@ -313,14 +335,30 @@ async fn client_certificates_act_for_their_node_only() {
     };
     denied(c.register(tonic::Request::new(register(&b))).await.map(|_| ()), "Register");
     denied(
-        c.request_block(tonic::Request::new(pb::RequestBlockRequest { node_name: b.clone(), family: pb::Family::Ipv4 as i32 }))
-            .await
-            .map(|_| ()),
+        c.request_block(tonic::Request::new(pb::RequestBlockRequest {
+            node_name: b.clone(),
+            family: pb::Family::Ipv4 as i32,
+        }))
+        .await
+        .map(|_| ()),
         "RequestBlock",
     );
-    denied(c.watch_nodes(tonic::Request::new(pb::WatchNodesRequest { node_name: b.clone(), ..Default::default() })).await.map(|_| ()), "WatchNodes");
-    denied(c.remove_node(tonic::Request::new(pb::RemoveNodeRequest { node_name: b.clone() })).await.map(|_| ()), "RemoveNode");
-    denied(c.watch_volumes(tonic::Request::new(pb::WatchVolumesRequest { node_name: b.clone(), ..Default::default() })).await.map(|_| ()), "WatchVolumes");
+    denied(
+        c.watch_nodes(tonic::Request::new(pb::WatchNodesRequest { node_name: b.clone(), ..Default::default() }))
+            .await
+            .map(|_| ()),
+        "WatchNodes",
+    );
+    denied(
+        c.remove_node(tonic::Request::new(pb::RemoveNodeRequest { node_name: b.clone() })).await.map(|_| ()),
+        "RemoveNode",
+    );
+    denied(
+        c.watch_volumes(tonic::Request::new(pb::WatchVolumesRequest { node_name: b.clone(), ..Default::default() }))
+            .await
+            .map(|_| ()),
+        "WatchVolumes",
+    );
     denied(
         c.report_volumes(tonic::Request::new(pb::ReportVolumesRequest { node_name: b.clone(), ..Default::default() }))
             .await
@@ -342,7 +380,16 @@ async fn client_certificates_act_for_their_node_only() {
     let other = ctl.dir.join("other-ca");
     run(&["certs", "init", "--dir", other.to_str().unwrap(), "--san", "x.test"]);
     let forged = ctl.dir.join("forged");
-    run(&["certs", "issue", "--ca-dir", other.to_str().unwrap(), "--out", forged.to_str().unwrap(), "--node", "node-a"]);
+    run(&[
+        "certs",
+        "issue",
+        "--ca-dir",
+        other.to_str().unwrap(),
+        "--out",
+        forged.to_str().unwrap(),
+        "--node",
+        "node-a",
+    ]);
     let e = refused(&ctl, &ctl.files(None, Some(&forged)), "").await;
     assert!(!e.contains("PermissionDenied"), "refused by TLS, not by the RPC: {e}");
 }

@@ -22,8 +22,8 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use nodeplane::rpc::csi;
@@ -259,7 +259,8 @@ impl Sandbox {
 
     async fn stop(&mut self) {
         if let Some(mut c) = self.agent.take() {
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM)
+                .unwrap();
             let deadline = Instant::now() + Duration::from_secs(20);
             loop {
                 if let Some(st) = c.try_wait().unwrap() {
@@ -338,7 +339,10 @@ impl Clients {
     }
     async fn unstage(&mut self, id: &str, staging: &str) -> Result<(), tonic::Status> {
         self.node
-            .node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: id.into(), staging_target_path: staging.into() })
+            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: staging.into(),
+            })
             .await
             .map(|_| ())
     }
@@ -488,7 +492,11 @@ async fn lifecycle(fs_type: &str, size: u64) {
         c.stage(&id, &staging, cap.clone()).await.unwrap();
         assert!(mounted_at(Path::new(&t1)).is_some() && mounted_at(Path::new(&t2)).is_some());
         // Incompatible republish of an existing target.
-        assert_code(c.publish(&id, &staging, &t2, cap.clone(), false).await, Code::AlreadyExists, "rw republish of a ro target");
+        assert_code(
+            c.publish(&id, &staging, &t2, cap.clone(), false).await,
+            Code::AlreadyExists,
+            "rw republish of a ro target",
+        );
 
         if round == 0 {
             // Write through the rw target.
@@ -540,9 +548,16 @@ async fn lifecycle(fs_type: &str, size: u64) {
             // before (the staging mount is put back after the detach found the device held).
             let by_hand = sb.dir.join(format!("by-hand-{name}"));
             fs::create_dir_all(&by_hand).unwrap();
-            nix::mount::mount(Some(Path::new(&staging)), &by_hand, None::<&str>, nix::mount::MsFlags::MS_BIND, None::<&str>)
-                .unwrap();
-            let msg = assert_code(c.unstage(&id, &staging).await, Code::FailedPrecondition, "unstage while mounted by hand");
+            nix::mount::mount(
+                Some(Path::new(&staging)),
+                &by_hand,
+                None::<&str>,
+                nix::mount::MsFlags::MS_BIND,
+                None::<&str>,
+            )
+            .unwrap();
+            let msg =
+                assert_code(c.unstage(&id, &staging).await, Code::FailedPrecondition, "unstage while mounted by hand");
             assert!(msg.contains(&by_hand.display().to_string()), "{msg}");
             assert!(mounted_at(Path::new(&staging)).is_some(), "the staging mount is back");
             assert_eq!(fs::read(Path::new(&staging).join("data.bin")).unwrap(), data);
@@ -682,7 +697,9 @@ async fn every_socket_accepts_the_authorities_real_clients_send() {
         if what.contains("path") {
             assert!(!valid_authority(auth.as_deref().unwrap()), "{what} would not exercise the fix");
         }
-        let r = kubelet::register_with(&reg, ino, auth.clone()).await.unwrap_or_else(|e| panic!("registration with {what}: {e}"));
+        let r = kubelet::register_with(&reg, ino, auth.clone())
+            .await
+            .unwrap_or_else(|e| panic!("registration with {what}: {e}"));
         assert_eq!(r.endpoint, sb.csi_sock(), "{what}");
         assert_eq!(r.node_id, "csi-authority", "{what}");
     }
@@ -694,7 +711,8 @@ async fn every_socket_accepts_the_authorities_real_clients_send() {
     for (what, auth) in forms(&sb.node_sock()) {
         let ch = connect_unix_with_authority(&sb.node_sock(), auth).await.unwrap();
         let st = napi::node_status_client::NodeStatusClient::new(ch).get_status(napi::GetStatusRequest {}).await;
-        let doc = st.unwrap_or_else(|e| panic!("node.sock with {what}: {e}")).into_inner().status.expect("a status report");
+        let doc =
+            st.unwrap_or_else(|e| panic!("node.sock with {what}: {e}")).into_inner().status.expect("a status report");
         // The last registration (absent authority) is what kubelet's book holds now.
         let plugin = &doc.kubelet.as_ref().expect("kubelet section").plugins[0];
         assert_eq!(plugin.state(), napi::RegistrationState::Registered, "{what}: {doc:?}");
@@ -745,7 +763,12 @@ async fn many_targets(n: usize) {
         calls.push(tokio::spawn(async move {
             let mut backoff = Duration::from_millis(500);
             loop {
-                let r = node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest { volume_id: id.clone(), target_path: t.clone() }).await;
+                let r = node
+                    .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                        volume_id: id.clone(),
+                        target_path: t.clone(),
+                    })
+                    .await;
                 match r {
                     Err(s) if s.code() == Code::Aborted => {
                         aborted.fetch_add(1, Ordering::SeqCst);
@@ -812,7 +835,10 @@ async fn concurrent_stage_publish_and_access_modes_stay_safe() {
             other => panic!("round {round}: stage/publish {other:?}"),
         }
         if pb.is_ok() {
-            assert!(mounted_at(Path::new(&staging)).is_some() && mounted_at(Path::new(&target)).is_some(), "round {round}");
+            assert!(
+                mounted_at(Path::new(&staging)).is_some() && mounted_at(Path::new(&target)).is_some(),
+                "round {round}"
+            );
             c.unpublish(&id, &target).await.unwrap();
         }
         if st.is_err() {
@@ -986,7 +1012,11 @@ async fn conformance_node_errors() {
     let no_mode = csi::VolumeCapability { access_mode: None, ..cap.clone() };
     assert_code(c.stage(id, &staging, no_mode).await, Code::InvalidArgument, "stage without access_mode");
     // Unknown volume: NOT_FOUND.
-    assert_code(c.stage("pvc-nope", &sb.staging("pvc-nope", false), cap.clone()).await, Code::NotFound, "stage unknown");
+    assert_code(
+        c.stage("pvc-nope", &sb.staging("pvc-nope", false), cap.clone()).await,
+        Code::NotFound,
+        "stage unknown",
+    );
     // MULTI_NODE: exceeds capabilities.
     assert_code(
         c.stage(id, &staging, mount_cap("ext4", Mode::MultiNodeMultiWriter)).await,
@@ -994,7 +1024,11 @@ async fn conformance_node_errors() {
         "stage MULTI_NODE",
     );
     // Filesystem type mismatch.
-    assert_code(c.stage(id, &staging, mount_cap("xfs", Mode::SingleNodeWriter)).await, Code::InvalidArgument, "fs mismatch");
+    assert_code(
+        c.stage(id, &staging, mount_cap("xfs", Mode::SingleNodeWriter)).await,
+        Code::InvalidArgument,
+        "fs mismatch",
+    );
     // Invalid ids and paths: traversal, outside the kubelet dir, through a symlink.
     // An id the store could never have made names no volume: NOT_FOUND.
     assert_code(c.stage("../../etc", &staging, cap.clone()).await, Code::NotFound, "traversal id");
@@ -1012,20 +1046,36 @@ async fn conformance_node_errors() {
         "path through a symlink",
     );
     assert_code(
-        c.stage(id, &staging, csi::VolumeCapability {
-            access_type: Some(AccessType::Mount(MountVolume { fs_type: "ext4".into(), mount_flags: vec!["bind".into()], volume_mount_group: String::new() })),
-            ..cap.clone()
-        })
+        c.stage(
+            id,
+            &staging,
+            csi::VolumeCapability {
+                access_type: Some(AccessType::Mount(MountVolume {
+                    fs_type: "ext4".into(),
+                    mount_flags: vec!["bind".into()],
+                    volume_mount_group: String::new(),
+                })),
+                ..cap.clone()
+            },
+        )
         .await,
         Code::InvalidArgument,
         "forbidden mount flag",
     );
     // A mount flag the filesystem rejects: INVALID_ARGUMENT, and nothing left behind.
     assert_code(
-        c.stage(id, &staging, csi::VolumeCapability {
-            access_type: Some(AccessType::Mount(MountVolume { fs_type: "ext4".into(), mount_flags: vec!["no_such_option".into()], volume_mount_group: String::new() })),
-            ..cap.clone()
-        })
+        c.stage(
+            id,
+            &staging,
+            csi::VolumeCapability {
+                access_type: Some(AccessType::Mount(MountVolume {
+                    fs_type: "ext4".into(),
+                    mount_flags: vec!["no_such_option".into()],
+                    volume_mount_group: String::new(),
+                })),
+                ..cap.clone()
+            },
+        )
         .await,
         Code::InvalidArgument,
         "mount flag the filesystem rejects",
@@ -1033,21 +1083,41 @@ async fn conformance_node_errors() {
     sb.assert_clean();
 
     // NodePublishVolume: required fields and preconditions.
-    assert_code(c.publish(id, &staging, &target, cap.clone(), false).await, Code::FailedPrecondition, "publish before stage");
+    assert_code(
+        c.publish(id, &staging, &target, cap.clone(), false).await,
+        Code::FailedPrecondition,
+        "publish before stage",
+    );
     c.stage(id, &staging, cap.clone()).await.unwrap();
     // Staged with another capability at the same path: ALREADY_EXISTS.
     let noatime = csi::VolumeCapability {
-        access_type: Some(AccessType::Mount(MountVolume { fs_type: "ext4".into(), mount_flags: vec!["noatime".into()], volume_mount_group: String::new() })),
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: "ext4".into(),
+            mount_flags: vec!["noatime".into()],
+            volume_mount_group: String::new(),
+        })),
         ..cap.clone()
     };
     assert_code(c.stage(id, &staging, noatime).await, Code::AlreadyExists, "restage incompatible");
     // Staged elsewhere already.
     let other_staging = sb.kubelet().join("plugins/kubernetes.io/csi/pv/other/globalmount");
     fs::create_dir_all(other_staging.parent().unwrap()).unwrap();
-    assert_code(c.stage(id, &other_staging.to_string_lossy(), cap.clone()).await, Code::FailedPrecondition, "stage at a second path");
-    assert_code(c.publish("", &staging, &target, cap.clone(), false).await, Code::InvalidArgument, "publish without id");
+    assert_code(
+        c.stage(id, &other_staging.to_string_lossy(), cap.clone()).await,
+        Code::FailedPrecondition,
+        "stage at a second path",
+    );
+    assert_code(
+        c.publish("", &staging, &target, cap.clone(), false).await,
+        Code::InvalidArgument,
+        "publish without id",
+    );
     assert_code(c.publish(id, &staging, "", cap.clone(), false).await, Code::InvalidArgument, "publish without target");
-    assert_code(c.publish(id, "", &target, cap.clone(), false).await, Code::FailedPrecondition, "publish without staging path");
+    assert_code(
+        c.publish(id, "", &target, cap.clone(), false).await,
+        Code::FailedPrecondition,
+        "publish without staging path",
+    );
     let r = c
         .node
         .node_publish_volume(csi::NodePublishVolumeRequest {
@@ -1060,20 +1130,37 @@ async fn conformance_node_errors() {
         .await;
     assert_code(r, Code::InvalidArgument, "publish without capability");
     assert_code(c.publish("pvc-nope", &staging, &target, cap.clone(), false).await, Code::NotFound, "publish unknown");
-    assert_code(c.publish(id, &staging, "/tmp/np-escape", cap.clone(), false).await, Code::InvalidArgument, "target outside");
+    assert_code(
+        c.publish(id, &staging, "/tmp/np-escape", cap.clone(), false).await,
+        Code::InvalidArgument,
+        "target outside",
+    );
     // SINGLE_NODE_SINGLE_WRITER: a second publication is refused.
     let single = mount_cap("ext4", Mode::SingleNodeSingleWriter);
     c.publish(id, &staging, &target, single.clone(), false).await.unwrap();
     let target2 = sb.target(id, "pod-f", false);
-    assert_code(c.publish(id, &staging, &target2, single.clone(), false).await, Code::FailedPrecondition, "second single writer");
+    assert_code(
+        c.publish(id, &staging, &target2, single.clone(), false).await,
+        Code::FailedPrecondition,
+        "second single writer",
+    );
     // Republish the same target with another capability or readonly: ALREADY_EXISTS.
     assert_code(c.publish(id, &staging, &target, single.clone(), true).await, Code::AlreadyExists, "republish ro");
-    assert_code(c.publish(id, &staging, &target, cap.clone(), false).await, Code::AlreadyExists, "republish other mode");
+    assert_code(
+        c.publish(id, &staging, &target, cap.clone(), false).await,
+        Code::AlreadyExists,
+        "republish other mode",
+    );
     // A target with someone else's mount on it.
     let foreign = sb.target(id, "pod-g", false);
     fs::create_dir_all(&foreign).unwrap();
-    nix::mount::mount(Some("tmpfs"), Path::new(&foreign), Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>).unwrap();
-    assert_code(c.publish(id, &staging, &foreign, cap.clone(), false).await, Code::AlreadyExists, "foreign mount at target");
+    nix::mount::mount(Some("tmpfs"), Path::new(&foreign), Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>)
+        .unwrap();
+    assert_code(
+        c.publish(id, &staging, &foreign, cap.clone(), false).await,
+        Code::AlreadyExists,
+        "foreign mount at target",
+    );
     // Unpublish of a target this volume is not published at: OK, and the foreign mount stays.
     c.unpublish(id, &foreign).await.unwrap();
     assert!(mounted_at(Path::new(&foreign)).is_some(), "unpublish removed a mount that was not the volume's");
@@ -1099,10 +1186,18 @@ async fn conformance_node_errors() {
     for (what, p) in [("relative", rel.as_str()), ("outside", "/etc/np-x"), ("dotdot", "/a/../etc")] {
         assert_code(c.stage("pvc-nope", p, cap.clone()).await, Code::NotFound, &format!("stage unknown, {what} path"));
         assert_code(c.unstage("pvc-nope", p).await, Code::NotFound, &format!("unstage unknown, {what} path"));
-        assert_code(c.publish("pvc-nope", &staging, p, cap.clone(), false).await, Code::NotFound, &format!("publish unknown, {what} path"));
+        assert_code(
+            c.publish("pvc-nope", &staging, p, cap.clone(), false).await,
+            Code::NotFound,
+            &format!("publish unknown, {what} path"),
+        );
         assert_code(c.unpublish("pvc-nope", p).await, Code::NotFound, &format!("unpublish unknown, {what} path"));
         assert_code(c.stats("pvc-nope", p).await, Code::NotFound, &format!("stats unknown, {what} path"));
-        assert_code(c.expand("pvc-nope", p, 64 * MIB, 0).await, Code::NotFound, &format!("expand unknown, {what} path"));
+        assert_code(
+            c.expand("pvc-nope", p, 64 * MIB, 0).await,
+            Code::NotFound,
+            &format!("expand unknown, {what} path"),
+        );
         // A known volume: stats and expand say it is not there; the others refuse the path.
         assert_code(c.stats(id, p).await, Code::NotFound, &format!("stats known, {what} path"));
         assert_code(c.expand(id, p, 64 * MIB, 0).await, Code::NotFound, &format!("expand known, {what} path"));
@@ -1137,7 +1232,11 @@ async fn never_formats_a_device_that_holds_data() {
     let out = Command::new("mkfs.xfs").arg("-q").arg("-f").arg(image(&sb, id)).output().unwrap();
     assert!(out.status.success(), "{out:?}");
     let staging = sb.staging(id, false);
-    let msg = assert_code(c.stage(id, &staging, mount_cap("", Mode::SingleNodeWriter)).await, Code::FailedPrecondition, "stage over xfs");
+    let msg = assert_code(
+        c.stage(id, &staging, mount_cap("", Mode::SingleNodeWriter)).await,
+        Code::FailedPrecondition,
+        "stage over xfs",
+    );
     assert!(msg.contains("xfs"), "{msg}");
     let probe = Command::new("blkid").args(["-p", "-o", "value", "-s", "TYPE"]).arg(image(&sb, id)).output().unwrap();
     assert_eq!(String::from_utf8_lossy(&probe.stdout).trim(), "xfs", "the data was touched");

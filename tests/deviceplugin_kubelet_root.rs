@@ -217,7 +217,13 @@ impl Sandbox {
     }
 
     /// Wait until `pred` holds for `resource`; panics with the state and the log otherwise.
-    async fn wait(&mut self, resource: &str, timeout: Duration, what: &str, pred: impl Fn(&Resource) -> bool) -> Resource {
+    async fn wait(
+        &mut self,
+        resource: &str,
+        timeout: Duration,
+        what: &str,
+        pred: impl Fn(&Resource) -> bool,
+    ) -> Resource {
         let deadline = Instant::now() + timeout;
         loop {
             let slice = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(200));
@@ -252,7 +258,8 @@ impl Sandbox {
             .await
             .map_err(|state| {
                 let all = self.kl.resources();
-                let missing: Vec<&String> = names.iter().filter(|n| !all.get(*n).is_some_and(|r| served(r, inst))).collect();
+                let missing: Vec<&String> =
+                    names.iter().filter(|n| !all.get(*n).is_some_and(|r| served(r, inst))).collect();
                 format!("not registered (and listing) with instance {inst}: {missing:?}\n{state}")
             })
     }
@@ -260,7 +267,8 @@ impl Sandbox {
     /// SIGTERM; the agent must exit cleanly.
     async fn stop(&mut self) {
         if let Some(mut c) = self.agent.take() {
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM)
+                .unwrap();
             let deadline = Instant::now() + Duration::from_secs(20);
             loop {
                 if let Some(st) = c.try_wait().unwrap() {
@@ -380,7 +388,8 @@ fn healthz_once(limit: Duration) -> Result<(String, Duration), String> {
     let mut s = std::net::TcpStream::connect_timeout(&addr, limit).map_err(|e| format!("connect: {e}"))?;
     s.set_read_timeout(Some(limit)).unwrap();
     s.set_write_timeout(Some(limit)).unwrap();
-    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").map_err(|e| format!("write: {e}"))?;
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        .map_err(|e| format!("write: {e}"))?;
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).map_err(|e| format!("read after {:?}: {e}", t0.elapsed()))?;
     let text = String::from_utf8_lossy(&buf);
@@ -401,7 +410,8 @@ impl HealthPoller {
         let thread = std::thread::spawn(move || {
             let path = format!("/proc/{agent_pid}/ns/net");
             let fd = fs::File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
-            nix::sched::setns(&fd, nix::sched::CloneFlags::CLONE_NEWNET).unwrap_or_else(|e| panic!("setns {path}: {e}"));
+            nix::sched::setns(&fd, nix::sched::CloneFlags::CLONE_NEWNET)
+                .unwrap_or_else(|e| panic!("setns {path}: {e}"));
             let mut out = Vec::new();
             while !s.load(Ordering::Relaxed) {
                 let t0 = Instant::now();
@@ -466,7 +476,10 @@ async fn preferred_allocation_does_not_freeze_the_agent() {
         sb.mknod(&format!("bigdev{i}"));
     }
     sb.mknod("hotdev0");
-    sb.write_devices(vec![sb.entry("bigdev", "bigdev[0-9]*", 1000, false), sb.entry("hotdev", "hotdev[0-9]*", 1, false)]);
+    sb.write_devices(vec![
+        sb.entry("bigdev", "bigdev[0-9]*", 1000, false),
+        sb.entry("hotdev", "hotdev[0-9]*", 1, false),
+    ]);
     let (big, hot) = (res("bigdev"), res("hotdev"));
     sb.kl.start().await;
     sb.start_agent();
@@ -501,11 +514,21 @@ async fn preferred_allocation_does_not_freeze_the_agent() {
             let ids = resp.container_responses.first().map(|c| c.device_i_ds.clone()).unwrap_or_default();
             let distinct: BTreeSet<&String> = ids.iter().collect();
             p.check(ids.len() == 4000 && distinct.len() == 4000, || {
-                format!("single GetPreferredAllocation answered {} IDs ({} distinct), asked for 4000", ids.len(), distinct.len())
+                format!(
+                    "single GetPreferredAllocation answered {} IDs ({} distinct), asked for 4000",
+                    ids.len(),
+                    distinct.len()
+                )
             });
-            p.check(took <= Duration::from_secs(1), || format!("single 10,000-ID GetPreferredAllocation took {took:?} (limit 1 s)"));
+            p.check(took <= Duration::from_secs(1), || {
+                format!("single 10,000-ID GetPreferredAllocation took {took:?} (limit 1 s)")
+            });
         }
-        Err(e) => p.push(format!("single 10,000-ID GetPreferredAllocation (size 4000, 1 s deadline) failed after {took:?}: {:?}: {}", e.code(), cut(e.message(), 300))),
+        Err(e) => p.push(format!(
+            "single 10,000-ID GetPreferredAllocation (size 4000, 1 s deadline) failed after {took:?}: {:?}: {}",
+            e.code(),
+            cut(e.message(), 300)
+        )),
     }
 
     // 4 concurrent calls with a 1 s deadline, health polled, hot-plug of the other resource.
@@ -539,7 +562,9 @@ async fn preferred_allocation_does_not_freeze_the_agent() {
                 format!("hot-plug of hotdev1 reached kubelet {took:?} after mknod while GetPreferredAllocation ran (limit 1 s)")
             });
         }
-        Err(_) => p.push("hot-plug of hotdev1 did not reach kubelet within 3 s while GetPreferredAllocation ran (limit 1 s)".into()),
+        Err(_) => p.push(
+            "hot-plug of hotdev1 did not reach kubelet within 3 s while GetPreferredAllocation ran (limit 1 s)".into(),
+        ),
     }
     let mut outcomes = Vec::new();
     for c in calls {
@@ -551,7 +576,12 @@ async fn preferred_allocation_does_not_freeze_the_agent() {
         tokio::time::sleep(Duration::from_secs(3) - since).await;
     }
     let health = poller.finish();
-    p.check(health.len() >= 5, || format!("/healthz was polled only {} times in ~3 s (each poll may take up to 3 s when the agent is frozen)", health.len()));
+    p.check(health.len() >= 5, || {
+        format!(
+            "/healthz was polled only {} times in ~3 s (each poll may take up to 3 s when the agent is frozen)",
+            health.len()
+        )
+    });
     let slow: Vec<String> = health
         .iter()
         .filter(|(r, took)| *took > Duration::from_millis(500) || !r.as_ref().is_ok_and(|l| l.contains(" 200")))
@@ -567,9 +597,13 @@ async fn preferred_allocation_does_not_freeze_the_agent() {
     });
     for (i, (r, took)) in outcomes.iter().enumerate() {
         // Either answered in time or cut by the 1 s deadline, and the client saw that at 1 s.
-        p.check(*took <= Duration::from_millis(1500), || format!("concurrent call {i} returned after {took:?} ({r:?}) with a 1 s deadline"));
+        p.check(*took <= Duration::from_millis(1500), || {
+            format!("concurrent call {i} returned after {took:?} ({r:?}) with a 1 s deadline")
+        });
         if let Err(e) = r {
-            p.check(e.starts_with("DeadlineExceeded") || e.starts_with("Cancelled"), || format!("concurrent call {i} failed: {e}"));
+            p.check(e.starts_with("DeadlineExceeded") || e.starts_with("Cancelled"), || {
+                format!("concurrent call {i} failed: {e}")
+            });
         }
     }
     println!("concurrent GetPreferredAllocation: {outcomes:?}");
@@ -637,18 +671,26 @@ async fn digit_leading_resource_name_is_refused_for_cdi_only() {
     sb.assert_alive();
     let mut p = Problems::default();
     let names: Vec<String> = sb.kl.resources().into_keys().collect();
-    p.check(names == vec![ok.clone()], || format!("with \"cdi\": true only nodeplane.dev/okdev may register; registered: {names:?}"));
-    p.check(!sb.cdi_file("3dfx").exists(), || format!("a CDI spec was written for \"3dfx\": {}", sb.cdi_file("3dfx").display()));
+    p.check(names == vec![ok.clone()], || {
+        format!("with \"cdi\": true only nodeplane.dev/okdev may register; registered: {names:?}")
+    });
+    p.check(!sb.cdi_file("3dfx").exists(), || {
+        format!("a CDI spec was written for \"3dfx\": {}", sb.cdi_file("3dfx").display())
+    });
     p.check(!sb.sock("3dfx").exists(), || "\"3dfx\" (cdi: true) is served on a socket".into());
     let log = sb.log();
-    p.check(log_refuses_for_cdi(&log, "3dfx"), || "no error line naming \"3dfx\" and mentioning CDI in the agent log".into());
+    p.check(log_refuses_for_cdi(&log, "3dfx"), || {
+        "no error line naming \"3dfx\" and mentioning CDI in the agent log".into()
+    });
     // The valid entry's spec is there and valid (finish() validates every file), and its
     // Allocate names only devices of it.
     p.check(cdi_names_in_spec(&sb.cdi_file("okdev")).contains("okdev0"), || "okdev's CDI spec lacks okdev0".into());
     match sb.kl.allocate(&ok, vec![vec!["okdev0".into()]]).await {
         Ok(a) => {
             let names: Vec<String> = a.container_responses[0].cdi_devices.iter().map(|d| d.name.clone()).collect();
-            p.check(names == vec!["nodeplane.dev/okdev=okdev0".to_string()], || format!("Allocate okdev0 CDI names {names:?}"));
+            p.check(names == vec!["nodeplane.dev/okdev=okdev0".to_string()], || {
+                format!("Allocate okdev0 CDI names {names:?}")
+            });
         }
         Err(e) => p.push(format!("Allocate okdev0: {e}")),
     }
@@ -659,17 +701,24 @@ async fn digit_leading_resource_name_is_refused_for_cdi_only() {
     // A registration after this reload (today's agent registered "3dfx" already, and a
     // changed entry is served anew).
     let n0 = sb.kl.resource(&dfx).map(|r| r.registrations).unwrap_or(0);
-    match sb.kl.wait_for(&dfx, SLOW, |r| r.registrations > n0 && r.streaming && r.messages_this_registration >= 1).await {
+    match sb.kl.wait_for(&dfx, SLOW, |r| r.registrations > n0 && r.streaming && r.messages_this_registration >= 1).await
+    {
         Ok(r) => {
             p.check(r.ids() == vec!["gfx0".to_string()], || format!("3dfx (cdi: false) lists {:?}", r.ids()));
             match sb.kl.allocate(&dfx, vec![vec!["gfx0".into()]]).await {
                 Ok(a) => p.check(a.container_responses[0].cdi_devices.is_empty(), || {
-                    format!("3dfx has cdi: false, yet Allocate names CDI devices {:?}", a.container_responses[0].cdi_devices)
+                    format!(
+                        "3dfx has cdi: false, yet Allocate names CDI devices {:?}",
+                        a.container_responses[0].cdi_devices
+                    )
                 }),
                 Err(e) => p.push(format!("Allocate gfx0 of 3dfx (cdi: false): {e}")),
             }
         }
-        Err(state) => p.push(format!("\"3dfx\" with \"cdi\": false was not served and registered within {SLOW:?}: {}", cut(&state, 2000))),
+        Err(state) => p.push(format!(
+            "\"3dfx\" with \"cdi\": false was not served and registered within {SLOW:?}: {}",
+            cut(&state, 2000)
+        )),
     }
     p.check(!sb.cdi_file("3dfx").exists(), || "3dfx has cdi: false, yet its CDI spec exists".into());
     p.check(sb.kl.resource(&ok).is_some_and(|r| r.streaming), || "okdev stopped streaming after the reload".into());
@@ -696,13 +745,21 @@ async fn backslash_in_device_node_name_never_reaches_the_cdi_spec() {
     sb.start_agent();
     let name = res("testdev");
     sb.registered_now(&name, STARTUP).await;
-    let r = sb.wait(&name, SLOW, "testdev0 and testdev1 listed", |r| r.health("testdev0").is_some() && r.health("testdev1").is_some()).await;
+    let r = sb
+        .wait(&name, SLOW, "testdev0 and testdev1 listed", |r| {
+            r.health("testdev0").is_some() && r.health("testdev1").is_some()
+        })
+        .await;
     let mut p = Problems::default();
     let spec = sb.cdi_file("testdev");
     let text = fs::read_to_string(&spec).unwrap_or_default();
-    p.check(cdi_validate::validate(&text).is_ok(), || format!("the CDI spec is invalid: {:?}", cdi_validate::validate(&text).err()));
+    p.check(cdi_validate::validate(&text).is_ok(), || {
+        format!("the CDI spec is invalid: {:?}", cdi_validate::validate(&text).err())
+    });
     let in_spec = cdi_names_in_spec(&spec);
-    p.check(in_spec.contains("testdev0") && in_spec.contains("testdev1"), || format!("the CDI spec lacks valid devices: {in_spec:?}"));
+    p.check(in_spec.contains("testdev0") && in_spec.contains("testdev1"), || {
+        format!("the CDI spec lacks valid devices: {in_spec:?}")
+    });
     p.check(!in_spec.iter().any(|n| n.contains('\\')), || format!("the CDI spec names the bad device: {in_spec:?}"));
     let mut to_allocate = vec!["testdev0".to_string(), "testdev1".to_string()];
     let advertised_bad: Vec<String> = r.ids().into_iter().filter(|id| id.contains('\\')).collect();
@@ -716,7 +773,9 @@ async fn backslash_in_device_node_name_never_reaches_the_cdi_spec() {
                 }
                 for d in &c.cdi_devices {
                     let dev = d.name.strip_prefix("nodeplane.dev/testdev=").unwrap_or(&d.name);
-                    p.check(in_spec.contains(dev), || format!("Allocate {id:?} names CDI device {:?}, not in the spec {in_spec:?}", d.name));
+                    p.check(in_spec.contains(dev), || {
+                        format!("Allocate {id:?} names CDI device {:?}, not in the spec {in_spec:?}", d.name)
+                    });
                 }
             }
             Err(e) if advertised_bad.contains(id) => println!("Allocate of the advertised bad device refused: {e}"),
@@ -759,7 +818,13 @@ async fn rm_rf(dir: &Path) {
 
 /// One round's check: every resource registered and listing with the new instance within
 /// `limit` of `t0`, then (after `settle`) still exactly once. `Err`: what went wrong.
-async fn round_check(sb: &Sandbox, names: &[String], t0: Instant, limit: Duration, settle: Duration) -> Result<Duration, String> {
+async fn round_check(
+    sb: &Sandbox,
+    names: &[String],
+    t0: Instant,
+    limit: Duration,
+    settle: Duration,
+) -> Result<Duration, String> {
     let left = limit.saturating_sub(t0.elapsed());
     let r = sb.all_registered(names, left).await;
     let took = t0.elapsed();
@@ -844,12 +909,19 @@ async fn slow_register_of_one_resource_does_not_stall_another() {
     let deadline = Instant::now() + SLOW;
     while sb.kl.pending_registrations(&b) == 0 {
         sb.assert_alive();
-        assert!(Instant::now() < deadline, "bdev never called Register within {SLOW:?}\n{}\n{}", sb.kl.describe(), sb.log_tail());
+        assert!(
+            Instant::now() < deadline,
+            "bdev never called Register within {SLOW:?}\n{}\n{}",
+            sb.kl.describe(),
+            sb.log_tail()
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut p = Problems::default();
-    p.check(sb.kl.pending_registrations(&b) >= 1, || "bdev's Register is no longer pending 300 ms into a 5 s delay".into());
+    p.check(sb.kl.pending_registrations(&b) >= 1, || {
+        "bdev's Register is no longer pending 300 ms into a 5 s delay".into()
+    });
     let t0 = Instant::now();
     sb.mknod("adev1");
     match sb.kl.wait_for(&a, Duration::from_secs(6), |r| r.has("adev1", kubelet_emulator::HEALTHY)).await {
@@ -860,12 +932,16 @@ async fn slow_register_of_one_resource_does_not_stall_another() {
             });
             println!("hot-plug during a pending Register: {took:?}");
         }
-        Err(_) => p.push("adev1 did not reach adev's ListAndWatch within 6 s while bdev's Register was pending (limit 500 ms)".into()),
+        Err(_) => p.push(
+            "adev1 did not reach adev's ListAndWatch within 6 s while bdev's Register was pending (limit 500 ms)"
+                .into(),
+        ),
     }
     p.check(sb.kl.resource(&a).is_some_and(|r| r.streaming), || "adev stopped streaming".into());
     // Let B through: it registers eventually.
     sb.kl.set_register_delay(&b, Duration::ZERO);
-    if sb.kl.wait_for(&b, Duration::from_secs(15), |r| r.streaming && r.messages_this_registration >= 1).await.is_err() {
+    if sb.kl.wait_for(&b, Duration::from_secs(15), |r| r.streaming && r.messages_this_registration >= 1).await.is_err()
+    {
         p.push("bdev did not register within 15 s once kubelet answered promptly".into());
     }
     p.finish(&sb, "slow_register_of_one_resource_does_not_stall_another");
@@ -910,7 +986,8 @@ async fn no_double_registration_across_kubelet_restarts() {
                 problems.push(cut(&e, 1000));
             }
             tokio::time::sleep(Duration::from_secs(1)).await;
-            let counts: Vec<(String, u32)> = names.iter().map(|n| (n.clone(), sb.kl.registrations_this_instance(n))).collect();
+            let counts: Vec<(String, u32)> =
+                names.iter().map(|n| (n.clone(), sb.kl.registrations_this_instance(n))).collect();
             if counts.iter().any(|(_, c)| *c != 1) {
                 problems.push(format!("registrations with this instance: {counts:?}"));
             }
@@ -927,7 +1004,9 @@ async fn no_double_registration_across_kubelet_restarts() {
             sb.assert_alive();
         }
         println!("{mode}: {bad_rounds} of 10 rounds with a problem");
-        p.check(bad_rounds == 0, || format!("{mode}: {bad_rounds} of 10 rounds had a double (or missing) registration"));
+        p.check(bad_rounds == 0, || {
+            format!("{mode}: {bad_rounds} of 10 rounds had a double (or missing) registration")
+        });
     }
     p.check(sb.refusals().is_empty(), || format!("kubelet refused registrations: {:?}", sb.refusals()));
     p.finish(&sb, "no_double_registration_across_kubelet_restarts");
@@ -959,13 +1038,19 @@ async fn unchanged_cdi_spec_is_kept_and_refusals_are_bounded() {
 
     let mut p = Problems::default();
     fs::remove_file(sb.sock("testdev")).unwrap();
-    match sb.kl.wait_for(&name, SLOW, |r| r.registrations_in_instance >= 2 && r.streaming && r.messages_this_registration >= 1).await {
+    match sb
+        .kl
+        .wait_for(&name, SLOW, |r| r.registrations_in_instance >= 2 && r.streaming && r.messages_this_registration >= 1)
+        .await
+    {
         Ok(_) => {}
         Err(e) => p.push(format!("the plugin did not register again after its socket was deleted: {}", cut(&e, 1000))),
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let after = stat(&spec);
-    p.check(fs::read(&spec).ok().as_deref() == Some(&content[..]), || "the CDI spec's content changed after a plugin restart".into());
+    p.check(fs::read(&spec).ok().as_deref() == Some(&content[..]), || {
+        "the CDI spec's content changed after a plugin restart".into()
+    });
     p.check(after == before, || {
         format!("the unchanged CDI spec was rewritten when the plugin restarted: (inode, mtime s, ns) {before:?} -> {after:?}")
     });
@@ -975,8 +1060,20 @@ async fn unchanged_cdi_spec_is_kept_and_refusals_are_bounded() {
     match sb.kl.allocate(&name, vec![vec![huge]]).await {
         Ok(_) => p.push("Allocate of a 3 MiB unknown device ID succeeded".into()),
         Err(e) => {
-            p.check(e.code() == Code::InvalidArgument, || format!("Allocate of a 3 MiB unknown ID: code {:?} (expected InvalidArgument): {}", e.code(), cut(e.message(), 300)));
-            p.check(e.message().len() < 4096, || format!("Allocate's error message is {} bytes (limit 4096): {}", e.message().len(), cut(e.message(), 200)));
+            p.check(e.code() == Code::InvalidArgument, || {
+                format!(
+                    "Allocate of a 3 MiB unknown ID: code {:?} (expected InvalidArgument): {}",
+                    e.code(),
+                    cut(e.message(), 300)
+                )
+            });
+            p.check(e.message().len() < 4096, || {
+                format!(
+                    "Allocate's error message is {} bytes (limit 4096): {}",
+                    e.message().len(),
+                    cut(e.message(), 200)
+                )
+            });
         }
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -1054,8 +1151,12 @@ async fn hundred_rounds_of_kubelet_restarts_dir_removal_and_stale_sockets() {
         )
     });
     let dups = sb.kl.duplicates();
-    p.check(dups.is_empty(), || format!("{} duplicate registrations, e.g. {:?}", dups.len(), &dups[..dups.len().min(3)]));
-    p.check(sb.refusals().is_empty(), || format!("kubelet refused registrations: {:?}", &sb.refusals()[..sb.refusals().len().min(5)]));
+    p.check(dups.is_empty(), || {
+        format!("{} duplicate registrations, e.g. {:?}", dups.len(), &dups[..dups.len().min(3)])
+    });
+    p.check(sb.refusals().is_empty(), || {
+        format!("kubelet refused registrations: {:?}", &sb.refusals()[..sb.refusals().len().min(5)])
+    });
     p.finish(&sb, "hundred_rounds_of_kubelet_restarts_dir_removal_and_stale_sockets");
     sb.stop().await;
 }
@@ -1077,21 +1178,32 @@ async fn kubelet_emulator_wipes_sockets_and_counts_duplicates() {
     struct Plugin;
     #[tonic::async_trait]
     impl DevicePlugin for Plugin {
-        async fn get_device_plugin_options(&self, _: Request<dp::Empty>) -> Result<Response<dp::DevicePluginOptions>, Status> {
+        async fn get_device_plugin_options(
+            &self,
+            _: Request<dp::Empty>,
+        ) -> Result<Response<dp::DevicePluginOptions>, Status> {
             Ok(Response::new(dp::DevicePluginOptions::default()))
         }
         type ListAndWatchStream = Pin<Box<dyn Stream<Item = Result<dp::ListAndWatchResponse, Status>> + Send>>;
         async fn list_and_watch(&self, _: Request<dp::Empty>) -> Result<Response<Self::ListAndWatchStream>, Status> {
-            let first = dp::ListAndWatchResponse { devices: vec![dp::Device { id: "a".into(), health: "Healthy".into(), topology: None }] };
+            let first = dp::ListAndWatchResponse {
+                devices: vec![dp::Device { id: "a".into(), health: "Healthy".into(), topology: None }],
+            };
             Ok(Response::new(Box::pin(tokio_stream::once(Ok(first)).chain(tokio_stream::pending()))))
         }
-        async fn get_preferred_allocation(&self, _: Request<dp::PreferredAllocationRequest>) -> Result<Response<dp::PreferredAllocationResponse>, Status> {
+        async fn get_preferred_allocation(
+            &self,
+            _: Request<dp::PreferredAllocationRequest>,
+        ) -> Result<Response<dp::PreferredAllocationResponse>, Status> {
             Err(Status::unimplemented("no"))
         }
         async fn allocate(&self, _: Request<dp::AllocateRequest>) -> Result<Response<dp::AllocateResponse>, Status> {
             Err(Status::unimplemented("no"))
         }
-        async fn pre_start_container(&self, _: Request<dp::PreStartContainerRequest>) -> Result<Response<dp::PreStartContainerResponse>, Status> {
+        async fn pre_start_container(
+            &self,
+            _: Request<dp::PreStartContainerRequest>,
+        ) -> Result<Response<dp::PreStartContainerResponse>, Status> {
             Ok(Response::new(dp::PreStartContainerResponse {}))
         }
     }

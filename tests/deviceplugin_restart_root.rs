@@ -132,13 +132,23 @@ impl Sandbox {
     async fn registered(&mut self, n: u32) -> Resource {
         let deadline = Instant::now() + STARTUP;
         loop {
-            match self.kl.wait_for(RES, Duration::from_millis(200), |r| r.registrations >= n && r.messages_this_registration >= 1).await {
+            match self
+                .kl
+                .wait_for(RES, Duration::from_millis(200), |r| {
+                    r.registrations >= n && r.messages_this_registration >= 1
+                })
+                .await
+            {
                 Ok(r) => return r,
                 Err(state) => {
                     if let Some(st) = self.agent.as_mut().and_then(|c| c.try_wait().unwrap()) {
                         panic!("the agent exited ({st}):\n{state}\n{}", self.log());
                     }
-                    assert!(Instant::now() < deadline, "registration #{n} of {RES}: not within {STARTUP:?}\n{state}\n{}", self.log());
+                    assert!(
+                        Instant::now() < deadline,
+                        "registration #{n} of {RES}: not within {STARTUP:?}\n{state}\n{}",
+                        self.log()
+                    );
                 }
             }
         }
@@ -178,7 +188,8 @@ async fn device_assignments_survive_restart_crash_and_upgrade() {
     let assigned = vec![vec!["rolldev1".to_string()], vec!["rolldev0".to_string(), "rolldev2".to_string()]];
     let answer = sb.kl.allocate(RES, assigned.clone()).await.unwrap_or_else(|e| panic!("Allocate: {e}\n{}", sb.log()));
     assert_eq!(answer.container_responses.len(), 2);
-    let cdi = fs::read(sb.cdi_file()).unwrap_or_else(|e| panic!("CDI spec {}: {e}\n{}", sb.cdi_file().display(), sb.log()));
+    let cdi =
+        fs::read(sb.cdi_file()).unwrap_or_else(|e| panic!("CDI spec {}: {e}\n{}", sb.cdi_file().display(), sb.log()));
 
     // A reader that watches the CDI spec for the whole test.
     let stop = Arc::new(AtomicBool::new(false));
@@ -208,9 +219,8 @@ async fn device_assignments_survive_restart_crash_and_upgrade() {
     fs::write(upgrade.join("nodeplane-cni"), shim).unwrap();
 
     let mut figures = Vec::new();
-    for (round, (mode, sig)) in [("restart", Signal::SIGTERM), ("crash", Signal::SIGKILL), ("upgrade", Signal::SIGTERM)]
-        .into_iter()
-        .enumerate()
+    for (round, (mode, sig)) in
+        [("restart", Signal::SIGTERM), ("crash", Signal::SIGKILL), ("upgrade", Signal::SIGTERM)].into_iter().enumerate()
     {
         let t0 = Instant::now();
         sb.stop_agent(sig).await;
@@ -226,7 +236,11 @@ async fn device_assignments_survive_restart_crash_and_upgrade() {
         assert_eq!(listed(&r), devices, "{mode}: the plugin came back with another list");
         assert_eq!(r.endpoint, first.endpoint, "{mode}: endpoint");
         assert!(r.streaming, "{mode}: ListAndWatch stream ended: {:?}", r.stream_end);
-        let again = sb.kl.allocate(RES, assigned.clone()).await.unwrap_or_else(|e| panic!("{mode}: Allocate: {e}\n{}", sb.log()));
+        let again = sb
+            .kl
+            .allocate(RES, assigned.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{mode}: Allocate: {e}\n{}", sb.log()));
         assert_eq!(again, answer, "{mode}: Allocate for the assigned ids answers differently");
         assert_eq!(fs::read(sb.cdi_file()).unwrap(), cdi, "{mode}: CDI spec changed");
         figures.push((mode, took));

@@ -168,7 +168,13 @@ impl Sandbox {
 
     /// Wait until `pred` holds for `resource`, up to `timeout`; panics with what kubelet
     /// knows and the agent log otherwise (or as soon as the agent dies).
-    async fn wait(&mut self, resource: &str, timeout: Duration, what: &str, pred: impl Fn(&Resource) -> bool) -> Resource {
+    async fn wait(
+        &mut self,
+        resource: &str,
+        timeout: Duration,
+        what: &str,
+        pred: impl Fn(&Resource) -> bool,
+    ) -> Resource {
         let deadline = Instant::now() + timeout;
         loop {
             let slice = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(200));
@@ -195,7 +201,8 @@ impl Sandbox {
     /// SIGTERM; the agent must exit cleanly.
     async fn stop(&mut self) {
         if let Some(mut c) = self.agent.take() {
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM)
+                .unwrap();
             let deadline = Instant::now() + Duration::from_secs(20);
             loop {
                 if let Some(st) = c.try_wait().unwrap() {
@@ -215,7 +222,12 @@ impl Sandbox {
 
     /// Emulator-side sanity every test ends with: no refused registration, no protocol error.
     fn assert_kubelet_happy(&self) {
-        assert!(self.kl.failures().is_empty(), "kubelet refused registrations:\n{}\n{}", self.kl.describe(), self.log());
+        assert!(
+            self.kl.failures().is_empty(),
+            "kubelet refused registrations:\n{}\n{}",
+            self.kl.describe(),
+            self.log()
+        );
         for (name, r) in self.kl.resources() {
             assert!(r.protocol_errors.is_empty(), "{name}: protocol errors {:?}\n{}", r.protocol_errors, self.log());
         }
@@ -257,21 +269,25 @@ fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
 /// `containerEdits.deviceNodes[0].path`. Returns the device names.
 fn check_cdi(sb: &Sandbox, name: &str, expected: &[(&str, PathBuf)]) -> BTreeSet<String> {
     let path = sb.cdi_file(name);
-    let text = fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading CDI spec {}: {e}\n{}", path.display(), sb.log()));
-    let spec: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("CDI spec {} is not JSON ({e}):\n{text}", path.display()));
+    let text =
+        fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading CDI spec {}: {e}\n{}", path.display(), sb.log()));
+    let spec: Value = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("CDI spec {} is not JSON ({e}):\n{text}", path.display()));
     assert!(spec["cdiVersion"].is_string(), "CDI spec {}: cdiVersion is not a string:\n{text}", path.display());
     assert_eq!(spec["kind"], json!(format!("nodeplane.dev/{name}")), "CDI spec {}: kind:\n{text}", path.display());
-    let devices = spec["devices"].as_array().unwrap_or_else(|| panic!("CDI spec {}: no devices list:\n{text}", path.display()));
+    let devices =
+        spec["devices"].as_array().unwrap_or_else(|| panic!("CDI spec {}: no devices list:\n{text}", path.display()));
     let mut got = BTreeSet::new();
     for d in devices {
-        let n = d["name"].as_str().unwrap_or_else(|| panic!("CDI spec {}: a device without a name:\n{text}", path.display()));
-        let node = d["containerEdits"]["deviceNodes"][0]["path"]
+        let n = d["name"]
             .as_str()
-            .unwrap_or_else(|| panic!("CDI spec {}: device {n:?} has no containerEdits.deviceNodes[0].path:\n{text}", path.display()));
-        let want = expected
-            .iter()
-            .find(|(e, _)| *e == n)
-            .unwrap_or_else(|| panic!("CDI spec {}: unexpected device {n:?} (expected {expected:?}):\n{text}", path.display()));
+            .unwrap_or_else(|| panic!("CDI spec {}: a device without a name:\n{text}", path.display()));
+        let node = d["containerEdits"]["deviceNodes"][0]["path"].as_str().unwrap_or_else(|| {
+            panic!("CDI spec {}: device {n:?} has no containerEdits.deviceNodes[0].path:\n{text}", path.display())
+        });
+        let want = expected.iter().find(|(e, _)| *e == n).unwrap_or_else(|| {
+            panic!("CDI spec {}: unexpected device {n:?} (expected {expected:?}):\n{text}", path.display())
+        });
         assert_eq!(Path::new(node), want.1, "CDI spec {}: device {n:?} node path:\n{text}", path.display());
         assert!(got.insert(n.to_string()), "CDI spec {}: device {n:?} twice:\n{text}", path.display());
     }
@@ -285,13 +301,18 @@ fn check_cdi(sb: &Sandbox, name: &str, expected: &[(&str, PathBuf)]) -> BTreeSet
 fn check_cdi_refs(sb: &Sandbox, name: &str, c: &dp::ContainerAllocateResponse) {
     let path = sb.cdi_file(name);
     let text = fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading CDI spec {}: {e}", path.display()));
-    let spec: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("CDI spec {} is not JSON ({e})", path.display()));
+    let spec: Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("CDI spec {} is not JSON ({e})", path.display()));
     let in_file: BTreeSet<&str> =
         spec["devices"].as_array().into_iter().flatten().filter_map(|d| d["name"].as_str()).collect();
     for d in &c.cdi_devices {
         let (kind, dev) = d.name.split_once('=').unwrap_or_else(|| panic!("CDI name {:?} has no '='", d.name));
         assert_eq!(kind, format!("nodeplane.dev/{name}"), "CDI name {:?}", d.name);
-        assert!(in_file.contains(dev), "Allocate names CDI device {dev:?}, the spec {} has {in_file:?}", path.display());
+        assert!(
+            in_file.contains(dev),
+            "Allocate names CDI device {dev:?}, the spec {} has {in_file:?}",
+            path.display()
+        );
     }
 }
 
@@ -380,9 +401,7 @@ async fn health_follows_device_nodes_and_new_nodes_appear_within_1s() {
     sb.registered(RES, 1, STARTUP).await;
 
     sb.unlink("testdev1");
-    let r = sb
-        .wait(RES, SLOW, "testdev1 Unhealthy after unlink", |r| r.has("testdev1", UNHEALTHY))
-        .await;
+    let r = sb.wait(RES, SLOW, "testdev1 Unhealthy after unlink", |r| r.has("testdev1", UNHEALTHY)).await;
     assert!(r.has("testdev0", HEALTHY), "{:?}", r.devices);
     assert_eq!(r.ids(), strs(&["testdev0", "testdev1"]), "an unlinked node stays listed");
     assert_eq!((r.capacity(), r.allocatable()), (2, 1));
@@ -570,11 +589,16 @@ async fn shared_devices_list_k_suffixed_ids_and_preferred_spreads() {
 
     // 2 out of {a-0,a-1,b-0,b-1}: one of each physical device.
     let avail = strs(&["testdev0-0", "testdev0-1", "testdev1-0", "testdev1-1"]);
-    let got = sb.kl.preferred(RES, avail.clone(), vec![], 2).await.unwrap_or_else(|e| panic!("GetPreferredAllocation: {e}"));
+    let got =
+        sb.kl.preferred(RES, avail.clone(), vec![], 2).await.unwrap_or_else(|e| panic!("GetPreferredAllocation: {e}"));
     assert_eq!(got.len(), 2, "{got:?}");
     assert!(got.iter().all(|id| avail.contains(id)), "{got:?} not all from {avail:?}");
     let nodes: BTreeSet<&str> = got.iter().map(|id| id.rsplit_once('-').map(|(n, _)| n).unwrap_or(id)).collect();
-    assert_eq!(nodes, BTreeSet::from(["testdev0", "testdev1"]), "preferred {got:?} does not spread over the physical devices");
+    assert_eq!(
+        nodes,
+        BTreeSet::from(["testdev0", "testdev1"]),
+        "preferred {got:?} does not spread over the physical devices"
+    );
     for (must, size) in [(strs(&["testdev1-2"]), 3), (strs(&["testdev0-0", "testdev0-1"]), 4), (vec![], 6)] {
         let got = sb
             .kl
@@ -673,14 +697,22 @@ async fn kubelet_restart_reregisters_within_1s() {
         sb.kl.start().await;
         let r = sb.registered(RES, n, Duration::from_secs(5)).await;
         let took = r.registered_at.saturating_duration_since(t0);
-        assert!(took <= Duration::from_secs(1), "re-registration #{n} took {took:?} after kubelet came back (limit 1 s)\n{}", sb.log());
+        assert!(
+            took <= Duration::from_secs(1),
+            "re-registration #{n} took {took:?} after kubelet came back (limit 1 s)\n{}",
+            sb.log()
+        );
         let first = r
             .history
             .iter()
             .find(|(_, reg, _)| *reg == n)
             .map(|(_, _, l)| l.clone())
             .expect("a list on the new stream (just waited for it)");
-        assert_eq!(ids_of(&first), BTreeSet::from(["testdev0".to_string(), "testdev1".to_string()]), "full list after restart #{n}");
+        assert_eq!(
+            ids_of(&first),
+            BTreeSet::from(["testdev0".to_string(), "testdev1".to_string()]),
+            "full list after restart #{n}"
+        );
         assert!(r.streaming, "stream ended: {:?}", r.stream_end);
     }
     sb.kl.allocate(RES, vec![strs(&["testdev0"])]).await.unwrap_or_else(|e| panic!("Allocate after restarts: {e}"));
@@ -702,7 +734,11 @@ async fn plugin_retries_until_kubelet_appears() {
     sb.kl.start().await;
     let r = sb.registered(RES, 1, Duration::from_secs(10)).await;
     let took = r.registered_at.saturating_duration_since(t0);
-    assert!(took <= Duration::from_millis(1500), "registered {took:?} after kubelet appeared (limit ~1.5 s)\n{}", sb.log());
+    assert!(
+        took <= Duration::from_millis(1500),
+        "registered {took:?} after kubelet appeared (limit ~1.5 s)\n{}",
+        sb.log()
+    );
     assert_eq!(r.ids(), strs(&["testdev0"]));
     sb.assert_kubelet_happy();
     sb.stop().await;
@@ -723,7 +759,11 @@ async fn deleted_plugin_socket_is_recreated_and_reregistered() {
     fs::remove_file(sb.sock("testdev")).unwrap();
     let r = sb.registered(RES, 2, Duration::from_secs(5)).await;
     let took = r.registered_at.saturating_duration_since(t0);
-    assert!(took <= Duration::from_secs(1), "re-registered {took:?} after the socket was deleted (limit 1 s)\n{}", sb.log());
+    assert!(
+        took <= Duration::from_secs(1),
+        "re-registered {took:?} after the socket was deleted (limit 1 s)\n{}",
+        sb.log()
+    );
     assert_socket_0600(&sb.sock("testdev"), &sb.log());
     assert_eq!(r.ids(), strs(&["testdev0", "testdev1"]));
     // Served on the new socket.
@@ -756,7 +796,10 @@ async fn invalid_entries_are_logged_and_skipped() {
     assert_eq!(names, strs(&[RES]), "only the valid entry may register\n{}", sb.log());
     let log = sb.log();
     assert!(log_reports(&log, 0, "Bad Name!"), "no error naming entry 0 (\"Bad Name!\") in the agent log:\n{log}");
-    assert!(log_reports(&log, 2, "relglob"), "no error naming entry 2 (\"relglob\", relative glob) in the agent log:\n{log}");
+    assert!(
+        log_reports(&log, 2, "relglob"),
+        "no error naming entry 2 (\"relglob\", relative glob) in the agent log:\n{log}"
+    );
     sb.assert_kubelet_happy();
     sb.stop().await;
 }
@@ -819,7 +862,10 @@ async fn reload_adds_and_removes_resources() {
     // testdev is untouched.
     assert!(sb.sock("testdev").exists(), "testdev's socket went away on reload");
     assert!(sb.cdi_file("testdev").exists(), "testdev's CDI spec went away on reload");
-    sb.kl.allocate(RES, vec![strs(&["testdev0"])]).await.unwrap_or_else(|e| panic!("Allocate testdev0 after reload: {e}"));
+    sb.kl
+        .allocate(RES, vec![strs(&["testdev0"])])
+        .await
+        .unwrap_or_else(|e| panic!("Allocate testdev0 after reload: {e}"));
     sb.assert_kubelet_happy();
     sb.stop().await;
 }
@@ -846,8 +892,14 @@ mod fake {
 
     #[tonic::async_trait]
     impl DevicePlugin for Plugin {
-        async fn get_device_plugin_options(&self, _: Request<dp::Empty>) -> Result<Response<dp::DevicePluginOptions>, Status> {
-            Ok(Response::new(dp::DevicePluginOptions { pre_start_required: true, get_preferred_allocation_available: true }))
+        async fn get_device_plugin_options(
+            &self,
+            _: Request<dp::Empty>,
+        ) -> Result<Response<dp::DevicePluginOptions>, Status> {
+            Ok(Response::new(dp::DevicePluginOptions {
+                pre_start_required: true,
+                get_preferred_allocation_available: true,
+            }))
         }
         type ListAndWatchStream = Pin<Box<dyn Stream<Item = Result<dp::ListAndWatchResponse, Status>> + Send>>;
         async fn list_and_watch(&self, _: Request<dp::Empty>) -> Result<Response<Self::ListAndWatchStream>, Status> {
@@ -964,7 +1016,9 @@ async fn kubelet_emulator_self_check() {
     // Re-registration replaces the first one and gets the full list again.
     register(req("v1beta1"), kl.socket()).await.unwrap();
     let r = kl
-        .wait_for("example.com/fake", Duration::from_secs(2), |r| r.registrations == 2 && r.messages_this_registration == 1)
+        .wait_for("example.com/fake", Duration::from_secs(2), |r| {
+            r.registrations == 2 && r.messages_this_registration == 1
+        })
         .await
         .unwrap();
     assert_eq!(r.messages, 3);
@@ -995,7 +1049,9 @@ async fn kubelet_emulator_self_check() {
     );
     register(req("v1beta1"), kl.socket()).await.unwrap();
     let r = kl
-        .wait_for("example.com/fake", Duration::from_secs(2), |r| r.registrations == 3 && r.messages_this_registration == 1)
+        .wait_for("example.com/fake", Duration::from_secs(2), |r| {
+            r.registrations == 3 && r.messages_this_registration == 1
+        })
         .await
         .unwrap();
     assert_eq!(r.devices, vec![kubelet_emulator::DeviceInfo { id: "a".into(), health: HEALTHY.into(), numa: vec![] }]);
@@ -1028,7 +1084,9 @@ async fn unopenable_node_is_unhealthy() {
     sb.kl.start().await;
     sb.start_agent();
     sb.registered(RES, 1, STARTUP).await;
-    let r = sb.wait(RES, SLOW, "testdev1 listed Unhealthy", |r| r.has("testdev1", UNHEALTHY) && r.has("testdev0", HEALTHY)).await;
+    let r = sb
+        .wait(RES, SLOW, "testdev1 listed Unhealthy", |r| r.has("testdev1", UNHEALTHY) && r.has("testdev0", HEALTHY))
+        .await;
     assert_eq!((r.capacity(), r.allocatable()), (2, 1));
     let e = sb.kl.allocate(RES, vec![strs(&["testdev1"])]).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e}");

@@ -37,7 +37,11 @@ const DRIVER: &str = "dra.nodeplane.dev";
 const STARTUP: Duration = Duration::from_secs(20);
 
 fn require_root() {
-    assert_eq!(unsafe { libc::geteuid() }, 0, "tests/dra_root.rs needs root (mknod, network namespace). It does not skip.");
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "tests/dra_root.rs needs root (mknod, network namespace). It does not skip."
+    );
 }
 
 struct Sandbox {
@@ -88,7 +92,12 @@ impl Sandbox {
             "pools": [{"cidr": "10.99.0.0/16", "blockPrefix": 24}],
         });
         fs::write(ctl.join("controller.json"), cfg.to_string()).unwrap();
-        let out = Command::new(CONTROLLER).args(["token", "--config"]).arg(ctl.join("controller.json")).arg(NODE).output().unwrap();
+        let out = Command::new(CONTROLLER)
+            .args(["token", "--config"])
+            .arg(ctl.join("controller.json"))
+            .arg(NODE)
+            .output()
+            .unwrap();
         assert!(out.status.success(), "token: {}", String::from_utf8_lossy(&out.stderr));
         fs::write(ctl.join("node.token"), &out.stdout).unwrap();
         let log = fs::File::create(ctl.join("controller.log")).unwrap();
@@ -104,7 +113,11 @@ impl Sandbox {
         self.controller = Some(child);
         let deadline = Instant::now() + STARTUP;
         while !fs::symlink_metadata(ctl.join("controller.sock")).is_ok_and(|m| m.file_type().is_socket()) {
-            assert!(Instant::now() < deadline, "controller not serving:\n{}", fs::read_to_string(ctl.join("controller.log")).unwrap_or_default());
+            assert!(
+                Instant::now() < deadline,
+                "controller not serving:\n{}",
+                fs::read_to_string(ctl.join("controller.log")).unwrap_or_default()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         let mut agent: Value = serde_json::from_slice(&fs::read(self.config()).unwrap()).unwrap();
@@ -319,7 +332,9 @@ async fn registration_info(sock: &Path) -> reg::PluginInfo {
     let ch = nodeplane::rpc::connect_unix(sock).await.unwrap();
     let mut c = reg::registration_client::RegistrationClient::new(ch);
     let info = c.get_info(reg::InfoRequest {}).await.unwrap().into_inner();
-    c.notify_registration_status(reg::RegistrationStatus { plugin_registered: true, error: String::new() }).await.unwrap();
+    c.notify_registration_status(reg::RegistrationStatus { plugin_registered: true, error: String::new() })
+        .await
+        .unwrap();
     info
 }
 
@@ -399,7 +414,11 @@ async fn prepare_restart_unprepare() {
     assert_eq!(ok_devices(&r, A), want_a);
     assert_eq!(ok_devices(&r, B), vec![device(&["one", "two"], "gpu-gpu2", B)]);
     let ghost = &r[U];
-    assert!(ghost.error.contains("default/ghost") && ghost.error.contains(U), "error names the claim: {:?}", ghost.error);
+    assert!(
+        ghost.error.contains("default/ghost") && ghost.error.contains(U),
+        "error names the claim: {:?}",
+        ghost.error
+    );
     assert!(ghost.devices.is_empty());
     assert!(!sb.cdi_spec(U).exists() && !sb.checkpoint(U).exists());
     assert!(sb.cdi_spec(B).exists() && sb.checkpoint(B).exists());
@@ -459,7 +478,10 @@ async fn health_and_offer() {
     sb.wait_socket(&plain, STARTUP).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     for name in ["acc", "shared"] {
-        assert!(!dp_dir.join(format!("nodeplane-{name}.sock")).exists(), "resource {name} offered through DRA is served as a device plugin");
+        assert!(
+            !dp_dir.join(format!("nodeplane-{name}.sock")).exists(),
+            "resource {name} offered through DRA is served as a device plugin"
+        );
     }
 
     let ch = nodeplane::rpc::connect_unix(&sb.dra_sock()).await.unwrap();
@@ -468,7 +490,11 @@ async fn health_and_offer() {
     let states = |m: &hpb::NodeWatchResourcesResponse| -> BTreeMap<String, i32> {
         m.devices.iter().map(|d| (d.device.as_ref().unwrap().device_name.clone(), d.health)).collect()
     };
-    let first = tokio::time::timeout(Duration::from_secs(2), stream.message()).await.expect("first list at once").unwrap().unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(2), stream.message())
+        .await
+        .expect("first list at once")
+        .unwrap()
+        .unwrap();
     let healthy = hpb::HealthStatus::Healthy as i32;
     let unhealthy = hpb::HealthStatus::Unhealthy as i32;
     assert_eq!(states(&first), BTreeMap::from([("acc-acc0".to_string(), healthy), ("acc-acc1".to_string(), healthy)]));
@@ -502,20 +528,33 @@ async fn health_and_offer() {
         let out = Command::new(CLI).args(["status", "--json", "--config"]).arg(sb.config()).output().unwrap();
         let doc: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
         let ready = |name: &str| {
-            doc["conditions"].as_array().into_iter().flatten().find(|c| c["name"] == name).map(|c| (c["ready"].as_bool(), c["detail"].clone()))
+            doc["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|c| c["name"] == name)
+                .map(|c| (c["ready"].as_bool(), c["detail"].clone()))
         };
         let (dp, dra) = (ready("deviceplugins"), ready("dra"));
         if dp.as_ref().is_some_and(|c| c.0 == Some(true)) && dra.as_ref().is_some_and(|c| c.0 == Some(true)) {
             break;
         }
-        assert!(Instant::now() < deadline, "conditions deviceplugins {dp:?}, dra {dra:?} not ready within 5 s:\n{}", sb.log());
+        assert!(
+            Instant::now() < deadline,
+            "conditions deviceplugins {dp:?}, dra {dra:?} not ready within 5 s:\n{}",
+            sb.log()
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
     let uid = "44444444-aaaa-4bbb-8ccc-000000000004";
     let gone = "55555555-aaaa-4bbb-8ccc-000000000005";
-    sb.write_claim(&json!({"namespace": "n", "name": "sick", "uid": uid, "results": [result("r", DRIVER, NODE, "acc-acc1")]}));
-    sb.write_claim(&json!({"namespace": "n", "name": "nope", "uid": gone, "results": [result("r", DRIVER, NODE, "shared-dp0")]}));
+    sb.write_claim(
+        &json!({"namespace": "n", "name": "sick", "uid": uid, "results": [result("r", DRIVER, NODE, "acc-acc1")]}),
+    );
+    sb.write_claim(
+        &json!({"namespace": "n", "name": "nope", "uid": gone, "results": [result("r", DRIVER, NODE, "shared-dp0")]}),
+    );
     let r = sb.prepare(&[("n", "sick", uid), ("n", "nope", gone)]).await;
     assert!(r[uid].error.contains("unhealthy") && r[uid].error.contains("acc-acc1"), "{:?}", r[uid].error);
     assert!(r[gone].error.contains("does not exist") && r[gone].error.contains("shared-dp0"), "{:?}", r[gone].error);
@@ -549,7 +588,9 @@ async fn kubelet_emulator_registers_prepares_hears_health_and_re_registers_after
         assert!(Instant::now() < deadline, "kubelet heard {:?}", kubelet.health(DRIVER));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    sb.write_claim(&json!({"namespace": "ns", "name": "c", "uid": A, "results": [result("r", DRIVER, NODE, "acc-acc0")]}));
+    sb.write_claim(
+        &json!({"namespace": "ns", "name": "c", "uid": A, "results": [result("r", DRIVER, NODE, "acc-acc0")]}),
+    );
     let got = kubelet.prepare(DRIVER, &[("ns", "c", A)]).await.unwrap();
     assert_eq!(ok_devices(&got, A), vec![device(&["r"], "acc-acc0", A)]);
     cdi_validate::validate(&fs::read_to_string(sb.cdi_spec(A)).unwrap()).unwrap();
@@ -562,7 +603,10 @@ async fn kubelet_emulator_registers_prepares_hears_health_and_re_registers_after
         }
         let t = Instant::now();
         kubelet.start();
-        let r = kubelet.wait_registered(DRIVER, Duration::from_secs(1)).await.unwrap_or_else(|e| panic!("wipe={wipe}: {e}\n{}", sb.log()));
+        let r = kubelet
+            .wait_registered(DRIVER, Duration::from_secs(1))
+            .await
+            .unwrap_or_else(|e| panic!("wipe={wipe}: {e}\n{}", sb.log()));
         eprintln!("kubelet restart (wipe={wipe}) -> registered again in {:?}", r.at - t);
         assert!(kubelet.failures().is_empty(), "{:?}", kubelet.failures());
     }
@@ -655,7 +699,12 @@ async fn devices_reach_the_controllers_slices_and_follow_hot_plug() {
     // The node leaves the cluster: its pool goes.
     sb.stop_agent().await;
     let admin = sb.dir.join("ctl/admin.token");
-    let out = Command::new(CONTROLLER).args(["token", "--config"]).arg(sb.controller_config()).arg("@admin").output().unwrap();
+    let out = Command::new(CONTROLLER)
+        .args(["token", "--config"])
+        .arg(sb.controller_config())
+        .arg("@admin")
+        .output()
+        .unwrap();
     fs::write(&admin, &out.stdout).unwrap();
     let out = Command::new(CONTROLLER)
         .args(["remove-node", "--controller"])
@@ -668,7 +717,11 @@ async fn devices_reach_the_controllers_slices_and_follow_hot_plug() {
     assert!(out.status.success(), "remove-node: {}", String::from_utf8_lossy(&out.stderr));
     let t = Instant::now();
     while !sb.slices().is_empty() {
-        assert!(t.elapsed() < Duration::from_secs(5), "slices left after the node was removed: {:?}", sb.slices().keys());
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "slices left after the node was removed: {:?}",
+            sb.slices().keys()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -1074,7 +1074,10 @@ async fn names_and_labels_follow_kubernetes_rules() {
     blocks.create(&pp, &ipblock(&long, "x")).await.expect("a 253-character name");
     let (code, reason, msg) = api_err(blocks.create(&pp, &ipblock(&format!("{long}e"), "x")).await);
     assert_eq!((code, reason.as_str()), (422, "Invalid"));
-    assert!(msg.contains("metadata.name: Invalid value: ") && msg.contains("must be no more than 253 characters"), "{msg}");
+    assert!(
+        msg.contains("metadata.name: Invalid value: ") && msg.contains("must be no more than 253 characters"),
+        "{msg}"
+    );
     for bad in ["Bad_Name", "a..b", "-a", "a-", "a.-b"] {
         let (code, _, msg) = api_err(blocks.create(&pp, &ipblock(bad, "x")).await);
         assert_eq!(code, 422, "{bad}");
@@ -1094,14 +1097,20 @@ async fn names_and_labels_follow_kubernetes_rules() {
     assert_eq!(status["reason"], "Invalid");
     assert_eq!(
         status["message"],
-        format!("IpBlock.{GROUP} \"l64\" is invalid: metadata.labels: Invalid value: \"{}\": must be no more than 63 characters", "n".repeat(64))
+        format!(
+            "IpBlock.{GROUP} \"l64\" is invalid: metadata.labels: Invalid value: \"{}\": must be no more than 63 characters",
+            "n".repeat(64)
+        )
     );
     assert_eq!(status["details"]["causes"][0]["field"], "metadata.labels");
     assert_eq!(status["details"]["causes"][0]["reason"], "FieldValueInvalid");
     assert_eq!(status["details"]["kind"], "IpBlock");
     let (code, status) = raw_status("-bad-");
     assert_eq!(code, 422);
-    assert!(status["message"].as_str().unwrap().contains("a valid label must be an empty string or consist of"), "{status}");
+    assert!(
+        status["message"].as_str().unwrap().contains("a valid label must be an empty string or consist of"),
+        "{status}"
+    );
     // Label keys are qualified names.
     let (code, _, msg) = api_err(blocks.create(&pp, &labelled("k1", "Bad Key/x", "v")).await);
     assert_eq!(code, 422);
@@ -1126,7 +1135,8 @@ async fn names_and_labels_follow_kubernetes_rules() {
 /// The managers of an object and the top-level-ish fields each owns ("spec.cidr", "metadata.labels.x").
 fn managers(o: &DynamicObject) -> BTreeMap<String, BTreeSet<String>> {
     fn walk(v: &Value, path: &mut Vec<String>, out: &mut BTreeSet<String>) {
-        let kids: Vec<_> = v.as_object().map(|m| m.iter().filter(|(k, _)| k.starts_with("f:")).collect()).unwrap_or_default();
+        let kids: Vec<_> =
+            v.as_object().map(|m| m.iter().filter(|(k, _)| k.starts_with("f:")).collect()).unwrap_or_default();
         if kids.is_empty() {
             out.insert(path.join("."));
         }
@@ -1162,7 +1172,8 @@ async fn writes_are_recorded_under_their_field_manager() {
     let labelled = blocks.patch("b1", &pp, &Patch::Merge(&p)).await.unwrap();
     assert_eq!(
         managers(&labelled),
-        [("alice".to_string(), set(&["spec.cidr"])), ("kubectl-label".to_string(), set(&["metadata.labels.team"]))].into()
+        [("alice".to_string(), set(&["spec.cidr"])), ("kubectl-label".to_string(), set(&["metadata.labels.team"]))]
+            .into()
     );
     // bob changes the cidr: alice owned only that, so she is gone; a no-op write changes nothing.
     let mut o = labelled.clone();
@@ -1170,7 +1181,8 @@ async fn writes_are_recorded_under_their_field_manager() {
     let replaced = blocks.replace("b1", &by("bob"), &o).await.unwrap();
     assert_eq!(
         managers(&replaced),
-        [("bob".to_string(), set(&["spec.cidr"])), ("kubectl-label".to_string(), set(&["metadata.labels.team"]))].into()
+        [("bob".to_string(), set(&["spec.cidr"])), ("kubectl-label".to_string(), set(&["metadata.labels.team"]))]
+            .into()
     );
     let again = blocks.replace("b1", &by("carol"), &replaced).await.unwrap();
     assert_eq!(again.metadata.resource_version, replaced.metadata.resource_version, "no-op");
@@ -1187,5 +1199,7 @@ async fn writes_are_recorded_under_their_field_manager() {
     let reqs = e.server.requests();
     let r = reqs.iter().find(|r| r.verb == "create" && r.name.is_none() && r.user_agent.starts_with("tool/")).unwrap();
     assert_eq!((r.resource.as_str(), r.field_manager.as_str()), ("ipblocks", ""));
-    assert!(reqs.iter().any(|r| r.verb == "patch" && r.name.as_deref() == Some("b1") && r.field_manager == "kubectl-label"));
+    assert!(
+        reqs.iter().any(|r| r.verb == "patch" && r.name.as_deref() == Some("b1") && r.field_manager == "kubectl-label")
+    );
 }

@@ -72,7 +72,9 @@ fn seed_for(name: &str) -> u64 {
     let base: u64 = match std::env::var("NODEPLANE_FUZZ_SEED").as_deref() {
         Ok("random") => {
             let mut b = [0u8; 8];
-            std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b)).expect("reading /dev/urandom");
+            std::fs::File::open("/dev/urandom")
+                .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+                .expect("reading /dev/urandom");
             let s = u64::from_le_bytes(b);
             eprintln!("fuzz {name}: NODEPLANE_FUZZ_SEED={s}");
             return s;
@@ -86,7 +88,11 @@ fn seed_for(name: &str) -> u64 {
 
 /// At most 200 characters of `s`, for messages.
 fn short(s: &str) -> String {
-    if s.len() <= 200 { s.to_string() } else { format!("{}… ({} bytes)", s.chars().take(200).collect::<String>(), s.len()) }
+    if s.len() <= 200 {
+        s.to_string()
+    } else {
+        format!("{}… ({} bytes)", s.chars().take(200).collect::<String>(), s.len())
+    }
 }
 
 fn bin_dir() -> PathBuf {
@@ -295,7 +301,12 @@ fn command_val() -> impl Strategy<Value = EnvVal> {
 }
 
 /// A config field: Ok(value) or Err(code it must give), or absent (None) when allowed.
-fn field(valid: BoxedStrategy<Value>, broken: BoxedStrategy<Value>, code: u32, absent: Option<u32>) -> BoxedStrategy<(Option<Value>, Option<u32>)> {
+fn field(
+    valid: BoxedStrategy<Value>,
+    broken: BoxedStrategy<Value>,
+    code: u32,
+    absent: Option<u32>,
+) -> BoxedStrategy<(Option<Value>, Option<u32>)> {
     let mut opts: Vec<(u32, BoxedStrategy<(Option<Value>, Option<u32>)>)> = vec![
         (8, valid.prop_map(|v| (Some(v), None)).boxed()),
         (1, broken.prop_map(move |v| (Some(v), Some(code))).boxed()),
@@ -344,7 +355,12 @@ fn config(sock: String, pending: String) -> impl Strategy<Value = (Value, Vec<u3
         7,
         Some(7),
     );
-    let typ = field(Just(json!("nodeplane")).boxed(), prop_oneof![Just(json!("bridge")), Just(json!("Nodeplane")), Just(json!(1))].boxed(), 7, Some(7));
+    let typ = field(
+        Just(json!("nodeplane")).boxed(),
+        prop_oneof![Just(json!("bridge")), Just(json!("Nodeplane")), Just(json!(1))].boxed(),
+        7,
+        Some(7),
+    );
     let mtu = field(
         (68u32..=65535).prop_map(|m| json!(m)).boxed(),
         prop_oneof![
@@ -373,16 +389,19 @@ fn config(sock: String, pending: String) -> impl Strategy<Value = (Value, Vec<u3
     );
     let wait = field(
         Just(json!(0)).boxed(),
-        prop_oneof![(301u64..100_000).prop_map(|n| json!(n)), Just(json!(-1)), Just(json!("0")), Just(json!(0.5))].boxed(),
+        prop_oneof![(301u64..100_000).prop_map(|n| json!(n)), Just(json!(-1)), Just(json!("0")), Just(json!(0.5))]
+            .boxed(),
         7,
         // Absent would mean the default 10 s wait: never absent here.
         None,
     )
     .prop_map(|(v, c)| (Some(v.unwrap_or(json!(0))), c));
-    let sock_f = field(Just(json!(sock)).boxed(), prop_oneof![Just(json!("run/cni.sock")), Just(json!(3))].boxed(), 7, None)
-        .prop_map(move |(v, c)| (Some(v.unwrap_or(json!(sock.clone()))), c));
-    let pend_f = field(Just(json!(pending)).boxed(), prop_oneof![Just(json!("pending")), Just(json!(["/x"]))].boxed(), 7, None)
-        .prop_map(move |(v, c)| (Some(v.unwrap_or(json!(pending.clone()))), c));
+    let sock_f =
+        field(Just(json!(sock)).boxed(), prop_oneof![Just(json!("run/cni.sock")), Just(json!(3))].boxed(), 7, None)
+            .prop_map(move |(v, c)| (Some(v.unwrap_or(json!(sock.clone()))), c));
+    let pend_f =
+        field(Just(json!(pending)).boxed(), prop_oneof![Just(json!("pending")), Just(json!(["/x"]))].boxed(), 7, None)
+            .prop_map(move |(v, c)| (Some(v.unwrap_or(json!(pending.clone()))), c));
     let prev = prop_oneof![
         6 => Just((Some(json!({"cniVersion": "1.1.0", "interfaces": [{"name": "eth0", "sandbox": "/x"}],
                                "ips": [{"address": "10.1.2.3/24", "interface": 0}]})), None)),
@@ -462,7 +481,8 @@ fn resolve_faults(cmd: Option<&str>, conf: &Value, faults: &[u32]) -> Vec<u32> {
     if cmd == Some("CHECK") && conf.get("prevResult").is_none() {
         out.push(7);
     }
-    if cmd == Some("GC") && conf.get("cni.dev/valid-attachments").is_none() && conf.get("cni.dev/attachments").is_none() {
+    if cmd == Some("GC") && conf.get("cni.dev/valid-attachments").is_none() && conf.get("cni.dev/attachments").is_none()
+    {
         out.push(7);
     }
     out
@@ -499,8 +519,21 @@ fn invocation(sock: String, pending: String) -> impl Strategy<Value = Invocation
     (
         command_val(),
         env_val("[a-zA-Z0-9][a-zA-Z0-9_.-]{0,63}".boxed(), 193),
-        env_val(prop_oneof!["[a-z][a-z0-9]{0,14}", Just("eth0".to_string()), Just("é1".to_string()), Just("a\u{a0}b".to_string()), Just("\u{e0}1".to_string())].boxed(), 16),
-        env_val(prop_oneof![Just("/proc/nonexistent/ns/net".to_string()), "/nonexistent-npfz/netns/[a-z0-9]{1,12}"].boxed(), 4096),
+        env_val(
+            prop_oneof![
+                "[a-z][a-z0-9]{0,14}",
+                Just("eth0".to_string()),
+                Just("é1".to_string()),
+                Just("a\u{a0}b".to_string()),
+                Just("\u{e0}1".to_string())
+            ]
+            .boxed(),
+            16,
+        ),
+        env_val(
+            prop_oneof![Just("/proc/nonexistent/ns/net".to_string()), "/nonexistent-npfz/netns/[a-z0-9]{1,12}"].boxed(),
+            4096,
+        ),
         env_val("(K8S_POD_NAME=[a-z0-9-]{0,10};)?(K8S_POD_NAMESPACE=[a-z]{0,8};)?(IgnoreUnknown=1)?".boxed(), 60_000),
         env_val("/opt/cni/bin(:/usr/lib/cni)?".boxed(), 60_000),
         stdin,
@@ -516,7 +549,8 @@ fn invocation(sock: String, pending: String) -> impl Strategy<Value = Invocation
 }
 
 fn code_of(reply_stdout: &str) -> Result<(u32, String, String), String> {
-    let v: Value = serde_json::from_str(reply_stdout.trim_end()).map_err(|e| format!("stdout is not one JSON document: {e}"))?;
+    let v: Value =
+        serde_json::from_str(reply_stdout.trim_end()).map_err(|e| format!("stdout is not one JSON document: {e}"))?;
     let code = v.get("code").and_then(Value::as_u64).ok_or("no numeric code")? as u32;
     let msg = v.get("msg").and_then(Value::as_str).ok_or("no msg")?.to_string();
     let ver = v.get("cniVersion").and_then(Value::as_str).ok_or("no cniVersion")?.to_string();
@@ -539,7 +573,12 @@ fn cni_parse_gives_the_right_code() {
                 prop_assert_eq!(Some(req.command.as_str().to_string()), inv.command());
             }
             Err(e) => {
-                prop_assert!(want.contains(&(e.code as u32)), "code {} ({}), want one of {want:?}", e.code as u32, e.msg);
+                prop_assert!(
+                    want.contains(&(e.code as u32)),
+                    "code {} ({}), want one of {want:?}",
+                    e.code as u32,
+                    e.msg
+                );
                 prop_assert!(!e.msg.trim().is_empty());
             }
         }
@@ -552,14 +591,24 @@ fn cni_parse_gives_the_right_code() {
 #[test]
 fn cni_parse_random_input_never_panics() {
     let strategy = (
-        prop::collection::btree_map(prop_oneof![Just("CNI_COMMAND".to_string()), Just("CNI_IFNAME".to_string()), ".{0,8}"], ".{0,40}", 0..6),
-        prop_oneof![prop::collection::vec(any::<u8>(), 0..300), any_json().prop_map(|v| serde_json::to_vec(&v).unwrap())],
+        prop::collection::btree_map(
+            prop_oneof![Just("CNI_COMMAND".to_string()), Just("CNI_IFNAME".to_string()), ".{0,8}"],
+            ".{0,40}",
+            0..6,
+        ),
+        prop_oneof![
+            prop::collection::vec(any::<u8>(), 0..300),
+            any_json().prop_map(|v| serde_json::to_vec(&v).unwrap())
+        ],
     );
     fuzz("cni request::parse (random)", cases(20_000), strategy, |(env, stdin)| {
         match request::parse(&env, &stdin) {
             Ok(_) => {}
             Err(e) => {
-                prop_assert!(matches!(e.code, Code::IncompatibleVersion | Code::InvalidEnv | Code::Decode | Code::InvalidConfig), "{e:?}");
+                prop_assert!(
+                    matches!(e.code, Code::IncompatibleVersion | Code::InvalidEnv | Code::Decode | Code::InvalidConfig),
+                    "{e:?}"
+                );
                 prop_assert!(!e.msg.is_empty());
                 prop_assert!(e.to_json("1.1.0").get("code").is_some());
             }
@@ -752,7 +801,11 @@ fn shim_binary_gives_the_right_code() {
             // Valid: the agent is not there.
             match inv.command().as_deref() {
                 Some("DEL") => {
-                    prop_assert_eq!((run.status, run.stdout.as_str()), (0, ""), "DEL with no agent is queued and succeeds");
+                    prop_assert_eq!(
+                        (run.status, run.stdout.as_str()),
+                        (0, ""),
+                        "DEL with no agent is queued and succeeds"
+                    );
                     let cid = env_str(&inv.container_id).unwrap();
                     let ifn = env_str(&inv.ifname).unwrap();
                     let f = pending.join(nodeplane::net::pending_del::file_name(&cid, &ifn));
@@ -765,7 +818,8 @@ fn shim_binary_gives_the_right_code() {
             };
         }
         prop_assert_eq!(run.status, 1, "stdout {}", run.stdout);
-        let (code, msg, ver) = code_of(&run.stdout).map_err(|e| TestCaseError::fail(format!("{e}: {:?}", run.stdout)))?;
+        let (code, msg, ver) =
+            code_of(&run.stdout).map_err(|e| TestCaseError::fail(format!("{e}: {:?}", run.stdout)))?;
         prop_assert!(want.contains(&code), "code {code} ({msg}), want one of {want:?}");
         prop_assert!(!msg.trim().is_empty());
         prop_assert!(SUPPORTED_VERSIONS.contains(&ver.as_str()));
@@ -859,7 +913,8 @@ fn shim_survives_a_broken_agent() {
         agent.join().unwrap();
         let _ = fs::remove_file(&sock);
         prop_assert!(run.took < Duration::from_secs(2), "{:?}", run.took);
-        let (code, msg, ver) = code_of(&run.stdout).map_err(|e| TestCaseError::fail(format!("{e}: {:?}", run.stdout)))?;
+        let (code, msg, ver) =
+            code_of(&run.stdout).map_err(|e| TestCaseError::fail(format!("{e}: {:?}", run.stdout)))?;
         prop_assert_eq!((run.status, code), (1, 11), "{}", msg);
         prop_assert_eq!(ver, "1.0.0");
         Ok(())
@@ -872,8 +927,23 @@ fn capability() -> impl Strategy<Value = Option<csi::VolumeCapability>> {
     let mode = prop_oneof![(-2i32..9), any::<i32>()];
     let flags = prop::collection::vec(
         prop_oneof![
-            prop::sample::select(vec!["ro", "rw", "noatime", "nodev", "sync", "discard", "bind", "remount", "x-mount.mkdir", "a,b", "", "a b", "nofail", "user"])
-                .prop_map(str::to_string),
+            prop::sample::select(vec![
+                "ro",
+                "rw",
+                "noatime",
+                "nodev",
+                "sync",
+                "discard",
+                "bind",
+                "remount",
+                "x-mount.mkdir",
+                "a,b",
+                "",
+                "a b",
+                "nofail",
+                "user"
+            ])
+            .prop_map(str::to_string),
             ".{0,6}",
             Just("o".repeat(300)),
         ],
@@ -882,8 +952,16 @@ fn capability() -> impl Strategy<Value = Option<csi::VolumeCapability>> {
     let access = prop_oneof![
         Just(None),
         Just(Some(AccessType::Block(BlockVolume {}))),
-        (prop::sample::select(vec!["", "ext4", "xfs", "btrfs", "EXT4", "ext4 "]), flags, prop::sample::select(vec!["", "1000", "0", "-1", "abc", "4294967296"]))
-            .prop_map(|(f, fl, g)| Some(AccessType::Mount(MountVolume { fs_type: f.into(), mount_flags: fl, volume_mount_group: g.into() }))),
+        (
+            prop::sample::select(vec!["", "ext4", "xfs", "btrfs", "EXT4", "ext4 "]),
+            flags,
+            prop::sample::select(vec!["", "1000", "0", "-1", "abc", "4294967296"])
+        )
+            .prop_map(|(f, fl, g)| Some(AccessType::Mount(MountVolume {
+                fs_type: f.into(),
+                mount_flags: fl,
+                volume_mount_group: g.into()
+            }))),
     ];
     prop::option::weighted(0.9, (prop::option::weighted(0.9, mode), access)).prop_map(|o| {
         o.map(|(m, a)| csi::VolumeCapability { access_mode: m.map(|mode| AccessMode { mode }), access_type: a })
@@ -898,14 +976,26 @@ fn model_capability(c: &Option<csi::VolumeCapability>) -> Option<Option<tonic::C
     let Some(m) = &c.access_mode else { return Some(Some(InvalidArgument)) };
     let Some(t) = &c.access_type else { return Some(Some(InvalidArgument)) };
     match Mode::try_from(m.mode) {
-        Ok(Mode::SingleNodeWriter | Mode::SingleNodeReaderOnly | Mode::SingleNodeSingleWriter | Mode::SingleNodeMultiWriter) => {}
-        Ok(Mode::MultiNodeReaderOnly | Mode::MultiNodeSingleWriter | Mode::MultiNodeMultiWriter) => return Some(Some(FailedPrecondition)),
+        Ok(
+            Mode::SingleNodeWriter
+            | Mode::SingleNodeReaderOnly
+            | Mode::SingleNodeSingleWriter
+            | Mode::SingleNodeMultiWriter,
+        ) => {}
+        Ok(Mode::MultiNodeReaderOnly | Mode::MultiNodeSingleWriter | Mode::MultiNodeMultiWriter) => {
+            return Some(Some(FailedPrecondition));
+        }
         _ => return Some(Some(InvalidArgument)),
     }
     let AccessType::Mount(mv) = t else { return Some(None) };
     let known_good = |f: &str| matches!(f, "ro" | "rw" | "noatime" | "nodev" | "sync" | "discard");
-    let known_bad = |f: &str| f.is_empty() || f.len() > 256 || f.contains([',', ' ']) || f.starts_with("x-")
-        || matches!(f, "bind" | "remount" | "nofail" | "user");
+    let known_bad = |f: &str| {
+        f.is_empty()
+            || f.len() > 256
+            || f.contains([',', ' '])
+            || f.starts_with("x-")
+            || matches!(f, "bind" | "remount" | "nofail" | "user")
+    };
     if mv.mount_flags.iter().any(|f| known_bad(f)) {
         return Some(Some(InvalidArgument));
     }
@@ -971,13 +1061,23 @@ fn csi_path_and_id_validation() {
     ];
     fuzz("csi validate_path", cases(20_000), strategy, |raw| {
         let got = nodeplane::sys::mount::validate_path("target_path", &raw, &root);
-        prop_assert_eq!(got.is_ok(), model_path(&raw, &root, &link), "{} -> {:?}", short(&raw), got.as_ref().map_err(|e| short(e)));
+        prop_assert_eq!(
+            got.is_ok(),
+            model_path(&raw, &root, &link),
+            "{} -> {:?}",
+            short(&raw),
+            got.as_ref().map_err(|e| short(e))
+        );
         if let Ok(p) = got {
             prop_assert!(p.starts_with(&root) && p != root);
         }
         Ok(())
     });
-    let id = prop_oneof![".{0,10}", "[a-z0-9._-]{0,140}", prop::sample::select(vec![".", "..", "a/b", "A", "a\0"]).prop_map(str::to_string)];
+    let id = prop_oneof![
+        ".{0,10}",
+        "[a-z0-9._-]{0,140}",
+        prop::sample::select(vec![".", "..", "a/b", "A", "a\0"]).prop_map(str::to_string)
+    ];
     fuzz("volume validate_id", cases(20_000), id, |id| {
         let model = !id.is_empty()
             && id.len() <= 128
@@ -1057,8 +1157,23 @@ fn device_file_and_globs() {
     // The device file: random and mutated entries; every accepted resource is valid.
     let entry = (
         prop_oneof![".{0,6}", "[a-z0-9-]{1,44}"],
-        prop::collection::vec(prop_oneof!["/dev/[a-z*?\\[\\]!.]{1,8}", ".{0,8}", Just("/dev/../x".to_string()), Just("/dev/*/x".to_string())], 0..3),
-        prop::option::of(prop_oneof![Just(json!(0)), Just(json!(1000)), Just(json!(1001)), Just(json!(-1)), Just(json!("2")), (1u32..2000).prop_map(|n| json!(n))]),
+        prop::collection::vec(
+            prop_oneof![
+                "/dev/[a-z*?\\[\\]!.]{1,8}",
+                ".{0,8}",
+                Just("/dev/../x".to_string()),
+                Just("/dev/*/x".to_string())
+            ],
+            0..3,
+        ),
+        prop::option::of(prop_oneof![
+            Just(json!(0)),
+            Just(json!(1000)),
+            Just(json!(1001)),
+            Just(json!(-1)),
+            Just(json!("2")),
+            (1u32..2000).prop_map(|n| json!(n))
+        ]),
         prop::option::of(prop_oneof![Just("rw".to_string()), Just(String::new()), "[rwmx]{0,4}"]),
         prop::option::of(prop::collection::btree_map("[A-Z0-9_a-]{0,6}", ".{0,4}", 0..3)),
         prop::option::of(any_json()),
@@ -1095,7 +1210,9 @@ fn device_file_and_globs() {
                 prop_assert!(!r.permissions.is_empty() && r.permissions.chars().all(|c| "rwm".contains(c)));
                 prop_assert!(!r.patterns.is_empty());
                 for p in &r.patterns {
-                    prop_assert!(p.dir.is_absolute() && !p.dir.components().any(|c| c == std::path::Component::ParentDir));
+                    prop_assert!(
+                        p.dir.is_absolute() && !p.dir.components().any(|c| c == std::path::Component::ParentDir)
+                    );
                     prop_assert!(!p.glob.is_empty() && !p.glob.contains('/'));
                 }
                 for k in r.env.keys() {
@@ -1121,7 +1238,8 @@ fn model_allocate(ids: &[String], share: u32) -> Result<usize, tonic::Code> {
     let mut nodes = BTreeSet::new();
     for id in ids {
         let ok = id.rsplit_once('-').is_some_and(|(stem, k)| {
-            matches!(stem, "null" | "zero") && k.parse::<u32>().is_ok_and(|k| k < share && k.to_string() == id.rsplit_once('-').unwrap().1)
+            matches!(stem, "null" | "zero")
+                && k.parse::<u32>().is_ok_and(|k| k < share && k.to_string() == id.rsplit_once('-').unwrap().1)
         });
         if !ok {
             return Err(tonic::Code::InvalidArgument);
@@ -1218,7 +1336,9 @@ fn device_plugin_large_lists_are_bounded() {
             eprintln!("device plugin: GetPreferredAllocation of 2000 from 2000 IDs in {took:?}");
             assert_eq!(n.unwrap(), 2000);
         }
-        Err(_) => panic!("GetPreferredAllocation of 2000 from 2000 IDs (2 devices shared 1000 ways) did not finish within 2 s"),
+        Err(_) => panic!(
+            "GetPreferredAllocation of 2000 from 2000 IDs (2 devices shared 1000 ways) did not finish within 2 s"
+        ),
     }
 }
 
@@ -1238,7 +1358,8 @@ fn require_root() {
 }
 
 fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    let unescape = |s: &str| s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\");
+    let unescape =
+        |s: &str| s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\");
     fs::read_to_string("/proc/self/mountinfo")
         .unwrap()
         .lines()
@@ -1316,8 +1437,13 @@ impl Agent {
     }
     fn mknod(&self, n: &str) {
         let p = self.dir.join("dev").join(n);
-        nix::sys::stat::mknod(&p, nix::sys::stat::SFlag::S_IFCHR, nix::sys::stat::Mode::from_bits_truncate(0o666), nix::sys::stat::makedev(1, 3))
-            .unwrap_or_else(|e| panic!("mknod {}: {e}", p.display()));
+        nix::sys::stat::mknod(
+            &p,
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::from_bits_truncate(0o666),
+            nix::sys::stat::makedev(1, 3),
+        )
+        .unwrap_or_else(|e| panic!("mknod {}: {e}", p.display()));
     }
     fn kubelet(&self) -> PathBuf {
         self.dir.join("root/var/lib/kubelet")
@@ -1407,7 +1533,8 @@ fn agent_cni_socket(agent: &mut Agent) {
         let stdin = String::from_utf8_lossy(&inv.stdin_bytes()).into_owned();
         let frame = wire::encode(&WireRequest { env: env.clone(), stdin: stdin.clone() }).unwrap();
         let reply = cni_raw(&sock, &frame, Duration::from_secs(5)).map_err(TestCaseError::fail)?;
-        let reply = reply.ok_or_else(|| TestCaseError::fail("the agent closed a well-framed request without a reply"))?;
+        let reply =
+            reply.ok_or_else(|| TestCaseError::fail("the agent closed a well-framed request without a reply"))?;
         let cmd = inv.command();
         if cmd.as_deref() == Some("VERSION") {
             prop_assert_eq!(reply.exit_code, 0, "{}", reply.stdout);
@@ -1445,12 +1572,16 @@ fn agent_cni_socket(agent: &mut Agent) {
         let r = cni_raw(&sock, &bytes, Duration::from_secs(3)).unwrap();
         assert!(r.is_none(), "oversized frame of {n} bytes answered: {r:?}");
     }
-    for garbage in [b"\x00\x00\x00\x05hello".to_vec(), b"\x00\x00\x00\x02{}".to_vec(), b"\x00\x00".to_vec(), Vec::new()] {
+    for garbage in [b"\x00\x00\x00\x05hello".to_vec(), b"\x00\x00\x00\x02{}".to_vec(), b"\x00\x00".to_vec(), Vec::new()]
+    {
         let r = cni_raw(&sock, &garbage, Duration::from_secs(3)).unwrap();
         assert!(r.is_none(), "garbage {garbage:?} answered: {r:?}");
     }
     let rss1 = agent.rss_kib();
-    eprintln!("agent CNI socket: oversized and garbage frames dropped in {:?}; agent RSS {rss0} -> {rss1} KiB", t.elapsed());
+    eprintln!(
+        "agent CNI socket: oversized and garbage frames dropped in {:?}; agent RSS {rss0} -> {rss1} KiB",
+        t.elapsed()
+    );
     assert!(rss1 < rss0 + 16 * 1024, "agent RSS grew from {rss0} to {rss1} KiB");
     agent.assert_alive();
 }
@@ -1473,7 +1604,10 @@ struct CsiPools {
 
 fn csi_pools(kubelet: &Path) -> CsiPools {
     let k = kubelet.display().to_string();
-    let stagings = vec![format!("{k}/plugins/kubernetes.io/csi/pv/vol-a/globalmount"), format!("{k}/plugins/kubernetes.io/csi/pv/vol-a/other")];
+    let stagings = vec![
+        format!("{k}/plugins/kubernetes.io/csi/pv/vol-a/globalmount"),
+        format!("{k}/plugins/kubernetes.io/csi/pv/vol-a/other"),
+    ];
     let targets = vec![
         format!("{k}/pods/p1/volumes/kubernetes.io~csi/vol-a/mount"),
         format!("{k}/pods/p2/volumes/kubernetes.io~csi/vol-a/mount"),
@@ -1514,7 +1648,10 @@ fn csi_call(p: &CsiPools) -> impl Strategy<Value = CsiCall> + use<> {
     let tg = path(p.targets.clone(), p.bad.clone());
     let any_path = path([p.stagings.clone(), p.targets.clone()].concat(), p.bad.clone());
     let opt_staging = prop_oneof![Just(String::new()), st.clone()];
-    let range = prop::option::of((prop_oneof![Just(-1i64), 0i64..(2 << 30)], prop_oneof![Just(-1i64), Just(0i64), 0i64..(2 << 30)]));
+    let range = prop::option::of((
+        prop_oneof![Just(-1i64), 0i64..(2 << 30)],
+        prop_oneof![Just(-1i64), Just(0i64), 0i64..(2 << 30)],
+    ));
     let cap = capability().boxed();
     prop_oneof![
         3 => (id.clone(), st.clone(), cap.clone()).prop_map(|(id, staging, cap)| CsiCall::Stage { id, staging, cap }),
@@ -1536,15 +1673,24 @@ fn model_id(id: &str) -> bool {
         && id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.'))
 }
 
-async fn csi_send(node: &mut csi::node_client::NodeClient<tonic::transport::Channel>, c: &CsiCall) -> Result<(), tonic::Status> {
+async fn csi_send(
+    node: &mut csi::node_client::NodeClient<tonic::transport::Channel>,
+    c: &CsiCall,
+) -> Result<(), tonic::Status> {
     match c.clone() {
         CsiCall::Stage { id, staging, cap } => node
-            .node_stage_volume(csi::NodeStageVolumeRequest { volume_id: id, staging_target_path: staging, volume_capability: cap, ..Default::default() })
+            .node_stage_volume(csi::NodeStageVolumeRequest {
+                volume_id: id,
+                staging_target_path: staging,
+                volume_capability: cap,
+                ..Default::default()
+            })
             .await
             .map(|_| ()),
-        CsiCall::Unstage { id, staging } => {
-            node.node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: id, staging_target_path: staging }).await.map(|_| ())
-        }
+        CsiCall::Unstage { id, staging } => node
+            .node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: id, staging_target_path: staging })
+            .await
+            .map(|_| ()),
         CsiCall::Publish { id, staging, target, cap, ro } => node
             .node_publish_volume(csi::NodePublishVolumeRequest {
                 volume_id: id,
@@ -1556,11 +1702,16 @@ async fn csi_send(node: &mut csi::node_client::NodeClient<tonic::transport::Chan
             })
             .await
             .map(|_| ()),
-        CsiCall::Unpublish { id, target } => {
-            node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest { volume_id: id, target_path: target }).await.map(|_| ())
-        }
+        CsiCall::Unpublish { id, target } => node
+            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest { volume_id: id, target_path: target })
+            .await
+            .map(|_| ()),
         CsiCall::Stats { id, path } => node
-            .node_get_volume_stats(csi::NodeGetVolumeStatsRequest { volume_id: id, volume_path: path, staging_target_path: String::new() })
+            .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+                volume_id: id,
+                volume_path: path,
+                staging_target_path: String::new(),
+            })
             .await
             .map(|_| ()),
         CsiCall::Expand { id, path, staging, range, cap } => node
@@ -1586,15 +1737,21 @@ fn agent_csi(agent: &mut Agent, rt: &tokio::runtime::Runtime) {
         let nch = nodeplane::rpc::connect_unix(&agent.node_sock()).await.expect("dialing node.sock");
         (csi::node_client::NodeClient::new(ch), nodeplane::rpc::node::node_volumes_client::NodeVolumesClient::new(nch))
     });
-    rt.block_on(vols.create_volume(nodeplane::rpc::node::CreateVolumeRequest { id: "vol-a".into(), size_bytes: 32 << 20, fs_type: "ext4".into() }))
-        .expect("creating vol-a");
+    rt.block_on(vols.create_volume(nodeplane::rpc::node::CreateVolumeRequest {
+        id: "vol-a".into(),
+        size_bytes: 32 << 20,
+        fs_type: "ext4".into(),
+    }))
+    .expect("creating vol-a");
     let symlink = kubelet.join("evil");
     let mut seen: BTreeMap<String, usize> = BTreeMap::new();
     let node_c = std::cell::RefCell::new(node.clone());
     let seen_c = std::cell::RefCell::new(&mut seen);
     fuzz("agent CSI Node requests", cases(300), csi_call(&pools), |call| {
         let t = Instant::now();
-        let r = rt.block_on(async { tokio::time::timeout(Duration::from_secs(20), csi_send(&mut node_c.borrow_mut(), &call)).await });
+        let r = rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(20), csi_send(&mut node_c.borrow_mut(), &call)).await
+        });
         let r = r.map_err(|_| TestCaseError::fail("no answer within 20 s"))?;
         let took = t.elapsed();
         let code = r.as_ref().err().map(|s| s.code()).unwrap_or(Code::Ok);
@@ -1607,10 +1764,20 @@ fn agent_csi(agent: &mut Agent, rt: &tokio::runtime::Runtime) {
             CsiCall::Publish { id, staging, target, cap, .. } => (id, p(staging) && p(target), cap.clone(), true),
             CsiCall::Unpublish { id, target } => (id, p(target), None, false),
             CsiCall::Stats { id, path } => (id, p(path), None, false),
-            CsiCall::Expand { id, path, staging, .. } => (id, p(path) && (staging.is_empty() || p(staging)), None, false),
+            CsiCall::Expand { id, path, staging, .. } => {
+                (id, p(path) && (staging.is_empty() || p(staging)), None, false)
+            }
         };
         prop_assert!(
-            !matches!(code, Code::Unknown | Code::Internal | Code::Unavailable | Code::Unimplemented | Code::DataLoss | Code::Aborted),
+            !matches!(
+                code,
+                Code::Unknown
+                    | Code::Internal
+                    | Code::Unavailable
+                    | Code::Unimplemented
+                    | Code::DataLoss
+                    | Code::Aborted
+            ),
             "{code:?}: {msg} (took {took:?})"
         );
         let cap_code = if cap_required { model_capability(&cap).flatten() } else { None };
@@ -1669,11 +1836,21 @@ fn agent_csi(agent: &mut Agent, rt: &tokio::runtime::Runtime) {
     // attached, and the volume can be deleted.
     rt.block_on(async {
         for t in &pools.targets {
-            let r = node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest { volume_id: "vol-a".into(), target_path: t.clone() }).await;
+            let r = node
+                .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                    volume_id: "vol-a".into(),
+                    target_path: t.clone(),
+                })
+                .await;
             assert!(r.is_ok(), "unpublish {t}: {r:?}");
         }
         for s in &pools.stagings {
-            let r = node.node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: "vol-a".into(), staging_target_path: s.clone() }).await;
+            let r = node
+                .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                    volume_id: "vol-a".into(),
+                    staging_target_path: s.clone(),
+                })
+                .await;
             assert!(r.is_ok(), "unstage {s}: {r:?}");
         }
         let r = vols.delete_volume(nodeplane::rpc::node::DeleteVolumeRequest { id: "vol-a".into() }).await;
@@ -1748,32 +1925,39 @@ fn agent_device_plugin(agent: &mut Agent, rt: &tokio::runtime::Runtime) {
     fuzz("agent device plugin requests", cases(300), strategy, |call| {
         let mut cl = c.borrow_mut();
         let t = Instant::now();
-        let r = rt.block_on(async {
-            tokio::time::timeout(Duration::from_secs(5), async {
-            match &call {
-                DpCall::Allocate(reqs) => {
-                    let container_requests = reqs.iter().map(|ids| pb::ContainerAllocateRequest { devices_ids: ids.clone() }).collect();
-                    cl.allocate(pb::AllocateRequest { container_requests }).await.map(|r| Some(r.into_inner()))
-                }
-                DpCall::Preferred(reqs) => {
-                    let container_requests = reqs
-                        .iter()
-                        .map(|(a, m, n)| pb::ContainerPreferredAllocationRequest {
-                            available_device_i_ds: a.clone(),
-                            must_include_device_i_ds: m.clone(),
-                            allocation_size: *n,
-                        })
-                        .collect();
-                    cl.get_preferred_allocation(pb::PreferredAllocationRequest { container_requests }).await.map(|_| None)
-                }
-                DpCall::PreStart(ids) => {
-                    cl.pre_start_container(pb::PreStartContainerRequest { devices_ids: ids.clone() }).await.map(|_| None)
-                }
-            }
+        let r = rt
+            .block_on(async {
+                tokio::time::timeout(Duration::from_secs(5), async {
+                    match &call {
+                        DpCall::Allocate(reqs) => {
+                            let container_requests = reqs
+                                .iter()
+                                .map(|ids| pb::ContainerAllocateRequest { devices_ids: ids.clone() })
+                                .collect();
+                            cl.allocate(pb::AllocateRequest { container_requests }).await.map(|r| Some(r.into_inner()))
+                        }
+                        DpCall::Preferred(reqs) => {
+                            let container_requests = reqs
+                                .iter()
+                                .map(|(a, m, n)| pb::ContainerPreferredAllocationRequest {
+                                    available_device_i_ds: a.clone(),
+                                    must_include_device_i_ds: m.clone(),
+                                    allocation_size: *n,
+                                })
+                                .collect();
+                            cl.get_preferred_allocation(pb::PreferredAllocationRequest { container_requests })
+                                .await
+                                .map(|_| None)
+                        }
+                        DpCall::PreStart(ids) => cl
+                            .pre_start_container(pb::PreStartContainerRequest { devices_ids: ids.clone() })
+                            .await
+                            .map(|_| None),
+                    }
+                })
+                .await
             })
-            .await
-        })
-        .map_err(|_| TestCaseError::fail("no answer within 5 s"))?;
+            .map_err(|_| TestCaseError::fail("no answer within 5 s"))?;
         prop_assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
         let got = r.as_ref().map(|_| ()).map_err(|s| s.code());
         let want = match &call {
@@ -1793,12 +1977,19 @@ fn agent_device_plugin(agent: &mut Agent, rt: &tokio::runtime::Runtime) {
     // A huge, legal-looking list: answered (refused or not) quickly.
     let huge: Vec<String> = (0..100_000).map(|i| format!("fz{}-{}", i % 2, i % 3)).collect();
     let t = Instant::now();
-    let r = rt.block_on(client.clone().allocate(pb::AllocateRequest { container_requests: vec![pb::ContainerAllocateRequest { devices_ids: huge }] }));
-    eprintln!("device plugin: Allocate of 100000 IDs answered {:?} in {:?}", r.as_ref().map(|_| "OK").map_err(|s| s.code()), t.elapsed());
+    let r = rt.block_on(client.clone().allocate(pb::AllocateRequest {
+        container_requests: vec![pb::ContainerAllocateRequest { devices_ids: huge }],
+    }));
+    eprintln!(
+        "device plugin: Allocate of 100000 IDs answered {:?} in {:?}",
+        r.as_ref().map(|_| "OK").map_err(|s| s.code()),
+        t.elapsed()
+    );
     assert!(r.is_ok(), "{r:?}");
     assert!(t.elapsed() < Duration::from_secs(3));
     agent.assert_alive();
-    rt.block_on(client.clone().get_device_plugin_options(pb::Empty {})).expect("GetDevicePluginOptions after the fuzzing");
+    rt.block_on(client.clone().get_device_plugin_options(pb::Empty {}))
+        .expect("GetDevicePluginOptions after the fuzzing");
 }
 
 #[test]
@@ -1831,14 +2022,26 @@ fn agent_oversized_grpc_requests_root() {
                 ..Default::default()
             })
             .await;
-        results.push(("CSI NodeStageVolume, 8 MiB volume id", r.map(|_| ()).map_err(|s| (s.code(), s.message().to_string())), t.elapsed()));
+        results.push((
+            "CSI NodeStageVolume, 8 MiB volume id",
+            r.map(|_| ()).map_err(|s| (s.code(), s.message().to_string())),
+            t.elapsed(),
+        ));
         node.node_get_info(csi::NodeGetInfoRequest {}).await.expect("NodeGetInfo after the oversized request");
         let ch = nodeplane::rpc::connect_unix(&agent.dp_sock()).await.unwrap();
         let mut dp = pb::device_plugin_client::DevicePluginClient::new(ch);
         let t = Instant::now();
         let ids: Vec<String> = (0..1_000_000).map(|i| format!("fz0-{}", i % 3)).collect();
-        let r = dp.allocate(pb::AllocateRequest { container_requests: vec![pb::ContainerAllocateRequest { devices_ids: ids }] }).await;
-        results.push(("device plugin Allocate, 8 MiB of IDs", r.map(|_| ()).map_err(|s| (s.code(), s.message().to_string())), t.elapsed()));
+        let r = dp
+            .allocate(pb::AllocateRequest {
+                container_requests: vec![pb::ContainerAllocateRequest { devices_ids: ids }],
+            })
+            .await;
+        results.push((
+            "device plugin Allocate, 8 MiB of IDs",
+            r.map(|_| ()).map_err(|s| (s.code(), s.message().to_string())),
+            t.elapsed(),
+        ));
         dp.get_device_plugin_options(pb::Empty {}).await.expect("GetDevicePluginOptions after the oversized request");
     });
     agent.assert_alive();

@@ -17,13 +17,13 @@ use std::time::{Duration, Instant};
 use fake_apiserver::{FakeApiServer, UserInfo};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use nodeplane::controller::backend::Backend;
-use nodeplane::controller::records::Pool;
-use nodeplane::util::Family;
 use nodeplane::controller::kube::lease::{Attempt, Elector, LeaseSettings};
 use nodeplane::controller::kube::state::{KubeBackend, block_object_name};
 use nodeplane::controller::kube::{API_CALLS, GROUP};
-use nodeplane::controller::store::Registry;
+use nodeplane::controller::records::Pool;
 use nodeplane::controller::records::{VolState, VolumeRecord};
+use nodeplane::controller::store::Registry;
+use nodeplane::util::Family;
 use serde_json::json;
 
 const CTL_TOKEN: &str = "controller-token";
@@ -49,7 +49,9 @@ fn rt() -> tokio::runtime::Runtime {
 async fn kube_config(f: &FakeApiServer) -> kube::Config {
     let kc = Kubeconfig::from_yaml(&f.kubeconfig_yaml(CTL_TOKEN)).unwrap();
     // As the controller builds its clients: with its User-Agent.
-    nodeplane::controller::kube::named(kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap())
+    nodeplane::controller::kube::named(
+        kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap(),
+    )
 }
 
 fn backend(f: &FakeApiServer) -> Arc<KubeBackend> {
@@ -97,7 +99,12 @@ fn assert_named_writes(f: &FakeApiServer) -> usize {
 
 /// The field managers recorded in an object's managedFields.
 fn managers_of(o: &serde_json::Value) -> BTreeSet<String> {
-    o["metadata"]["managedFields"].as_array().into_iter().flatten().filter_map(|e| e["manager"].as_str().map(str::to_string)).collect()
+    o["metadata"]["managedFields"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e["manager"].as_str().map(str::to_string))
+        .collect()
 }
 
 fn lock_object(cidr: &str, node: &str) -> serde_json::Value {
@@ -184,8 +191,15 @@ fn a_second_writer_is_detected_not_overwritten() {
     let e = r.register("node-b", &["192.0.2.2".into()], "").unwrap_err().to_string();
     assert!(e.contains("10.8.1.0/24") && e.contains("intruder"), "{e}");
     assert!(r.get("node-b").is_none(), "nothing recorded");
-    assert_eq!(f.get(GROUP, "ipblocks", None, "v4-10-8-1-0-24").unwrap()["spec"]["node"], "intruder", "not overwritten");
-    assert!(f.get(GROUP, "ipblocks", None, &block_object_name("fd00:8:0:1::/64")).is_none(), "the v6 lock was not kept");
+    assert_eq!(
+        f.get(GROUP, "ipblocks", None, "v4-10-8-1-0-24").unwrap()["spec"]["node"],
+        "intruder",
+        "not overwritten"
+    );
+    assert!(
+        f.get(GROUP, "ipblocks", None, &block_object_name("fd00:8:0:1::/64")).is_none(),
+        "the v6 lock was not kept"
+    );
     f.delete_object(GROUP, "ipblocks", None, "v4-10-8-1-0-24");
     // Someone else rewrites node-a's record: the next write of it fails with a conflict.
     let mut rec = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
@@ -226,8 +240,11 @@ fn volume_records_round_trip() {
         source_volume: String::new(),
         source_snapshot: String::new(),
     };
-    be.commit_volumes(&[("pvc-1".into(), Some(v("pvc-1", VolState::Creating))), ("Odd_Id".into(), Some(v("Odd_Id", VolState::Creating)))])
-        .unwrap();
+    be.commit_volumes(&[
+        ("pvc-1".into(), Some(v("pvc-1", VolState::Creating))),
+        ("Odd_Id".into(), Some(v("Odd_Id", VolState::Creating))),
+    ])
+    .unwrap();
     // A snapshot and a volume restored from it live in the same objects, told apart by kind.
     let snap = VolumeRecord {
         kind: nodeplane::controller::records::RecordKind::Snapshot,
@@ -365,11 +382,15 @@ fn node_deletion_releases_blocks_also_across_a_relist() {
     let _ = stop_tx.send(true);
     rt.block_on(task).unwrap();
     // What it called is exactly what the RBAC grants for this part.
-    let used: BTreeSet<(String, String)> = f.calls().into_iter().filter(|c| c.2 == "nodes").map(|c| (c.0, c.2)).collect();
+    let used: BTreeSet<(String, String)> =
+        f.calls().into_iter().filter(|c| c.2 == "nodes").map(|c| (c.0, c.2)).collect();
     // (get: a node missing from a relist is confirmed gone before it is released.)
     assert_eq!(
         used,
-        [("get", "nodes"), ("list", "nodes"), ("watch", "nodes")].into_iter().map(|(v, r)| (v.to_string(), r.to_string())).collect()
+        [("get", "nodes"), ("list", "nodes"), ("watch", "nodes")]
+            .into_iter()
+            .map(|(v, r)| (v.to_string(), r.to_string()))
+            .collect()
     );
 }
 
@@ -390,10 +411,16 @@ fn agents_are_identified_by_token_review() {
     f.add_token("tok-other-sa", agent("node-1", "nodeplane", "system:serviceaccount:default:default"));
     rt().block_on(async {
         let client = kube::Client::try_from(kube_config(&f).await).unwrap();
-        let auth = Authority::new(b"0123456789abcdef0123456789abcdef".to_vec())
-            .with_reviewer(TokenReviewer::new(client, "nodeplane", AGENT_SA));
+        let auth = Authority::new(b"0123456789abcdef0123456789abcdef".to_vec()).with_reviewer(TokenReviewer::new(
+            client,
+            "nodeplane",
+            AGENT_SA,
+        ));
         assert_eq!(auth.identify("Bearer tok-n1").await.unwrap(), Identity::Node("node-1".into()));
-        assert!(Identity::Node("node-1".into()).may_act_for("node-1") && !Identity::Node("node-1".into()).may_act_for("node-2"));
+        assert!(
+            Identity::Node("node-1".into()).may_act_for("node-1")
+                && !Identity::Node("node-1".into()).may_act_for("node-2")
+        );
         assert_eq!(auth.identify("Bearer tok-wrong-aud").await.unwrap_err().code(), tonic::Code::Unauthenticated);
         assert_eq!(auth.identify("Bearer tok-other-sa").await.unwrap_err().code(), tonic::Code::PermissionDenied);
         assert_eq!(auth.identify("Bearer nonsense").await.unwrap_err().code(), tonic::Code::Unauthenticated);
@@ -497,7 +524,11 @@ async fn register(grpc: u16, token: &str, node: &str) -> Result<Vec<String>, ton
     use nodeplane::rpc::controller as pb;
     let ch = channel(grpc).await.map_err(tonic::Status::unavailable)?;
     let mut c = pb::node_registry_client::NodeRegistryClient::new(ch);
-    let mut req = tonic::Request::new(pb::RegisterRequest { node_name: node.into(), underlay_addresses: vec!["192.0.2.9".into()], vtep_mac: String::new() });
+    let mut req = tonic::Request::new(pb::RegisterRequest {
+        node_name: node.into(),
+        underlay_addresses: vec!["192.0.2.9".into()],
+        vtep_mac: String::new(),
+    });
     req.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
     Ok(c.register(req).await?.into_inner().node.unwrap().pod_blocks)
 }
@@ -545,7 +576,10 @@ fn two_controller_processes_fail_over_without_losing_blocks() {
     let granted: BTreeSet<(String, String, String)> =
         API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
     for (verb, group, resource, _) in f.calls() {
-        assert!(granted.contains(&(verb.clone(), group.clone(), resource.clone())), "{verb} {group}/{resource} is not in API_CALLS");
+        assert!(
+            granted.contains(&(verb.clone(), group.clone(), resource.clone())),
+            "{verb} {group}/{resource} is not in API_CALLS"
+        );
     }
     // The processes name themselves on every request and write.
     assert!(assert_named_writes(&f) > 0);
@@ -603,7 +637,8 @@ fn node_names_of_any_valid_length_register_and_get_blocks() {
     let n253 = format!("{}.{}.{}.{}", "a".repeat(63), "b".repeat(63), "c".repeat(63), "d".repeat(61));
     assert_eq!((n63.len(), n64.len(), n253.len()), (63, 64, 253));
     for name in ["x", n63.as_str(), n64.as_str(), n253.as_str()] {
-        let rec = r.register(name, &["192.0.2.1".into()], "").unwrap_or_else(|e| panic!("{} characters: {e}", name.len()));
+        let rec =
+            r.register(name, &["192.0.2.1".into()], "").unwrap_or_else(|e| panic!("{} characters: {e}", name.len()));
         assert_eq!(rec.blocks.len(), 2, "{name}");
         let obj = f.get(GROUP, "nodeplanenodes", None, name).expect("the record is named after the node");
         assert_eq!(obj["metadata"]["labels"][NODE_HASH_LABEL], node_hash(name));
@@ -638,9 +673,14 @@ fn objects_of_the_old_label_encoding_are_still_found_and_migrated() {
     let f = fake();
     // As written by the previous version: the node name itself in the label nodeplane.dev/node.
     let legacy = json!({"nodeplane.dev/node": "node-a", "app.kubernetes.io/managed-by": "nodeplane-controller"});
-    f.put_object(GROUP, "nodeplanenodes", None, json!({"apiVersion": format!("{GROUP}/v1alpha1"), "kind": "NodeplaneNode",
+    f.put_object(
+        GROUP,
+        "nodeplanenodes",
+        None,
+        json!({"apiVersion": format!("{GROUP}/v1alpha1"), "kind": "NodeplaneNode",
         "metadata": {"name": "node-a", "labels": {"app.kubernetes.io/managed-by": "nodeplane-controller"}},
-        "spec": {"underlay": ["192.0.2.1"], "vtepMac": "", "blocks": ["10.8.0.0/24"]}}));
+        "spec": {"underlay": ["192.0.2.1"], "vtepMac": "", "blocks": ["10.8.0.0/24"]}}),
+    );
     let mut lock = lock_object("10.8.0.0/24", "node-a");
     lock["metadata"]["labels"] = legacy.clone();
     f.put_object(GROUP, "ipblocks", None, lock);
@@ -714,7 +754,10 @@ fn a_label_added_by_another_client_does_not_restart_the_leader() {
     // ... and the write after that too (no conflict left behind; it keeps the label).
     r.register("node-a", &["192.0.2.7".into()], "").unwrap();
     let obj = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
-    assert_eq!((obj["metadata"]["labels"]["team"].as_str(), obj["spec"]["underlay"][0].as_str()), (Some("net"), Some("192.0.2.7")));
+    assert_eq!(
+        (obj["metadata"]["labels"]["team"].as_str(), obj["spec"]["underlay"][0].as_str()),
+        (Some("net"), Some("192.0.2.7"))
+    );
     // The labelled lock is untouched by the writes, and released normally with its node.
     let lock = f.get(GROUP, "ipblocks", None, "v4-10-8-0-0-24").unwrap();
     assert_eq!(lock["metadata"]["labels"]["audit"], "2026");
@@ -728,18 +771,32 @@ fn a_label_added_by_another_client_does_not_restart_the_leader() {
     assert_eq!(f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap()["spec"]["underlay"], json!(["192.0.2.8"]));
     // Volumes too.
     let vol = VolumeRecord {
-        id: "pvc-1".into(), name: "claim".into(), node: "node-a".into(), size_bytes: 1 << 20,
-        fs_type: nodeplane::storage::fs::FsType::Ext4, state: VolState::Creating, created_at: 1,
-        parameters: Default::default(), kind: Default::default(), source_volume: String::new(), source_snapshot: String::new(),
+        id: "pvc-1".into(),
+        name: "claim".into(),
+        node: "node-a".into(),
+        size_bytes: 1 << 20,
+        fs_type: nodeplane::storage::fs::FsType::Ext4,
+        state: VolState::Creating,
+        created_at: 1,
+        parameters: Default::default(),
+        kind: Default::default(),
+        source_volume: String::new(),
+        source_snapshot: String::new(),
     };
     be.commit_volumes(&[("pvc-1".into(), Some(vol.clone()))]).unwrap();
     label_as_other_client(&f, "nodeplanevolumes", "pvc-1", "backup", "yes");
     be.commit_volumes(&[("pvc-1".into(), Some(VolumeRecord { state: VolState::Ready, ..vol }))]).unwrap();
     let obj = f.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
-    assert_eq!((obj["metadata"]["labels"]["backup"].as_str(), obj["spec"]["state"].as_str()), (Some("yes"), Some("ready")));
+    assert_eq!(
+        (obj["metadata"]["labels"]["backup"].as_str(), obj["spec"]["state"].as_str()),
+        (Some("yes"), Some("ready"))
+    );
     label_as_other_client(&f, "nodeplanevolumes", "pvc-1", "backup", "no");
     be.commit_volumes(&[("pvc-1".into(), None)]).unwrap();
-    assert!(f.get(GROUP, "nodeplanevolumes", None, "pvc-1").is_none(), "a delete after another client's change goes through");
+    assert!(
+        f.get(GROUP, "nodeplanevolumes", None, "pvc-1").is_none(),
+        "a delete after another client's change goes through"
+    );
     assert!(r.remove("node-a").is_ok());
     assert!(locks(&f).is_empty());
     assert!(fence.lost().is_none());
@@ -870,7 +927,10 @@ fn two_controllers_starting_together_agree_on_the_token_secret() {
     let f = fake();
     rt().block_on(async {
         let client = kube::Client::try_from(kube_config(&f).await).unwrap();
-        let (a, b) = tokio::join!(load_or_create(client.clone(), NS, DEFAULT_NAME), load_or_create(client.clone(), NS, DEFAULT_NAME));
+        let (a, b) = tokio::join!(
+            load_or_create(client.clone(), NS, DEFAULT_NAME),
+            load_or_create(client.clone(), NS, DEFAULT_NAME)
+        );
         let (a, b) = (a.unwrap(), b.unwrap());
         assert_eq!(a, b);
         assert!(a.current.len() >= 32 && a.previous.is_none());
@@ -889,7 +949,11 @@ fn two_controllers_starting_together_agree_on_the_token_secret() {
         load_or_create(kube::Client::try_from(kube_config(&f).await).unwrap(), NS, DEFAULT_NAME).await.unwrap()
     });
     assert!(keys.current.len() >= 32);
-    assert!(f.requests().iter().any(|r| r.resource == "secrets" && r.verb == "update" && r.field_manager == "nodeplane-controller"));
+    assert!(
+        f.requests()
+            .iter()
+            .any(|r| r.resource == "secrets" && r.verb == "update" && r.field_manager == "nodeplane-controller")
+    );
     // A key too short is an error, not silently replaced.
     let mut s = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
     s["data"]["previous"] = json!("c2hvcnQ=");
@@ -953,7 +1017,10 @@ fn an_admin_token_survives_a_controller_restart() {
     let granted: BTreeSet<(String, String, String)> =
         API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
     for (verb, group, resource, _) in f.calls() {
-        assert!(granted.contains(&(verb.clone(), group.clone(), resource.clone())), "{verb} {group}/{resource} is not in API_CALLS");
+        assert!(
+            granted.contains(&(verb.clone(), group.clone(), resource.clone())),
+            "{verb} {group}/{resource} is not in API_CALLS"
+        );
     }
     assert!(assert_named_writes(&f) > 0);
 }
@@ -1072,7 +1139,12 @@ fn tls_bootstrap_makes_one_ca_that_agents_verify_across_restarts() {
     let creates = |plural: &str| f.requests().iter().filter(|r| r.resource == plural && r.verb == "create").count();
     assert_eq!(creates("configmaps"), 1);
     assert_eq!(f.get("", "configmaps", Some(NS), "nodeplane-ca").unwrap()["data"]["ca.crt"], ca_pem.as_str());
-    assert!(f.requests().iter().filter(|r| r.resource == "secrets" && r.verb == "create").all(|r| r.field_manager == "nodeplane-controller"));
+    assert!(
+        f.requests()
+            .iter()
+            .filter(|r| r.resource == "secrets" && r.verb == "create")
+            .all(|r| r.field_manager == "nodeplane-controller")
+    );
 }
 
 #[test]
@@ -1090,9 +1162,15 @@ fn tls_bootstrap_agrees_under_a_start_race_and_renews_with_the_same_ca() {
         ca_config_map_name: "nodeplane-ca".into(),
         dns_names: vec![format!("nodeplane-controller.{NS}.svc")],
     };
-    let files = |n: &str| ServerFiles { cert_file: dir.join(n).join("tls.crt"), key_file: dir.join(n).join("tls.key"), client_ca_file: None };
+    let files = |n: &str| ServerFiles {
+        cert_file: dir.join(n).join("tls.crt"),
+        key_file: dir.join(n).join("tls.key"),
+        client_ca_file: None,
+    };
     let read = |n: &str| std::fs::read_to_string(dir.join(n).join("tls.crt")).unwrap();
-    let secret = || -> Secret { serde_json::from_value(f.get("", "secrets", Some(NS), "nodeplane-controller-tls").unwrap()).unwrap() };
+    let secret = || -> Secret {
+        serde_json::from_value(f.get("", "secrets", Some(NS), "nodeplane-controller-tls").unwrap()).unwrap()
+    };
     let text = |s: &Secret, k: &str| String::from_utf8(s.data.as_ref().unwrap()[k].0.clone()).unwrap();
     let days_left = |pem: &str| (not_after(&certs_of(pem.as_bytes(), "c").unwrap()[0]).unwrap() - now_secs()) / 86400;
     // Two controllers starting at the same moment.
@@ -1139,7 +1217,10 @@ fn tls_bootstrap_agrees_under_a_start_race_and_renews_with_the_same_ca() {
     nodeplane::rpc::tls::Acceptor::load(acc).expect("the renewed pair loads (key matches)");
     let chain = webpki_chains(&ca_pem, &renewed, &b.dns_names[0]);
     assert!(chain.is_ok(), "the renewed certificate chains to the published CA: {chain:?}");
-    assert_eq!(f.requests().iter().filter(|r| r.resource == "configmaps" && r.verb == "update").count(), updates_before);
+    assert_eq!(
+        f.requests().iter().filter(|r| r.resource == "configmaps" && r.verb == "update").count(),
+        updates_before
+    );
 
     // A DNS name added to the configuration: re-issued naming it, same CA.
     let mut b2 = b.clone();
@@ -1160,7 +1241,9 @@ fn now_secs() -> i64 {
 fn webpki_chains(ca: &str, cert: &str, name: &str) -> Result<(), String> {
     use nodeplane::rpc::tls::{certs_of, provider, roots_of};
     let roots = roots_of(ca.as_bytes(), "ca")?;
-    let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider()).build().map_err(|e| e.to_string())?;
+    let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider())
+        .build()
+        .map_err(|e| e.to_string())?;
     let leaf = certs_of(cert.as_bytes(), "cert")?;
     let name = rustls::pki_types::ServerName::try_from(name.to_string()).map_err(|e| e.to_string())?;
     use rustls::client::danger::ServerCertVerifier;
@@ -1191,8 +1274,14 @@ fn dra_device(name: &str, numa: i64) -> nodeplane::rpc::controller::DraDevice {
         name: name.into(),
         attributes: [
             ("numaNode".to_string(), pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Int(numa)) }),
-            ("vendor".to_string(), pb::DeviceAttribute { value: Some(pb::device_attribute::Value::String("acme".into())) }),
-            ("driverVersion".to_string(), pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Version("0.1.0".into())) }),
+            (
+                "vendor".to_string(),
+                pb::DeviceAttribute { value: Some(pb::device_attribute::Value::String("acme".into())) },
+            ),
+            (
+                "driverVersion".to_string(),
+                pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Version("0.1.0".into())) },
+            ),
         ]
         .into(),
         // Written in the API server's canonical form ("1024k"), so that what is read back
@@ -1201,7 +1290,9 @@ fn dra_device(name: &str, numa: i64) -> nodeplane::rpc::controller::DraDevice {
     }
 }
 
-async fn registry_client(grpc: u16) -> nodeplane::rpc::controller::node_registry_client::NodeRegistryClient<tonic::transport::Channel> {
+async fn registry_client(
+    grpc: u16,
+) -> nodeplane::rpc::controller::node_registry_client::NodeRegistryClient<tonic::transport::Channel> {
     nodeplane::rpc::controller::node_registry_client::NodeRegistryClient::new(channel(grpc).await.unwrap())
 }
 
@@ -1211,11 +1302,22 @@ fn bearer<T>(msg: T, token: &str) -> tonic::Request<T> {
     req
 }
 
-async fn report(grpc: u16, token: &str, node: &str, devices: Vec<nodeplane::rpc::controller::DraDevice>) -> Result<(), tonic::Status> {
+async fn report(
+    grpc: u16,
+    token: &str,
+    node: &str,
+    devices: Vec<nodeplane::rpc::controller::DraDevice>,
+) -> Result<(), tonic::Status> {
     report_epoch(grpc, token, node, devices, 1).await
 }
 
-async fn report_epoch(grpc: u16, token: &str, node: &str, devices: Vec<nodeplane::rpc::controller::DraDevice>, epoch: u64) -> Result<(), tonic::Status> {
+async fn report_epoch(
+    grpc: u16,
+    token: &str,
+    node: &str,
+    devices: Vec<nodeplane::rpc::controller::DraDevice>,
+    epoch: u64,
+) -> Result<(), tonic::Status> {
     use nodeplane::rpc::controller as pb;
     let req = pb::ReportDevicesRequest { node_name: node.into(), driver: "dra.nodeplane.dev".into(), devices, epoch };
     registry_client(grpc).await.report_devices(bearer(req, token)).await.map(|_| ())
@@ -1267,7 +1369,10 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
     // Owned by the Node object: the API's garbage collector deletes it with the Node, also
     // while no controller runs.
     let node_uid = f.get("", "nodes", None, "node-1").unwrap()["metadata"]["uid"].clone();
-    assert_eq!(s["metadata"]["ownerReferences"], json!([{"apiVersion": "v1", "kind": "Node", "name": "node-1", "uid": node_uid}]));
+    assert_eq!(
+        s["metadata"]["ownerReferences"],
+        json!([{"apiVersion": "v1", "kind": "Node", "name": "node-1", "uid": node_uid}])
+    );
     assert_eq!(
         s["spec"]["devices"][0],
         json!({"name": "gpu-a", "attributes": {"numaNode": {"int": 0}, "vendor": {"string": "acme"}, "driverVersion": {"version": "0.1.0"}},
@@ -1276,7 +1381,9 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
     assert_eq!(s["spec"]["devices"][1]["name"], "gpu-b");
     // The same report again, and a pass over every pool (another node's first report wakes
     // the publisher): node-1's slice is not written again.
-    let rv = |f: &FakeApiServer, name: &str| f.get("resource.k8s.io", "resourceslices", None, name).map(|s| s["metadata"]["resourceVersion"].clone());
+    let rv = |f: &FakeApiServer, name: &str| {
+        f.get("resource.k8s.io", "resourceslices", None, name).map(|s| s["metadata"]["resourceVersion"].clone())
+    };
     let before = rv(&f, "node-1-dra.nodeplane.dev-0");
     rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![dra_device("gpu-a", 0), dra_device("gpu-b", 1)])).unwrap();
     rt.block_on(report(ctl.grpc, "agent-n2", "node-2", vec![dra_device("fpga-0", 0)])).unwrap();
@@ -1293,7 +1400,13 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
     assert_eq!(pools_in(&f)["node-2"].1, ["fpga-0"]);
     // A device plugged in: the pool's next generation lists it.
     let t = Instant::now();
-    rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![dra_device("gpu-a", 0), dra_device("gpu-b", 1), dra_device("gpu-c", 0)])).unwrap();
+    rt.block_on(report(
+        ctl.grpc,
+        "agent-n1",
+        "node-1",
+        vec![dra_device("gpu-a", 0), dra_device("gpu-b", 1), dra_device("gpu-c", 0)],
+    ))
+    .unwrap();
     wait_until("gpu-c published", Duration::from_secs(1), || pools_in(&f)["node-1"].1.contains(&"gpu-c".to_string()));
     eprintln!("report -> ResourceSlice updated: {:?}", t.elapsed());
     assert_eq!(pools_in(&f)["node-1"], (2, vec!["gpu-a".into(), "gpu-b".into(), "gpu-c".into()], 1));
@@ -1302,15 +1415,25 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
     wait_until("gpu-b gone", Duration::from_secs(1), || !pools_in(&f)["node-1"].1.contains(&"gpu-b".to_string()));
     assert_eq!(pools_in(&f)["node-1"].0, 3);
     // A node speaks for itself only; a malformed report is refused and changes nothing.
-    assert_eq!(rt.block_on(report(ctl.grpc, "agent-n1", "node-2", vec![dra_device("x", 0)])).unwrap_err().code(), tonic::Code::PermissionDenied);
+    assert_eq!(
+        rt.block_on(report(ctl.grpc, "agent-n1", "node-2", vec![dra_device("x", 0)])).unwrap_err().code(),
+        tonic::Code::PermissionDenied
+    );
     let e = rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![dra_device("Bad_Name", 0)])).unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     let mut bad_version = dra_device("gpu-a", 0);
-    bad_version.attributes.insert("driverVersion".into(), pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Version("v1".into())) });
+    bad_version.attributes.insert(
+        "driverVersion".into(),
+        pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Version("v1".into())) },
+    );
     let e = rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![bad_version])).unwrap_err();
     assert!(e.code() == tonic::Code::InvalidArgument && e.message().contains("semantic version"), "{e:?}");
     std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(pools_in(&f)["node-1"], (3, vec!["gpu-a".into(), "gpu-c".into()], 1), "a refused report changed the pool");
+    assert_eq!(
+        pools_in(&f)["node-1"],
+        (3, vec!["gpu-a".into(), "gpu-c".into()], 1),
+        "a refused report changed the pool"
+    );
 
     // Claims: a node gets its own results of this driver, nothing of another node.
     let claim = f.put_object(
@@ -1326,11 +1449,21 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
     );
     let uid = claim["metadata"]["uid"].as_str().unwrap().to_string();
     let get = |token: &str, node: &str, name: &str, uid: &str| {
-        let req = pb::GetClaimRequest { node_name: node.into(), namespace: "team-a".into(), name: name.into(), uid: uid.into() };
-        rt.block_on(async { registry_client(ctl.grpc).await.get_claim(bearer(req, token)).await.map(|r| r.into_inner().results) })
+        let req = pb::GetClaimRequest {
+            node_name: node.into(),
+            namespace: "team-a".into(),
+            name: name.into(),
+            uid: uid.into(),
+        };
+        rt.block_on(async {
+            registry_client(ctl.grpc).await.get_claim(bearer(req, token)).await.map(|r| r.into_inner().results)
+        })
     };
     let got = get("agent-n1", "node-1", "gpus", &uid).unwrap();
-    assert_eq!(got.iter().map(|r| (r.request.as_str(), r.device.as_str())).collect::<Vec<_>>(), [("gpu", "gpu-a"), ("gpu", "gpu-c")]);
+    assert_eq!(
+        got.iter().map(|r| (r.request.as_str(), r.device.as_str())).collect::<Vec<_>>(),
+        [("gpu", "gpu-a"), ("gpu", "gpu-c")]
+    );
     assert!(got.iter().all(|r| r.driver == "dra.nodeplane.dev" && r.pool == "node-1"));
     // Another node's claim, another UID, a missing claim: one answer (NOT_FOUND naming the
     // claim), so a node learns nothing about claims that are not its own.
@@ -1341,7 +1474,10 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
         assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
     }
     assert!(missing.message().contains("team-a/missing"), "{missing:?}");
-    assert_eq!(other.message(), format!("ResourceClaim team-a/gpus ({uid}) has no allocation of dra.nodeplane.dev on node \"node-2\""));
+    assert_eq!(
+        other.message(),
+        format!("ResourceClaim team-a/gpus ({uid}) has no allocation of dra.nodeplane.dev on node \"node-2\"")
+    );
     assert_eq!(get("agent-n1", "node-2", "gpus", &uid).unwrap_err().code(), tonic::Code::PermissionDenied);
     assert_eq!(get("agent-n1", "node-1", "Not/A/Name", "u").unwrap_err().code(), tonic::Code::InvalidArgument);
 
@@ -1359,14 +1495,24 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
     rt.block_on(report_epoch(ctl.grpc, "agent-n2", "node-2", vec![dra_device("fpga-0", 0)], 2)).unwrap();
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(rv(&f, "node-2-dra.nodeplane.dev-0"), before, "a restarted controller rewrote an unchanged pool");
-    rt.block_on(report_epoch(ctl.grpc, "agent-n2", "node-2", vec![dra_device("fpga-0", 0), dra_device("fpga-1", 0)], 2)).unwrap();
+    rt.block_on(report_epoch(
+        ctl.grpc,
+        "agent-n2",
+        "node-2",
+        vec![dra_device("fpga-0", 0), dra_device("fpga-1", 0)],
+        2,
+    ))
+    .unwrap();
     wait_until("fpga-1 published", Duration::from_secs(5), || pools_in(&f)["node-2"].1.len() == 2);
     assert_eq!(pools_in(&f)["node-2"].0, gen2 + 1, "the generation continues from the published pool");
     drop(ctl);
     let granted: BTreeSet<(String, String, String)> =
         API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
     for (verb, group, resource, _) in f.calls() {
-        assert!(granted.contains(&(verb.clone(), group.clone(), resource.clone())), "{verb} {group}/{resource} is not in API_CALLS");
+        assert!(
+            granted.contains(&(verb.clone(), group.clone(), resource.clone())),
+            "{verb} {group}/{resource} is not in API_CALLS"
+        );
     }
 }
 
@@ -1384,8 +1530,13 @@ fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
     f.put_object("", "namespaces", None, json!({"metadata": {"name": "x", "labels": {"team": "a"}}}));
     f.put_object("", "namespaces", None, json!({"metadata": {"name": "y", "labels": {"team": "b"}}}));
     for (ns, pod) in [("x", "a"), ("y", "b")] {
-        f.put_object("", "pods", Some(ns), json!({"metadata": {"namespace": ns, "name": pod, "labels": {"pod": pod}},
-            "spec": {"containers": [{"name": "c", "ports": [{"name": "http", "containerPort": 8080}]}]}}));
+        f.put_object(
+            "",
+            "pods",
+            Some(ns),
+            json!({"metadata": {"namespace": ns, "name": pod, "labels": {"pod": pod}},
+            "spec": {"containers": [{"name": "c", "ports": [{"name": "http", "containerPort": 8080}]}]}}),
+        );
     }
     f.put_object("networking.k8s.io", "networkpolicies", Some("x"), json!({"metadata": {"namespace": "x", "name": "from-team-b"},
         "spec": {"podSelector": {"matchLabels": {"pod": "a"}},
@@ -1404,18 +1555,26 @@ fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
             r.metadata_mut().insert("authorization", "Bearer agent-n1".parse().unwrap());
             r
         }
-        let mut stream = c.watch_policy(authed(pb::WatchPolicyRequest { node_name: "node-1".into() })).await.unwrap().into_inner();
+        let mut stream =
+            c.watch_policy(authed(pb::WatchPolicyRequest { node_name: "node-1".into() })).await.unwrap().into_inner();
         let snap = stream.message().await.unwrap().unwrap();
         assert!(snap.snapshot && snap.pods.is_empty(), "{snap:?}");
         // The pods attached on node-1 (their labels come from the API).
         for (ns, pod, i) in [("x", "a", 2), ("y", "b", 3)] {
             let pa = pb::PodAddress { namespace: ns.into(), name: pod.into(), ips: vec![ip(i)] };
-            let r = c.pod_started(authed(pb::PodStartedRequest { node_name: "node-1".into(), pod: Some(pa) })).await.unwrap().into_inner();
+            let r = c
+                .pod_started(authed(pb::PodStartedRequest { node_name: "node-1".into(), pod: Some(pa) }))
+                .await
+                .unwrap()
+                .into_inner();
             assert_eq!(r.isolated, ns == "x", "{ns}/{pod}: {r:?}");
         }
         // Someone else's addresses are refused: a node acts only on its own blocks.
         let foreign = pb::PodAddress { namespace: "x".into(), name: "z".into(), ips: vec!["192.0.2.1".into()] };
-        let e = c.pod_started(authed(pb::PodStartedRequest { node_name: "node-1".into(), pod: Some(foreign) })).await.unwrap_err();
+        let e = c
+            .pod_started(authed(pb::PodStartedRequest { node_name: "node-1".into(), pod: Some(foreign) }))
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
         // Local mode's object API is refused here: objects come from the API.
         let mut admin = tonic::Request::new(pb::ApplyObjectsRequest { json: "{}".into() });
@@ -1426,9 +1585,16 @@ fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
         let mut view = nodeplane::net::policy::View::default();
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
-            let u = tokio::time::timeout(deadline - Instant::now(), stream.message()).await.expect("the view").unwrap().unwrap();
+            let u = tokio::time::timeout(deadline - Instant::now(), stream.message())
+                .await
+                .expect("the view")
+                .unwrap()
+                .unwrap();
             view = view.applied(&u).unwrap();
-            if view.pods.len() == 2 && !view.policies.is_empty() && view.address_sets.values().any(|s| !s.cidrs.is_empty()) {
+            if view.pods.len() == 2
+                && !view.policies.is_empty()
+                && view.address_sets.values().any(|s| !s.cidrs.is_empty())
+            {
                 break;
             }
         }
@@ -1443,7 +1609,11 @@ fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
         // The namespace's labels change in the API: y is no longer team b, the set empties.
         f.put_object("", "namespaces", None, json!({"metadata": {"name": "y", "labels": {"team": "c"}}}));
         loop {
-            let u = tokio::time::timeout(Duration::from_secs(5), stream.message()).await.expect("a change").unwrap().unwrap();
+            let u = tokio::time::timeout(Duration::from_secs(5), stream.message())
+                .await
+                .expect("a change")
+                .unwrap()
+                .unwrap();
             assert!(!u.snapshot);
             view = view.applied(&u).unwrap();
             if view.address_sets.values().all(|s| s.cidrs.is_empty()) {
@@ -1453,7 +1623,11 @@ fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
         // The policy deleted in the API: x/a is no longer isolated, its group and policy go.
         assert!(f.delete_object("networking.k8s.io", "networkpolicies", Some("x"), "from-team-b"));
         loop {
-            let u = tokio::time::timeout(Duration::from_secs(5), stream.message()).await.expect("a change").unwrap().unwrap();
+            let u = tokio::time::timeout(Duration::from_secs(5), stream.message())
+                .await
+                .expect("a change")
+                .unwrap()
+                .unwrap();
             view = view.applied(&u).unwrap();
             if view.policies.is_empty() {
                 break;
@@ -1465,7 +1639,10 @@ fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
     let granted: BTreeSet<(String, String, String)> =
         API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
     for (verb, group, resource) in f.calls().into_iter().map(|c| (c.0, c.1, c.2)) {
-        assert!(granted.contains(&(verb.clone(), group.clone(), resource.clone())), "{verb} {group}/{resource} is not in API_CALLS");
+        assert!(
+            granted.contains(&(verb.clone(), group.clone(), resource.clone())),
+            "{verb} {group}/{resource} is not in API_CALLS"
+        );
     }
     for r in ["networkpolicies", "pods", "namespaces"] {
         assert!(f.calls().iter().any(|c| c.2 == r && c.0 == "watch"), "{r} is watched");
@@ -1523,6 +1700,7 @@ fn an_expired_continue_token_restarts_the_list() {
     let pools = vec![Pool { net: "10.0.0.0/8".parse().unwrap(), block_prefix: 24 }];
     let r = Registry::with_backend(backend(&f), pools).unwrap();
     assert_eq!(r.node_count(), 1200);
-    let starts = f.requests().into_iter().filter(|q| q.verb == "list" && q.resource == "nodeplanenodes" && !q.continued).count();
+    let starts =
+        f.requests().into_iter().filter(|q| q.verb == "list" && q.resource == "nodeplanenodes" && !q.continued).count();
     assert_eq!(starts, 3, "the list started again after each expired token");
 }

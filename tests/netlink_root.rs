@@ -14,7 +14,11 @@ struct Namespaces(Vec<String>);
 
 impl Namespaces {
     fn new(names: &[&str]) -> Self {
-        assert_eq!(unsafe { libc::geteuid() }, 0, "tests/netlink_root.rs needs root (network namespaces); it does not skip");
+        assert_eq!(
+            unsafe { libc::geteuid() },
+            0,
+            "tests/netlink_root.rs needs root (network namespaces); it does not skip"
+        );
         let ns = Namespaces(names.iter().map(|n| format!("npnl{}-{n}", std::process::id())).collect());
         for n in &ns.0 {
             let out = Command::new("ip").args(["netns", "add", n]).output().expect("ip");
@@ -81,12 +85,16 @@ fn index_of_answers_in_the_sockets_namespace() {
     // Four links (veth pairs: this kernel has no dummy links), so the one asked about is not
     // simply the first after lo.
     for (l, peer) in [("npix0", "npix1"), ("npix2", "npix3")] {
-        let out = Command::new("ip").args(["-n", &name, "link", "add", l, "type", "veth", "peer", "name", peer]).output().expect("ip");
+        let out = Command::new("ip")
+            .args(["-n", &name, "link", "add", l, "type", "veth", "peer", "name", peer])
+            .output()
+            .expect("ip");
         assert!(out.status.success(), "ip link add {l}: {}", String::from_utf8_lossy(&out.stderr));
     }
     let out = Command::new("ip").args(["-n", &name, "-o", "link", "show", "npix1"]).output().expect("ip");
     let text = String::from_utf8_lossy(&out.stdout);
-    let want: u32 = text.split(':').next().and_then(|n| n.trim().parse().ok()).unwrap_or_else(|| panic!("ifindex in {text:?}"));
+    let want: u32 =
+        text.split(':').next().and_then(|n| n.trim().parse().ok()).unwrap_or_else(|| panic!("ifindex in {text:?}"));
     let nl = std::thread::scope(|s| {
         s.spawn(|| {
             let fd = File::open(format!("/run/netns/{name}")).expect("netns");

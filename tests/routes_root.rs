@@ -132,18 +132,39 @@ impl Topo {
         run(&["ip", "-n", &name, "link", "set", "lo", "up"]);
         // No IPv6 duplicate address detection in these private namespaces: interfaces are
         // usable at once instead of after a second of tentative link-local addresses.
-        run(&["ip", "netns", "exec", &name, "sysctl", "-q", "-w", "net.ipv6.conf.default.accept_dad=0", "net.ipv6.conf.all.accept_dad=0"]);
+        run(&[
+            "ip",
+            "netns",
+            "exec",
+            &name,
+            "sysctl",
+            "-q",
+            "-w",
+            "net.ipv6.conf.default.accept_dad=0",
+            "net.ipv6.conf.all.accept_dad=0",
+        ]);
         name
     }
 
     fn forwarding(ns: &str) {
-        run(&["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"]);
+        run(&[
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "sysctl",
+            "-q",
+            "-w",
+            "net.ipv4.ip_forward=1",
+            "net.ipv6.conf.all.forwarding=1",
+        ]);
     }
 
     /// Three nodes. `remote`: node 3 sits on its own underlay subnet behind a router
     /// namespace instead of on the shared segment.
     fn build(tag: &str, remote: bool) -> Topo {
-        let mut t = Topo { prefix: format!("nprt{}-{tag}", std::process::id()), namespaces: Vec::new(), nodes: Vec::new() };
+        let mut t =
+            Topo { prefix: format!("nprt{}-{tag}", std::process::id()), namespaces: Vec::new(), nodes: Vec::new() };
         let u = t.ns("u");
         run(&["ip", "-n", &u, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0"]);
         run(&["ip", "-n", &u, "link", "set", "br0", "up"]);
@@ -236,7 +257,8 @@ fn vteps(t: &Topo, mode: RouteMode, v6_underlay: bool) -> Vec<Option<[u8; 6]>> {
         .iter()
         .map(|n| {
             let local = if v6_underlay { n.u6 } else { n.u4 };
-            in_ns(&n.ns, || Routes::new(cfg(mode, local))?.ensure_vtep()).unwrap_or_else(|e| panic!("{}: ensure_vtep: {e}", n.name))
+            in_ns(&n.ns, || Routes::new(cfg(mode, local))?.ensure_vtep())
+                .unwrap_or_else(|e| panic!("{}: ensure_vtep: {e}", n.name))
         })
         .collect()
 }
@@ -277,7 +299,8 @@ fn own_routes(ns: &str) -> BTreeMap<String, KRoute> {
     for fam in ["-4", "-6"] {
         for r in json(&["ip", "-n", ns, "-j", fam, "route", "show", "table", "main", "proto", PROTO]) {
             let dst = r["dst"].as_str().unwrap().to_string();
-            let flags: Vec<&str> = r["flags"].as_array().map(|a| a.iter().filter_map(|f| f.as_str()).collect()).unwrap_or_default();
+            let flags: Vec<&str> =
+                r["flags"].as_array().map(|a| a.iter().filter_map(|f| f.as_str()).collect()).unwrap_or_default();
             let k = KRoute {
                 via: r["gateway"].as_str().map(str::to_string),
                 dev: r["dev"].as_str().unwrap_or_default().to_string(),
@@ -333,7 +356,8 @@ fn vxlan_link(ns: &str) -> Option<Value> {
 /// Packets sent and received by np.vxlan so far.
 fn vxlan_packets(ns: &str) -> (u64, u64) {
     let l = json(&["ip", "-n", ns, "-j", "-s", "link", "show", "np.vxlan"]).into_iter().next().expect("np.vxlan");
-    let get = |dir: &str| l["stats64"][dir]["packets"].as_u64().unwrap_or_else(|| panic!("{ns}: no {dir} counter: {l}"));
+    let get =
+        |dir: &str| l["stats64"][dir]["packets"].as_u64().unwrap_or_else(|| panic!("{ns}: no {dir} counter: {l}"));
     (get("tx"), get("rx"))
 }
 
@@ -343,7 +367,11 @@ fn through_vxlan(t: &Topo, nodes: &[usize], pings: impl FnOnce()) {
     pings();
     for (&i, (tx0, rx0)) in nodes.iter().zip(before) {
         let (tx, rx) = vxlan_packets(&t.node(i).ns);
-        assert!(tx > tx0 && rx > rx0, "{}: no traffic through np.vxlan (tx {tx0}->{tx}, rx {rx0}->{rx})", t.node(i).name);
+        assert!(
+            tx > tx0 && rx > rx0,
+            "{}: no traffic through np.vxlan (tx {tx0}->{tx}, rx {rx0}->{rx})",
+            t.node(i).name
+        );
     }
 }
 
@@ -470,7 +498,9 @@ fn routes_shared_segment() {
     }
     let foreign = all_routes(&n(0).ns);
     assert!(
-        foreign.iter().any(|r| r["dst"] == "203.0.113.0/24" && r["protocol"] == "static" && r["gateway"] == "192.0.2.12"),
+        foreign
+            .iter()
+            .any(|r| r["dst"] == "203.0.113.0/24" && r["protocol"] == "static" && r["gateway"] == "192.0.2.12"),
         "n1: the foreign route to the ghost block was touched: {foreign:?}"
     );
     check_pings(&t, "direct", all);
@@ -524,12 +554,25 @@ fn routes_shared_segment() {
     for node in &t.nodes[..2] {
         let rep = sync_ok(node, cfg(RouteMode::Vxlan, node.u4), &without3(node));
         assert_eq!((rep.routes.removed, rep.neigh.removed, rep.fdb.removed), (2, 2, 1), "{}: {rep:?}", node.name);
-        assert_eq!(rep.routes.added + rep.routes.replaced + rep.fdb.added + rep.neigh.added, 0, "{}: {rep:?}", node.name);
+        assert_eq!(
+            rep.routes.added + rep.routes.replaced + rep.fdb.added + rep.neigh.added,
+            0,
+            "{}: {rep:?}",
+            node.name
+        );
         let routes = own_routes(&node.ns);
-        assert!(!routes.contains_key(&block_key(&n(2).b4)) && !routes.contains_key(&block_key(&n(2).b6)), "{}: {routes:?}", node.name);
+        assert!(
+            !routes.contains_key(&block_key(&n(2).b4)) && !routes.contains_key(&block_key(&n(2).b6)),
+            "{}: {routes:?}",
+            node.name
+        );
         assert_eq!(routes.len(), 2, "{}: {routes:?}", node.name);
         let neigh = vxlan_neigh(&node.ns);
-        assert!(!neigh.contains_key(&n(2).gw4.to_string()) && !neigh.contains_key(&n(2).gw6.to_string()), "{}: {neigh:?}", node.name);
+        assert!(
+            !neigh.contains_key(&n(2).gw4.to_string()) && !neigh.contains_key(&n(2).gw6.to_string()),
+            "{}: {neigh:?}",
+            node.name
+        );
         assert_eq!(neigh.len(), 2);
         let fdb = vxlan_fdb(&node.ns);
         assert!(!fdb.contains_key(&mac_str(macs[2].unwrap())), "{}: {fdb:?}", node.name);
@@ -553,7 +596,10 @@ fn routes_shared_segment() {
         assert_clean(node);
     }
     let left = all_routes(&n(0).ns);
-    assert!(left.iter().any(|r| r["dst"] == "203.0.113.0/24" && r["protocol"] == "static"), "n1: foreign route removed: {left:?}");
+    assert!(
+        left.iter().any(|r| r["dst"] == "203.0.113.0/24" && r["protocol"] == "static"),
+        "n1: foreign route removed: {left:?}"
+    );
     assert!(left.iter().any(|r| r["dst"] == "198.18.0.0/15"), "n1: foreign route removed: {left:?}");
     check_pings(&t, "after teardown", |_, _, _| false);
 
@@ -568,7 +614,11 @@ fn routes_shared_segment() {
         assert_eq!(rep.routes.added, 4, "{}: {rep:?}", node.name);
         let fdb = vxlan_fdb(&node.ns);
         assert_eq!(fdb.len(), 2);
-        assert!(fdb.values().all(|d| d.parse::<IpAddr>().unwrap().is_ipv6()), "{}: fdb dst not IPv6: {fdb:?}", node.name);
+        assert!(
+            fdb.values().all(|d| d.parse::<IpAddr>().unwrap().is_ipv6()),
+            "{}: fdb dst not IPv6: {fdb:?}",
+            node.name
+        );
     }
     through_vxlan(&t, &[0, 1, 2], || check_pings(&t, "vxlan over ipv6", all));
     for node in &t.nodes {
@@ -616,7 +666,12 @@ fn routes_shared_segment() {
     for (i, node) in t.nodes.iter().enumerate() {
         let others: Vec<PeerNode> = peers_full.iter().filter(|p| p.name != node.name).cloned().collect();
         let rep = sync_ok(node, cfg(RouteMode::Auto, node.u4), &others);
-        assert_eq!(rep.routes, nodeplane::net::routes::Counts { added: 0, replaced: 2, removed: 0 }, "{}: {rep:?}", node.name);
+        assert_eq!(
+            rep.routes,
+            nodeplane::net::routes::Counts { added: 0, replaced: 2, removed: 0 },
+            "{}: {rep:?}",
+            node.name
+        );
         assert_eq!((rep.neigh.removed, rep.fdb.removed), (2, 2), "{}: {rep:?}", node.name);
         let mut want = BTreeMap::new();
         for (j, other) in t.nodes.iter().enumerate() {
@@ -626,7 +681,11 @@ fn routes_shared_segment() {
             }
         }
         assert_eq!(own_routes(&node.ns), want, "{}: auto, all direct", node.name);
-        assert!(vxlan_neigh(&node.ns).is_empty() && vxlan_fdb(&node.ns).is_empty(), "{}: tunnel entries left", node.name);
+        assert!(
+            vxlan_neigh(&node.ns).is_empty() && vxlan_fdb(&node.ns).is_empty(),
+            "{}: tunnel entries left",
+            node.name
+        );
         assert!(vxlan_link(&node.ns).is_some(), "{}: auto mode keeps its VTEP", node.name);
     }
     check_pings(&t, "auto, all direct", all);
@@ -644,7 +703,10 @@ fn routes_auto_across_a_router() {
     let t = Topo::build("b", true);
     let n = |i: usize| t.node(i);
     // The underlay itself works across the router (test precondition, not the module).
-    assert!(ping(&n(0).ns, n(2).u4, "2") && ping(&n(0).ns, n(2).u6, "2"), "underlay n1 -> n3 through the router is broken");
+    assert!(
+        ping(&n(0).ns, n(2).u4, "2") && ping(&n(0).ns, n(2).u6, "2"),
+        "underlay n1 -> n3 through the router is broken"
+    );
     check_pings(&t, "auto, before sync", |_, _, _| false);
 
     let macs = vteps(&t, RouteMode::Auto, false);
@@ -677,7 +739,12 @@ fn routes_auto_across_a_router() {
         assert_eq!(own_routes(&node.ns), want, "{}: auto route kinds", node.name);
         assert_eq!(vxlan_fdb(&node.ns), want_fdb, "{}: fdb has exactly the tunnelled peers", node.name);
         let direct = if i == 2 { 0 } else { 2 };
-        assert_eq!((rep.count(RouteKind::Direct), rep.count(RouteKind::Vxlan)), (direct, 4 - direct), "{}: {rep:?}", node.name);
+        assert_eq!(
+            (rep.count(RouteKind::Direct), rep.count(RouteKind::Vxlan)),
+            (direct, 4 - direct),
+            "{}: {rep:?}",
+            node.name
+        );
         let again = sync_ok(node, cfg(RouteMode::Auto, node.u4), &others);
         assert_eq!(again.changes(), 0, "{}: {again:?}", node.name);
     }
@@ -690,7 +757,10 @@ fn routes_auto_across_a_router() {
         Err(RoutesError::Incomplete { report, failures }) => {
             let text = failures.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n");
             assert_eq!(failures.len(), 2, "{text}");
-            assert!(text.contains("peer n3") && text.contains("10.244.3.0/24") && text.contains("fd00:3::/64"), "{text}");
+            assert!(
+                text.contains("peer n3") && text.contains("10.244.3.0/24") && text.contains("fd00:3::/64"),
+                "{text}"
+            );
             assert_eq!(report.routes.replaced, 0, "n2's direct routes were already right: {report:?}");
         }
         other => panic!("forced direct to a peer behind a router: expected Incomplete, got {other:?}"),

@@ -667,7 +667,9 @@ fn in_process_probe_agrees_with_blkid() {
         ("ext4", Box::new(|d: &str| run(&["mkfs.ext4", "-F", "-q", d], None)), Some("ext4")),
         (
             "ext4 lazy",
-            Box::new(|d: &str| run(&["mkfs.ext4", "-F", "-q", "-E", "lazy_itable_init=1,lazy_journal_init=1", d], None)),
+            Box::new(|d: &str| {
+                run(&["mkfs.ext4", "-F", "-q", "-E", "lazy_itable_init=1,lazy_journal_init=1", d], None)
+            }),
             Some("ext4"),
         ),
         ("ext3", Box::new(|d: &str| run(&["mkfs.ext3", "-F", "-q", d], None)), Some("ext3")),
@@ -676,12 +678,16 @@ fn in_process_probe_agrees_with_blkid() {
         ("swap", Box::new(|d: &str| run(&["mkswap", d], None)), Some("swap")),
         (
             "dos",
-            Box::new(|d: &str| run(&["sfdisk", "-q", "--no-reread", "--no-tell-kernel", d], Some("label: dos\n,64M,83\n"))),
+            Box::new(|d: &str| {
+                run(&["sfdisk", "-q", "--no-reread", "--no-tell-kernel", d], Some("label: dos\n,64M,83\n"))
+            }),
             Some("partition-table:dos"),
         ),
         (
             "gpt",
-            Box::new(|d: &str| run(&["sfdisk", "-q", "--no-reread", "--no-tell-kernel", d], Some("label: gpt\n,64M\n"))),
+            Box::new(|d: &str| {
+                run(&["sfdisk", "-q", "--no-reread", "--no-tell-kernel", d], Some("label: gpt\n,64M\n"))
+            }),
             Some("partition-table:gpt"),
         ),
     ];
@@ -796,8 +802,14 @@ fn top_mount_agrees_with_the_mount_table() {
     nix::mount::mount(Some("tmpfs"), &tmp, Some("tmpfs"), MsFlags::empty(), None::<&str>).unwrap();
     fs::create_dir(tmp.join("sub")).unwrap();
     nix::mount::mount(Some(&tmp.join("sub")), &bind, None::<&str>, MsFlags::MS_BIND, None::<&str>).unwrap();
-    nix::mount::mount(None::<&str>, &bind, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY, None::<&str>)
-        .unwrap();
+    nix::mount::mount(
+        None::<&str>,
+        &bind,
+        None::<&str>,
+        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY,
+        None::<&str>,
+    )
+    .unwrap();
     nix::mount::mount(Some("tmpfs"), &stacked, Some("tmpfs"), MsFlags::empty(), None::<&str>).unwrap();
     nix::mount::mount(Some("tmpfs"), &stacked, Some("tmpfs"), MsFlags::MS_RDONLY, None::<&str>).unwrap();
     let table = mount_table().unwrap();
@@ -856,7 +868,11 @@ fn mkfs_writes_little_on_a_fresh_image_and_zeroes_the_journal_otherwise() {
     };
     let fresh = make("fresh.img", None);
     let used = make("used.img", Some(500 * MIB));
-    println!("mkfs.ext4 of 1 GiB: {} KiB written on a fresh image, {} KiB on one holding data", fresh >> 10, used >> 10);
+    println!(
+        "mkfs.ext4 of 1 GiB: {} KiB written on a fresh image, {} KiB on one holding data",
+        fresh >> 10,
+        used >> 10
+    );
     assert!(fresh < 4 * MIB, "fresh image: {fresh} bytes written");
     assert!(used > 16 * MIB, "an image holding data must get its journal zeroed: {used} bytes written");
 }
@@ -876,8 +892,19 @@ fn ext4_layout(dev: &Path) -> std::collections::BTreeMap<String, String> {
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
         .filter(|(k, _)| {
-            !["Filesystem UUID", "Directory Hash Seed", "Checksum seed", "Filesystem created", "Last write time", "Last mount time", "Last checked", "Checksum", "Lifetime writes", "Journal checksum"]
-                .contains(&k.as_str())
+            ![
+                "Filesystem UUID",
+                "Directory Hash Seed",
+                "Checksum seed",
+                "Filesystem created",
+                "Last write time",
+                "Last mount time",
+                "Last checked",
+                "Checksum",
+                "Lifetime writes",
+                "Journal checksum",
+            ]
+            .contains(&k.as_str())
         })
         .collect()
 }
@@ -913,7 +940,12 @@ fn ext4_from_its_template_is_mkfs_output_with_its_own_identity() {
     // The same layout as mkfs.ext4 itself makes on a blank device of that size.
     let reference = sb.dir.join("reference.img");
     File::create(&reference).unwrap().set_len(1024 * MIB).unwrap();
-    let rdev = loopdev::attach(&File::options().read(true).write(true).open(&reference).unwrap(), &reference, Default::default()).unwrap();
+    let rdev = loopdev::attach(
+        &File::options().read(true).write(true).open(&reference).unwrap(),
+        &reference,
+        Default::default(),
+    )
+    .unwrap();
     let mut args = nodeplane::sys::ext4_template::MKFS_OPTIONS.to_vec();
     args.push(rdev.to_str().unwrap());
     assert_eq!(tool_out("mkfs.ext4", &args).0, 0);

@@ -56,7 +56,8 @@ fn process_cpu_ms(pid: u32) -> f64 {
 /// the host, from `/proc/stat`.
 fn machine_cpu_ms() -> (f64, f64) {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let f: Vec<u64> = stat.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let f: Vec<u64> =
+        stat.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
     let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let at = |i: usize| f.get(i).copied().unwrap_or(0) as f64 * 1000.0 / tick;
     (at(0) + at(1) + at(2) + at(5) + at(6), at(7))
@@ -182,14 +183,12 @@ struct Figures {
 }
 
 fn print_row(name: &str, f: &Figures) {
-    println!(
-        "{name:<22} {:>10.1} {:>10.1} {:>12.0} {:>12.0}",
-        f.up_median, f.down_median, f.seq_up, f.seq_down
-    );
+    println!("{name:<22} {:>10.1} {:>10.1} {:>12.0} {:>12.0}", f.up_median, f.down_median, f.seq_up, f.seq_down);
 }
 
 pub fn main() {
-    let agent = std::env::args().nth(1).expect("usage: csi_bench <path to nodeplane-agent> [singles] [sequence] [rounds]");
+    let agent =
+        std::env::args().nth(1).expect("usage: csi_bench <path to nodeplane-agent> [singles] [sequence] [rounds]");
     let singles: usize = std::env::args().nth(2).map(|s| s.parse().unwrap()).unwrap_or(20);
     let seq: usize = std::env::args().nth(3).map(|s| s.parse().unwrap()).unwrap_or(50);
     let rounds: usize = std::env::args().nth(4).map(|s| s.parse().unwrap()).unwrap_or(3).max(1);

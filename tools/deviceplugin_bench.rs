@@ -98,13 +98,16 @@ async fn allocate_and_hotplug(dir: &Path, n_alloc: usize, n_hot: usize) {
     let mut c = dial(&plugin_dir(dir).join("nodeplane-bench.sock")).await;
     // Warm-up.
     for _ in 0..50 {
-        let req = dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec!["benchdev0".into()] }] };
+        let req = dp::AllocateRequest {
+            container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec!["benchdev0".into()] }],
+        };
         c.allocate(req).await.unwrap();
     }
     let mut lat = Vec::with_capacity(n_alloc);
     for i in 0..n_alloc {
         let id = format!("benchdev{}", i % 8);
-        let req = dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![id] }] };
+        let req =
+            dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![id] }] };
         let t = Instant::now();
         c.allocate(req).await.unwrap();
         lat.push(t.elapsed().as_secs_f64() * 1000.0);
@@ -119,7 +122,11 @@ async fn allocate_and_hotplug(dir: &Path, n_alloc: usize, n_hot: usize) {
         let t = Instant::now();
         mkdev(&dir.join(format!("dev/benchdev-{id}")));
         loop {
-            let m = tokio::time::timeout(Duration::from_secs(5), stream.message()).await.expect("no update within 5 s").unwrap().unwrap();
+            let m = tokio::time::timeout(Duration::from_secs(5), stream.message())
+                .await
+                .expect("no update within 5 s")
+                .unwrap()
+                .unwrap();
             if m.devices.iter().any(|d| d.id == format!("benchdev-{id}")) {
                 break;
             }
@@ -170,11 +177,17 @@ async fn preferred(sock: &Path, calls: usize) -> (usize, f64, f64, usize) {
 }
 
 async fn preferred_allocation(dir: &Path, calls: usize) {
-    println!("GetPreferredAllocation (resources shared 1000 ways, all IDs available, a quarter asked for), over the plugin's socket");
+    println!(
+        "GetPreferredAllocation (resources shared 1000 ways, all IDs available, a quarter asked for), over the plugin's socket"
+    );
     let mut p10k = f64::NAN;
     for (name, nodes) in [("pa1k", 1), ("pa10k", 10)] {
         let (ids, p50, p99, n) = preferred(&plugin_dir(dir).join(format!("nodeplane-{name}.sock")), calls).await;
-        let short = if n < calls { format!(" (only {n} of {calls}: {} s budget)", PREFERRED_BUDGET.as_secs()) } else { String::new() };
+        let short = if n < calls {
+            format!(" (only {n} of {calls}: {} s budget)", PREFERRED_BUDGET.as_secs())
+        } else {
+            String::new()
+        };
         println!(
             "GetPreferredAllocation, {ids} IDs ({nodes} device node{} x share 1000), size {}, {n} calls{short}: median {p50:.2} ms, p99 {p99:.2} ms",
             if nodes == 1 { "" } else { "s" },
@@ -184,7 +197,10 @@ async fn preferred_allocation(dir: &Path, calls: usize) {
             p10k = p99;
         }
     }
-    println!("{}  GetPreferredAllocation 10,000 IDs p99: {p10k:.2} ms (target <= {PREFERRED_10K_MS} ms)", verdict(p10k <= PREFERRED_10K_MS));
+    println!(
+        "{}  GetPreferredAllocation 10,000 IDs p99: {p10k:.2} ms (target <= {PREFERRED_10K_MS} ms)",
+        verdict(p10k <= PREFERRED_10K_MS)
+    );
 }
 
 /// Every socket in `dir` goes, as kubelet's device manager deletes them when it starts.
@@ -218,11 +234,18 @@ async fn reregistration(dir: &Path, restarts: usize) {
         let t0 = Instant::now();
         kl.start().await;
         let got = kl
-            .wait_for(RES, Duration::from_secs(5), |r| r.registrations > before && r.streaming && r.messages_this_registration >= 1)
+            .wait_for(RES, Duration::from_secs(5), |r| {
+                r.registrations > before && r.streaming && r.messages_this_registration >= 1
+            })
             .await;
         match got {
             Ok(r) => {
-                let first_list = r.history.iter().find(|(_, reg, _)| *reg == r.registrations).map(|(at, _, _)| *at).unwrap_or(r.registered_at);
+                let first_list = r
+                    .history
+                    .iter()
+                    .find(|(_, reg, _)| *reg == r.registrations)
+                    .map(|(at, _, _)| *at)
+                    .unwrap_or(r.registered_at);
                 let done = first_list.max(r.registered_at);
                 lat.push(done.saturating_duration_since(t0).as_secs_f64() * 1000.0);
                 // A second Register of the same resource with this kubelet would show up here.

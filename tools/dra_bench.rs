@@ -68,7 +68,13 @@ fn pool(dir: &Path) -> Vec<String> {
     for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         let Ok(v) = serde_json::from_slice::<Value>(&std::fs::read(e.path()).unwrap_or_default()) else { continue };
         if v["spec"]["nodeName"] == NODE {
-            out.extend(v["spec"]["devices"].as_array().into_iter().flatten().filter_map(|d| d["name"].as_str().map(String::from)));
+            out.extend(
+                v["spec"]["devices"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|d| d["name"].as_str().map(String::from)),
+            );
         }
     }
     out.sort();
@@ -106,11 +112,13 @@ pub async fn main() {
     }
     let mut procs = Procs(Vec::new(), dir.clone());
     for i in 0..8 {
-        mknod(&dir.join(format!("dev/acc{i}")), SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(1, 3)).expect("mknod");
+        mknod(&dir.join(format!("dev/acc{i}")), SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(1, 3))
+            .expect("mknod");
     }
     std::fs::write(
         dir.join("devices.json"),
-        json!({"resources": [{"name": "acc", "devices": [format!("{}/dev/acc*", dir.display())], "offer": "dra"}]}).to_string(),
+        json!({"resources": [{"name": "acc", "devices": [format!("{}/dev/acc*", dir.display())], "offer": "dra"}]})
+            .to_string(),
     )
     .unwrap();
     let ctl = dir.join("ctl");
@@ -121,10 +129,18 @@ pub async fn main() {
             .to_string(),
     )
     .unwrap();
-    let out = Command::new(controller).args(["token", "--config"]).arg(ctl.join("controller.json")).arg(NODE).output().unwrap();
+    let out = Command::new(controller)
+        .args(["token", "--config"])
+        .arg(ctl.join("controller.json"))
+        .arg(NODE)
+        .output()
+        .unwrap();
     assert!(out.status.success(), "token: {}", String::from_utf8_lossy(&out.stderr));
     std::fs::write(ctl.join("node.token"), &out.stdout).unwrap();
-    procs.0.push(spawn(Command::new(controller).args(["serve", "--config"]).arg(ctl.join("controller.json")), &ctl.join("controller.log")));
+    procs.0.push(spawn(
+        Command::new(controller).args(["serve", "--config"]).arg(ctl.join("controller.json")),
+        &ctl.join("controller.log"),
+    ));
     wait("the controller's socket", Duration::from_secs(20), || is_socket(&sock));
     std::fs::write(
         dir.join("agent.json"),
@@ -137,7 +153,10 @@ pub async fn main() {
         .to_string(),
     )
     .unwrap();
-    procs.0.push(spawn(Command::new("unshare").arg("--net").arg("--").arg(agent).arg("--config").arg(dir.join("agent.json")), &dir.join("agent.log")));
+    procs.0.push(spawn(
+        Command::new("unshare").arg("--net").arg("--").arg(agent).arg("--config").arg(dir.join("agent.json")),
+        &dir.join("agent.log"),
+    ));
     let dra_sock = dir.join("root/var/lib/kubelet/plugins/dra.nodeplane.dev/dra.sock");
     wait("dra.sock", Duration::from_secs(20), || is_socket(&dra_sock));
     let slices = ctl.join("data/resourceslices");
@@ -153,18 +172,30 @@ pub async fn main() {
         let (mut prep, mut unprep) = (Vec::with_capacity(prepares), Vec::with_capacity(prepares));
         for i in 0..prepares {
             let uid = format!("bench-{size}-{i:04}");
-            let results: Vec<Value> =
-                (0..size).map(|d| json!({"request": "acc", "driver": DRIVER, "pool": NODE, "device": format!("acc-acc{d}")})).collect();
-            std::fs::write(claims_dir.join(format!("{uid}.json")), json!({"namespace": "bench", "name": uid, "uid": uid, "results": results}).to_string())
-                .unwrap();
+            let results: Vec<Value> = (0..size)
+                .map(|d| json!({"request": "acc", "driver": DRIVER, "pool": NODE, "device": format!("acc-acc{d}")}))
+                .collect();
+            std::fs::write(
+                claims_dir.join(format!("{uid}.json")),
+                json!({"namespace": "bench", "name": uid, "uid": uid, "results": results}).to_string(),
+            )
+            .unwrap();
             let claim = pb::Claim { namespace: "bench".into(), name: uid.clone(), uid: uid.clone() };
             let t = Instant::now();
-            let r = client.node_prepare_resources(pb::NodePrepareResourcesRequest { claims: vec![claim.clone()] }).await.unwrap().into_inner();
+            let r = client
+                .node_prepare_resources(pb::NodePrepareResourcesRequest { claims: vec![claim.clone()] })
+                .await
+                .unwrap()
+                .into_inner();
             prep.push(t.elapsed().as_secs_f64() * 1e3);
             let answer = &r.claims[&uid];
             assert!(answer.error.is_empty() && answer.devices.len() == size, "{answer:?}");
             let t = Instant::now();
-            let r = client.node_unprepare_resources(pb::NodeUnprepareResourcesRequest { claims: vec![claim] }).await.unwrap().into_inner();
+            let r = client
+                .node_unprepare_resources(pb::NodeUnprepareResourcesRequest { claims: vec![claim] })
+                .await
+                .unwrap()
+                .into_inner();
             unprep.push(t.elapsed().as_secs_f64() * 1e3);
             assert!(r.claims[&uid].error.is_empty());
             let _ = std::fs::remove_file(claims_dir.join(format!("{uid}.json")));

@@ -133,7 +133,8 @@ fn options_json(o: &dp::DevicePluginOptions) -> Value {
 }
 
 fn resource_json(r: &Resource, clock: &Clock) -> Value {
-    let devices: Vec<Value> = r.devices.iter().map(|d| json!({"id": d.id, "health": d.health, "numa": d.numa})).collect();
+    let devices: Vec<Value> =
+        r.devices.iter().map(|d| json!({"id": d.id, "health": d.health, "numa": d.numa})).collect();
     let history: Vec<Value> = r
         .history
         .iter()
@@ -236,22 +237,23 @@ async fn serve(args: Args) -> ExitCode {
     let mut last: Option<Value> = None;
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let snapshot = |kl: &KubeletEmulator, csi: &csi_watcher::KubeletEmulator, book: &CsiBook, dra: &dra_manager::DraKubelet| {
-        let resources: serde_json::Map<String, Value> =
-            kl.resources().iter().map(|(k, r)| (k.clone(), resource_json(r, &clock))).collect();
-        json!({
-            "pid": std::process::id(),
-            "kubelet_socket": kl.socket(),
-            "started_at": started_at,
-            "ready_at": ready_at,
-            "resources": resources,
-            "registration_failures": kl.failures(),
-            "kubelet_instance": kl.instance(),
-            "duplicate_registrations": kl.duplicates(),
-            "csi": csi_json(csi, book),
-            "dra": dra_json(dra),
-        })
-    };
+    let snapshot =
+        |kl: &KubeletEmulator, csi: &csi_watcher::KubeletEmulator, book: &CsiBook, dra: &dra_manager::DraKubelet| {
+            let resources: serde_json::Map<String, Value> =
+                kl.resources().iter().map(|(k, r)| (k.clone(), resource_json(r, &clock))).collect();
+            json!({
+                "pid": std::process::id(),
+                "kubelet_socket": kl.socket(),
+                "started_at": started_at,
+                "ready_at": ready_at,
+                "resources": resources,
+                "registration_failures": kl.failures(),
+                "kubelet_instance": kl.instance(),
+                "duplicate_registrations": kl.duplicates(),
+                "csi": csi_json(csi, book),
+                "dra": dra_json(dra),
+            })
+        };
     let mut announced = false;
     loop {
         let mut state = snapshot(&kl, &csi, &book, &dra);
@@ -341,7 +343,9 @@ async fn allocate(args: Args) -> ExitCode {
                     Err(e) => json!({"ok": false, "code": "Unavailable",
                                      "message": format!("dialing {}: {e}", sock.display())}),
                     Ok(ch) => {
-                        let req = dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids: ids }] };
+                        let req = dp::AllocateRequest {
+                            container_requests: vec![dp::ContainerAllocateRequest { devices_ids: ids }],
+                        };
                         match DevicePluginClient::new(ch).allocate(req).await {
                             Ok(r) => json!({"ok": true,
                                             "containers": r.get_ref().container_responses.iter().map(container_json).collect::<Vec<_>>()}),

@@ -24,8 +24,13 @@ use nodeplane::net::policy::{View, render_delta, render_snapshot};
 fn objects(pods: usize, policies: usize) -> Objects {
     let mut o = Objects::default();
     for n in 0..10 {
-        o.set_namespace(&serde_json::from_value(serde_json::json!({"metadata": {"name": format!("ns{n}"), "labels": {"env": "bench"}}})).unwrap())
-            .unwrap();
+        o.set_namespace(
+            &serde_json::from_value(
+                serde_json::json!({"metadata": {"name": format!("ns{n}"), "labels": {"env": "bench"}}}),
+            )
+            .unwrap(),
+        )
+        .unwrap();
     }
     for i in 0..pods {
         let (ns, app, tier) = (format!("ns{}", i % 10), format!("app{}", (i / 10) % 10), format!("tier{}", i % 3));
@@ -83,7 +88,8 @@ fn nft(netns: &str, args: &[&str], stdin: Option<&str>) -> String {
 }
 
 fn counts(netns: &str) -> (usize, usize, usize, usize) {
-    let doc: serde_json::Value = serde_json::from_str(&nft(netns, &["-j", "list", "table", "inet", "nodeplane-policy"], None)).unwrap();
+    let doc: serde_json::Value =
+        serde_json::from_str(&nft(netns, &["-j", "list", "table", "inet", "nodeplane-policy"], None)).unwrap();
     let (mut rules, mut elements, mut chains, mut sets) = (0, 0, 0, 0);
     for o in doc["nftables"].as_array().unwrap() {
         if o.get("rule").is_some() {
@@ -114,12 +120,15 @@ fn view_of(o: &Objects) -> (View, f64) {
 pub fn main() {
     let mut args = std::env::args().skip(1);
     let netns = args.next().expect("usage: policy_bench <netns path> [pods,policies ...]");
-    let mut shapes: Vec<(usize, usize)> =
-        args.map(|a| a.split_once(',').map(|(x, y)| (x.parse().unwrap(), y.parse().unwrap())).expect("pods,policies")).collect();
+    let mut shapes: Vec<(usize, usize)> = args
+        .map(|a| a.split_once(',').map(|(x, y)| (x.parse().unwrap(), y.parse().unwrap())).expect("pods,policies"))
+        .collect();
     if shapes.is_empty() {
         shapes = vec![(100, 10), (1000, 10), (100, 100), (1000, 100), (1000, 1000)];
     }
-    println!("NetworkPolicy state of one node (model: 10 namespaces x 10 apps x 3 tiers; each policy: 2 peers, 2 ports)");
+    println!(
+        "NetworkPolicy state of one node (model: 10 namespaces x 10 apps x 3 tiers; each policy: 2 peers, 2 ports)"
+    );
     println!(
         "{:>6} {:>9} {:>7} {:>9} {:>7} {:>6} {:>11} {:>10} {:>9} {:>10}",
         "pods", "policies", "rules", "elements", "chains", "sets", "compile ms", "render ms", "load ms", "change ms"
@@ -156,7 +165,9 @@ pub fn main() {
     // policies (at 1,000 pods). Grown with pods + policies, each factor stays near 10 or
     // below; their product would be x10 in both directions and x100 from corner to corner.
     if let (Some(a), Some(b), Some(c)) = (rows.get(&(100, 100)), rows.get(&(1000, 100)), rows.get(&(1000, 1000))) {
-        for (what, f) in [("rules", (|r: &(usize, usize)| r.0) as fn(&(usize, usize)) -> usize), ("set elements", |r| r.1)] {
+        for (what, f) in
+            [("rules", (|r: &(usize, usize)| r.0) as fn(&(usize, usize)) -> usize), ("set elements", |r| r.1)]
+        {
             let x = |n: usize, d: usize| n as f64 / d.max(1) as f64;
             println!(
                 "{what}: x{:.2} from 100 to 1000 pods, x{:.2} from 100 to 1000 policies, x{:.2} from (100 pods, 100 policies) to (1000, 1000) (a product: x100)",

@@ -81,7 +81,9 @@ pub async fn main() {
     let mut del = Vec::new();
     for id in &ids {
         let t = Instant::now();
-        c.delete_volume(csi::DeleteVolumeRequest { volume_id: id.clone(), ..Default::default() }).await.expect("DeleteVolume");
+        c.delete_volume(csi::DeleteVolumeRequest { volume_id: id.clone(), ..Default::default() })
+            .await
+            .expect("DeleteVolume");
         del.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     println!(

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use nodeplane::controller::{auth::Authority, config::Config};
-use nodeplane::util::Family;
 use nodeplane::rpc::controller as pb;
+use nodeplane::util::Family;
 use pb::node_registry_client::NodeRegistryClient;
 use tokio::sync::Mutex;
 
@@ -98,16 +98,13 @@ async fn register_one(
     });
     let value = format!("Bearer {token}").parse().map_err(|_| "token is not header text".to_string())?;
     req.metadata_mut().insert("authorization", value);
-    client
-        .register(req)
-        .await
-        .map(|r| r.into_inner())
-        .map_err(|s| format!("{}: {}", s.code(), s.message()))
+    client.register(req).await.map(|r| r.into_inner()).map_err(|s| format!("{}: {}", s.code(), s.message()))
 }
 
 pub fn main() {
     let args = Args::parse();
-    let _ = TLS.set(args.ca_file.clone().map(|ca_file| nodeplane::rpc::tls::ClientFiles { ca_file, ..Default::default() }));
+    let _ =
+        TLS.set(args.ca_file.clone().map(|ca_file| nodeplane::rpc::tls::ClientFiles { ca_file, ..Default::default() }));
     if args.n == 0 || args.concurrency == 0 {
         eprintln!("register_load: -n and --concurrency must be positive");
         std::process::exit(2);
@@ -147,11 +144,7 @@ pub fn main() {
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let result = rt.block_on(async move {
-        let shared = if args.shared_channel {
-            Some(connect(&args.controller).await?)
-        } else {
-            None
-        };
+        let shared = if args.shared_channel { Some(connect(&args.controller).await?) } else { None };
         let queue = Arc::new(Mutex::new(work.into_iter()));
         let out = Arc::new(Mutex::new(Outcome {
             latencies: Vec::new(),
@@ -177,10 +170,8 @@ pub fn main() {
                         Ok(resp) => {
                             o.latencies.push(took);
                             let blocks = resp.node.map(|n| n.pod_blocks).unwrap_or_default();
-                            let mut fams: Vec<Family> = blocks
-                                .iter()
-                                .map(|b| if b.contains(':') { Family::V6 } else { Family::V4 })
-                                .collect();
+                            let mut fams: Vec<Family> =
+                                blocks.iter().map(|b| if b.contains(':') { Family::V6 } else { Family::V4 }).collect();
                             fams.sort();
                             if fams != *families {
                                 o.problems.push(format!("{name}: blocks {blocks:?} are not one per family"));

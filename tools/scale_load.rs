@@ -141,13 +141,25 @@ fn underlay(i: usize) -> String {
 async fn register(ch: &tonic::transport::Channel, name: &str, token: &str, i: usize) -> Result<(), String> {
     let i = i + OFFSET.load(Ordering::Relaxed);
     // A VTEP MAC of its own, so the node is reachable over VXLAN (locally administered).
-    let mac = format!("02:5e:{:02x}:{:02x}:{:02x}:{:02x}", (i >> 24) & 0xff, (i >> 16) & 0xff, (i >> 8) & 0xff, i & 0xff);
+    let mac =
+        format!("02:5e:{:02x}:{:02x}:{:02x}:{:02x}", (i >> 24) & 0xff, (i >> 16) & 0xff, (i >> 8) & 0xff, i & 0xff);
     let req = pb::RegisterRequest { node_name: name.into(), underlay_addresses: vec![underlay(i)], vtep_mac: mac };
-    NodeRegistryClient::new(ch.clone()).register(bearer(req, token)).await.map(|_| ()).map_err(|s| format!("register {name}: {s}"))
+    NodeRegistryClient::new(ch.clone())
+        .register(bearer(req, token))
+        .await
+        .map(|_| ())
+        .map_err(|s| format!("register {name}: {s}"))
 }
 
 /// One simulated agent: follow the stream forever, applying it to a bitmap view.
-async fn agent(slot: usize, ch: tonic::transport::Channel, name: String, token: String, sh: Arc<Shared>, ready: tokio::sync::oneshot::Sender<()>) {
+async fn agent(
+    slot: usize,
+    ch: tonic::transport::Channel,
+    name: String,
+    token: String,
+    sh: Arc<Shared>,
+    ready: tokio::sync::oneshot::Sender<()>,
+) {
     let mut ready = Some(ready);
     let (mut epoch, mut revision) = (0u64, 0u64);
     let mut bits = vec![0u64; sh.words];
@@ -211,7 +223,13 @@ async fn agent(slot: usize, ch: tonic::transport::Channel, name: String, token: 
 /// One simulated node's volume side: follow its desired set (deltas, kept across
 /// reconnects like the agent keeps it) and report a store that holds exactly the present
 /// volumes, after every message.
-async fn volume_agent(ch: tonic::transport::Channel, name: String, token: String, sh: Arc<Shared>, ready: tokio::sync::oneshot::Sender<()>) {
+async fn volume_agent(
+    ch: tonic::transport::Channel,
+    name: String,
+    token: String,
+    sh: Arc<Shared>,
+    ready: tokio::sync::oneshot::Sender<()>,
+) {
     const CAPACITY: u64 = 1 << 40;
     let mut ready = Some(ready);
     let mut view = nodeplane::agent::volume_sync::DesiredView::default();
@@ -292,7 +310,9 @@ fn usage(pid: Option<u32>) -> (f64, f64) {
     let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
     let f: Vec<&str> = after.split_whitespace().collect();
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let cpu = (f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)) / ticks;
+    let cpu = (f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
+        + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0))
+        / ticks;
     (rss_kib / 1024.0, cpu)
 }
 
@@ -315,7 +335,10 @@ async fn volume_phase(
         waiting.push(rx);
         if waiting.len() == args.connect_wave || i == n - 1 {
             for rx in waiting.drain(..) {
-                tokio::time::timeout(Duration::from_secs(120), rx).await.map_err(|_| "a volume stream got no set in 120 s")?.map_err(|_| "volume agent ended")?;
+                tokio::time::timeout(Duration::from_secs(120), rx)
+                    .await
+                    .map_err(|_| "a volume stream got no set in 120 s")?
+                    .map_err(|_| "volume agent ended")?;
             }
         }
     }
@@ -323,15 +346,22 @@ async fn volume_phase(
     let csi_ch = nodeplane::rpc::connect_with(&format!("unix:{}", cfg.csi_socket.display()), None).await?;
     let mut ctl = csi::controller_client::ControllerClient::new(csi_ch);
     let cap = csi::VolumeCapability {
-        access_mode: Some(csi::volume_capability::AccessMode { mode: csi::volume_capability::access_mode::Mode::SingleNodeWriter as i32 }),
-        access_type: Some(csi::volume_capability::AccessType::Mount(csi::volume_capability::MountVolume { fs_type: "ext4".into(), ..Default::default() })),
+        access_mode: Some(csi::volume_capability::AccessMode {
+            mode: csi::volume_capability::access_mode::Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(csi::volume_capability::AccessType::Mount(csi::volume_capability::MountVolume {
+            fs_type: "ext4".into(),
+            ..Default::default()
+        })),
     };
     let (m0, b0) = (sh.vol_messages.load(Ordering::SeqCst), sh.vol_bytes.load(Ordering::SeqCst));
     let (mut create_ms, mut delete_ms, mut ids) = (Vec::new(), Vec::new(), Vec::new());
     for k in 0..args.volumes {
         // Spread over the nodes: each volume preferring another one.
         let node = &names[(k * 7919) % n];
-        let pref = csi::Topology { segments: [(nodeplane::storage::csi::TOPOLOGY_KEY.to_string(), node.clone())].into_iter().collect() };
+        let pref = csi::Topology {
+            segments: [(nodeplane::storage::csi::TOPOLOGY_KEY.to_string(), node.clone())].into_iter().collect(),
+        };
         let req = csi::CreateVolumeRequest {
             name: format!("{}-vol-{k:04}", args.prefix),
             capacity_range: Some(csi::CapacityRange { required_bytes: 1 << 30, limit_bytes: 0 }),
@@ -374,7 +404,9 @@ async fn volume_phase(
 fn main() {
     let args = Args::parse();
     if args.index_offset + args.nodes + args.joins > 62_000 {
-        eprintln!("scale_load: --index-offset + --nodes + --joins must stay below 62,000 (198.18.0.0/16; 198.19/16 is the test underlay)");
+        eprintln!(
+            "scale_load: --index-offset + --nodes + --joins must stay below 62,000 (198.18.0.0/16; 198.19/16 is the test underlay)"
+        );
         std::process::exit(2);
     }
     OFFSET.store(args.index_offset, Ordering::Relaxed);

@@ -116,7 +116,9 @@ pub fn main() {
     let reflink = bench(&mnt, runs, "--reflink=always");
 
     println!("snapshot of a 1 GiB volume holding 100 MiB, median of {runs} (same run, against cp):");
-    for (what, f) in [(format!("store on {fs_under} (/tmp)"), &sparse), ("store on xfs reflink=1".to_string(), &reflink)] {
+    for (what, f) in
+        [(format!("store on {fs_under} (/tmp)"), &sparse), ("store on xfs reflink=1".to_string(), &reflink)]
+    {
         println!(
             "  {what:<28} {:<11} {:>8.2} ms  bytes copied {:>10}  | cp {:>8.2} ms  ratio {:.2}x",
             f.method,

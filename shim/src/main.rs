@@ -26,7 +26,8 @@ fn main() {
             std::process::exit(reply.exit_code);
         }
     };
-    let reply = nodeplane_cni::shim::run_after_front(nodeplane_cni::shim::env_from_process(), &stdin, after_front(&front));
+    let reply =
+        nodeplane_cni::shim::run_after_front(nodeplane_cni::shim::env_from_process(), &stdin, after_front(&front));
     let mut out = std::io::stdout().lock();
     if !reply.stdout.is_empty() {
         let _ = writeln!(out, "{}", reply.stdout);

@@ -32,7 +32,9 @@ pub fn is_del_of(path: &Path, container_id: &str, ifname: &str) -> bool {
     let Ok(bytes) = std::fs::read(path) else { return false };
     let Ok(w) = serde_json::from_slice::<WireRequest>(&bytes) else { return false };
     let get = |k: &str| w.env.get(k).map(String::as_str);
-    get("CNI_COMMAND") == Some("DEL") && get("CNI_CONTAINERID") == Some(container_id) && get("CNI_IFNAME") == Some(ifname)
+    get("CNI_COMMAND") == Some("DEL")
+        && get("CNI_CONTAINERID") == Some(container_id)
+        && get("CNI_IFNAME") == Some(ifname)
 }
 
 /// One file of the queue.

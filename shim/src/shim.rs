@@ -23,10 +23,7 @@ pub const SOCKET_ENV: &str = "NODEPLANE_CNI_SOCKET";
 
 /// Collect the CNI_* variables from the process environment.
 pub fn env_from_process() -> Env {
-    ENV_KEYS
-        .iter()
-        .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
-        .collect()
+    ENV_KEYS.iter().filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v))).collect()
 }
 
 /// Read stdin up to the size limit (one byte more tells us it was too big).
@@ -192,9 +189,8 @@ pub fn run_after_front(env: Env, stdin: &[u8], front: AfterFront) -> Reply {
         AfterFront::Nothing => call_agent(&socket, &wire, netns_fd, command, wait),
         AfterFront::NotAccepted => Err(not_accepted(&socket)),
         AfterFront::Answer(Ok(body)) => crate::cni::wire::decode_reply(&body),
-        AfterFront::Answer(Err(len)) => {
-            crate::cni::wire::decode_len(len.to_be_bytes()).and_then(|_| Err(io::Error::other("answer over the frame limit")))
-        }
+        AfterFront::Answer(Err(len)) => crate::cni::wire::decode_len(len.to_be_bytes())
+            .and_then(|_| Err(io::Error::other("answer over the frame limit"))),
         AfterFront::Lost { error, elapsed } => match wait_for(command, wait).checked_sub(elapsed) {
             Some(left) if agent_went_away(&error) && !left.is_zero() => {
                 let pause = Duration::from_millis(50);
@@ -226,7 +222,8 @@ fn unreachable_reply(
     let why = format!("nodeplane agent at {} is not reachable: {cause}", socket.display());
     match req.command {
         Command::Del => {
-            let dir = req.conf.pending_delete_dir.clone().unwrap_or_else(|| PathBuf::from(crate::pending_del::DEFAULT_DIR));
+            let dir =
+                req.conf.pending_delete_dir.clone().unwrap_or_else(|| PathBuf::from(crate::pending_del::DEFAULT_DIR));
             match crate::pending_del::queue(&dir, req, wire) {
                 Ok(_) => Reply::empty(),
                 Err(e) => Reply::error(
@@ -337,7 +334,10 @@ mod tests {
             let mut buf = vec![0u8; 4096];
             let mut out = Out::new(&mut buf);
             let code = fj::decode_reply(&frame[4..], &mut out);
-            assert_eq!((code, std::str::from_utf8(out.written()).unwrap()), (Some(reply.exit_code), reply.stdout.as_str()));
+            assert_eq!(
+                (code, std::str::from_utf8(out.written()).unwrap()),
+                (Some(reply.exit_code), reply.stdout.as_str())
+            );
         }
     }
 

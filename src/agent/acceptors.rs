@@ -59,11 +59,18 @@ impl Acceptors {
         Self::start_with(listener, LINGER, serve)
     }
 
-    fn start_with(listener: UnixListener, linger: Duration, serve: impl Fn(UnixStream) + Send + Sync + 'static) -> io::Result<Self> {
+    fn start_with(
+        listener: UnixListener,
+        linger: Duration,
+        serve: impl Fn(UnixStream) + Send + Sync + 'static,
+    ) -> io::Result<Self> {
         listener.set_nonblocking(false)?;
         // accept(2) on a blocking socket honours its receive timeout: an idle acceptor
         // wakes up every `linger` to see whether it is one too many.
-        let tv = libc::timeval { tv_sec: linger.as_secs() as libc::time_t, tv_usec: linger.subsec_micros() as libc::suseconds_t };
+        let tv = libc::timeval {
+            tv_sec: linger.as_secs() as libc::time_t,
+            tv_usec: linger.subsec_micros() as libc::suseconds_t,
+        };
         // SAFETY: setsockopt on the listener's open descriptor with a timeval of the right size.
         if unsafe {
             libc::setsockopt(

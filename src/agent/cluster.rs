@@ -20,10 +20,10 @@ use tonic::Request;
 
 use super::config::{Config, ControllerConfig};
 use crate::net::datapath::Datapath;
+use crate::net::routes::{PeerNode, RouteConfig, Routes};
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_client::NodeRegistryClient;
 use crate::util::Family;
-use crate::net::routes::{PeerNode, RouteConfig, Routes};
 
 /// What the agent remembers from the controller (`<state>/cluster.json`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -283,7 +283,13 @@ impl Client {
             if kind == "audit" && report.changes() == 0 {
                 tracing::debug!(kind, peers = r.peers().count(), took_us, "routes audited: no drift");
             } else {
-                tracing::info!(kind, peers = r.peers().count(), changes = report.changes(), took_us, "routes programmed");
+                tracing::info!(
+                    kind,
+                    peers = r.peers().count(),
+                    changes = report.changes(),
+                    took_us,
+                    "routes programmed"
+                );
             }
             Ok(())
         })
@@ -294,7 +300,9 @@ impl Client {
     /// One connection: register, then follow the membership stream until it breaks.
     async fn session(self: &Arc<Self>, connected: &mut bool) -> Result<(), String> {
         let token = read_token(&self.cc.token_file)?;
-        let channel = crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?;
+        let channel = crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref())
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
         let mut client = NodeRegistryClient::new(channel);
         let underlay: Vec<String> = self.cc.underlay_addresses.iter().map(|a| a.to_string()).collect();
         let me = self.cfg.node_name.clone();
@@ -341,11 +349,8 @@ impl Client {
                 (m.epoch, m.revision)
             };
             let req = pb::WatchNodesRequest { node_name: me.clone(), deltas: true, since_revision: since, epoch };
-            let mut stream = client
-                .watch_nodes(authed(req, &token)?)
-                .await
-                .map_err(|s| grpc_err("watch", &s))?
-                .into_inner();
+            let mut stream =
+                client.watch_nodes(authed(req, &token)?).await.map_err(|s| grpc_err("watch", &s))?.into_inner();
             self.link.connected.store(true, Ordering::SeqCst);
             loop {
                 let msg = tokio::select! {
@@ -408,7 +413,8 @@ fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, family: 
     let c = client.clone();
     handle.block_on(async move {
         let token = read_token(&c.cc.token_file)?;
-        let channel = crate::rpc::connect_with(&c.cc.address, c.cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?;
+        let channel =
+            crate::rpc::connect_with(&c.cc.address, c.cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?;
         let family = match family {
             Family::V4 => pb::Family::Ipv4,
             Family::V6 => pb::Family::Ipv6,
@@ -476,9 +482,22 @@ mod tests {
         // A delta before any snapshot is a gap.
         let d = pb::NodeList { epoch: 7, base_revision: 0, revision: 1, ..Default::default() };
         assert!(m.apply(d).is_err());
-        let snap = pb::NodeList { snapshot: true, epoch: 7, revision: 5, nodes: vec![node("a", "192.0.2.1"), node("b", "192.0.2.2")], ..Default::default() };
+        let snap = pb::NodeList {
+            snapshot: true,
+            epoch: 7,
+            revision: 5,
+            nodes: vec![node("a", "192.0.2.1"), node("b", "192.0.2.2")],
+            ..Default::default()
+        };
         assert_eq!(m.apply(snap.clone()).unwrap(), Applied::Snapshot);
-        let d = pb::NodeList { epoch: 7, base_revision: 5, revision: 7, nodes: vec![node("c", "192.0.2.3"), node("a", "192.0.2.9")], removed: vec!["b".into()], ..Default::default() };
+        let d = pb::NodeList {
+            epoch: 7,
+            base_revision: 5,
+            revision: 7,
+            nodes: vec![node("c", "192.0.2.3"), node("a", "192.0.2.9")],
+            removed: vec!["b".into()],
+            ..Default::default()
+        };
         assert!(matches!(m.apply(d.clone()).unwrap(), Applied::Delta { .. }));
         assert_eq!(m.nodes.keys().collect::<Vec<_>>(), ["a", "c"]);
         assert_eq!(m.nodes["a"].underlay_addresses, ["192.0.2.9"]);
@@ -493,8 +512,12 @@ mod tests {
         m.apply(snap.clone()).unwrap();
         // A snapshot in parts replaces the view at its last part.
         let part = |names: &[&str], more: bool| pb::NodeList {
-            snapshot: true, epoch: 9, revision: 20, more,
-            nodes: names.iter().map(|n| node(n, "192.0.2.1")).collect(), ..Default::default()
+            snapshot: true,
+            epoch: 9,
+            revision: 20,
+            more,
+            nodes: names.iter().map(|n| node(n, "192.0.2.1")).collect(),
+            ..Default::default()
         };
         assert_eq!(m.apply(part(&["p", "q"], true)).unwrap(), Applied::Partial);
         assert_eq!(m.nodes.keys().collect::<Vec<_>>(), ["a", "b"], "unchanged until the last part");

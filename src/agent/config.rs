@@ -302,7 +302,9 @@ impl Config {
             None => match env(ENV_NODE_NAME) {
                 Some(n) => n,
                 None => {
-                    return bad(format!("nodeName is not set in the file and {ENV_NODE_NAME} is not set in the environment"));
+                    return bad(format!(
+                        "nodeName is not set in the file and {ENV_NODE_NAME} is not set in the environment"
+                    ));
                 }
             },
         };
@@ -315,7 +317,9 @@ impl Config {
                 // The agent drops CAP_NET_BIND_SERVICE at start (src/agent/caps.rs): say so
                 // here rather than fail at bind.
                 Ok(sa) if sa.port() < 1024 => {
-                    return bad(format!("healthAddress {a:?}: the port must be 1024 or above (the agent keeps no CAP_NET_BIND_SERVICE)"));
+                    return bad(format!(
+                        "healthAddress {a:?}: the port must be 1024 or above (the agent keeps no CAP_NET_BIND_SERVICE)"
+                    ));
                 }
                 Ok(sa) => Some(sa),
                 Err(e) => return bad(format!("healthAddress: {e}; \"\" turns the endpoint off")),
@@ -337,7 +341,10 @@ impl Config {
         }
         if let Some(c) = &mut f.controller {
             if !f.pod_cidrs.is_empty() {
-                return bad("podCidrs and controller are exclusive: in controller mode the blocks come from the controller".into());
+                return bad(
+                    "podCidrs and controller are exclusive: in controller mode the blocks come from the controller"
+                        .into(),
+                );
             }
             if c.address.trim().is_empty() {
                 c.address = match env(ENV_CONTROLLER_ADDRESS) {
@@ -350,7 +357,8 @@ impl Config {
                 };
             }
             let tcp = matches!(
-                crate::rpc::parse_listen(&c.address).map_err(|e| ConfigError::Invalid(format!("controller.address: {e}")))?,
+                crate::rpc::parse_listen(&c.address)
+                    .map_err(|e| ConfigError::Invalid(format!("controller.address: {e}")))?,
                 crate::rpc::Listen::Tcp(_)
             );
             match (&c.tls, c.insecure) {
@@ -360,7 +368,9 @@ impl Config {
                         c.address
                     ));
                 }
-                (Some(_), true) => return bad("controller.tls and controller.insecure: true contradict each other".into()),
+                (Some(_), true) => {
+                    return bad("controller.tls and controller.insecure: true contradict each other".into());
+                }
                 (Some(t), false) if !t.ca_file.is_absolute() => {
                     return bad(format!("controller.tls.caFile {} must be absolute", t.ca_file.display()));
                 }
@@ -382,7 +392,9 @@ impl Config {
                 for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
                     match item.parse::<std::net::IpAddr>() {
                         Ok(ip) if !ip.is_unspecified() && !ip.is_multicast() => c.underlay_addresses.push(ip),
-                        _ => return bad(format!("{ENV_NODE_IPS}: {item:?} is not a usable IP address (from {list:?})")),
+                        _ => {
+                            return bad(format!("{ENV_NODE_IPS}: {item:?} is not a usable IP address (from {list:?})"));
+                        }
                     }
                 }
                 if c.underlay_addresses.is_empty() {
@@ -401,7 +413,11 @@ impl Config {
             };
             // The type names a binary in the plugin dirs (the agent runs it for VERSION, the
             // runtime for everything): a plain file name, never a path.
-            if t.is_empty() || t == "." || t == ".." || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
+            if t.is_empty()
+                || t == "."
+                || t == ".."
+                || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+            {
                 return bad(format!("chainedPlugins[{i}].type {t:?} is not a plugin name ([A-Za-z0-9._-], no path)"));
             }
         }
@@ -432,7 +448,8 @@ impl Config {
         if !kubelet_dir.is_absolute() {
             return bad(format!("kubeletDir {} must be absolute", kubelet_dir.display()));
         }
-        let device_plugin_dir = f.device_plugin_dir.clone().unwrap_or_else(|| under(&root, "/var/lib/kubelet/device-plugins"));
+        let device_plugin_dir =
+            f.device_plugin_dir.clone().unwrap_or_else(|| under(&root, "/var/lib/kubelet/device-plugins"));
         if !device_plugin_dir.is_absolute() {
             return bad(format!("devicePluginDir {} must be absolute", device_plugin_dir.display()));
         }
@@ -467,7 +484,10 @@ impl Config {
         });
         let draf = f.dra.clone().unwrap_or_default();
         let dra = if draf.enabled.unwrap_or(false) {
-            let plugin_dir = draf.plugin_dir.clone().unwrap_or_else(|| kubelet_dir.join("plugins").join(crate::devices::dra::DRIVER_NAME));
+            let plugin_dir = draf
+                .plugin_dir
+                .clone()
+                .unwrap_or_else(|| kubelet_dir.join("plugins").join(crate::devices::dra::DRIVER_NAME));
             if !plugin_dir.is_absolute() {
                 return bad(format!("dra.pluginDir {} must be absolute", plugin_dir.display()));
             }
@@ -509,7 +529,11 @@ impl Config {
         }
         for s in sockets {
             if s.as_os_str().len() >= 108 {
-                return bad(format!("socket path {} is {} bytes; Unix sockets allow at most 107 (shorten root or kubeletDir)", s.display(), s.as_os_str().len()));
+                return bad(format!(
+                    "socket path {} is {} bytes; Unix sockets allow at most 107 (shorten root or kubeletDir)",
+                    s.display(),
+                    s.as_os_str().len()
+                ));
             }
         }
         Ok(Config {
@@ -615,7 +639,8 @@ mod tests {
         let deep = format!(r#"{{"nodeName":"n","root":"/{}","shimSource":"/x"}}"#, "d".repeat(60));
         let e = parse(&deep).unwrap_err().to_string();
         assert!(e.contains("Unix sockets allow at most 107"), "{e}");
-        let no_csi = format!(r#"{{"nodeName":"n","root":"/{}","shimSource":"/x","csi":{{"enabled":false}}}}"#, "d".repeat(60));
+        let no_csi =
+            format!(r#"{{"nodeName":"n","root":"/{}","shimSource":"/x","csi":{{"enabled":false}}}}"#, "d".repeat(60));
         assert!(parse(&no_csi).is_ok());
     }
 
@@ -627,7 +652,8 @@ mod tests {
         assert_eq!(c.health_address, None, "empty turns the endpoint off");
         let c = parse(r#"{"nodeName":"n","shimSource":"/x","healthAddress":"[::]:8080"}"#).unwrap();
         assert_eq!(c.health_address, Some("[::]:8080".parse().unwrap()));
-        for bad in ["9640", "localhost:9640", "127.0.0.1", "127.0.0.1:0", "1.2.3.4:70000", "127.0.0.1:80", "[::1]:1023"] {
+        for bad in ["9640", "localhost:9640", "127.0.0.1", "127.0.0.1:0", "1.2.3.4:70000", "127.0.0.1:80", "[::1]:1023"]
+        {
             let e = err(parse(&format!(r#"{{"nodeName":"n","shimSource":"/x","healthAddress":"{bad}"}}"#)));
             assert!(e.contains("healthAddress"), "{bad}: {e}");
         }

@@ -56,7 +56,11 @@ impl Link {
         let token = read_token(&self.cc.token_file)?;
         let mut ch = self.channel.lock().await;
         if ch.is_none() {
-            *ch = Some(crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?);
+            *ch = Some(
+                crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref())
+                    .await
+                    .map_err(|e| format!("connect: {e}"))?,
+            );
         }
         Ok((NodeRegistryClient::new(ch.clone().expect("set above")), token))
     }
@@ -86,7 +90,10 @@ pub async fn run(cfg: Arc<Config>, devices: Arc<Devices>, book: crate::kubelet::
         let count = report.devices.len();
         let sent = match link.client().await {
             Ok((mut client, token)) => match authed(report, &token) {
-                Ok(req) => client.report_devices(req).await.map_err(|s| format!("report devices: {:?}: {}", s.code(), s.message())),
+                Ok(req) => client
+                    .report_devices(req)
+                    .await
+                    .map_err(|s| format!("report devices: {:?}: {}", s.code(), s.message())),
                 Err(e) => Err(e),
             },
             Err(e) => Err(e),
@@ -133,7 +140,10 @@ pub fn claim_lookup(cfg: &Config) -> Option<ClaimLookup> {
         let (link, node) = (link.clone(), node.clone());
         Box::pin(async move {
             let (mut client, token) = link.client().await?;
-            let req = authed(pb::GetClaimRequest { node_name: node, namespace: c.namespace, name: c.name, uid: c.uid }, &token)?;
+            let req = authed(
+                pb::GetClaimRequest { node_name: node, namespace: c.namespace, name: c.name, uid: c.uid },
+                &token,
+            )?;
             match client.get_claim(req).await {
                 Ok(r) => Ok(r
                     .into_inner()

@@ -13,12 +13,8 @@ use crate::net::cni::{NETWORK_NAME, PLUGIN_TYPE, version_cmp};
 
 /// Copy the shim to `<cni-bin-dir>/nodeplane` unless an identical copy is already there.
 pub fn install_shim(cfg: &Config) -> io::Result<bool> {
-    let src = fs::read(&cfg.shim_source).map_err(|e| {
-        io::Error::new(
-            e.kind(),
-            format!("reading shim {}: {e}", cfg.shim_source.display()),
-        )
-    })?;
+    let src = fs::read(&cfg.shim_source)
+        .map_err(|e| io::Error::new(e.kind(), format!("reading shim {}: {e}", cfg.shim_source.display())))?;
     fs::create_dir_all(&cfg.cni_bin_dir)?;
     let dst = cfg.cni_bin_dir.join(PLUGIN_TYPE);
     if fs::read(&dst).is_ok_and(|cur| cur == src) {
@@ -30,11 +26,7 @@ pub fn install_shim(cfg: &Config) -> io::Result<bool> {
 
 /// Ask a plugin binary which spec versions it supports (CNI VERSION command).
 fn plugin_versions(cfg: &Config, plugin_type: &str) -> Option<Vec<String>> {
-    let bin = cfg
-        .plugin_dirs
-        .iter()
-        .map(|d| d.join(plugin_type))
-        .find(|p| p.is_file())?;
+    let bin = cfg.plugin_dirs.iter().map(|d| d.join(plugin_type)).find(|p| p.is_file())?;
     let mut child = std::process::Command::new(&bin)
         .env_clear()
         .env("CNI_COMMAND", "VERSION")
@@ -47,13 +39,7 @@ fn plugin_versions(cfg: &Config, plugin_type: &str) -> Option<Vec<String>> {
     let _ = child.stdin.take()?.write_all(br#"{"cniVersion":"0.4.0"}"#);
     let out = child.wait_with_output().ok()?;
     let v: Value = serde_json::from_slice(&out.stdout).ok()?;
-    Some(
-        v.get("supportedVersions")?
-            .as_array()?
-            .iter()
-            .filter_map(|x| x.as_str().map(String::from))
-            .collect(),
-    )
+    Some(v.get("supportedVersions")?.as_array()?.iter().filter_map(|x| x.as_str().map(String::from)).collect())
 }
 
 /// The conflist version: the configured one, lowered to the highest version every chained
@@ -66,9 +52,10 @@ pub fn negotiate_version(cfg: &Config) -> String {
         };
         match plugin_versions(cfg, ty) {
             Some(supported) if !supported.contains(&version) => {
-                let best = crate::net::cni::SUPPORTED_VERSIONS.iter().rev().find(|v| {
-                    version_cmp(v, &version).is_le() && supported.iter().any(|s| s == *v)
-                });
+                let best = crate::net::cni::SUPPORTED_VERSIONS
+                    .iter()
+                    .rev()
+                    .find(|v| version_cmp(v, &version).is_le() && supported.iter().any(|s| s == *v));
                 if let Some(best) = best {
                     tracing::warn!(plugin = ty, from = %version, to = best, "chained plugin does not support the configured cniVersion; lowering");
                     version = best.to_string();
@@ -93,8 +80,7 @@ pub fn conflist(cfg: &Config, version: &str) -> Value {
     });
     if !cfg.dns.is_empty() {
         let d = &cfg.dns;
-        main["dns"] =
-            json!({"nameservers": d.nameservers, "search": d.search, "options": d.options});
+        main["dns"] = json!({"nameservers": d.nameservers, "search": d.search, "options": d.options});
         if let Some(domain) = &d.domain {
             main["dns"]["domain"] = json!(domain);
         }
@@ -106,8 +92,7 @@ pub fn conflist(cfg: &Config, version: &str) -> Value {
 
 pub fn write_conflist(cfg: &Config) -> io::Result<()> {
     fs::create_dir_all(&cfg.cni_conf_dir)?;
-    let body = serde_json::to_vec_pretty(&conflist(cfg, &negotiate_version(cfg)))
-        .map_err(io::Error::other)?;
+    let body = serde_json::to_vec_pretty(&conflist(cfg, &negotiate_version(cfg))).map_err(io::Error::other)?;
     crate::sys::fs::atomic_write(&cfg.conflist_path(), &body, 0o644)
 }
 
@@ -175,26 +160,16 @@ pub enum UninstallError {
         "an agent is running on state dir {state_dir} (it holds {lock}); stop it first (delete the DaemonSet or stop the \
          agent), then run uninstall again"
     )]
-    AgentRunning {
-        state_dir: std::path::PathBuf,
-        lock: std::path::PathBuf,
-    },
+    AgentRunning { state_dir: std::path::PathBuf, lock: std::path::PathBuf },
     #[error(
         "{count} pod(s) still have nodeplane networking (leases in {dir} whose network namespace exists, e.g. {example}): \
          their DEL needs the shim; delete those pods first, or use --force to uninstall anyway"
     )]
-    PodsAttached {
-        count: usize,
-        dir: std::path::PathBuf,
-        example: String,
-    },
+    PodsAttached { count: usize, dir: std::path::PathBuf, example: String },
     #[error(
         "refusing to remove {path}: it is not nodeplane's ({why}); nothing was removed (use --force to remove it anyway)"
     )]
-    Foreign {
-        path: std::path::PathBuf,
-        why: String,
-    },
+    Foreign { path: std::path::PathBuf, why: String },
     #[error("{context}: {source}")]
     Io { context: String, source: io::Error },
 }
@@ -212,9 +187,9 @@ fn regular_file(path: &std::path::Path) -> Result<Option<Result<(), String>>, Un
     match fs::symlink_metadata(path) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(uio(format!("inspecting {}", path.display()))(e)),
-        Ok(m) if m.file_type().is_symlink() => Ok(Some(Err(
-            "it is a symbolic link, not a file nodeplane wrote".into(),
-        ))),
+        Ok(m) if m.file_type().is_symlink() => {
+            Ok(Some(Err("it is a symbolic link, not a file nodeplane wrote".into())))
+        }
         Ok(m) if !m.is_file() => Ok(Some(Err("it is not a regular file".into()))),
         Ok(_) => Ok(Some(Ok(()))),
     }
@@ -235,16 +210,12 @@ fn conflist_ownership(path: &std::path::Path) -> Result<Ownership, UninstallErro
     let v: Value = match serde_json::from_slice(&raw) {
         Ok(v) => v,
         Err(e) => {
-            return Ok(Some(Err(format!(
-                "not a JSON network configuration list: {e}"
-            ))));
+            return Ok(Some(Err(format!("not a JSON network configuration list: {e}"))));
         }
     };
     let name = v.get("name").and_then(Value::as_str);
     if name != Some(NETWORK_NAME) {
-        return Ok(Some(Err(format!(
-            "network name is {name:?}, not {NETWORK_NAME:?}"
-        ))));
+        return Ok(Some(Err(format!("network name is {name:?}, not {NETWORK_NAME:?}"))));
     }
     let first = v
         .get("plugins")
@@ -253,19 +224,14 @@ fn conflist_ownership(path: &std::path::Path) -> Result<Ownership, UninstallErro
         .and_then(|p| p.get("type"))
         .and_then(Value::as_str);
     if first != Some(PLUGIN_TYPE) {
-        return Ok(Some(Err(format!(
-            "first plugin type is {first:?}, not {PLUGIN_TYPE:?}"
-        ))));
+        return Ok(Some(Err(format!("first plugin type is {first:?}, not {PLUGIN_TYPE:?}"))));
     }
     Ok(Some(Ok(())))
 }
 
 /// The shim is ours when it is a regular file identical to `shimSource`, or one carrying the
 /// markers every nodeplane shim build has (another version of ours).
-fn shim_ownership(
-    path: &std::path::Path,
-    source: &std::path::Path,
-) -> Result<Ownership, UninstallError> {
+fn shim_ownership(path: &std::path::Path, source: &std::path::Path) -> Result<Ownership, UninstallError> {
     match regular_file(path)? {
         Some(Ok(())) => {}
         other => return Ok(other),
@@ -282,10 +248,7 @@ fn shim_ownership(
     if SHIM_MARKERS.iter().all(|m| has(m)) {
         return Ok(Some(Ok(())));
     }
-    Ok(Some(Err(format!(
-        "it differs from {} and is not a nodeplane shim build",
-        source.display()
-    ))))
+    Ok(Some(Err(format!("it differs from {} and is not a nodeplane shim build", source.display()))))
 }
 
 /// Take the agent's state-dir lock without waiting: `Ok(None)` when there is no state dir
@@ -302,10 +265,7 @@ fn lock_out_agent(state_dir: &std::path::Path) -> Result<Option<fs::File>, Unins
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         let e = io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            return Err(UninstallError::AgentRunning {
-                state_dir: state_dir.to_path_buf(),
-                lock,
-            });
+            return Err(UninstallError::AgentRunning { state_dir: state_dir.to_path_buf(), lock });
         }
         return Err(uio(format!("locking {}", lock.display()))(e));
     }
@@ -320,9 +280,7 @@ fn remove_durably(path: &std::path::Path) -> Result<bool, UninstallError> {
         Err(e) => return Err(uio(format!("removing {}", path.display()))(e)),
     }
     if let Some(dir) = path.parent() {
-        fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(uio(format!("syncing {}", dir.display())))?;
+        fs::File::open(dir).and_then(|d| d.sync_all()).map_err(uio(format!("syncing {}", dir.display())))?;
     }
     Ok(true)
 }
@@ -338,10 +296,7 @@ fn stale_temp_files(path: &std::path::Path) -> Vec<std::path::PathBuf> {
     };
     entries
         .flatten()
-        .filter(|e| {
-            e.file_name().to_string_lossy().starts_with(&prefix)
-                && e.file_type().is_ok_and(|t| t.is_file())
-        })
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix) && e.file_type().is_ok_and(|t| t.is_file()))
         .map(|e| e.path())
         .collect()
 }
@@ -385,10 +340,7 @@ pub fn uninstall(cfg: &Config, force: bool) -> Result<UninstallReport, Uninstall
     if !force {
         for (path, own) in [(&conflist_path, &conf_own), (&shim_path, &shim_own)] {
             if let Some(Err(why)) = own {
-                return Err(UninstallError::Foreign {
-                    path: path.clone(),
-                    why: why.clone(),
-                });
+                return Err(UninstallError::Foreign { path: path.clone(), why: why.clone() });
             }
         }
     }
@@ -407,27 +359,15 @@ pub fn uninstall(cfg: &Config, force: bool) -> Result<UninstallReport, Uninstall
         (Some(Err(why)), true) => Removal::ForceRemoved(why.clone()),
         _ => Removal::Removed,
     };
-    let conflist = outcome(
-        &conf_own,
-        conf_own.is_some() && remove_durably(&conflist_path)?,
-    );
+    let conflist = outcome(&conf_own, conf_own.is_some() && remove_durably(&conflist_path)?);
     let shim = outcome(&shim_own, shim_own.is_some() && remove_durably(&shim_path)?);
     let mut temp_files_removed = Vec::new();
-    for t in stale_temp_files(&conflist_path)
-        .into_iter()
-        .chain(stale_temp_files(&shim_path))
-    {
+    for t in stale_temp_files(&conflist_path).into_iter().chain(stale_temp_files(&shim_path)) {
         if remove_durably(&t)? {
             temp_files_removed.push(t);
         }
     }
-    Ok(UninstallReport {
-        conflist_path,
-        conflist,
-        shim_path,
-        shim,
-        temp_files_removed,
-    })
+    Ok(UninstallReport { conflist_path, conflist, shim_path, shim, temp_files_removed })
 }
 
 #[cfg(test)]
@@ -474,24 +414,15 @@ mod tests {
         fs::write(&unrelated, b"{}").unwrap();
 
         let r = uninstall(&cfg, false).unwrap();
-        assert_eq!(
-            (r.conflist.clone(), r.shim.clone()),
-            (Removal::Removed, Removal::Removed)
-        );
+        assert_eq!((r.conflist.clone(), r.shim.clone()), (Removal::Removed, Removal::Removed));
         assert!(!r.was_already_uninstalled());
         assert_eq!(r.temp_files_removed, vec![stale.clone()]);
         assert!(!cfg.conflist_path().exists() && !shim_path(&cfg).exists() && !stale.exists());
         assert!(unrelated.exists(), "other networks' files are not touched");
-        assert!(
-            cfg.cni_bin_dir.is_dir() && cfg.cni_conf_dir.is_dir(),
-            "the directories stay"
-        );
+        assert!(cfg.cni_bin_dir.is_dir() && cfg.cni_conf_dir.is_dir(), "the directories stay");
 
         let again = uninstall(&cfg, false).unwrap();
-        assert_eq!(
-            (again.conflist.clone(), again.shim.clone()),
-            (Removal::AlreadyGone, Removal::AlreadyGone)
-        );
+        assert_eq!((again.conflist.clone(), again.shim.clone()), (Removal::AlreadyGone, Removal::AlreadyGone));
         assert!(again.was_already_uninstalled());
         // Never installed at all (no dirs, no state dir): also success, and nothing is created.
         let fresh = TestDir::new("uninst-fresh");
@@ -522,68 +453,33 @@ mod tests {
         let ours_conflist = fs::read(cfg.conflist_path()).unwrap();
 
         // A conflist of another network at our path.
-        fs::write(
-            cfg.conflist_path(),
-            br#"{"cniVersion":"1.0.0","name":"other","plugins":[{"type":"bridge"}]}"#,
-        )
-        .unwrap();
+        fs::write(cfg.conflist_path(), br#"{"cniVersion":"1.0.0","name":"other","plugins":[{"type":"bridge"}]}"#)
+            .unwrap();
         let e = uninstall(&cfg, false).unwrap_err();
-        assert!(
-            matches!(&e, UninstallError::Foreign { path, .. } if *path == cfg.conflist_path()),
-            "{e}"
-        );
-        assert!(
-            e.to_string().contains("--force") && e.to_string().contains("\"other\""),
-            "{e}"
-        );
-        assert!(
-            cfg.conflist_path().exists() && shim_path(&cfg).exists(),
-            "a refusal removes nothing"
-        );
+        assert!(matches!(&e, UninstallError::Foreign { path, .. } if *path == cfg.conflist_path()), "{e}");
+        assert!(e.to_string().contains("--force") && e.to_string().contains("\"other\""), "{e}");
+        assert!(cfg.conflist_path().exists() && shim_path(&cfg).exists(), "a refusal removes nothing");
         // Named nodeplane but another plugin first; and not JSON at all.
-        fs::write(
-            cfg.conflist_path(),
-            br#"{"name":"nodeplane","plugins":[{"type":"bridge"}]}"#,
-        )
-        .unwrap();
-        assert!(matches!(
-            uninstall(&cfg, false),
-            Err(UninstallError::Foreign { .. })
-        ));
+        fs::write(cfg.conflist_path(), br#"{"name":"nodeplane","plugins":[{"type":"bridge"}]}"#).unwrap();
+        assert!(matches!(uninstall(&cfg, false), Err(UninstallError::Foreign { .. })));
         fs::write(cfg.conflist_path(), b"garbage").unwrap();
-        assert!(matches!(
-            uninstall(&cfg, false),
-            Err(UninstallError::Foreign { .. })
-        ));
+        assert!(matches!(uninstall(&cfg, false), Err(UninstallError::Foreign { .. })));
 
         // Our conflist back, a foreign binary as the shim.
         fs::write(cfg.conflist_path(), &ours_conflist).unwrap();
         fs::write(shim_path(&cfg), b"#!/bin/sh\necho someone else's plugin\n").unwrap();
         let e = uninstall(&cfg, false).unwrap_err();
-        assert!(
-            matches!(&e, UninstallError::Foreign { path, .. } if *path == shim_path(&cfg)),
-            "{e}"
-        );
-        assert!(
-            cfg.conflist_path().exists(),
-            "the conflist is kept when the shim is refused"
-        );
+        assert!(matches!(&e, UninstallError::Foreign { path, .. } if *path == shim_path(&cfg)), "{e}");
+        assert!(cfg.conflist_path().exists(), "the conflist is kept when the shim is refused");
         // A symbolic link (even to our own shim source) is not something we wrote.
         fs::remove_file(shim_path(&cfg)).unwrap();
         std::os::unix::fs::symlink(&cfg.shim_source, shim_path(&cfg)).unwrap();
-        assert!(matches!(
-            uninstall(&cfg, false),
-            Err(UninstallError::Foreign { .. })
-        ));
+        assert!(matches!(uninstall(&cfg, false), Err(UninstallError::Foreign { .. })));
 
         // --force removes both, and says they were not ours where that was so.
         fs::write(cfg.conflist_path(), b"garbage").unwrap();
         let r = uninstall(&cfg, true).unwrap();
-        assert!(
-            matches!(r.conflist, Removal::ForceRemoved(_)),
-            "{:?}",
-            r.conflist
-        );
+        assert!(matches!(r.conflist, Removal::ForceRemoved(_)), "{:?}", r.conflist);
         assert!(matches!(r.shim, Removal::ForceRemoved(_)), "{:?}", r.shim);
         assert!(fs::symlink_metadata(shim_path(&cfg)).is_err() && !cfg.conflist_path().exists());
         assert!(cfg.shim_source.exists(), "the link's target is not touched");
@@ -602,17 +498,11 @@ mod tests {
             .open(cfg.state_dir.join("agent.lock"))
             .unwrap();
         // The same lock the agent takes (agent::prepare): another open file description.
-        assert_eq!(
-            unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
-            0
-        );
+        assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
         let e = uninstall(&cfg, true).unwrap_err();
         assert!(matches!(e, UninstallError::AgentRunning { .. }), "{e}");
         assert!(e.to_string().contains("stop it first"), "{e}");
-        assert!(
-            cfg.conflist_path().exists() && shim_path(&cfg).exists(),
-            "nothing removed while the agent runs"
-        );
+        assert!(cfg.conflist_path().exists() && shim_path(&cfg).exists(), "nothing removed while the agent runs");
         drop(lock);
         let r = uninstall(&cfg, false).unwrap();
         assert_eq!((r.conflist, r.shim), (Removal::Removed, Removal::Removed));

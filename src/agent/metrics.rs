@@ -127,8 +127,14 @@ fn collect(src: &Sources, node: &str, enc: &mut Encoder) {
             &["resource", "health"],
             health.iter().flat_map(|r| {
                 [
-                    (vec![r.resource.clone(), crate::devices::deviceplugin::plugin::HEALTHY.to_string()], r.healthy as f64),
-                    (vec![r.resource.clone(), crate::devices::deviceplugin::plugin::UNHEALTHY.to_string()], r.unhealthy as f64),
+                    (
+                        vec![r.resource.clone(), crate::devices::deviceplugin::plugin::HEALTHY.to_string()],
+                        r.healthy as f64,
+                    ),
+                    (
+                        vec![r.resource.clone(), crate::devices::deviceplugin::plugin::UNHEALTHY.to_string()],
+                        r.unhealthy as f64,
+                    ),
                 ]
             }),
         );

@@ -23,9 +23,9 @@ use std::time::{Duration, Instant};
 use crate::net::cni::request::{self, Env};
 use crate::net::cni::wire::{self, WireRequest};
 use crate::net::cni::{Command, Reply, version_result};
-use config::Config;
 use crate::net::datapath::Datapath;
 use crate::net::reaper;
+use config::Config;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -86,7 +86,9 @@ const STATE_LOCK_WAIT: Duration = Duration::from_secs(10);
 /// Everything up to (not including) serving: returns the configuration, the datapath, the
 /// bound listener and the state-directory lock.
 #[allow(clippy::type_complexity)]
-pub fn prepare(cfg: Config) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix::net::UnixListener, fs::File), AgentError> {
+pub fn prepare(
+    cfg: Config,
+) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix::net::UnixListener, fs::File), AgentError> {
     let cfg = Arc::new(cfg);
     let lock = lock_state_dir(&cfg.state_dir, STATE_LOCK_WAIT)?;
 
@@ -95,7 +97,8 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix
     let stored = fs::read_to_string(&boot_file).ok().map(|s| s.trim().to_string());
     let boot_changed = stored.as_deref().is_some_and(|s| s != boot_id);
 
-    let (ipam, problems) = crate::net::ipam::Ipam::load(&cfg.lease_dir()).map_err(|e| AgentError::Setup(e.to_string()))?;
+    let (ipam, problems) =
+        crate::net::ipam::Ipam::load(&cfg.lease_dir()).map_err(|e| AgentError::Setup(e.to_string()))?;
     for p in problems {
         tracing::warn!("{p}");
     }
@@ -116,7 +119,13 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix
     for f in &report.freed {
         tracing::info!(lease = %f, "freed stale lease");
     }
-    tracing::info!(kept = report.kept, freed = report.freed.len(), reaped_links = report.reaped_links, boot_changed, "reconciled");
+    tracing::info!(
+        kept = report.kept,
+        freed = report.freed.len(),
+        reaped_links = report.reaped_links,
+        boot_changed,
+        "reconciled"
+    );
     crate::sys::fs::atomic_write(&boot_file, boot_id.as_bytes(), 0o644).map_err(io_ctx("writing boot id"))?;
 
     let sock = &cfg.cni_socket;
@@ -128,7 +137,8 @@ pub fn prepare(cfg: Config) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(io_ctx(format!("removing stale {}", sock.display()))(e)),
     }
-    let listener = std::os::unix::net::UnixListener::bind(sock).map_err(io_ctx(format!("binding {}", sock.display())))?;
+    let listener =
+        std::os::unix::net::UnixListener::bind(sock).map_err(io_ctx(format!("binding {}", sock.display())))?;
     fs::set_permissions(sock, fs::Permissions::from_mode(0o600)).map_err(io_ctx("socket permissions"))?;
 
     dp.drain_pending();
@@ -173,14 +183,16 @@ pub fn prepare_csi(cfg: &Config) -> Result<Option<Arc<crate::storage::csi::NodeS
             half
         }
     };
-    let store = crate::storage::store::VolumeStore::open_with_templates(&c.volume_dir, capacity).map_err(|e| AgentError::Setup(e.to_string()))?;
+    let store = crate::storage::store::VolumeStore::open_with_templates(&c.volume_dir, capacity)
+        .map_err(|e| AgentError::Setup(e.to_string()))?;
     let settings = crate::storage::csi::NodeSettings {
         node_id: cfg.node_name.clone(),
         kubelet_dir,
         record_dir: cfg.state_dir.join("csi"),
         max_volumes: c.max_volumes,
     };
-    let svc = crate::storage::csi::NodeService::new(settings, Arc::new(store)).map_err(io_ctx("creating CSI record directories"))?;
+    let svc = crate::storage::csi::NodeService::new(settings, Arc::new(store))
+        .map_err(io_ctx("creating CSI record directories"))?;
     Ok(Some(Arc::new(svc)))
 }
 
@@ -192,7 +204,12 @@ pub fn handle(dp: &Datapath, env: &Env, stdin: &[u8], netns: Option<std::os::fd:
 }
 
 /// [`handle`], also returning the CNI error code answered (`None`: success).
-pub fn handle_coded(dp: &Datapath, env: &Env, stdin: &[u8], netns: Option<std::os::fd::OwnedFd>) -> (Reply, Option<u32>) {
+pub fn handle_coded(
+    dp: &Datapath,
+    env: &Env,
+    stdin: &[u8],
+    netns: Option<std::os::fd::OwnedFd>,
+) -> (Reply, Option<u32>) {
     let version = request::sniff_version(stdin);
     let command = match request::parse_command(env) {
         Ok(c) => c,
@@ -251,7 +268,9 @@ const FIRST_READ: usize = 16 * 1024;
 
 /// Read one request frame from the shim, with the descriptor it passed (`SCM_RIGHTS`), if
 /// any. Blocking (the socket has a read timeout).
-fn read_request(stream: &std::os::unix::net::UnixStream) -> std::io::Result<(WireRequest, Option<std::os::fd::OwnedFd>)> {
+fn read_request(
+    stream: &std::os::unix::net::UnixStream,
+) -> std::io::Result<(WireRequest, Option<std::os::fd::OwnedFd>)> {
     use std::os::fd::AsFd;
     let mut fds = Vec::new();
     // Read until `buf` holds at least `want` bytes (more may come: the read asks for all of
@@ -283,9 +302,13 @@ fn read_request(stream: &std::os::unix::net::UnixStream) -> std::io::Result<(Wir
     }
     let body = &buf[4..];
     if fds.len() > 1 {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{} descriptors sent with one request", fds.len())));
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{} descriptors sent with one request", fds.len()),
+        ));
     }
-    let req: WireRequest = serde_json::from_slice(body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    let req: WireRequest =
+        serde_json::from_slice(body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
     Ok((req, fds.pop()))
 }
 
@@ -365,8 +388,10 @@ pub async fn serve(
             return Err(AgentError::Setup(format!("binding {}: {e}", cfg.node_socket.display())));
         }
     };
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_ctx("signal"))?;
-    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(io_ctx("signal"))?;
+    let mut term =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_ctx("signal"))?;
+    let mut int =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(io_ctx("signal"))?;
     let mut drain_tick = tokio::time::interval(Duration::from_secs(5));
     drain_tick.tick().await;
     let cluster_client = tokio::spawn(cluster::run(cfg.clone(), dp.clone(), link.clone().unwrap_or_default()));
@@ -376,7 +401,8 @@ pub async fn serve(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let volume_client = csi.clone().map(|svc| tokio::spawn(volume_sync::run(cfg.clone(), svc)));
     let device_plugins = cfg.device_plugins.clone().map(|s| {
-        let (rx, ended, inv, book) = (stop_rx.clone(), devices_ended.clone(), inventory.clone().unwrap_or_default(), book.clone());
+        let (rx, ended, inv, book) =
+            (stop_rx.clone(), devices_ended.clone(), inventory.clone().unwrap_or_default(), book.clone());
         tokio::spawn(async move {
             crate::devices::deviceplugin::run_with(s, rx, inv, book).await;
             ended.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -386,7 +412,13 @@ pub async fn serve(
         // One inventory for kubelet (dra.sock) and the controller (the ResourceSlices).
         let devices = Arc::new(crate::devices::dra::Devices::default());
         let reporter = tokio::spawn(device_sync::run(cfg.clone(), devices.clone(), book.clone()));
-        let plugin = tokio::spawn(crate::devices::dra::run(s, stop_rx.clone(), book.clone(), devices, device_sync::claim_lookup(&cfg)));
+        let plugin = tokio::spawn(crate::devices::dra::run(
+            s,
+            stop_rx.clone(),
+            book.clone(),
+            devices,
+            device_sync::claim_lookup(&cfg),
+        ));
         (plugin, reporter)
     });
     let readiness_task = tokio::spawn(readiness.run());

@@ -46,7 +46,11 @@ impl PolicyClient {
     async fn client(&self) -> Result<NetworksClient, String> {
         let mut ch = self.channel.lock().await;
         if ch.is_none() {
-            *ch = Some(crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?);
+            *ch = Some(
+                crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref())
+                    .await
+                    .map_err(|e| format!("connect: {e}"))?,
+            );
         }
         Ok(NetworkPoliciesClient::new(ch.clone().expect("set above")))
     }
@@ -56,7 +60,11 @@ impl PolicyClient {
     }
 
     fn pod_address(ns: &str, name: &str, ips: &[IpAddr]) -> pb::PodAddress {
-        pb::PodAddress { namespace: ns.to_string(), name: name.to_string(), ips: ips.iter().map(|i| i.to_string()).collect() }
+        pb::PodAddress {
+            namespace: ns.to_string(),
+            name: name.to_string(),
+            ips: ips.iter().map(|i| i.to_string()).collect(),
+        }
     }
 
     /// The datapath's hook (a blocking thread of the ADD or DEL).
@@ -67,12 +75,18 @@ impl PolicyClient {
                 self.enforcer.attach(host_if, &ips)?;
                 let Some((ns, name)) = pod_key(pod) else { return Ok(()) };
                 let me = self.clone();
-                let req = pb::PodStartedRequest { node_name: self.cfg.node_name.clone(), pod: Some(Self::pod_address(ns, name, &ips)) };
+                let req = pb::PodStartedRequest {
+                    node_name: self.cfg.node_name.clone(),
+                    pod: Some(Self::pod_address(ns, name, &ips)),
+                };
                 let answer = self.handle.block_on(async move {
                     let token = read_token(&me.cc.token_file)?;
                     let call = async {
                         let mut c = me.client().await?;
-                        c.pod_started(authed(req, &token)?).await.map(|r| r.into_inner()).map_err(|s| format!("PodStarted: {:?}: {}", s.code(), s.message()))
+                        c.pod_started(authed(req, &token)?)
+                            .await
+                            .map(|r| r.into_inner())
+                            .map_err(|s| format!("PodStarted: {:?}: {}", s.code(), s.message()))
                     };
                     match tokio::time::timeout(ADD_WAIT, call).await {
                         Ok(Ok(a)) => Ok(a),
@@ -91,7 +105,11 @@ impl PolicyClient {
                     return Err(format!(
                         "the network policy of pod {pod} (revision {}) was not in force within {ADD_WAIT:?}; the policy stream: {}",
                         a.revision,
-                        if self.connected.load(std::sync::atomic::Ordering::SeqCst) { "connected" } else { "disconnected" }
+                        if self.connected.load(std::sync::atomic::Ordering::SeqCst) {
+                            "connected"
+                        } else {
+                            "disconnected"
+                        }
                     ));
                 }
                 Ok(())
@@ -102,14 +120,22 @@ impl PolicyClient {
                 // Told in the background: DEL never waits for the controller (a missed one is
                 // corrected by the full report when the stream reconnects).
                 let me = self.clone();
-                let req = pb::PodStoppedRequest { node_name: self.cfg.node_name.clone(), pod: Some(Self::pod_address(ns, name, &[])) };
+                let req = pb::PodStoppedRequest {
+                    node_name: self.cfg.node_name.clone(),
+                    pod: Some(Self::pod_address(ns, name, &[])),
+                };
                 self.handle.spawn(async move {
                     let r = async {
                         let token = read_token(&me.cc.token_file)?;
                         let mut c = me.client().await?;
-                        c.pod_stopped(authed(req, &token)?).await.map_err(|s| format!("{:?}: {}", s.code(), s.message()))
+                        c.pod_stopped(authed(req, &token)?)
+                            .await
+                            .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
                     };
-                    if let Err(e) = tokio::time::timeout(Duration::from_secs(10), r).await.unwrap_or_else(|_| Err("timed out".into())) {
+                    if let Err(e) = tokio::time::timeout(Duration::from_secs(10), r)
+                        .await
+                        .unwrap_or_else(|_| Err("timed out".into()))
+                    {
                         tracing::warn!(error = %e, "PodStopped");
                         me.forget_channel().await;
                     }
@@ -135,7 +161,9 @@ impl PolicyClient {
     /// One stream: report the node's pods, then apply the view as it comes.
     async fn session(self: &Arc<Self>, dp: &Arc<Datapath>) -> Result<(), String> {
         let token = read_token(&self.cc.token_file)?;
-        let channel = crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?;
+        let channel = crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref())
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
         let mut client = NetworkPoliciesClient::new(channel);
         let me = self.cfg.node_name.clone();
         let mut stream = client
@@ -188,7 +216,8 @@ pub fn install(cfg: &Arc<Config>, dp: &Arc<Datapath>) -> Option<Arc<PolicyClient
             problems.push(format!("{key}: {e} (is br_netfilter loaded?)"));
         }
     }
-    let veths = dp.ipam().leases().into_iter().map(|l| (l.host_if.clone(), l.ips.iter().map(|n| n.ip()).collect())).collect();
+    let veths =
+        dp.ipam().leases().into_iter().map(|l| (l.host_if.clone(), l.ips.iter().map(|n| n.ip()).collect())).collect();
     if let Err(e) = client.enforcer.start(veths) {
         problems.push(format!("anti-spoofing table: {e}"));
     }

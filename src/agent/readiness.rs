@@ -71,29 +71,14 @@ impl Readiness {
         let cni = health.condition("cni");
         let csi = csi.map(|svc| (svc, health.condition("csi")));
         let devices = match (cfg.device_plugins.clone(), devices_ended) {
-            (Some(settings), Some(ended)) => Some(Devices {
-                settings,
-                cond: health.condition("deviceplugins"),
-                ended,
-                parsed: None,
-            }),
+            (Some(settings), Some(ended)) => {
+                Some(Devices { settings, cond: health.condition("deviceplugins"), ended, parsed: None })
+            }
             _ => None,
         };
         let dra = cfg.dra.clone().map(|s| (s, health.condition("dra")));
-        let cni_inode = std::fs::symlink_metadata(&cfg.cni_socket)
-            .ok()
-            .map(|m| m.ino());
-        Readiness {
-            cfg,
-            dp,
-            cni,
-            cni_inode,
-            csi,
-            devices,
-            dra,
-            verified: HashMap::new(),
-            book,
-        }
+        let cni_inode = std::fs::symlink_metadata(&cfg.cni_socket).ok().map(|m| m.ino());
+        Readiness { cfg, dp, cni, cni_inode, csi, devices, dra, verified: HashMap::new(), book }
     }
 
     /// Re-evaluate every `TICK` until dropped (the task is aborted at shutdown).
@@ -138,7 +123,10 @@ impl Readiness {
         let cfg = &self.cfg;
         if !self.dp.ready() {
             return Err(match &cfg.controller {
-                Some(_) => "no pod CIDR block yet: waiting for the controller to assign one (the conflist is written then)".into(),
+                Some(_) => {
+                    "no pod CIDR block yet: waiting for the controller to assign one (the conflist is written then)"
+                        .into()
+                }
                 None => "no pod CIDR block: podCidrs is empty".into(),
             });
         }
@@ -149,10 +137,7 @@ impl Readiness {
         let sock = &cfg.cni_socket;
         match std::fs::symlink_metadata(sock) {
             Ok(m) if m.file_type().is_socket() && Some(m.ino()) == self.cni_inode => Ok(()),
-            Ok(_) => Err(format!(
-                "CNI socket {} was replaced by something else",
-                sock.display()
-            )),
+            Ok(_) => Err(format!("CNI socket {} was replaced by something else", sock.display())),
             Err(e) => Err(format!("CNI socket {}: {e}", sock.display())),
         }
     }
@@ -161,10 +146,7 @@ impl Readiness {
         let kubelet = &svc.settings.kubelet_dir;
         let csi_sock = crate::storage::csi::csi_socket(kubelet);
         if !self.served(&csi_sock).await {
-            return Err(format!(
-                "CSI socket {} is not served yet",
-                csi_sock.display()
-            ));
+            return Err(format!("CSI socket {} is not served yet", csi_sock.display()));
         }
         if !svc.ready() {
             return Err("recovering volume state (records, mount table, loop devices)".into());
@@ -174,10 +156,7 @@ impl Readiness {
         }
         let reg = crate::storage::csi::registration_socket(kubelet);
         if !self.served(&reg).await {
-            return Err(format!(
-                "kubelet registration socket {} is not served yet",
-                reg.display()
-            ));
+            return Err(format!("kubelet registration socket {} is not served yet", reg.display()));
         }
         self.book.condition(crate::kubelet::Kind::Csi)
     }
@@ -221,10 +200,7 @@ impl Readiness {
         if waiting.is_empty() {
             self.book.condition(crate::kubelet::Kind::DevicePlugin)
         } else {
-            Err(format!(
-                "device plugin not served yet: {}",
-                waiting.join(", ")
-            ))
+            Err(format!("device plugin not served yet: {}", waiting.join(", ")))
         }
     }
 
@@ -240,12 +216,9 @@ impl Readiness {
         if self.verified.get(path) == Some(&m.ino()) {
             return true;
         }
-        let connected = tokio::time::timeout(
-            Duration::from_secs(1),
-            tokio::net::UnixStream::connect(path),
-        )
-        .await
-        .is_ok_and(|r| r.is_ok());
+        let connected = tokio::time::timeout(Duration::from_secs(1), tokio::net::UnixStream::connect(path))
+            .await
+            .is_ok_and(|r| r.is_ok());
         if connected {
             self.verified.insert(path.to_path_buf(), m.ino());
         }

@@ -95,7 +95,9 @@ impl NodeStatus {
         for f in &findings {
             match &f.repair {
                 Some(Repair::Done(m)) => tracing::info!(kind = f.kind, subject = %f.subject, "doctor repaired: {m}"),
-                Some(Repair::Failed(m)) => tracing::warn!(kind = f.kind, subject = %f.subject, "doctor repair failed: {m}"),
+                Some(Repair::Failed(m)) => {
+                    tracing::warn!(kind = f.kind, subject = %f.subject, "doctor repair failed: {m}")
+                }
                 _ => tracing::info!(kind = f.kind, subject = %f.subject, detail = %f.detail, "doctor found"),
             }
         }
@@ -149,7 +151,10 @@ pub async fn serve_node_api(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
     let path = status.cfg.node_socket.clone();
-    let volumes = status.csi.clone().map(|svc| api::node_volumes_server::NodeVolumesServer::new(crate::storage::node_api::NodeVolumes(svc)));
+    let volumes = status
+        .csi
+        .clone()
+        .map(|svc| api::node_volumes_server::NodeVolumesServer::new(crate::storage::node_api::NodeVolumes(svc)));
     let server = tonic::transport::Server::builder()
         .layer(crate::rpc::response_layer())
         .add_service(api::node_status_server::NodeStatusServer::new(status))

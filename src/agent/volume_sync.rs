@@ -17,9 +17,9 @@ use tonic::Code;
 
 use super::cluster::{authed, read_token};
 use super::config::{Config, ControllerConfig};
-use crate::storage::csi::NodeService;
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_client::NodeRegistryClient;
+use crate::storage::csi::NodeService;
 use crate::storage::csi::snapshot::Taken;
 use crate::storage::store::{FsType, Source, VolumeError};
 use crate::sys::loopdev;
@@ -174,7 +174,12 @@ struct Retry {
 const RETRY_FIRST: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(60);
 
-fn reconcile(svc: &NodeService, set: &pb::VolumeSet, state: &mut SyncState, node: &str) -> (pb::ReportVolumesRequest, bool) {
+fn reconcile(
+    svc: &NodeService,
+    set: &pb::VolumeSet,
+    state: &mut SyncState,
+    node: &str,
+) -> (pb::ReportVolumesRequest, bool) {
     let first_orphaned = &mut state.first_orphaned;
     let retries = &mut state.retries;
     let store = &svc.store;
@@ -191,7 +196,9 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, state: &mut SyncState, node
                 Ok(fs) => match store.get(&d.id) {
                     Ok(None) if d.creating => match source_of(d) {
                         None => store.create_named(&d.id, d.size_bytes, fs, &d.name).map(|_| ()),
-                        Some(src) => match copy_attempt(retries, &mut pending, &d.id, || svc.create_volume_from(&d.id, d.size_bytes, &d.name, &src)) {
+                        Some(src) => match copy_attempt(retries, &mut pending, &d.id, || {
+                            svc.create_volume_from(&d.id, d.size_bytes, &d.name, &src)
+                        }) {
                             Some(r) => r,
                             None => {
                                 failures.extend(waiting(retries, &d.id));
@@ -231,7 +238,9 @@ fn reconcile(svc: &NodeService, set: &pb::VolumeSet, state: &mut SyncState, node
     for d in &set.snapshots {
         let result = if d.present {
             match store.get_snapshot(&d.id) {
-                Ok(None) if d.creating => match copy_attempt(retries, &mut pending, &d.id, || svc.take_snapshot(&d.id, &d.source_volume_id, &d.name)) {
+                Ok(None) if d.creating => match copy_attempt(retries, &mut pending, &d.id, || {
+                    svc.take_snapshot(&d.id, &d.source_volume_id, &d.name)
+                }) {
                     Some(r) => r,
                     None => {
                         failures.extend(waiting(retries, &d.id));
@@ -400,7 +409,8 @@ async fn session(
         };
         let Some(set) = last.clone() else { continue };
         // Periodic passes: retry skipped volumes at once, orphans and capacity every few s.
-        let grace_half = Duration::from_secs(set.orphan_grace_seconds / 2).clamp(Duration::from_secs(1), Duration::from_secs(5));
+        let grace_half =
+            Duration::from_secs(set.orphan_grace_seconds / 2).clamp(Duration::from_secs(1), Duration::from_secs(5));
         if periodic && !pending && since_report.elapsed() < grace_half {
             continue;
         }
@@ -462,9 +472,16 @@ mod tests {
         let mut v = DesiredView::default();
         assert_eq!(v.resume(), (0, 0));
         // A delta without a complete set first is refused.
-        let delta = pb::VolumeSet { volumes: vec![vol("c", 1)], revision: 9, base_revision: 7, epoch: 5, ..Default::default() };
+        let delta =
+            pb::VolumeSet { volumes: vec![vol("c", 1)], revision: 9, base_revision: 7, epoch: 5, ..Default::default() };
         assert!(v.apply(delta.clone()).is_err());
-        let full = pb::VolumeSet { volumes: vec![vol("a", 1), vol("b", 2)], revision: 7, epoch: 5, complete: true, ..Default::default() };
+        let full = pb::VolumeSet {
+            volumes: vec![vol("a", 1), vol("b", 2)],
+            revision: 7,
+            epoch: 5,
+            complete: true,
+            ..Default::default()
+        };
         v.apply(full).unwrap();
         assert_eq!(v.resume(), (7, 5));
         let delta = pb::VolumeSet { removed: vec!["a".into()], volumes: vec![vol("b", 3), vol("c", 1)], ..delta };
@@ -484,4 +501,3 @@ mod tests {
         assert_eq!(v.resume(), (3, 0));
     }
 }
-

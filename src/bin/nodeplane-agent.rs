@@ -55,8 +55,7 @@ enum Cmd {
     },
     /// Remove nodeplane from this node's container runtime: the conflist first (so the
     /// runtime stops choosing nodeplane), then the shim.
-    #[command(
-        long_about = "Remove nodeplane from this node's container runtime: the conflist \
+    #[command(long_about = "Remove nodeplane from this node's container runtime: the conflist \
         (<cniConfDir>/10-nodeplane.conflist) first, so the runtime stops choosing nodeplane for new pods, then the \
         shim (<cniBinDir>/nodeplane).\n\n\
         The agent never removes these itself (not on SIGTERM, not on upgrade), so that a node does not turn NotReady \
@@ -71,8 +70,7 @@ enum Cmd {
         their interfaces go away with their network namespaces, and an agent started again on this state dir frees \
         the leases of namespaces that are gone.\n\n\
         Exit status: 0 removed or already gone; 3 refused (an agent is running, or a file is not nodeplane's); \
-        2 bad configuration; 1 any other error."
-    )]
+        2 bad configuration; 1 any other error.")]
     Uninstall {
         /// Agent configuration file (JSON), the one the agent ran with.
         #[arg(long)]
@@ -91,16 +89,10 @@ fn main() -> ExitCode {
             let Some(config) = cli.config else {
                 use clap::CommandFactory;
                 Cli::command()
-                    .error(
-                        clap::error::ErrorKind::MissingRequiredArgument,
-                        "--config <CONFIG> is required to serve",
-                    )
+                    .error(clap::error::ErrorKind::MissingRequiredArgument, "--config <CONFIG> is required to serve")
                     .exit()
             };
-            serve(ServeArgs {
-                config,
-                log_format: cli.log_format,
-            })
+            serve(ServeArgs { config, log_format: cli.log_format })
         }
         Some(Cmd::Serve(a)) => serve(a),
         Some(Cmd::CheckConfig { config }) => check_config(&config),
@@ -145,10 +137,7 @@ fn bad_config(path: &std::path::Path, e: impl std::fmt::Display) -> ExitCode {
 fn check_config(path: &std::path::Path) -> ExitCode {
     match Config::load(path) {
         Ok(cfg) => {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&cfg.to_json()).expect("JSON values serialise")
-            );
+            println!("{}", serde_json::to_string_pretty(&cfg.to_json()).expect("JSON values serialise"));
             ExitCode::SUCCESS
         }
         Err(e) => bad_config(path, e),
@@ -185,12 +174,8 @@ fn uninstall(path: &std::path::Path, force: bool) -> ExitCode {
                 for t in &r.temp_files_removed {
                     println!("left-over temp file {}: removed", t.display());
                 }
-                if matches!(r.conflist, Removal::ForceRemoved(_))
-                    || matches!(r.shim, Removal::ForceRemoved(_))
-                {
-                    eprintln!(
-                        "nodeplane-agent: warning: --force removed a file that was not nodeplane's"
-                    );
+                if matches!(r.conflist, Removal::ForceRemoved(_)) || matches!(r.shim, Removal::ForceRemoved(_)) {
+                    eprintln!("nodeplane-agent: warning: --force removed a file that was not nodeplane's");
                 }
                 println!(
                     "nodeplane is uninstalled from this node's runtime; running pods keep their network until they are \
@@ -202,9 +187,9 @@ fn uninstall(path: &std::path::Path, force: bool) -> ExitCode {
         Err(e) => {
             eprintln!("nodeplane-agent uninstall: {e}");
             match e {
-                UninstallError::AgentRunning { .. } | UninstallError::Foreign { .. } | UninstallError::PodsAttached { .. } => {
-                    ExitCode::from(3)
-                }
+                UninstallError::AgentRunning { .. }
+                | UninstallError::Foreign { .. }
+                | UninstallError::PodsAttached { .. } => ExitCode::from(3),
                 UninstallError::Io { .. } => ExitCode::FAILURE,
             }
         }

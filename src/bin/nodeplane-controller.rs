@@ -173,7 +173,13 @@ fn main() -> anyhow::Result<()> {
             let list = stream.message().await?.context("controller closed the stream")?;
             println!("revision {}", list.revision);
             for n in list.nodes {
-                println!("{}\tunderlay={}\tblocks={}\tvtep={}", n.name, n.underlay_addresses.join(","), n.pod_blocks.join(","), n.vtep_mac);
+                println!(
+                    "{}\tunderlay={}\tblocks={}\tvtep={}",
+                    n.name,
+                    n.underlay_addresses.join(","),
+                    n.pod_blocks.join(","),
+                    n.vtep_mac
+                );
             }
             anyhow::Ok(())
         })?,
@@ -183,9 +189,9 @@ fn main() -> anyhow::Result<()> {
             println!("{}", dir.display());
         }
         Cmd::Certs { cmd: CertsCmd::Issue { ca_dir, out, san, node, days } } => {
-            let ca = controller::certs::ca_of_dir(&ca_dir)
-                .map_err(anyhow::Error::msg)?
-                .with_context(|| format!("{} holds no CA (ca.crt and ca.key): make one with `certs init`", ca_dir.display()))?;
+            let ca = controller::certs::ca_of_dir(&ca_dir).map_err(anyhow::Error::msg)?.with_context(|| {
+                format!("{} holds no CA (ca.crt and ca.key): make one with `certs init`", ca_dir.display())
+            })?;
             let pair = match node {
                 Some(n) => {
                     if !controller::records::valid_node_name(&n) {

@@ -171,14 +171,17 @@ async fn dra_call(c: DraCall) -> Result<(serde_json::Value, bool), String> {
     use nodeplane::devices::dra;
     use nodeplane::rpc::dra as pb;
     let connect = |socket: PathBuf| async move {
-        let ch = nodeplane::rpc::connect_unix(&socket).await.map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
+        let ch = nodeplane::rpc::connect_unix(&socket)
+            .await
+            .map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
         Ok::<_, String>(pb::dra_plugin_client::DraPluginClient::new(ch))
     };
     match c {
         DraCall::Prepare { claim_file, at } => {
             let (socket, state) = at.resolve()?;
             let raw = std::fs::read(&claim_file).map_err(|e| format!("reading {}: {e}", claim_file.display()))?;
-            let claim: dra::ClaimFile = serde_json::from_slice(&raw).map_err(|e| format!("{}: {e}", claim_file.display()))?;
+            let claim: dra::ClaimFile =
+                serde_json::from_slice(&raw).map_err(|e| format!("{}: {e}", claim_file.display()))?;
             dra::check_uid(&claim.uid)?;
             let dir = dra::claim_dir(&state);
             let target = dir.join(format!("{}.json", claim.uid));
@@ -187,9 +190,17 @@ async fn dra_call(c: DraCall) -> Result<(serde_json::Value, bool), String> {
                 .and_then(|_| nodeplane::sys::fs::atomic_write(&target, &body, 0o600))
                 .map_err(|e| format!("writing {}: {e}", target.display()))?;
             let req = pb::NodePrepareResourcesRequest {
-                claims: vec![pb::Claim { namespace: claim.namespace.clone(), uid: claim.uid.clone(), name: claim.name.clone() }],
+                claims: vec![pb::Claim {
+                    namespace: claim.namespace.clone(),
+                    uid: claim.uid.clone(),
+                    name: claim.name.clone(),
+                }],
             };
-            let answer = connect(socket).await?.node_prepare_resources(req).await.map_err(|s| format!("NodePrepareResources: {:?}: {}", s.code(), s.message()))?;
+            let answer = connect(socket)
+                .await?
+                .node_prepare_resources(req)
+                .await
+                .map_err(|s| format!("NodePrepareResources: {:?}: {}", s.code(), s.message()))?;
             let claims = answer.into_inner().claims;
             let ok = claims.get(&claim.uid).is_some_and(|c| c.error.is_empty());
             let doc: serde_json::Map<String, serde_json::Value> = claims
@@ -208,8 +219,13 @@ async fn dra_call(c: DraCall) -> Result<(serde_json::Value, bool), String> {
         DraCall::Unprepare { uid, namespace, name, at } => {
             let (socket, state) = at.resolve()?;
             dra::check_uid(&uid)?;
-            let req = pb::NodeUnprepareResourcesRequest { claims: vec![pb::Claim { namespace, uid: uid.clone(), name }] };
-            let answer = connect(socket).await?.node_unprepare_resources(req).await.map_err(|s| format!("NodeUnprepareResources: {:?}: {}", s.code(), s.message()))?;
+            let req =
+                pb::NodeUnprepareResourcesRequest { claims: vec![pb::Claim { namespace, uid: uid.clone(), name }] };
+            let answer = connect(socket)
+                .await?
+                .node_unprepare_resources(req)
+                .await
+                .map_err(|s| format!("NodeUnprepareResources: {:?}: {}", s.code(), s.message()))?;
             let claims = answer.into_inner().claims;
             let ok = claims.get(&uid).is_some_and(|c| c.error.is_empty());
             if ok {
@@ -220,7 +236,8 @@ async fn dra_call(c: DraCall) -> Result<(serde_json::Value, bool), String> {
                     Err(e) => return Err(format!("removing {}: {e}", file.display())),
                 }
             }
-            let doc: serde_json::Map<String, serde_json::Value> = claims.into_iter().map(|(uid, c)| (uid, json!({"error": c.error}))).collect();
+            let doc: serde_json::Map<String, serde_json::Value> =
+                claims.into_iter().map(|(uid, c)| (uid, json!({"error": c.error}))).collect();
             Ok((json!({ "claims": doc }), ok))
         }
     }
@@ -416,7 +433,9 @@ fn capability(fs: &str, mode: &str) -> Result<csi::VolumeCapability, String> {
 }
 
 fn topology(node: &str) -> csi::Topology {
-    csi::Topology { segments: [(nodeplane::storage::csi::TOPOLOGY_KEY.to_string(), node.to_string())].into_iter().collect() }
+    csi::Topology {
+        segments: [(nodeplane::storage::csi::TOPOLOGY_KEY.to_string(), node.to_string())].into_iter().collect(),
+    }
 }
 
 fn volume_json(v: &csi::Volume) -> serde_json::Value {
@@ -469,15 +488,21 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
                 capacity_range: Some(csi::CapacityRange { required_bytes: size, limit_bytes: limit }),
                 volume_capabilities: vec![cap],
                 parameters,
-                accessibility_requirements: (!nodes.is_empty() || !prefer.is_empty()).then(|| csi::TopologyRequirement {
-                    requisite: nodes.iter().map(|n| topology(n)).collect(),
-                    preferred: prefer.iter().map(|n| topology(n)).collect(),
+                accessibility_requirements: (!nodes.is_empty() || !prefer.is_empty()).then(|| {
+                    csi::TopologyRequirement {
+                        requisite: nodes.iter().map(|n| topology(n)).collect(),
+                        preferred: prefer.iter().map(|n| topology(n)).collect(),
+                    }
                 }),
                 volume_content_source: {
                     use csi::volume_content_source::{SnapshotSource, Type, VolumeSource};
                     match (from_snapshot, from_volume) {
-                        (Some(snapshot_id), _) => Some(csi::VolumeContentSource { r#type: Some(Type::Snapshot(SnapshotSource { snapshot_id })) }),
-                        (None, Some(volume_id)) => Some(csi::VolumeContentSource { r#type: Some(Type::Volume(VolumeSource { volume_id })) }),
+                        (Some(snapshot_id), _) => Some(csi::VolumeContentSource {
+                            r#type: Some(Type::Snapshot(SnapshotSource { snapshot_id })),
+                        }),
+                        (None, Some(volume_id)) => {
+                            Some(csi::VolumeContentSource { r#type: Some(Type::Volume(VolumeSource { volume_id })) })
+                        }
                         (None, None) => None,
                     }
                 },
@@ -508,7 +533,11 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
                 })
                 .await?
                 .into_inner();
-            let entries: Vec<_> = r.entries.iter().map(|e| snapshot_json(e.snapshot.as_ref().unwrap_or(&csi::Snapshot::default()))).collect();
+            let entries: Vec<_> = r
+                .entries
+                .iter()
+                .map(|e| snapshot_json(e.snapshot.as_ref().unwrap_or(&csi::Snapshot::default())))
+                .collect();
             json!({"entries": entries, "nextToken": r.next_token})
         }
         Call::DeleteVolume { id } => {
@@ -544,7 +573,9 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
                 .iter()
                 .filter_map(|c| match &c.r#type {
                     Some(csi::controller_service_capability::Type::Rpc(r)) => {
-                        csi::controller_service_capability::rpc::Type::try_from(r.r#type).ok().map(|t| t.as_str_name().to_string())
+                        csi::controller_service_capability::rpc::Type::try_from(r.r#type)
+                            .ok()
+                            .map(|t| t.as_str_name().to_string())
                     }
                     None => None,
                 })
@@ -552,7 +583,10 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
             json!({"capabilities": names})
         }
         Call::ListVolumes { max, token } => {
-            let r = ctl.list_volumes(csi::ListVolumesRequest { max_entries: max, starting_token: token }).await?.into_inner();
+            let r = ctl
+                .list_volumes(csi::ListVolumesRequest { max_entries: max, starting_token: token })
+                .await?
+                .into_inner();
             let entries: Vec<_> = r
                 .entries
                 .iter()
@@ -569,7 +603,10 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
         }
         Call::Capacity { node } => {
             let r = ctl
-                .get_capacity(csi::GetCapacityRequest { accessible_topology: node.as_deref().map(topology), ..Default::default() })
+                .get_capacity(csi::GetCapacityRequest {
+                    accessible_topology: node.as_deref().map(topology),
+                    ..Default::default()
+                })
                 .await?
                 .into_inner();
             json!({"availableCapacity": r.available_capacity, "maximumVolumeSize": r.maximum_volume_size, "minimumVolumeSize": r.minimum_volume_size})
@@ -589,7 +626,8 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
             json!({})
         }
         Call::Unstage { id, staging } => {
-            node.node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: id, staging_target_path: staging }).await?;
+            node.node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: id, staging_target_path: staging })
+                .await?;
             json!({})
         }
         Call::Publish { id, staging, target, fs, readonly, mode } => {
@@ -610,7 +648,11 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
         }
         Call::Stats { id, path } => {
             let r = node
-                .node_get_volume_stats(csi::NodeGetVolumeStatsRequest { volume_id: id, volume_path: path, staging_target_path: String::new() })
+                .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+                    volume_id: id,
+                    volume_path: path,
+                    staging_target_path: String::new(),
+                })
                 .await?
                 .into_inner();
             let usage: Vec<_> = r
@@ -836,7 +878,9 @@ async fn policy_call(at: ControllerAt, call: PolicyCall) -> Result<String, Strin
         key_file: None,
         server_name: at.server_name.clone(),
     });
-    let ch = nodeplane::rpc::connect_with(&at.controller, tls.as_ref()).await.map_err(|e| format!("connecting to {}: {e}", at.controller))?;
+    let ch = nodeplane::rpc::connect_with(&at.controller, tls.as_ref())
+        .await
+        .map_err(|e| format!("connecting to {}: {e}", at.controller))?;
     let mut c = pb::network_policies_client::NetworkPoliciesClient::new(ch);
     fn with<T>(m: T, bearer: &tonic::metadata::MetadataValue<tonic::metadata::Ascii>) -> tonic::Request<T> {
         let mut r = tonic::Request::new(m);
@@ -846,14 +890,20 @@ async fn policy_call(at: ControllerAt, call: PolicyCall) -> Result<String, Strin
     let status = |s: tonic::Status| format!("{:?}: {}", s.code(), s.message());
     match call {
         PolicyCall::Apply { file } => {
-            let r = c.apply_objects(with(pb::ApplyObjectsRequest { json: read(&file)? }, &bearer)).await.map_err(status)?;
+            let r =
+                c.apply_objects(with(pb::ApplyObjectsRequest { json: read(&file)? }, &bearer)).await.map_err(status)?;
             Ok(r.into_inner().applied.iter().map(|a| format!("{a} applied")).collect::<Vec<_>>().join("\n"))
         }
         PolicyCall::Delete { file } => {
-            let r = c.delete_objects(with(pb::DeleteObjectsRequest { json: read(&file)? }, &bearer)).await.map_err(status)?;
+            let r = c
+                .delete_objects(with(pb::DeleteObjectsRequest { json: read(&file)? }, &bearer))
+                .await
+                .map_err(status)?;
             Ok(r.into_inner().deleted.iter().map(|a| format!("{a} deleted")).collect::<Vec<_>>().join("\n"))
         }
-        PolicyCall::List => Ok(c.list_objects(with(pb::ListObjectsRequest {}, &bearer)).await.map_err(status)?.into_inner().json),
+        PolicyCall::List => {
+            Ok(c.list_objects(with(pb::ListObjectsRequest {}, &bearer)).await.map_err(status)?.into_inner().json)
+        }
     }
 }
 
@@ -965,20 +1015,29 @@ mod report {
 
     pub fn status(d: &Value) -> String {
         let mut o = String::new();
-        let _ = writeln!(o, "node {} ({} mode), agent {} pid {}", s(&d["node"]), s(&d["mode"]), s(&d["version"]), s(&d["pid"]));
+        let _ = writeln!(
+            o,
+            "node {} ({} mode), agent {} pid {}",
+            s(&d["node"]),
+            s(&d["mode"]),
+            s(&d["version"]),
+            s(&d["pid"])
+        );
         let conds: Vec<String> = d["conditions"]
             .as_array()
             .into_iter()
             .flatten()
             .map(|c| {
-                let state = if c["ready"] == true { "ready".to_string() } else { format!("NOT READY ({})", s(&c["detail"])) };
+                let state =
+                    if c["ready"] == true { "ready".to_string() } else { format!("NOT READY ({})", s(&c["detail"])) };
                 format!("{} {state}", s(&c["name"]))
             })
             .collect();
         let _ = writeln!(o, "conditions: {}", if conds.is_empty() { "-".into() } else { conds.join("; ") });
         let c = &d["controller"];
         if c.is_object() {
-            let last = c["lastMessageSecondsAgo"].as_f64().map(|t| format!("{t:.1}s ago")).unwrap_or_else(|| "never".into());
+            let last =
+                c["lastMessageSecondsAgo"].as_f64().map(|t| format!("{t:.1}s ago")).unwrap_or_else(|| "never".into());
             let _ = writeln!(
                 o,
                 "controller: {} {}, last message {last}; blocks {}",
@@ -993,7 +1052,13 @@ mod report {
             o,
             "network: bridge {} {}{}",
             s(&b["name"]),
-            if b["up"] == true { "up" } else if b["present"] == true { "DOWN" } else { "MISSING" },
+            if b["up"] == true {
+                "up"
+            } else if b["present"] == true {
+                "DOWN"
+            } else {
+                "MISSING"
+            },
             if n["ready"] == true { "" } else { ", not ready for ADD (no block yet)" }
         );
         for blk in n["blocks"].as_array().into_iter().flatten() {
@@ -1003,7 +1068,13 @@ mod report {
                 Some(n) if n < 1 << 32 => format!(" of {n}"),
                 _ => String::new(),
             };
-            let _ = writeln!(o, "    block {} gateway {}: {}{of} addresses leased", s(&blk["cidr"]), s(&blk["gateway"]), s(&blk["allocated"]));
+            let _ = writeln!(
+                o,
+                "    block {} gateway {}: {}{of} addresses leased",
+                s(&blk["cidr"]),
+                s(&blk["gateway"]),
+                s(&blk["allocated"])
+            );
         }
         let rows: Vec<Vec<String>> = n["attachments"]
             .as_array()
@@ -1058,7 +1129,8 @@ mod report {
             let rows: Vec<Vec<String>> = vols
                 .iter()
                 .map(|v| {
-                    let loops: Vec<String> = v["loopDevices"].as_array().into_iter().flatten().map(|l| s(&l["device"])).collect();
+                    let loops: Vec<String> =
+                        v["loopDevices"].as_array().into_iter().flatten().map(|l| s(&l["device"])).collect();
                     let staged = match &v["staged"] {
                         Value::Null => "-".to_string(),
                         x => format!("{}{}", s(&x["state"]), if x["mounted"] == true { "" } else { " (not mounted)" }),
@@ -1100,7 +1172,12 @@ mod report {
                     .flatten()
                     .map(|x| format!("{} {}", s(&x["id"]), s(&x["health"])))
                     .collect();
-                let _ = writeln!(o, "    {}: {}", s(&r["resource"]), if devs.is_empty() { "no devices".into() } else { devs.join(", ") });
+                let _ = writeln!(
+                    o,
+                    "    {}: {}",
+                    s(&r["resource"]),
+                    if devs.is_empty() { "no devices".into() } else { devs.join(", ") }
+                );
             }
         }
         let plugins = d["kubelet"]["plugins"].as_array().cloned().unwrap_or_default();
@@ -1134,7 +1211,13 @@ mod report {
     pub fn doctor(d: &Value) -> String {
         let mut o = String::new();
         let findings = d["findings"].as_array().cloned().unwrap_or_default();
-        let _ = writeln!(o, "node {}: {} findings{}", s(&d["node"]), findings.len(), if d["repair"] == true { " (repair asked for)" } else { "" });
+        let _ = writeln!(
+            o,
+            "node {}: {} findings{}",
+            s(&d["node"]),
+            findings.len(),
+            if d["repair"] == true { " (repair asked for)" } else { "" }
+        );
         for f in &findings {
             let _ = writeln!(o, "  {} {}: {}", s(&f["kind"]), s(&f["subject"]), s(&f["detail"]));
             if f["repair"].is_object() {
@@ -1150,4 +1233,3 @@ mod report {
         o
     }
 }
-

@@ -104,13 +104,20 @@ impl RedbBackend {
         Ok(Arc::new(RedbBackend { db, path: path.to_path_buf() }))
     }
 
-    fn load_table<T: serde::de::DeserializeOwned>(&self, table: TableDefinition<&str, &[u8]>, what: &str) -> Result<Vec<T>, BackendError> {
+    fn load_table<T: serde::de::DeserializeOwned>(
+        &self,
+        table: TableDefinition<&str, &[u8]>,
+        what: &str,
+    ) -> Result<Vec<T>, BackendError> {
         let r = self.db.begin_read().map_err(e)?;
         let t = r.open_table(table).map_err(e)?;
         let mut out = Vec::new();
         for item in t.iter().map_err(e)? {
             let (k, v) = item.map_err(e)?;
-            out.push(serde_json::from_slice(v.value()).map_err(|x| BackendError::Corrupt(format!("{what} record {:?}: {x}", k.value())))?);
+            out.push(
+                serde_json::from_slice(v.value())
+                    .map_err(|x| BackendError::Corrupt(format!("{what} record {:?}: {x}", k.value())))?,
+            );
         }
         Ok(out)
     }

@@ -57,7 +57,8 @@ impl Ca {
         params.distinguished_name.push(DnType::CommonName, format!("{name} {}", hex::encode(id)));
         params.distinguished_name.push(DnType::OrganizationName, "nodeplane");
         params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+        params.key_usages =
+            vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
         validity(&mut params, days);
         serial(&mut params);
         let cert = params.self_signed(&key).map_err(err("signing the CA certificate"))?;
@@ -120,7 +121,12 @@ fn write_pem(path: &std::path::Path, pem: &str, secret: bool) -> std::io::Result
 
 /// A certificate and its key, written key first (so a reader that sees the new certificate
 /// finds its key).
-pub fn write_pair(cert_file: &std::path::Path, key_file: &std::path::Path, cert: &str, key: &str) -> Result<(), String> {
+pub fn write_pair(
+    cert_file: &std::path::Path,
+    key_file: &std::path::Path,
+    cert: &str,
+    key: &str,
+) -> Result<(), String> {
     write_pem(key_file, key, true).map_err(|e| format!("writing {}: {e}", key_file.display()))?;
     write_pem(cert_file, cert, false).map_err(|e| format!("writing {}: {e}", cert_file.display()))
 }

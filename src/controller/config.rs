@@ -6,8 +6,8 @@ use ipnetwork::IpNetwork;
 use serde::Deserialize;
 
 use super::records::Pool;
-use crate::util::Family;
 use crate::rpc::{Listen, parse_listen};
+use crate::util::Family;
 
 pub use crate::util::ConfigError;
 
@@ -183,8 +183,6 @@ fn default_port() -> u16 {
     4789
 }
 
-
-
 #[derive(Debug, Clone)]
 pub struct Config {
     pub data_dir: PathBuf,
@@ -204,7 +202,6 @@ pub struct Config {
     pub tls: Option<Tls>,
     pub insecure: bool,
 }
-
 
 impl Config {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
@@ -227,7 +224,11 @@ impl Config {
             let net: IpNetwork =
                 p.cidr.parse().map_err(|_| bad(format!("pools[{i}].cidr {:?} is not a CIDR", p.cidr)))?;
             if net.network() != net.ip() {
-                return Err(bad(format!("pools[{i}].cidr {} has host bits set (network is {})", p.cidr, net.network())));
+                return Err(bad(format!(
+                    "pools[{i}].cidr {} has host bits set (network is {})",
+                    p.cidr,
+                    net.network()
+                )));
             }
             let fam = Family::of(&net);
             let max = match fam {
@@ -274,9 +275,11 @@ impl Config {
         let store = resolve_store(f.store.as_ref(), env).map_err(bad)?;
         let token_secret = match (&store, &f.secret_file) {
             (Store::Kubernetes(k), None) => {
-                let name = f.store.as_ref().and_then(|s| s.hmac_secret_name.clone()).unwrap_or_else(|| {
-                    super::kube::secret::DEFAULT_NAME.to_string()
-                });
+                let name = f
+                    .store
+                    .as_ref()
+                    .and_then(|s| s.hmac_secret_name.clone())
+                    .unwrap_or_else(|| super::kube::secret::DEFAULT_NAME.to_string());
                 if let Some(why) = super::records::subdomain_error(&name) {
                     return Err(bad(format!("store.hmacSecretName {name:?} {why}")));
                 }
@@ -292,9 +295,14 @@ impl Config {
                     bad("agentAuth.serviceAccount is required (system:serviceaccount:<namespace>:<name>)".into())
                 })?;
                 if service_account.split(':').count() != 4 || !service_account.starts_with("system:serviceaccount:") {
-                    return Err(bad(format!("agentAuth.serviceAccount {service_account:?} is not system:serviceaccount:<namespace>:<name>")));
+                    return Err(bad(format!(
+                        "agentAuth.serviceAccount {service_account:?} is not system:serviceaccount:<namespace>:<name>"
+                    )));
                 }
-                AgentAuth::TokenReview { audience: a.audience.clone().unwrap_or_else(|| "nodeplane".into()), service_account }
+                AgentAuth::TokenReview {
+                    audience: a.audience.clone().unwrap_or_else(|| "nodeplane".into()),
+                    service_account,
+                }
             }
             Some(a) => return Err(bad(format!("agentAuth.kind {:?} is neither \"hmac\" nor \"tokenReview\"", a.kind))),
         };
@@ -349,7 +357,9 @@ impl Config {
         };
         let token_secret = match &self.token_secret {
             TokenSecret::File(p) => serde_json::json!({"kind": "file", "path": p}),
-            TokenSecret::Kubernetes { namespace, name } => serde_json::json!({"kind": "secret", "namespace": namespace, "name": name}),
+            TokenSecret::Kubernetes { namespace, name } => {
+                serde_json::json!({"kind": "secret", "namespace": namespace, "name": name})
+            }
         };
         serde_json::json!({
             "dataDir": self.data_dir, "listen": listen, "csiSocket": self.csi_socket, "secretFile": self.secret_file,
@@ -372,7 +382,12 @@ impl Config {
 }
 
 /// `tls` covers every TCP listener: a TCP `listen` and the health endpoint.
-fn resolve_tls(f: &FileConfig, listen: &Listen, health: Option<std::net::SocketAddr>, store: &Store) -> Result<Option<Tls>, String> {
+fn resolve_tls(
+    f: &FileConfig,
+    listen: &Listen,
+    health: Option<std::net::SocketAddr>,
+    store: &Store,
+) -> Result<Option<Tls>, String> {
     let mut tcp = Vec::new();
     if matches!(listen, Listen::Tcp(_)) {
         tcp.push(format!("listen {:?}", f.listen));
@@ -408,7 +423,12 @@ fn resolve_tls(f: &FileConfig, listen: &Listen, health: Option<std::net::SocketA
             }
             let svc = "nodeplane-controller";
             let dns_names = if b.dns_names.is_empty() {
-                vec![svc.to_string(), format!("{svc}.{ns}"), format!("{svc}.{ns}.svc"), format!("{svc}.{ns}.svc.cluster.local")]
+                vec![
+                    svc.to_string(),
+                    format!("{svc}.{ns}"),
+                    format!("{svc}.{ns}.svc"),
+                    format!("{svc}.{ns}.svc.cluster.local"),
+                ]
             } else {
                 b.dns_names.clone()
             };
@@ -425,7 +445,9 @@ fn resolve_tls(f: &FileConfig, listen: &Listen, health: Option<std::net::SocketA
             let d = f.data_dir.join("tls");
             (d.join(super::certs::TLS_CERT), d.join(super::certs::TLS_KEY))
         }
-        (_, _, _, Some(_)) => return Err("tls.bootstrap writes its own files: give no tls.dir, certFile or keyFile with it".into()),
+        (_, _, _, Some(_)) => {
+            return Err("tls.bootstrap writes its own files: give no tls.dir, certFile or keyFile with it".into());
+        }
         (Some(_), _, _, None) => return Err("tls: give either dir or certFile and keyFile".into()),
         _ => return Err("tls: give dir (holding tls.crt and tls.key), or both certFile and keyFile".into()),
     };
@@ -479,7 +501,14 @@ fn resolve_store(f: Option<&StoreFile>, env: &dyn Fn(&str) -> Option<String>) ->
                     lease_duration.as_secs()
                 ));
             }
-            Ok(Store::Kubernetes(KubeStore { namespace, lease_name, identity, lease_duration, renew_deadline, retry_period }))
+            Ok(Store::Kubernetes(KubeStore {
+                namespace,
+                lease_name,
+                identity,
+                lease_duration,
+                renew_deadline,
+                retry_period,
+            }))
         }
         other => Err(format!("store.kind {other:?} is neither \"embedded\" nor \"kubernetes\"")),
     }
@@ -537,23 +566,42 @@ mod tests {
         )
         .unwrap();
         let Store::Kubernetes(k) = &c.store else { panic!() };
-        assert_eq!((k.namespace.as_str(), k.identity.as_str(), k.lease_name.as_str()), ("nodeplane-system", "ctl-0", "nodeplane-controller"));
+        assert_eq!(
+            (k.namespace.as_str(), k.identity.as_str(), k.lease_name.as_str()),
+            ("nodeplane-system", "ctl-0", "nodeplane-controller")
+        );
         assert_eq!(c.health_address.unwrap().port(), 9641);
         assert!(c.uses_kubernetes());
         assert_eq!(c.to_json()["agentAuth"]["audience"], "nodeplane");
         // Kubernetes mode keeps the token keys in a Secret, never in the data dir.
-        assert_eq!(c.token_secret, TokenSecret::Kubernetes { namespace: "nodeplane-system".into(), name: "nodeplane-controller-hmac".into() });
-        let c = Config::resolve_with_env(f(r#","store":{"kind":"kubernetes","hmacSecretName":"hmac-2"},"secretFile":"/run/s/key""#), &env).unwrap();
+        assert_eq!(
+            c.token_secret,
+            TokenSecret::Kubernetes { namespace: "nodeplane-system".into(), name: "nodeplane-controller-hmac".into() }
+        );
+        let c = Config::resolve_with_env(
+            f(r#","store":{"kind":"kubernetes","hmacSecretName":"hmac-2"},"secretFile":"/run/s/key""#),
+            &env,
+        )
+        .unwrap();
         assert_eq!(c.token_secret, TokenSecret::File("/run/s/key".into()), "an explicit file wins");
-        let e = Config::resolve_with_env(f(r#","store":{"kind":"kubernetes","hmacSecretName":"Bad_Name"}"#), &env).unwrap_err();
+        let e = Config::resolve_with_env(f(r#","store":{"kind":"kubernetes","hmacSecretName":"Bad_Name"}"#), &env)
+            .unwrap_err();
         assert!(e.to_string().contains("hmacSecretName"), "{e}");
-        assert_eq!(Config::resolve_with_env(f(""), &env).unwrap().token_secret, TokenSecret::File("/tmp/x/secret".into()));
-        let err = |extra: &str, env: &dyn Fn(&str) -> Option<String>| Config::resolve_with_env(f(extra), env).unwrap_err().to_string();
+        assert_eq!(
+            Config::resolve_with_env(f(""), &env).unwrap().token_secret,
+            TokenSecret::File("/tmp/x/secret".into())
+        );
+        let err = |extra: &str, env: &dyn Fn(&str) -> Option<String>| {
+            Config::resolve_with_env(f(extra), env).unwrap_err().to_string()
+        };
         assert!(err(r#","store":{"kind":"kubernetes"}"#, &|_| None).contains("POD_NAMESPACE"));
         assert!(err(r#","store":{"kind":"etcd"}"#, &env).contains("store.kind"));
         assert!(err(r#","store":{"kind":"kubernetes","renewDeadlineSeconds":20}"#, &env).contains("renewDeadline"));
         assert!(err(r#","agentAuth":{"kind":"tokenReview"}"#, &env).contains("serviceAccount"));
-        assert!(err(r#","agentAuth":{"kind":"tokenReview","serviceAccount":"bob"}"#, &env).contains("system:serviceaccount"));
+        assert!(
+            err(r#","agentAuth":{"kind":"tokenReview","serviceAccount":"bob"}"#, &env)
+                .contains("system:serviceaccount")
+        );
         assert!(err(r#","healthAddress":"nowhere""#, &env).contains("healthAddress"));
     }
 
@@ -581,9 +629,22 @@ mod tests {
         assert!(e.contains("healthAddress \"127.0.0.1:9641\" is TCP") && e.contains("insecure: true"), "{e}");
         let e = err("127.0.0.1:9650", h);
         assert!(e.contains("listen \"127.0.0.1:9650\" and healthAddress"), "{e}");
-        assert!(Config::resolve_with_env(f("unix:/tmp/x.sock", &format!(r#"{h},"tls":{{"dir":"/d"}}"#)), &env).unwrap().tls.is_some());
-        assert!(Config::resolve_with_env(f("unix:/tmp/x.sock", &format!(r#"{h},"insecure":true"#)), &env).unwrap().tls.is_none());
-        assert!(Config::resolve_with_env(f("unix:/tmp/x.sock", ""), &env).unwrap().tls.is_none(), "Unix sockets alone need neither");
+        assert!(
+            Config::resolve_with_env(f("unix:/tmp/x.sock", &format!(r#"{h},"tls":{{"dir":"/d"}}"#)), &env)
+                .unwrap()
+                .tls
+                .is_some()
+        );
+        assert!(
+            Config::resolve_with_env(f("unix:/tmp/x.sock", &format!(r#"{h},"insecure":true"#)), &env)
+                .unwrap()
+                .tls
+                .is_none()
+        );
+        assert!(
+            Config::resolve_with_env(f("unix:/tmp/x.sock", ""), &env).unwrap().tls.is_none(),
+            "Unix sockets alone need neither"
+        );
         assert!(err("127.0.0.1:1", r#","tls":{"certFile":"/c"}"#).contains("both certFile and keyFile"));
         assert!(err("127.0.0.1:1", r#","tls":{"bootstrap":{}}"#).contains("kubernetes"));
         assert!(err("127.0.0.1:1", r#","tls":{"dir":"/d"},"insecure":true"#).contains("contradict"));

@@ -11,9 +11,9 @@ use tonic::{Code, Request, Response, Status};
 
 use super::records::{VolState, VolumeRecord};
 use super::volumes::{BookError, ContentSource, Placement, VolumeBook, failure_since, held, held_snapshot};
+use crate::rpc::csi;
 use crate::storage::csi::{TOPOLOGY_KEY, capability};
 use crate::storage::fs::FsType;
-use crate::rpc::csi;
 
 /// An error of the controller's CSI service: the gRPC code and the message it answers with.
 /// Every error of this service is one of these; the volume book's errors get their code
@@ -97,9 +97,10 @@ pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: FsType) -> Result<u64
     }
     let lim = range.map_or(0, |r| r.limit_bytes.max(0) as u64);
     if lim > 0 && lim < XFS_MIN_SIZE {
-        return Err(CsiError::new(Code::OutOfRange, format!(
-            "xfs volumes need at least {XFS_MIN_SIZE} bytes (mkfs.xfs refuses smaller); limit_bytes is {lim}"
-        )));
+        return Err(CsiError::new(
+            Code::OutOfRange,
+            format!("xfs volumes need at least {XFS_MIN_SIZE} bytes (mkfs.xfs refuses smaller); limit_bytes is {lim}"),
+        ));
     }
     Ok(XFS_MIN_SIZE)
 }
@@ -124,9 +125,7 @@ pub fn size_for(range: Option<&csi::CapacityRange>) -> Result<u64, CsiError> {
         if down >= req.max(1) && down > 0 {
             return Ok(down);
         }
-        return Err(CsiError::new(Code::OutOfRange, format!(
-            "volumes are whole MiB: no size in [{req}, {lim}] bytes"
-        )));
+        return Err(CsiError::new(Code::OutOfRange, format!("volumes are whole MiB: no size in [{req}, {lim}] bytes")));
     }
     Ok(size)
 }
@@ -149,9 +148,13 @@ fn to_csi(v: &VolumeRecord) -> csi::Volume {
     ctx.insert("fsType".to_string(), v.fs_type.as_str().to_string());
     ctx.insert("node".to_string(), v.node.clone());
     let content_source = if !v.source_snapshot.is_empty() {
-        Some(csi::VolumeContentSource { r#type: Some(Type::Snapshot(SnapshotSource { snapshot_id: v.source_snapshot.clone() })) })
+        Some(csi::VolumeContentSource {
+            r#type: Some(Type::Snapshot(SnapshotSource { snapshot_id: v.source_snapshot.clone() })),
+        })
     } else if !v.source_volume.is_empty() {
-        Some(csi::VolumeContentSource { r#type: Some(Type::Volume(VolumeSource { volume_id: v.source_volume.clone() })) })
+        Some(csi::VolumeContentSource {
+            r#type: Some(Type::Volume(VolumeSource { volume_id: v.source_volume.clone() })),
+        })
     } else {
         None
     };
@@ -208,7 +211,10 @@ impl ControllerService {
                     return Some(Ok(v.clone()));
                 }
                 if view.is_none_or(|n| n.connected == 0) {
-                    return Some(Err(CsiError::new(Code::Unavailable, format!("node {} is not connected; retry", v.node))));
+                    return Some(Err(CsiError::new(
+                        Code::Unavailable,
+                        format!("node {} is not connected; retry", v.node),
+                    )));
                 }
                 None
             })
@@ -258,20 +264,26 @@ impl ControllerService {
             if required == 0 {
                 size = src.size_bytes; // nothing asked: the source's size
                 if limit > 0 && size > limit {
-                    return Err(CsiError::new(Code::OutOfRange, format!(
-                        "{} holds {} bytes; limit_bytes {limit} is smaller",
-                        source.as_ref().unwrap(),
-                        src.size_bytes
-                    )));
+                    return Err(CsiError::new(
+                        Code::OutOfRange,
+                        format!(
+                            "{} holds {} bytes; limit_bytes {limit} is smaller",
+                            source.as_ref().unwrap(),
+                            src.size_bytes
+                        ),
+                    ));
                 }
             }
             if size < src.size_bytes {
                 if limit > 0 && limit < src.size_bytes {
-                    return Err(CsiError::new(Code::OutOfRange, format!(
-                        "{} holds {} bytes; limit_bytes {limit} is smaller",
-                        source.as_ref().unwrap(),
-                        src.size_bytes
-                    )));
+                    return Err(CsiError::new(
+                        Code::OutOfRange,
+                        format!(
+                            "{} holds {} bytes; limit_bytes {limit} is smaller",
+                            source.as_ref().unwrap(),
+                            src.size_bytes
+                        ),
+                    ));
                 }
                 size = src.size_bytes;
             }
@@ -287,37 +299,53 @@ impl ControllerService {
         let params: BTreeMap<String, String> = r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         let book = self.book.clone();
         let (name, fs2, pl, src2) = (r.name.clone(), fs, placement.clone(), source.clone());
-        let (rec, created) = tokio::task::spawn_blocking(move || book.place(&name, size, fs2, params, &pl, src2.as_ref()))
-            .await
-            .map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
+        let (rec, created) =
+            tokio::task::spawn_blocking(move || book.place(&name, size, fs2, params, &pl, src2.as_ref()))
+                .await
+                .map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
         // Node failures count only from reconciles of a desired set that holds this call's
         // change (a report computed against an older set may still arrive after it).
         let since = self.book.revision_of(&rec.node);
         if !created {
             // Same name: compatible → the same volume; otherwise ALREADY_EXISTS.
             let range_ok = r.capacity_range.as_ref().is_none_or(|c| {
-                rec.size_bytes >= c.required_bytes.max(0) as u64 && (c.limit_bytes <= 0 || rec.size_bytes <= c.limit_bytes as u64)
+                rec.size_bytes >= c.required_bytes.max(0) as u64
+                    && (c.limit_bytes <= 0 || rec.size_bytes <= c.limit_bytes as u64)
             });
             let topo_ok = placement.requisite.is_empty() || placement.requisite.contains(&rec.node);
             if rec.state == VolState::Deleting {
                 return Err(CsiError::new(Code::Aborted, format!("volume {:?} is being deleted; retry", r.name)));
             }
-            let params_ok = rec.parameters == r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<BTreeMap<_, _>>();
+            let params_ok =
+                rec.parameters == r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<BTreeMap<_, _>>();
             let source_ok = match &source {
                 None => rec.source_snapshot.is_empty() && rec.source_volume.is_empty(),
                 Some(ContentSource::Snapshot(s)) => &rec.source_snapshot == s,
                 Some(ContentSource::Volume(v)) => &rec.source_volume == v,
             };
             if !range_ok || rec.fs_type != fs || !topo_ok || !params_ok || !source_ok {
-                return Err(CsiError::new(Code::AlreadyExists, format!(
-                    "volume {:?} exists ({} bytes, fs {:?}, node {}, its own parameters and content source) and does not match this request",
-                    r.name, rec.size_bytes, rec.fs_type, rec.node
-                )));
+                return Err(CsiError::new(
+                    Code::AlreadyExists,
+                    format!(
+                        "volume {:?} exists ({} bytes, fs {:?}, node {}, its own parameters and content source) and does not match this request",
+                        r.name, rec.size_bytes, rec.fs_type, rec.node
+                    ),
+                ));
             }
         }
         match self.await_present(&rec.id, rec.size_bytes, since).await {
             Ok(v) => Ok(csi::CreateVolumeResponse { volume: Some(to_csi(&v)) }),
-            Err(e) if matches!(e.code(), Code::ResourceExhausted | Code::InvalidArgument | Code::AlreadyExists | Code::NotFound | Code::OutOfRange | Code::FailedPrecondition) => {
+            Err(e)
+                if matches!(
+                    e.code(),
+                    Code::ResourceExhausted
+                        | Code::InvalidArgument
+                        | Code::AlreadyExists
+                        | Code::NotFound
+                        | Code::OutOfRange
+                        | Code::FailedPrecondition
+                ) =>
+            {
                 // The node refused for good (its store is full, the id is taken there by
                 // another claim): the record goes (the node deletes only a file carrying
                 // this claim's name), so a retry places the volume anew.
@@ -344,10 +372,13 @@ impl ControllerService {
         let (book, name, src) = (self.book.clone(), r.name.clone(), r.source_volume_id.clone());
         let (rec, _created) = blocking(move || book.place_snapshot(&name, &src, params)).await?;
         if rec.source_volume != r.source_volume_id {
-            return Err(CsiError::new(Code::AlreadyExists, format!(
-                "snapshot {:?} exists and is of volume {}, not {}",
-                r.name, rec.source_volume, r.source_volume_id
-            )));
+            return Err(CsiError::new(
+                Code::AlreadyExists,
+                format!(
+                    "snapshot {:?} exists and is of volume {}, not {}",
+                    r.name, rec.source_volume, r.source_volume_id
+                ),
+            ));
         }
         if rec.state == VolState::Deleting {
             return Err(CsiError::new(Code::Aborted, format!("snapshot {:?} is being deleted; retry", r.name)));
@@ -370,7 +401,10 @@ impl ControllerService {
                     return Some(Ok(v.clone()));
                 }
                 if view.is_none_or(|n| n.connected == 0) {
-                    return Some(Err(CsiError::new(Code::Unavailable, format!("node {} is not connected; retry", v.node))));
+                    return Some(Err(CsiError::new(
+                        Code::Unavailable,
+                        format!("node {} is not connected; retry", v.node),
+                    )));
                 }
                 None
             })
@@ -380,7 +414,16 @@ impl ControllerService {
             Err(e) if e.code() == Code::DeadlineExceeded => {
                 Ok(csi::CreateSnapshotResponse { snapshot: Some(snapshot_to_csi(&rec, false)) })
             }
-            Err(e) if matches!(e.code(), Code::ResourceExhausted | Code::NotFound | Code::AlreadyExists | Code::InvalidArgument | Code::FailedPrecondition) => {
+            Err(e)
+                if matches!(
+                    e.code(),
+                    Code::ResourceExhausted
+                        | Code::NotFound
+                        | Code::AlreadyExists
+                        | Code::InvalidArgument
+                        | Code::FailedPrecondition
+                ) =>
+            {
                 // The node cannot take it (its store is full, the source is gone there, a
                 // raw block volume in use on a store that cannot reflink): the record goes,
                 // so a retry starts over.
@@ -403,7 +446,10 @@ impl ControllerService {
         };
         let connected = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0);
         if !connected {
-            return Err(CsiError::new(Code::Unavailable, format!("node {} holding snapshot {id} is not connected; retry", v.node)));
+            return Err(CsiError::new(
+                Code::Unavailable,
+                format!("node {} holding snapshot {id} is not connected; retry", v.node),
+            ));
         }
         let (book, did) = (self.book.clone(), id.clone());
         blocking(move || book.begin_delete(&did)).await?;
@@ -431,7 +477,11 @@ impl ControllerService {
             .await
     }
 
-    fn snapshot_ready(&self, v: &VolumeRecord, views: &std::collections::HashMap<String, super::volumes::NodeView>) -> bool {
+    fn snapshot_ready(
+        &self,
+        v: &VolumeRecord,
+        views: &std::collections::HashMap<String, super::volumes::NodeView>,
+    ) -> bool {
         v.state == VolState::Ready && held_snapshot(views.get(&v.node), v).is_some()
     }
 
@@ -447,7 +497,9 @@ impl ControllerService {
         let (page, next_token) = page_of(all, r.max_entries, &r.starting_token)?;
         let entries = page
             .iter()
-            .map(|v| csi::list_snapshots_response::Entry { snapshot: Some(snapshot_to_csi(v, self.snapshot_ready(v, &views))) })
+            .map(|v| csi::list_snapshots_response::Entry {
+                snapshot: Some(snapshot_to_csi(v, self.snapshot_ready(v, &views))),
+            })
             .collect();
         Ok(csi::ListSnapshotsResponse { entries, next_token })
     }
@@ -462,10 +514,15 @@ impl ControllerService {
         };
         let connected = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0);
         if !connected {
-            return Err(CsiError::new(Code::Unavailable, format!("node {} holding volume {id} is not connected; retry", v.node)));
+            return Err(CsiError::new(
+                Code::Unavailable,
+                format!("node {} holding volume {id} is not connected; retry", v.node),
+            ));
         }
         let (book, did) = (self.book.clone(), id.clone());
-        tokio::task::spawn_blocking(move || book.begin_delete(&did)).await.map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
+        tokio::task::spawn_blocking(move || book.begin_delete(&did))
+            .await
+            .map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
         let since = self.book.revision_of(&v.node);
         let node = v.node.clone();
         let out = self.await_gone(&id, &node, since).await;
@@ -474,7 +531,10 @@ impl ControllerService {
             Err(e) if e.code() == Code::FailedPrecondition => {
                 let (book, vid) = (self.book.clone(), id.clone());
                 blocking(move || book.cancel_delete(&vid)).await?;
-                Err(CsiError::new(Code::FailedPrecondition, format!("volume {id} is in use on node {}: {}", v.node, e.message())))
+                Err(CsiError::new(
+                    Code::FailedPrecondition,
+                    format!("volume {id} is in use on node {}: {}", v.node, e.message()),
+                ))
             }
             Err(e) => Err(e),
         }
@@ -505,7 +565,10 @@ impl ControllerService {
         // which the resizer takes as final.
         let live = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0 && n.reported);
         if !live {
-            return Err(CsiError::new(Code::Unavailable, format!("node {} holding volume {} is not connected (or has not reported yet); retry", v.node, v.id)));
+            return Err(CsiError::new(
+                Code::Unavailable,
+                format!("node {} holding volume {} is not connected (or has not reported yet); retry", v.node, v.id),
+            ));
         }
         let before = v.size_bytes;
         let book = self.book.clone();
@@ -554,9 +617,7 @@ impl ControllerService {
             .ok_or_else(|| BookError::NotFound(r.volume_id.clone()))?;
         for (i, c) in r.volume_capabilities.iter().enumerate() {
             if c.access_mode.is_none() || c.access_type.is_none() {
-                return Err(invalid(format!(
-                    "volume_capabilities[{i}] needs both access_mode and access_type"
-                )));
+                return Err(invalid(format!("volume_capabilities[{i}] needs both access_mode and access_type")));
             }
         }
         let verdict = check_capabilities(&r.volume_capabilities, None).and_then(|fs| {
@@ -565,7 +626,9 @@ impl ControllerService {
             } else {
                 !v.fs_type.is_raw()
                     && r.volume_capabilities.iter().all(|c| match &c.access_type {
-                        Some(csi::volume_capability::AccessType::Mount(m)) => m.fs_type.is_empty() || m.fs_type == v.fs_type.as_str(),
+                        Some(csi::volume_capability::AccessType::Mount(m)) => {
+                            m.fs_type.is_empty() || m.fs_type == v.fs_type.as_str()
+                        }
                         _ => true,
                     })
             };
@@ -592,9 +655,10 @@ impl ControllerService {
             .iter()
             .map(|v| {
                 let condition = match held(views.get(&v.node), v) {
-                    Some(h) if !h.backing_file_present => {
-                        csi::VolumeCondition { abnormal: true, message: format!("backing file missing on node {}", v.node) }
-                    }
+                    Some(h) if !h.backing_file_present => csi::VolumeCondition {
+                        abnormal: true,
+                        message: format!("backing file missing on node {}", v.node),
+                    },
                     None if views.get(&v.node).is_some_and(|n| n.reported) && v.state == VolState::Ready => {
                         csi::VolumeCondition { abnormal: true, message: format!("node {} does not hold it", v.node) }
                     }
@@ -602,7 +666,10 @@ impl ControllerService {
                 };
                 csi::list_volumes_response::Entry {
                     volume: Some(to_csi(v)),
-                    status: Some(csi::list_volumes_response::VolumeStatus { published_node_ids: vec![], volume_condition: Some(condition) }),
+                    status: Some(csi::list_volumes_response::VolumeStatus {
+                        published_node_ids: vec![],
+                        volume_condition: Some(condition),
+                    }),
                 }
             })
             .collect();
@@ -612,11 +679,17 @@ impl ControllerService {
 
 #[tonic::async_trait]
 impl csi::controller_server::Controller for ControllerService {
-    async fn create_volume(&self, req: Request<csi::CreateVolumeRequest>) -> Result<Response<csi::CreateVolumeResponse>, Status> {
+    async fn create_volume(
+        &self,
+        req: Request<csi::CreateVolumeRequest>,
+    ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
         Ok(Response::new(self.do_create_volume(req.into_inner()).await?))
     }
 
-    async fn delete_volume(&self, req: Request<csi::DeleteVolumeRequest>) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
+    async fn delete_volume(
+        &self,
+        req: Request<csi::DeleteVolumeRequest>,
+    ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
         Ok(Response::new(self.do_delete_volume(req.into_inner()).await?))
     }
 
@@ -634,13 +707,21 @@ impl csi::controller_server::Controller for ControllerService {
         Ok(Response::new(self.do_validate_volume_capabilities(req.into_inner()).await?))
     }
 
-    async fn list_volumes(&self, req: Request<csi::ListVolumesRequest>) -> Result<Response<csi::ListVolumesResponse>, Status> {
+    async fn list_volumes(
+        &self,
+        req: Request<csi::ListVolumesRequest>,
+    ) -> Result<Response<csi::ListVolumesResponse>, Status> {
         Ok(Response::new(self.do_list_volumes(req.into_inner()).await?))
     }
 
-    async fn get_capacity(&self, req: Request<csi::GetCapacityRequest>) -> Result<Response<csi::GetCapacityResponse>, Status> {
+    async fn get_capacity(
+        &self,
+        req: Request<csi::GetCapacityRequest>,
+    ) -> Result<Response<csi::GetCapacityResponse>, Status> {
         let r = req.into_inner();
-        if !r.volume_capabilities.is_empty() && check_capabilities(&r.volume_capabilities, fs_parameter(&r.parameters)).is_err() {
+        if !r.volume_capabilities.is_empty()
+            && check_capabilities(&r.volume_capabilities, fs_parameter(&r.parameters)).is_err()
+        {
             // Capabilities no volume here can have (multi-node modes, other filesystems):
             // there is no capacity for them.
             return Ok(Response::new(csi::GetCapacityResponse {
@@ -695,16 +776,28 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
         unimplemented("ControllerUnpublishVolume")
     }
-    async fn create_snapshot(&self, req: Request<csi::CreateSnapshotRequest>) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
+    async fn create_snapshot(
+        &self,
+        req: Request<csi::CreateSnapshotRequest>,
+    ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
         Ok(Response::new(self.do_create_snapshot(req.into_inner()).await?))
     }
-    async fn delete_snapshot(&self, req: Request<csi::DeleteSnapshotRequest>) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
+    async fn delete_snapshot(
+        &self,
+        req: Request<csi::DeleteSnapshotRequest>,
+    ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
         Ok(Response::new(self.do_delete_snapshot(req.into_inner()).await?))
     }
-    async fn list_snapshots(&self, req: Request<csi::ListSnapshotsRequest>) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
+    async fn list_snapshots(
+        &self,
+        req: Request<csi::ListSnapshotsRequest>,
+    ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
         Ok(Response::new(self.do_list_snapshots(req.into_inner()).await?))
     }
-    async fn get_snapshot(&self, req: Request<csi::GetSnapshotRequest>) -> Result<Response<csi::GetSnapshotResponse>, Status> {
+    async fn get_snapshot(
+        &self,
+        req: Request<csi::GetSnapshotRequest>,
+    ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
         let r = req.into_inner();
         if r.snapshot_id.is_empty() {
             return Err(invalid("snapshot_id is required").into());
@@ -741,11 +834,14 @@ fn page_of(
     if max_entries < 0 {
         return Err(invalid("max_entries must not be negative"));
     }
-    let after = if starting_token.is_empty() {
-        None
-    } else {
-        Some(decode_token(starting_token).ok_or_else(|| CsiError::new(Code::Aborted, format!("starting_token {starting_token:?} is not valid")))?)
-    };
+    let after =
+        if starting_token.is_empty() {
+            None
+        } else {
+            Some(decode_token(starting_token).ok_or_else(|| {
+                CsiError::new(Code::Aborted, format!("starting_token {starting_token:?} is not valid"))
+            })?)
+        };
     let mut all: Vec<VolumeRecord> = records
         .into_iter()
         .filter(|v| v.state != VolState::Deleting)
@@ -772,7 +868,9 @@ fn decode_token(t: &str) -> Option<String> {
 
 /// Run a volume book change off the async workers (the backend commits synchronously).
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, BookError> + Send + 'static) -> Result<T, CsiError> {
-    Ok(tokio::task::spawn_blocking(f).await.map_err(|e| CsiError::new(Code::Internal, format!("volume book task: {e}")))??)
+    Ok(tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| CsiError::new(Code::Internal, format!("volume book task: {e}")))??)
 }
 
 #[cfg(test)]
@@ -781,12 +879,17 @@ mod tests {
 
     #[test]
     fn sizes_follow_the_capacity_range() {
-        let x = |req: i64, lim: i64| size_for_fs(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }), FsType::Xfs);
+        let x = |req: i64, lim: i64| {
+            size_for_fs(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }), FsType::Xfs)
+        };
         assert_eq!(x(64 << 20, 0).unwrap(), XFS_MIN_SIZE, "small xfs volumes are raised to the minimum");
         assert_eq!(x(400 << 20, 0).unwrap(), 400 << 20);
         assert_eq!(x(0, 0).unwrap(), XFS_MIN_SIZE.max(DEFAULT_SIZE));
         assert_eq!(x(1 << 20, 64 << 20).unwrap_err().code(), Code::OutOfRange, "a limit below the minimum");
-        assert_eq!(size_for_fs(Some(&csi::CapacityRange { required_bytes: 1 << 20, limit_bytes: 0 }), FsType::Ext4).unwrap(), 1 << 20);
+        assert_eq!(
+            size_for_fs(Some(&csi::CapacityRange { required_bytes: 1 << 20, limit_bytes: 0 }), FsType::Ext4).unwrap(),
+            1 << 20
+        );
         let r = |req: i64, lim: i64| size_for(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }));
         assert_eq!(size_for(None).unwrap(), DEFAULT_SIZE);
         assert_eq!(r(1, 0).unwrap(), MIB);

@@ -69,20 +69,29 @@ fn dns_label(s: &str) -> bool {
 /// A C identifier of at most 32 characters (an attribute or capacity name without domain).
 fn c_identifier(s: &str) -> bool {
     let b = s.as_bytes();
-    !b.is_empty() && b.len() <= 32 && (b[0].is_ascii_alphabetic() || b[0] == b'_') && b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'_')
+    !b.is_empty()
+        && b.len() <= 32
+        && (b[0].is_ascii_alphabetic() || b[0] == b'_')
+        && b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'_')
 }
 
 /// A semantic version (semver 2.0.0): MAJOR.MINOR.PATCH, optional -pre-release and +build.
 fn semver(s: &str) -> bool {
     let (core, rest) = s.split_at(s.find(['-', '+']).unwrap_or(s.len()));
     let nums: Vec<&str> = core.split('.').collect();
-    let num_ok = |n: &&str| !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()) && (n.len() == 1 || !n.starts_with('0'));
-    let ident_ok = |p: &str| p.split('.').all(|i| !i.is_empty() && i.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-'));
+    let num_ok =
+        |n: &&str| !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()) && (n.len() == 1 || !n.starts_with('0'));
+    let ident_ok =
+        |p: &str| p.split('.').all(|i| !i.is_empty() && i.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-'));
     let (pre, build) = match rest.strip_prefix('-') {
         Some(r) => r.split_once('+').map_or((Some(r), None), |(p, b)| (Some(p), Some(b))),
         None => (None, rest.strip_prefix('+')),
     };
-    nums.len() == 3 && nums.iter().all(num_ok) && pre.is_none_or(ident_ok) && build.is_none_or(ident_ok) && (rest.is_empty() || pre.is_some() || build.is_some())
+    nums.len() == 3
+        && nums.iter().all(num_ok)
+        && pre.is_none_or(ident_ok)
+        && build.is_none_or(ident_ok)
+        && (rest.is_empty() || pre.is_some() || build.is_some())
 }
 
 /// An integer quantity in the API server's canonical form (`512000` → `512k`), so what is
@@ -126,11 +135,16 @@ pub fn check_report(r: &pb::ReportDevicesRequest) -> Result<(), String> {
         }
         for (k, v) in &d.attributes {
             if !c_identifier(k) {
-                return Err(format!("device {:?}: attribute name {k:?} is not a C identifier of at most 32 characters", d.name));
+                return Err(format!(
+                    "device {:?}: attribute name {k:?} is not a C identifier of at most 32 characters",
+                    d.name
+                ));
             }
             match &v.value {
                 None => return Err(format!("device {:?}: attribute {k:?} has no value", d.name)),
-                Some(pb::device_attribute::Value::String(s) | pb::device_attribute::Value::Version(s)) if s.len() > 64 => {
+                Some(pb::device_attribute::Value::String(s) | pb::device_attribute::Value::Version(s))
+                    if s.len() > 64 =>
+                {
                     return Err(format!("device {:?}: attribute {k:?} is longer than 64 characters", d.name));
                 }
                 Some(pb::device_attribute::Value::Version(v)) if !semver(v) => {
@@ -141,7 +155,10 @@ pub fn check_report(r: &pb::ReportDevicesRequest) -> Result<(), String> {
         }
         for (k, v) in &d.capacity {
             if !c_identifier(k) {
-                return Err(format!("device {:?}: capacity name {k:?} is not a C identifier of at most 32 characters", d.name));
+                return Err(format!(
+                    "device {:?}: capacity name {k:?} is not a C identifier of at most 32 characters",
+                    d.name
+                ));
             }
             if !quantity(v) {
                 return Err(format!("device {:?}: capacity {k:?} = {v:?} is not a quantity", d.name));
@@ -297,7 +314,9 @@ fn pools_of(list: Vec<Value>) -> BTreeMap<String, Pool> {
         if s.pointer("/spec/driver").and_then(Value::as_str) != Some(DRIVER_NAME) {
             continue;
         }
-        let (Some(node), Some(name)) = (s.pointer("/spec/nodeName").and_then(Value::as_str), name_of(&s)) else { continue };
+        let (Some(node), Some(name)) = (s.pointer("/spec/nodeName").and_then(Value::as_str), name_of(&s)) else {
+            continue;
+        };
         let p = pools.entry(node.to_string()).or_default();
         p.generation = p.generation.max(s.pointer("/spec/pool/generation").and_then(Value::as_i64).unwrap_or(0));
         p.slices.insert(name.to_string(), (rv_of(&s), s.get("spec").cloned().unwrap_or(Value::Null)));
@@ -314,11 +333,18 @@ pub struct Publisher {
 
 impl Publisher {
     /// Make `node`'s pool what `devices` says. `Err`: the cache may be stale (relist).
-    async fn sync_node(&self, pools: &mut BTreeMap<String, Pool>, node: &str, devices: &[pb::DraDevice]) -> Result<(), String> {
+    async fn sync_node(
+        &self,
+        pools: &mut BTreeMap<String, Pool>,
+        node: &str,
+        devices: &[pb::DraDevice],
+    ) -> Result<(), String> {
         let current = pools.get(node).cloned().unwrap_or_default();
         let same = desired_slices(node, devices, current.generation);
         let unchanged = same.len() == current.slices.len()
-            && same.iter().all(|d| current.slices.get(name_of(d).unwrap_or_default()).is_some_and(|(_, spec)| Some(spec) == d.get("spec")));
+            && same.iter().all(|d| {
+                current.slices.get(name_of(d).unwrap_or_default()).is_some_and(|(_, spec)| Some(spec) == d.get("spec"))
+            });
         if unchanged {
             return Ok(());
         }
@@ -348,7 +374,13 @@ impl Publisher {
                 return Err(format!("deleting ResourceSlice {name}: {e}"));
             }
         }
-        tracing::info!(node, devices = devices.len(), slices = next.slices.len(), generation, "ResourceSlice pool published");
+        tracing::info!(
+            node,
+            devices = devices.len(),
+            slices = next.slices.len(),
+            generation,
+            "ResourceSlice pool published"
+        );
         if next.slices.is_empty() {
             pools.remove(node);
         } else {
@@ -495,7 +527,10 @@ impl SliceSink for DirSink {
             if p.extension().and_then(|x| x.to_str()) != Some("json") {
                 continue;
             }
-            match std::fs::read(&p).map_err(|e| e.to_string()).and_then(|b| serde_json::from_slice::<Value>(&b).map_err(|e| e.to_string())) {
+            match std::fs::read(&p)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<Value>(&b).map_err(|e| e.to_string()))
+            {
                 Ok(v) => out.push(v),
                 Err(e) => tracing::warn!(file = %p.display(), error = %e, "unreadable ResourceSlice file; ignored"),
             }
@@ -532,7 +567,9 @@ pub trait ClaimSource: Send + Sync + 'static {
 /// for every such case (missing, another UID, not allocated, allocated elsewhere), so that a
 /// node learns nothing about claims that are not its own (the controller logs which it was).
 pub fn claim_not_found(namespace: &str, name: &str, uid: &str, node: &str) -> Status {
-    Status::not_found(format!("ResourceClaim {namespace}/{name} ({uid}) has no allocation of {DRIVER_NAME} on node {node:?}"))
+    Status::not_found(format!(
+        "ResourceClaim {namespace}/{name} ({uid}) has no allocation of {DRIVER_NAME} on node {node:?}"
+    ))
 }
 
 /// The allocation results of `claim` for `node`'s pool of this driver, or why there are
@@ -549,7 +586,12 @@ pub fn claim_results(claim: &Value, uid: &str, node: &str) -> Result<Vec<pb::Cla
     let mine: Vec<pb::ClaimResult> = results
         .iter()
         .filter(|r| field(r, "driver") == DRIVER_NAME && field(r, "pool") == node)
-        .map(|r| pb::ClaimResult { request: field(r, "request"), driver: field(r, "driver"), pool: field(r, "pool"), device: field(r, "device") })
+        .map(|r| pb::ClaimResult {
+            request: field(r, "request"),
+            driver: field(r, "driver"),
+            pool: field(r, "pool"),
+            device: field(r, "device"),
+        })
         .collect();
     if mine.is_empty() {
         return Err(format!("the claim allocates no device of {DRIVER_NAME} on this node"));
@@ -578,7 +620,11 @@ mod tests {
     fn dev(name: &str) -> pb::DraDevice {
         pb::DraDevice {
             name: name.into(),
-            attributes: [("numaNode".to_string(), pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Int(0)) })].into(),
+            attributes: [(
+                "numaNode".to_string(),
+                pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Int(0)) },
+            )]
+            .into(),
             capacity: [("size".to_string(), "1Gi".to_string())].into(),
         }
     }
@@ -595,7 +641,10 @@ mod tests {
             assert_eq!(x["spec"]["nodeName"], "node-a");
             assert_eq!(x["spec"]["driver"], DRIVER_NAME);
         }
-        assert_eq!(s[0]["spec"]["devices"][0], json!({"name": "d-000", "attributes": {"numaNode": {"int": 0}}, "capacity": {"size": {"value": "1Gi"}}}));
+        assert_eq!(
+            s[0]["spec"]["devices"][0],
+            json!({"name": "d-000", "attributes": {"numaNode": {"int": 0}}, "capacity": {"size": {"value": "1Gi"}}})
+        );
         assert!(desired_slices("n", &[], 1).is_empty());
     }
 
@@ -626,7 +675,12 @@ mod tests {
 
     #[test]
     fn reports_are_checked() {
-        let ok = pb::ReportDevicesRequest { node_name: "n".into(), driver: DRIVER_NAME.into(), devices: vec![dev("a"), dev("b")], epoch: 1 };
+        let ok = pb::ReportDevicesRequest {
+            node_name: "n".into(),
+            driver: DRIVER_NAME.into(),
+            devices: vec![dev("a"), dev("b")],
+            epoch: 1,
+        };
         assert!(check_report(&ok).is_ok());
         let mut bad = ok.clone();
         bad.driver = "other.dev".into();
@@ -641,7 +695,9 @@ mod tests {
         bad.devices[0].capacity.insert("size".into(), "lots".into());
         assert!(check_report(&bad).unwrap_err().contains("quantity"));
         let mut bad = ok;
-        bad.devices[0].attributes.insert("9bad".into(), pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Bool(true)) });
+        bad.devices[0]
+            .attributes
+            .insert("9bad".into(), pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Bool(true)) });
         assert!(check_report(&bad).unwrap_err().contains("C identifier"));
     }
 

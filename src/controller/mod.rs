@@ -57,10 +57,14 @@ async fn termination() {
 
 /// The token authority: its keys from the file, or (Kubernetes mode) from the Secret, made
 /// once if missing.
-pub async fn token_authority(cfg: &Config, client: Option<&::kube::Client>) -> Result<auth::Authority, ControllerError> {
+pub async fn token_authority(
+    cfg: &Config,
+    client: Option<&::kube::Client>,
+) -> Result<auth::Authority, ControllerError> {
     match &cfg.token_secret {
         config::TokenSecret::File(path) => {
-            let secret = auth::load_or_create_secret(path).map_err(io_ctx(format!("token secret {}", path.display())))?;
+            let secret =
+                auth::load_or_create_secret(path).map_err(io_ctx(format!("token secret {}", path.display())))?;
             Ok(auth::Authority::new(secret))
         }
         config::TokenSecret::Kubernetes { namespace, name } => {
@@ -92,7 +96,9 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     // Bound first so a bad or taken address fails the start; served once the serving
     // certificate is loaded (the endpoint is TLS whenever the agent API is).
     let health_listener = match cfg.health_address {
-        Some(addr) => Some(crate::obs::health::bind(&addr.to_string()).map_err(io_ctx(format!("binding health address {addr}")))?),
+        Some(addr) => Some(
+            crate::obs::health::bind(&addr.to_string()).map_err(io_ctx(format!("binding health address {addr}")))?,
+        ),
         None => None,
     };
     {
@@ -158,11 +164,17 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
             let fence = el.fence();
             elector = Some(el);
             let kcfg = kube::config().await.map_err(ControllerError::Kube)?;
-            Arc::new(tokio::task::spawn_blocking(move || kube::state::KubeBackend::new(kcfg, Some(fence))).await.map_err(|e| ControllerError::Kube(e.to_string()))?.map_err(|e| ControllerError::Kube(e.to_string()))?)
+            Arc::new(
+                tokio::task::spawn_blocking(move || kube::state::KubeBackend::new(kcfg, Some(fence)))
+                    .await
+                    .map_err(|e| ControllerError::Kube(e.to_string()))?
+                    .map_err(|e| ControllerError::Kube(e.to_string()))?,
+            )
         }
         _ => {
             leading.set(true, "embedded store: a single controller");
-            backend::RedbBackend::open(&cfg.data_dir.join("registry.redb")).map_err(|e| ControllerError::Registry(store::RegistryError::Storage(e)))?
+            backend::RedbBackend::open(&cfg.data_dir.join("registry.redb"))
+                .map_err(|e| ControllerError::Registry(store::RegistryError::Storage(e)))?
         }
     };
     // Renew the lease in the background; losing it stops everything at once.
@@ -172,7 +184,12 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         let stop_tx = stop_tx.clone();
         let leading = leading.clone();
         tokio::spawn(async move {
-            if let Some(why) = el.keep(async { let _ = release_rx.await; }).await {
+            if let Some(why) = el
+                .keep(async {
+                    let _ = release_rx.await;
+                })
+                .await
+            {
                 tracing::error!(reason = %why, "leadership lost: stopping");
                 leading.set(false, format!("leadership lost: {why}"));
                 let _ = lost_tx.send(Some(why));
@@ -208,17 +225,23 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     // DRA: the nodes' devices as ResourceSlices (the API in a cluster, files locally).
     let devices = Arc::new(dra::DeviceBook::default());
     let (sink, claims): (Arc<dyn dra::SliceSink>, Option<Arc<dyn dra::ClaimSource>>) = match &client {
-        Some(c) if cfg.uses_kubernetes() => (Arc::new(kube::slices::KubeSlices::new(c.clone())), Some(Arc::new(kube::slices::KubeClaims::new(c.clone())))),
+        Some(c) if cfg.uses_kubernetes() => (
+            Arc::new(kube::slices::KubeSlices::new(c.clone())),
+            Some(Arc::new(kube::slices::KubeClaims::new(c.clone()))),
+        ),
         _ => (Arc::new(dra::DirSink::new(cfg.data_dir.join("resourceslices"))), None),
     };
-    let publisher = tokio::spawn(dra::Publisher { book: devices.clone(), registry: registry.clone(), sink }.run(stopping.clone()));
+    let publisher =
+        tokio::spawn(dra::Publisher { book: devices.clone(), registry: registry.clone(), sink }.run(stopping.clone()));
     // NetworkPolicy: objects from the API in a cluster, applied with `nodeplane policy` here.
     let local_policy = !cfg.uses_kubernetes();
     let policy_book = policy::PolicyBook::new(local_policy.then(|| cfg.data_dir.join("policy-objects.json")))
         .map_err(ControllerError::Policy)?;
     metrics.registry.register_histogram(policy_book.compile_seconds.clone());
     let policy_follower = match &client {
-        Some(c) if !local_policy => Some(tokio::spawn(kube::policy::follow(c.clone(), policy_book.clone(), stopping.clone()))),
+        Some(c) if !local_policy => {
+            Some(tokio::spawn(kube::policy::follow(c.clone(), policy_book.clone(), stopping.clone())))
+        }
         _ => None,
     };
     let authority = Arc::new(authority);
@@ -240,10 +263,13 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         let _ = s.wait_for(|v| *v).await;
     };
     // CSI Identity + Controller for the sidecars, on their own Unix socket (0600).
-    let csi_listener = crate::sys::fs::bind_unix_socket(&cfg.csi_socket).map_err(io_ctx(format!("binding {}", cfg.csi_socket.display())))?;
+    let csi_listener = crate::sys::fs::bind_unix_socket(&cfg.csi_socket)
+        .map_err(io_ctx(format!("binding {}", cfg.csi_socket.display())))?;
     let csi_server = tonic::transport::Server::builder()
         .layer(crate::rpc::response_layer())
-        .add_service(crate::rpc::csi::identity_server::IdentityServer::new(crate::storage::csi::Identity { node: None }))
+        .add_service(crate::rpc::csi::identity_server::IdentityServer::new(crate::storage::csi::Identity {
+            node: None,
+        }))
         .add_service(crate::rpc::csi::controller_server::ControllerServer::new(csi::ControllerService {
             book: book.clone(),
             op_timeout: cfg.volume_op_timeout,
@@ -257,7 +283,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         .add_service(crate::rpc::controller::network_policies_server::NetworkPoliciesServer::new(policy_svc));
     let served = match &cfg.listen {
         Listen::Unix(path) => {
-            let listener = crate::sys::fs::bind_unix_socket(path).map_err(io_ctx(format!("binding {}", path.display())))?;
+            let listener =
+                crate::sys::fs::bind_unix_socket(path).map_err(io_ctx(format!("binding {}", path.display())))?;
             tracing::info!(socket = %path.display(), "ready");
             serving.set(true, format!("serving on {}", path.display()));
             let incoming = crate::rpc::authority::incoming(listener);
@@ -324,4 +351,3 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     }
     Ok(())
 }
-

@@ -9,10 +9,10 @@ use tonic::{Request, Response, Status};
 use super::auth::{Authority, Identity};
 use super::config::Config;
 use super::records::NodeRecord;
-use crate::util::Family;
 use super::store::{Change, Registry, RegistryError, Snapshot, Start};
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_server::NodeRegistry;
+use crate::util::Family;
 
 pub struct Service {
     pub registry: Arc<Registry>,
@@ -103,7 +103,9 @@ impl Service {
             Some(certs) if !certs.is_empty() => {
                 let node = crate::rpc::tls::node_of_certificate(&certs[0]).map_err(Status::unauthenticated)?;
                 if !crate::controller::records::valid_node_name(&node) {
-                    return Err(Status::unauthenticated(format!("the client certificate names {node:?}, which is not a valid node name")));
+                    return Err(Status::unauthenticated(format!(
+                        "the client certificate names {node:?}, which is not a valid node name"
+                    )));
                 }
                 Some(node)
             }

@@ -33,7 +33,6 @@ pub enum RegistryError {
     Storage(#[from] BackendError),
 }
 
-
 /// The owner recorded for a block the backend keeps out of use (not a valid node name).
 const RESERVED: &str = "(reserved)";
 
@@ -106,7 +105,6 @@ pub struct Registry {
     admission: Mutex<Option<Admission>>,
 }
 
-
 fn valid_mac(mac: &str) -> bool {
     mac.is_empty() || (mac.len() == 17 && mac.split(':').all(|p| p.len() == 2 && u8::from_str_radix(p, 16).is_ok()))
 }
@@ -123,9 +121,14 @@ impl Registry {
         let mut owner = HashMap::new();
         for rec in records {
             for b in &rec.blocks {
-                let net: IpNetwork = b.parse().map_err(|_| BackendError::Corrupt(format!("node {}: bad block {b}", rec.name)))?;
+                let net: IpNetwork =
+                    b.parse().map_err(|_| BackendError::Corrupt(format!("node {}: bad block {b}", rec.name)))?;
                 if let Some(prev) = owner.insert(net, rec.name.clone()) {
-                    return Err(BackendError::Corrupt(format!("block {net} is recorded for both {prev} and {}", rec.name)).into());
+                    return Err(BackendError::Corrupt(format!(
+                        "block {net} is recorded for both {prev} and {}",
+                        rec.name
+                    ))
+                    .into());
                 }
             }
             nodes.insert(rec.name.clone(), rec);
@@ -174,7 +177,8 @@ impl Registry {
         let rx = self.changes.subscribe();
         let held = epoch == self.epoch
             && since > 0
-            && (since == st.revision || (since < st.revision && st.history.front().is_some_and(|c| c.revision <= since + 1)));
+            && (since == st.revision
+                || (since < st.revision && st.history.front().is_some_and(|c| c.revision <= since + 1)));
         let start = if held {
             Start::Changes(st.history.iter().filter(|c| c.revision > since).cloned().collect())
         } else {

@@ -28,8 +28,6 @@ use super::records::{RecordKind, VolState, VolumeRecord};
 use crate::rpc::controller as pb;
 use crate::storage::fs::FsType;
 
-
-
 /// What one node told the controller last.
 #[derive(Debug, Default, Clone)]
 pub struct NodeView {
@@ -132,7 +130,9 @@ pub enum BookError {
     #[error("{0} is not ready yet; retry")]
     SourceNotReady(String),
     /// A content source lives on one node only, which the request's topology excludes.
-    #[error("{what} lives on node {node}, which the requisite topology {requisite:?} excludes: a volume made from it can only be on that node")]
+    #[error(
+        "{what} lives on node {node}, which the requisite topology {requisite:?} excludes: a volume made from it can only be on that node"
+    )]
     SourceOutside { what: String, node: String, requisite: Vec<String> },
     /// A volume is still being made from this one (or this snapshot).
     #[error("volume {copy} is still being made from {id}; retry when it is")]
@@ -371,13 +371,17 @@ impl VolumeBook {
             let held = match v.kind {
                 RecordKind::Volume => r.volumes.iter().find(|h| h.id == v.id && h.name == v.name).map(|h| h.size_bytes),
                 RecordKind::Snapshot => {
-                    let h = r.snapshots.iter().find(|h| h.id == v.id && h.name == v.name && h.source_volume_id == v.source_volume);
+                    let h = r
+                        .snapshots
+                        .iter()
+                        .find(|h| h.id == v.id && h.name == v.name && h.source_volume_id == v.source_volume);
                     if let Some(h) = h
                         && v.state == VolState::Creating
                     {
                         // Complete on the node: ready, with the size and time the node cut it at.
                         let created_at = u64::try_from(h.created_at).unwrap_or(v.created_at);
-                        let ready = VolumeRecord { state: VolState::Ready, size_bytes: h.size_bytes, created_at, ..v.clone() };
+                        let ready =
+                            VolumeRecord { state: VolState::Ready, size_bytes: h.size_bytes, created_at, ..v.clone() };
                         changes.push((v.id.clone(), Some(ready)));
                         continue;
                     }
@@ -464,10 +468,7 @@ impl VolumeBook {
         let mine: Vec<&VolumeRecord> = st.records_on(node).collect();
         let used: u64 = mine.iter().map(|v| v.size_bytes).sum();
         // Placed but not (fully) on the node yet: the node's own figure does not count it.
-        let pending: u64 = mine
-            .iter()
-            .map(|v| v.size_bytes.saturating_sub(held_bytes(Some(view), v)))
-            .sum();
+        let pending: u64 = mine.iter().map(|v| v.size_bytes.saturating_sub(held_bytes(Some(view), v))).sum();
         view.capacity_bytes.saturating_sub(used).min(view.available_bytes.saturating_sub(pending))
     }
 
@@ -533,7 +534,10 @@ impl VolumeBook {
                 });
             }
             if !live.contains(&s.node) {
-                return Err(BookError::Store(BackendError::Unavailable(format!("node {} holding {src} is not connected", s.node))));
+                return Err(BookError::Store(BackendError::Unavailable(format!(
+                    "node {} holding {src} is not connected",
+                    s.node
+                ))));
             }
             candidates = vec![s.node.clone()];
             match src {
@@ -542,19 +546,22 @@ impl VolumeBook {
             }
         }
         let fits = |n: &String| Self::free(&st, n) >= size;
-        let chosen = placement
-            .preferred
-            .iter()
-            .find(|p| candidates.contains(p) && fits(p))
-            .cloned()
-            .or_else(|| {
-                candidates.iter().filter(|n| fits(n)).max_by_key(|n| (Self::free(&st, n), std::cmp::Reverse((*n).clone()))).cloned()
-            });
+        let chosen = placement.preferred.iter().find(|p| candidates.contains(p) && fits(p)).cloned().or_else(|| {
+            candidates
+                .iter()
+                .filter(|n| fits(n))
+                .max_by_key(|n| (Self::free(&st, n), std::cmp::Reverse((*n).clone())))
+                .cloned()
+        });
         let Some(node) = chosen else {
             let detail: Vec<String> = candidates.iter().map(|n| format!("{n}: {} free", Self::free(&st, n))).collect();
             return Err(BookError::NoRoom {
                 size,
-                within: if placement.requisite.is_empty() { String::new() } else { format!(" within {:?}", placement.requisite) },
+                within: if placement.requisite.is_empty() {
+                    String::new()
+                } else {
+                    format!(" within {:?}", placement.requisite)
+                },
                 candidates: if detail.is_empty() { "none connected".to_string() } else { detail.join(", ") },
             });
         };
@@ -582,7 +589,11 @@ impl VolumeBook {
             ContentSource::Snapshot(i) => (RecordKind::Snapshot, i, BookError::SnapshotNotFound),
             ContentSource::Volume(i) => (RecordKind::Volume, i, BookError::NotFound),
         };
-        let s = st.vols.get(id).filter(|v| v.kind == kind && v.state != VolState::Deleting).ok_or_else(|| missing(id.to_string()))?;
+        let s = st
+            .vols
+            .get(id)
+            .filter(|v| v.kind == kind && v.state != VolState::Deleting)
+            .ok_or_else(|| missing(id.to_string()))?;
         if s.state != VolState::Ready {
             return Err(BookError::SourceNotReady(src.to_string()));
         }
@@ -598,7 +609,12 @@ impl VolumeBook {
     /// Record snapshot `name` of volume `source` on the volume's node, or return the existing
     /// snapshot of that name (the caller checks it is of the same source). `Ok((record,
     /// true))` when it was recorded now.
-    pub fn place_snapshot(&self, name: &str, source: &str, parameters: BTreeMap<String, String>) -> Result<(VolumeRecord, bool), BookError> {
+    pub fn place_snapshot(
+        &self,
+        name: &str,
+        source: &str,
+        parameters: BTreeMap<String, String>,
+    ) -> Result<(VolumeRecord, bool), BookError> {
         let mut st = self.st.lock().unwrap();
         if let Some(id) = st.by_name.get(&(RecordKind::Snapshot, name.to_string())) {
             return Ok((st.vols[id].clone(), false));
@@ -617,7 +633,10 @@ impl VolumeBook {
             return Err(BookError::IdTaken { id, name: name.to_string(), other: other.name.clone() });
         }
         if !Self::live_nodes(&st).contains(&v.node) {
-            return Err(BookError::Store(BackendError::Unavailable(format!("node {} holding volume {source} is not connected", v.node))));
+            return Err(BookError::Store(BackendError::Unavailable(format!(
+                "node {} holding volume {source} is not connected",
+                v.node
+            ))));
         }
         let free = Self::free(&st, &v.node);
         if free < v.size_bytes {
@@ -645,15 +664,16 @@ impl VolumeBook {
         Ok((rec, true))
     }
 
-
-
     /// Mark a volume or snapshot for deletion (durably). `None`: no such record. Refused
     /// while a volume is still being made from it.
     pub fn begin_delete(&self, id: &str) -> Result<Option<VolumeRecord>, BookError> {
         let mut st = self.st.lock().unwrap();
         let Some(v) = st.vols.get(id).cloned() else { return Ok(None) };
         if let Some(copy) = st.vols.values().find(|c| {
-            c.kind == RecordKind::Volume && c.state == VolState::Creating && c.id != id && (c.source_snapshot == id || c.source_volume == id)
+            c.kind == RecordKind::Volume
+                && c.state == VolState::Creating
+                && c.id != id
+                && (c.source_snapshot == id || c.source_volume == id)
         }) {
             return Err(BookError::SourceInUse { id: id.to_string(), copy: copy.id.clone() });
         }
@@ -726,7 +746,11 @@ impl VolumeBook {
     pub async fn wait<T, E: From<BookError>>(
         &self,
         timeout: Duration,
-        mut check: impl FnMut(&VolumeBook, &HashMap<String, NodeView>, &BTreeMap<String, VolumeRecord>) -> Option<Result<T, E>>,
+        mut check: impl FnMut(
+            &VolumeBook,
+            &HashMap<String, NodeView>,
+            &BTreeMap<String, VolumeRecord>,
+        ) -> Option<Result<T, E>>,
     ) -> Result<T, E> {
         let mut rx = self.events_tx.subscribe();
         let deadline = tokio::time::Instant::now() + timeout;
@@ -821,7 +845,10 @@ pub fn held<'a>(view: Option<&'a NodeView>, v: &VolumeRecord) -> Option<&'a pb::
 
 /// The complete snapshot `view` says its node holds for snapshot record `v`.
 pub fn held_snapshot<'a>(view: Option<&'a NodeView>, v: &VolumeRecord) -> Option<&'a pb::SnapshotState> {
-    view?.snapshots.get(&v.id).filter(|h| h.name == v.name && h.source_volume_id == v.source_volume && v.kind == RecordKind::Snapshot)
+    view?
+        .snapshots
+        .get(&v.id)
+        .filter(|h| h.name == v.name && h.source_volume_id == v.source_volume && v.kind == RecordKind::Snapshot)
 }
 
 /// Bytes of record `v` the node already holds (and so counts in its own available figure).
@@ -842,7 +869,6 @@ pub fn failure_since(view: Option<&NodeView>, id: &str, since: u64) -> Option<Bo
     Some(BookError::Node { code: Code::from_i32(*code), message: msg.clone() })
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -854,7 +880,11 @@ mod tests {
             (store, Code::Unavailable, "controller store: the Kubernetes API did not answer within 30s"),
             (BookError::NotFound("pvc-1".into()), Code::NotFound, "volume pvc-1 does not exist"),
             (BookError::BeingDeleted("pvc-1".into()), Code::NotFound, "volume pvc-1 is being deleted"),
-            (BookError::Node { code: Code::FailedPrecondition, message: "in use".into() }, Code::FailedPrecondition, "node: in use"),
+            (
+                BookError::Node { code: Code::FailedPrecondition, message: "in use".into() },
+                Code::FailedPrecondition,
+                "node: in use",
+            ),
             (BookError::NotYet, Code::DeadlineExceeded, "the node has not finished the operation yet; retry"),
             (BookError::ShuttingDown, Code::Unavailable, "controller shutting down"),
         ];
@@ -920,16 +950,25 @@ mod tests {
         assert_eq!(b.place("c", 80, FsType::Ext4, Default::default(), &p, None).unwrap().0.node, "n2");
         // Requisite restricts; impossible → RESOURCE_EXHAUSTED.
         let only1 = Placement { requisite: vec!["n1".into()], preferred: vec![] };
-        assert_eq!(b.place("d", 60, FsType::Ext4, Default::default(), &only1, None).unwrap_err().code(), Code::ResourceExhausted);
+        assert_eq!(
+            b.place("d", 60, FsType::Ext4, Default::default(), &only1, None).unwrap_err().code(),
+            Code::ResourceExhausted
+        );
         let ghost = Placement { requisite: vec!["n9".into()], preferred: vec![] };
-        assert_eq!(b.place("e", 1, FsType::Ext4, Default::default(), &ghost, None).unwrap_err().code(), Code::ResourceExhausted);
+        assert_eq!(
+            b.place("e", 1, FsType::Ext4, Default::default(), &ghost, None).unwrap_err().code(),
+            Code::ResourceExhausted
+        );
         // Same name again: the existing record.
         let (again, new) = b.place("a", 50, FsType::Ext4, Default::default(), &Placement::default(), None).unwrap();
         assert!(!new);
         assert_eq!(again, v);
         // A disconnected node takes nothing.
         drop(_g1);
-        assert_eq!(b.place("f", 1, FsType::Ext4, Default::default(), &only1, None).unwrap_err().code(), Code::ResourceExhausted);
+        assert_eq!(
+            b.place("f", 1, FsType::Ext4, Default::default(), &only1, None).unwrap_err().code(),
+            Code::ResourceExhausted
+        );
     }
 
     #[test]
@@ -981,7 +1020,10 @@ mod tests {
         assert_eq!(b.place_snapshot("s1", "nope", Default::default()).unwrap_err().code(), Code::NotFound);
         let (s1, new) = b.place_snapshot("s1", "a", Default::default()).unwrap();
         assert!(new);
-        assert_eq!((s1.node.as_str(), s1.size_bytes, s1.kind, s1.state), ("n2", 40, RecordKind::Snapshot, VolState::Creating));
+        assert_eq!(
+            (s1.node.as_str(), s1.size_bytes, s1.kind, s1.state),
+            ("n2", 40, RecordKind::Snapshot, VolState::Creating)
+        );
         assert!(!b.place_snapshot("s1", "a", Default::default()).unwrap().1, "same name: the same record");
         // The snapshot is in n2's desired set, not among its volumes; volumes list without it.
         let d = b.desired("n2");
@@ -1000,8 +1042,20 @@ mod tests {
             node_name: "n2".into(),
             capacity_bytes: 300,
             available_bytes: 220,
-            volumes: vec![pb::VolumeState { id: "a".into(), size_bytes: 40, name: "a".into(), backing_file_present: true, ..Default::default() }],
-            snapshots: vec![pb::SnapshotState { id: s1.id.clone(), source_volume_id: "a".into(), size_bytes: 40, name: "s1".into(), ..Default::default() }],
+            volumes: vec![pb::VolumeState {
+                id: "a".into(),
+                size_bytes: 40,
+                name: "a".into(),
+                backing_file_present: true,
+                ..Default::default()
+            }],
+            snapshots: vec![pb::SnapshotState {
+                id: s1.id.clone(),
+                source_volume_id: "a".into(),
+                size_bytes: 40,
+                name: "s1".into(),
+                ..Default::default()
+            }],
             ..Default::default()
         })
         .unwrap();
@@ -1018,17 +1072,29 @@ mod tests {
         let e = b.place("r2", 50, FsType::Ext4, Default::default(), &only1, Some(&snap)).unwrap_err();
         assert_eq!(e.code(), Code::ResourceExhausted);
         assert!(e.to_string().contains("lives on node n2"), "{e}");
-        assert_eq!(b.place("r3", 10, FsType::Ext4, Default::default(), &pref1, Some(&snap)).unwrap_err().code(), Code::OutOfRange);
+        assert_eq!(
+            b.place("r3", 10, FsType::Ext4, Default::default(), &pref1, Some(&snap)).unwrap_err().code(),
+            Code::OutOfRange
+        );
         let gone = ContentSource::Snapshot("nope".into());
-        assert_eq!(b.place("r4", 50, FsType::Ext4, Default::default(), &pref1, Some(&gone)).unwrap_err().code(), Code::NotFound);
+        assert_eq!(
+            b.place("r4", 50, FsType::Ext4, Default::default(), &pref1, Some(&gone)).unwrap_err().code(),
+            Code::NotFound
+        );
         let clone = ContentSource::Volume("a".into());
-        assert_eq!(b.place("c", 40, FsType::Ext4, Default::default(), &pref1, Some(&clone)).unwrap().0.source_volume, "a");
+        assert_eq!(
+            b.place("c", 40, FsType::Ext4, Default::default(), &pref1, Some(&clone)).unwrap().0.source_volume,
+            "a"
+        );
         assert_eq!(b.begin_delete("a").unwrap_err().code(), Code::FailedPrecondition);
         b.abandon(&r.id).unwrap();
         b.abandon("c").unwrap();
         // Snapshot and volume names are separate: a volume named like a snapshot is a new record
         // only if its id is free.
-        assert_eq!(b.place("s1", 1, FsType::Ext4, Default::default(), &pref1, None).unwrap_err().code(), Code::AlreadyExists);
+        assert_eq!(
+            b.place("s1", 1, FsType::Ext4, Default::default(), &pref1, None).unwrap_err().code(),
+            Code::AlreadyExists
+        );
         // Deleting the snapshot: it leaves the desired set once the node no longer reports it.
         b.begin_delete(&s1.id).unwrap();
         assert!(!b.desired("n2").snapshots[0].present);
@@ -1060,7 +1126,12 @@ mod tests {
         fn sets_equal(&self, b: &VolumeBook) {
             let want = b.desired(&self.node);
             let got = self.view.set();
-            assert_eq!((&got.volumes, &got.snapshots, got.revision), (&want.volumes, &want.snapshots, want.revision), "{}", self.node);
+            assert_eq!(
+                (&got.volumes, &got.snapshots, got.revision),
+                (&want.volumes, &want.snapshots, want.revision),
+                "{}",
+                self.node
+            );
         }
     }
 
@@ -1150,7 +1221,9 @@ mod tests {
         // A change of n1 wakes n1 only, and its delta names just that volume.
         let p = Placement { requisite: vec!["n1".into()], preferred: vec![] };
         let (v, _) = b.place("only-n1", 1, FsType::Ext4, Default::default(), &p, None).unwrap();
-        assert!(fs[0].rx.has_changed().unwrap() && !fs[1].rx.has_changed().unwrap() && !fs[2].rx.has_changed().unwrap());
+        assert!(
+            fs[0].rx.has_changed().unwrap() && !fs[1].rx.has_changed().unwrap() && !fs[2].rx.has_changed().unwrap()
+        );
         let (since, _) = fs[0].view.resume();
         let (d, changed) = b.desired_since("n1", Some(since));
         assert!(changed && !d.complete && d.base_revision == since);

@@ -10,7 +10,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-
 /// The CDI version of the specs written.
 pub const CDI_VERSION: &str = "0.6.0";
 /// The vendor half of every kind this agent writes (`nodeplane.dev/<resource>`).
@@ -94,7 +93,11 @@ fn mount_list(res: &Edits<'_>) -> Vec<serde_json::Value> {
 /// The CDI spec of kind `kind` with one device per `(name, device node)`, the container edits
 /// the resource adds (env, mounts) at the top level. `None` when there is no device: a CDI
 /// file must list at least one, so then there is no file.
-pub fn spec<'a>(kind: &str, res: &Edits<'_>, devices: impl IntoIterator<Item = (&'a str, &'a Path)>) -> Option<serde_json::Value> {
+pub fn spec<'a>(
+    kind: &str,
+    res: &Edits<'_>,
+    devices: impl IntoIterator<Item = (&'a str, &'a Path)>,
+) -> Option<serde_json::Value> {
     let devices: Vec<serde_json::Value> = devices
         .into_iter()
         .map(|(name, path)| serde_json::json!({"name": name, "containerEdits": {"deviceNodes": [node_edit(path, res.permissions)]}}))
@@ -162,7 +165,10 @@ pub fn validate(spec: &serde_json::Value) -> Result<(), String> {
             return Err(format!("device {name:?} is listed twice"));
         }
         let edits = &d["containerEdits"];
-        if edits.as_object().is_none_or(|o| o.values().all(|v| v.is_null() || v.as_array().is_some_and(|a| a.is_empty()))) {
+        if edits
+            .as_object()
+            .is_none_or(|o| o.values().all(|v| v.is_null() || v.as_array().is_some_and(|a| a.is_empty())))
+        {
             return Err(format!("device {name:?} has no container edits"));
         }
         check_edits(edits, &format!("device {name:?}"))?;
@@ -243,14 +249,23 @@ mod tests {
             ("kind form", Box::new(|s| s["kind"] = json!("kvm"))),
             ("no devices", Box::new(|s| s["devices"] = json!([]))),
             ("device name", Box::new(|s| s["devices"][0]["name"] = json!(r"kvm\x20"))),
-            ("twice", Box::new(|s| {
-                let d = s["devices"][0].clone();
-                s["devices"].as_array_mut().unwrap().push(d)
-            })),
+            (
+                "twice",
+                Box::new(|s| {
+                    let d = s["devices"][0].clone();
+                    s["devices"].as_array_mut().unwrap().push(d)
+                }),
+            ),
             ("empty edits", Box::new(|s| s["devices"][0]["containerEdits"] = json!({}))),
-            ("relative node", Box::new(|s| s["devices"][0]["containerEdits"]["deviceNodes"][0]["path"] = json!("dev/kvm"))),
+            (
+                "relative node",
+                Box::new(|s| s["devices"][0]["containerEdits"]["deviceNodes"][0]["path"] = json!("dev/kvm")),
+            ),
             ("node type", Box::new(|s| s["devices"][0]["containerEdits"]["deviceNodes"][0]["type"] = json!("x"))),
-            ("permissions", Box::new(|s| s["devices"][0]["containerEdits"]["deviceNodes"][0]["permissions"] = json!("rwx"))),
+            (
+                "permissions",
+                Box::new(|s| s["devices"][0]["containerEdits"]["deviceNodes"][0]["permissions"] = json!("rwx")),
+            ),
             ("env", Box::new(|s| s["containerEdits"]["env"] = json!(["A"]))),
             ("mount", Box::new(|s| s["containerEdits"]["mounts"][0]["hostPath"] = json!(""))),
         ];

@@ -142,9 +142,7 @@ fn valid_name(n: &str) -> bool {
 
 fn valid_env_name(n: &str) -> bool {
     let b = n.as_bytes();
-    !b.is_empty()
-        && !b[0].is_ascii_digit()
-        && b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'_')
+    !b.is_empty() && !b[0].is_ascii_digit() && b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'_')
 }
 
 fn parse_pattern(p: &str) -> Result<Pattern, String> {
@@ -168,16 +166,14 @@ fn parse_pattern(p: &str) -> Result<Pattern, String> {
 
 fn check(e: Entry) -> Result<Resource, String> {
     if !valid_name(&e.name) {
-        return Err(format!(
-            "name {:?} is not a DNS label of at most {MAX_NAME} characters (a-z, 0-9, '-')",
-            e.name
-        ));
+        return Err(format!("name {:?} is not a DNS label of at most {MAX_NAME} characters (a-z, 0-9, '-')", e.name));
     }
     if e.cdi {
         // The name is the CDI class of the spec (nodeplane.dev/<name>); a runtime rejects
         // the whole spec file for a bad one, so the entry is refused here.
-        crate::devices::cdi::check_class_name(&e.name)
-            .map_err(|m| format!("{m}; with \"cdi\": true the name is the CDI class: rename the entry or set \"cdi\": false"))?;
+        crate::devices::cdi::check_class_name(&e.name).map_err(|m| {
+            format!("{m}; with \"cdi\": true the name is the CDI class: rename the entry or set \"cdi\": false")
+        })?;
     }
     let offer = parse_offer(e.offer.as_deref())?;
     if e.devices.is_empty() {
@@ -193,7 +189,11 @@ fn check(e: Entry) -> Result<Resource, String> {
     }
     for m in &e.mounts {
         if !m.host_path.is_absolute() || !m.container_path.is_absolute() {
-            return Err(format!("mount {} -> {}: both paths must be absolute", m.host_path.display(), m.container_path.display()));
+            return Err(format!(
+                "mount {} -> {}: both paths must be absolute",
+                m.host_path.display(),
+                m.container_path.display()
+            ));
         }
     }
     for k in e.env.keys() {

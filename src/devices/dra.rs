@@ -297,7 +297,10 @@ impl Devices {
             Ok(b) => match config::parse(&b) {
                 Ok((ok, _problems)) => ok,
                 Err(e) => {
-                    self.warn_once(format!("DRA: device file {} unusable ({e}); keeping the current devices", config_file.display()));
+                    self.warn_once(format!(
+                        "DRA: device file {} unusable ({e}); keeping the current devices",
+                        config_file.display()
+                    ));
                     return;
                 }
             },
@@ -329,11 +332,18 @@ impl Devices {
                     continue;
                 };
                 if let Some(other) = next.get(&name) {
-                    self.warn_once(format!("DRA: {} and {} both become device {name:?}; {} skipped", other.path.display(), path.display(), path.display()));
+                    self.warn_once(format!(
+                        "DRA: {} and {} both become device {name:?}; {} skipped",
+                        other.path.display(),
+                        path.display(),
+                        path.display()
+                    ));
                     continue;
                 }
                 let d = match before.get(&name) {
-                    Some(o) if o.path == path => Device { healthy: inventory::check_health(&path), resource: res.clone(), ..o.clone() },
+                    Some(o) if o.path == path => {
+                        Device { healthy: inventory::check_health(&path), resource: res.clone(), ..o.clone() }
+                    }
                     _ => Device::probe(name.clone(), res.clone(), path),
                 };
                 next.insert(name, d);
@@ -369,7 +379,11 @@ impl Devices {
                     health: if d.healthy { hpb::HealthStatus::Healthy } else { hpb::HealthStatus::Unhealthy } as i32,
                     last_updated_time: checked,
                     health_check_timeout_seconds: HEALTH_TIMEOUT_SECONDS,
-                    message: if d.healthy { String::new() } else { format!("{} is missing or cannot be opened", d.path.display()) },
+                    message: if d.healthy {
+                        String::new()
+                    } else {
+                        format!("{} is missing or cannot be opened", d.path.display())
+                    },
                 })
                 .collect(),
         }
@@ -408,8 +422,14 @@ fn to_pb(d: &PreparedDevice) -> pb::Device {
 
 /// Where a claim's allocation comes from when it has no claim file: the controller. `Ok`
 /// carries the claim's results (any driver, any pool: prepare keeps its own).
-pub type ClaimLookup =
-    Arc<dyn Fn(pb::Claim) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<AllocationResult>, String>> + Send>> + Send + Sync>;
+pub type ClaimLookup = Arc<
+    dyn Fn(
+            pb::Claim,
+        )
+            -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<AllocationResult>, String>> + Send>>
+        + Send
+        + Sync,
+>;
 
 /// Prepare and unprepare: the node half of the driver.
 pub struct Claims {
@@ -439,9 +459,7 @@ impl Claims {
     /// Whether preparing `c` needs its allocation from elsewhere (no checkpoint and no
     /// claim file).
     fn needs_lookup(&self, c: &pb::Claim) -> bool {
-        check_uid(&c.uid).is_ok()
-            && !self.s.checkpoint(&c.uid).exists()
-            && !self.s.claim_file(&c.uid).exists()
+        check_uid(&c.uid).is_ok() && !self.s.checkpoint(&c.uid).exists() && !self.s.claim_file(&c.uid).exists()
     }
 
     /// Prepare one claim, its allocation from the claim file or as `looked` says (blocking).
@@ -451,9 +469,13 @@ impl Claims {
         let cp_path = self.s.checkpoint(&c.uid);
         let spec_path = self.s.cdi_spec(&c.uid);
         if let Ok(raw) = std::fs::read(&cp_path) {
-            let cp: Checkpoint = serde_json::from_slice(&raw).map_err(|e| format!("{who}: checkpoint {} unreadable: {e}", cp_path.display()))?;
+            let cp: Checkpoint = serde_json::from_slice(&raw)
+                .map_err(|e| format!("{who}: checkpoint {} unreadable: {e}", cp_path.display()))?;
             if cp.uid != c.uid || cp.namespace != c.namespace || cp.name != c.name {
-                return Err(format!("{who}: prepared before as {}/{} ({}); unprepare it first", cp.namespace, cp.name, cp.uid));
+                return Err(format!(
+                    "{who}: prepared before as {}/{} ({}); unprepare it first",
+                    cp.namespace, cp.name, cp.uid
+                ));
             }
             if !spec_path.exists() {
                 Self::write_json(&spec_path, &cp.cdi_spec, 0o644).map_err(|e| format!("{who}: {e}"))?;
@@ -485,7 +507,8 @@ impl Claims {
             }
             Err(e) => return Err(format!("{who}: reading {}: {e}", file.display())),
         };
-        let claim: ClaimFile = serde_json::from_slice(&raw).map_err(|e| format!("{who}: claim file {} invalid: {e}", file.display()))?;
+        let claim: ClaimFile =
+            serde_json::from_slice(&raw).map_err(|e| format!("{who}: claim file {} invalid: {e}", file.display()))?;
         if claim.uid != c.uid || claim.namespace != c.namespace || claim.name != c.name {
             return Err(format!(
                 "{who} is unknown: claim file {} is for {}/{} ({})",
@@ -498,7 +521,14 @@ impl Claims {
         Ok(claim.results)
     }
 
-    fn prepare_results(&self, c: &pb::Claim, who: &str, results: &[AllocationResult], cp_path: &Path, spec_path: &Path) -> Result<Vec<PreparedDevice>, String> {
+    fn prepare_results(
+        &self,
+        c: &pb::Claim,
+        who: &str,
+        results: &[AllocationResult],
+        cp_path: &Path,
+        spec_path: &Path,
+    ) -> Result<Vec<PreparedDevice>, String> {
         if results.len() > MAX_RESULTS {
             return Err(format!("{who}: {} allocation results, more than {MAX_RESULTS}", results.len()));
         }
@@ -524,7 +554,10 @@ impl Claims {
         for (name, reqs) in &wanted {
             let d = known.get(name).ok_or_else(|| format!("{who}: device {name:?} does not exist in pool {pool:?}"))?;
             if !d.healthy {
-                return Err(format!("{who}: device {name:?} is unhealthy ({} is missing or cannot be opened)", d.path.display()));
+                return Err(format!(
+                    "{who}: device {name:?} is unhealthy ({} is missing or cannot be opened)",
+                    d.path.display()
+                ));
             }
             let cdi_name = format!("{}-{name}", c.uid);
             cdi::check_device_name(&cdi_name).map_err(|e| format!("{who}: {e}"))?;
@@ -532,12 +565,22 @@ impl Claims {
         }
         let mounts: Vec<Vec<(&Path, &Path, bool)>> = chosen
             .iter()
-            .map(|(_, d, _)| d.resource.mounts.iter().map(|m| (m.host_path.as_path(), m.container_path.as_path(), m.read_only)).collect())
+            .map(|(_, d, _)| {
+                d.resource
+                    .mounts
+                    .iter()
+                    .map(|m| (m.host_path.as_path(), m.container_path.as_path(), m.read_only))
+                    .collect()
+            })
             .collect();
         let edits: Vec<cdi::Edits<'_>> = chosen
             .iter()
             .zip(mounts)
-            .map(|((_, d, _), mounts)| cdi::Edits { permissions: &d.resource.permissions, env: &d.resource.env, mounts })
+            .map(|((_, d, _), mounts)| cdi::Edits {
+                permissions: &d.resource.permissions,
+                env: &d.resource.env,
+                mounts,
+            })
             .collect();
         let spec = cdi::spec_per_device(
             CDI_KIND,
@@ -555,7 +598,13 @@ impl Claims {
             })
             .collect();
         Self::write_json(&spec_path, &spec, 0o644).map_err(|e| format!("{who}: {e}"))?;
-        let cp = Checkpoint { namespace: c.namespace.clone(), name: c.name.clone(), uid: c.uid.clone(), devices: devices.clone(), cdi_spec: spec };
+        let cp = Checkpoint {
+            namespace: c.namespace.clone(),
+            name: c.name.clone(),
+            uid: c.uid.clone(),
+            devices: devices.clone(),
+            cdi_spec: spec,
+        };
         if let Err(e) = Self::write_json(&cp_path, &cp, 0o600) {
             let _ = std::fs::remove_file(&spec_path);
             return Err(format!("{who}: {e}"));
@@ -575,7 +624,9 @@ impl Claims {
             match std::fs::remove_file(&p) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(format!("claim {}/{} ({}): removing {}: {e}", c.namespace, c.name, c.uid, p.display())),
+                Err(e) => {
+                    return Err(format!("claim {}/{} ({}): removing {}: {e}", c.namespace, c.name, c.uid, p.display()));
+                }
             }
         }
         tracing::info!(claim = %c.uid, namespace = %c.namespace, name = %c.name, "DRA claim unprepared");
@@ -658,7 +709,10 @@ impl pb::dra_plugin_server::DraPlugin for Service {
             .into_iter()
             .map(|(uid, res)| {
                 let answer = match res {
-                    Ok(devices) => pb::NodePrepareResourceResponse { devices: devices.iter().map(to_pb).collect(), error: String::new() },
+                    Ok(devices) => pb::NodePrepareResourceResponse {
+                        devices: devices.iter().map(to_pb).collect(),
+                        error: String::new(),
+                    },
                     Err(e) => {
                         tracing::warn!(claim = %uid, error = %e, "DRA claim not prepared");
                         pb::NodePrepareResourceResponse { devices: Vec::new(), error: e }
@@ -683,7 +737,8 @@ impl pb::dra_plugin_server::DraPlugin for Service {
     }
 }
 
-type HealthStream = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<hpb::NodeWatchResourcesResponse, Status>> + Send>>;
+type HealthStream =
+    std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<hpb::NodeWatchResourcesResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl hpb::dra_resource_health_server::DraResourceHealth for Service {
@@ -786,7 +841,12 @@ pub async fn run(
         let _ = tokio::task::spawn_blocking(move || d.refresh(&f)).await;
     }
     let (stop_tx, stop_rx) = watch::channel(false);
-    let svc = Service { claims: Arc::new(Claims { s: s.clone(), devices: devices.clone() }), lock: Arc::default(), stop: stop_rx.clone(), lookup };
+    let svc = Service {
+        claims: Arc::new(Claims { s: s.clone(), devices: devices.clone() }),
+        lock: Arc::default(),
+        stop: stop_rx.clone(),
+        lookup,
+    };
     let mut server_stop = stop_rx;
     let server = tokio::spawn(
         tonic::transport::Server::builder()

@@ -28,7 +28,8 @@ pub fn scan(res: &Resource) -> Vec<PathBuf> {
                 continue;
             }
             let path = p.dir.join(name);
-            if std::fs::metadata(&path).is_ok_and(|m| m.file_type().is_char_device() || m.file_type().is_block_device()) {
+            if std::fs::metadata(&path).is_ok_and(|m| m.file_type().is_char_device() || m.file_type().is_block_device())
+            {
                 out.push(path);
             }
         }

@@ -12,8 +12,8 @@
 
 pub mod registration;
 
-use std::collections::BTreeMap;
 use crate::rpc::node as api;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -305,7 +305,10 @@ mod tests {
         req.served(Kind::DevicePlugin, "x/gpu", "/d/kubelet.sock".into());
         req.unreachable("x/gpu", "/d/kubelet.sock does not exist");
         let e = req.condition(Kind::DevicePlugin).unwrap_err();
-        assert!(e.contains("has not registered x/gpu") && e.contains("unreachable: /d/kubelet.sock does not exist"), "{e}");
+        assert!(
+            e.contains("has not registered x/gpu") && e.contains("unreachable: /d/kubelet.sock does not exist"),
+            "{e}"
+        );
         req.registered("x/gpu");
         assert_eq!(req.condition(Kind::DevicePlugin), Ok(()));
         req.kubelet_restarted(Kind::DevicePlugin);

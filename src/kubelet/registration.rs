@@ -80,7 +80,8 @@ pub fn serve(
     registration: Registration,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>, String> {
-    let listener = crate::sys::fs::bind_unix_socket(socket).map_err(|e| format!("binding {}: {e}", socket.display()))?;
+    let listener =
+        crate::sys::fs::bind_unix_socket(socket).map_err(|e| format!("binding {}: {e}", socket.display()))?;
     let (book, kind, name) = (registration.book.clone(), registration.info.kind, registration.info.name.clone());
     let server = tonic::transport::Server::builder()
         .layer(crate::rpc::response_layer())

@@ -10,8 +10,8 @@
 use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::io::{self, Write};
-use std::os::unix::fs::FileExt;
 use std::net::IpAddr;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
@@ -109,11 +109,8 @@ impl Block {
     /// Offsets usable for pods: skip network, gateway and (IPv4) broadcast.
     fn host_range(&self) -> (u128, u128) {
         let bits = if self.net.is_ipv4() { 32 } else { 128 };
-        let size: u128 = if bits - self.net.prefix() as u32 >= 128 {
-            u128::MAX
-        } else {
-            1u128 << (bits - self.net.prefix() as u32)
-        };
+        let size: u128 =
+            if bits - self.net.prefix() as u32 >= 128 { u128::MAX } else { 1u128 << (bits - self.net.prefix() as u32) };
         let last = if self.net.is_ipv4() { size - 2 } else { size - 1 };
         (2, last)
     }
@@ -404,8 +401,10 @@ impl Ipam {
     /// Returns the blocks withdrawn.
     pub fn retain_blocks(&self, keep: &[IpNetwork]) -> Vec<Block> {
         let mut inner = self.inner.lock().unwrap();
-        let (kept, gone): (Vec<Block>, Vec<Block>) =
-            inner.blocks.iter().partition(|b| keep.iter().any(|k| k.network() == b.net.network() && k.prefix() == b.net.prefix()));
+        let (kept, gone): (Vec<Block>, Vec<Block>) = inner
+            .blocks
+            .iter()
+            .partition(|b| keep.iter().any(|k| k.network() == b.net.network() && k.prefix() == b.net.prefix()));
         inner.blocks = kept;
         gone
     }
@@ -432,11 +431,7 @@ impl Ipam {
     /// Every block with the number of its addresses that are leased or reserved (metrics).
     pub fn block_usage(&self) -> Vec<(Block, u128)> {
         let inner = self.inner.lock().unwrap();
-        inner
-            .blocks
-            .iter()
-            .map(|b| (*b, inner.used.iter().filter(|ip| b.net.contains(**ip)).count() as u128))
-            .collect()
+        inner.blocks.iter().map(|b| (*b, inner.used.iter().filter(|ip| b.net.contains(**ip)).count() as u128)).collect()
     }
 
     /// How many leases (attachments) exist, `adding` ones included.

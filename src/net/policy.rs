@@ -103,7 +103,8 @@ impl View {
                     match &peer.peer {
                         Some(pb::peer_match::Peer::AddressSet(id)) => check_id(id)?,
                         Some(pb::peer_match::Peer::IpBlock(b)) => {
-                            let c: ipnetwork::IpNetwork = b.cidr.parse().map_err(|_| format!("ipBlock {:?}", b.cidr))?;
+                            let c: ipnetwork::IpNetwork =
+                                b.cidr.parse().map_err(|_| format!("ipBlock {:?}", b.cidr))?;
                             for e in &b.except {
                                 let e: ipnetwork::IpNetwork = e.parse().map_err(|_| format!("ipBlock except {e:?}"))?;
                                 if e.is_ipv4() != c.is_ipv4() {
@@ -266,7 +267,12 @@ fn policy_rules(p: &pb::CompiledPolicy) -> Vec<String> {
                 {
                     continue;
                 }
-                let rule = [pe.as_str(), qe.as_str(), "accept"].iter().filter(|s| !s.is_empty()).copied().collect::<Vec<_>>().join(" ");
+                let rule = [pe.as_str(), qe.as_str(), "accept"]
+                    .iter()
+                    .filter(|s| !s.is_empty())
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join(" ");
                 out.push(rule);
             }
         }
@@ -326,7 +332,9 @@ pub fn render_snapshot(v: &View) -> String {
         }
         s.push_str("  }\n");
     }
-    for (name, prio, addr, maps) in [("egress", -2, "saddr", ("out4", "out6")), ("ingress", -1, "daddr", ("in4", "in6"))] {
+    for (name, prio, addr, maps) in
+        [("egress", -2, "saddr", ("out4", "out6")), ("ingress", -1, "daddr", ("in4", "in6"))]
+    {
         let _ = writeln!(
             s,
             "  chain {name} {{\n    type filter hook forward priority {prio}; policy accept;\n    ct state established,related accept\n    icmpv6 type {{ nd-neighbor-solicit, nd-neighbor-advert, nd-router-solicit, nd-router-advert, nd-redirect }} accept\n    ip {addr} vmap @{}\n    ip6 {addr} vmap @{}\n  }}",
@@ -371,7 +379,8 @@ pub fn render_delta(old: &View, new: &View) -> String {
             if before.is_none() {
                 let _ = writeln!(adds, "add set {t} a_{id}{fam} {{ type {ty}; flags interval; }}");
             }
-            let had: BTreeSet<String> = before.map(|b| set_elements(&b.cidrs, is6).into_iter().collect()).unwrap_or_default();
+            let had: BTreeSet<String> =
+                before.map(|b| set_elements(&b.cidrs, is6).into_iter().collect()).unwrap_or_default();
             let has: BTreeSet<String> = set_elements(&set.cidrs, is6).into_iter().collect();
             let gone: Vec<&String> = had.difference(&has).collect();
             let came: Vec<&String> = has.difference(&had).collect();
@@ -389,7 +398,8 @@ pub fn render_delta(old: &View, new: &View) -> String {
             if before.is_none() {
                 let _ = writeln!(adds, "add set {t} n_{id}{fam} {{ type {ty} . inet_proto . inet_service; }}");
             }
-            let had: BTreeSet<String> = before.map(|b| port_elements(&b.targets, is6).into_iter().collect()).unwrap_or_default();
+            let had: BTreeSet<String> =
+                before.map(|b| port_elements(&b.targets, is6).into_iter().collect()).unwrap_or_default();
             let has: BTreeSet<String> = port_elements(&set.targets, is6).into_iter().collect();
             let gone: Vec<&String> = had.difference(&has).collect();
             let came: Vec<&String> = has.difference(&had).collect();
@@ -427,7 +437,8 @@ pub fn render_delta(old: &View, new: &View) -> String {
     }
     // Pods: entries that went or changed out, new ones in.
     for (key, p) in &old.pods {
-        let keep: BTreeSet<(String, String)> = new.pods.get(key).map(|n| dispatch(n).into_iter().collect()).unwrap_or_default();
+        let keep: BTreeSet<(String, String)> =
+            new.pods.get(key).map(|n| dispatch(n).into_iter().collect()).unwrap_or_default();
         for (map, el) in dispatch(p) {
             if !keep.contains(&(map.clone(), el.clone())) {
                 let ip = el.split(" : ").next().unwrap_or_default();
@@ -436,7 +447,8 @@ pub fn render_delta(old: &View, new: &View) -> String {
         }
     }
     for (key, p) in &new.pods {
-        let had: BTreeSet<(String, String)> = old.pods.get(key).map(|o| dispatch(o).into_iter().collect()).unwrap_or_default();
+        let had: BTreeSet<(String, String)> =
+            old.pods.get(key).map(|o| dispatch(o).into_iter().collect()).unwrap_or_default();
         for (map, el) in dispatch(p) {
             if !had.contains(&(map.clone(), el.clone())) {
                 let _ = writeln!(adds, "add element {t} {map} {{ {el} }}");
@@ -633,7 +645,10 @@ mod tests {
         pb::PolicyUpdate {
             revision: 3,
             snapshot: true,
-            address_sets: vec![pb::AddressSet { id: "s1".into(), cidrs: vec!["10.0.0.2/32".into(), "fd00::2/128".into()] }],
+            address_sets: vec![pb::AddressSet {
+                id: "s1".into(),
+                cidrs: vec!["10.0.0.2/32".into(), "fd00::2/128".into()],
+            }],
             port_sets: vec![pb::PortSet {
                 id: "n1".into(),
                 targets: vec![pb::PortTarget { ip: "10.0.0.1".into(), protocol: pb::Protocol::Tcp as i32, port: 8080 }],
@@ -653,7 +668,10 @@ mod tests {
                     },
                     pb::PolicyRule {
                         peers: vec![pb::PeerMatch {
-                            peer: Some(pb::peer_match::Peer::IpBlock(pb::IpBlockMatch { cidr: "10.0.0.0/8".into(), except: vec!["10.1.0.0/16".into()] })),
+                            peer: Some(pb::peer_match::Peer::IpBlock(pb::IpBlockMatch {
+                                cidr: "10.0.0.0/8".into(),
+                                except: vec!["10.1.0.0/16".into()],
+                            })),
                         }],
                         ports: vec![],
                         port_sets: vec![],
@@ -661,7 +679,12 @@ mod tests {
                 ],
             }],
             groups: vec![pb::PolicyGroup { id: "g1".into(), egress: false, policies: vec!["p1".into()] }],
-            pods: vec![pb::LocalPod { key: "x/a".into(), ips: vec!["10.0.0.1".into(), "fd00::1".into()], ingress_group: "g1".into(), egress_group: String::new() }],
+            pods: vec![pb::LocalPod {
+                key: "x/a".into(),
+                ips: vec!["10.0.0.1".into(), "fd00::1".into()],
+                ingress_group: "g1".into(),
+                egress_group: String::new(),
+            }],
             ..Default::default()
         }
     }
@@ -673,7 +696,10 @@ mod tests {
         assert!(r.contains(&"ip saddr @a_s14 meta l4proto tcp th dport 80-81 accept".to_string()), "{r:#?}");
         assert!(r.contains(&"ip6 saddr @a_s16 meta l4proto sctp th dport 80 accept".to_string()), "{r:#?}");
         assert!(r.contains(&"ip saddr @a_s14 ip daddr . meta l4proto . th dport @n_n14 accept".to_string()), "{r:#?}");
-        assert!(!r.iter().any(|x| x.contains("ip saddr @a_s14") && x.contains("ip6 daddr")), "no mixed families: {r:#?}");
+        assert!(
+            !r.iter().any(|x| x.contains("ip saddr @a_s14") && x.contains("ip6 daddr")),
+            "no mixed families: {r:#?}"
+        );
         assert!(r.contains(&"ip saddr 10.0.0.0/8 ip saddr != { 10.1.0.0/16 } accept".to_string()), "{r:#?}");
         let s = render_snapshot(&v);
         assert!(s.contains("add element inet nodeplane-policy in4 { 10.0.0.1 : jump g_g1 }"), "{s}");
@@ -687,7 +713,10 @@ mod tests {
         // One more pod in the peer set: one element added, nothing else.
         let u = pb::PolicyUpdate {
             revision: 4,
-            address_sets: vec![pb::AddressSet { id: "s1".into(), cidrs: vec!["10.0.0.2/32".into(), "10.0.0.3/32".into(), "fd00::2/128".into()] }],
+            address_sets: vec![pb::AddressSet {
+                id: "s1".into(),
+                cidrs: vec!["10.0.0.2/32".into(), "10.0.0.3/32".into(), "fd00::2/128".into()],
+            }],
             ..Default::default()
         };
         let v2 = v1.applied(&u).unwrap();
@@ -705,7 +734,10 @@ mod tests {
         let v3 = v2.applied(&u).unwrap();
         let d = render_delta(&v2, &v3);
         let pos = |s: &str| d.find(s).unwrap_or_else(|| panic!("{s} not in {d}"));
-        assert!(pos("delete element inet nodeplane-policy in4 { 10.0.0.1 }") < pos("delete chain inet nodeplane-policy g_g1"));
+        assert!(
+            pos("delete element inet nodeplane-policy in4 { 10.0.0.1 }")
+                < pos("delete chain inet nodeplane-policy g_g1")
+        );
         assert!(pos("delete chain inet nodeplane-policy g_g1") < pos("delete chain inet nodeplane-policy p_p1"));
         assert!(pos("delete chain inet nodeplane-policy p_p1") < pos("delete set inet nodeplane-policy a_s14"));
     }
@@ -739,7 +771,10 @@ mod tests {
         fail_next.store(true, std::sync::atomic::Ordering::SeqCst);
         e.apply(&pb::PolicyUpdate { revision: 4, removed_pods: vec!["x/a".into()], ..Default::default() }).unwrap();
         let runs = runs.lock().unwrap();
-        assert!(runs[runs.len() - 1].starts_with("table inet nodeplane-policy\ndelete table"), "the fallback is a whole table");
+        assert!(
+            runs[runs.len() - 1].starts_with("table inet nodeplane-policy\ndelete table"),
+            "the fallback is a whole table"
+        );
         assert_eq!(e.revision(), (4, true));
     }
 }

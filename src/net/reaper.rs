@@ -49,11 +49,7 @@ impl Reaper {
         let thread = std::thread::Builder::new().name("veth-reaper".into()).spawn(move || run(rx, kernel))?;
         let mut seed = [0u8; 8];
         crate::util::fill_random(&mut seed);
-        Ok(Reaper {
-            tx,
-            counter: AtomicU64::new(u64::from_le_bytes(seed) & 0xffff_ffff_ffff),
-            _thread: thread,
-        })
+        Ok(Reaper { tx, counter: AtomicU64::new(u64::from_le_bytes(seed) & 0xffff_ffff_ffff), _thread: thread })
     }
 
     /// A fresh graveyard name.
@@ -74,7 +70,6 @@ impl Reaper {
             let _ = done_rx.recv();
         }
     }
-
 }
 
 fn delete_graveyard(kernel: &dyn NetKernel, nl: &mut Option<Box<dyn Links>>) {
@@ -82,10 +77,11 @@ fn delete_graveyard(kernel: &dyn NetKernel, nl: &mut Option<Box<dyn Links>>) {
         *nl = kernel.host().map_err(|e| tracing::error!(error = %e, "reaper netlink")).ok();
     }
     if let Some(n) = nl.as_mut()
-        && let Err(e) = n.delete_group(GRAVEYARD_GROUP) {
-            tracing::warn!(error = %e, "deleting graveyard veths");
-            *nl = None;
-        }
+        && let Err(e) = n.delete_group(GRAVEYARD_GROUP)
+    {
+        tracing::warn!(error = %e, "deleting graveyard veths");
+        *nl = None;
+    }
 }
 
 fn run(rx: Receiver<Msg>, kernel: Arc<dyn NetKernel>) {

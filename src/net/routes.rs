@@ -36,8 +36,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::net::ipam::Block;
 use crate::sys::netlink::{
-    FdbEntry, NTF_SELF, NUD_PERMANENT, Neighbour, Netlink, NetlinkError, RTN_UNICAST, RouteEntry, RouteSpec,
-    VxlanSpec, format_mac,
+    FdbEntry, NTF_SELF, NUD_PERMANENT, Neighbour, Netlink, NetlinkError, RTN_UNICAST, RouteEntry, RouteSpec, VxlanSpec,
+    format_mac,
 };
 use crate::util::Family;
 
@@ -156,7 +156,13 @@ impl RouteConfig {
             return bad("vxlan port 0".into());
         }
         let n = &self.vxlan_name;
-        if n.is_empty() || n.len() > 15 || n.contains('/') || n.chars().any(|c| c.is_whitespace()) || n == "." || n == ".." {
+        if n.is_empty()
+            || n.len() > 15
+            || n.contains('/')
+            || n.chars().any(|c| c.is_whitespace())
+            || n == "."
+            || n == ".."
+        {
             return bad(format!("vxlan device name {n:?} is not a valid interface name"));
         }
         let l = self.local_underlay;
@@ -333,7 +339,11 @@ pub struct LocalView {
 
 impl LocalView {
     /// Build the view from the namespace's addresses and main-table routes.
-    pub fn from_kernel(addrs: &[crate::sys::netlink::Addr], main_routes: &[RouteEntry], vxlan_index: Option<u32>) -> Self {
+    pub fn from_kernel(
+        addrs: &[crate::sys::netlink::Addr],
+        main_routes: &[RouteEntry],
+        vxlan_index: Option<u32>,
+    ) -> Self {
         let mut view = LocalView { vxlan_index, ..Default::default() };
         for a in addrs {
             view.addrs.insert(a.ip);
@@ -376,7 +386,6 @@ fn is_link_local(ip: IpAddr) -> bool {
 pub fn normalize(net: IpNetwork) -> IpNetwork {
     IpNetwork::new(net.network(), net.prefix()).unwrap_or(net)
 }
-
 
 /// The kernel state the peers call for.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -522,13 +531,15 @@ pub struct Current {
 
 impl Current {
     /// Keep only what belongs to us: our routes, and permanent entries on our VXLAN device.
-    pub fn select(routes: Vec<RouteEntry>, fdb: Vec<FdbEntry>, neigh: Vec<Neighbour>, vxlan_index: Option<u32>) -> Self {
+    pub fn select(
+        routes: Vec<RouteEntry>,
+        fdb: Vec<FdbEntry>,
+        neigh: Vec<Neighbour>,
+        vxlan_index: Option<u32>,
+    ) -> Self {
         let ours = |ifindex: u32| Some(ifindex) == vxlan_index;
         Current {
-            routes: routes
-                .into_iter()
-                .filter(|r| r.protocol == RTPROT_NODEPLANE && r.table == RT_TABLE_MAIN)
-                .collect(),
+            routes: routes.into_iter().filter(|r| r.protocol == RTPROT_NODEPLANE && r.table == RT_TABLE_MAIN).collect(),
             fdb: fdb
                 .into_iter()
                 .filter(|f| ours(f.ifindex) && f.flags & NTF_SELF != 0 && f.state & NUD_PERMANENT != 0)
@@ -541,14 +552,36 @@ impl Current {
 /// One kernel change. `new` tells an addition from a replacement (for the report).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Op {
-    SetFdb { mac: [u8; 6], dst: IpAddr, peer: String, new: bool },
-    SetNeigh { ip: IpAddr, mac: [u8; 6], peer: String, new: bool },
+    SetFdb {
+        mac: [u8; 6],
+        dst: IpAddr,
+        peer: String,
+        new: bool,
+    },
+    SetNeigh {
+        ip: IpAddr,
+        mac: [u8; 6],
+        peer: String,
+        new: bool,
+    },
     /// Add or replace a route. `remove_first`: an old route of ours for the same block that
     /// has to go before the new one can be added (see [`diff`]).
-    SetRoute { route: PeerRoute, spec: RouteSpec, new: bool, remove_first: Option<RouteEntry> },
-    DelRoute { entry: RouteEntry },
-    DelNeigh { ip: IpAddr },
-    DelFdb { mac: [u8; 6], dst: Option<IpAddr> },
+    SetRoute {
+        route: PeerRoute,
+        spec: RouteSpec,
+        new: bool,
+        remove_first: Option<RouteEntry>,
+    },
+    DelRoute {
+        entry: RouteEntry,
+    },
+    DelNeigh {
+        ip: IpAddr,
+    },
+    DelFdb {
+        mac: [u8; 6],
+        dst: Option<IpAddr>,
+    },
 }
 
 /// The route spec for a planned route.
@@ -647,9 +680,8 @@ pub fn diff(plan: &Plan, current: &Current, vxlan_index: Option<u32>) -> Vec<Op>
                 // route through another device ("Nexthop has invalid gateway or device
                 // mismatch"), and the old route to the block covers the block's gateway:
                 // when an IPv6 block moves onto the VXLAN device, the old route goes first.
-                let remove_first = replaced.filter(|&i| {
-                    want.kind == RouteKind::Vxlan && want.block.is_ipv6() && now[i].oif != vxlan_index
-                });
+                let remove_first = replaced
+                    .filter(|&i| want.kind == RouteKind::Vxlan && want.block.is_ipv6() && now[i].oif != vxlan_index);
                 sets_route.push(Op::SetRoute {
                     route: want.clone(),
                     spec: route_spec(want, vxlan_index),
@@ -770,7 +802,12 @@ pub fn plan_diff(old: &Plan, new: &Plan, vxlan_index: Option<u32>) -> Vec<Op> {
                 let remove_first = was
                     .filter(|w| want.kind == RouteKind::Vxlan && block.is_ipv6() && w.kind != RouteKind::Vxlan)
                     .map(|w| entry_of(w, vxlan_index));
-                ops.push(Op::SetRoute { route: want.clone(), spec: route_spec(want, vxlan_index), new: was.is_none(), remove_first });
+                ops.push(Op::SetRoute {
+                    route: want.clone(),
+                    spec: route_spec(want, vxlan_index),
+                    new: was.is_none(),
+                    remove_first,
+                });
             }
         }
     }
@@ -950,7 +987,10 @@ impl Routes {
                 self.vtep = Some((d.link.index, mac));
                 Ok(Some(mac))
             }
-            _ => Err(RoutesError::Vtep { name, msg: "created concurrently by someone else with other parameters".into() }),
+            _ => Err(RoutesError::Vtep {
+                name,
+                msg: "created concurrently by someone else with other parameters".into(),
+            }),
         }
     }
 
@@ -1192,7 +1232,9 @@ impl Routes {
                         }
                     }
                 }
-                Err(e) => failures.push(RoutesError::netlink(format!("teardown: listing {} routes", Family::from_v6(v6)))(e)),
+                Err(e) => {
+                    failures.push(RoutesError::netlink(format!("teardown: listing {} routes", Family::from_v6(v6)))(e))
+                }
             }
         }
         let name = self.cfg.vxlan_name.clone();
@@ -1303,10 +1345,24 @@ mod tests {
         // n3 leaves.
         let new = plan(&cfg, &local(), &peers()[..1]);
         let ops = plan_diff(&old, &new, Some(VX));
-        let dels_route: Vec<_> = ops.iter().filter_map(|o| if let Op::DelRoute { entry } = o { Some((entry.dst, entry.prefix, entry.oif, entry.onlink)) } else { None }).collect();
+        let dels_route: Vec<_> = ops
+            .iter()
+            .filter_map(|o| {
+                if let Op::DelRoute { entry } = o {
+                    Some((entry.dst, entry.prefix, entry.oif, entry.onlink))
+                } else {
+                    None
+                }
+            })
+            .collect();
         assert_eq!(dels_route, vec![(ip("10.244.3.0"), 24, Some(VX), true), (ip("fd00:3::"), 64, Some(VX), true)]);
         assert_eq!(ops.iter().filter(|o| matches!(o, Op::DelNeigh { .. })).count(), 2);
-        assert_eq!(ops.iter().filter(|o| matches!(o, Op::DelFdb { mac, dst } if *mac == MAC3 && *dst == Some(ip("198.51.100.3")))).count(), 1);
+        assert_eq!(
+            ops.iter()
+                .filter(|o| matches!(o, Op::DelFdb { mac, dst } if *mac == MAC3 && *dst == Some(ip("198.51.100.3"))))
+                .count(),
+            1
+        );
         assert_eq!(ops.len(), 5, "{ops:?}");
         // n2 moves to another underlay address: one FDB entry replaced, nothing else.
         let mut moved = peers();
@@ -1318,7 +1374,10 @@ mod tests {
         let r = &old.routes[&net("10.244.2.0/24")];
         let installed = route_spec(r, Some(VX));
         let e = entry_of(r, Some(VX));
-        assert_eq!((e.dst, e.prefix, e.gateway, e.oif, e.onlink), (installed.dst, installed.prefix, Some(installed.gateway), installed.oif, installed.onlink));
+        assert_eq!(
+            (e.dst, e.prefix, e.gateway, e.oif, e.onlink),
+            (installed.dst, installed.prefix, Some(installed.gateway), installed.oif, installed.onlink)
+        );
     }
 
     #[test]
@@ -1449,7 +1508,11 @@ mod tests {
         let p = plan(&cfg(RouteMode::Vxlan), &local(), &ps);
         assert!(p.routes.is_empty());
         assert!(p.unroutable[0].reason.contains("no VTEP MAC"), "{}", p.unroutable[0]);
-        assert!(p.unroutable[1].reason.contains("no IPv4 underlay address for the VXLAN tunnel"), "{}", p.unroutable[1]);
+        assert!(
+            p.unroutable[1].reason.contains("no IPv4 underlay address for the VXLAN tunnel"),
+            "{}",
+            p.unroutable[1]
+        );
         // Without our own device nothing goes over VXLAN.
         let mut l = local();
         l.vxlan_index = None;
@@ -1545,8 +1608,12 @@ mod tests {
                 .routes
                 .values()
                 .map(|r| match r.kind {
-                    RouteKind::Direct => own(&r.block.network().to_string(), r.block.prefix(), &r.via.to_string(), 2, false),
-                    RouteKind::Vxlan => own(&r.block.network().to_string(), r.block.prefix(), &r.via.to_string(), 9, true),
+                    RouteKind::Direct => {
+                        own(&r.block.network().to_string(), r.block.prefix(), &r.via.to_string(), 2, false)
+                    }
+                    RouteKind::Vxlan => {
+                        own(&r.block.network().to_string(), r.block.prefix(), &r.via.to_string(), 9, true)
+                    }
                 })
                 .collect(),
             fdb: p.fdb.iter().map(|(m, (d, _))| fdb(*m, &d.to_string())).collect(),
@@ -1557,7 +1624,9 @@ mod tests {
     fn summary(ops: &[Op]) -> Vec<String> {
         ops.iter()
             .map(|o| match o {
-                Op::SetFdb { mac, dst, new, .. } => format!("{} fdb {} {dst}", if *new { "add" } else { "replace" }, mac[5]),
+                Op::SetFdb { mac, dst, new, .. } => {
+                    format!("{} fdb {} {dst}", if *new { "add" } else { "replace" }, mac[5])
+                }
                 Op::SetNeigh { ip, new, .. } => format!("{} neigh {ip}", if *new { "add" } else { "replace" }),
                 Op::SetRoute { route, new, remove_first, .. } => format!(
                     "{}{} route {} {:?} via {}",
@@ -1677,7 +1746,10 @@ mod tests {
         let ops = diff(&p, &cur, Some(10));
         assert_eq!(
             summary(&ops),
-            vec!["replace route 10.244.2.0/24 Vxlan via 10.244.2.1", "delete+replace route fd00:2::/64 Vxlan via fd00:2::1"]
+            vec![
+                "replace route 10.244.2.0/24 Vxlan via 10.244.2.1",
+                "delete+replace route fd00:2::/64 Vxlan via fd00:2::1"
+            ]
         );
         // A duplicate of ours with another metric goes; the matching one stays.
         let mut cur = applied(&p);
@@ -1693,7 +1765,10 @@ mod tests {
         let sel = Current::select(
             vec![kernel_route("10.9.0.0", 16, Some("192.0.2.1"), 4, 2)],
             vec![FdbEntry { ifindex: 3, mac: MAC3, dst: None, state: NUD_PERMANENT, flags: NTF_SELF }],
-            vec![Neighbour { state: 0x02, ..neigh("10.244.2.1", MAC2) }, Neighbour { ifindex: 2, ..neigh("192.0.2.12", MAC2) }],
+            vec![
+                Neighbour { state: 0x02, ..neigh("10.244.2.1", MAC2) },
+                Neighbour { ifindex: 2, ..neigh("192.0.2.12", MAC2) },
+            ],
             Some(9),
         );
         assert!(sel.routes.is_empty() && sel.fdb.is_empty() && sel.neigh.is_empty());

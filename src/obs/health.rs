@@ -87,18 +87,11 @@ impl Health {
         let index = match list.iter().position(|e| e.name == name) {
             Some(i) => i,
             None => {
-                list.push(Entry {
-                    name: name.to_string(),
-                    ready: false,
-                    detail: "starting".into(),
-                });
+                list.push(Entry { name: name.to_string(), ready: false, detail: "starting".into() });
                 list.len() - 1
             }
         };
-        Condition {
-            conditions: self.conditions.clone(),
-            index,
-        }
+        Condition { conditions: self.conditions.clone(), index }
     }
 
     /// Every condition holds (true when there are none).
@@ -108,12 +101,7 @@ impl Health {
 
     /// `(name, ready, detail)` of every condition, in registration order.
     pub fn snapshot(&self) -> Vec<(String, bool, String)> {
-        self.conditions
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|e| (e.name.clone(), e.ready, e.detail.clone()))
-            .collect()
+        self.conditions.lock().unwrap().iter().map(|e| (e.name.clone(), e.ready, e.detail.clone())).collect()
     }
 }
 
@@ -121,11 +109,7 @@ impl Condition {
     /// Set the condition; transitions are logged. The detail is one line (line breaks
     /// become spaces) so the `/readyz` body stays one line per condition.
     pub fn set(&self, ready: bool, detail: impl Into<String>) {
-        let detail: String = detail
-            .into()
-            .chars()
-            .map(|c| if c.is_control() { ' ' } else { c })
-            .collect();
+        let detail: String = detail.into().chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
         let mut list = self.conditions.lock().unwrap();
         let e = &mut list[self.index];
         // Transitions at info: the parts log their own failures; this is the probe's view.
@@ -157,31 +141,15 @@ pub fn parse_address(addr: &str) -> Result<SocketAddr, String> {
 /// Bind (std, non-blocking, SO_REUSEADDR) so a bad address is a startup error, not a task error.
 pub fn bind(addr: &str) -> std::io::Result<std::net::TcpListener> {
     use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrStorage, sockopt};
-    let sa = parse_address(addr)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let family = if sa.is_ipv4() {
-        AddressFamily::Inet
-    } else {
-        AddressFamily::Inet6
-    };
-    let ctx = |what: &str, e: nix::Error| {
-        std::io::Error::new(std::io::Error::from(e).kind(), format!("{what} {sa}: {e}"))
-    };
-    let fd: OwnedFd = socket::socket(
-        family,
-        SockType::Stream,
-        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
-        None,
-    )
-    .map_err(|e| ctx("socket for", e))?;
+    let sa = parse_address(addr).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let family = if sa.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
+    let ctx =
+        |what: &str, e: nix::Error| std::io::Error::new(std::io::Error::from(e).kind(), format!("{what} {sa}: {e}"));
+    let fd: OwnedFd = socket::socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK, None)
+        .map_err(|e| ctx("socket for", e))?;
     socket::setsockopt(&fd, sockopt::ReuseAddr, &true).map_err(|e| ctx("SO_REUSEADDR on", e))?;
-    socket::bind(
-        std::os::fd::AsRawFd::as_raw_fd(&fd),
-        &SockaddrStorage::from(sa),
-    )
-    .map_err(|e| ctx("binding", e))?;
-    socket::listen(&fd, socket::Backlog::new(128).expect("valid backlog"))
-        .map_err(|e| ctx("listening on", e))?;
+    socket::bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrStorage::from(sa)).map_err(|e| ctx("binding", e))?;
+    socket::listen(&fd, socket::Backlog::new(128).expect("valid backlog")).map_err(|e| ctx("listening on", e))?;
     Ok(std::net::TcpListener::from(fd))
 }
 
@@ -241,12 +209,7 @@ pub async fn serve(
     }
     drop(listener);
     let _ = stop_tx.send(true);
-    if tokio::time::timeout(SHUTDOWN_GRACE, async {
-        while conns.join_next().await.is_some() {}
-    })
-    .await
-    .is_err()
-    {
+    if tokio::time::timeout(SHUTDOWN_GRACE, async { while conns.join_next().await.is_some() {} }).await.is_err() {
         conns.abort_all();
     }
     tracing::info!(address = %local, "health endpoint stopped");
@@ -296,10 +259,7 @@ fn typed(status: StatusCode, body: String, content_type: &'static str) -> Respon
     *resp.status_mut() = status;
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
-    h.insert(
-        header::X_CONTENT_TYPE_OPTIONS,
-        HeaderValue::from_static("nosniff"),
-    );
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     resp
 }
@@ -325,12 +285,8 @@ async fn respond(health: &Health, method: &Method, uri: &hyper::Uri) -> Response
     };
     // HEAD is answered like GET (hyper leaves the body out).
     if method != Method::GET && method != Method::HEAD {
-        let mut r = text(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "method not allowed\n".into(),
-        );
-        r.headers_mut()
-            .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n".into());
+        r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
         return r;
     }
     match route {
@@ -354,11 +310,7 @@ async fn metrics(source: MetricsSource) -> Response<Full<Bytes>> {
 fn readyz(health: &Health, query: Option<&str>) -> Response<Full<Bytes>> {
     let conditions = health.snapshot();
     let ready = conditions.iter().all(|(_, r, _)| *r);
-    let status = if ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let mut body = String::new();
     if has_query_key(query, "verbose") {
         for (name, ok, detail) in &conditions {
@@ -368,11 +320,7 @@ fn readyz(health: &Health, query: Option<&str>) -> Response<Full<Bytes>> {
                 body += &format!("[-]{name} failed: {detail}\n");
             }
         }
-        body += if ready {
-            "readyz check passed\n"
-        } else {
-            "readyz check failed\n"
-        };
+        body += if ready { "readyz check passed\n" } else { "readyz check failed\n" };
     } else if ready {
         body += "ok\n";
     } else {
@@ -396,10 +344,7 @@ mod tests {
 
     impl Reply {
         fn header(&self, name: &str) -> Option<&str> {
-            self.headers
-                .iter()
-                .find(|(k, _)| k.eq_ignore_ascii_case(name))
-                .map(|(_, v)| v.as_str())
+            self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
         }
     }
 
@@ -415,25 +360,14 @@ mod tests {
             let text = String::from_utf8(out).unwrap();
             let (head, body) = text.split_once("\r\n\r\n").expect("a complete response");
             let mut lines = head.split("\r\n");
-            let status = lines
-                .next()
-                .unwrap()
-                .split(' ')
-                .nth(1)
-                .unwrap()
-                .parse()
-                .unwrap();
+            let status = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
             let headers = lines
                 .map(|l| {
                     let (k, v) = l.split_once(':').unwrap();
                     (k.trim().to_string(), v.trim().to_string())
                 })
                 .collect();
-            Reply {
-                status,
-                headers,
-                body: body.to_string(),
-            }
+            Reply { status, headers, body: body.to_string() }
         })
         .await
         .unwrap()
@@ -441,11 +375,7 @@ mod tests {
 
     async fn start(
         health: &Health,
-    ) -> (
-        SocketAddr,
-        tokio::sync::oneshot::Sender<()>,
-        tokio::task::JoinHandle<std::io::Result<()>>,
-    ) {
+    ) -> (SocketAddr, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<std::io::Result<()>>) {
         let l = bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -461,10 +391,7 @@ mod tests {
         assert!(h.is_ready(), "no conditions: ready");
         let a = h.condition("a");
         assert!(!h.is_ready());
-        assert_eq!(
-            h.snapshot(),
-            vec![("a".to_string(), false, "starting".to_string())]
-        );
+        assert_eq!(h.snapshot(), vec![("a".to_string(), false, "starting".to_string())]);
         a.set(true, "");
         assert!(h.is_ready() && a.is_ready());
         let again = h.condition("a");
@@ -483,11 +410,7 @@ mod tests {
         assert!(parse_address("[::1]:9640").is_ok());
         for bad in ["", "127.0.0.1", "localhost:9640", ":9640", "1.2.3.4:99999"] {
             assert!(parse_address(bad).is_err(), "{bad}");
-            assert_eq!(
-                bind(bad).unwrap_err().kind(),
-                std::io::ErrorKind::InvalidInput,
-                "{bad}"
-            );
+            assert_eq!(bind(bad).unwrap_err().kind(), std::io::ErrorKind::InvalidInput, "{bad}");
         }
         // An address this host does not have: a bind error at once, not later.
         assert!(bind("192.0.2.1:9640").is_err());
@@ -504,11 +427,7 @@ mod tests {
         let (addr, stop, task) = start(&h).await;
 
         let r = call(addr, "GET", "/healthz").await;
-        assert_eq!(
-            (r.status, r.body.as_str()),
-            (200, "ok\n"),
-            "liveness does not depend on readiness"
-        );
+        assert_eq!((r.status, r.body.as_str()), (200, "ok\n"), "liveness does not depend on readiness");
         assert_eq!(r.header("content-type"), Some("text/plain; charset=utf-8"));
 
         let r = call(addr, "GET", "/readyz").await;
@@ -518,10 +437,7 @@ mod tests {
         cni.set(false, "no pod CIDR block yet");
         csi.set(true, "");
         let r = call(addr, "GET", "/readyz").await;
-        assert_eq!(
-            (r.status, r.body.as_str()),
-            (503, "cni: no pod CIDR block yet\n")
-        );
+        assert_eq!((r.status, r.body.as_str()), (503, "cni: no pod CIDR block yet\n"));
 
         cni.set(true, "");
         let r = call(addr, "GET", "/readyz").await;
@@ -529,39 +445,26 @@ mod tests {
 
         csi.set(false, "registration socket gone");
         let r = call(addr, "GET", "/readyz").await;
-        assert_eq!(
-            (r.status, r.body.as_str()),
-            (503, "csi: registration socket gone\n")
-        );
+        assert_eq!((r.status, r.body.as_str()), (503, "csi: registration socket gone\n"));
 
         let _ = stop.send(());
         task.await.unwrap().unwrap();
-        assert!(
-            std::net::TcpStream::connect(addr).is_err(),
-            "port closed after shutdown"
-        );
+        assert!(std::net::TcpStream::connect(addr).is_err(), "port closed after shutdown");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn verbose_lists_every_condition() {
         let h = Health::new();
         h.condition("cni").set(true, "");
-        h.condition("deviceplugins")
-            .set(false, "waiting for nodeplane-gpu.sock");
+        h.condition("deviceplugins").set(false, "waiting for nodeplane-gpu.sock");
         let (addr, _stop, _task) = start(&h).await;
         let r = call(addr, "GET", "/readyz?verbose").await;
         assert_eq!(r.status, 503);
-        assert_eq!(
-            r.body,
-            "[+]cni ok\n[-]deviceplugins failed: waiting for nodeplane-gpu.sock\nreadyz check failed\n"
-        );
+        assert_eq!(r.body, "[+]cni ok\n[-]deviceplugins failed: waiting for nodeplane-gpu.sock\nreadyz check failed\n");
         h.condition("deviceplugins").set(true, "");
         let r = call(addr, "GET", "/readyz?foo=1&verbose=true").await;
         assert_eq!(r.status, 200);
-        assert_eq!(
-            r.body,
-            "[+]cni ok\n[+]deviceplugins ok\nreadyz check passed\n"
-        );
+        assert_eq!(r.body, "[+]cni ok\n[+]deviceplugins ok\nreadyz check passed\n");
         // Any other query is the short form.
         let r = call(addr, "GET", "/readyz?verbosely").await;
         assert_eq!((r.status, r.body.as_str()), (200, "ok\n"));
@@ -574,11 +477,7 @@ mod tests {
         for path in ["/", "/metrics", "/healthz/extra", "/readyzz"] {
             assert_eq!(call(addr, "GET", path).await.status, 404, "{path}");
         }
-        for (m, p) in [
-            ("POST", "/healthz"),
-            ("PUT", "/readyz"),
-            ("DELETE", "/readyz?verbose"),
-        ] {
+        for (m, p) in [("POST", "/healthz"), ("PUT", "/readyz"), ("DELETE", "/readyz?verbose")] {
             let r = call(addr, m, p).await;
             assert_eq!(r.status, 405, "{m} {p}");
             assert_eq!(r.header("allow"), Some("GET, HEAD"));
@@ -629,10 +528,7 @@ mod tests {
         let started = std::time::Instant::now();
         let r = call(addr, "GET", "/healthz").await;
         assert_eq!(r.status, 200);
-        assert!(
-            started.elapsed() < Duration::from_secs(2),
-            "answered while others stall"
-        );
+        assert!(started.elapsed() < Duration::from_secs(2), "answered while others stall");
         // Shutdown does not wait for the stalled clients beyond the grace period.
         let _ = stop.send(());
         tokio::time::timeout(SHUTDOWN_GRACE + Duration::from_secs(3), task)

@@ -27,7 +27,8 @@ pub const LATENCY_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0
 
 /// Histogram buckets (seconds) for the steps inside one request (tens of microseconds to
 /// tens of milliseconds).
-pub const STEP_BUCKETS: &[f64] = &[0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1];
+pub const STEP_BUCKETS: &[f64] =
+    &[0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1];
 
 /// Times the steps of one request into a histogram labelled `(command, step)`: each
 /// [`Steps::mark`] observes the time since the previous mark (or the start).

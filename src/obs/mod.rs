@@ -3,6 +3,6 @@
 //! findings (`doctor`). Planes and composition use these; nothing here imports a plane.
 
 pub mod doctor;
-pub mod logging;
 pub mod health;
+pub mod logging;
 pub mod metrics;

@@ -175,15 +175,26 @@ impl Rewriter {
         }
     }
 
-    fn header_frame(&mut self, kind: u8, flags: u8, stream_id: u32, payload: &[u8], out: &mut BytesMut) -> Result<(), RewriteError> {
+    fn header_frame(
+        &mut self,
+        kind: u8,
+        flags: u8,
+        stream_id: u32,
+        payload: &[u8],
+        out: &mut BytesMut,
+    ) -> Result<(), RewriteError> {
         if kind == TYPE_HEADERS {
             if self.block.is_some() {
                 return Err(RewriteError::Protocol("HEADERS while a header block was open"));
             }
             let mut p = payload;
             if flags & FLAG_PADDED != 0 {
-                let (&pad, rest) = p.split_first().ok_or(RewriteError::Protocol("PADDED HEADERS without a pad length"))?;
-                let keep = rest.len().checked_sub(usize::from(pad)).ok_or(RewriteError::Protocol("padding longer than the frame"))?;
+                let (&pad, rest) =
+                    p.split_first().ok_or(RewriteError::Protocol("PADDED HEADERS without a pad length"))?;
+                let keep = rest
+                    .len()
+                    .checked_sub(usize::from(pad))
+                    .ok_or(RewriteError::Protocol("padding longer than the frame"))?;
                 p = &rest[..keep];
             }
             let priority = if flags & FLAG_PRIORITY != 0 {
@@ -196,7 +207,12 @@ impl Rewriter {
             } else {
                 None
             };
-            self.block = Some(PendingBlock { stream_id, end_stream: flags & FLAG_END_STREAM != 0, priority, fragment: p.to_vec() });
+            self.block = Some(PendingBlock {
+                stream_id,
+                end_stream: flags & FLAG_END_STREAM != 0,
+                priority,
+                fragment: p.to_vec(),
+            });
         } else {
             let block = self.block.as_mut().ok_or(RewriteError::Protocol("CONTINUATION without a header block"))?;
             if block.stream_id != stream_id {
@@ -394,7 +410,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for NormalisedStream<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
     }
-    fn poll_write_vectored(self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
     }
     fn is_write_vectored(&self) -> bool {
@@ -555,7 +575,11 @@ mod tests {
 
     /// Run `input` through a rewriter in pieces of `chunk` bytes; decode what came out with
     /// an independent HPACK decoder.
-    fn run(policy: Policy, input: &[u8], chunk: usize) -> (Vec<u8>, Vec<Vec<(Vec<u8>, Vec<u8>)>>, Vec<(u8, u8, u32, Vec<u8>)>) {
+    fn run(
+        policy: Policy,
+        input: &[u8],
+        chunk: usize,
+    ) -> (Vec<u8>, Vec<Vec<(Vec<u8>, Vec<u8>)>>, Vec<(u8, u8, u32, Vec<u8>)>) {
         let mut rw = Rewriter::new(policy);
         let (mut buf, mut out) = (BytesMut::new(), BytesMut::new());
         for c in input.chunks(chunk.max(1)) {
@@ -610,7 +634,9 @@ mod tests {
     #[test]
     fn percent_encoded_and_raw_paths_become_localhost() {
         let sock = Path::new("/var/lib/kubelet/plugins_registry/csi.nodeplane.dev-reg.sock");
-        for auth in [percent_encoded_path(sock), sock.to_string_lossy().as_bytes().to_vec(), b"tmp%2Fa%20b.sock".to_vec()] {
+        for auth in
+            [percent_encoded_path(sock), sock.to_string_lossy().as_bytes().to_vec(), b"tmp%2Fa%20b.sock".to_vec()]
+        {
             assert!(!valid_authority(&auth), "{auth:?}");
             for chunk in [1, 7, 4096] {
                 let (_, blocks, fr) = run(Policy::Normalise, &client_stream(&auth), chunk);
@@ -652,7 +678,12 @@ mod tests {
         let mut enc = loona_hpack::Encoder::new();
         let long = vec![b'v'; 40_000];
         let auth = b"%2Fa%2Fb".to_vec();
-        let block = enc.encode([(&b":method"[..], &b"POST"[..]), (b":authority", &auth[..]), (b":path", b"/p/Q"), (b"x-big", &long[..])]);
+        let block = enc.encode([
+            (&b":method"[..], &b"POST"[..]),
+            (b":authority", &auth[..]),
+            (b":path", b"/p/Q"),
+            (b"x-big", &long[..]),
+        ]);
         // HEADERS (padded, with priority) + two CONTINUATIONs.
         let (a, rest) = block.split_at(100);
         let (b, c) = rest.split_at(rest.len() / 2);
@@ -726,7 +757,8 @@ mod tests {
     /// is kept.
     #[test]
     fn huffman_coded_blocks_decode() {
-        let blk = [0x82, 0x86, 0x84, 0x41, 0x8c, 0xf1, 0xe3, 0xc2, 0xe5, 0xf2, 0x3a, 0x6b, 0xa0, 0xab, 0x90, 0xf4, 0xff];
+        let blk =
+            [0x82, 0x86, 0x84, 0x41, 0x8c, 0xf1, 0xe3, 0xc2, 0xe5, 0xf2, 0x3a, 0x6b, 0xa0, 0xab, 0x90, 0xf4, 0xff];
         let mut s = PREFACE.to_vec();
         s.extend(frame(TYPE_HEADERS, FLAG_END_HEADERS | FLAG_END_STREAM, 1, &blk));
         let (_, blocks, _) = run(Policy::Normalise, &s, 4);

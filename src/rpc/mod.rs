@@ -109,8 +109,7 @@ pub mod drahealth {
 
 /// The serialized `FileDescriptorSet` of every proto the crate compiles
 /// (with custom options such as `csi.v1.csi_secret`), for introspection and tests.
-pub const FILE_DESCRIPTOR_SET: &[u8] =
-    include_bytes!(concat!(env!("OUT_DIR"), "/nodeplane_descriptor.bin"));
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/nodeplane_descriptor.bin"));
 
 /// `google.protobuf.Timestamp`, wire-identical (seconds = 1, nanos = 2).
 ///
@@ -130,10 +129,7 @@ pub struct Timestamp {
 impl From<SystemTime> for Timestamp {
     fn from(t: SystemTime) -> Self {
         match t.duration_since(UNIX_EPOCH) {
-            Ok(d) => Timestamp {
-                seconds: d.as_secs() as i64,
-                nanos: d.subsec_nanos() as i32,
-            },
+            Ok(d) => Timestamp { seconds: d.as_secs() as i64, nanos: d.subsec_nanos() as i32 },
             Err(e) => {
                 // Before the epoch: floor the seconds, keep nanos non-negative.
                 let d = e.duration();
@@ -142,10 +138,7 @@ impl From<SystemTime> for Timestamp {
                     secs -= 1;
                     nanos += 1_000_000_000;
                 }
-                Timestamp {
-                    seconds: secs,
-                    nanos,
-                }
+                Timestamp { seconds: secs, nanos }
             }
         }
     }
@@ -170,8 +163,9 @@ mod tests;
 
 /// The layer every nodeplane gRPC server runs its responses through; see
 /// [`oversize_is_resource_exhausted`].
-pub fn response_layer()
--> tower::util::MapResponseLayer<fn(tonic::codegen::http::Response<tonic::body::Body>) -> tonic::codegen::http::Response<tonic::body::Body>> {
+pub fn response_layer() -> tower::util::MapResponseLayer<
+    fn(tonic::codegen::http::Response<tonic::body::Body>) -> tonic::codegen::http::Response<tonic::body::Body>,
+> {
     tower::util::MapResponseLayer::new(oversize_is_resource_exhausted)
 }
 
@@ -222,7 +216,12 @@ mod deadline_tests {
         use std::time::Duration;
         let mut md = tonic::metadata::MetadataMap::new();
         assert_eq!(super::deadline_of(&md), None);
-        for (v, d) in [("1S", Duration::from_secs(1)), ("250m", Duration::from_millis(250)), ("2M", Duration::from_secs(120)), ("7u", Duration::from_micros(7))] {
+        for (v, d) in [
+            ("1S", Duration::from_secs(1)),
+            ("250m", Duration::from_millis(250)),
+            ("2M", Duration::from_secs(120)),
+            ("7u", Duration::from_micros(7)),
+        ] {
             md.insert("grpc-timeout", v.parse().unwrap());
             assert_eq!(super::deadline_of(&md), Some(d), "{v}");
         }

@@ -139,9 +139,7 @@ fn mount_ext4_writer() -> csi::VolumeCapability {
             mount_flags: vec!["noatime".into()],
             volume_mount_group: "1000".into(),
         })),
-        access_mode: Some(AccessMode {
-            mode: Mode::SingleNodeWriter as i32,
-        }),
+        access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
     }
 }
 
@@ -158,14 +156,9 @@ fn volume_capability_oneof_and_access_mode_numbers() {
     // block = 1 (empty message), SINGLE_NODE_MULTI_WRITER = 7.
     let block = csi::VolumeCapability {
         access_type: Some(AccessType::Block(BlockVolume {})),
-        access_mode: Some(AccessMode {
-            mode: Mode::SingleNodeMultiWriter as i32,
-        }),
+        access_mode: Some(AccessMode { mode: Mode::SingleNodeMultiWriter as i32 }),
     };
-    assert_eq!(
-        fields(&block.encode_to_vec()),
-        vec![(1, len(&[])), (3, len(&vi(1, 7)))]
-    );
+    assert_eq!(fields(&block.encode_to_vec()), vec![(1, len(&[])), (3, len(&vi(1, 7)))]);
 }
 
 #[test]
@@ -184,10 +177,7 @@ fn access_mode_enum_values() {
     for (m, n) in want {
         assert_eq!(m as i32, n, "{m:?}");
     }
-    assert_eq!(
-        Mode::SingleNodeMultiWriter.as_str_name(),
-        "SINGLE_NODE_MULTI_WRITER"
-    );
+    assert_eq!(Mode::SingleNodeMultiWriter.as_str_name(), "SINGLE_NODE_MULTI_WRITER");
 }
 
 #[test]
@@ -252,20 +242,11 @@ fn node_publish_unpublish_unstage_numbers() {
         ]
     );
 
-    let unpub = csi::NodeUnpublishVolumeRequest {
-        volume_id: "v".into(),
-        target_path: "/t".into(),
-    };
+    let unpub = csi::NodeUnpublishVolumeRequest { volume_id: "v".into(), target_path: "/t".into() };
     assert_eq!(unpub.encode_to_vec(), [ld(1, b"v"), ld(2, b"/t")].concat());
 
-    let unstage = csi::NodeUnstageVolumeRequest {
-        volume_id: "v".into(),
-        staging_target_path: "/s".into(),
-    };
-    assert_eq!(
-        unstage.encode_to_vec(),
-        [ld(1, b"v"), ld(2, b"/s")].concat()
-    );
+    let unstage = csi::NodeUnstageVolumeRequest { volume_id: "v".into(), staging_target_path: "/s".into() };
+    assert_eq!(unstage.encode_to_vec(), [ld(1, b"v"), ld(2, b"/s")].concat());
 }
 
 #[test]
@@ -277,50 +258,28 @@ fn node_stats_expand_info_numbers() {
         volume_path: "/p".into(),
         staging_target_path: "/s".into(),
     };
-    assert_eq!(
-        req.encode_to_vec(),
-        [ld(1, b"v"), ld(2, b"/p"), ld(3, b"/s")].concat()
-    );
+    assert_eq!(req.encode_to_vec(), [ld(1, b"v"), ld(2, b"/p"), ld(3, b"/s")].concat());
 
     // usage = 1 (VolumeUsage: available 1, total 2, used 3, unit 4; BYTES = 1,
     // INODES = 2), volume_condition = 2 (abnormal 1, message 2).
     let resp = csi::NodeGetVolumeStatsResponse {
         usage: vec![
-            csi::VolumeUsage {
-                available: 30,
-                total: 100,
-                used: 70,
-                unit: Unit::Bytes as i32,
-            },
-            csi::VolumeUsage {
-                available: 3,
-                total: 10,
-                used: 7,
-                unit: Unit::Inodes as i32,
-            },
+            csi::VolumeUsage { available: 30, total: 100, used: 70, unit: Unit::Bytes as i32 },
+            csi::VolumeUsage { available: 3, total: 10, used: 7, unit: Unit::Inodes as i32 },
         ],
-        volume_condition: Some(csi::VolumeCondition {
-            abnormal: true,
-            message: "gone".into(),
-        }),
+        volume_condition: Some(csi::VolumeCondition { abnormal: true, message: "gone".into() }),
     };
     let bytes_usage = [vi(1, 30), vi(2, 100), vi(3, 70), vi(4, 1)].concat();
     let inode_usage = [vi(1, 3), vi(2, 10), vi(3, 7), vi(4, 2)].concat();
     let cond = [vi(1, 1), ld(2, b"gone")].concat();
-    assert_eq!(
-        resp.encode_to_vec(),
-        [ld(1, &bytes_usage), ld(1, &inode_usage), ld(2, &cond)].concat()
-    );
+    assert_eq!(resp.encode_to_vec(), [ld(1, &bytes_usage), ld(1, &inode_usage), ld(2, &cond)].concat());
 
     // NodeExpandVolumeRequest: volume_id 1, volume_path 2, capacity_range 3,
     // staging_target_path 4, volume_capability 5, secrets 6.
     let exp = csi::NodeExpandVolumeRequest {
         volume_id: "v".into(),
         volume_path: "/p".into(),
-        capacity_range: Some(csi::CapacityRange {
-            required_bytes: 1 << 30,
-            limit_bytes: 0,
-        }),
+        capacity_range: Some(csi::CapacityRange { required_bytes: 1 << 30, limit_bytes: 0 }),
         staging_target_path: "/s".into(),
         volume_capability: Some(mount_ext4_writer()),
         secrets: one("a", "b"),
@@ -337,9 +296,7 @@ fn node_stats_expand_info_numbers() {
         ]
         .concat()
     );
-    let exp_resp = csi::NodeExpandVolumeResponse {
-        capacity_bytes: 2 << 30,
-    };
+    let exp_resp = csi::NodeExpandVolumeResponse { capacity_bytes: 2 << 30 };
     assert_eq!(exp_resp.encode_to_vec(), vi(1, 2 << 30));
 
     // NodeGetInfoResponse: node_id 1, max_volumes_per_node 2,
@@ -347,18 +304,11 @@ fn node_stats_expand_info_numbers() {
     let info = csi::NodeGetInfoResponse {
         node_id: "n1".into(),
         max_volumes_per_node: 64,
-        accessible_topology: Some(csi::Topology {
-            segments: one("topology.csi.nodeplane.dev/node", "n1"),
-        }),
+        accessible_topology: Some(csi::Topology { segments: one("topology.csi.nodeplane.dev/node", "n1") }),
     };
     assert_eq!(
         info.encode_to_vec(),
-        [
-            ld(1, b"n1"),
-            vi(2, 64),
-            ld(3, &map_entry(1, "topology.csi.nodeplane.dev/node", "n1")),
-        ]
-        .concat()
+        [ld(1, b"n1"), vi(2, 64), ld(3, &map_entry(1, "topology.csi.nodeplane.dev/node", "n1")),].concat()
     );
 }
 
@@ -366,22 +316,15 @@ fn node_stats_expand_info_numbers() {
 fn create_volume_request_numbers() {
     use csi::volume_content_source::{SnapshotSource, Type};
 
-    let topo = |n: &str| csi::Topology {
-        segments: one("zone", n),
-    };
+    let topo = |n: &str| csi::Topology { segments: one("zone", n) };
     let req = csi::CreateVolumeRequest {
         name: "pvc-1".into(),
-        capacity_range: Some(csi::CapacityRange {
-            required_bytes: 10,
-            limit_bytes: 20,
-        }),
+        capacity_range: Some(csi::CapacityRange { required_bytes: 10, limit_bytes: 20 }),
         volume_capabilities: vec![mount_ext4_writer(), mount_ext4_writer()],
         parameters: one("fs", "xfs"),
         secrets: one("a", "b"),
         volume_content_source: Some(csi::VolumeContentSource {
-            r#type: Some(Type::Snapshot(SnapshotSource {
-                snapshot_id: "snap".into(),
-            })),
+            r#type: Some(Type::Snapshot(SnapshotSource { snapshot_id: "snap".into() })),
         }),
         accessibility_requirements: Some(csi::TopologyRequirement {
             requisite: vec![topo("z1")],
@@ -403,19 +346,14 @@ fn create_volume_request_numbers() {
             // VolumeContentSource.snapshot = 1 (SnapshotSource.snapshot_id = 1).
             (6, len(&ld(1, &ld(1, b"snap")))),
             // TopologyRequirement: requisite 1, preferred 2.
-            (
-                7,
-                len(&[ld(1, &topo_bytes("z1")), ld(2, &topo_bytes("z2"))].concat())
-            ),
+            (7, len(&[ld(1, &topo_bytes("z1")), ld(2, &topo_bytes("z2"))].concat())),
             (8, entry("iops", "100")),
         ]
     );
 
     // VolumeContentSource.volume = 2 (VolumeSource.volume_id = 1).
     let clone = csi::VolumeContentSource {
-        r#type: Some(Type::Volume(csi::volume_content_source::VolumeSource {
-            volume_id: "src".into(),
-        })),
+        r#type: Some(Type::Volume(csi::volume_content_source::VolumeSource { volume_id: "src".into() })),
     };
     assert_eq!(clone.encode_to_vec(), ld(2, &ld(1, b"src")));
 
@@ -430,14 +368,9 @@ fn create_volume_request_numbers() {
             accessible_topology: vec![topo("z1")],
         }),
     };
-    let volume = [
-        vi(1, 4096),
-        ld(2, b"vol-1"),
-        map_entry(3, "c", "d"),
-        ld(4, &clone.encode_to_vec()),
-        ld(5, &topo_bytes("z1")),
-    ]
-    .concat();
+    let volume =
+        [vi(1, 4096), ld(2, b"vol-1"), map_entry(3, "c", "d"), ld(4, &clone.encode_to_vec()), ld(5, &topo_bytes("z1"))]
+            .concat();
     assert_eq!(resp.encode_to_vec(), ld(1, &volume));
 }
 
@@ -451,50 +384,31 @@ fn identity_and_capability_numbers() {
         vendor_version: "0.1.0".into(),
         manifest: one("k", "v"),
     };
-    assert_eq!(
-        info.encode_to_vec(),
-        [
-            ld(1, b"csi.nodeplane.dev"),
-            ld(2, b"0.1.0"),
-            map_entry(3, "k", "v")
-        ]
-        .concat()
-    );
+    assert_eq!(info.encode_to_vec(), [ld(1, b"csi.nodeplane.dev"), ld(2, b"0.1.0"), map_entry(3, "k", "v")].concat());
 
     // PluginCapability: oneof type { service = 1; volume_expansion = 2 }.
     let caps = csi::GetPluginCapabilitiesResponse {
         capabilities: vec![
             csi::PluginCapability {
-                r#type: Some(plugin_capability::Type::Service(
-                    plugin_capability::Service {
-                        r#type: Svc::ControllerService as i32,
-                    },
-                )),
+                r#type: Some(plugin_capability::Type::Service(plugin_capability::Service {
+                    r#type: Svc::ControllerService as i32,
+                })),
             },
             csi::PluginCapability {
-                r#type: Some(plugin_capability::Type::Service(
-                    plugin_capability::Service {
-                        r#type: Svc::VolumeAccessibilityConstraints as i32,
-                    },
-                )),
+                r#type: Some(plugin_capability::Type::Service(plugin_capability::Service {
+                    r#type: Svc::VolumeAccessibilityConstraints as i32,
+                })),
             },
             csi::PluginCapability {
-                r#type: Some(plugin_capability::Type::VolumeExpansion(
-                    plugin_capability::VolumeExpansion {
-                        r#type: Exp::Online as i32,
-                    },
-                )),
+                r#type: Some(plugin_capability::Type::VolumeExpansion(plugin_capability::VolumeExpansion {
+                    r#type: Exp::Online as i32,
+                })),
             },
         ],
     };
     assert_eq!(
         caps.encode_to_vec(),
-        [
-            ld(1, &ld(1, &vi(1, 1))),
-            ld(1, &ld(1, &vi(1, 2))),
-            ld(1, &ld(2, &vi(1, 1))),
-        ]
-        .concat()
+        [ld(1, &ld(1, &vi(1, 1))), ld(1, &ld(1, &vi(1, 2))), ld(1, &ld(2, &vi(1, 1))),].concat()
     );
     assert_eq!(Svc::GroupControllerService as i32, 3);
     assert_eq!(Svc::SnapshotMetadataService as i32, 4);
@@ -511,9 +425,7 @@ fn identity_and_capability_numbers() {
     ];
     for (cap, n) in want {
         let msg = csi::NodeServiceCapability {
-            r#type: Some(csi::node_service_capability::Type::Rpc(Rpc {
-                r#type: cap as i32,
-            })),
+            r#type: Some(csi::node_service_capability::Type::Rpc(Rpc { r#type: cap as i32 })),
         };
         assert_eq!(msg.encode_to_vec(), ld(1, &vi(1, n)), "{cap:?}");
     }
@@ -553,10 +465,7 @@ fn wrappers_and_timestamp_on_the_wire() {
     // "Not ready yet" is a present-but-false wrapper, distinct from unset.
     let not_ready = csi::ProbeResponse { ready: Some(false) };
     assert_eq!(not_ready.encode_to_vec(), ld(1, &[]));
-    assert_eq!(
-        csi::ProbeResponse { ready: None }.encode_to_vec(),
-        Vec::<u8>::new()
-    );
+    assert_eq!(csi::ProbeResponse { ready: None }.encode_to_vec(), Vec::<u8>::new());
 
     // GetCapacityResponse: available_capacity 1, maximum_volume_size 2 and
     // minimum_volume_size 3 as Int64Value.
@@ -565,10 +474,7 @@ fn wrappers_and_timestamp_on_the_wire() {
         maximum_volume_size: Some(500),
         minimum_volume_size: Some(1),
     };
-    assert_eq!(
-        cap.encode_to_vec(),
-        [vi(1, 1000), ld(2, &vi(1, 500)), ld(3, &vi(1, 1))].concat()
-    );
+    assert_eq!(cap.encode_to_vec(), [vi(1, 1000), ld(2, &vi(1, 500)), ld(3, &vi(1, 1))].concat());
 
     // Snapshot: size_bytes 1, snapshot_id 2, source_volume_id 3,
     // creation_time 4 (Timestamp: seconds 1, nanos 2), ready_to_use 5,
@@ -577,24 +483,14 @@ fn wrappers_and_timestamp_on_the_wire() {
         size_bytes: 7,
         snapshot_id: "s".into(),
         source_volume_id: "v".into(),
-        creation_time: Some(Timestamp {
-            seconds: 1_700_000_000,
-            nanos: 5,
-        }),
+        creation_time: Some(Timestamp { seconds: 1_700_000_000, nanos: 5 }),
         ready_to_use: true,
         group_snapshot_id: "g".into(),
     };
     assert_eq!(
         snap.encode_to_vec(),
-        [
-            vi(1, 7),
-            ld(2, b"s"),
-            ld(3, b"v"),
-            ld(4, &[vi(1, 1_700_000_000), vi(2, 5)].concat()),
-            vi(5, 1),
-            ld(6, b"g"),
-        ]
-        .concat()
+        [vi(1, 7), ld(2, b"s"), ld(3, b"v"), ld(4, &[vi(1, 1_700_000_000), vi(2, 5)].concat()), vi(5, 1), ld(6, b"g"),]
+            .concat()
     );
 }
 
@@ -603,23 +499,11 @@ fn timestamp_system_time_round_trip() {
     use std::time::{Duration, SystemTime, UNIX_EPOCH};
     let t = UNIX_EPOCH + Duration::new(1_700_000_000, 123_456_789);
     let ts = Timestamp::from(t);
-    assert_eq!(
-        ts,
-        Timestamp {
-            seconds: 1_700_000_000,
-            nanos: 123_456_789
-        }
-    );
+    assert_eq!(ts, Timestamp { seconds: 1_700_000_000, nanos: 123_456_789 });
     assert_eq!(SystemTime::from(ts), t);
     let before = UNIX_EPOCH - Duration::new(1, 250_000_000);
     let ts = Timestamp::from(before);
-    assert_eq!(
-        ts,
-        Timestamp {
-            seconds: -2,
-            nanos: 750_000_000
-        }
-    );
+    assert_eq!(ts, Timestamp { seconds: -2, nanos: 750_000_000 });
     assert_eq!(SystemTime::from(ts), before);
 }
 
@@ -642,22 +526,12 @@ fn plugin_registration_numbers() {
         ]
         .concat()
     );
-    let st = reg::RegistrationStatus {
-        plugin_registered: true,
-        error: "e".into(),
-    };
+    let st = reg::RegistrationStatus { plugin_registered: true, error: "e".into() };
     assert_eq!(st.encode_to_vec(), [vi(1, 1), ld(2, b"e")].concat());
     assert!(reg::InfoRequest {}.encode_to_vec().is_empty());
-    assert!(
-        reg::RegistrationStatusResponse {}
-            .encode_to_vec()
-            .is_empty()
-    );
+    assert!(reg::RegistrationStatusResponse {}.encode_to_vec().is_empty());
 
-    assert_eq!(
-        reg::registration_server::SERVICE_NAME,
-        "pluginregistration.Registration"
-    );
+    assert_eq!(reg::registration_server::SERVICE_NAME, "pluginregistration.Registration");
 }
 
 /// Upstream's field names (they reach JSON and reflection): the descriptor holds each as a
@@ -678,8 +552,13 @@ fn device_plugin_v1beta1_numbers_and_names() {
     };
     assert_eq!(
         req.encode_to_vec(),
-        [ld(1, b"v1beta1"), ld(2, b"nodeplane-kvm.sock"), ld(3, b"nodeplane.dev/kvm"), ld(4, &[vi(1, 1), vi(2, 1)].concat())]
-            .concat()
+        [
+            ld(1, b"v1beta1"),
+            ld(2, b"nodeplane-kvm.sock"),
+            ld(3, b"nodeplane.dev/kvm"),
+            ld(4, &[vi(1, 1), vi(2, 1)].concat())
+        ]
+        .concat()
     );
     let dev = dp::Device {
         id: "kvm".into(),
@@ -696,7 +575,11 @@ fn device_plugin_v1beta1_numbers_and_names() {
     let resp = dp::ContainerAllocateResponse {
         envs: one("K", "V"),
         mounts: vec![dp::Mount { container_path: "/c".into(), host_path: "/h".into(), read_only: true }],
-        devices: vec![dp::DeviceSpec { container_path: "/dev/x".into(), host_path: "/dev/x".into(), permissions: "rw".into() }],
+        devices: vec![dp::DeviceSpec {
+            container_path: "/dev/x".into(),
+            host_path: "/dev/x".into(),
+            permissions: "rw".into(),
+        }],
         annotations: one("a", "b"),
         cdi_devices: vec![dp::CdiDevice { name: "nodeplane.dev/kvm=kvm".into() }],
     };
@@ -743,7 +626,9 @@ fn dra_v1_and_health_v1alpha1_numbers_and_names() {
     assert_eq!(one.encode_to_vec(), one_bytes);
     let resp = dra::NodePrepareResourcesResponse { claims: [("u-1".to_string(), one)].into() };
     assert_eq!(resp.encode_to_vec(), ld(1, &[ld(1, b"u-1"), ld(2, &one_bytes)].concat()));
-    let un = dra::NodeUnprepareResourcesResponse { claims: [("u-1".to_string(), dra::NodeUnprepareResourceResponse { error: "e".into() })].into() };
+    let un = dra::NodeUnprepareResourcesResponse {
+        claims: [("u-1".to_string(), dra::NodeUnprepareResourceResponse { error: "e".into() })].into(),
+    };
     assert_eq!(un.encode_to_vec(), ld(1, &[ld(1, b"u-1"), ld(2, &ld(1, b"e"))].concat()));
     assert_eq!(dra::dra_plugin_server::SERVICE_NAME, "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin");
 
@@ -754,13 +639,22 @@ fn dra_v1_and_health_v1alpha1_numbers_and_names() {
         health_check_timeout_seconds: 30,
         message: "gone".into(),
     };
-    let h_bytes = [ld(1, &[ld(1, b"p"), ld(2, b"d")].concat()), vi(2, 2), vi(3, 1_700_000_000), vi(4, 30), ld(5, b"gone")].concat();
+    let h_bytes =
+        [ld(1, &[ld(1, b"p"), ld(2, b"d")].concat()), vi(2, 2), vi(3, 1_700_000_000), vi(4, 30), ld(5, b"gone")]
+            .concat();
     assert_eq!(h.encode_to_vec(), h_bytes);
     assert_eq!(health::NodeWatchResourcesResponse { devices: vec![h] }.encode_to_vec(), ld(1, &h_bytes));
     assert_eq!(health::NodeWatchResourcesRequest {}.encode_to_vec(), Vec::<u8>::new());
     assert_eq!((health::HealthStatus::Unknown as i32, health::HealthStatus::Healthy as i32), (0, 1));
     assert_eq!(health::dra_resource_health_server::SERVICE_NAME, "v1alpha1.DRAResourceHealth");
-    for name in ["request_names", "pool_name", "device_name", "cdi_device_ids", "last_updated_time", "health_check_timeout_seconds"] {
+    for name in [
+        "request_names",
+        "pool_name",
+        "device_name",
+        "cdi_device_ids",
+        "last_updated_time",
+        "health_check_timeout_seconds",
+    ] {
         assert!(descriptor_has_field_name(name), "field name {name:?} missing from the descriptor");
     }
 }
@@ -769,14 +663,8 @@ fn dra_v1_and_health_v1alpha1_numbers_and_names() {
 fn grpc_service_names() {
     assert_eq!(csi::identity_server::SERVICE_NAME, "csi.v1.Identity");
     assert_eq!(csi::controller_server::SERVICE_NAME, "csi.v1.Controller");
-    assert_eq!(
-        csi::group_controller_server::SERVICE_NAME,
-        "csi.v1.GroupController"
-    );
-    assert_eq!(
-        csi::snapshot_metadata_server::SERVICE_NAME,
-        "csi.v1.SnapshotMetadata"
-    );
+    assert_eq!(csi::group_controller_server::SERVICE_NAME, "csi.v1.GroupController");
+    assert_eq!(csi::snapshot_metadata_server::SERVICE_NAME, "csi.v1.SnapshotMetadata");
     assert_eq!(csi::node_server::SERVICE_NAME, "csi.v1.Node");
 }
 
@@ -793,15 +681,9 @@ fn decode_node_publish_from_upstream_numbering() {
     // might add: both must be accepted.
     let cap = [ld(1, &[]), ld(3, &vi(1, 7))].concat(); // block, SINGLE_NODE_MULTI_WRITER
     let bytes = [
-        ld(
-            4,
-            b"/var/lib/kubelet/pods/p/volumes/kubernetes.io~csi/pv/mount",
-        ),
+        ld(4, b"/var/lib/kubelet/pods/p/volumes/kubernetes.io~csi/pv/mount"),
         ld(1, b"vol-9"),
-        ld(
-            3,
-            b"/var/lib/kubelet/plugins/kubernetes.io/csi/csi.nodeplane.dev/x/globalmount",
-        ),
+        ld(3, b"/var/lib/kubelet/plugins/kubernetes.io/csi/csi.nodeplane.dev/x/globalmount"),
         ld(5, &cap),
         vi(6, 1),
         map_entry(7, "user", "secret"),
@@ -820,23 +702,14 @@ fn decode_node_publish_from_upstream_numbering() {
     assert_eq!(vc.access_mode.unwrap().mode(), Mode::SingleNodeMultiWriter);
     assert!(req.readonly);
     assert_eq!(req.secrets, one("user", "secret"));
-    assert_eq!(
-        req.volume_context,
-        one("csi.storage.k8s.io/ephemeral", "false")
-    );
+    assert_eq!(req.volume_context, one("csi.storage.k8s.io/ephemeral", "false"));
 }
 
 #[test]
 fn decode_node_stage_and_stats_from_upstream_numbering() {
     use csi::volume_capability::AccessType;
 
-    let mount = [
-        ld(1, b"xfs"),
-        ld(2, b"nodiscard"),
-        ld(2, b"noatime"),
-        ld(3, b"2000"),
-    ]
-    .concat();
+    let mount = [ld(1, b"xfs"), ld(2, b"nodiscard"), ld(2, b"noatime"), ld(3, b"2000")].concat();
     let cap = [ld(2, &mount), ld(3, &vi(1, 1))].concat();
     let bytes = [
         ld(1, b"vol-1"),
@@ -863,11 +736,7 @@ fn decode_node_stage_and_stats_from_upstream_numbering() {
     }
 
     let usage = [vi(1, 30), vi(2, 100), vi(3, 70), vi(4, 2)].concat();
-    let bytes = [
-        ld(2, &[vi(1, 1), ld(2, b"backing file missing")].concat()),
-        ld(1, &usage),
-    ]
-    .concat();
+    let bytes = [ld(2, &[vi(1, 1), ld(2, b"backing file missing")].concat()), ld(1, &usage)].concat();
     let resp = csi::NodeGetVolumeStatsResponse::decode(bytes.as_slice()).unwrap();
     assert_eq!(resp.usage.len(), 1);
     let u = &resp.usage[0];
@@ -904,20 +773,11 @@ fn decode_create_volume_and_plugin_info_from_upstream_numbering() {
         other => panic!("expected volume source, got {other:?}"),
     }
     let ar = req.accessibility_requirements.unwrap();
-    assert_eq!(
-        ar.requisite[0].segments,
-        one("topology.csi.nodeplane.dev/node", "n2")
-    );
+    assert_eq!(ar.requisite[0].segments, one("topology.csi.nodeplane.dev/node", "n2"));
     assert_eq!(ar.preferred.len(), 1);
     assert_eq!(req.mutable_parameters, one("iops", "3000"));
 
-    let bytes = [
-        ld(4, b"1.0.0"),
-        ld(1, b"CSIPlugin"),
-        ld(3, b"/csi.sock"),
-        ld(2, b"csi.nodeplane.dev"),
-    ]
-    .concat();
+    let bytes = [ld(4, b"1.0.0"), ld(1, b"CSIPlugin"), ld(3, b"/csi.sock"), ld(2, b"csi.nodeplane.dev")].concat();
     let info = reg::PluginInfo::decode(bytes.as_slice()).unwrap();
     assert_eq!(info.r#type, "CSIPlugin");
     assert_eq!(info.name, "csi.nodeplane.dev");
@@ -1067,27 +927,16 @@ const REPEATED: i32 = 3;
 
 fn file(package: &str) -> desc::FileDescriptorProto {
     let set = desc::FileDescriptorSet::decode(FILE_DESCRIPTOR_SET).unwrap();
-    set.file
-        .into_iter()
-        .find(|f| f.package == package)
-        .unwrap_or_else(|| panic!("no {package}"))
+    set.file.into_iter().find(|f| f.package == package).unwrap_or_else(|| panic!("no {package}"))
 }
 
 /// Finds a (possibly nested, dot-separated) message.
 fn message<'a>(f: &'a desc::FileDescriptorProto, path: &str) -> &'a desc::DescriptorProto {
     let mut parts = path.split('.');
     let first = parts.next().unwrap();
-    let mut m = f
-        .message_type
-        .iter()
-        .find(|m| m.name == first)
-        .unwrap_or_else(|| panic!("{path}"));
+    let mut m = f.message_type.iter().find(|m| m.name == first).unwrap_or_else(|| panic!("{path}"));
     for p in parts {
-        m = m
-            .nested_type
-            .iter()
-            .find(|n| n.name == p)
-            .unwrap_or_else(|| panic!("{path}"));
+        m = m.nested_type.iter().find(|n| n.name == p).unwrap_or_else(|| panic!("{path}"));
     }
     m
 }
@@ -1097,23 +946,10 @@ type FieldSig = (&'static str, i32, i32, i32, &'static str);
 
 fn assert_fields(f: &desc::FileDescriptorProto, path: &str, want: &[FieldSig]) {
     let m = message(f, path);
-    let got: Vec<(String, i32, i32, i32, String)> = m
-        .field
-        .iter()
-        .map(|x| {
-            (
-                x.name.clone(),
-                x.number,
-                x.r#type,
-                x.label,
-                x.type_name.clone(),
-            )
-        })
-        .collect();
-    let want: Vec<(String, i32, i32, i32, String)> = want
-        .iter()
-        .map(|(n, num, t, l, tn)| (n.to_string(), *num, *t, *l, tn.to_string()))
-        .collect();
+    let got: Vec<(String, i32, i32, i32, String)> =
+        m.field.iter().map(|x| (x.name.clone(), x.number, x.r#type, x.label, x.type_name.clone())).collect();
+    let want: Vec<(String, i32, i32, i32, String)> =
+        want.iter().map(|(n, num, t, l, tn)| (n.to_string(), *num, *t, *l, tn.to_string())).collect();
     assert_eq!(got, want, "fields of {path}");
 }
 
@@ -1121,23 +957,13 @@ fn assert_fields(f: &desc::FileDescriptorProto, path: &str, want: &[FieldSig]) {
 fn csi_descriptor_services_and_methods() {
     let f = file("csi.v1");
     assert_eq!(f.syntax, "proto3");
-    for dep in [
-        "google/protobuf/descriptor.proto",
-        "google/protobuf/timestamp.proto",
-        "google/protobuf/wrappers.proto",
-    ] {
-        assert!(
-            f.dependency.iter().any(|d| d == dep),
-            "missing import {dep}"
-        );
+    for dep in ["google/protobuf/descriptor.proto", "google/protobuf/timestamp.proto", "google/protobuf/wrappers.proto"]
+    {
+        assert!(f.dependency.iter().any(|d| d == dep), "missing import {dep}");
     }
     let svc = |name: &str| f.service.iter().find(|s| s.name == name).unwrap();
-    let methods =
-        |name: &str| -> Vec<String> { svc(name).method.iter().map(|m| m.name.clone()).collect() };
-    assert_eq!(
-        methods("Identity"),
-        ["GetPluginInfo", "GetPluginCapabilities", "Probe"]
-    );
+    let methods = |name: &str| -> Vec<String> { svc(name).method.iter().map(|m| m.name.clone()).collect() };
+    assert_eq!(methods("Identity"), ["GetPluginInfo", "GetPluginCapabilities", "Probe"]);
     assert_eq!(
         methods("Controller"),
         [
@@ -1167,10 +993,7 @@ fn csi_descriptor_services_and_methods() {
             "GetVolumeGroupSnapshot",
         ]
     );
-    assert_eq!(
-        methods("SnapshotMetadata"),
-        ["GetMetadataAllocated", "GetMetadataDelta"]
-    );
+    assert_eq!(methods("SnapshotMetadata"), ["GetMetadataAllocated", "GetMetadataDelta"]);
     assert_eq!(
         methods("Node"),
         [
@@ -1191,26 +1014,14 @@ fn csi_descriptor_services_and_methods() {
             assert_eq!(m.input_type, format!(".csi.v1.{}Request", m.name));
             assert_eq!(m.output_type, format!(".csi.v1.{}Response", m.name));
             assert!(!m.client_streaming);
-            assert_eq!(
-                m.server_streaming,
-                s.name == "SnapshotMetadata",
-                "{}",
-                m.name
-            );
+            assert_eq!(m.server_streaming, s.name == "SnapshotMetadata", "{}", m.name);
             let alpha = m.options.as_ref().and_then(|o| o.alpha).unwrap_or(false);
-            let want_alpha = matches!(
-                m.name.as_str(),
-                "GetSnapshot" | "ControllerGetVolume" | "ControllerModifyVolume"
-            );
+            let want_alpha =
+                matches!(m.name.as_str(), "GetSnapshot" | "ControllerGetVolume" | "ControllerModifyVolume");
             assert_eq!(alpha, want_alpha, "alpha_method on {}", m.name);
         }
         let alpha = s.options.as_ref().and_then(|o| o.alpha).unwrap_or(false);
-        assert_eq!(
-            alpha,
-            s.name == "SnapshotMetadata",
-            "alpha_service on {}",
-            s.name
-        );
+        assert_eq!(alpha, s.name == "SnapshotMetadata", "alpha_service on {}", s.name);
     }
 }
 
@@ -1228,11 +1039,7 @@ fn csi_descriptor_custom_option_declarations() {
     got.sort();
     let mut want: Vec<(String, i32, String)> = [
         ("alpha_enum", 1060, ".google.protobuf.EnumOptions"),
-        (
-            "alpha_enum_value",
-            1060,
-            ".google.protobuf.EnumValueOptions",
-        ),
+        ("alpha_enum_value", 1060, ".google.protobuf.EnumValueOptions"),
         ("alpha_field", 1060, ".google.protobuf.FieldOptions"),
         ("alpha_message", 1060, ".google.protobuf.MessageOptions"),
         ("alpha_method", 1060, ".google.protobuf.MethodOptions"),
@@ -1246,17 +1053,9 @@ fn csi_descriptor_custom_option_declarations() {
     assert_eq!(got, want);
 }
 
-fn walk<'a>(
-    prefix: &str,
-    msgs: &'a [desc::DescriptorProto],
-    out: &mut Vec<(String, &'a desc::DescriptorProto)>,
-) {
+fn walk<'a>(prefix: &str, msgs: &'a [desc::DescriptorProto], out: &mut Vec<(String, &'a desc::DescriptorProto)>) {
     for m in msgs {
-        let path = if prefix.is_empty() {
-            m.name.clone()
-        } else {
-            format!("{prefix}.{}", m.name)
-        };
+        let path = if prefix.is_empty() { m.name.clone() } else { format!("{prefix}.{}", m.name) };
         walk(&path, &m.nested_type, out);
         out.push((path, m));
     }

@@ -105,7 +105,12 @@ fn now() -> i64 {
 }
 
 /// The server config from the files' contents (no ALPN protocols set).
-fn server_config(files: &ServerFiles, cert: &[u8], key: &[u8], ca: Option<&[u8]>) -> Result<rustls::ServerConfig, String> {
+fn server_config(
+    files: &ServerFiles,
+    cert: &[u8],
+    key: &[u8],
+    ca: Option<&[u8]>,
+) -> Result<rustls::ServerConfig, String> {
     let certs = certs_of(cert, &files.cert_file.display().to_string())?;
     let key = key_of(key, &files.key_file.display().to_string())?;
     match not_after(&certs[0]) {
@@ -199,7 +204,11 @@ impl Acceptor {
     }
 
     /// Re-read the files every `every` until `stopping`.
-    pub fn watch(self: &Arc<Self>, every: Duration, mut stopping: tokio::sync::watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
+    pub fn watch(
+        self: &Arc<Self>,
+        every: Duration,
+        mut stopping: tokio::sync::watch::Receiver<bool>,
+    ) -> tokio::task::JoinHandle<()> {
         let me = self.clone();
         tokio::spawn(async move {
             let mut failing = false;
@@ -235,7 +244,9 @@ impl Acceptor {
 pub fn incoming(
     listener: tokio::net::TcpListener,
     acceptor: Arc<Acceptor>,
-) -> tokio_stream::wrappers::ReceiverStream<Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>> {
+) -> tokio_stream::wrappers::ReceiverStream<
+    Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>,
+> {
     let (tx, rx) = tokio::sync::mpsc::channel(128);
     tokio::spawn(async move {
         loop {
@@ -260,13 +271,14 @@ pub fn incoming(
                     Ok(Ok(s)) => {
                         let _ = tx.send(Ok(s)).await;
                     }
-                    Ok(Err(e)) => tracing::warn!(%peer, error = %e, "TLS handshake failed: connection refused (plaintext clients are not served)"),
+                    Ok(Err(e)) => {
+                        tracing::warn!(%peer, error = %e, "TLS handshake failed: connection refused (plaintext clients are not served)")
+                    }
                     Err(_) => tracing::warn!(%peer, "TLS handshake not completed within 10 s: connection dropped"),
                 }
             });
         }
-    })
-    ;
+    });
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
@@ -295,7 +307,8 @@ pub async fn connect(addr: std::net::SocketAddr, tls: &ClientFiles) -> Result<to
         .domain_name(name);
     match (&tls.cert_file, &tls.key_file) {
         (Some(c), Some(k)) => {
-            cfg = cfg.identity(tonic::transport::Identity::from_pem(read(c, "client certificate")?, read(k, "client key")?));
+            cfg = cfg
+                .identity(tonic::transport::Identity::from_pem(read(c, "client certificate")?, read(k, "client key")?));
         }
         (None, None) => {}
         _ => return Err("tls.certFile and tls.keyFile go together".into()),

@@ -62,16 +62,25 @@ async fn run<T: Send + 'static>(
 
 #[tonic::async_trait]
 impl api::node_volumes_server::NodeVolumes for NodeVolumes {
-    async fn create_volume(&self, r: Request<api::CreateVolumeRequest>) -> Result<Response<api::CreateVolumeResponse>, Status> {
+    async fn create_volume(
+        &self,
+        r: Request<api::CreateVolumeRequest>,
+    ) -> Result<Response<api::CreateVolumeResponse>, Status> {
         let r = r.into_inner();
-        let fs: FsType = r.fs_type.parse().map_err(|e: crate::storage::fs::InvalidFsType| Status::invalid_argument(e.to_string()))?;
+        let fs: FsType = r
+            .fs_type
+            .parse()
+            .map_err(|e: crate::storage::fs::InvalidFsType| Status::invalid_argument(e.to_string()))?;
         run(&self.0, Some(r.id.clone()), move |s| {
             let v = s.store.create(&r.id, r.size_bytes, fs).map_err(status)?;
             Ok(api::CreateVolumeResponse { volume: Some(to_api(s, &v)) })
         })
         .await
     }
-    async fn delete_volume(&self, r: Request<api::DeleteVolumeRequest>) -> Result<Response<api::DeleteVolumeResponse>, Status> {
+    async fn delete_volume(
+        &self,
+        r: Request<api::DeleteVolumeRequest>,
+    ) -> Result<Response<api::DeleteVolumeResponse>, Status> {
         let r = r.into_inner();
         run(&self.0, Some(r.id.clone()), move |s| {
             s.store.delete(&r.id).map_err(status)?;
@@ -79,7 +88,10 @@ impl api::node_volumes_server::NodeVolumes for NodeVolumes {
         })
         .await
     }
-    async fn expand_volume(&self, r: Request<api::ExpandVolumeRequest>) -> Result<Response<api::ExpandVolumeResponse>, Status> {
+    async fn expand_volume(
+        &self,
+        r: Request<api::ExpandVolumeRequest>,
+    ) -> Result<Response<api::ExpandVolumeResponse>, Status> {
         let r = r.into_inner();
         run(&self.0, Some(r.id.clone()), move |s| {
             let v = s.store.expand(&r.id, r.size_bytes).map_err(status)?;
@@ -87,10 +99,19 @@ impl api::node_volumes_server::NodeVolumes for NodeVolumes {
         })
         .await
     }
-    async fn list_volumes(&self, _: Request<api::ListVolumesRequest>) -> Result<Response<api::ListVolumesResponse>, Status> {
-        run(&self.0, None, |s| Ok(api::ListVolumesResponse { volumes: s.store.list().iter().map(|v| to_api(s, v)).collect() })).await
+    async fn list_volumes(
+        &self,
+        _: Request<api::ListVolumesRequest>,
+    ) -> Result<Response<api::ListVolumesResponse>, Status> {
+        run(&self.0, None, |s| {
+            Ok(api::ListVolumesResponse { volumes: s.store.list().iter().map(|v| to_api(s, v)).collect() })
+        })
+        .await
     }
-    async fn get_capacity(&self, _: Request<api::GetCapacityRequest>) -> Result<Response<api::GetCapacityResponse>, Status> {
+    async fn get_capacity(
+        &self,
+        _: Request<api::GetCapacityRequest>,
+    ) -> Result<Response<api::GetCapacityResponse>, Status> {
         run(&self.0, None, |s| {
             let u = s.store.usage();
             Ok(api::GetCapacityResponse {

@@ -36,7 +36,11 @@ const fn cap(number: u32, name: &'static str, reason: &'static str) -> Cap {
 /// Everything the agent and the programs it runs need; every other capability is dropped.
 pub const KEPT: &[Cap] = &[
     cap(0, "CAP_CHOWN", "volume_mount_group (fsGroup): chgrp of the volume root to the pod's group"),
-    cap(2, "CAP_DAC_READ_SEARCH", "xfs_growfs opens the mount point, whose root a pod may have made unreadable to root"),
+    cap(
+        2,
+        "CAP_DAC_READ_SEARCH",
+        "xfs_growfs opens the mount point, whose root a pod may have made unreadable to root",
+    ),
     cap(3, "CAP_FOWNER", "volume_mount_group: chmod of a volume root that a pod has chowned to another user"),
     cap(4, "CAP_FSETID", "volume_mount_group: the set-gid bit on a root whose group is not the agent's"),
     cap(12, "CAP_NET_ADMIN", "links, addresses, routes, neighbours, VXLAN, sysctls and nftables (netlink, nft)"),
@@ -130,10 +134,7 @@ fn prctl(option: libc::c_int, arg: libc::c_ulong, arg3: libc::c_ulong) -> io::Re
 
 /// The highest capability number this kernel knows.
 fn last_cap() -> u32 {
-    std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(40)
+    std::fs::read_to_string("/proc/sys/kernel/cap_last_cap").ok().and_then(|s| s.trim().parse().ok()).unwrap_or(40)
 }
 
 fn thread_count() -> usize {

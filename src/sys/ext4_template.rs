@@ -35,7 +35,8 @@ use std::sync::{Arc, Mutex};
 /// tables are zeroed — which they are — so the kernel runs no background inode-table
 /// zeroing (`ext4lazyinit`) after the first mount. An older mkfs.ext4 refuses the option:
 /// no template is made and the device gets `mkfs.ext4`'s defaults instead.
-pub const MKFS_OPTIONS: &[&str] = &["-F", "-q", "-E", "assume_storage_prezeroed=1,nodiscard", "-O", "metadata_csum_seed"];
+pub const MKFS_OPTIONS: &[&str] =
+    &["-F", "-q", "-E", "assume_storage_prezeroed=1,nodiscard", "-O", "metadata_csum_seed"];
 /// Templates kept at most (least recently used are removed first).
 pub const KEEP: usize = 16;
 
@@ -183,7 +184,8 @@ impl Templates {
             }
             out.write_all_at(&buf, a)?;
         }
-        let (at, sb) = primary.ok_or_else(|| io::Error::other(format!("template {} has no primary superblock", path.display())))?;
+        let (at, sb) = primary
+            .ok_or_else(|| io::Error::other(format!("template {} has no primary superblock", path.display())))?;
         out.sync_data()?;
         crate::util::crash_point("mkfs-before-primary-superblock");
         out.write_all_at(&sb, at)?;
@@ -246,7 +248,9 @@ impl Templates {
 
 /// Zero the fields a template copy makes its own, to compare superblocks without them.
 fn mask_identity(sb: &mut [u8]) {
-    for (at, len) in [(S_UUID, 16), (S_HASH_SEED, 16), (S_WTIME, 4), (S_LASTCHECK, 4), (S_MKFS_TIME, 4), (S_CHECKSUM, 4)] {
+    for (at, len) in
+        [(S_UUID, 16), (S_HASH_SEED, 16), (S_WTIME, 4), (S_LASTCHECK, 4), (S_MKFS_TIME, 4), (S_CHECKSUM, 4)]
+    {
         sb[at..at + len].fill(0);
     }
 }
@@ -266,7 +270,8 @@ impl Identity {
         uuid[8] = (uuid[8] & 0x3f) | 0x80; // RFC 4122 variant
         let mut hash_seed = [0u8; 16];
         crate::util::fill_random(&mut hash_seed);
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as u32).unwrap_or(0);
+        let now =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as u32).unwrap_or(0);
         Identity { uuid, hash_seed, now }
     }
 

@@ -72,7 +72,8 @@ impl State {
         self.next_ns += 1;
         let id = self.next_ns;
         let lo = Link { index: 1, name: "lo".into(), ..Default::default() };
-        self.ns.insert(id, FakeNs { links: vec![lo], cookie: 1000 + id, inode: 4_026_000_000 + id, ..Default::default() });
+        self.ns
+            .insert(id, FakeNs { links: vec![lo], cookie: 1000 + id, inode: 4_026_000_000 + id, ..Default::default() });
         id
     }
 
@@ -97,7 +98,11 @@ impl State {
             l.master = None;
         }
         if let Some(peer) = link.peer {
-            let owner = self.ns.iter().find(|(_, s)| s.links.iter().any(|l| l.index == peer && l.peer == Some(index))).map(|(id, _)| *id);
+            let owner = self
+                .ns
+                .iter()
+                .find(|(_, s)| s.links.iter().any(|l| l.index == peer && l.peer == Some(index)))
+                .map(|(id, _)| *id);
             if let Some(owner) = owner {
                 self.remove_link(owner, peer);
             }
@@ -509,7 +514,10 @@ impl PodNetns for FakePodNetns {
         let mut st = self.st.lock().unwrap_or_else(|p| p.into_inner());
         st.enter(self.ns, "netns_links", self.path.display().to_string()).map_err(NetnsError::Netlink)?;
         if !st.ns.contains_key(&self.ns) {
-            return Err(NetnsError::Setns { path: self.path.clone(), source: io::Error::from_raw_os_error(libc::EINVAL) });
+            return Err(NetnsError::Setns {
+                path: self.path.clone(),
+                source: io::Error::from_raw_os_error(libc::EINVAL),
+            });
         }
         Ok(Box::new(FakeLinks { st: self.st.clone(), ns: self.ns }))
     }
@@ -526,7 +534,8 @@ impl NetKernel for FakeNet {
 
     fn open_netns(&self, path: &Path) -> std::result::Result<Box<dyn PodNetns>, NetnsError> {
         let mut st = self.lock();
-        st.enter(HOST, "open_netns", path.display().to_string()).map_err(|e| NetnsError::Io { path: path.into(), source: e.source })?;
+        st.enter(HOST, "open_netns", path.display().to_string())
+            .map_err(|e| NetnsError::Io { path: path.into(), source: e.source })?;
         if st.not_netns.contains(path) {
             return Err(NetnsError::NotNetns(path.to_path_buf()));
         }

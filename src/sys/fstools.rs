@@ -60,7 +60,6 @@ impl std::fmt::Display for FsType {
     }
 }
 
-
 #[derive(Debug, thiserror::Error)]
 pub enum FsError {
     #[error("running {tool}: {source}")]
@@ -128,7 +127,9 @@ pub fn probe_type(dev: &Path, image: Option<&Path>) -> Result<Option<String>, Fs
     match p {
         Probe::Blank => Ok(None),
         Probe::Found(t) => Ok(Some(t)),
-        Probe::Unknown { offset } => Ok(Some(format!("unknown data (a non-zero byte at offset {offset}, no known signature)"))),
+        Probe::Unknown { offset } => {
+            Ok(Some(format!("unknown data (a non-zero byte at offset {offset}, no known signature)")))
+        }
         Probe::Ambiguous(types) => Err(FsError::Ambiguous { path: dev.display().to_string(), types }),
     }
 }

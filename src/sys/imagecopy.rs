@@ -122,9 +122,8 @@ fn sparse_copy(src: &File, dst: &File, len: u64, deadline: Option<std::time::Ins
             // 64 MiB at a time, so the deadline is looked at often enough.
             let want = (end - off_in as u64).min(64 << 20) as usize;
             // SAFETY: both descriptors are open; the offsets are ours.
-            let n = unsafe {
-                libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), &mut off_out, want, 0)
-            };
+            let n =
+                unsafe { libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), &mut off_out, want, 0) };
             if n < 0 {
                 let e = io::Error::last_os_error();
                 match e.raw_os_error() {
@@ -242,13 +241,15 @@ mod tests {
         use std::os::unix::fs::MetadataExt;
         assert!(dst.metadata().unwrap().blocks() * 512 < 8 << 20, "holes stay holes");
         // Ranges copied by pread/pwrite when copy_file_range cannot.
-        let dst2 = File::options().read(true).write(true).create(true).truncate(true).open(t.0.join("dst2.img")).unwrap();
+        let dst2 =
+            File::options().read(true).write(true).create(true).truncate(true).open(t.0.join("dst2.img")).unwrap();
         dst2.set_len(64 << 20).unwrap();
         assert_eq!(copy_range_rw(&src, &dst2, 20 << 20, 21 << 20).unwrap(), 1 << 20);
         dst2.read_exact_at(&mut mid, 20 << 20).unwrap();
         assert!(mid.iter().all(|&x| x == 7));
         // A deadline already past stops a copy that has data to move.
-        let dst3 = File::options().read(true).write(true).create(true).truncate(true).open(t.0.join("dst3.img")).unwrap();
+        let dst3 =
+            File::options().read(true).write(true).create(true).truncate(true).open(t.0.join("dst3.img")).unwrap();
         let past = Some(std::time::Instant::now());
         assert_eq!(sparse_copy(&src, &dst3, 64 << 20, past).unwrap_err().kind(), io::ErrorKind::TimedOut);
     }

@@ -223,13 +223,18 @@ pub fn device_size(device: &Path) -> io::Result<u64> {
 /// Discard the whole device (`BLKDISCARD`; a loop device punches holes in its file, which
 /// then reads as zeros) and wait for it to reach the file.
 pub fn discard_all(device: &Path) -> io::Result<()> {
-    let f = OpenOptions::new().write(true).custom_flags(libc::O_CLOEXEC | libc::O_EXCL).open(device).map_err(ctx("opening", device))?;
+    let f = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_EXCL)
+        .open(device)
+        .map_err(ctx("opening", device))?;
     let size = device_size(device)?;
     let range: [u64; 2] = [0, size];
     // BLKDISCARD = _IO(0x12, 119)
     const BLKDISCARD: libc::c_ulong = 0x1277;
     // SAFETY: BLKDISCARD reads a [start, length] pair of u64 that outlives the call.
-    errno_result(unsafe { libc::ioctl(f.as_raw_fd(), BLKDISCARD as _, range.as_ptr()) }).map_err(ctx("BLKDISCARD on", device))?;
+    errno_result(unsafe { libc::ioctl(f.as_raw_fd(), BLKDISCARD as _, range.as_ptr()) })
+        .map_err(ctx("BLKDISCARD on", device))?;
     f.sync_all().map_err(ctx("syncing", device))
 }
 
@@ -244,7 +249,8 @@ struct Known {
     by_file: std::collections::BTreeMap<(u64, u64), std::collections::BTreeSet<u32>>,
 }
 
-static KNOWN: std::sync::Mutex<Known> = std::sync::Mutex::new(Known { walked: None, by_file: std::collections::BTreeMap::new() });
+static KNOWN: std::sync::Mutex<Known> =
+    std::sync::Mutex::new(Known { walked: None, by_file: std::collections::BTreeMap::new() });
 
 /// How old the last walk of every loop device may be before a lookup that finds nothing
 /// walks them again.

@@ -113,7 +113,9 @@ pub fn top_mount(path: &Path) -> io::Result<Option<MountEntry>> {
     // SAFETY: statx fills the zeroed struct it is given; the path is a valid C string.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
     let flags = libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT | libc::AT_STATX_DONT_SYNC;
-    let rc = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), flags, libc::STATX_BASIC_STATS | libc::STATX_MNT_ID, &mut stx) };
+    let rc = unsafe {
+        libc::statx(libc::AT_FDCWD, c.as_ptr(), flags, libc::STATX_BASIC_STATS | libc::STATX_MNT_ID, &mut stx)
+    };
     if rc < 0 {
         let e = io::Error::last_os_error();
         return match e.raw_os_error() {
@@ -269,7 +271,10 @@ impl Beneath {
         };
         if fd < 0 {
             let e = io::Error::last_os_error();
-            return Err(io::Error::new(e.kind(), format!("opening {} beneath {}: {e}", path.display(), root.display())));
+            return Err(io::Error::new(
+                e.kind(),
+                format!("opening {} beneath {}: {e}", path.display(), root.display()),
+            ));
         }
         // SAFETY: the kernel just returned this descriptor to us.
         Ok(Beneath { fd: unsafe { OwnedFd::from_raw_fd(fd as i32) } })
@@ -293,7 +298,13 @@ pub fn mount_device(dev: &Path, target: &Path, fs_type: &str, opts: &MountOption
 /// failed remount undoes the bind, so the target is never left writable by mistake.
 /// `source_at` / `target_at` are what mount(2) gets (e.g. [`Beneath::proc_path`]s);
 /// `target` is the plain path, used for the remount and undo (which must see the new mount).
-pub fn bind_mount(source_at: &Path, target_at: &Path, target: &Path, read_only: bool, flags: MsFlags) -> nix::Result<()> {
+pub fn bind_mount(
+    source_at: &Path,
+    target_at: &Path,
+    target: &Path,
+    read_only: bool,
+    flags: MsFlags,
+) -> nix::Result<()> {
     nix::mount::mount(Some(source_at), target_at, None::<&str>, MsFlags::MS_BIND, None::<&str>)?;
     let per_mount = MsFlags::MS_RDONLY
         | MsFlags::MS_NOSUID
@@ -308,8 +319,13 @@ pub fn bind_mount(source_at: &Path, target_at: &Path, target: &Path, read_only: 
         f |= MsFlags::MS_RDONLY;
     }
     if !f.is_empty()
-        && let Err(e) =
-            nix::mount::mount(None::<&str>, target, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REMOUNT | f, None::<&str>)
+        && let Err(e) = nix::mount::mount(
+            None::<&str>,
+            target,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | f,
+            None::<&str>,
+        )
     {
         let _ = nix::mount::umount2(target, MntFlags::UMOUNT_NOFOLLOW);
         return Err(e);

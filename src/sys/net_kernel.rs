@@ -22,10 +22,19 @@ pub type Result<T> = std::result::Result<T, NetlinkError>;
 /// as one netlink batch, in order (addresses before the routes that need them).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LinkStep {
-    Up { index: u32 },
-    Address { index: u32, ip: IpAddr, prefix: u8 },
+    Up {
+        index: u32,
+    },
+    Address {
+        index: u32,
+        ip: IpAddr,
+        prefix: u8,
+    },
     /// A default route of the address family of `gateway`, out of `oif`.
-    DefaultRoute { gateway: IpAddr, oif: u32 },
+    DefaultRoute {
+        gateway: IpAddr,
+        oif: u32,
+    },
 }
 
 /// A veth pair to create: the host end in the namespace of the [`Links`] asked, the peer

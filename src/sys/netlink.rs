@@ -9,15 +9,11 @@ use std::net::IpAddr;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
-    NetlinkPayload,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
-use netlink_packet_route::address::{
-    AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage, AddressScope,
-};
+use netlink_packet_route::address::{AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage, AddressScope};
 use netlink_packet_route::link::{
-    InfoBridge, InfoData, InfoKind, InfoVeth, LinkAttribute, LinkExtentMask, LinkFlags, LinkInfo,
-    LinkMessage,
+    InfoBridge, InfoData, InfoKind, InfoVeth, LinkAttribute, LinkExtentMask, LinkFlags, LinkInfo, LinkMessage,
 };
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
@@ -200,9 +196,8 @@ impl Netlink {
             };
             let mut offset = 0;
             while offset < n {
-                let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&self.buf[offset..n]).map_err(|e| {
-                    err(op, io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
-                })?;
+                let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&self.buf[offset..n])
+                    .map_err(|e| err(op, io::Error::new(io::ErrorKind::InvalidData, e.to_string())))?;
                 let len = msg.header.length as usize;
                 if len == 0 {
                     return Err(err(op, io::Error::new(io::ErrorKind::InvalidData, "zero-length message")));
@@ -368,21 +363,11 @@ impl Netlink {
             msg.attributes.push(LinkAttribute::Mtu(mtu));
         }
         msg.attributes.push(bridge_snooping(false));
-        self.request(
-            RouteNetlinkMessage::NewLink(msg),
-            NLM_F_CREATE | NLM_F_EXCL,
-            &format!("create bridge {name}"),
-        )
+        self.request(RouteNetlinkMessage::NewLink(msg), NLM_F_CREATE | NLM_F_EXCL, &format!("create bridge {name}"))
     }
 
     /// Change a link: up/down, master (Some(0) detaches), new name.
-    pub fn set_link(
-        &mut self,
-        index: u32,
-        up: Option<bool>,
-        master: Option<u32>,
-        rename: Option<&str>,
-    ) -> Result<()> {
+    pub fn set_link(&mut self, index: u32, up: Option<bool>, master: Option<u32>, rename: Option<&str>) -> Result<()> {
         self.set_link_group(index, up, master, rename, None)
     }
 
@@ -477,8 +462,7 @@ impl Netlink {
     }
 
     pub fn addresses(&mut self, index: Option<u32>) -> Result<Vec<Addr>> {
-        let msgs =
-            self.dump(RouteNetlinkMessage::GetAddress(AddressMessage::default()), "dump addresses")?;
+        let msgs = self.dump(RouteNetlinkMessage::GetAddress(AddressMessage::default()), "dump addresses")?;
         Ok(msgs
             .into_iter()
             .filter_map(|m| match m {
@@ -564,11 +548,7 @@ fn bridge_snooping(on: bool) -> LinkAttribute {
 }
 
 fn parse_link(l: &LinkMessage) -> Link {
-    let mut link = Link {
-        index: l.header.index,
-        up: l.header.flags.contains(LinkFlags::Up),
-        ..Default::default()
-    };
+    let mut link = Link { index: l.header.index, up: l.header.flags.contains(LinkFlags::Up), ..Default::default() };
     for a in &l.attributes {
         match a {
             LinkAttribute::IfName(n) => link.name = n.clone(),
@@ -693,11 +673,11 @@ impl Req {
 // Used by `crate::net::routes`. Everything below is additive: the functions above keep their
 // signatures.
 
+use netlink_packet_core::NLM_F_REPLACE;
 use netlink_packet_route::link::InfoVxlan;
 use netlink_packet_route::neighbour::{
     NeighbourAddress, NeighbourAttribute, NeighbourFlags, NeighbourMessage, NeighbourState,
 };
-use netlink_packet_core::NLM_F_REPLACE;
 use netlink_packet_route::route::RouteFlags;
 
 /// `NUD_PERMANENT`: a neighbour or FDB entry that never expires.
@@ -1128,7 +1108,11 @@ impl Netlink {
         self.request(
             RouteNetlinkMessage::DelNeighbour(msg),
             0,
-            &format!("delete fdb {}{} dev {ifindex}", format_mac(&mac), dst.map(|d| format!(" dst {d}")).unwrap_or_default()),
+            &format!(
+                "delete fdb {}{} dev {ifindex}",
+                format_mac(&mac),
+                dst.map(|d| format!(" dst {d}")).unwrap_or_default()
+            ),
         )
     }
 }

@@ -28,8 +28,8 @@ use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, Weak, mpsc};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak, mpsc};
 
 /// What a pool holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -541,7 +541,11 @@ mod tests {
         assert_eq!(p.place(&b).unwrap_err().kind(), io::ErrorKind::AlreadyExists);
         assert_eq!(fs::read(&b).unwrap(), b"data");
         fs::create_dir(t.0.join("c")).unwrap();
-        assert_eq!(p.place(&t.0.join("c")).unwrap_err().kind(), io::ErrorKind::AlreadyExists, "not even an empty directory");
+        assert_eq!(
+            p.place(&t.0.join("c")).unwrap_err().kind(),
+            io::ErrorKind::AlreadyExists,
+            "not even an empty directory"
+        );
         assert_eq!(p.len(), before);
         // No parent: the caller makes it (with its parents), the spare is kept.
         assert!(!p.place(&t.0.join("no/such")).unwrap());

@@ -44,7 +44,8 @@ pub fn validate(spec_json: &str) -> Result<(), String> {
     known_fields("spec", spec, &["cdiVersion", "kind", "annotations", "devices", "containerEdits"])?;
 
     let version = spec.get("cdiVersion").and_then(Value::as_str).ok_or("cdiVersion missing or not a string")?;
-    let vi = version_index(version).ok_or_else(|| format!("cdiVersion {version:?} is not a known CDI version ({VERSIONS:?})"))?;
+    let vi = version_index(version)
+        .ok_or_else(|| format!("cdiVersion {version:?} is not a known CDI version ({VERSIONS:?})"))?;
     let needs = |feature: &str, min: &str| -> Result<(), String> {
         if vi < version_index(min).expect("known version") {
             Err(format!("{feature} needs cdiVersion {min} or later, the spec says {version}"))
@@ -75,7 +76,10 @@ pub fn validate(spec_json: &str) -> Result<(), String> {
     for (i, d) in devices.iter().enumerate() {
         let d = d.as_object().ok_or_else(|| format!("devices[{i}] is not an object"))?;
         known_fields(&format!("devices[{i}]"), d, &["name", "annotations", "containerEdits"])?;
-        let name = d.get("name").and_then(Value::as_str).ok_or_else(|| format!("devices[{i}]: name missing or not a string"))?;
+        let name = d
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| format!("devices[{i}]: name missing or not a string"))?;
         device_name(name).map_err(|e| format!("devices[{i}]: {e}"))?;
         if name.as_bytes()[0].is_ascii_digit() {
             needs(&format!("device name {name:?} (starts with a digit)"), "0.5.0")?;
@@ -253,7 +257,10 @@ fn container_edits(what: &str, e: &Value, needs: &dyn Fn(&str, &str) -> Result<(
         let h = v.as_object().ok_or_else(|| format!("{w}: not an object"))?;
         known_fields(&w, h, &["hookName", "path", "args", "env", "timeout"])?;
         let name = str_field(&w, h, "hookName")?.unwrap_or("");
-        if !matches!(name, "prestart" | "createRuntime" | "createContainer" | "startContainer" | "poststart" | "poststop") {
+        if !matches!(
+            name,
+            "prestart" | "createRuntime" | "createContainer" | "startContainer" | "poststart" | "poststop"
+        ) {
             return Err(format!("{w}: hookName {name:?} is not an OCI hook"));
         }
         if str_field(&w, h, "path")?.unwrap_or("").is_empty() {
@@ -411,7 +418,13 @@ mod tests {
         let mut v = good();
         v["devices"][0]["containerEdits"] = json!({"env": [], "deviceNodes": []});
         refused(v, "a device with empty lists only");
-        for (k, bad) in [("path", json!("")), ("path", json!("dev/x")), ("type", json!("x")), ("permissions", json!("rwx")), ("hostPath", json!("rel"))] {
+        for (k, bad) in [
+            ("path", json!("")),
+            ("path", json!("dev/x")),
+            ("type", json!("x")),
+            ("permissions", json!("rwx")),
+            ("hostPath", json!("rel")),
+        ] {
             let mut v = good();
             v["devices"][0]["containerEdits"]["deviceNodes"][0][k] = bad.clone();
             refused(v, &format!("deviceNodes {k} {bad}"));

@@ -1362,7 +1362,10 @@ fn validate_metadata(def: &ResourceDef, name: &str, obj: &Value) -> ApiResult<()
                 total += k.len() + v.as_str().map_or(0, str::len);
             }
             if total > ANNOTATIONS_MAX {
-                causes.push(("metadata.annotations".into(), format!("Too long: must have at most {ANNOTATIONS_MAX} bytes")));
+                causes.push((
+                    "metadata.annotations".into(),
+                    format!("Too long: must have at most {ANNOTATIONS_MAX} bytes"),
+                ));
             }
         }
         _ => return Err(ApiError::bad_request("metadata.annotations must be an object")),
@@ -1421,7 +1424,11 @@ fn fields_v1(paths: &BTreeSet<FieldPath>) -> Value {
     for p in paths {
         let mut cur = &mut root;
         for seg in p {
-            cur = cur.as_object_mut().expect("fieldsV1 nodes are objects").entry(format!("f:{seg}")).or_insert_with(|| json!({}));
+            cur = cur
+                .as_object_mut()
+                .expect("fieldsV1 nodes are objects")
+                .entry(format!("f:{seg}"))
+                .or_insert_with(|| json!({}));
         }
     }
     root
@@ -1478,9 +1485,7 @@ fn record_write(
         after.iter().filter(|(p, v)| before.get(*p) != Some(*v)).map(|(p, _)| p.clone()).collect();
     let live: BTreeSet<&FieldPath> = after.keys().collect();
     let is_mine = |e: &Value| {
-        e["manager"] == json!(manager)
-            && e["operation"] == json!("Update")
-            && e["subresource"].as_str() == subresource
+        e["manager"] == json!(manager) && e["operation"] == json!("Update") && e["subresource"].as_str() == subresource
     };
     let mut out = Vec::new();
     let mut mine: BTreeSet<FieldPath> = BTreeSet::new();
@@ -1690,7 +1695,8 @@ fn finish_update(
     }
     let base = given_fields.or_else(|| request_managed_fields(&old)).unwrap_or_default();
     let sub = status_sub.then_some("status");
-    result["metadata"]["managedFields"] = json!(record_write(base, Some(&old), &result, manager, &def.api_version(), sub));
+    result["metadata"]["managedFields"] =
+        json!(record_write(base, Some(&old), &result, manager, &def.api_version(), sub));
     let okey = (ns.to_string(), name.to_string());
     Ok(st.commit(def, okey, result, Some(old), EvType::Modified))
 }
@@ -1855,7 +1861,12 @@ fn list(
         Some(token) => match st.pages.remove(token) {
             Some(_) if st.expire_continues > 0 => {
                 st.expire_continues -= 1;
-                return Err(ApiError::new(410, "Expired", "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.", None));
+                return Err(ApiError::new(
+                    410,
+                    "Expired",
+                    "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
+                    None,
+                ));
             }
             Some(page) => page,
             None => {

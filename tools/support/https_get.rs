@@ -49,7 +49,10 @@ pub fn get(port: u16, path: &str, mode: Mode) -> Result<(u16, String), String> {
             Some((cfg, name))
         }
         Mode::Probe => {
-            let cfg = builder.dangerous().with_custom_certificate_verifier(Arc::new(Unverified(provider))).with_no_client_auth();
+            let cfg = builder
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(Unverified(provider)))
+                .with_no_client_auth();
             Some((cfg, "127.0.0.1"))
         }
     };
@@ -100,11 +103,21 @@ impl ServerCertVerifier for Unverified {
         Ok(ServerCertVerified::assertion())
     }
 
-    fn verify_tls12_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
         rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
     }
 
-    fn verify_tls13_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
         rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
     }
 

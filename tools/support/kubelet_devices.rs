@@ -359,7 +359,12 @@ impl Shared {
 }
 
 /// Reads one registration's `ListAndWatch` stream until it ends or is dropped.
-async fn consume(shared: Arc<Shared>, resource: String, token: u64, mut stream: tonic::Streaming<dp::ListAndWatchResponse>) {
+async fn consume(
+    shared: Arc<Shared>,
+    resource: String,
+    token: u64,
+    mut stream: tonic::Streaming<dp::ListAndWatchResponse>,
+) {
     let end = loop {
         match stream.message().await {
             Ok(Some(msg)) => {
@@ -416,7 +421,10 @@ fn check_list(devices: &[DeviceInfo]) -> Vec<String> {
             out.push(format!("device id {:?} listed twice", d.id));
         }
         if d.health != HEALTHY && d.health != UNHEALTHY {
-            out.push(format!("device {:?} has health {:?} (the API knows {HEALTHY:?} and {UNHEALTHY:?})", d.id, d.health));
+            out.push(format!(
+                "device {:?} has health {:?} (the API knows {HEALTHY:?} and {UNHEALTHY:?})",
+                d.id, d.health
+            ));
         }
     }
     out

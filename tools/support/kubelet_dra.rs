@@ -71,7 +71,12 @@ fn socket_id(md: &std::fs::Metadata) -> (u64, i64, i64) {
 
 impl DraKubelet {
     pub fn new(kubelet_dir: &Path) -> DraKubelet {
-        DraKubelet { registry_dir: kubelet_dir.join("plugins_registry"), state: Arc::default(), watcher: None, instance: 0 }
+        DraKubelet {
+            registry_dir: kubelet_dir.join("plugins_registry"),
+            state: Arc::default(),
+            watcher: None,
+            instance: 0,
+        }
     }
 
     pub fn instance(&self) -> u64 {
@@ -143,22 +148,45 @@ impl DraKubelet {
         }
     }
 
-    async fn client(&self, driver: &str) -> Result<pb::dra_plugin_client::DraPluginClient<tonic::transport::Channel>, String> {
+    async fn client(
+        &self,
+        driver: &str,
+    ) -> Result<pb::dra_plugin_client::DraPluginClient<tonic::transport::Channel>, String> {
         let r = self.registration(driver).ok_or_else(|| format!("{driver} is not registered"))?;
-        let ch = nodeplane::rpc::connect_unix(&r.endpoint).await.map_err(|e| format!("dialing {}: {e}", r.endpoint.display()))?;
+        let ch = nodeplane::rpc::connect_unix(&r.endpoint)
+            .await
+            .map_err(|e| format!("dialing {}: {e}", r.endpoint.display()))?;
         Ok(pb::dra_plugin_client::DraPluginClient::new(ch))
     }
 
     /// NodePrepareResources for one pod's claims (namespace, name, uid).
-    pub async fn prepare(&self, driver: &str, claims: &[(&str, &str, &str)]) -> Result<BTreeMap<String, pb::NodePrepareResourceResponse>, String> {
+    pub async fn prepare(
+        &self,
+        driver: &str,
+        claims: &[(&str, &str, &str)],
+    ) -> Result<BTreeMap<String, pb::NodePrepareResourceResponse>, String> {
         let req = pb::NodePrepareResourcesRequest { claims: claims.iter().map(|c| claim(*c)).collect() };
-        let r = self.client(driver).await?.node_prepare_resources(req).await.map_err(|s| format!("NodePrepareResources: {s}"))?;
+        let r = self
+            .client(driver)
+            .await?
+            .node_prepare_resources(req)
+            .await
+            .map_err(|s| format!("NodePrepareResources: {s}"))?;
         Ok(r.into_inner().claims.into_iter().collect())
     }
 
-    pub async fn unprepare(&self, driver: &str, claims: &[(&str, &str, &str)]) -> Result<BTreeMap<String, pb::NodeUnprepareResourceResponse>, String> {
+    pub async fn unprepare(
+        &self,
+        driver: &str,
+        claims: &[(&str, &str, &str)],
+    ) -> Result<BTreeMap<String, pb::NodeUnprepareResourceResponse>, String> {
         let req = pb::NodeUnprepareResourcesRequest { claims: claims.iter().map(|c| claim(*c)).collect() };
-        let r = self.client(driver).await?.node_unprepare_resources(req).await.map_err(|s| format!("NodeUnprepareResources: {s}"))?;
+        let r = self
+            .client(driver)
+            .await?
+            .node_unprepare_resources(req)
+            .await
+            .map_err(|s| format!("NodeUnprepareResources: {s}"))?;
         Ok(r.into_inner().claims.into_iter().collect())
     }
 }
@@ -187,8 +215,12 @@ async fn sync(dir: &Path, state: &Arc<Mutex<State>>, instance: u64) {
     {
         let mut st = state.lock().unwrap();
         st.ignored.retain(|p, id| seen.iter().any(|(sp, sid)| sp == p && sid == id));
-        let gone: Vec<PathBuf> =
-            st.registered.iter().filter(|(p, r)| !seen.iter().any(|(sp, id)| sp == *p && *id == r.socket_id)).map(|(p, _)| p.clone()).collect();
+        let gone: Vec<PathBuf> = st
+            .registered
+            .iter()
+            .filter(|(p, r)| !seen.iter().any(|(sp, id)| sp == *p && *id == r.socket_id))
+            .map(|(p, _)| p.clone())
+            .collect();
         for p in gone {
             if let Some(r) = st.registered.remove(&p) {
                 st.health.remove(&r.name);
@@ -203,7 +235,8 @@ async fn sync(dir: &Path, state: &Arc<Mutex<State>>, instance: u64) {
             let st = state.lock().unwrap();
             st.registered.get(&path).is_some_and(|r| r.socket_id == id) || st.ignored.get(&path) == Some(&id)
         };
-        let failed_before = state.lock().unwrap().failures.iter().any(|f| f.starts_with(&format!("{} {id:?}:", path.display())));
+        let failed_before =
+            state.lock().unwrap().failures.iter().any(|f| f.starts_with(&format!("{} {id:?}:", path.display())));
         if known || failed_before {
             continue;
         }
@@ -228,7 +261,9 @@ async fn sync(dir: &Path, state: &Arc<Mutex<State>>, instance: u64) {
 /// One registration; `None` for a socket of another plugin type.
 async fn register(socket: &Path, id: (u64, i64, i64), instance: u64) -> Result<Option<Registration>, String> {
     let authority = Some(nodeplane::rpc::authority::percent_encoded_path(socket));
-    let ch = nodeplane::rpc::authority::connect_unix_with_authority(socket, authority).await.map_err(|e| format!("dialing: {e}"))?;
+    let ch = nodeplane::rpc::authority::connect_unix_with_authority(socket, authority)
+        .await
+        .map_err(|e| format!("dialing: {e}"))?;
     let mut rc = reg::registration_client::RegistrationClient::new(ch);
     let info = rc.get_info(reg::InfoRequest {}).await.map_err(|e| format!("GetInfo: {e}"))?.into_inner();
     if info.r#type != "DRAPlugin" {
@@ -242,7 +277,9 @@ async fn register(socket: &Path, id: (u64, i64, i64), instance: u64) -> Result<O
         if !endpoint.is_absolute() {
             return Err(format!("endpoint {:?} is not an absolute path", info.endpoint));
         }
-        nodeplane::rpc::connect_unix(&endpoint).await.map_err(|e| format!("dialing endpoint {}: {e}", endpoint.display()))?;
+        nodeplane::rpc::connect_unix(&endpoint)
+            .await
+            .map_err(|e| format!("dialing endpoint {}: {e}", endpoint.display()))?;
         Ok(Registration {
             name: info.name.clone(),
             endpoint,

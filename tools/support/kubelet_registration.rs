@@ -112,8 +112,14 @@ async fn register(socket: &Path, ino: (u64, i64, i64)) -> Result<Registered, Str
 }
 
 /// One registration, dialing the registration socket with this `:authority`.
-pub async fn register_with(socket: &Path, ino: (u64, i64, i64), authority: Option<Vec<u8>>) -> Result<Registered, String> {
-    let ch = nodeplane::rpc::authority::connect_unix_with_authority(socket, authority).await.map_err(|e| format!("dialing: {e}"))?;
+pub async fn register_with(
+    socket: &Path,
+    ino: (u64, i64, i64),
+    authority: Option<Vec<u8>>,
+) -> Result<Registered, String> {
+    let ch = nodeplane::rpc::authority::connect_unix_with_authority(socket, authority)
+        .await
+        .map_err(|e| format!("dialing: {e}"))?;
     let mut rc = reg::registration_client::RegistrationClient::new(ch);
     let info = rc.get_info(reg::InfoRequest {}).await.map_err(|e| format!("GetInfo: {e}"))?.into_inner();
     if info.r#type == "DRAPlugin" {
@@ -134,7 +140,8 @@ pub async fn register_with(socket: &Path, ino: (u64, i64, i64), authority: Optio
             return Err(format!("endpoint serves {:?}, registration says {:?}", pi.get_ref().name, info.name));
         }
         let mut node = csi::node_client::NodeClient::new(ch);
-        let ni = node.node_get_info(csi::NodeGetInfoRequest {}).await.map_err(|e| format!("NodeGetInfo: {e}"))?.into_inner();
+        let ni =
+            node.node_get_info(csi::NodeGetInfoRequest {}).await.map_err(|e| format!("NodeGetInfo: {e}"))?.into_inner();
         if ni.node_id.is_empty() {
             return Err("NodeGetInfo returned an empty node id".into());
         }

@@ -581,8 +581,19 @@ mod tests {
         assert_eq!(conf(r#"{"agentSocket":"\/run"}"#).unwrap().agent_socket, Field::Other);
         assert_eq!(conf(r#"{"agentSocket":null}"#).unwrap().agent_socket, Field::Other);
         for bad in [
-            "", "[]", "{", "{}x", r#"{"a":01}"#, r#"{"a":1.}"#, r#"{"a":1e5}"#, r#"{"a":1,}"#, r#"{"a":tru}"#,
-            "{\"a\":\"\u{1}\"}", r#"{"a":"\ud800"}"#, r#"{"a":"\x"}"#, r#"{"cni\u0056ersion":"1.0.0"}"#,
+            "",
+            "[]",
+            "{",
+            "{}x",
+            r#"{"a":01}"#,
+            r#"{"a":1.}"#,
+            r#"{"a":1e5}"#,
+            r#"{"a":1,}"#,
+            r#"{"a":tru}"#,
+            "{\"a\":\"\u{1}\"}",
+            r#"{"a":"\ud800"}"#,
+            r#"{"a":"\x"}"#,
+            r#"{"cni\u0056ersion":"1.0.0"}"#,
             r#"{"a":12345678901234567890}"#,
         ] {
             assert_eq!(conf(bad), None, "{bad:?}");

@@ -46,8 +46,15 @@ pub const DEFAULT_SOCKET: &[u8] = b"/run/nodeplane/cni.sock";
 
 /// The environment the front reads: the CNI variables it forwards, in the order the wire
 /// request lists them (sorted), then the socket override.
-const KEYS: [&[u8]; 7] =
-    [b"CNI_ARGS", b"CNI_COMMAND", b"CNI_CONTAINERID", b"CNI_IFNAME", b"CNI_NETNS", b"CNI_PATH", b"NODEPLANE_CNI_SOCKET"];
+const KEYS: [&[u8]; 7] = [
+    b"CNI_ARGS",
+    b"CNI_COMMAND",
+    b"CNI_CONTAINERID",
+    b"CNI_IFNAME",
+    b"CNI_NETNS",
+    b"CNI_PATH",
+    b"NODEPLANE_CNI_SOCKET",
+];
 const COMMAND: usize = 1;
 const NETNS: usize = 4;
 const FORWARDED: usize = 6;

@@ -4,8 +4,8 @@ use core::arch::{asm, global_asm};
 
 use super::json::{self, Field, Out};
 use super::{
-    Cmd, Env, FORWARDED, FRAME, KEYS, LOST, MAX_CONFIG_BYTES, MAX_FRAME, NETNS, NOT_ACCEPTED, OUTPUT, OVERSIZE_ANSWER, REPLY, SOCKET,
-    STATE, STDIN, UNREAD_ANSWER,
+    Cmd, Env, FORWARDED, FRAME, KEYS, LOST, MAX_CONFIG_BYTES, MAX_FRAME, NETNS, NOT_ACCEPTED, OUTPUT, OVERSIZE_ANSWER,
+    REPLY, SOCKET, STATE, STDIN, UNREAD_ANSWER,
 };
 
 // The process starts here (the kernel's stack: argc, argv, envp, auxv). Run the front on

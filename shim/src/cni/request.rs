@@ -8,15 +8,14 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
-use super::{CniError, Code, Command, LATEST_VERSION, MAX_CONFIG_BYTES, PLUGIN_TYPE, SUPPORTED_VERSIONS, version_cmp};
 use super::result::{Dns, ResultModel};
+use super::{CniError, Code, Command, LATEST_VERSION, MAX_CONFIG_BYTES, PLUGIN_TYPE, SUPPORTED_VERSIONS, version_cmp};
 
 /// The CNI_* environment as received.
 pub type Env = BTreeMap<String, String>;
 
 /// The env keys the shim forwards.
-pub const ENV_KEYS: &[&str] =
-    &["CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_ARGS", "CNI_PATH"];
+pub const ENV_KEYS: &[&str] = &["CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_ARGS", "CNI_PATH"];
 
 /// One attachment named in a GC request.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -74,11 +73,8 @@ fn invalid_conf(msg: impl Into<String>) -> CniError {
 /// Parse only the command (needed to choose how to fail).
 pub fn parse_command(env: &Env) -> Result<Command, CniError> {
     let raw = env.get("CNI_COMMAND").ok_or_else(|| invalid_env("CNI_COMMAND is not set"))?;
-    Command::parse(raw).ok_or_else(|| {
-        invalid_env(format!(
-            "CNI_COMMAND {raw:?} is not one of ADD, DEL, CHECK, STATUS, GC, VERSION"
-        ))
-    })
+    Command::parse(raw)
+        .ok_or_else(|| invalid_env(format!("CNI_COMMAND {raw:?} is not one of ADD, DEL, CHECK, STATUS, GC, VERSION")))
 }
 
 /// Best-effort cniVersion for error output, from a config that may be invalid.
@@ -111,9 +107,7 @@ pub fn valid_ifname(name: &str) -> bool {
 fn parse_args(raw: &str) -> Result<BTreeMap<String, String>, CniError> {
     let mut out = BTreeMap::new();
     for pair in raw.split(';').filter(|p| !p.is_empty()) {
-        let (k, v) = pair
-            .split_once('=')
-            .ok_or_else(|| invalid_env(format!("CNI_ARGS: {pair:?} is not KEY=VALUE")))?;
+        let (k, v) = pair.split_once('=').ok_or_else(|| invalid_env(format!("CNI_ARGS: {pair:?} is not KEY=VALUE")))?;
         if k.is_empty() {
             return Err(invalid_env(format!("CNI_ARGS: {pair:?} has an empty key")));
         }
@@ -140,9 +134,7 @@ fn parse_attachments(v: &Value, key: &str) -> Result<Vec<AttachmentRef>, CniErro
             let ifname = item.get("ifname").and_then(Value::as_str);
             match (cid, ifname) {
                 (Some(c), Some(n)) => Ok(AttachmentRef { container_id: c.into(), ifname: n.into() }),
-                _ => Err(invalid_conf(format!(
-                    "{key}[{i}] must have string fields containerID and ifname"
-                ))),
+                _ => Err(invalid_conf(format!("{key}[{i}] must have string fields containerID and ifname"))),
             }
         })
         .collect()
@@ -156,12 +148,10 @@ pub fn parse_netconf(stdin: &[u8], command: Command) -> Result<NetConf, CniError
             format!("network configuration is {} bytes; the limit is {MAX_CONFIG_BYTES}", stdin.len()),
         ));
     }
-    let value: Value = serde_json::from_slice(stdin).map_err(|e| {
-        CniError::new(Code::Decode, format!("failed to decode network configuration: {e}"))
-    })?;
-    let obj = value
-        .as_object()
-        .ok_or_else(|| CniError::new(Code::Decode, "network configuration must be a JSON object"))?;
+    let value: Value = serde_json::from_slice(stdin)
+        .map_err(|e| CniError::new(Code::Decode, format!("failed to decode network configuration: {e}")))?;
+    let obj =
+        value.as_object().ok_or_else(|| CniError::new(Code::Decode, "network configuration must be a JSON object"))?;
 
     let cni_version = match obj.get("cniVersion") {
         Some(Value::String(s)) => s.clone(),
@@ -169,11 +159,8 @@ pub fn parse_netconf(stdin: &[u8], command: Command) -> Result<NetConf, CniError
         Some(_) => return Err(invalid_conf("cniVersion must be a string")),
     };
     if !SUPPORTED_VERSIONS.contains(&cni_version.as_str()) {
-        return Err(CniError::new(
-            Code::IncompatibleVersion,
-            format!("cniVersion {cni_version:?} is not supported"),
-        )
-        .with_details(format!("supported versions: {}", SUPPORTED_VERSIONS.join(", "))));
+        return Err(CniError::new(Code::IncompatibleVersion, format!("cniVersion {cni_version:?} is not supported"))
+            .with_details(format!("supported versions: {}", SUPPORTED_VERSIONS.join(", "))));
     }
     if version_cmp(&cni_version, command.min_version()).is_lt() {
         return Err(CniError::new(
@@ -342,10 +329,7 @@ mod tests {
             code(&env("CHECK"), br#"{"cniVersion":"0.3.1","name":"n","type":"nodeplane"}"#),
             Code::IncompatibleVersion
         );
-        assert_eq!(
-            code(&env("ADD"), br#"{"cniVersion":"1.0.0","name":"n","type":"bridge"}"#),
-            Code::InvalidConfig
-        );
+        assert_eq!(code(&env("ADD"), br#"{"cniVersion":"1.0.0","name":"n","type":"bridge"}"#), Code::InvalidConfig);
         assert_eq!(
             code(&env("ADD"), br#"{"cniVersion":"1.0.0","name":"n","type":"nodeplane","mtu":7}"#),
             Code::InvalidConfig

@@ -157,10 +157,8 @@ impl ResultModel {
                     Some(g) => Some(g.parse().map_err(|_| format!("{ctx}.gw {g:?} is not an IP"))?),
                     None => None,
                 };
-                out.routes.push(Route {
-                    dst: dst.parse().map_err(|_| format!("{ctx}.dst {dst:?} is not a CIDR"))?,
-                    gw,
-                });
+                out.routes
+                    .push(Route { dst: dst.parse().map_err(|_| format!("{ctx}.dst {dst:?} is not a CIDR"))?, gw });
             }
         }
         if let Some(d) = v.get("dns").filter(|d| !d.is_null()) {
@@ -266,8 +264,16 @@ mod tests {
                 },
             ],
             ips: vec![
-                IpConfig { address: "10.9.0.5/24".parse().unwrap(), gateway: Some("10.9.0.1".parse().unwrap()), interface: Some(1) },
-                IpConfig { address: "fd00::5/64".parse().unwrap(), gateway: Some("fd00::1".parse().unwrap()), interface: Some(1) },
+                IpConfig {
+                    address: "10.9.0.5/24".parse().unwrap(),
+                    gateway: Some("10.9.0.1".parse().unwrap()),
+                    interface: Some(1),
+                },
+                IpConfig {
+                    address: "fd00::5/64".parse().unwrap(),
+                    gateway: Some("fd00::1".parse().unwrap()),
+                    interface: Some(1),
+                },
             ],
             routes: vec![Route { dst: "0.0.0.0/0".parse().unwrap(), gw: Some("10.9.0.1".parse().unwrap()) }],
             dns: Dns { nameservers: vec!["10.96.0.10".into()], ..Default::default() },

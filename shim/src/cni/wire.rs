@@ -41,7 +41,11 @@ pub fn decode_len(header: [u8; 4]) -> io::Result<usize> {
 /// there) and read the reply. `netns`: the pod's network namespace, opened by the shim and
 /// passed with the request (`SCM_RIGHTS`), so the agent never resolves the runtime's path in
 /// its own mount and PID namespaces.
-pub fn exchange(stream: &mut std::os::unix::net::UnixStream, frame: &[u8], netns: Option<std::os::fd::BorrowedFd<'_>>) -> io::Result<Reply> {
+pub fn exchange(
+    stream: &mut std::os::unix::net::UnixStream,
+    frame: &[u8],
+    netns: Option<std::os::fd::BorrowedFd<'_>>,
+) -> io::Result<Reply> {
     use std::os::fd::AsFd;
     crate::fdpass::send(stream.as_fd(), frame, netns)?;
     let mut header = [0u8; 4];

@@ -177,7 +177,11 @@ impl Elector {
         let current = match self.api.get_opt(&self.s.name).await? {
             None => {
                 let lease = Lease {
-                    metadata: ObjectMeta { name: Some(self.s.name.clone()), namespace: Some(self.s.namespace.clone()), ..Default::default() },
+                    metadata: ObjectMeta {
+                        name: Some(self.s.name.clone()),
+                        namespace: Some(self.s.namespace.clone()),
+                        ..Default::default()
+                    },
                     spec: Some(self.spec(None)),
                 };
                 return match self.api.create(&super::post_params(), &lease).await {
@@ -282,7 +286,9 @@ impl Elector {
                     return lost("the lease was released or taken over by someone else meanwhile".to_string());
                 }
                 Ok(Ok((Attempt::HeldBy(h), _))) => return lost(format!("the lease is now held by {h}")),
-                Ok(Ok((Attempt::Raced, _))) => tracing::warn!(lease = %self.s.name, "lease renewal raced with another writer"),
+                Ok(Ok((Attempt::Raced, _))) => {
+                    tracing::warn!(lease = %self.s.name, "lease renewal raced with another writer")
+                }
                 Ok(Err(e)) => tracing::warn!(error = %e, lease = %self.s.name, "lease renewal failed"),
                 Err(_) => tracing::warn!(lease = %self.s.name, "lease renewal timed out"),
             }

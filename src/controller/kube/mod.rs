@@ -183,7 +183,10 @@ pub const PAGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30)
 /// Every object of a list, read in pages of [`LIST_PAGE`] (`limit`/`continue`), and the
 /// resourceVersion of the snapshot they all come from. A continue token the server let
 /// expire (410 between pages) starts the list again, at most three times.
-pub(crate) async fn list_all<K>(api: &kube::Api<K>, lp: &kube::api::ListParams) -> Result<(Vec<K>, Option<String>), kube::Error>
+pub(crate) async fn list_all<K>(
+    api: &kube::Api<K>,
+    lp: &kube::api::ListParams,
+) -> Result<(Vec<K>, Option<String>), kube::Error>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
@@ -200,10 +203,14 @@ where
             }
             let list = match tokio::time::timeout(PAGE_TIMEOUT, api.list(&page)).await {
                 Ok(Ok(l)) => l,
-                Ok(Err(e)) if token.is_some() && attempt < 3 && api_status(&e).is_some_and(|s| s.code == 410) => continue 'again,
+                Ok(Err(e)) if token.is_some() && attempt < 3 && api_status(&e).is_some_and(|s| s.code == 410) => {
+                    continue 'again;
+                }
                 Ok(Err(e)) => return Err(e),
                 Err(_) => {
-                    return Err(kube::Error::Service(format!("a page of the list did not come within {PAGE_TIMEOUT:?}").into()));
+                    return Err(kube::Error::Service(
+                        format!("a page of the list did not come within {PAGE_TIMEOUT:?}").into(),
+                    ));
                 }
             };
             if version.is_none() {

@@ -103,7 +103,11 @@ impl NodeGate {
         match self.api.get_opt(name).await {
             Ok(Some(n)) => {
                 self.seen(&n);
-                if n.metadata.deletion_timestamp.is_some() { Err(AdmitError::Refused(deleting_message(name))) } else { Ok(()) }
+                if n.metadata.deletion_timestamp.is_some() {
+                    Err(AdmitError::Refused(deleting_message(name)))
+                } else {
+                    Ok(())
+                }
             }
             Ok(None) => {
                 self.gone(name);
@@ -121,14 +125,21 @@ async fn release(registry: &Arc<Registry>, name: String, why: &'static str) {
     let reg = registry.clone();
     let n = name.clone();
     match tokio::task::spawn_blocking(move || reg.remove(&n)).await {
-        Ok(Ok(blocks)) => tracing::info!(node = %name, released = ?blocks, why, "Node object gone: node removed, blocks released"),
+        Ok(Ok(blocks)) => {
+            tracing::info!(node = %name, released = ?blocks, why, "Node object gone: node removed, blocks released")
+        }
         Ok(Err(e)) => tracing::warn!(node = %name, error = %e, "could not remove a deleted node"),
         Err(e) => tracing::warn!(node = %name, error = %e, "node removal task failed"),
     }
 }
 
 /// Follow Node objects until `stop` turns true.
-pub async fn follow(client: kube::Client, registry: Arc<Registry>, gate: Arc<NodeGate>, mut stop: tokio::sync::watch::Receiver<bool>) {
+pub async fn follow(
+    client: kube::Client,
+    registry: Arc<Registry>,
+    gate: Arc<NodeGate>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
     let api: Api<Node> = Api::all(client);
     // Listed in pages, then watched with bookmarks (a relist after a 410 resumes from the last one).
     let config = watcher::Config::default().page_size(super::LIST_PAGE);
@@ -170,7 +181,9 @@ pub async fn follow(client: kube::Client, registry: Arc<Registry>, gate: Arc<Nod
                             release(&registry, rec.name.clone(), "absent from the Node list").await
                         }
                         Ok(Some(_)) => {}
-                        Err(e) => tracing::warn!(node = %rec.name, error = %e, "could not confirm a Node is gone; keeping it"),
+                        Err(e) => {
+                            tracing::warn!(node = %rec.name, error = %e, "could not confirm a Node is gone; keeping it")
+                        }
                     }
                 }
             }

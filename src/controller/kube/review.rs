@@ -118,7 +118,9 @@ pub fn judge(
         [] => Err(ReviewError::Forbidden(format!(
             "the token names no node ({NODE_NAME_EXTRA}): use a projected token of the agent pod (Kubernetes 1.30 or newer)"
         ))),
-        _ => Err(ReviewError::Forbidden(format!("the token's {NODE_NAME_EXTRA} is not one valid node name: {nodes:?}"))),
+        _ => {
+            Err(ReviewError::Forbidden(format!("the token's {NODE_NAME_EXTRA} is not one valid node name: {nodes:?}")))
+        }
     }
 }
 
@@ -144,14 +146,29 @@ mod tests {
     fn verdicts() {
         let sa = "system:serviceaccount:nodeplane-system:nodeplane-agent";
         assert_eq!(judge(status(true, &["nodeplane"], sa, &["n1"]), "nodeplane", sa), Ok("n1".into()));
-        assert!(matches!(judge(status(false, &["nodeplane"], sa, &["n1"]), "nodeplane", sa), Err(ReviewError::Unauthenticated(_))));
-        assert!(matches!(judge(status(true, &["other"], sa, &["n1"]), "nodeplane", sa), Err(ReviewError::Unauthenticated(_))));
+        assert!(matches!(
+            judge(status(false, &["nodeplane"], sa, &["n1"]), "nodeplane", sa),
+            Err(ReviewError::Unauthenticated(_))
+        ));
+        assert!(matches!(
+            judge(status(true, &["other"], sa, &["n1"]), "nodeplane", sa),
+            Err(ReviewError::Unauthenticated(_))
+        ));
         assert!(matches!(
             judge(status(true, &["nodeplane"], "system:serviceaccount:default:default", &["n1"]), "nodeplane", sa),
             Err(ReviewError::Forbidden(_))
         ));
-        assert!(matches!(judge(status(true, &["nodeplane"], sa, &[]), "nodeplane", sa), Err(ReviewError::Forbidden(_))));
-        assert!(matches!(judge(status(true, &["nodeplane"], sa, &["a", "b"]), "nodeplane", sa), Err(ReviewError::Forbidden(_))));
-        assert!(matches!(judge(status(true, &["nodeplane"], sa, &["Bad_Name"]), "nodeplane", sa), Err(ReviewError::Forbidden(_))));
+        assert!(matches!(
+            judge(status(true, &["nodeplane"], sa, &[]), "nodeplane", sa),
+            Err(ReviewError::Forbidden(_))
+        ));
+        assert!(matches!(
+            judge(status(true, &["nodeplane"], sa, &["a", "b"]), "nodeplane", sa),
+            Err(ReviewError::Forbidden(_))
+        ));
+        assert!(matches!(
+            judge(status(true, &["nodeplane"], sa, &["Bad_Name"]), "nodeplane", sa),
+            Err(ReviewError::Forbidden(_))
+        ));
     }
 }

@@ -29,7 +29,9 @@ fn to_object(v: Value) -> Result<DynamicObject, String> {
 
 fn api_error(e: kube::Error) -> String {
     match super::api_status(&e) {
-        Some(s) if s.code == 404 => format!("{} (is resource.k8s.io/v1 served? It needs Kubernetes 1.34 or later)", s.message),
+        Some(s) if s.code == 404 => {
+            format!("{} (is resource.k8s.io/v1 served? It needs Kubernetes 1.34 or later)", s.message)
+        }
         Some(s) => format!("{} ({})", s.message, s.code),
         None => e.to_string(),
     }
@@ -42,7 +44,10 @@ pub struct KubeSlices {
 
 impl KubeSlices {
     pub fn new(client: kube::Client) -> KubeSlices {
-        KubeSlices { api: Api::all_with(client.clone(), &resource("ResourceSlice", "resourceslices")), nodes: Api::all(client) }
+        KubeSlices {
+            api: Api::all_with(client.clone(), &resource("ResourceSlice", "resourceslices")),
+            nodes: Api::all(client),
+        }
     }
 
     /// The slice owned by its Node object (read now, never cached: a Node made again under
@@ -55,8 +60,13 @@ impl KubeSlices {
             && let Ok(Some(n)) = self.nodes.get_opt(&node).await
             && let Some(uid) = n.metadata.uid
         {
-            o.metadata.owner_references =
-                Some(vec![OwnerReference { api_version: "v1".into(), kind: "Node".into(), name: node, uid, ..Default::default() }]);
+            o.metadata.owner_references = Some(vec![OwnerReference {
+                api_version: "v1".into(),
+                kind: "Node".into(),
+                name: node,
+                uid,
+                ..Default::default()
+            }]);
         }
         o
     }

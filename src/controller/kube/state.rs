@@ -346,7 +346,9 @@ impl KubeBackend {
     pub fn new(config: kube::Config, fence: Option<Arc<super::lease::Fence>>) -> Result<Self, BackendError> {
         let rt = RuntimeThread::start()?;
         let config = super::named(config);
-        let client = rt.run(async move { kube::Client::try_from(config).map_err(|e| BackendError::Unavailable(format!("Kubernetes client: {e}"))) })?;
+        let client = rt.run(async move {
+            kube::Client::try_from(config).map_err(|e| BackendError::Unavailable(format!("Kubernetes client: {e}")))
+        })?;
         let leadership = fence.as_ref().and_then(|f| {
             let lease = f.lease()?.clone();
             Some(Leadership { leases: Api::namespaced(client.clone(), &lease.namespace), lease, fence: f.clone() })
@@ -388,7 +390,9 @@ impl KubeBackend {
             }
             // No lock there (also after an unknown outcome: the create did not happen).
             Ok(None) => Err(PutError::Refused(api_error(&e, format!("locking block {cidr} (IPBlock {name}): {e}")))),
-            Err(g) => Err(PutError::Unknown(format!("locking block {cidr} (IPBlock {name}): {e}; reading it back: {g}"))),
+            Err(g) => {
+                Err(PutError::Unknown(format!("locking block {cidr} (IPBlock {name}): {e}; reading it back: {g}")))
+            }
         }
     }
 
@@ -453,7 +457,12 @@ fn definitely_refused(e: &kube::Error) -> bool {
 /// object back: if it already holds exactly this spec, it is written (by this controller,
 /// just now or by an earlier attempt whose answer was lost). Another client's change (the
 /// Lease still ours) is merged and the write retried; see the module documentation.
-async fn put(api: &Api<DynamicObject>, mut obj: DynamicObject, what: &str, leader: &Option<Leadership>) -> Result<Seen, PutError> {
+async fn put(
+    api: &Api<DynamicObject>,
+    mut obj: DynamicObject,
+    what: &str,
+    leader: &Option<Leadership>,
+) -> Result<Seen, PutError> {
     let name = obj.metadata.name.clone().unwrap_or_default();
     for _ in 0..MERGE_ATTEMPTS {
         let written = if obj.metadata.resource_version.is_some() {
@@ -472,7 +481,9 @@ async fn put(api: &Api<DynamicObject>, mut obj: DynamicObject, what: &str, leade
         let current = match api.get_opt(&name).await {
             Ok(Some(cur)) if cur.data.get("spec") == obj.data.get("spec") => return Ok(Seen::of(&cur)),
             Ok(cur) if conflict => cur,
-            Ok(_) => return Err(PutError::Refused(api_error(&e, format!("writing {what}: {e} (read back: not written)")))),
+            Ok(_) => {
+                return Err(PutError::Refused(api_error(&e, format!("writing {what}: {e} (read back: not written)"))));
+            }
             Err(g) => return Err(PutError::Unknown(format!("writing {what}: {e}; reading it back: {g}"))),
         };
         Leadership::still_ours(leader, what, &e).await?;
@@ -495,10 +506,19 @@ async fn put(api: &Api<DynamicObject>, mut obj: DynamicObject, what: &str, leade
 
 /// Delete at the resourceVersion last seen; absent is success. Another client's change (the
 /// Lease still ours) does not stop it: the delete is retried at the new resourceVersion.
-async fn remove(api: &Api<DynamicObject>, name: &str, rv: Option<String>, what: &str, leader: &Option<Leadership>) -> Result<(), PutError> {
+async fn remove(
+    api: &Api<DynamicObject>,
+    name: &str,
+    rv: Option<String>,
+    what: &str,
+    leader: &Option<Leadership>,
+) -> Result<(), PutError> {
     let mut rv = rv;
     for _ in 0..MERGE_ATTEMPTS {
-        let dp = DeleteParams { preconditions: rv.clone().map(|rv| Preconditions { resource_version: Some(rv), uid: None }), ..Default::default() };
+        let dp = DeleteParams {
+            preconditions: rv.clone().map(|rv| Preconditions { resource_version: Some(rv), uid: None }),
+            ..Default::default()
+        };
         let e = match api.delete(name, &dp).await {
             Ok(_) => return Ok(()),
             Err(e) if is_not_found(&e) => return Ok(()),
@@ -512,7 +532,12 @@ async fn remove(api: &Api<DynamicObject>, name: &str, rv: Option<String>, what: 
                     rv = cur.metadata.resource_version.clone();
                     continue;
                 }
-                Err(g) => return Err(PutError::Refused(api_error(&e, format!("deleting {what}: {e}; reading it back: {g}")))),
+                Err(g) => {
+                    return Err(PutError::Refused(api_error(
+                        &e,
+                        format!("deleting {what}: {e}; reading it back: {g}"),
+                    )));
+                }
             }
         }
         if definitely_refused(&e) {
@@ -520,7 +545,9 @@ async fn remove(api: &Api<DynamicObject>, name: &str, rv: Option<String>, what: 
         }
         return match api.get_opt(name).await {
             Ok(None) => Ok(()),
-            Ok(Some(_)) => Err(PutError::Refused(api_error(&e, format!("deleting {what}: {e} (read back: still there)")))),
+            Ok(Some(_)) => {
+                Err(PutError::Refused(api_error(&e, format!("deleting {what}: {e} (read back: still there)"))))
+            }
             Err(g) => Err(PutError::Unknown(format!("deleting {what}: {e}; reading it back: {g}"))),
         };
     }
@@ -615,59 +642,64 @@ impl Backend for KubeBackend {
             let old = known.nodes.get(name).cloned();
             let (nodes, blocks, name2, rec2) = (self.nodes.clone(), self.blocks.clone(), name.clone(), rec.clone());
             let leader = self.leadership.clone();
-            let outcome: Result<Option<Seen>, PutError> = self
-                .rt
-                .run(async move {
-                    let old_blocks: Vec<String> = old.as_ref().map(|(r, _)| r.blocks.clone()).unwrap_or_default();
-                    let seen = old.map(|(_, seen)| seen);
-                    Ok(match rec2 {
-                        Some(rec) => {
-                            // Lock the new blocks before the record names them.
-                            let mut locked = Vec::new();
-                            let mut result = Ok(Seen::default());
-                            for b in rec.blocks.iter().filter(|b| !old_blocks.contains(b)) {
-                                match KubeBackend::lock_block(&blocks, b, &name2).await {
-                                    Ok(()) => locked.push(b.clone()),
-                                    Err(e) => {
-                                        result = Err(e);
-                                        break;
-                                    }
-                                }
-                            }
-                            if result.is_ok() {
-                                let spec = NodeSpec { underlay: rec.underlay.clone(), vtep_mac: rec.vtep_mac.clone(), blocks: rec.blocks.clone() };
-                                let spec = serde_json::to_value(spec).map_err(|e| BackendError::Corrupt(e.to_string()))?;
-                                result = match object(&node_resource(), &name2, &name2, spec, seen.as_ref()) {
-                                    Ok(obj) => put(&nodes, obj, &format!("NodeplaneNode {name2}"), &leader).await,
-                                    Err(e) => Err(PutError::Refused(e)),
-                                };
-                            }
-                            match result {
-                                Ok(new_rv) => {
-                                    for b in old_blocks.iter().filter(|b| !rec.blocks.contains(b)) {
-                                        // The record no longer names it: a lock left behind is
-                                        // released at a later load.
-                                        if let Err(e) = KubeBackend::unlock_block(&blocks, b).await {
-                                            tracing::warn!(error = %e, "block lock left behind");
-                                        }
-                                    }
-                                    Ok(Some(new_rv))
-                                }
+            let outcome: Result<Option<Seen>, PutError> = self.rt.run(async move {
+                let old_blocks: Vec<String> = old.as_ref().map(|(r, _)| r.blocks.clone()).unwrap_or_default();
+                let seen = old.map(|(_, seen)| seen);
+                Ok(match rec2 {
+                    Some(rec) => {
+                        // Lock the new blocks before the record names them.
+                        let mut locked = Vec::new();
+                        let mut result = Ok(Seen::default());
+                        for b in rec.blocks.iter().filter(|b| !old_blocks.contains(b)) {
+                            match KubeBackend::lock_block(&blocks, b, &name2).await {
+                                Ok(()) => locked.push(b.clone()),
                                 Err(e) => {
-                                    // Nothing written: give the new locks back. Unknown: keep
-                                    // them (a later load releases them if no record names them).
-                                    if matches!(e, PutError::Refused(_) | PutError::Conflict(_)) {
-                                        for b in &locked {
-                                            if let Err(u) = KubeBackend::unlock_block(&blocks, b).await {
-                                                tracing::warn!(error = %u, "block lock left behind");
-                                            }
-                                        }
-                                    }
-                                    Err(e)
+                                    result = Err(e);
+                                    break;
                                 }
                             }
                         }
-                        None => match remove(&nodes, &name2, seen.map(|s| s.rv), &format!("NodeplaneNode {name2}"), &leader).await {
+                        if result.is_ok() {
+                            let spec = NodeSpec {
+                                underlay: rec.underlay.clone(),
+                                vtep_mac: rec.vtep_mac.clone(),
+                                blocks: rec.blocks.clone(),
+                            };
+                            let spec = serde_json::to_value(spec).map_err(|e| BackendError::Corrupt(e.to_string()))?;
+                            result = match object(&node_resource(), &name2, &name2, spec, seen.as_ref()) {
+                                Ok(obj) => put(&nodes, obj, &format!("NodeplaneNode {name2}"), &leader).await,
+                                Err(e) => Err(PutError::Refused(e)),
+                            };
+                        }
+                        match result {
+                            Ok(new_rv) => {
+                                for b in old_blocks.iter().filter(|b| !rec.blocks.contains(b)) {
+                                    // The record no longer names it: a lock left behind is
+                                    // released at a later load.
+                                    if let Err(e) = KubeBackend::unlock_block(&blocks, b).await {
+                                        tracing::warn!(error = %e, "block lock left behind");
+                                    }
+                                }
+                                Ok(Some(new_rv))
+                            }
+                            Err(e) => {
+                                // Nothing written: give the new locks back. Unknown: keep
+                                // them (a later load releases them if no record names them).
+                                if matches!(e, PutError::Refused(_) | PutError::Conflict(_)) {
+                                    for b in &locked {
+                                        if let Err(u) = KubeBackend::unlock_block(&blocks, b).await {
+                                            tracing::warn!(error = %u, "block lock left behind");
+                                        }
+                                    }
+                                }
+                                Err(e)
+                            }
+                        }
+                    }
+                    None => {
+                        match remove(&nodes, &name2, seen.map(|s| s.rv), &format!("NodeplaneNode {name2}"), &leader)
+                            .await
+                        {
                             Ok(()) => {
                                 for b in &old_blocks {
                                     if let Err(e) = KubeBackend::unlock_block(&blocks, b).await {
@@ -677,9 +709,10 @@ impl Backend for KubeBackend {
                                 Ok(None)
                             }
                             Err(e) => Err(e),
-                        },
-                    })
-                })?;
+                        }
+                    }
+                })
+            })?;
             let new_rv = outcome.map_err(|e| {
                 self.trip(&e);
                 BackendError::from(e)
@@ -700,13 +733,17 @@ impl Backend for KubeBackend {
         self.check_fence()?;
         let volumes = self.volumes.clone();
         let items = self.rt.run_within(None, async move {
-            let (list, _) = super::list_all(&volumes, &ListParams::default()).await.map_err(err("listing nodeplanevolumes"))?;
+            let (list, _) =
+                super::list_all(&volumes, &ListParams::default()).await.map_err(err("listing nodeplanevolumes"))?;
             let mut out = Vec::new();
             for o in &list {
                 let rec: VolumeRecord = spec_of(o)?;
                 let name = o.metadata.name.clone().unwrap_or_default();
                 if name != volume_object_name(&rec.id) {
-                    return Err(BackendError::Corrupt(format!("NodeplaneVolume {name} does not match its id {:?}", rec.id)));
+                    return Err(BackendError::Corrupt(format!(
+                        "NodeplaneVolume {name} does not match its id {:?}",
+                        rec.id
+                    )));
                 }
                 out.push((rec, name, Seen::of(o)));
             }

@@ -32,7 +32,8 @@ fn text(data: &BTreeMap<String, ByteString>, k: &str) -> Option<String> {
 fn serving_ok(cert_pem: &str, dns_names: &[String]) -> bool {
     let Ok(certs) = crate::rpc::tls::certs_of(cert_pem.as_bytes(), "tls.crt") else { return false };
     let Ok((_, c)) = x509_parser::parse_x509_certificate(&certs[0]) else { return false };
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
+    let now =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
     if c.validity().not_after.timestamp() < now + RENEW_BEFORE_SECS {
         return false;
     }
@@ -89,7 +90,9 @@ pub async fn bootstrap(client: kube::Client, b: &Bootstrap, files: &ServerFiles)
     };
     let (s, outcome) = super::ensure::ensure(&secrets, &what, &b.secret_name, fresh, fix).await?;
     match outcome {
-        Outcome::Created => tracing::info!(secret = %what, names = ?b.dns_names, "CA and serving certificate generated"),
+        Outcome::Created => {
+            tracing::info!(secret = %what, names = ?b.dns_names, "CA and serving certificate generated")
+        }
         Outcome::Updated => tracing::info!(secret = %what, "serving certificate (re-)issued by the bootstrap CA"),
         Outcome::Found => {}
     }

@@ -173,7 +173,9 @@ impl Compiler<'_> {
                         port: *n as u32,
                         end_port: port.end_port.unwrap_or(0).max(0) as u32,
                     }),
-                    None => rule.ports.push(pb::PortMatch { protocol: pb_protocol(protocol) as i32, port: 0, end_port: 0 }),
+                    None => {
+                        rule.ports.push(pb::PortMatch { protocol: pb_protocol(protocol) as i32, port: 0, end_port: 0 })
+                    }
                 }
             }
             for (name, protocol) in named {
@@ -198,7 +200,16 @@ impl Compiler<'_> {
                 };
                 let direction: &[u8] = if egress { b"e" } else { b"i" };
                 let proto = format!("{protocol:?}");
-                let set_id = id_of(&[b"port|", direction, b"|", owner.as_bytes(), b"|", name.as_bytes(), b"|", proto.as_bytes()]);
+                let set_id = id_of(&[
+                    b"port|",
+                    direction,
+                    b"|",
+                    owner.as_bytes(),
+                    b"|",
+                    name.as_bytes(),
+                    b"|",
+                    proto.as_bytes(),
+                ]);
                 if !rule.port_sets.contains(&set_id) {
                     rule.port_sets.push(set_id.clone());
                 }
@@ -215,7 +226,13 @@ impl Compiler<'_> {
                             for peer in list {
                                 match &peer.ip_block {
                                     None => keys.extend(peer_pods(self.o, &key.0, peer).into_iter().map(|(k, _)| k)),
-                                    Some(b) => keys.extend(self.o.attached.iter().filter(|(_, a)| a.ips.iter().any(|ip| in_block(ip, b))).map(|(k, _)| k)),
+                                    Some(b) => keys.extend(
+                                        self.o
+                                            .attached
+                                            .iter()
+                                            .filter(|(_, a)| a.ips.iter().any(|ip| in_block(ip, b)))
+                                            .map(|(k, _)| k),
+                                    ),
                                 }
                             }
                             keys.into_iter().collect()
@@ -229,7 +246,11 @@ impl Compiler<'_> {
                     let (Some(info), Some(at)) = (self.o.pods.get(k), self.o.attached.get(k)) else { continue };
                     for p in info.ports.iter().filter(|p| p.name == name && p.protocol == protocol) {
                         for ip in &at.ips {
-                            targets.push(pb::PortTarget { ip: ip.to_string(), protocol: pb_protocol(protocol) as i32, port: p.port as u32 });
+                            targets.push(pb::PortTarget {
+                                ip: ip.to_string(),
+                                protocol: pb_protocol(protocol) as i32,
+                                port: p.port as u32,
+                            });
                         }
                     }
                 }
@@ -245,7 +266,8 @@ impl Compiler<'_> {
     fn selector_set(&mut self, policy_ns: &str, peer: &NetworkPolicyPeer) -> String {
         let id = selector_set_id(policy_ns, peer);
         if !self.sets.contains_key(&id) {
-            let mut cidrs: Vec<String> = peer_pods(self.o, policy_ns, peer).iter().flat_map(|(_, a)| a.ips.iter().map(host_cidr)).collect();
+            let mut cidrs: Vec<String> =
+                peer_pods(self.o, policy_ns, peer).iter().flat_map(|(_, a)| a.ips.iter().map(host_cidr)).collect();
             cidrs.sort();
             cidrs.dedup();
             self.sets.insert(id.clone(), pb::AddressSet { id: id.clone(), cidrs });
@@ -294,7 +316,11 @@ pub fn compile(o: &Objects) -> BTreeMap<String, NodeView> {
             }
             let ids: Vec<String> = pols.iter().map(|p| policy_id(p, egress)).collect();
             let joined = ids.join(",");
-            Some(pb::PolicyGroup { id: id_of(&[if egress { b"e" } else { b"i" }, joined.as_bytes()]), egress, policies: ids })
+            Some(pb::PolicyGroup {
+                id: id_of(&[if egress { b"e" } else { b"i" }, joined.as_bytes()]),
+                egress,
+                policies: ids,
+            })
         };
         let gi = group(&ing, false);
         let ge = group(&eg, true);
@@ -339,8 +365,10 @@ mod tests {
     fn objects() -> Objects {
         let mut o = Objects::default();
         for (ns, nslabels) in [("x", serde_json::json!({"team": "a"})), ("y", serde_json::json!({"team": "b"}))] {
-            o.set_namespace(&serde_json::from_value(serde_json::json!({"metadata": {"name": ns, "labels": nslabels}})).unwrap())
-                .unwrap();
+            o.set_namespace(
+                &serde_json::from_value(serde_json::json!({"metadata": {"name": ns, "labels": nslabels}})).unwrap(),
+            )
+            .unwrap();
         }
         for (i, (ns, pod)) in [("x", "a"), ("x", "b"), ("y", "a"), ("y", "b")].into_iter().enumerate() {
             o.set_pod(
@@ -353,24 +381,34 @@ mod tests {
             .unwrap();
             o.attached.insert(
                 (ns.into(), pod.into()),
-                model::Attached { node: if i % 2 == 0 { "n1".into() } else { "n2".into() }, ips: vec![format!("10.0.0.{}", i + 1).parse().unwrap()] },
+                model::Attached {
+                    node: if i % 2 == 0 { "n1".into() } else { "n2".into() },
+                    ips: vec![format!("10.0.0.{}", i + 1).parse().unwrap()],
+                },
             );
         }
         o
     }
 
     fn apply(o: &mut Objects, ns: &str, name: &str, spec: serde_json::Value) {
-        let p: NetworkPolicy = serde_json::from_value(serde_json::json!({"metadata": {"namespace": ns, "name": name}, "spec": spec})).unwrap();
+        let p: NetworkPolicy =
+            serde_json::from_value(serde_json::json!({"metadata": {"namespace": ns, "name": name}, "spec": spec}))
+                .unwrap();
         o.set_policy(&p).unwrap();
     }
 
     #[test]
     fn isolation_groups_rules_and_sets() {
         let mut o = objects();
-        apply(&mut o, "x", "allow-from-b", serde_json::json!({
-            "podSelector": {"matchLabels": {"pod": "a"}},
-            "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": "b"}}}], "ports": [{"port": 80}, {"port": "http"}]}]
-        }));
+        apply(
+            &mut o,
+            "x",
+            "allow-from-b",
+            serde_json::json!({
+                "podSelector": {"matchLabels": {"pod": "a"}},
+                "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": "b"}}}], "ports": [{"port": 80}, {"port": "http"}]}]
+            }),
+        );
         let v = compile(&o);
         let n1 = &v["n1"];
         // x/a is on n1 (index 0) and isolated for ingress only.
@@ -388,7 +426,10 @@ mod tests {
         assert_eq!(rule.ports[0].port, 80);
         // The named port resolved on the selected pod itself (x/a: 8080).
         let ps = &n1.port_sets[&rule.port_sets[0]];
-        assert_eq!(ps.targets, vec![pb::PortTarget { ip: "10.0.0.1".into(), protocol: pb::Protocol::Tcp as i32, port: 8080 }]);
+        assert_eq!(
+            ps.targets,
+            vec![pb::PortTarget { ip: "10.0.0.1".into(), protocol: pb::Protocol::Tcp as i32, port: 8080 }]
+        );
         // n2 isolates nobody: it gets its pods and nothing else.
         assert!(v["n2"].policies.is_empty() && v["n2"].groups.is_empty() && v["n2"].address_sets.is_empty());
     }
@@ -396,11 +437,16 @@ mod tests {
     #[test]
     fn namespace_selectors_egress_named_ports_and_deltas() {
         let mut o = objects();
-        apply(&mut o, "x", "egress", serde_json::json!({
-            "podSelector": {},
-            "policyTypes": ["Egress"],
-            "egress": [{"to": [{"namespaceSelector": {"matchLabels": {"team": "b"}}}], "ports": [{"port": "http"}]}]
-        }));
+        apply(
+            &mut o,
+            "x",
+            "egress",
+            serde_json::json!({
+                "podSelector": {},
+                "policyTypes": ["Egress"],
+                "egress": [{"to": [{"namespaceSelector": {"matchLabels": {"team": "b"}}}], "ports": [{"port": "http"}]}]
+            }),
+        );
         let before = compile(&o);
         let n2 = &before["n2"];
         let xb = &n2.pods["x/b"];
@@ -412,7 +458,10 @@ mod tests {
         assert_eq!(ips, vec!["10.0.0.3", "10.0.0.4"]);
         // A pod label change moves x/b out of nothing (podSelector {}) but a new pod in y
         // joins the set: a delta carries only that.
-        o.attached.insert(("y".into(), "c".into()), model::Attached { node: "n1".into(), ips: vec!["10.0.0.9".parse().unwrap()] });
+        o.attached.insert(
+            ("y".into(), "c".into()),
+            model::Attached { node: "n1".into(), ips: vec!["10.0.0.9".parse().unwrap()] },
+        );
         let after = compile(&o);
         let d = after["n2"].delta_from(&before["n2"], 2);
         assert!(d.policies.is_empty() && d.groups.is_empty() && d.pods.is_empty(), "{d:?}");
@@ -427,9 +476,14 @@ mod tests {
         // distinct selector, one pod entry per pod.
         let mut o = objects();
         for i in 0..10 {
-            apply(&mut o, "x", &format!("p{i}"), serde_json::json!({
-                "podSelector": {}, "ingress": [{"from": [{"namespaceSelector": {}}], "ports": [{"port": 1000 + i}]}]
-            }));
+            apply(
+                &mut o,
+                "x",
+                &format!("p{i}"),
+                serde_json::json!({
+                    "podSelector": {}, "ingress": [{"from": [{"namespaceSelector": {}}], "ports": [{"port": 1000 + i}]}]
+                }),
+            );
         }
         let v = compile(&o);
         let n1 = &v["n1"];
@@ -441,24 +495,42 @@ mod tests {
         // direction and distinct selection; another name or selection gets its own.
         let mut o = objects();
         for i in 0..10 {
-            apply(&mut o, "x", &format!("n{i}"), serde_json::json!({
-                "podSelector": {},
-                "policyTypes": ["Ingress", "Egress"],
-                "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": format!("p{i}")}}}], "ports": [{"port": "http"}, {"port": "http"}]}],
-                "egress": [{"to": [{"namespaceSelector": {"matchLabels": {"team": "b"}}}], "ports": [{"port": "http"}]}]
-            }));
+            apply(
+                &mut o,
+                "x",
+                &format!("n{i}"),
+                serde_json::json!({
+                    "podSelector": {},
+                    "policyTypes": ["Ingress", "Egress"],
+                    "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": format!("p{i}")}}}], "ports": [{"port": "http"}, {"port": "http"}]}],
+                    "egress": [{"to": [{"namespaceSelector": {"matchLabels": {"team": "b"}}}], "ports": [{"port": "http"}]}]
+                }),
+            );
         }
-        apply(&mut o, "x", "other", serde_json::json!({
-            "podSelector": {"matchLabels": {"pod": "a"}}, "ingress": [{"ports": [{"port": "http"}]}]
-        }));
+        apply(
+            &mut o,
+            "x",
+            "other",
+            serde_json::json!({
+                "podSelector": {"matchLabels": {"pod": "a"}}, "ingress": [{"ports": [{"port": "http"}]}]
+            }),
+        );
         let n1 = &compile(&o)["n1"];
         assert_eq!(n1.port_sets.len(), 3, "{:?}", n1.port_sets.keys());
-        let ingress: BTreeSet<&String> =
-            n1.policies.values().filter(|p| !p.egress && p.name.starts_with("x/n")).flat_map(|p| &p.rules[0].port_sets).collect();
+        let ingress: BTreeSet<&String> = n1
+            .policies
+            .values()
+            .filter(|p| !p.egress && p.name.starts_with("x/n"))
+            .flat_map(|p| &p.rules[0].port_sets)
+            .collect();
         let [shared] = ingress.into_iter().collect::<Vec<_>>()[..] else { panic!("one shared ingress set") };
-        assert!(n1.policies.values().all(|p| p.rules.iter().all(|r| r.port_sets.len() <= 1)), "a name listed twice is one set");
+        assert!(
+            n1.policies.values().all(|p| p.rules.iter().all(|r| r.port_sets.len() <= 1)),
+            "a name listed twice is one set"
+        );
         assert_eq!(n1.port_sets[shared].targets.len(), 1, "x/a on n1, 8080");
-        let egress: BTreeSet<&String> = n1.policies.values().filter(|p| p.egress).flat_map(|p| &p.rules[0].port_sets).collect();
+        let egress: BTreeSet<&String> =
+            n1.policies.values().filter(|p| p.egress).flat_map(|p| &p.rules[0].port_sets).collect();
         assert_eq!(egress.len(), 1);
         // y's pods: y/a (8082) and y/b (8083), wherever they run.
         assert_eq!(n1.port_sets[*egress.first().unwrap()].targets.len(), 2);

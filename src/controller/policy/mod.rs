@@ -109,7 +109,8 @@ impl PolicyBook {
         let new = compile::compile(&st.objects);
         self.compile_seconds.observe(&[], started.elapsed().as_secs_f64());
         let mut changed = false;
-        let nodes: Vec<String> = st.views.keys().chain(new.keys()).cloned().collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+        let nodes: Vec<String> =
+            st.views.keys().chain(new.keys()).cloned().collect::<std::collections::BTreeSet<_>>().into_iter().collect();
         let next = st.revision + 1;
         for node in nodes {
             let view = new.get(&node).cloned().unwrap_or_default();
@@ -195,7 +196,12 @@ impl PolicyBook {
     }
 
     /// Replace every object of one kind at once (a relist of the API).
-    pub fn replace_all(&self, namespaces: Option<&[Namespace]>, pods: Option<&[Pod]>, policies: Option<&[NetworkPolicy]>) {
+    pub fn replace_all(
+        &self,
+        namespaces: Option<&[Namespace]>,
+        pods: Option<&[Pod]>,
+        policies: Option<&[NetworkPolicy]>,
+    ) {
         self.change(|o| {
             if let Some(list) = namespaces {
                 o.namespaces.clear();
@@ -276,7 +282,8 @@ impl PolicyBook {
         for p in &s.policies {
             items.push(with_kind("NetworkPolicy", serde_json::to_value(p).unwrap_or_default(), "networking.k8s.io/v1"));
         }
-        serde_json::to_string_pretty(&serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items})).map_err(|e| e.to_string())
+        serde_json::to_string_pretty(&serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items}))
+            .map_err(|e| e.to_string())
     }
 
     fn stored(&self) -> Result<Stored, String> {

@@ -62,7 +62,8 @@ impl PodInfo {
         let containers = pod.spec.iter().flat_map(|s| s.containers.iter().chain(s.init_containers.iter().flatten()));
         for c in containers {
             for p in c.ports.iter().flatten() {
-                let (Some(name), Ok(protocol), Ok(port)) = (&p.name, Protocol::parse(p.protocol.as_deref()), u16::try_from(p.container_port))
+                let (Some(name), Ok(protocol), Ok(port)) =
+                    (&p.name, Protocol::parse(p.protocol.as_deref()), u16::try_from(p.container_port))
                 else {
                     continue;
                 };
@@ -151,10 +152,13 @@ pub fn validate_spec(spec: &NetworkPolicySpec) -> Result<(), String> {
                 (Some(_), true) => return Err("a peer with ipBlock has no selectors".into()),
                 (None, false) => return Err("a peer needs podSelector, namespaceSelector or ipBlock".into()),
                 (Some(b), false) => {
-                    let cidr: ipnetwork::IpNetwork = b.cidr.parse().map_err(|_| format!("ipBlock cidr {:?} is not a CIDR", b.cidr))?;
+                    let cidr: ipnetwork::IpNetwork =
+                        b.cidr.parse().map_err(|_| format!("ipBlock cidr {:?} is not a CIDR", b.cidr))?;
                     for e in b.except.iter().flatten() {
-                        let ex: ipnetwork::IpNetwork = e.parse().map_err(|_| format!("ipBlock except {e:?} is not a CIDR"))?;
-                        if ex.is_ipv4() != cidr.is_ipv4() || !cidr.contains(ex.network()) || ex.prefix() < cidr.prefix() {
+                        let ex: ipnetwork::IpNetwork =
+                            e.parse().map_err(|_| format!("ipBlock except {e:?} is not a CIDR"))?;
+                        if ex.is_ipv4() != cidr.is_ipv4() || !cidr.contains(ex.network()) || ex.prefix() < cidr.prefix()
+                        {
                             return Err(format!("ipBlock except {e} is not inside {}", b.cidr));
                         }
                     }

@@ -32,7 +32,9 @@ impl Service {
     async fn admin(&self, req: &Request<impl Sized>) -> Result<(), Status> {
         match self.registry.caller(req).await? {
             Identity::Admin => Ok(()),
-            Identity::Node(n) => Err(Status::permission_denied(format!("node {n:?} may not change or list policy objects"))),
+            Identity::Node(n) => {
+                Err(Status::permission_denied(format!("node {n:?} may not change or list policy objects")))
+            }
         }
     }
 
@@ -47,7 +49,8 @@ impl Service {
             self.registry.node_blocks(node).iter().filter_map(|b| b.parse().ok()).collect();
         let mut ips = Vec::new();
         for s in &p.ips {
-            let ip: IpAddr = s.parse().map_err(|_| Status::invalid_argument(format!("pod address {s:?} is not an IP address")))?;
+            let ip: IpAddr =
+                s.parse().map_err(|_| Status::invalid_argument(format!("pod address {s:?} is not an IP address")))?;
             if !blocks.iter().any(|b| b.contains(ip)) {
                 return Err(Status::permission_denied(format!("{ip} is not in a pod block of node {node:?}")));
             }
@@ -67,32 +70,38 @@ impl NetworkPolicies for Service {
         let book = self.book.clone();
         let mut stopping = self.registry.stopping.clone();
         let mut changed = book.subscribe();
-        let stream = async_stream_updates(move |tx: tokio::sync::mpsc::Sender<Result<pb::PolicyUpdate, Status>>| async move {
-            let mut sent = None::<Arc<super::compile::NodeView>>;
-            loop {
-                changed.borrow_and_update();
-                let v = book.view(&node);
-                let update = match &sent {
-                    None => Some(v.view.snapshot(v.revision)),
-                    Some(last) if !Arc::ptr_eq(last, &v.view) => Some(v.view.delta_from(last, v.revision)).filter(|u| !is_empty(u)),
-                    Some(_) => None,
-                };
-                if let Some(u) = update {
-                    if tx.send(Ok(u)).await.is_err() {
-                        return;
+        let stream =
+            async_stream_updates(move |tx: tokio::sync::mpsc::Sender<Result<pb::PolicyUpdate, Status>>| async move {
+                let mut sent = None::<Arc<super::compile::NodeView>>;
+                loop {
+                    changed.borrow_and_update();
+                    let v = book.view(&node);
+                    let update = match &sent {
+                        None => Some(v.view.snapshot(v.revision)),
+                        Some(last) if !Arc::ptr_eq(last, &v.view) => {
+                            Some(v.view.delta_from(last, v.revision)).filter(|u| !is_empty(u))
+                        }
+                        Some(_) => None,
+                    };
+                    if let Some(u) = update {
+                        if tx.send(Ok(u)).await.is_err() {
+                            return;
+                        }
+                        sent = Some(v.view.clone());
                     }
-                    sent = Some(v.view.clone());
+                    tokio::select! {
+                        r = changed.changed() => if r.is_err() { return },
+                        _ = stopping.wait_for(|s| *s) => return,
+                    }
                 }
-                tokio::select! {
-                    r = changed.changed() => if r.is_err() { return },
-                    _ = stopping.wait_for(|s| *s) => return,
-                }
-            }
-        });
+            });
         Ok(Response::new(stream))
     }
 
-    async fn pod_started(&self, req: Request<pb::PodStartedRequest>) -> Result<Response<pb::PodStartedResponse>, Status> {
+    async fn pod_started(
+        &self,
+        req: Request<pb::PodStartedRequest>,
+    ) -> Result<Response<pb::PodStartedResponse>, Status> {
         let node = req.get_ref().node_name.clone();
         self.node(&req, &node).await?;
         let (key, ips) = self.pod_of(&node, req.into_inner().pod)?;
@@ -103,7 +112,10 @@ impl NetworkPolicies for Service {
         Ok(Response::new(pb::PodStartedResponse { revision, isolated }))
     }
 
-    async fn pod_stopped(&self, req: Request<pb::PodStoppedRequest>) -> Result<Response<pb::PodStoppedResponse>, Status> {
+    async fn pod_stopped(
+        &self,
+        req: Request<pb::PodStoppedRequest>,
+    ) -> Result<Response<pb::PodStoppedResponse>, Status> {
         let node = req.get_ref().node_name.clone();
         self.node(&req, &node).await?;
         let p = req.into_inner().pod.ok_or_else(|| Status::invalid_argument("pod is required"))?;
@@ -114,7 +126,10 @@ impl NetworkPolicies for Service {
         Ok(Response::new(pb::PodStoppedResponse {}))
     }
 
-    async fn report_pods(&self, req: Request<pb::ReportPodsRequest>) -> Result<Response<pb::ReportPodsResponse>, Status> {
+    async fn report_pods(
+        &self,
+        req: Request<pb::ReportPodsRequest>,
+    ) -> Result<Response<pb::ReportPodsResponse>, Status> {
         let node = req.get_ref().node_name.clone();
         self.node(&req, &node).await?;
         let mut pods = Vec::new();
@@ -122,14 +137,21 @@ impl NetworkPolicies for Service {
             pods.push(self.pod_of(&node, Some(p))?);
         }
         let book = self.book.clone();
-        tokio::task::spawn_blocking(move || book.report_pods(&node, pods)).await.map_err(|e| Status::internal(e.to_string()))?;
+        tokio::task::spawn_blocking(move || book.report_pods(&node, pods))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
         Ok(Response::new(pb::ReportPodsResponse {}))
     }
 
-    async fn apply_objects(&self, req: Request<pb::ApplyObjectsRequest>) -> Result<Response<pb::ApplyObjectsResponse>, Status> {
+    async fn apply_objects(
+        &self,
+        req: Request<pb::ApplyObjectsRequest>,
+    ) -> Result<Response<pb::ApplyObjectsResponse>, Status> {
         self.admin(&req).await?;
         if !self.local {
-            return Err(Status::failed_precondition("this controller reads NetworkPolicies, Pods and Namespaces from the Kubernetes API: apply them with kubectl"));
+            return Err(Status::failed_precondition(
+                "this controller reads NetworkPolicies, Pods and Namespaces from the Kubernetes API: apply them with kubectl",
+            ));
         }
         let book = self.book.clone();
         let json = req.into_inner().json;
@@ -140,10 +162,15 @@ impl NetworkPolicies for Service {
         Ok(Response::new(pb::ApplyObjectsResponse { applied }))
     }
 
-    async fn delete_objects(&self, req: Request<pb::DeleteObjectsRequest>) -> Result<Response<pb::DeleteObjectsResponse>, Status> {
+    async fn delete_objects(
+        &self,
+        req: Request<pb::DeleteObjectsRequest>,
+    ) -> Result<Response<pb::DeleteObjectsResponse>, Status> {
         self.admin(&req).await?;
         if !self.local {
-            return Err(Status::failed_precondition("this controller reads NetworkPolicies, Pods and Namespaces from the Kubernetes API: delete them with kubectl"));
+            return Err(Status::failed_precondition(
+                "this controller reads NetworkPolicies, Pods and Namespaces from the Kubernetes API: delete them with kubectl",
+            ));
         }
         let book = self.book.clone();
         let json = req.into_inner().json;
@@ -154,10 +181,15 @@ impl NetworkPolicies for Service {
         Ok(Response::new(pb::DeleteObjectsResponse { deleted }))
     }
 
-    async fn list_objects(&self, req: Request<pb::ListObjectsRequest>) -> Result<Response<pb::ListObjectsResponse>, Status> {
+    async fn list_objects(
+        &self,
+        req: Request<pb::ListObjectsRequest>,
+    ) -> Result<Response<pb::ListObjectsResponse>, Status> {
         self.admin(&req).await?;
         if !self.local {
-            return Err(Status::failed_precondition("this controller reads policy objects from the Kubernetes API: list them with kubectl"));
+            return Err(Status::failed_precondition(
+                "this controller reads policy objects from the Kubernetes API: list them with kubectl",
+            ));
         }
         let json = self.book.list_json().map_err(Status::internal)?;
         Ok(Response::new(pb::ListObjectsResponse { json }))

@@ -135,7 +135,11 @@ impl Inventory {
                 .map(|p| api::DevicePlugin {
                     resource: p.res.resource_name(),
                     socket: p.res.socket_name(),
-                    devices: p.devices().iter().map(|d| api::PluginDevice { id: d.id.clone(), healthy: d.health == plugin::HEALTHY }).collect(),
+                    devices: p
+                        .devices()
+                        .iter()
+                        .map(|d| api::PluginDevice { id: d.id.clone(), healthy: d.health == plugin::HEALTHY })
+                        .collect(),
                 })
                 .collect(),
         }
@@ -202,7 +206,9 @@ impl Manager {
         let stale: Vec<String> = self
             .handles
             .keys()
-            .filter(|n| !wanted.iter().any(|r| &r.name == *n && Some(r) == self.resources.iter().find(|o| &o.name == *n)))
+            .filter(|n| {
+                !wanted.iter().any(|r| &r.name == *n && Some(r) == self.resources.iter().find(|o| &o.name == *n))
+            })
             .cloned()
             .collect();
         let stopping: Vec<Handle> = stale.iter().filter_map(|n| self.handles.remove(n)).collect();
@@ -221,7 +227,8 @@ impl Manager {
                 let plugin = Plugin::unscanned(Arc::new(r));
                 let wake = Arc::new(Wake::default());
                 let (stop, stop_rx) = watch::channel(false);
-                let task = Task { s: self.s.clone(), book: self.book.clone(), plugin: plugin.clone(), wake: wake.clone() };
+                let task =
+                    Task { s: self.s.clone(), book: self.book.clone(), plugin: plugin.clone(), wake: wake.clone() };
                 let task = tokio::spawn(task.run(stop_rx));
                 self.handles.insert(plugin.res.name.clone(), Handle { plugin, wake, stop, task });
             }
@@ -424,7 +431,10 @@ impl Task {
                     None if !said_absent => {
                         self.book.unreachable(
                             &name,
-                            format!("{} does not exist (kubelet not running, or it uses another device plugin directory)", kubelet.display()),
+                            format!(
+                                "{} does not exist (kubelet not running, or it uses another device plugin directory)",
+                                kubelet.display()
+                            ),
                         );
                         said_absent = true;
                     }
@@ -434,7 +444,10 @@ impl Task {
                         attempt = Some(Box::pin(async move {
                             match tokio::time::timeout(REGISTER_TIMEOUT, register(&k, &r)).await {
                                 Ok(r) => r,
-                                Err(_) => Err(RegisterError::Unreachable(format!("Register not answered within {} s", REGISTER_TIMEOUT.as_secs()))),
+                                Err(_) => Err(RegisterError::Unreachable(format!(
+                                    "Register not answered within {} s",
+                                    REGISTER_TIMEOUT.as_secs()
+                                ))),
                             }
                         }));
                     }
@@ -510,7 +523,8 @@ async fn stopped(rx: &mut watch::Receiver<bool>) {
 /// Bind and serve one plugin socket.
 fn serve(plugin: Arc<Plugin>, sock: &Path) -> std::io::Result<Served> {
     let listener = crate::sys::fs::bind_unix_socket(sock)?;
-    let id = sock_id(sock).ok_or_else(|| std::io::Error::other(format!("{} vanished right after bind", sock.display())))?;
+    let id =
+        sock_id(sock).ok_or_else(|| std::io::Error::other(format!("{} vanished right after bind", sock.display())))?;
     let (stop, stop_rx) = watch::channel(false);
     let svc = plugin::Service { plugin, stop: stop_rx.clone() };
     let mut stop2 = stop_rx;
@@ -541,7 +555,9 @@ enum RegisterError {
 }
 
 async fn register(kubelet: &Path, res: &Resource) -> Result<Option<SockId>, RegisterError> {
-    let ch = crate::rpc::connect_unix(kubelet).await.map_err(|e| RegisterError::Unreachable(format!("connecting to kubelet at {}: {e}", kubelet.display())))?;
+    let ch = crate::rpc::connect_unix(kubelet)
+        .await
+        .map_err(|e| RegisterError::Unreachable(format!("connecting to kubelet at {}: {e}", kubelet.display())))?;
     // The instance this connection reached (a socket replaced between a look and the
     // connect is the new one).
     let reached = sock_id(kubelet);
@@ -550,14 +566,19 @@ async fn register(kubelet: &Path, res: &Resource) -> Result<Option<SockId>, Regi
             version: API_VERSION.into(),
             endpoint: res.socket_name(),
             resource_name: res.resource_name(),
-            options: Some(pb::DevicePluginOptions { pre_start_required: res.pre_start, get_preferred_allocation_available: true }),
+            options: Some(pb::DevicePluginOptions {
+                pre_start_required: res.pre_start,
+                get_preferred_allocation_available: true,
+            }),
         })
         .await
         .map(|_| reached)
         .map_err(|s| {
             let msg = format!("Register: {:?}: {}", s.code(), s.message());
             // A transport failure is kubelet not being there; any answer from it is a refusal.
-            if s.code() == tonic::Code::Unavailable || s.code() == tonic::Code::Unknown && s.message().contains("transport") {
+            if s.code() == tonic::Code::Unavailable
+                || s.code() == tonic::Code::Unknown && s.message().contains("transport")
+            {
                 RegisterError::Unreachable(msg)
             } else {
                 RegisterError::Refused(msg)
@@ -573,7 +594,12 @@ pub async fn run(s: Settings, shutdown: watch::Receiver<bool>) {
 
 /// [`run`], keeping `inventory` up to date with the plugins served and `book` with what
 /// kubelet answered their registrations.
-pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventory: Inventory, book: crate::kubelet::Registrations) {
+pub async fn run_with(
+    s: Settings,
+    mut shutdown: watch::Receiver<bool>,
+    inventory: Inventory,
+    book: crate::kubelet::Registrations,
+) {
     if let Err(e) = std::fs::create_dir_all(&s.plugin_dir) {
         tracing::error!(dir = %s.plugin_dir.display(), error = %e, "device plugins disabled: cannot create the plugin dir");
         return;
@@ -587,13 +613,14 @@ pub async fn run_with(s: Settings, mut shutdown: watch::Receiver<bool>, inventor
     };
     // SAFETY: `inotify` owns the descriptor and outlives `afd` (declared after it, so
     // dropped first); the raw fd stays the same open inotify instance meanwhile.
-    let afd = match unsafe { AsyncFd::register_with_interest(inotify.as_fd().as_raw_fd(), tokio::io::Interest::READABLE) } {
-        Ok(a) => a,
-        Err(e) => {
-            tracing::error!(error = %e, "device plugins disabled: inotify fd");
-            return;
-        }
-    };
+    let afd =
+        match unsafe { AsyncFd::register_with_interest(inotify.as_fd().as_raw_fd(), tokio::io::Interest::READABLE) } {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::error!(error = %e, "device plugins disabled: inotify fd");
+                return;
+            }
+        };
     let mut m = Manager { s: s.clone(), handles: BTreeMap::new(), resources: Vec::new(), inventory, book };
     m.reload().await;
     let mut watched: BTreeMap<PathBuf, nix::sys::inotify::WatchDescriptor> = BTreeMap::new();

@@ -69,7 +69,13 @@ impl Plugin {
     /// async runtime).
     pub fn unscanned(res: Arc<Resource>) -> Arc<Self> {
         let (list_tx, _) = watch::channel(Vec::new());
-        Arc::new(Plugin { res, nodes: Mutex::new(BTreeMap::new()), rejected: Mutex::default(), list_tx, rescan_wanted: Default::default() })
+        Arc::new(Plugin {
+            res,
+            nodes: Mutex::new(BTreeMap::new()),
+            rejected: Mutex::default(),
+            list_tx,
+            rescan_wanted: Default::default(),
+        })
     }
 
     /// Re-read the device nodes and their health; publish the list when it changed.
@@ -90,7 +96,11 @@ impl Plugin {
                 // Two patterns can match nodes of the same base name in different
                 // directories: qualify the later one with its directory's name.
                 let name = if nodes.values().any(|n| n.name == base) {
-                    let parent = path.parent().and_then(|p| p.file_name()).map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                    let parent = path
+                        .parent()
+                        .and_then(|p| p.file_name())
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default();
                     format!("{parent}_{base}")
                 } else {
                     base
@@ -99,7 +109,11 @@ impl Plugin {
                 // the container's environment, and the CDI device name: one that breaks
                 // any of those, or is taken already, is not offered (the others still are).
                 let checked = crate::devices::cdi::check_device_name(&name).and_then(|()| {
-                    if nodes.values().any(|n| n.name == name) { Err(format!("device name {name:?} is taken by another device node")) } else { Ok(()) }
+                    if nodes.values().any(|n| n.name == name) {
+                        Err(format!("device name {name:?} is taken by another device node"))
+                    } else {
+                        Ok(())
+                    }
                 });
                 if let Err(why) = checked {
                     if self.rejected.lock().unwrap().insert(path.clone()) {
@@ -136,7 +150,11 @@ impl Plugin {
                 out.push(pb::Device { id: n.name.clone(), health, topology });
             } else {
                 for k in 0..self.res.share {
-                    out.push(pb::Device { id: format!("{}-{k}", n.name), health: health.clone(), topology: topology.clone() });
+                    out.push(pb::Device {
+                        id: format!("{}-{k}", n.name),
+                        health: health.clone(),
+                        topology: topology.clone(),
+                    });
                 }
             }
         }
@@ -182,7 +200,11 @@ impl Plugin {
         let by_name: HashMap<&str, &Node> = nodes.values().map(|n| (n.name.as_str(), n)).collect();
         for id in ids {
             let n = self.lookup(&by_name, id).cloned().ok_or_else(|| {
-                Status::invalid_argument(format!("device {} is not a device of {}", short(id), self.res.resource_name()))
+                Status::invalid_argument(format!(
+                    "device {} is not a device of {}",
+                    short(id),
+                    self.res.resource_name()
+                ))
             })?;
             if !check_health(&n.path) {
                 return Err(Status::failed_precondition(format!(
@@ -226,7 +248,10 @@ impl Plugin {
                 .collect(),
             annotations: Default::default(),
             cdi_devices: if self.res.cdi {
-                nodes.iter().map(|n| pb::CdiDevice { name: format!("{}={}", self.res.resource_name(), n.name) }).collect()
+                nodes
+                    .iter()
+                    .map(|n| pb::CdiDevice { name: format!("{}={}", self.res.resource_name(), n.name) })
+                    .collect()
             } else {
                 Vec::new()
             },
@@ -244,9 +269,18 @@ impl Plugin {
     }
 
     /// [`Plugin::preferred`], stopping with DEADLINE_EXCEEDED at `deadline`.
-    pub fn preferred_by(&self, available: &[String], must: &[String], size: usize, deadline: Option<Instant>) -> Result<Vec<String>, Status> {
+    pub fn preferred_by(
+        &self,
+        available: &[String],
+        must: &[String],
+        size: usize,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<String>, Status> {
         if must.len() > size {
-            return Err(Status::invalid_argument(format!("{} devices must be included but only {size} asked for", must.len())));
+            return Err(Status::invalid_argument(format!(
+                "{} devices must be included but only {size} asked for",
+                must.len()
+            )));
         }
         let avail: HashSet<&str> = available.iter().map(String::as_str).collect();
         if let Some(id) = must.iter().find(|id| !avail.contains(id.as_str())) {
@@ -257,7 +291,8 @@ impl Plugin {
         }
         let nodes = self.nodes.lock().unwrap().clone();
         let by_name: HashMap<&str, &Node> = nodes.values().map(|n| (n.name.as_str(), n)).collect();
-        let index: HashMap<&std::path::Path, usize> = nodes.values().enumerate().map(|(i, n)| (n.path.as_path(), i)).collect();
+        let index: HashMap<&std::path::Path, usize> =
+            nodes.values().enumerate().map(|(i, n)| (n.path.as_path(), i)).collect();
         let node_list: Vec<&Node> = nodes.values().collect();
         let mut used = vec![0usize; node_list.len()];
         let mut on_numa: HashMap<i64, usize> = HashMap::new();
@@ -295,7 +330,10 @@ impl Plugin {
         while chosen.len() < size {
             steps += 1;
             if steps % 256 == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(Status::deadline_exceeded(format!("preferred allocation of {size} from {} IDs did not finish in time", avail.len())));
+                return Err(Status::deadline_exceeded(format!(
+                    "preferred allocation of {size} from {} IDs did not finish in time",
+                    avail.len()
+                )));
             }
             let best = groups
                 .iter()
@@ -336,9 +374,18 @@ impl Plugin {
         let edits = crate::devices::cdi::Edits {
             permissions: &self.res.permissions,
             env: &self.res.env,
-            mounts: self.res.mounts.iter().map(|m| (m.host_path.as_path(), m.container_path.as_path(), m.read_only)).collect(),
+            mounts: self
+                .res
+                .mounts
+                .iter()
+                .map(|m| (m.host_path.as_path(), m.container_path.as_path(), m.read_only))
+                .collect(),
         };
-        crate::devices::cdi::spec(&self.res.resource_name(), &edits, nodes.values().map(|n| (n.name.as_str(), n.path.as_path())))
+        crate::devices::cdi::spec(
+            &self.res.resource_name(),
+            &edits,
+            nodes.values().map(|n| (n.name.as_str(), n.path.as_path())),
+        )
     }
 
     pub fn subscribe(&self) -> watch::Receiver<Vec<pb::Device>> {
@@ -357,7 +404,10 @@ type DeviceStream = Pin<Box<dyn Stream<Item = Result<pb::ListAndWatchResponse, S
 
 #[tonic::async_trait]
 impl pb::device_plugin_server::DevicePlugin for Service {
-    async fn get_device_plugin_options(&self, _: Request<pb::Empty>) -> Result<Response<pb::DevicePluginOptions>, Status> {
+    async fn get_device_plugin_options(
+        &self,
+        _: Request<pb::Empty>,
+    ) -> Result<Response<pb::DevicePluginOptions>, Status> {
         Ok(Response::new(pb::DevicePluginOptions {
             pre_start_required: self.plugin.res.pre_start,
             get_preferred_allocation_available: true,
@@ -401,7 +451,8 @@ impl pb::device_plugin_server::DevicePlugin for Service {
         let out = tokio::task::spawn_blocking(move || {
             let mut out = Vec::new();
             for c in r.container_requests {
-                let size = usize::try_from(c.allocation_size).map_err(|_| Status::invalid_argument("allocation_size must not be negative"))?;
+                let size = usize::try_from(c.allocation_size)
+                    .map_err(|_| Status::invalid_argument("allocation_size must not be negative"))?;
                 let ids = plugin.preferred_by(&c.available_device_i_ds, &c.must_include_device_i_ds, size, deadline)?;
                 out.push(pb::ContainerPreferredAllocationResponse { device_i_ds: ids });
             }
@@ -415,7 +466,10 @@ impl pb::device_plugin_server::DevicePlugin for Service {
     async fn allocate(&self, req: Request<pb::AllocateRequest>) -> Result<Response<pb::AllocateResponse>, Status> {
         let r = req.into_inner();
         if r.container_requests.len() > MAX_CONTAINERS {
-            return Err(Status::invalid_argument(format!("{} container requests (at most {MAX_CONTAINERS})", r.container_requests.len())));
+            return Err(Status::invalid_argument(format!(
+                "{} container requests (at most {MAX_CONTAINERS})",
+                r.container_requests.len()
+            )));
         }
         let plugin = self.plugin.clone();
         let out = tokio::task::spawn_blocking(move || {
@@ -448,7 +502,9 @@ impl pb::device_plugin_server::DevicePlugin for Service {
     ) -> Result<Response<pb::PreStartContainerResponse>, Status> {
         let ids = req.into_inner().devices_ids;
         let plugin = self.plugin.clone();
-        tokio::task::spawn_blocking(move || plugin.resolve(&ids)).await.map_err(|e| Status::internal(e.to_string()))??;
+        tokio::task::spawn_blocking(move || plugin.resolve(&ids))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(pb::PreStartContainerResponse {}))
     }
 }
@@ -460,7 +516,9 @@ impl Service {
     /// message limit bounds them.)
     fn bounded(&self, containers: usize, ids: impl Iterator<Item = usize>) -> Result<(), Status> {
         if containers > MAX_CONTAINERS {
-            return Err(Status::invalid_argument(format!("{containers} container requests (at most {MAX_CONTAINERS})")));
+            return Err(Status::invalid_argument(format!(
+                "{containers} container requests (at most {MAX_CONTAINERS})"
+            )));
         }
         let cap = self.plugin.advertised();
         if let Some(n) = ids.into_iter().find(|n| *n > cap) {
@@ -512,11 +570,20 @@ mod tests {
         // Nodes: (healthy, numa) for up to 6 devices; requests over their IDs plus strangers.
         let nodes = prop::collection::vec((any::<bool>(), prop::option::of(0i64..3)), 1..6);
         let case = nodes.prop_flat_map(|nodes| {
-            let ids: Vec<String> = (0..nodes.len()).flat_map(|i| (0..3).map(move |k| format!("t{i}-{k}"))).chain(["x-0".to_string(), "t9-0".to_string()]).collect();
+            let ids: Vec<String> = (0..nodes.len())
+                .flat_map(|i| (0..3).map(move |k| format!("t{i}-{k}")))
+                .chain(["x-0".to_string(), "t9-0".to_string()])
+                .collect();
             let n = ids.len();
-            (Just(nodes), prop::sample::subsequence(ids.clone(), 0..=n), prop::sample::subsequence(ids, 0..3), 0usize..n + 2)
+            (
+                Just(nodes),
+                prop::sample::subsequence(ids.clone(), 0..=n),
+                prop::sample::subsequence(ids, 0..3),
+                0usize..n + 2,
+            )
         });
-        let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config { cases: 2000, ..Default::default() });
+        let mut runner =
+            proptest::test_runner::TestRunner::new(proptest::test_runner::Config { cases: 2000, ..Default::default() });
         runner
             .run(&case, |(nodes, available, must, size)| {
                 let p = Plugin::unscanned(res.clone());
@@ -529,7 +596,15 @@ mod tests {
                 }
                 let must: Vec<String> = must.into_iter().filter(|m| available.contains(m)).collect();
                 match p.preferred(&available, &must, size) {
-                    Ok(got) => prop_assert_eq!(got, reference(&p, &available, &must, size), "{:?} {:?} {:?} {}", nodes, available, must, size),
+                    Ok(got) => prop_assert_eq!(
+                        got,
+                        reference(&p, &available, &must, size),
+                        "{:?} {:?} {:?} {}",
+                        nodes,
+                        available,
+                        must,
+                        size
+                    ),
                     Err(e) => prop_assert!(must.len() > size || size > available.len(), "refused: {e:?}"),
                 }
                 Ok(())

@@ -130,7 +130,8 @@ fn add_plumbs_the_pod_and_del_removes_everything() {
     assert!(n.dp.ready());
     let bridge = n.fake.host_link("np0").expect("bridge made");
     assert!(bridge.up);
-    let gws: Vec<String> = n.fake.host_addrs().iter().filter(|a| a.index == bridge.index).map(|a| a.ip.to_string()).collect();
+    let gws: Vec<String> =
+        n.fake.host_addrs().iter().filter(|a| a.index == bridge.index).map(|a| a.ip.to_string()).collect();
     assert_eq!(gws.len(), 2, "one gateway per block: {gws:?}");
     assert_eq!(n.fake.sysctl("net.ipv4.ip_forward").as_deref(), Some("1"));
     assert_eq!(n.fake.sysctl("net.ipv6.conf.all.forwarding").as_deref(), Some("1"));
@@ -230,13 +231,22 @@ fn add_refuses_an_ifname_taken_in_the_pod() {
     let n = node("ifname-taken");
     let ns = n.netns("pod");
     n.fake.edit_netns(&ns, |s| {
-        s.links.push(crate::sys::netlink::Link { index: 900, name: "eth0".into(), kind: Some("dummy".into()), ..Default::default() })
+        s.links.push(crate::sys::netlink::Link {
+            index: 900,
+            name: "eth0".into(),
+            kind: Some("dummy".into()),
+            ..Default::default()
+        })
     });
     let err = n.add("ctr", &ns).unwrap_err();
     assert_eq!(err.code, Code::AlreadyExists, "{err:?}");
     assert_eq!(n.dp.ipam().leases(), Vec::<Lease>::new());
     assert_eq!(n.our_host_links(), Vec::<String>::new());
-    assert_eq!(n.pod_links(&ns), vec!["lo".to_string(), "eth0".to_string()], "the pod's own eth0 is not ours to remove");
+    assert_eq!(
+        n.pod_links(&ns),
+        vec!["lo".to_string(), "eth0".to_string()],
+        "the pod's own eth0 is not ours to remove"
+    );
 }
 
 #[test]
@@ -366,7 +376,12 @@ fn del_of_nothing_changes_no_kernel_state() {
         .fake
         .calls()
         .into_iter()
-        .filter(|c| !c.contains(" link_by_name ") && !c.contains(" links ") && !c.contains(" host ") && !c.contains(" delete_group "))
+        .filter(|c| {
+            !c.contains(" link_by_name ")
+                && !c.contains(" links ")
+                && !c.contains(" host ")
+                && !c.contains(" delete_group ")
+        })
         .collect();
     let ghost = host_ifname(&owner("ghost"));
     assert_eq!(changes, vec![format!("host retire_named {ghost} group={GRAVEYARD_GROUP}")]);
@@ -606,7 +621,10 @@ fn net_errors_map_to_cni_codes() {
     let cases: Vec<(NetError, Code)> = vec![
         (NetError::Kernel { context: "creating veth".into(), source: kernel() }, Code::Internal),
         (NetError::NoNetns(NetnsError::NotFound("/x".into())), Code::InvalidEnv),
-        (NetError::Netns(NetnsError::Io { path: "/x".into(), source: std::io::Error::other("EMFILE") }), Code::Internal),
+        (
+            NetError::Netns(NetnsError::Io { path: "/x".into(), source: std::io::Error::other("EMFILE") }),
+            Code::Internal,
+        ),
         (NetError::Ipam(IpamError::NoBlock(None)), Code::TryAgainLater),
         (NetError::Ipam(IpamError::Exhausted { family: Family::V6, blocks: V6.into() }), Code::TryAgainLater),
         (NetError::Ipam(IpamError::Io { path: "/x".into(), source: std::io::Error::other("ENOSPC") }), Code::Io),

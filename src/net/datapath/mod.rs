@@ -11,17 +11,17 @@ use ipnetwork::IpNetwork;
 
 use super::reaper::{GRAVEYARD_GROUP, Reaper, is_graveyard_name};
 use crate::net::cni::request::Request;
-use crate::rpc::node as api;
 use crate::net::cni::result::{Dns, Interface, IpConfig, ResultModel, Route};
 use crate::net::cni::{CniError, Code};
 use crate::net::ipam::{Ipam, IpamError, Lease, LeaseState, Owner};
+use crate::net::pending_del;
+use crate::obs::doctor::{Finding, Repair};
+use crate::obs::metrics::{HistogramVec, STEP_BUCKETS, Steps};
+use crate::rpc::node as api;
 pub use crate::sys::net_kernel::NetKernel;
 use crate::sys::net_kernel::{LinkStep, Links, PodNetns, Veth};
 use crate::sys::netlink::{Link, NetlinkError, format_mac, random_mac};
 use crate::sys::netns::NetnsError;
-use crate::net::pending_del;
-use crate::obs::doctor::{Finding, Repair};
-use crate::obs::metrics::{HistogramVec, STEP_BUCKETS, Steps};
 use crate::util::Family;
 
 mod side;
@@ -101,7 +101,9 @@ impl From<NetError> for CniError {
             NetError::Kernel { .. } | NetError::Netns(_) | NetError::Broken(_) => Code::Internal,
             NetError::NoNetns(_) => Code::InvalidEnv,
             NetError::NoDescriptor(_) | NetError::Policy(_) => Code::TryAgainLater,
-            NetError::Ipam(IpamError::NoBlock(_) | IpamError::Exhausted { .. }) | NetError::NoBlock(_) => Code::TryAgainLater,
+            NetError::Ipam(IpamError::NoBlock(_) | IpamError::Exhausted { .. }) | NetError::NoBlock(_) => {
+                Code::TryAgainLater
+            }
             NetError::Ipam(IpamError::Io { .. }) | NetError::Io(_) => Code::Io,
             NetError::Ipam(IpamError::BadBlock(..)) => Code::Internal,
             NetError::AlreadyExists(_) => Code::AlreadyExists,
@@ -120,7 +122,6 @@ fn internal(context: &str, e: impl std::fmt::Display) -> NetError {
 fn netlink_err(context: &str, e: NetlinkError) -> NetError {
     NetError::Kernel { context: context.to_string(), source: e }
 }
-
 
 /// What [`Datapath::create_veth`] made: the MAC addresses it gave both ends and the host
 /// end's index (looked up by name once the pair exists).
@@ -385,12 +386,8 @@ impl Datapath {
         // Pods attached before the bridge was lost (or replaced) are put back on it. Each
         // under its attachment's lock, re-checked, so a concurrent DEL is never undone.
         // Leases still being added are left to their own ADD.
-        let ports: HashMap<String, Link> = nl
-            .links()
-            .map_err(|e| netlink_err("listing links", e))?
-            .into_iter()
-            .map(|l| (l.name.clone(), l))
-            .collect();
+        let ports: HashMap<String, Link> =
+            nl.links().map_err(|e| netlink_err("listing links", e))?.into_iter().map(|l| (l.name.clone(), l)).collect();
         for lease in self.ipam.leases().into_iter().filter(|l| l.state == LeaseState::Ready) {
             let Some(port) = ports.get(&lease.host_if) else { continue };
             // A retired link (its DEL stopped short of the lease: reconcile frees it) stays
@@ -539,14 +536,12 @@ impl Datapath {
             self.del_locked(owner)?;
         }
         if let Some(existing) = self.ipam.get(owner) {
-            return Err(NetError::AlreadyExists(
-                format!(
-                    "container {} already has interface {} attached ({}); DEL it first",
-                    owner.container_id,
-                    owner.ifname,
-                    fmt_ips(&existing.ips)
-                ),
-            ));
+            return Err(NetError::AlreadyExists(format!(
+                "container {} already has interface {} attached ({}); DEL it first",
+                owner.container_id,
+                owner.ifname,
+                fmt_ips(&existing.ips)
+            )));
         }
         let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
         steps.mark("prepare");
@@ -652,9 +647,10 @@ impl Datapath {
 
     fn undo_link(&self, nl: &mut dyn Links, host_if: &str) {
         if let Ok(Some(link)) = nl.link_by_name(host_if)
-            && let Err(e) = self.retire_link(nl, &link) {
-                tracing::warn!(error = %e, host_if, "rolling back veth");
-            }
+            && let Err(e) = self.retire_link(nl, &link)
+        {
+            tracing::warn!(error = %e, host_if, "rolling back veth");
+        }
     }
 
     /// Create the veth pair, the host end on the bridge and the peer in `netns`; returns
@@ -703,13 +699,11 @@ impl Datapath {
                         // Maybe the old end of a veth we just retired: let the reaper finish.
                         self.reaper.flush();
                         if pnl.link_by_name(&req.ifname).map_err(|e| netlink_err("lookup", e))?.is_some() {
-                            return Err(NetError::AlreadyExists(
-                                format!(
-                                    "interface {} already exists in network namespace {}",
-                                    req.ifname,
-                                    netns.path().display()
-                                ),
-                            ));
+                            return Err(NetError::AlreadyExists(format!(
+                                "interface {} already exists in network namespace {}",
+                                req.ifname,
+                                netns.path().display()
+                            )));
                         }
                     }
                 }
@@ -763,7 +757,12 @@ impl Datapath {
         let conf_dns = req.conf.dns.clone().unwrap_or_default();
         let result = ResultModel {
             interfaces: vec![
-                Interface { name: self.settings.bridge.clone(), mac: format_mac(&self.bridge()?.mac), mtu: None, sandbox: None },
+                Interface {
+                    name: self.settings.bridge.clone(),
+                    mac: format_mac(&self.bridge()?.mac),
+                    mtu: None,
+                    sandbox: None,
+                },
                 Interface { name: host_if.to_string(), mac: format_mac(&host_mac), mtu: Some(mtu), sandbox: None },
                 Interface {
                     name: req.ifname.clone(),
@@ -791,9 +790,8 @@ impl Datapath {
         // Retire first: once this returns, the host end is down (a disabled bridge port) and the
         // old address unreachable. One request, selecting the link by its name: no lookup of
         // its own on the kernel's RTNL lock.
-        let retired = nl
-            .retire_named(&host_if, GRAVEYARD_GROUP)
-            .map_err(|e| netlink_err(&format!("detaching {host_if}"), e))?;
+        let retired =
+            nl.retire_named(&host_if, GRAVEYARD_GROUP).map_err(|e| netlink_err(&format!("detaching {host_if}"), e))?;
         if retired {
             self.reaper.reap();
         }
@@ -825,9 +823,10 @@ impl Datapath {
         let mut steps = Steps::start(&self.steps, "CHECK");
         let fail = |m: String| Err(NetError::Broken(m));
         let Some(lease) = self.ipam.get(owner) else {
-            return Err(NetError::UnknownContainer(
-                format!("no attachment for container {} interface {}", owner.container_id, owner.ifname),
-            ));
+            return Err(NetError::UnknownContainer(format!(
+                "no attachment for container {} interface {}",
+                owner.container_id, owner.ifname
+            )));
         };
         if lease.state != LeaseState::Ready {
             return fail(format!("attachment {}/{} is still being set up", owner.container_id, owner.ifname));
@@ -846,7 +845,10 @@ impl Datapath {
         }
         for ip in &expected_ips {
             if !lease.ips.contains(ip) {
-                return fail(format!("prevResult address {ip} is not leased to {}/{}", owner.container_id, owner.ifname));
+                return fail(format!(
+                    "prevResult address {ip} is not leased to {}/{}",
+                    owner.container_id, owner.ifname
+                ));
             }
         }
         steps.mark("lease");
@@ -856,7 +858,9 @@ impl Datapath {
         // The namespace handed over must be the attachment's own: same inode, same cookie
         // (an inode number can be reused by a later namespace; a cookie never is).
         let (inode, cookie) = (netns.inode().unwrap_or(0), pod_nl.netns_cookie());
-        if (lease.netns_inode != 0 && inode != lease.netns_inode) || (lease.netns_cookie != 0 && cookie != lease.netns_cookie) {
+        if (lease.netns_inode != 0 && inode != lease.netns_inode)
+            || (lease.netns_cookie != 0 && cookie != lease.netns_cookie)
+        {
             return fail(format!(
                 "network namespace {ns} is not the one {}/{} was attached in (inode {inode}, cookie {cookie}; attached in inode {}, cookie {})",
                 owner.container_id, owner.ifname, lease.netns_inode, lease.netns_cookie
@@ -873,7 +877,11 @@ impl Datapath {
         }
         let want_mac = &prev.interfaces[idx].mac;
         if !want_mac.is_empty() && peer.mac.map(|m| format_mac(&m)).as_deref() != Some(want_mac.as_str()) {
-            return fail(format!("interface {} in {ns} has MAC {:?}, prevResult says {want_mac}", req.ifname, peer.mac.map(|m| format_mac(&m))));
+            return fail(format!(
+                "interface {} in {ns} has MAC {:?}, prevResult says {want_mac}",
+                req.ifname,
+                peer.mac.map(|m| format_mac(&m))
+            ));
         }
         let addrs = pod_nl.addresses(Some(peer.index)).map_err(|e| netlink_err("addresses", e))?;
         for ip in &lease.ips {
@@ -888,7 +896,11 @@ impl Datapath {
                 .iter()
                 .any(|r| r.v6 == ip.is_ipv6() && r.dst.is_none() && r.gateway == gw && r.oif == Some(peer.index));
             if !ok {
-                return fail(format!("default route via {} on {} is missing in {ns}", gw.map(|g| g.to_string()).unwrap_or_default(), req.ifname));
+                return fail(format!(
+                    "default route via {} on {} is missing in {ns}",
+                    gw.map(|g| g.to_string()).unwrap_or_default(),
+                    req.ifname
+                ));
             }
         }
         steps.mark("pod-state");
@@ -978,10 +990,16 @@ impl Datapath {
         }
         let free = self.ipam.free_by_family();
         if free.is_empty() {
-            return Err(NetError::NotAvailable { msg: "no pod address block is assigned to this node".into(), pods_affected: false });
+            return Err(NetError::NotAvailable {
+                msg: "no pod address block is assigned to this node".into(),
+                pods_affected: false,
+            });
         }
         if let Some((family, _)) = free.iter().find(|(_, n)| *n == 0) {
-            return Err(NetError::NotAvailable { msg: format!("the {family} pod address block is full"), pods_affected: false });
+            return Err(NetError::NotAvailable {
+                msg: format!("the {family} pod address block is full"),
+                pods_affected: false,
+            });
         }
         Ok(())
     }
@@ -997,7 +1015,6 @@ fn netns_err(e: NetnsError) -> NetError {
         other => NetError::Netns(other),
     }
 }
-
 
 /// Orphan kinds (the `kind` of a [`Finding`]).
 pub const VETH_WITHOUT_LEASE: &str = "veth-without-lease";
@@ -1030,7 +1047,8 @@ impl Datapath {
                     netns_present: l.state != LeaseState::Ready || veth_gone(l, veth).is_none(),
                     host_if: l.host_if.clone(),
                     host_if_present: veth.is_some(),
-                    host_if_on_bridge: veth.is_some_and(|v| v.up && bridge.is_some() && v.master == bridge.map(|b| b.index)),
+                    host_if_on_bridge: veth
+                        .is_some_and(|v| v.up && bridge.is_some() && v.master == bridge.map(|b| b.index)),
                 }
             })
             .collect();
@@ -1077,7 +1095,9 @@ impl Datapath {
             let judged = self.locks.run_within(&owner, DOCTOR_LOCK_WAIT, || {
                 // Re-read under the lock: the attachment may have gone or changed meanwhile.
                 let lease = self.ipam.get(&owner)?;
-                let detail = |why: &str| format!("{why}; pod {:?}, addresses {}, netns {}", lease.pod, fmt_ips(&lease.ips), lease.netns);
+                let detail = |why: &str| {
+                    format!("{why}; pod {:?}, addresses {}, netns {}", lease.pod, fmt_ips(&lease.ips), lease.netns)
+                };
                 let mut f = if lease.state != LeaseState::Ready {
                     Finding::new(LEASE_WITHOUT_POD, subject.clone(), detail("its ADD never completed"))
                 } else {
@@ -1094,7 +1114,9 @@ impl Datapath {
                 };
                 if repair {
                     f.repair = Some(match self.del_locked(&owner) {
-                        Ok(()) => Repair::Done(format!("released {} and retired {}", fmt_ips(&lease.ips), lease.host_if)),
+                        Ok(()) => {
+                            Repair::Done(format!("released {} and retired {}", fmt_ips(&lease.ips), lease.host_if))
+                        }
                         Err(e) => Repair::Failed(e.to_string()),
                     });
                 }
@@ -1117,7 +1139,8 @@ impl Datapath {
             // snapshot above has a lease by now, so look again before judging it.
             let held = held.contains(&link.name) || self.ipam.leases().iter().any(|l| l.host_if == link.name);
             // A failed ADD removes its veth and then its lease: still there now means orphaned.
-            let still_there = matches!(nl.link_by_name(&link.name), Ok(Some(l)) if l.index == link.index && is_pod_veth(&l));
+            let still_there =
+                matches!(nl.link_by_name(&link.name), Ok(Some(l)) if l.index == link.index && is_pod_veth(&l));
             if held || !still_there {
                 continue;
             }
@@ -1149,7 +1172,9 @@ impl Datapath {
                 // Decided under the attachment's lock: an ADD of the same attachment may have
                 // applied (and removed) this DEL since the file was read.
                 pending_del::Entry::Del { path, req } => match self.del_queued(&path, &req) {
-                    Ok(true) => tracing::info!(container = %req.container_id, ifname = %req.ifname, "drained pending delete"),
+                    Ok(true) => {
+                        tracing::info!(container = %req.container_id, ifname = %req.ifname, "drained pending delete")
+                    }
                     Ok(false) => {}
                     Err(e) => tracing::warn!(file = %path.display(), error = %e, "pending delete failed; will retry"),
                 },

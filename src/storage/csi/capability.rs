@@ -84,13 +84,19 @@ pub fn parse(c: &csi::VolumeCapability, field: &str) -> Result<Capability, Capab
         },
     };
     match Mode::try_from(mode) {
-        Ok(Mode::SingleNodeWriter | Mode::SingleNodeReaderOnly | Mode::SingleNodeSingleWriter | Mode::SingleNodeMultiWriter) => {}
+        Ok(
+            Mode::SingleNodeWriter
+            | Mode::SingleNodeReaderOnly
+            | Mode::SingleNodeSingleWriter
+            | Mode::SingleNodeMultiWriter,
+        ) => {}
         Ok(m @ (Mode::MultiNodeReaderOnly | Mode::MultiNodeSingleWriter | Mode::MultiNodeMultiWriter)) => {
             return Err(CapabilityError::MultiNode(m));
         }
         Ok(Mode::Unknown) | Err(_) => return Err(CapabilityError::UnknownMode { field: field.to_string(), mode }),
     }
-    if !cap.block && !cap.fs_type.is_empty() && !matches!(cap.fs_type.parse::<FsType>(), Ok(FsType::Ext4 | FsType::Xfs)) {
+    if !cap.block && !cap.fs_type.is_empty() && !matches!(cap.fs_type.parse::<FsType>(), Ok(FsType::Ext4 | FsType::Xfs))
+    {
         return Err(CapabilityError::UnsupportedFs(cap.fs_type.clone()));
     }
     Ok(cap)
@@ -177,10 +183,19 @@ mod tests {
         );
         assert_eq!(volume_kind(&[cap(w, mnt(""))], Some("btrfs")), Err(CapabilityError::UnsupportedFs("btrfs".into())));
         // The same per-capability rules as the node: the second entry names itself.
-        let e = volume_kind(&[cap(w, mnt("")), csi::VolumeCapability { access_mode: None, access_type: Some(mnt("")) }], None);
+        let e = volume_kind(
+            &[cap(w, mnt("")), csi::VolumeCapability { access_mode: None, access_type: Some(mnt("")) }],
+            None,
+        );
         assert_eq!(e, Err(CapabilityError::Missing("volume_capabilities[1].access_mode".into())));
-        assert_eq!(volume_kind(&[cap(Mode::MultiNodeMultiWriter, mnt(""))], None), Err(CapabilityError::MultiNode(Mode::MultiNodeMultiWriter)));
-        assert!(matches!(volume_kind(&[cap(Mode::Unknown, mnt(""))], None), Err(CapabilityError::UnknownMode { mode: 0, .. })));
+        assert_eq!(
+            volume_kind(&[cap(Mode::MultiNodeMultiWriter, mnt(""))], None),
+            Err(CapabilityError::MultiNode(Mode::MultiNodeMultiWriter))
+        );
+        assert!(matches!(
+            volume_kind(&[cap(Mode::Unknown, mnt(""))], None),
+            Err(CapabilityError::UnknownMode { mode: 0, .. })
+        ));
         // "block" names a raw volume in the node API, never a mount filesystem.
         assert_eq!(parse(&cap(w, mnt("block")), "c"), Err(CapabilityError::UnsupportedFs("block".into())));
     }

@@ -114,7 +114,10 @@ pub fn plugin_capabilities() -> csi::GetPluginCapabilitiesResponse {
 
 #[tonic::async_trait]
 impl csi::identity_server::Identity for Identity {
-    async fn get_plugin_info(&self, _: Request<csi::GetPluginInfoRequest>) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
+    async fn get_plugin_info(
+        &self,
+        _: Request<csi::GetPluginInfoRequest>,
+    ) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
         Ok(Response::new(plugin_info()))
     }
     async fn get_plugin_capabilities(
@@ -140,8 +143,10 @@ impl csi::node_server::Node for Node {
         r: Request<csi::NodeStageVolumeRequest>,
     ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
         let r = r.into_inner();
-        blocking(&self.0, "NodeStageVolume", r.volume_id.clone(), move |s| s.stage(&r).map(|()| csi::NodeStageVolumeResponse {}))
-            .await
+        blocking(&self.0, "NodeStageVolume", r.volume_id.clone(), move |s| {
+            s.stage(&r).map(|()| csi::NodeStageVolumeResponse {})
+        })
+        .await
     }
     async fn node_unstage_volume(
         &self,
@@ -205,7 +210,10 @@ impl csi::node_server::Node for Node {
         .collect();
         Ok(Response::new(csi::NodeGetCapabilitiesResponse { capabilities: caps }))
     }
-    async fn node_get_info(&self, _: Request<csi::NodeGetInfoRequest>) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
+    async fn node_get_info(
+        &self,
+        _: Request<csi::NodeGetInfoRequest>,
+    ) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
         Ok(Response::new(self.0.info()))
     }
 }
@@ -221,7 +229,8 @@ pub async fn serve(
     let kubelet = svc.settings.kubelet_dir.clone();
     let csi_path = csi_socket(&kubelet);
     let reg_path = registration_socket(&kubelet);
-    let csi_listener = crate::sys::fs::bind_unix_socket(&csi_path).map_err(|e| format!("binding {}: {e}", csi_path.display()))?;
+    let csi_listener =
+        crate::sys::fs::bind_unix_socket(&csi_path).map_err(|e| format!("binding {}: {e}", csi_path.display()))?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|v| *v).await;

@@ -28,14 +28,14 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tonic::Code;
 
-use crate::sys::mount::{self, MountEntry, MountOptions};
 use super::capability::{self, Capability, CapabilityError};
 use crate::rpc::csi;
-use crate::rpc::node as api;
 use crate::rpc::csi::volume_capability::access_mode::Mode;
+use crate::rpc::node as api;
 use crate::storage::fs as vfs;
 use crate::storage::store::{FsType, VolumeError, VolumeStore};
 use crate::sys::loopdev;
+use crate::sys::mount::{self, MountEntry, MountOptions};
 use crate::sys::spares::Spares;
 use crate::sys::volume_kernel::{MountError, VolumeKernel};
 
@@ -73,7 +73,10 @@ fn not_found(id: &str) -> CsiError {
 /// A known volume asked about at a path where it is neither staged nor published.
 fn not_at(id: &str, raw_path: &str) -> CsiError {
     let shown: String = raw_path.chars().take(4096).collect();
-    CsiError::new(Code::NotFound, format!("volume {id} does not exist at {shown:?}: it is not staged or published there"))
+    CsiError::new(
+        Code::NotFound,
+        format!("volume {id} does not exist at {shown:?}: it is not staged or published there"),
+    )
 }
 
 impl From<CsiError> for tonic::Status {
@@ -117,7 +120,8 @@ impl From<CapabilityError> for CsiError {
     /// The node's codes: a MULTI_NODE mode is FAILED_PRECONDITION ("exceeds the volume's
     /// capabilities"), everything else INVALID_ARGUMENT.
     fn from(e: CapabilityError) -> Self {
-        let code = if matches!(e, CapabilityError::MultiNode(_)) { Code::FailedPrecondition } else { Code::InvalidArgument };
+        let code =
+            if matches!(e, CapabilityError::MultiNode(_)) { Code::FailedPrecondition } else { Code::InvalidArgument };
         CsiError::new(code, e.to_string())
     }
 }
@@ -364,10 +368,8 @@ impl NodeService {
                 None
             }
         };
-        let publishes = Self::read_publish_records(&settings.record_dir)
-            .into_iter()
-            .map(|r| (r.target_path.clone(), r))
-            .collect();
+        let publishes =
+            Self::read_publish_records(&settings.record_dir).into_iter().map(|r| (r.target_path.clone(), r)).collect();
         Ok(NodeService {
             settings,
             kernel: store.kernel().clone(),
@@ -443,7 +445,10 @@ impl NodeService {
             busy = self.wait_released(busy, deadline).map_err(|()| {
                 CsiError::new(
                     Code::Aborted,
-                    format!("volume {id} is being staged, unstaged or expanded; still busy after {} ms", wait.as_millis()),
+                    format!(
+                        "volume {id} is being staged, unstaged or expanded; still busy after {} ms",
+                        wait.as_millis()
+                    ),
                 )
             })?;
         }
@@ -462,7 +467,10 @@ impl NodeService {
                 return Ok(VolumeGuard { svc: self, id: id.to_string(), hold: Hold::Publishing });
             }
             busy = self.wait_released(busy, deadline).map_err(|()| {
-                CsiError::new(Code::Aborted, format!("another publish of volume {id} is still in progress after {} ms", wait.as_millis()))
+                CsiError::new(
+                    Code::Aborted,
+                    format!("another publish of volume {id} is still in progress after {} ms", wait.as_millis()),
+                )
             })?;
         }
     }
@@ -486,7 +494,10 @@ impl NodeService {
         let id = required("volume_id", v)?;
         if crate::storage::store::validate_id(id).is_err() {
             let shown: String = id.chars().take(140).collect();
-            return Err(CsiError::new(Code::NotFound, format!("volume {shown:?} does not exist (not a valid volume id)")));
+            return Err(CsiError::new(
+                Code::NotFound,
+                format!("volume {shown:?} does not exist (not a valid volume id)"),
+            ));
         }
         Ok(id)
     }
@@ -718,7 +729,8 @@ impl NodeService {
     /// Mount the volume back at its staging path after an unstage that found it still in use
     /// (the filesystem is still mounted elsewhere, so this mounts that same filesystem).
     fn restage_after_refusal(&self, id: &str, staging: &Path, rec: &StageRecord, devices: &[LoopDev]) -> Result<()> {
-        let dev = devices.iter().find(|d| !d.ro).ok_or_else(|| internal(format!("volume {id} has no read-write device")))?;
+        let dev =
+            devices.iter().find(|d| !d.ro).ok_or_else(|| internal(format!("volume {id} has no read-write device")))?;
         let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
         let mut opts = mount::parse_mount_flags(&rec.capability.mount_flags).map_err(invalid)?;
         if vol.fs_type == FsType::Xfs && !opts.data.iter().any(|d| d == "nouuid") {
@@ -751,7 +763,8 @@ impl NodeService {
         let rec = self.load_stage(id)?;
         if let Some(r) = &rec {
             let mounted_there = self.ours_at(&r.staging_path, &devices)?;
-            let staged_there = r.state == StageState::Staged && (mounted_there || (r.capability.block && !devices.is_empty()));
+            let staged_there =
+                r.state == StageState::Staged && (mounted_there || (r.capability.block && !devices.is_empty()));
             if r.staging_path != staging && staged_there {
                 return Err(precondition(format!(
                     "volume {id} is already staged at {}; unstage it there first",
@@ -786,7 +799,12 @@ impl NodeService {
             }
             return Err(CsiError::new(
                 Code::AlreadyExists,
-                format!("{} already has a mount ({} {}) that is not this volume staged as asked", staging.display(), top.fs_type, top.source),
+                format!(
+                    "{} already has a mount ({} {}) that is not this volume staged as asked",
+                    staging.display(),
+                    top.fs_type,
+                    top.source
+                ),
             ));
         }
         if cap.block
@@ -801,7 +819,12 @@ impl NodeService {
         let rec_path = self.stage_record_path(id);
         self.save(
             &rec_path,
-            &StageRecord { volume_id: id.to_string(), staging_path: staging.clone(), capability: cap.clone(), state: StageState::Staging },
+            &StageRecord {
+                volume_id: id.to_string(),
+                staging_path: staging.clone(),
+                capability: cap.clone(),
+                state: StageState::Staging,
+            },
         )?;
         crate::util::crash_point("stage-after-record");
         let attached_before = devices.iter().any(|d| !d.ro);
@@ -836,7 +859,13 @@ impl NodeService {
         result
     }
 
-    fn stage_work(&self, vol: &crate::storage::store::Volume, staging: &Path, cap: &Capability, opts: &MountOptions) -> Result<()> {
+    fn stage_work(
+        &self,
+        vol: &crate::storage::store::Volume,
+        staging: &Path,
+        cap: &Capability,
+        opts: &MountOptions,
+    ) -> Result<()> {
         let id = vol.id.as_str();
         let dev = self.store.attach(id)?;
         crate::util::crash_point("stage-after-attach");
@@ -851,7 +880,12 @@ impl NodeService {
                 crate::util::crash_point("stage-after-mkfs");
             }
             Some(t) if t == fs.as_str() => {}
-            Some(other) if self.kernel.reclaim_interrupted_mkfs(&dev, &vol.path).map_err(io_internal(format!("inspecting {}", dev.display())))? => {
+            Some(other)
+                if self
+                    .kernel
+                    .reclaim_interrupted_mkfs(&dev, &vol.path)
+                    .map_err(io_internal(format!("inspecting {}", dev.display())))? =>
+            {
                 tracing::warn!(volume = id, device = %dev.display(), found = %other, "an interrupted mkfs of this volume: making the filesystem again");
                 self.kernel.mkfs(&dev, fs)?;
                 crate::util::crash_point("stage-after-mkfs");
@@ -887,24 +921,29 @@ impl NodeService {
         // snapshot-capable local drivers do (ext4 does not care).
         let nouuid;
         let opts = if fs == FsType::Xfs && !opts.data.iter().any(|d| d == "nouuid") {
-            nouuid = MountOptions { flags: opts.flags, data: opts.data.iter().cloned().chain(["nouuid".to_string()]).collect() };
+            nouuid = MountOptions {
+                flags: opts.flags,
+                data: opts.data.iter().cloned().chain(["nouuid".to_string()]).collect(),
+            };
             &nouuid
         } else {
             opts
         };
-        self.kernel.mount_device(&dev, &self.settings.kubelet_dir, staging, fs.as_str(), opts).map_err(|e| match e {
-            MountError::Source(e) | MountError::Target(e) => {
-                invalid(format!("staging_target_path {}: {e}", staging.display()))
-            }
-            MountError::Mount(e @ nix::errno::Errno::EINVAL) => invalid(format!(
-                "mounting {} ({}) at {} with flags {:?} failed: {e} (a mount flag the filesystem does not accept?)",
-                dev.display(),
-                fs.as_str(),
-                staging.display(),
-                cap.mount_flags
-            )),
-            MountError::Mount(e) => internal(format!("mounting {} at {}: {e}", dev.display(), staging.display())),
-        })?;
+        self.kernel.mount_device(&dev, &self.settings.kubelet_dir, staging, fs.as_str(), opts).map_err(
+            |e| match e {
+                MountError::Source(e) | MountError::Target(e) => {
+                    invalid(format!("staging_target_path {}: {e}", staging.display()))
+                }
+                MountError::Mount(e @ nix::errno::Errno::EINVAL) => invalid(format!(
+                    "mounting {} ({}) at {} with flags {:?} failed: {e} (a mount flag the filesystem does not accept?)",
+                    dev.display(),
+                    fs.as_str(),
+                    staging.display(),
+                    cap.mount_flags
+                )),
+                MountError::Mount(e) => internal(format!("mounting {} at {}: {e}", dev.display(), staging.display())),
+            },
+        )?;
         crate::util::crash_point("stage-after-mount");
         if fs == FsType::Xfs
             && !opts.flags.contains(nix::mount::MsFlags::MS_RDONLY)
@@ -947,7 +986,10 @@ impl NodeService {
             .map(|r| r.target_path.display().to_string())
             .collect();
         if !recorded.is_empty() {
-            return Err(precondition(format!("volume {id} is still published at {}; unpublish it first", recorded.join(", "))));
+            return Err(precondition(format!(
+                "volume {id} is still published at {}; unpublish it first",
+                recorded.join(", ")
+            )));
         }
         // A mount of the volume no record names (someone else's bind mount of it): for a
         // filesystem staged as recorded, the device itself tells, after the unmount below —
@@ -1005,7 +1047,9 @@ impl NodeService {
         let target = self.path("target_path", &req.target_path)?;
         let cap = parse_capability(req.volume_capability.as_ref())?;
         if req.staging_target_path.is_empty() {
-            return Err(precondition("staging_target_path is required: this plugin stages volumes (STAGE_UNSTAGE_VOLUME)"));
+            return Err(precondition(
+                "staging_target_path is required: this plugin stages volumes (STAGE_UNSTAGE_VOLUME)",
+            ));
         }
         let staging = self.path("staging_target_path", &req.staging_target_path)?;
         if target == staging || target.starts_with(&staging) || staging.starts_with(&target) {
@@ -1073,7 +1117,12 @@ impl NodeService {
         } else if let Some(m) = top {
             return Err(CsiError::new(
                 Code::AlreadyExists,
-                format!("{} already has a mount ({} {}) that this plugin did not make", target.display(), m.fs_type, m.source),
+                format!(
+                    "{} already has a mount ({} {}) that this plugin did not make",
+                    target.display(),
+                    m.fs_type,
+                    m.source
+                ),
             ));
         }
         // SINGLE_NODE_SINGLE_WRITER: one workload only.
@@ -1092,13 +1141,18 @@ impl NodeService {
         }
 
         let created_target = !target.exists();
-        let rec = PublishRecord { created_target: created_target || existing.is_some_and(|e| e.created_target), ..want };
+        let rec =
+            PublishRecord { created_target: created_target || existing.is_some_and(|e| e.created_target), ..want };
         self.save_publish(&rec)?;
         crate::util::crash_point("publish-after-record");
         let result = (|| -> Result<()> {
             if cap.block {
-                let dev = if read_only { self.store.attach_read_only(id)? } else {
-                    self.store.attached_device(id)?.ok_or_else(|| precondition(format!("volume {id} is not attached")))?
+                let dev = if read_only {
+                    self.store.attach_read_only(id)?
+                } else {
+                    self.store
+                        .attached_device(id)?
+                        .ok_or_else(|| precondition(format!("volume {id} is not attached")))?
                 };
                 if created_target {
                     std::fs::OpenOptions::new()
@@ -1126,15 +1180,15 @@ impl NodeService {
                         .create(&target)
                         .map_err(io_internal(format!("creating {}", target.display())))?;
                 }
-                self.kernel
-                    .bind_dir(&self.settings.kubelet_dir, &staging, &target, read_only, opts.flags)
-                    .map_err(|e| match e {
+                self.kernel.bind_dir(&self.settings.kubelet_dir, &staging, &target, read_only, opts.flags).map_err(
+                    |e| match e {
                         MountError::Source(e) => invalid(format!("staging_target_path {}: {e}", staging.display())),
                         MountError::Target(e) => invalid(format!("target_path {}: {e}", target.display())),
                         MountError::Mount(e) => {
                             internal(format!("bind-mounting {} onto {}: {e}", staging.display(), target.display()))
                         }
-                    })?;
+                    },
+                )?;
             }
             Ok(())
         })();
@@ -1237,12 +1291,22 @@ impl NodeService {
                 if rw.is_none() {
                     problems.push(format!("volume {id} is staged but not attached to a loop device"));
                 }
-                usage.push(csi::VolumeUsage { available: 0, total: block_total(rw) as i64, used: 0, unit: Unit::Bytes as i32 });
+                usage.push(csi::VolumeUsage {
+                    available: 0,
+                    total: block_total(rw) as i64,
+                    used: 0,
+                    unit: Unit::Bytes as i32,
+                });
             }
             None => problems.push(format!("{} is not mounted", path.display())),
             Some(_) if let Some(num) = self.kernel.block_node(&path) => {
                 let dev = devices.iter().find(|d| d.num == num).map(|d| &d.path);
-                usage.push(csi::VolumeUsage { available: 0, total: block_total(dev) as i64, used: 0, unit: Unit::Bytes as i32 });
+                usage.push(csi::VolumeUsage {
+                    available: 0,
+                    total: block_total(dev) as i64,
+                    used: 0,
+                    unit: Unit::Bytes as i32,
+                });
             }
             Some(_) => {
                 let st = self.kernel.statvfs(&path).map_err(errno_internal(format!("statfs {}", path.display())))?;
@@ -1250,7 +1314,12 @@ impl NodeService {
                 let total = st.blocks * f;
                 let avail = st.blocks_available * f;
                 let used = (st.blocks - st.blocks_free) * f;
-                usage.push(csi::VolumeUsage { available: avail as i64, total: total as i64, used: used as i64, unit: Unit::Bytes as i32 });
+                usage.push(csi::VolumeUsage {
+                    available: avail as i64,
+                    total: total as i64,
+                    used: used as i64,
+                    unit: Unit::Bytes as i32,
+                });
                 usage.push(csi::VolumeUsage {
                     available: st.files_available as i64,
                     total: st.files as i64,
@@ -1282,20 +1351,30 @@ impl NodeService {
         if !at_record && !block_staged_rec {
             return Err(not_at(id, &req.volume_path));
         }
-        let path = self.path("volume_path", &req.volume_path).map_err(|e| if at_record { e } else { not_at(id, &req.volume_path) })?;
+        let path = self
+            .path("volume_path", &req.volume_path)
+            .map_err(|e| if at_record { e } else { not_at(id, &req.volume_path) })?;
         if !req.staging_target_path.is_empty() {
             self.path("staging_target_path", &req.staging_target_path)?;
         }
         let (required_bytes, limit) = match &req.capacity_range {
-            Some(r) if r.required_bytes < 0 || r.limit_bytes < 0 => return Err(invalid("capacity_range must not be negative")),
+            Some(r) if r.required_bytes < 0 || r.limit_bytes < 0 => {
+                return Err(invalid("capacity_range must not be negative"));
+            }
             Some(r) if r.limit_bytes > 0 && r.required_bytes > r.limit_bytes => {
-                return Err(CsiError::new(Code::OutOfRange, format!("required_bytes {} exceeds limit_bytes {}", r.required_bytes, r.limit_bytes)));
+                return Err(CsiError::new(
+                    Code::OutOfRange,
+                    format!("required_bytes {} exceeds limit_bytes {}", r.required_bytes, r.limit_bytes),
+                ));
             }
             Some(r) => (r.required_bytes as u64, r.limit_bytes as u64),
             None => (0, 0),
         };
         let cap = match &req.volume_capability {
-            Some(c) => Some(parse_capability(Some(c)).map_err(|e| if e.code == Code::FailedPrecondition { invalid(e.msg) } else { e })?),
+            Some(c) => Some(
+                parse_capability(Some(c))
+                    .map_err(|e| if e.code == Code::FailedPrecondition { invalid(e.msg) } else { e })?,
+            ),
             None => None,
         };
         let _g = self.guard(id)?;
@@ -1320,7 +1399,8 @@ impl NodeService {
         let vol = self.store.expand(id, rounded)?;
         crate::util::crash_point("expand-after-store");
         if !vol.fs_type.is_raw() && !block_staged {
-            let dev = self.store.attached_device(id)?.ok_or_else(|| precondition(format!("volume {id} is not attached")))?;
+            let dev =
+                self.store.attached_device(id)?.ok_or_else(|| precondition(format!("volume {id} is not attached")))?;
             let dev_size = self.kernel.device_size(&dev).map_err(io_internal(format!("sizing {}", dev.display())))?;
             let fs_size = self.kernel.fs_size(&dev, vol.fs_type)?.unwrap_or(dev_size);
             if fs_size.saturating_add(crate::storage::store::SIZE_ALIGN) <= dev_size {
@@ -1332,7 +1412,9 @@ impl NodeService {
                             .iter()
                             .find(|m| self.is_volume_mount(m, &devices) && !m.read_only())
                             .map(|m| m.mount_point.clone())
-                            .ok_or_else(|| precondition(format!("volume {id} has no writable mount to grow xfs through")))?;
+                            .ok_or_else(|| {
+                                precondition(format!("volume {id} has no writable mount to grow xfs through"))
+                            })?;
                         self.kernel.grow_fs(&rw, FsType::Xfs)?;
                     }
                     FsType::Ext4 => self.kernel.grow_fs(&dev, FsType::Ext4)?,
@@ -1504,7 +1586,10 @@ mod tests {
         for m in [Mode::MultiNodeReaderOnly, Mode::MultiNodeSingleWriter, Mode::MultiNodeMultiWriter] {
             assert_eq!(parse_capability(Some(&cap(m, mnt("")))).unwrap_err().code, Code::FailedPrecondition);
         }
-        assert_eq!(parse_capability(Some(&cap(Mode::SingleNodeWriter, mnt("vfat")))).unwrap_err().code, Code::InvalidArgument);
+        assert_eq!(
+            parse_capability(Some(&cap(Mode::SingleNodeWriter, mnt("vfat")))).unwrap_err().code,
+            Code::InvalidArgument
+        );
         let c = parse_capability(Some(&cap(Mode::SingleNodeMultiWriter, AccessType::Block(BlockVolume {})))).unwrap();
         assert!(c.block);
         let bad_group = csi::VolumeCapability {
@@ -1673,11 +1758,16 @@ impl NodeService {
         for l in listed.iter().filter(|l| l.volume.is_none()) {
             // Bound to a deleted file, or to a file that is no volume's image.
             let dev = l.binding.device.display().to_string();
-            let why = if l.binding.deleted { "its backing file was deleted" } else { "its backing file belongs to no volume" };
+            let why = if l.binding.deleted {
+                "its backing file was deleted"
+            } else {
+                "its backing file belongs to no volume"
+            };
             for m in self.volume_mounts(&self.table()?, l) {
                 out.extend(self.orphan_mount(m, l, format!("{dev} is mounted here; {why}"), repair));
             }
-            let mut f = Finding::new(LOOP_WITHOUT_FILE, dev, format!("bound to {} ({why})", l.binding.backing_file.display()));
+            let mut f =
+                Finding::new(LOOP_WITHOUT_FILE, dev, format!("bound to {} ({why})", l.binding.backing_file.display()));
             if repair {
                 f.repair = Some(detach_repair(&*self.kernel, l));
             }
@@ -1711,7 +1801,8 @@ impl NodeService {
                         || publishes.iter().any(|r| &r.target_path == p)
                         || (device_node && recorded);
                     if !accounted {
-                        let detail = format!("{dev} of volume {id} is mounted here, but no stage or publish of the volume is");
+                        let detail =
+                            format!("{dev} of volume {id} is mounted here, but no stage or publish of the volume is");
                         out.extend(self.orphan_mount(m, &l, detail, repair));
                     }
                 }

@@ -851,7 +851,11 @@ fn bad_paths_and_fields_are_invalid_before_any_kernel_call() {
 
 impl Env {
     fn stats(&self, id: &str, path: &str) -> Result<csi::NodeGetVolumeStatsResponse> {
-        self.svc.stats(&csi::NodeGetVolumeStatsRequest { volume_id: id.into(), volume_path: path.into(), ..Default::default() })
+        self.svc.stats(&csi::NodeGetVolumeStatsRequest {
+            volume_id: id.into(),
+            volume_path: path.into(),
+            ..Default::default()
+        })
     }
 
     fn expand(&self, id: &str, path: &str) -> Result<csi::NodeExpandVolumeResponse> {
@@ -904,10 +908,17 @@ fn unknown_volume_with_a_path_outside_or_with_dotdot_is_not_found_for_every_rpc(
     }
     // Other arguments are not looked at either (a bad capability, a bad staging path), but a
     // required field that is missing is INVALID_ARGUMENT first.
-    let no_cap = csi::NodeStageVolumeRequest { volume_id: "ghost".into(), staging_target_path: "x".into(), ..Default::default() };
+    let no_cap = csi::NodeStageVolumeRequest {
+        volume_id: "ghost".into(),
+        staging_target_path: "x".into(),
+        ..Default::default()
+    };
     assert_eq!(e.svc.stage(&no_cap).unwrap_err().code, Code::InvalidArgument);
     let t = e.target("pod1", "ghost");
-    assert_eq!(e.publish("ghost", &t, Path::new("rel"), mount_cap("vfat", &[]), false).unwrap_err().code, Code::NotFound);
+    assert_eq!(
+        e.publish("ghost", &t, Path::new("rel"), mount_cap("vfat", &[]), false).unwrap_err().code,
+        Code::NotFound
+    );
     assert_eq!(e.fake.calls(), Vec::<String>::new(), "nothing reached the kernel");
     assert!(e.fake.mounts().is_empty());
 }
@@ -947,8 +958,10 @@ fn known_volume_with_a_bad_path_is_invalid_for_stage_publish_and_teardown() {
     let staging = e.staging("v1");
     e.fake.clear_calls();
     for p in ["relative/path", "/etc/x"] {
-        let got: Vec<_> = e.codes("v1", p, &staging).into_iter().filter(|(m, _)| !matches!(*m, "stats" | "expand")).collect();
-        let want: Vec<_> = all(Code::InvalidArgument).into_iter().filter(|(m, _)| !matches!(*m, "stats" | "expand")).collect();
+        let got: Vec<_> =
+            e.codes("v1", p, &staging).into_iter().filter(|(m, _)| !matches!(*m, "stats" | "expand")).collect();
+        let want: Vec<_> =
+            all(Code::InvalidArgument).into_iter().filter(|(m, _)| !matches!(*m, "stats" | "expand")).collect();
         assert_eq!(got, want, "{p}");
     }
     assert_eq!(e.fake.calls(), Vec::<String>::new());
@@ -985,7 +998,8 @@ fn known_volume_where_it_is_not_published_is_not_found_for_stats_and_expand() {
     std::os::unix::fs::symlink("/etc", e.kubelet().join("pods/evil")).unwrap();
     let other = e.target("pod2", "v1");
     e.fake.clear_calls();
-    for p in [s(&other), format!("{k}/pods"), format!("{k}/pods/evil/x"), format!("{k}/pods/../../etc"), "/etc".into()] {
+    for p in [s(&other), format!("{k}/pods"), format!("{k}/pods/evil/x"), format!("{k}/pods/../../etc"), "/etc".into()]
+    {
         assert_eq!(e.stats("v1", &p).unwrap_err().code, Code::NotFound, "stats {p}");
         assert_eq!(e.expand("v1", &p).unwrap_err().code, Code::NotFound, "expand {p}");
     }
@@ -1179,11 +1193,17 @@ fn doctor_repairs_what_no_record_accounts_for_and_leaves_the_rest() {
 fn staging_and_target_directories_are_directories_made_ahead() {
     let e = Env::new("dirs-ahead");
     let pool = e.kubelet().join("plugins").join(crate::storage::csi::DRIVER_NAME).join(".unused-dirs");
-    let inodes = || -> Vec<u64> { std::fs::read_dir(&pool).unwrap().map(|d| d.unwrap().metadata().unwrap().ino()).collect() };
+    let inodes =
+        || -> Vec<u64> { std::fs::read_dir(&pool).unwrap().map(|d| d.unwrap().metadata().unwrap().ino()).collect() };
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     // The pool made whole, so that nothing is made while a call takes one.
     while inodes().len() < UNUSED_DIRS_READY {
-        assert!(std::time::Instant::now() < deadline, "{} directories made ahead in {}", inodes().len(), pool.display());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} directories made ahead in {}",
+            inodes().len(),
+            pool.display()
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     let ahead = inodes();

@@ -25,7 +25,11 @@ impl NodeService {
     fn mounted_staging(&self, id: &str) -> Result<Option<PathBuf>, VolumeError> {
         let Some(staging) = self.staged_filesystem_path(id) else { return Ok(None) };
         let Some(dev) = self.store.attached_device(id)? else { return Ok(None) };
-        let (maj, min) = self.kernel().dev_numbers(&dev).map_err(|e| VolumeError::Io { op: "inspecting", path: dev.clone(), source: e })?;
+        let (maj, min) = self.kernel().dev_numbers(&dev).map_err(|e| VolumeError::Io {
+            op: "inspecting",
+            path: dev.clone(),
+            source: e,
+        })?;
         match std::fs::metadata(&staging) {
             Ok(m) if nix::sys::stat::major(m.dev()) as u32 == maj && nix::sys::stat::minor(m.dev()) as u32 == min => {
                 Ok(Some(staging))
@@ -41,7 +45,8 @@ impl NodeService {
     /// attached otherwise (a raw block volume a pod may be writing); anything when idle.
     fn quiesce(&self, id: &str) -> Result<(Option<imagecopy::Frozen>, CopyLimits), VolumeError> {
         if let Some(p) = self.mounted_staging(id)? {
-            let f = imagecopy::freeze(&p).map_err(|e| VolumeError::Io { op: "freezing", path: p.clone(), source: e })?;
+            let f =
+                imagecopy::freeze(&p).map_err(|e| VolumeError::Io { op: "freezing", path: p.clone(), source: e })?;
             tracing::info!(volume = id, mount = %p.display(), "filesystem frozen for a copy");
             crate::util::crash_point("copy-while-frozen");
             let deadline = Some(std::time::Instant::now() + FROZEN_COPY_LIMIT);
@@ -63,7 +68,13 @@ impl NodeService {
     }
 
     /// Make volume `id` from `source`, grown to `size` (a clone is made like a snapshot).
-    pub fn create_volume_from(&self, id: &str, size: u64, name: &str, source: &Source) -> Result<Taken<Volume>, VolumeError> {
+    pub fn create_volume_from(
+        &self,
+        id: &str,
+        size: u64,
+        name: &str,
+        source: &Source,
+    ) -> Result<Taken<Volume>, VolumeError> {
         match source {
             Source::Snapshot(_) => self.store.create_from(id, size, name, source).map(Taken::Done),
             Source::Volume(v) => {

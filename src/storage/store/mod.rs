@@ -134,7 +134,15 @@ pub struct Volume {
 impl Volume {
     /// A new volume's metadata, created now.
     fn new(id: &str, size_bytes: u64, fs_type: FsType, name: &str, path: PathBuf) -> Self {
-        Volume { version: META_VERSION, id: id.to_string(), size_bytes, fs_type, created_at: now_unix(), name: name.to_string(), path }
+        Volume {
+            version: META_VERSION,
+            id: id.to_string(),
+            size_bytes,
+            fs_type,
+            created_at: now_unix(),
+            name: name.to_string(),
+            path,
+        }
     }
 }
 
@@ -331,7 +339,8 @@ impl VolumeStore {
         }
         let volumes = recover(&dir, &*kernel)?;
         let spares_dir = dir.join(SPARES_DIR);
-        let spares = Arc::new(Spares::open(spares_dir.clone(), 0o600, SPARES_KEPT).map_err(io_err("opening", &spares_dir))?);
+        let spares =
+            Arc::new(Spares::open(spares_dir.clone(), 0o600, SPARES_KEPT).map_err(io_err("opening", &spares_dir))?);
         spares.keep_ready(SPARES_READY);
         let unused_dir = dir.join(UNUSED_IMAGES_DIR);
         let unused_images = Arc::new(
@@ -433,7 +442,8 @@ impl VolumeStore {
     pub fn usage(&self) -> Usage {
         let (provisioned, files, volumes) = {
             let idx = self.index.lock().unwrap();
-            let files = idx.volumes.values().map(|v| v.path.clone()).chain(idx.snapshots.values().map(|s| s.path.clone()));
+            let files =
+                idx.volumes.values().map(|v| v.path.clone()).chain(idx.snapshots.values().map(|s| s.path.clone()));
             (idx.provisioned(), files.collect::<Vec<_>>(), idx.volumes.len())
         };
         let allocated = files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.blocks() * 512).sum();
@@ -858,7 +868,6 @@ impl VolumeStore {
         }
     }
 }
-
 
 fn read_meta(path: &Path) -> Result<Volume> {
     let data = std::fs::read(path).map_err(io_err("reading", path))?;

@@ -161,7 +161,12 @@ impl VolumeStore {
         let mut idx = self.index.lock().unwrap();
         let available = self.capacity.saturating_sub(idx.provisioned());
         if bytes > available {
-            return Err(VolumeError::CapacityExceeded { id: id.to_string(), requested: bytes, available, capacity: self.capacity });
+            return Err(VolumeError::CapacityExceeded {
+                id: id.to_string(),
+                requested: bytes,
+                available,
+                capacity: self.capacity,
+            });
         }
         idx.reserved += bytes;
         Ok(Reservation { store: self, bytes })
@@ -308,7 +313,10 @@ impl VolumeStore {
             }
             Source::Volume(v) => {
                 if v == id {
-                    return Err(VolumeError::InvalidId { id: id.to_string(), reason: "a volume cannot be its own source" });
+                    return Err(VolumeError::InvalidId {
+                        id: id.to_string(),
+                        reason: "a volume cannot be its own source",
+                    });
                 }
                 let v = self.get(v)?.ok_or_else(|| VolumeError::NotFound(v.clone()))?;
                 (v.path, v.size_bytes, v.fs_type)

@@ -34,7 +34,9 @@ impl Drop for TempDir {
         // The store's thread making spare files ahead may still be making one in it.
         for _ in 0..50 {
             match fs::remove_dir_all(&self.0) {
-                Err(e) if e.kind() != io::ErrorKind::NotFound => std::thread::sleep(std::time::Duration::from_millis(10)),
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    std::thread::sleep(std::time::Duration::from_millis(10))
+                }
                 _ => return,
             }
         }
@@ -147,7 +149,8 @@ fn images_are_files_made_ahead_and_only_ever_one_volume_s() {
     let t = TempDir::new("unused-images");
     let s = VolumeStore::open(t.path(), 1024 * MIB).unwrap();
     let unused = s.dir().join(".unused");
-    let inodes = |d: &Path| -> Vec<u64> { fs::read_dir(d).unwrap().map(|e| e.unwrap().metadata().unwrap().ino()).collect() };
+    let inodes =
+        |d: &Path| -> Vec<u64> { fs::read_dir(d).unwrap().map(|e| e.unwrap().metadata().unwrap().ino()).collect() };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     // The pool made whole, so that nothing is made while the create takes one.
     while inodes(&unused).len() < UNUSED_IMAGES_READY {
@@ -458,21 +461,41 @@ fn snapshots_are_point_in_time_copies_and_count_against_capacity() {
     // Capacity: 100 (a) + 10 (b) + 100 (snapshot) of 300.
     assert_eq!(s.available(), 90 * MIB);
     assert!(matches!(s.create_snapshot("snap-3", "pvc-a", "snapshot-3"), Err(VolumeError::CapacityExceeded { .. })));
-    assert!(s.dir().join("snapshots").read_dir().unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().starts_with('.')), "no temporaries left");
+    assert!(
+        s.dir().join("snapshots").read_dir().unwrap().all(|e| !e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with('.')),
+        "no temporaries left"
+    );
     // The snapshot outlives its volume, and restores into a bigger one.
     s.delete("pvc-a").unwrap();
-    assert!(matches!(s.create_from("pvc-c", 50 * MIB, "claim-c", &Source::Snapshot("snap-1".into())), Err(VolumeError::Shrink { .. })));
+    assert!(matches!(
+        s.create_from("pvc-c", 50 * MIB, "claim-c", &Source::Snapshot("snap-1".into())),
+        Err(VolumeError::Shrink { .. })
+    ));
     let r = s.create_from("pvc-c", 150 * MIB, "claim-c", &Source::Snapshot("snap-1".into())).unwrap();
     assert_eq!((r.size_bytes, r.fs_type), (150 * MIB, FsType::Ext4));
     assert_eq!(fs::metadata(&r.path).unwrap().len(), 150 * MIB);
     assert_eq!(read_at(&r.path, 5 * MIB, 6), b"before");
-    assert_eq!(s.create_from("pvc-c", 150 * MIB, "claim-c", &Source::Snapshot("snap-1".into())).unwrap(), r, "idempotent");
+    assert_eq!(
+        s.create_from("pvc-c", 150 * MIB, "claim-c", &Source::Snapshot("snap-1".into())).unwrap(),
+        r,
+        "idempotent"
+    );
     // A clone of a volume.
     write_at(&r.path, 7 * MIB, b"clone me");
     let c = s.create_from("pvc-d", 10 * MIB, "claim-d", &Source::Volume("pvc-b".into())).unwrap();
     assert_eq!(c.fs_type, FsType::Xfs);
-    assert!(matches!(s.create_from("pvc-e", 200 * MIB, "claim-e", &Source::Volume("pvc-c".into())), Err(VolumeError::CapacityExceeded { .. })));
-    assert!(matches!(s.create_from("pvc-e", 10 * MIB, "e", &Source::Snapshot("nope".into())), Err(VolumeError::NotFound(_))));
+    assert!(matches!(
+        s.create_from("pvc-e", 200 * MIB, "claim-e", &Source::Volume("pvc-c".into())),
+        Err(VolumeError::CapacityExceeded { .. })
+    ));
+    assert!(matches!(
+        s.create_from("pvc-e", 10 * MIB, "e", &Source::Snapshot("nope".into())),
+        Err(VolumeError::NotFound(_))
+    ));
     // Everything survives a reopen.
     drop(s);
     let s = VolumeStore::open(t.path(), 300 * MIB).unwrap();
@@ -504,7 +527,8 @@ fn interrupted_snapshots_are_complete_or_absent() {
     let s = VolumeStore::open(t.path(), 300 * MIB).unwrap();
     let ids: Vec<String> = s.list_snapshots().into_iter().map(|x| x.id).collect();
     assert_eq!(ids, ["done"]);
-    let mut names: Vec<String> = fs::read_dir(&sd).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut names: Vec<String> =
+        fs::read_dir(&sd).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
     assert_eq!(names, ["done.img", "done.json"]);
     assert_eq!(s.available(), 280 * MIB);
