@@ -41,7 +41,6 @@ OVERLAY = DAEMONSET / "overlays" / "example"
 REGISTRAR_OVERLAY = DAEMONSET / "overlays" / "node-driver-registrar"
 SNAPSHOTS = DAEMONSET / "snapshots"
 EXAMPLES = DAEMONSET / "examples"
-KIND_E2E = REPO / "scripts" / "kind-e2e"
 AGENT_BIN = harness.AGENT_BIN
 CONTROLLER_BIN = cluster.CONTROLLER_BIN
 
@@ -1725,12 +1724,6 @@ def test_readme_names_the_validated_version():
     deploy = find(render(DAEMONSET)[1], "Deployment", "nodeplane-controller", NAMESPACE)
     for c in containers(deploy)[1:]:
         assert c["image"] in text, f"daemonset/README.md does not name {c['image']}"
-
-
-def test_kind_e2e_script_parses():
-    assert KIND_E2E.exists() and os.access(KIND_E2E, os.X_OK), f"{KIND_E2E} missing or not executable"
-    res = subprocess.run(["bash", "-n", str(KIND_E2E)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
 
 
 DRA = DAEMONSET / "dra"
