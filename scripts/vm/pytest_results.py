@@ -1,5 +1,5 @@
 """pytest plugin of the VM lane (scripts/vm-test): every test phase's outcome, one JSON line
-each (nodeid, when, outcome), appended to the file named by NODEPLANE_VM_RESULTS as it happens,
+each (nodeid, when, outcome, duration in seconds), appended to the file named by NODEPLANE_VM_RESULTS as it happens,
 so a guest that hangs or dies still leaves the record of what ran before."""
 
 import json
@@ -11,4 +11,5 @@ def pytest_runtest_logreport(report):
     if not path:
         return
     with open(path, "a") as f:
-        f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome}) + "\n")
+        f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                            "duration": round(report.duration, 2)}) + "\n")
