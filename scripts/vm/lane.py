@@ -31,9 +31,11 @@ REPO = Path(__file__).resolve().parents[2]
 CARGO_FULL = [
     "netlink_root::", "routes_root::", "volume_root::", "csi_root::", "deviceplugin_root::",
     "deviceplugin_kubelet_root::", "deviceplugin_restart_root::", "dra_root::",
-    # The fuzzers' root half: a real agent (CNI, CSI mounts, device plugins) under bad input.
-    "fuzz_inputs::agent_requests_root", "fuzz_inputs::agent_oversized_grpc_requests_root",
 ]
+# Not here: fuzz_inputs' root half (agent_requests_root, agent_oversized_grpc_requests_root).
+# It asserts answer times fit for the host (Allocate of 100,000 IDs within 3 s) that software
+# emulation misses by 2x on every kernel; the kernel calls it makes are csi_root's and
+# deviceplugin_root's.
 # CI (6.1 on every change): the modules whose kernel surface changes between kernels: the
 # agent's own rtnetlink requests, VXLAN and routes, loop devices (LOOP_CONFIGURE, resizing),
 # mounts (openat2, move_mount), ext4/xfs and the CSI node plugin over them. The device plugins
