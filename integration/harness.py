@@ -32,6 +32,30 @@ RUN_PREFIX = f"npt{os.getpid()}-"
 # a larger value makes a test slower, never more lenient about what it asserts.
 TIME_SCALE = float(os.environ.get("NODEPLANE_TIME_SCALE", "1"))
 
+
+def _kernel_has_netns_cookie():
+    """SO_NETNS_COOKIE (Linux 5.14): without it the agent records cookie 0 in a lease and
+    tells namespaces apart by nsfs inode number alone (docs/install.md, Kernel requirements)."""
+    import errno
+    import socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        try:
+            s.getsockopt(socket.SOL_SOCKET, 71, 8)  # SO_NETNS_COOKIE
+            return True
+        except OSError as e:
+            if e.errno == errno.ENOPROTOOPT:
+                return False
+            raise
+
+
+NETNS_COOKIE = _kernel_has_netns_cookie()
+
+
+def cookie_as_the_kernel_gives(cookie):
+    """A lease's netnsCookie is what this kernel can give: non-zero with SO_NETNS_COOKIE, 0
+    without (Debian's 5.10)."""
+    return cookie != 0 if NETNS_COOKIE else cookie == 0
+
 # The agent retires a pod's host veth (DEL, a failed ADD, GC) by taking it down (a disabled
 # bridge port) and into this link group in one request; the link keeps its name until the
 # reaper deletes it, or until an ADD that needs the name renames it to npz + 12 hex.

@@ -116,7 +116,7 @@ def assert_served(node, out, seen):
     assert not seen["node_has_eth0"], "nothing was made in the node's own namespace"
     [lease] = seen["lease_while_up"].values()
     assert lease["netns"] == out["netns"], "the lease records the runtime's path (for display only)"
-    assert lease["netnsInode"] != 0 and lease["netnsCookie"] != 0, lease
+    assert lease["netnsInode"] != 0 and harness.cookie_as_the_kernel_gives(lease["netnsCookie"]), lease
     assert out["del"][0] == 0, f"DEL: {out['del'][1]}"
     links = [l["ifname"] for l in json.loads(out["addrs_after_del"][1])]
     assert links == ["lo"], f"after DEL (and the reaper) the pod namespace holds only lo: {links}"
