@@ -66,7 +66,9 @@ if out["add"][0] == 0:
     gw = next(ip["gateway"] for ip in prev["ips"] if ":" not in ip["address"])
     out["ping_gateway"] = inside(netns, "ping", "-c", "1", "-W", "2", gw)[0]
     out["ready_file"] = job["ready_file"]
-    open(job["ready_file"], "w").write(json.dumps(prev))
+    # Whole or not at all: the test reads the file as soon as it exists.
+    open(job["ready_file"] + ".tmp", "w").write(json.dumps(prev))
+    os.rename(job["ready_file"] + ".tmp", job["ready_file"])
     # The test pings the pod from the node while it exists.
     deadline = time.time() + 30
     while not os.path.exists(job["go_file"]) and time.time() < deadline:
