@@ -83,7 +83,7 @@ class Controller:
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen(self.in_netns([str(CONTROLLER_BIN), "serve", "--config", str(self.cfg_path)]),
                                      stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        deadline = time.time() + timeout
+        deadline = time.time() + timeout * harness.TIME_SCALE
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"controller exited {self.proc.returncode}: {self.log()}")

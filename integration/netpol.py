@@ -24,7 +24,9 @@ PODS = ["a", "b", "c"]
 PORTS = [80, 81]
 PROTOCOLS = ["tcp", "udp"]
 FAMILIES = [4, 6]
-PROBE_TIMEOUT = 0.4
+# A probe that gets no answer within this is "blocked" (scaled on slow machines: a late answer
+# must not read as a block; a blocked probe stays blocked however long it waits).
+PROBE_TIMEOUT = 0.4 * harness.TIME_SCALE
 
 # The server in every pod: TCP accept (then close) and UDP echo, on every port given, for IPv4
 # and IPv6 (one dual-stack socket each).
@@ -223,7 +225,7 @@ class Model:
     def expect(self, allowed, what, timeout=10.0, ports=PORTS, protocols=PROTOCOLS, families=FAMILIES):
         """Probe until the matrix equals `allowed(src_pod, dst_pod, proto, port)` (policy is
         eventually consistent; upstream retries for 10 s too), else fail with the table."""
-        deadline = time.time() + timeout
+        deadline = time.time() + timeout * harness.TIME_SCALE
         while True:
             got = self.probe_all(ports, protocols, families)
             wrong = []

@@ -66,7 +66,9 @@ if out["add"][0] == 0:
     gw = next(ip["gateway"] for ip in prev["ips"] if ":" not in ip["address"])
     out["ping_gateway"] = inside(netns, "ping", "-c", "1", "-W", "2", gw)[0]
     out["ready_file"] = job["ready_file"]
-    open(job["ready_file"], "w").write(json.dumps(prev))
+    # Whole or not at all: the test reads the file as soon as it exists.
+    open(job["ready_file"] + ".tmp", "w").write(json.dumps(prev))
+    os.rename(job["ready_file"] + ".tmp", job["ready_file"])
     # The test pings the pod from the node while it exists.
     deadline = time.time() + 30
     while not os.path.exists(job["go_file"]) and time.time() < deadline:
@@ -116,7 +118,7 @@ def assert_served(node, out, seen):
     assert not seen["node_has_eth0"], "nothing was made in the node's own namespace"
     [lease] = seen["lease_while_up"].values()
     assert lease["netns"] == out["netns"], "the lease records the runtime's path (for display only)"
-    assert lease["netnsInode"] != 0 and lease["netnsCookie"] != 0, lease
+    assert lease["netnsInode"] != 0 and harness.cookie_as_the_kernel_gives(lease["netnsCookie"]), lease
     assert out["del"][0] == 0, f"DEL: {out['del'][1]}"
     links = [l["ifname"] for l in json.loads(out["addrs_after_del"][1])]
     assert links == ["lo"], f"after DEL (and the reaper) the pod namespace holds only lo: {links}"

@@ -1456,11 +1456,14 @@ async fn agent_restarts_between_stage_and_publish_and_under_io() {
             Ok(n)
         })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Long enough for the writer's 50 writes at this machine's speed (fsync through the loop
+    // device is slow under the VM lane's emulation: 46 writes in the unscaled spans).
+    let beat = Duration::from_millis(200).mul_f64(crate::time_scale());
+    tokio::time::sleep(beat).await;
     sb.kill9();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(beat).await;
     let mut c = sb.start().await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(beat).await;
     stop.store(true, Ordering::Relaxed);
     let n = writer.join().unwrap().expect("writes failed across the agent restart");
     assert!(n > 50, "only {n} writes");

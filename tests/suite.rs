@@ -31,3 +31,11 @@ pub fn shim() -> &'static str {
     });
     &PATH
 }
+
+/// How much slower this machine runs than the one the tests' time spans were chosen on:
+/// `NODEPLANE_TIME_SCALE` (scripts/vm-test sets 5 under software emulation; 1 otherwise).
+/// Scale only spans that give something time to happen, never a bound a test asserts.
+pub fn time_scale() -> f64 {
+    let scale = std::env::var("NODEPLANE_TIME_SCALE").ok().and_then(|v| v.parse::<f64>().ok());
+    scale.filter(|s| *s >= 1.0).unwrap_or(1.0)
+}

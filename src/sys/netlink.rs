@@ -355,10 +355,21 @@ impl Netlink {
     }
 
     /// Create a bridge, administratively down (the caller tunes it, then brings it up), with
-    /// multicast snooping off (see [`Netlink::set_mcast_snooping`]).
+    /// multicast snooping off (see [`Netlink::set_mcast_snooping`]) and its MAC address given
+    /// (random, locally administered), which pins it from the start.
+    ///
+    /// Given at creation, not set afterwards: Debian's 5.10 kernel (not its 6.1 or 6.12), told
+    /// a bridge's own current MAC before the bridge has a port, keeps only the
+    /// `vlan 1` local FDB entry for it, so with VLAN filtering off frames for the bridge's MAC
+    /// are flooded to the ports instead of delivered to it: pods reach each other but not
+    /// their gateway. An address in the creating request installs both entries.
     pub fn create_bridge(&mut self, name: &str, mtu: Option<u32>) -> Result<()> {
+        let mut mac = [0u8; 6];
+        crate::util::fill_random(&mut mac);
+        mac[0] = (mac[0] & 0xfe) | 0x02; // unicast, locally administered
         let mut msg = LinkMessage::default();
         msg.attributes.push(LinkAttribute::IfName(name.to_string()));
+        msg.attributes.push(LinkAttribute::Address(mac.to_vec()));
         if let Some(mtu) = mtu {
             msg.attributes.push(LinkAttribute::Mtu(mtu));
         }

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""The VM lane's test lists (scripts/vm-test): which tests run in the guest, and whether every
+one of them ran and passed.
+
+    lane.py select --suite BIN --set ci|full --out DIR [FILTER...]
+        writes DIR/cargo-tests (exact names in the suite binary) and DIR/pytest-tests (pytest
+        node ids): the set's tests whose id contains any FILTER (all of them without one).
+        Fails when the selection is empty.
+    lane.py check --dir DIR
+        compares what the guest reported in DIR (cargo.log, pytest-results.jsonl) with the two
+        lists: prints every failed, skipped, missing or unexpected test and the counts; exits
+        1 unless every expected test ran and passed.
+
+What runs is what depends on the kernel: rtnetlink, veth, bridges, routes, VXLAN, nftables
+(the datapath, cross-node routes, NetworkPolicy), loop devices, mounts, ext4/xfs and reflink
+(the volume store, CSI), inotify and device nodes (device plugins, DRA). What does not
+(the controller's gRPC and Kubernetes modes, manifests, the shim's parsing, metrics) stays on
+the host lane (scripts/test).
+"""
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The suite binary's root modules (tests/suite.rs): every one talks to the kernel.
+CARGO_FULL = [
+    "netlink_root::", "routes_root::", "volume_root::", "csi_root::", "deviceplugin_root::",
+    "deviceplugin_kubelet_root::", "deviceplugin_restart_root::", "dra_root::",
+]
+# Not here: fuzz_inputs' root half (agent_requests_root, agent_oversized_grpc_requests_root).
+# It asserts answer times fit for the host (Allocate of 100,000 IDs within 3 s) that software
+# emulation misses by 2x on every kernel; the kernel calls it makes are csi_root's and
+# deviceplugin_root's.
+# CI (6.1 on every change): the modules whose kernel surface changes between kernels: the
+# agent's own rtnetlink requests, VXLAN and routes, loop devices (LOOP_CONFIGURE, resizing),
+# mounts (openat2, move_mount), ext4/xfs and the CSI node plugin over them. The device plugins
+# use inotify, Unix sockets and mknod'd nodes, unchanged since long before 5.10: --set full.
+CARGO_CI = ["netlink_root::", "routes_root::", "volume_root::", "csi_root::"]
+
+PYTEST_FULL = [
+    "integration/test_datapath.py",          # veth, bridge, addresses, routes, masquerade
+    "integration/test_lifecycle.py",         # DEL/CHECK/GC against kernel state, reaper
+    "integration/test_netns_descriptor.py",  # namespaces passed by descriptor (setns, nsfs)
+    "integration/test_chaining.py",          # portmap (iptables) and bandwidth (tc) after us
+    "integration/test_cluster.py",           # direct routes and VXLAN between nodes
+    "integration/test_provisioning.py",      # loop devices, mkfs, mounts, online expansion
+    "integration/test_snapshots.py",         # reflink on xfs, FIFREEZE, sparse copies
+    # The namespace cookie (SO_NETNS_COOKIE) and rollbacks of half-done kernel work.
+    "integration/test_robustness.py::test_same_inode_new_namespace_is_told_apart_by_cookie",
+    "integration/test_robustness.py::test_crash_mid_add_is_rolled_back",
+    "integration/test_robustness.py::test_crash_mid_del_is_completed",
+    # NetworkPolicy (nftables sets, concatenations, verdict maps, the bridge family, SCTP):
+    # every scenario on one node. Routing to the pods of other nodes (direct, VXLAN) is
+    # test_cluster's; the matrix over two nodes starts 3x the processes for the same rules.
+    "integration/test_netpol.py",
+]
+# Left out of the full set: test_netpol.py's scenarios other than one-node, and two tests
+# whose assertion is a latency bound of the host (routes to a joining node, and a removed
+# node's routes gone, within 1 s: 3.6 s and 6.2 s under TCG on 5.10). Their kernel work is
+# test_cluster's other tests' and routes_root's.
+PYTEST_FULL_EXCLUDE = ["[direct]", "[vxlan]", "test_cluster.py::test_node_joins_later",
+                       "test_cluster.py::test_node_removed_routes_go_and_blocks_return"]
+# CI: one test per kernel feature family above, chosen among the cheap ones (TCG makes every
+# process start 25-50x dearer; the netpol matrix starts hundreds per scenario).
+PYTEST_CI = [
+    "integration/test_datapath.py",
+    "integration/test_netns_descriptor.py",
+    "integration/test_cluster.py::test_direct_mode_three_nodes_three_pods",
+    "integration/test_cluster.py::test_vxlan_mode_three_nodes_three_pods",
+    "integration/test_netpol.py::test_default_deny_ingress[one-node]",
+    "integration/test_netpol.py::test_sctp_rules_and_no_protocol_confusion[one-node]",
+    "integration/test_lifecycle.py::test_del_removes_lease_veth_pod_interface_and_keeps_nft",
+    "integration/test_provisioning.py::test_end_to_end_with_the_node_service",
+    "integration/test_snapshots.py::test_snapshot_restore_and_clone_are_point_in_time_copies",
+]
+
+SETS = {"ci": (CARGO_CI, PYTEST_CI), "full": (CARGO_FULL, PYTEST_FULL)}
+
+
+def cargo_list(suite):
+    out = subprocess.run([suite, "--list"], capture_output=True, text=True, check=True).stdout
+    return [l[: -len(": test")] for l in out.splitlines() if l.endswith(": test")]
+
+
+def pytest_collect(args):
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *args],
+                       cwd=REPO, capture_output=True, text=True)
+    ids = [l for l in p.stdout.splitlines() if "::" in l and not l.startswith(" ")]
+    if p.returncode != 0:
+        sys.exit(f"lane.py: pytest could not collect {args}:\n{p.stdout}{p.stderr}")
+    return ids
+
+
+def select(args):
+    cargo_mods, pytest_args = SETS[args.set]
+    cargo = [t for t in cargo_list(args.suite) if any(t.startswith(m) for m in cargo_mods)]
+    # Each prefix must name something: a renamed module or test must not vanish silently.
+    for m in cargo_mods:
+        if not any(t.startswith(m) for t in cargo):
+            sys.exit(f"lane.py: no test of the suite binary starts with {m!r}: update scripts/vm/lane.py")
+    py = pytest_collect(pytest_args)
+    if args.set == "full":
+        py = [t for t in py if not any(x in t for x in PYTEST_FULL_EXCLUDE)]
+    for a in pytest_args:
+        if not any(t == a or t.startswith(a + "::") or t.startswith(a + "[") for t in py):
+            sys.exit(f"lane.py: pytest collected nothing for {a!r}: update scripts/vm/lane.py")
+    if args.filters:
+        cargo = [t for t in cargo if any(f in t for f in args.filters)]
+        py = [t for t in py if any(f in t for f in args.filters)]
+        if not cargo and not py:
+            sys.exit(f"lane.py: no test of the {args.set} set matches {args.filters}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cargo-tests").write_text("".join(t + "\n" for t in cargo))
+    (args.out / "pytest-tests").write_text("".join(t + "\n" for t in py))
+    print(f"{len(cargo)} cargo tests, {len(py)} pytest tests")
+
+
+LIBTEST = re.compile(r"^test (\S+) \.\.\. (ok|FAILED|ignored)")
+
+
+def cargo_results(d):
+    """{name: "passed"|"failed"|"skipped"} from libtest's output."""
+    got = {}
+    log = d / "cargo.log"
+    if log.exists():
+        for line in log.read_text(errors="replace").splitlines():
+            m = LIBTEST.match(line)
+            if m:
+                got[m[1]] = {"ok": "passed", "FAILED": "failed", "ignored": "skipped"}[m[2]]
+    return got
+
+
+def pytest_results(d):
+    """{node id: outcome} from the guest's pytest plugin (scripts/vm/pytest_results.py): a test
+    fails when any phase (setup, call, teardown) failed; passes when its call passed."""
+    got = {}
+    f = d / "pytest-results.jsonl"
+    if f.exists():
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            old = got.get(r["nodeid"])
+            if r["outcome"] == "failed" or old == "failed":
+                got[r["nodeid"]] = "failed"
+            elif r["outcome"] == "skipped":
+                got[r["nodeid"]] = "skipped"
+            elif r["when"] == "call":
+                got[r["nodeid"]] = "passed"
+    return got
+
+
+def compare(kind, expected, got, rc):
+    """Print what is wrong for one runner; the counts (passed, bad)."""
+    bad = []
+    for t in expected:
+        o = got.get(t)
+        if o != "passed":
+            bad.append(f"{kind} {o or 'did not run'}: {t}")
+    for t in sorted(set(got) - set(expected)):
+        bad.append(f"{kind} ran but was not asked for: {t}")
+    passed = sum(1 for t in expected if got.get(t) == "passed")
+    if expected and rc is None:
+        bad.append(f"{kind}: the runner never finished (no exit status)")
+    elif expected and rc != 0 and not bad:
+        bad.append(f"{kind}: the runner exited {rc} although every test passed")
+    for b in bad:
+        print("  " + b)
+    return passed, len(bad)
+
+
+def read_rc(path):
+    return int(path.read_text()) if path.exists() else None
+
+
+def check(args):
+    d = args.dir
+    want_cargo = (d / "cargo-tests").read_text().split("\n")[:-1]
+    want_py = (d / "pytest-tests").read_text().split("\n")[:-1]
+    cp, cb = compare("cargo", want_cargo, cargo_results(d), read_rc(d / "cargo.rc"))
+    pp, pb = compare("pytest", want_py, pytest_results(d), read_rc(d / "pytest.rc"))
+    stage = (d / "stage").read_text().strip() if (d / "stage").exists() else "none"
+    if stage != "done":
+        print(f"  the guest stopped at step {stage!r}, not 'done'")
+    total = len(want_cargo) + len(want_py)
+    failed = total - cp - pp
+    (d / "summary").write_text(f"{cp + pp} {failed} {total}\n")
+    print(f"  cargo {cp}/{len(want_cargo)} passed, pytest {pp}/{len(want_py)} passed")
+    return 0 if cb == 0 and pb == 0 and stage == "done" else 1
+
+
+def main():
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("select")
+    s.add_argument("--suite", required=True)
+    s.add_argument("--set", choices=sorted(SETS), required=True)
+    s.add_argument("--out", type=Path, required=True)
+    s.add_argument("filters", nargs="*")
+    c = sub.add_parser("check")
+    c.add_argument("--dir", type=Path, required=True)
+    args = p.parse_args()
+    sys.exit(select(args) if args.cmd == "select" else check(args))
+
+
+if __name__ == "__main__":
+    main()
