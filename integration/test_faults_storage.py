@@ -275,10 +275,9 @@ def test_controller_kill9_during_creates_deletes_and_expansions(prov):
     harness.wait_until(lambda: c.files() == placed, timeout=20, what="backing files == controller volumes")
     converged = time.time() - faults_done
     for n in nodes:
-        # `snapshots/` is part of the store's layout (and holds nothing here), as is
-        # `fs-templates/` (ext4 templates, one per size).
+        # `snapshots/` is part of the store's layout (and holds nothing here).
         assert not os.listdir(n.volume_dir / "snapshots"), f"{n.ns.name}: snapshots left"
-        left = sorted(f for f in os.listdir(n.volume_dir) if f not in (".lock", "snapshots", "fs-templates"))
+        left = sorted(f for f in os.listdir(n.volume_dir) if f not in (".lock", "snapshots"))
         expect = sorted(f"{v}{ext}" for v, nn in placed.items() if nn == n.ns.name for ext in (".img", ".json"))
         assert left == expect, f"{n.ns.name}: volume dir {left}, expected {expect}"
     orphans = len(set(c.files()) - want)
@@ -525,10 +524,9 @@ def test_agent_dies_inside_node_calls_and_kubelet_retries(prov):
         assert not vol.img.exists(), f"{what}: backing file left after DeleteVolume"
 
     # (a) A real crash (abort) at every crash point of src/storage/csi/node.rs, inside the call
-    # named, and inside the ext4 template copy (src/sys/ext4_template.rs: everything but the
-    # primary superblock written: the retry must recognise its own unfinished mkfs).
+    # named.
     rounds = [("stage-after-record", "stage", "ext4"), ("stage-after-attach", "stage", "xfs"),
-              ("stage-after-mkfs", "stage", "ext4"), ("mkfs-before-primary-superblock", "stage", "ext4"),
+              ("stage-after-mkfs", "stage", "ext4"),
               ("stage-after-mount", "stage", "xfs"),
               ("publish-after-record", "publish", "ext4"), ("publish-after-mount", "publish", "xfs"),
               ("expand-after-store", "expand", "xfs"),
@@ -592,7 +590,7 @@ def test_agent_dies_inside_node_calls_and_kubelet_retries(prov):
     assert all(v == NO_LEAKS for v in left.values()), left
     harness.fault_report(
         "agent crash inside NodeStage/NodePublish/NodeExpand, kubelet retries",
-        f"agent abort at {len(found['points'])} crash points (NODEPLANE_CRASH_AT, every point in src/storage/csi/node.rs and the ext4 template copy, "
+        f"agent abort at {len(found['points'])} crash points (NODEPLANE_CRASH_AT, every point in src/storage/csi/node.rs, "
         f"ext4, xfs and raw block with a read-only block publication) and {found['kills']} kill -9 at random "
         f"moments of stage/publish/expand ({found['kills_interrupting_call']} while the call was in flight); "
         f"each interrupted call retried after the restart until it succeeded",

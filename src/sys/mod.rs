@@ -2,7 +2,6 @@
 //! (`netns`: entered only around one `socket` call), the mount table and descriptor-based mounts
 //! (`mount`), loop devices (`loopdev`), image copies and filesystem freezes (`imagecopy`),
 //! filesystem signatures read in-process (`probe`), filesystem tools (`fstools`: mkfs, grow),
-//! ext4 formatted from a per-size template of mkfs.ext4's own output (`ext4_template`),
 //! capability dropping (`caps`), atomic files and Unix sockets (`fs`), descriptors passed over
 //! Unix sockets (`fdpass`).
 //!
@@ -13,7 +12,6 @@
 //! nothing here imports anything above it.
 
 pub mod caps;
-pub mod ext4_template;
 #[cfg(test)]
 pub mod fake_net;
 #[cfg(test)]

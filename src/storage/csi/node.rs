@@ -837,16 +837,6 @@ impl NodeService {
                 crate::util::crash_point("stage-after-mkfs");
             }
             Some(t) if t == fs.as_str() => {}
-            Some(other)
-                if self
-                    .kernel
-                    .reclaim_interrupted_mkfs(&dev, &vol.path)
-                    .map_err(io_internal(format!("inspecting {}", dev.display())))? =>
-            {
-                tracing::warn!(volume = id, device = %dev.display(), found = %other, "an interrupted mkfs of this volume: making the filesystem again");
-                self.kernel.mkfs(&dev, fs)?;
-                crate::util::crash_point("stage-after-mkfs");
-            }
             Some(other) => {
                 return Err(precondition(format!(
                     "volume {id}: {} holds {other:?}, not {}; refusing to mount or format it",

@@ -9,7 +9,6 @@
 //! <dir>/.<id>.img.tmp     a create in progress (renamed to <id>.img once the metadata is down)
 //! <dir>/.<id>.img.del     a deleted volume's image (freed by the unlink thread, or at start)
 //! <dir>/snapshots/         snapshots, and the copies volumes are made from (`snapshots`)
-//! <dir>/fs-templates/      ext4 templates, one per size (`open_with_templates`, the agent's)
 //! ```
 //!
 //! Every step is ordered so that a crash leaves something `open` can finish or roll back:
@@ -289,12 +288,6 @@ impl VolumeStore {
         Self::open_with(dir, capacity_bytes, Arc::new(Kernel::default()))
     }
 
-    /// [`Self::open`] making ext4 from per-size templates kept in `<dir>/fs-templates`
-    /// ([`crate::sys::ext4_template`]; what the agent uses).
-    pub fn open_with_templates(dir: &Path, capacity_bytes: u64) -> Result<Self> {
-        Self::open_with(dir, capacity_bytes, Arc::new(Kernel::with_templates(dir.join(TEMPLATES_DIR))))
-    }
-
     /// [`Self::open`] reaching loop devices and `statvfs` through `kernel` (a fake in tests).
     pub fn open_with(dir: &Path, capacity_bytes: u64, kernel: Arc<dyn VolumeKernel>) -> Result<Self> {
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(io_err("creating", dir))?;
@@ -503,7 +496,6 @@ impl VolumeStore {
         }
         idx.volumes.insert(id.to_string(), vol.clone());
         tracing::info!(volume = id, size, fs = fs_type.as_str(), "volume created");
-        self.kernel.prepare_mkfs(size, fs_type);
         Ok(vol)
     }
 
@@ -765,8 +757,6 @@ fn missing_or(id: &str, path: &Path, op: &'static str, e: io::Error) -> VolumeEr
 /// How long [`VolumeStore::open_with`] retries a store lock that is taken.
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(250);
 
-/// The volume store's subdirectory of ext4 templates ([`crate::sys::ext4_template`]).
-pub const TEMPLATES_DIR: &str = "fs-templates";
 /// How long the store's unlink thread waits for deletes to stop coming before it frees
 /// the images of those deleted, and the longest it lets one wait.
 const UNLINK_IDLE: std::time::Duration = std::time::Duration::from_millis(100);
@@ -868,7 +858,7 @@ fn recover(dir: &Path, kernel: &dyn VolumeKernel) -> Result<BTreeMap<String, Vol
                 let _ = std::fs::remove_file(entry.path());
             }
             Entry::Image(_) | Entry::Lock => {}
-            _ if name == "snapshots" || name == TEMPLATES_DIR => {}
+            _ if name == "snapshots" => {}
             _ => tracing::warn!(dir = %dir.display(), file = name, "ignoring an unexpected file in the volume store"),
         }
     }
