@@ -24,7 +24,6 @@ use crate::sys::netlink::{Link, NetlinkError, format_mac, random_mac};
 use crate::sys::netns::NetnsError;
 use crate::util::Family;
 
-
 /// Host-side veth name of an attachment: "np" + 13 hex digits of a stable hash.
 pub fn host_ifname(owner: &Owner) -> String {
     let h = crate::util::fnv1a(&[owner.container_id.as_bytes(), owner.ifname.as_bytes()]);
@@ -435,13 +434,11 @@ impl Datapath {
                 Some("node rebooted")
             } else if lease.state != LeaseState::Ready {
                 Some("ADD never completed")
-            } else if let Some(why) = veth_gone(&lease, by_name.get(lease.host_if.as_str()).copied()) {
+            } else {
                 // The pair dies with the pod's namespace: no host veth, no pod network. (The
                 // namespace's path is the runtime's, in its own mount and PID namespaces:
                 // never resolved here.)
-                Some(why)
-            } else {
-                None
+                veth_gone(&lease, by_name.get(lease.host_if.as_str()).copied())
             };
             match why {
                 None => {

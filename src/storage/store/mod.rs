@@ -285,7 +285,7 @@ impl VolumeStore {
     /// Takes the directory's lock, loads every volume's metadata and finishes or rolls back
     /// whatever a crash interrupted (see the module docs).
     pub fn open(dir: &Path, capacity_bytes: u64) -> Result<Self> {
-        Self::open_with(dir, capacity_bytes, Arc::new(Kernel::default()))
+        Self::open_with(dir, capacity_bytes, Arc::new(Kernel))
     }
 
     /// [`Self::open`] reaching loop devices and `statvfs` through `kernel` (a fake in tests).
