@@ -479,7 +479,7 @@ impl Datapath {
         match nl.set_link(link.index, Some(false), None, None, Some(GRAVEYARD_GROUP)) {
             Ok(()) => {}
             Err(e) if e.is(libc::ENODEV) => return Ok(()),
-            Err(e) => return Err(netlink_err(&format!("detaching {}", link.name), e)),
+            Err(e) => return Err(netlink_err(&format!("retiring {}", link.name), e)),
         }
         self.reaper.reap();
         Ok(())
@@ -753,7 +753,7 @@ impl Datapath {
         // old address unreachable. One request, selecting the link by its name: no lookup of
         // its own on the kernel's RTNL lock.
         let retired =
-            nl.retire_named(&host_if, GRAVEYARD_GROUP).map_err(|e| netlink_err(&format!("detaching {host_if}"), e))?;
+            nl.retire_named(&host_if, GRAVEYARD_GROUP).map_err(|e| netlink_err(&format!("retiring {host_if}"), e))?;
         if retired {
             self.reaper.reap();
         }
