@@ -5,6 +5,11 @@
 //! `blkid`, `mkfs.ext4`, `mount`, `mount --bind`; `umount`, `losetup -d`, `rm`) — measured in
 //! the same run on the same disk.
 //!
+//! Everything (the agent's state and volume dirs, kubelet's dir, the reference's images and
+//! mount points) lives on a journaled ext4 that the bench makes and loop-mounts: what a
+//! node's `/var/lib` is, unlike this development VM's root filesystem (ext4 without a
+//! journal, where every file creation walks the inodes freed in the last minutes).
+//!
 //! Run through `scripts/bench-csi`. Everything lives under a temp dir that is cleaned up.
 
 use std::path::{Path, PathBuf};
@@ -61,6 +66,16 @@ fn machine_cpu_ms() -> (f64, f64) {
     let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let at = |i: usize| f.get(i).copied().unwrap_or(0) as f64 * 1000.0 / tick;
     (at(0) + at(1) + at(2) + at(5) + at(6), at(7))
+}
+
+/// A journaled ext4 (mkfs.ext4's defaults) of `size` bytes on the sparse file `image`,
+/// mounted at `at`; returns its loop device.
+fn journaled_ext4(image: &Path, at: &Path, size: u64) -> String {
+    std::fs::File::create(image).unwrap().set_len(size).unwrap();
+    run("mkfs.ext4", &["-F", "-q", image.to_str().unwrap()]);
+    let dev = run("losetup", &["--find", "--show", image.to_str().unwrap()]);
+    run("mount", &["-t", "ext4", &dev, at.to_str().unwrap()]);
+    dev
 }
 
 struct Reference {
@@ -196,6 +211,8 @@ pub fn main() {
     let dir = std::env::temp_dir().join(format!("np-bench-csi-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let dir = dir.canonicalize().unwrap();
+    let fs_image = dir.with_extension("img");
+    let fs_dev = journaled_ext4(&fs_image, &dir, (seq as u64 + 8) * GIB);
     let cfg = serde_json::json!({
         "nodeName": "bench",
         "root": dir.join("root"),
@@ -233,12 +250,6 @@ pub fn main() {
             };
             let r = Reference { dir: dir.join("ref") };
             std::fs::create_dir_all(&r.dir).unwrap();
-            // The first volume of a size: staged at once, it waits for its size's ext4
-            // template (which its create started making), so it pays one mkfs.ext4.
-            let t = Instant::now();
-            p.up("first-of-its-size").await;
-            let first_up = ms(t.elapsed());
-            p.down("first-of-its-size").await;
             // Warm-up (page cache for the tools and the agent).
             p.up("warm").await;
             p.down("warm").await;
@@ -370,7 +381,6 @@ pub fn main() {
                 pf.seq_down / rf.seq_down
             );
             println!("up = create + stage (mkfs) + publish; down = unpublish + unstage + delete");
-            println!("nodeplane, the first volume of its size (ext4 template made meanwhile): up {first_up:.1} ms");
             let steps: Vec<String> =
                 p.steps.iter_mut().map(|(k, v)| format!("{} {:.2}", &k[2..], median(v))).collect();
             println!("nodeplane per call (median ms): {}", steps.join(", "));
@@ -398,9 +408,10 @@ pub fn main() {
             for l in &round_lines {
                 println!("  {l}");
             }
-            // Issue #17's targets: half the CLI tools' time, and a call in a sequence of
-            // `seq` volumes costing what a single one does (flat in the node's volumes).
-            let verdict = |ok: bool| if ok { "PASS" } else { "FAIL" };
+            // Issue 43's targets: up within 0.75x and down within half the CLI tools' time,
+            // and a call in a sequence of `seq` volumes costing about what a single one does
+            // (flat in the node's volumes).
+            let verdict = |ok: bool| if ok { "PASS" } else { "MISS" };
             let up = pf.up_median / rf.up_median;
             let down = pf.down_median / rf.down_median;
             let rounds_of = |v: &[f64]| v.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>().join(" ");
@@ -414,10 +425,10 @@ pub fn main() {
             // direction; every round is printed above.
             let flat_up = median(&mut flat_ups);
             let flat_down = median(&mut flat_downs);
-            println!("{}  up: {up:.3}x reference (target <= 0.5x)", verdict(up <= 0.5));
+            println!("{}  up: {up:.3}x reference (target <= 0.75x)", verdict(up <= 0.75));
             println!("{}  down: {down:.3}x reference (target <= 0.5x)", verdict(down <= 0.5));
-            println!("{}  {seq} up in sequence: {flat_up:.3}x {seq} singles, median round (target <= 1.1x)", verdict(flat_up <= 1.1));
-            println!("{}  {seq} down in sequence: {flat_down:.3}x {seq} singles, median round (target <= 1.1x)", verdict(flat_down <= 1.1));
+            println!("{}  {seq} up in sequence: {flat_up:.3}x {seq} singles, median round (target <= 1.15x)", verdict(flat_up <= 1.15));
+            println!("{}  {seq} down in sequence: {flat_down:.3}x {seq} singles, median round (target <= 1.15x)", verdict(flat_down <= 1.15));
         })
     }));
     let _ = child.kill();
@@ -430,7 +441,7 @@ pub fn main() {
     let mut mps: Vec<PathBuf> = info
         .lines()
         .filter_map(|l| l.split(' ').nth(4).map(|m| PathBuf::from(m.replace("\\040", " "))))
-        .filter(|m| m.starts_with(&dir))
+        .filter(|m| m.starts_with(&dir) && *m != dir)
         .collect();
     mps.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
     for m in mps {
@@ -443,6 +454,9 @@ pub fn main() {
             let _ = Command::new("losetup").arg("-d").arg(format!("/dev/{}", e.file_name().to_string_lossy())).status();
         }
     }
+    let _ = Command::new("umount").arg(&dir).status();
+    let _ = Command::new("losetup").args(["-d", &fs_dev]).status();
+    let _ = std::fs::remove_file(&fs_image);
     let _ = std::fs::remove_dir_all(&dir);
     if let Err(e) = result {
         std::panic::resume_unwind(e);

@@ -31,6 +31,7 @@ pub fn open_netns(path: &Path) -> Result<File, NsfsError> {
 
 /// Is `file` (opened from `path`) a network namespace? nsfs, and of type `CLONE_NEWNET`.
 pub fn check_netns(file: &File, path: &Path) -> Result<(), NsfsError> {
+    // SAFETY: statfs is plain data, for which all zeroes is a valid value.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: valid fd and a properly sized out-struct.
     let rc = unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) };

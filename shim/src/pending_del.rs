@@ -40,7 +40,7 @@ pub fn is_del_of(path: &Path, container_id: &str, ifname: &str) -> bool {
 /// One file of the queue.
 pub enum Entry {
     /// A valid DEL request.
-    Del { path: PathBuf, req: Request },
+    Del { path: PathBuf, req: Box<Request> },
     /// Unreadable, not a request, or not a DEL: to be discarded.
     Invalid { path: PathBuf, name: String },
 }
@@ -60,7 +60,7 @@ pub fn entries(dir: &Path) -> Vec<Entry> {
             .and_then(|b| serde_json::from_slice::<WireRequest>(&b).ok())
             .and_then(|w| request::parse(&w.env, w.stdin.as_bytes()).ok());
         out.push(match parsed {
-            Some(req) if req.command == crate::cni::Command::Del => Entry::Del { path, req },
+            Some(req) if req.command == crate::cni::Command::Del => Entry::Del { path, req: Box::new(req) },
             _ => Entry::Invalid { path, name },
         });
     }

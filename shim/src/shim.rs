@@ -4,9 +4,6 @@
 //! reply. VERSION is answered here. When the agent cannot be reached, ADD/CHECK/GC fail
 //! with "try again later" (11), STATUS with "not available" (50), and DEL is written to the
 //! pending-delete queue (the agent drains it) and succeeds, so pod deletion never blocks.
-//!
-//! In the binary built by scripts/build-shim, the front (`nodeplane_cni_front`) serves the
-//! usual call before any of this runs; this is what it hands over (`run_after_front`).
 
 use std::io::{self, Read};
 use std::os::unix::net::UnixStream;
@@ -49,27 +46,6 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// a rolling upgrade, short next to the runtime's own timeouts.
 pub const DEFAULT_AGENT_WAIT: Duration = Duration::from_secs(10);
 
-/// The agent's listen queue stayed full for [`WRITE_TIMEOUT`].
-fn not_accepted(socket: &Path) -> io::Error {
-    io::Error::new(
-        io::ErrorKind::TimedOut,
-        format!("the agent did not accept the connection on {} within {WRITE_TIMEOUT:?}", socket.display()),
-    )
-}
-
-/// The agent went away between accepting (or queueing) the connection and answering: it
-/// is stopping or crashed, and the next one may be asked.
-fn agent_went_away(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::UnexpectedEof | io::ErrorKind::BrokenPipe)
-}
-
-/// How long `cmd` waits for an agent that is not there: STATUS must answer now (the runtime
-/// asks whether ADD can work *now*); DEL is queued durably when the agent is away, so it
-/// never waits either.
-fn wait_for(cmd: Command, wait: Duration) -> Duration {
-    if matches!(cmd, Command::Add | Command::Check | Command::Gc) { wait } else { Duration::ZERO }
-}
-
 /// Connect, waiting up to `wait` while the socket is missing or refuses (the agent is
 /// restarting). Other errors (permissions…) are returned at once.
 ///
@@ -88,7 +64,12 @@ fn connect_waiting(socket: &Path, wait: Duration, read: Duration) -> io::Result<
         stream.set_read_timeout(Some(read))?;
         match nix::sys::socket::connect(std::os::fd::AsRawFd::as_raw_fd(&stream), &addr).map_err(io::Error::from) {
             Ok(()) => return Ok(stream),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(not_accepted(socket)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the agent did not accept the connection on {} within {WRITE_TIMEOUT:?}", socket.display()),
+                ));
+            }
             Err(e)
                 if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused)
                     && std::time::Instant::now() < deadline =>
@@ -107,7 +88,9 @@ fn call_agent(
     cmd: Command,
     wait: Duration,
 ) -> io::Result<Reply> {
-    let wait = wait_for(cmd, wait);
+    // STATUS must answer now (the runtime asks whether ADD can work *now*); DEL is queued
+    // durably when the agent is away, so it never waits either.
+    let wait = if matches!(cmd, Command::Add | Command::Check | Command::Gc) { wait } else { Duration::ZERO };
     let frame = encode(wire)?;
     let deadline = std::time::Instant::now() + wait;
     loop {
@@ -118,7 +101,12 @@ fn call_agent(
             // answering: it is stopping or crashed. Ask the next one, within the same bound.
             // (An ADD the old agent finished but could not answer is refused by the new one
             // as already attached; the runtime then DELs and retries.)
-            Err(e) if agent_went_away(&e) && std::time::Instant::now() < deadline => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionReset | io::ErrorKind::UnexpectedEof | io::ErrorKind::BrokenPipe
+                ) && std::time::Instant::now() < deadline =>
+            {
                 std::thread::sleep(Duration::from_millis(50));
             }
             other => return other,
@@ -128,30 +116,6 @@ fn call_agent(
 
 /// Run one invocation. Returns what to print on stdout and the exit code.
 pub fn run(env: Env, stdin: &[u8]) -> Reply {
-    run_after_front(env, stdin, AfterFront::Nothing)
-}
-
-/// How the binary's front (`nodeplane_cni_front`) had got on with the agent when it
-/// handed over: what [`call_agent`] would have seen after its first attempt.
-#[derive(Debug)]
-pub enum AfterFront {
-    /// Nothing sent, or nothing the full shim needs to know: it asks the agent itself.
-    Nothing,
-    /// The request was sent and the connection failed before the answer, `elapsed` after
-    /// the shim started.
-    Lost { error: io::Error, elapsed: Duration },
-    /// An answer the front did not read: its body, or the length its header announced
-    /// (beyond the frame limit).
-    Answer(Result<Vec<u8>, u32>),
-    /// The agent did not accept the connection in time.
-    NotAccepted,
-}
-
-/// [`run`], after the binary's front handed over. Whatever the agent may already have been
-/// sent is treated as [`call_agent`] treats its own first attempt: a lost connection is
-/// asked again only by ADD, CHECK and GC and only within their wait; an answer is decoded
-/// as every answer is; a full listen queue is not waited for twice.
-pub fn run_after_front(env: Env, stdin: &[u8], front: AfterFront) -> Reply {
     let version = request::sniff_version(stdin);
     let command = match request::parse_command(&env) {
         Ok(c) => c,
@@ -184,23 +148,7 @@ pub fn run_after_front(env: Env, stdin: &[u8], front: AfterFront) -> Reply {
     };
     let wire = WireRequest { env, stdin: String::from_utf8_lossy(stdin).into_owned() };
     let wait = req.conf.agent_wait_seconds.map(Duration::from_secs).unwrap_or(DEFAULT_AGENT_WAIT);
-    let netns_fd = netns.as_ref().map(std::os::fd::AsFd::as_fd);
-    let answer = match front {
-        AfterFront::Nothing => call_agent(&socket, &wire, netns_fd, command, wait),
-        AfterFront::NotAccepted => Err(not_accepted(&socket)),
-        AfterFront::Answer(Ok(body)) => crate::cni::wire::decode_reply(&body),
-        AfterFront::Answer(Err(len)) => crate::cni::wire::decode_len(len.to_be_bytes())
-            .and_then(|_| Err(io::Error::other("answer over the frame limit"))),
-        AfterFront::Lost { error, elapsed } => match wait_for(command, wait).checked_sub(elapsed) {
-            Some(left) if agent_went_away(&error) && !left.is_zero() => {
-                let pause = Duration::from_millis(50);
-                std::thread::sleep(pause);
-                call_agent(&socket, &wire, netns_fd, command, left.saturating_sub(pause))
-            }
-            _ => Err(error),
-        },
-    };
-    match answer {
+    match call_agent(&socket, &wire, netns.as_ref().map(std::os::fd::AsFd::as_fd), command, wait) {
         Ok(reply) => reply,
         Err(e) => unreachable_reply(&req, &wire, &socket, &e, &version),
     }
@@ -290,93 +238,6 @@ mod tests {
         assert_eq!(out["supportedVersions"].as_array().unwrap().len(), crate::cni::SUPPORTED_VERSIONS.len());
         let bad = run(env("ADD"), b"{not json");
         assert_eq!((bad.exit_code, code(&bad)), (1, 6));
-    }
-
-    /// The front (shim/front) answers VERSION, writes the request and reads the reply
-    /// itself: byte for byte as this crate's serde code does.
-    #[test]
-    fn the_front_speaks_as_the_full_shim() {
-        use crate::cni::{CniError, Code, MAX_CONFIG_BYTES, SUPPORTED_VERSIONS, wire};
-        use nodeplane_cni_front::json::{self as fj, Out};
-        assert_eq!(nodeplane_cni_front::MAX_CONFIG_BYTES, MAX_CONFIG_BYTES);
-        assert_eq!(nodeplane_cni_front::MAX_FRAME, wire::MAX_FRAME);
-        assert_eq!(nodeplane_cni_front::DEFAULT_SOCKET, DEFAULT_SOCKET.as_bytes());
-        assert_eq!(fj::SUPPORTED.to_vec(), SUPPORTED_VERSIONS.iter().map(|v| v.as_bytes()).collect::<Vec<_>>());
-        assert_eq!(fj::LATEST, crate::cni::LATEST_VERSION.as_bytes());
-        for requested in [None, Some("0.3.1"), Some("1.0.0"), Some("1.1.0"), Some("9.9.9")] {
-            let mut buf = vec![0u8; 512];
-            let mut out = Out::new(&mut buf);
-            fj::version_answer(requested.map(str::as_bytes), &mut out);
-            let want = Reply::ok(&crate::cni::version_result(requested)).stdout;
-            assert_eq!(std::str::from_utf8(out.written()).unwrap(), want);
-        }
-        // The request frame.
-        let mut e = env("CHECK");
-        e.insert("CNI_ARGS".into(), "K8S_POD_NAME=a\"b\";X=\u{7}\u{e9}".into());
-        e.insert("CNI_PATH".into(), "/opt/cni/bin".into());
-        let stdin = "{\"cniVersion\":\"1.0.0\",\"x\":\"\\u0001\\n\u{1F600}\"}\n\t\r\u{8}\u{c}\u{1f}\u{7f}";
-        let want = wire::encode(&WireRequest { env: e.clone(), stdin: stdin.to_string() }).unwrap();
-        let pairs: Vec<(&[u8], &[u8])> = e.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())).collect();
-        let mut buf = vec![0u8; 4096];
-        let mut out = Out::new(&mut buf);
-        fj::encode_request(&pairs, stdin.as_bytes(), &mut out).unwrap();
-        assert_eq!(std::str::from_utf8(&out.written()[4..]).unwrap(), std::str::from_utf8(&want[4..]).unwrap());
-        assert_eq!(out.written(), &want[..]);
-        // The reply.
-        let replies = [
-            Reply::empty(),
-            Reply::ok(&serde_json::json!({"cniVersion": "1.0.0", "ips": [{"address": "10.0.0.2/24"}]})),
-            Reply::error(&CniError::new(Code::InvalidEnv, "a \"b\"\n\u{1}\u{e9}\u{1F600}\\"), "1.0.0"),
-            Reply { exit_code: -3, stdout: String::new() },
-        ];
-        for reply in replies {
-            let frame = wire::encode(&reply).unwrap();
-            let mut buf = vec![0u8; 4096];
-            let mut out = Out::new(&mut buf);
-            let code = fj::decode_reply(&frame[4..], &mut out);
-            assert_eq!(
-                (code, std::str::from_utf8(out.written()).unwrap()),
-                (Some(reply.exit_code), reply.stdout.as_str())
-            );
-        }
-    }
-
-    /// What the front reads of a configuration, it reads as serde_json does; what serde_json
-    /// refuses, the front refuses too (and hands to the full shim).
-    #[test]
-    fn the_front_reads_configurations_as_serde_json_does() {
-        use nodeplane_cni_front::json::{Field, scan_config};
-        let samples = [
-            r#"{"cniVersion":"1.0.0","name":"n","type":"nodeplane","agentSocket":"/run/x.sock"}"#,
-            r#"{"cniVersion":"0.4.0","prevResult":{"ips":[{"address":"10.1.0.5/24","gateway":"10.1.0.1"}],"dns":{}},"mtu":1400}"#,
-            r#"  {"cniVersion" : "1.1.0" , "cni.dev/valid-attachments": [ {"containerID":"c","ifname":"eth0"} ] }  "#,
-            r#"{"cniVersion":"1.0.0","x":-0.25,"y":[],"z":{},"t":true,"f":false,"n":null,"u":"\u00e9\ud83d\ude00"}"#,
-            r#"{"cniVersion":1.0}"#,
-            r#"{"agentSocket":5}"#,
-            "{\"a\":\"\u{7f}\u{e9}\"}",
-            r#"{"cniVersion":"1.0.0",}"#,
-            r#"{"a":[1,2,]}"#,
-            r#"{"a":1e999}"#,
-            r#"{"a":"\ud800x"}"#,
-            r#"{"a":0123}"#,
-            "[1]",
-            "{\"a\":1} {}",
-        ];
-        let mut read = 0;
-        for s in samples {
-            let serde = serde_json::from_slice::<serde_json::Value>(s.as_bytes()).ok().filter(|v| v.is_object());
-            let Some(conf) = scan_config(s.as_bytes()) else { continue };
-            read += 1;
-            let v = serde.unwrap_or_else(|| panic!("the front read {s:?}, serde_json refuses it"));
-            for (field, key) in [(conf.cni_version, "cniVersion"), (conf.agent_socket, "agentSocket")] {
-                match field {
-                    Field::Absent => assert!(v.get(key).is_none(), "{s}"),
-                    Field::Plain(a, b) => assert_eq!(v.get(key).and_then(|x| x.as_str()), Some(&s[a..b]), "{s}"),
-                    Field::Other => assert!(v.get(key).is_some(), "{s}"),
-                }
-            }
-        }
-        assert_eq!(read, 7, "the valid samples are read");
     }
 
     #[test]

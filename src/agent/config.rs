@@ -514,7 +514,7 @@ impl Config {
             .unwrap_or_default();
         // Unix socket paths must fit sun_path (108 bytes with the NUL).
         let mut sockets = vec![
-            f.cni_socket.clone().unwrap_or_else(|| under(&root, "/run/nodeplane/cni.sock")),
+            f.cni_socket.clone().unwrap_or_else(|| under(&root, crate::net::shim::DEFAULT_SOCKET)),
             f.node_socket.clone().unwrap_or_else(|| under(&root, "/run/nodeplane/node.sock")),
         ];
         if let Some(c) = &csi {
@@ -552,7 +552,7 @@ impl Config {
             } else {
                 f.plugin_dirs
             },
-            cni_socket: f.cni_socket.unwrap_or_else(|| under(&root, "/run/nodeplane/cni.sock")),
+            cni_socket: f.cni_socket.unwrap_or_else(|| under(&root, crate::net::shim::DEFAULT_SOCKET)),
             node_socket: f.node_socket.unwrap_or_else(|| under(&root, "/run/nodeplane/node.sock")),
             state_dir,
             kubelet_dir,

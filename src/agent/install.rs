@@ -301,6 +301,18 @@ fn stale_temp_files(path: &std::path::Path) -> Vec<std::path::PathBuf> {
         .collect()
 }
 
+/// Pods (container ids) whose lease names a network namespace that still exists: the runtime
+/// will want to DEL them, which needs the shim.
+fn attached_pods(lease_dir: &std::path::Path) -> Vec<String> {
+    let Ok(entries) = fs::read_dir(lease_dir) else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|e| serde_json::from_slice::<crate::net::ipam::Lease>(&fs::read(e.path()).ok()?).ok())
+        .filter(|l| !l.netns.is_empty() && std::path::Path::new(&l.netns).exists())
+        .map(|l| l.owner.container_id.clone())
+        .collect()
+}
+
 /// Remove nodeplane from this node's container runtime: first the conflist (from then on the
 /// runtime no longer picks nodeplane for new pods), then the shim.
 ///
@@ -318,18 +330,6 @@ fn stale_temp_files(path: &std::path::Path) -> Vec<std::path::PathBuf> {
 ///   call nodeplane's DEL for them; their veths go with their network namespaces, and the
 ///   leases left in the state dir are freed by the next agent that starts there (a lease whose
 ///   namespace is gone is released at start).
-/// Pods (container ids) whose lease names a network namespace that still exists: the runtime
-/// will want to DEL them, which needs the shim.
-fn attached_pods(lease_dir: &std::path::Path) -> Vec<String> {
-    let Ok(entries) = fs::read_dir(lease_dir) else { return Vec::new() };
-    entries
-        .flatten()
-        .filter_map(|e| serde_json::from_slice::<crate::net::ipam::Lease>(&fs::read(e.path()).ok()?).ok())
-        .filter(|l| !l.netns.is_empty() && std::path::Path::new(&l.netns).exists())
-        .map(|l| l.owner.container_id.clone())
-        .collect()
-}
-
 pub fn uninstall(cfg: &Config, force: bool) -> Result<UninstallReport, UninstallError> {
     let _lock = lock_out_agent(&cfg.state_dir)?;
     let conflist_path = cfg.conflist_path();

@@ -183,7 +183,7 @@ pub fn prepare_csi(cfg: &Config) -> Result<Option<Arc<crate::storage::csi::NodeS
             half
         }
     };
-    let store = crate::storage::store::VolumeStore::open_with_templates(&c.volume_dir, capacity)
+    let store = crate::storage::store::VolumeStore::open(&c.volume_dir, capacity)
         .map_err(|e| AgentError::Setup(e.to_string()))?;
     let settings = crate::storage::csi::NodeSettings {
         node_id: cfg.node_name.clone(),

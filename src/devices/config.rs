@@ -202,10 +202,10 @@ fn check(e: Entry) -> Result<Resource, String> {
         }
     }
     for (what, v) in [("vendor", &e.vendor), ("model", &e.model)] {
-        if let Some(v) = v {
-            if v.is_empty() || v.len() > MAX_ATTRIBUTE || v.chars().any(|c| c.is_control()) {
-                return Err(format!("{what} {v:?} must be 1 to {MAX_ATTRIBUTE} characters without control characters"));
-            }
+        if let Some(v) = v
+            && (v.is_empty() || v.len() > MAX_ATTRIBUTE || v.chars().any(|c| c.is_control()))
+        {
+            return Err(format!("{what} {v:?} must be 1 to {MAX_ATTRIBUTE} characters without control characters"));
         }
     }
     Ok(Resource {

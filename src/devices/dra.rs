@@ -597,7 +597,7 @@ impl Claims {
                 cdi_device_ids: vec![format!("{CDI_KIND}={cdi_name}")],
             })
             .collect();
-        Self::write_json(&spec_path, &spec, 0o644).map_err(|e| format!("{who}: {e}"))?;
+        Self::write_json(spec_path, &spec, 0o644).map_err(|e| format!("{who}: {e}"))?;
         let cp = Checkpoint {
             namespace: c.namespace.clone(),
             name: c.name.clone(),
@@ -605,8 +605,8 @@ impl Claims {
             devices: devices.clone(),
             cdi_spec: spec,
         };
-        if let Err(e) = Self::write_json(&cp_path, &cp, 0o600) {
-            let _ = std::fs::remove_file(&spec_path);
+        if let Err(e) = Self::write_json(cp_path, &cp, 0o600) {
+            let _ = std::fs::remove_file(spec_path);
             return Err(format!("{who}: {e}"));
         }
         tracing::info!(claim = %c.uid, namespace = %c.namespace, name = %c.name, devices = devices.len(), "DRA claim prepared");

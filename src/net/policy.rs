@@ -513,13 +513,16 @@ pub fn nft(script: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Runs an nftables transaction (`nft`; replaced in unit tests).
+pub type Runner = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
 /// The node's enforcement: the view applied so far (and its revision), the pods' veths for
 /// anti-spoofing; ADDs wait here until the controller's revision for their pod is in force.
 pub struct Enforcer {
     st: Mutex<EnforcerState>,
     applied_cv: Condvar,
     /// Runs a transaction (nft; replaced in unit tests).
-    run: Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>,
+    run: Runner,
 }
 
 #[derive(Default)]
@@ -537,7 +540,7 @@ impl Enforcer {
         Self::with_runner(Box::new(nft))
     }
 
-    pub fn with_runner(run: Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>) -> Self {
+    pub fn with_runner(run: Runner) -> Self {
         Enforcer { st: Mutex::default(), applied_cv: Condvar::new(), run }
     }
 

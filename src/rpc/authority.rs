@@ -236,7 +236,7 @@ impl Rewriter {
         Ok(())
     }
 
-    fn decode(&mut self, fragment: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, RewriteError> {
+    fn decode(&mut self, fragment: &[u8]) -> Result<Fields, RewriteError> {
         let mut fields = Vec::new();
         let mut size = 0usize;
         self.decoder
@@ -259,7 +259,10 @@ pub fn valid_authority(v: &[u8]) -> bool {
     tonic::codegen::http::uri::Authority::try_from(v).is_ok()
 }
 
-fn apply(policy: &Policy, mut fields: Vec<(Vec<u8>, Vec<u8>)>) -> (Vec<(Vec<u8>, Vec<u8>)>, bool) {
+/// A header block's fields: name and value.
+type Fields = Vec<(Vec<u8>, Vec<u8>)>;
+
+fn apply(policy: &Policy, mut fields: Fields) -> (Fields, bool) {
     let is_authority = |n: &[u8]| n == b":authority";
     match policy {
         Policy::Normalise => {

@@ -8,6 +8,18 @@ use std::path::Path;
 
 pub use nodeplane_cni::fsutil::{atomic_replace, atomic_write};
 
+/// Write `data` to `path` atomically without fsync: survives the writer's crash (the page
+/// cache is the kernel's), not a power cut. Used for state that a reboot invalidates anyway.
+pub fn atomic_write_nosync(path: &Path, data: &[u8]) -> io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    // A failed write (a full disk) must not leave its partial temporary file behind.
+    fs::write(&tmp, data).and_then(|()| fs::rename(&tmp, path)).inspect_err(|_| {
+        let _ = fs::remove_file(&tmp);
+    })
+}
+
 /// The kernel's boot id (changes on every boot).
 pub fn read_boot_id(path: &Path) -> io::Result<String> {
     Ok(fs::read_to_string(path)?.trim().to_string())

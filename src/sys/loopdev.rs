@@ -466,9 +466,8 @@ fn configure(dev: &File, backing: &File, info: &LoopInfo64) -> io::Result<()> {
                 libc::ioctl(dev.as_raw_fd(), LOOP_SET_FD as _, backing.as_raw_fd() as libc::c_ulong)
             })?;
             // SAFETY: LOOP_SET_STATUS64 reads one loop_info64.
-            if let Err(e) =
-                errno_result(unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_SET_STATUS64 as _, info as *const LoopInfo64) })
-            {
+            let set = unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_SET_STATUS64 as _, info as *const LoopInfo64) };
+            if let Err(e) = errno_result(set) {
                 // SAFETY: no argument.
                 unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CLR_FD as _, 0) };
                 return Err(e);

@@ -2,9 +2,8 @@
 //! (`netns`: entered only around one `socket` call), the mount table and descriptor-based mounts
 //! (`mount`), loop devices (`loopdev`), image copies and filesystem freezes (`imagecopy`),
 //! filesystem signatures read in-process (`probe`), filesystem tools (`fstools`: mkfs, grow),
-//! ext4 formatted from a per-size template of mkfs.ext4's own output (`ext4_template`),
-//! capability dropping (`caps`), atomic files and Unix sockets (`fs`), small state files
-//! recycled instead of unlinked (`spares`), descriptors passed over Unix sockets (`fdpass`).
+//! capability dropping (`caps`), atomic files and Unix sockets (`fs`), descriptors passed over
+//! Unix sockets (`fdpass`).
 //!
 //! The planes reach the kernel through two seams: `net_kernel` (links, addresses, routes,
 //! namespaces for the pod network) and `volume_kernel` (loop devices, mounts, filesystem
@@ -13,7 +12,6 @@
 //! nothing here imports anything above it.
 
 pub mod caps;
-pub mod ext4_template;
 #[cfg(test)]
 pub mod fake_net;
 #[cfg(test)]
@@ -28,5 +26,4 @@ pub mod net_kernel;
 pub mod netlink;
 pub mod netns;
 pub mod probe;
-pub mod spares;
 pub mod volume_kernel;

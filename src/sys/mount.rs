@@ -113,6 +113,7 @@ pub fn top_mount(path: &Path) -> io::Result<Option<MountEntry>> {
     // SAFETY: statx fills the zeroed struct it is given; the path is a valid C string.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
     let flags = libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT | libc::AT_STATX_DONT_SYNC;
+    // SAFETY: as above.
     let rc = unsafe {
         libc::statx(libc::AT_FDCWD, c.as_ptr(), flags, libc::STATX_BASIC_STATS | libc::STATX_MNT_ID, &mut stx)
     };
@@ -132,6 +133,7 @@ pub fn top_mount(path: &Path) -> io::Result<Option<MountEntry>> {
     }
     // SAFETY: statfs fills the zeroed struct it is given.
     let mut sfs: libc::statfs64 = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and the struct above to fill.
     if unsafe { libc::statfs64(c.as_ptr(), &mut sfs) } < 0 {
         return Err(io::Error::last_os_error());
     }

@@ -870,10 +870,8 @@ impl Netlink {
 
     /// Look a link up by name, with its VXLAN parameters when it is a VXLAN device.
     pub fn vxlan_by_name(&mut self, name: &str) -> Result<Option<VxlanLink>> {
-        let mut msg = LinkMessage::default();
-        msg.attributes.push(LinkAttribute::IfName(name.to_string()));
         let op = format!("get link {name}");
-        let seq = self.send(RouteNetlinkMessage::GetLink(msg), NLM_F_ACK, &op)?;
+        let seq = self.send(RouteNetlinkMessage::GetLink(get_link(Some(name))), NLM_F_ACK, &op)?;
         let msgs = match self.recv_until_done(seq, &op) {
             Ok(m) => m,
             Err(e) if e.is(libc::ENODEV) => return Ok(None),

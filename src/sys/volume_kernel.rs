@@ -11,11 +11,9 @@
 use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use nix::mount::MsFlags;
 
-use super::ext4_template::Templates;
 use super::fstools::{FsError, FsType};
 use super::loopdev::{AttachOptions, DetachError, LoopBinding, LoopInfo64};
 use super::mount::{Beneath, MountEntry, MountOptions};
@@ -107,37 +105,15 @@ pub trait VolumeKernel: Send + Sync {
         self.fs_probe(dev)
     }
     fn mkfs(&self, dev: &Path, fs: FsType) -> Result<(), FsError>;
-    /// A volume of `size` bytes and filesystem `fs` was created: get ready to format it
-    /// (the real kernel builds the ext4 template of that size in the background).
-    fn prepare_mkfs(&self, _size: u64, _fs: FsType) {}
-    /// Does the loop device `dev` (bound to `image`) hold an ext4 made from a template that a
-    /// crash interrupted, and nothing else (see
-    /// [`super::ext4_template::Templates::is_interrupted_copy`])? Then it is discarded
-    /// (reads as zeros again, its image all holes) and `true` is returned: it may be
-    /// formatted.
-    fn reclaim_interrupted_mkfs(&self, _dev: &Path, _image: &Path) -> io::Result<bool> {
-        Ok(false)
-    }
     /// The size the filesystem of type `fs` on `dev` spans; `None` when it holds none.
     fn fs_size(&self, dev: &Path, fs: FsType) -> Result<Option<u64>, FsError>;
     /// Grow the filesystem to its device: ext4 through the device, xfs through a mount point.
     fn grow_fs(&self, dev_or_mountpoint: &Path, fs: FsType) -> Result<(), FsError>;
 }
 
-/// The real kernel. With templates ([`Kernel::with_templates`]), ext4 on an all-holes loop
-/// device is made from the per-size template of `mkfs.ext4`'s own output
-/// ([`super::ext4_template`]); otherwise, and whenever that fails, `mkfs.ext4` runs.
+/// The real kernel.
 #[derive(Clone, Default)]
-pub struct Kernel {
-    templates: Option<Arc<Templates>>,
-}
-
-impl Kernel {
-    /// The real kernel keeping its ext4 templates in `dir`.
-    pub fn with_templates(dir: PathBuf) -> Self {
-        Kernel { templates: Some(Arc::new(Templates::new(dir))) }
-    }
-}
+pub struct Kernel;
 
 impl VolumeKernel for Kernel {
     fn mount_table(&self) -> io::Result<Vec<MountEntry>> {
@@ -249,46 +225,7 @@ impl VolumeKernel for Kernel {
     }
 
     fn mkfs(&self, dev: &Path, fs: FsType) -> Result<(), FsError> {
-        if fs == FsType::Ext4
-            && let Some(t) = &self.templates
-            && super::probe::loop_image_is_all_holes(dev)
-        {
-            let started = std::time::Instant::now();
-            match t.format(dev) {
-                Ok(()) => {
-                    tracing::debug!(device = %dev.display(), elapsed_us = started.elapsed().as_micros() as u64, "ext4 made from its template");
-                    return Ok(());
-                }
-                Err(e) => {
-                    // What was written is overwritten by mkfs.ext4 (which zeroes the
-                    // journal now that the device no longer reads as zeros throughout).
-                    tracing::warn!(device = %dev.display(), error = %e, "ext4 template failed; running mkfs.ext4");
-                }
-            }
-        }
         super::fstools::mkfs(dev, fs)
-    }
-
-    fn reclaim_interrupted_mkfs(&self, dev: &Path, image: &Path) -> io::Result<bool> {
-        let Some(t) = &self.templates else { return Ok(false) };
-        if !t.is_interrupted_copy(dev, image)? {
-            return Ok(false);
-        }
-        super::loopdev::discard_all(dev)?;
-        Ok(true)
-    }
-
-    fn prepare_mkfs(&self, size: u64, fs: FsType) {
-        if fs != FsType::Ext4 {
-            return;
-        }
-        if let Some(t) = self.templates.clone() {
-            std::thread::spawn(move || {
-                if let Err(e) = t.prepare(size) {
-                    tracing::warn!(size, error = %e, "building the ext4 template");
-                }
-            });
-        }
     }
 
     fn fs_size(&self, dev: &Path, fs: FsType) -> Result<Option<u64>, FsError> {

@@ -52,10 +52,5 @@ pub fn exchange(
     stream.read_exact(&mut header)?;
     let mut body = vec![0u8; decode_len(header)?];
     stream.read_exact(&mut body)?;
-    decode_reply(&body)
-}
-
-/// A reply frame's body.
-pub fn decode_reply(body: &[u8]) -> io::Result<Reply> {
-    serde_json::from_slice(body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+    serde_json::from_slice(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }

@@ -38,11 +38,14 @@ fn ttl(verdict: &Result<String, ReviewError>) -> Duration {
     if verdict.is_ok() { POSITIVE_TTL } else { NEGATIVE_TTL }
 }
 
+/// Verdicts by the token's SHA-256, with when they were given.
+type Verdicts = HashMap<[u8; 32], (Instant, Result<String, ReviewError>)>;
+
 pub struct TokenReviewer {
     api: Api<TokenReview>,
     audience: String,
     service_account: String,
-    cache: Mutex<HashMap<[u8; 32], (Instant, Result<String, ReviewError>)>>,
+    cache: Mutex<Verdicts>,
 }
 
 impl TokenReviewer {
@@ -58,10 +61,10 @@ impl TokenReviewer {
     /// The node this token speaks for.
     pub async fn review(&self, token: &str) -> Result<String, ReviewError> {
         let key: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
-        if let Some((at, r)) = self.cache.lock().unwrap().get(&key) {
-            if at.elapsed() < ttl(r) {
-                return r.clone();
-            }
+        if let Some((at, r)) = self.cache.lock().unwrap().get(&key)
+            && at.elapsed() < ttl(r)
+        {
+            return r.clone();
         }
         let r = self.ask(token).await;
         if !matches!(r, Err(ReviewError::Unavailable(_))) {

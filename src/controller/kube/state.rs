@@ -107,8 +107,11 @@ pub fn node_hash(node: &str) -> String {
     hex::encode(sha2::Sha224::digest(node.as_bytes()))
 }
 
+/// Labels or annotations, as key and value.
+type Pairs = Vec<(String, String)>;
+
 /// The labels and annotations this controller puts on an object about `node`.
-fn node_meta(node: &str) -> (Vec<(String, String)>, Vec<(String, String)>) {
+fn node_meta(node: &str) -> (Pairs, Pairs) {
     let mut labels = vec![(MANAGED_BY.0.to_string(), MANAGED_BY.1.to_string())];
     let mut annotations = Vec::new();
     if !node.is_empty() {

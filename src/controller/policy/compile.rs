@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
-use k8s_openapi::api::networking::v1::{NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec};
+use k8s_openapi::api::networking::v1::{NetworkPolicyPeer, NetworkPolicySpec};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::model::{self, Key, Objects, Protocol, key_text, matches};
@@ -144,7 +144,7 @@ struct Compiler<'a> {
 impl Compiler<'_> {
     fn compile(&mut self, key: &Key, spec: &NetworkPolicySpec, egress: bool, local: &[&Key]) -> pb::CompiledPolicy {
         let id = policy_id(key, egress);
-        let rules: Vec<(Option<&Vec<NetworkPolicyPeer>>, Option<&Vec<NetworkPolicyPort>>)> = if egress {
+        let rules: Vec<_> = if egress {
             spec.egress.iter().flatten().map(|r| (r.to.as_ref(), r.ports.as_ref())).collect()
         } else {
             spec.ingress.iter().flatten().map(|r| (r.from.as_ref(), r.ports.as_ref())).collect()

@@ -329,7 +329,7 @@ impl Plugin {
         let mut steps = 0usize;
         while chosen.len() < size {
             steps += 1;
-            if steps % 256 == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+            if steps.is_multiple_of(256) && deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(Status::deadline_exceeded(format!(
                     "preferred allocation of {size} from {} IDs did not finish in time",
                     avail.len()

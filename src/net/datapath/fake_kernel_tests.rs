@@ -16,9 +16,7 @@ use crate::util::TestDir;
 const V4: &str = "10.88.3.0/24";
 const V6: &str = "fd00:88:3::/64";
 
-/// Fields drop in order: the datapath first, the directory last. The datapath's threads are
-/// not joined (the IPAM's spare-file thread finishes its current fill after the IPAM is
-/// gone), so `TestDir`'s drop retries the removal while they still write.
+/// Fields drop in order: the datapath first, the directory last.
 struct Node {
     dp: Datapath,
     fake: FakeNet,

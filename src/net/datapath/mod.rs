@@ -24,8 +24,6 @@ use crate::sys::netlink::{Link, NetlinkError, format_mac, random_mac};
 use crate::sys::netns::NetnsError;
 use crate::util::Family;
 
-mod side;
-
 /// Host-side veth name of an attachment: "np" + 13 hex digits of a stable hash.
 pub fn host_ifname(owner: &Owner) -> String {
     let h = crate::util::fnv1a(&[owner.container_id.as_bytes(), owner.ifname.as_bytes()]);
@@ -234,8 +232,6 @@ pub struct Datapath {
     conflist_written: std::sync::atomic::AtomicBool,
     block_source: std::sync::OnceLock<BlockSource>,
     pod_hook: std::sync::OnceLock<PodHook>,
-    /// Runs an ADD's lease write and pod socket opening while the ADD creates its veth.
-    side: side::Side,
     /// Where the time of ADD and CHECK goes, step by step (the agent exports it).
     pub steps: Arc<HistogramVec>,
 }
@@ -266,7 +262,6 @@ impl Datapath {
             conflist_written: Default::default(),
             block_source: Default::default(),
             pod_hook: Default::default(),
-            side: side::Side::start("cni-side"),
             steps: HistogramVec::new(
                 STEPS_METRIC,
                 "Time of each step of a CNI request inside the agent, by command and step.",
@@ -439,13 +434,11 @@ impl Datapath {
                 Some("node rebooted")
             } else if lease.state != LeaseState::Ready {
                 Some("ADD never completed")
-            } else if let Some(why) = veth_gone(&lease, by_name.get(lease.host_if.as_str()).copied()) {
+            } else {
                 // The pair dies with the pod's namespace: no host veth, no pod network. (The
                 // namespace's path is the runtime's, in its own mount and PID namespaces:
                 // never resolved here.)
-                Some(why)
-            } else {
-                None
+                veth_gone(&lease, by_name.get(lease.host_if.as_str()).copied())
             };
             match why {
                 None => {
@@ -486,7 +479,7 @@ impl Datapath {
         match nl.set_link(link.index, Some(false), None, None, Some(GRAVEYARD_GROUP)) {
             Ok(()) => {}
             Err(e) if e.is(libc::ENODEV) => return Ok(()),
-            Err(e) => return Err(netlink_err(&format!("detaching {}", link.name), e)),
+            Err(e) => return Err(netlink_err(&format!("retiring {}", link.name), e)),
         }
         self.reaper.reap();
         Ok(())
@@ -520,11 +513,10 @@ impl Datapath {
     /// handed over as a descriptor (`req.netns`, the runtime's path, is only recorded).
     pub fn add(&self, req: &Request, netns: Box<dyn PodNetns>) -> Result<ResultModel, NetError> {
         let owner = Owner { container_id: req.container_id.clone(), ifname: req.ifname.clone() };
-        let netns: Arc<dyn PodNetns> = Arc::from(netns);
-        self.locks.run(&owner, || self.add_locked(req, &owner, netns))
+        self.locks.run(&owner, || self.add_locked(req, &owner, &*netns))
     }
 
-    fn add_locked(&self, req: &Request, owner: &Owner, netns: Arc<dyn PodNetns>) -> Result<ResultModel, NetError> {
+    fn add_locked(&self, req: &Request, owner: &Owner, netns: &dyn PodNetns) -> Result<ResultModel, NetError> {
         let mut steps = Steps::start(&self.steps, "ADD");
         // A DEL the shim queued while no agent answered came before this ADD (the runtime
         // waited for the DEL's answer before sending it): apply it now, or the periodic drain
@@ -558,43 +550,23 @@ impl Datapath {
             ips: Vec::new(),
             pod: format!("{}/{}", req.pod_namespace(), req.pod_name()),
         };
-        let (lease, write) = match self.ipam.reserve_begin(lease_template.clone()) {
+        let reservation = match self.ipam.reserve(lease_template.clone()) {
             Err(IpamError::Exhausted { family, .. }) if self.block_source.get().is_some() => {
                 let source = self.block_source.get().expect("checked");
                 source(family).map_err(|e| NetError::NoBlock(format!("{family} block full and no new block: {e}")))?;
-                self.ipam.reserve_begin(lease_template)
+                self.ipam.reserve(lease_template)
             }
             other => other,
         }
         .map_err(NetError::Ipam)?;
-        // The lease file is written, and a link socket opened in the pod's namespace, on the
-        // helper thread while this one has the kernel create the veth pair; both are joined
-        // before anything depends on them (and before any rollback, which removes the file).
-        let side = {
-            let ns = netns.clone();
-            self.side.run(move || (write.run(), ns.links()))
-        };
         steps.mark("reserve");
-        let mtu = req.conf.mtu.unwrap_or(self.settings.mtu);
-        let created = self.create_veth(&mut *nl, &*netns, req, &host_if, mtu);
-        let (written, pod_links) = side.wait();
-        let reservation = match self.ipam.reserve_finish(lease, written) {
-            Ok(r) => r,
-            Err(e) => {
-                if created.is_ok() {
-                    // The lease could not be written (a full state disk): the pair goes now,
-                    // not through the graveyard, so nothing of the attempt outlives its answer
-                    // (neither end: the pod's goes with the host's).
-                    self.delete_link_now(&mut *nl, &host_if);
-                }
-                return Err(NetError::Ipam(e));
-            }
-        };
-        steps.mark("veth");
         let lease = reservation.lease.clone();
-        let configured = created.and_then(|created| {
-            let pod_nl = pod_links.map_err(netns_err)?;
-            self.configure(pod_nl, &*netns, req, &host_if, &lease, mtu, created)
+        let mtu = req.conf.mtu.unwrap_or(self.settings.mtu);
+        let configured = self.create_veth(&mut *nl, netns, req, &host_if, mtu).and_then(|created| {
+            steps.mark("veth");
+            let pod_nl = netns.links().map_err(netns_err)?;
+            steps.mark("netns-socket");
+            self.configure(pod_nl, netns, req, &host_if, &lease, mtu, created)
         });
         match configured {
             Ok((result, cookie, host_ifindex)) => {
@@ -632,16 +604,6 @@ impl Datapath {
         self.undo_link(nl, host_if);
         if let Err(e) = self.ipam.release(owner) {
             tracing::warn!(error = %e, "rolling back lease");
-        }
-    }
-
-    fn delete_link_now(&self, nl: &mut dyn Links, host_if: &str) {
-        let Ok(Some(link)) = nl.link_by_name(host_if) else { return };
-        if let Err(e) = nl.delete_link(link.index) {
-            tracing::warn!(error = %e, host_if, "deleting the veth of a failed ADD; retiring it instead");
-            if let Err(e) = self.retire_link(nl, &link) {
-                tracing::warn!(error = %e, host_if, "rolling back veth");
-            }
         }
     }
 
@@ -791,7 +753,7 @@ impl Datapath {
         // old address unreachable. One request, selecting the link by its name: no lookup of
         // its own on the kernel's RTNL lock.
         let retired =
-            nl.retire_named(&host_if, GRAVEYARD_GROUP).map_err(|e| netlink_err(&format!("detaching {host_if}"), e))?;
+            nl.retire_named(&host_if, GRAVEYARD_GROUP).map_err(|e| netlink_err(&format!("retiring {host_if}"), e))?;
         if retired {
             self.reaper.reap();
         }

@@ -36,7 +36,6 @@ use crate::storage::fs as vfs;
 use crate::storage::store::{FsType, VolumeError, VolumeStore};
 use crate::sys::loopdev;
 use crate::sys::mount::{self, MountEntry, MountOptions};
-use crate::sys::spares::Spares;
 use crate::sys::volume_kernel::{MountError, VolumeKernel};
 
 /// A failed CSI call: the gRPC code the spec asks for and a message naming what was wrong.
@@ -225,15 +224,6 @@ pub struct NodeService {
     /// kept in step with every record the service writes or removes, so a call never lists
     /// the directory (the records are this process' own; nothing else writes them).
     publishes: Mutex<HashMap<PathBuf, PublishRecord>>,
-    /// The records' spare files (`<state>/csi/.spare`): records are written into them and
-    /// given back when removed or replaced, so staging and publishing allocate no inode.
-    spares: Arc<Spares>,
-    /// Empty directories made ahead at idle priority on the kubelet's filesystem
-    /// (`<kubelet>/plugins/<driver>/.unused-dirs`), never used before: a staging or target
-    /// directory the plugin creates is one of them when one is ready, so staging and
-    /// publishing allocate no inode on the caller's path. `None` when the pool could not be
-    /// opened (the directories are made as they are needed then).
-    unused_dirs: Option<Arc<Spares>>,
     /// Signalled whenever a hold is released.
     released: Condvar,
     ready: AtomicBool,
@@ -252,15 +242,6 @@ pub struct MountCounts {
     /// Published target paths.
     pub published: usize,
 }
-
-/// Record files kept as spares at most (a teardown of this many volumes gives back their
-/// stage and publish records).
-const RECORD_SPARES: usize = 256;
-/// Record files made ahead: a burst of new volumes (each a stage record and a publish
-/// record, and the stage record's replacement) writes into these.
-const RECORD_SPARES_READY: usize = 128;
-/// Directories made ahead: a burst of this many stages and publishes creates none.
-const UNUSED_DIRS_READY: usize = 64;
 
 /// How long a publish or unpublish waits for a stage, unstage or expand of its volume (or a
 /// publish for another publish of it) before it answers ABORTED.
@@ -347,27 +328,6 @@ impl NodeService {
             &["method"],
             crate::obs::metrics::LATENCY_BUCKETS,
         );
-        let spares = Arc::new(Spares::open(settings.record_dir.join(".spare"), 0o600, RECORD_SPARES)?);
-        spares.keep_ready(RECORD_SPARES_READY);
-        let plugin_dir = settings.kubelet_dir.join("plugins").join(super::DRIVER_NAME);
-        let pool = plugin_dir.join(".unused-dirs");
-        // The plugin's directory as the socket's bind makes it (the pool itself is 0700).
-        let unused_dirs = match std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o750)
-            .create(&plugin_dir)
-            .and_then(|()| Spares::made_ahead(pool.clone(), crate::sys::spares::Kind::Dir, 0o750, UNUSED_DIRS_READY))
-        {
-            Ok(p) => {
-                let p = Arc::new(p);
-                p.keep_ready(UNUSED_DIRS_READY);
-                Some(p)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, dir = %pool.display(), "no directories made ahead; they are made as needed");
-                None
-            }
-        };
         let publishes =
             Self::read_publish_records(&settings.record_dir).into_iter().map(|r| (r.target_path.clone(), r)).collect();
         Ok(NodeService {
@@ -376,8 +336,6 @@ impl NodeService {
             store,
             busy: Mutex::new(HashMap::new()),
             publishes: Mutex::new(publishes),
-            spares,
-            unused_dirs,
             released: Condvar::new(),
             ready: AtomicBool::new(false),
             operations,
@@ -558,16 +516,15 @@ impl NodeService {
 
     /// Records are replaced atomically but not fsync'd: they describe mounts and loop
     /// devices, which a power loss takes away with them, while an agent crash keeps what
-    /// the kernel already has (the page cache survives the process). A record is written
-    /// into a spare file and the one it replaces becomes a spare ([`crate::sys::spares`]).
+    /// the kernel already has (the page cache survives the process).
     fn save<T: Serialize>(&self, path: &Path, rec: &T) -> Result<()> {
         let data = serde_json::to_vec_pretty(rec).map_err(|e| internal(e.to_string()))?;
-        self.spares.write(path, &data, false).map_err(io_internal(format!("writing {}", path.display())))
+        crate::sys::fs::atomic_write_nosync(path, &data).map_err(io_internal(format!("writing {}", path.display())))
     }
 
-    /// Remove a record (gone already is fine), keeping its file as a spare.
+    /// Remove a record (gone already is fine).
     fn remove_record(&self, path: &Path) -> Result<()> {
-        match self.spares.remove(path) {
+        match std::fs::remove_file(path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(internal(format!("removing {}: {e}", path.display()))),
@@ -880,16 +837,6 @@ impl NodeService {
                 crate::util::crash_point("stage-after-mkfs");
             }
             Some(t) if t == fs.as_str() => {}
-            Some(other)
-                if self
-                    .kernel
-                    .reclaim_interrupted_mkfs(&dev, &vol.path)
-                    .map_err(io_internal(format!("inspecting {}", dev.display())))? =>
-            {
-                tracing::warn!(volume = id, device = %dev.display(), found = %other, "an interrupted mkfs of this volume: making the filesystem again");
-                self.kernel.mkfs(&dev, fs)?;
-                crate::util::crash_point("stage-after-mkfs");
-            }
             Some(other) => {
                 return Err(precondition(format!(
                     "volume {id}: {} holds {other:?}, not {}; refusing to mount or format it",
@@ -907,9 +854,7 @@ impl NodeService {
             tracing::info!(volume = id, from = fs_size, to = dev_size, "growing ext4 before mounting");
             self.kernel.grow_fs(&dev, fs)?;
         }
-        // A directory made ahead, else (none ready, no parent yet, or something appeared
-        // there meanwhile) made here, parents included.
-        if !staging.exists() && !self.place_unused_dir(staging) {
+        if !staging.exists() {
             std::fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o750)
@@ -1174,7 +1119,7 @@ impl NodeService {
                 if !cap.mount_group.is_empty() {
                     apply_mount_group(&staging, &cap.mount_group)?;
                 }
-                if created_target && !self.place_unused_dir(&target) {
+                if created_target {
                     std::fs::DirBuilder::new()
                         .mode(0o750)
                         .create(&target)
@@ -1538,15 +1483,6 @@ fn apply_mount_group(root: &Path, gid: &str) -> Result<()> {
             .map_err(io_internal(format!("chmod {}", root.display())))?;
     }
     Ok(())
-}
-
-impl NodeService {
-    /// Put a directory made ahead at `path`; `false` when none is ready or it cannot go
-    /// there (`path`'s parent missing, another filesystem, something already at `path`):
-    /// the caller makes the directory itself then, and reports its own error.
-    fn place_unused_dir(&self, path: &Path) -> bool {
-        self.unused_dirs.as_ref().is_some_and(|p| matches!(p.place(path), Ok(true)))
-    }
 }
 
 /// Remove a target the plugin created: an empty directory, or the file a block volume was

@@ -634,20 +634,9 @@ fn unstage_refuses_while_published_then_detaches() {
 }
 
 #[test]
-fn records_are_written_into_spares_and_given_back() {
-    use std::os::unix::fs::MetadataExt;
-    let e = Env::new("record-spares");
+fn records_follow_stage_and_publish() {
+    let e = Env::new("records");
     let dir = e.svc.settings.record_dir.clone();
-    let inodes_in = |d: &str| -> Vec<u64> {
-        std::fs::read_dir(dir.join(d)).unwrap().map(|f| f.unwrap().metadata().unwrap().ino()).collect()
-    };
-    let ino = |p: &Path| std::fs::metadata(p).unwrap().ino();
-    // Spares are made ahead on an idle-priority thread: wait for a few.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while inodes_in(".spare").len() < 3 {
-        assert!(Instant::now() < deadline, "no spares made ahead");
-        std::thread::sleep(Duration::from_millis(10));
-    }
     for id in ["v1", "v2"] {
         e.volume(id, FsType::Ext4);
         let staging = e.staging(id);
@@ -656,18 +645,9 @@ fn records_are_written_into_spares_and_given_back() {
         e.publish(id, &t, &staging, mount_cap("ext4", &[]), false).unwrap();
         assert_eq!(e.stage_record(id).map(|r| r.state), Some(StageState::Staged));
         assert_eq!(e.publish_record(&t).map(|r| r.volume_id), Some(id.to_string()));
-        // (That they were spares written and renamed into place is sys::spares' test: the
-        // thread making spares ahead runs meanwhile, so which one a write takes is open.)
-        let stage_rec = ino(&e.svc.stage_record_path(id));
-        let publish_rec = ino(&e.svc.publish_record_path(&t));
-        let spares = inodes_in(".spare");
-        assert!(!spares.contains(&stage_rec) && !spares.contains(&publish_rec), "{spares:?}");
         e.unpublish(id, &t).unwrap();
         e.unstage(id, &staging).unwrap();
         assert_eq!((e.stage_record(id), e.publish_record(&t)), (None, None));
-        // Removed: back among the spares, not freed.
-        let now = inodes_in(".spare");
-        assert!(now.contains(&stage_rec) && now.contains(&publish_rec), "{now:?}");
     }
     // An unreadable record is still no record.
     std::fs::write(dir.join("stage/v9.json"), b"{").unwrap();
@@ -1190,51 +1170,28 @@ fn doctor_repairs_what_no_record_accounts_for_and_leaves_the_rest() {
 }
 
 #[test]
-fn staging_and_target_directories_are_directories_made_ahead() {
-    let e = Env::new("dirs-ahead");
-    let pool = e.kubelet().join("plugins").join(crate::storage::csi::DRIVER_NAME).join(".unused-dirs");
-    let inodes =
-        || -> Vec<u64> { std::fs::read_dir(&pool).unwrap().map(|d| d.unwrap().metadata().unwrap().ino()).collect() };
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    // The pool made whole, so that nothing is made while a call takes one.
-    while inodes().len() < UNUSED_DIRS_READY {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{} directories made ahead in {}",
-            inodes().len(),
-            pool.display()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let ahead = inodes();
+fn staging_and_target_directories_are_made_and_removed() {
+    let e = Env::new("dirs");
     e.volume("v", FsType::Ext4);
     // kubelet makes the staging path's parent (it holds vol_data.json there).
     let staging = e.staging("v");
     std::fs::create_dir_all(staging.parent().unwrap()).unwrap();
     e.stage("v", &staging, mount_cap("ext4", &[])).unwrap();
-    let m = std::fs::metadata(&staging).unwrap();
-    assert!(m.is_dir() && ahead.contains(&m.ino()), "the staging directory is one made ahead");
+    assert!(staging.is_dir());
     let target = e.target("p", "v");
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while inodes().len() < UNUSED_DIRS_READY {
-        assert!(std::time::Instant::now() < deadline, "the pool is not made whole again");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let ahead = inodes();
     e.publish("v", &target, &staging, mount_cap("ext4", &[]), false).unwrap();
-    let m = std::fs::metadata(&target).unwrap();
-    assert!(m.is_dir() && ahead.contains(&m.ino()), "so is the target");
+    assert!(target.is_dir());
     assert!(e.publish_record(&target).unwrap().created_target);
     assert!(e.fake.mounts().iter().any(|mt| mt.mount_point == target));
-    // Removed as before when unpublished: a made-ahead directory is the plugin's to remove.
+    // Removed when unpublished: a directory the plugin made is the plugin's to remove.
     e.unpublish("v", &target).unwrap();
     assert!(!target.exists());
-    // Without a parent (a staging path kubelet did not prepare), made as before.
+    // Without a parent (a staging path kubelet did not prepare), made with its parents.
     e.volume("w", FsType::Ext4);
     let staging = e.staging("w");
     e.stage("w", &staging, mount_cap("ext4", &[])).unwrap();
     assert!(staging.is_dir());
-    // A publish target that exists is never replaced by one.
+    // A publish target that exists is never replaced.
     let t2 = e.target("p2", "w");
     std::fs::create_dir(&t2).unwrap();
     let before = std::fs::metadata(&t2).unwrap().ino();

@@ -9,9 +9,6 @@
 //! <dir>/.<id>.img.tmp     a create in progress (renamed to <id>.img once the metadata is down)
 //! <dir>/.<id>.img.del     a deleted volume's image (freed by the unlink thread, or at start)
 //! <dir>/snapshots/         snapshots, and the copies volumes are made from (`snapshots`)
-//! <dir>/fs-templates/      ext4 templates, one per size (`open_with_templates`, the agent's)
-//! <dir>/.spare/            metadata files removed, kept to be written again (`sys::spares`)
-//! <dir>/.unused/           empty files made ahead, each a new volume's image once (`sys::spares`)
 //! ```
 //!
 //! Every step is ordered so that a crash leaves something `open` can finish or roll back:
@@ -38,7 +35,6 @@
 
 use crate::storage::fs;
 use crate::sys::loopdev;
-use crate::sys::spares::Spares;
 use crate::sys::volume_kernel::{Kernel, VolumeKernel};
 
 use std::collections::{BTreeMap, HashMap};
@@ -275,13 +271,6 @@ pub struct VolumeStore {
     locks: Mutex<HashMap<String, Arc<Mutex<()>>>>,
     /// Loop devices and `statvfs` go through it (the real kernel outside tests).
     kernel: Arc<dyn VolumeKernel>,
-    /// The metadata files' spares ([`crate::sys::spares`]): a volume's metadata is written
-    /// into one and given back when the volume goes, so creating and deleting volumes
-    /// allocates and frees no inode for it.
-    spares: Arc<Spares>,
-    /// Empty files made ahead at idle priority, never used before: a new volume's image is
-    /// one of them when one is ready, so a create allocates no inode on the caller's path.
-    unused_images: Arc<Spares>,
     _lock: File,
 }
 
@@ -296,13 +285,7 @@ impl VolumeStore {
     /// Takes the directory's lock, loads every volume's metadata and finishes or rolls back
     /// whatever a crash interrupted (see the module docs).
     pub fn open(dir: &Path, capacity_bytes: u64) -> Result<Self> {
-        Self::open_with(dir, capacity_bytes, Arc::new(Kernel::default()))
-    }
-
-    /// [`Self::open`] making ext4 from per-size templates kept in `<dir>/fs-templates`
-    /// ([`crate::sys::ext4_template`]; what the agent uses).
-    pub fn open_with_templates(dir: &Path, capacity_bytes: u64) -> Result<Self> {
-        Self::open_with(dir, capacity_bytes, Arc::new(Kernel::with_templates(dir.join(TEMPLATES_DIR))))
+        Self::open_with(dir, capacity_bytes, Arc::new(Kernel))
     }
 
     /// [`Self::open`] reaching loop devices and `statvfs` through `kernel` (a fake in tests).
@@ -338,16 +321,6 @@ impl VolumeStore {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         let volumes = recover(&dir, &*kernel)?;
-        let spares_dir = dir.join(SPARES_DIR);
-        let spares =
-            Arc::new(Spares::open(spares_dir.clone(), 0o600, SPARES_KEPT).map_err(io_err("opening", &spares_dir))?);
-        spares.keep_ready(SPARES_READY);
-        let unused_dir = dir.join(UNUSED_IMAGES_DIR);
-        let unused_images = Arc::new(
-            Spares::made_ahead(unused_dir.clone(), crate::sys::spares::Kind::File, 0o600, UNUSED_IMAGES_READY)
-                .map_err(io_err("opening", &unused_dir))?,
-        );
-        unused_images.keep_ready(UNUSED_IMAGES_READY);
         let snapshots = snapshots::recover_snapshots(&dir)?;
         let store = VolumeStore {
             dir,
@@ -355,8 +328,6 @@ impl VolumeStore {
             index: Mutex::new(Index { volumes, snapshots, reserved: 0 }),
             locks: Mutex::new(HashMap::new()),
             kernel,
-            spares,
-            unused_images,
             _lock: lock,
         };
         let provisioned = store.index.lock().unwrap().provisioned();
@@ -499,15 +470,11 @@ impl VolumeStore {
         let tmp = self.dir.join(format!(".{id}.img.tmp"));
         let meta_path = self.meta_path(id);
         let vol = Volume::new(id, size, fs_type, name, img.clone());
-        // The image is a file made ahead and never used, renamed to the create's temporary
-        // name (so a crash leaves what recovery knows), else a new file (also when a
-        // temporary file is in the way: it is truncated as before).
-        let made_ahead = self.unused_images.place(&tmp).unwrap_or(false);
         let result = (|| {
             let f = OpenOptions::new()
                 .write(true)
                 .create(true)
-                .truncate(!made_ahead)
+                .truncate(true)
                 .mode(0o600)
                 .custom_flags(libc::O_CLOEXEC)
                 .open(&tmp)
@@ -518,7 +485,7 @@ impl VolumeStore {
             // The image's size needs none: a crash that loses it is an interrupted
             // expansion to recovery, which sets the size the metadata gives. The metadata
             // is renamed first, so an image is never in place without it.
-            self.write_meta_unsynced_dir(&meta_path, &vol)?;
+            write_meta_unsynced_dir(&meta_path, &vol)?;
             std::fs::rename(&tmp, &img).map_err(io_err("renaming into place", &tmp))?;
             sync_dir(&self.dir)
         })();
@@ -529,7 +496,6 @@ impl VolumeStore {
         }
         idx.volumes.insert(id.to_string(), vol.clone());
         tracing::info!(volume = id, size, fs = fs_type.as_str(), "volume created");
-        self.kernel.prepare_mkfs(size, fs_type);
         Ok(vol)
     }
 
@@ -557,13 +523,13 @@ impl VolumeStore {
                 }
                 let del = self.dir.join(format!(".{id}.img.del"));
                 std::fs::rename(&img, &del).map_err(io_err("renaming for delete", &img))?;
-                self.remove_meta(&meta_path)?;
+                remove_if_exists(&meta_path)?;
                 sync_dir(&self.dir)?;
                 // The volume is gone from here on (a restart finishes the delete); its
                 // blocks are freed off the caller's path.
                 unlink_later(del);
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => self.remove_meta(&meta_path)?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => remove_if_exists(&meta_path)?,
             Err(e) => return Err(io_err("inspecting", &img)(e)),
         }
         if self.index.lock().unwrap().volumes.remove(id).is_some() {
@@ -611,7 +577,7 @@ impl VolumeStore {
                 // grows is finished by the next expand or open.
                 let mut grown = vol.clone();
                 grown.size_bytes = size;
-                self.write_meta_unsynced_dir(&self.meta_path(id), &grown)?;
+                write_meta_unsynced_dir(&self.meta_path(id), &grown)?;
                 sync_dir(&self.dir)?;
                 *vol = grown;
             }
@@ -791,19 +757,6 @@ fn missing_or(id: &str, path: &Path, op: &'static str, e: io::Error) -> VolumeEr
 /// How long [`VolumeStore::open_with`] retries a store lock that is taken.
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(250);
 
-/// The volume store's subdirectory of ext4 templates ([`crate::sys::ext4_template`]).
-pub const TEMPLATES_DIR: &str = "fs-templates";
-/// The metadata files' spares, in the store directory (see [`crate::sys::spares`]).
-const SPARES_DIR: &str = ".spare";
-/// Spares kept at most: a teardown of this many volumes gives back every metadata file.
-const SPARES_KEPT: usize = 256;
-/// Spares made ahead, for the metadata of a burst of new volumes.
-const SPARES_READY: usize = 64;
-/// Empty files made ahead for images, in the store directory (see [`crate::sys::spares`]).
-const UNUSED_IMAGES_DIR: &str = ".unused";
-/// Images made ahead: a burst of this many new volumes allocates no inode for them.
-const UNUSED_IMAGES_READY: usize = 32;
-
 /// How long the store's unlink thread waits for deletes to stop coming before it frees
 /// the images of those deleted, and the longest it lets one wait.
 const UNLINK_IDLE: std::time::Duration = std::time::Duration::from_millis(100);
@@ -849,24 +802,13 @@ fn unlink_later(path: PathBuf) {
     }
 }
 
-impl VolumeStore {
-    /// Write a volume's metadata into a spare, its content fsync'd, renamed into place; the
-    /// caller syncs the directory.
-    fn write_meta_unsynced_dir(&self, path: &Path, vol: &Volume) -> Result<()> {
-        let mut data = serde_json::to_vec_pretty(vol)
-            .map_err(|source| VolumeError::Metadata { path: path.to_path_buf(), source })?;
-        data.push(b'\n');
-        self.spares.write(path, &data, true).map_err(io_err("writing", path))
-    }
-
-    /// Remove a volume's metadata (gone already is fine), keeping its inode as a spare.
-    fn remove_meta(&self, path: &Path) -> Result<()> {
-        match self.spares.remove(path) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(io_err("removing", path)(e)),
-        }
-    }
+/// Write a volume's metadata: its content fsync'd, renamed into place; the caller syncs the
+/// directory (several renames then share one sync).
+fn write_meta_unsynced_dir(path: &Path, vol: &Volume) -> Result<()> {
+    let mut data =
+        serde_json::to_vec_pretty(vol).map_err(|source| VolumeError::Metadata { path: path.to_path_buf(), source })?;
+    data.push(b'\n');
+    crate::sys::fs::atomic_replace(path, &data, 0o600).map_err(io_err("writing", path))
 }
 
 fn read_meta(path: &Path) -> Result<Volume> {
@@ -916,7 +858,7 @@ fn recover(dir: &Path, kernel: &dyn VolumeKernel) -> Result<BTreeMap<String, Vol
                 let _ = std::fs::remove_file(entry.path());
             }
             Entry::Image(_) | Entry::Lock => {}
-            _ if name == "snapshots" || name == TEMPLATES_DIR || name == SPARES_DIR || name == UNUSED_IMAGES_DIR => {}
+            _ if name == "snapshots" => {}
             _ => tracing::warn!(dir = %dir.display(), file = name, "ignoring an unexpected file in the volume store"),
         }
     }

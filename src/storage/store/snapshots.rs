@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     Entry, FsType, META_VERSION, Result, Volume, VolumeError, VolumeStore, classify, io_err, meta_version, now_unix,
-    remove_if_exists, round_size, sync_dir, validate_id,
+    remove_if_exists, round_size, sync_dir, validate_id, write_meta_unsynced_dir,
 };
 use crate::sys::imagecopy::{self, CopyLimits, CopyStats};
 
@@ -354,7 +354,7 @@ impl VolumeStore {
             drop(held);
             let stats = copied.map_err(|e| copy_error(id, &src_path, e))?;
             crate::util::crash_point("restore-after-copy");
-            self.write_meta_unsynced_dir(&meta_path, &vol)?;
+            write_meta_unsynced_dir(&meta_path, &vol)?;
             sync_dir(&self.dir)?;
             std::fs::rename(&tmp, &img).map_err(io_err("renaming into place", &tmp))?;
             if let Err(e) = sync_dir(&self.dir) {

@@ -31,15 +31,7 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
-        // The store's thread making spare files ahead may still be making one in it.
-        for _ in 0..50 {
-            match fs::remove_dir_all(&self.0) {
-                Err(e) if e.kind() != io::ErrorKind::NotFound => {
-                    std::thread::sleep(std::time::Duration::from_millis(10))
-                }
-                _ => return,
-            }
-        }
+        let _ = fs::remove_dir_all(&self.0);
     }
 }
 
@@ -135,52 +127,7 @@ fn create_is_idempotent_and_sparse() {
     let mut names: Vec<String> =
         fs::read_dir(s.dir()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
-    assert_eq!(names, [".lock", ".spare", ".unused", "pvc-a.img", "pvc-a.json", "snapshots"]);
-    // The spares are empty files with numbers for names (made ahead; nothing written yet).
-    for e in fs::read_dir(s.dir().join(".spare")).unwrap() {
-        let e = e.unwrap();
-        assert!(e.file_name().to_str().unwrap().parse::<u64>().is_ok(), "{e:?}");
-        assert_eq!(e.metadata().unwrap().len(), 0);
-    }
-}
-
-#[test]
-fn images_are_files_made_ahead_and_only_ever_one_volume_s() {
-    let t = TempDir::new("unused-images");
-    let s = VolumeStore::open(t.path(), 1024 * MIB).unwrap();
-    let unused = s.dir().join(".unused");
-    let inodes =
-        |d: &Path| -> Vec<u64> { fs::read_dir(d).unwrap().map(|e| e.unwrap().metadata().unwrap().ino()).collect() };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    // The pool made whole, so that nothing is made while the create takes one.
-    while inodes(&unused).len() < UNUSED_IMAGES_READY {
-        assert!(std::time::Instant::now() < deadline, "no images made ahead");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    let ahead = inodes(&unused);
-    let v = s.create("v", 64 * MIB, FsType::Raw).unwrap();
-    let m = fs::metadata(&v.path).unwrap();
-    assert!(ahead.contains(&m.ino()), "the image is a file made ahead");
-    assert_eq!(m.len(), 64 * MIB);
-    assert_eq!(m.permissions().mode() & 0o777, 0o600);
-    assert!(!s.dir().join(".v.img.tmp").exists());
-    // A deleted image is freed, never made a spare: only new files are in the pool.
-    s.delete("v").unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while s.dir().join(".v.img.del").exists() {
-        assert!(std::time::Instant::now() < deadline);
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    for e in fs::read_dir(&unused).unwrap() {
-        assert_eq!(e.unwrap().metadata().unwrap().len(), 0, "made ahead, empty");
-    }
-    // One taken and sized when the agent died is no spare at the next start.
-    drop(s);
-    let sized = unused.join("9999");
-    fs::write(&sized, b"x").unwrap();
-    let s = VolumeStore::open(t.path(), 1024 * MIB).unwrap();
-    assert!(!sized.exists());
-    assert!(s.list().is_empty());
+    assert_eq!(names, [".lock", "pvc-a.img", "pvc-a.json", "snapshots"]);
 }
 
 #[test]
@@ -236,34 +183,26 @@ fn expand_rules() {
 fn delete_is_idempotent() {
     let t = TempDir::new("delete");
     let s = VolumeStore::open(t.path(), 1024 * MIB).unwrap();
-    let spare_inodes = |s: &VolumeStore| -> Vec<u64> {
-        fs::read_dir(s.dir().join(".spare")).unwrap().map(|e| e.unwrap().metadata().unwrap().ino()).collect()
-    };
     let meta_inode = |s: &VolumeStore, id: &str| fs::metadata(s.dir().join(format!("{id}.json"))).unwrap().ino();
     s.create("v", 64 * MIB, FsType::Raw).unwrap();
-    let v_meta = meta_inode(&s, "v");
     s.delete("v").unwrap();
     s.delete("v").unwrap();
     s.delete("never-existed").unwrap();
     assert!(s.get("v").unwrap().is_none());
     assert!(!s.dir().join("v.img").exists() && !s.dir().join("v.json").exists());
     assert_eq!(s.available(), 1024 * MIB);
-    // The deleted volume's metadata file is kept as a spare (no inode freed); a new
-    // volume's metadata holds its own content alone. (That it is written into a spare is
-    // sys::spares' test: spares are made ahead meanwhile, so which one is taken is open.)
-    assert!(spare_inodes(&s).contains(&v_meta));
+    // A new volume's metadata holds its own content alone.
     s.create("w", MIB, FsType::Raw).unwrap();
     let json: serde_json::Value = serde_json::from_slice(&fs::read(s.dir().join("w.json")).unwrap()).unwrap();
     assert_eq!(json["id"], "w");
     assert_eq!(fs::metadata(s.dir().join("w.json")).unwrap().permissions().mode() & 0o777, 0o600);
-    // Expanding replaces it whole: the old version becomes a spare.
+    // Expanding replaces it whole.
     let old = meta_inode(&s, "w");
     s.expand("w", 2 * MIB).unwrap();
     assert_ne!(meta_inode(&s, "w"), old, "replaced whole, not written in place");
-    assert!(spare_inodes(&s).contains(&old));
     drop(s);
     let s = VolumeStore::open(t.path(), 1024 * MIB).unwrap();
-    assert_eq!(s.get("w").unwrap().unwrap().size_bytes, 2 * MIB, "the spare directory is no volume, and w survives");
+    assert_eq!(s.get("w").unwrap().unwrap().size_bytes, 2 * MIB, "w survives");
     assert_eq!(s.list().len(), 1);
     s.delete("w").unwrap();
     assert_eq!(s.available(), 1024 * MIB);
