@@ -1647,6 +1647,79 @@ fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
     }
 }
 
+/// Found against the real API server: a controller that has just started (or taken over)
+/// answered PodStarted, and sent agents their first policy view, before it had read the
+/// NetworkPolicies, Pods and Namespaces from the API: "not isolated" for a pod a policy
+/// selects (its ADD would not wait for the policy), and a view without the policy (the agent
+/// would lift it). Here the controller's first list of NetworkPolicies is held by the API
+/// server (the test's audit webhook) while an agent reports its pod, watches, and starts it.
+#[test]
+fn policy_answers_wait_until_the_objects_are_listed() {
+    use nodeplane::rpc::controller as pb;
+    let hook = AuditHook::start();
+    let k = ApiServer::start_with(envtest::Options { audit_webhook: Some(hook.url()), ..Default::default() });
+    let dir = tempdir("kube-netpol-sync");
+    let kubeconfig = dir.join("kubeconfig");
+    k.write_controller_kubeconfig(&kubeconfig);
+    k.create("", "nodes", None, node_object("node-1"));
+    let agent_n1 = k.agent_token("node-1");
+    k.namespace("x", json!({}));
+    k.create(
+        "",
+        "pods",
+        Some("x"),
+        json!({"metadata": {"namespace": "x", "name": "a", "labels": {"pod": "a"}},
+        "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}}),
+    );
+    k.create(
+        "networking.k8s.io",
+        "networkpolicies",
+        Some("x"),
+        json!({"metadata": {"namespace": "x", "name": "deny"},
+        "spec": {"podSelector": {"matchLabels": {"pod": "a"}}, "policyTypes": ["Ingress"]}}),
+    );
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let first_policy_list = |ev: &serde_json::Value| {
+        ev["stage"] == "RequestReceived"
+            && ev["verb"] == "list"
+            && ev["objectRef"]["resource"] == "networkpolicies"
+            && ev["user"]["username"] == CONTROLLER_USER
+    };
+    hook.arm(first_policy_list, Box::new(move || drop(held.recv_timeout(Duration::from_secs(30)))));
+    let ctl = controller(&dir, &kubeconfig, "ctl");
+    wait_until("controller ready", Duration::from_secs(20), || http_get(ctl.health, "/readyz") == Some(200));
+    wait_until("its NetworkPolicy list held", Duration::from_secs(20), || hook.spent());
+    let rt = rt();
+    let blocks = rt.block_on(register(ctl.grpc, &agent_n1, "node-1")).unwrap();
+    let v4: ipnetwork::Ipv4Network = blocks.iter().find_map(|b| b.parse().ok()).unwrap();
+    let xa = pb::PodAddress {
+        namespace: "x".into(),
+        name: "a".into(),
+        ips: vec![std::net::Ipv4Addr::from(u32::from(v4.network()) + 2).to_string()],
+    };
+    rt.block_on(async {
+        let mut c = pb::network_policies_client::NetworkPoliciesClient::new(channel(ctl.grpc).await.unwrap());
+        // An agent reconnecting to a new controller: its pods, then its stream.
+        let pods = pb::ReportPodsRequest { node_name: "node-1".into(), pods: vec![xa.clone()] };
+        c.report_pods(bearer(pods, &agent_n1)).await.unwrap();
+        let watch = bearer(pb::WatchPolicyRequest { node_name: "node-1".into() }, &agent_n1);
+        let mut stream = c.watch_policy(watch).await.unwrap().into_inner();
+        let started = bearer(pb::PodStartedRequest { node_name: "node-1".into(), pod: Some(xa) }, &agent_n1);
+        let mut c2 = c.clone();
+        let answer = tokio::spawn(async move { c2.pod_started(started).await });
+        // While the list is held: no view, no answer.
+        let first = tokio::time::timeout(Duration::from_millis(1500), stream.message()).await;
+        assert!(first.is_err(), "a view before the policies were listed: {first:?}");
+        assert!(!answer.is_finished(), "PodStarted answered before the policies were listed");
+        release.send(()).unwrap();
+        let isolated = answer.await.unwrap().unwrap().into_inner().isolated;
+        assert!(isolated, "x/a is selected by x/deny");
+        let snap = tokio::time::timeout(Duration::from_secs(10), stream.message()).await.unwrap().unwrap().unwrap();
+        let view = nodeplane::net::policy::View::default().applied(&snap).unwrap();
+        assert!(!view.pods["x/a"].ingress_group.is_empty(), "the first view isolates x/a: {view:?}");
+    });
+}
+
 /// `n` nodes' records and block locks (`node-00000`, `10.0.0.0/24`, ...), as the API server
 /// stores them: seeded into etcd before it starts (creating 2n objects through the API
 /// would take minutes).

@@ -347,8 +347,11 @@ impl EtcdClient {
         self.post("/v3/kv/compaction", &json!({"revision": revision.to_string(), "physical": true}));
     }
 
-    fn delete_prefix(&self, prefix: &str) {
-        self.post("/v3/kv/deleterange", &json!({"key": b64(prefix), "range_end": b64(&prefix_end(prefix))}));
+    /// Deletes every key under `prefix`. Never panics: it runs in `Drop`, also while a
+    /// failed test unwinds (a second panic would abort the whole binary).
+    fn delete_prefix(&self, prefix: &str) -> Result<Value, String> {
+        let range = json!({"key": b64(prefix), "range_end": b64(&prefix_end(prefix))});
+        self.http("POST", "/v3/kv/deleterange", Some(&range))
     }
 
     /// Copies every key under `from` to the same key under `to_prefix` of `to`.
@@ -365,7 +368,7 @@ impl EtcdClient {
 
 impl Drop for Etcd {
     fn drop(&mut self) {
-        if let Some(mut c) = self.proc.lock().unwrap().take() {
+        if let Some(mut c) = self.proc.lock().unwrap_or_else(|e| e.into_inner()).take() {
             kill(&mut c);
         }
         let _ = std::fs::remove_dir_all(&self.dir);
@@ -816,7 +819,7 @@ impl ApiServer {
 
 impl Drop for ApiServer {
     fn drop(&mut self) {
-        if let Some(mut c) = self.proc.lock().unwrap().take() {
+        if let Some(mut c) = self.proc.lock().unwrap_or_else(|e| e.into_inner()).take() {
             kill(&mut c);
         }
         if std::thread::panicking() {
@@ -827,7 +830,8 @@ impl Drop for ApiServer {
             );
         }
         if let EtcdOf::Shared = self.etcd {
-            shared_etcd().client.delete_prefix(&format!("{}/", self.prefix));
+            // (Other tests go on with the same etcd: keep it small.)
+            let _ = shared_etcd().client.delete_prefix(&format!("{}/", self.prefix));
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
