@@ -1,10 +1,16 @@
-//! The controller's Kubernetes mode against the in-process fake API server
-//! (`tools/support/fake_apiserver.rs`): state in custom resources, block locks, optimistic
-//! concurrency, leader election on a Lease, Node deletions (also across a 410 Gone relist),
-//! agent identity by TokenReview, and two real controller processes failing over.
+//! The controller's Kubernetes mode against a real kube-apiserver (v1.36, from `K8S_BIN`)
+//! and etcd (`tools/support/envtest.rs`: an API server of each test's own, the project's
+//! CRDs and RBAC applied, the controller running as its ServiceAccount): state in custom
+//! resources, block locks, optimistic concurrency, leader election on a Lease, Node deletions
+//! (also across a 410 Gone relist), agent identity by TokenReview, and real controller
+//! processes failing over. What the controller sent is read from the API server's audit log.
 
-#[path = "../tools/support/fake_apiserver.rs"]
-mod fake_apiserver;
+#[path = "../tools/support/api_hooks.rs"]
+mod api_hooks;
+#[path = "../tools/support/envtest.rs"]
+mod envtest;
+#[path = "../tools/support/fault_proxy.rs"]
+mod fault_proxy;
 #[path = "../tools/support/https_get.rs"]
 mod https_get;
 
@@ -14,8 +20,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fake_apiserver::{FakeApiServer, UserInfo};
-use kube::config::{KubeConfigOptions, Kubeconfig};
+use api_hooks::{AdmissionHook, AuditHook, Verdict};
+use envtest::{ApiServer, CONTROLLER_USER, NS, wait_until};
 use nodeplane::controller::backend::Backend;
 use nodeplane::controller::kube::lease::{Attempt, Elector, LeaseSettings};
 use nodeplane::controller::kube::state::{KubeBackend, block_object_name};
@@ -26,36 +32,25 @@ use nodeplane::controller::store::Registry;
 use nodeplane::util::Family;
 use serde_json::json;
 
-const CTL_TOKEN: &str = "controller-token";
-const CTL_USER: &str = "system:serviceaccount:nodeplane-system:nodeplane-controller";
-const AGENT_SA: &str = "system:serviceaccount:nodeplane-system:nodeplane-agent";
-const NS: &str = "nodeplane-system";
+const AGENT_SA: &str = envtest::AGENT_USER;
 
-fn fake() -> FakeApiServer {
-    let f = FakeApiServer::start();
-    f.add_token(CTL_TOKEN, UserInfo::new(CTL_USER));
-    f.register(GROUP, "v1alpha1", "nodeplanenodes", "NodeplaneNode", false);
-    f.register(GROUP, "v1alpha1", "ipblocks", "IPBlock", false);
-    f.register(GROUP, "v1alpha1", "nodeplanevolumes", "NodeplaneVolume", false);
-    f.register("", "v1", "secrets", "Secret", true);
-    f.register("", "v1", "configmaps", "ConfigMap", true);
-    f
+/// A cluster of the test's own: a kube-apiserver on its own etcd prefix.
+fn cluster() -> ApiServer {
+    ApiServer::start()
 }
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }
 
-async fn kube_config(f: &FakeApiServer) -> kube::Config {
-    let kc = Kubeconfig::from_yaml(&f.kubeconfig_yaml(CTL_TOKEN)).unwrap();
-    // As the controller builds its clients: with its User-Agent.
-    nodeplane::controller::kube::named(
-        kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap(),
-    )
+/// The controller's client configuration: its ServiceAccount token, its User-Agent, through
+/// the fault proxy.
+async fn kube_config(k: &ApiServer) -> kube::Config {
+    k.controller_config().await
 }
 
-fn backend(f: &FakeApiServer) -> Arc<KubeBackend> {
-    let cfg = rt().block_on(kube_config(f));
+fn backend(k: &ApiServer) -> Arc<KubeBackend> {
+    let cfg = rt().block_on(kube_config(k));
     Arc::new(KubeBackend::new(cfg, None).unwrap())
 }
 
@@ -66,13 +61,13 @@ fn pools() -> Vec<Pool> {
     ]
 }
 
-fn registry(f: &FakeApiServer) -> Registry {
-    Registry::with_backend(backend(f), pools()).unwrap()
+fn registry(k: &ApiServer) -> Registry {
+    Registry::with_backend(backend(k), pools()).unwrap()
 }
 
 /// cidr -> node of every IPBlock object.
-fn locks(f: &FakeApiServer) -> Vec<(String, String)> {
-    let mut v: Vec<(String, String)> = f
+fn locks(k: &ApiServer) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = k
         .list(GROUP, "ipblocks")
         .iter()
         .map(|o| (o["spec"]["cidr"].as_str().unwrap().to_string(), o["spec"]["node"].as_str().unwrap().to_string()))
@@ -81,13 +76,12 @@ fn locks(f: &FakeApiServer) -> Vec<(String, String)> {
     v
 }
 
-/// Every request the controller sent carries its User-Agent, and every write its field
-/// manager; returns how many writes there were.
-fn assert_named_writes(f: &FakeApiServer) -> usize {
+/// Every request the controller sent (as its ServiceAccount) carries its User-Agent, and
+/// every write its field manager; returns how many writes there were.
+fn assert_named_writes(k: &ApiServer) -> usize {
     let ua = format!("nodeplane-controller/{}", env!("CARGO_PKG_VERSION"));
     let mut writes = 0;
-    // (Requests of the tests' stand-in for an operator's kubectl are not the controller's.)
-    for r in f.requests().into_iter().filter(|r| !r.user_agent.starts_with("kubectl/")) {
+    for r in k.controller_requests() {
         assert_eq!(r.user_agent, ua, "{r:?}");
         if matches!(r.verb.as_str(), "create" | "update" | "patch") {
             assert_eq!(r.field_manager, "nodeplane-controller", "{r:?}");
@@ -95,6 +89,23 @@ fn assert_named_writes(f: &FakeApiServer) -> usize {
         }
     }
     writes
+}
+
+/// Every request the controller made is one `API_CALLS` lists, and the RBAC of
+/// `daemonset/base/rbac.yaml` allowed it (no 403).
+fn assert_granted(k: &ApiServer) {
+    let granted: BTreeSet<(String, String, String)> =
+        API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
+    for r in k.controller_requests() {
+        assert!(
+            granted.contains(&(r.verb.clone(), r.group.clone(), r.resource.clone())),
+            "{} {}/{} is not in API_CALLS: {r:?}",
+            r.verb,
+            r.group,
+            r.resource
+        );
+        assert_ne!(r.code, Some(403), "the RBAC refused {r:?}");
+    }
 }
 
 /// The field managers recorded in an object's managedFields.
@@ -114,8 +125,8 @@ fn lock_object(cidr: &str, node: &str) -> serde_json::Value {
 
 #[test]
 fn registry_state_lives_in_api_objects() {
-    let f = fake();
-    let r = registry(&f);
+    let k = cluster();
+    let r = registry(&k);
     let a = r.register("node-a", &["192.0.2.1".into()], "02:00:00:00:00:0a").unwrap();
     let b = r.register("node-b", &["192.0.2.2".into()], "").unwrap();
     assert_eq!(a.blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
@@ -123,48 +134,50 @@ fn registry_state_lives_in_api_objects() {
     let more = r.request_block("node-a", Family::V4).unwrap();
     assert_eq!(more.blocks.len(), 3);
     // The record, in allocation order, and one lock per block.
-    let rec = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    let rec = k.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
     assert_eq!(rec["spec"]["blocks"], json!(["10.8.0.0/24", "fd00:8::/64", "10.8.2.0/24"]));
     assert_eq!(rec["spec"]["vtepMac"], "02:00:00:00:00:0a");
-    assert_eq!(locks(&f).len(), 5);
-    assert!(f.get(GROUP, "ipblocks", None, "v6-fd00-8---64").is_some());
+    assert_eq!(locks(&k).len(), 5);
+    assert!(k.get(GROUP, "ipblocks", None, "v6-fd00-8---64").is_some());
     drop(r);
     // A new controller (new backend, new registry) finds the same state.
-    let r = registry(&f);
+    let r = registry(&k);
     assert_eq!(r.get("node-a").unwrap(), more);
     assert_eq!(r.get("node-b").unwrap(), b);
     // Removal frees the locks; the next node gets the freed blocks.
     r.remove("node-a").unwrap();
-    assert!(f.get(GROUP, "nodeplanenodes", None, "node-a").is_none());
-    assert_eq!(locks(&f), vec![("10.8.1.0/24".into(), "node-b".into()), ("fd00:8:0:1::/64".into(), "node-b".into())]);
+    assert!(k.get(GROUP, "nodeplanenodes", None, "node-a").is_none());
+    assert_eq!(locks(&k), vec![("10.8.1.0/24".into(), "node-b".into()), ("fd00:8:0:1::/64".into(), "node-b".into())]);
     let c = r.register("node-c", &["192.0.2.3".into()], "").unwrap();
     assert_eq!(c.blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
     // Named writes: the field manager in managedFields, the User-Agent on every request.
-    assert!(assert_named_writes(&f) >= 8);
+    assert!(assert_named_writes(&k) >= 8);
     let controller: BTreeSet<String> = ["nodeplane-controller".to_string()].into();
-    assert_eq!(managers_of(&f.get(GROUP, "nodeplanenodes", None, "node-c").unwrap()), controller);
-    assert_eq!(managers_of(&f.get(GROUP, "ipblocks", None, "v4-10-8-0-0-24").unwrap()), controller);
+    assert_eq!(managers_of(&k.get(GROUP, "nodeplanenodes", None, "node-c").unwrap()), controller);
+    assert_eq!(managers_of(&k.get(GROUP, "ipblocks", None, "v4-10-8-0-0-24").unwrap()), controller);
 }
 
 #[test]
 fn load_repairs_interrupted_changes_and_refuses_a_block_held_twice() {
-    let f = fake();
+    let k = cluster();
     {
-        let r = registry(&f);
+        let r = registry(&k);
         r.register("node-a", &["192.0.2.1".into()], "").unwrap();
     }
     // A lock without a record: an old one (a crash between lock and record) is released at
     // load; a recent one may belong to a previous leader's change still in flight, so it is
     // kept and never handed out. A record whose lock vanished gets it back.
-    let mut stale = lock_object("10.8.3.0/24", "node-z");
-    stale["metadata"]["creationTimestamp"] = json!("2020-01-01T00:00:00Z");
-    f.put_object(GROUP, "ipblocks", None, stale);
-    f.put_object(GROUP, "ipblocks", None, lock_object("10.8.1.0/24", "node-y"));
-    f.delete_object(GROUP, "ipblocks", None, &block_object_name("fd00:8::/64"));
-    let r = registry(&f);
+    // (The API server sets creationTimestamp itself: the old lock is backdated in etcd.)
+    k.create(GROUP, "ipblocks", None, lock_object("10.8.3.0/24", "node-z"));
+    k.backdate(&envtest::resource(GROUP, "ipblocks"), None, &block_object_name("10.8.3.0/24"), "2020-01-01T00:00:00Z");
+    let stale = k.get(GROUP, "ipblocks", None, &block_object_name("10.8.3.0/24")).unwrap();
+    assert_eq!(stale["metadata"]["creationTimestamp"], "2020-01-01T00:00:00Z");
+    k.put(GROUP, "ipblocks", None, lock_object("10.8.1.0/24", "node-y"));
+    k.delete(GROUP, "ipblocks", None, &block_object_name("fd00:8::/64"));
+    let r = registry(&k);
     assert_eq!(r.get("node-a").unwrap().blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
     assert_eq!(
-        locks(&f),
+        locks(&k),
         vec![
             ("10.8.0.0/24".into(), "node-a".into()),
             ("10.8.1.0/24".into(), "node-y".into()),
@@ -174,50 +187,57 @@ fn load_repairs_interrupted_changes_and_refuses_a_block_held_twice() {
     let b = r.register("node-b", &["192.0.2.2".into()], "").unwrap();
     assert_eq!(b.blocks[0], "10.8.2.0/24", "the reserved block is skipped");
     drop(r);
-    f.delete_object(GROUP, "ipblocks", None, &block_object_name("10.8.1.0/24"));
+    k.delete(GROUP, "ipblocks", None, &block_object_name("10.8.1.0/24"));
     // A block locked for another node than the record says: refuse to start.
-    f.put_object(GROUP, "ipblocks", None, lock_object("10.8.0.0/24", "node-q"));
-    let e = Registry::with_backend(backend(&f), pools()).err().expect("must refuse").to_string();
+    k.put(GROUP, "ipblocks", None, lock_object("10.8.0.0/24", "node-q"));
+    let e = Registry::with_backend(backend(&k), pools()).err().expect("must refuse").to_string();
     assert!(e.contains("10.8.0.0/24") && e.contains("node-q"), "{e}");
 }
 
 #[test]
 fn a_second_writer_is_detected_not_overwritten() {
-    let f = fake();
-    let r = registry(&f);
+    let k = cluster();
+    let r = registry(&k);
     r.register("node-a", &["192.0.2.1".into()], "").unwrap();
     // Someone else locks the block this registry would hand out next.
-    f.put_object(GROUP, "ipblocks", None, lock_object("10.8.1.0/24", "intruder"));
+    k.put(GROUP, "ipblocks", None, lock_object("10.8.1.0/24", "intruder"));
     let e = r.register("node-b", &["192.0.2.2".into()], "").unwrap_err().to_string();
     assert!(e.contains("10.8.1.0/24") && e.contains("intruder"), "{e}");
     assert!(r.get("node-b").is_none(), "nothing recorded");
     assert_eq!(
-        f.get(GROUP, "ipblocks", None, "v4-10-8-1-0-24").unwrap()["spec"]["node"],
+        k.get(GROUP, "ipblocks", None, "v4-10-8-1-0-24").unwrap()["spec"]["node"],
         "intruder",
         "not overwritten"
     );
     assert!(
-        f.get(GROUP, "ipblocks", None, &block_object_name("fd00:8:0:1::/64")).is_none(),
+        k.get(GROUP, "ipblocks", None, &block_object_name("fd00:8:0:1::/64")).is_none(),
         "the v6 lock was not kept"
     );
-    f.delete_object(GROUP, "ipblocks", None, "v4-10-8-1-0-24");
+    k.delete(GROUP, "ipblocks", None, "v4-10-8-1-0-24");
     // Someone else rewrites node-a's record: the next write of it fails with a conflict.
-    let mut rec = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    let mut rec = k.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
     rec["spec"]["underlay"] = json!(["198.51.100.1"]);
-    f.put_object(GROUP, "nodeplanenodes", None, rec);
+    k.put(GROUP, "nodeplanenodes", None, rec);
     let e = r.request_block("node-a", Family::V4).unwrap_err().to_string();
     assert!(e.contains("another writer"), "{e}");
     assert_eq!(r.get("node-a").unwrap().blocks.len(), 2, "memory unchanged");
-    assert_eq!(locks(&f).iter().filter(|(_, n)| n == "node-a").count(), 2, "the new lock was rolled back");
+    assert_eq!(locks(&k).iter().filter(|(_, n)| n == "node-a").count(), 2, "the new lock was rolled back");
 }
 
 #[test]
 fn a_failed_record_write_releases_the_new_locks() {
-    let f = fake();
-    let r = registry(&f);
-    f.fail_next("create", "nodeplanenodes", 500, 1);
+    let k = cluster();
+    let r = registry(&k);
+    // The record's create fails on the server: a webhook the API server cannot get an answer
+    // from, under failurePolicy Fail, is its real 500 InternalError, and nothing is stored.
+    let hook = AdmissionHook::start();
+    k.register_admission_hook(&hook, &[("CREATE", GROUP, "nodeplanenodes")]);
+    hook.arm("CREATE", "nodeplanenodes", Some(CONTROLLER_USER), Verdict::Fail);
     assert!(r.register("node-a", &["192.0.2.1".into()], "").is_err());
-    assert!(locks(&f).is_empty(), "{:?}", locks(&f));
+    assert!(hook.spent(), "the record's create reached the webhook");
+    let failed = k.controller_requests().into_iter().filter(|q| q.verb == "create" && q.resource == "nodeplanenodes");
+    assert_eq!(failed.map(|q| q.code).collect::<Vec<_>>(), [Some(500)], "one create, answered 500");
+    assert!(locks(&k).is_empty(), "{:?}", locks(&k));
     assert!(r.get("node-a").is_none());
     // The retry succeeds with the same blocks.
     assert_eq!(r.register("node-a", &["192.0.2.1".into()], "").unwrap().blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
@@ -225,8 +245,8 @@ fn a_failed_record_write_releases_the_new_locks() {
 
 #[test]
 fn volume_records_round_trip() {
-    let f = fake();
-    let be = backend(&f);
+    let k = cluster();
+    let be = backend(&k);
     let v = |id: &str, state: VolState| VolumeRecord {
         id: id.into(),
         name: format!("claim-{id}"),
@@ -253,24 +273,24 @@ fn volume_records_round_trip() {
     };
     let restored = VolumeRecord { source_snapshot: "snap-1".into(), ..v("pvc-2", VolState::Creating) };
     be.commit_volumes(&[("snap-1".into(), Some(snap.clone())), ("pvc-2".into(), Some(restored.clone()))]).unwrap();
-    let obj = f.get(GROUP, "nodeplanevolumes", None, "snap-1").unwrap();
+    let obj = k.get(GROUP, "nodeplanevolumes", None, "snap-1").unwrap();
     assert_eq!((obj["spec"]["kind"].as_str(), obj["spec"]["sourceVolume"].as_str()), (Some("snapshot"), Some("pvc-1")));
-    let obj = f.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
+    let obj = k.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
     assert!(obj["spec"].get("kind").is_none(), "a plain volume's spec is as before: {obj}");
-    let mut loaded = backend(&f).load_volumes().unwrap();
+    let mut loaded = backend(&k).load_volumes().unwrap();
     loaded.sort_by(|a, b| a.id.cmp(&b.id));
     assert!(loaded.contains(&snap) && loaded.contains(&restored), "{loaded:?}");
     be.commit_volumes(&[("snap-1".into(), None), ("pvc-2".into(), None)]).unwrap();
     be.commit_volumes(&[("pvc-1".into(), Some(v("pvc-1", VolState::Ready)))]).unwrap();
-    let obj = f.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
+    let obj = k.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
     assert_eq!(obj["spec"]["state"], "ready");
     assert_eq!(obj["spec"]["sizeBytes"], 1u64 << 30);
-    let be2 = backend(&f);
+    let be2 = backend(&k);
     let mut got = be2.load_volumes().unwrap();
     got.sort_by(|a, b| a.id.cmp(&b.id));
     assert_eq!(got, vec![v("Odd_Id", VolState::Creating), v("pvc-1", VolState::Ready)]);
     be2.commit_volumes(&[("Odd_Id".into(), None), ("pvc-1".into(), None)]).unwrap();
-    assert!(f.list(GROUP, "nodeplanevolumes").is_empty());
+    assert!(k.list(GROUP, "nodeplanevolumes").is_empty());
     // A stale writer (the first backend) cannot resurrect or overwrite.
     assert!(be.commit_volumes(&[("pvc-1".into(), Some(v("pvc-1", VolState::Deleting)))]).is_err());
 }
@@ -288,16 +308,26 @@ fn settings(identity: &str) -> LeaseSettings {
 
 #[test]
 fn leader_election_on_a_lease() {
-    let f = fake();
+    let k = cluster();
+    let hook = AdmissionHook::start();
+    k.register_admission_hook(&hook, &[("UPDATE", "coordination.k8s.io", "leases")]);
     rt().block_on(async {
-        let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+        let client = kube::Client::try_from(kube_config(&k).await).unwrap();
         let mut a = Elector::new(client.clone(), settings("ctl-a"));
         let mut b = Elector::new(client.clone(), settings("ctl-b"));
         assert_eq!(a.try_acquire_or_renew().await.unwrap(), Attempt::Leading);
         assert_eq!(b.try_acquire_or_renew().await.unwrap(), Attempt::HeldBy("ctl-a".into()));
-        // A conflicting write (another candidate got there first) is a lost race, not a win.
-        f.fail_next("update", "leases", 409, 1);
+        // A conflicting write (another writer got there first) is a lost race, not a win: the
+        // Lease is written by another client while a's update waits in admission, so a's
+        // update, made from what it read before, meets the server's real 409 Conflict.
+        let admin = k.admin();
+        let race = Box::new(move || renew_as_another_writer(&admin));
+        hook.arm("UPDATE", "leases", Some(CONTROLLER_USER), Verdict::After(race));
         assert_eq!(a.try_acquire_or_renew().await.unwrap(), Attempt::Raced);
+        assert!(hook.spent(), "a's update went through the webhook");
+        let conflicts =
+            k.controller_requests().iter().filter(|q| q.resource == "leases" && q.code == Some(409)).count();
+        assert_eq!(conflicts, 1);
         assert_eq!(a.try_acquire_or_renew().await.unwrap(), Attempt::Leading);
         // a stops renewing (crashed): b waits a full lease duration from when it last saw a
         // change, then takes over.
@@ -305,7 +335,7 @@ fn leader_election_on_a_lease() {
         b.acquire(|_| {}).await;
         let waited = t.elapsed();
         assert!(waited >= Duration::from_millis(1500) && waited < Duration::from_secs(5), "{waited:?}");
-        let lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+        let lease = k.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
         assert_eq!(lease["spec"]["holderIdentity"], "ctl-b");
         assert_eq!(lease["spec"]["leaseTransitions"], 1);
         // a comes back: it sees b holding it, and its own keep() reports the loss; its fence
@@ -322,68 +352,73 @@ fn leader_election_on_a_lease() {
         c.acquire(|_| {}).await;
         assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
         assert!(c.fence().check().is_ok());
-        // An API that stops answering makes the leader give up within the renew deadline, and
-        // its fence closes no later than that.
-        f.set_unavailable(true);
+        // An API that cannot be reached makes the leader give up within the renew deadline,
+        // and its fence closes no later than that.
+        k.cut();
         let t = Instant::now();
         let lost = c.keep(std::future::pending()).await;
         assert!(lost.is_some() && t.elapsed() < Duration::from_secs(3), "{lost:?} {:?}", t.elapsed());
         assert!(c.fence().check().is_err());
-        f.set_unavailable(false);
+        k.restore();
     });
-    assert!(assert_named_writes(&f) >= 4);
-    let lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+    assert!(assert_named_writes(&k) >= 4);
+    let lease = k.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
     assert_eq!(managers_of(&lease), ["nodeplane-controller".to_string()].into());
+}
+
+/// Another writer renews the controller's Lease (a new `spec.renewTime`, written over
+/// whatever is stored).
+fn renew_as_another_writer(admin: &envtest::Admin) {
+    let mut lease = admin.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    let secs = nodeplane::util::utc_rfc3339(now.as_secs() as i64);
+    lease["spec"]["renewTime"] = json!(format!("{}.{:06}Z", secs.trim_end_matches('Z'), now.subsec_micros()));
+    admin.put("coordination.k8s.io", "leases", Some(NS), lease);
 }
 
 fn node_object(name: &str) -> serde_json::Value {
     json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
 }
 
-fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < timeout, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[test]
 fn node_deletion_releases_blocks_also_across_a_relist() {
-    let f = fake();
+    let k = cluster();
     for n in ["node-a", "node-b", "node-c"] {
-        f.put_object("", "nodes", None, node_object(n));
+        k.create("", "nodes", None, node_object(n));
     }
-    let reg = Arc::new(registry(&f));
+    let reg = Arc::new(registry(&k));
     for (i, n) in ["node-a", "node-b", "node-c", "node-d"].iter().enumerate() {
         reg.register(n, &[format!("192.0.2.{}", i + 1)], "").unwrap();
     }
     let rt = rt();
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
-    let client = rt.block_on(async { kube::Client::try_from(kube_config(&f).await).unwrap() });
+    let client = rt.block_on(async { kube::Client::try_from(kube_config(&k).await).unwrap() });
     let gate = nodeplane::controller::kube::nodes::NodeGate::new(client.clone());
     let task = rt.spawn(nodeplane::controller::kube::nodes::follow(client, reg.clone(), gate, stop));
     // node-d has no Node object at all: released by the first list.
     wait_until("node-d released", Duration::from_secs(10), || reg.get("node-d").is_none());
     // A Delete event.
-    f.delete_object("", "nodes", None, "node-b");
+    k.delete("", "nodes", None, "node-b");
     wait_until("node-b released", Duration::from_secs(10), || reg.get("node-b").is_none());
-    assert!(!locks(&f).iter().any(|(_, n)| n == "node-b" || n == "node-d"));
-    // A deletion the watch never sees: the API is unreachable, node-c goes, history is
-    // compacted and the watch closed; the watcher's resume gets 410 Gone, relists, and
-    // finds node-c missing.
-    f.set_paused(true);
-    f.delete_object("", "nodes", None, "node-c");
-    f.compact();
-    f.close_watches();
-    f.set_paused(false);
+    assert!(!locks(&k).iter().any(|(_, n)| n == "node-b" || n == "node-d"));
+    // A deletion the watch never sees: the API server is unreachable (a partition) while
+    // node-c goes, and restarts meanwhile (a crash, or a fail-over to another replica); the
+    // new one's watch cache begins after the deletion, so the watcher's resume gets 410 Gone,
+    // it lists again, and finds node-c missing.
+    let lists = || k.controller_requests().iter().filter(|q| q.verb == "list" && q.resource == "nodes").count();
+    let before = lists();
+    k.hold();
+    k.delete("", "nodes", None, "node-c");
+    k.restart();
+    k.restore();
     wait_until("node-c released after the relist", Duration::from_secs(20), || reg.get("node-c").is_none());
+    assert!(lists() > before, "released by a relist");
     assert!(reg.get("node-a").is_some(), "node-a still has its Node object");
     let _ = stop_tx.send(true);
     rt.block_on(task).unwrap();
     // What it called is exactly what the RBAC grants for this part.
     let used: BTreeSet<(String, String)> =
-        f.calls().into_iter().filter(|c| c.2 == "nodes").map(|c| (c.0, c.2)).collect();
+        k.controller_requests().into_iter().filter(|c| c.resource == "nodes").map(|c| (c.verb, c.resource)).collect();
     // (get: a node missing from a relist is confirmed gone before it is released.)
     assert_eq!(
         used,
@@ -397,45 +432,46 @@ fn node_deletion_releases_blocks_also_across_a_relist() {
 #[test]
 fn agents_are_identified_by_token_review() {
     use nodeplane::controller::auth::{Authority, Identity};
-    use nodeplane::controller::kube::review::{NODE_NAME_EXTRA, TokenReviewer};
-    let f = fake();
-    let agent = |node: &str, aud: &str, user: &str| UserInfo {
-        username: user.into(),
-        uid: "u".into(),
-        groups: vec!["system:serviceaccounts".into()],
-        extra: [(NODE_NAME_EXTRA.to_string(), vec![node.to_string()])].into(),
-        audiences: vec![aud.into()],
-    };
-    f.add_token("tok-n1", agent("node-1", "nodeplane", AGENT_SA));
-    f.add_token("tok-wrong-aud", agent("node-1", "vault", AGENT_SA));
-    f.add_token("tok-other-sa", agent("node-1", "nodeplane", "system:serviceaccount:default:default"));
+    use nodeplane::controller::kube::review::TokenReviewer;
+    let k = cluster();
+    k.create("", "nodes", None, node_object("node-1"));
+    // Tokens from the TokenRequest API, bound to a pod on node-1 (the API server's TokenReview
+    // then names the node): the agent's, one for another audience, one of another account.
+    let tok_n1 = k.agent_token("node-1");
+    let agent_pod = k.pod_on(NS, "nodeplane-agent", "node-1");
+    let tok_wrong_aud = k.token(NS, "nodeplane-agent", &["vault"], Some(&agent_pod));
+    let other_pod = k.pod_on("default", "default", "node-1");
+    let tok_other_sa = k.token("default", "default", &[envtest::AGENT_AUDIENCE], Some(&other_pod));
+    let bearer = |t: &str| format!("Bearer {t}");
     rt().block_on(async {
-        let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+        let client = kube::Client::try_from(kube_config(&k).await).unwrap();
         let auth = Authority::new(b"0123456789abcdef0123456789abcdef".to_vec()).with_reviewer(TokenReviewer::new(
             client,
             "nodeplane",
             AGENT_SA,
         ));
-        assert_eq!(auth.identify("Bearer tok-n1").await.unwrap(), Identity::Node("node-1".into()));
+        assert_eq!(auth.identify(&bearer(&tok_n1)).await.unwrap(), Identity::Node("node-1".into()));
         assert!(
             Identity::Node("node-1".into()).may_act_for("node-1")
                 && !Identity::Node("node-1".into()).may_act_for("node-2")
         );
-        assert_eq!(auth.identify("Bearer tok-wrong-aud").await.unwrap_err().code(), tonic::Code::Unauthenticated);
-        assert_eq!(auth.identify("Bearer tok-other-sa").await.unwrap_err().code(), tonic::Code::PermissionDenied);
+        assert_eq!(auth.identify(&bearer(&tok_wrong_aud)).await.unwrap_err().code(), tonic::Code::Unauthenticated);
+        assert_eq!(auth.identify(&bearer(&tok_other_sa)).await.unwrap_err().code(), tonic::Code::PermissionDenied);
         assert_eq!(auth.identify("Bearer nonsense").await.unwrap_err().code(), tonic::Code::Unauthenticated);
         // HMAC tokens keep working beside it (the admin's).
         let admin = auth.mint("@admin");
         assert_eq!(auth.identify(&format!("Bearer {admin}")).await.unwrap(), Identity::Admin);
         // An API server that cannot be asked is UNAVAILABLE (retry), not a denial.
-        f.set_unavailable(true);
+        k.cut();
         assert_eq!(auth.identify("Bearer tok-unseen").await.unwrap_err().code(), tonic::Code::Unavailable);
-        f.set_unavailable(false);
+        k.restore();
         // Verdicts are cached: a revoked token keeps working until the cache entry expires,
         // which is bounded (60 s) — the API is asked once per token per minute, not per call.
-        let before = f.calls().iter().filter(|c| c.2 == "tokenreviews").count();
-        auth.identify("Bearer tok-n1").await.unwrap();
-        assert_eq!(f.calls().iter().filter(|c| c.2 == "tokenreviews").count(), before);
+        let reviews = || k.controller_requests().iter().filter(|c| c.resource == "tokenreviews").count();
+        let before = reviews();
+        assert!(before >= 4, "the API server was asked: {before}");
+        auth.identify(&bearer(&tok_n1)).await.unwrap();
+        assert_eq!(reviews(), before);
     });
 }
 
@@ -535,12 +571,12 @@ async fn register(grpc: u16, token: &str, node: &str) -> Result<Vec<String>, ton
 
 #[test]
 fn two_controller_processes_fail_over_without_losing_blocks() {
-    let f = fake();
+    let k = cluster();
     let dir = tempdir("kube-failover");
     let kubeconfig = dir.join("kubeconfig");
-    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
-    agent_token(&f, "agent-n1", "node-1");
-    f.put_object("", "nodes", None, node_object("node-1"));
+    k.write_controller_kubeconfig(&kubeconfig);
+    k.create("", "nodes", None, node_object("node-1"));
+    let agent_n1 = k.agent_token("node-1");
     let a = controller(&dir, &kubeconfig, "ctl-a");
     wait_until("ctl-a ready", Duration::from_secs(20), || http_get(a.health, "/readyz") == Some(200));
     let b = controller(&dir, &kubeconfig, "ctl-b");
@@ -548,17 +584,17 @@ fn two_controller_processes_fail_over_without_losing_blocks() {
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(http_get(b.health, "/readyz"), Some(503), "the standby is not ready");
     let rt = rt();
-    let blocks = rt.block_on(register(a.grpc, "agent-n1", "node-1")).unwrap();
+    let blocks = rt.block_on(register(a.grpc, &agent_n1, "node-1")).unwrap();
     assert_eq!(blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
     // The agent's token speaks for node-1 only.
-    assert_eq!(rt.block_on(register(a.grpc, "agent-n1", "node-2")).unwrap_err().code(), tonic::Code::PermissionDenied);
+    assert_eq!(rt.block_on(register(a.grpc, &agent_n1, "node-2")).unwrap_err().code(), tonic::Code::PermissionDenied);
     // kill -9 the leader: the standby takes over after the lease expires and serves the same
     // blocks (nothing lost, nothing handed out twice).
     let t = Instant::now();
     drop(a);
     wait_until("ctl-b leads", Duration::from_secs(20), || http_get(b.health, "/readyz") == Some(200));
     let failover = t.elapsed();
-    assert_eq!(rt.block_on(register(b.grpc, "agent-n1", "node-1")).unwrap(), blocks);
+    assert_eq!(rt.block_on(register(b.grpc, &agent_n1, "node-1")).unwrap(), blocks);
     eprintln!("failover after kill -9 of the leader: {failover:?}");
     // A clean stop releases the lease: a new candidate leads at once.
     let c = controller(&dir, &kubeconfig, "ctl-c");
@@ -569,20 +605,13 @@ fn two_controller_processes_fail_over_without_losing_blocks() {
     let handover = t.elapsed();
     eprintln!("handover after SIGTERM of the leader: {handover:?}");
     assert!(handover < Duration::from_secs(3), "{handover:?}");
-    assert_eq!(rt.block_on(register(c.grpc, "agent-n1", "node-1")).unwrap(), blocks);
+    assert_eq!(rt.block_on(register(c.grpc, &agent_n1, "node-1")).unwrap(), blocks);
     drop(b);
     drop(c);
     // Every call the processes made is one the RBAC grants (API_CALLS), nothing more.
-    let granted: BTreeSet<(String, String, String)> =
-        API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
-    for (verb, group, resource, _) in f.calls() {
-        assert!(
-            granted.contains(&(verb.clone(), group.clone(), resource.clone())),
-            "{verb} {group}/{resource} is not in API_CALLS"
-        );
-    }
+    assert_granted(&k);
     // The processes name themselves on every request and write.
-    assert!(assert_named_writes(&f) > 0);
+    assert!(assert_named_writes(&k) > 0);
 }
 
 /// A fresh directory, removed when dropped (also when the test fails).
@@ -612,12 +641,12 @@ fn tempdir(tag: &str) -> TempDir {
 fn a_second_writer_is_a_typed_conflict() {
     use nodeplane::controller::backend::BackendError;
     use nodeplane::controller::store::RegistryError;
-    let f = fake();
-    let r = registry(&f);
+    let k = cluster();
+    let r = registry(&k);
     r.register("node-a", &["192.0.2.1".into()], "").unwrap();
-    let mut rec = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    let mut rec = k.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
     rec["spec"]["underlay"] = json!(["198.51.100.1"]);
-    f.put_object(GROUP, "nodeplanenodes", None, rec);
+    k.put(GROUP, "nodeplanenodes", None, rec);
     match r.request_block("node-a", Family::V4) {
         Err(RegistryError::Storage(BackendError::Conflict(m))) => assert!(m.contains("another writer"), "{m}"),
         other => panic!("want a conflict, got {other:?}"),
@@ -630,8 +659,8 @@ fn a_second_writer_is_a_typed_conflict() {
 fn node_names_of_any_valid_length_register_and_get_blocks() {
     use nodeplane::controller::kube::state::{NODE_ANNOTATION, NODE_HASH_LABEL, node_hash};
     use nodeplane::controller::store::RegistryError;
-    let f = fake();
-    let r = registry(&f);
+    let k = cluster();
+    let r = registry(&k);
     let n63 = "n".repeat(63);
     let n64 = format!("{}.example", "m".repeat(56));
     let n253 = format!("{}.{}.{}.{}", "a".repeat(63), "b".repeat(63), "c".repeat(63), "d".repeat(61));
@@ -640,10 +669,10 @@ fn node_names_of_any_valid_length_register_and_get_blocks() {
         let rec =
             r.register(name, &["192.0.2.1".into()], "").unwrap_or_else(|e| panic!("{} characters: {e}", name.len()));
         assert_eq!(rec.blocks.len(), 2, "{name}");
-        let obj = f.get(GROUP, "nodeplanenodes", None, name).expect("the record is named after the node");
+        let obj = k.get(GROUP, "nodeplanenodes", None, name).expect("the record is named after the node");
         assert_eq!(obj["metadata"]["labels"][NODE_HASH_LABEL], node_hash(name));
         for b in &rec.blocks {
-            let lock = f.get(GROUP, "ipblocks", None, &block_object_name(b)).unwrap();
+            let lock = k.get(GROUP, "ipblocks", None, &block_object_name(b)).unwrap();
             assert_eq!(lock["spec"]["node"], name);
             assert_eq!(lock["metadata"]["annotations"][NODE_ANNOTATION], name);
             let hash = lock["metadata"]["labels"][NODE_HASH_LABEL].as_str().unwrap();
@@ -652,10 +681,10 @@ fn node_names_of_any_valid_length_register_and_get_blocks() {
     }
     assert_eq!(node_hash("x"), "54a2f7f92a5f975d8096af77a126edda7da60c5aa872ef1b871701ae", "printf x | sha224sum");
     // Found again by a new controller; a selector on the hash finds a node's locks.
-    let r = registry(&f);
+    let r = registry(&k);
     assert_eq!(r.get(&n253).unwrap().blocks.len(), 2);
     // Invalid names: refused at Register, naming the rule; nothing written.
-    let before = f.list(GROUP, "nodeplanenodes").len();
+    let before = k.list(GROUP, "nodeplanenodes").len();
     for bad in ["Bad_Name", "a..b", "-a", "a.", &"z".repeat(254), ""] {
         let e = r.register(bad, &["192.0.2.1".into()], "").unwrap_err();
         assert!(matches!(e, RegistryError::InvalidArgument(_)), "{bad:?}: {e:?}");
@@ -664,16 +693,16 @@ fn node_names_of_any_valid_length_register_and_get_blocks() {
         let status = tonic::Status::from(e);
         assert_eq!(status.code(), tonic::Code::InvalidArgument);
     }
-    assert_eq!(f.list(GROUP, "nodeplanenodes").len(), before);
+    assert_eq!(k.list(GROUP, "nodeplanenodes").len(), before);
 }
 
 #[test]
 fn objects_of_the_old_label_encoding_are_still_found_and_migrated() {
     use nodeplane::controller::kube::state::{NODE_HASH_LABEL, node_hash};
-    let f = fake();
+    let k = cluster();
     // As written by the previous version: the node name itself in the label nodeplane.dev/node.
     let legacy = json!({"nodeplane.dev/node": "node-a", "app.kubernetes.io/managed-by": "nodeplane-controller"});
-    f.put_object(
+    k.put(
         GROUP,
         "nodeplanenodes",
         None,
@@ -683,11 +712,11 @@ fn objects_of_the_old_label_encoding_are_still_found_and_migrated() {
     );
     let mut lock = lock_object("10.8.0.0/24", "node-a");
     lock["metadata"]["labels"] = legacy.clone();
-    f.put_object(GROUP, "ipblocks", None, lock);
-    f.put_object(GROUP, "nodeplanevolumes", None, json!({"apiVersion": format!("{GROUP}/v1alpha1"), "kind": "NodeplaneVolume",
+    k.put(GROUP, "ipblocks", None, lock);
+    k.put(GROUP, "nodeplanevolumes", None, json!({"apiVersion": format!("{GROUP}/v1alpha1"), "kind": "NodeplaneVolume",
         "metadata": {"name": "pvc-1", "labels": legacy},
         "spec": {"id": "pvc-1", "name": "claim", "node": "node-a", "sizeBytes": 1024, "fsType": "ext4", "state": "ready", "createdAt": 1}}));
-    let be = backend(&f);
+    let be = backend(&k);
     let r = Registry::with_backend(be.clone(), pools()).unwrap();
     assert_eq!(r.get("node-a").unwrap().blocks, vec!["10.8.0.0/24"], "the old objects are found");
     let vols = be.load_volumes().unwrap();
@@ -696,19 +725,20 @@ fn objects_of_the_old_label_encoding_are_still_found_and_migrated() {
     let mut v = vols[0].clone();
     v.size_bytes = 2048;
     be.commit_volumes(&[("pvc-1".into(), Some(v))]).unwrap();
-    let obj = f.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
+    let obj = k.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
     assert!(obj["metadata"]["labels"].get("nodeplane.dev/node").is_none(), "{obj}");
     assert_eq!(obj["metadata"]["labels"][NODE_HASH_LABEL], node_hash("node-a"));
     r.register("node-a", &["192.0.2.1".into()], "").unwrap();
-    let obj = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    let obj = k.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
     assert_eq!(obj["metadata"]["labels"][NODE_HASH_LABEL], node_hash("node-a"));
 }
 
-/// Another client (`kubectl label`'s field manager) merge-patches labels onto an object.
-fn label_as_other_client(f: &FakeApiServer, plural: &str, name: &str, key: &str, value: &str) {
+/// Another client (an operator's `kubectl label`: its User-Agent and field manager)
+/// merge-patches labels onto an object.
+fn label_as_other_client(k: &ApiServer, plural: &str, name: &str, key: &str, value: &str) {
     let rt = rt();
     rt.block_on(async {
-        let mut cfg = kube_config(f).await;
+        let mut cfg = k.admin_config().await;
         cfg.headers = vec![(hyper::header::USER_AGENT, hyper::header::HeaderValue::from_static("kubectl/v1.36.0"))];
         let client = kube::Client::try_from(cfg).unwrap();
         let ar = match plural {
@@ -727,48 +757,48 @@ fn label_as_other_client(f: &FakeApiServer, plural: &str, name: &str, key: &str,
 fn a_label_added_by_another_client_does_not_restart_the_leader() {
     use nodeplane::controller::backend::BackendError;
     use nodeplane::controller::store::RegistryError;
-    let f = fake();
+    let k = cluster();
     let rt = rt();
-    let client = rt.block_on(async { kube::Client::try_from(kube_config(&f).await).unwrap() });
+    let client = rt.block_on(async { kube::Client::try_from(kube_config(&k).await).unwrap() });
     let mut el = Elector::new(client, settings("ctl-a"));
     let fence = el.fence();
     let mut renew = || assert_eq!(rt.block_on(el.try_acquire_or_renew()).unwrap(), Attempt::Leading);
     renew();
-    let cfg = rt.block_on(kube_config(&f));
+    let cfg = rt.block_on(kube_config(&k));
     let be = Arc::new(KubeBackend::new(cfg, Some(fence.clone())).unwrap());
     let r = Registry::with_backend(be.clone(), pools()).unwrap();
     r.register("node-a", &["192.0.2.1".into()], "").unwrap();
     // An operator labels the record and a block lock.
-    label_as_other_client(&f, "nodeplanenodes", "node-a", "team", "net");
-    label_as_other_client(&f, "ipblocks", "v4-10-8-0-0-24", "audit", "2026");
+    label_as_other_client(&k, "nodeplanenodes", "node-a", "team", "net");
+    label_as_other_client(&k, "ipblocks", "v4-10-8-0-0-24", "audit", "2026");
     renew();
     // The leader's next write meets 409 Conflict, re-reads, sees the Lease still its own, merges.
     let rec = r.request_block("node-a", Family::V4).expect("the leader keeps writing");
     assert_eq!(rec.blocks.len(), 3);
     assert!(fence.check().is_ok() && fence.lost().is_none(), "not fenced");
-    let obj = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    let obj = k.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
     assert_eq!(obj["metadata"]["labels"]["team"], "net", "the other client's label is kept: {obj}");
     assert_eq!(obj["spec"]["blocks"].as_array().unwrap().len(), 3);
     let managers = managers_of(&obj);
     assert!(managers.contains("kubectl-label") && managers.contains("nodeplane-controller"), "{managers:?}");
     // ... and the write after that too (no conflict left behind; it keeps the label).
     r.register("node-a", &["192.0.2.7".into()], "").unwrap();
-    let obj = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    let obj = k.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
     assert_eq!(
         (obj["metadata"]["labels"]["team"].as_str(), obj["spec"]["underlay"][0].as_str()),
         (Some("net"), Some("192.0.2.7"))
     );
     // The labelled lock is untouched by the writes, and released normally with its node.
-    let lock = f.get(GROUP, "ipblocks", None, "v4-10-8-0-0-24").unwrap();
+    let lock = k.get(GROUP, "ipblocks", None, "v4-10-8-0-0-24").unwrap();
     assert_eq!(lock["metadata"]["labels"]["audit"], "2026");
     assert_eq!(managers_of(&lock), ["kubectl-label".to_string(), "nodeplane-controller".to_string()].into());
     // A spec edited by hand is put back by the leader's next write (the leader owns the spec).
-    let mut edited = f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
+    let mut edited = k.get(GROUP, "nodeplanenodes", None, "node-a").unwrap();
     edited["spec"]["underlay"] = json!(["198.51.100.1"]);
-    f.put_object(GROUP, "nodeplanenodes", None, edited);
+    k.put(GROUP, "nodeplanenodes", None, edited);
     renew();
     r.register("node-a", &["192.0.2.8".into()], "").unwrap();
-    assert_eq!(f.get(GROUP, "nodeplanenodes", None, "node-a").unwrap()["spec"]["underlay"], json!(["192.0.2.8"]));
+    assert_eq!(k.get(GROUP, "nodeplanenodes", None, "node-a").unwrap()["spec"]["underlay"], json!(["192.0.2.8"]));
     // Volumes too.
     let vol = VolumeRecord {
         id: "pvc-1".into(),
@@ -784,29 +814,29 @@ fn a_label_added_by_another_client_does_not_restart_the_leader() {
         source_snapshot: String::new(),
     };
     be.commit_volumes(&[("pvc-1".into(), Some(vol.clone()))]).unwrap();
-    label_as_other_client(&f, "nodeplanevolumes", "pvc-1", "backup", "yes");
+    label_as_other_client(&k, "nodeplanevolumes", "pvc-1", "backup", "yes");
     be.commit_volumes(&[("pvc-1".into(), Some(VolumeRecord { state: VolState::Ready, ..vol }))]).unwrap();
-    let obj = f.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
+    let obj = k.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
     assert_eq!(
         (obj["metadata"]["labels"]["backup"].as_str(), obj["spec"]["state"].as_str()),
         (Some("yes"), Some("ready"))
     );
-    label_as_other_client(&f, "nodeplanevolumes", "pvc-1", "backup", "no");
+    label_as_other_client(&k, "nodeplanevolumes", "pvc-1", "backup", "no");
     be.commit_volumes(&[("pvc-1".into(), None)]).unwrap();
     assert!(
-        f.get(GROUP, "nodeplanevolumes", None, "pvc-1").is_none(),
+        k.get(GROUP, "nodeplanevolumes", None, "pvc-1").is_none(),
         "a delete after another client's change goes through"
     );
     assert!(r.remove("node-a").is_ok());
-    assert!(locks(&f).is_empty());
+    assert!(locks(&k).is_empty());
     assert!(fence.lost().is_none());
-    assert!(assert_named_writes(&f) > 0);
+    assert!(assert_named_writes(&k) > 0);
     // Only another holder of the Lease fences: ctl-b takes the Lease, someone changes a record.
     r.register("node-b", &["192.0.2.2".into()], "").unwrap();
-    let mut lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+    let mut lease = k.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
     lease["spec"]["holderIdentity"] = json!("ctl-b");
-    f.put_object("coordination.k8s.io", "leases", Some(NS), lease);
-    label_as_other_client(&f, "nodeplanenodes", "node-b", "team", "x");
+    k.put("coordination.k8s.io", "leases", Some(NS), lease);
+    label_as_other_client(&k, "nodeplanenodes", "node-b", "team", "x");
     match r.request_block("node-b", Family::V4) {
         Err(RegistryError::Storage(BackendError::Conflict(m))) => assert!(m.contains("ctl-b"), "{m}"),
         other => panic!("want a fencing conflict, got {other:?}"),
@@ -818,13 +848,13 @@ fn a_label_added_by_another_client_does_not_restart_the_leader() {
 fn a_deleted_nodes_agent_is_refused_and_its_blocks_stay_released() {
     use nodeplane::controller::kube::nodes::{AdmitError, NodeGate, follow};
     use nodeplane::controller::store::RegistryError;
-    let f = fake();
+    let k = cluster();
     for n in ["node-a", "node-b"] {
-        f.put_object("", "nodes", None, node_object(n));
+        k.create("", "nodes", None, node_object(n));
     }
-    let reg = Arc::new(registry(&f));
+    let reg = Arc::new(registry(&k));
     let rt = rt();
-    let client = rt.block_on(async { kube::Client::try_from(kube_config(&f).await).unwrap() });
+    let client = rt.block_on(async { kube::Client::try_from(kube_config(&k).await).unwrap() });
     let gate = NodeGate::new(client.clone());
     let g = gate.clone();
     reg.set_admission(Arc::new(move |n: &str| g.refused(n)));
@@ -846,50 +876,52 @@ fn a_deleted_nodes_agent_is_refused_and_its_blocks_stay_released() {
     assert_eq!(register("node-b").unwrap().len(), 2);
     // No Node object at all: refused, nothing written.
     assert_eq!(register("node-c"), Err(tonic::Code::FailedPrecondition));
-    assert!(f.get(GROUP, "nodeplanenodes", None, "node-c").is_none());
+    assert!(k.get(GROUP, "nodeplanenodes", None, "node-c").is_none());
     // node-b's Node is deleted while its agent runs: released, and its agent's next Register
     // is refused; so is one that got past the admission before the deletion was seen (the
     // registry asks the gate under its lock).
-    f.delete_object("", "nodes", None, "node-b");
+    k.delete("", "nodes", None, "node-b");
     wait_until("node-b released", Duration::from_secs(10), || reg.get("node-b").is_none());
     assert_eq!(register("node-b"), Err(tonic::Code::FailedPrecondition));
     match reg.register("node-b", &["192.0.2.2".into()], "") {
         Err(RegistryError::FailedPrecondition(m)) => assert!(m.contains("node-b") && m.contains("Node object"), "{m}"),
         other => panic!("want FAILED_PRECONDITION, got {other:?}"),
     }
-    let ghosts = |f: &FakeApiServer| {
-        f.get(GROUP, "nodeplanenodes", None, "node-b").is_some() || locks(f).iter().any(|(_, n)| n == "node-b")
+    let ghosts = |k: &ApiServer| {
+        k.get(GROUP, "nodeplanenodes", None, "node-b").is_some() || locks(k).iter().any(|(_, n)| n == "node-b")
     };
-    assert!(!ghosts(&f), "no ghost NodeplaneNode or IPBlock");
-    // Across relists (the watch breaks, history is compacted: a fresh list), the agent keeps
-    // retrying and keeps being refused; no ghost comes back.
+    assert!(!ghosts(&k), "no ghost NodeplaneNode or IPBlock");
+    // Across relists (the watch breaks, the API server restarts: a fresh list), the agent
+    // keeps retrying and keeps being refused; no ghost comes back.
     for round in 0..2 {
-        let lists = || f.calls().iter().filter(|c| c.0 == "list" && c.2 == "nodes").count();
+        let lists = || k.controller_requests().iter().filter(|c| c.verb == "list" && c.resource == "nodes").count();
         let before = lists();
-        // (While the watch is held, another Node appears: the watch's resourceVersion is then
-        // older than the compaction, so its resume gets 410 Gone and the watcher lists again.)
-        f.set_paused(true);
-        f.put_object("", "nodes", None, node_object(&format!("node-z{round}")));
-        f.compact();
-        f.close_watches();
-        f.set_paused(false);
+        // (While the API server is unreachable, another Node appears and the API server
+        // restarts: the watch's resourceVersion is then older than the new watch cache, so its
+        // resume gets 410 Gone and the watcher lists again.)
+        k.hold();
+        k.create("", "nodes", None, node_object(&format!("node-z{round}")));
+        k.restart();
+        k.restore();
         wait_until("a relist", Duration::from_secs(20), || lists() > before);
         for _ in 0..3 {
             assert_eq!(register("node-b"), Err(tonic::Code::FailedPrecondition), "round {round}");
             std::thread::sleep(Duration::from_millis(100));
         }
-        assert!(!ghosts(&f), "round {round}: no ghost NodeplaneNode or IPBlock");
+        assert!(!ghosts(&k), "round {round}: no ghost NodeplaneNode or IPBlock");
         assert!(reg.get("node-b").is_none());
     }
     assert!(reg.get("node-a").is_some(), "node-a keeps its blocks");
     // A Node being deleted (deletionTimestamp set, finalizers pending) may not register either.
-    let mut a = f.get("", "nodes", None, "node-a").unwrap();
-    a["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
-    f.put_object("", "nodes", None, a);
+    let mut a = k.get("", "nodes", None, "node-a").unwrap();
+    a["metadata"]["finalizers"] = json!(["envtest.nodeplane.dev/hold"]);
+    k.put("", "nodes", None, a);
+    assert!(k.delete("", "nodes", None, "node-a"));
+    assert!(k.get("", "nodes", None, "node-a").unwrap()["metadata"]["deletionTimestamp"].is_string());
     wait_until("node-a seen being deleted", Duration::from_secs(10), || gate.refused("node-a").is_some());
     assert_eq!(register("node-a"), Err(tonic::Code::FailedPrecondition));
     // A Node object that comes back (same name, a new machine) registers again.
-    f.put_object("", "nodes", None, node_object("node-b"));
+    k.create("", "nodes", None, node_object("node-b"));
     wait_until("node-b seen again", Duration::from_secs(10), || gate.refused("node-b").is_none());
     assert_eq!(register("node-b").unwrap().len(), 2);
     let _ = stop_tx.send(true);
@@ -924,9 +956,9 @@ fn mint(dir: &std::path::Path, kubeconfig: &std::path::Path, name: &str, identit
 #[test]
 fn two_controllers_starting_together_agree_on_the_token_secret() {
     use nodeplane::controller::kube::secret::{DEFAULT_NAME, load_or_create};
-    let f = fake();
+    let k = cluster();
     rt().block_on(async {
-        let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+        let client = kube::Client::try_from(kube_config(&k).await).unwrap();
         let (a, b) = tokio::join!(
             load_or_create(client.clone(), NS, DEFAULT_NAME),
             load_or_create(client.clone(), NS, DEFAULT_NAME)
@@ -936,44 +968,44 @@ fn two_controllers_starting_together_agree_on_the_token_secret() {
         assert!(a.current.len() >= 32 && a.previous.is_none());
         assert_eq!(load_or_create(client.clone(), NS, DEFAULT_NAME).await.unwrap(), a, "read, not made again");
     });
-    let creates = f.requests().iter().filter(|r| r.resource == "secrets" && r.verb == "create").count();
+    let creates = k.controller_requests().iter().filter(|r| r.resource == "secrets" && r.verb == "create").count();
     assert!((1..=2).contains(&creates), "{creates}");
-    let s = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
+    let s = k.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
     assert_eq!(s["type"], "Opaque");
     assert_eq!(managers_of(&s), ["nodeplane-controller".to_string()].into());
     // Emptied by hand: a key is added (update), not a second Secret.
     let mut s = s;
     s["data"] = json!({});
-    f.put_object("", "secrets", Some(NS), s);
+    k.put("", "secrets", Some(NS), s);
     let keys = rt().block_on(async {
-        load_or_create(kube::Client::try_from(kube_config(&f).await).unwrap(), NS, DEFAULT_NAME).await.unwrap()
+        load_or_create(kube::Client::try_from(kube_config(&k).await).unwrap(), NS, DEFAULT_NAME).await.unwrap()
     });
     assert!(keys.current.len() >= 32);
     assert!(
-        f.requests()
+        k.controller_requests()
             .iter()
             .any(|r| r.resource == "secrets" && r.verb == "update" && r.field_manager == "nodeplane-controller")
     );
     // A key too short is an error, not silently replaced.
-    let mut s = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
+    let mut s = k.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
     s["data"]["previous"] = json!("c2hvcnQ=");
-    f.put_object("", "secrets", Some(NS), s);
+    k.put("", "secrets", Some(NS), s);
     let e = rt().block_on(async {
-        load_or_create(kube::Client::try_from(kube_config(&f).await).unwrap(), NS, DEFAULT_NAME).await.unwrap_err()
+        load_or_create(kube::Client::try_from(kube_config(&k).await).unwrap(), NS, DEFAULT_NAME).await.unwrap_err()
     });
     assert!(e.contains("previous") && e.contains("fewer than 32"), "{e}");
 }
 
 #[test]
 fn an_admin_token_survives_a_controller_restart() {
-    let f = fake();
+    let k = cluster();
     let dir = tempdir("kube-hmac");
     let kubeconfig = dir.join("kubeconfig");
-    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
-    f.put_object("", "nodes", None, node_object("node-1"));
+    k.write_controller_kubeconfig(&kubeconfig);
+    k.put("", "nodes", None, node_object("node-1"));
     let a = controller(&dir, &kubeconfig, "ctl-a");
     wait_until("ctl-a ready", Duration::from_secs(20), || http_get(a.health, "/readyz") == Some(200));
-    let secret = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").expect("the Secret was generated");
+    let secret = k.get("", "secrets", Some(NS), "nodeplane-controller-hmac").expect("the Secret was generated");
     assert!(secret["data"]["current"].as_str().is_some_and(|k| k.len() >= 44), "{secret}");
     let admin = mint(&dir, &kubeconfig, "ctl-a", "@admin");
     let node = mint(&dir, &kubeconfig, "ctl-a", "node-1");
@@ -990,10 +1022,10 @@ fn an_admin_token_survives_a_controller_restart() {
     assert_eq!(rt.block_on(admin_list(b.grpc, &admin)), Ok(1), "the @admin token minted before the restart works");
     assert_eq!(rt.block_on(register(b.grpc, &node, "node-1")).unwrap().len(), 2);
     // Rollover: the old key becomes `previous`, a new `current` signs; old tokens still work.
-    let mut s = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
+    let mut s = k.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
     let old_key = s["data"]["current"].clone();
     s["data"] = json!({"current": "bmV3LWtleS1uZXcta2V5LW5ldy1rZXktbmV3LWtleS0zMmJ5dGVz", "previous": old_key});
-    f.put_object("", "secrets", Some(NS), s);
+    k.put("", "secrets", Some(NS), s);
     unsafe { libc::kill(b.proc.0.id() as i32, libc::SIGTERM) };
     drop(b);
     let c = controller(&dir, &kubeconfig, "ctl-c");
@@ -1003,9 +1035,9 @@ fn an_admin_token_survives_a_controller_restart() {
     assert_eq!(rt.block_on(admin_list(c.grpc, &admin)), Ok(1), "the previous key's token during the rollover");
     assert_eq!(rt.block_on(admin_list(c.grpc, &admin2)), Ok(1));
     // The rollover ends (previous removed): the old token is refused, the new one works.
-    let mut s = f.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
+    let mut s = k.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
     s["data"].as_object_mut().unwrap().remove("previous");
-    f.put_object("", "secrets", Some(NS), s);
+    k.put("", "secrets", Some(NS), s);
     unsafe { libc::kill(c.proc.0.id() as i32, libc::SIGTERM) };
     drop(c);
     let d = controller(&dir, &kubeconfig, "ctl-d");
@@ -1014,26 +1046,19 @@ fn an_admin_token_survives_a_controller_restart() {
     assert_eq!(rt.block_on(admin_list(d.grpc, &admin2)), Ok(1));
     drop(d);
     // What the processes called is in API_CALLS (the RBAC), the Secret's included.
-    let granted: BTreeSet<(String, String, String)> =
-        API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
-    for (verb, group, resource, _) in f.calls() {
-        assert!(
-            granted.contains(&(verb.clone(), group.clone(), resource.clone())),
-            "{verb} {group}/{resource} is not in API_CALLS"
-        );
-    }
-    assert!(assert_named_writes(&f) > 0);
+    assert_granted(&k);
+    assert!(assert_named_writes(&k) > 0);
 }
 
 #[test]
 fn register_through_the_controller_checks_the_name_then_the_node_object() {
-    let f = fake();
+    let k = cluster();
     let dir = tempdir("kube-register-rules");
     let kubeconfig = dir.join("kubeconfig");
-    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
+    k.write_controller_kubeconfig(&kubeconfig);
     let long = format!("{}.{}.{}.{}", "a".repeat(63), "b".repeat(63), "c".repeat(63), "d".repeat(61));
     for n in ["node-1", long.as_str()] {
-        f.put_object("", "nodes", None, node_object(n));
+        k.put("", "nodes", None, node_object(n));
     }
     let a = controller(&dir, &kubeconfig, "ctl-a");
     wait_until("ctl-a ready", Duration::from_secs(20), || http_get(a.health, "/readyz") == Some(200));
@@ -1051,44 +1076,44 @@ fn register_through_the_controller_checks_the_name_then_the_node_object() {
     let e = rt.block_on(register(a.grpc, &admin, "node-2")).unwrap_err();
     assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
     assert!(e.message().contains("\"node-2\"") && e.message().contains("Node object"), "{}", e.message());
-    assert!(f.get(GROUP, "nodeplanenodes", None, "node-2").is_none());
-    assert!(!locks(&f).iter().any(|(_, n)| n == "node-2"));
+    assert!(k.get(GROUP, "nodeplanenodes", None, "node-2").is_none());
+    assert!(!locks(&k).iter().any(|(_, n)| n == "node-2"));
     // The Node object appears: the same agent's next try registers.
-    f.put_object("", "nodes", None, node_object("node-2"));
+    k.put("", "nodes", None, node_object("node-2"));
     wait_until("node-2 admitted", Duration::from_secs(10), || rt.block_on(register(a.grpc, &admin, "node-2")).is_ok());
     // Deleted while its agent runs: released, and refused from then on.
-    f.delete_object("", "nodes", None, "node-2");
-    wait_until("node-2 released", Duration::from_secs(10), || f.get(GROUP, "nodeplanenodes", None, "node-2").is_none());
+    k.delete("", "nodes", None, "node-2");
+    wait_until("node-2 released", Duration::from_secs(10), || k.get(GROUP, "nodeplanenodes", None, "node-2").is_none());
     assert_eq!(rt.block_on(register(a.grpc, &admin, "node-2")).unwrap_err().code(), tonic::Code::FailedPrecondition);
-    assert!(!locks(&f).iter().any(|(_, n)| n == "node-2"));
+    assert!(!locks(&k).iter().any(|(_, n)| n == "node-2"));
     drop(a);
 }
 
 #[test]
 fn a_leader_whose_lease_was_freed_by_someone_else_stops() {
-    let f = fake();
+    let k = cluster();
     rt().block_on(async {
-        let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+        let client = kube::Client::try_from(kube_config(&k).await).unwrap();
         let mut a = Elector::new(client, settings("ctl-a"));
         a.acquire(|_| {}).await;
         // Someone (another holder's release, or a hand edit) empties the holder: a's next
         // renewal would take the free lease again, but another controller may have led in
         // between, so a stops instead of trusting what it knows.
-        let mut lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+        let mut lease = k.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
         lease["spec"]["holderIdentity"] = serde_json::Value::Null;
-        f.put_object("coordination.k8s.io", "leases", Some(NS), lease);
+        k.put("coordination.k8s.io", "leases", Some(NS), lease);
         let lost = a.keep(std::future::pending()).await.expect("lost");
         assert!(lost.contains("released or taken over"), "{lost}");
         assert!(a.fence().check().is_err());
         // A label on the Lease by another client is not a loss (a renewal races, then renews).
-        let mut b = Elector::new(kube::Client::try_from(kube_config(&f).await).unwrap(), settings("ctl-b"));
+        let mut b = Elector::new(kube::Client::try_from(kube_config(&k).await).unwrap(), settings("ctl-b"));
         b.acquire(|_| {}).await;
-        let mut lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+        let mut lease = k.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
         lease["metadata"]["labels"] = json!({"team": "net"});
-        f.put_object("coordination.k8s.io", "leases", Some(NS), lease);
+        k.put("coordination.k8s.io", "leases", Some(NS), lease);
         let kept = b.keep(tokio::time::sleep(Duration::from_millis(1200))).await;
         assert_eq!(kept, None, "b kept leading until told to stop");
-        let lease = f.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
+        let lease = k.get("coordination.k8s.io", "leases", Some(NS), "nodeplane-controller").unwrap();
         assert_eq!(lease["metadata"]["labels"]["team"], "net", "the label is kept by the renewals");
     });
 }
@@ -1097,11 +1122,11 @@ fn a_leader_whose_lease_was_freed_by_someone_else_stops() {
 
 #[test]
 fn tls_bootstrap_makes_one_ca_that_agents_verify_across_restarts() {
-    let f = fake();
+    let k = cluster();
     let dir = tempdir("kube-tls");
     let kubeconfig = dir.join("kubeconfig");
-    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
-    f.put_object("", "nodes", None, node_object("node-1"));
+    k.write_controller_kubeconfig(&kubeconfig);
+    k.put("", "nodes", None, node_object("node-1"));
     let svc = format!("nodeplane-controller.{NS}.svc");
     let start = |name: &str| {
         let c = controller_with(&dir, &kubeconfig, name, json!({"bootstrap": {}}));
@@ -1109,13 +1134,13 @@ fn tls_bootstrap_makes_one_ca_that_agents_verify_across_restarts() {
         c
     };
     let a = start("ctl-a");
-    let secret = f.get("", "secrets", Some(NS), "nodeplane-controller-tls").expect("the TLS Secret was generated");
+    let secret = k.get("", "secrets", Some(NS), "nodeplane-controller-tls").expect("the TLS Secret was generated");
     assert_eq!(secret["type"], "kubernetes.io/tls");
     for k in ["tls.crt", "tls.key", "ca.crt", "ca.key"] {
         assert!(secret["data"][k].as_str().is_some_and(|v| !v.is_empty()), "{k} missing: {secret}");
     }
     // The agents' CA bundle: the ConfigMap.
-    let cm = f.get("", "configmaps", Some(NS), "nodeplane-ca").expect("the CA ConfigMap was published");
+    let cm = k.get("", "configmaps", Some(NS), "nodeplane-ca").expect("the CA ConfigMap was published");
     let ca_pem = cm["data"]["ca.crt"].as_str().unwrap().to_string();
     let ca_file = dir.join("ca-from-configmap.crt");
     std::fs::write(&ca_file, &ca_pem).unwrap();
@@ -1136,11 +1161,12 @@ fn tls_bootstrap_makes_one_ca_that_agents_verify_across_restarts() {
     assert_eq!(std::fs::read(dir.join("ctl-b/tls/tls.crt")).unwrap(), served, "the Secret's certificate is reused");
     CAS.lock().unwrap().insert(b.grpc, (ca_file, Some(svc)));
     assert_eq!(rt.block_on(admin_list(b.grpc, &admin)), Ok(0), "the CA bundle the agents mounted still verifies it");
-    let creates = |plural: &str| f.requests().iter().filter(|r| r.resource == plural && r.verb == "create").count();
+    let creates =
+        |plural: &str| k.controller_requests().iter().filter(|r| r.resource == plural && r.verb == "create").count();
     assert_eq!(creates("configmaps"), 1);
-    assert_eq!(f.get("", "configmaps", Some(NS), "nodeplane-ca").unwrap()["data"]["ca.crt"], ca_pem.as_str());
+    assert_eq!(k.get("", "configmaps", Some(NS), "nodeplane-ca").unwrap()["data"]["ca.crt"], ca_pem.as_str());
     assert!(
-        f.requests()
+        k.controller_requests()
             .iter()
             .filter(|r| r.resource == "secrets" && r.verb == "create")
             .all(|r| r.field_manager == "nodeplane-controller")
@@ -1154,7 +1180,7 @@ fn tls_bootstrap_agrees_under_a_start_race_and_renews_with_the_same_ca() {
     use nodeplane::controller::config::Bootstrap;
     use nodeplane::controller::kube::tls::bootstrap;
     use nodeplane::rpc::tls::{ServerFiles, certs_of, not_after};
-    let f = fake();
+    let k = cluster();
     let dir = tempdir("kube-tls-race");
     let b = Bootstrap {
         namespace: NS.into(),
@@ -1169,7 +1195,7 @@ fn tls_bootstrap_agrees_under_a_start_race_and_renews_with_the_same_ca() {
     };
     let read = |n: &str| std::fs::read_to_string(dir.join(n).join("tls.crt")).unwrap();
     let secret = || -> Secret {
-        serde_json::from_value(f.get("", "secrets", Some(NS), "nodeplane-controller-tls").unwrap()).unwrap()
+        serde_json::from_value(k.get("", "secrets", Some(NS), "nodeplane-controller-tls").unwrap()).unwrap()
     };
     let text = |s: &Secret, k: &str| String::from_utf8(s.data.as_ref().unwrap()[k].0.clone()).unwrap();
     let days_left = |pem: &str| (not_after(&certs_of(pem.as_bytes(), "c").unwrap()[0]).unwrap() - now_secs()) / 86400;
@@ -1177,7 +1203,7 @@ fn tls_bootstrap_agrees_under_a_start_race_and_renews_with_the_same_ca() {
     let run = |x: &str, y: &str| {
         let (fx, fy) = (files(x), files(y));
         rt().block_on(async {
-            let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+            let client = kube::Client::try_from(kube_config(&k).await).unwrap();
             let (rx, ry) = tokio::join!(bootstrap(client.clone(), &b, &fx), bootstrap(client.clone(), &b, &fy));
             rx.unwrap();
             ry.unwrap();
@@ -1190,9 +1216,10 @@ fn tls_bootstrap_agrees_under_a_start_race_and_renews_with_the_same_ca() {
     let s = secret();
     assert_eq!(text(&s, "tls.crt"), read("a"));
     let ca_pem = text(&s, "ca.crt");
-    let cm = f.get("", "configmaps", Some(NS), "nodeplane-ca").unwrap();
+    let cm = k.get("", "configmaps", Some(NS), "nodeplane-ca").unwrap();
     assert_eq!(cm["data"]["ca.crt"], ca_pem.as_str(), "the published CA is the Secret's");
-    let creates = |plural: &str| f.requests().iter().filter(|r| r.resource == plural && r.verb == "create").count();
+    let creates =
+        |plural: &str| k.controller_requests().iter().filter(|r| r.resource == plural && r.verb == "create").count();
     assert!((1..=2).contains(&creates("secrets")), "a create each at most");
     assert!(days_left(&read("a")) > 300);
 
@@ -1204,8 +1231,9 @@ fn tls_bootstrap_agrees_under_a_start_race_and_renews_with_the_same_ca() {
     let data = s.data.as_mut().unwrap();
     data.insert("tls.crt".into(), k8s_openapi::ByteString(near.clone().into_bytes()));
     data.insert("tls.key".into(), k8s_openapi::ByteString(near_key.into_bytes()));
-    f.put_object("", "secrets", Some(NS), serde_json::to_value(&s).unwrap());
-    let updates_before = f.requests().iter().filter(|r| r.resource == "configmaps" && r.verb == "update").count();
+    k.put("", "secrets", Some(NS), serde_json::to_value(&s).unwrap());
+    let updates_before =
+        k.controller_requests().iter().filter(|r| r.resource == "configmaps" && r.verb == "update").count();
     run("c", "d");
     let renewed = read("c");
     assert_eq!(renewed, read("d"));
@@ -1218,7 +1246,7 @@ fn tls_bootstrap_agrees_under_a_start_race_and_renews_with_the_same_ca() {
     let chain = webpki_chains(&ca_pem, &renewed, &b.dns_names[0]);
     assert!(chain.is_ok(), "the renewed certificate chains to the published CA: {chain:?}");
     assert_eq!(
-        f.requests().iter().filter(|r| r.resource == "configmaps" && r.verb == "update").count(),
+        k.controller_requests().iter().filter(|r| r.resource == "configmaps" && r.verb == "update").count(),
         updates_before
     );
 
@@ -1226,7 +1254,7 @@ fn tls_bootstrap_agrees_under_a_start_race_and_renews_with_the_same_ca() {
     let mut b2 = b.clone();
     b2.dns_names.push("controller.example".into());
     rt().block_on(async {
-        let client = kube::Client::try_from(kube_config(&f).await).unwrap();
+        let client = kube::Client::try_from(kube_config(&k).await).unwrap();
         bootstrap(client, &b2, &files("e")).await.unwrap();
     });
     assert!(webpki_chains(&ca_pem, &read("e"), "controller.example").is_ok());
@@ -1254,19 +1282,6 @@ fn webpki_chains(ca: &str, cert: &str, name: &str) -> Result<(), String> {
 }
 
 // ---- DRA: ResourceSlices from the nodes' reports, claims served to nodes --------------------
-
-fn agent_token(f: &FakeApiServer, token: &str, node: &str) {
-    f.add_token(
-        token,
-        UserInfo {
-            username: AGENT_SA.into(),
-            uid: format!("uid-{node}"),
-            groups: vec![],
-            extra: [(nodeplane::controller::kube::review::NODE_NAME_EXTRA.to_string(), vec![node.to_string()])].into(),
-            audiences: vec!["nodeplane".into()],
-        },
-    );
-}
 
 fn dra_device(name: &str, numa: i64) -> nodeplane::rpc::controller::DraDevice {
     use nodeplane::rpc::controller as pb;
@@ -1324,9 +1339,9 @@ async fn report_epoch(
 }
 
 /// node → (generation, device names, slices) of the published pools.
-fn pools_in(f: &FakeApiServer) -> BTreeMap<String, (i64, Vec<String>, usize)> {
+fn pools_in(k: &ApiServer) -> BTreeMap<String, (i64, Vec<String>, usize)> {
     let mut out: BTreeMap<String, (i64, Vec<String>, usize)> = BTreeMap::new();
-    for s in f.list("resource.k8s.io", "resourceslices") {
+    for s in k.list("resource.k8s.io", "resourceslices") {
         let node = s["spec"]["nodeName"].as_str().unwrap().to_string();
         let e = out.entry(node).or_default();
         e.0 = s["spec"]["pool"]["generation"].as_i64().unwrap();
@@ -1339,26 +1354,25 @@ fn pools_in(f: &FakeApiServer) -> BTreeMap<String, (i64, Vec<String>, usize)> {
 #[test]
 fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only() {
     use nodeplane::rpc::controller as pb;
-    // ResourceSlices and ResourceClaims are among the fake's built-in resources.
-    let f = fake();
+    let k = cluster();
     let dir = tempdir("kube-dra");
     let kubeconfig = dir.join("kubeconfig");
-    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
-    agent_token(&f, "agent-n1", "node-1");
-    agent_token(&f, "agent-n2", "node-2");
-    f.put_object("", "nodes", None, node_object("node-1"));
-    f.put_object("", "nodes", None, node_object("node-2"));
+    k.write_controller_kubeconfig(&kubeconfig);
+    k.create("", "nodes", None, node_object("node-1"));
+    k.create("", "nodes", None, node_object("node-2"));
+    let (agent_n1, agent_n2) = (k.agent_token("node-1"), k.agent_token("node-2"));
     let ctl = controller(&dir, &kubeconfig, "ctl");
     wait_until("controller ready", Duration::from_secs(20), || http_get(ctl.health, "/readyz") == Some(200));
     let rt = rt();
     // Before any report: no ResourceSlice call at all (a cluster without DRA sees none).
     std::thread::sleep(Duration::from_millis(300));
-    assert!(!f.calls().iter().any(|c| c.2 == "resourceslices"), "{:?}", f.calls());
-    rt.block_on(register(ctl.grpc, "agent-n1", "node-1")).unwrap();
-    rt.block_on(register(ctl.grpc, "agent-n2", "node-2")).unwrap();
-    rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![dra_device("gpu-b", 1), dra_device("gpu-a", 0)])).unwrap();
-    wait_until("node-1's pool", Duration::from_secs(5), || pools_in(&f).contains_key("node-1"));
-    let slices = f.list("resource.k8s.io", "resourceslices");
+    let calls = k.controller_requests();
+    assert!(!calls.iter().any(|c| c.resource == "resourceslices"), "{calls:?}");
+    rt.block_on(register(ctl.grpc, &agent_n1, "node-1")).unwrap();
+    rt.block_on(register(ctl.grpc, &agent_n2, "node-2")).unwrap();
+    rt.block_on(report(ctl.grpc, &agent_n1, "node-1", vec![dra_device("gpu-b", 1), dra_device("gpu-a", 0)])).unwrap();
+    wait_until("node-1's pool", Duration::from_secs(5), || pools_in(&k).contains_key("node-1"));
+    let slices = k.list("resource.k8s.io", "resourceslices");
     assert_eq!(slices.len(), 1);
     let s = &slices[0];
     assert_eq!(s["metadata"]["name"], "node-1-dra.nodeplane.dev-0");
@@ -1368,7 +1382,7 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
     assert_eq!(s["spec"]["pool"], json!({"name": "node-1", "generation": 1, "resourceSliceCount": 1}));
     // Owned by the Node object: the API's garbage collector deletes it with the Node, also
     // while no controller runs.
-    let node_uid = f.get("", "nodes", None, "node-1").unwrap()["metadata"]["uid"].clone();
+    let node_uid = k.get("", "nodes", None, "node-1").unwrap()["metadata"]["uid"].clone();
     assert_eq!(
         s["metadata"]["ownerReferences"],
         json!([{"apiVersion": "v1", "kind": "Node", "name": "node-1", "uid": node_uid}])
@@ -1381,72 +1395,75 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
     assert_eq!(s["spec"]["devices"][1]["name"], "gpu-b");
     // The same report again, and a pass over every pool (another node's first report wakes
     // the publisher): node-1's slice is not written again.
-    let rv = |f: &FakeApiServer, name: &str| {
-        f.get("resource.k8s.io", "resourceslices", None, name).map(|s| s["metadata"]["resourceVersion"].clone())
+    let rv = |k: &ApiServer, name: &str| {
+        k.get("resource.k8s.io", "resourceslices", None, name).map(|s| s["metadata"]["resourceVersion"].clone())
     };
-    let before = rv(&f, "node-1-dra.nodeplane.dev-0");
-    rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![dra_device("gpu-a", 0), dra_device("gpu-b", 1)])).unwrap();
-    rt.block_on(report(ctl.grpc, "agent-n2", "node-2", vec![dra_device("fpga-0", 0)])).unwrap();
-    wait_until("node-2's pool", Duration::from_secs(5), || pools_in(&f).contains_key("node-2"));
+    let before = rv(&k, "node-1-dra.nodeplane.dev-0");
+    rt.block_on(report(ctl.grpc, &agent_n1, "node-1", vec![dra_device("gpu-a", 0), dra_device("gpu-b", 1)])).unwrap();
+    rt.block_on(report(ctl.grpc, &agent_n2, "node-2", vec![dra_device("fpga-0", 0)])).unwrap();
+    wait_until("node-2's pool", Duration::from_secs(5), || pools_in(&k).contains_key("node-2"));
     std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(rv(&f, "node-1-dra.nodeplane.dev-0"), before, "an unchanged pool was rewritten");
+    assert_eq!(rv(&k, "node-1-dra.nodeplane.dev-0"), before, "an unchanged pool was rewritten");
     // kubelet restarts and deletes its node's slices; the agent reports the same devices
     // under a new epoch (kubelet registered the plugin again): the pool is written again.
-    assert!(f.delete_object("resource.k8s.io", "resourceslices", None, "node-2-dra.nodeplane.dev-0"));
+    assert!(k.delete("resource.k8s.io", "resourceslices", None, "node-2-dra.nodeplane.dev-0"));
     let t = Instant::now();
-    rt.block_on(report_epoch(ctl.grpc, "agent-n2", "node-2", vec![dra_device("fpga-0", 0)], 2)).unwrap();
-    wait_until("node-2's pool written again", Duration::from_secs(2), || pools_in(&f).contains_key("node-2"));
+    rt.block_on(report_epoch(ctl.grpc, &agent_n2, "node-2", vec![dra_device("fpga-0", 0)], 2)).unwrap();
+    wait_until("node-2's pool written again", Duration::from_secs(2), || pools_in(&k).contains_key("node-2"));
     eprintln!("new epoch -> wiped pool written again: {:?}", t.elapsed());
-    assert_eq!(pools_in(&f)["node-2"].1, ["fpga-0"]);
+    assert_eq!(pools_in(&k)["node-2"].1, ["fpga-0"]);
     // A device plugged in: the pool's next generation lists it.
     let t = Instant::now();
     rt.block_on(report(
         ctl.grpc,
-        "agent-n1",
+        &agent_n1,
         "node-1",
         vec![dra_device("gpu-a", 0), dra_device("gpu-b", 1), dra_device("gpu-c", 0)],
     ))
     .unwrap();
-    wait_until("gpu-c published", Duration::from_secs(1), || pools_in(&f)["node-1"].1.contains(&"gpu-c".to_string()));
+    wait_until("gpu-c published", Duration::from_secs(1), || pools_in(&k)["node-1"].1.contains(&"gpu-c".to_string()));
     eprintln!("report -> ResourceSlice updated: {:?}", t.elapsed());
-    assert_eq!(pools_in(&f)["node-1"], (2, vec!["gpu-a".into(), "gpu-b".into(), "gpu-c".into()], 1));
+    assert_eq!(pools_in(&k)["node-1"], (2, vec!["gpu-a".into(), "gpu-b".into(), "gpu-c".into()], 1));
     // One removed (unplugged or unhealthy: the agent leaves it out): it leaves the pool.
-    rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![dra_device("gpu-a", 0), dra_device("gpu-c", 0)])).unwrap();
-    wait_until("gpu-b gone", Duration::from_secs(1), || !pools_in(&f)["node-1"].1.contains(&"gpu-b".to_string()));
-    assert_eq!(pools_in(&f)["node-1"].0, 3);
+    rt.block_on(report(ctl.grpc, &agent_n1, "node-1", vec![dra_device("gpu-a", 0), dra_device("gpu-c", 0)])).unwrap();
+    wait_until("gpu-b gone", Duration::from_secs(1), || !pools_in(&k)["node-1"].1.contains(&"gpu-b".to_string()));
+    assert_eq!(pools_in(&k)["node-1"].0, 3);
     // A node speaks for itself only; a malformed report is refused and changes nothing.
     assert_eq!(
-        rt.block_on(report(ctl.grpc, "agent-n1", "node-2", vec![dra_device("x", 0)])).unwrap_err().code(),
+        rt.block_on(report(ctl.grpc, &agent_n1, "node-2", vec![dra_device("x", 0)])).unwrap_err().code(),
         tonic::Code::PermissionDenied
     );
-    let e = rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![dra_device("Bad_Name", 0)])).unwrap_err();
+    let e = rt.block_on(report(ctl.grpc, &agent_n1, "node-1", vec![dra_device("Bad_Name", 0)])).unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     let mut bad_version = dra_device("gpu-a", 0);
     bad_version.attributes.insert(
         "driverVersion".into(),
         pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Version("v1".into())) },
     );
-    let e = rt.block_on(report(ctl.grpc, "agent-n1", "node-1", vec![bad_version])).unwrap_err();
+    let e = rt.block_on(report(ctl.grpc, &agent_n1, "node-1", vec![bad_version])).unwrap_err();
     assert!(e.code() == tonic::Code::InvalidArgument && e.message().contains("semantic version"), "{e:?}");
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(
-        pools_in(&f)["node-1"],
+        pools_in(&k)["node-1"],
         (3, vec!["gpu-a".into(), "gpu-c".into()], 1),
         "a refused report changed the pool"
     );
 
     // Claims: a node gets its own results of this driver, nothing of another node.
-    let claim = f.put_object(
+    // (The scheduler allocates a claim; here the test writes the allocation into its status.)
+    k.namespace("team-a", json!({}));
+    let mut claim = k.create(
         "resource.k8s.io",
         "resourceclaims",
         Some("team-a"),
-        json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "gpus", "namespace": "team-a"},
-               "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "nodeplane.dev", "count": 2}}]}},
-               "status": {"allocation": {"devices": {"results": [
-                   {"request": "gpu", "driver": "dra.nodeplane.dev", "pool": "node-1", "device": "gpu-a"},
-                   {"request": "gpu", "driver": "dra.nodeplane.dev", "pool": "node-1", "device": "gpu-c"},
-                   {"request": "gpu", "driver": "gpu.example.com", "pool": "node-1", "device": "other"}]}}}}),
+        json!({"metadata": {"name": "gpus", "namespace": "team-a"},
+               "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "nodeplane.dev", "count": 2}}]}}}),
     );
+    claim["status"] = json!({"allocation": {"devices": {"results": [
+        {"request": "gpu", "driver": "dra.nodeplane.dev", "pool": "node-1", "device": "gpu-a"},
+        {"request": "gpu", "driver": "dra.nodeplane.dev", "pool": "node-1", "device": "gpu-c"},
+        {"request": "gpu", "driver": "gpu.example.com", "pool": "node-1", "device": "other"}]}}});
+    let claim = k.put_status("resource.k8s.io", "resourceclaims", Some("team-a"), claim);
     let uid = claim["metadata"]["uid"].as_str().unwrap().to_string();
     let get = |token: &str, node: &str, name: &str, uid: &str| {
         let req = pb::GetClaimRequest {
@@ -1459,7 +1476,7 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
             registry_client(ctl.grpc).await.get_claim(bearer(req, token)).await.map(|r| r.into_inner().results)
         })
     };
-    let got = get("agent-n1", "node-1", "gpus", &uid).unwrap();
+    let got = get(&agent_n1, "node-1", "gpus", &uid).unwrap();
     assert_eq!(
         got.iter().map(|r| (r.request.as_str(), r.device.as_str())).collect::<Vec<_>>(),
         [("gpu", "gpu-a"), ("gpu", "gpu-c")]
@@ -1467,9 +1484,9 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
     assert!(got.iter().all(|r| r.driver == "dra.nodeplane.dev" && r.pool == "node-1"));
     // Another node's claim, another UID, a missing claim: one answer (NOT_FOUND naming the
     // claim), so a node learns nothing about claims that are not its own.
-    let other = get("agent-n2", "node-2", "gpus", &uid).unwrap_err();
-    let wrong_uid = get("agent-n1", "node-1", "gpus", "another-uid").unwrap_err();
-    let missing = get("agent-n1", "node-1", "missing", "u").unwrap_err();
+    let other = get(&agent_n2, "node-2", "gpus", &uid).unwrap_err();
+    let wrong_uid = get(&agent_n1, "node-1", "gpus", "another-uid").unwrap_err();
+    let missing = get(&agent_n1, "node-1", "missing", "u").unwrap_err();
     for e in [&other, &wrong_uid, &missing] {
         assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
     }
@@ -1478,42 +1495,29 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
         other.message(),
         format!("ResourceClaim team-a/gpus ({uid}) has no allocation of dra.nodeplane.dev on node \"node-2\"")
     );
-    assert_eq!(get("agent-n1", "node-2", "gpus", &uid).unwrap_err().code(), tonic::Code::PermissionDenied);
-    assert_eq!(get("agent-n1", "node-1", "Not/A/Name", "u").unwrap_err().code(), tonic::Code::InvalidArgument);
+    assert_eq!(get(&agent_n1, "node-2", "gpus", &uid).unwrap_err().code(), tonic::Code::PermissionDenied);
+    assert_eq!(get(&agent_n1, "node-1", "Not/A/Name", "u").unwrap_err().code(), tonic::Code::InvalidArgument);
 
     // The Node object goes: its pool goes, the other node's stays.
-    assert!(f.delete_object("", "nodes", None, "node-1"));
-    wait_until("node-1's pool deleted", Duration::from_secs(10), || !pools_in(&f).contains_key("node-1"));
-    assert!(pools_in(&f).contains_key("node-2"));
+    assert!(k.delete("", "nodes", None, "node-1"));
+    wait_until("node-1's pool deleted", Duration::from_secs(10), || !pools_in(&k).contains_key("node-1"));
+    assert!(pools_in(&k).contains_key("node-2"));
     // A restarted controller finds the published pool and does not rewrite it for the same
     // report; a changed one continues the generation from the API.
-    let gen2 = pools_in(&f)["node-2"].0;
-    let before = rv(&f, "node-2-dra.nodeplane.dev-0");
+    let gen2 = pools_in(&k)["node-2"].0;
+    let before = rv(&k, "node-2-dra.nodeplane.dev-0");
     drop(ctl);
     let ctl = controller(&dir, &kubeconfig, "ctl2");
     wait_until("controller ready again", Duration::from_secs(20), || http_get(ctl.health, "/readyz") == Some(200));
-    rt.block_on(report_epoch(ctl.grpc, "agent-n2", "node-2", vec![dra_device("fpga-0", 0)], 2)).unwrap();
+    rt.block_on(report_epoch(ctl.grpc, &agent_n2, "node-2", vec![dra_device("fpga-0", 0)], 2)).unwrap();
     std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(rv(&f, "node-2-dra.nodeplane.dev-0"), before, "a restarted controller rewrote an unchanged pool");
-    rt.block_on(report_epoch(
-        ctl.grpc,
-        "agent-n2",
-        "node-2",
-        vec![dra_device("fpga-0", 0), dra_device("fpga-1", 0)],
-        2,
-    ))
-    .unwrap();
-    wait_until("fpga-1 published", Duration::from_secs(5), || pools_in(&f)["node-2"].1.len() == 2);
-    assert_eq!(pools_in(&f)["node-2"].0, gen2 + 1, "the generation continues from the published pool");
+    assert_eq!(rv(&k, "node-2-dra.nodeplane.dev-0"), before, "a restarted controller rewrote an unchanged pool");
+    rt.block_on(report_epoch(ctl.grpc, &agent_n2, "node-2", vec![dra_device("fpga-0", 0), dra_device("fpga-1", 0)], 2))
+        .unwrap();
+    wait_until("fpga-1 published", Duration::from_secs(5), || pools_in(&k)["node-2"].1.len() == 2);
+    assert_eq!(pools_in(&k)["node-2"].0, gen2 + 1, "the generation continues from the published pool");
     drop(ctl);
-    let granted: BTreeSet<(String, String, String)> =
-        API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
-    for (verb, group, resource, _) in f.calls() {
-        assert!(
-            granted.contains(&(verb.clone(), group.clone(), resource.clone())),
-            "{verb} {group}/{resource} is not in API_CALLS"
-        );
-    }
+    assert_granted(&k);
 }
 
 // ---- NetworkPolicy: compiled from the API's objects, streamed to the node ------------------
@@ -1521,49 +1525,48 @@ fn dra_slices_follow_the_nodes_reports_and_claims_are_served_to_their_node_only(
 #[test]
 fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
     use nodeplane::rpc::controller as pb;
-    let f = fake();
+    let k = cluster();
     let dir = tempdir("kube-netpol");
     let kubeconfig = dir.join("kubeconfig");
-    f.write_kubeconfig(&kubeconfig, CTL_TOKEN);
-    agent_token(&f, "agent-n1", "node-1");
-    f.put_object("", "nodes", None, node_object("node-1"));
-    f.put_object("", "namespaces", None, json!({"metadata": {"name": "x", "labels": {"team": "a"}}}));
-    f.put_object("", "namespaces", None, json!({"metadata": {"name": "y", "labels": {"team": "b"}}}));
+    k.write_controller_kubeconfig(&kubeconfig);
+    k.create("", "nodes", None, node_object("node-1"));
+    let agent_n1 = k.agent_token("node-1");
+    k.namespace("x", json!({"team": "a"}));
+    k.namespace("y", json!({"team": "b"}));
     for (ns, pod) in [("x", "a"), ("y", "b")] {
-        f.put_object(
+        k.create(
             "",
             "pods",
             Some(ns),
             json!({"metadata": {"namespace": ns, "name": pod, "labels": {"pod": pod}},
-            "spec": {"containers": [{"name": "c", "ports": [{"name": "http", "containerPort": 8080}]}]}}),
+            "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
+                                     "ports": [{"name": "http", "containerPort": 8080}]}]}}),
         );
     }
-    f.put_object("networking.k8s.io", "networkpolicies", Some("x"), json!({"metadata": {"namespace": "x", "name": "from-team-b"},
+    k.create("networking.k8s.io", "networkpolicies", Some("x"), json!({"metadata": {"namespace": "x", "name": "from-team-b"},
         "spec": {"podSelector": {"matchLabels": {"pod": "a"}},
                  "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"team": "b"}}}], "ports": [{"port": "http"}]}]}}));
     let ctl = controller(&dir, &kubeconfig, "ctl");
     wait_until("controller ready", Duration::from_secs(20), || http_get(ctl.health, "/readyz") == Some(200));
     let rt = rt();
-    let blocks = rt.block_on(register(ctl.grpc, "agent-n1", "node-1")).unwrap();
+    let blocks = rt.block_on(register(ctl.grpc, &agent_n1, "node-1")).unwrap();
     let v4: ipnetwork::Ipv4Network = blocks.iter().find_map(|b| b.parse().ok()).unwrap();
     let ip = |i: u32| std::net::Ipv4Addr::from(u32::from(v4.network()) + i).to_string();
     rt.block_on(async {
         let ch = channel(ctl.grpc).await.unwrap();
         let mut c = pb::network_policies_client::NetworkPoliciesClient::new(ch);
-        fn authed<M>(m: M) -> tonic::Request<M> {
-            let mut r = tonic::Request::new(m);
-            r.metadata_mut().insert("authorization", "Bearer agent-n1".parse().unwrap());
-            r
-        }
-        let mut stream =
-            c.watch_policy(authed(pb::WatchPolicyRequest { node_name: "node-1".into() })).await.unwrap().into_inner();
+        let mut stream = c
+            .watch_policy(bearer(pb::WatchPolicyRequest { node_name: "node-1".into() }, &agent_n1))
+            .await
+            .unwrap()
+            .into_inner();
         let snap = stream.message().await.unwrap().unwrap();
         assert!(snap.snapshot && snap.pods.is_empty(), "{snap:?}");
         // The pods attached on node-1 (their labels come from the API).
         for (ns, pod, i) in [("x", "a", 2), ("y", "b", 3)] {
             let pa = pb::PodAddress { namespace: ns.into(), name: pod.into(), ips: vec![ip(i)] };
             let r = c
-                .pod_started(authed(pb::PodStartedRequest { node_name: "node-1".into(), pod: Some(pa) }))
+                .pod_started(bearer(pb::PodStartedRequest { node_name: "node-1".into(), pod: Some(pa) }, &agent_n1))
                 .await
                 .unwrap()
                 .into_inner();
@@ -1572,13 +1575,13 @@ fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
         // Someone else's addresses are refused: a node acts only on its own blocks.
         let foreign = pb::PodAddress { namespace: "x".into(), name: "z".into(), ips: vec!["192.0.2.1".into()] };
         let e = c
-            .pod_started(authed(pb::PodStartedRequest { node_name: "node-1".into(), pod: Some(foreign) }))
+            .pod_started(bearer(pb::PodStartedRequest { node_name: "node-1".into(), pod: Some(foreign) }, &agent_n1))
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
         // Local mode's object API is refused here: objects come from the API.
         let mut admin = tonic::Request::new(pb::ApplyObjectsRequest { json: "{}".into() });
-        admin.metadata_mut().insert("authorization", "Bearer agent-n1".parse().unwrap());
+        admin.metadata_mut().insert("authorization", format!("Bearer {agent_n1}").parse().unwrap());
         assert_eq!(c.apply_objects(admin).await.unwrap_err().code(), tonic::Code::PermissionDenied);
         // The stream's view: x/a isolated by x/from-team-b, which admits y's pods (y/b) on the
         // named port resolved on x/a.
@@ -1607,7 +1610,9 @@ fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
         let ports = view.port_sets.values().next().unwrap();
         assert_eq!((ports.targets[0].ip.as_str(), ports.targets[0].port), (ip(2).as_str(), 8080));
         // The namespace's labels change in the API: y is no longer team b, the set empties.
-        f.put_object("", "namespaces", None, json!({"metadata": {"name": "y", "labels": {"team": "c"}}}));
+        let mut y = k.get("", "namespaces", None, "y").unwrap();
+        y["metadata"]["labels"]["team"] = json!("c");
+        k.put("", "namespaces", None, y);
         loop {
             let u = tokio::time::timeout(Duration::from_secs(5), stream.message())
                 .await
@@ -1621,7 +1626,7 @@ fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
             }
         }
         // The policy deleted in the API: x/a is no longer isolated, its group and policy go.
-        assert!(f.delete_object("networking.k8s.io", "networkpolicies", Some("x"), "from-team-b"));
+        assert!(k.delete("networking.k8s.io", "networkpolicies", Some("x"), "from-team-b"));
         loop {
             let u = tokio::time::timeout(Duration::from_secs(5), stream.message())
                 .await
@@ -1636,41 +1641,122 @@ fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
         assert!(view.groups.is_empty() && view.pods["x/a"].ingress_group.is_empty(), "{view:?}");
     });
     // Only list and watch, as the RBAC grants.
-    let granted: BTreeSet<(String, String, String)> =
-        API_CALLS.iter().map(|c| (c.verb.to_string(), c.group.to_string(), c.resource.to_string())).collect();
-    for (verb, group, resource) in f.calls().into_iter().map(|c| (c.0, c.1, c.2)) {
-        assert!(
-            granted.contains(&(verb.clone(), group.clone(), resource.clone())),
-            "{verb} {group}/{resource} is not in API_CALLS"
-        );
-    }
+    assert_granted(&k);
     for r in ["networkpolicies", "pods", "namespaces"] {
-        assert!(f.calls().iter().any(|c| c.2 == r && c.0 == "watch"), "{r} is watched");
+        assert!(k.controller_requests().iter().any(|c| c.resource == r && c.verb == "watch"), "{r} is watched");
     }
 }
 
+/// Found against the real API server: a controller that has just started (or taken over)
+/// answered PodStarted, and sent agents their first policy view, before it had read the
+/// NetworkPolicies, Pods and Namespaces from the API: "not isolated" for a pod a policy
+/// selects (its ADD would not wait for the policy), and a view without the policy (the agent
+/// would lift it). Here the controller's first list of NetworkPolicies is held by the API
+/// server (the test's audit webhook) while an agent reports its pod, watches, and starts it.
+#[test]
+fn policy_answers_wait_until_the_objects_are_listed() {
+    use nodeplane::rpc::controller as pb;
+    let hook = AuditHook::start();
+    let k = ApiServer::start_with(envtest::Options { audit_webhook: Some(hook.url()), ..Default::default() });
+    let dir = tempdir("kube-netpol-sync");
+    let kubeconfig = dir.join("kubeconfig");
+    k.write_controller_kubeconfig(&kubeconfig);
+    k.create("", "nodes", None, node_object("node-1"));
+    let agent_n1 = k.agent_token("node-1");
+    k.namespace("x", json!({}));
+    k.create(
+        "",
+        "pods",
+        Some("x"),
+        json!({"metadata": {"namespace": "x", "name": "a", "labels": {"pod": "a"}},
+        "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}}),
+    );
+    k.create(
+        "networking.k8s.io",
+        "networkpolicies",
+        Some("x"),
+        json!({"metadata": {"namespace": "x", "name": "deny"},
+        "spec": {"podSelector": {"matchLabels": {"pod": "a"}}, "policyTypes": ["Ingress"]}}),
+    );
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let first_policy_list = |ev: &serde_json::Value| {
+        ev["stage"] == "RequestReceived"
+            && ev["verb"] == "list"
+            && ev["objectRef"]["resource"] == "networkpolicies"
+            && ev["user"]["username"] == CONTROLLER_USER
+    };
+    hook.arm(first_policy_list, Box::new(move || drop(held.recv_timeout(Duration::from_secs(30)))));
+    let ctl = controller(&dir, &kubeconfig, "ctl");
+    wait_until("controller ready", Duration::from_secs(20), || http_get(ctl.health, "/readyz") == Some(200));
+    wait_until("its NetworkPolicy list held", Duration::from_secs(20), || hook.spent());
+    let rt = rt();
+    let blocks = rt.block_on(register(ctl.grpc, &agent_n1, "node-1")).unwrap();
+    let v4: ipnetwork::Ipv4Network = blocks.iter().find_map(|b| b.parse().ok()).unwrap();
+    let xa = pb::PodAddress {
+        namespace: "x".into(),
+        name: "a".into(),
+        ips: vec![std::net::Ipv4Addr::from(u32::from(v4.network()) + 2).to_string()],
+    };
+    rt.block_on(async {
+        let mut c = pb::network_policies_client::NetworkPoliciesClient::new(channel(ctl.grpc).await.unwrap());
+        // An agent reconnecting to a new controller: its pods, then its stream.
+        let pods = pb::ReportPodsRequest { node_name: "node-1".into(), pods: vec![xa.clone()] };
+        c.report_pods(bearer(pods, &agent_n1)).await.unwrap();
+        let watch = bearer(pb::WatchPolicyRequest { node_name: "node-1".into() }, &agent_n1);
+        let mut stream = c.watch_policy(watch).await.unwrap().into_inner();
+        let started = bearer(pb::PodStartedRequest { node_name: "node-1".into(), pod: Some(xa) }, &agent_n1);
+        let mut c2 = c.clone();
+        let answer = tokio::spawn(async move { c2.pod_started(started).await });
+        // While the list is held: no view, no answer.
+        let first = tokio::time::timeout(Duration::from_millis(1500), stream.message()).await;
+        assert!(first.is_err(), "a view before the policies were listed: {first:?}");
+        assert!(!answer.is_finished(), "PodStarted answered before the policies were listed");
+        release.send(()).unwrap();
+        let isolated = answer.await.unwrap().unwrap().into_inner().isolated;
+        assert!(isolated, "x/a is selected by x/deny");
+        let snap = tokio::time::timeout(Duration::from_secs(10), stream.message()).await.unwrap().unwrap().unwrap();
+        let view = nodeplane::net::policy::View::default().applied(&snap).unwrap();
+        assert!(!view.pods["x/a"].ingress_group.is_empty(), "the first view isolates x/a: {view:?}");
+    });
+}
+
+/// `n` nodes' records and block locks (`node-00000`, `10.0.0.0/24`, ...), as the API server
+/// stores them: seeded into etcd before it starts (creating 2n objects through the API
+/// would take minutes).
+fn seeded_nodes(n: usize, underlay: impl Fn(usize) -> String) -> Vec<(kube::core::ApiResource, serde_json::Value)> {
+    let mut out = Vec::with_capacity(2 * n);
+    for i in 0..n {
+        let name = format!("node-{i:05}");
+        let v4 = format!("10.{}.{}.0/24", i / 256, i % 256);
+        out.push((
+            envtest::resource(GROUP, "nodeplanenodes"),
+            json!({"metadata": {"name": name}, "spec": {"underlay": [underlay(i)], "vtepMac": "", "blocks": [v4]}}),
+        ));
+        out.push((envtest::resource(GROUP, "ipblocks"), lock_object(&v4, &name)));
+    }
+    out
+}
+
 /// Issue 21: a registry of 5,000 nodes (records and block locks) loads from the API in pages
-/// (`limit` 500 and `continue`, every page from the snapshot of the first, as the fake serves
-/// them), not in one answer, and nothing is lost between pages; the stream then serves it.
+/// (`limit` 500 and `continue`, every page from the snapshot of the first), not in one
+/// answer, and nothing is lost between pages; the stream then serves it.
 #[test]
 fn a_5000_node_registry_loads_in_pages() {
     const N: usize = 5000;
-    let f = fake();
-    for i in 0..N {
-        let name = format!("node-{i:05}");
-        let v4 = format!("10.{}.{}.0/24", i / 256, i % 256);
-        f.put_object(GROUP, "nodeplanenodes", None, json!({"apiVersion": format!("{GROUP}/v1alpha1"), "kind": "NodeplaneNode",
-            "metadata": {"name": name}, "spec": {"underlay": [format!("198.18.{}.{}", i / 250, 1 + i % 250)], "vtepMac": "", "blocks": [v4]}}));
-        f.put_object(GROUP, "ipblocks", None, lock_object(&v4, &name));
-    }
+    let seed = seeded_nodes(N, |i| format!("198.18.{}.{}", i / 250, 1 + i % 250));
+    let k = ApiServer::start_with(envtest::Options { seed, ..Default::default() });
+    assert_eq!(
+        k.get(GROUP, "nodeplanenodes", None, "node-04999").unwrap()["spec"]["blocks"],
+        json!(["10.19.135.0/24"])
+    );
     let pools = vec![Pool { net: "10.0.0.0/8".parse().unwrap(), block_prefix: 24 }];
-    let r = Registry::with_backend(backend(&f), pools).unwrap();
+    let r = Registry::with_backend(backend(&k), pools).unwrap();
     assert_eq!(r.node_count(), N);
     assert_eq!(r.get("node-04999").unwrap().blocks, vec!["10.19.135.0/24"]);
     // The next free block is after all of them: every lock was read.
     let more = r.register("node-new", &["198.18.100.1".into()], "").unwrap();
     assert_eq!(more.blocks, vec![format!("10.{}.{}.0/24", N / 256, N % 256)]);
-    let lists: Vec<_> = f.requests().into_iter().filter(|q| q.verb == "list").collect();
+    let lists: Vec<_> = k.controller_requests().into_iter().filter(|q| q.verb == "list").collect();
     for res in ["nodeplanenodes", "ipblocks"] {
         let pages: Vec<_> = lists.iter().filter(|q| q.resource == res).collect();
         assert_eq!(pages.len(), N / 500, "{res}: {} pages", pages.len());
@@ -1684,23 +1770,42 @@ fn a_5000_node_registry_loads_in_pages() {
     }
 }
 
-/// A continue token the API server let expire between two pages (410 Expired, as after a
+/// A continue token the API server let expire between two pages (410 Expired after a
 /// compaction) starts the list again from a fresh snapshot: nothing half-listed is used.
+///
+/// The API server reads from etcd here (no watch cache: the cache learns of a compaction
+/// only every 15 s and would serve the old snapshot meanwhile), and the test's audit
+/// webhook, which the API server calls before it serves each request, compacts etcd past the
+/// list's snapshot just before the second page is read: twice. etcd is the test's own, so
+/// the compaction reaches no other test.
 #[test]
 fn an_expired_continue_token_restarts_the_list() {
-    let f = fake();
-    for i in 0..1200 {
-        let v4 = format!("10.{}.{}.0/24", i / 256, i % 256);
-        f.put_object(GROUP, "ipblocks", None, lock_object(&v4, &format!("node-{i:05}")));
-        f.put_object(GROUP, "nodeplanenodes", None, json!({"apiVersion": format!("{GROUP}/v1alpha1"), "kind": "NodeplaneNode",
-            "metadata": {"name": format!("node-{i:05}")}, "spec": {"underlay": ["198.18.0.1"], "vtepMac": "", "blocks": [v4]}}));
+    let hook = AuditHook::start();
+    let k = ApiServer::start_with(envtest::Options {
+        own_etcd: true,
+        no_watch_cache: true,
+        audit_webhook: Some(hook.url()),
+        seed: seeded_nodes(1200, |_| "198.18.0.1".into()),
+    });
+    for _ in 0..2 {
+        let (etcd, bump) = (k.etcd(), format!("{}-bump", k.prefix()));
+        let second_page = |ev: &serde_json::Value| {
+            ev["stage"] == "RequestReceived"
+                && ev["verb"] == "list"
+                && ev["objectRef"]["resource"] == "nodeplanenodes"
+                && ev["user"]["username"] == CONTROLLER_USER
+                && ev["requestURI"].as_str().is_some_and(|u| u.contains("continue="))
+        };
+        hook.arm(second_page, Box::new(move || etcd.compact(etcd.put(&bump, ""))));
     }
-    // The second page's token has expired, twice: the third list goes through.
-    f.expire_continue(2);
     let pools = vec![Pool { net: "10.0.0.0/8".parse().unwrap(), block_prefix: 24 }];
-    let r = Registry::with_backend(backend(&f), pools).unwrap();
+    let r = Registry::with_backend(backend(&k), pools).unwrap();
     assert_eq!(r.node_count(), 1200);
-    let starts =
-        f.requests().into_iter().filter(|q| q.verb == "list" && q.resource == "nodeplanenodes" && !q.continued).count();
+    assert!(hook.spent(), "both compactions happened");
+    let lists: Vec<_> =
+        k.controller_requests().into_iter().filter(|q| q.verb == "list" && q.resource == "nodeplanenodes").collect();
+    let expired = lists.iter().filter(|q| q.continued && q.code == Some(410)).count();
+    assert_eq!(expired, 2, "the API server's own 410s: {lists:?}");
+    let starts = lists.iter().filter(|q| !q.continued).count();
     assert_eq!(starts, 3, "the list started again after each expired token");
 }

@@ -14,7 +14,6 @@ mod deviceplugin_kubelet_root;
 mod deviceplugin_restart_root;
 mod deviceplugin_root;
 mod dra_root;
-mod fake_apiserver;
 mod fuzz_inputs;
 mod kube_controller;
 mod netlink_root;

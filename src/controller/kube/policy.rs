@@ -2,8 +2,11 @@
 //! (its RBAC: get/list/watch on each; the agents need none) and feeds the policy book.
 //! Each watch relists on a 410 Gone or a broken connection: a complete list replaces what
 //! the book held of that kind, so a deletion missed while the watch was down is not kept.
+//! The book is marked complete once each kind has been listed: the agents' answers wait
+//! for that (a controller just started knows no policy yet).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
@@ -65,16 +68,26 @@ impl Feed for NetworkPolicy {
     }
 }
 
-/// Follow the three kinds until `stop`.
+/// Follow the three kinds until `stop`. The book is complete once each has been listed.
 pub async fn follow(client: kube::Client, book: Arc<PolicyBook>, stop: tokio::sync::watch::Receiver<bool>) {
+    let listed = Arc::new(AtomicUsize::new(0));
     tokio::join!(
-        follow_kind::<Namespace>(Api::all(client.clone()), book.clone(), stop.clone()),
-        follow_kind::<Pod>(Api::all(client.clone()), book.clone(), stop.clone()),
-        follow_kind::<NetworkPolicy>(Api::all(client), book, stop),
+        follow_kind::<Namespace>(Api::all(client.clone()), book.clone(), listed.clone(), stop.clone()),
+        follow_kind::<Pod>(Api::all(client.clone()), book.clone(), listed.clone(), stop.clone()),
+        follow_kind::<NetworkPolicy>(Api::all(client), book, listed, stop),
     );
 }
 
-async fn follow_kind<K: Feed>(api: Api<K>, book: Arc<PolicyBook>, mut stop: tokio::sync::watch::Receiver<bool>) {
+/// The kinds [`follow`] lists.
+const KINDS: usize = 3;
+
+async fn follow_kind<K: Feed>(
+    api: Api<K>,
+    book: Arc<PolicyBook>,
+    listed: Arc<AtomicUsize>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut first = true;
     // Pages of 500 on every (re)list (bookmarks are on by default).
     let config = watcher::Config::default().page_size(super::LIST_PAGE);
     let mut events = std::pin::pin!(watcher(api, config).default_backoff());
@@ -99,6 +112,9 @@ async fn follow_kind<K: Feed>(api: Api<K>, book: Arc<PolicyBook>, mut stop: toki
                     let n = all.len();
                     let _ = tokio::task::spawn_blocking(move || K::replace(&b, &all)).await;
                     tracing::info!(kind = K::KIND, objects = n, "listed");
+                    if std::mem::take(&mut first) && listed.fetch_add(1, Ordering::SeqCst) + 1 == KINDS {
+                        book.mark_complete();
+                    }
                 }
             }
             Some(Ok(watcher::Event::Apply(o))) => {

@@ -40,6 +40,11 @@ struct State {
 pub struct PolicyBook {
     state: Mutex<State>,
     changed: tokio::sync::watch::Sender<u64>,
+    /// Whether the book holds every object: from the start in local mode; in Kubernetes mode
+    /// once each kind has been listed from the API ([`PolicyBook::mark_complete`]). Before
+    /// that, a pod a policy selects would look not isolated and a node's view would lack the
+    /// policy, so the answers to agents wait for it.
+    complete: tokio::sync::watch::Sender<bool>,
     /// Local mode: where applied objects are kept across restarts.
     file: Option<PathBuf>,
     /// Time of each recompilation (seconds), for the controller's metrics.
@@ -58,9 +63,11 @@ impl PolicyBook {
     /// `file`: local mode's store of applied objects (loaded now); `None` in Kubernetes mode.
     pub fn new(file: Option<PathBuf>) -> Result<Arc<Self>, String> {
         let (changed, _) = tokio::sync::watch::channel(0);
+        let (complete, _) = tokio::sync::watch::channel(file.is_some());
         let book = PolicyBook {
             state: Mutex::new(State::default()),
             changed,
+            complete,
             file,
             compile_seconds: crate::obs::metrics::HistogramVec::new(
                 "nodeplane_controller_policy_compile_seconds",
@@ -89,6 +96,16 @@ impl PolicyBook {
             }
         }
         Ok(Arc::new(book))
+    }
+
+    /// Kubernetes mode: every kind of object has been listed once.
+    pub fn mark_complete(&self) {
+        self.complete.send_replace(true);
+    }
+
+    /// Returns once the book holds every object (see `complete`).
+    pub async fn until_complete(&self) {
+        let _ = self.complete.subscribe().wait_for(|c| *c).await;
     }
 
     /// Wakes whenever some node's view changed.

@@ -24,6 +24,10 @@ pub struct Service {
 
 type PolicyStream = Pin<Box<dyn Stream<Item = Result<pb::PolicyUpdate, Status>> + Send>>;
 
+/// How long PodStarted waits for a controller that has just started to have listed the
+/// objects (the agent's ADD waits 5 s for the whole call).
+const UNTIL_COMPLETE: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Service {
     async fn node(&self, req: &Request<impl Sized>, node: &str) -> Result<(), Status> {
         self.registry.authorize_node(req, node).await
@@ -72,6 +76,12 @@ impl NetworkPolicies for Service {
         let mut changed = book.subscribe();
         let stream =
             async_stream_updates(move |tx: tokio::sync::mpsc::Sender<Result<pb::PolicyUpdate, Status>>| async move {
+                // No view before every object is known: an incomplete one would lift the
+                // node's policies until the objects are listed.
+                tokio::select! {
+                    _ = book.until_complete() => {}
+                    _ = stopping.wait_for(|s| *s) => return,
+                }
                 let mut sent = None::<Arc<super::compile::NodeView>>;
                 loop {
                     changed.borrow_and_update();
@@ -105,6 +115,11 @@ impl NetworkPolicies for Service {
         let node = req.get_ref().node_name.clone();
         self.node(&req, &node).await?;
         let (key, ips) = self.pod_of(&node, req.into_inner().pod)?;
+        if tokio::time::timeout(UNTIL_COMPLETE, self.book.until_complete()).await.is_err() {
+            return Err(Status::unavailable(
+                "the controller has not yet listed the NetworkPolicies, Pods and Namespaces: retry",
+            ));
+        }
         let book = self.book.clone();
         let (revision, isolated) = tokio::task::spawn_blocking(move || book.pod_started(&node, key, ips))
             .await
