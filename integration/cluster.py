@@ -274,6 +274,15 @@ class Cluster:
             n.start()
         return n
 
+    def wait_connected(self, nodes, timeout=10):
+        """Until every node's capacity is known to the controller (it can place there)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if all(self.controller.csi("capacity", "--node", n.ns.name)["maximumVolumeSize"] > 0 for n in nodes):
+                return
+            time.sleep(0.05)
+        raise AssertionError("nodes did not report their volume capacity")
+
     def close(self):
         errors = []
         for n in self.nodes:

@@ -36,15 +36,6 @@ class ProvCluster(cluster.Cluster):
     def node(self, host, capacity=1024 * MIB):
         return super().node(1, host, csi={"capacityBytes": capacity})
 
-    def wait_connected(self, nodes, timeout=10):
-        """Until every node's capacity is known to the controller (it can place there)."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if all(self.controller.csi("capacity", "--node", n.ns.name)["maximumVolumeSize"] > 0 for n in nodes):
-                return
-            time.sleep(0.05)
-        raise AssertionError("nodes did not report their volume capacity")
-
     def files(self):
         """volume id -> node name, from the backing files on every node."""
         out = {}

@@ -35,6 +35,7 @@ def mount_points():
 
 def provision(c, node, name, size=64 * MIB):
     """A volume on `node` through the controller, staged and published there: (id, staging, target)."""
+    c.wait_connected([node])
     vid = c.controller.csi("create-volume", "--name", name, "--size", size, "--node", node.ns.name)["volumeId"]
     wait_for(lambda: vid in node.volume_files(), what=f"volume {vid} on {node.ns.name}")
     staging, target = node.staging_path(vid), node.target_path(vid)
