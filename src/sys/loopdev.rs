@@ -492,7 +492,8 @@ pub enum DetachError {
 /// bound to another file by now: nothing to do.
 ///
 /// The device is opened with `O_EXCL`, which a mounted filesystem refuses, so a mounted
-/// device is never detached. Newer kernels (and older ones when the device has other
+/// device is never detached; a claim on one that is not mounted is waited out for up to
+/// [`CLAIM_WAIT`]. Newer kernels (and older ones when the device has other
 /// openers) only mark the device for auto-clear on `LOOP_CLR_FD` and unbind it at last
 /// close; when some other opener keeps it bound past a short wait, the mark is taken off
 /// again and `Busy` is returned, so a detach either happens or changes nothing.
@@ -512,14 +513,7 @@ pub fn detach(device: &Path, st_dev: u64, st_ino: u64) -> Result<(), DetachError
     if !still_ours()? {
         return Ok(());
     }
-    let dev = match open_device(number, false, true) {
-        Ok(f) => f,
-        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-            return Err(DetachError::Busy(format!("{} is mounted or held exclusively", device.display())));
-        }
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO) | Some(libc::ENOENT)) => return Ok(()),
-        Err(e) => return Err(DetachError::Io(ctx("opening", device)(e))),
-    };
+    let Some(dev) = open_exclusive(number, device, CLAIM_WAIT)? else { return Ok(()) };
     // Re-check on the exclusive fd: the device may have been cleared and rebound meanwhile.
     match status(&dev) {
         Ok(info) if info.lo_inode == st_ino && info.lo_device == st_dev => {}
@@ -571,6 +565,63 @@ pub fn detach(device: &Path, st_dev: u64, st_ino: u64) -> Result<(), DetachError
             device.display()
         ))),
     }
+}
+
+/// How long [`detach`] waits for an exclusive claim on a device that is not mounted to go.
+/// In the VM lane Debian's 6.12 once refused the exclusive open of a loop device right after
+/// `umount(2)` of its ext4 had returned (docs/tests.md); whoever held that claim, a
+/// short-lived claim on an unmounted device must not fail kubelet's NodeUnstage. A claim
+/// held longer (another tool's exclusive open) is still `Busy`.
+pub const CLAIM_WAIT: Duration = Duration::from_secs(2);
+
+/// Open `/dev/loop<number>` with `O_EXCL`. `None`: the device is gone. A mounted device (in
+/// this mount namespace) is `Busy` at once; one that is claimed but not mounted is tried
+/// again, backing off, until `wait` has passed.
+fn open_exclusive(number: u32, device: &Path, wait: Duration) -> Result<Option<File>, DetachError> {
+    let deadline = Instant::now() + wait;
+    let mut pause = Duration::from_millis(1);
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        match open_device(number, false, true) {
+            Ok(f) => {
+                if tries > 1 {
+                    tracing::info!(device = %device.display(), tries, "exclusive claim released; detaching");
+                }
+                return Ok(Some(f));
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                if mounted(number).map_err(DetachError::Io)? {
+                    return Err(DetachError::Busy(format!("{} is mounted", device.display())));
+                }
+                if Instant::now() >= deadline {
+                    return Err(DetachError::Busy(format!(
+                        "{} is held exclusively by another opener (not mounted; waited {} ms)",
+                        device.display(),
+                        wait.as_millis()
+                    )));
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(50));
+            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO) | Some(libc::ENOENT)) => return Ok(None),
+            Err(e) => return Err(DetachError::Io(ctx("opening", device)(e))),
+        }
+    }
+}
+
+/// Whether `/dev/loop<number>` is mounted in this mount namespace (`/proc/self/mountinfo`,
+/// by the device number sysfs gives).
+fn mounted(number: u32) -> io::Result<bool> {
+    let sys = format!("/sys/block/loop{number}/dev");
+    let devno = match fs::read_to_string(&sys) {
+        Ok(s) => s.trim().to_string(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(io::Error::new(e.kind(), format!("{sys}: {e}"))),
+    };
+    let info = fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|e| io::Error::new(e.kind(), format!("/proc/self/mountinfo: {e}")))?;
+    Ok(info.lines().any(|l| l.split(' ').nth(2) == Some(devno.as_str())))
 }
 
 /// Tell `device` that its backing file changed size (`LOOP_SET_CAPACITY`); returns the new
