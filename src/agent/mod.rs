@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod config;
 pub mod device_sync;
 pub mod install;
+mod kernel;
 pub mod metrics;
 pub mod policy_sync;
 mod readiness;
@@ -365,6 +366,8 @@ pub async fn serve(
     let devices_ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let ended = cfg.device_plugins.as_ref().map(|_| devices_ended.clone());
     let readiness = readiness::Readiness::new(&health, cfg.clone(), dp.clone(), csi.clone(), ended, book.clone());
+    // What the kernel offers of what this agent uses: logged, in status, in readiness.
+    let kernel = Arc::new(kernel::check(&cfg, &health).await);
     let (health_stop, health_stop_rx) = tokio::sync::oneshot::channel::<()>();
     let health_task = match cfg.health_address {
         None => None,
@@ -430,6 +433,7 @@ pub async fn serve(
         link: link.clone(),
         health: health.clone(),
         kubelet: book.clone(),
+        kernel: kernel.clone(),
         started: std::time::SystemTime::now(),
     };
     let node_api_task = {

@@ -9,6 +9,8 @@
 //!   no resources) and every resource it offers as a device plugin has its socket served.
 //! - `dra` (when enabled): the DRA plugin's `dra.sock` and its registration socket accept
 //!   connections.
+//! - `kernel` (only when one is missing, set once at start by [`super::kernel`]): a kernel
+//!   feature an enabled part cannot work without.
 //! - for all three, kubelet's answer ([`crate::kubelet`]): a plugin kubelet refused fails the
 //!   condition with kubelet's message; one not registered within the grace period fails it
 //!   when `requireKubeletRegistration` is set (and is warned about either way).

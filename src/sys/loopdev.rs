@@ -453,6 +453,34 @@ pub fn attach(backing: &File, name: &Path, opts: AttachOptions) -> io::Result<Pa
     }
 }
 
+/// Whether the loop driver knows `LOOP_CONFIGURE` (Linux 5.8): the ioctl with a bad file
+/// descriptor on a free device answers EBADF where it exists and EINVAL or ENOTTY where it
+/// does not; nothing is bound either way. Finds (or has the kernel add) a free device.
+pub fn configure_supported() -> io::Result<bool> {
+    let ctl_path = Path::new("/dev/loop-control");
+    let ctl = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(ctl_path)
+        .map_err(ctx("opening", ctl_path))?;
+    // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
+    let number = errno_result(unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE as _) })
+        .map_err(ctx("LOOP_CTL_GET_FREE on", ctl_path))? as u32;
+    let dev =
+        open_device(number, false, false).map_err(|e| ctx("opening", Path::new(&format!("/dev/loop{number}")))(e))?;
+    let cfg = LoopConfig { fd: u32::MAX, block_size: 0, info: LoopInfo64::default(), reserved: [0; 8] };
+    // SAFETY: LOOP_CONFIGURE reads one loop_config; its fd (-1) is refused before any change.
+    match errno_result(unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CONFIGURE as _, &cfg as *const LoopConfig) }) {
+        Err(e) if e.raw_os_error() == Some(libc::EBADF) => Ok(true),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::ENOTTY)) => Ok(false),
+        Err(e) => {
+            Err(io::Error::new(e.kind(), format!("LOOP_CONFIGURE with a bad descriptor on /dev/loop{number}: {e}")))
+        }
+        Ok(_) => Err(io::Error::other(format!("LOOP_CONFIGURE with a bad descriptor succeeded on /dev/loop{number}"))),
+    }
+}
+
 fn configure(dev: &File, backing: &File, info: &LoopInfo64) -> io::Result<()> {
     let cfg = LoopConfig { fd: backing.as_raw_fd() as u32, block_size: 0, info: *info, reserved: [0; 8] };
     // SAFETY: LOOP_CONFIGURE reads one loop_config.
