@@ -62,6 +62,16 @@ def test_status_matches_the_node():
         assert rc == 0
         assert st["format"] == 1 and st["node"] == n.ns.name and st["mode"] == "controller"
 
+        # The kernel features probed at start-up: this kernel, each feature the node's parts
+        # use (the datapath's, CSI's), every one answered by the probe.
+        kernel = st["kernel"]
+        assert kernel["release"] == os.uname().release, kernel
+        features = {f["name"]: f for f in kernel["features"]}
+        assert {"nft-inet-nat", "so-netns-cookie", "openat2", "loop-configure", "statx-mnt-id"} <= set(features), kernel
+        assert all(f["state"] in ("available", "missing") for f in features.values()), kernel
+        for name in ("nft-inet-nat", "openat2"):  # required: a node without them is not ready
+            assert features[name]["required"] and features[name]["state"] == "available", features[name]
+
         # Network: attachments are exactly the lease files, and the kernel agrees with each.
         net = st["network"]
         leases = {(l["containerId"], l["ifname"]): l for l in n.leases().values()}

@@ -157,3 +157,51 @@ fn a_created_bridge_delivers_frames_for_its_own_mac() {
         String::from_utf8_lossy(&fdb.stdout)
     );
 }
+
+/// The agent's start-up probe of kernel features (`nodeplane::sys::features`) against the
+/// release it runs on: each feature is there from the mainline release docs/install.md names
+/// (Debian's 5.10, 6.1 and 6.12 in the VM lane carry no backport of these). Probed in a
+/// private network namespace (the nft check commits nothing, but never in the host's).
+#[test]
+fn kernel_feature_probe_agrees_with_the_release() {
+    use nodeplane::sys::features::{Availability, Feature, probe};
+    assert_eq!(unsafe { libc::geteuid() }, 0, "tests/netlink_root.rs needs root; it does not skip");
+    let report = std::thread::spawn(|| {
+        nix::sched::unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
+        probe(&[
+            Feature::NftInetNat,
+            Feature::NetnsCookie,
+            Feature::Openat2,
+            Feature::LoopConfigure,
+            Feature::StatxMountId,
+            Feature::BridgeNetfilter,
+        ])
+    })
+    .join()
+    .unwrap();
+    let release = report.release.clone();
+    let mut parts = release.split(|c: char| !c.is_ascii_digit()).filter_map(|p| p.parse::<u32>().ok());
+    let version = (parts.next().unwrap(), parts.next().unwrap());
+    let since = |f: Feature| match f {
+        Feature::NftInetNat => (5, 2),
+        Feature::NetnsCookie => (5, 14),
+        Feature::Openat2 => (5, 6),
+        Feature::LoopConfigure | Feature::StatxMountId => (5, 8),
+        Feature::BridgeNetfilter => unreachable!("a module, not a release"),
+    };
+    for c in &report.checks {
+        if c.feature == Feature::BridgeNetfilter {
+            // br_netfilter makes its sysctls in every network namespace, this new one too.
+            let loaded = std::path::Path::new("/proc/sys/net/bridge").exists();
+            assert_eq!(c.availability == Availability::Available, loaded, "{release}: {c:?}");
+            continue;
+        }
+        let want = version >= since(c.feature);
+        match &c.availability {
+            Availability::Available => assert!(want, "{release}: {:?} found before {:?}", c.feature, since(c.feature)),
+            Availability::Missing(why) => assert!(!want, "{release}: {:?} missing: {why}", c.feature),
+            Availability::Unknown(why) => panic!("{release}: {:?} could not be probed: {why}", c.feature),
+        }
+    }
+    eprintln!("kernel {release}: {:?}", report.checks);
+}

@@ -12,7 +12,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -312,6 +312,64 @@ fn ext4_lifecycle_with_online_expansion() {
 #[test]
 fn xfs_lifecycle_with_online_expansion() {
     filesystem_lifecycle(FsType::Xfs, 300 * MIB, 420 * MIB);
+}
+
+/// A device that is not mounted but claimed exclusively (what Debian's 6.12 once showed
+/// right after `umount(2)` of an ext4 returned, and what another tool's `O_EXCL` open does)
+/// is detached once the claim goes within `loopdev::CLAIM_WAIT`; a claim held longer is
+/// `Busy` and leaves the device bound as it was; a mounted device is refused at once.
+#[test]
+fn detach_waits_out_a_short_exclusive_claim_only() {
+    let sb = Sandbox::new("claim");
+    let store = sb.open(512 * MIB);
+    let vol = store.create("claim", 64 * MIB, FsType::Ext4).unwrap();
+    let exclusive =
+        |dev: &Path| OpenOptions::new().read(true).custom_flags(libc::O_EXCL | libc::O_CLOEXEC).open(dev).unwrap();
+
+    // Released after 300 ms: the detach waits for it and succeeds.
+    let dev = store.attach("claim").unwrap();
+    let held = exclusive(&dev);
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        drop(held);
+    });
+    let t0 = Instant::now();
+    store.detach("claim").unwrap();
+    let waited = t0.elapsed();
+    release.join().unwrap();
+    assert!(waited >= Duration::from_millis(250), "the detach cannot have happened before the claim went: {waited:?}");
+    assert!(devices_backed_by(&vol.path).is_empty(), "detached once the claim went");
+
+    // Held past the wait: Busy, still bound, no auto-clear mark left behind.
+    let dev = store.attach("claim").unwrap();
+    let held = exclusive(&dev);
+    let t0 = Instant::now();
+    let r = store.detach("claim");
+    let waited = t0.elapsed();
+    match &r {
+        Err(VolumeError::Busy { reason, .. }) => assert!(reason.contains("held exclusively"), "{reason}"),
+        other => panic!("detach of a device claimed for longer than CLAIM_WAIT: {other:?}"),
+    }
+    assert!(waited >= loopdev::CLAIM_WAIT, "gave up after {waited:?}");
+    assert!(waited < loopdev::CLAIM_WAIT * 3, "a bounded wait: {waited:?}");
+    assert_eq!(devices_backed_by(&vol.path), vec![dev.clone()], "a refused detach leaves the device bound");
+    assert_eq!(autoclear_flag(&dev), "0");
+    drop(held);
+
+    // Mounted: refused at once, whatever the wait for a claim.
+    vfs::mkfs(&dev, FsType::Ext4).unwrap();
+    let mnt = sb.mount_point("claim");
+    mount(&dev, &mnt, FsType::Ext4);
+    let t0 = Instant::now();
+    match store.detach("claim") {
+        Err(VolumeError::Busy { reason, .. }) => assert!(reason.contains("is mounted"), "{reason}"),
+        other => panic!("detach of a mounted device: {other:?}"),
+    }
+    assert!(t0.elapsed() < loopdev::CLAIM_WAIT, "a mounted device is refused without waiting: {:?}", t0.elapsed());
+    umount(&mnt);
+    store.detach("claim").unwrap();
+    assert!(devices_backed_by(&vol.path).is_empty());
+    store.delete("claim").unwrap();
 }
 
 #[test]

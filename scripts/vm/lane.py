@@ -54,17 +54,42 @@ PYTEST_FULL = [
     "integration/test_robustness.py::test_same_inode_new_namespace_is_told_apart_by_cookie",
     "integration/test_robustness.py::test_crash_mid_add_is_rolled_back",
     "integration/test_robustness.py::test_crash_mid_del_is_completed",
-    # NetworkPolicy (nftables sets, concatenations, verdict maps, the bridge family, SCTP):
-    # every scenario on one node. Routing to the pods of other nodes (direct, VXLAN) is
-    # test_cluster's; the matrix over two nodes starts 3x the processes for the same rules.
-    "integration/test_netpol.py",
+    # NetworkPolicy on one node (pods on one bridge: br_netfilter, the bridge family), one
+    # scenario per family of kernel objects the rules use; the others vary the controller's
+    # compilation (selector semantics, unions, updates) over the same objects, and each
+    # scenario costs 576 probes, a process each, twice (the baseline and the scenario).
+    # Routing to the pods of other nodes (direct, VXLAN) is test_cluster's.
+    *(f"integration/test_netpol.py::{t}[one-node]" for t in [
+        "test_default_deny_ingress",                    # isolation: the ingress dispatch map
+        "test_default_deny_egress",                     # isolation: the egress dispatch map
+        "test_namespace_and_pod_selector_in_one_peer",  # peer address sets
+        "test_ip_block_with_except",                    # interval sets with holes
+        "test_named_ports",                             # addr . proto . port concatenations
+        "test_sctp_rules_and_no_protocol_confusion",    # SCTP rules
+        "test_rules_leave_with_the_pods_and_policies",  # nothing left in the kernel after deletes
+    ]),
 ]
-# Left out of the full set: test_netpol.py's scenarios other than one-node, and two tests
-# whose assertion is a latency bound of the host (routes to a joining node, and a removed
-# node's routes gone, within 1 s: 3.6 s and 6.2 s under TCG on 5.10). Their kernel work is
-# test_cluster's other tests' and routes_root's.
-PYTEST_FULL_EXCLUDE = ["[direct]", "[vxlan]", "test_cluster.py::test_node_joins_later",
-                       "test_cluster.py::test_node_removed_routes_go_and_blocks_return"]
+# Left out of the full set: tests whose subject is the controller, its gRPC or IPAM, not the
+# kernel (the agents' kernel work in them is the kept tests'), and two whose assertion is a
+# latency bound of the host (routes to a joining node, and a removed node's routes gone,
+# within 1 s: 3.6 s and 6.2 s under TCG on 5.10; their kernel work is test_cluster's other
+# tests' and routes_root's).
+PYTEST_FULL_EXCLUDE = [
+    "test_cluster.py::test_node_joins_later",
+    "test_cluster.py::test_node_removed_routes_go_and_blocks_return",
+    "test_cluster.py::test_controller_kill9_restart_keeps_blocks",
+    "test_cluster.py::test_controller_down_nodes_keep_serving",
+    "test_cluster.py::test_agent_with_bad_credentials_is_rejected",
+    "test_cluster.py::test_rejected_agent_logs_the_grpc_code",
+    "test_cluster.py::test_agents_reach_the_controller_only_over_verified_tls",
+    "test_provisioning.py::test_topology_requisite_and_preferred",
+    "test_provisioning.py::test_capacity_drops_and_frees",
+    "test_provisioning.py::test_concurrent_creates_give_one_volume_per_name",
+    "test_provisioning.py::test_controller_kill9_during_creates_and_deletes",
+    "test_provisioning.py::test_offline_node_answers_unavailable",
+    "test_provisioning.py::test_conformance_controller_rpcs",
+    "test_snapshots.py::test_snapshot_rpcs_answer_every_error_and_are_idempotent",
+]
 # CI: one test per kernel feature family above, chosen among the cheap ones (TCG makes every
 # process start 25-50x dearer; the netpol matrix starts hundreds per scenario).
 PYTEST_CI = [

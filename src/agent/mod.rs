@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod config;
 pub mod device_sync;
 pub mod install;
+mod kernel;
 pub mod metrics;
 pub mod policy_sync;
 mod readiness;
@@ -364,7 +365,9 @@ pub async fn serve(
     // The conditions exist before the endpoint answers: it never says ready too early.
     let devices_ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let ended = cfg.device_plugins.as_ref().map(|_| devices_ended.clone());
-    let readiness = readiness::Readiness::new(&health, cfg.clone(), dp.clone(), csi.clone(), ended, book.clone());
+    let mut readiness = readiness::Readiness::new(&health, cfg.clone(), dp.clone(), csi.clone(), ended, book.clone());
+    // What the kernel offers of what this agent uses: logged, in status, in readiness.
+    let kernel = Arc::new(kernel::check(&cfg, &health).await);
     let (health_stop, health_stop_rx) = tokio::sync::oneshot::channel::<()>();
     let health_task = match cfg.health_address {
         None => None,
@@ -397,6 +400,9 @@ pub async fn serve(
     let cluster_client = tokio::spawn(cluster::run(cfg.clone(), dp.clone(), link.clone().unwrap_or_default()));
     // NetworkPolicy (controller mode): the hook is in place before the first ADD is read.
     let policy = policy_sync::install(&cfg, &dp);
+    if let Some(p) = &policy {
+        readiness.watch_policy(&health, p.clone());
+    }
     let policy_task = policy.clone().map(|p| tokio::spawn(policy_sync::run(p, dp.clone())));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let volume_client = csi.clone().map(|svc| tokio::spawn(volume_sync::run(cfg.clone(), svc)));
@@ -430,6 +436,7 @@ pub async fn serve(
         link: link.clone(),
         health: health.clone(),
         kubelet: book.clone(),
+        kernel: kernel.clone(),
         started: std::time::SystemTime::now(),
     };
     let node_api_task = {

@@ -33,8 +33,68 @@ pub struct PolicyClient {
     handle: tokio::runtime::Handle,
     /// Whether the policy stream is connected (for status and readiness).
     pub connected: std::sync::atomic::AtomicBool,
-    /// Why enforcement is off, when it is (bridge sysctls missing…).
-    pub broken: Mutex<Option<String>>,
+    /// Why enforcement is off, when it is (see [`PolicyClient::enforcement`]).
+    pub broken: Mutex<Broken>,
+}
+
+/// Where the bridge sysctls of the agent's (the node's) network namespace are.
+const BRIDGE_SYSCTL_DIR: &str = "/proc/sys/net/bridge";
+
+/// What keeps NetworkPolicy from being enforced on this node.
+#[derive(Debug, Default)]
+pub struct Broken {
+    /// The bridge sysctls could not be set (br_netfilter not loaded, typically): tried again
+    /// by [`Broken::recheck`].
+    pub sysctls: Option<String>,
+    /// The anti-spoofing table could not be made at start.
+    pub table: Option<String>,
+}
+
+impl Broken {
+    /// Set the bridge sysctls in `dir` again when they were missing; `Err` names every
+    /// problem left.
+    fn recheck(&mut self, dir: &std::path::Path) -> Result<(), String> {
+        if self.sysctls.is_some() {
+            match bridge_sysctls(dir) {
+                Ok(()) => {
+                    tracing::info!(
+                        "bridge sysctls set: traffic between pods of this node goes through the policy table"
+                    );
+                    self.sysctls = None;
+                }
+                Err(e) => self.sysctls = Some(e),
+            }
+        }
+        let problems: Vec<&str> = [self.sysctls.as_deref(), self.table.as_deref()].into_iter().flatten().collect();
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("NetworkPolicy is not enforced: {}", problems.join("; ")))
+        }
+    }
+}
+
+/// Send bridged traffic through the `inet` policy table: `bridge-nf-call-iptables` and
+/// `-ip6tables` set to 1 in `dir` (`/proc/sys/net/bridge`). They exist only while the
+/// br_netfilter module is loaded, which nothing does on demand and the agent's image cannot
+/// (no modprobe): the error says what the node's admin has to do.
+fn bridge_sysctls(dir: &std::path::Path) -> Result<(), String> {
+    use crate::sys::features::{Availability, bridge_netfilter};
+    match bridge_netfilter(dir) {
+        Availability::Available => {}
+        Availability::Missing(why) | Availability::Unknown(why) => {
+            return Err(format!(
+                "{why}: traffic between pods of this node bypasses NetworkPolicy; load it on the node \
+                 (modprobe br_netfilter, and list it in /etc/modules-load.d/)"
+            ));
+        }
+    }
+    for key in crate::net::policy::BRIDGE_SYSCTLS {
+        let name = key.rsplit('.').next().unwrap_or(key);
+        let path = dir.join(name);
+        std::fs::write(&path, "1").map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
 }
 
 /// `namespace/name` of a lease's pod, when the runtime named both.
@@ -43,6 +103,13 @@ fn pod_key(pod: &str) -> Option<(&str, &str)> {
 }
 
 impl PolicyClient {
+    /// Whether NetworkPolicy is enforced on this node (the `networkpolicy` readiness
+    /// condition). Bridge sysctls that could not be set are tried again, so a node whose
+    /// admin loads br_netfilter after the agent started is enforced without a restart.
+    pub fn enforcement(&self) -> Result<(), String> {
+        self.broken.lock().unwrap_or_else(|p| p.into_inner()).recheck(std::path::Path::new(BRIDGE_SYSCTL_DIR))
+    }
+
     async fn client(&self) -> Result<NetworksClient, String> {
         let mut ch = self.channel.lock().await;
         if ch.is_none() {
@@ -208,24 +275,19 @@ pub fn install(cfg: &Arc<Config>, dp: &Arc<Datapath>) -> Option<Arc<PolicyClient
         channel: tokio::sync::Mutex::new(None),
         handle: tokio::runtime::Handle::current(),
         connected: Default::default(),
-        broken: Mutex::new(None),
+        broken: Mutex::new(Broken::default()),
     });
-    let mut problems = Vec::new();
-    for key in crate::net::policy::BRIDGE_SYSCTLS {
-        if let Err(e) = crate::sys::netns::write_sysctl(key, "1") {
-            problems.push(format!("{key}: {e} (is br_netfilter loaded?)"));
-        }
-    }
+    // Not set yet: `recheck` below sets them (or says why it cannot).
+    let mut broken = Broken { sysctls: Some("not set yet".into()), table: None };
     let veths =
         dp.ipam().leases().into_iter().map(|l| (l.host_if.clone(), l.ips.iter().map(|n| n.ip()).collect())).collect();
     if let Err(e) = client.enforcer.start(veths) {
-        problems.push(format!("anti-spoofing table: {e}"));
+        broken.table = Some(format!("anti-spoofing table: {e}"));
     }
-    if !problems.is_empty() {
-        let why = problems.join("; ");
+    if let Err(why) = broken.recheck(std::path::Path::new(BRIDGE_SYSCTL_DIR)) {
         tracing::error!(problems = %why, "NetworkPolicy cannot be enforced on this node");
-        *client.broken.lock().unwrap() = Some(why);
     }
+    *client.broken.lock().unwrap() = broken;
     let c = client.clone();
     dp.set_pod_hook(Box::new(move |ev| c.on_event(ev)));
     Some(client)
@@ -246,5 +308,39 @@ pub async fn run(client: Arc<PolicyClient>, dp: Arc<Datapath>) {
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without br_netfilter (no sysctl directory) the reason names the module and what to do;
+    /// once the module is loaded, the next check sets the sysctls and clears it; a table
+    /// problem stays.
+    #[test]
+    fn missing_bridge_sysctls_are_reported_then_set_when_they_appear() {
+        let root = std::env::temp_dir().join(format!("np-policy-sysctls-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let dir = root.join("bridge");
+        std::fs::create_dir_all(&root).unwrap();
+        let mut b = Broken { sysctls: Some("not set yet".into()), table: None };
+        let e = b.recheck(&dir).unwrap_err();
+        assert!(e.contains("br_netfilter module is not loaded"), "{e}");
+        assert!(e.contains("modprobe br_netfilter"), "{e}");
+        assert!(e.contains("bypasses NetworkPolicy"), "{e}");
+        // The module is loaded meanwhile: its sysctls appear (as 0).
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["bridge-nf-call-iptables", "bridge-nf-call-ip6tables"] {
+            std::fs::write(dir.join(f), "0").unwrap();
+        }
+        b.recheck(&dir).unwrap();
+        for f in ["bridge-nf-call-iptables", "bridge-nf-call-ip6tables"] {
+            assert_eq!(std::fs::read_to_string(dir.join(f)).unwrap(), "1", "{f}");
+        }
+        assert_eq!(b.sysctls, None);
+        b.table = Some("anti-spoofing table: nft failed".into());
+        assert_eq!(b.recheck(&dir).unwrap_err(), "NetworkPolicy is not enforced: anti-spoofing table: nft failed");
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -9,6 +9,10 @@
 //!   no resources) and every resource it offers as a device plugin has its socket served.
 //! - `dra` (when enabled): the DRA plugin's `dra.sock` and its registration socket accept
 //!   connections.
+//! - `networkpolicy` (only when enforcement was off at start): NetworkPolicy is enforced
+//!   (the bridge sysctls br_netfilter provides are set; tried again each tick).
+//! - `kernel` (only when one is missing, set once at start by [`super::kernel`]): a kernel
+//!   feature an enabled part cannot work without.
 //! - for all three, kubelet's answer ([`crate::kubelet`]): a plugin kubelet refused fails the
 //!   condition with kubelet's message; one not registered within the grace period fails it
 //!   when `requireKubeletRegistration` is set (and is warned about either way).
@@ -42,6 +46,8 @@ pub(crate) struct Readiness {
     /// Socket path → the inode that accepted a connection.
     verified: HashMap<PathBuf, u64>,
     book: crate::kubelet::Registrations,
+    /// NetworkPolicy that could not be enforced at start ([`Readiness::watch_policy`]).
+    policy: Option<(Arc<super::policy_sync::PolicyClient>, Condition)>,
 }
 
 /// (len, mtime seconds, mtime nanoseconds, inode) of the device file: reparse on change.
@@ -78,7 +84,21 @@ impl Readiness {
         };
         let dra = cfg.dra.clone().map(|s| (s, health.condition("dra")));
         let cni_inode = std::fs::symlink_metadata(&cfg.cni_socket).ok().map(|m| m.ino());
-        Readiness { cfg, dp, cni, cni_inode, csi, devices, dra, verified: HashMap::new(), book }
+        Readiness { cfg, dp, cni, cni_inode, csi, devices, dra, verified: HashMap::new(), book, policy: None }
+    }
+
+    /// Judge NetworkPolicy enforcement from now on (`networkpolicy`): registered only when
+    /// it is off at start (br_netfilter not loaded, …), so a sound node's conditions are
+    /// as before; it turns ready once [`PolicyClient::enforcement`] holds (the module loaded
+    /// later).
+    ///
+    /// [`PolicyClient::enforcement`]: super::policy_sync::PolicyClient::enforcement
+    pub(crate) fn watch_policy(&mut self, health: &Health, client: Arc<super::policy_sync::PolicyClient>) {
+        if let Err(why) = client.enforcement() {
+            let cond = health.condition("networkpolicy");
+            cond.set(false, why);
+            self.policy = Some((client, cond));
+        }
     }
 
     /// Re-evaluate every `TICK` until dropped (the task is aborted at shutdown).
@@ -107,6 +127,9 @@ impl Readiness {
         if let Some((s, cond)) = self.dra.clone() {
             let st = self.dra_state(&s).await;
             set(&cond, st);
+        }
+        if let Some((client, cond)) = &self.policy {
+            set(cond, client.enforcement());
         }
     }
 

@@ -26,6 +26,8 @@ pub struct NodeStatus {
     pub link: Option<Arc<Link>>,
     pub health: crate::obs::health::Health,
     pub kubelet: crate::kubelet::Registrations,
+    /// The kernel features probed at start-up.
+    pub kernel: Arc<crate::sys::features::KernelReport>,
     pub started: std::time::SystemTime,
 }
 
@@ -63,6 +65,7 @@ impl NodeStatus {
             storage: self.csi.as_ref().map(|c| c.report()),
             device_plugins: self.devices.as_ref().map(|d| d.report()),
             kubelet: Some(self.kubelet.report()),
+            kernel: Some(super::kernel::status(&self.kernel)),
         }
     }
 

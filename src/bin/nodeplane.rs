@@ -743,6 +743,19 @@ mod document {
                 })).collect::<Vec<_>>(),
             })).collect::<Vec<_>>()),
             "kubelet": r.kubelet.as_ref().map(kubelet),
+            "kernel": r.kernel.as_ref().map(|k| json!({
+                "release": k.release,
+                "features": k.features.iter().map(|f| json!({
+                    "name": f.name,
+                    "state": match f.state() {
+                        api::KernelFeatureState::Available => "available",
+                        api::KernelFeatureState::Missing => "missing",
+                        api::KernelFeatureState::Unknown | api::KernelFeatureState::Unspecified => "unknown",
+                    },
+                    "required": f.required,
+                    "detail": f.detail,
+                })).collect::<Vec<_>>(),
+            })),
         })
     }
 
@@ -1034,6 +1047,24 @@ mod report {
             })
             .collect();
         let _ = writeln!(o, "conditions: {}", if conds.is_empty() { "-".into() } else { conds.join("; ") });
+        let k = &d["kernel"];
+        if k.is_object() {
+            let lacking: Vec<String> = k["features"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|f| f["state"] != "available")
+                .map(|f| format!("{} {} ({})", s(&f["name"]), s(&f["state"]).to_uppercase(), s(&f["detail"])))
+                .collect();
+            let all = k["features"].as_array().map_or(0, |a| a.len());
+            let _ = writeln!(
+                o,
+                "kernel: {}, {} of {all} features probed available{}",
+                s(&k["release"]),
+                all - lacking.len(),
+                if lacking.is_empty() { String::new() } else { format!("; {}", lacking.join("; ")) }
+            );
+        }
         let c = &d["controller"];
         if c.is_object() {
             let last =

@@ -453,6 +453,34 @@ pub fn attach(backing: &File, name: &Path, opts: AttachOptions) -> io::Result<Pa
     }
 }
 
+/// Whether the loop driver knows `LOOP_CONFIGURE` (Linux 5.8): the ioctl with a bad file
+/// descriptor on a free device answers EBADF where it exists and EINVAL or ENOTTY where it
+/// does not; nothing is bound either way. Finds (or has the kernel add) a free device.
+pub fn configure_supported() -> io::Result<bool> {
+    let ctl_path = Path::new("/dev/loop-control");
+    let ctl = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(ctl_path)
+        .map_err(ctx("opening", ctl_path))?;
+    // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
+    let number = errno_result(unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE as _) })
+        .map_err(ctx("LOOP_CTL_GET_FREE on", ctl_path))? as u32;
+    let dev =
+        open_device(number, false, false).map_err(|e| ctx("opening", Path::new(&format!("/dev/loop{number}")))(e))?;
+    let cfg = LoopConfig { fd: u32::MAX, block_size: 0, info: LoopInfo64::default(), reserved: [0; 8] };
+    // SAFETY: LOOP_CONFIGURE reads one loop_config; its fd (-1) is refused before any change.
+    match errno_result(unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CONFIGURE as _, &cfg as *const LoopConfig) }) {
+        Err(e) if e.raw_os_error() == Some(libc::EBADF) => Ok(true),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::ENOTTY)) => Ok(false),
+        Err(e) => {
+            Err(io::Error::new(e.kind(), format!("LOOP_CONFIGURE with a bad descriptor on /dev/loop{number}: {e}")))
+        }
+        Ok(_) => Err(io::Error::other(format!("LOOP_CONFIGURE with a bad descriptor succeeded on /dev/loop{number}"))),
+    }
+}
+
 fn configure(dev: &File, backing: &File, info: &LoopInfo64) -> io::Result<()> {
     let cfg = LoopConfig { fd: backing.as_raw_fd() as u32, block_size: 0, info: *info, reserved: [0; 8] };
     // SAFETY: LOOP_CONFIGURE reads one loop_config.
@@ -491,7 +519,8 @@ pub enum DetachError {
 /// bound to another file by now: nothing to do.
 ///
 /// The device is opened with `O_EXCL`, which a mounted filesystem refuses, so a mounted
-/// device is never detached. Newer kernels (and older ones when the device has other
+/// device is never detached; a claim on one that is not mounted is waited out for up to
+/// [`CLAIM_WAIT`]. Newer kernels (and older ones when the device has other
 /// openers) only mark the device for auto-clear on `LOOP_CLR_FD` and unbind it at last
 /// close; when some other opener keeps it bound past a short wait, the mark is taken off
 /// again and `Busy` is returned, so a detach either happens or changes nothing.
@@ -511,14 +540,7 @@ pub fn detach(device: &Path, st_dev: u64, st_ino: u64) -> Result<(), DetachError
     if !still_ours()? {
         return Ok(());
     }
-    let dev = match open_device(number, false, true) {
-        Ok(f) => f,
-        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-            return Err(DetachError::Busy(format!("{} is mounted or held exclusively", device.display())));
-        }
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO) | Some(libc::ENOENT)) => return Ok(()),
-        Err(e) => return Err(DetachError::Io(ctx("opening", device)(e))),
-    };
+    let Some(dev) = open_exclusive(number, device, CLAIM_WAIT)? else { return Ok(()) };
     // Re-check on the exclusive fd: the device may have been cleared and rebound meanwhile.
     match status(&dev) {
         Ok(info) if info.lo_inode == st_ino && info.lo_device == st_dev => {}
@@ -570,6 +592,63 @@ pub fn detach(device: &Path, st_dev: u64, st_ino: u64) -> Result<(), DetachError
             device.display()
         ))),
     }
+}
+
+/// How long [`detach`] waits for an exclusive claim on a device that is not mounted to go.
+/// In the VM lane Debian's 6.12 once refused the exclusive open of a loop device right after
+/// `umount(2)` of its ext4 had returned (docs/tests.md); whoever held that claim, a
+/// short-lived claim on an unmounted device must not fail kubelet's NodeUnstage. A claim
+/// held longer (another tool's exclusive open) is still `Busy`.
+pub const CLAIM_WAIT: Duration = Duration::from_secs(2);
+
+/// Open `/dev/loop<number>` with `O_EXCL`. `None`: the device is gone. A mounted device (in
+/// this mount namespace) is `Busy` at once; one that is claimed but not mounted is tried
+/// again, backing off, until `wait` has passed.
+fn open_exclusive(number: u32, device: &Path, wait: Duration) -> Result<Option<File>, DetachError> {
+    let deadline = Instant::now() + wait;
+    let mut pause = Duration::from_millis(1);
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        match open_device(number, false, true) {
+            Ok(f) => {
+                if tries > 1 {
+                    tracing::info!(device = %device.display(), tries, "exclusive claim released; detaching");
+                }
+                return Ok(Some(f));
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                if mounted(number).map_err(DetachError::Io)? {
+                    return Err(DetachError::Busy(format!("{} is mounted", device.display())));
+                }
+                if Instant::now() >= deadline {
+                    return Err(DetachError::Busy(format!(
+                        "{} is held exclusively by another opener (not mounted; waited {} ms)",
+                        device.display(),
+                        wait.as_millis()
+                    )));
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(50));
+            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO) | Some(libc::ENOENT)) => return Ok(None),
+            Err(e) => return Err(DetachError::Io(ctx("opening", device)(e))),
+        }
+    }
+}
+
+/// Whether `/dev/loop<number>` is mounted in this mount namespace (`/proc/self/mountinfo`,
+/// by the device number sysfs gives).
+fn mounted(number: u32) -> io::Result<bool> {
+    let sys = format!("/sys/block/loop{number}/dev");
+    let devno = match fs::read_to_string(&sys) {
+        Ok(s) => s.trim().to_string(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(io::Error::new(e.kind(), format!("{sys}: {e}"))),
+    };
+    let info = fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|e| io::Error::new(e.kind(), format!("/proc/self/mountinfo: {e}")))?;
+    Ok(info.lines().any(|l| l.split(' ').nth(2) == Some(devno.as_str())))
 }
 
 /// Tell `device` that its backing file changed size (`LOOP_SET_CAPACITY`); returns the new

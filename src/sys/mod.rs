@@ -16,6 +16,7 @@ pub mod caps;
 pub mod fake_net;
 #[cfg(test)]
 pub mod fake_volume;
+pub mod features;
 pub use nodeplane_cni::fdpass;
 pub mod fs;
 pub mod fstools;

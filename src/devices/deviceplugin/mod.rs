@@ -378,6 +378,12 @@ impl Task {
         let mut said_absent = false;
         let mut last_health = Instant::now();
         loop {
+            // The kubelet instance behind kubelet.sock, read before our own socket: a kubelet
+            // deletes the plugin sockets before it serves a new kubelet.sock, so a new
+            // instance seen here implies that the check of our socket below sees the
+            // deletion too. Read the other way round, a restart between the two reads had us
+            // register a socket that was gone (kubelet refused it: its dial failed).
+            let instance = sock_id(&kubelet);
             // Our socket: served, and the one we bound (removed or replaced → serve again:
             // a new plugin instance, which registers again).
             let ours = sock_id(&sock);
@@ -415,7 +421,6 @@ impl Task {
                 }
             }
             // kubelet: registered with the instance behind kubelet.sock now?
-            let instance = sock_id(&kubelet);
             if registered.is_some() && registered != instance {
                 tracing::info!(resource = %name, "kubelet.sock replaced (kubelet restarted): registering again");
                 registered = None;
