@@ -13,7 +13,8 @@ use netlink_packet_core::{
 };
 use netlink_packet_route::address::{AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage, AddressScope};
 use netlink_packet_route::link::{
-    InfoBridge, InfoData, InfoKind, InfoVeth, LinkAttribute, LinkExtentMask, LinkFlags, LinkInfo, LinkMessage,
+    InfoBridge, InfoBridgePort, InfoData, InfoKind, InfoPortData, InfoPortKind, InfoVeth, LinkAttribute,
+    LinkExtentMask, LinkFlags, LinkInfo, LinkMessage,
 };
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
@@ -351,7 +352,33 @@ impl Netlink {
             RouteNetlinkMessage::NewLink(msg),
             NLM_F_CREATE | NLM_F_EXCL,
             &format!("create veth {} <-> {}", spec.host_name, spec.peer_name),
-        )
+        )?;
+        if spec.master.is_some() {
+            self.set_hairpin(0, Some(spec.host_name))?;
+        }
+        Ok(())
+    }
+
+    /// Put a bridge port in hairpin mode (by index, or by name with index 0): the bridge may
+    /// send a frame back out of the port it came in on. A pod that reaches itself through a
+    /// Service needs it: its packet, translated to its own address, leaves the node towards
+    /// the port it arrived from (as the CNI bridge plugin's `hairpinMode`). A pod sees none of
+    /// its own broadcasts back for it: its addresses are added without duplicate detection.
+    /// The kernel takes bridge port settings only on an existing port, so not in the request
+    /// that creates it.
+    pub fn set_hairpin(&mut self, index: u32, name: Option<&str>) -> Result<()> {
+        let mut msg = LinkMessage::default();
+        msg.header.index = index;
+        if let Some(name) = name {
+            msg.attributes.push(LinkAttribute::IfName(name.to_string()));
+        }
+        msg.attributes.push(LinkAttribute::LinkInfo(vec![
+            LinkInfo::PortKind(InfoPortKind::Bridge),
+            LinkInfo::PortData(InfoPortData::BridgePort(vec![InfoBridgePort::HairpinMode(true)])),
+        ]));
+        let what = name.map_or_else(|| index.to_string(), str::to_string);
+        // RTM_NEWLINK without NLM_F_CREATE: RTM_SETLINK ignores IFLA_LINKINFO.
+        self.request(RouteNetlinkMessage::NewLink(msg), 0, &format!("hairpin mode on bridge port {what}"))
     }
 
     /// Create a bridge, administratively down (the caller tunes it, then brings it up), with
@@ -406,7 +433,11 @@ impl Netlink {
         if let Some(name) = rename {
             msg.attributes.push(LinkAttribute::IfName(name.to_string()));
         }
-        self.request(RouteNetlinkMessage::SetLink(msg), 0, &format!("set link {index}"))
+        self.request(RouteNetlinkMessage::SetLink(msg), 0, &format!("set link {index}"))?;
+        match master {
+            Some(m) if m != 0 => self.set_hairpin(index, None),
+            _ => Ok(()),
+        }
     }
 
     /// Take the link named `name` down and into link `group` (it stays on its master, as a
