@@ -118,6 +118,7 @@ TOOLS = [
     (["xfs_growfs", "-V"], "xfs_growfs version 6."),
     (["blkid", "-V"], "blkid from util-linux"),
     (["nft", "--version"], "nftables v1."),
+    (["conntrack", "--version"], "conntrack v1."),
 ]
 
 

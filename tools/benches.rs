@@ -1,7 +1,8 @@
 //! The benchmark drivers of `scripts/bench-*`, linked as one binary.
 //!
 //!     benches TOOL [ARGS...]      TOOL: csi_bench, snapshot_bench, deviceplugin_bench,
-//!                                 dra_bench, policy_bench, provision_load, register_load
+//!                                 dra_bench, policy_bench, provision_load, register_load,
+//!                                 services_bench
 //!
 //! One binary, not seven: CI only compiles these (the bench scripts run them), and every
 //! binary is linked with the release profile's thin LTO over all of the dependencies, about
@@ -23,11 +24,13 @@ mod policy_bench;
 mod provision_load;
 #[path = "register_load.rs"]
 mod register_load;
+#[path = "services_bench.rs"]
+mod services_bench;
 #[path = "snapshot_bench.rs"]
 mod snapshot_bench;
 
 /// Each tool by the name it answers to (its old program name).
-const TOOLS: [(&str, fn()); 7] = [
+const TOOLS: [(&str, fn()); 8] = [
     ("csi_bench", csi_bench::main),
     ("snapshot_bench", snapshot_bench::main),
     ("deviceplugin_bench", deviceplugin_bench::main),
@@ -35,6 +38,7 @@ const TOOLS: [(&str, fn()); 7] = [
     ("policy_bench", policy_bench::main),
     ("provision_load", provision_load::main),
     ("register_load", register_load::main),
+    ("services_bench", services_bench::main),
 ];
 
 fn tool(name: &str) -> Option<fn()> {

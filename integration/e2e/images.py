@@ -6,7 +6,8 @@
   exactly as `daemonset/base/controller.yaml` names it, its entry point the binary (as
   upstream's images are), so the manifests run unchanged;
 - the pause image containerd starts every pod sandbox from (a static `pause` built from
-  pause.c here), and a busybox image for the test pods (Debian's busybox-static).
+  pause.c here), and a busybox image for the test pods (Debian's busybox-static, with the
+  TCP and UDP test server and client `np-echo` built from echo.c here).
 
 The small images are written directly as docker archives (manifest.json, a config, one
 layer): the format `ctr images import` reads, with the name in the archive.
@@ -84,10 +85,14 @@ def pause_image(out, work):
     return docker_archive(out, PAUSE_IMAGE, [("pause", "file", binary.read_bytes(), 0o755)], ["/pause"])
 
 
-def busybox_image(out):
+def busybox_image(out, work):
+    """Debian's busybox-static, and np-echo (echo.c): a TCP and UDP server and client."""
     bb = Path("/bin/busybox")
+    echo = work / "np-echo"
+    run(["gcc", "-static", "-O2", "-s", "-o", echo, HERE / "echo.c", "-lpthread"])
     applets = subprocess.run([bb, "--list"], capture_output=True, text=True, check=True).stdout.split()
-    entries = base_dirs() + [("bin/busybox", "file", bb.read_bytes(), 0o755)]
+    entries = base_dirs() + [("bin/busybox", "file", bb.read_bytes(), 0o755),
+                             ("bin/np-echo", "file", echo.read_bytes(), 0o755)]
     entries += [(f"bin/{a}", "symlink", "busybox", 0o777) for a in applets if a != "busybox"]
     return docker_archive(out, BUSYBOX_IMAGE, entries, ["/bin/sh"])
 
@@ -112,7 +117,7 @@ def build_all(work, kbin):
     product's image, whose base is cached by scripts/build-image)."""
     d = Path(work) / "images"
     d.mkdir(parents=True, exist_ok=True)
-    out = [pause_image(d / "pause.tar", d), busybox_image(d / "busybox.tar")]
+    out = [pause_image(d / "pause.tar", d), busybox_image(d / "busybox.tar", d)]
     out += [sidecar_image(d / f"{n}.tar", n, kbin) for n in SIDECARS]
     log("building nodeplane's image (scripts/build-image)")
     out.append(nodeplane_image(d / "nodeplane.tar"))

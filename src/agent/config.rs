@@ -21,6 +21,16 @@ pub struct DnsConfig {
     pub options: Vec<String>,
 }
 
+/// Whether the agent serves Kubernetes Services (see [`FileConfig::services`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ServicesMode {
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
 /// Controller mode: blocks come from `nodeplane-controller`, routes to other nodes follow
 /// its membership stream.
 #[derive(Debug, Clone, Deserialize)]
@@ -136,6 +146,10 @@ pub struct FileConfig {
     /// Enforce Kubernetes NetworkPolicy (controller mode only: the controller compiles it).
     #[serde(default = "yes")]
     pub network_policy: bool,
+    /// Serve Kubernetes Services (controller mode only): `auto` (the default) unless
+    /// kube-proxy programs the node, `on` even then, `off` never.
+    #[serde(default)]
+    pub services: ServicesMode,
     #[serde(default)]
     pub dns: Option<DnsConfig>,
     /// Extra plugin entries appended to the conflist after nodeplane (portmap, bandwidth…).
@@ -248,6 +262,7 @@ pub struct Config {
     pub masquerade: bool,
     /// NetworkPolicy enforced (controller mode and `networkPolicy` not false).
     pub network_policy: bool,
+    pub services: ServicesMode,
     pub dns: Dns,
     pub chained_plugins: Vec<serde_json::Value>,
     pub cni_version: String,
@@ -544,6 +559,7 @@ impl Config {
             bridge: f.bridge,
             masquerade: f.masquerade,
             network_policy: f.network_policy,
+            services: f.services,
             dns,
             chained_plugins: f.chained_plugins,
             cni_version,
@@ -764,6 +780,7 @@ impl Config {
             "bridge": self.bridge,
             "masquerade": self.masquerade,
             "networkPolicy": self.network_policy,
+            "services": self.services,
             "dns": {"nameservers": self.dns.nameservers, "domain": self.dns.domain, "search": self.dns.search, "options": self.dns.options},
             "chainedPlugins": self.chained_plugins,
             "cniVersion": self.cni_version,

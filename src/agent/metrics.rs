@@ -39,6 +39,8 @@ pub struct Sources {
     pub link: Option<Arc<Link>>,
     /// What kubelet answered each plugin's registration.
     pub kubelet: crate::kubelet::Registrations,
+    /// Set when the node serves Services.
+    pub services: Option<Arc<super::service_sync::ServiceClient>>,
 }
 
 /// The agent's registry and the handle the CNI server counts with.
@@ -59,6 +61,9 @@ pub fn build(src: Sources) -> (Arc<Registry>, Arc<CniMetrics>) {
     });
     registry.register_histogram(src.dp.steps.clone());
     registry.register_histogram(src.dp.steps.clone());
+    if let Some(s) = &src.services {
+        registry.register_histogram(s.sync_seconds.clone());
+    }
     if let Some(svc) = &src.csi {
         registry.register_counter(svc.operations.clone());
         registry.register_histogram(svc.durations.clone());
@@ -145,6 +150,17 @@ fn collect(src: &Sources, node: &str, enc: &mut Encoder) {
         &["kind", "plugin"],
         src.kubelet.rows().into_iter().map(|(k, n, ok)| (vec![k.as_str().to_string(), n], if ok { 1.0 } else { 0.0 })),
     );
+    if let Some(s) = &src.services {
+        let (services, ports, endpoints) = s.proxy.counts();
+        enc.gauge("nodeplane_services", "Services this node proxies.", services as f64);
+        enc.gauge("nodeplane_service_ports", "Service ports this node proxies.", ports as f64);
+        enc.gauge("nodeplane_service_endpoints", "Endpoints of the service ports this node proxies.", endpoints as f64);
+        enc.gauge(
+            "nodeplane_services_revision",
+            "The revision of the controller's Services in force on this node (0 before the first).",
+            s.standing.lock().unwrap().revision as f64,
+        );
+    }
     if let Some(link) = &src.link {
         enc.gauge(
             "nodeplane_controller_connected",

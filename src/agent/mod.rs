@@ -11,6 +11,7 @@ mod kernel;
 pub mod metrics;
 pub mod policy_sync;
 mod readiness;
+pub mod service_sync;
 pub mod status;
 pub mod volume_sync;
 
@@ -353,6 +354,8 @@ pub async fn serve(
     let inventory = cfg.device_plugins.as_ref().map(|_| crate::devices::deviceplugin::Inventory::default());
     // What kubelet answered each plugin's registration (CSI, device plugins).
     let book = crate::kubelet::Registrations::new(cfg.kubelet_registration_grace, cfg.require_kubelet_registration);
+    // Services (controller mode): the hairpin hook is in place before the first ADD is read.
+    let services = service_sync::install(&cfg, &dp);
     let (registry, cni_metrics) = metrics::build(metrics::Sources {
         node: cfg.node_name.clone(),
         dp: dp.clone(),
@@ -360,6 +363,7 @@ pub async fn serve(
         devices: inventory.clone(),
         link: link.clone(),
         kubelet: book.clone(),
+        services: services.clone(),
     });
     let health = crate::obs::health::Health::new().with_metrics(Arc::new(move || registry.render()));
     // The conditions exist before the endpoint answers: it never says ready too early.
@@ -404,6 +408,7 @@ pub async fn serve(
         readiness.watch_policy(&health, p.clone());
     }
     let policy_task = policy.clone().map(|p| tokio::spawn(policy_sync::run(p, dp.clone())));
+    let services_task = services.clone().map(|s| tokio::spawn(service_sync::run(s)));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let volume_client = csi.clone().map(|svc| tokio::spawn(volume_sync::run(cfg.clone(), svc)));
     let device_plugins = cfg.device_plugins.clone().map(|s| {
@@ -437,6 +442,7 @@ pub async fn serve(
         health: health.clone(),
         kubelet: book.clone(),
         kernel: kernel.clone(),
+        services: services.clone(),
         started: std::time::SystemTime::now(),
     };
     let node_api_task = {
@@ -518,6 +524,10 @@ pub async fn serve(
     tracing::info!("shutting down: no new requests; finishing in-flight ones");
     cluster_client.abort();
     if let Some(t) = policy_task {
+        t.abort();
+    }
+    // The Services table stays: pods keep reaching Services while the agent restarts.
+    if let Some(t) = services_task {
         t.abort();
     }
     let finished = tokio::task::spawn_blocking(move || acceptors.wait(Duration::from_secs(30))).await;

@@ -181,7 +181,7 @@ impl PolicyClient {
                 }
                 Ok(())
             }
-            PodEvent::Stopped { pod, host_if } => {
+            PodEvent::Stopped { pod, host_if, .. } => {
                 self.enforcer.detach(host_if);
                 let Some((ns, name)) = pod_key(pod) else { return Ok(()) };
                 // Told in the background: DEL never waits for the controller (a missed one is
@@ -289,7 +289,7 @@ pub fn install(cfg: &Arc<Config>, dp: &Arc<Datapath>) -> Option<Arc<PolicyClient
     }
     *client.broken.lock().unwrap() = broken;
     let c = client.clone();
-    dp.set_pod_hook(Box::new(move |ev| c.on_event(ev)));
+    dp.add_pod_hook(Box::new(move |ev| c.on_event(ev)));
     Some(client)
 }
 

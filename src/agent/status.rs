@@ -28,6 +28,7 @@ pub struct NodeStatus {
     pub kubelet: crate::kubelet::Registrations,
     /// The kernel features probed at start-up.
     pub kernel: Arc<crate::sys::features::KernelReport>,
+    pub services: Option<Arc<super::service_sync::ServiceClient>>,
     pub started: std::time::SystemTime,
 }
 
@@ -66,6 +67,7 @@ impl NodeStatus {
             device_plugins: self.devices.as_ref().map(|d| d.report()),
             kubelet: Some(self.kubelet.report()),
             kernel: Some(super::kernel::status(&self.kernel)),
+            services: self.services.as_ref().map(|s| s.report()),
         }
     }
 

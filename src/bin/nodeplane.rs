@@ -35,6 +35,13 @@ enum Top {
         #[command(subcommand)]
         call: PolicyCall,
     },
+    /// Services and EndpointSlices of a controller in local mode (in a cluster: kubectl).
+    Service {
+        #[command(flatten)]
+        at: ControllerAt,
+        #[command(subcommand)]
+        call: PolicyCall,
+    },
     /// Call a CSI endpoint.
     Csi {
         /// The CSI Unix socket.
@@ -89,8 +96,9 @@ struct ControllerAt {
 
 #[derive(Subcommand)]
 enum PolicyCall {
-    /// Create or replace the Namespaces, Pods (labels, container ports) and NetworkPolicies
-    /// in a JSON file ("-": stdin): one object, a List, or several documents.
+    /// Create or replace the objects in a JSON file ("-": stdin): one object, a List, or
+    /// several documents (policy: Namespaces, Pods with their labels and container ports,
+    /// NetworkPolicies; service: Services and EndpointSlices).
     Apply {
         #[arg(short = 'f', long = "filename")]
         file: PathBuf,
@@ -756,6 +764,16 @@ mod document {
                     "detail": f.detail,
                 })).collect::<Vec<_>>(),
             })),
+            "services": r.services.as_ref().map(|v| json!({
+                "idle": (!v.idle.is_empty()).then_some(&v.idle),
+                "revision": v.revision,
+                "synced": v.synced,
+                "streamConnected": v.stream_connected,
+                "ports": v.ports.iter().map(|p| json!({
+                    "id": p.id, "port": p.port, "clusterIPs": p.cluster_ips, "externalIPs": p.external_ips,
+                    "nodePort": p.node_port, "endpoints": p.endpoints, "usable": p.usable, "local": p.local,
+                })).collect::<Vec<_>>(),
+            })),
         })
     }
 
@@ -871,7 +889,13 @@ mod document {
     }
 }
 
-async fn policy_call(at: ControllerAt, call: PolicyCall) -> Result<String, String> {
+/// Which of the controller's object APIs a call goes to.
+enum Objects {
+    Policy(nodeplane::rpc::controller::network_policies_client::NetworkPoliciesClient<tonic::transport::Channel>),
+    Services(nodeplane::rpc::controller::services_client::ServicesClient<tonic::transport::Channel>),
+}
+
+async fn policy_call(at: ControllerAt, call: PolicyCall, services: bool) -> Result<String, String> {
     use nodeplane::rpc::controller as pb;
     let read = |f: &PathBuf| -> Result<String, String> {
         if f.as_os_str() == "-" {
@@ -894,7 +918,11 @@ async fn policy_call(at: ControllerAt, call: PolicyCall) -> Result<String, Strin
     let ch = nodeplane::rpc::connect_with(&at.controller, tls.as_ref())
         .await
         .map_err(|e| format!("connecting to {}: {e}", at.controller))?;
-    let mut c = pb::network_policies_client::NetworkPoliciesClient::new(ch);
+    let mut c = if services {
+        Objects::Services(pb::services_client::ServicesClient::new(ch))
+    } else {
+        Objects::Policy(pb::network_policies_client::NetworkPoliciesClient::new(ch))
+    };
     fn with<T>(m: T, bearer: &tonic::metadata::MetadataValue<tonic::metadata::Ascii>) -> tonic::Request<T> {
         let mut r = tonic::Request::new(m);
         r.metadata_mut().insert("authorization", bearer.clone());
@@ -903,19 +931,54 @@ async fn policy_call(at: ControllerAt, call: PolicyCall) -> Result<String, Strin
     let status = |s: tonic::Status| format!("{:?}: {}", s.code(), s.message());
     match call {
         PolicyCall::Apply { file } => {
-            let r =
-                c.apply_objects(with(pb::ApplyObjectsRequest { json: read(&file)? }, &bearer)).await.map_err(status)?;
-            Ok(r.into_inner().applied.iter().map(|a| format!("{a} applied")).collect::<Vec<_>>().join("\n"))
+            let req = with(pb::ApplyObjectsRequest { json: read(&file)? }, &bearer);
+            let r = match &mut c {
+                Objects::Policy(c) => c.apply_objects(req).await,
+                Objects::Services(c) => c.apply_objects(req).await,
+            };
+            Ok(r.map_err(status)?
+                .into_inner()
+                .applied
+                .iter()
+                .map(|a| format!("{a} applied"))
+                .collect::<Vec<_>>()
+                .join("\n"))
         }
         PolicyCall::Delete { file } => {
-            let r = c
-                .delete_objects(with(pb::DeleteObjectsRequest { json: read(&file)? }, &bearer))
-                .await
-                .map_err(status)?;
-            Ok(r.into_inner().deleted.iter().map(|a| format!("{a} deleted")).collect::<Vec<_>>().join("\n"))
+            let req = with(pb::DeleteObjectsRequest { json: read(&file)? }, &bearer);
+            let r = match &mut c {
+                Objects::Policy(c) => c.delete_objects(req).await,
+                Objects::Services(c) => c.delete_objects(req).await,
+            };
+            Ok(r.map_err(status)?
+                .into_inner()
+                .deleted
+                .iter()
+                .map(|a| format!("{a} deleted"))
+                .collect::<Vec<_>>()
+                .join("\n"))
         }
         PolicyCall::List => {
-            Ok(c.list_objects(with(pb::ListObjectsRequest {}, &bearer)).await.map_err(status)?.into_inner().json)
+            let req = with(pb::ListObjectsRequest {}, &bearer);
+            let r = match &mut c {
+                Objects::Policy(c) => c.list_objects(req).await,
+                Objects::Services(c) => c.list_objects(req).await,
+            };
+            Ok(r.map_err(status)?.into_inner().json)
+        }
+    }
+}
+
+/// `nodeplane policy|service …`: print the answer, or the error with exit status 2.
+fn objects(rt: &tokio::runtime::Runtime, at: ControllerAt, call: PolicyCall, services: bool) -> ! {
+    match rt.block_on(policy_call(at, call, services)) {
+        Ok(out) => {
+            println!("{out}");
+            std::process::exit(0);
+        }
+        Err(e) => {
+            eprintln!("nodeplane: {e}");
+            std::process::exit(2);
         }
     }
 }
@@ -944,16 +1007,8 @@ fn main() {
                 std::process::exit(2);
             }
         },
-        Top::Policy { at, call: c } => match rt.block_on(policy_call(at, c)) {
-            Ok(out) => {
-                println!("{out}");
-                return;
-            }
-            Err(e) => {
-                eprintln!("nodeplane: {e}");
-                std::process::exit(2);
-            }
-        },
+        Top::Policy { at, call: c } => objects(&rt, at, c, false),
+        Top::Service { at, call: c } => objects(&rt, at, c, true),
         Top::Status { at, json } => (at, None, json),
         Top::Doctor { at, repair, json } => (at, Some(repair), json),
     };
@@ -1208,6 +1263,35 @@ mod report {
                     "    {}: {}",
                     s(&r["resource"]),
                     if devs.is_empty() { "no devices".into() } else { devs.join(", ") }
+                );
+            }
+        }
+        if d["services"].is_object() {
+            let v = &d["services"];
+            let ports = v["ports"].as_array().cloned().unwrap_or_default();
+            let state = match v["idle"].as_str() {
+                Some(why) => format!("NOT SERVED: {why}"),
+                None if v["synced"] == true => format!("revision {}", v["revision"]),
+                None => "waiting for the controller".into(),
+            };
+            let _ = writeln!(o, "services: {} ports, {state}", ports.len());
+            for p in &ports {
+                let ips: Vec<String> = [&p["clusterIPs"], &p["externalIPs"]]
+                    .iter()
+                    .flat_map(|a| a.as_array().cloned().unwrap_or_default())
+                    .map(|ip| s(&ip))
+                    .collect();
+                let node_port =
+                    p["nodePort"].as_u64().filter(|n| *n > 0).map(|n| format!(" nodePort {n}")).unwrap_or_default();
+                let _ = writeln!(
+                    o,
+                    "    {} {} port {}{node_port}: {} endpoints ({} usable, {} here)",
+                    s(&p["id"]),
+                    ips.join(","),
+                    p["port"],
+                    p["endpoints"],
+                    p["usable"],
+                    p["local"]
                 );
             }
         }

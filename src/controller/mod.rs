@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod policy;
 pub mod records;
 pub mod server;
+pub mod services;
 pub mod store;
 pub mod volumes;
 
@@ -244,6 +245,17 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         }
         _ => None,
     };
+    // Services: from the API in a cluster, applied with `nodeplane service` here.
+    let pod_cidrs = cfg.pools.iter().map(|p| p.net.to_string()).collect();
+    let service_book =
+        services::ServiceBook::new(pod_cidrs, local_policy.then(|| cfg.data_dir.join("service-objects.redb")))
+            .map_err(ControllerError::Policy)?;
+    let service_follower = match &client {
+        Some(c) if !local_policy => {
+            Some(tokio::spawn(kube::services::follow(c.clone(), service_book.clone(), stopping.clone())))
+        }
+        _ => None,
+    };
     let authority = Arc::new(authority);
     let cfg = Arc::new(cfg);
     let svc = server::Service {
@@ -259,6 +271,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     };
     let svc = Arc::new(svc);
     let policy_svc = policy::server::Service { book: policy_book.clone(), registry: svc.clone(), local: local_policy };
+    let services_svc = services::server::Service { book: service_book, registry: svc.clone(), local: local_policy };
     let until_stopped = |mut s: tokio::sync::watch::Receiver<bool>| async move {
         let _ = s.wait_for(|v| *v).await;
     };
@@ -280,7 +293,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     let router = tonic::transport::Server::builder()
         .layer(crate::rpc::response_layer())
         .add_service(crate::rpc::controller::node_registry_server::NodeRegistryServer::from_arc(svc))
-        .add_service(crate::rpc::controller::network_policies_server::NetworkPoliciesServer::new(policy_svc));
+        .add_service(crate::rpc::controller::network_policies_server::NetworkPoliciesServer::new(policy_svc))
+        .add_service(crate::rpc::controller::services_server::ServicesServer::new(services_svc));
     let served = match &cfg.listen {
         Listen::Unix(path) => {
             let listener =
@@ -335,6 +349,9 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         let _ = f.await;
     }
     if let Some(f) = policy_follower {
+        let _ = f.await;
+    }
+    if let Some(f) = service_follower {
         let _ = f.await;
     }
     // Nothing is served any more: only now may a successor take over.

@@ -3,7 +3,8 @@
 //! (`pending_del`) — these three live in the shim's crate (shim/, `nodeplane_cni`) and are
 //! re-exported here — per-node address blocks and leases (`ipam`), what ADD/DEL/CHECK/GC/STATUS
 //! do to the kernel (`datapath`), veth teardown in the background (`reaper`), masquerade
-//! (`masquerade`), cross-node routes (`routes`), NetworkPolicy enforcement (`policy`). It uses `sys` below it; it never imports the
+//! (`masquerade`), cross-node routes (`routes`), NetworkPolicy enforcement (`policy`), Services
+//! without kube-proxy (`services`). It uses `sys` below it; it never imports the
 //! agent, storage or devices.
 
 pub use nodeplane_cni::cni;
@@ -14,4 +15,5 @@ pub use nodeplane_cni::pending_del;
 pub mod policy;
 pub mod reaper;
 pub mod routes;
+pub mod services;
 pub use nodeplane_cni::shim;

@@ -44,7 +44,9 @@ impl Feature {
     /// What the agent does without it.
     pub fn without(self) -> &'static str {
         match self {
-            Feature::NftInetNat => "pod egress cannot be masqueraded: the node's network is not set up, ADD cannot succeed",
+            Feature::NftInetNat => {
+                "pod egress cannot be masqueraded: the node's network is not set up, ADD cannot succeed"
+            }
             Feature::NetnsCookie => "leases carry cookie 0: a pod namespace is told apart by its nsfs inode alone",
             Feature::Openat2 => "CSI NodeStage and NodePublish fail (no fallback)",
             Feature::LoopConfigure => "loop devices are bound in two steps (LOOP_SET_FD, LOOP_SET_STATUS64)",

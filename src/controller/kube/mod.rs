@@ -7,11 +7,13 @@
 //! test compares them with `nodeplane-controller api-calls`).
 
 pub mod ensure;
+pub mod feed;
 pub mod lease;
 pub mod nodes;
 pub mod policy;
 pub mod review;
 pub mod secret;
+pub mod services;
 pub mod slices;
 pub mod state;
 pub mod tls;
@@ -81,6 +83,11 @@ pub const API_CALLS: &[ApiCall] = &[
     call("", "pods", "watch", false),
     call("", "namespaces", "list", false),
     call("", "namespaces", "watch", false),
+    // Services: the Services and their EndpointSlices, watched cluster-wide
+    call("", "services", "list", false),
+    call("", "services", "watch", false),
+    call("discovery.k8s.io", "endpointslices", "list", false),
+    call("discovery.k8s.io", "endpointslices", "watch", false),
     // leader election
     call("coordination.k8s.io", "leases", "get", true),
     call("coordination.k8s.io", "leases", "create", true),

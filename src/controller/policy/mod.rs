@@ -328,7 +328,8 @@ impl PolicyBook {
 }
 
 /// The objects in a JSON text: one object, a List, or several documents one after another.
-fn parse_objects(json: &str) -> Result<Vec<serde_json::Value>, String> {
+/// Objects given as JSON: one object, a List, or several documents.
+pub(crate) fn parse_objects(json: &str) -> Result<Vec<serde_json::Value>, String> {
     let mut out = Vec::new();
     for doc in serde_json::Deserializer::from_str(json).into_iter::<serde_json::Value>() {
         let v = doc.map_err(|e| format!("not JSON: {e}"))?;

@@ -174,7 +174,7 @@ impl NetworkPolicies for Service {
             .await
             .map_err(|e| Status::internal(e.to_string()))?
             .map_err(Status::invalid_argument)?;
-        Ok(Response::new(pb::ApplyObjectsResponse { applied }))
+        Ok(Response::new(pb::ApplyObjectsResponse { applied, revision: 0 }))
     }
 
     async fn delete_objects(

@@ -1,0 +1,51 @@
+//! Services in a cluster: the controller watches Services and EndpointSlices (its RBAC:
+//! list/watch on each; the agents need none) and feeds the service book.
+
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::Api;
+
+use super::feed::{Feed, Listed, follow_kind};
+use crate::controller::services::{Key, ServiceBook};
+
+fn key_of(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Key {
+    (m.namespace.clone().unwrap_or_default(), m.name.clone().unwrap_or_default())
+}
+
+impl Feed<ServiceBook> for Service {
+    const KIND: &'static str = "Service";
+    fn set(book: &ServiceBook, o: &Self) -> Result<(), String> {
+        book.set_service(o)
+    }
+    fn remove(book: &ServiceBook, o: &Self) {
+        book.remove_service(&key_of(&o.metadata))
+    }
+    fn replace(book: &ServiceBook, all: &[Self]) {
+        book.replace_services(all)
+    }
+}
+
+impl Feed<ServiceBook> for EndpointSlice {
+    const KIND: &'static str = "EndpointSlice";
+    fn set(book: &ServiceBook, o: &Self) -> Result<(), String> {
+        book.set_slice(o)
+    }
+    fn remove(book: &ServiceBook, o: &Self) {
+        book.remove_slice(&key_of(&o.metadata))
+    }
+    fn replace(book: &ServiceBook, all: &[Self]) {
+        book.replace_slices(all)
+    }
+}
+
+/// Follow both kinds until `stop`. The book is complete once both have been listed.
+pub async fn follow(client: kube::Client, book: Arc<ServiceBook>, stop: tokio::sync::watch::Receiver<bool>) {
+    let b = book.clone();
+    let listed = Listed::new(2, move || b.mark_complete());
+    tokio::join!(
+        follow_kind::<_, Service>(Api::all(client.clone()), book.clone(), listed.clone(), stop.clone()),
+        follow_kind::<_, EndpointSlice>(Api::all(client), book, listed, stop),
+    );
+}

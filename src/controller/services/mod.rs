@@ -1,0 +1,440 @@
+//! Kubernetes Services, the controller's half: Services and EndpointSlices (watched from the
+//! API in Kubernetes mode, applied as JSON in local mode) compiled into service ports
+//! ([`compile`]), kept with a revision, and streamed to every node as a snapshot, then
+//! changes ([`server`]).
+//!
+//! A change recompiles only the Service it touches and records what differs: ports added
+//! or changed, ids removed. The cost of a change is the size of that Service, whatever the
+//! number of Services. The last [`HISTORY`] changes are kept, so a node that reconnects gets
+//! what it missed rather than everything.
+
+pub mod compile;
+pub mod server;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+use crate::rpc::controller as pb;
+
+/// `(namespace, name)`.
+pub type Key = (String, String);
+
+/// Changes kept for streams that fall behind or reconnect.
+pub const HISTORY: usize = 4096;
+
+/// One change: the ports written and the ids removed, at `revision`.
+#[derive(Debug, Default)]
+pub struct Change {
+    pub revision: u64,
+    pub upserts: Vec<Arc<pb::ServicePort>>,
+    pub removed: Vec<String>,
+}
+
+/// Where a stream starts.
+pub enum Start {
+    Snapshot { revision: u64, ports: Vec<Arc<pb::ServicePort>> },
+    Changes(Vec<Arc<Change>>),
+}
+
+#[derive(Default)]
+struct State {
+    services: BTreeMap<Key, Service>,
+    slices: BTreeMap<Key, EndpointSlice>,
+    /// The slices of each Service (by the service-name label).
+    slices_of: BTreeMap<Key, BTreeSet<Key>>,
+    ports: BTreeMap<String, Arc<pb::ServicePort>>,
+    ports_of: BTreeMap<Key, BTreeSet<String>>,
+    revision: u64,
+    history: VecDeque<Arc<Change>>,
+}
+
+/// Local mode's applied objects: one redb table, key `Kind/namespace/name`, value the
+/// object's JSON. A change writes only its objects (one transaction per apply), whatever
+/// the number of objects held.
+struct ObjectStore(redb::Database);
+
+const OBJECTS: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("objects");
+
+impl ObjectStore {
+    fn open(path: &std::path::Path) -> Result<Self, String> {
+        let db = redb::Database::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let tx = db.begin_write().map_err(|e| e.to_string())?;
+        tx.open_table(OBJECTS).map_err(|e| e.to_string())?;
+        tx.commit().map_err(|e| e.to_string())?;
+        Ok(ObjectStore(db))
+    }
+
+    /// Every object held: (kind, JSON).
+    fn all(&self) -> Result<Vec<(String, serde_json::Value)>, String> {
+        use redb::{ReadableDatabase, ReadableTable};
+        let tx = self.0.begin_read().map_err(|e| e.to_string())?;
+        let t = tx.open_table(OBJECTS).map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        for row in t.iter().map_err(|e| e.to_string())? {
+            let (k, v) = row.map_err(|e| e.to_string())?;
+            let kind = k.value().split('/').next().unwrap_or_default().to_string();
+            out.push((kind, serde_json::from_slice(v.value()).map_err(|e| format!("{}: {e}", k.value()))?));
+        }
+        Ok(out)
+    }
+
+    /// Write (`Some`) or delete (`None`) objects by key, in one transaction.
+    fn commit(&self, changes: &[(String, Option<Vec<u8>>)]) -> Result<(), String> {
+        let tx = self.0.begin_write().map_err(|e| e.to_string())?;
+        {
+            let mut t = tx.open_table(OBJECTS).map_err(|e| e.to_string())?;
+            for (k, v) in changes {
+                match v {
+                    Some(v) => t.insert(k.as_str(), v.as_slice()).map(|_| ()),
+                    None => t.remove(k.as_str()).map(|_| ()),
+                }
+                .map_err(|e| e.to_string())?;
+            }
+        }
+        tx.commit().map_err(|e| e.to_string())
+    }
+}
+
+pub struct ServiceBook {
+    state: Mutex<State>,
+    changed: tokio::sync::watch::Sender<u64>,
+    /// Whether the book holds every object: from the start in local mode; in Kubernetes mode
+    /// once Services and EndpointSlices have both been listed. Before that a snapshot would
+    /// tell the nodes to drop Services (or their endpoints) they must keep serving.
+    complete: tokio::sync::watch::Sender<bool>,
+    /// This book's instance: revisions compare only within one epoch.
+    pub epoch: u64,
+    /// The cluster's pod pools (sent with every snapshot).
+    pub pod_cidrs: Vec<String>,
+    /// Local mode: the applied objects.
+    store: Option<ObjectStore>,
+}
+
+fn key_of(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Result<Key, String> {
+    let name = m.name.clone().filter(|n| !n.is_empty()).ok_or("an object without metadata.name")?;
+    Ok((m.namespace.clone().unwrap_or_else(|| "default".into()), name))
+}
+
+impl ServiceBook {
+    /// `store`: local mode's database of applied objects (loaded now); `None` in Kubernetes
+    /// mode.
+    pub fn new(pod_cidrs: Vec<String>, store: Option<PathBuf>) -> Result<Arc<Self>, String> {
+        let store = store.as_deref().map(ObjectStore::open).transpose()?;
+        let book = ServiceBook {
+            state: Mutex::new(State::default()),
+            changed: tokio::sync::watch::channel(0).0,
+            complete: tokio::sync::watch::channel(store.is_some()).0,
+            epoch: random_epoch(),
+            pod_cidrs,
+            store,
+        };
+        if let Some(store) = &book.store {
+            let (mut svcs, mut slices) = (Vec::new(), Vec::new());
+            for (kind, v) in store.all()? {
+                match kind.as_str() {
+                    "Service" => svcs.push(serde_json::from_value(v).map_err(|e| format!("a stored Service: {e}"))?),
+                    _ => slices.push(serde_json::from_value(v).map_err(|e| format!("a stored EndpointSlice: {e}"))?),
+                }
+            }
+            book.replace_services(&svcs);
+            book.replace_slices(&slices);
+        }
+        Ok(Arc::new(book))
+    }
+
+    /// Kubernetes mode: both kinds have been listed.
+    pub fn mark_complete(&self) {
+        self.complete.send_replace(true);
+    }
+
+    /// Returns once the book holds every object.
+    pub async fn until_complete(&self) {
+        let _ = self.complete.subscribe().wait_for(|c| *c).await;
+    }
+
+    /// Wakes at every new revision.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    pub fn revision(&self) -> u64 {
+        self.state.lock().unwrap().revision
+    }
+
+    /// How many Services and service ports are compiled now.
+    pub fn counts(&self) -> (usize, usize) {
+        let st = self.state.lock().unwrap();
+        (st.ports_of.len(), st.ports.len())
+    }
+
+    /// The changes after `revision` of `epoch`, when they are all still kept; else a snapshot.
+    pub fn follow(&self, epoch: u64, revision: u64) -> Start {
+        let st = self.state.lock().unwrap();
+        let oldest = st.history.front().map_or(st.revision + 1, |c| c.revision);
+        if epoch == self.epoch && revision > 0 && revision <= st.revision && revision + 1 >= oldest {
+            let changes = st.history.iter().filter(|c| c.revision > revision).cloned().collect();
+            return Start::Changes(changes);
+        }
+        Start::Snapshot { revision: st.revision, ports: st.ports.values().cloned().collect() }
+    }
+
+    pub fn set_service(&self, svc: &Service) -> Result<(), String> {
+        let key = key_of(&svc.metadata)?;
+        let mut st = self.state.lock().unwrap();
+        st.services.insert(key.clone(), svc.clone());
+        self.recompile(&mut st, [key]);
+        Ok(())
+    }
+
+    pub fn remove_service(&self, key: &Key) {
+        let mut st = self.state.lock().unwrap();
+        if st.services.remove(key).is_some() {
+            self.recompile(&mut st, [key.clone()]);
+        }
+    }
+
+    pub fn set_slice(&self, slice: &EndpointSlice) -> Result<(), String> {
+        let key = key_of(&slice.metadata)?;
+        let mut st = self.state.lock().unwrap();
+        let before = st.slices.get(&key).and_then(compile::owner);
+        let after = compile::owner(slice);
+        if let Some(b) = &before {
+            unlink(&mut st.slices_of, b, &key);
+        }
+        if let Some(a) = &after {
+            st.slices_of.entry(a.clone()).or_default().insert(key.clone());
+        }
+        st.slices.insert(key, slice.clone());
+        self.recompile(&mut st, before.into_iter().chain(after));
+        Ok(())
+    }
+
+    pub fn remove_slice(&self, key: &Key) {
+        let mut st = self.state.lock().unwrap();
+        let Some(old) = st.slices.remove(key) else { return };
+        if let Some(owner) = compile::owner(&old) {
+            unlink(&mut st.slices_of, &owner, key);
+            self.recompile(&mut st, [owner]);
+        }
+    }
+
+    /// Every Service at once (a relist): those not listed are gone.
+    pub fn replace_services(&self, all: &[Service]) {
+        let mut st = self.state.lock().unwrap();
+        let new: BTreeMap<Key, Service> =
+            all.iter().filter_map(|s| key_of(&s.metadata).ok().map(|k| (k, s.clone()))).collect();
+        let touched: BTreeSet<Key> = st.services.keys().chain(new.keys()).cloned().collect();
+        st.services = new;
+        self.recompile(&mut st, touched);
+    }
+
+    /// Every EndpointSlice at once (a relist).
+    pub fn replace_slices(&self, all: &[EndpointSlice]) {
+        let mut st = self.state.lock().unwrap();
+        let new: BTreeMap<Key, EndpointSlice> =
+            all.iter().filter_map(|s| key_of(&s.metadata).ok().map(|k| (k, s.clone()))).collect();
+        let mut touched: BTreeSet<Key> = st.slices_of.keys().cloned().collect();
+        st.slices_of.clear();
+        for (k, s) in &new {
+            if let Some(owner) = compile::owner(s) {
+                touched.insert(owner.clone());
+                st.slices_of.entry(owner).or_default().insert(k.clone());
+            }
+        }
+        st.slices = new;
+        self.recompile(&mut st, touched);
+    }
+
+    /// Recompile the Services `keys` and record what changed as one new revision.
+    fn recompile(&self, st: &mut State, keys: impl IntoIterator<Item = Key>) {
+        let mut change = Change::default();
+        for key in keys {
+            let ports = match st.services.get(&key) {
+                None => Vec::new(),
+                Some(svc) => {
+                    let slices: Vec<&EndpointSlice> =
+                        st.slices_of.get(&key).into_iter().flatten().filter_map(|k| st.slices.get(k)).collect();
+                    compile::compile(svc, &slices)
+                }
+            };
+            let new_ids: BTreeSet<String> = ports.iter().map(|p| p.id.clone()).collect();
+            for old in st.ports_of.remove(&key).unwrap_or_default() {
+                if !new_ids.contains(&old) {
+                    st.ports.remove(&old);
+                    change.removed.push(old);
+                }
+            }
+            for p in ports {
+                if st.ports.get(&p.id).is_none_or(|old| **old != p) {
+                    let p = Arc::new(p);
+                    st.ports.insert(p.id.clone(), p.clone());
+                    change.upserts.push(p);
+                }
+            }
+            if !new_ids.is_empty() {
+                st.ports_of.insert(key, new_ids);
+            }
+        }
+        if change.upserts.is_empty() && change.removed.is_empty() {
+            return;
+        }
+        st.revision += 1;
+        change.revision = st.revision;
+        st.history.push_back(Arc::new(change));
+        while st.history.len() > HISTORY {
+            st.history.pop_front();
+        }
+        self.changed.send_replace(st.revision);
+    }
+
+    // ----- local mode -----
+
+    /// Apply Services and EndpointSlices given as JSON; answers "Kind namespace/name" each.
+    pub fn apply_json(&self, json: &str) -> Result<Vec<String>, String> {
+        self.stage_json(json, true)
+    }
+
+    /// Delete the objects named (kind, namespace, name) in `json`.
+    pub fn delete_json(&self, json: &str) -> Result<Vec<String>, String> {
+        self.stage_json(json, false)
+    }
+
+    fn stage_json(&self, json: &str, apply: bool) -> Result<Vec<String>, String> {
+        let store =
+            self.store.as_ref().ok_or("Services come from the Kubernetes API here (apply them with kubectl)")?;
+        let objects = crate::controller::policy::parse_objects(json)?;
+        let (mut svcs, mut slices, mut writes, mut done) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for o in &objects {
+            let kind = o.get("kind").and_then(|k| k.as_str()).unwrap_or("");
+            let meta = match kind {
+                "Service" => {
+                    let s: Service = serde_json::from_value(o.clone()).map_err(|e| format!("a Service: {e}"))?;
+                    let m = s.metadata.clone();
+                    svcs.push(s);
+                    m
+                }
+                "EndpointSlice" => {
+                    let s: EndpointSlice =
+                        serde_json::from_value(o.clone()).map_err(|e| format!("an EndpointSlice: {e}"))?;
+                    let m = s.metadata.clone();
+                    slices.push(s);
+                    m
+                }
+                other => return Err(format!("only Services and EndpointSlices are applied here, not {other:?}")),
+            };
+            let (ns, name) = key_of(&meta)?;
+            let bytes = serde_json::to_vec(o).map_err(|e| e.to_string())?;
+            writes.push((format!("{kind}/{ns}/{name}"), apply.then_some(bytes)));
+            done.push(format!("{kind} {ns}/{name}"));
+        }
+        store.commit(&writes)?;
+        for s in &svcs {
+            if apply { self.set_service(s)? } else { self.remove_service(&key_of(&s.metadata)?) }
+        }
+        for s in &slices {
+            if apply { self.set_slice(s)? } else { self.remove_slice(&key_of(&s.metadata)?) }
+        }
+        Ok(done)
+    }
+
+    /// Every applied object, as a JSON List.
+    pub fn list_json(&self) -> Result<String, String> {
+        let store = self.store.as_ref().ok_or("Services come from the Kubernetes API here (list them with kubectl)")?;
+        let items: Vec<serde_json::Value> = store.all()?.into_iter().map(|(_, v)| v).collect();
+        serde_json::to_string_pretty(&serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items}))
+            .map_err(|e| e.to_string())
+    }
+}
+
+fn random_epoch() -> u64 {
+    let mut seed = [0u8; 8];
+    crate::util::fill_random(&mut seed);
+    u64::from_le_bytes(seed).max(1)
+}
+
+fn unlink(index: &mut BTreeMap<Key, BTreeSet<Key>>, owner: &Key, slice: &Key) {
+    if let Some(set) = index.get_mut(owner) {
+        set.remove(slice);
+        if set.is_empty() {
+            index.remove(owner);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn book() -> Arc<ServiceBook> {
+        ServiceBook::new(vec!["10.244.0.0/16".into()], None).unwrap()
+    }
+
+    fn svc(name: &str, ip: &str) -> Service {
+        serde_json::from_value(json!({"metadata": {"namespace": "a", "name": name},
+            "spec": {"clusterIP": ip, "ports": [{"name": "http", "port": 80}]}}))
+        .unwrap()
+    }
+
+    fn slice(name: &str, svc: &str, ips: &[&str]) -> EndpointSlice {
+        let eps: Vec<_> = ips.iter().map(|ip| json!({"addresses": [ip]})).collect();
+        serde_json::from_value(json!({"metadata": {"namespace": "a", "name": name,
+            "labels": {"kubernetes.io/service-name": svc}}, "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080}], "endpoints": eps}))
+        .unwrap()
+    }
+
+    fn snapshot(b: &ServiceBook) -> BTreeMap<String, pb::ServicePort> {
+        match b.follow(0, 0) {
+            Start::Snapshot { ports, .. } => ports.into_iter().map(|p| (p.id.clone(), (*p).clone())).collect(),
+            Start::Changes(_) => unreachable!("epoch 0 is never the book's"),
+        }
+    }
+
+    #[test]
+    fn each_change_records_only_what_it_changed_and_resumes_from_a_revision() {
+        let b = book();
+        b.set_service(&svc("web", "10.96.0.10")).unwrap();
+        b.set_service(&svc("db", "10.96.0.11")).unwrap();
+        let r = b.revision();
+        b.set_slice(&slice("web-1", "web", &["10.244.0.5"])).unwrap();
+        b.set_slice(&slice("web-1", "web", &["10.244.0.5"])).unwrap(); // the same: no revision
+        b.remove_service(&("a".into(), "db".into()));
+        assert_eq!(b.revision(), r + 2);
+        let Start::Changes(changes) = b.follow(b.epoch, r) else { panic!("a resume") };
+        assert_eq!(changes.len(), 2);
+        assert_eq!(changes[0].upserts.len(), 1);
+        assert_eq!(changes[0].upserts[0].endpoints[0].ip, "10.244.0.5");
+        assert_eq!(changes[1].removed, vec!["a/db/TCP/http".to_string()]);
+        assert!(matches!(b.follow(b.epoch + 1, r), Start::Snapshot { .. }), "another epoch: a snapshot");
+        assert!(matches!(b.follow(b.epoch, b.revision() + 5), Start::Snapshot { .. }), "a revision never had");
+        assert_eq!(snapshot(&b).len(), 1);
+    }
+
+    #[test]
+    fn a_relist_drops_what_it_does_not_list_and_keeps_the_rest_unchanged() {
+        let b = book();
+        b.replace_services(&[svc("web", "10.96.0.10"), svc("db", "10.96.0.11")]);
+        b.replace_slices(&[slice("web-1", "web", &["10.244.0.5"]), slice("db-1", "db", &["10.244.0.6"])]);
+        let r = b.revision();
+        b.replace_slices(&[slice("web-1", "web", &["10.244.0.5"])]);
+        let Start::Changes(c) = b.follow(b.epoch, r) else { panic!() };
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].upserts.iter().map(|p| p.id.as_str()).collect::<Vec<_>>(), vec!["a/db/TCP/http"]);
+        assert!(snapshot(&b)["a/db/TCP/http"].endpoints.is_empty());
+    }
+
+    #[test]
+    fn history_is_bounded_and_an_old_revision_gets_a_snapshot() {
+        let b = book();
+        for i in 0..(HISTORY + 10) {
+            b.set_service(&svc("web", &format!("10.96.{}.{}", i / 250, i % 250 + 1))).unwrap();
+        }
+        assert!(matches!(b.follow(b.epoch, 1), Start::Snapshot { .. }));
+        assert!(matches!(b.follow(b.epoch, b.revision() - 10), Start::Changes(c) if c.len() == 10));
+    }
+}

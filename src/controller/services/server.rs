@@ -1,0 +1,173 @@
+//! The gRPC face of the service book (`nodeplane.controller.v1.Services`).
+
+use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use super::{Change, ServiceBook, Start};
+use crate::controller::auth::Identity;
+use crate::rpc::controller as pb;
+use crate::rpc::controller::services_server::Services;
+
+/// Ports per part of a snapshot (a few hundred bytes each: well under gRPC's 4 MiB).
+const SNAPSHOT_PART: usize = 1000;
+
+pub struct Service {
+    pub book: Arc<ServiceBook>,
+    /// Who may call (the registry's credentials).
+    pub registry: Arc<crate::controller::server::Service>,
+    /// Local mode: objects are applied through this service.
+    pub local: bool,
+}
+
+type UpdateStream = Pin<Box<dyn Stream<Item = Result<pb::ServiceUpdate, Status>> + Send>>;
+
+/// The parts of a snapshot at `revision`.
+pub fn snapshot(book: &ServiceBook, revision: u64, ports: &[Arc<pb::ServicePort>]) -> Vec<pb::ServiceUpdate> {
+    let chunks: Vec<&[Arc<pb::ServicePort>]> =
+        if ports.is_empty() { vec![&[]] } else { ports.chunks(SNAPSHOT_PART).collect() };
+    let last = chunks.len() - 1;
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| pb::ServiceUpdate {
+            epoch: book.epoch,
+            revision,
+            snapshot: i == 0,
+            more: i < last,
+            ports: c.iter().map(|p| (**p).clone()).collect(),
+            pod_cidrs: if i == 0 { book.pod_cidrs.clone() } else { Vec::new() },
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// One update from `base` through `changes` (consecutive): the last state of each port.
+pub fn delta(book: &ServiceBook, base: u64, changes: &[Arc<Change>]) -> pb::ServiceUpdate {
+    let mut last: BTreeMap<&str, Option<&pb::ServicePort>> = BTreeMap::new();
+    for c in changes {
+        for p in &c.upserts {
+            last.insert(&p.id, Some(p));
+        }
+        for id in &c.removed {
+            last.insert(id, None);
+        }
+    }
+    let mut out = pb::ServiceUpdate {
+        epoch: book.epoch,
+        revision: changes.last().map_or(base, |c| c.revision),
+        base_revision: base,
+        ..Default::default()
+    };
+    for (id, p) in last {
+        match p {
+            Some(p) => out.ports.push(p.clone()),
+            None => out.removed.push(id.to_string()),
+        }
+    }
+    out
+}
+
+impl Service {
+    async fn admin(&self, req: &Request<impl Sized>) -> Result<(), Status> {
+        match self.registry.caller(req).await? {
+            Identity::Admin => Ok(()),
+            Identity::Node(n) => Err(Status::permission_denied(format!("node {n:?} may not change or list Services"))),
+        }
+    }
+
+    fn local_only(&self, what: &str) -> Result<(), Status> {
+        if self.local {
+            return Ok(());
+        }
+        Err(Status::failed_precondition(format!(
+            "this controller reads Services and EndpointSlices from the Kubernetes API: {what} them with kubectl"
+        )))
+    }
+}
+
+#[tonic::async_trait]
+impl Services for Service {
+    type WatchServicesStream = UpdateStream;
+
+    async fn watch_services(&self, req: Request<pb::WatchServicesRequest>) -> Result<Response<UpdateStream>, Status> {
+        let r = req.get_ref().clone();
+        self.registry.authorize_node(&req, &r.node_name).await?;
+        let book = self.book.clone();
+        let mut stopping = self.registry.stopping.clone();
+        let mut changed = book.subscribe();
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            // Nothing before every object is known: a partial snapshot would take Services
+            // (or their endpoints) away from the nodes until the lists are complete.
+            tokio::select! {
+                _ = book.until_complete() => {}
+                _ = stopping.wait_for(|s| *s) => return,
+            }
+            let (mut epoch, mut sent) = (r.epoch, r.since_revision);
+            loop {
+                changed.borrow_and_update();
+                let updates = match book.follow(epoch, sent) {
+                    Start::Snapshot { revision, ports } => snapshot(&book, revision, &ports),
+                    Start::Changes(c) if c.is_empty() => Vec::new(),
+                    Start::Changes(c) => vec![delta(&book, sent, &c)],
+                };
+                for u in updates {
+                    (epoch, sent) = (u.epoch, u.revision);
+                    if tx.send(Ok(u)).await.is_err() {
+                        return;
+                    }
+                }
+                tokio::select! {
+                    r = changed.changed() => if r.is_err() { return },
+                    _ = stopping.wait_for(|s| *s) => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn apply_objects(
+        &self,
+        req: Request<pb::ApplyObjectsRequest>,
+    ) -> Result<Response<pb::ApplyObjectsResponse>, Status> {
+        self.admin(&req).await?;
+        self.local_only("apply")?;
+        let book = self.book.clone();
+        let json = req.into_inner().json;
+        let b = book.clone();
+        let applied = tokio::task::spawn_blocking(move || b.apply_json(&json))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(Status::invalid_argument)?;
+        Ok(Response::new(pb::ApplyObjectsResponse { applied, revision: book.revision() }))
+    }
+
+    async fn delete_objects(
+        &self,
+        req: Request<pb::DeleteObjectsRequest>,
+    ) -> Result<Response<pb::DeleteObjectsResponse>, Status> {
+        self.admin(&req).await?;
+        self.local_only("delete")?;
+        let book = self.book.clone();
+        let json = req.into_inner().json;
+        let deleted = tokio::task::spawn_blocking(move || book.delete_json(&json))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(Status::invalid_argument)?;
+        Ok(Response::new(pb::DeleteObjectsResponse { deleted }))
+    }
+
+    async fn list_objects(
+        &self,
+        req: Request<pb::ListObjectsRequest>,
+    ) -> Result<Response<pb::ListObjectsResponse>, Status> {
+        self.admin(&req).await?;
+        self.local_only("list")?;
+        let json = self.book.list_json().map_err(Status::internal)?;
+        Ok(Response::new(pb::ListObjectsResponse { json }))
+    }
+}

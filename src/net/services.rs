@@ -1,0 +1,808 @@
+//! Kubernetes Services on the node, without kube-proxy: the controller's service ports
+//! ([`pb::ServicePort`], each with its endpoints) programmed into one nftables table,
+//! `inet nodeplane-svc`, as kube-proxy's nftables mode programs its own, with one change
+//! of shape: the per-service chains of kube-proxy are, for the common case, map elements.
+//!
+//! ```text
+//! chain services   (nat prerouting and output, dstnat): ClusterIP traffic from outside the
+//!                  pod pools is marked for masquerade; ip daddr . proto . port vmap @vip;
+//!                  ip daddr @nodeips proto . port vmap @np
+//! map vip4/vip6    ClusterIP, externalIP, LB IP . proto . port : goto <how to pick>
+//! map np4/np6      NodePort proto . port : goto <how to pick>
+//! chain lb4_N      dnat to @ep4[daddr . proto . port . (random mod N)]   (one per N in use)
+//! chain xc4_N      mark for masquerade, goto lb4_N (external traffic, policy Cluster)
+//! map ep4/epx4     daddr . proto . port . index : endpoint address . port (all / local)
+//! chain s<h>_…     per port only where kube-proxy's semantics need it: session affinity
+//!                  (a dynamic set per endpoint), externalTrafficPolicy Local (pods and the
+//!                  host short-circuit to every endpoint, the rest to local ones)
+//! chain no-endpoints (filter input/forward, and output after DNAT): new connections to a key without endpoints:
+//!                  @noep/@nonp (reject, or drop where a Local policy leaves none); other
+//!                  ports of a ClusterIP: reject
+//! chain nat-post   (nat postrouting): masquerade what was marked, and hairpin (a pod that
+//!                  reached itself through its Service: @self holds each local pod's pair)
+//! ```
+//!
+//! So a change of one Service is a handful of element updates and, only for affinity or
+//! a Local external policy, that Service's own chains: its cost does not grow with the
+//! number of Services. Which endpoints a node uses follows kube-proxy: ready endpoints,
+//! else serving and terminating ones, chosen separately among all endpoints and among this
+//! node's ([`usable`]). Every change is one `nft -f -` transaction.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::net::IpAddr;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use crate::rpc::controller as pb;
+
+pub const TABLE: &str = "nodeplane-svc";
+/// The packet mark bit that asks the postrouting chain to masquerade (kube-proxy's is 0x4000;
+/// ours is another, so the two never read each other's).
+pub const MASQ_MARK: u32 = 0x0020_0000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Fam {
+    V4,
+    V6,
+}
+
+impl Fam {
+    pub fn of(ip: &IpAddr) -> Fam {
+        if ip.is_ipv4() { Fam::V4 } else { Fam::V6 }
+    }
+    fn n(self) -> &'static str {
+        match self {
+            Fam::V4 => "4",
+            Fam::V6 => "6",
+        }
+    }
+    /// The nft payload keyword (`ip`, `ip6`).
+    fn ip(self) -> &'static str {
+        match self {
+            Fam::V4 => "ip",
+            Fam::V6 => "ip6",
+        }
+    }
+    fn addr_type(self) -> &'static str {
+        match self {
+            Fam::V4 => "ipv4_addr",
+            Fam::V6 => "ipv6_addr",
+        }
+    }
+}
+
+fn proto_name(p: i32) -> &'static str {
+    match pb::Protocol::try_from(p).unwrap_or(pb::Protocol::Tcp) {
+        pb::Protocol::Udp => "udp",
+        pb::Protocol::Sctp => "sctp",
+        _ => "tcp",
+    }
+}
+
+/// One endpoint as the node dials it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Ep {
+    pub ip: IpAddr,
+    pub port: u16,
+}
+
+/// kube-proxy's choice among `eps`: the ready ones, else those serving and terminating.
+/// `node`: only the endpoints on that node.
+pub fn usable(eps: &[pb::ServiceEndpoint], fam: Fam, node: Option<&str>) -> Vec<Ep> {
+    let mine = |e: &&pb::ServiceEndpoint| node.is_none_or(|n| e.node == n);
+    let parse = |e: &pb::ServiceEndpoint| {
+        let ip: IpAddr = e.ip.parse().ok()?;
+        let port = u16::try_from(e.port).ok().filter(|p| *p > 0)?;
+        (Fam::of(&ip) == fam).then_some(Ep { ip, port })
+    };
+    let ready: Vec<Ep> = eps.iter().filter(mine).filter(|e| e.ready).filter_map(parse).collect();
+    if !ready.is_empty() {
+        return ready;
+    }
+    eps.iter().filter(mine).filter(|e| e.serving && e.terminating).filter_map(parse).collect()
+}
+
+/// How the node treats new connections to one key (an address or a NodePort).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// DNAT to one of `eps` (at random, or by client address with affinity); `masquerade`:
+    /// external traffic of policy Cluster.
+    Dnat { eps: Vec<Ep>, masquerade: bool },
+    /// externalTrafficPolicy Local: pods of this node and the host itself to any of
+    /// `cluster` (the host masqueraded), everyone else to one of `local`, dropped when there
+    /// is none.
+    Split { cluster: Vec<Ep>, local: Vec<Ep> },
+    /// No endpoint at all: rejected (ICMP port unreachable), as kube-proxy does.
+    Reject,
+    /// A Local policy leaves no endpoint here: dropped.
+    Drop,
+}
+
+/// What one service port asks of this node, family by family.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// (address, key target) for ClusterIPs, and for external addresses.
+    pub cluster_ips: Vec<(IpAddr, Target)>,
+    pub external_ips: Vec<(IpAddr, Target)>,
+    /// The NodePort's target per family (none without a NodePort).
+    pub node_port: Vec<(Fam, Target)>,
+    pub affinity_seconds: u32,
+}
+
+/// The node's plan for `p` (kube-proxy's semantics; `node`: this node's name).
+pub fn plan(p: &pb::ServicePort, node: &str) -> Plan {
+    let mut out = Plan { affinity_seconds: p.affinity_seconds, ..Default::default() };
+    let any = |fam| !usable(&p.endpoints, fam, None).is_empty();
+    let internal = |fam| {
+        let eps = usable(&p.endpoints, fam, p.internal_local.then_some(node));
+        match (eps.is_empty(), any(fam)) {
+            (false, _) => Target::Dnat { eps, masquerade: false },
+            (true, true) => Target::Drop,
+            (true, false) => Target::Reject,
+        }
+    };
+    let external = |fam| {
+        let all = usable(&p.endpoints, fam, None);
+        if all.is_empty() {
+            Target::Reject
+        } else if p.external_local {
+            Target::Split { cluster: all, local: usable(&p.endpoints, fam, Some(node)) }
+        } else {
+            Target::Dnat { eps: all, masquerade: true }
+        }
+    };
+    for ip in p.cluster_ips.iter().filter_map(|s| s.parse::<IpAddr>().ok()) {
+        out.cluster_ips.push((ip, internal(Fam::of(&ip))));
+    }
+    for ip in p.external_ips.iter().filter_map(|s| s.parse::<IpAddr>().ok()) {
+        out.external_ips.push((ip, external(Fam::of(&ip))));
+    }
+    if p.node_port > 0 {
+        let fams: BTreeSet<Fam> = p.cluster_ips.iter().filter_map(|s| s.parse().ok()).map(|i| Fam::of(&i)).collect();
+        for fam in fams {
+            out.node_port.push((fam, external(fam)));
+        }
+    }
+    out
+}
+
+// ----- rendering -----
+
+/// One map element: (map, key, value); a set element has the value "".
+type Element = (String, String, String);
+
+/// What one service port puts into the table.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Rendered {
+    /// The port's own chains, leaves first: (name, rules).
+    pub chains: Vec<(String, Vec<String>)>,
+    /// The port's own sets (session affinity): (name, declaration).
+    pub sets: Vec<(String, String)>,
+    pub elements: Vec<Element>,
+    /// The shared chains it dispatches to (made once, kept).
+    pub shared: BTreeSet<String>,
+}
+
+/// A key of the `vip` map, or of the `np` map (no address).
+#[derive(Clone)]
+struct Key {
+    fam: Fam,
+    addr: Option<IpAddr>,
+    proto: &'static str,
+    port: u32,
+}
+
+impl Key {
+    fn text(&self) -> String {
+        match self.addr {
+            Some(a) => format!("{a} . {} . {}", self.proto, self.port),
+            None => format!("{} . {}", self.proto, self.port),
+        }
+    }
+    /// The map of its targets (`vip4`, `np6`, …), its no-endpoint map and the prefix of its
+    /// endpoint maps and shared chains.
+    fn map(&self) -> String {
+        format!("{}{}", if self.addr.is_some() { "vip" } else { "np" }, self.fam.n())
+    }
+    fn noep(&self) -> String {
+        format!("{}{}", if self.addr.is_some() { "noep" } else { "nonp" }, self.fam.n())
+    }
+    fn ep_map(&self, local: bool) -> String {
+        format!("{}{}{}", if self.addr.is_some() { "ep" } else { "nep" }, if local { "x" } else { "" }, self.fam.n())
+    }
+    fn lb(&self, local: bool, n: usize) -> String {
+        format!(
+            "{}{}{}_{n}",
+            if self.addr.is_some() { "lb" } else { "nlb" },
+            if local { "x" } else { "" },
+            self.fam.n()
+        )
+    }
+}
+
+fn masq_rule() -> String {
+    format!("meta mark set meta mark or {MASQ_MARK:#x}")
+}
+
+/// The table entries of one service port on this node.
+pub fn render(p: &pb::ServicePort, node: &str) -> Rendered {
+    let plan = plan(p, node);
+    let mut r = Rendered::default();
+    let h = format!("{:012x}", crate::util::fnv1a(&[p.id.as_bytes()]) & 0xffff_ffff_ffff);
+    let proto = proto_name(p.protocol);
+    let mut keys: Vec<(Key, Target, bool)> = Vec::new();
+    for (ip, t) in &plan.cluster_ips {
+        r.elements.push((format!("clusterips{}", Fam::of(ip).n()), ip.to_string(), String::new()));
+        keys.push((Key { fam: Fam::of(ip), addr: Some(*ip), proto, port: p.port }, t.clone(), false));
+    }
+    for (ip, t) in &plan.external_ips {
+        keys.push((Key { fam: Fam::of(ip), addr: Some(*ip), proto, port: p.port }, t.clone(), true));
+    }
+    for (fam, t) in &plan.node_port {
+        keys.push((Key { fam: *fam, addr: None, proto, port: p.node_port }, t.clone(), true));
+    }
+    let mut aff = Affinity { h: &h, proto, seconds: plan.affinity_seconds, made: BTreeSet::new() };
+    for (key, target, external) in keys {
+        render_key(&mut r, &mut aff, &key, &target, external);
+    }
+    r
+}
+
+/// The affinity chains of one port: per family and list (all or local endpoints), made once.
+struct Affinity<'a> {
+    h: &'a str,
+    proto: &'static str,
+    seconds: u32,
+    made: BTreeSet<String>,
+}
+
+impl Affinity<'_> {
+    /// The chain that picks among `eps` by client address (made on first use).
+    fn chain(&mut self, r: &mut Rendered, fam: Fam, local: bool, eps: &[Ep]) -> String {
+        let name = format!("s{}_{}{}", self.h, if local { "l" } else { "c" }, fam.n());
+        if self.made.insert(name.clone()) {
+            let mut dispatch = Vec::new();
+            let mut arms = Vec::new();
+            for (i, ep) in eps.iter().enumerate() {
+                let set = format!("{name}_{i}");
+                r.sets.push((
+                    set.clone(),
+                    format!("type {}; flags dynamic,timeout; timeout {}s;", fam.addr_type(), self.seconds),
+                ));
+                let to = match ep.ip {
+                    IpAddr::V4(a) => format!("{a}:{}", ep.port),
+                    IpAddr::V6(a) => format!("[{a}]:{}", ep.port),
+                };
+                r.chains.push((
+                    format!("{set}e"),
+                    vec![
+                        format!("update @{set} {{ {} saddr }}", fam.ip()),
+                        format!("meta l4proto {} dnat {} to {to}", self.proto, fam.ip()),
+                    ],
+                ));
+                dispatch.push(format!("{} saddr @{set} goto {set}e", fam.ip()));
+                arms.push(format!("{i} : goto {set}e"));
+            }
+            dispatch.push(format!("numgen random mod {} vmap {{ {} }}", eps.len(), arms.join(", ")));
+            r.chains.push((name.clone(), dispatch));
+        }
+        name
+    }
+
+    fn masqueraded(&mut self, r: &mut Rendered, fam: Fam, eps: &[Ep]) -> String {
+        let inner = self.chain(r, fam, false, eps);
+        let name = format!("{inner}m");
+        if self.made.insert(name.clone()) {
+            r.chains.push((name.clone(), vec![format!("{} goto {inner}", masq_rule())]));
+        }
+        name
+    }
+}
+
+/// The chain that picks one of `eps` for `key` (list `local` or all): a shared random one,
+/// with the endpoints as elements of the key, or the port's affinity chain.
+fn dispatch(r: &mut Rendered, aff: &mut Affinity, key: &Key, local: bool, eps: &[Ep]) -> String {
+    if aff.seconds > 0 {
+        return aff.chain(r, key.fam, local, eps);
+    }
+    let map = key.ep_map(local);
+    for (i, ep) in eps.iter().enumerate() {
+        r.elements.push((map.clone(), format!("{} . {i}", key.text()), format!("{} . {}", ep.ip, ep.port)));
+    }
+    let chain = key.lb(local, eps.len());
+    r.shared.insert(chain.clone());
+    chain
+}
+
+fn render_key(r: &mut Rendered, aff: &mut Affinity, key: &Key, target: &Target, external: bool) {
+    let (map, k) = (key.map(), key.text());
+    match target {
+        Target::Reject => r.elements.push((key.noep(), k, "goto refuse".into())),
+        Target::Drop => r.elements.push((key.noep(), k, "drop".into())),
+        Target::Dnat { eps, masquerade } => {
+            let to = if *masquerade && aff.seconds > 0 {
+                aff.masqueraded(r, key.fam, eps)
+            } else {
+                let inner = dispatch(r, aff, key, false, eps);
+                if *masquerade {
+                    let name = format!("xc{inner}");
+                    r.shared.insert(name.clone());
+                    name
+                } else {
+                    inner
+                }
+            };
+            r.elements.push((map, k, format!("goto {to}")));
+        }
+        Target::Split { cluster, local } => {
+            debug_assert!(external);
+            let name = format!("s{}_e{}{}", aff.h, key.fam.n(), if key.addr.is_some() { "v" } else { "n" });
+            let all = dispatch(r, aff, key, false, cluster);
+            let mut rules = vec![
+                format!("{} saddr @podnets{} goto {all}", key.fam.ip(), key.fam.n()),
+                format!("fib saddr type local {} goto {all}", masq_rule()),
+            ];
+            if local.is_empty() {
+                r.elements.push((key.noep(), k.clone(), "drop".into()));
+            } else {
+                rules.push(format!("goto {}", dispatch(r, aff, key, true, local)));
+            }
+            if !r.chains.iter().any(|(n, _)| *n == name) {
+                r.chains.push((name.clone(), rules));
+            }
+            r.elements.push((map, k, format!("goto {name}")));
+        }
+    }
+}
+
+/// The rules of a shared chain, from its name (`lb4_3`, `nlbx6_2`, `xclb4_3`, …).
+fn shared_rules(name: &str) -> Vec<String> {
+    if let Some(inner) = name.strip_prefix("xc") {
+        return vec![format!("{} goto {inner}", masq_rule())];
+    }
+    let (head, n) = name.rsplit_once('_').expect("shared chains end in _N");
+    let fam = if head.ends_with('6') { Fam::V6 } else { Fam::V4 };
+    let node_port = head.starts_with('n');
+    let map =
+        format!("{}{}{}", if node_port { "nep" } else { "ep" }, if head.contains('x') { "x" } else { "" }, fam.n());
+    let lookup = if node_port { String::new() } else { format!("{} daddr . ", fam.ip()) };
+    vec![format!("dnat {} to {lookup}meta l4proto . th dport . numgen random mod {n} map @{map}", fam.ip())]
+}
+
+/// The table without any service: sets, maps and base chains.
+pub fn render_base(pod_cidrs: &[String], node_ips: &[IpAddr], pods: &BTreeSet<IpAddr>) -> String {
+    let mut s = format!("table inet {TABLE} {{\n");
+    for fam in [Fam::V4, Fam::V6] {
+        let (n, ip, t) = (fam.n(), fam.ip(), fam.addr_type());
+        let _ = write!(
+            s,
+            "  set podnets{n} {{ type {t}; flags interval; }}\n  set nodeips{n} {{ type {t}; }}\n  set clusterips{n} {{ type {t}; }}\n  set self{n} {{ type {t} . {t}; }}\n  map vip{n} {{ typeof {ip} daddr . meta l4proto . th dport : verdict; }}\n  map noep{n} {{ typeof {ip} daddr . meta l4proto . th dport : verdict; }}\n  map np{n} {{ typeof meta l4proto . th dport : verdict; }}\n  map nonp{n} {{ typeof meta l4proto . th dport : verdict; }}\n"
+        );
+        for (name, lookup) in [("ep", format!("{ip} daddr . ")), ("nep", String::new())] {
+            for x in ["", "x"] {
+                let _ = writeln!(
+                    s,
+                    "  map {name}{x}{n} {{ typeof {lookup}meta l4proto . th dport . numgen random mod 1 : {ip} daddr . th dport; }}"
+                );
+            }
+        }
+    }
+    let m = MASQ_MARK;
+    let _ = write!(
+        s,
+        "  chain refuse {{\n    reject\n  }}\n  chain services {{\n    ip daddr @clusterips4 ip saddr != @podnets4 meta mark set meta mark or {m:#x}\n    ip6 daddr @clusterips6 ip6 saddr != @podnets6 meta mark set meta mark or {m:#x}\n    ip daddr . meta l4proto . th dport vmap @vip4\n    ip6 daddr . meta l4proto . th dport vmap @vip6\n    ip daddr @nodeips4 meta l4proto . th dport vmap @np4\n    ip6 daddr @nodeips6 meta l4proto . th dport vmap @np6\n  }}\n  chain nat-pre {{\n    type nat hook prerouting priority dstnat; policy accept;\n    jump services\n  }}\n  chain nat-out {{\n    type nat hook output priority -100; policy accept;\n    jump services\n  }}\n  chain no-endpoints {{\n    ip daddr . meta l4proto . th dport vmap @noep4\n    ip6 daddr . meta l4proto . th dport vmap @noep6\n    ip daddr @nodeips4 meta l4proto . th dport vmap @nonp4\n    ip6 daddr @nodeips6 meta l4proto . th dport vmap @nonp6\n    ip daddr @clusterips4 goto refuse\n    ip6 daddr @clusterips6 goto refuse\n  }}\n  chain filter-in {{\n    type filter hook input priority filter; policy accept;\n    ct state new jump no-endpoints\n  }}\n  chain filter-fwd {{\n    type filter hook forward priority filter; policy accept;\n    ct state new jump no-endpoints\n  }}\n  chain filter-out {{\n    type filter hook output priority -90; policy accept;\n    ct state new jump no-endpoints\n  }}\n  chain nat-post {{\n    type nat hook postrouting priority srcnat; policy accept;\n    meta mark and {m:#x} == {m:#x} meta mark set meta mark and {:#x} masquerade fully-random\n    ct status dnat ip saddr . ip daddr @self4 masquerade fully-random\n    ct status dnat ip6 saddr . ip6 daddr @self6 masquerade fully-random\n  }}\n}}\n",
+        !m
+    );
+    let cidrs: Vec<IpNet> = pod_cidrs.iter().filter_map(|c| c.parse().ok()).collect();
+    for fam in [Fam::V4, Fam::V6] {
+        let of = |ip: &IpAddr| Fam::of(ip) == fam;
+        add_elements(
+            &mut s,
+            &format!("podnets{}", fam.n()),
+            cidrs.iter().filter(|c| of(&c.ip())).map(|c| c.to_string()),
+        );
+        add_elements(&mut s, &format!("nodeips{}", fam.n()), node_ips.iter().filter(|i| of(i)).map(|i| i.to_string()));
+        add_elements(&mut s, &format!("self{}", fam.n()), pods.iter().filter(|i| of(i)).map(|i| format!("{i} . {i}")));
+    }
+    s
+}
+
+type IpNet = ipnetwork::IpNetwork;
+
+fn add_elements(s: &mut String, set: &str, items: impl Iterator<Item = String>) {
+    let items: Vec<String> = items.collect();
+    if !items.is_empty() {
+        let _ = writeln!(s, "add element inet {TABLE} {set} {{ {} }}", items.join(", "));
+    }
+}
+
+fn shared_chain(s: &mut String, name: &str) {
+    let _ = writeln!(s, "add chain inet {TABLE} {name}");
+    for rule in shared_rules(name) {
+        let _ = writeln!(s, "add rule inet {TABLE} {name} {rule}");
+    }
+}
+
+// ----- the table, kept in step with the controller's ports -----
+
+/// Which owner's value each element has (two ports may name one key: externalIPs of two
+/// Services; the first port's wins, as kube-proxy picks one).
+#[derive(Default)]
+struct Elements(BTreeMap<(String, String), BTreeMap<String, String>>);
+
+impl Elements {
+    fn value(&self, k: &(String, String)) -> Option<&String> {
+        self.0.get(k).and_then(|o| o.values().next())
+    }
+}
+
+#[derive(Default)]
+struct State {
+    ports: BTreeMap<String, pb::ServicePort>,
+    rendered: BTreeMap<String, Rendered>,
+    elements: Elements,
+    shared: BTreeSet<String>,
+    pod_cidrs: Vec<String>,
+    pods: BTreeSet<IpAddr>,
+    /// Whether a snapshot is in the kernel (until then every change writes the table anew).
+    synced: bool,
+}
+
+/// The node's Services: the ports applied and the table that serves them.
+pub struct Proxy {
+    node: String,
+    node_ips: Vec<IpAddr>,
+    st: Mutex<State>,
+    /// Runs a transaction (nft; replaced in unit tests).
+    run: crate::net::policy::Runner,
+}
+
+/// What one apply did, for metrics and status.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Applied {
+    pub seconds: f64,
+    pub whole_table: bool,
+}
+
+impl Proxy {
+    pub fn new(node: &str, node_ips: Vec<IpAddr>) -> Self {
+        Self::with_runner(node, node_ips, Box::new(crate::net::policy::nft))
+    }
+
+    pub fn with_runner(node: &str, node_ips: Vec<IpAddr>, run: crate::net::policy::Runner) -> Self {
+        Proxy { node: node.to_string(), node_ips, st: Mutex::default(), run }
+    }
+
+    /// The ports in force, by id.
+    pub fn ports(&self) -> BTreeMap<String, pb::ServicePort> {
+        self.st.lock().unwrap().ports.clone()
+    }
+
+    /// (services, ports, endpoints) programmed.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        let st = self.st.lock().unwrap();
+        let services: BTreeSet<&str> = st.ports.keys().map(|id| id.rsplitn(3, '/').last().unwrap_or(id)).collect();
+        (services.len(), st.ports.len(), st.ports.values().map(|p| p.endpoints.len()).sum())
+    }
+
+    /// A snapshot (`replace`) or changes from the controller, in force when this returns.
+    pub fn apply(
+        &self,
+        replace: bool,
+        pod_cidrs: Option<&[String]>,
+        ports: &[pb::ServicePort],
+        removed: &[String],
+    ) -> Result<Applied, String> {
+        let started = Instant::now();
+        let mut st = self.st.lock().unwrap();
+        if let Some(c) = pod_cidrs {
+            st.pod_cidrs = c.to_vec();
+        }
+        let whole = replace || !st.synced;
+        let mut next = if replace { BTreeMap::new() } else { st.ports.clone() };
+        for id in removed {
+            next.remove(id);
+        }
+        for p in ports {
+            next.insert(p.id.clone(), p.clone());
+        }
+        let mut result = Ok(());
+        if !whole {
+            let touched: Vec<String> = removed.iter().chain(ports.iter().map(|p| &p.id)).cloned().collect();
+            let script = self.changes(&mut st, &next, &touched);
+            result = (self.run)(&script);
+            if let Err(e) = &result {
+                tracing::warn!(error = %e, "service change refused; writing the table anew");
+            }
+        }
+        if whole || result.is_err() {
+            let (script, rendered, elements, shared) = self.whole(&st, &next);
+            if let Err(e) = (self.run)(&script) {
+                // Whatever the kernel holds now, the next change writes the whole table.
+                st.synced = false;
+                return Err(e);
+            }
+            (st.rendered, st.elements, st.shared) = (rendered, elements, shared);
+        }
+        let touched: BTreeSet<&String> = removed.iter().chain(ports.iter().map(|p| &p.id)).collect();
+        let stale: Vec<Vec<String>> =
+            touched.iter().flat_map(|id| stale_udp_flows(st.ports.get(*id), next.get(*id))).collect();
+        st.ports = next;
+        st.synced = true;
+        drop(st);
+        for args in &stale {
+            forget_flows(args);
+        }
+        Ok(Applied { seconds: started.elapsed().as_secs_f64(), whole_table: whole })
+    }
+
+    /// A pod of this node came or went: its hairpin pair.
+    pub fn pod(&self, ip: IpAddr, present: bool) -> Result<(), String> {
+        let mut st = self.st.lock().unwrap();
+        let changed = if present { st.pods.insert(ip) } else { st.pods.remove(&ip) };
+        if !changed || !st.synced {
+            return Ok(());
+        }
+        let verb = if present { "add" } else { "delete" };
+        (self.run)(&format!("{verb} element inet {TABLE} self{} {{ {ip} . {ip} }}\n", Fam::of(&ip).n()))
+    }
+
+    /// The pods of this node at start (before the first snapshot).
+    pub fn set_pods(&self, pods: BTreeSet<IpAddr>) {
+        self.st.lock().unwrap().pods = pods;
+    }
+
+    /// Remove the table (Services turned off, or left to kube-proxy).
+    pub fn remove(&self) -> Result<(), String> {
+        let mut st = self.st.lock().unwrap();
+        (self.run)(&format!("table inet {TABLE}\ndelete table inet {TABLE}\n"))?;
+        *st = State { pods: std::mem::take(&mut st.pods), ..State::default() };
+        Ok(())
+    }
+
+    /// The whole table for `ports`.
+    fn whole(
+        &self,
+        st: &State,
+        ports: &BTreeMap<String, pb::ServicePort>,
+    ) -> (String, BTreeMap<String, Rendered>, Elements, BTreeSet<String>) {
+        let mut s = format!("table inet {TABLE}\ndelete table inet {TABLE}\n");
+        s.push_str(&render_base(&st.pod_cidrs, &self.node_ips, &st.pods));
+        let mut rendered = BTreeMap::new();
+        let mut elements = Elements::default();
+        let mut shared = BTreeSet::new();
+        for (id, p) in ports {
+            let r = render(p, &self.node);
+            for (m, k, v) in &r.elements {
+                elements.0.entry((m.clone(), k.clone())).or_default().insert(id.clone(), v.clone());
+            }
+            shared.extend(r.shared.iter().cloned());
+            rendered.insert(id.clone(), r);
+        }
+        for name in shared_order(&shared) {
+            shared_chain(&mut s, &name);
+        }
+        for r in rendered.values() {
+            write_sets_and_chains(&mut s, r, &[], &BTreeMap::new());
+        }
+        let mut by_map: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+        for (m, k) in elements.0.keys() {
+            let v = elements.value(&(m.clone(), k.clone())).expect("an owner");
+            by_map.entry(m).or_default().push(if v.is_empty() { k.clone() } else { format!("{k} : {v}") });
+        }
+        for (m, items) in by_map {
+            for chunk in items.chunks(4096) {
+                let _ = writeln!(s, "add element inet {TABLE} {m} {{ {} }}", chunk.join(", "));
+            }
+        }
+        (s, rendered, elements, shared)
+    }
+
+    /// The transaction that brings the table from `st` to `next` for the ports `touched`;
+    /// updates `st`'s bookkeeping to match.
+    fn changes(&self, st: &mut State, next: &BTreeMap<String, pb::ServicePort>, touched: &[String]) -> String {
+        let mut s = String::new();
+        let mut keys: BTreeSet<(String, String)> = BTreeSet::new();
+        let mut gone_chains: Vec<String> = Vec::new();
+        let mut gone_sets: Vec<String> = Vec::new();
+        let mut before: BTreeMap<(String, String), Option<String>> = BTreeMap::new();
+        let mut news: Vec<Rendered> = Vec::new();
+        let mut olds: Vec<Rendered> = Vec::new();
+        for id in touched.iter().collect::<BTreeSet<_>>() {
+            let old = st.rendered.remove(id).unwrap_or_default();
+            let new = next.get(id).map(|p| render(p, &self.node)).unwrap_or_default();
+            for (m, k, _) in old.elements.iter().chain(new.elements.iter()) {
+                let key = (m.clone(), k.clone());
+                before.entry(key.clone()).or_insert_with(|| st.elements.value(&key).cloned());
+                keys.insert(key);
+            }
+            for (m, k, _) in &old.elements {
+                if let Some(o) = st.elements.0.get_mut(&(m.clone(), k.clone())) {
+                    o.remove(id.as_str());
+                    if o.is_empty() {
+                        st.elements.0.remove(&(m.clone(), k.clone()));
+                    }
+                }
+            }
+            for (m, k, v) in &new.elements {
+                st.elements.0.entry((m.clone(), k.clone())).or_default().insert(id.clone(), v.clone());
+            }
+            let new_chains: BTreeSet<&String> = new.chains.iter().map(|(n, _)| n).collect();
+            gone_chains.extend(old.chains.iter().rev().map(|(n, _)| n).filter(|n| !new_chains.contains(n)).cloned());
+            let new_sets: BTreeSet<&String> = new.sets.iter().map(|(n, _)| n).collect();
+            gone_sets.extend(old.sets.iter().map(|(n, _)| n).filter(|n| !new_sets.contains(n)).cloned());
+            if next.contains_key(id) {
+                st.rendered.insert(id.clone(), new.clone());
+            }
+            news.push(new);
+            olds.push(old);
+        }
+        let wanted: BTreeSet<String> = news.iter().flat_map(|r| r.shared.iter().cloned()).collect();
+        for name in shared_order(&wanted) {
+            if st.shared.insert(name.clone()) {
+                shared_chain(&mut s, &name);
+            }
+        }
+        for (new, old) in news.iter().zip(&olds) {
+            let old_chains: BTreeMap<&String, &Vec<String>> = old.chains.iter().map(|(n, r)| (n, r)).collect();
+            let old_sets: Vec<&String> = old.sets.iter().map(|(n, _)| n).collect();
+            write_sets_and_chains(&mut s, new, &old_sets, &old_chains);
+        }
+        // Elements: removed or changed first, then added or changed.
+        let mut dels: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+        let mut adds: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+        for key in &keys {
+            let (was, now) = (before.get(key).cloned().flatten(), st.elements.value(key).cloned());
+            if was == now {
+                continue;
+            }
+            if was.is_some() {
+                dels.entry(&key.0).or_default().push(key.1.clone());
+            }
+            if let Some(v) = now {
+                adds.entry(&key.0).or_default().push(if v.is_empty() {
+                    key.1.clone()
+                } else {
+                    format!("{} : {v}", key.1)
+                });
+            }
+        }
+        for (m, items) in dels {
+            let _ = writeln!(s, "delete element inet {TABLE} {m} {{ {} }}", items.join(", "));
+        }
+        for (m, items) in adds {
+            let _ = writeln!(s, "add element inet {TABLE} {m} {{ {} }}", items.join(", "));
+        }
+        for c in &gone_chains {
+            let _ = writeln!(s, "flush chain inet {TABLE} {c}");
+        }
+        for c in &gone_chains {
+            let _ = writeln!(s, "delete chain inet {TABLE} {c}");
+        }
+        for set in &gone_sets {
+            let _ = writeln!(s, "delete set inet {TABLE} {set}");
+        }
+        s
+    }
+}
+
+/// Shared chains in an order that makes each before the chains that go to it (`xclb4_2`
+/// goes to `lb4_2`).
+fn shared_order(names: &BTreeSet<String>) -> Vec<String> {
+    let mut all: BTreeSet<String> = names.clone();
+    for n in names {
+        if let Some(inner) = n.strip_prefix("xc") {
+            all.insert(inner.to_string());
+        }
+    }
+    let (wrappers, plain): (Vec<String>, Vec<String>) = all.into_iter().partition(|n| n.starts_with("xc"));
+    plain.into_iter().chain(wrappers).collect()
+}
+
+/// The port's sets and chains: new ones added, changed ones flushed and filled again,
+/// unchanged ones left (`old_*`: what the port had).
+fn write_sets_and_chains(
+    s: &mut String,
+    r: &Rendered,
+    old_sets: &[&String],
+    old_chains: &BTreeMap<&String, &Vec<String>>,
+) {
+    for (name, decl) in &r.sets {
+        if !old_sets.contains(&name) {
+            let _ = writeln!(s, "add set inet {TABLE} {name} {{ {decl} }}");
+        }
+    }
+    for (name, _) in &r.chains {
+        if !old_chains.contains_key(name) {
+            let _ = writeln!(s, "add chain inet {TABLE} {name}");
+        }
+    }
+    for (name, rules) in &r.chains {
+        match old_chains.get(name) {
+            Some(old) if *old == rules => continue,
+            Some(_) => {
+                let _ = writeln!(s, "flush chain inet {TABLE} {name}");
+            }
+            None => {}
+        }
+        for rule in rules {
+            let _ = writeln!(s, "add rule inet {TABLE} {name} {rule}");
+        }
+    }
+}
+
+/// The UDP flows a change leaves pointing the wrong way (UDP has no end, so conntrack keeps
+/// sending a flow where it was first sent): as kube-proxy, `conntrack -D` argument lists for
+/// the flows to a port that went away, to an endpoint that went away, and to a port that had
+/// no endpoint (its flows were never translated) and now has one.
+pub fn stale_udp_flows(old: Option<&pb::ServicePort>, new: Option<&pb::ServicePort>) -> Vec<Vec<String>> {
+    let Some(old) = old.filter(|p| p.protocol == pb::Protocol::Udp as i32) else { return Vec::new() };
+    let vips: Vec<&String> = old.cluster_ips.iter().chain(&old.external_ips).collect();
+    let flows = |vip: &str, port: u32| {
+        vec!["-p".into(), "udp".into(), "--orig-dst".into(), vip.into(), "--orig-port-dst".into(), port.to_string()]
+    };
+    let mut out = Vec::new();
+    let Some(new) = new else {
+        out.extend(vips.iter().map(|v| flows(v, old.port)));
+        if old.node_port > 0 {
+            out.push(vec!["-p".into(), "udp".into(), "--orig-port-dst".into(), old.node_port.to_string()]);
+        }
+        return out;
+    };
+    let eps = |p: &pb::ServicePort| -> BTreeSet<(String, u32)> {
+        p.endpoints.iter().filter(|e| e.ready || (e.serving && e.terminating)).map(|e| (e.ip.clone(), e.port)).collect()
+    };
+    let (before, after) = (eps(old), eps(new));
+    for vip in &vips {
+        if before.is_empty() && !after.is_empty() {
+            out.push(flows(vip, old.port));
+            continue;
+        }
+        for (ip, port) in before.difference(&after) {
+            let mut f = flows(vip, old.port);
+            f.extend(["--reply-src".into(), ip.clone(), "--reply-port-src".into(), port.to_string()]);
+            out.push(f);
+        }
+    }
+    out
+}
+
+/// Delete conntrack entries (`conntrack -D ARGS`); none to delete is fine.
+fn forget_flows(args: &[String]) {
+    match std::process::Command::new("conntrack").arg("-D").args(args).output() {
+        Ok(o) if o.status.success() || o.status.code() == Some(1) => {}
+        Ok(o) => tracing::warn!(args = ?args, error = %String::from_utf8_lossy(&o.stderr).trim(), "conntrack -D"),
+        Err(e) => tracing::warn!(error = %e, "running conntrack (stale UDP flows stay until they time out)"),
+    }
+}
+
+/// Whether kube-proxy (or another proxy of its family) programs this node: its nftables
+/// tables, or its iptables chains through iptables-nft. Returns what was found.
+pub fn kube_proxy_present() -> Option<String> {
+    let out = std::process::Command::new("nft").args(["list", "tables"]).output().ok()?;
+    let tables = String::from_utf8_lossy(&out.stdout);
+    for t in ["ip kube-proxy", "ip6 kube-proxy"] {
+        if tables.lines().any(|l| l.trim() == format!("table {t}")) {
+            return Some(format!("nftables table {t}"));
+        }
+    }
+    for fam in ["ip", "ip6"] {
+        if tables.lines().any(|l| l.trim() == format!("table {fam} nat")) {
+            let ok = std::process::Command::new("nft")
+                .args(["list", "chain", fam, "nat", "KUBE-SERVICES"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if ok {
+                return Some(format!("iptables chain KUBE-SERVICES ({fam} nat)"));
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+#[path = "services_tests.rs"]
+mod tests;
