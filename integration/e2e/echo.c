@@ -78,9 +78,12 @@ static void *serve_udp(void *arg) {
 
 static void ask_once(const struct sockaddr *to, socklen_t to_len, int udp, int connect_only) {
     int s = socket(to->sa_family, udp ? SOCK_DGRAM : SOCK_STREAM, 0);
-    struct timeval tv = {.tv_sec = 1};
-    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    /* connect(2) waits up to 3 s (SO_SNDTIMEO): a reject from the node can come back while
+       connect still holds the socket's lock, and the kernel keeps that error soft until the
+       SYN is sent again after 1 s. An answer is waited for 1 s. */
+    struct timeval answer = {.tv_sec = 1}, handshake = {.tv_sec = 3};
+    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &answer, sizeof answer);
+    setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &handshake, sizeof handshake);
     char buf[512];
     ssize_t n = -1;
     int made = connect(s, to, to_len) == 0;
