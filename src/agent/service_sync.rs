@@ -217,7 +217,7 @@ impl ServiceClient {
         revision: u64,
     ) -> Result<(), String> {
         let proxy = self.proxy.clone();
-        let applied = tokio::task::spawn_blocking(move || proxy.apply(replace, pod_cidrs.as_deref(), &ports, &removed))
+        let applied = tokio::task::spawn_blocking(move || proxy.apply(replace, pod_cidrs.as_deref(), ports, removed))
             .await
             .map_err(|e| e.to_string())?;
         let applied = match applied {

@@ -440,13 +440,37 @@ impl Elements {
 #[derive(Default)]
 struct State {
     ports: BTreeMap<String, pb::ServicePort>,
-    rendered: BTreeMap<String, Rendered>,
+    /// Ports per Service and endpoints in all: kept as ports come and go, so that reading
+    /// them (every metrics scrape) costs nothing with 100,000 Services.
+    services: BTreeMap<String, usize>,
+    endpoints: usize,
     elements: Elements,
     shared: BTreeSet<String>,
     pod_cidrs: Vec<String>,
     pods: BTreeSet<IpAddr>,
     /// Whether a snapshot is in the kernel (until then every change writes the table anew).
     synced: bool,
+}
+
+impl State {
+    /// Put `port` in force under `id` (None: remove it), keeping the counts.
+    fn set_port(&mut self, id: String, port: Option<pb::ServicePort>) {
+        let service = id.rsplitn(3, '/').last().unwrap_or(&id).to_string();
+        if let Some(old) = self.ports.remove(&id) {
+            self.endpoints -= old.endpoints.len();
+            if let Some(n) = self.services.get_mut(&service) {
+                *n -= 1;
+                if *n == 0 {
+                    self.services.remove(&service);
+                }
+            }
+        }
+        if let Some(p) = port {
+            self.endpoints += p.endpoints.len();
+            *self.services.entry(service).or_default() += 1;
+            self.ports.insert(id, p);
+        }
+    }
 }
 
 /// The node's Services: the ports applied and the table that serves them.
@@ -482,8 +506,7 @@ impl Proxy {
     /// (services, ports, endpoints) programmed.
     pub fn counts(&self) -> (usize, usize, usize) {
         let st = self.st.lock().unwrap();
-        let services: BTreeSet<&str> = st.ports.keys().map(|id| id.rsplitn(3, '/').last().unwrap_or(id)).collect();
-        (services.len(), st.ports.len(), st.ports.values().map(|p| p.endpoints.len()).sum())
+        (st.services.len(), st.ports.len(), st.endpoints)
     }
 
     /// A snapshot (`replace`) or changes from the controller, in force when this returns.
@@ -491,8 +514,8 @@ impl Proxy {
         &self,
         replace: bool,
         pod_cidrs: Option<&[String]>,
-        ports: &[pb::ServicePort],
-        removed: &[String],
+        ports: Vec<pb::ServicePort>,
+        removed: Vec<String>,
     ) -> Result<Applied, String> {
         let started = Instant::now();
         let mut st = self.st.lock().unwrap();
@@ -500,35 +523,46 @@ impl Proxy {
             st.pod_cidrs = c.to_vec();
         }
         let whole = replace || !st.synced;
-        let mut next = if replace { BTreeMap::new() } else { st.ports.clone() };
-        for id in removed {
-            next.remove(id);
-        }
+        // The touched ports as they will be (None: removed). A change never copies the
+        // ports it does not touch: its cost must not grow with the number of Services.
+        let mut updates: BTreeMap<String, Option<pb::ServicePort>> = removed.into_iter().map(|id| (id, None)).collect();
         for p in ports {
-            next.insert(p.id.clone(), p.clone());
+            updates.insert(p.id.clone(), Some(p));
         }
         let mut result = Ok(());
         if !whole {
-            let touched: Vec<String> = removed.iter().chain(ports.iter().map(|p| &p.id)).cloned().collect();
-            let script = self.changes(&mut st, &next, &touched);
+            let script = self.changes(&mut st, &updates);
             result = (self.run)(&script);
             if let Err(e) = &result {
                 tracing::warn!(error = %e, "service change refused; writing the table anew");
             }
         }
         if whole || result.is_err() {
-            let (script, rendered, elements, shared) = self.whole(&st, &next);
+            let mut next = if replace { BTreeMap::new() } else { st.ports.clone() };
+            for (id, p) in &updates {
+                match p {
+                    Some(p) => next.insert(id.clone(), p.clone()),
+                    None => next.remove(id),
+                };
+            }
+            let (script, elements, shared) = self.whole(&st, &next);
             if let Err(e) = (self.run)(&script) {
                 // Whatever the kernel holds now, the next change writes the whole table.
                 st.synced = false;
                 return Err(e);
             }
-            (st.rendered, st.elements, st.shared) = (rendered, elements, shared);
+            (st.elements, st.shared) = (elements, shared);
         }
-        let touched: BTreeSet<&String> = removed.iter().chain(ports.iter().map(|p| &p.id)).collect();
         let stale: Vec<Vec<String>> =
-            touched.iter().flat_map(|id| stale_udp_flows(st.ports.get(*id), next.get(*id))).collect();
-        st.ports = next;
+            updates.iter().flat_map(|(id, p)| stale_udp_flows(st.ports.get(id), p.as_ref())).collect();
+        if replace {
+            st.ports.clear();
+            st.services.clear();
+            st.endpoints = 0;
+        }
+        for (id, p) in updates {
+            st.set_port(id, p);
+        }
         st.synced = true;
         drop(st);
         for args in &stale {
@@ -562,14 +596,10 @@ impl Proxy {
     }
 
     /// The whole table for `ports`.
-    fn whole(
-        &self,
-        st: &State,
-        ports: &BTreeMap<String, pb::ServicePort>,
-    ) -> (String, BTreeMap<String, Rendered>, Elements, BTreeSet<String>) {
+    fn whole(&self, st: &State, ports: &BTreeMap<String, pb::ServicePort>) -> (String, Elements, BTreeSet<String>) {
         let mut s = format!("table inet {TABLE}\ndelete table inet {TABLE}\n");
         s.push_str(&render_base(&st.pod_cidrs, &self.node_ips, &st.pods));
-        let mut rendered = BTreeMap::new();
+        let mut rendered = Vec::with_capacity(ports.len());
         let mut elements = Elements::default();
         let mut shared = BTreeSet::new();
         for (id, p) in ports {
@@ -578,12 +608,12 @@ impl Proxy {
                 elements.0.entry((m.clone(), k.clone())).or_default().insert(id.clone(), v.clone());
             }
             shared.extend(r.shared.iter().cloned());
-            rendered.insert(id.clone(), r);
+            rendered.push(r);
         }
         for name in shared_order(&shared) {
             shared_chain(&mut s, &name);
         }
-        for r in rendered.values() {
+        for r in &rendered {
             write_sets_and_chains(&mut s, r, &[], &BTreeMap::new());
         }
         let mut by_map: BTreeMap<&str, Vec<String>> = BTreeMap::new();
@@ -596,12 +626,12 @@ impl Proxy {
                 let _ = writeln!(s, "add element inet {TABLE} {m} {{ {} }}", chunk.join(", "));
             }
         }
-        (s, rendered, elements, shared)
+        (s, elements, shared)
     }
 
-    /// The transaction that brings the table from `st` to `next` for the ports `touched`;
-    /// updates `st`'s bookkeeping to match.
-    fn changes(&self, st: &mut State, next: &BTreeMap<String, pb::ServicePort>, touched: &[String]) -> String {
+    /// The transaction that brings the table from `st` to `updates` (the ports touched, as
+    /// they will be); updates `st`'s element bookkeeping to match.
+    fn changes(&self, st: &mut State, updates: &BTreeMap<String, Option<pb::ServicePort>>) -> String {
         let mut s = String::new();
         let mut keys: BTreeSet<(String, String)> = BTreeSet::new();
         let mut gone_chains: Vec<String> = Vec::new();
@@ -609,9 +639,12 @@ impl Proxy {
         let mut before: BTreeMap<(String, String), Option<String>> = BTreeMap::new();
         let mut news: Vec<Rendered> = Vec::new();
         let mut olds: Vec<Rendered> = Vec::new();
-        for id in touched.iter().collect::<BTreeSet<_>>() {
-            let old = st.rendered.remove(id).unwrap_or_default();
-            let new = next.get(id).map(|p| render(p, &self.node)).unwrap_or_default();
+        for (id, next) in updates {
+            // What a port had in force is rendered again from it: rendering is a pure
+            // function of the port and the node, and keeping every port's rendering would
+            // double the agent's memory.
+            let old = st.ports.get(id).map(|p| render(p, &self.node)).unwrap_or_default();
+            let new = next.as_ref().map(|p| render(p, &self.node)).unwrap_or_default();
             for (m, k, _) in old.elements.iter().chain(new.elements.iter()) {
                 let key = (m.clone(), k.clone());
                 before.entry(key.clone()).or_insert_with(|| st.elements.value(&key).cloned());
@@ -632,9 +665,6 @@ impl Proxy {
             gone_chains.extend(old.chains.iter().rev().map(|(n, _)| n).filter(|n| !new_chains.contains(n)).cloned());
             let new_sets: BTreeSet<&String> = new.sets.iter().map(|(n, _)| n).collect();
             gone_sets.extend(old.sets.iter().map(|(n, _)| n).filter(|n| !new_sets.contains(n)).cloned());
-            if next.contains_key(id) {
-                st.rendered.insert(id.clone(), new.clone());
-            }
             news.push(new);
             olds.push(old);
         }

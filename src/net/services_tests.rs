@@ -78,11 +78,11 @@ fn a_change_of_one_service_writes_only_its_elements_whatever_the_number_of_servi
             )
         })
         .collect();
-    proxy.apply(true, Some(&["10.0.0.0/8".into()]), &many, &[]).unwrap();
+    proxy.apply(true, Some(&["10.0.0.0/8".into()]), many.clone(), vec![]).unwrap();
     assert!(log.lock().unwrap()[0].starts_with(&format!("table inet {TABLE}\ndelete table inet {TABLE}\n")));
     let mut changed = many[7].clone();
     changed.endpoints.push(ep("10.2.0.9", "n1", true, true, false));
-    proxy.apply(false, None, &[changed], &[]).unwrap();
+    proxy.apply(false, None, vec![changed], vec![]).unwrap();
     let script = log.lock().unwrap().last().unwrap().clone();
     assert!(!script.contains("delete table"), "{script}");
     assert!(script.contains("add chain inet nodeplane-svc lb4_2"), "{script}");
@@ -91,12 +91,21 @@ fn a_change_of_one_service_writes_only_its_elements_whatever_the_number_of_servi
     assert!(script.contains("10.96.0.8 . tcp . 80 . 1 : 10.2.0.9 . 8080"), "{script}");
     assert!(script.len() < 1000, "{} bytes for one change", script.len());
     // Removal takes its elements; the shared chain stays.
-    proxy.apply(false, None, &[], &["a/s7/TCP/".into()]).unwrap();
+    proxy.apply(false, None, vec![], vec!["a/s7/TCP/".into()]).unwrap();
     let script = log.lock().unwrap().last().unwrap().clone();
     assert!(script.contains("delete element inet nodeplane-svc vip4 { 10.96.0.8 . tcp . 80 }"), "{script}");
     assert!(script.contains("delete element inet nodeplane-svc clusterips4 { 10.96.0.8 }"), "{script}");
     assert!(!script.contains("add "), "{script}");
-    assert_eq!(proxy.counts().1, 1999);
+    assert_eq!(proxy.counts(), (1999, 1999, 1999));
+    // A second port of one Service counts once as a Service, its endpoints twice.
+    let mut second = many[8].clone();
+    second.id = "a/s8/UDP/".into();
+    second.protocol = pb::Protocol::Udp as i32;
+    proxy.apply(false, None, vec![second], vec![]).unwrap();
+    assert_eq!(proxy.counts(), (1999, 2000, 2000));
+    // A snapshot replaces everything, counts included.
+    proxy.apply(true, None, many[..3].to_vec(), vec![]).unwrap();
+    assert_eq!(proxy.counts(), (3, 3, 3));
 }
 
 #[test]
@@ -110,13 +119,13 @@ fn affinity_and_local_external_policy_get_chains_of_their_own_and_lose_them() {
     p.affinity_seconds = 60;
     p.node_port = 30000;
     p.external_local = true;
-    proxy.apply(true, Some(&[]), &[p.clone()], &[]).unwrap();
+    proxy.apply(true, Some(&[]), vec![p.clone()], vec![]).unwrap();
     let snap = log.lock().unwrap()[0].clone();
     assert!(snap.contains("flags dynamic,timeout; timeout 60s;"), "{snap}");
     assert!(snap.contains("update @s"), "{snap}");
     assert!(snap.contains("ip saddr @podnets4 goto s"), "{snap}");
     assert!(snap.contains("fib saddr type local meta mark set meta mark or 0x200000 goto s"), "{snap}");
-    proxy.apply(false, None, &[], &[p.id.clone()]).unwrap();
+    proxy.apply(false, None, vec![], vec![p.id.clone()]).unwrap();
     let gone = log.lock().unwrap().last().unwrap().clone();
     assert!(gone.contains("delete chain inet nodeplane-svc s"), "{gone}");
     assert!(gone.contains("delete set inet nodeplane-svc s"), "{gone}");
@@ -136,9 +145,9 @@ fn two_ports_naming_one_key_keep_the_first_until_it_goes() {
     );
     a.external_ips = vec!["203.0.113.9".into()];
     b.external_ips = vec!["203.0.113.9".into()];
-    proxy.apply(true, Some(&[]), &[a.clone(), b.clone()], &[]).unwrap();
+    proxy.apply(true, Some(&[]), vec![a.clone(), b.clone()], vec![]).unwrap();
     assert!(log.lock().unwrap()[0].contains("203.0.113.9 . tcp . 80 : goto xclb4_1"));
-    proxy.apply(false, None, &[], &[a.id.clone()]).unwrap();
+    proxy.apply(false, None, vec![], vec![a.id.clone()]).unwrap();
     let s = log.lock().unwrap().last().unwrap().clone();
     assert!(s.contains("add element inet nodeplane-svc vip4 { 203.0.113.9 . tcp . 80 : goto xclb4_2 }"), "{s}");
 }
@@ -155,8 +164,8 @@ fn a_refused_change_writes_the_table_anew() {
             if s.starts_with("table inet") { Ok(()) } else { Err("refused".into()) }
         }),
     );
-    proxy.apply(true, Some(&[]), &[port("a/b/TCP/", "10.96.0.1", vec![])], &[]).unwrap();
-    proxy.apply(false, None, &[port("a/c/TCP/", "10.96.0.2", vec![])], &[]).unwrap();
+    proxy.apply(true, Some(&[]), vec![port("a/b/TCP/", "10.96.0.1", vec![])], vec![]).unwrap();
+    proxy.apply(false, None, vec![port("a/c/TCP/", "10.96.0.2", vec![])], vec![]).unwrap();
     assert_eq!(*calls.lock().unwrap(), 3, "snapshot, refused change, whole table");
     assert_eq!(proxy.counts().1, 2);
 }
