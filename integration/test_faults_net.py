@@ -473,7 +473,8 @@ def test_node_reboot_in_cluster(make_cluster):
             run(["ip", "-n", b.ns.name, "link", "del", dev])
     for fam in ("-4", "-6"):
         run(["ip", "-n", b.ns.name, fam, "route", "flush", "proto", PROTO])
-    for table in (("inet", "nodeplane"), ("inet", "nodeplane-policy"), ("bridge", "nodeplane-antispoof")):
+    for table in (("inet", "nodeplane"), ("inet", "nodeplane-policy"), ("inet", "nodeplane-svc"),
+                  ("bridge", "nodeplane-antispoof")):
         nsrun(b.ns, ["nft", "delete", "table", *table])
     for key in ("net.ipv4.ip_forward=0", "net.ipv6.conf.all.forwarding=0"):
         nsrun(b.ns, ["sysctl", "-qw", key])

@@ -355,7 +355,7 @@ pub async fn serve(
     // What kubelet answered each plugin's registration (CSI, device plugins).
     let book = crate::kubelet::Registrations::new(cfg.kubelet_registration_grace, cfg.require_kubelet_registration);
     // Services (controller mode): the hairpin hook is in place before the first ADD is read.
-    let services = service_sync::install(&cfg, &dp);
+    let services = service_sync::install(&cfg);
     let (registry, cni_metrics) = metrics::build(metrics::Sources {
         node: cfg.node_name.clone(),
         dp: dp.clone(),

@@ -289,7 +289,7 @@ pub fn install(cfg: &Arc<Config>, dp: &Arc<Datapath>) -> Option<Arc<PolicyClient
     }
     *client.broken.lock().unwrap() = broken;
     let c = client.clone();
-    dp.add_pod_hook(Box::new(move |ev| c.on_event(ev)));
+    dp.set_pod_hook(Box::new(move |ev| c.on_event(ev)));
     Some(client)
 }
 

@@ -1,20 +1,17 @@
 //! Services, the agent's half: follow the controller's service ports (`WatchServices`: a
-//! snapshot, then changes) into the node's table ([`crate::net::services::Proxy`]), and keep
-//! the table's hairpin pairs in step with the pods the datapath attaches.
+//! snapshot, then changes) into the node's table ([`crate::net::services::Proxy`]).
 //!
 //! The agent reaches the controller by its configured address, never through a ClusterIP,
 //! so the Services it programs never stand between it and its controller. With
 //! `services: auto` (the default) a node where kube-proxy programs Services is left to it:
 //! the agent says so in status and logs and programs nothing (checked again every 30 s).
 
-use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::cluster::{authed, read_token};
 use super::config::{Config, ControllerConfig, ServicesMode};
-use crate::net::datapath::{Datapath, PodEvent};
 use crate::net::services::Proxy;
 use crate::obs::metrics::HistogramVec;
 use crate::rpc::controller as pb;
@@ -46,8 +43,8 @@ pub struct ServiceClient {
 }
 
 /// Set up Services on this node (controller mode, `services` not `off`): the proxy with the
-/// node's addresses and pods, and the datapath hook for pods coming and going.
-pub fn install(cfg: &Arc<Config>, dp: &Arc<Datapath>) -> Option<Arc<ServiceClient>> {
+/// node's addresses.
+pub fn install(cfg: &Arc<Config>) -> Option<Arc<ServiceClient>> {
     let cc = cfg.controller.clone()?;
     if cfg.services == ServicesMode::Off {
         tracing::info!("services: off: Services are not served on this node");
@@ -61,22 +58,6 @@ pub fn install(cfg: &Arc<Config>, dp: &Arc<Datapath>) -> Option<Arc<ServiceClien
         }
     }
     let proxy = Arc::new(Proxy::new(&cfg.node_name, cc.underlay_addresses.clone()));
-    let pods: std::collections::BTreeSet<IpAddr> =
-        dp.ipam().leases().into_iter().flat_map(|l| l.ips.into_iter().map(|n| n.ip())).collect();
-    proxy.set_pods(pods);
-    let p = proxy.clone();
-    dp.add_pod_hook(Box::new(move |ev| {
-        let (ips, present) = match ev {
-            PodEvent::Started { ips, .. } => (ips, true),
-            PodEvent::Stopped { ips, .. } => (ips, false),
-        };
-        for ip in ips {
-            if let Err(e) = p.pod(ip.ip(), present) {
-                tracing::warn!(ip = %ip.ip(), error = %e, "services: hairpin entry");
-            }
-        }
-        Ok(())
-    }));
     Some(Arc::new(ServiceClient {
         cfg: cfg.clone(),
         cc,

@@ -19,7 +19,7 @@
 //!                  @noep/@nonp (reject, or drop where a Local policy leaves none); other
 //!                  ports of a ClusterIP: reject
 //! chain nat-post   (nat postrouting): masquerade what was marked, and hairpin (a pod that
-//!                  reached itself through its Service: @self holds each local pod's pair)
+//!                  reached itself through its Service: @self holds each local endpoint's pair)
 //! ```
 //!
 //! So a change of one Service is a handful of element updates and, only for affinity or
@@ -232,6 +232,10 @@ pub fn render(p: &pb::ServicePort, node: &str) -> Rendered {
     let h = format!("{:012x}", crate::util::fnv1a(&[p.id.as_bytes()]) & 0xffff_ffff_ffff);
     let proto = proto_name(p.protocol);
     let mut keys: Vec<(Key, Target, bool)> = Vec::new();
+    // Hairpin: a pod of this node that is an endpoint may reach itself through the port.
+    for ip in p.endpoints.iter().filter(|e| e.node == node).filter_map(|e| e.ip.parse::<IpAddr>().ok()) {
+        r.elements.push((format!("self{}", Fam::of(&ip).n()), format!("{ip} . {ip}"), String::new()));
+    }
     for (ip, t) in &plan.cluster_ips {
         r.elements.push((format!("clusterips{}", Fam::of(ip).n()), ip.to_string(), String::new()));
         keys.push((Key { fam: Fam::of(ip), addr: Some(*ip), proto, port: p.port }, t.clone(), false));
@@ -371,7 +375,7 @@ fn shared_rules(name: &str) -> Vec<String> {
 }
 
 /// The table without any service: sets, maps and base chains.
-pub fn render_base(pod_cidrs: &[String], node_ips: &[IpAddr], pods: &BTreeSet<IpAddr>) -> String {
+pub fn render_base(pod_cidrs: &[String], node_ips: &[IpAddr]) -> String {
     let mut s = format!("table inet {TABLE} {{\n");
     for fam in [Fam::V4, Fam::V6] {
         let (n, ip, t) = (fam.n(), fam.ip(), fam.addr_type());
@@ -403,7 +407,6 @@ pub fn render_base(pod_cidrs: &[String], node_ips: &[IpAddr], pods: &BTreeSet<Ip
             cidrs.iter().filter(|c| of(&c.ip())).map(|c| c.to_string()),
         );
         add_elements(&mut s, &format!("nodeips{}", fam.n()), node_ips.iter().filter(|i| of(i)).map(|i| i.to_string()));
-        add_elements(&mut s, &format!("self{}", fam.n()), pods.iter().filter(|i| of(i)).map(|i| format!("{i} . {i}")));
     }
     s
 }
@@ -447,7 +450,6 @@ struct State {
     elements: Elements,
     shared: BTreeSet<String>,
     pod_cidrs: Vec<String>,
-    pods: BTreeSet<IpAddr>,
     /// Whether a snapshot is in the kernel (until then every change writes the table anew).
     synced: bool,
 }
@@ -571,34 +573,18 @@ impl Proxy {
         Ok(Applied { seconds: started.elapsed().as_secs_f64(), whole_table: whole })
     }
 
-    /// A pod of this node came or went: its hairpin pair.
-    pub fn pod(&self, ip: IpAddr, present: bool) -> Result<(), String> {
-        let mut st = self.st.lock().unwrap();
-        let changed = if present { st.pods.insert(ip) } else { st.pods.remove(&ip) };
-        if !changed || !st.synced {
-            return Ok(());
-        }
-        let verb = if present { "add" } else { "delete" };
-        (self.run)(&format!("{verb} element inet {TABLE} self{} {{ {ip} . {ip} }}\n", Fam::of(&ip).n()))
-    }
-
-    /// The pods of this node at start (before the first snapshot).
-    pub fn set_pods(&self, pods: BTreeSet<IpAddr>) {
-        self.st.lock().unwrap().pods = pods;
-    }
-
     /// Remove the table (Services turned off, or left to kube-proxy).
     pub fn remove(&self) -> Result<(), String> {
         let mut st = self.st.lock().unwrap();
         (self.run)(&format!("table inet {TABLE}\ndelete table inet {TABLE}\n"))?;
-        *st = State { pods: std::mem::take(&mut st.pods), ..State::default() };
+        *st = State::default();
         Ok(())
     }
 
     /// The whole table for `ports`.
     fn whole(&self, st: &State, ports: &BTreeMap<String, pb::ServicePort>) -> (String, Elements, BTreeSet<String>) {
         let mut s = format!("table inet {TABLE}\ndelete table inet {TABLE}\n");
-        s.push_str(&render_base(&st.pod_cidrs, &self.node_ips, &st.pods));
+        s.push_str(&render_base(&st.pod_cidrs, &self.node_ips));
         let mut rendered = Vec::with_capacity(ports.len());
         let mut elements = Elements::default();
         let mut shared = BTreeSet::new();

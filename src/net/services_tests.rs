@@ -89,6 +89,8 @@ fn a_change_of_one_service_writes_only_its_elements_whatever_the_number_of_servi
     assert!(script.contains("delete element inet nodeplane-svc vip4 { 10.96.0.8 . tcp . 80 }"), "{script}");
     assert!(script.contains("add element inet nodeplane-svc vip4 { 10.96.0.8 . tcp . 80 : goto lb4_2 }"), "{script}");
     assert!(script.contains("10.96.0.8 . tcp . 80 . 1 : 10.2.0.9 . 8080"), "{script}");
+    // The new endpoint is on this node: it may reach itself through the port (hairpin).
+    assert!(script.contains("add element inet nodeplane-svc self4 { 10.2.0.9 . 10.2.0.9 }"), "{script}");
     assert!(script.len() < 1000, "{} bytes for one change", script.len());
     // Removal takes its elements; the shared chain stays.
     proxy.apply(false, None, vec![], vec!["a/s7/TCP/".into()]).unwrap();

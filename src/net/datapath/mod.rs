@@ -208,10 +208,10 @@ pub enum PodEvent<'a> {
     /// Attached (before the ADD returns; an error undoes the ADD).
     Started { pod: &'a str, host_if: &'a str, ips: &'a [IpNetwork] },
     /// Detached (errors are logged: the pod is gone either way).
-    Stopped { pod: &'a str, host_if: &'a str, ips: &'a [IpNetwork] },
+    Stopped { pod: &'a str, host_if: &'a str },
 }
 
-/// Called with every [`PodEvent`]; installed by the agent (NetworkPolicy, Services).
+/// Called with every [`PodEvent`]; installed by the agent when policy is enforced.
 pub type PodHook = Box<dyn Fn(PodEvent<'_>) -> Result<(), String> + Send + Sync>;
 
 /// Publishes the node's network to the runtime, once it has a block: the agent installs the
@@ -231,7 +231,7 @@ pub struct Datapath {
     /// The conflist is written once the node has a block (it is then ready for ADD).
     conflist_written: std::sync::atomic::AtomicBool,
     block_source: std::sync::OnceLock<BlockSource>,
-    pod_hooks: std::sync::RwLock<Vec<PodHook>>,
+    pod_hook: std::sync::OnceLock<PodHook>,
     /// Where the time of ADD and CHECK goes, step by step (the agent exports it).
     pub steps: Arc<HistogramVec>,
 }
@@ -261,7 +261,7 @@ impl Datapath {
             cluster_cidrs: Mutex::new(cluster),
             conflist_written: Default::default(),
             block_source: Default::default(),
-            pod_hooks: Default::default(),
+            pod_hook: Default::default(),
             steps: HistogramVec::new(
                 STEPS_METRIC,
                 "Time of each step of a CNI request inside the agent, by command and step.",
@@ -281,10 +281,9 @@ impl Datapath {
         let _ = self.block_source.set(source);
     }
 
-    /// Add a pod hook (NetworkPolicy enforcement, Services' hairpin); hooks run in the order
-    /// they were added.
-    pub fn add_pod_hook(&self, hook: PodHook) {
-        self.pod_hooks.write().unwrap().push(hook);
+    /// Install the pod hook (NetworkPolicy enforcement).
+    pub fn set_pod_hook(&self, hook: PodHook) {
+        let _ = self.pod_hook.set(hook);
     }
 
     /// Is the node ready for ADD (has a block, conflist written)?
@@ -576,21 +575,15 @@ impl Datapath {
                     self.undo_add(&mut *nl, owner, &host_if);
                 })?;
                 steps.mark("commit");
-                let hooks = self.pod_hooks.read().unwrap();
-                for (i, hook) in hooks.iter().enumerate() {
+                if let Some(hook) = self.pod_hook.get() {
                     let ev = PodEvent::Started { pod: &lease.pod, host_if: &host_if, ips: &lease.ips };
                     if let Err(e) = hook(ev) {
                         self.undo_add(&mut *nl, owner, &host_if);
-                        for h in &hooks[..=i] {
-                            let _ = h(PodEvent::Stopped { pod: &lease.pod, host_if: &host_if, ips: &lease.ips });
-                        }
+                        let _ = hook(PodEvent::Stopped { pod: &lease.pod, host_if: &host_if });
                         return Err(NetError::Policy(e));
                     }
-                }
-                if !hooks.is_empty() {
                     steps.mark("policy");
                 }
-                drop(hooks);
                 tracing::info!(
                     container = %owner.container_id, ifname = %owner.ifname, pod = %lease.pod,
                     ips = %fmt_ips(&lease.ips), host_if = %host_if, "attached"
@@ -770,13 +763,10 @@ impl Datapath {
         let _ = std::fs::remove_file(pending);
         steps.mark("release");
         if let Some(l) = released {
-            let hooks = self.pod_hooks.read().unwrap();
-            for hook in hooks.iter() {
-                if let Err(e) = hook(PodEvent::Stopped { pod: &l.pod, host_if: &l.host_if, ips: &l.ips }) {
-                    tracing::warn!(pod = %l.pod, error = %e, "pod stopped: a hook failed");
+            if let Some(hook) = self.pod_hook.get() {
+                if let Err(e) = hook(PodEvent::Stopped { pod: &l.pod, host_if: &l.host_if }) {
+                    tracing::warn!(pod = %l.pod, error = %e, "policy: pod stopped");
                 }
-            }
-            if !hooks.is_empty() {
                 steps.mark("policy");
             }
             tracing::info!(container = %owner.container_id, ifname = %owner.ifname, pod = %l.pod, ips = %fmt_ips(&l.ips), "detached");
