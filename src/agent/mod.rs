@@ -8,6 +8,7 @@ pub mod config;
 pub mod device_sync;
 pub mod install;
 mod kernel;
+mod leftovers;
 pub mod metrics;
 pub mod policy_sync;
 mod readiness;
@@ -93,6 +94,7 @@ pub fn prepare(
 ) -> Result<(Arc<Config>, Arc<Datapath>, std::os::unix::net::UnixListener, fs::File), AgentError> {
     let cfg = Arc::new(cfg);
     let lock = lock_state_dir(&cfg.state_dir, STATE_LOCK_WAIT)?;
+    leftovers::remove(&leftovers::paths(&cfg));
 
     let boot_id = crate::sys::fs::read_boot_id(&cfg.boot_id_file).map_err(io_ctx("reading boot id"))?;
     let boot_file = cfg.state_dir.join("boot_id");
