@@ -519,7 +519,8 @@ def test_source_runs_no_shell():
         assert not named, f"{f}: a string naming a shell: {named}"
         assert '"-c"' not in text, f'{f}: a "-c" argument'
     assert sites == {"net/masquerade.rs": ['"nft"'], "agent/install.rs": ["&bin"], "sys/fstools.rs": ["tool"],
-                     "net/policy.rs": ['"nft"', '"nft"']}, sites
+                     "net/policy.rs": ['"nft"', '"nft"'], "sys/features.rs": ['"nft"'],
+                     "net/services.rs": ['"conntrack"', '"nft"', '"nft"']}, sites
     tools = re.findall(r'\brun\(\s*"([^"]+)"', (src / "sys/fstools.rs").read_text())
     assert tools and not {os.path.basename(t) for t in tools} & SHELLS, tools
     print(f"\nCommand::new sites: {sites}; sys/fstools.rs tools: {sorted(set(tools))}")

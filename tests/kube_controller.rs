@@ -1685,7 +1685,12 @@ fn policy_answers_wait_until_the_objects_are_listed() {
             && ev["objectRef"]["resource"] == "networkpolicies"
             && ev["user"]["username"] == CONTROLLER_USER
     };
-    hook.arm(first_policy_list, Box::new(move || drop(held.recv_timeout(Duration::from_secs(30)))));
+    hook.arm(
+        first_policy_list,
+        Box::new(move || {
+            let _ = held.recv_timeout(Duration::from_secs(30));
+        }),
+    );
     let ctl = controller(&dir, &kubeconfig, "ctl");
     wait_until("controller ready", Duration::from_secs(20), || http_get(ctl.health, "/readyz") == Some(200));
     wait_until("its NetworkPolicy list held", Duration::from_secs(20), || hook.spent());

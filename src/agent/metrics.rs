@@ -60,7 +60,6 @@ pub fn build(src: Sources) -> (Arc<Registry>, Arc<CniMetrics>) {
         ),
     });
     registry.register_histogram(src.dp.steps.clone());
-    registry.register_histogram(src.dp.steps.clone());
     if let Some(s) = &src.services {
         registry.register_histogram(s.sync_seconds.clone());
     }

@@ -855,13 +855,6 @@ impl Routes {
         Ok(Routes { cfg, nl, vtep: None, peers: BTreeMap::new(), applied: None })
     }
 
-    /// Like [`Routes::new`], on a socket already bound to the target namespace
-    /// (e.g. from [`crate::sys::netns::Netns::netlink`]).
-    pub fn with_netlink(cfg: RouteConfig, nl: Netlink) -> Result<Self, RoutesError> {
-        cfg.validate()?;
-        Ok(Routes { cfg, nl, vtep: None, peers: BTreeMap::new(), applied: None })
-    }
-
     pub fn config(&self) -> &RouteConfig {
         &self.cfg
     }

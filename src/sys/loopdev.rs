@@ -220,24 +220,6 @@ pub fn device_size(device: &Path) -> io::Result<u64> {
     Ok(size)
 }
 
-/// Discard the whole device (`BLKDISCARD`; a loop device punches holes in its file, which
-/// then reads as zeros) and wait for it to reach the file.
-pub fn discard_all(device: &Path) -> io::Result<()> {
-    let f = OpenOptions::new()
-        .write(true)
-        .custom_flags(libc::O_CLOEXEC | libc::O_EXCL)
-        .open(device)
-        .map_err(ctx("opening", device))?;
-    let size = device_size(device)?;
-    let range: [u64; 2] = [0, size];
-    // BLKDISCARD = _IO(0x12, 119)
-    const BLKDISCARD: libc::c_ulong = 0x1277;
-    // SAFETY: BLKDISCARD reads a [start, length] pair of u64 that outlives the call.
-    errno_result(unsafe { libc::ioctl(f.as_raw_fd(), BLKDISCARD as _, range.as_ptr()) })
-        .map_err(ctx("BLKDISCARD on", device))?;
-    f.sync_all().map_err(ctx("syncing", device))
-}
-
 /// This process' view of which loop devices are bound to which file (`(st_dev, st_ino)` →
 /// device numbers): seeded by one walk of every bound device, kept up to date by
 /// [`attach`] and [`detach`], and walked again when a lookup finds nothing and the last

@@ -146,11 +146,6 @@ pub fn post_params() -> kube::api::PostParams {
     kube::api::PostParams { field_manager: Some(FIELD_MANAGER.to_string()), ..Default::default() }
 }
 
-/// Patch parameters naming the controller as the field manager.
-pub fn patch_params() -> kube::api::PatchParams {
-    kube::api::PatchParams { field_manager: Some(FIELD_MANAGER.to_string()), ..Default::default() }
-}
-
 /// Makes every request of a client built from `cfg` carry the controller's User-Agent.
 pub fn named(mut cfg: kube::Config) -> kube::Config {
     use hyper::header::{HeaderValue, USER_AGENT};
