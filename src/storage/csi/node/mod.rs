@@ -1554,7 +1554,6 @@ mod tests {
 }
 
 #[cfg(test)]
-#[path = "node_tests.rs"]
 mod node_tests;
 
 // ----- status and doctor (`nodeplane status`, `nodeplane doctor`) -----
