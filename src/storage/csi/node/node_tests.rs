@@ -3,11 +3,15 @@
 //! the kernel was left with (mounts, attached loop devices) and the records on disk, not just
 //! the answer.
 
+use super::records::StageRecord;
 use super::*;
+use crate::rpc::csi::volume_capability::access_mode::Mode;
 use crate::storage::store::FsType;
 use crate::sys::fake_volume::{Attached, DEVTMPFS, FakeKernel, LOOP_MAJOR};
+use crate::sys::mount::MountOptions;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
 use nix::errno::Errno;
+use std::os::unix::fs::MetadataExt;
 
 const MIB: u64 = 1 << 20;
 
