@@ -8,7 +8,7 @@ CSI on), each reporting through `harness.fault_report`:
    it succeeds (as external-provisioner and external-resizer do). Afterwards the controller's
    volumes and the nodes' backing files agree exactly, and every volume still stages.
 2. The agent dies inside NodeStage / NodePublish / NodeExpand (and the unpublish / unstage
-   that follow): at every `NODEPLANE_CRASH_AT` point of src/storage/csi/node.rs and by `kill -9` at
+   that follow): at every `NODEPLANE_CRASH_AT` point of src/storage/csi/node/ (stage.rs, publish.rs) and by `kill -9` at
    random moments. kubelet's retry of the same call must reach a consistent end state. A
    second test interrupts a stage whose loop device is held by someone else while the agent
    recovers, then unstages (the pod went away): no loop device may stay attached.
@@ -523,7 +523,7 @@ def test_agent_dies_inside_node_calls_and_kubelet_retries(prov):
         kub.call(lambda: c.controller.csi("delete-volume", "--id", vol.vid), f"{what}: delete")
         assert not vol.img.exists(), f"{what}: backing file left after DeleteVolume"
 
-    # (a) A real crash (abort) at every crash point of src/storage/csi/node.rs, inside the call
+    # (a) A real crash (abort) at every crash point of src/storage/csi/node/ (stage.rs, publish.rs), inside the call
     # named.
     rounds = [("stage-after-record", "stage", "ext4"), ("stage-after-attach", "stage", "xfs"),
               ("stage-after-mkfs", "stage", "ext4"),
@@ -590,7 +590,7 @@ def test_agent_dies_inside_node_calls_and_kubelet_retries(prov):
     assert all(v == NO_LEAKS for v in left.values()), left
     harness.fault_report(
         "agent crash inside NodeStage/NodePublish/NodeExpand, kubelet retries",
-        f"agent abort at {len(found['points'])} crash points (NODEPLANE_CRASH_AT, every point in src/storage/csi/node.rs, "
+        f"agent abort at {len(found['points'])} crash points (NODEPLANE_CRASH_AT, every point in src/storage/csi/node/, "
         f"ext4, xfs and raw block with a read-only block publication) and {found['kills']} kill -9 at random "
         f"moments of stage/publish/expand ({found['kills_interrupting_call']} while the call was in flight); "
         f"each interrupted call retried after the restart until it succeeded",
