@@ -1,0 +1,6 @@
+//! The operator CLI's output (`src/bin/nodeplane.rs` parses the flags and makes the calls):
+//! the agent's status and doctor reports as the JSON documents of `--json` (`document`) and
+//! as the human summaries (`summary`).
+
+pub mod document;
+pub mod summary;
