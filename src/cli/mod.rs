@@ -4,3 +4,6 @@
 
 pub mod document;
 pub mod summary;
+
+#[cfg(test)]
+mod tests;
