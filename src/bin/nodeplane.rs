@@ -14,7 +14,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use nodeplane::cli::{document, summary};
+use nodeplane::cli::{self, document, summary};
 use nodeplane::rpc::csi;
 use nodeplane::rpc::csi::volume_capability::access_mode::Mode;
 use nodeplane::rpc::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
@@ -447,29 +447,6 @@ fn topology(node: &str) -> csi::Topology {
     }
 }
 
-fn volume_json(v: &csi::Volume) -> serde_json::Value {
-    json!({
-        "volumeId": v.volume_id,
-        "capacityBytes": v.capacity_bytes,
-        "volumeContext": v.volume_context,
-        "nodes": v.accessible_topology.iter().filter_map(|t| t.segments.get(nodeplane::storage::csi::TOPOLOGY_KEY)).collect::<Vec<_>>(),
-        "contentSource": v.content_source.as_ref().and_then(|c| c.r#type.as_ref()).map(|t| match t {
-            csi::volume_content_source::Type::Snapshot(s) => json!({"snapshot": s.snapshot_id}),
-            csi::volume_content_source::Type::Volume(v) => json!({"volume": v.volume_id}),
-        }),
-    })
-}
-
-fn snapshot_json(s: &csi::Snapshot) -> serde_json::Value {
-    json!({
-        "snapshotId": s.snapshot_id,
-        "sourceVolumeId": s.source_volume_id,
-        "sizeBytes": s.size_bytes,
-        "readyToUse": s.ready_to_use,
-        "creationTime": s.creation_time.as_ref().map(|t| t.seconds),
-    })
-}
-
 async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::Status> {
     let ch = nodeplane::rpc::connect_unix(&endpoint)
         .await
@@ -518,14 +495,14 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
                 ..Default::default()
             };
             let v = ctl.create_volume(req).await?.into_inner().volume.unwrap_or_default();
-            volume_json(&v)
+            cli::csi::volume(&v)
         }
         Call::CreateSnapshot { name, volume } => {
             let r = ctl
                 .create_snapshot(csi::CreateSnapshotRequest { name, source_volume_id: volume, ..Default::default() })
                 .await?
                 .into_inner();
-            snapshot_json(&r.snapshot.unwrap_or_default())
+            cli::csi::snapshot(&r.snapshot.unwrap_or_default())
         }
         Call::DeleteSnapshot { id } => {
             ctl.delete_snapshot(csi::DeleteSnapshotRequest { snapshot_id: id, ..Default::default() }).await?;
@@ -545,7 +522,7 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
             let entries: Vec<_> = r
                 .entries
                 .iter()
-                .map(|e| snapshot_json(e.snapshot.as_ref().unwrap_or(&csi::Snapshot::default())))
+                .map(|e| cli::csi::snapshot(e.snapshot.as_ref().unwrap_or(&csi::Snapshot::default())))
                 .collect();
             json!({"entries": entries, "nextToken": r.next_token})
         }
@@ -600,7 +577,7 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
                 .entries
                 .iter()
                 .map(|e| {
-                    let mut v = volume_json(e.volume.as_ref().unwrap_or(&csi::Volume::default()));
+                    let mut v = cli::csi::volume(e.volume.as_ref().unwrap_or(&csi::Volume::default()));
                     if let Some(c) = e.status.as_ref().and_then(|s| s.volume_condition.as_ref()) {
                         v["abnormal"] = json!(c.abnormal);
                         v["message"] = json!(c.message);

@@ -709,3 +709,60 @@ fn doctor_summary() {
     let d = document::doctor(&api::DoctorReport { node: "node-a".into(), ..Default::default() });
     assert_eq!(summary::doctor(&d), "node node-a: 0 findings\n");
 }
+
+#[test]
+fn csi_volume_and_snapshot_json() {
+    use crate::rpc::csi;
+    use crate::storage::csi::TOPOLOGY_KEY;
+    use csi::volume_content_source::{SnapshotSource, Type, VolumeSource};
+    let on = |node: &str| csi::Topology { segments: [(TOPOLOGY_KEY.to_string(), node.to_string())].into() };
+    let elsewhere = csi::Topology { segments: [("zone".to_string(), "z1".to_string())].into() };
+    let mut v = csi::Volume {
+        volume_id: "vol-1".into(),
+        capacity_bytes: 1 << 30,
+        volume_context: [("fsType".to_string(), "xfs".to_string())].into(),
+        accessible_topology: vec![on("node-a"), elsewhere, on("node-b")],
+        content_source: None,
+    };
+    // Only the segments under the topology key name nodes.
+    assert_eq!(
+        super::csi::volume(&v),
+        json!({
+            "volumeId": "vol-1",
+            "capacityBytes": 1u64 << 30,
+            "volumeContext": {"fsType": "xfs"},
+            "nodes": ["node-a", "node-b"],
+            "contentSource": null,
+        })
+    );
+    v.content_source = Some(csi::VolumeContentSource {
+        r#type: Some(Type::Snapshot(SnapshotSource { snapshot_id: "snap-1".into() })),
+    });
+    assert_eq!(super::csi::volume(&v)["contentSource"], json!({"snapshot": "snap-1"}));
+    v.content_source =
+        Some(csi::VolumeContentSource { r#type: Some(Type::Volume(VolumeSource { volume_id: "vol-0".into() })) });
+    assert_eq!(super::csi::volume(&v)["contentSource"], json!({"volume": "vol-0"}));
+    v.content_source = Some(csi::VolumeContentSource { r#type: None });
+    assert_eq!(super::csi::volume(&v)["contentSource"], Value::Null);
+
+    let mut s = csi::Snapshot {
+        snapshot_id: "snap-1".into(),
+        source_volume_id: "vol-1".into(),
+        size_bytes: 4096,
+        ready_to_use: true,
+        creation_time: Some(crate::rpc::Timestamp { seconds: 1_764_580_000, nanos: 5 }),
+        ..Default::default()
+    };
+    assert_eq!(
+        super::csi::snapshot(&s),
+        json!({
+            "snapshotId": "snap-1",
+            "sourceVolumeId": "vol-1",
+            "sizeBytes": 4096,
+            "readyToUse": true,
+            "creationTime": 1_764_580_000,
+        })
+    );
+    s.creation_time = None;
+    assert_eq!(super::csi::snapshot(&s)["creationTime"], Value::Null);
+}
