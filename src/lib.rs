@@ -6,6 +6,7 @@
 //! this list, and never in a cycle between rooms:
 //!
 //! - `agent`, `controller`: composition: configuration, start-up, serving, the cluster client.
+//! - `cli`: the operator CLI's output: the agent's reports as JSON documents and summaries.
 //! - `net` (pod network), `storage` (volumes), `devices` (device plugins): the planes. A plane
 //!   never imports another plane.
 //! - `kubelet`: kubelet's plugin registration, for any plane's plugin.
@@ -14,6 +15,7 @@
 //! - `sys`: kernel primitives without policy; `util`: small pure helpers.
 
 pub mod agent;
+pub mod cli;
 pub mod controller;
 pub mod devices;
 pub mod kubelet;

@@ -14,6 +14,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
+use nodeplane::cli::{self, document, summary};
 use nodeplane::rpc::csi;
 use nodeplane::rpc::csi::volume_capability::access_mode::Mode;
 use nodeplane::rpc::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
@@ -446,29 +447,6 @@ fn topology(node: &str) -> csi::Topology {
     }
 }
 
-fn volume_json(v: &csi::Volume) -> serde_json::Value {
-    json!({
-        "volumeId": v.volume_id,
-        "capacityBytes": v.capacity_bytes,
-        "volumeContext": v.volume_context,
-        "nodes": v.accessible_topology.iter().filter_map(|t| t.segments.get(nodeplane::storage::csi::TOPOLOGY_KEY)).collect::<Vec<_>>(),
-        "contentSource": v.content_source.as_ref().and_then(|c| c.r#type.as_ref()).map(|t| match t {
-            csi::volume_content_source::Type::Snapshot(s) => json!({"snapshot": s.snapshot_id}),
-            csi::volume_content_source::Type::Volume(v) => json!({"volume": v.volume_id}),
-        }),
-    })
-}
-
-fn snapshot_json(s: &csi::Snapshot) -> serde_json::Value {
-    json!({
-        "snapshotId": s.snapshot_id,
-        "sourceVolumeId": s.source_volume_id,
-        "sizeBytes": s.size_bytes,
-        "readyToUse": s.ready_to_use,
-        "creationTime": s.creation_time.as_ref().map(|t| t.seconds),
-    })
-}
-
 async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::Status> {
     let ch = nodeplane::rpc::connect_unix(&endpoint)
         .await
@@ -517,14 +495,14 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
                 ..Default::default()
             };
             let v = ctl.create_volume(req).await?.into_inner().volume.unwrap_or_default();
-            volume_json(&v)
+            cli::csi::volume(&v)
         }
         Call::CreateSnapshot { name, volume } => {
             let r = ctl
                 .create_snapshot(csi::CreateSnapshotRequest { name, source_volume_id: volume, ..Default::default() })
                 .await?
                 .into_inner();
-            snapshot_json(&r.snapshot.unwrap_or_default())
+            cli::csi::snapshot(&r.snapshot.unwrap_or_default())
         }
         Call::DeleteSnapshot { id } => {
             ctl.delete_snapshot(csi::DeleteSnapshotRequest { snapshot_id: id, ..Default::default() }).await?;
@@ -544,7 +522,7 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
             let entries: Vec<_> = r
                 .entries
                 .iter()
-                .map(|e| snapshot_json(e.snapshot.as_ref().unwrap_or(&csi::Snapshot::default())))
+                .map(|e| cli::csi::snapshot(e.snapshot.as_ref().unwrap_or(&csi::Snapshot::default())))
                 .collect();
             json!({"entries": entries, "nextToken": r.next_token})
         }
@@ -599,7 +577,7 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
                 .entries
                 .iter()
                 .map(|e| {
-                    let mut v = volume_json(e.volume.as_ref().unwrap_or(&csi::Volume::default()));
+                    let mut v = cli::csi::volume(e.volume.as_ref().unwrap_or(&csi::Volume::default()));
                     if let Some(c) = e.status.as_ref().and_then(|s| s.volume_condition.as_ref()) {
                         v["abnormal"] = json!(c.abnormal);
                         v["message"] = json!(c.message);
@@ -711,182 +689,6 @@ async fn node_status(socket: PathBuf, doctor: Option<bool>) -> Result<serde_json
         .await
         .map_err(|_| "the agent did not answer within 120 s".to_string())?
         .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
-}
-
-/// The JSON documents of `nodeplane status --json` and `nodeplane doctor --json`, from the
-/// agent's typed reports (`nodeplane.node.v1`). Their shape is documented in
-/// docs/operations.md and carries the report's `format` number; absent sections are `null`.
-mod document {
-    use nodeplane::rpc::node as api;
-    use serde_json::{Value, json};
-
-    pub fn status(r: &api::StatusReport) -> Value {
-        json!({
-            "format": r.format,
-            "node": r.node,
-            "version": r.version,
-            "pid": r.pid,
-            "startedUnix": r.started_unix,
-            "mode": match r.mode() {
-                api::Mode::Controller => "controller",
-                api::Mode::Standalone => "standalone",
-                api::Mode::Unspecified => "unknown",
-            },
-            "conditions": r.conditions.iter().map(|c| json!({"name": c.name, "ready": c.ready, "detail": c.detail})).collect::<Vec<_>>(),
-            "network": r.network.as_ref().map(network),
-            "controller": r.controller.as_ref().map(|c| json!({
-                "address": c.address,
-                "connected": c.connected,
-                "lastMessageUnix": c.last_message_unix,
-                "lastMessageSecondsAgo": c.last_message_seconds_ago,
-                "blocks": c.blocks.as_ref().map(|b| b.cidrs.clone()),
-            })),
-            "storage": r.storage.as_ref().map(storage),
-            "devicePlugins": r.device_plugins.as_ref().map(|d| d.plugins.iter().map(|p| json!({
-                "resource": p.resource,
-                "socket": p.socket,
-                "devices": p.devices.iter().map(|d| json!({
-                    "id": d.id,
-                    "health": if d.healthy { "Healthy" } else { "Unhealthy" },
-                })).collect::<Vec<_>>(),
-            })).collect::<Vec<_>>()),
-            "kubelet": r.kubelet.as_ref().map(kubelet),
-            "kernel": r.kernel.as_ref().map(|k| json!({
-                "release": k.release,
-                "features": k.features.iter().map(|f| json!({
-                    "name": f.name,
-                    "state": match f.state() {
-                        api::KernelFeatureState::Available => "available",
-                        api::KernelFeatureState::Missing => "missing",
-                        api::KernelFeatureState::Unknown | api::KernelFeatureState::Unspecified => "unknown",
-                    },
-                    "required": f.required,
-                    "detail": f.detail,
-                })).collect::<Vec<_>>(),
-            })),
-            "services": r.services.as_ref().map(|v| json!({
-                "idle": (!v.idle.is_empty()).then_some(&v.idle),
-                "revision": v.revision,
-                "synced": v.synced,
-                "streamConnected": v.stream_connected,
-                "ports": v.ports.iter().map(|p| json!({
-                    "id": p.id, "port": p.port, "clusterIPs": p.cluster_ips, "externalIPs": p.external_ips,
-                    "nodePort": p.node_port, "endpoints": p.endpoints, "usable": p.usable, "local": p.local,
-                })).collect::<Vec<_>>(),
-            })),
-        })
-    }
-
-    fn network(n: &api::NetworkStatus) -> Value {
-        json!({
-            "ready": n.ready,
-            "bridge": n.bridge.as_ref().map(|b| json!({"name": b.name, "present": b.present, "up": b.up, "mac": b.mac})),
-            "blocks": n.blocks.iter().map(|b| json!({
-                "cidr": b.cidr,
-                "gateway": b.gateway,
-                "addresses": b.addresses,
-                "allocated": b.allocated,
-            })).collect::<Vec<_>>(),
-            "attachments": n.attachments.iter().map(|a| json!({
-                "containerId": a.container_id,
-                "ifname": a.ifname,
-                "pod": a.pod,
-                "state": match a.state() {
-                    api::LeaseState::Adding => "adding",
-                    api::LeaseState::Ready => "ready",
-                    api::LeaseState::Unspecified => "unknown",
-                },
-                "ips": a.ips,
-                "netns": a.netns,
-                "netnsPresent": a.netns_present,
-                "hostIf": a.host_if,
-                "hostIfPresent": a.host_if_present,
-                "hostIfOnBridge": a.host_if_on_bridge,
-            })).collect::<Vec<_>>(),
-            "unleasedHostVeths": n.unleased_host_veths,
-            "graveyardLinks": n.graveyard_links,
-        })
-    }
-
-    fn storage(s: &api::StorageStatus) -> Value {
-        json!({
-            "ready": s.ready,
-            "volumeDir": s.volume_dir,
-            "capacityBytes": s.capacity_bytes,
-            "provisionedBytes": s.provisioned_bytes,
-            "availableBytes": s.available_bytes,
-            "volumes": s.volumes.iter().map(|v| json!({
-                "id": v.id,
-                "name": v.name,
-                "sizeBytes": v.size_bytes,
-                "fsType": v.fs_type,
-                "backingFile": v.backing_file,
-                "backingFilePresent": v.backing_file_present,
-                "loopDevices": v.loop_devices.iter().map(|l| json!({"device": l.device, "mountedAt": l.mounted_at})).collect::<Vec<_>>(),
-                "staged": v.staged.as_ref().map(|st| json!({
-                    "path": st.path,
-                    "state": match st.state() {
-                        api::StageState::Staged => "staged",
-                        api::StageState::Staging => "staging",
-                        api::StageState::Unspecified => "unknown",
-                    },
-                    "mounted": st.mounted,
-                })),
-                "published": v.published.iter().map(|p| json!({"path": p.path, "readOnly": p.read_only, "mounted": p.mounted})).collect::<Vec<_>>(),
-            })).collect::<Vec<_>>(),
-        })
-    }
-
-    fn kubelet(k: &api::KubeletStatus) -> Value {
-        json!({
-            "graceSeconds": k.grace_seconds,
-            "required": k.required,
-            "plugins": k.plugins.iter().map(|p| json!({
-                "name": p.name,
-                "kind": match p.kind() {
-                    api::PluginKind::Csi => "csi",
-                    api::PluginKind::DevicePlugin => "deviceplugin",
-                    api::PluginKind::Dra => "dra",
-                    api::PluginKind::Unspecified => "unknown",
-                },
-                "socket": p.socket,
-                "state": match p.state() {
-                    api::RegistrationState::Waiting => "waiting",
-                    api::RegistrationState::Registered => "registered",
-                    api::RegistrationState::Refused => "refused",
-                    api::RegistrationState::Unreachable => "unreachable",
-                    api::RegistrationState::Unspecified => "unknown",
-                },
-                "error": p.error,
-                "sinceUnix": p.since_unix,
-                "registeredUnix": p.registered_unix,
-                "registrations": p.registrations,
-                "overdue": p.overdue,
-            })).collect::<Vec<_>>(),
-        })
-    }
-
-    pub fn doctor(d: &api::DoctorReport) -> Value {
-        json!({
-            "format": d.format,
-            "node": d.node,
-            "repair": d.repair,
-            "findings": d.findings.iter().map(|f| {
-                let mut v = json!({"kind": f.kind, "subject": f.subject, "detail": f.detail});
-                if let Some(r) = &f.repair {
-                    let result = match r.result() {
-                        api::RepairResult::Done => "done",
-                        api::RepairResult::Failed => "failed",
-                        api::RepairResult::Skipped => "skipped",
-                        api::RepairResult::Unspecified => "unknown",
-                    };
-                    v["repair"] = json!({"result": result, "message": r.message});
-                }
-                v
-            }).collect::<Vec<_>>(),
-            "errors": d.errors,
-        })
-    }
 }
 
 /// Which of the controller's object APIs a call goes to.
@@ -1022,329 +824,11 @@ fn main() {
     if as_json {
         println!("{}", serde_json::to_string_pretty(&doc).expect("JSON values serialise"));
     } else if doctor.is_some() {
-        print!("{}", report::doctor(&doc));
+        print!("{}", summary::doctor(&doc));
     } else {
-        print!("{}", report::status(&doc));
+        print!("{}", summary::status(&doc));
     }
     if doctor.is_some() {
-        let unresolved = doc["findings"]
-            .as_array()
-            .map(|f| f.iter().filter(|f| f["repair"]["result"] != "done").count())
-            .unwrap_or(0);
-        let errors = doc["errors"].as_array().map(|e| e.len()).unwrap_or(0);
-        std::process::exit(if unresolved + errors > 0 { 1 } else { 0 });
-    }
-}
-
-/// The human summaries of the agent's documents (the JSON is the complete answer).
-mod report {
-    use serde_json::Value;
-    use std::fmt::Write;
-
-    fn s(v: &Value) -> String {
-        match v {
-            Value::String(s) => s.clone(),
-            Value::Null => "-".into(),
-            v => v.to_string(),
-        }
-    }
-
-    fn list(v: &Value) -> String {
-        match v.as_array() {
-            Some(a) if !a.is_empty() => a.iter().map(s).collect::<Vec<_>>().join(", "),
-            _ => "-".into(),
-        }
-    }
-
-    fn mib(v: &Value) -> String {
-        format!("{} MiB", v.as_u64().unwrap_or(0) >> 20)
-    }
-
-    /// Rows as aligned columns.
-    fn table(out: &mut String, head: &[&str], rows: Vec<Vec<String>>) {
-        let mut w: Vec<usize> = head.iter().map(|h| h.len()).collect();
-        for r in &rows {
-            for (i, c) in r.iter().enumerate() {
-                w[i] = w[i].max(c.len());
-            }
-        }
-        let line = |cells: Vec<String>| {
-            let mut l = String::from("   ");
-            for (i, c) in cells.iter().enumerate() {
-                let _ = write!(l, " {:<width$}", c, width = w[i]);
-            }
-            l.trim_end().to_string() + "\n"
-        };
-        out.push_str(&line(head.iter().map(|h| h.to_string()).collect()));
-        for r in rows {
-            out.push_str(&line(r));
-        }
-    }
-
-    pub fn status(d: &Value) -> String {
-        let mut o = String::new();
-        let _ = writeln!(
-            o,
-            "node {} ({} mode), agent {} pid {}",
-            s(&d["node"]),
-            s(&d["mode"]),
-            s(&d["version"]),
-            s(&d["pid"])
-        );
-        let conds: Vec<String> = d["conditions"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|c| {
-                let state =
-                    if c["ready"] == true { "ready".to_string() } else { format!("NOT READY ({})", s(&c["detail"])) };
-                format!("{} {state}", s(&c["name"]))
-            })
-            .collect();
-        let _ = writeln!(o, "conditions: {}", if conds.is_empty() { "-".into() } else { conds.join("; ") });
-        let k = &d["kernel"];
-        if k.is_object() {
-            let lacking: Vec<String> = k["features"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter(|f| f["state"] != "available")
-                .map(|f| format!("{} {} ({})", s(&f["name"]), s(&f["state"]).to_uppercase(), s(&f["detail"])))
-                .collect();
-            let all = k["features"].as_array().map_or(0, |a| a.len());
-            let _ = writeln!(
-                o,
-                "kernel: {}, {} of {all} features probed available{}",
-                s(&k["release"]),
-                all - lacking.len(),
-                if lacking.is_empty() { String::new() } else { format!("; {}", lacking.join("; ")) }
-            );
-        }
-        let c = &d["controller"];
-        if c.is_object() {
-            let last =
-                c["lastMessageSecondsAgo"].as_f64().map(|t| format!("{t:.1}s ago")).unwrap_or_else(|| "never".into());
-            let _ = writeln!(
-                o,
-                "controller: {} {}, last message {last}; blocks {}",
-                s(&c["address"]),
-                if c["connected"] == true { "connected" } else { "NOT CONNECTED" },
-                list(&c["blocks"])
-            );
-        }
-        let n = &d["network"];
-        let b = &n["bridge"];
-        let _ = writeln!(
-            o,
-            "network: bridge {} {}{}",
-            s(&b["name"]),
-            if b["up"] == true {
-                "up"
-            } else if b["present"] == true {
-                "DOWN"
-            } else {
-                "MISSING"
-            },
-            if n["ready"] == true { "" } else { ", not ready for ADD (no block yet)" }
-        );
-        for blk in n["blocks"].as_array().into_iter().flatten() {
-            // An IPv6 /64 has 2^64 - 2 addresses: its use is the count of leases.
-            let size: Option<u128> = blk["addresses"].as_str().and_then(|a| a.parse().ok());
-            let of = match size {
-                Some(n) if n < 1 << 32 => format!(" of {n}"),
-                _ => String::new(),
-            };
-            let _ = writeln!(
-                o,
-                "    block {} gateway {}: {}{of} addresses leased",
-                s(&blk["cidr"]),
-                s(&blk["gateway"]),
-                s(&blk["allocated"])
-            );
-        }
-        let rows: Vec<Vec<String>> = n["attachments"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|a| {
-                let mut problems = Vec::new();
-                if a["state"] != "ready" {
-                    problems.push("ADD in progress");
-                }
-                if a["netnsPresent"] == false {
-                    problems.push("netns gone");
-                }
-                if a["hostIfPresent"] == false {
-                    problems.push("veth gone");
-                } else if a["hostIfOnBridge"] == false {
-                    problems.push("veth off bridge");
-                }
-                // Runtimes' 64-hex ids are told apart by their first 12 characters; shorter
-                // ids are shown whole.
-                let cid = s(&a["containerId"]);
-                let cid: String = if cid.chars().count() > 24 { cid.chars().take(12).collect() } else { cid };
-                vec![
-                    format!("{cid}/{}", s(&a["ifname"])),
-                    if a["pod"] == "" { "-".into() } else { s(&a["pod"]) },
-                    list(&a["ips"]),
-                    s(&a["hostIf"]),
-                    if problems.is_empty() { "ok".into() } else { problems.join(", ") },
-                ]
-            })
-            .collect();
-        let _ = writeln!(o, "  {} attachments", rows.len());
-        if !rows.is_empty() {
-            table(&mut o, &["ATTACHMENT", "POD", "ADDRESSES", "HOST VETH", "STATE"], rows);
-        }
-        let stray = list(&n["unleasedHostVeths"]);
-        if stray != "-" {
-            let _ = writeln!(o, "  host veths without a lease: {stray} (nodeplane doctor)");
-        }
-        let st = &d["storage"];
-        if st.is_object() {
-            let vols = st["volumes"].as_array().cloned().unwrap_or_default();
-            let _ = writeln!(
-                o,
-                "storage: {} volumes, {} of {} provisioned, {} available{}",
-                vols.len(),
-                mib(&st["provisionedBytes"]),
-                mib(&st["capacityBytes"]),
-                mib(&st["availableBytes"]),
-                if st["ready"] == true { "" } else { " (recovery running)" }
-            );
-            let rows: Vec<Vec<String>> = vols
-                .iter()
-                .map(|v| {
-                    let loops: Vec<String> =
-                        v["loopDevices"].as_array().into_iter().flatten().map(|l| s(&l["device"])).collect();
-                    let staged = match &v["staged"] {
-                        Value::Null => "-".to_string(),
-                        x => format!("{}{}", s(&x["state"]), if x["mounted"] == true { "" } else { " (not mounted)" }),
-                    };
-                    let published = v["published"].as_array().map(|p| p.len()).unwrap_or(0);
-                    vec![
-                        s(&v["id"]),
-                        mib(&v["sizeBytes"]),
-                        if v["fsType"] == "" { "block".into() } else { s(&v["fsType"]) },
-                        if v["backingFilePresent"] == true { "present".into() } else { "MISSING".into() },
-                        if loops.is_empty() { "-".into() } else { loops.join(",") },
-                        staged,
-                        published.to_string(),
-                    ]
-                })
-                .collect();
-            if !rows.is_empty() {
-                table(&mut o, &["VOLUME", "SIZE", "FS", "FILE", "LOOP", "STAGED", "PUBLISHED"], rows);
-            }
-            for v in &vols {
-                for p in v["published"].as_array().into_iter().flatten() {
-                    let _ = writeln!(
-                        o,
-                        "    {} published at {}{}{}",
-                        s(&v["id"]),
-                        s(&p["path"]),
-                        if p["readOnly"] == true { " (read-only)" } else { "" },
-                        if p["mounted"] == true { "" } else { " (NOT MOUNTED)" }
-                    );
-                }
-            }
-        }
-        if let Some(res) = d["devicePlugins"].as_array() {
-            let _ = writeln!(o, "device plugins: {} resources", res.len());
-            for r in res {
-                let devs: Vec<String> = r["devices"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(|x| format!("{} {}", s(&x["id"]), s(&x["health"])))
-                    .collect();
-                let _ = writeln!(
-                    o,
-                    "    {}: {}",
-                    s(&r["resource"]),
-                    if devs.is_empty() { "no devices".into() } else { devs.join(", ") }
-                );
-            }
-        }
-        if d["services"].is_object() {
-            let v = &d["services"];
-            let ports = v["ports"].as_array().cloned().unwrap_or_default();
-            let state = match v["idle"].as_str() {
-                Some(why) => format!("NOT SERVED: {why}"),
-                None if v["synced"] == true => format!("revision {}", v["revision"]),
-                None => "waiting for the controller".into(),
-            };
-            let _ = writeln!(o, "services: {} ports, {state}", ports.len());
-            for p in &ports {
-                let ips: Vec<String> = [&p["clusterIPs"], &p["externalIPs"]]
-                    .iter()
-                    .flat_map(|a| a.as_array().cloned().unwrap_or_default())
-                    .map(|ip| s(&ip))
-                    .collect();
-                let node_port =
-                    p["nodePort"].as_u64().filter(|n| *n > 0).map(|n| format!(" nodePort {n}")).unwrap_or_default();
-                let _ = writeln!(
-                    o,
-                    "    {} {} port {}{node_port}: {} endpoints ({} usable, {} here)",
-                    s(&p["id"]),
-                    ips.join(","),
-                    p["port"],
-                    p["endpoints"],
-                    p["usable"],
-                    p["local"]
-                );
-            }
-        }
-        let plugins = d["kubelet"]["plugins"].as_array().cloned().unwrap_or_default();
-        if !plugins.is_empty() {
-            let _ = writeln!(o, "kubelet:");
-            for p in &plugins {
-                let what = match p["state"].as_str() {
-                    Some("registered") => format!("registered with kubelet at {}", utc(&p["registeredUnix"])),
-                    Some(st) => format!(
-                        "NOT REGISTERED with kubelet ({st}{}) since {}{}",
-                        p["error"].as_str().map(|e| format!(": {e}")).unwrap_or_default(),
-                        utc(&p["sinceUnix"]),
-                        if p["overdue"] == true { ", overdue" } else { "" }
-                    ),
-                    None => "unknown".into(),
-                };
-                let _ = writeln!(o, "    {} {}: {what}", s(&p["kind"]), s(&p["name"]));
-            }
-        }
-        o
-    }
-
-    /// A Unix time (seconds) as `YYYY-MM-DDTHH:MM:SSZ`.
-    fn utc(v: &Value) -> String {
-        match v.as_f64().filter(|t| t.is_finite() && *t >= 0.0) {
-            Some(t) => nodeplane::util::utc_rfc3339(t as i64),
-            None => "-".into(),
-        }
-    }
-
-    pub fn doctor(d: &Value) -> String {
-        let mut o = String::new();
-        let findings = d["findings"].as_array().cloned().unwrap_or_default();
-        let _ = writeln!(
-            o,
-            "node {}: {} findings{}",
-            s(&d["node"]),
-            findings.len(),
-            if d["repair"] == true { " (repair asked for)" } else { "" }
-        );
-        for f in &findings {
-            let _ = writeln!(o, "  {} {}: {}", s(&f["kind"]), s(&f["subject"]), s(&f["detail"]));
-            if f["repair"].is_object() {
-                let _ = writeln!(o, "      repair {}: {}", s(&f["repair"]["result"]), s(&f["repair"]["message"]));
-            }
-        }
-        for e in d["errors"].as_array().into_iter().flatten() {
-            let _ = writeln!(o, "  error: {}", s(e));
-        }
-        if !findings.is_empty() && d["repair"] != true {
-            let _ = writeln!(o, "run `nodeplane doctor --repair` to remove what can be removed safely");
-        }
-        o
+        std::process::exit(document::doctor_exit_code(&doc));
     }
 }
