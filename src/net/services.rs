@@ -253,7 +253,8 @@ pub fn render(p: &pb::ServicePort, node: &str) -> Rendered {
     r
 }
 
-/// The affinity chains of one port: per family and list (all or local endpoints), made once.
+/// The affinity chains of one port, each made once: one per list of endpoints it picks
+/// among, and one set and chain per endpoint.
 struct Affinity<'a> {
     h: &'a str,
     proto: &'static str,
@@ -261,41 +262,58 @@ struct Affinity<'a> {
     made: BTreeSet<String>,
 }
 
+/// `ip:port` of an endpoint, as a DNAT target.
+fn ep_text(ep: &Ep) -> String {
+    match ep.ip {
+        IpAddr::V4(a) => format!("{a}:{}", ep.port),
+        IpAddr::V6(a) => format!("[{a}]:{}", ep.port),
+    }
+}
+
+fn hash32(text: &str) -> u64 {
+    crate::util::fnv1a(&[text.as_bytes()]) & 0xffff_ffff
+}
+
 impl Affinity<'_> {
-    /// The chain that picks among `eps` by client address (made on first use).
-    fn chain(&mut self, r: &mut Rendered, fam: Fam, local: bool, eps: &[Ep]) -> String {
-        let name = format!("s{}_{}{}", self.h, if local { "l" } else { "c" }, fam.n());
-        if self.made.insert(name.clone()) {
-            let mut dispatch = Vec::new();
-            let mut arms = Vec::new();
-            for (i, ep) in eps.iter().enumerate() {
-                let set = format!("{name}_{i}");
+    /// The chain that picks among `eps` by client address (made on first use). It is named
+    /// after the list, so two lists of one port (all endpoints, this node's) never share it.
+    /// Each endpoint's set of clients and its chain are named after the endpoint, so a
+    /// client stays with its endpoint while others come and go, as with kube-proxy.
+    fn chain(&mut self, r: &mut Rendered, fam: Fam, eps: &[Ep]) -> String {
+        let targets: Vec<String> = eps.iter().map(ep_text).collect();
+        let name = format!("s{}_{:08x}{}", self.h, hash32(&targets.join(",")), fam.n());
+        if !self.made.insert(name.clone()) {
+            return name;
+        }
+        let mut dispatch = Vec::new();
+        let mut arms = Vec::new();
+        for (i, to) in targets.iter().enumerate() {
+            let set = format!("s{}_{:08x}", self.h, hash32(to));
+            if self.made.insert(set.clone()) {
                 r.sets.push((
                     set.clone(),
                     format!("type {}; flags dynamic,timeout; timeout {}s;", fam.addr_type(), self.seconds),
                 ));
-                let to = match ep.ip {
-                    IpAddr::V4(a) => format!("{a}:{}", ep.port),
-                    IpAddr::V6(a) => format!("[{a}]:{}", ep.port),
-                };
+                // The timeout is in the rule too: a changed timeout changes the rule, which
+                // is written again (a set's declaration is not).
                 r.chains.push((
                     format!("{set}e"),
                     vec![
-                        format!("update @{set} {{ {} saddr }}", fam.ip()),
+                        format!("update @{set} {{ {} saddr timeout {}s }}", fam.ip(), self.seconds),
                         format!("meta l4proto {} dnat {} to {to}", self.proto, fam.ip()),
                     ],
                 ));
-                dispatch.push(format!("{} saddr @{set} goto {set}e", fam.ip()));
-                arms.push(format!("{i} : goto {set}e"));
             }
-            dispatch.push(format!("numgen random mod {} vmap {{ {} }}", eps.len(), arms.join(", ")));
-            r.chains.push((name.clone(), dispatch));
+            dispatch.push(format!("{} saddr @{set} goto {set}e", fam.ip()));
+            arms.push(format!("{i} : goto {set}e"));
         }
+        dispatch.push(format!("numgen random mod {} vmap {{ {} }}", eps.len(), arms.join(", ")));
+        r.chains.push((name.clone(), dispatch));
         name
     }
 
     fn masqueraded(&mut self, r: &mut Rendered, fam: Fam, eps: &[Ep]) -> String {
-        let inner = self.chain(r, fam, false, eps);
+        let inner = self.chain(r, fam, eps);
         let name = format!("{inner}m");
         if self.made.insert(name.clone()) {
             r.chains.push((name.clone(), vec![format!("{} goto {inner}", masq_rule())]));
@@ -308,7 +326,7 @@ impl Affinity<'_> {
 /// with the endpoints as elements of the key, or the port's affinity chain.
 fn dispatch(r: &mut Rendered, aff: &mut Affinity, key: &Key, local: bool, eps: &[Ep]) -> String {
     if aff.seconds > 0 {
-        return aff.chain(r, key.fam, local, eps);
+        return aff.chain(r, key.fam, eps);
     }
     let map = key.ep_map(local);
     for (i, ep) in eps.iter().enumerate() {
@@ -750,34 +768,51 @@ fn write_sets_and_chains(
 
 /// The UDP flows a change leaves pointing the wrong way (UDP has no end, so conntrack keeps
 /// sending a flow where it was first sent): as kube-proxy, `conntrack -D` argument lists for
-/// the flows to a port that went away, to an endpoint that went away, and to a port that had
-/// no endpoint (its flows were never translated) and now has one.
+/// the flows to an address or port that went away, to an endpoint that went away, and to a
+/// port that had no endpoint (its flows were never translated) and now has one; for the
+/// ClusterIPs and external IPs, and for the NodePort.
 pub fn stale_udp_flows(old: Option<&pb::ServicePort>, new: Option<&pb::ServicePort>) -> Vec<Vec<String>> {
     let Some(old) = old.filter(|p| p.protocol == pb::Protocol::Udp as i32) else { return Vec::new() };
-    let vips: Vec<&String> = old.cluster_ips.iter().chain(&old.external_ips).collect();
-    let flows = |vip: &str, port: u32| {
-        vec!["-p".into(), "udp".into(), "--orig-dst".into(), vip.into(), "--orig-port-dst".into(), port.to_string()]
-    };
-    let mut out = Vec::new();
-    let Some(new) = new else {
-        out.extend(vips.iter().map(|v| flows(v, old.port)));
-        if old.node_port > 0 {
-            out.push(vec!["-p".into(), "udp".into(), "--orig-port-dst".into(), old.node_port.to_string()]);
+    let udp = |dst: Option<&str>, port: u32| {
+        let mut f = vec!["-p".to_string(), "udp".into()];
+        if let Some(dst) = dst {
+            f.extend(["--orig-dst".into(), dst.to_string()]);
         }
-        return out;
+        f.extend(["--orig-port-dst".into(), port.to_string()]);
+        f
     };
+    let mut entries: Vec<(Option<&str>, u32, bool)> =
+        old.cluster_ips.iter().chain(&old.external_ips).map(|v| (Some(v.as_str()), old.port, false)).collect();
+    if old.node_port > 0 {
+        entries.push((None, old.node_port, false));
+    }
+    // Each entry point: still there (same address and port) or gone.
+    if let Some(new) = new {
+        let kept: BTreeSet<(Option<&str>, u32)> = new
+            .cluster_ips
+            .iter()
+            .chain(&new.external_ips)
+            .map(|v| (Some(v.as_str()), new.port))
+            .chain((new.node_port > 0).then_some((None, new.node_port)))
+            .collect();
+        for e in &mut entries {
+            e.2 = kept.contains(&(e.0, e.1));
+        }
+    }
     let eps = |p: &pb::ServicePort| -> BTreeSet<(String, u32)> {
         p.endpoints.iter().filter(|e| e.ready || (e.serving && e.terminating)).map(|e| (e.ip.clone(), e.port)).collect()
     };
-    let (before, after) = (eps(old), eps(new));
-    for vip in &vips {
-        if before.is_empty() && !after.is_empty() {
-            out.push(flows(vip, old.port));
+    let before = eps(old);
+    let after = new.map(eps).unwrap_or_default();
+    let mut out = Vec::new();
+    for (dst, port, kept) in entries {
+        if !kept || (before.is_empty() && !after.is_empty()) {
+            out.push(udp(dst, port));
             continue;
         }
-        for (ip, port) in before.difference(&after) {
-            let mut f = flows(vip, old.port);
-            f.extend(["--reply-src".into(), ip.clone(), "--reply-port-src".into(), port.to_string()]);
+        for (ip, ep_port) in before.difference(&after) {
+            let mut f = udp(dst, port);
+            f.extend(["--reply-src".into(), ip.clone(), "--reply-port-src".into(), ep_port.to_string()]);
             out.push(f);
         }
     }

@@ -125,6 +125,15 @@ fn affinity_and_local_external_policy_get_chains_of_their_own_and_lose_them() {
     let snap = log.lock().unwrap()[0].clone();
     assert!(snap.contains("flags dynamic,timeout; timeout 60s;"), "{snap}");
     assert!(snap.contains("update @s"), "{snap}");
+    assert!(snap.contains("saddr timeout 60s }"), "{snap}");
+    // Another endpoint: the clients of the two there keep their sets; a new timeout is written.
+    let mut more = p.clone();
+    more.endpoints.push(ep("10.0.0.3", "n2", true, true, false));
+    more.affinity_seconds = 90;
+    proxy.apply(false, None, vec![more], vec![]).unwrap();
+    let change = log.lock().unwrap().last().unwrap().clone();
+    assert!(!change.contains("delete set"), "{change}");
+    assert!(change.contains("saddr timeout 90s }"), "{change}");
     assert!(snap.contains("ip saddr @podnets4 goto s"), "{snap}");
     assert!(snap.contains("fib saddr type local meta mark set meta mark or 0x200000 goto s"), "{snap}");
     proxy.apply(false, None, vec![], vec![p.id.clone()]).unwrap();
@@ -197,4 +206,16 @@ fn udp_flows_to_a_gone_endpoint_port_or_a_port_that_had_none_are_forgotten() {
     assert_eq!(stale_udp_flows(Some(&old), None).len(), 1);
     let tcp = port("a/web/TCP/", "10.96.0.80", vec![]);
     assert!(stale_udp_flows(Some(&tcp), None).is_empty());
+    // Through the NodePort too; and a ClusterIP the port no longer has loses all its flows.
+    old.node_port = 30053;
+    new.node_port = 30053;
+    let gone: Vec<String> = stale_udp_flows(Some(&old), Some(&new)).iter().map(|f| f.join(" ")).collect();
+    assert!(
+        gone.contains(&"-p udp --orig-port-dst 30053 --reply-src 10.0.0.2 --reply-port-src 8080".to_string()),
+        "{gone:?}"
+    );
+    let mut moved = old.clone();
+    moved.cluster_ips = vec!["10.96.0.54".into()];
+    let gone: Vec<String> = stale_udp_flows(Some(&old), Some(&moved)).iter().map(|f| f.join(" ")).collect();
+    assert_eq!(gone, ["-p udp --orig-dst 10.96.0.53 --orig-port-dst 80"], "the NodePort and endpoints stay");
 }
