@@ -74,6 +74,9 @@ pub fn install(cfg: &Arc<Config>) -> Option<Arc<ServiceClient>> {
     }))
 }
 
+/// The largest Services message the agent reads (see `session`).
+const MAX_MESSAGE: usize = 256 << 20;
+
 /// A snapshot being received in parts.
 #[derive(Default)]
 struct Parts {
@@ -136,7 +139,10 @@ impl ServiceClient {
             if s.synced { (s.epoch, s.revision) } else { (0, 0) }
         };
         let req = pb::WatchServicesRequest { node_name: self.cfg.node_name.clone(), since_revision: since, epoch };
+        // A snapshot part holds 1,000 ports and a delta every change missed, each with its
+        // endpoints: more than tonic's default limit of 4 MiB in a large cluster.
         let mut stream = ServicesClient::new(channel)
+            .max_decoding_message_size(MAX_MESSAGE)
             .watch_services(authed(req, &token)?)
             .await
             .map_err(|s| format!("WatchServices: {:?}: {}", s.code(), s.message()))?
