@@ -111,9 +111,9 @@ class Env:
             self.pods = {}
             for name, node in (("a1", self.n1), ("a2", self.n1), ("b1", self.n2), ("c1", self.n1), ("c2", self.n2)):
                 p = Backend("svc", name, node)
+                self.pods[name] = p  # before the ADD: close() removes its namespace whatever happens
                 p.add()
                 p.serve()
-                self.pods[name] = p
             self.ctl = self.cluster.controller
         except BaseException:
             self.close()
@@ -152,10 +152,11 @@ class Env:
         return out
 
     def close(self):
-        for p in getattr(self, "pods", {}).values():
-            if p.server:
-                p.server.kill()
-        self.cluster.close()
+        try:
+            for p in getattr(self, "pods", {}).values():
+                p.delete()  # its server, its DEL, its namespace
+        finally:
+            self.cluster.close()
 
 
 def service(name, ip4, ip6, **spec):
