@@ -382,17 +382,31 @@ pub struct AttachOptions {
     pub autoclear: bool,
 }
 
+/// The loop driver's control device, `/dev/loop-control`.
+const CONTROL: &str = "/dev/loop-control";
+
+fn open_control() -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(CONTROL)
+        .map_err(ctx("opening", Path::new(CONTROL)))
+}
+
+/// The number of a free loop device (`LOOP_CTL_GET_FREE`: the kernel adds one if none is).
+fn free_device(ctl: &File) -> io::Result<u32> {
+    // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
+    let n = errno_result(unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE as _) })
+        .map_err(ctx("LOOP_CTL_GET_FREE on", Path::new(CONTROL)))?;
+    Ok(n as u32)
+}
+
 /// Bind `backing` (open read-write, or read-only for a read-only binding) to a free loop
 /// device and return `/dev/loopN`. Races with other attachers (another process taking the
 /// same free device between `LOOP_CTL_GET_FREE` and `LOOP_CONFIGURE`) are retried.
 pub fn attach(backing: &File, name: &Path, opts: AttachOptions) -> io::Result<PathBuf> {
-    let ctl_path = Path::new("/dev/loop-control");
-    let ctl = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_CLOEXEC)
-        .open(ctl_path)
-        .map_err(ctx("opening", ctl_path))?;
+    let ctl = open_control()?;
     let mut info = LoopInfo64 {
         lo_flags: if opts.read_only { LO_FLAGS_READ_ONLY } else { 0 }
             | if opts.autoclear { LO_FLAGS_AUTOCLEAR } else { 0 },
@@ -406,9 +420,7 @@ pub fn attach(backing: &File, name: &Path, opts: AttachOptions) -> io::Result<Pa
     let mut attempt = 0u32;
     loop {
         attempt += 1;
-        // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
-        let number = errno_result(unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE as _) })
-            .map_err(ctx("LOOP_CTL_GET_FREE on", ctl_path))? as u32;
+        let number = free_device(&ctl)?;
         let result = open_device(number, !opts.read_only, false).and_then(|dev| configure(&dev, backing, &info));
         match result {
             Ok(()) => {
@@ -439,16 +451,8 @@ pub fn attach(backing: &File, name: &Path, opts: AttachOptions) -> io::Result<Pa
 /// descriptor on a free device answers EBADF where it exists and EINVAL or ENOTTY where it
 /// does not; nothing is bound either way. Finds (or has the kernel add) a free device.
 pub fn configure_supported() -> io::Result<bool> {
-    let ctl_path = Path::new("/dev/loop-control");
-    let ctl = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_CLOEXEC)
-        .open(ctl_path)
-        .map_err(ctx("opening", ctl_path))?;
-    // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
-    let number = errno_result(unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE as _) })
-        .map_err(ctx("LOOP_CTL_GET_FREE on", ctl_path))? as u32;
+    let ctl = open_control()?;
+    let number = free_device(&ctl)?;
     let dev =
         open_device(number, false, false).map_err(|e| ctx("opening", Path::new(&format!("/dev/loop{number}")))(e))?;
     let cfg = LoopConfig { fd: u32::MAX, block_size: 0, info: LoopInfo64::default(), reserved: [0; 8] };
