@@ -36,6 +36,16 @@ CARGO_FULL = [
 # It asserts answer times fit for the host (Allocate of 100,000 IDs within 3 s) that software
 # emulation misses by 2x on every kernel; the kernel calls it makes are csi_root's and
 # deviceplugin_root's.
+# Left out of the full set: two tests whose assertion is a latency bound of the host (every
+# resource registered with a restarted kubelet within 1 s, over 40 and 100 rounds). Under
+# TCG, with other guests or builds on the same cores, rounds miss it (5.10, 6.1 and 6.12
+# all did on 2026-12-05, three guests at once on two cores). Their kernel surface (inotify
+# on the plugin directory, Unix sockets) is the rest of deviceplugin_kubelet_root's, and
+# the host lane runs them.
+CARGO_FULL_EXCLUDE = [
+    "deviceplugin_kubelet_root::device_plugin_dir_removal_recovers_every_resource_within_1s",
+    "deviceplugin_kubelet_root::hundred_rounds_of_kubelet_restarts_dir_removal_and_stale_sockets",
+]
 # CI (6.1 on every change): the modules whose kernel surface changes between kernels: the
 # agent's own rtnetlink requests, VXLAN and routes, loop devices (LOOP_CONFIGURE, resizing),
 # mounts (openat2, move_mount), ext4/xfs and the CSI node plugin over them. The device plugins
@@ -130,6 +140,7 @@ def select(args):
             sys.exit(f"lane.py: no test of the suite binary starts with {m!r}: update scripts/vm/lane.py")
     py = pytest_collect(pytest_args)
     if args.set == "full":
+        cargo = [t for t in cargo if t not in CARGO_FULL_EXCLUDE]
         py = [t for t in py if not any(x in t for x in PYTEST_FULL_EXCLUDE)]
     for a in pytest_args:
         if not any(t == a or t.startswith(a + "::") or t.startswith(a + "[") for t in py):
