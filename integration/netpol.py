@@ -212,7 +212,7 @@ class Model:
             src, targets = item
             out = subprocess.run(["nsenter", f"--net={src.netns.path}", sys.executable, "-c", PROBER,
                                   json.dumps([t[4] for t in targets]), str(PROBE_TIMEOUT)],
-                                 capture_output=True, text=True, timeout=60)
+                                 capture_output=True, text=True, timeout=60 * harness.TIME_SCALE)
             got = json.loads(out.stdout)
             return {(src.key, t[0], t[1], t[2], t[3]): ok for t, ok in zip(targets, got)}
 
