@@ -212,6 +212,7 @@ fn reg_req(name: &str, i: usize) -> pb::RegisterRequest {
         node_name: name.to_string(),
         underlay_addresses: vec![format!("192.0.2.{}", i % 250 + 1), format!("2001:db8::{:x}", i + 1)],
         vtep_mac: format!("02:00:00:00:{:02x}:{:02x}", i / 256, i % 256),
+        wireguard_key: String::new(),
     }
 }
 
@@ -478,6 +479,7 @@ async fn reregistration_and_restarts_keep_blocks() {
         node_name: "node-a".into(),
         underlay_addresses: vec!["198.51.100.7".into()],
         vtep_mac: "02:aa:bb:cc:dd:ee".into(),
+        wireguard_key: String::new(),
     };
     let a2 = c.register(authed(moved.clone(), &ta)).await.unwrap().into_inner();
     let a2n = a2.node.unwrap();

@@ -159,6 +159,7 @@ fn register(node: &str) -> pb::RegisterRequest {
         node_name: node.into(),
         underlay_addresses: vec!["192.0.2.7".into()],
         vtep_mac: String::new(),
+        wireguard_key: String::new(),
     }
 }
 

@@ -564,6 +564,7 @@ async fn register(grpc: u16, token: &str, node: &str) -> Result<Vec<String>, ton
         node_name: node.into(),
         underlay_addresses: vec!["192.0.2.9".into()],
         vtep_mac: String::new(),
+        wireguard_key: String::new(),
     });
     req.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
     Ok(c.register(req).await?.into_inner().node.unwrap().pod_blocks)

@@ -269,6 +269,7 @@ fn peer(n: &Node, mac: Option<[u8; 6]>, v4_underlay_only: bool) -> PeerNode {
         underlay: if v4_underlay_only { vec![n.u4] } else { vec![n.u4, n.u6] },
         blocks: vec![n.b4, n.b6],
         vtep_mac: mac,
+        wg_key: None,
     }
 }
 
@@ -458,6 +459,7 @@ fn routes_shared_segment() {
         underlay: vec![ip("192.0.2.99")],
         blocks: vec!["203.0.113.0/24".parse().unwrap()],
         vtep_mac: None,
+        wg_key: None,
     };
 
     // ---- 1. direct mode; every node gets the full list, itself included ----

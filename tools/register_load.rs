@@ -95,6 +95,7 @@ async fn register_one(
         node_name: name.to_string(),
         underlay_addresses: vec![underlay],
         vtep_mac: String::new(),
+        wireguard_key: String::new(),
     });
     let value = format!("Bearer {token}").parse().map_err(|_| "token is not header text".to_string())?;
     req.metadata_mut().insert("authorization", value);

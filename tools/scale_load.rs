@@ -143,7 +143,12 @@ async fn register(ch: &tonic::transport::Channel, name: &str, token: &str, i: us
     // A VTEP MAC of its own, so the node is reachable over VXLAN (locally administered).
     let mac =
         format!("02:5e:{:02x}:{:02x}:{:02x}:{:02x}", (i >> 24) & 0xff, (i >> 16) & 0xff, (i >> 8) & 0xff, i & 0xff);
-    let req = pb::RegisterRequest { node_name: name.into(), underlay_addresses: vec![underlay(i)], vtep_mac: mac };
+    let req = pb::RegisterRequest {
+        node_name: name.into(),
+        underlay_addresses: vec![underlay(i)],
+        vtep_mac: mac,
+        wireguard_key: String::new(),
+    };
     NodeRegistryClient::new(ch.clone())
         .register(bearer(req, token))
         .await

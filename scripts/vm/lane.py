@@ -60,6 +60,7 @@ PYTEST_FULL = [
     "integration/test_cluster.py",           # direct routes and VXLAN between nodes
     "integration/test_provisioning.py",      # loop devices, mkfs, mounts, online expansion
     "integration/test_snapshots.py",         # reflink on xfs, FIFREEZE, sparse copies
+    "integration/test_encryption.py",        # WireGuard between nodes (not in the host's kernel)
     # The namespace cookie (SO_NETNS_COOKIE) and rollbacks of half-done kernel work.
     "integration/test_robustness.py::test_same_inode_new_namespace_is_told_apart_by_cookie",
     "integration/test_robustness.py::test_crash_mid_add_is_rolled_back",
@@ -112,6 +113,8 @@ PYTEST_CI = [
     "integration/test_lifecycle.py::test_del_removes_lease_veth_pod_interface_and_keeps_nft",
     "integration/test_provisioning.py::test_end_to_end_with_the_node_service",
     "integration/test_snapshots.py::test_snapshot_restore_and_clone_are_point_in_time_copies",
+    # WireGuard: only here (the host's kernel has none).
+    "integration/test_encryption.py",
 ]
 
 SETS = {"ci": (CARGO_CI, PYTEST_CI), "full": (CARGO_FULL, PYTEST_FULL)}

@@ -21,6 +21,7 @@ use tonic::Request;
 use super::config::{Config, ControllerConfig};
 use crate::net::datapath::Datapath;
 use crate::net::routes::{PeerNode, RouteConfig, Routes};
+use crate::net::wireguard::{self, KeyPair};
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_client::NodeRegistryClient;
 use crate::util::Family;
@@ -90,6 +91,7 @@ pub fn peers_of(me: &str, nodes: &[pb::Node]) -> Vec<PeerNode> {
             underlay: n.underlay_addresses.iter().filter_map(|a| a.parse::<IpAddr>().ok()).collect(),
             blocks: n.pod_blocks.iter().filter_map(|b| b.parse().ok()).collect(),
             vtep_mac: crate::net::routes::parse_mac(&n.vtep_mac).ok().flatten(),
+            wg_key: wireguard::parse_key(&n.wireguard_key),
         })
         .collect()
 }
@@ -101,6 +103,10 @@ pub struct Link {
     connected: AtomicBool,
     /// Unix time in milliseconds of the last message from the controller (0: never).
     last_message_ms: AtomicU64,
+    /// Asks the session for a new WireGuard key pair (`nodeplane wireguard rotate`).
+    pub rotate: tokio::sync::Notify,
+    /// The encryption mode the controller gave and the public key this node published.
+    encryption: Mutex<(wireguard::Mode, String)>,
 }
 
 impl Link {
@@ -114,6 +120,12 @@ impl Link {
             0 => None,
             ms => Some(ms as f64 / 1000.0),
         }
+    }
+
+    /// The encryption mode and this node's published WireGuard key ("" before the first
+    /// registration).
+    pub fn encryption(&self) -> (wireguard::Mode, String) {
+        self.encryption.lock().unwrap().clone()
     }
 
     fn message(&self) {
@@ -135,6 +147,8 @@ struct Client {
     /// The membership as last received (kept across reconnects: a reconnect asks for the
     /// changes since its revision).
     members: Mutex<Members>,
+    /// This node's WireGuard key pair (`None`: the key file could not be read).
+    keys: Mutex<Option<KeyPair>>,
 }
 
 /// The cluster's membership as the stream delivered it.
@@ -223,10 +237,87 @@ impl Client {
         save_state(&self.cfg, &st).map_err(|e| format!("saving cluster state: {e}"))?;
         let dp = self.dp.clone();
         let cluster = st.cluster_cidrs.clone();
+        let mine = blocks.clone();
         tokio::task::spawn_blocking(move || dp.apply_network(&blocks, Some(&cluster)))
             .await
             .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        match self.routes.lock().unwrap().as_mut() {
+            Some(r) => r.set_local_blocks(&mine).map_err(|e| e.to_string()),
+            None => Ok(()),
+        }
+    }
+
+    fn key_path(&self) -> std::path::PathBuf {
+        self.cfg.state_dir.join("wireguard.key")
+    }
+
+    /// This node's key pair, made on first start. A key file that cannot be used is logged
+    /// and the node publishes no key (encryption then cannot reach it; strict drops).
+    fn load_keys(&self) -> Option<KeyPair> {
+        let mut keys = self.keys.lock().unwrap();
+        if keys.is_none() {
+            match KeyPair::load_or_create(&self.key_path()) {
+                Ok(k) => *keys = Some(k),
+                Err(e) => tracing::error!(error = %e, "no wireguard key: this node publishes none"),
+            }
+        }
+        keys.clone()
+    }
+
+    /// How old the key file is.
+    fn key_age(&self) -> Option<Duration> {
+        std::fs::metadata(self.key_path()).ok()?.modified().ok()?.elapsed().ok()
+    }
+
+    /// Hand the controller's encryption settings and our keys to the route programmer.
+    fn set_encryption(
+        &self,
+        resp: &pb::RegisterResponse,
+        keys: Option<KeyPair>,
+        published: &str,
+    ) -> Result<(), String> {
+        let mode = match pb::Encryption::try_from(resp.encryption) {
+            Ok(pb::Encryption::On) => wireguard::Mode::On,
+            Ok(pb::Encryption::Strict) => wireguard::Mode::Strict,
+            _ => wireguard::Mode::Off,
+        };
+        let cidrs = parse_nets(&resp.cluster_cidrs, "cluster CIDR")?;
+        let mut routes = self.routes.lock().unwrap();
+        let r = routes.as_mut().ok_or("route programmer not initialised")?;
+        r.set_encryption(mode, resp.wireguard_port as u16, cidrs);
+        if let Some(k) = keys {
+            r.set_keys(k).map_err(|e| e.to_string())?;
+        }
+        *self.link.encryption.lock().unwrap() = (mode, published.to_string());
+        Ok(())
+    }
+
+    /// A new key pair: saved, put on the device, and published by registering again (the
+    /// other nodes learn it from the membership stream).
+    async fn rotate(
+        &self,
+        client: &mut NodeRegistryClient<tonic::transport::Channel>,
+        token: &str,
+        register: &impl Fn(String) -> pb::RegisterRequest,
+    ) -> Result<(), String> {
+        let new = KeyPair::generate().map_err(|e| e.to_string())?;
+        new.save(&self.key_path()).map_err(|e| e.to_string())?;
+        {
+            let mut routes = self.routes.lock().unwrap();
+            if let Some(r) = routes.as_mut() {
+                r.set_keys(new.clone()).map_err(|e| e.to_string())?;
+            }
+        }
+        let public = wireguard::encode_key(new.public());
+        *self.keys.lock().unwrap() = Some(new);
+        let mut req = register(self.vtep_mac.lock().unwrap().clone());
+        req.wireguard_key = public.clone();
+        client.register(authed(req, token)?).await.map_err(|s| grpc_err("register (new wireguard key)", &s))?;
+        self.link.message();
+        self.link.encryption.lock().unwrap().1 = public.clone();
+        tracing::info!(public_key = %public, "wireguard key rotated and published");
+        Ok(())
     }
 
     /// Make sure the route programmer exists (needs the VXLAN parameters from the controller).
@@ -235,14 +326,7 @@ impl Client {
         tokio::task::spawn_blocking(move || {
             let mut routes = me.routes.lock().unwrap();
             if routes.is_none() {
-                let cfg = RouteConfig {
-                    mode: me.cc.route_mode,
-                    vxlan_name: "np.vxlan".into(),
-                    vni,
-                    port,
-                    local_underlay: me.cc.underlay_addresses[0],
-                    mtu: None,
-                };
+                let cfg = RouteConfig { port, ..RouteConfig::new(me.cc.route_mode, vni, me.cc.underlay_addresses[0]) };
                 let mut r = Routes::new(cfg).map_err(|e| e.to_string())?;
                 let mac = r.ensure_vtep().map_err(|e| e.to_string())?;
                 *me.vtep_mac.lock().unwrap() = mac.map(|m| crate::sys::netlink::format_mac(&m)).unwrap_or_default();
@@ -306,10 +390,13 @@ impl Client {
         let mut client = NodeRegistryClient::new(channel);
         let underlay: Vec<String> = self.cc.underlay_addresses.iter().map(|a| a.to_string()).collect();
         let me = self.cfg.node_name.clone();
+        let keys = self.load_keys();
+        let wg_key = keys.as_ref().map(|k| wireguard::encode_key(k.public())).unwrap_or_default();
         let register = |mac: String| pb::RegisterRequest {
             node_name: me.clone(),
             underlay_addresses: underlay.clone(),
             vtep_mac: mac,
+            wireguard_key: wg_key.clone(),
         };
         // With the VXLAN parameters remembered from an earlier registration, the device can
         // exist before the first Register, which then advertises its MAC at once.
@@ -337,6 +424,10 @@ impl Client {
         }
         let node = resp.node.clone().ok_or("register: no node in the answer")?;
         self.apply_self(&node, Some(&resp)).await?;
+        self.set_encryption(&resp, keys.clone(), &wg_key)?;
+        let rotation = Duration::from_secs(resp.key_rotation_seconds);
+        let mut rotation_check = tokio::time::interval(Duration::from_secs(resp.key_rotation_seconds.clamp(1, 60)));
+        rotation_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         *connected = true;
         tracing::info!(blocks = ?node.pod_blocks, "registered with the controller");
 
@@ -355,6 +446,16 @@ impl Client {
             loop {
                 let msg = tokio::select! {
                     m = stream.message() => m,
+                    _ = self.link.rotate.notified() => {
+                        self.rotate(&mut client, &token, &register).await?;
+                        continue;
+                    }
+                    _ = rotation_check.tick(), if !rotation.is_zero() => {
+                        if self.key_age().is_some_and(|age| age >= rotation) {
+                            self.rotate(&mut client, &token, &register).await?;
+                        }
+                        continue;
+                    }
                     _ = audit.tick() => {
                         if self.members.lock().unwrap().revision != 0 {
                             self.program_routes(None).await?;
@@ -448,6 +549,7 @@ pub async fn run(cfg: Arc<Config>, dp: Arc<Datapath>, link: Arc<Link>) {
         vtep_mac: Mutex::new(String::new()),
         applying: tokio::sync::Mutex::new(()),
         members: Mutex::new(Members::default()),
+        keys: Mutex::new(None),
     });
     let handle = tokio::runtime::Handle::current();
     let c = client.clone();

@@ -45,6 +45,8 @@ impl NodeStatus {
                 last_message_unix: last,
                 last_message_seconds_ago: last.map(|t| (crate::obs::metrics::unix_now() - t).max(0.0)),
                 blocks: persisted.map(|s| api::BlockList { cidrs: s.blocks.iter().map(|b| b.to_string()).collect() }),
+                encryption: link.map(|l| l.encryption().0).unwrap_or_default().to_string(),
+                wireguard: link.and_then(|l| wireguard_status(&l.encryption())),
             }
         });
         let conditions = self
@@ -116,6 +118,33 @@ impl NodeStatus {
     }
 }
 
+/// The WireGuard device as the kernel has it (encryption on or strict).
+fn wireguard_status((mode, key): &(crate::net::wireguard::Mode, String)) -> Option<api::Wireguard> {
+    if *mode == crate::net::wireguard::Mode::Off {
+        return None;
+    }
+    let mut out = api::Wireguard { public_key: key.clone(), ..Default::default() };
+    match crate::sys::wireguard::Wg::open().and_then(|mut wg| wg.device(crate::net::wireguard::DEVICE)) {
+        Ok(dev) => {
+            out.listen_port = dev.listen_port as u32;
+            out.peers = dev
+                .peers
+                .iter()
+                .map(|p| api::WireguardPeer {
+                    public_key: crate::net::wireguard::encode_key(&p.public_key),
+                    endpoint: p.endpoint.map(|e| e.to_string()).unwrap_or_default(),
+                    allowed_ips: p.allowed.iter().map(|a| a.to_string()).collect(),
+                    last_handshake_unix: p.last_handshake,
+                    rx_bytes: p.rx_bytes,
+                    tx_bytes: p.tx_bytes,
+                })
+                .collect();
+        }
+        Err(e) => out.error = e.to_string(),
+    }
+    Some(out)
+}
+
 fn finding(f: Finding) -> api::Finding {
     let repair = f.repair.map(|r| {
         let (result, message) = match r {
@@ -145,6 +174,29 @@ impl api::node_status_server::NodeStatus for NodeStatus {
         let me = self.clone();
         let report = tokio::task::spawn_blocking(move || me.doctor(repair)).await.map_err(joined)?;
         Ok(Response::new(api::DoctorResponse { report: Some(report) }))
+    }
+
+    async fn rotate_wireguard_key(
+        &self,
+        _: Request<api::RotateWireguardKeyRequest>,
+    ) -> Result<Response<api::RotateWireguardKeyResponse>, Status> {
+        let link = self.link.as_ref().ok_or_else(|| Status::failed_precondition("standalone mode: no encryption"))?;
+        let (mode, old) = link.encryption();
+        if mode == crate::net::wireguard::Mode::Off || old.is_empty() || !link.connected() {
+            return Err(Status::failed_precondition(format!(
+                "encryption is {mode} and the node is {}registered with the controller",
+                if link.connected() { "" } else { "not " }
+            )));
+        }
+        link.rotate.notify_one();
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        while link.encryption().1 == old {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(Status::deadline_exceeded("the new key did not reach the controller within 10 s"));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        Ok(Response::new(api::RotateWireguardKeyResponse { old_public_key: old, public_key: link.encryption().1 }))
     }
 }
 

@@ -65,6 +65,13 @@ enum Top {
         #[arg(long)]
         json: bool,
     },
+    /// This node's WireGuard key (encryption on or strict).
+    Wireguard {
+        #[command(flatten)]
+        at: AgentSocket,
+        #[command(subcommand)]
+        call: WireguardCall,
+    },
     /// Find orphans (veths without a lease, leases without a pod, mounts without a volume,
     /// loop devices without a file); with --repair, remove what can safely be removed.
     /// Exit status: 0 nothing (left) to repair, 1 findings remain, 2 the agent could not be asked.
@@ -76,6 +83,12 @@ enum Top {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Subcommand)]
+enum WireguardCall {
+    /// Make a new key pair now and publish it: peers re-handshake with the new key.
+    Rotate,
 }
 
 /// How to reach the controller as the admin (local mode's policy objects).
@@ -665,6 +678,20 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
 
 /// What the agent answered: its status or its doctor's report, rendered as the JSON
 /// document `--json` prints and the human summary reads.
+/// `nodeplane wireguard rotate`: the old and the new public key.
+async fn rotate(socket: PathBuf) -> Result<String, String> {
+    let ch = nodeplane::rpc::connect_unix(&socket)
+        .await
+        .map_err(|e| format!("connecting to {}: {e} (is the agent running?)", socket.display()))?;
+    let mut c = nodeplane::rpc::node::node_status_client::NodeStatusClient::new(ch);
+    let r = c
+        .rotate_wireguard_key(nodeplane::rpc::node::RotateWireguardKeyRequest {})
+        .await
+        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+        .into_inner();
+    Ok(format!("wireguard key rotated: {} -> {}", r.old_public_key, r.public_key))
+}
+
 async fn node_status(socket: PathBuf, doctor: Option<bool>) -> Result<serde_json::Value, String> {
     let ch = nodeplane::rpc::connect_unix(&socket)
         .await
@@ -811,6 +838,16 @@ fn main() {
         },
         Top::Policy { at, call: c } => objects(&rt, at, c, false),
         Top::Service { at, call: c } => objects(&rt, at, c, true),
+        Top::Wireguard { at, call: WireguardCall::Rotate } => match at.path().and_then(|p| rt.block_on(rotate(p))) {
+            Ok(line) => {
+                println!("{line}");
+                return;
+            }
+            Err(e) => {
+                eprintln!("nodeplane: {e}");
+                std::process::exit(2);
+            }
+        },
         Top::Status { at, json } => (at, None, json),
         Top::Doctor { at, repair, json } => (at, Some(repair), json),
     };

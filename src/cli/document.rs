@@ -26,6 +26,20 @@ pub fn status(r: &api::StatusReport) -> Value {
             "lastMessageUnix": c.last_message_unix,
             "lastMessageSecondsAgo": c.last_message_seconds_ago,
             "blocks": c.blocks.as_ref().map(|b| b.cidrs.clone()),
+            "encryption": c.encryption,
+            "wireguard": c.wireguard.as_ref().map(|w| json!({
+                "publicKey": w.public_key,
+                "listenPort": w.listen_port,
+                "error": w.error,
+                "peers": w.peers.iter().map(|p| json!({
+                    "publicKey": p.public_key,
+                    "endpoint": p.endpoint,
+                    "allowedIps": p.allowed_ips,
+                    "lastHandshakeUnix": p.last_handshake_unix,
+                    "rxBytes": p.rx_bytes,
+                    "txBytes": p.tx_bytes,
+                })).collect::<Vec<_>>(),
+            })),
         })),
         "storage": r.storage.as_ref().map(storage),
         "devicePlugins": r.device_plugins.as_ref().map(|d| d.plugins.iter().map(|p| json!({

@@ -89,6 +89,22 @@ pub fn status(d: &Value) -> String {
             if c["connected"] == true { "connected" } else { "NOT CONNECTED" },
             list(&c["blocks"])
         );
+        let w = &c["wireguard"];
+        if w.is_object() {
+            let peers = w["peers"].as_array().map(Vec::as_slice).unwrap_or_default();
+            let shaken = peers.iter().filter(|p| p["lastHandshakeUnix"].as_i64().unwrap_or(0) > 0).count();
+            let _ = writeln!(
+                o,
+                "encryption: {}, key {}, {} peer(s), {shaken} with a handshake{}",
+                s(&c["encryption"]),
+                s(&w["publicKey"]),
+                peers.len(),
+                match w["error"].as_str() {
+                    Some(e) if !e.is_empty() => format!("; DEVICE ERROR: {e}"),
+                    _ => String::new(),
+                }
+            );
+        }
     }
     let n = &d["network"];
     let b = &n["bridge"];

@@ -78,6 +78,20 @@ fn full_status() -> api::StatusReport {
             last_message_unix: Some(1_764_580_100.5),
             last_message_seconds_ago: Some(2.5),
             blocks: Some(api::BlockList { cidrs: vec!["10.244.1.0/24".into(), "fd00:1::/64".into()] }),
+            encryption: "strict".into(),
+            wireguard: Some(api::Wireguard {
+                public_key: "pubkeyA=".into(),
+                listen_port: 51871,
+                peers: vec![
+                    api::WireguardPeer {
+                        public_key: "pubkeyB=".into(),
+                        last_handshake_unix: 1_764_580_000,
+                        ..Default::default()
+                    },
+                    api::WireguardPeer { public_key: "pubkeyC=".into(), ..Default::default() },
+                ],
+                error: String::new(),
+            }),
         }),
         storage: Some(api::StorageStatus {
             ready: false,
@@ -297,6 +311,18 @@ fn status_document_controller_and_storage_sections() {
             "lastMessageUnix": 1_764_580_100.5,
             "lastMessageSecondsAgo": 2.5,
             "blocks": ["10.244.1.0/24", "fd00:1::/64"],
+            "encryption": "strict",
+            "wireguard": {
+                "publicKey": "pubkeyA=",
+                "listenPort": 51871,
+                "error": "",
+                "peers": [
+                    {"publicKey": "pubkeyB=", "endpoint": "", "allowedIps": [], "lastHandshakeUnix": 1_764_580_000,
+                     "rxBytes": 0, "txBytes": 0},
+                    {"publicKey": "pubkeyC=", "endpoint": "", "allowedIps": [], "lastHandshakeUnix": 0,
+                     "rxBytes": 0, "txBytes": 0},
+                ],
+            },
         })
     );
     let s = &d["storage"];
@@ -571,6 +597,7 @@ fn status_summary_of_a_full_report() {
         "conditions: cni ready; csi NOT READY (recovery running)",
         "kernel: 6.1.0-18-amd64, 1 of 2 features probed available; vxlan MISSING (module not found)",
         "controller: unix:/run/nodeplane/controller.sock connected, last message 2.5s ago; blocks 10.244.1.0/24, fd00:1::/64",
+        "encryption: strict, key pubkeyA=, 2 peer(s), 1 with a handshake",
         "network: bridge np0 up",
         "    block 10.244.1.0/24 gateway 10.244.1.1: 2 of 254 addresses leased",
         // An IPv6 /64's size is not shown.

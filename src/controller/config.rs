@@ -20,6 +20,29 @@ pub struct PoolConfig {
     pub block_prefix: u8,
 }
 
+/// The cluster's encryption settings (docs/network.md, "Encryption").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Encryption {
+    #[serde(default)]
+    pub mode: crate::net::wireguard::Mode,
+    #[serde(default = "default_wg_port")]
+    pub port: u16,
+    /// Each node makes a new key pair when its key is older than this; 0: only on demand.
+    #[serde(default)]
+    pub key_rotation_seconds: u64,
+}
+
+impl Default for Encryption {
+    fn default() -> Self {
+        Encryption { mode: Default::default(), port: default_wg_port(), key_rotation_seconds: 0 }
+    }
+}
+
+fn default_wg_port() -> u16 {
+    crate::net::wireguard::DEFAULT_PORT
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FileConfig {
@@ -31,6 +54,10 @@ pub struct FileConfig {
     pub vxlan_vni: u32,
     #[serde(default = "default_port")]
     pub vxlan_port: u16,
+    /// Encryption of pod traffic between nodes (WireGuard): `{"mode": "off"|"on"|"strict",
+    /// "port": 51871, "keyRotationSeconds": 0}`. Default off.
+    #[serde(default)]
+    pub encryption: Encryption,
     /// File holding the token-signing secret; default `<dataDir>/secret` (made on first start).
     /// In Kubernetes mode the default is a Secret instead (`store.hmacSecretName`); a
     /// `secretFile` given there is used as it is (e.g. a mounted Secret).
@@ -190,6 +217,7 @@ pub struct Config {
     pub pools: Vec<Pool>,
     pub vxlan_vni: u32,
     pub vxlan_port: u16,
+    pub encryption: Encryption,
     pub secret_file: PathBuf,
     pub token_secret: TokenSecret,
     pub csi_socket: PathBuf,
@@ -257,6 +285,9 @@ impl Config {
         if f.vxlan_vni == 0 || f.vxlan_vni > 0xff_ffff {
             return Err(bad(format!("vxlanVni {} is outside 1..=16777215 (a VXLAN id has 24 bits)", f.vxlan_vni)));
         }
+        if f.encryption.port == 0 {
+            return Err(bad("encryption.port must not be 0".into()));
+        }
         if f.vxlan_port == 0 {
             return Err(bad("vxlanPort must not be 0".into()));
         }
@@ -318,6 +349,7 @@ impl Config {
             pools,
             vxlan_vni: f.vxlan_vni,
             vxlan_port: f.vxlan_port,
+            encryption: f.encryption,
             secret_file,
             token_secret,
             csi_socket,

@@ -44,6 +44,9 @@ pub struct NodeRecord {
     #[serde(default)]
     pub vtep_mac: String,
     pub blocks: Vec<String>,
+    /// The node's WireGuard public key, base64 ("": none).
+    #[serde(default)]
+    pub wireguard_key: String,
 }
 
 /// Kubernetes' rule for object names (and so for node names), as an error message names it.

@@ -10,6 +10,7 @@ use super::auth::{Authority, Identity};
 use super::config::Config;
 use super::records::NodeRecord;
 use super::store::{Change, Registry, RegistryError, Snapshot, Start};
+use crate::net::wireguard::Mode;
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_server::NodeRegistry;
 use crate::util::Family;
@@ -49,6 +50,7 @@ pub fn to_pb(r: &NodeRecord) -> pb::Node {
         underlay_addresses: r.underlay.clone(),
         pod_blocks: r.blocks.clone(),
         vtep_mac: r.vtep_mac.clone(),
+        wireguard_key: r.wireguard_key.clone(),
     }
 }
 
@@ -249,13 +251,22 @@ impl Service {
             })?;
         }
         let r = req.into_inner();
-        let rec = self.blocking(move |reg| reg.register(&r.node_name, &r.underlay_addresses, &r.vtep_mac)).await?;
+        let rec = self
+            .blocking(move |reg| reg.register_node(&r.node_name, &r.underlay_addresses, &r.vtep_mac, &r.wireguard_key))
+            .await?;
         tracing::info!(node = %rec.name, blocks = ?rec.blocks, underlay = ?rec.underlay, "registered");
         Ok(Response::new(pb::RegisterResponse {
             node: Some(to_pb(&rec)),
             cluster_cidrs: self.cfg.cluster_cidrs(),
             vxlan_vni: self.cfg.vxlan_vni,
             vxlan_port: self.cfg.vxlan_port as u32,
+            encryption: match self.cfg.encryption.mode {
+                Mode::Off => pb::Encryption::Off,
+                Mode::On => pb::Encryption::On,
+                Mode::Strict => pb::Encryption::Strict,
+            } as i32,
+            wireguard_port: self.cfg.encryption.port as u32,
+            key_rotation_seconds: self.cfg.encryption.key_rotation_seconds,
         }))
     }
 

@@ -279,9 +279,21 @@ impl Registry {
         f
     }
 
-    /// Register or re-register: the same node keeps its blocks; a family it has no block of
-    /// gets one. Underlay addresses and VTEP MAC are updated.
+    /// [`Registry::register_node`] without a WireGuard key.
     pub fn register(&self, name: &str, underlay: &[String], vtep_mac: &str) -> Result<NodeRecord, RegistryError> {
+        self.register_node(name, underlay, vtep_mac, "")
+    }
+
+    /// Register or re-register: the same node keeps its blocks; a family it has no block of
+    /// gets one. Underlay addresses, VTEP MAC and WireGuard key are updated; a key another
+    /// node holds is refused (a node publishes only its own).
+    pub fn register_node(
+        &self,
+        name: &str,
+        underlay: &[String],
+        vtep_mac: &str,
+        wireguard_key: &str,
+    ) -> Result<NodeRecord, RegistryError> {
         if let Some(why) = subdomain_error(name) {
             return Err(RegistryError::InvalidArgument(format!("node name {name:?} {why}")));
         }
@@ -295,7 +307,20 @@ impl Registry {
         if !valid_mac(vtep_mac) {
             return Err(RegistryError::InvalidArgument(format!("vtep_mac {vtep_mac:?} is not a MAC address")));
         }
+        if !wireguard_key.is_empty() && crate::net::wireguard::parse_key(wireguard_key).is_none() {
+            return Err(RegistryError::InvalidArgument(format!(
+                "wireguard_key {wireguard_key:?} is not a base64 key of 32 bytes"
+            )));
+        }
         let mut st = self.state.lock().unwrap();
+        if let Some(other) =
+            st.nodes.values().find(|n| !wireguard_key.is_empty() && n.wireguard_key == wireguard_key && n.name != name)
+        {
+            return Err(RegistryError::InvalidArgument(format!(
+                "wireguard_key is node {}'s; a node publishes only its own key",
+                other.name
+            )));
+        }
         let admission = self.admission.lock().unwrap().clone();
         if let Some(why) = admission.and_then(|a| a(name)) {
             return Err(RegistryError::FailedPrecondition(why));
@@ -305,10 +330,12 @@ impl Registry {
             underlay: Vec::new(),
             vtep_mac: String::new(),
             blocks: Vec::new(),
+            wireguard_key: String::new(),
         });
         let before = rec.clone();
         rec.underlay = underlay.to_vec();
         rec.vtep_mac = vtep_mac.to_string();
+        rec.wireguard_key = wireguard_key.to_string();
         let mut taken = Vec::new();
         for family in self.families() {
             let has = rec.blocks.iter().any(|b| b.parse::<IpNetwork>().is_ok_and(|n| Family::of(&n) == family));

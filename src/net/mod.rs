@@ -16,4 +16,5 @@ pub mod policy;
 pub mod reaper;
 pub mod routes;
 pub mod services;
+pub mod wireguard;
 pub use nodeplane_cni::shim;

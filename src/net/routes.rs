@@ -35,9 +35,10 @@ use ipnetwork::IpNetwork;
 use serde::{Deserialize, Serialize};
 
 use crate::net::ipam::Block;
+use crate::net::wireguard::{self, KeyPair, Mode as Encryption, Tunnel};
 use crate::sys::netlink::{
-    FdbEntry, NTF_SELF, NUD_PERMANENT, Neighbour, Netlink, NetlinkError, RTN_UNICAST, RouteEntry, RouteSpec, VxlanSpec,
-    format_mac,
+    FdbEntry, NTF_SELF, NUD_PERMANENT, Neighbour, Netlink, NetlinkError, RTN_BLACKHOLE, RTN_UNICAST, RouteEntry,
+    RouteSpec, VxlanSpec, format_mac,
 };
 use crate::util::Family;
 
@@ -108,6 +109,9 @@ pub struct PeerNode {
     /// MAC of the node's VXLAN device; `None` when it runs none.
     #[serde(default)]
     pub vtep_mac: Option<[u8; 6]>,
+    /// The node's WireGuard public key; `None` when it published none.
+    #[serde(default)]
+    pub wg_key: Option<[u8; 32]>,
 }
 
 impl PeerNode {
@@ -139,12 +143,34 @@ pub struct RouteConfig {
     /// MTU of the VXLAN device; default: the underlay link's MTU minus the overhead.
     #[serde(default)]
     pub mtu: Option<u32>,
+    /// Encryption of pod traffic to peers (WireGuard, [`wireguard`]).
+    #[serde(default)]
+    pub encryption: Encryption,
+    #[serde(default = "default_wg_port")]
+    pub wg_port: u16,
+    /// The cluster CIDRs: in strict mode, what is not routed through the tunnel is dropped.
+    #[serde(default)]
+    pub cluster_cidrs: Vec<IpNetwork>,
+}
+
+fn default_wg_port() -> u16 {
+    wireguard::DEFAULT_PORT
 }
 
 impl RouteConfig {
-    /// A configuration with the default device name, port and MTU.
+    /// A configuration with the default device name, port and MTU, without encryption.
     pub fn new(mode: RouteMode, vni: u32, local_underlay: IpAddr) -> Self {
-        RouteConfig { mode, vxlan_name: default_vxlan_name(), vni, port: DEFAULT_VXLAN_PORT, local_underlay, mtu: None }
+        RouteConfig {
+            mode,
+            vxlan_name: default_vxlan_name(),
+            vni,
+            port: DEFAULT_VXLAN_PORT,
+            local_underlay,
+            mtu: None,
+            encryption: Encryption::Off,
+            wg_port: wireguard::DEFAULT_PORT,
+            cluster_cidrs: Vec::new(),
+        }
     }
 
     pub fn validate(&self) -> Result<(), RoutesError> {
@@ -232,6 +258,8 @@ pub enum RoutesError {
     },
     #[error("vxlan device {name}: {msg}")]
     Vtep { name: String, msg: String },
+    #[error("wireguard: {0}")]
+    Tunnel(String),
     #[error("route sync incomplete, {} change(s) failed: {}", .failures.len(), join_errors(.failures))]
     Incomplete { report: Box<SyncReport>, failures: Vec<RoutesError> },
     #[error("route teardown incomplete: {}", join_errors(.0))]
@@ -254,6 +282,8 @@ fn join_errors(errors: &[RoutesError]) -> String {
 pub enum RouteKind {
     Direct,
     Vxlan,
+    /// Through the WireGuard device (encryption on, the peer has a key).
+    Wireguard,
 }
 
 /// One planned route to one peer block.
@@ -266,6 +296,8 @@ pub struct PeerRoute {
     pub via: IpAddr,
     /// VXLAN only: the peer's VTEP MAC and its underlay address (the tunnel's remote end).
     pub vtep: Option<([u8; 6], IpAddr)>,
+    /// The tunnel device (VXLAN or WireGuard); `None` for a direct route.
+    pub oif: Option<u32>,
 }
 
 /// A peer block that gets no route, and why.
@@ -332,6 +364,8 @@ pub struct LocalView {
     pub addrs: BTreeSet<IpAddr>,
     /// ifindex of our VXLAN device, when there is one (VXLAN routes need it).
     pub vxlan_index: Option<u32>,
+    /// ifindex of our WireGuard device, when encryption is on and it exists.
+    pub wg_index: Option<u32>,
     /// Main-table routes we did not install: destination -> protocol. A peer block with an
     /// exact match is left alone.
     pub foreign_routes: BTreeMap<IpNetwork, u8>,
@@ -467,7 +501,15 @@ fn plan_into<'a>(cfg: &RouteConfig, local: &LocalView, out: &mut Plan, peers: im
                 }
             };
             let direct_via = peer.underlay_of(v6);
+            let encrypted = cfg.encryption != Encryption::Off && local.wg_index.is_some() && peer.wg_key.is_some();
+            if cfg.encryption == Encryption::Strict && !encrypted {
+                let why =
+                    if local.wg_index.is_none() { "our WireGuard device is missing" } else { "its key is unknown" };
+                skip(format!("encryption is strict and {why}: dropped"));
+                continue;
+            }
             let kind = match cfg.mode {
+                _ if encrypted => RouteKind::Wireguard,
                 RouteMode::Direct => match direct_via {
                     Some(_) => RouteKind::Direct,
                     None => {
@@ -505,12 +547,23 @@ fn plan_into<'a>(cfg: &RouteConfig, local: &LocalView, out: &mut Plan, peers: im
                     kind,
                     via: direct_via.expect("checked above"),
                     vtep: None,
+                    oif: None,
                 },
                 RouteKind::Vxlan => {
                     let (mac, remote) = *tunnel.as_ref().expect("checked above");
                     out.fdb.insert(mac, (remote, peer.name.clone()));
                     out.neigh.insert(gateway, (mac, peer.name.clone()));
-                    PeerRoute { peer: peer.name.clone(), block, kind, via: gateway, vtep: Some((mac, remote)) }
+                    PeerRoute {
+                        peer: peer.name.clone(),
+                        block,
+                        kind,
+                        via: gateway,
+                        vtep: Some((mac, remote)),
+                        oif: local.vxlan_index,
+                    }
+                }
+                RouteKind::Wireguard => {
+                    PeerRoute { peer: peer.name.clone(), block, kind, via: gateway, vtep: None, oif: local.wg_index }
                 }
             };
             out.routes.insert(block, route);
@@ -585,13 +638,13 @@ pub enum Op {
 }
 
 /// The route spec for a planned route.
-pub fn route_spec(r: &PeerRoute, vxlan_index: Option<u32>) -> RouteSpec {
+pub fn route_spec(r: &PeerRoute) -> RouteSpec {
     RouteSpec {
         dst: r.block.network(),
         prefix: r.block.prefix(),
         gateway: r.via,
-        oif: if r.kind == RouteKind::Vxlan { vxlan_index } else { None },
-        onlink: r.kind == RouteKind::Vxlan,
+        oif: r.oif,
+        onlink: r.kind != RouteKind::Direct,
         protocol: RTPROT_NODEPLANE,
     }
 }
@@ -603,7 +656,7 @@ fn route_matches(e: &RouteEntry, r: &PeerRoute, vxlan_index: Option<u32>) -> boo
     }
     match r.kind {
         RouteKind::Direct => !e.onlink && (e.oif.is_none() || e.oif != vxlan_index),
-        RouteKind::Vxlan => e.onlink && vxlan_index.is_some() && e.oif == vxlan_index,
+        RouteKind::Vxlan | RouteKind::Wireguard => e.onlink && r.oif.is_some() && e.oif == r.oif,
     }
 }
 
@@ -681,10 +734,10 @@ pub fn diff(plan: &Plan, current: &Current, vxlan_index: Option<u32>) -> Vec<Op>
                 // mismatch"), and the old route to the block covers the block's gateway:
                 // when an IPv6 block moves onto the VXLAN device, the old route goes first.
                 let remove_first = replaced
-                    .filter(|&i| want.kind == RouteKind::Vxlan && want.block.is_ipv6() && now[i].oif != vxlan_index);
+                    .filter(|&i| want.kind != RouteKind::Direct && want.block.is_ipv6() && now[i].oif != want.oif);
                 sets_route.push(Op::SetRoute {
                     route: want.clone(),
-                    spec: route_spec(want, vxlan_index),
+                    spec: route_spec(want),
                     new: replaced.is_none(),
                     remove_first: remove_first.map(|i| now[i].clone()),
                 });
@@ -761,26 +814,26 @@ impl Plan {
 }
 
 /// The route entry a planned route was installed as (for removing it without a dump).
-fn entry_of(r: &PeerRoute, vxlan_index: Option<u32>) -> RouteEntry {
+fn entry_of(r: &PeerRoute) -> RouteEntry {
     let v6 = r.block.is_ipv6();
     RouteEntry {
         v6,
         dst: r.block.network(),
         prefix: r.block.prefix(),
         gateway: Some(r.via),
-        oif: if r.kind == RouteKind::Vxlan { vxlan_index } else { None },
+        oif: r.oif,
         table: RT_TABLE_MAIN,
         protocol: RTPROT_NODEPLANE,
         priority: default_metric(v6),
         kind: RTN_UNICAST,
-        onlink: r.kind == RouteKind::Vxlan,
+        onlink: r.kind != RouteKind::Direct,
     }
 }
 
 /// The changes from one applied plan to the next, without reading the kernel: what a
 /// membership delta implies (a joining peer: its route, FDB entry and neighbour; a leaving
 /// one: the same removed). In the order of [`diff`].
-pub fn plan_diff(old: &Plan, new: &Plan, vxlan_index: Option<u32>) -> Vec<Op> {
+pub fn plan_diff(old: &Plan, new: &Plan) -> Vec<Op> {
     let mut ops = Vec::new();
     for (mac, (dst, peer)) in &new.fdb {
         match old.fdb.get(mac) {
@@ -797,14 +850,14 @@ pub fn plan_diff(old: &Plan, new: &Plan, vxlan_index: Option<u32>) -> Vec<Op> {
     for (block, want) in &new.routes {
         match old.routes.get(block) {
             // The kernel route is the same (its peer's tunnel end is the FDB entry's business).
-            Some(was) if was.kind == want.kind && route_spec(was, vxlan_index) == route_spec(want, vxlan_index) => {}
+            Some(was) if was.kind == want.kind && route_spec(was) == route_spec(want) => {}
             was => {
                 let remove_first = was
-                    .filter(|w| want.kind == RouteKind::Vxlan && block.is_ipv6() && w.kind != RouteKind::Vxlan)
-                    .map(|w| entry_of(w, vxlan_index));
+                    .filter(|w| want.kind != RouteKind::Direct && block.is_ipv6() && w.oif != want.oif)
+                    .map(entry_of);
                 ops.push(Op::SetRoute {
                     route: want.clone(),
-                    spec: route_spec(want, vxlan_index),
+                    spec: route_spec(want),
                     new: was.is_none(),
                     remove_first,
                 });
@@ -813,7 +866,7 @@ pub fn plan_diff(old: &Plan, new: &Plan, vxlan_index: Option<u32>) -> Vec<Op> {
     }
     for (block, was) in &old.routes {
         if !new.routes.contains_key(block) {
-            ops.push(Op::DelRoute { entry: entry_of(was, vxlan_index) });
+            ops.push(Op::DelRoute { entry: entry_of(was) });
         }
     }
     for ip in old.neigh.keys().filter(|ip| !new.neigh.contains_key(*ip)) {
@@ -840,6 +893,13 @@ pub struct Routes {
     /// What the last complete sync found and made (local view, plan in force): deltas are
     /// applied against it. None: the next change is a complete sync.
     applied: Option<(LocalView, Plan)>,
+    /// Encryption: the node's key pair (set before the first sync), the device once made
+    /// and its ifindex, and why it could not be made.
+    keys: Option<KeyPair>,
+    tunnel: Option<(Tunnel, u32)>,
+    tunnel_error: Option<String>,
+    /// The gateways of this node's blocks: the WireGuard device holds them too (below).
+    gateways: Vec<(IpAddr, u8)>,
 }
 
 fn gone(e: &NetlinkError) -> bool {
@@ -852,7 +912,151 @@ impl Routes {
     pub fn new(cfg: RouteConfig) -> Result<Self, RoutesError> {
         cfg.validate()?;
         let nl = Netlink::open().map_err(RoutesError::netlink("opening netlink socket"))?;
-        Ok(Routes { cfg, nl, vtep: None, peers: BTreeMap::new(), applied: None })
+        Ok(Routes {
+            cfg,
+            nl,
+            vtep: None,
+            peers: BTreeMap::new(),
+            applied: None,
+            keys: None,
+            tunnel: None,
+            tunnel_error: None,
+            gateways: Vec::new(),
+        })
+    }
+
+    /// This node's pod blocks. Their gateways go on the WireGuard device as host addresses,
+    /// so what leaves through it from the node itself or masqueraded (a NodePort client
+    /// sent to a pod on another node) has a source inside our blocks: one the peers accept
+    /// from us and route back through the tunnel.
+    pub fn set_local_blocks(&mut self, blocks: &[IpNetwork]) -> Result<(), RoutesError> {
+        self.gateways = blocks
+            .iter()
+            .filter_map(|b| Block::new(normalize(*b)).ok())
+            .map(|b| (b.gateway(), if b.net.is_ipv4() { 32 } else { 128 }))
+            .collect();
+        match self.tunnel.as_ref().map(|(_, i)| *i) {
+            Some(index) => self.sync_tunnel_addresses(index),
+            None => Ok(()),
+        }
+    }
+
+    fn sync_tunnel_addresses(&mut self, index: u32) -> Result<(), RoutesError> {
+        let have = self.nl.addresses(Some(index)).map_err(RoutesError::netlink("listing addresses"))?;
+        for (ip, prefix) in self.gateways.clone() {
+            if !have.iter().any(|a| a.index == index && a.ip == ip) {
+                self.nl
+                    .add_address(index, ip, prefix)
+                    .map_err(RoutesError::netlink(format!("adding {ip}/{prefix} to {}", wireguard::DEVICE)))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The node's WireGuard key pair. A new pair (a rotation) takes effect on the device at
+    /// once; peers learn the public key from the controller.
+    pub fn set_keys(&mut self, keys: KeyPair) -> Result<(), RoutesError> {
+        if let Some((t, _)) = &mut self.tunnel
+            && t.public_key() != keys.public()
+        {
+            t.rekey(keys.clone()).map_err(|e| RoutesError::Tunnel(e.to_string()))?;
+            tracing::info!(public_key = %wireguard::encode_key(keys.public()), "wireguard key rotated");
+        }
+        self.keys = Some(keys);
+        Ok(())
+    }
+
+    /// Encryption as the controller says (mode, port, cluster CIDRs): the next change is a
+    /// complete sync when it differs.
+    pub fn set_encryption(&mut self, mode: Encryption, port: u16, cluster_cidrs: Vec<IpNetwork>) {
+        if (self.cfg.encryption, self.cfg.wg_port, &self.cfg.cluster_cidrs) != (mode, port, &cluster_cidrs) {
+            if self.cfg.wg_port != port {
+                self.tunnel = None;
+            }
+            self.cfg.encryption = mode;
+            self.cfg.wg_port = port;
+            self.cfg.cluster_cidrs = cluster_cidrs;
+            self.applied = None;
+        }
+    }
+
+    /// The WireGuard device as the kernel has it (`None`: encryption off or no device), and
+    /// why the device could not be made, if it could not.
+    pub fn tunnel_status(&mut self) -> (Option<crate::sys::wireguard::Device>, Option<String>) {
+        let dev = self.tunnel.as_mut().and_then(|(t, _)| t.device().ok());
+        (dev, self.tunnel_error.clone())
+    }
+
+    /// Make (or remove, encryption off) the WireGuard device; its ifindex. A device that
+    /// cannot be made (no WireGuard in this kernel) is logged and leaves the index `None`:
+    /// mode on then routes in clear, strict drops.
+    fn ensure_tunnel(&mut self) -> Result<Option<u32>, RoutesError> {
+        if self.cfg.encryption == Encryption::Off {
+            self.tunnel = None;
+            self.tunnel_error = None;
+            if wireguard::remove_device(&mut self.nl).map_err(RoutesError::netlink("removing the wireguard device"))? {
+                tracing::info!(device = wireguard::DEVICE, "encryption off: removed the wireguard device");
+            }
+            return Ok(None);
+        }
+        let (_, underlay_mtu) = self.underlay_link()?;
+        let mtu = wireguard::device_mtu(underlay_mtu, self.cfg.local_underlay);
+        let made = match (self.tunnel.take(), &self.keys) {
+            (Some((t, _)), _) => Ok(t),
+            (None, Some(k)) => Tunnel::new(k.clone(), self.cfg.wg_port),
+            (None, None) => Err(wireguard::TunnelError::NoKey),
+        };
+        let ensured = made.and_then(|mut t| t.ensure(&mut self.nl, mtu).map(|i| (t, i)));
+        match ensured {
+            Ok((t, index)) => {
+                self.tunnel = Some((t, index));
+                self.tunnel_error = None;
+                self.sync_tunnel_addresses(index)?;
+                Ok(Some(index))
+            }
+            Err(e) => {
+                tracing::error!(error = %e, mode = %self.cfg.encryption, "no wireguard device: peers without encryption are {}",
+                    if self.cfg.encryption == Encryption::Strict { "unreachable" } else { "reached in clear" });
+                self.tunnel_error = Some(e.to_string());
+                Ok(None)
+            }
+        }
+    }
+
+    /// Give the device's peers the keys, addresses and blocks of the peers as last given.
+    fn sync_tunnel_peers(&mut self) -> Result<(), RoutesError> {
+        let Some((t, _)) = &mut self.tunnel else { return Ok(()) };
+        let peers: Vec<&PeerNode> = self.peers.values().collect();
+        t.sync(&peers, self.cfg.local_underlay.is_ipv6()).map_err(|e| RoutesError::Tunnel(e.to_string()))?;
+        Ok(())
+    }
+
+    /// Strict mode: a blackhole route per cluster CIDR (protocol [`wireguard::RTPROT_STRICT`]),
+    /// under every more specific route: a peer block without an encrypted route is dropped.
+    /// Other modes: none.
+    fn sync_strict(&mut self, main: &[RouteEntry]) -> Result<(), RoutesError> {
+        let want: BTreeSet<IpNetwork> = match self.cfg.encryption {
+            Encryption::Strict => self.cfg.cluster_cidrs.iter().map(|c| normalize(*c)).collect(),
+            _ => BTreeSet::new(),
+        };
+        let mut have = BTreeSet::new();
+        for r in main.iter().filter(|r| r.protocol == wireguard::RTPROT_STRICT) {
+            let net = IpNetwork::new(r.dst, r.prefix).map(normalize).ok();
+            if net.is_some_and(|n| want.contains(&n)) && r.kind == RTN_BLACKHOLE {
+                have.insert(net.expect("checked"));
+                continue;
+            }
+            self.nl
+                .delete_route(r)
+                .map_err(RoutesError::netlink(format!("removing {}/{} (strict mode)", r.dst, r.prefix)))?;
+        }
+        for c in want.difference(&have) {
+            self.nl
+                .replace_blackhole(c.network(), c.prefix(), wireguard::RTPROT_STRICT)
+                .map_err(RoutesError::netlink(format!("blackhole {c} (encryption strict)")))?;
+            tracing::info!(cidr = %c, "encryption strict: unencrypted traffic to the cluster CIDR is dropped");
+        }
+        Ok(())
     }
 
     pub fn config(&self) -> &RouteConfig {
@@ -1027,7 +1231,8 @@ impl Routes {
         let again: Vec<&PeerNode> = changed_names.iter().filter_map(|n| self.peers.get(n)).collect();
         plan_into(&self.cfg, &local, &mut plan, again.iter().copied());
         let after = plan.copy_entries(&again);
-        let ops = plan_diff(&before, &after, vxlan_index);
+        let ops = plan_diff(&before, &after);
+        self.sync_tunnel_peers()?;
         let mut report = SyncReport {
             unroutable: after.unroutable.clone(),
             vtep_mac: self.vtep.map(|(_, m)| m),
@@ -1057,6 +1262,7 @@ impl Routes {
         self.applied = None;
         let vtep_mac = self.ensure_vtep()?;
         let vxlan_index = self.vtep.map(|(i, _)| i);
+        let wg_index = self.ensure_tunnel()?;
         let addrs = self.nl.addresses(None).map_err(RoutesError::netlink("listing addresses"))?;
         let mut main = Vec::new();
         for v6 in [false, true] {
@@ -1074,7 +1280,10 @@ impl Routes {
         } else {
             (Vec::new(), Vec::new())
         };
-        let local = LocalView::from_kernel(&addrs, &main, vxlan_index);
+        self.sync_strict(&main)?;
+        self.sync_tunnel_peers()?;
+        let mut local = LocalView::from_kernel(&addrs, &main, vxlan_index);
+        local.wg_index = wg_index;
         let plan = plan_of(&self.cfg, &local, self.peers.values());
         let current = Current::select(main, fdb, neigh, vxlan_index);
         let ops = diff(&plan, &current, vxlan_index);
@@ -1100,6 +1309,7 @@ impl Routes {
                 mode = %self.cfg.mode,
                 direct = report.count(RouteKind::Direct),
                 vxlan = report.count(RouteKind::Vxlan),
+                wireguard = report.count(RouteKind::Wireguard),
                 unroutable = report.unroutable.len(),
                 routes = ?report.routes, fdb = ?report.fdb, neigh = ?report.neigh,
                 "cross-node routes synced"
@@ -1153,10 +1363,15 @@ impl Routes {
                     match route.kind {
                         RouteKind::Direct => "direct",
                         RouteKind::Vxlan => "vxlan",
+                        RouteKind::Wireguard => "wireguard",
                     },
                     route.block,
                     route.via,
-                    if route.kind == RouteKind::Vxlan { format!(" dev {dev} onlink") } else { String::new() }
+                    match route.kind {
+                        RouteKind::Direct => String::new(),
+                        RouteKind::Vxlan => format!(" dev {dev} onlink"),
+                        RouteKind::Wireguard => format!(" dev {} onlink", wireguard::DEVICE),
+                    }
                 )))?;
                 tracing::info!(peer = %route.peer, block = %route.block, kind = ?route.kind, via = %route.via, new, "route set");
                 count(&mut report.routes, *new);
@@ -1214,7 +1429,10 @@ impl Routes {
         for v6 in [false, true] {
             match self.nl.route_entries(v6) {
                 Ok(all) => {
-                    for r in all.iter().filter(|r| r.protocol == RTPROT_NODEPLANE && r.table == RT_TABLE_MAIN) {
+                    let ours = |r: &&RouteEntry| {
+                        r.table == RT_TABLE_MAIN && [RTPROT_NODEPLANE, wireguard::RTPROT_STRICT].contains(&r.protocol)
+                    };
+                    for r in all.iter().filter(ours) {
                         match self.nl.delete_route(r) {
                             Ok(()) => removed += 1,
                             Err(e) if gone(&e) => {}
@@ -1244,6 +1462,12 @@ impl Routes {
             Err(e) => failures.push(RoutesError::netlink(format!("teardown: looking up {name}"))(e)),
         }
         self.vtep = None;
+        self.tunnel = None;
+        match wireguard::remove_device(&mut self.nl) {
+            Ok(true) => tracing::info!(device = wireguard::DEVICE, "removed the wireguard device"),
+            Ok(false) => {}
+            Err(e) => failures.push(RoutesError::netlink("teardown: deleting the wireguard device")(e)),
+        }
         tracing::info!(routes = removed, "cross-node routes torn down");
         if failures.is_empty() { Ok(()) } else { Err(RoutesError::Teardown(failures)) }
     }
@@ -1270,7 +1494,43 @@ mod tests {
             underlay: underlay.iter().map(|s| ip(s)).collect(),
             blocks: blocks.iter().map(|s| net(s)).collect(),
             vtep_mac: mac,
+            wg_key: None,
         }
+    }
+
+    /// Encryption: a peer with a key goes through the WireGuard device in every route mode;
+    /// without one it keeps its route (on) or gets none (strict).
+    #[test]
+    fn encryption_routes_keyed_peers_through_the_tunnel() {
+        const WG: u32 = 77;
+        let mut l = local();
+        l.wg_index = Some(WG);
+        let mut ps = peers();
+        ps[0].wg_key = Some([2; 32]);
+        for mode in [RouteMode::Direct, RouteMode::Vxlan, RouteMode::Auto] {
+            let mut c = cfg(mode);
+            c.encryption = Encryption::On;
+            let p = plan(&c, &l, &ps);
+            let n2: Vec<&PeerRoute> = p.routes.values().filter(|r| r.peer == "n2").collect();
+            assert_eq!(n2.len(), 2, "{mode}");
+            assert!(n2.iter().all(|r| r.kind == RouteKind::Wireguard && r.oif == Some(WG)), "{mode}: {n2:?}");
+            assert_eq!(route_spec(n2[0]).gateway, ip("10.244.2.1"));
+            assert!(route_spec(n2[0]).onlink);
+            assert!(p.fdb.values().all(|(_, peer)| peer != "n2"), "no tunnel entry for a peer with a key");
+            assert!(p.routes.values().any(|r| r.peer == "n3" && r.kind != RouteKind::Wireguard), "{mode}: n3 in clear");
+            c.encryption = Encryption::Strict;
+            let p = plan(&c, &l, &ps);
+            assert!(p.routes.values().all(|r| r.peer == "n2"), "strict: nothing for the keyless n3");
+            assert_eq!(p.unroutable.iter().filter(|u| u.peer == "n3").count(), 2);
+            assert!(p.unroutable[0].reason.contains("its key is unknown"), "{:?}", p.unroutable);
+        }
+        // Strict without a device: nothing routed at all.
+        l.wg_index = None;
+        let mut c = cfg(RouteMode::Auto);
+        c.encryption = Encryption::Strict;
+        let p = plan(&c, &l, &ps);
+        assert!(p.routes.is_empty() && p.unroutable.len() == 4);
+        assert!(p.unroutable[0].reason.contains("device is missing"));
     }
 
     /// Node 1: underlay 192.0.2.11/24 + 2001:db8:a::11/64 on eth0 (index 2), pods on np0 (3).
@@ -1332,12 +1592,12 @@ mod tests {
     fn plan_diff_is_the_few_changes_a_delta_implies() {
         let cfg = cfg(RouteMode::Vxlan);
         let old = plan(&cfg, &local(), &peers());
-        let empty = plan_diff(&Plan::default(), &old, Some(VX));
+        let empty = plan_diff(&Plan::default(), &old);
         assert_eq!(empty.len(), 2 + 4 + 4, "2 FDB entries, 4 neighbours, 4 routes: {empty:?}");
-        assert!(plan_diff(&old, &old, Some(VX)).is_empty());
+        assert!(plan_diff(&old, &old).is_empty());
         // n3 leaves.
         let new = plan(&cfg, &local(), &peers()[..1]);
-        let ops = plan_diff(&old, &new, Some(VX));
+        let ops = plan_diff(&old, &new);
         let dels_route: Vec<_> = ops
             .iter()
             .filter_map(|o| {
@@ -1348,7 +1608,7 @@ mod tests {
                 }
             })
             .collect();
-        assert_eq!(dels_route, vec![(ip("10.244.3.0"), 24, Some(VX), true), (ip("fd00:3::"), 64, Some(VX), true)]);
+        assert_eq!(dels_route, vec![(ip("10.244.3.0"), 24, Some(9), true), (ip("fd00:3::"), 64, Some(9), true)]);
         assert_eq!(ops.iter().filter(|o| matches!(o, Op::DelNeigh { .. })).count(), 2);
         assert_eq!(
             ops.iter()
@@ -1360,13 +1620,13 @@ mod tests {
         // n2 moves to another underlay address: one FDB entry replaced, nothing else.
         let mut moved = peers();
         moved[0].underlay[0] = ip("192.0.2.99");
-        let ops = plan_diff(&old, &plan(&cfg, &local(), &moved), Some(VX));
+        let ops = plan_diff(&old, &plan(&cfg, &local(), &moved));
         assert!(matches!(ops.as_slice(), [Op::SetFdb { mac, new: false, .. }] if *mac == MAC2), "{ops:?}");
         // The removal of a route made by the plan, as the kernel reports that route, is the
         // entry plan_diff deletes (so deleting it by its own fields finds it).
         let r = &old.routes[&net("10.244.2.0/24")];
-        let installed = route_spec(r, Some(VX));
-        let e = entry_of(r, Some(VX));
+        let installed = route_spec(r);
+        let e = entry_of(r);
         assert_eq!(
             (e.dst, e.prefix, e.gateway, e.oif, e.onlink),
             (installed.dst, installed.prefix, Some(installed.gateway), installed.oif, installed.onlink)
@@ -1478,7 +1738,7 @@ mod tests {
         assert_eq!(p.neigh.len(), 4);
         assert_eq!(p.neigh.get(&ip("fd00:3::1")), Some(&(MAC3, "n3".to_string())));
         assert!(p.unroutable.is_empty());
-        let spec = route_spec(&p.routes[&net("fd00:2::/64")], Some(9));
+        let spec = route_spec(&p.routes[&net("fd00:2::/64")]);
         assert_eq!(
             spec,
             RouteSpec {
@@ -1604,8 +1864,8 @@ mod tests {
                     RouteKind::Direct => {
                         own(&r.block.network().to_string(), r.block.prefix(), &r.via.to_string(), 2, false)
                     }
-                    RouteKind::Vxlan => {
-                        own(&r.block.network().to_string(), r.block.prefix(), &r.via.to_string(), 9, true)
+                    RouteKind::Vxlan | RouteKind::Wireguard => {
+                        own(&r.block.network().to_string(), r.block.prefix(), &r.via.to_string(), r.oif.unwrap(), true)
                     }
                 })
                 .collect(),
@@ -1736,7 +1996,9 @@ mod tests {
         assert_eq!(diff(&p, &cur, Some(10)).len(), 5);
         // A route of ours that points at an old device index is replaced.
         let cur = applied(&p);
-        let ops = diff(&p, &cur, Some(10));
+        let mut l10 = local();
+        l10.vxlan_index = Some(10);
+        let ops = diff(&plan(&cfg(RouteMode::Vxlan), &l10, &peers()[..1]), &cur, Some(10));
         assert_eq!(
             summary(&ops),
             vec![

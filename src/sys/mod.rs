@@ -28,3 +28,4 @@ pub mod netlink;
 pub mod netns;
 pub mod probe;
 pub mod volume_kernel;
+pub mod wireguard;

@@ -728,6 +728,8 @@ pub const NUD_PERMANENT: u16 = 0x80;
 pub const NTF_SELF: u8 = 0x02;
 /// `RTN_UNICAST`.
 pub const RTN_UNICAST: u8 = 1;
+/// `RTN_BLACKHOLE`.
+pub const RTN_BLACKHOLE: u8 = 6;
 
 /// Parameters for creating a VXLAN device.
 #[derive(Debug, Clone)]
@@ -899,6 +901,19 @@ impl Netlink {
         )
     }
 
+    /// Create a WireGuard device, up, with an MTU (`ip link add NAME mtu MTU type
+    /// wireguard`). Its key, port and peers are set over generic netlink
+    /// ([`super::wireguard`]). Fails with EEXIST when the name is taken.
+    pub fn create_wireguard(&mut self, name: &str, mtu: u32) -> Result<()> {
+        let mut msg = LinkMessage::default();
+        msg.header.flags = LinkFlags::Up;
+        msg.header.change_mask = LinkFlags::Up;
+        msg.attributes.push(LinkAttribute::IfName(name.to_string()));
+        msg.attributes.push(LinkAttribute::Mtu(mtu));
+        msg.attributes.push(LinkAttribute::LinkInfo(vec![LinkInfo::Kind(InfoKind::Wireguard)]));
+        self.request(RouteNetlinkMessage::NewLink(msg), NLM_F_CREATE | NLM_F_EXCL, &format!("create wireguard {name}"))
+    }
+
     /// Look a link up by name, with its VXLAN parameters when it is a VXLAN device.
     pub fn vxlan_by_name(&mut self, name: &str) -> Result<Option<VxlanLink>> {
         let op = format!("get link {name}");
@@ -984,6 +999,24 @@ impl Netlink {
             if spec.onlink { " onlink" } else { "" },
             spec.protocol
         );
+        self.request(RouteNetlinkMessage::NewRoute(msg), NLM_F_CREATE | NLM_F_REPLACE, &op)
+    }
+
+    /// Add or replace a blackhole route in the main table (`ip route replace blackhole
+    /// DST/PREFIX proto PROTOCOL`): what matches it is dropped.
+    pub fn replace_blackhole(&mut self, dst: IpAddr, prefix: u8, protocol: u8) -> Result<()> {
+        let mut msg = RouteMessage::default();
+        msg.header = RouteHeader {
+            address_family: family_of(&dst),
+            destination_prefix_length: prefix,
+            table: RouteHeader::RT_TABLE_MAIN,
+            protocol: RouteProtocol::from(protocol),
+            scope: RouteScope::Universe,
+            kind: RouteType::BlackHole,
+            ..Default::default()
+        };
+        msg.attributes.push(RouteAttribute::Destination(RouteAddress::from(dst)));
+        let op = format!("replace route blackhole {dst}/{prefix} proto {protocol}");
         self.request(RouteNetlinkMessage::NewRoute(msg), NLM_F_CREATE | NLM_F_REPLACE, &op)
     }
 

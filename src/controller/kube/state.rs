@@ -70,6 +70,8 @@ struct NodeSpec {
     vtep_mac: String,
     #[serde(default)]
     blocks: Vec<String>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    wireguard_key: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -570,7 +572,13 @@ impl Backend for KubeBackend {
             for o in &items {
                 let name = o.metadata.name.clone().unwrap_or_default();
                 let spec: NodeSpec = spec_of(o)?;
-                let rec = NodeRecord { name, underlay: spec.underlay, vtep_mac: spec.vtep_mac, blocks: spec.blocks };
+                let rec = NodeRecord {
+                    name,
+                    underlay: spec.underlay,
+                    vtep_mac: spec.vtep_mac,
+                    blocks: spec.blocks,
+                    wireguard_key: spec.wireguard_key,
+                };
                 records.push((rec, Seen::of(o)));
             }
             // Locks are listed after the records: a lock written meanwhile is younger than
@@ -667,6 +675,7 @@ impl Backend for KubeBackend {
                                 underlay: rec.underlay.clone(),
                                 vtep_mac: rec.vtep_mac.clone(),
                                 blocks: rec.blocks.clone(),
+                                wireguard_key: rec.wireguard_key.clone(),
                             };
                             let spec = serde_json::to_value(spec).map_err(|e| BackendError::Corrupt(e.to_string()))?;
                             result = match object(&node_resource(), &name2, &name2, spec, seen.as_ref()) {
