@@ -147,14 +147,13 @@ def test_agent_metrics_follow_cni_ipam_csi_and_devices():
         wait_for(lambda: agent_scrape(node).get("nodeplane_device_plugin_devices", resource=resource, health="Healthy") == 4,
                  what="4 healthy device IDs (2 devices shared 2 ways)")
         before = agent_scrape(node)
-        for name, kind in [("nodeplane_cni_operations", "counter"), ("nodeplane_cni_operation_duration_seconds", "histogram"),
-                           ("nodeplane_ipam_block_addresses", "gauge"), ("nodeplane_ipam_block_allocated", "gauge"),
-                           ("nodeplane_ipam_leases", "gauge"), ("nodeplane_csi_volumes", "gauge"),
-                           ("nodeplane_csi_staged", "gauge"), ("nodeplane_csi_published", "gauge"),
-                           ("nodeplane_csi_operations", "counter"), ("nodeplane_device_plugin_devices", "gauge"),
-                           ("nodeplane_build_info", "gauge")]:
+        # The gauges are there from the start; counters and histograms with their first sample
+        # (checked below, once the work is done).
+        for name in ["nodeplane_ipam_block_addresses", "nodeplane_ipam_block_allocated", "nodeplane_ipam_leases",
+                     "nodeplane_csi_volumes", "nodeplane_csi_staged", "nodeplane_csi_published",
+                     "nodeplane_device_plugin_devices", "nodeplane_build_info"]:
             f = before.family(name)
-            assert f is not None and f.type == kind, f"{name}: {f}"
+            assert f is not None and f.type == "gauge", f"{name}: {f}"
         # Standalone: no controller, so no controller metrics.
         assert before.family("nodeplane_controller_connected") is None
 
@@ -212,7 +211,13 @@ def test_agent_metrics_follow_cni_ipam_csi_and_devices():
         nf = lambda s: s.get("nodeplane_csi_operations_total", method="NodeUnstageVolume", code="NotFound") or 0
         with_err = node.csi("unstage", "--id", "no-such-volume", "--staging", node.staging_path("no-such-volume"), check=False)
         assert with_err.get("code") == "NotFound", with_err
-        assert nf(agent_scrape(node)) - nf(after) == 1
+        last = agent_scrape(node)
+        assert nf(last) - nf(after) == 1
+        for name, kind in [("nodeplane_cni_operations", "counter"), ("nodeplane_cni_operation_duration_seconds", "histogram"),
+                           ("nodeplane_cni_step_duration_seconds", "histogram"), ("nodeplane_csi_operations", "counter"),
+                           ("nodeplane_csi_operation_duration_seconds", "histogram")]:
+            f = last.family(name)
+            assert f is not None and f.type == kind, f"{name}: {f}"
 
         # Devices: one device node disappears; its two IDs turn unhealthy.
         (dev / "metdev1").unlink()

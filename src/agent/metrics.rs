@@ -5,26 +5,38 @@
 //! blocks and leases, the volume store and the CSI records, the device plugins' device
 //! lists, the connection to the controller.
 
+use std::fmt;
 use std::sync::Arc;
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
+
 use super::cluster::Link;
+use crate::devices::deviceplugin::plugin::{HEALTHY, UNHEALTHY};
 use crate::net::datapath::Datapath;
-use crate::obs::metrics::{CounterVec, Encoder, HistogramVec, LATENCY_BUCKETS, Registry};
+use crate::obs::metrics::{Counters, Histograms, Registry, gauge, gauges, latency_histogram};
+
+/// The labels of a CNI request.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CniLabels {
+    command: &'static str,
+    /// `ok`, or the CNI error code answered.
+    result: String,
+}
 
 /// CNI request metrics, updated for every request the shim brings.
 pub struct CniMetrics {
-    operations: Arc<CounterVec>,
-    durations: Arc<HistogramVec>,
+    operations: Counters<CniLabels>,
+    durations: Histograms<CniLabels>,
 }
 
 impl CniMetrics {
     /// `command`: the CNI command (`ADD`, …, or `unknown` when it is not one); `code`: the
     /// CNI error code answered, `None` for success (labelled `ok`).
-    pub fn observe(&self, command: &str, code: Option<u32>, seconds: f64) {
-        let result = code.map(|c| c.to_string());
-        let labels = [command, result.as_deref().unwrap_or("ok")];
-        self.operations.inc(&labels);
-        self.durations.observe(&labels, seconds);
+    pub fn observe(&self, command: &'static str, code: Option<u32>, seconds: f64) {
+        let labels = CniLabels { command, result: code.map_or_else(|| "ok".into(), |c| c.to_string()) };
+        self.operations.get_or_create(&labels).inc();
+        self.durations.get_or_create(&labels).observe(seconds);
     }
 }
 
@@ -43,134 +55,166 @@ pub struct Sources {
     pub services: Option<Arc<super::service_sync::ServiceClient>>,
 }
 
+impl fmt::Debug for Sources {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sources").field("node", &self.node).finish_non_exhaustive()
+    }
+}
+
 /// The agent's registry and the handle the CNI server counts with.
 pub fn build(src: Sources) -> (Arc<Registry>, Arc<CniMetrics>) {
     let registry = Registry::new();
     let cni = Arc::new(CniMetrics {
-        operations: registry.counter(
-            "nodeplane_cni_operations_total",
-            "CNI requests answered, by command and result (ok, or the CNI error code).",
-            &["command", "result"],
-        ),
-        durations: registry.histogram(
-            "nodeplane_cni_operation_duration_seconds",
-            "Time the agent took to answer a CNI request, by command and result.",
-            &["command", "result"],
-            LATENCY_BUCKETS,
-        ),
+        operations: Counters::default(),
+        durations: Histograms::new_with_constructor(latency_histogram),
     });
-    registry.register_histogram(src.dp.steps.clone());
+    registry.register(
+        "nodeplane_cni_operations",
+        "CNI requests answered, by command and result (ok, or the CNI error code).",
+        cni.operations.clone(),
+    );
+    registry.register(
+        "nodeplane_cni_operation_duration_seconds",
+        "Time the agent took to answer a CNI request, by command and result.",
+        cni.durations.clone(),
+    );
+    registry.register(
+        "nodeplane_cni_step_duration_seconds",
+        "Time of each step of a CNI request inside the agent, by command and step.",
+        src.dp.steps.clone(),
+    );
     if let Some(s) = &src.services {
-        registry.register_histogram(s.sync_seconds.clone());
+        registry.register(
+            "nodeplane_services_sync_duration_seconds",
+            "Time to program one Services update from the controller (a snapshot or one change), \
+             as kube-proxy's sync_proxy_rules_duration_seconds.",
+            s.sync_seconds.clone(),
+        );
     }
     if let Some(svc) = &src.csi {
-        registry.register_counter(svc.operations.clone());
-        registry.register_histogram(svc.durations.clone());
+        registry.register(
+            "nodeplane_csi_operations",
+            "CSI Node calls answered, by method and gRPC status code.",
+            svc.operations.clone(),
+        );
+        registry.register(
+            "nodeplane_csi_operation_duration_seconds",
+            "Time to answer a CSI Node call that did volume work, by method.",
+            svc.durations.clone(),
+        );
     }
-    let node = src.node.clone();
-    registry.collector(move |enc| collect(&src, &node, enc));
+    registry.register_collector(src);
     (registry, cni)
 }
 
-fn collect(src: &Sources, node: &str, enc: &mut Encoder) {
-    enc.gauge_vec(
-        "nodeplane_build_info",
-        "The running agent: 1, labelled with its version and node.",
-        &["version", "node"],
-        [(vec![env!("CARGO_PKG_VERSION").to_string(), node.to_string()], 1.0)],
-    );
-    let usage = src.dp.ipam().block_usage();
-    enc.gauge_vec(
-        "nodeplane_ipam_block_addresses",
-        "Pod addresses a block can hand out (network, gateway and IPv4 broadcast excluded).",
-        &["block"],
-        usage.iter().map(|(b, _)| (vec![b.net.to_string()], b.capacity() as f64)),
-    );
-    enc.gauge_vec(
-        "nodeplane_ipam_block_allocated",
-        "Pod addresses of a block held by leases (ADDs in progress included).",
-        &["block"],
-        usage.iter().map(|(b, used)| (vec![b.net.to_string()], *used as f64)),
-    );
-    enc.gauge(
-        "nodeplane_ipam_leases",
-        "Attachments (container, interface) holding addresses on this node.",
-        src.dp.ipam().lease_count() as f64,
-    );
-    if let Some(svc) = &src.csi {
-        let u = svc.store.usage();
-        enc.gauge("nodeplane_csi_volumes", "Volumes in this node's volume store.", u.volumes as f64);
-        enc.gauge(
-            "nodeplane_csi_capacity_bytes",
-            "Bytes this node offers for volumes (csi.capacityBytes).",
-            u.capacity_bytes as f64,
-        );
-        enc.gauge(
-            "nodeplane_csi_provisioned_bytes",
-            "Sum of the sizes of the volumes in this node's store.",
-            u.provisioned_bytes as f64,
-        );
-        let m = svc.mount_counts();
-        enc.gauge("nodeplane_csi_staged", "Volumes staged on this node (NodeStageVolume done).", m.staged as f64);
-        enc.gauge(
-            "nodeplane_csi_staging",
-            "Volume stages in progress, or interrupted and waiting for a retry or recovery.",
-            m.staging as f64,
-        );
-        enc.gauge(
-            "nodeplane_csi_published",
-            "Target paths volumes are published at (NodePublishVolume done).",
-            m.published as f64,
-        );
-    }
-    if let Some(inv) = &src.devices {
-        let health = inv.health();
-        enc.gauge_vec(
-            "nodeplane_device_plugin_devices",
-            "Device IDs advertised to kubelet, by resource and health (a device shared N ways counts N times).",
-            &["resource", "health"],
-            health.iter().flat_map(|r| {
-                [
-                    (
-                        vec![r.resource.clone(), crate::devices::deviceplugin::plugin::HEALTHY.to_string()],
-                        r.healthy as f64,
-                    ),
-                    (
-                        vec![r.resource.clone(), crate::devices::deviceplugin::plugin::UNHEALTHY.to_string()],
-                        r.unhealthy as f64,
-                    ),
-                ]
-            }),
-        );
-    }
-    enc.gauge_vec(
-        "nodeplane_kubelet_plugin_registered",
-        "1 while kubelet has registered a plugin this agent serves (CSI driver, device plugin resource), else 0.",
-        &["kind", "plugin"],
-        src.kubelet.rows().into_iter().map(|(k, n, ok)| (vec![k.as_str().to_string(), n], if ok { 1.0 } else { 0.0 })),
-    );
-    if let Some(s) = &src.services {
-        let (services, ports, endpoints) = s.proxy.counts();
-        enc.gauge("nodeplane_services", "Services this node proxies.", services as f64);
-        enc.gauge("nodeplane_service_ports", "Service ports this node proxies.", ports as f64);
-        enc.gauge("nodeplane_service_endpoints", "Endpoints of the service ports this node proxies.", endpoints as f64);
-        enc.gauge(
-            "nodeplane_services_revision",
-            "The revision of the controller's Services in force on this node (0 before the first).",
-            s.standing.lock().unwrap().revision as f64,
-        );
-    }
-    if let Some(link) = &src.link {
-        enc.gauge(
-            "nodeplane_controller_connected",
-            "1 while the agent is registered with the controller and follows its membership stream, else 0.",
-            if link.connected() { 1.0 } else { 0.0 },
-        );
-        enc.gauge_vec(
-            "nodeplane_controller_last_message_timestamp_seconds",
-            "Unix time of the last message from the controller (registration answer, block or membership update).",
-            &[],
-            link.last_message().map(|t| (Vec::new(), t)),
-        );
+/// The gauges, read from the state at every scrape.
+impl Collector for Sources {
+    fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
+        let enc = &mut enc;
+        gauges(
+            enc,
+            "nodeplane_build_info",
+            "The running agent: 1, labelled with its version and node.",
+            [([("version", env!("CARGO_PKG_VERSION")), ("node", self.node.as_str())], 1)],
+        )?;
+        let usage = self.dp.ipam().block_usage();
+        gauges(
+            enc,
+            "nodeplane_ipam_block_addresses",
+            "Pod addresses a block can hand out (network, gateway and IPv4 broadcast excluded).",
+            usage.iter().map(|(b, _)| ([("block", b.net.to_string())], b.capacity() as f64)),
+        )?;
+        gauges(
+            enc,
+            "nodeplane_ipam_block_allocated",
+            "Pod addresses of a block held by leases (ADDs in progress included).",
+            usage.iter().map(|(b, used)| ([("block", b.net.to_string())], *used as u64)),
+        )?;
+        gauge(
+            enc,
+            "nodeplane_ipam_leases",
+            "Attachments (container, interface) holding addresses on this node.",
+            self.dp.ipam().lease_count(),
+        )?;
+        if let Some(svc) = &self.csi {
+            let u = svc.store.usage();
+            gauge(enc, "nodeplane_csi_volumes", "Volumes in this node's volume store.", u.volumes)?;
+            gauge(
+                enc,
+                "nodeplane_csi_capacity_bytes",
+                "Bytes this node offers for volumes (csi.capacityBytes).",
+                u.capacity_bytes,
+            )?;
+            gauge(
+                enc,
+                "nodeplane_csi_provisioned_bytes",
+                "Sum of the sizes of the volumes in this node's store.",
+                u.provisioned_bytes,
+            )?;
+            let m = svc.mount_counts();
+            gauge(enc, "nodeplane_csi_staged", "Volumes staged on this node (NodeStageVolume done).", m.staged)?;
+            gauge(
+                enc,
+                "nodeplane_csi_staging",
+                "Volume stages in progress, or interrupted and waiting for a retry or recovery.",
+                m.staging,
+            )?;
+            gauge(
+                enc,
+                "nodeplane_csi_published",
+                "Target paths volumes are published at (NodePublishVolume done).",
+                m.published,
+            )?;
+        }
+        if let Some(inv) = &self.devices {
+            let health = inv.health();
+            gauges(
+                enc,
+                "nodeplane_device_plugin_devices",
+                "Device IDs advertised to kubelet, by resource and health (a device shared N ways counts N times).",
+                health.iter().flat_map(|r| {
+                    let resource = r.resource.as_str();
+                    [
+                        ([("resource", resource), ("health", HEALTHY)], r.healthy),
+                        ([("resource", resource), ("health", UNHEALTHY)], r.unhealthy),
+                    ]
+                }),
+            )?;
+        }
+        gauges(
+            enc,
+            "nodeplane_kubelet_plugin_registered",
+            "1 while kubelet has registered a plugin this agent serves (CSI driver, device plugin resource), else 0.",
+            self.kubelet.rows().iter().map(|(k, n, ok)| ([("kind", k.as_str()), ("plugin", n.as_str())], *ok as u64)),
+        )?;
+        if let Some(s) = &self.services {
+            let (services, ports, endpoints) = s.proxy.counts();
+            gauge(enc, "nodeplane_services", "Services this node proxies.", services)?;
+            gauge(enc, "nodeplane_service_ports", "Service ports this node proxies.", ports)?;
+            gauge(enc, "nodeplane_service_endpoints", "Endpoints of the service ports this node proxies.", endpoints)?;
+            gauge(
+                enc,
+                "nodeplane_services_revision",
+                "The revision of the controller's Services in force on this node (0 before the first).",
+                s.standing.lock().unwrap().revision,
+            )?;
+        }
+        if let Some(link) = &self.link {
+            gauge(
+                enc,
+                "nodeplane_controller_connected",
+                "1 while the agent is registered with the controller and follows its membership stream, else 0.",
+                link.connected() as u64,
+            )?;
+            if let Some(t) = link.last_message() {
+                gauge(
+                    enc,
+                    "nodeplane_controller_last_message_timestamp_seconds",
+                    "Unix time of the last message from the controller (registration answer, block or membership update).",
+                    t,
+                )?;
+            }
+        }
+        Ok(())
     }
 }

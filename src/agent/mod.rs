@@ -28,6 +28,7 @@ use crate::net::cni::wire::{self, WireRequest};
 use crate::net::cni::{Command, Reply, version_result};
 use crate::net::datapath::Datapath;
 use crate::net::reaper;
+use crate::obs::metrics::StepLabels;
 use config::Config;
 
 #[derive(Debug, thiserror::Error)]
@@ -328,7 +329,7 @@ fn serve_conn(dp: &Datapath, cni: &metrics::CniMetrics, stream: std::os::unix::n
     let cmd = req.env.get("CNI_COMMAND").cloned().unwrap_or_default();
     // Only known commands become label values: the environment is the caller's input.
     let label = Command::parse(&cmd).map_or("unknown", |c| c.as_str());
-    dp.steps.observe(&[label, "read"], (started - accepted).as_secs_f64());
+    dp.steps.get_or_create(&StepLabels { command: label, step: "read" }).observe((started - accepted).as_secs_f64());
     let (reply, code) = handle_coded(dp, &req.env, req.stdin.as_bytes(), netns);
     let elapsed = started.elapsed();
     cni.observe(label, code, elapsed.as_secs_f64());
@@ -337,7 +338,7 @@ fn serve_conn(dp: &Datapath, cni: &metrics::CniMetrics, stream: std::os::unix::n
     // The shim reads exactly the frame; the connection is closed when `stream` drops, after
     // the answer is on its way.
     let r = (&stream).write_all(&wire::encode(&reply)?);
-    dp.steps.observe(&[label, "reply"], answering.elapsed().as_secs_f64());
+    dp.steps.get_or_create(&StepLabels { command: label, step: "reply" }).observe(answering.elapsed().as_secs_f64());
     r
 }
 

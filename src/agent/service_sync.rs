@@ -13,7 +13,7 @@ use std::time::Duration;
 use super::cluster::{authed, read_token};
 use super::config::{Config, ControllerConfig, ServicesMode};
 use crate::net::services::Proxy;
-use crate::obs::metrics::HistogramVec;
+use crate::obs::metrics::Histogram;
 use crate::rpc::controller as pb;
 use crate::rpc::controller::services_client::ServicesClient;
 
@@ -39,7 +39,7 @@ pub struct ServiceClient {
     pub connected: AtomicBool,
     pub standing: Mutex<Standing>,
     /// Time to program one update (the snapshot or one change), whole table or not.
-    pub sync_seconds: Arc<HistogramVec>,
+    pub sync_seconds: Histogram,
 }
 
 /// Set up Services on this node (controller mode, `services` not `off`): the proxy with the
@@ -64,13 +64,7 @@ pub fn install(cfg: &Arc<Config>) -> Option<Arc<ServiceClient>> {
         proxy,
         connected: AtomicBool::new(false),
         standing: Mutex::default(),
-        sync_seconds: HistogramVec::new(
-            "nodeplane_services_sync_duration_seconds",
-            "Time to program one Services update from the controller (a snapshot or one change), \
-             as kube-proxy's sync_proxy_rules_duration_seconds.",
-            &[],
-            SYNC_BUCKETS,
-        ),
+        sync_seconds: Histogram::new(SYNC_BUCKETS.iter().copied()),
     }))
 }
 
@@ -215,7 +209,7 @@ impl ServiceClient {
                 return Err(e);
             }
         };
-        self.sync_seconds.observe(&[], applied.seconds);
+        self.sync_seconds.observe(applied.seconds);
         let mut s = self.standing.lock().unwrap();
         *s = Standing { idle: None, epoch, revision, synced: true };
         tracing::debug!(revision, whole = applied.whole_table, seconds = applied.seconds, "services programmed");

@@ -238,7 +238,11 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     let local_policy = !cfg.uses_kubernetes();
     let policy_book = policy::PolicyBook::new(local_policy.then(|| cfg.data_dir.join("policy-objects.json")))
         .map_err(ControllerError::Policy)?;
-    metrics.registry.register_histogram(policy_book.compile_seconds.clone());
+    metrics.registry.register(
+        "nodeplane_controller_policy_compile_seconds",
+        "Time to recompile every node's NetworkPolicy view after a change.",
+        policy_book.compile_seconds.clone(),
+    );
     let policy_follower = match &client {
         Some(c) if !local_policy => {
             Some(tokio::spawn(kube::policy::follow(c.clone(), policy_book.clone(), stopping.clone())))

@@ -11,6 +11,7 @@ use super::config::Config;
 use super::records::NodeRecord;
 use super::store::{Change, Registry, RegistryError, Snapshot, Start};
 use crate::net::wireguard::Mode;
+use crate::obs::metrics::{Counters, GrpcLabels};
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_server::NodeRegistry;
 use crate::util::Family;
@@ -23,7 +24,7 @@ pub struct Service {
     /// Flipped to true on shutdown: ends every membership stream (agents reconnect).
     pub stopping: tokio::sync::watch::Receiver<bool>,
     /// Calls answered, by method and gRPC code (see `super::metrics`).
-    pub requests: Arc<crate::obs::metrics::CounterVec>,
+    pub requests: Counters<GrpcLabels>,
     /// In a cluster: registration follows the Node objects.
     pub node_gate: Option<Arc<super::kube::nodes::NodeGate>>,
     /// The DRA devices nodes report (published as ResourceSlices).
@@ -174,9 +175,9 @@ type VolumeStream = Pin<Box<dyn Stream<Item = Result<pb::VolumeSet, Status>> + S
 
 impl Service {
     /// Count one answered call (for the streams: whether the stream was opened).
-    fn counted<T>(&self, method: &str, r: Result<T, Status>) -> Result<T, Status> {
+    fn counted<T>(&self, method: &'static str, r: Result<T, Status>) -> Result<T, Status> {
         let code = r.as_ref().err().map_or(tonic::Code::Ok, |s| s.code());
-        self.requests.inc(&[method, crate::obs::metrics::grpc_code_name(code)]);
+        self.requests.get_or_create(&GrpcLabels::new(method, code)).inc();
         r
     }
 }

@@ -48,7 +48,7 @@ pub struct PolicyBook {
     /// Local mode: where applied objects are kept across restarts.
     file: Option<PathBuf>,
     /// Time of each recompilation (seconds), for the controller's metrics.
-    pub compile_seconds: Arc<crate::obs::metrics::HistogramVec>,
+    pub compile_seconds: crate::obs::metrics::Histogram,
 }
 
 /// Objects applied in local mode, as stored.
@@ -69,12 +69,7 @@ impl PolicyBook {
             changed,
             complete,
             file,
-            compile_seconds: crate::obs::metrics::HistogramVec::new(
-                "nodeplane_controller_policy_compile_seconds",
-                "Time to recompile every node's NetworkPolicy view after a change.",
-                &[],
-                crate::obs::metrics::STEP_BUCKETS,
-            ),
+            compile_seconds: crate::obs::metrics::step_histogram(),
         };
         if let Some(f) = &book.file {
             match std::fs::read(f) {
@@ -124,7 +119,7 @@ impl PolicyBook {
         let out = f(&mut st.objects);
         let started = std::time::Instant::now();
         let new = compile::compile(&st.objects);
-        self.compile_seconds.observe(&[], started.elapsed().as_secs_f64());
+        self.compile_seconds.observe(started.elapsed().as_secs_f64());
         let mut changed = false;
         let nodes: Vec<String> =
             st.views.keys().chain(new.keys()).cloned().collect::<std::collections::BTreeSet<_>>().into_iter().collect();

@@ -16,7 +16,7 @@ use crate::net::cni::{CniError, Code};
 use crate::net::ipam::{Ipam, IpamError, Lease, LeaseState, Owner};
 use crate::net::pending_del;
 use crate::obs::doctor::{Finding, Repair};
-use crate::obs::metrics::{HistogramVec, STEP_BUCKETS, Steps};
+use crate::obs::metrics::{Histograms, StepLabels, Steps, step_histogram};
 use crate::rpc::node as api;
 pub use crate::sys::net_kernel::NetKernel;
 use crate::sys::net_kernel::{LinkStep, Links, PodNetns, Veth};
@@ -233,11 +233,8 @@ pub struct Datapath {
     block_source: std::sync::OnceLock<BlockSource>,
     pod_hook: std::sync::OnceLock<PodHook>,
     /// Where the time of ADD and CHECK goes, step by step (the agent exports it).
-    pub steps: Arc<HistogramVec>,
+    pub steps: Histograms<StepLabels>,
 }
-
-/// The steps of ADD and CHECK, timed into [`Datapath::steps`].
-pub const STEPS_METRIC: &str = "nodeplane_cni_step_duration_seconds";
 
 /// What a startup reconcile did (logged by the agent, used by tests through the logs).
 #[derive(Debug, Default)]
@@ -262,12 +259,7 @@ impl Datapath {
             conflist_written: Default::default(),
             block_source: Default::default(),
             pod_hook: Default::default(),
-            steps: HistogramVec::new(
-                STEPS_METRIC,
-                "Time of each step of a CNI request inside the agent, by command and step.",
-                &["command", "step"],
-                STEP_BUCKETS,
-            ),
+            steps: Histograms::new_with_constructor(step_histogram),
         }
     }
 

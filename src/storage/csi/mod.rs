@@ -16,7 +16,9 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
+use crate::obs::metrics::GrpcLabels;
 use crate::rpc::csi;
+use node::MethodLabels;
 pub use node::{CsiError, NodeService, NodeSettings};
 
 pub const DRIVER_NAME: &str = "csi.nodeplane.dev";
@@ -47,7 +49,7 @@ where
         Ok(_) => tonic::Code::Ok,
         Err(s) => s.code(),
     };
-    svc.operations.inc(&[op, crate::obs::metrics::grpc_code_name(code)]);
+    svc.operations.get_or_create(&GrpcLabels::new(op, code)).inc();
     out
 }
 
@@ -69,7 +71,7 @@ where
     let out = tokio::task::spawn_blocking(move || span.in_scope(|| f(&svc2)))
         .await
         .map_err(|e| Status::internal(format!("{op} panicked: {e}")))?;
-    svc.durations.observe(&[op], started.elapsed().as_secs_f64());
+    svc.durations.get_or_create(&MethodLabels { method: op }).observe(started.elapsed().as_secs_f64());
     let micros = started.elapsed().as_micros() as u64;
     match out {
         Ok(v) => {
@@ -337,12 +339,20 @@ mod tests {
             }))
             .await;
         assert_eq!(r.unwrap_err().code(), tonic::Code::NotFound);
-        // Both calls counted, under the method and the code answered.
-        assert_eq!(svc.operations.get(&["NodeUnstageVolume", "Unavailable"]), 1);
-        assert_eq!(svc.operations.get(&["NodeUnstageVolume", "NotFound"]), 1);
-        assert_eq!(svc.operations.get(&["NodeUnstageVolume", "OK"]), 0);
-        // Only the call that ran is timed.
-        assert_eq!(svc.durations.snapshot(&["NodeUnstageVolume"]).map(|h| h.count), Some(1));
+        // Both calls counted, under the method and the code answered; only the call that ran
+        // is timed.
+        let registry = crate::obs::metrics::Registry::new();
+        registry.register("ops", "", svc.operations.clone());
+        registry.register("seconds", "", svc.durations.clone());
+        let text = registry.render();
+        for sample in [
+            "ops_total{method=\"NodeUnstageVolume\",code=\"Unavailable\"} 1\n",
+            "ops_total{method=\"NodeUnstageVolume\",code=\"NotFound\"} 1\n",
+            "seconds_count{method=\"NodeUnstageVolume\"} 1\n",
+        ] {
+            assert!(text.contains(sample), "{sample} in {text}");
+        }
+        assert_eq!(text.matches("ops_total{").count(), 2, "{text}");
         assert_eq!(svc.mount_counts(), node::MountCounts::default());
     }
 }

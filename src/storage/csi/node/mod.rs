@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 use tonic::Code;
 
 use super::capability::{self, Capability, CapabilityError};
+use crate::obs::metrics::{Counters, GrpcLabels, Histograms, latency_histogram};
 use crate::rpc::csi;
 use crate::storage::fs as vfs;
 use crate::storage::store::{VolumeError, VolumeStore};
@@ -193,8 +194,14 @@ pub struct NodeService {
     released: Condvar,
     ready: AtomicBool,
     /// Node calls by method and gRPC code, and their latency (the agent exposes them).
-    pub operations: Arc<crate::obs::metrics::CounterVec>,
-    pub durations: Arc<crate::obs::metrics::HistogramVec>,
+    pub operations: Counters<GrpcLabels>,
+    pub durations: Histograms<MethodLabels>,
+}
+
+/// The label of a timed Node call.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct MethodLabels {
+    pub method: &'static str,
 }
 
 /// How long a publish or unpublish waits for a stage, unstage or expand of its volume (or a
@@ -271,17 +278,6 @@ impl NodeService {
         for d in ["stage", "publish"] {
             std::fs::DirBuilder::new().recursive(true).mode(0o700).create(settings.record_dir.join(d))?;
         }
-        let operations = crate::obs::metrics::CounterVec::new(
-            "nodeplane_csi_operations_total",
-            "CSI Node calls answered, by method and gRPC status code.",
-            &["method", "code"],
-        );
-        let durations = crate::obs::metrics::HistogramVec::new(
-            "nodeplane_csi_operation_duration_seconds",
-            "Time to answer a CSI Node call that did volume work, by method.",
-            &["method"],
-            crate::obs::metrics::LATENCY_BUCKETS,
-        );
         let publishes =
             Self::read_publish_records(&settings.record_dir).into_iter().map(|r| (r.target_path.clone(), r)).collect();
         Ok(NodeService {
@@ -292,8 +288,8 @@ impl NodeService {
             publishes: Mutex::new(publishes),
             released: Condvar::new(),
             ready: AtomicBool::new(false),
-            operations,
-            durations,
+            operations: Counters::default(),
+            durations: Histograms::new_with_constructor(latency_histogram),
         })
     }
 
