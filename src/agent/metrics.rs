@@ -214,7 +214,41 @@ impl Collector for Sources {
                     t,
                 )?;
             }
+            wireguard(enc, link)?;
         }
         Ok(())
     }
+}
+
+/// The WireGuard device's peers, read from the kernel at the scrape (encryption on or strict).
+fn wireguard(enc: &mut DescriptorEncoder, link: &Link) -> fmt::Result {
+    use crate::net::wireguard::{DEVICE, Mode};
+    if link.encryption().0 == Mode::Off {
+        return Ok(());
+    }
+    let Ok(dev) = crate::sys::wireguard::Wg::open().and_then(|mut wg| wg.device(DEVICE)) else {
+        return gauge(enc, "nodeplane_wireguard_peers", "Peers of this node's WireGuard device.", 0u64);
+    };
+    gauge(enc, "nodeplane_wireguard_peers", "Peers of this node's WireGuard device.", dev.peers.len() as u64)?;
+    let by_peer = |f: fn(&crate::sys::wireguard::Peer) -> f64| {
+        dev.peers.iter().map(move |p| ([("endpoint", p.endpoint.map(|e| e.to_string()).unwrap_or_default())], f(p)))
+    };
+    gauges(
+        enc,
+        "nodeplane_wireguard_peer_last_handshake_timestamp_seconds",
+        "Unix time of the last completed handshake with a peer (0: none yet), by the peer's endpoint.",
+        by_peer(|p| p.last_handshake as f64),
+    )?;
+    gauges(
+        enc,
+        "nodeplane_wireguard_peer_received_bytes",
+        "Bytes received from a peer since its entry was made (a key change starts it again).",
+        by_peer(|p| p.rx_bytes as f64),
+    )?;
+    gauges(
+        enc,
+        "nodeplane_wireguard_peer_sent_bytes",
+        "Bytes sent to a peer since its entry was made (a key change starts it again).",
+        by_peer(|p| p.tx_bytes as f64),
+    )
 }
