@@ -1026,8 +1026,20 @@ impl Routes {
     /// Give the device's peers the keys, addresses and blocks of the peers as last given.
     fn sync_tunnel_peers(&mut self) -> Result<(), RoutesError> {
         let Some((t, _)) = &mut self.tunnel else { return Ok(()) };
-        let peers: Vec<&PeerNode> = self.peers.values().collect();
-        t.sync(&peers, self.cfg.local_underlay.is_ipv6()).map_err(|e| RoutesError::Tunnel(e.to_string()))?;
+        let v6 = self.cfg.local_underlay.is_ipv6();
+        let peers: Vec<wireguard::PeerInput> = self
+            .peers
+            .values()
+            .filter_map(|p| {
+                Some(wireguard::PeerInput {
+                    name: &p.name,
+                    key: p.wg_key?,
+                    endpoint: p.underlay_of(v6).or_else(|| p.underlay.first().copied())?,
+                    blocks: &p.blocks,
+                })
+            })
+            .collect();
+        t.sync(&peers).map_err(|e| RoutesError::Tunnel(e.to_string()))?;
         Ok(())
     }
 

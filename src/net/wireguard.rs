@@ -23,7 +23,6 @@ use base64::Engine as _;
 use ipnetwork::IpNetwork;
 use serde::{Deserialize, Serialize};
 
-use super::routes::{PeerNode, normalize};
 use crate::sys::netlink::{Netlink, NetlinkError};
 use crate::sys::wireguard::{Device, Key, Peer, PeerChange, Wg};
 
@@ -187,25 +186,33 @@ pub struct WantPeer {
     pub allowed: Vec<IpNetwork>,
 }
 
-/// The peers the device should hold, by public key: every node with a key and an underlay
-/// address (of our underlay's family when it has one). Nodes are taken in name order, so
-/// a key claimed twice (which the controller refuses) goes to the same node every time.
-pub fn wanted(peers: &[&PeerNode], local_v6: bool, port: u16) -> BTreeMap<Key, WantPeer> {
+/// Another node with a key, as the peer computation needs it.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerInput<'a> {
+    pub name: &'a str,
+    pub key: Key,
+    /// Its underlay address (of our underlay's family when it has one).
+    pub endpoint: IpAddr,
+    pub blocks: &'a [IpNetwork],
+}
+
+/// The peers the device should hold, by public key. Nodes are taken in name order, so a
+/// key claimed twice (which the controller refuses) goes to the same node every time.
+pub fn wanted(peers: &[PeerInput], port: u16) -> BTreeMap<Key, WantPeer> {
     let mut sorted = peers.to_vec();
-    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    sorted.sort_by(|a, b| a.name.cmp(b.name));
     let mut out = BTreeMap::new();
     for p in sorted {
-        let Some(key) = p.wg_key else { continue };
-        let Some(ip) = p.underlay_of(local_v6).or_else(|| p.underlay.first().copied()) else { continue };
-        if let Some(first) = out.get(&key) {
+        if let Some(first) = out.get(&p.key) {
             let first: &WantPeer = first;
             tracing::warn!(peer = %p.name, other = %first.node, "two nodes publish one wireguard key: ignored");
             continue;
         }
-        let mut allowed: Vec<IpNetwork> = p.blocks.iter().map(|b| normalize(*b)).collect();
+        let normalize = |n: &IpNetwork| IpNetwork::new(n.network(), n.prefix()).unwrap_or(*n);
+        let mut allowed: Vec<IpNetwork> = p.blocks.iter().map(normalize).collect();
         allowed.sort();
         allowed.dedup();
-        out.insert(key, WantPeer { node: p.name.clone(), endpoint: SocketAddr::new(ip, port), allowed });
+        out.insert(p.key, WantPeer { node: p.name.to_string(), endpoint: SocketAddr::new(p.endpoint, port), allowed });
     }
     out
 }
@@ -327,8 +334,8 @@ impl Tunnel {
 
     /// Make the device's peers exactly those of `peers` that have a key; the number of
     /// changes.
-    pub fn sync(&mut self, peers: &[&PeerNode], local_v6: bool) -> Result<usize, TunnelError> {
-        let want = wanted(peers, local_v6, self.port);
+    pub fn sync(&mut self, peers: &[PeerInput]) -> Result<usize, TunnelError> {
+        let want = wanted(peers, self.port);
         let now = self.device()?;
         let todo = changes(&now.peers, &want);
         if !todo.is_empty() {
@@ -355,14 +362,9 @@ pub fn remove_device(nl: &mut Netlink) -> Result<bool, NetlinkError> {
 mod tests {
     use super::*;
 
-    fn peer(name: &str, ul: &str, blocks: &[&str], key: Option<u8>) -> PeerNode {
-        PeerNode {
-            name: name.into(),
-            underlay: vec![ul.parse().unwrap()],
-            blocks: blocks.iter().map(|b| b.parse().unwrap()).collect(),
-            vtep_mac: None,
-            wg_key: key.map(|k| [k; 32]),
-        }
+    fn peer(name: &'static str, ul: &str, blocks: &[&str], key: u8) -> PeerInput<'static> {
+        let blocks: Vec<IpNetwork> = blocks.iter().map(|b| b.parse().unwrap()).collect();
+        PeerInput { name, key: [key; 32], endpoint: ul.parse().unwrap(), blocks: Vec::leak(blocks) }
     }
 
     fn tmp() -> PathBuf {
@@ -425,11 +427,12 @@ mod tests {
 
     #[test]
     fn wanted_peers_come_from_keyed_nodes() {
-        let a = peer("a", "192.0.2.1", &["10.244.1.0/24", "fd00::/64"], Some(1));
-        let b = peer("b", "192.0.2.2", &["10.244.2.7/24"], None);
-        let c = peer("c", "192.0.2.3", &["10.244.3.0/24"], Some(1));
-        let w = wanted(&[&c, &b, &a], false, 51871);
-        assert_eq!(w.len(), 1, "b has no key; c claims a's key and loses by name order");
+        let a = peer("a", "192.0.2.1", &["10.244.1.0/24", "fd00::/64"], 1);
+        let b = peer("b", "192.0.2.2", &["10.244.2.7/24"], 2);
+        let c = peer("c", "192.0.2.3", &["10.244.3.0/24"], 1);
+        let w = wanted(&[c, b, a], 51871);
+        assert_eq!(w.len(), 2, "c claims a's key and loses by name order");
+        assert_eq!(w[&[2; 32]].allowed, ["10.244.2.0/24".parse().unwrap()], "blocks normalized");
         let got = &w[&[1; 32]];
         assert_eq!(got.node, "a");
         assert_eq!(got.endpoint, "192.0.2.1:51871".parse().unwrap());
@@ -438,9 +441,9 @@ mod tests {
 
     #[test]
     fn changes_remove_stale_peers_and_set_new_or_changed_ones() {
-        let a = peer("a", "192.0.2.1", &["10.244.1.0/24"], Some(1));
-        let b = peer("b", "192.0.2.2", &["10.244.2.0/24"], Some(2));
-        let want = wanted(&[&a, &b], false, 51871);
+        let a = peer("a", "192.0.2.1", &["10.244.1.0/24"], 1);
+        let b = peer("b", "192.0.2.2", &["10.244.2.0/24"], 2);
+        let want = wanted(&[a, b], 51871);
         let kernel = |key: u8, ep: &str, allowed: &[&str]| Peer {
             public_key: [key; 32],
             endpoint: Some(ep.parse().unwrap()),
