@@ -222,11 +222,11 @@ impl Collector for Sources {
 
 /// The WireGuard device's peers, read from the kernel at the scrape (encryption on or strict).
 fn wireguard(enc: &mut DescriptorEncoder, link: &Link) -> fmt::Result {
-    use crate::net::wireguard::{DEVICE, Mode};
+    use crate::net::wireguard::{Mode, read_device};
     if link.encryption().0 == Mode::Off {
         return Ok(());
     }
-    let Ok(dev) = crate::sys::wireguard::Wg::open().and_then(|mut wg| wg.device(DEVICE)) else {
+    let Ok(dev) = read_device() else {
         return gauge(enc, "nodeplane_wireguard_peers", "Peers of this node's WireGuard device.", 0u64);
     };
     gauge(enc, "nodeplane_wireguard_peers", "Peers of this node's WireGuard device.", dev.peers.len() as u64)?;

@@ -124,7 +124,7 @@ fn wireguard_status((mode, key): &(crate::net::wireguard::Mode, String)) -> Opti
         return None;
     }
     let mut out = api::Wireguard { public_key: key.clone(), ..Default::default() };
-    match crate::sys::wireguard::Wg::open().and_then(|mut wg| wg.device(crate::net::wireguard::DEVICE)) {
+    match crate::net::wireguard::read_device() {
         Ok(dev) => {
             out.listen_port = dev.listen_port as u32;
             out.peers = dev

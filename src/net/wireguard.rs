@@ -350,6 +350,11 @@ fn enodev() -> NetlinkError {
     NetlinkError { op: "index".into(), source: std::io::Error::from_raw_os_error(libc::ENODEV) }
 }
 
+/// The node's device as the kernel has it now (status and metrics read it at each call).
+pub fn read_device() -> Result<Device, NetlinkError> {
+    Wg::open()?.device(DEVICE)
+}
+
 /// Remove the device if it exists (encryption turned off).
 pub fn remove_device(nl: &mut Netlink) -> Result<bool, NetlinkError> {
     match nl.index_of(DEVICE)? {

@@ -42,7 +42,7 @@ impl NetlinkError {
 
 pub type Result<T> = std::result::Result<T, NetlinkError>;
 
-fn err(op: impl Into<String>, source: io::Error) -> NetlinkError {
+pub(crate) fn err(op: impl Into<String>, source: io::Error) -> NetlinkError {
     NetlinkError { op: op.into(), source }
 }
 

@@ -21,7 +21,7 @@ use netlink_packet_wireguard::{
 };
 use netlink_sys::{Socket, SocketAddr as NlAddr, protocols::NETLINK_GENERIC};
 
-use super::netlink::NetlinkError;
+use super::netlink::{NetlinkError, err};
 
 /// A Curve25519 key (private or public), 32 bytes.
 pub type Key = [u8; 32];
@@ -68,10 +68,6 @@ pub struct Wg {
     family: u16,
     seq: u32,
     buf: Vec<u8>,
-}
-
-fn err(op: impl Into<String>, source: io::Error) -> NetlinkError {
-    NetlinkError { op: op.into(), source }
 }
 
 impl Wg {
