@@ -35,7 +35,9 @@ pub enum ControllerError {
     #[error("Kubernetes: {0}")]
     Kube(String),
     #[error("TLS: {0}")]
-    Tls(String),
+    Tls(#[from] crate::rpc::tls::TlsError),
+    #[error("TLS: {0}")]
+    Certs(#[from] certs::CertError),
     #[error("leadership lost: {0}")]
     LostLeadership(String),
     #[error("network policy: {0}")]
@@ -121,9 +123,9 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     let acceptor = match &cfg.tls {
         Some(t) => {
             if let (Some(b), Some(c)) = (&t.bootstrap, &client) {
-                kube::tls::bootstrap(c.clone(), b, &t.files).await.map_err(ControllerError::Tls)?;
+                kube::tls::bootstrap(c.clone(), b, &t.files).await?;
             }
-            Some(crate::rpc::tls::Acceptor::load(t.files.clone()).map_err(ControllerError::Tls)?)
+            Some(crate::rpc::tls::Acceptor::load(t.files.clone())?)
         }
         None => None,
     };

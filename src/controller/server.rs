@@ -101,7 +101,8 @@ impl Service {
     async fn identity<T>(&self, req: &Request<T>) -> Result<Identity, Status> {
         let from_cert = match req.peer_certs() {
             Some(certs) if !certs.is_empty() => {
-                let node = crate::rpc::tls::node_of_certificate(&certs[0]).map_err(Status::unauthenticated)?;
+                let node = crate::rpc::tls::node_of_certificate(&certs[0])
+                    .map_err(|e| Status::unauthenticated(e.to_string()))?;
                 if !crate::controller::records::valid_node_name(&node) {
                     return Err(Status::unauthenticated(format!(
                         "the client certificate names {node:?}, which is not a valid node name"
@@ -160,10 +161,7 @@ impl Service {
         f: impl FnOnce(&Registry) -> Result<T, RegistryError> + Send + 'static,
     ) -> Result<T, Status> {
         let reg = self.registry.clone();
-        tokio::task::spawn_blocking(move || f(&reg))
-            .await
-            .map_err(|e| Status::internal(format!("registry task: {e}")))?
-            .map_err(Status::from)
+        Ok(crate::rpc::blocking(move || f(&reg)).await??)
     }
 }
 
@@ -451,7 +449,7 @@ impl Service {
             tracing::warn!(node = %node, orphans = ?r.orphans, "node holds volumes the controller does not know");
         }
         let book = self.volumes.clone();
-        tokio::task::spawn_blocking(move || book.report(r)).await.map_err(|e| Status::internal(e.to_string()))??;
+        crate::rpc::blocking(move || book.report(r)).await??;
         Ok(Response::new(pb::ReportVolumesResponse {}))
     }
 
