@@ -40,8 +40,8 @@ pub enum ControllerError {
     Certs(#[from] certs::CertError),
     #[error("leadership lost: {0}")]
     LostLeadership(String),
-    #[error("network policy: {0}")]
-    Policy(String),
+    #[error("policy and service objects: {0}")]
+    Objects(#[from] policy::model::ObjectError),
 }
 
 fn io_ctx(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ControllerError {
@@ -238,8 +238,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         tokio::spawn(dra::Publisher { book: devices.clone(), registry: registry.clone(), sink }.run(stopping.clone()));
     // NetworkPolicy: objects from the API in a cluster, applied with `nodeplane policy` here.
     let local_policy = !cfg.uses_kubernetes();
-    let policy_book = policy::PolicyBook::new(local_policy.then(|| cfg.data_dir.join("policy-objects.json")))
-        .map_err(ControllerError::Policy)?;
+    let policy_book = policy::PolicyBook::new(local_policy.then(|| cfg.data_dir.join("policy-objects.json")))?;
     metrics.registry.register_histogram(policy_book.compile_seconds.clone());
     let policy_follower = match &client {
         Some(c) if !local_policy => {
@@ -250,8 +249,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     // Services: from the API in a cluster, applied with `nodeplane service` here.
     let pod_cidrs = cfg.pools.iter().map(|p| p.net.to_string()).collect();
     let service_book =
-        services::ServiceBook::new(pod_cidrs, local_policy.then(|| cfg.data_dir.join("service-objects.redb")))
-            .map_err(ControllerError::Policy)?;
+        services::ServiceBook::new(pod_cidrs, local_policy.then(|| cfg.data_dir.join("service-objects.redb")))?;
     let service_follower = match &client {
         Some(c) if !local_policy => {
             Some(tokio::spawn(kube::services::follow(c.clone(), service_book.clone(), stopping.clone())))
@@ -272,8 +270,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         claims,
     };
     let svc = Arc::new(svc);
-    let policy_svc = policy::server::Service { book: policy_book.clone(), registry: svc.clone(), local: local_policy };
-    let services_svc = services::server::Service { book: service_book, registry: svc.clone(), local: local_policy };
+    let policy_svc = policy::server::Service { book: policy_book.clone(), registry: svc.clone() };
+    let services_svc = services::server::Service { book: service_book, registry: svc.clone() };
     let until_stopped = |mut s: tokio::sync::watch::Receiver<bool>| async move {
         let _ = s.wait_for(|v| *v).await;
     };
