@@ -122,7 +122,10 @@ impl TlsCtl {
     }
 
     async fn connect(&self, files: &ClientFiles) -> Result<Client, String> {
-        nodeplane::rpc::connect_with(&self.addr, Some(files)).await.map(NodeRegistryClient::new)
+        nodeplane::rpc::connect_with(&self.addr, Some(files))
+            .await
+            .map(NodeRegistryClient::new)
+            .map_err(|e| e.to_string())
     }
 
     fn files(&self, name: Option<&str>, client: Option<&Path>) -> ClientFiles {

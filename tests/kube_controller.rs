@@ -553,7 +553,7 @@ fn controller_with(dir: &std::path::Path, kubeconfig: &std::path::Path, name: &s
 async fn channel(grpc: u16) -> Result<tonic::transport::Channel, String> {
     let (ca_file, server_name) = CAS.lock().unwrap().get(&grpc).cloned().expect("a controller started by a helper");
     let files = nodeplane::rpc::tls::ClientFiles { ca_file, server_name, ..Default::default() };
-    nodeplane::rpc::connect_with(&format!("127.0.0.1:{grpc}"), Some(&files)).await
+    nodeplane::rpc::connect_with(&format!("127.0.0.1:{grpc}"), Some(&files)).await.map_err(|e| e.to_string())
 }
 
 async fn register(grpc: u16, token: &str, node: &str) -> Result<Vec<String>, tonic::Status> {
@@ -1199,7 +1199,8 @@ fn tls_bootstrap_agrees_under_a_start_race_and_renews_with_the_same_ca() {
         serde_json::from_value(k.get("", "secrets", Some(NS), "nodeplane-controller-tls").unwrap()).unwrap()
     };
     let text = |s: &Secret, k: &str| String::from_utf8(s.data.as_ref().unwrap()[k].0.clone()).unwrap();
-    let days_left = |pem: &str| (not_after(&certs_of(pem.as_bytes(), "c").unwrap()[0]).unwrap() - now_secs()) / 86400;
+    let days_left =
+        |pem: &str| (not_after(&certs_of(pem.as_bytes(), "c").unwrap()[0], "c").unwrap() - now_secs()) / 86400;
     // Two controllers starting at the same moment.
     let run = |x: &str, y: &str| {
         let (fx, fy) = (files(x), files(y));
@@ -1269,11 +1270,11 @@ fn now_secs() -> i64 {
 /// Does `cert` (PEM) verify against CA `ca` (PEM) for `name`, as an agent verifies it?
 fn webpki_chains(ca: &str, cert: &str, name: &str) -> Result<(), String> {
     use nodeplane::rpc::tls::{certs_of, provider, roots_of};
-    let roots = roots_of(ca.as_bytes(), "ca")?;
+    let roots = roots_of(ca.as_bytes(), "ca").map_err(|e| e.to_string())?;
     let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider())
         .build()
         .map_err(|e| e.to_string())?;
-    let leaf = certs_of(cert.as_bytes(), "cert")?;
+    let leaf = certs_of(cert.as_bytes(), "cert").map_err(|e| e.to_string())?;
     let name = rustls::pki_types::ServerName::try_from(name.to_string()).map_err(|e| e.to_string())?;
     use rustls::client::danger::ServerCertVerifier;
     verifier

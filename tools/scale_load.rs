@@ -348,7 +348,9 @@ async fn volume_phase(
         }
     }
     let open_s = t.elapsed().as_secs_f64();
-    let csi_ch = nodeplane::rpc::connect_with(&format!("unix:{}", cfg.csi_socket.display()), None).await?;
+    let csi_ch = nodeplane::rpc::connect_with(&format!("unix:{}", cfg.csi_socket.display()), None)
+        .await
+        .map_err(|e| e.to_string())?;
     let mut ctl = csi::controller_client::ControllerClient::new(csi_ch);
     let cap = csi::VolumeCapability {
         access_mode: Some(csi::volume_capability::AccessMode {

@@ -60,25 +60,53 @@ fn grpc_err(op: &str, s: &tonic::Status) -> String {
     format!("{op}: {:?}: {}", s.code(), s.message())
 }
 
-/// `msg` with the bearer token; an empty token (a client certificate is the credential)
-/// adds none.
-pub(crate) fn authed<T>(msg: T, token: &str) -> Result<Request<T>, String> {
-    let mut req = Request::new(msg);
-    if token.is_empty() {
-        return Ok(req);
-    }
-    let value = format!("Bearer {token}").parse().map_err(|_| "token is not valid header text".to_string())?;
-    req.metadata_mut().insert("authorization", value);
-    Ok(req)
+/// Why a call to the controller (or its stream) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("reading token {}: {source}", path.display())]
+    Token { path: std::path::PathBuf, source: std::io::Error },
+    #[error("connect: {0}")]
+    Connect(#[from] crate::rpc::ConnectError),
+    #[error("{call}: {:?}: {}", .status.code(), .status.message())]
+    Call { call: &'static str, status: tonic::Status },
+    #[error("the controller did not answer {0} within {1:?}")]
+    Timeout(&'static str, Duration),
+    #[error("the controller closed the {0} stream")]
+    Closed(&'static str),
 }
 
-pub(crate) fn read_token(path: &Path) -> Result<String, String> {
-    if path.as_os_str().is_empty() {
-        return Ok(String::new());
+impl LinkError {
+    pub fn call(call: &'static str) -> impl FnOnce(tonic::Status) -> LinkError {
+        move |status| LinkError::Call { call, status }
     }
-    std::fs::read_to_string(path)
-        .map(|t| t.trim().to_string())
-        .map_err(|e| format!("reading token {}: {e}", path.display()))
+}
+
+/// The bearer token the calls carry; none when a client certificate is the credential.
+#[derive(Clone)]
+pub(crate) struct Token(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl Token {
+    /// `msg` with the token.
+    pub(crate) fn authed<T>(&self, msg: T) -> Request<T> {
+        let mut req = Request::new(msg);
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        req
+    }
+}
+
+/// The token in `path` (none for an empty path).
+pub(crate) fn read_token(path: &Path) -> Result<Token, LinkError> {
+    if path.as_os_str().is_empty() {
+        return Ok(Token(None));
+    }
+    let bad = |source| LinkError::Token { path: path.into(), source };
+    let t = std::fs::read_to_string(path).map_err(bad)?;
+    let v = format!("Bearer {}", t.trim())
+        .parse()
+        .map_err(|_| bad(std::io::Error::new(std::io::ErrorKind::InvalidData, "not valid header text")))?;
+    Ok(Token(Some(v)))
 }
 
 /// The peers of `me` in a node list.
@@ -298,7 +326,7 @@ impl Client {
     async fn rotate(
         &self,
         client: &mut NodeRegistryClient<tonic::transport::Channel>,
-        token: &str,
+        token: &Token,
         register: &impl Fn(String) -> pb::RegisterRequest,
     ) -> Result<(), String> {
         let new = KeyPair::generate().map_err(|e| e.to_string())?;
@@ -313,7 +341,7 @@ impl Client {
         *self.keys.lock().unwrap() = Some(new);
         let mut req = register(self.vtep_mac.lock().unwrap().clone());
         req.wireguard_key = public.clone();
-        client.register(authed(req, token)?).await.map_err(|s| grpc_err("register (new wireguard key)", &s))?;
+        client.register(token.authed(req)).await.map_err(|s| grpc_err("register (new wireguard key)", &s))?;
         self.link.message();
         self.link.encryption.lock().unwrap().1 = public.clone();
         tracing::info!(public_key = %public, "wireguard key rotated and published");
@@ -383,7 +411,7 @@ impl Client {
 
     /// One connection: register, then follow the membership stream until it breaks.
     async fn session(self: &Arc<Self>, connected: &mut bool) -> Result<(), String> {
-        let token = read_token(&self.cc.token_file)?;
+        let token = read_token(&self.cc.token_file).map_err(|e| e.to_string())?;
         let channel = crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref())
             .await
             .map_err(|e| format!("connect: {e}"))?;
@@ -406,7 +434,7 @@ impl Client {
         }
         let sent_mac = self.vtep_mac.lock().unwrap().clone();
         let mut resp = client
-            .register(authed(register(sent_mac.clone()), &token)?)
+            .register(token.authed(register(sent_mac.clone())))
             .await
             .map_err(|s| grpc_err("register", &s))?
             .into_inner();
@@ -415,11 +443,8 @@ impl Client {
         let mac = self.vtep_mac.lock().unwrap().clone();
         if mac != sent_mac {
             // Now that the VXLAN device exists, advertise its MAC.
-            resp = client
-                .register(authed(register(mac), &token)?)
-                .await
-                .map_err(|s| grpc_err("register", &s))?
-                .into_inner();
+            resp =
+                client.register(token.authed(register(mac))).await.map_err(|s| grpc_err("register", &s))?.into_inner();
             self.link.message();
         }
         let node = resp.node.clone().ok_or("register: no node in the answer")?;
@@ -441,7 +466,7 @@ impl Client {
             };
             let req = pb::WatchNodesRequest { node_name: me.clone(), deltas: true, since_revision: since, epoch };
             let mut stream =
-                client.watch_nodes(authed(req, &token)?).await.map_err(|s| grpc_err("watch", &s))?.into_inner();
+                client.watch_nodes(token.authed(req)).await.map_err(|s| grpc_err("watch", &s))?.into_inner();
             self.link.connected.store(true, Ordering::SeqCst);
             loop {
                 let msg = tokio::select! {
@@ -513,7 +538,7 @@ impl Client {
 fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, family: Family) -> Result<(), String> {
     let c = client.clone();
     handle.block_on(async move {
-        let token = read_token(&c.cc.token_file)?;
+        let token = read_token(&c.cc.token_file).map_err(|e| e.to_string())?;
         let channel =
             crate::rpc::connect_with(&c.cc.address, c.cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?;
         let family = match family {
@@ -522,7 +547,7 @@ fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, family: 
         };
         let msg = pb::RequestBlockRequest { node_name: c.cfg.node_name.clone(), family: family as i32 };
         let resp = NodeRegistryClient::new(channel)
-            .request_block(authed(msg, &token)?)
+            .request_block(token.authed(msg))
             .await
             .map_err(|s| grpc_err("request block", &s))?
             .into_inner();

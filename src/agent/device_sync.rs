@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio::sync::Mutex;
 use tonic::transport::Channel;
 
-use super::cluster::{authed, read_token};
+use super::cluster::{LinkError, Token, read_token};
 use super::config::{Config, ControllerConfig};
 use crate::devices::dra::{self, AllocationResult, Attr, ClaimLookup, Devices};
 use crate::rpc::controller as pb;
@@ -52,15 +52,11 @@ struct Link {
 }
 
 impl Link {
-    async fn client(&self) -> Result<(NodeRegistryClient<Channel>, String), String> {
+    async fn client(&self) -> Result<(NodeRegistryClient<Channel>, Token), LinkError> {
         let token = read_token(&self.cc.token_file)?;
         let mut ch = self.channel.lock().await;
         if ch.is_none() {
-            *ch = Some(
-                crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref())
-                    .await
-                    .map_err(|e| format!("connect: {e}"))?,
-            );
+            *ch = Some(crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref()).await?);
         }
         Ok((NodeRegistryClient::new(ch.clone().expect("set above")), token))
     }
@@ -89,13 +85,9 @@ pub async fn run(cfg: Arc<Config>, devices: Arc<Devices>, book: crate::kubelet::
         let report = report_of(&cfg.node_name, &devices.list(), epoch);
         let count = report.devices.len();
         let sent = match link.client().await {
-            Ok((mut client, token)) => match authed(report, &token) {
-                Ok(req) => client
-                    .report_devices(req)
-                    .await
-                    .map_err(|s| format!("report devices: {:?}: {}", s.code(), s.message())),
-                Err(e) => Err(e),
-            },
+            Ok((mut client, token)) => {
+                client.report_devices(token.authed(report)).await.map_err(LinkError::call("report devices"))
+            }
             Err(e) => Err(e),
         };
         match sent {
@@ -120,6 +112,7 @@ pub async fn run(cfg: Arc<Config>, devices: Arc<Devices>, book: crate::kubelet::
             }
             Err(e) => {
                 link.broken().await;
+                let e = e.to_string();
                 if last_error.as_ref() != Some(&e) {
                     tracing::warn!(error = %e, "cannot report DRA devices to the controller; retrying");
                     last_error = Some(e);
@@ -139,11 +132,9 @@ pub fn claim_lookup(cfg: &Config) -> Option<ClaimLookup> {
     Some(Arc::new(move |c: crate::rpc::dra::Claim| {
         let (link, node) = (link.clone(), node.clone());
         Box::pin(async move {
-            let (mut client, token) = link.client().await?;
-            let req = authed(
-                pb::GetClaimRequest { node_name: node, namespace: c.namespace, name: c.name, uid: c.uid },
-                &token,
-            )?;
+            let (mut client, token) = link.client().await.map_err(|e| e.to_string())?;
+            let req =
+                token.authed(pb::GetClaimRequest { node_name: node, namespace: c.namespace, name: c.name, uid: c.uid });
             match client.get_claim(req).await {
                 Ok(r) => Ok(r
                     .into_inner()

@@ -14,15 +14,34 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::cluster::{authed, read_token};
+use super::cluster::{LinkError, read_token};
 use super::config::{Config, ControllerConfig};
 use crate::net::datapath::{Datapath, PodEvent};
-use crate::net::policy::Enforcer;
+use crate::net::policy::{Enforcer, NftError, PolicyError};
 use crate::rpc::controller as pb;
 use crate::rpc::controller::network_policies_client::NetworkPoliciesClient;
 
 /// How long an ADD waits for the controller's answer and for its revision to be in force.
 const ADD_WAIT: Duration = Duration::from_secs(5);
+
+/// Why a pod's policy could not be put in force, or the policy stream ended.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error(transparent)]
+    Nft(#[from] NftError),
+    #[error(transparent)]
+    View(#[from] PolicyError),
+    #[error("cannot confirm the network policy of pod {pod}: {source}")]
+    Unconfirmed { pod: String, source: LinkError },
+    #[error(
+        "the network policy of pod {pod} (revision {revision}) was not in force within {ADD_WAIT:?}; the policy stream: {stream}"
+    )]
+    NotInForce { pod: String, revision: u64, stream: &'static str },
+    #[error("applying the view: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
 
 pub struct PolicyClient {
     cfg: Arc<Config>,
@@ -110,14 +129,10 @@ impl PolicyClient {
         self.broken.lock().unwrap_or_else(|p| p.into_inner()).recheck(std::path::Path::new(BRIDGE_SYSCTL_DIR))
     }
 
-    async fn client(&self) -> Result<NetworksClient, String> {
+    async fn client(&self) -> Result<NetworksClient, LinkError> {
         let mut ch = self.channel.lock().await;
         if ch.is_none() {
-            *ch = Some(
-                crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref())
-                    .await
-                    .map_err(|e| format!("connect: {e}"))?,
-            );
+            *ch = Some(crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref()).await?);
         }
         Ok(NetworkPoliciesClient::new(ch.clone().expect("set above")))
     }
@@ -135,7 +150,7 @@ impl PolicyClient {
     }
 
     /// The datapath's hook (a blocking thread of the ADD or DEL).
-    fn on_event(self: &Arc<Self>, ev: PodEvent<'_>) -> Result<(), String> {
+    fn on_event(self: &Arc<Self>, ev: PodEvent<'_>) -> Result<(), SyncError> {
         match ev {
             PodEvent::Started { pod, host_if, ips } => {
                 let ips: Vec<IpAddr> = ips.iter().map(|n| n.ip()).collect();
@@ -150,10 +165,10 @@ impl PolicyClient {
                     let token = read_token(&me.cc.token_file)?;
                     let call = async {
                         let mut c = me.client().await?;
-                        c.pod_started(authed(req, &token)?)
+                        c.pod_started(token.authed(req))
                             .await
                             .map(|r| r.into_inner())
-                            .map_err(|s| format!("PodStarted: {:?}: {}", s.code(), s.message()))
+                            .map_err(LinkError::call("PodStarted"))
                     };
                     match tokio::time::timeout(ADD_WAIT, call).await {
                         Ok(Ok(a)) => Ok(a),
@@ -163,21 +178,15 @@ impl PolicyClient {
                         }
                         Err(_) => {
                             me.forget_channel().await;
-                            Err(format!("the controller did not answer PodStarted within {ADD_WAIT:?}"))
+                            Err(LinkError::Timeout("PodStarted", ADD_WAIT))
                         }
                     }
                 });
-                let a = answer.map_err(|e| format!("cannot confirm the network policy of pod {pod}: {e}"))?;
+                let a = answer.map_err(|source| SyncError::Unconfirmed { pod: pod.to_string(), source })?;
                 if a.isolated && !self.enforcer.wait_for(a.revision, ADD_WAIT) {
-                    return Err(format!(
-                        "the network policy of pod {pod} (revision {}) was not in force within {ADD_WAIT:?}; the policy stream: {}",
-                        a.revision,
-                        if self.connected.load(std::sync::atomic::Ordering::SeqCst) {
-                            "connected"
-                        } else {
-                            "disconnected"
-                        }
-                    ));
+                    let connected = self.connected.load(std::sync::atomic::Ordering::SeqCst);
+                    let stream = if connected { "connected" } else { "disconnected" };
+                    return Err(SyncError::NotInForce { pod: pod.to_string(), revision: a.revision, stream });
                 }
                 Ok(())
             }
@@ -195,13 +204,12 @@ impl PolicyClient {
                     let r = async {
                         let token = read_token(&me.cc.token_file)?;
                         let mut c = me.client().await?;
-                        c.pod_stopped(authed(req, &token)?)
-                            .await
-                            .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
+                        c.pod_stopped(token.authed(req)).await.map_err(LinkError::call("PodStopped"))
                     };
-                    if let Err(e) = tokio::time::timeout(Duration::from_secs(10), r)
+                    let after = Duration::from_secs(10);
+                    if let Err(e) = tokio::time::timeout(after, r)
                         .await
-                        .unwrap_or_else(|_| Err("timed out".into()))
+                        .unwrap_or_else(|_| Err(LinkError::Timeout("PodStopped", after)))
                     {
                         tracing::warn!(error = %e, "PodStopped");
                         me.forget_channel().await;
@@ -226,32 +234,31 @@ impl PolicyClient {
     }
 
     /// One stream: report the node's pods, then apply the view as it comes.
-    async fn session(self: &Arc<Self>, dp: &Arc<Datapath>) -> Result<(), String> {
+    async fn session(self: &Arc<Self>, dp: &Arc<Datapath>) -> Result<(), SyncError> {
         let token = read_token(&self.cc.token_file)?;
-        let channel = crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref())
-            .await
-            .map_err(|e| format!("connect: {e}"))?;
+        let channel =
+            crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref()).await.map_err(LinkError::from)?;
         let mut client = NetworkPoliciesClient::new(channel);
         let me = self.cfg.node_name.clone();
         let mut stream = client
-            .watch_policy(authed(pb::WatchPolicyRequest { node_name: me.clone() }, &token)?)
+            .watch_policy(token.authed(pb::WatchPolicyRequest { node_name: me.clone() }))
             .await
-            .map_err(|s| format!("WatchPolicy: {:?}: {}", s.code(), s.message()))?
+            .map_err(LinkError::call("WatchPolicy"))?
             .into_inner();
         client
-            .report_pods(authed(pb::ReportPodsRequest { node_name: me, pods: Self::local_pods(dp) }, &token)?)
+            .report_pods(token.authed(pb::ReportPodsRequest { node_name: me, pods: Self::local_pods(dp) }))
             .await
-            .map_err(|s| format!("ReportPods: {:?}: {}", s.code(), s.message()))?;
+            .map_err(LinkError::call("ReportPods"))?;
         self.connected.store(true, std::sync::atomic::Ordering::SeqCst);
         loop {
             let u = match stream.message().await {
                 Ok(Some(u)) => u,
-                Ok(None) => return Err("the controller closed the policy stream".into()),
-                Err(s) => return Err(format!("WatchPolicy: {:?}: {}", s.code(), s.message())),
+                Ok(None) => return Err(LinkError::Closed("policy").into()),
+                Err(s) => return Err(LinkError::call("WatchPolicy")(s).into()),
             };
             let enforcer = self.enforcer.clone();
             let (rev, snap) = (u.revision, u.snapshot);
-            tokio::task::spawn_blocking(move || enforcer.apply(&u)).await.map_err(|e| e.to_string())??;
+            tokio::task::spawn_blocking(move || enforcer.apply(&u)).await??;
             tracing::debug!(revision = rev, snapshot = snap, "policy applied");
         }
     }
@@ -289,7 +296,7 @@ pub fn install(cfg: &Arc<Config>, dp: &Arc<Datapath>) -> Option<Arc<PolicyClient
     }
     *client.broken.lock().unwrap() = broken;
     let c = client.clone();
-    dp.set_pod_hook(Box::new(move |ev| c.on_event(ev)));
+    dp.set_pod_hook(Box::new(move |ev| c.on_event(ev).map_err(Into::into)));
     Some(client)
 }
 

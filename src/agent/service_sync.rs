@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::cluster::{authed, read_token};
+use super::cluster::read_token;
 use super::config::{Config, ControllerConfig, ServicesMode};
 use crate::net::services::Proxy;
 use crate::obs::metrics::Histogram;
@@ -124,7 +124,7 @@ impl ServiceClient {
 
     /// One stream: apply what comes until it ends, or until kube-proxy shows up.
     async fn session(&self) -> Result<(), String> {
-        let token = read_token(&self.cc.token_file)?;
+        let token = read_token(&self.cc.token_file).map_err(|e| e.to_string())?;
         let channel = crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref())
             .await
             .map_err(|e| format!("connect: {e}"))?;
@@ -137,7 +137,7 @@ impl ServiceClient {
         // endpoints: more than tonic's default limit of 4 MiB in a large cluster.
         let mut stream = ServicesClient::new(channel)
             .max_decoding_message_size(MAX_MESSAGE)
-            .watch_services(authed(req, &token)?)
+            .watch_services(token.authed(req))
             .await
             .map_err(|s| format!("WatchServices: {:?}: {}", s.code(), s.message()))?
             .into_inner();
@@ -206,7 +206,7 @@ impl ServiceClient {
             Err(e) => {
                 let mut s = self.standing.lock().unwrap();
                 (s.synced, s.idle) = (false, Some(format!("programming the table: {e}")));
-                return Err(e);
+                return Err(e.to_string());
             }
         };
         self.sync_seconds.observe(applied.seconds);

@@ -157,22 +157,18 @@ fn finding(f: Finding) -> api::Finding {
     api::Finding { kind: f.kind.to_string(), subject: f.subject, detail: f.detail, repair }
 }
 
-fn joined(e: tokio::task::JoinError) -> Status {
-    Status::internal(e.to_string())
-}
-
 #[tonic::async_trait]
 impl api::node_status_server::NodeStatus for NodeStatus {
     async fn get_status(&self, _: Request<api::GetStatusRequest>) -> Result<Response<api::GetStatusResponse>, Status> {
         let me = self.clone();
-        let status = tokio::task::spawn_blocking(move || me.status()).await.map_err(joined)?;
+        let status = crate::rpc::blocking(move || me.status()).await?;
         Ok(Response::new(api::GetStatusResponse { status: Some(status) }))
     }
 
     async fn doctor(&self, r: Request<api::DoctorRequest>) -> Result<Response<api::DoctorResponse>, Status> {
         let repair = r.into_inner().repair;
         let me = self.clone();
-        let report = tokio::task::spawn_blocking(move || me.doctor(repair)).await.map_err(joined)?;
+        let report = crate::rpc::blocking(move || me.doctor(repair)).await?;
         Ok(Response::new(api::DoctorResponse { report: Some(report) }))
     }
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use tonic::Code;
 
-use super::cluster::{authed, read_token};
+use super::cluster::read_token;
 use super::config::{Config, ControllerConfig};
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_client::NodeRegistryClient;
@@ -374,14 +374,14 @@ async fn session(
     view: &mut DesiredView,
     connected: &mut bool,
 ) -> Result<(), String> {
-    let token = read_token(&cc.token_file)?;
+    let token = read_token(&cc.token_file).map_err(|e| e.to_string())?;
     let channel = crate::rpc::connect_with(&cc.address, cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?;
     let mut client = NodeRegistryClient::new(channel);
     let node = cfg.node_name.clone();
     let (since_revision, epoch) = view.resume();
     let req = pb::WatchVolumesRequest { node_name: node.clone(), deltas: true, since_revision, epoch };
     let mut stream = client
-        .watch_volumes(authed(req, &token)?)
+        .watch_volumes(token.authed(req))
         .await
         .map_err(|s| format!("watch volumes: {:?}: {}", s.code(), s.message()))?
         .into_inner();
@@ -426,7 +426,7 @@ async fn session(
         *first_orphaned = fo;
         pending = p;
         client
-            .report_volumes(authed(report, &token)?)
+            .report_volumes(token.authed(report))
             .await
             .map_err(|s| format!("report volumes: {:?}: {}", s.code(), s.message()))?;
         since_report = Instant::now();

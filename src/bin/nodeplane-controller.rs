@@ -109,7 +109,7 @@ enum CertsCmd {
 /// `tls.crt` and `tls.key` in `dir`.
 fn write_pair(dir: &std::path::Path, (cert, key): (String, String)) -> anyhow::Result<()> {
     use controller::certs::{TLS_CERT, TLS_KEY};
-    controller::certs::write_pair(&dir.join(TLS_CERT), &dir.join(TLS_KEY), &cert, &key).map_err(anyhow::Error::msg)
+    Ok(controller::certs::write_pair(&dir.join(TLS_CERT), &dir.join(TLS_KEY), &cert, &key)?)
 }
 
 fn bearer(token_file: &PathBuf) -> anyhow::Result<tonic::metadata::MetadataValue<tonic::metadata::Ascii>> {
@@ -184,12 +184,12 @@ fn main() -> anyhow::Result<()> {
             anyhow::Ok(())
         })?,
         Cmd::Certs { cmd: CertsCmd::Init { dir, san, days } } => {
-            let ca = controller::certs::ca_in(&dir, 3650).map_err(anyhow::Error::msg)?;
-            write_pair(&dir, ca.issue_server(&san, days).map_err(anyhow::Error::msg)?)?;
+            let ca = controller::certs::ca_in(&dir, 3650)?;
+            write_pair(&dir, ca.issue_server(&san, days)?)?;
             println!("{}", dir.display());
         }
         Cmd::Certs { cmd: CertsCmd::Issue { ca_dir, out, san, node, days } } => {
-            let ca = controller::certs::ca_of_dir(&ca_dir).map_err(anyhow::Error::msg)?.with_context(|| {
+            let ca = controller::certs::ca_of_dir(&ca_dir)?.with_context(|| {
                 format!("{} holds no CA (ca.crt and ca.key): make one with `certs init`", ca_dir.display())
             })?;
             let pair = match node {
@@ -201,7 +201,7 @@ fn main() -> anyhow::Result<()> {
                 }
                 None => ca.issue_server(&san, days),
             };
-            write_pair(&out, pair.map_err(anyhow::Error::msg)?)?;
+            write_pair(&out, pair?)?;
             println!("{}", out.display());
         }
     }

@@ -20,6 +20,38 @@ use nodeplane::rpc::csi::volume_capability::access_mode::Mode;
 use nodeplane::rpc::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
 use serde_json::json;
 
+/// Why a `nodeplane` command failed (printed after `nodeplane: `, exit status 2).
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error("{}: {source}", path.display())]
+    Config { path: PathBuf, source: nodeplane::agent::config::ConfigError },
+    #[error("{what} {}: {source}", path.display())]
+    File { what: &'static str, path: PathBuf, source: std::io::Error },
+    /// `to`: a socket or an address; `hint`: what to check.
+    #[error("connecting to {to}: {source}{hint}")]
+    Connect { to: String, source: Box<nodeplane::rpc::ConnectError>, hint: &'static str },
+    #[error("{call}: {code:?}: {message}")]
+    Call { call: &'static str, code: tonic::Code, message: String },
+    #[error("the agent did not answer within {0:?}")]
+    Timeout(std::time::Duration),
+    #[error("the agent's answer is empty (an agent older than this CLI?)")]
+    Empty,
+    /// An argument or input that is not valid, and why.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl CliError {
+    /// Reading, writing or removing `path` failed.
+    fn file<'a>(what: &'static str, path: &'a std::path::Path) -> impl FnOnce(std::io::Error) -> CliError + 'a {
+        move |source| CliError::File { what, path: path.into(), source }
+    }
+
+    fn call(call: &'static str) -> impl FnOnce(tonic::Status) -> CliError {
+        move |s| CliError::Call { call, code: s.code(), message: s.message().into() }
+    }
+}
+
 #[derive(Parser)]
 #[command(name = "nodeplane", version, about = "nodeplane operator tools")]
 struct Args {
@@ -143,11 +175,8 @@ struct DraAt {
 
 impl DraAt {
     /// (socket, state directory)
-    fn resolve(&self) -> Result<(PathBuf, PathBuf), String> {
-        let cfg = match &self.config {
-            Some(c) => Some(nodeplane::agent::config::Config::load(c).map_err(|e| format!("{}: {e}", c.display()))?),
-            None => None,
-        };
+    fn resolve(&self) -> Result<(PathBuf, PathBuf), CliError> {
+        let cfg = self.config.as_deref().map(load_config).transpose()?;
         let socket = match (&self.socket, &cfg) {
             (Some(s), _) => s.clone(),
             (None, Some(c)) => match &c.dra {
@@ -188,29 +217,36 @@ enum DraCall {
     },
 }
 
+fn load_config(path: &std::path::Path) -> Result<nodeplane::agent::config::Config, CliError> {
+    nodeplane::agent::config::Config::load(path).map_err(|source| CliError::Config { path: path.into(), source })
+}
+
+/// A channel to the Unix socket `path` (`hint`: what to check when it fails).
+async fn connect_unix(path: &std::path::Path, hint: &'static str) -> Result<tonic::transport::Channel, CliError> {
+    let to = path.display().to_string();
+    nodeplane::rpc::connect_unix(path).await.map_err(|e| CliError::Connect { to, source: Box::new(e.into()), hint })
+}
+
 /// Run one `nodeplane dra` call: the JSON answer and whether every claim succeeded.
-async fn dra_call(c: DraCall) -> Result<(serde_json::Value, bool), String> {
+async fn dra_call(c: DraCall) -> Result<(serde_json::Value, bool), CliError> {
     use nodeplane::devices::dra;
     use nodeplane::rpc::dra as pb;
     let connect = |socket: PathBuf| async move {
-        let ch = nodeplane::rpc::connect_unix(&socket)
-            .await
-            .map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
-        Ok::<_, String>(pb::dra_plugin_client::DraPluginClient::new(ch))
+        Ok::<_, CliError>(pb::dra_plugin_client::DraPluginClient::new(connect_unix(&socket, "").await?))
     };
     match c {
         DraCall::Prepare { claim_file, at } => {
             let (socket, state) = at.resolve()?;
-            let raw = std::fs::read(&claim_file).map_err(|e| format!("reading {}: {e}", claim_file.display()))?;
+            let raw = std::fs::read(&claim_file).map_err(CliError::file("reading", &claim_file))?;
             let claim: dra::ClaimFile =
-                serde_json::from_slice(&raw).map_err(|e| format!("{}: {e}", claim_file.display()))?;
-            dra::check_uid(&claim.uid)?;
+                serde_json::from_slice(&raw).map_err(|e| CliError::file("reading", &claim_file)(e.into()))?;
+            dra::check_uid(&claim.uid).map_err(CliError::Invalid)?;
             let dir = dra::claim_dir(&state);
             let target = dir.join(format!("{}.json", claim.uid));
             let body = serde_json::to_vec_pretty(&claim).expect("claim serialises");
             std::fs::create_dir_all(&dir)
                 .and_then(|_| nodeplane::sys::fs::atomic_write(&target, &body, 0o600))
-                .map_err(|e| format!("writing {}: {e}", target.display()))?;
+                .map_err(CliError::file("writing", &target))?;
             let req = pb::NodePrepareResourcesRequest {
                 claims: vec![pb::Claim {
                     namespace: claim.namespace.clone(),
@@ -222,7 +258,7 @@ async fn dra_call(c: DraCall) -> Result<(serde_json::Value, bool), String> {
                 .await?
                 .node_prepare_resources(req)
                 .await
-                .map_err(|s| format!("NodePrepareResources: {:?}: {}", s.code(), s.message()))?;
+                .map_err(CliError::call("NodePrepareResources"))?;
             let claims = answer.into_inner().claims;
             let ok = claims.get(&claim.uid).is_some_and(|c| c.error.is_empty());
             let doc: serde_json::Map<String, serde_json::Value> = claims
@@ -240,22 +276,23 @@ async fn dra_call(c: DraCall) -> Result<(serde_json::Value, bool), String> {
         }
         DraCall::Unprepare { uid, namespace, name, at } => {
             let (socket, state) = at.resolve()?;
-            dra::check_uid(&uid)?;
+            dra::check_uid(&uid).map_err(CliError::Invalid)?;
             let req =
                 pb::NodeUnprepareResourcesRequest { claims: vec![pb::Claim { namespace, uid: uid.clone(), name }] };
             let answer = connect(socket)
                 .await?
                 .node_unprepare_resources(req)
                 .await
-                .map_err(|s| format!("NodeUnprepareResources: {:?}: {}", s.code(), s.message()))?;
+                .map_err(CliError::call("NodeUnprepareResources"))?;
             let claims = answer.into_inner().claims;
             let ok = claims.get(&uid).is_some_and(|c| c.error.is_empty());
             if ok {
                 let file = dra::claim_dir(&state).join(format!("{uid}.json"));
                 match std::fs::remove_file(&file) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(format!("removing {}: {e}", file.display())),
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(CliError::file("removing", &file)(e));
+                    }
+                    _ => {}
                 }
             }
             let doc: serde_json::Map<String, serde_json::Value> =
@@ -277,12 +314,10 @@ struct AgentSocket {
 }
 
 impl AgentSocket {
-    fn path(&self) -> Result<PathBuf, String> {
+    fn path(&self) -> Result<PathBuf, CliError> {
         match (&self.socket, &self.config) {
             (Some(s), _) => Ok(s.clone()),
-            (None, Some(c)) => nodeplane::agent::config::Config::load(c)
-                .map(|c| c.node_socket)
-                .map_err(|e| format!("{}: {e}", c.display())),
+            (None, Some(c)) => load_config(c).map(|c| c.node_socket),
             (None, None) => Ok(PathBuf::from("/run/nodeplane/node.sock")),
         }
     }
@@ -442,8 +477,9 @@ enum Call {
     },
 }
 
-fn capability(fs: &str, mode: &str) -> Result<csi::VolumeCapability, String> {
-    let m = Mode::from_str_name(mode).ok_or_else(|| format!("unknown access mode {mode:?}"))?;
+fn capability(fs: &str, mode: &str) -> Result<csi::VolumeCapability, tonic::Status> {
+    let m = Mode::from_str_name(mode)
+        .ok_or_else(|| tonic::Status::invalid_argument(format!("unknown access mode {mode:?}")))?;
     Ok(csi::VolumeCapability {
         access_mode: Some(AccessMode { mode: m as i32 }),
         access_type: Some(if fs == "block" {
@@ -467,7 +503,6 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
     let mut ctl = csi::controller_client::ControllerClient::new(ch.clone());
     let mut node = csi::node_client::NodeClient::new(ch.clone());
     let mut id = csi::identity_client::IdentityClient::new(ch);
-    let bad = |e: String| tonic::Status::invalid_argument(e);
     Ok(match c {
         Call::Identity => {
             let info = id.get_plugin_info(csi::GetPluginInfoRequest {}).await?.into_inner();
@@ -476,10 +511,12 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
             json!({"name": info.name, "vendorVersion": info.vendor_version, "capabilities": format!("{:?}", caps.capabilities), "ready": probe.ready})
         }
         Call::CreateVolume { name, size, limit, fs, nodes, prefer, mode, params, from_snapshot, from_volume } => {
-            let cap = capability(if fs == "block" { "block" } else { &fs }, &mode).map_err(bad)?;
+            let cap = capability(if fs == "block" { "block" } else { &fs }, &mode)?;
             let mut parameters = std::collections::HashMap::new();
             for p in params {
-                let (k, v) = p.split_once('=').ok_or_else(|| bad(format!("--param {p:?} is not KEY=VALUE")))?;
+                let (k, v) = p
+                    .split_once('=')
+                    .ok_or_else(|| tonic::Status::invalid_argument(format!("--param {p:?} is not KEY=VALUE")))?;
                 parameters.insert(k.to_string(), v.to_string());
             }
             let req = csi::CreateVolumeRequest {
@@ -558,7 +595,7 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
             let r = ctl
                 .validate_volume_capabilities(csi::ValidateVolumeCapabilitiesRequest {
                     volume_id: id,
-                    volume_capabilities: vec![capability(&fs, &mode).map_err(bad)?],
+                    volume_capabilities: vec![capability(&fs, &mode)?],
                     ..Default::default()
                 })
                 .await?
@@ -618,7 +655,7 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
             let req = csi::NodeStageVolumeRequest {
                 volume_id: id,
                 staging_target_path: staging,
-                volume_capability: Some(capability(&fs, &mode).map_err(bad)?),
+                volume_capability: Some(capability(&fs, &mode)?),
                 ..Default::default()
             };
             node.node_stage_volume(req).await?;
@@ -634,7 +671,7 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
                 volume_id: id,
                 staging_target_path: staging,
                 target_path: target,
-                volume_capability: Some(capability(&fs, &mode).map_err(bad)?),
+                volume_capability: Some(capability(&fs, &mode)?),
                 readonly,
                 ..Default::default()
             };
@@ -679,43 +716,43 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
 /// What the agent answered: its status or its doctor's report, rendered as the JSON
 /// document `--json` prints and the human summary reads.
 /// `nodeplane wireguard rotate`: the old and the new public key.
-async fn rotate(socket: PathBuf) -> Result<String, String> {
-    let ch = nodeplane::rpc::connect_unix(&socket)
-        .await
-        .map_err(|e| format!("connecting to {}: {e} (is the agent running?)", socket.display()))?;
+async fn rotate(socket: PathBuf) -> Result<String, CliError> {
+    let ch = connect_unix(&socket, " (is the agent running?)").await?;
     let mut c = nodeplane::rpc::node::node_status_client::NodeStatusClient::new(ch);
     let r = c
         .rotate_wireguard_key(nodeplane::rpc::node::RotateWireguardKeyRequest {})
         .await
-        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+        .map_err(CliError::call("RotateWireguardKey"))?
         .into_inner();
     Ok(format!("wireguard key rotated: {} -> {}", r.old_public_key, r.public_key))
 }
 
-async fn node_status(socket: PathBuf, doctor: Option<bool>) -> Result<serde_json::Value, String> {
-    let ch = nodeplane::rpc::connect_unix(&socket)
-        .await
-        .map_err(|e| format!("connecting to {}: {e} (is the agent running?)", socket.display()))?;
+async fn node_status(socket: PathBuf, doctor: Option<bool>) -> Result<serde_json::Value, CliError> {
+    let ch = connect_unix(&socket, " (is the agent running?)").await?;
     let mut c = nodeplane::rpc::node::node_status_client::NodeStatusClient::new(ch);
-    let missing = || "the agent's answer is empty (an agent older than this CLI?)".to_string();
     let call = async {
         match doctor {
             None => c
                 .get_status(nodeplane::rpc::node::GetStatusRequest {})
                 .await
-                .map(|r| r.into_inner().status.map(|s| document::status(&s)).ok_or_else(missing)),
+                .map_err(CliError::call("GetStatus"))?
+                .into_inner()
+                .status
+                .map(|s| document::status(&s)),
             Some(repair) => c
                 .doctor(nodeplane::rpc::node::DoctorRequest { repair })
                 .await
-                .map(|r| r.into_inner().report.map(|d| document::doctor(&d)).ok_or_else(missing)),
+                .map_err(CliError::call("Doctor"))?
+                .into_inner()
+                .report
+                .map(|d| document::doctor(&d)),
         }
+        .ok_or(CliError::Empty)
     };
     // The doctor waits up to 5 s for each attachment a CNI call holds; a hung agent must not
     // hang the operator's shell.
-    tokio::time::timeout(std::time::Duration::from_secs(120), call)
-        .await
-        .map_err(|_| "the agent did not answer within 120 s".to_string())?
-        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+    let limit = std::time::Duration::from_secs(120);
+    tokio::time::timeout(limit, call).await.map_err(|_| CliError::Timeout(limit))?
 }
 
 /// Which of the controller's object APIs a call goes to.
@@ -724,29 +761,32 @@ enum Objects {
     Services(nodeplane::rpc::controller::services_client::ServicesClient<tonic::transport::Channel>),
 }
 
-async fn policy_call(at: ControllerAt, call: PolicyCall, services: bool) -> Result<String, String> {
+async fn policy_call(at: ControllerAt, call: PolicyCall, services: bool) -> Result<String, CliError> {
     use nodeplane::rpc::controller as pb;
-    let read = |f: &PathBuf| -> Result<String, String> {
-        if f.as_os_str() == "-" {
-            let mut s = String::new();
-            std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).map_err(|e| format!("stdin: {e}"))?;
-            Ok(s)
+    let read = |f: &PathBuf| -> Result<String, CliError> {
+        let mut s = String::new();
+        let r = if f.as_os_str() == "-" {
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).map(|_| s)
         } else {
-            std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))
-        }
+            std::fs::read_to_string(f)
+        };
+        r.map_err(CliError::file("reading", f))
     };
-    let token = std::fs::read_to_string(&at.token_file).map_err(|e| format!("{}: {e}", at.token_file.display()))?;
-    let bearer: tonic::metadata::MetadataValue<tonic::metadata::Ascii> =
-        format!("Bearer {}", token.trim()).parse().map_err(|_| "the token is not valid header text".to_string())?;
+    let token = std::fs::read_to_string(&at.token_file).map_err(CliError::file("reading", &at.token_file))?;
+    let bearer: tonic::metadata::MetadataValue<tonic::metadata::Ascii> = format!("Bearer {}", token.trim())
+        .parse()
+        .map_err(|_| CliError::Invalid(format!("the token in {} is not valid header text", at.token_file.display())))?;
     let tls = at.ca_file.clone().map(|ca_file| nodeplane::rpc::tls::ClientFiles {
         ca_file,
         cert_file: None,
         key_file: None,
         server_name: at.server_name.clone(),
     });
-    let ch = nodeplane::rpc::connect_with(&at.controller, tls.as_ref())
-        .await
-        .map_err(|e| format!("connecting to {}: {e}", at.controller))?;
+    let ch = nodeplane::rpc::connect_with(&at.controller, tls.as_ref()).await.map_err(|source| CliError::Connect {
+        to: at.controller.clone(),
+        source: Box::new(source),
+        hint: "",
+    })?;
     let mut c = if services {
         Objects::Services(pb::services_client::ServicesClient::new(ch))
     } else {
@@ -757,7 +797,6 @@ async fn policy_call(at: ControllerAt, call: PolicyCall, services: bool) -> Resu
         r.metadata_mut().insert("authorization", bearer.clone());
         r
     }
-    let status = |s: tonic::Status| format!("{:?}: {}", s.code(), s.message());
     match call {
         PolicyCall::Apply { file } => {
             let req = with(pb::ApplyObjectsRequest { json: read(&file)? }, &bearer);
@@ -765,7 +804,7 @@ async fn policy_call(at: ControllerAt, call: PolicyCall, services: bool) -> Resu
                 Objects::Policy(c) => c.apply_objects(req).await,
                 Objects::Services(c) => c.apply_objects(req).await,
             };
-            Ok(r.map_err(status)?
+            Ok(r.map_err(CliError::call("ApplyObjects"))?
                 .into_inner()
                 .applied
                 .iter()
@@ -779,7 +818,7 @@ async fn policy_call(at: ControllerAt, call: PolicyCall, services: bool) -> Resu
                 Objects::Policy(c) => c.delete_objects(req).await,
                 Objects::Services(c) => c.delete_objects(req).await,
             };
-            Ok(r.map_err(status)?
+            Ok(r.map_err(CliError::call("DeleteObjects"))?
                 .into_inner()
                 .deleted
                 .iter()
@@ -793,7 +832,7 @@ async fn policy_call(at: ControllerAt, call: PolicyCall, services: bool) -> Resu
                 Objects::Policy(c) => c.list_objects(req).await,
                 Objects::Services(c) => c.list_objects(req).await,
             };
-            Ok(r.map_err(status)?.into_inner().json)
+            Ok(r.map_err(CliError::call("ListObjects"))?.into_inner().json)
         }
     }
 }

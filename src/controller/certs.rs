@@ -22,8 +22,28 @@ pub struct Ca {
     issuer: Issuer<'static, KeyPair>,
 }
 
-fn err(what: &str) -> impl Fn(rcgen::Error) -> String + '_ {
-    move |e| format!("{what}: {e}")
+/// What failed making, reading or writing certificates.
+#[derive(Debug, thiserror::Error)]
+pub enum CertError {
+    #[error("{what}: {source}")]
+    Rcgen { what: &'static str, source: rcgen::Error },
+    #[error("a serving certificate needs at least one DNS name or IP address")]
+    NoNames,
+    #[error("{what} {}: {source}", path.display())]
+    Io { what: &'static str, path: std::path::PathBuf, source: std::io::Error },
+    /// The Kubernetes object holding them (bootstrap): unreadable, unwritable, or without `key`.
+    #[error("{0}")]
+    Kube(String),
+    #[error("{object}: no {key}")]
+    Missing { object: String, key: &'static str },
+}
+
+fn err(what: &'static str) -> impl Fn(rcgen::Error) -> CertError {
+    move |source| CertError::Rcgen { what, source }
+}
+
+fn io_err<'a>(what: &'static str, path: &'a std::path::Path) -> impl FnOnce(std::io::Error) -> CertError + 'a {
+    move |source| CertError::Io { what, path: path.into(), source }
 }
 
 /// Validity from a minute ago (clock skew) for `days` days; `days` < 0 makes a certificate
@@ -49,7 +69,7 @@ fn serial(params: &mut CertificateParams) {
 impl Ca {
     /// A new self-signed CA named `name` plus a random suffix (two CAs never share a
     /// subject, so a certificate of one is "unknown issuer" to the other), valid `days`.
-    pub fn generate(name: &str, days: i64) -> Result<Ca, String> {
+    pub fn generate(name: &str, days: i64) -> Result<Ca, CertError> {
         let key = KeyPair::generate().map_err(err("generating the CA key"))?;
         let mut params = CertificateParams::default();
         let mut id = [0u8; 4];
@@ -66,7 +86,7 @@ impl Ca {
     }
 
     /// A CA from its certificate and key (PEM).
-    pub fn load(cert_pem: &str, key_pem: &str) -> Result<Ca, String> {
+    pub fn load(cert_pem: &str, key_pem: &str) -> Result<Ca, CertError> {
         let key = KeyPair::from_pem(key_pem).map_err(err("the CA key"))?;
         let issuer = Issuer::from_ca_cert_pem(cert_pem, key).map_err(err("the CA certificate"))?;
         Ok(Ca { cert_pem: cert_pem.to_string(), issuer })
@@ -80,7 +100,7 @@ impl Ca {
         self.issuer.key().serialize_pem()
     }
 
-    fn issue(&self, mut params: CertificateParams, days: i64) -> Result<(String, String), String> {
+    fn issue(&self, mut params: CertificateParams, days: i64) -> Result<(String, String), CertError> {
         let key = KeyPair::generate().map_err(err("generating a key"))?;
         validity(&mut params, days);
         serial(&mut params);
@@ -91,9 +111,9 @@ impl Ca {
     }
 
     /// A serving certificate for `sans` (DNS names and IP addresses): (cert PEM, key PEM).
-    pub fn issue_server(&self, sans: &[String], days: i64) -> Result<(String, String), String> {
+    pub fn issue_server(&self, sans: &[String], days: i64) -> Result<(String, String), CertError> {
         if sans.is_empty() {
-            return Err("a serving certificate needs at least one DNS name or IP address".into());
+            return Err(CertError::NoNames);
         }
         let mut params = CertificateParams::new(sans.to_vec()).map_err(err("the subject alternative names"))?;
         params.distinguished_name.push(DnType::CommonName, sans[0].as_str());
@@ -102,7 +122,7 @@ impl Ca {
     }
 
     /// A client certificate with common name `cn`: (cert PEM, key PEM).
-    pub fn issue_client(&self, cn: &str, days: i64) -> Result<(String, String), String> {
+    pub fn issue_client(&self, cn: &str, days: i64) -> Result<(String, String), CertError> {
         let mut params = CertificateParams::default();
         params.distinguished_name.push(DnType::CommonName, cn);
         params.distinguished_name.push(DnType::OrganizationName, "system:nodes");
@@ -126,25 +146,25 @@ pub fn write_pair(
     key_file: &std::path::Path,
     cert: &str,
     key: &str,
-) -> Result<(), String> {
-    write_pem(key_file, key, true).map_err(|e| format!("writing {}: {e}", key_file.display()))?;
-    write_pem(cert_file, cert, false).map_err(|e| format!("writing {}: {e}", cert_file.display()))
+) -> Result<(), CertError> {
+    write_pem(key_file, key, true).map_err(io_err("writing", key_file))?;
+    write_pem(cert_file, cert, false).map_err(io_err("writing", cert_file))
 }
 
 /// The CA in `dir` (`ca.crt`, `ca.key`): Ok(None) if neither file is there.
-pub fn ca_of_dir(dir: &std::path::Path) -> Result<Option<Ca>, String> {
+pub fn ca_of_dir(dir: &std::path::Path) -> Result<Option<Ca>, CertError> {
     let (c, k) = (dir.join(CA_CERT), dir.join(CA_KEY));
     match (std::fs::read_to_string(&c), std::fs::read_to_string(&k)) {
         (Ok(c), Ok(k)) => Ca::load(&c, &k).map(Some),
         (Err(e), _) | (_, Err(e)) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(format!("reading the CA in {}: {e}", dir.display()))
+            Err(io_err("reading the CA in", dir)(e))
         }
         _ => Ok(None),
     }
 }
 
 /// The CA in `dir`, made if missing.
-pub fn ca_in(dir: &std::path::Path, days: i64) -> Result<Ca, String> {
+pub fn ca_in(dir: &std::path::Path, days: i64) -> Result<Ca, CertError> {
     if let Some(ca) = ca_of_dir(dir)? {
         return Ok(ca);
     }

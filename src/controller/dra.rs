@@ -114,54 +114,102 @@ fn quantity(s: &str) -> bool {
         && ["", "k", "M", "G", "T", "P", "E", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "m"].contains(&suffix)
 }
 
+/// What the controller's DRA half refuses (a report, a GetClaim) or could not do. Mapped to
+/// gRPC codes in one place (`From<DraError> for Status`).
+#[derive(Debug, thiserror::Error)]
+pub enum DraError {
+    #[error("driver {0:?} is not {DRIVER_NAME:?}")]
+    Driver(String),
+    #[error("{0} devices, more than {MAX_DEVICES_PER_NODE}")]
+    TooManyDevices(usize),
+    /// A reported device this controller cannot publish, and why.
+    #[error("device {device:?}: {problem}")]
+    Device { device: String, problem: String },
+    /// A GetClaim field that is not valid.
+    #[error("{field} {value:?} {problem}")]
+    Request { field: &'static str, value: String, problem: String },
+    #[error(
+        "this controller has no Kubernetes API (local mode): give the claim to the agent as a claim file (nodeplane dra prepare)"
+    )]
+    NoApi,
+    #[error("reading ResourceClaim {claim}: {source}")]
+    Source { claim: String, source: SinkError },
+    /// One answer to the node for every claim it may not see or that has nothing for it
+    /// (missing, another UID, not allocated, allocated elsewhere), so that it learns
+    /// nothing about claims not its own; `why` is for the controller's log.
+    #[error("ResourceClaim {claim} ({uid}) has no allocation of {DRIVER_NAME} on node {node:?}")]
+    NotServed { claim: String, uid: String, node: String, why: String },
+}
+
+impl From<DraError> for Status {
+    fn from(e: DraError) -> Status {
+        let m = e.to_string();
+        match e {
+            DraError::Driver(_) | DraError::TooManyDevices(_) | DraError::Device { .. } | DraError::Request { .. } => {
+                Status::invalid_argument(m)
+            }
+            DraError::NoApi => Status::failed_precondition(m),
+            DraError::Source { .. } => Status::unavailable(m),
+            DraError::NotServed { .. } => Status::not_found(m),
+        }
+    }
+}
+
+/// Why the slices' sink (the API, or local mode's directory) or the claims' source failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    #[error("{}: {source}", path.display())]
+    File { path: PathBuf, source: std::io::Error },
+    /// What the API answered.
+    #[error("{0}")]
+    Api(String),
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+}
+
 /// Why a report cannot be published, if it cannot (INVALID_ARGUMENT).
-pub fn check_report(r: &pb::ReportDevicesRequest) -> Result<(), String> {
+pub fn check_report(r: &pb::ReportDevicesRequest) -> Result<(), DraError> {
     if r.driver != DRIVER_NAME {
-        return Err(format!("driver {:?} is not {DRIVER_NAME:?}", r.driver));
+        return Err(DraError::Driver(r.driver.clone()));
     }
     if r.devices.len() > MAX_DEVICES_PER_NODE {
-        return Err(format!("{} devices, more than {MAX_DEVICES_PER_NODE}", r.devices.len()));
+        return Err(DraError::TooManyDevices(r.devices.len()));
     }
     let mut seen = BTreeSet::new();
     for d in &r.devices {
+        let bad = |problem: String| Err(DraError::Device { device: d.name.clone(), problem });
         if !dns_label(&d.name) {
-            return Err(format!("device name {:?} is not a DNS label", d.name));
+            return bad("the name is not a DNS label".into());
         }
         if !seen.insert(&d.name) {
-            return Err(format!("device {:?} is listed twice", d.name));
+            return bad("listed twice".into());
         }
         if d.attributes.len() + d.capacity.len() > MAX_ATTRIBUTES {
-            return Err(format!("device {:?}: more than {MAX_ATTRIBUTES} attributes and capacities", d.name));
+            return bad(format!("more than {MAX_ATTRIBUTES} attributes and capacities"));
         }
         for (k, v) in &d.attributes {
             if !c_identifier(k) {
-                return Err(format!(
-                    "device {:?}: attribute name {k:?} is not a C identifier of at most 32 characters",
-                    d.name
-                ));
+                return bad(format!("attribute name {k:?} is not a C identifier of at most 32 characters"));
             }
             match &v.value {
-                None => return Err(format!("device {:?}: attribute {k:?} has no value", d.name)),
+                None => return bad(format!("attribute {k:?} has no value")),
                 Some(pb::device_attribute::Value::String(s) | pb::device_attribute::Value::Version(s))
                     if s.len() > 64 =>
                 {
-                    return Err(format!("device {:?}: attribute {k:?} is longer than 64 characters", d.name));
+                    return bad(format!("attribute {k:?} is longer than 64 characters"));
                 }
                 Some(pb::device_attribute::Value::Version(v)) if !semver(v) => {
-                    return Err(format!("device {:?}: attribute {k:?} = {v:?} is not a semantic version", d.name));
+                    return bad(format!("attribute {k:?} = {v:?} is not a semantic version"));
                 }
                 Some(_) => {}
             }
         }
         for (k, v) in &d.capacity {
             if !c_identifier(k) {
-                return Err(format!(
-                    "device {:?}: capacity name {k:?} is not a C identifier of at most 32 characters",
-                    d.name
-                ));
+                return bad(format!("capacity name {k:?} is not a C identifier of at most 32 characters"));
             }
             if !quantity(v) {
-                return Err(format!("device {:?}: capacity {k:?} = {v:?} is not a quantity", d.name));
+                return bad(format!("capacity {k:?} = {v:?} is not a quantity"));
             }
         }
     }
@@ -282,12 +330,12 @@ pub fn desired_slices(node: &str, devices: &[pb::DraDevice], generation: i64) ->
 #[tonic::async_trait]
 pub trait SliceSink: Send + Sync + 'static {
     /// Every slice this controller may have written (its label), any driver.
-    async fn list(&self) -> Result<Vec<Value>, String>;
-    async fn create(&self, obj: Value) -> Result<Value, String>;
+    async fn list(&self) -> Result<Vec<Value>, SinkError>;
+    async fn create(&self, obj: Value) -> Result<Value, SinkError>;
     /// Replace (the object carries the `resourceVersion` it replaces).
-    async fn replace(&self, obj: Value) -> Result<Value, String>;
+    async fn replace(&self, obj: Value) -> Result<Value, SinkError>;
     /// Delete; one already gone is fine.
-    async fn delete(&self, name: &str) -> Result<(), String>;
+    async fn delete(&self, name: &str) -> Result<(), SinkError>;
     fn describe(&self) -> String;
 }
 
@@ -324,6 +372,15 @@ fn pools_of(list: Vec<Value>) -> BTreeMap<String, Pool> {
     pools
 }
 
+/// A slice the sink did not take: cached pools may be stale (relist).
+#[derive(Debug, thiserror::Error)]
+#[error("{step} ResourceSlice {name}: {source}")]
+struct PublishError {
+    step: &'static str,
+    name: String,
+    source: SinkError,
+}
+
 /// Publishes the book's reports through `sink` until `stopping`.
 pub struct Publisher {
     pub book: Arc<DeviceBook>,
@@ -338,7 +395,7 @@ impl Publisher {
         pools: &mut BTreeMap<String, Pool>,
         node: &str,
         devices: &[pb::DraDevice],
-    ) -> Result<(), String> {
+    ) -> Result<(), PublishError> {
         let current = pools.get(node).cloned().unwrap_or_default();
         let same = desired_slices(node, devices, current.generation);
         let unchanged = same.len() == current.slices.len()
@@ -361,17 +418,17 @@ impl Publisher {
             };
             let written = match written {
                 Ok(w) => w,
-                Err(e) => {
+                Err(source) => {
                     pools.remove(node);
-                    return Err(format!("ResourceSlice {name}: {e}"));
+                    return Err(PublishError { step: "writing", name, source });
                 }
             };
             next.slices.insert(name, (rv_of(&written), written.get("spec").cloned().unwrap_or(Value::Null)));
         }
         for name in current.slices.keys().filter(|n| !next.slices.contains_key(*n)) {
-            if let Err(e) = self.sink.delete(name).await {
+            if let Err(source) = self.sink.delete(name).await {
                 pools.remove(node);
-                return Err(format!("deleting ResourceSlice {name}: {e}"));
+                return Err(PublishError { step: "deleting", name: name.clone(), source });
             }
         }
         tracing::info!(
@@ -389,10 +446,11 @@ impl Publisher {
         Ok(())
     }
 
-    async fn delete_pool(&self, pools: &mut BTreeMap<String, Pool>, node: &str) -> Result<(), String> {
+    async fn delete_pool(&self, pools: &mut BTreeMap<String, Pool>, node: &str) -> Result<(), PublishError> {
         let Some(p) = pools.get(node).cloned() else { return Ok(()) };
         for name in p.slices.keys() {
-            self.sink.delete(name).await.map_err(|e| format!("deleting ResourceSlice {name}: {e}"))?;
+            let gone = self.sink.delete(name).await;
+            gone.map_err(|source| PublishError { step: "deleting", name: name.clone(), source })?;
         }
         pools.remove(node);
         tracing::info!(node, slices = p.slices.len(), "ResourceSlice pool deleted: the node is gone");
@@ -400,7 +458,7 @@ impl Publisher {
     }
 
     /// One pass over every node.
-    async fn sync(&self, pools: &mut BTreeMap<String, Pool>) -> Result<(), String> {
+    async fn sync(&self, pools: &mut BTreeMap<String, Pool>) -> Result<(), PublishError> {
         let members: BTreeSet<String> = self.registry.snapshot().nodes.iter().map(|n| n.name.clone()).collect();
         let reports = self.book.reports();
         let mut first_error = None;
@@ -444,6 +502,7 @@ impl Publisher {
                         Ok(l) => pools = Some(pools_of(l)),
                         Err(e) => {
                             failed = true;
+                            let e = e.to_string();
                             if last_error.as_ref() != Some(&e) {
                                 tracing::warn!(sink = %self.sink.describe(), error = %e, "cannot list ResourceSlices; retrying");
                                 last_error = Some(e);
@@ -463,6 +522,7 @@ impl Publisher {
                             failed = true;
                             // Relist: another writer, or a write whose outcome is unknown.
                             pools = None;
+                            let e = e.to_string();
                             if last_error.as_ref() != Some(&e) {
                                 tracing::warn!(sink = %self.sink.describe(), error = %e, "ResourceSlice publication failed; retrying");
                                 last_error = Some(e);
@@ -490,6 +550,10 @@ impl Publisher {
     }
 }
 
+fn file(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> SinkError + '_ {
+    move |source| SinkError::File { path: path.into(), source }
+}
+
 /// Local mode: slices as JSON files in a directory.
 pub struct DirSink {
     pub dir: PathBuf,
@@ -501,25 +565,24 @@ impl DirSink {
         DirSink { dir, counter: std::sync::atomic::AtomicU64::new(1) }
     }
 
-    fn write(&self, mut obj: Value) -> Result<Value, String> {
-        let name = name_of(&obj).ok_or("no name")?.to_string();
+    fn write(&self, mut obj: Value) -> Result<Value, SinkError> {
+        let path = self.dir.join(format!("{}.json", name_of(&obj).expect("slices are named")));
         let rv = self.counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         obj["metadata"]["resourceVersion"] = json!(rv.to_string());
-        std::fs::create_dir_all(&self.dir).map_err(|e| format!("{}: {e}", self.dir.display()))?;
-        let body = serde_json::to_vec_pretty(&obj).map_err(|e| e.to_string())?;
-        let path = self.dir.join(format!("{name}.json"));
-        crate::sys::fs::atomic_write(&path, &body, 0o644).map_err(|e| format!("{}: {e}", path.display()))?;
+        std::fs::create_dir_all(&self.dir).map_err(file(&self.dir))?;
+        let body = serde_json::to_vec_pretty(&obj)?;
+        crate::sys::fs::atomic_write(&path, &body, 0o644).map_err(file(&path))?;
         Ok(obj)
     }
 }
 
 #[tonic::async_trait]
 impl SliceSink for DirSink {
-    async fn list(&self) -> Result<Vec<Value>, String> {
+    async fn list(&self) -> Result<Vec<Value>, SinkError> {
         let entries = match std::fs::read_dir(&self.dir) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(format!("{}: {e}", self.dir.display())),
+            Err(e) => return Err(file(&self.dir)(e)),
         };
         let mut out = Vec::new();
         for e in entries.flatten() {
@@ -537,18 +600,17 @@ impl SliceSink for DirSink {
         }
         Ok(out)
     }
-    async fn create(&self, obj: Value) -> Result<Value, String> {
+    async fn create(&self, obj: Value) -> Result<Value, SinkError> {
         self.write(obj)
     }
-    async fn replace(&self, obj: Value) -> Result<Value, String> {
+    async fn replace(&self, obj: Value) -> Result<Value, SinkError> {
         self.write(obj)
     }
-    async fn delete(&self, name: &str) -> Result<(), String> {
+    async fn delete(&self, name: &str) -> Result<(), SinkError> {
         let path = self.dir.join(format!("{name}.json"));
         match std::fs::remove_file(&path) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(format!("{}: {e}", path.display())),
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(file(&path)(e)),
+            _ => Ok(()),
         }
     }
     fn describe(&self) -> String {
@@ -560,32 +622,30 @@ impl SliceSink for DirSink {
 #[tonic::async_trait]
 pub trait ClaimSource: Send + Sync + 'static {
     /// The claim, `None` when it does not exist.
-    async fn get(&self, namespace: &str, name: &str) -> Result<Option<Value>, String>;
+    async fn get(&self, namespace: &str, name: &str) -> Result<Option<Value>, SinkError>;
 }
 
-/// What a node is told about a claim it may not see or that has nothing for it: one answer
-/// for every such case (missing, another UID, not allocated, allocated elsewhere), so that a
-/// node learns nothing about claims that are not its own (the controller logs which it was).
-pub fn claim_not_found(namespace: &str, name: &str, uid: &str, node: &str) -> Status {
-    Status::not_found(format!(
-        "ResourceClaim {namespace}/{name} ({uid}) has no allocation of {DRIVER_NAME} on node {node:?}"
-    ))
-}
-
-/// The allocation results of `claim` for `node`'s pool of this driver, or why there are
-/// none (for the controller's log; the node gets [`claim_not_found`]).
-pub fn claim_results(claim: &Value, uid: &str, node: &str) -> Result<Vec<pb::ClaimResult>, String> {
+/// The allocation results of `claim` (None: it does not exist) for the node `r` comes from,
+/// in its pool of this driver; else [`DraError::NotServed`] (saying why, for the log).
+pub fn claim_results(claim: Option<&Value>, r: &pb::GetClaimRequest) -> Result<Vec<pb::ClaimResult>, DraError> {
+    let not_served = |why: String| DraError::NotServed {
+        claim: format!("{}/{}", r.namespace, r.name),
+        uid: r.uid.clone(),
+        node: r.node_name.clone(),
+        why,
+    };
+    let claim = claim.ok_or_else(|| not_served("the claim does not exist".into()))?;
     let have = claim.pointer("/metadata/uid").and_then(Value::as_str).unwrap_or_default();
-    if have != uid {
-        return Err(format!("the claim has UID {have:?} (deleted and made again?)"));
+    if have != r.uid {
+        return Err(not_served(format!("the claim has UID {have:?} (deleted and made again?)")));
     }
     let Some(results) = claim.pointer("/status/allocation/devices/results").and_then(Value::as_array) else {
-        return Err("the claim is not allocated".into());
+        return Err(not_served("the claim is not allocated".into()));
     };
     let field = |r: &Value, k: &str| r.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
     let mine: Vec<pb::ClaimResult> = results
         .iter()
-        .filter(|r| field(r, "driver") == DRIVER_NAME && field(r, "pool") == node)
+        .filter(|x| field(x, "driver") == DRIVER_NAME && field(x, "pool") == r.node_name)
         .map(|r| pb::ClaimResult {
             request: field(r, "request"),
             driver: field(r, "driver"),
@@ -594,21 +654,24 @@ pub fn claim_results(claim: &Value, uid: &str, node: &str) -> Result<Vec<pb::Cla
         })
         .collect();
     if mine.is_empty() {
-        return Err(format!("the claim allocates no device of {DRIVER_NAME} on this node"));
+        return Err(not_served(format!("the claim allocates no device of {DRIVER_NAME} on this node")));
     }
     Ok(mine)
 }
 
 /// Checks a GetClaim request's names (INVALID_ARGUMENT).
-pub fn check_claim_request(r: &pb::GetClaimRequest) -> Result<(), Status> {
+pub fn check_claim_request(r: &pb::GetClaimRequest) -> Result<(), DraError> {
+    let bad = |field, value: &str, problem: &str| {
+        Err(DraError::Request { field, value: value.into(), problem: problem.into() })
+    };
     if !dns_label(&r.namespace) {
-        return Err(Status::invalid_argument(format!("namespace {:?} is not a DNS label", r.namespace)));
+        return bad("namespace", &r.namespace, "is not a DNS label");
     }
     if let Some(why) = super::records::subdomain_error(&r.name) {
-        return Err(Status::invalid_argument(format!("claim name {:?} {why}", r.name)));
+        return bad("claim name", &r.name, &why);
     }
     if r.uid.is_empty() || r.uid.len() > 128 {
-        return Err(Status::invalid_argument("claim uid must be 1 to 128 characters"));
+        return bad("claim uid", &r.uid, "is not 1 to 128 characters");
     }
     Ok(())
 }
@@ -684,21 +747,22 @@ mod tests {
         assert!(check_report(&ok).is_ok());
         let mut bad = ok.clone();
         bad.driver = "other.dev".into();
-        assert!(check_report(&bad).unwrap_err().contains("driver"));
+        let text = |r: &pb::ReportDevicesRequest| check_report(r).unwrap_err().to_string();
+        assert!(text(&bad).contains("driver"));
         let mut bad = ok.clone();
         bad.devices.push(dev("a"));
-        assert!(check_report(&bad).unwrap_err().contains("twice"));
+        assert!(text(&bad).contains("twice"));
         let mut bad = ok.clone();
         bad.devices[0].name = "Not_A_Label".into();
         assert!(check_report(&bad).is_err());
         let mut bad = ok.clone();
         bad.devices[0].capacity.insert("size".into(), "lots".into());
-        assert!(check_report(&bad).unwrap_err().contains("quantity"));
+        assert!(text(&bad).contains("quantity"));
         let mut bad = ok;
         bad.devices[0]
             .attributes
             .insert("9bad".into(), pb::DeviceAttribute { value: Some(pb::device_attribute::Value::Bool(true)) });
-        assert!(check_report(&bad).unwrap_err().contains("C identifier"));
+        assert!(text(&bad).contains("C identifier"));
     }
 
     #[test]
@@ -707,11 +771,20 @@ mod tests {
             {"request": "r", "driver": DRIVER_NAME, "pool": "n1", "device": "gpu-a"},
             {"request": "r", "driver": DRIVER_NAME, "pool": "n2", "device": "gpu-b"},
             {"request": "r", "driver": "other.dev", "pool": "n1", "device": "x"}]}}}});
-        let r = claim_results(&claim, "u1", "n1").unwrap();
+        let why = |claim: Option<&Value>, uid: &str, node: &str| {
+            let r = pb::GetClaimRequest { node_name: node.into(), uid: uid.into(), ..Default::default() };
+            match claim_results(claim, &r) {
+                Err(DraError::NotServed { why, .. }) => why,
+                other => panic!("{other:?}"),
+            }
+        };
+        let r = pb::GetClaimRequest { node_name: "n1".into(), uid: "u1".into(), ..Default::default() };
+        let r = claim_results(Some(&claim), &r).unwrap();
         assert_eq!(r.iter().map(|r| r.device.as_str()).collect::<Vec<_>>(), ["gpu-a"]);
-        assert!(claim_results(&claim, "u2", "n1").unwrap_err().contains("UID"));
-        assert!(claim_results(&claim, "u1", "n3").unwrap_err().contains("no device"));
+        assert!(why(Some(&claim), "u2", "n1").contains("UID"));
+        assert!(why(Some(&claim), "u1", "n3").contains("no device"));
         let pending = json!({"metadata": {"uid": "u1"}, "status": {}});
-        assert!(claim_results(&pending, "u1", "n1").unwrap_err().contains("not allocated"));
+        assert!(why(Some(&pending), "u1", "n1").contains("not allocated"));
+        assert!(why(None, "u1", "n1").contains("does not exist"));
     }
 }

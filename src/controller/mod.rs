@@ -35,11 +35,13 @@ pub enum ControllerError {
     #[error("Kubernetes: {0}")]
     Kube(String),
     #[error("TLS: {0}")]
-    Tls(String),
+    Tls(#[from] crate::rpc::tls::TlsError),
+    #[error("TLS: {0}")]
+    Certs(#[from] certs::CertError),
     #[error("leadership lost: {0}")]
     LostLeadership(String),
-    #[error("network policy: {0}")]
-    Policy(String),
+    #[error("policy and service objects: {0}")]
+    Objects(#[from] policy::model::ObjectError),
 }
 
 fn io_ctx(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ControllerError {
@@ -121,9 +123,9 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     let acceptor = match &cfg.tls {
         Some(t) => {
             if let (Some(b), Some(c)) = (&t.bootstrap, &client) {
-                kube::tls::bootstrap(c.clone(), b, &t.files).await.map_err(ControllerError::Tls)?;
+                kube::tls::bootstrap(c.clone(), b, &t.files).await?;
             }
-            Some(crate::rpc::tls::Acceptor::load(t.files.clone()).map_err(ControllerError::Tls)?)
+            Some(crate::rpc::tls::Acceptor::load(t.files.clone())?)
         }
         None => None,
     };
@@ -236,8 +238,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         tokio::spawn(dra::Publisher { book: devices.clone(), registry: registry.clone(), sink }.run(stopping.clone()));
     // NetworkPolicy: objects from the API in a cluster, applied with `nodeplane policy` here.
     let local_policy = !cfg.uses_kubernetes();
-    let policy_book = policy::PolicyBook::new(local_policy.then(|| cfg.data_dir.join("policy-objects.json")))
-        .map_err(ControllerError::Policy)?;
+    let policy_book = policy::PolicyBook::new(local_policy.then(|| cfg.data_dir.join("policy-objects.json")))?;
     metrics.registry.register(
         "nodeplane_controller_policy_compile_seconds",
         "Time to recompile every node's NetworkPolicy view after a change.",
@@ -252,8 +253,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     // Services: from the API in a cluster, applied with `nodeplane service` here.
     let pod_cidrs = cfg.pools.iter().map(|p| p.net.to_string()).collect();
     let service_book =
-        services::ServiceBook::new(pod_cidrs, local_policy.then(|| cfg.data_dir.join("service-objects.redb")))
-            .map_err(ControllerError::Policy)?;
+        services::ServiceBook::new(pod_cidrs, local_policy.then(|| cfg.data_dir.join("service-objects.redb")))?;
     let service_follower = match &client {
         Some(c) if !local_policy => {
             Some(tokio::spawn(kube::services::follow(c.clone(), service_book.clone(), stopping.clone())))
@@ -274,8 +274,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         claims,
     };
     let svc = Arc::new(svc);
-    let policy_svc = policy::server::Service { book: policy_book.clone(), registry: svc.clone(), local: local_policy };
-    let services_svc = services::server::Service { book: service_book, registry: svc.clone(), local: local_policy };
+    let policy_svc = policy::server::Service { book: policy_book.clone(), registry: svc.clone() };
+    let services_svc = services::server::Service { book: service_book, registry: svc.clone() };
     let until_stopped = |mut s: tokio::sync::watch::Receiver<bool>| async move {
         let _ = s.wait_for(|v| *v).await;
     };

@@ -8,6 +8,7 @@ use tonic::{Request, Response, Status};
 
 use super::auth::{Authority, Identity};
 use super::config::Config;
+use super::dra::DraError;
 use super::records::NodeRecord;
 use super::store::{Change, Registry, RegistryError, Snapshot, Start};
 use crate::net::wireguard::Mode;
@@ -104,7 +105,8 @@ impl Service {
     async fn identity<T>(&self, req: &Request<T>) -> Result<Identity, Status> {
         let from_cert = match req.peer_certs() {
             Some(certs) if !certs.is_empty() => {
-                let node = crate::rpc::tls::node_of_certificate(&certs[0]).map_err(Status::unauthenticated)?;
+                let node = crate::rpc::tls::node_of_certificate(&certs[0])
+                    .map_err(|e| Status::unauthenticated(e.to_string()))?;
                 if !crate::controller::records::valid_node_name(&node) {
                     return Err(Status::unauthenticated(format!(
                         "the client certificate names {node:?}, which is not a valid node name"
@@ -163,10 +165,7 @@ impl Service {
         f: impl FnOnce(&Registry) -> Result<T, RegistryError> + Send + 'static,
     ) -> Result<T, Status> {
         let reg = self.registry.clone();
-        tokio::task::spawn_blocking(move || f(&reg))
-            .await
-            .map_err(|e| Status::internal(format!("registry task: {e}")))?
-            .map_err(Status::from)
+        Ok(crate::rpc::blocking(move || f(&reg)).await??)
     }
 }
 
@@ -463,7 +462,7 @@ impl Service {
             tracing::warn!(node = %node, orphans = ?r.orphans, "node holds volumes the controller does not know");
         }
         let book = self.volumes.clone();
-        tokio::task::spawn_blocking(move || book.report(r)).await.map_err(|e| Status::internal(e.to_string()))??;
+        crate::rpc::blocking(move || book.report(r)).await??;
         Ok(Response::new(pb::ReportVolumesResponse {}))
     }
 
@@ -474,7 +473,7 @@ impl Service {
         let node = req.get_ref().node_name.clone();
         self.authorize(&req, &node).await?;
         let r = req.into_inner();
-        super::dra::check_report(&r).map_err(|e| Status::invalid_argument(format!("node {node:?}: {e}")))?;
+        super::dra::check_report(&r)?;
         self.devices.report(&node, r.devices, r.epoch);
         Ok(Response::new(pb::ReportDevicesResponse {}))
     }
@@ -484,26 +483,16 @@ impl Service {
         self.authorize(&req, &node).await?;
         let r = req.into_inner();
         super::dra::check_claim_request(&r)?;
-        let Some(source) = &self.claims else {
-            return Err(Status::failed_precondition(
-                "this controller has no Kubernetes API (local mode): give the claim to the agent as a claim file (nodeplane dra prepare)",
-            ));
-        };
+        let source = self.claims.as_ref().ok_or(DraError::NoApi)?;
         let claim = source
             .get(&r.namespace, &r.name)
             .await
-            .map_err(|e| Status::unavailable(format!("reading ResourceClaim {}/{}: {e}", r.namespace, r.name)))?;
-        let results = match claim.as_ref().map(|c| super::dra::claim_results(c, &r.uid, &node)) {
-            Some(Ok(results)) => results,
-            other => {
-                let why = match other {
-                    Some(Err(why)) => why,
-                    _ => "the claim does not exist".to_string(),
-                };
-                tracing::info!(node = %node, claim = %format!("{}/{}", r.namespace, r.name), uid = %r.uid, reason = %why, "claim not served to the node");
-                return Err(super::dra::claim_not_found(&r.namespace, &r.name, &r.uid, &node));
+            .map_err(|source| DraError::Source { claim: format!("{}/{}", r.namespace, r.name), source })?;
+        let results = super::dra::claim_results(claim.as_ref(), &r).inspect_err(|e| {
+            if let DraError::NotServed { claim, uid, why, .. } = e {
+                tracing::info!(node = %node, claim = %claim, uid = %uid, reason = %why, "claim not served to the node");
             }
-        };
+        })?;
         Ok(Response::new(pb::GetClaimResponse { results }))
     }
 }

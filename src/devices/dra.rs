@@ -661,9 +661,7 @@ impl Service {
         check_batch(&claims)?;
         let _serial = self.lock.lock().await;
         let c = self.claims.clone();
-        tokio::task::spawn_blocking(move || claims.iter().map(|claim| (claim.uid.clone(), f(&c, claim))).collect())
-            .await
-            .map_err(|e| Status::internal(e.to_string()))
+        crate::rpc::blocking(move || claims.iter().map(|claim| (claim.uid.clone(), f(&c, claim))).collect()).await
     }
 }
 
@@ -700,11 +698,10 @@ impl pb::dra_plugin_server::DraPlugin for Service {
         }
         let _serial = self.lock.lock().await;
         let cl = self.claims.clone();
-        let out: Vec<(String, Result<Vec<PreparedDevice>, String>)> = tokio::task::spawn_blocking(move || {
+        let out: Vec<(String, Result<Vec<PreparedDevice>, String>)> = crate::rpc::blocking(move || {
             claims.iter().zip(looked).map(|(c, l)| (c.uid.clone(), cl.prepare_with(c, l))).collect()
         })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?;
+        .await?;
         let claims = out
             .into_iter()
             .map(|(uid, res)| {

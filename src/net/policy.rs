@@ -49,6 +49,36 @@ pub const SPOOF_TABLE: &str = "nodeplane-antispoof";
 /// The sysctls that make bridged traffic pass the inet hooks (the node's namespace).
 pub const BRIDGE_SYSCTLS: &[&str] = &["net.bridge.bridge-nf-call-iptables", "net.bridge.bridge-nf-call-ip6tables"];
 
+/// Why the controller's update was refused: it would not render safely, or its references
+/// do not resolve (nft would refuse the whole transaction).
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// An id that is not 1-24 letters and digits (ids name nft sets and chains).
+    #[error("id {0:?} is not 1-24 letters and digits")]
+    BadId(String),
+    /// A value of `owner` (an address, a CIDR, a protocol, a port range) that is not one.
+    #[error("{owner}: {text:?} is not {expected}")]
+    BadValue { owner: String, text: String, expected: &'static str },
+    /// `owner` names a `what` the view does not hold.
+    #[error("{owner} names {what} {id}, which the view lacks")]
+    Dangling { owner: String, what: &'static str, id: String },
+    #[error(transparent)]
+    Nft(#[from] NftError),
+}
+
+/// An nft transaction that did not run or that nft refused.
+#[derive(Debug, thiserror::Error)]
+pub enum NftError {
+    #[error("{step} nft: {source}")]
+    Io { step: &'static str, source: std::io::Error },
+    #[error("nft failed ({status}): {stderr}")]
+    Refused { status: std::process::ExitStatus, stderr: String },
+}
+
+fn nft_io(step: &'static str) -> impl FnOnce(std::io::Error) -> NftError {
+    move |source| NftError::Io { step, source }
+}
+
 /// The node's compiled policy as last applied.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct View {
@@ -79,46 +109,50 @@ fn proto_name(p: i32) -> Option<&'static str> {
 impl View {
     /// This view with `u` applied (a snapshot replaces it). Refuses what it cannot render
     /// safely (ids, addresses and CIDRs are checked, never passed on as text unchecked).
-    pub fn applied(&self, u: &pb::PolicyUpdate) -> Result<View, String> {
+    pub fn applied(&self, u: &pb::PolicyUpdate) -> Result<View, PolicyError> {
+        let bad = |owner: String, text: &str, expected| PolicyError::BadValue { owner, text: text.into(), expected };
+        let lacks = |owner: String, what, id: &str| PolicyError::Dangling { owner, what, id: id.into() };
         let mut v = if u.snapshot { View::default() } else { self.clone() };
         for s in &u.address_sets {
             check_id(&s.id)?;
             for c in &s.cidrs {
-                c.parse::<ipnetwork::IpNetwork>().map_err(|_| format!("address set {}: {c:?} is not a CIDR", s.id))?;
+                c.parse::<ipnetwork::IpNetwork>().map_err(|_| bad(format!("address set {}", s.id), c, "a CIDR"))?;
             }
             v.address_sets.insert(s.id.clone(), s.clone());
         }
         for s in &u.port_sets {
             check_id(&s.id)?;
             for t in &s.targets {
-                t.ip.parse::<IpAddr>().map_err(|_| format!("port set {}: {:?} is not an address", s.id, t.ip))?;
-                proto_name(t.protocol).ok_or_else(|| format!("port set {}: bad protocol", s.id))?;
+                let owner = || format!("port set {}", s.id);
+                t.ip.parse::<IpAddr>().map_err(|_| bad(owner(), &t.ip, "an address"))?;
+                proto_name(t.protocol).ok_or_else(|| bad(owner(), &t.protocol.to_string(), "a protocol"))?;
             }
             v.port_sets.insert(s.id.clone(), s.clone());
         }
         for p in &u.policies {
             check_id(&p.id)?;
+            let owner = || format!("policy {}", p.id);
             for r in &p.rules {
                 for peer in &r.peers {
                     match &peer.peer {
                         Some(pb::peer_match::Peer::AddressSet(id)) => check_id(id)?,
                         Some(pb::peer_match::Peer::IpBlock(b)) => {
                             let c: ipnetwork::IpNetwork =
-                                b.cidr.parse().map_err(|_| format!("ipBlock {:?}", b.cidr))?;
+                                b.cidr.parse().map_err(|_| bad(owner(), &b.cidr, "a CIDR"))?;
                             for e in &b.except {
-                                let e: ipnetwork::IpNetwork = e.parse().map_err(|_| format!("ipBlock except {e:?}"))?;
-                                if e.is_ipv4() != c.is_ipv4() {
-                                    return Err(format!("ipBlock except {e} is not of {c}'s family"));
+                                match e.parse::<ipnetwork::IpNetwork>() {
+                                    Ok(e) if e.is_ipv4() == c.is_ipv4() => {}
+                                    _ => return Err(bad(owner(), e, "a CIDR of the ipBlock's family")),
                                 }
                             }
                         }
-                        None => return Err(format!("policy {}: an empty peer", p.id)),
+                        None => return Err(bad(owner(), "", "a peer (an address set or an ipBlock)")),
                     }
                 }
                 for port in &r.ports {
-                    proto_name(port.protocol).ok_or_else(|| format!("policy {}: bad protocol", p.id))?;
+                    proto_name(port.protocol).ok_or_else(|| bad(owner(), &port.protocol.to_string(), "a protocol"))?;
                     if port.port > 65535 || port.end_port > 65535 || (port.end_port != 0 && port.end_port < port.port) {
-                        return Err(format!("policy {}: bad port range {}-{}", p.id, port.port, port.end_port));
+                        return Err(bad(owner(), &format!("{}-{}", port.port, port.end_port), "a port range"));
                     }
                 }
                 for id in &r.port_sets {
@@ -136,7 +170,7 @@ impl View {
         }
         for p in &u.pods {
             for ip in &p.ips {
-                ip.parse::<IpAddr>().map_err(|_| format!("pod {}: {ip:?} is not an address", p.key))?;
+                ip.parse::<IpAddr>().map_err(|_| bad(format!("pod {}", p.key), ip, "an address"))?;
             }
             for g in [&p.ingress_group, &p.egress_group] {
                 if !g.is_empty() {
@@ -164,7 +198,7 @@ impl View {
         for g in v.groups.values() {
             for p in &g.policies {
                 if !v.policies.contains_key(p) {
-                    return Err(format!("group {} names policy {p}, which the view lacks", g.id));
+                    return Err(lacks(format!("group {}", g.id), "policy", p));
                 }
             }
         }
@@ -174,12 +208,12 @@ impl View {
                     if let Some(pb::peer_match::Peer::AddressSet(id)) = &peer.peer
                         && !v.address_sets.contains_key(id)
                     {
-                        return Err(format!("policy {} names address set {id}, which the view lacks", p.id));
+                        return Err(lacks(format!("policy {}", p.id), "address set", id));
                     }
                 }
                 for id in &r.port_sets {
                     if !v.port_sets.contains_key(id) {
-                        return Err(format!("policy {} names port set {id}, which the view lacks", p.id));
+                        return Err(lacks(format!("policy {}", p.id), "port set", id));
                     }
                 }
             }
@@ -187,7 +221,7 @@ impl View {
         for p in v.pods.values() {
             for g in [&p.ingress_group, &p.egress_group] {
                 if !g.is_empty() && !v.groups.contains_key(g) {
-                    return Err(format!("pod {} is in group {g}, which the view lacks", p.key));
+                    return Err(lacks(format!("pod {}", p.key), "group", g));
                 }
             }
         }
@@ -195,8 +229,8 @@ impl View {
     }
 }
 
-fn check_id(id: &str) -> Result<(), String> {
-    if ok_id(id) { Ok(()) } else { Err(format!("id {id:?} is not 1-24 letters and digits")) }
+fn check_id(id: &str) -> Result<(), PolicyError> {
+    if ok_id(id) { Ok(()) } else { Err(PolicyError::BadId(id.into())) }
 }
 
 // ----- rendering -----
@@ -497,24 +531,27 @@ pub fn antispoof_elements(verb: &str, veth: &str, ips: &[IpAddr]) -> String {
 }
 
 /// Run one nft transaction (the ruleset on stdin; no shell).
-pub fn nft(script: &str) -> Result<(), String> {
+pub fn nft(script: &str) -> Result<(), NftError> {
     let mut child = Command::new("nft")
         .args(["-f", "-"])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("running nft: {e}"))?;
-    child.stdin.take().expect("piped").write_all(script.as_bytes()).map_err(|e| format!("writing to nft: {e}"))?;
-    let out = child.wait_with_output().map_err(|e| format!("nft: {e}"))?;
+        .map_err(nft_io("running"))?;
+    child.stdin.take().expect("piped").write_all(script.as_bytes()).map_err(nft_io("writing to"))?;
+    let out = child.wait_with_output().map_err(nft_io("waiting for"))?;
     if !out.status.success() {
-        return Err(format!("nft failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim()));
+        return Err(NftError::Refused {
+            status: out.status,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().into(),
+        });
     }
     Ok(())
 }
 
 /// Runs an nftables transaction (`nft`; replaced in unit tests).
-pub type Runner = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+pub type Runner = Box<dyn Fn(&str) -> Result<(), NftError> + Send + Sync>;
 
 /// The node's enforcement: the view applied so far (and its revision), the pods' veths for
 /// anti-spoofing; ADDs wait here until the controller's revision for their pod is in force.
@@ -548,7 +585,7 @@ impl Enforcer {
     /// table left by an earlier agent stays in force until the controller's snapshot
     /// replaces it (pods keep their isolation across a restart); without one, an empty one
     /// is made now, so the table is there from the start.
-    pub fn start(&self, veths: BTreeMap<String, Vec<IpAddr>>) -> Result<(), String> {
+    pub fn start(&self, veths: BTreeMap<String, Vec<IpAddr>>) -> Result<(), NftError> {
         let mut st = self.st.lock().unwrap();
         (self.run)(&render_antispoof(&veths))?;
         st.veths = veths;
@@ -557,7 +594,7 @@ impl Enforcer {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status()
-            .map_err(|e| format!("running nft: {e}"))?
+            .map_err(nft_io("running"))?
             .success();
         if !present {
             (self.run)(&render_snapshot(&View::default()))?;
@@ -566,7 +603,7 @@ impl Enforcer {
     }
 
     /// Apply one update from the controller (blocking: one nft transaction).
-    pub fn apply(&self, u: &pb::PolicyUpdate) -> Result<(), String> {
+    pub fn apply(&self, u: &pb::PolicyUpdate) -> Result<(), PolicyError> {
         let mut st = self.st.lock().unwrap();
         let new = st.view.applied(u)?;
         let script = if u.snapshot || !st.synced { render_snapshot(&new) } else { render_delta(&st.view, &new) };
@@ -602,7 +639,7 @@ impl Enforcer {
     }
 
     /// A pod's veth and addresses: allowed from then on.
-    pub fn attach(&self, veth: &str, ips: &[IpAddr]) -> Result<(), String> {
+    pub fn attach(&self, veth: &str, ips: &[IpAddr]) -> Result<(), NftError> {
         let mut st = self.st.lock().unwrap();
         (self.run)(&antispoof_elements("add", veth, ips))?;
         st.veths.insert(veth.to_string(), ips.to_vec());
@@ -766,7 +803,10 @@ mod tests {
         let f = fail_next.clone();
         let e = Enforcer::with_runner(Box::new(move |s: &str| {
             r.lock().unwrap().push(s.to_string());
-            if f.swap(false, std::sync::atomic::Ordering::SeqCst) { Err("refused".into()) } else { Ok(()) }
+            if !f.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                return Ok(());
+            }
+            Err(NftError::Io { step: "running", source: std::io::Error::other("refused") })
         }));
         assert!(!e.wait_for(1, Duration::from_millis(10)), "nothing applied yet");
         e.apply(&update()).unwrap();

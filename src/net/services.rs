@@ -536,7 +536,7 @@ impl Proxy {
         pod_cidrs: Option<&[String]>,
         ports: Vec<pb::ServicePort>,
         removed: Vec<String>,
-    ) -> Result<Applied, String> {
+    ) -> Result<Applied, crate::net::policy::NftError> {
         let started = Instant::now();
         let mut st = self.st.lock().unwrap();
         if let Some(c) = pod_cidrs {
@@ -592,7 +592,7 @@ impl Proxy {
     }
 
     /// Remove the table (Services turned off, or left to kube-proxy).
-    pub fn remove(&self) -> Result<(), String> {
+    pub fn remove(&self) -> Result<(), crate::net::policy::NftError> {
         let mut st = self.st.lock().unwrap();
         (self.run)(&format!("table inet {TABLE}\ndelete table inet {TABLE}\n"))?;
         *st = State::default();

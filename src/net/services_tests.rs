@@ -172,7 +172,11 @@ fn a_refused_change_writes_the_table_anew() {
         vec![],
         Box::new(move |s: &str| {
             *c.lock().unwrap() += 1;
-            if s.starts_with("table inet") { Ok(()) } else { Err("refused".into()) }
+            if s.starts_with("table inet") {
+                Ok(())
+            } else {
+                Err(crate::net::policy::NftError::Io { step: "running", source: std::io::Error::other("refused") })
+            }
         }),
     );
     proxy.apply(true, Some(&[]), vec![port("a/b/TCP/", "10.96.0.1", vec![])], vec![]).unwrap();

@@ -59,15 +59,36 @@ pub async fn connect(address: &str) -> Result<tonic::transport::Channel, tonic::
     }
 }
 
+/// Why a client channel could not be made. Transport errors print their causes (a refused
+/// certificate says why).
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("{0}")]
+    Address(String),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+    #[error("{}", tls::chain(.0))]
+    Transport(#[from] tonic::transport::Error),
+}
+
 /// A client channel to a controller at `unix:/path` or `host:port`, over TLS when `tls` is
 /// given (a TCP address without it is plaintext: callers refuse that unless configured
-/// `insecure`). Errors carry their causes (a refused certificate says why).
-pub async fn connect_with(address: &str, tls: Option<&tls::ClientFiles>) -> Result<tonic::transport::Channel, String> {
-    match (parse_listen(address)?, tls) {
-        (Listen::Unix(path), _) => connect_unix(&path).await.map_err(|e| tls::chain(&e)),
+/// `insecure`).
+pub async fn connect_with(
+    address: &str,
+    tls: Option<&tls::ClientFiles>,
+) -> Result<tonic::transport::Channel, ConnectError> {
+    match (parse_listen(address).map_err(ConnectError::Address)?, tls) {
+        (Listen::Unix(path), _) => Ok(connect_unix(&path).await?),
         (Listen::Tcp(addr), Some(t)) => tls::connect(addr, t).await,
-        (Listen::Tcp(_), None) => connect(address).await.map_err(|e| tls::chain(&e)),
+        (Listen::Tcp(_), None) => Ok(connect(address).await?),
     }
+}
+
+/// Run `f` on a blocking thread for a gRPC call: the one place a failed task (a panic)
+/// becomes a status (INTERNAL).
+pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, tonic::Status> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| tonic::Status::internal(format!("the call's task failed: {e}")))
 }
 
 /// A gRPC client channel over the Unix socket at `path` (the authority is a placeholder;

@@ -51,53 +51,83 @@ pub struct ClientFiles {
     pub key_file: Option<PathBuf>,
 }
 
-fn read(path: &Path, what: &str) -> Result<Vec<u8>, String> {
-    std::fs::read(path).map_err(|e| format!("reading {what} {}: {e}", path.display()))
+/// Why certificates, keys or a TLS config could not be had. `what` names the file or
+/// object (its path, or "tls.crt" of a Secret).
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("reading {what} {}: {source}", path.display())]
+    Read { what: &'static str, path: PathBuf, source: std::io::Error },
+    #[error("{what}: not PEM certificates: {source}")]
+    Pem { what: String, source: rustls::pki_types::pem::Error },
+    #[error("{0}: holds no CERTIFICATE block")]
+    NoCertificate(String),
+    #[error("{what}: no usable private key: {source}")]
+    Key { what: String, source: rustls::pki_types::pem::Error },
+    #[error("{what}: not an X.509 certificate: {source}")]
+    X509 { what: String, source: x509_parser::nom::Err<x509_parser::error::X509Error> },
+    /// A certificate rustls refuses (as a CA, or with its key), or TLS settings it refuses.
+    #[error("{what}: {source}")]
+    Rustls { what: String, source: rustls::Error },
+    #[error("client CA {}: {source}", path.display())]
+    ClientCa { path: PathBuf, source: rustls::server::VerifierBuilderError },
+    /// A client certificate that does not name a node (`system:node:<node>`).
+    #[error("the client certificate names {0:?}, not {NODE_CN_PREFIX}<node>")]
+    NotANode(Option<String>),
+    #[error("tls.certFile and tls.keyFile go together")]
+    HalfPair,
 }
 
-pub fn certs_of(pem: &[u8], what: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+fn read(path: &Path, what: &'static str) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read { what, path: path.into(), source })
+}
+
+pub fn certs_of(pem: &[u8], what: &str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let certs = CertificateDer::pem_slice_iter(pem)
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{what}: not PEM certificates: {e}"))?;
+        .map_err(|source| TlsError::Pem { what: what.into(), source })?;
     if certs.is_empty() {
-        return Err(format!("{what}: holds no CERTIFICATE block"));
+        return Err(TlsError::NoCertificate(what.into()));
     }
     Ok(certs)
 }
 
-fn key_of(pem: &[u8], what: &str) -> Result<PrivateKeyDer<'static>, String> {
-    PrivateKeyDer::from_pem_slice(pem).map_err(|e| format!("{what}: no usable private key: {e}"))
+fn key_of(pem: &[u8], what: &str) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_slice(pem).map_err(|source| TlsError::Key { what: what.into(), source })
+}
+
+fn rustls_err(what: impl Into<String>) -> impl FnOnce(rustls::Error) -> TlsError {
+    move |source| TlsError::Rustls { what: what.into(), source }
 }
 
 /// A root store of every certificate of a PEM bundle (`what` names it in errors).
-pub fn roots_of(pem: &[u8], what: &str) -> Result<rustls::RootCertStore, String> {
+pub fn roots_of(pem: &[u8], what: &str) -> Result<rustls::RootCertStore, TlsError> {
     let mut roots = rustls::RootCertStore::empty();
     for c in certs_of(pem, what)? {
-        roots.add(c).map_err(|e| format!("{what}: not a usable CA certificate: {e}"))?;
+        roots.add(c).map_err(rustls_err(format!("{what}: not a usable CA certificate")))?;
     }
     Ok(roots)
 }
 
-/// Seconds since the epoch until which the (leaf) certificate is valid.
-pub fn not_after(der: &[u8]) -> Result<i64, String> {
-    let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| format!("not an X.509 certificate: {e}"))?;
-    Ok(cert.validity().not_after.timestamp())
+fn x509<'a>(der: &'a [u8], what: &str) -> Result<x509_parser::certificate::X509Certificate<'a>, TlsError> {
+    x509_parser::parse_x509_certificate(der)
+        .map(|(_, c)| c)
+        .map_err(|source| TlsError::X509 { what: what.into(), source })
+}
+
+/// Seconds since the epoch until which the (leaf) certificate `what` is valid.
+pub fn not_after(der: &[u8], what: &str) -> Result<i64, TlsError> {
+    Ok(x509(der, what)?.validity().not_after.timestamp())
 }
 
 /// The node a client certificate names: its subject's common name `system:node:<name>`
 /// (the caller checks that the name is a valid node name).
-pub fn node_of_certificate(der: &[u8]) -> Result<String, String> {
-    let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| format!("client certificate: {e}"))?;
-    let cn = cert
-        .subject()
-        .iter_common_name()
-        .next()
-        .and_then(|cn| cn.as_str().ok())
-        .ok_or("the client certificate's subject has no common name")?;
-    let node = cn
-        .strip_prefix(NODE_CN_PREFIX)
-        .ok_or_else(|| format!("the client certificate names {cn:?}, not {NODE_CN_PREFIX}<node>"))?;
-    Ok(node.to_string())
+pub fn node_of_certificate(der: &[u8]) -> Result<String, TlsError> {
+    let cert = x509(der, "client certificate")?;
+    let cn = cert.subject().iter_common_name().next().and_then(|cn| cn.as_str().ok());
+    match cn.and_then(|cn| cn.strip_prefix(NODE_CN_PREFIX)) {
+        Some(node) => Ok(node.to_string()),
+        None => Err(TlsError::NotANode(cn.map(String::from))),
+    }
 }
 
 fn now() -> i64 {
@@ -110,34 +140,28 @@ fn server_config(
     cert: &[u8],
     key: &[u8],
     ca: Option<&[u8]>,
-) -> Result<rustls::ServerConfig, String> {
-    let certs = certs_of(cert, &files.cert_file.display().to_string())?;
+) -> Result<rustls::ServerConfig, TlsError> {
+    let cert_file = files.cert_file.display().to_string();
+    let certs = certs_of(cert, &cert_file)?;
     let key = key_of(key, &files.key_file.display().to_string())?;
-    match not_after(&certs[0]) {
-        Ok(t) if t < now() => tracing::error!(
-            cert = %files.cert_file.display(),
-            "the serving certificate has expired: agents will refuse it until it is renewed"
-        ),
-        Ok(_) => {}
-        Err(e) => return Err(format!("{}: {e}", files.cert_file.display())),
+    if not_after(&certs[0], &cert_file)? < now() {
+        tracing::error!(cert = %cert_file, "the serving certificate has expired: agents will refuse it until it is renewed");
     }
     let builder = rustls::ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| format!("TLS versions: {e}"))?;
+        .map_err(rustls_err("TLS versions"))?;
     let builder = match (ca, &files.client_ca_file) {
         (Some(ca), Some(path)) => {
             let roots = roots_of(ca, &path.display().to_string())?;
             let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
                 .allow_unauthenticated()
                 .build()
-                .map_err(|e| format!("client CA {}: {e}", path.display()))?;
+                .map_err(|source| TlsError::ClientCa { path: path.clone(), source })?;
             builder.with_client_cert_verifier(verifier)
         }
         _ => builder.with_no_client_auth(),
     };
-    builder
-        .with_single_cert(certs, key)
-        .map_err(|e| format!("{} with {}: {e}", files.cert_file.display(), files.key_file.display()))
+    builder.with_single_cert(certs, key).map_err(rustls_err(format!("{cert_file} with {}", files.key_file.display())))
 }
 
 /// The configs made from one reading of the files: gRPC (ALPN `h2`) and the health
@@ -156,12 +180,12 @@ pub struct Acceptor {
 
 impl Acceptor {
     /// Load the files (an error if they do not make a usable config).
-    pub fn load(files: ServerFiles) -> Result<Arc<Acceptor>, String> {
+    pub fn load(files: ServerFiles) -> Result<Arc<Acceptor>, TlsError> {
         let configs = Self::read(&files)?;
         Ok(Arc::new(Acceptor { files, current: RwLock::new(configs) }))
     }
 
-    fn read(files: &ServerFiles) -> Result<Configs, String> {
+    fn read(files: &ServerFiles) -> Result<Configs, TlsError> {
         let cert = read(&files.cert_file, "certificate")?;
         let key = read(&files.key_file, "key")?;
         let ca = files.client_ca_file.as_deref().map(|p| read(p, "client CA")).transpose()?;
@@ -193,7 +217,7 @@ impl Acceptor {
     }
 
     /// Re-read the files: Ok(true) if a changed pair is now in use.
-    pub fn reload(&self) -> Result<bool, String> {
+    pub fn reload(&self) -> Result<bool, TlsError> {
         let configs = Self::read(&self.files)?;
         let mut cur = self.current.write().expect("TLS config lock");
         if cur.digest == configs.digest {
@@ -298,7 +322,10 @@ pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
 }
 
 /// A channel to `addr` over TLS as `tls` says.
-pub async fn connect(addr: std::net::SocketAddr, tls: &ClientFiles) -> Result<tonic::transport::Channel, String> {
+pub async fn connect(
+    addr: std::net::SocketAddr,
+    tls: &ClientFiles,
+) -> Result<tonic::transport::Channel, super::ConnectError> {
     let ca = read(&tls.ca_file, "CA bundle")?;
     certs_of(&ca, &tls.ca_file.display().to_string())?;
     let name = tls.server_name.clone().unwrap_or_else(|| addr.ip().to_string());
@@ -311,16 +338,10 @@ pub async fn connect(addr: std::net::SocketAddr, tls: &ClientFiles) -> Result<to
                 .identity(tonic::transport::Identity::from_pem(read(c, "client certificate")?, read(k, "client key")?));
         }
         (None, None) => {}
-        _ => return Err("tls.certFile and tls.keyFile go together".into()),
+        _ => return Err(TlsError::HalfPair.into()),
     }
-    tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
-        .map_err(|e| chain(&e))?
-        .tls_config(cfg)
-        .map_err(|e| chain(&e))?
-        .connect_timeout(Duration::from_secs(3))
-        .connect()
-        .await
-        .map_err(|e| chain(&e))
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))?.tls_config(cfg)?;
+    Ok(endpoint.connect_timeout(Duration::from_secs(3)).connect().await?)
 }
 
 #[cfg(test)]
@@ -335,8 +356,8 @@ mod tests {
         assert_eq!(node_of_certificate(&der[0]).unwrap(), "node-a");
         let (cert, _) = ca.issue_client("admin", 1).unwrap();
         let der = certs_of(cert.as_bytes(), "c").unwrap();
-        assert!(node_of_certificate(&der[0]).unwrap_err().contains("not system:node:<node>"));
-        assert!(certs_of(b"nothing", "x").unwrap_err().contains("no CERTIFICATE"));
+        assert!(node_of_certificate(&der[0]).unwrap_err().to_string().contains("not system:node:<node>"));
+        assert!(certs_of(b"nothing", "x").unwrap_err().to_string().contains("no CERTIFICATE"));
     }
 
     #[test]

@@ -48,15 +48,14 @@ async fn run<T: Send + 'static>(
         return Err(Status::unavailable("the node plugin is still initialising"));
     }
     let svc = svc.clone();
-    tokio::task::spawn_blocking(move || {
+    crate::rpc::blocking(move || {
         let _g = match &id {
             Some(id) => Some(svc.guard(id).map_err(Status::from)?),
             None => None,
         };
         f(&svc)
     })
-    .await
-    .map_err(|e| Status::internal(e.to_string()))?
+    .await?
     .map(Response::new)
 }
 

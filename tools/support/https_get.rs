@@ -43,7 +43,7 @@ pub fn get(port: u16, path: &str, mode: Mode) -> Result<(u16, String), String> {
         Mode::Plain => None,
         Mode::Verified { ca, name, alpn } => {
             let pem = std::fs::read(ca).map_err(|e| format!("{}: {e}", ca.display()))?;
-            let roots = nodeplane::rpc::tls::roots_of(&pem, "CA bundle")?;
+            let roots = nodeplane::rpc::tls::roots_of(&pem, "CA bundle").map_err(|e| e.to_string())?;
             let mut cfg = builder.with_root_certificates(roots).with_no_client_auth();
             cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
             Some((cfg, name))

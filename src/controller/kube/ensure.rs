@@ -21,12 +21,12 @@ pub enum Outcome {
 /// Read `name`; when missing create `fresh()`; when present, `fix(existing)` says whether it
 /// must change (Some(the object to write), replaced at the resourceVersion read) or is
 /// usable as it is (None). Returns the object as stored, and what was done.
-pub async fn ensure<K>(
+pub async fn ensure<K, E: std::fmt::Display>(
     api: &Api<K>,
     what: &str,
     name: &str,
-    fresh: impl Fn() -> Result<K, String>,
-    fix: impl Fn(&K) -> Result<Option<K>, String>,
+    fresh: impl Fn() -> Result<K, E>,
+    fix: impl Fn(&K) -> Result<Option<K>, E>,
 ) -> Result<(K, Outcome), String>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
@@ -34,14 +34,16 @@ where
     for _ in 0..ATTEMPTS {
         match api.get_opt(name).await.map_err(|e| format!("reading {what}: {e}"))? {
             Some(existing) => {
-                let Some(changed) = fix(&existing)? else { return Ok((existing, Outcome::Found)) };
+                let Some(changed) = fix(&existing).map_err(|e| e.to_string())? else {
+                    return Ok((existing, Outcome::Found));
+                };
                 match api.replace(name, &super::post_params(), &changed).await {
                     Ok(stored) => return Ok((stored, Outcome::Updated)),
                     Err(e) if super::is_conflict(&e) => continue,
                     Err(e) => return Err(format!("updating {what}: {e}")),
                 }
             }
-            None => match api.create(&super::post_params(), &fresh()?).await {
+            None => match api.create(&super::post_params(), &fresh().map_err(|e| e.to_string())?).await {
                 Ok(stored) => return Ok((stored, Outcome::Created)),
                 // Another controller made it first: use (and judge) that one.
                 Err(e) if super::is_already_exists(&e) => continue,

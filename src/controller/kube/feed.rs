@@ -15,7 +15,7 @@ pub trait Feed<B>:
     Clone + std::fmt::Debug + DeserializeOwned + kube::Resource<DynamicType = ()> + Send + Sync + 'static
 {
     const KIND: &'static str;
-    fn set(book: &B, o: &Self) -> Result<(), String>;
+    fn set(book: &B, o: &Self) -> Result<(), crate::controller::policy::model::ObjectError>;
     fn remove(book: &B, o: &Self);
     fn replace(book: &B, all: &[Self]);
 }

@@ -13,6 +13,7 @@ use kube::Api;
 
 use super::feed::{Feed, Listed, follow_kind};
 use crate::controller::policy::PolicyBook;
+use crate::controller::policy::model::ObjectError;
 
 fn key_of(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> (String, String) {
     (m.namespace.clone().unwrap_or_default(), m.name.clone().unwrap_or_default())
@@ -20,7 +21,7 @@ fn key_of(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> (St
 
 impl Feed<PolicyBook> for Namespace {
     const KIND: &'static str = "Namespace";
-    fn set(book: &PolicyBook, o: &Self) -> Result<(), String> {
+    fn set(book: &PolicyBook, o: &Self) -> Result<(), ObjectError> {
         book.set_namespace(o)
     }
     fn remove(book: &PolicyBook, o: &Self) {
@@ -33,7 +34,7 @@ impl Feed<PolicyBook> for Namespace {
 
 impl Feed<PolicyBook> for Pod {
     const KIND: &'static str = "Pod";
-    fn set(book: &PolicyBook, o: &Self) -> Result<(), String> {
+    fn set(book: &PolicyBook, o: &Self) -> Result<(), ObjectError> {
         book.set_pod(o)
     }
     fn remove(book: &PolicyBook, o: &Self) {
@@ -46,7 +47,7 @@ impl Feed<PolicyBook> for Pod {
 
 impl Feed<PolicyBook> for NetworkPolicy {
     const KIND: &'static str = "NetworkPolicy";
-    fn set(book: &PolicyBook, o: &Self) -> Result<(), String> {
+    fn set(book: &PolicyBook, o: &Self) -> Result<(), ObjectError> {
         book.set_policy(o)
     }
     fn remove(book: &PolicyBook, o: &Self) {

@@ -8,6 +8,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
 
 use super::feed::{Feed, Listed, follow_kind};
+use crate::controller::policy::model::ObjectError;
 use crate::controller::services::{Key, ServiceBook};
 
 fn key_of(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Key {
@@ -16,7 +17,7 @@ fn key_of(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Key
 
 impl Feed<ServiceBook> for Service {
     const KIND: &'static str = "Service";
-    fn set(book: &ServiceBook, o: &Self) -> Result<(), String> {
+    fn set(book: &ServiceBook, o: &Self) -> Result<(), ObjectError> {
         book.set_service(o)
     }
     fn remove(book: &ServiceBook, o: &Self) {
@@ -29,7 +30,7 @@ impl Feed<ServiceBook> for Service {
 
 impl Feed<ServiceBook> for EndpointSlice {
     const KIND: &'static str = "EndpointSlice";
-    fn set(book: &ServiceBook, o: &Self) -> Result<(), String> {
+    fn set(book: &ServiceBook, o: &Self) -> Result<(), ObjectError> {
         book.set_slice(o)
     }
     fn remove(book: &ServiceBook, o: &Self) {

@@ -7,7 +7,7 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
 use kube::core::ApiResource;
 use serde_json::Value;
 
-use crate::controller::dra::{API_GROUP, ClaimSource, SliceSink};
+use crate::controller::dra::{API_GROUP, ClaimSource, SinkError, SliceSink};
 
 fn resource(kind: &str, plural: &str) -> ApiResource {
     ApiResource {
@@ -19,22 +19,22 @@ fn resource(kind: &str, plural: &str) -> ApiResource {
     }
 }
 
-fn to_value(o: DynamicObject) -> Result<Value, String> {
-    serde_json::to_value(o).map_err(|e| e.to_string())
+fn to_value(o: DynamicObject) -> Result<Value, SinkError> {
+    Ok(serde_json::to_value(o)?)
 }
 
-fn to_object(v: Value) -> Result<DynamicObject, String> {
-    serde_json::from_value(v).map_err(|e| e.to_string())
+fn to_object(v: Value) -> Result<DynamicObject, SinkError> {
+    Ok(serde_json::from_value(v)?)
 }
 
-fn api_error(e: kube::Error) -> String {
-    match super::api_status(&e) {
+fn api_error(e: kube::Error) -> SinkError {
+    SinkError::Api(match super::api_status(&e) {
         Some(s) if s.code == 404 => {
             format!("{} (is resource.k8s.io/v1 served? It needs Kubernetes 1.34 or later)", s.message)
         }
         Some(s) => format!("{} ({})", s.message, s.code),
         None => e.to_string(),
-    }
+    })
 }
 
 pub struct KubeSlices {
@@ -74,12 +74,12 @@ impl KubeSlices {
 
 #[tonic::async_trait]
 impl SliceSink for KubeSlices {
-    async fn list(&self) -> Result<Vec<Value>, String> {
+    async fn list(&self) -> Result<Vec<Value>, SinkError> {
         let lp = ListParams::default().labels(&format!("{}={}", super::MANAGED_BY.0, super::MANAGED_BY.1));
         let (items, _) = super::list_all(&self.api, &lp).await.map_err(api_error)?;
         items.into_iter().map(to_value).collect()
     }
-    async fn create(&self, obj: Value) -> Result<Value, String> {
+    async fn create(&self, obj: Value) -> Result<Value, SinkError> {
         let mut o = self.owned(to_object(obj)?).await;
         match self.api.create(&super::post_params(), &o).await {
             Ok(made) => to_value(made),
@@ -94,12 +94,12 @@ impl SliceSink for KubeSlices {
             Err(e) => Err(api_error(e)),
         }
     }
-    async fn replace(&self, obj: Value) -> Result<Value, String> {
+    async fn replace(&self, obj: Value) -> Result<Value, SinkError> {
         let o = self.owned(to_object(obj)?).await;
         let name = o.metadata.name.clone().unwrap_or_default();
         to_value(self.api.replace(&name, &super::post_params(), &o).await.map_err(api_error)?)
     }
-    async fn delete(&self, name: &str) -> Result<(), String> {
+    async fn delete(&self, name: &str) -> Result<(), SinkError> {
         match self.api.delete(name, &DeleteParams::default()).await {
             Ok(_) => Ok(()),
             Err(e) if super::is_not_found(&e) => Ok(()),
@@ -124,7 +124,7 @@ impl KubeClaims {
 
 #[tonic::async_trait]
 impl ClaimSource for KubeClaims {
-    async fn get(&self, namespace: &str, name: &str) -> Result<Option<Value>, String> {
+    async fn get(&self, namespace: &str, name: &str) -> Result<Option<Value>, SinkError> {
         let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), namespace, &self.res);
         match api.get_opt(name).await.map_err(api_error)? {
             Some(o) => Ok(Some(to_value(o)?)),

@@ -16,7 +16,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::Api;
 
 use super::ensure::Outcome;
-use crate::controller::certs::{CA_CERT, CA_KEY, Ca, TLS_CERT, TLS_KEY};
+use crate::controller::certs::{CA_CERT, CA_KEY, Ca, CertError, TLS_CERT, TLS_KEY};
 use crate::controller::config::Bootstrap;
 use crate::rpc::tls::ServerFiles;
 
@@ -53,7 +53,10 @@ fn serving_ok(cert_pem: &str, dns_names: &[String]) -> bool {
 }
 
 /// The Secret's data with a usable serving pair: (data, changed?).
-fn complete(data: BTreeMap<String, ByteString>, b: &Bootstrap) -> Result<(BTreeMap<String, ByteString>, bool), String> {
+fn complete(
+    data: BTreeMap<String, ByteString>,
+    b: &Bootstrap,
+) -> Result<(BTreeMap<String, ByteString>, bool), CertError> {
     if let (Some(c), Some(_), Some(_)) = (text(&data, TLS_CERT), text(&data, TLS_KEY), text(&data, CA_CERT))
         && serving_ok(&c, &b.dns_names)
     {
@@ -73,7 +76,7 @@ fn complete(data: BTreeMap<String, ByteString>, b: &Bootstrap) -> Result<(BTreeM
 }
 
 /// Make (or read) the Secret, write the serving pair to `files`, publish the CA.
-pub async fn bootstrap(client: kube::Client, b: &Bootstrap, files: &ServerFiles) -> Result<(), String> {
+pub async fn bootstrap(client: kube::Client, b: &Bootstrap, files: &ServerFiles) -> Result<(), CertError> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &b.namespace);
     let what = format!("Secret {}/{}", b.namespace, b.secret_name);
     let fresh = || {
@@ -84,11 +87,12 @@ pub async fn bootstrap(client: kube::Client, b: &Bootstrap, files: &ServerFiles)
             ..Default::default()
         })
     };
-    let fix = |s: &Secret| -> Result<Option<Secret>, String> {
+    let fix = |s: &Secret| -> Result<Option<Secret>, CertError> {
         let (d, changed) = complete(s.data.clone().unwrap_or_default(), b)?;
         Ok(changed.then(|| Secret { data: Some(d), ..s.clone() }))
     };
-    let (s, outcome) = super::ensure::ensure(&secrets, &what, &b.secret_name, fresh, fix).await?;
+    let (s, outcome) =
+        super::ensure::ensure(&secrets, &what, &b.secret_name, fresh, fix).await.map_err(CertError::Kube)?;
     match outcome {
         Outcome::Created => {
             tracing::info!(secret = %what, names = ?b.dns_names, "CA and serving certificate generated")
@@ -97,14 +101,14 @@ pub async fn bootstrap(client: kube::Client, b: &Bootstrap, files: &ServerFiles)
         Outcome::Found => {}
     }
     let data = s.data.unwrap_or_default();
-    let get = |k: &str| text(&data, k).ok_or_else(|| format!("{what}: no {k}"));
+    let get = |key| text(&data, key).ok_or_else(|| CertError::Missing { object: what.clone(), key });
     let (cert, key, ca) = (get(TLS_CERT)?, get(TLS_KEY)?, get(CA_CERT)?);
     crate::controller::certs::write_pair(&files.cert_file, &files.key_file, &cert, &key)?;
     publish_ca(client, b, &ca).await
 }
 
 /// The ConfigMap holding `ca.crt`, created or brought up to date.
-async fn publish_ca(client: kube::Client, b: &Bootstrap, ca: &str) -> Result<(), String> {
+async fn publish_ca(client: kube::Client, b: &Bootstrap, ca: &str) -> Result<(), CertError> {
     let maps: Api<ConfigMap> = Api::namespaced(client, &b.namespace);
     let what = format!("ConfigMap {}/{}", b.namespace, b.ca_config_map_name);
     let fresh = || {
@@ -114,7 +118,7 @@ async fn publish_ca(client: kube::Client, b: &Bootstrap, ca: &str) -> Result<(),
             ..Default::default()
         })
     };
-    let fix = |m: &ConfigMap| -> Result<Option<ConfigMap>, String> {
+    let fix = |m: &ConfigMap| -> Result<Option<ConfigMap>, CertError> {
         if m.data.as_ref().and_then(|d| d.get(CA_CERT)).map(String::as_str) == Some(ca) {
             return Ok(None);
         }
@@ -122,7 +126,7 @@ async fn publish_ca(client: kube::Client, b: &Bootstrap, ca: &str) -> Result<(),
         m.data.get_or_insert_with(BTreeMap::new).insert(CA_CERT.into(), ca.to_string());
         Ok(Some(m))
     };
-    match super::ensure::ensure(&maps, &what, &b.ca_config_map_name, fresh, fix).await?.1 {
+    match super::ensure::ensure(&maps, &what, &b.ca_config_map_name, fresh, fix).await.map_err(CertError::Kube)?.1 {
         Outcome::Created => tracing::info!(configmap = %what, "CA bundle published"),
         Outcome::Updated => tracing::info!(configmap = %what, "CA bundle updated"),
         Outcome::Found => {}

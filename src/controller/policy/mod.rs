@@ -20,7 +20,7 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 use compile::NodeView;
-use model::{Attached, Key, Objects};
+use model::{Attached, Key, ObjectError, Objects};
 
 /// A node's current view and the revision at which it last changed.
 #[derive(Debug, Clone, Default)]
@@ -61,7 +61,7 @@ struct Stored {
 
 impl PolicyBook {
     /// `file`: local mode's store of applied objects (loaded now); `None` in Kubernetes mode.
-    pub fn new(file: Option<PathBuf>) -> Result<Arc<Self>, String> {
+    pub fn new(file: Option<PathBuf>) -> Result<Arc<Self>, ObjectError> {
         let (changed, _) = tokio::sync::watch::channel(0);
         let (complete, _) = tokio::sync::watch::channel(file.is_some());
         let book = PolicyBook {
@@ -71,23 +71,17 @@ impl PolicyBook {
             file,
             compile_seconds: crate::obs::metrics::step_histogram(),
         };
-        if let Some(f) = &book.file {
-            match std::fs::read(f) {
-                Ok(b) => {
-                    let stored: Stored = serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", f.display()))?;
-                    let mut st = book.state.lock().unwrap();
-                    for n in &stored.namespaces {
-                        st.objects.set_namespace(n)?;
-                    }
-                    for p in &stored.pods {
-                        st.objects.set_pod(p)?;
-                    }
-                    for p in &stored.policies {
-                        st.objects.set_policy(p)?;
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(format!("{}: {e}", f.display())),
+        if book.file.is_some() {
+            let stored = book.stored("apply")?;
+            let mut st = book.state.lock().unwrap();
+            for n in &stored.namespaces {
+                st.objects.set_namespace(n)?;
+            }
+            for p in &stored.pods {
+                st.objects.set_pod(p)?;
+            }
+            for p in &stored.policies {
+                st.objects.set_policy(p)?;
             }
         }
         Ok(Arc::new(book))
@@ -177,7 +171,7 @@ impl PolicyBook {
 
     // ----- the objects (Kubernetes watches, or local mode) -----
 
-    pub fn set_namespace(&self, ns: &Namespace) -> Result<(), String> {
+    pub fn set_namespace(&self, ns: &Namespace) -> Result<(), ObjectError> {
         self.change(|o| o.set_namespace(ns).map(|_| ()))
     }
 
@@ -187,7 +181,7 @@ impl PolicyBook {
         });
     }
 
-    pub fn set_pod(&self, pod: &Pod) -> Result<(), String> {
+    pub fn set_pod(&self, pod: &Pod) -> Result<(), ObjectError> {
         self.change(|o| o.set_pod(pod).map(|_| ()))
     }
 
@@ -197,7 +191,7 @@ impl PolicyBook {
         });
     }
 
-    pub fn set_policy(&self, p: &NetworkPolicy) -> Result<(), String> {
+    pub fn set_policy(&self, p: &NetworkPolicy) -> Result<(), ObjectError> {
         self.change(|o| o.set_policy(p).map(|_| ()))
     }
 
@@ -240,9 +234,9 @@ impl PolicyBook {
 
     /// Local mode: apply objects given as JSON (one object, a `List`, or several documents).
     /// All are checked before any is applied. Returns "Kind namespace/name" of each.
-    pub fn apply_json(&self, json: &str) -> Result<Vec<String>, String> {
+    pub fn apply_json(&self, json: &str) -> Result<Vec<String>, ObjectError> {
+        let mut stored = self.stored("apply")?;
         let objects = parse_objects(json)?;
-        let mut stored = self.stored()?;
         let mut applied = Vec::new();
         let mut staged = self.state.lock().unwrap().objects.clone();
         for obj in &objects {
@@ -258,9 +252,9 @@ impl PolicyBook {
     }
 
     /// Local mode: delete the objects named (kind, namespace, name) in `json`.
-    pub fn delete_json(&self, json: &str) -> Result<Vec<String>, String> {
+    pub fn delete_json(&self, json: &str) -> Result<Vec<String>, ObjectError> {
+        let mut stored = self.stored("delete")?;
         let objects = parse_objects(json)?;
-        let mut stored = self.stored()?;
         let mut staged = self.state.lock().unwrap().objects.clone();
         let mut deleted = Vec::new();
         for obj in &objects {
@@ -276,8 +270,8 @@ impl PolicyBook {
     }
 
     /// Every applied object (local mode), as a JSON List.
-    pub fn list_json(&self) -> Result<String, String> {
-        let s = self.stored()?;
+    pub fn list_json(&self) -> Result<String, ObjectError> {
+        let s = self.stored("list")?;
         let mut items: Vec<serde_json::Value> = Vec::new();
         let with_kind = |kind: &str, v: serde_json::Value, api: &str| {
             let mut v = v;
@@ -294,25 +288,26 @@ impl PolicyBook {
         for p in &s.policies {
             items.push(with_kind("NetworkPolicy", serde_json::to_value(p).unwrap_or_default(), "networking.k8s.io/v1"));
         }
-        serde_json::to_string_pretty(&serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items}))
-            .map_err(|e| e.to_string())
+        let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
+        Ok(serde_json::to_string_pretty(&list).expect("JSON values serialise"))
     }
 
-    fn stored(&self) -> Result<Stored, String> {
-        let Some(f) = &self.file else {
-            return Err("objects come from the Kubernetes API here (apply them with kubectl)".into());
-        };
+    /// The objects applied (local mode; in Kubernetes mode an error says to `verb` with kubectl).
+    fn stored(&self, verb: &'static str) -> Result<Stored, ObjectError> {
+        let what = "NetworkPolicies, Pods and Namespaces";
+        let f = self.file.as_ref().ok_or(ObjectError::NotLocal { what, verb })?;
+        let file = |source| ObjectError::File { path: f.clone(), source };
         match std::fs::read(f) {
-            Ok(b) => serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", f.display())),
+            Ok(b) => serde_json::from_slice(&b).map_err(|e| file(e.into())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Stored::default()),
-            Err(e) => Err(format!("{}: {e}", f.display())),
+            Err(e) => Err(file(e)),
         }
     }
 
-    fn save(&self, s: &Stored) -> Result<(), String> {
-        let f = self.file.as_ref().ok_or("no local object store")?;
-        let body = serde_json::to_vec_pretty(s).map_err(|e| e.to_string())?;
-        crate::sys::fs::atomic_write(f, &body, 0o600).map_err(|e| format!("writing {}: {e}", f.display()))
+    fn save(&self, s: &Stored) -> Result<(), ObjectError> {
+        let f = self.file.as_ref().expect("stored() was read first");
+        let body = serde_json::to_vec_pretty(s).expect("objects serialise");
+        crate::sys::fs::atomic_write(f, &body, 0o600).map_err(|source| ObjectError::File { path: f.clone(), source })
     }
 
     /// How many objects of each kind and attached pods (for metrics and status).
@@ -324,29 +319,29 @@ impl PolicyBook {
 
 /// The objects in a JSON text: one object, a List, or several documents one after another.
 /// Objects given as JSON: one object, a List, or several documents.
-pub(crate) fn parse_objects(json: &str) -> Result<Vec<serde_json::Value>, String> {
+pub(crate) fn parse_objects(json: &str) -> Result<Vec<serde_json::Value>, ObjectError> {
     let mut out = Vec::new();
     for doc in serde_json::Deserializer::from_str(json).into_iter::<serde_json::Value>() {
-        let v = doc.map_err(|e| format!("not JSON: {e}"))?;
+        let v = doc.map_err(ObjectError::NotJson)?;
         match v.get("kind").and_then(|k| k.as_str()) {
             Some("List") => out.extend(v.get("items").and_then(|i| i.as_array()).cloned().unwrap_or_default()),
             _ => out.push(v),
         }
     }
     if out.is_empty() {
-        return Err("no objects given".into());
+        return Err(ObjectError::NoObjects);
     }
     Ok(out)
 }
 
 /// Apply (or delete) one object in `o` and in `stored`.
-fn stage(o: &mut Objects, stored: &mut Stored, obj: &serde_json::Value, apply: bool) -> Result<String, String> {
+fn stage(o: &mut Objects, stored: &mut Stored, obj: &serde_json::Value, apply: bool) -> Result<String, ObjectError> {
     let kind = obj.get("kind").and_then(|k| k.as_str()).unwrap_or("");
-    let bad = |e: serde_json::Error| format!("a {kind}: {e}");
+    let bad = |source| ObjectError::Decode { kind: kind.into(), source };
     match kind {
         "Namespace" => {
             let n: Namespace = serde_json::from_value(obj.clone()).map_err(bad)?;
-            let name = n.metadata.name.clone().ok_or("a Namespace without metadata.name")?;
+            let name = n.metadata.name.clone().ok_or(ObjectError::NoName("Namespace"))?;
             stored.namespaces.retain(|x| x.metadata.name.as_deref() != Some(&name));
             if apply {
                 o.set_namespace(&n)?;
@@ -380,6 +375,6 @@ fn stage(o: &mut Objects, stored: &mut Stored, obj: &serde_json::Value, apply: b
             }
             Ok(format!("NetworkPolicy {}", model::key_text(&key)))
         }
-        other => Err(format!("kind {other:?} is not Namespace, Pod or NetworkPolicy")),
+        other => Err(ObjectError::Kind(other.into(), "Namespace, Pod or NetworkPolicy")),
     }
 }

@@ -21,6 +21,32 @@ pub fn key_text(k: &Key) -> String {
     format!("{}/{}", k.0, k.1)
 }
 
+/// Why objects were refused, or could not be kept (local mode). Objects of the Services
+/// book are refused with the same.
+#[derive(Debug, thiserror::Error)]
+pub enum ObjectError {
+    #[error("a {0} without metadata.name")]
+    NoName(&'static str),
+    /// A NetworkPolicy the API server would have refused, and why.
+    #[error("NetworkPolicy {key}: {reason}")]
+    Invalid { key: String, reason: String },
+    #[error("not JSON: {0}")]
+    NotJson(serde_json::Error),
+    #[error("no objects given")]
+    NoObjects,
+    #[error("a {kind}: {source}")]
+    Decode { kind: String, source: serde_json::Error },
+    #[error("kind {0:?} is not {1}")]
+    Kind(String, &'static str),
+    /// Kubernetes mode: `what` come from the API (`verb` them with kubectl).
+    #[error("this controller reads {what} from the Kubernetes API: {verb} them with kubectl")]
+    NotLocal { what: &'static str, verb: &'static str },
+    #[error("{}: {source}", path.display())]
+    File { path: std::path::PathBuf, source: std::io::Error },
+    #[error("object store: {0}")]
+    Store(#[from] redb::Error),
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Protocol {
     Tcp,
@@ -30,12 +56,12 @@ pub enum Protocol {
 
 impl Protocol {
     /// `protocol` of a NetworkPolicyPort or a ContainerPort: TCP when absent.
-    pub fn parse(p: Option<&str>) -> Result<Self, String> {
+    pub fn parse(p: Option<&str>) -> Option<Self> {
         match p.unwrap_or("TCP") {
-            "TCP" => Ok(Protocol::Tcp),
-            "UDP" => Ok(Protocol::Udp),
-            "SCTP" => Ok(Protocol::Sctp),
-            other => Err(format!("protocol {other:?} is not TCP, UDP or SCTP")),
+            "TCP" => Some(Protocol::Tcp),
+            "UDP" => Some(Protocol::Udp),
+            "SCTP" => Some(Protocol::Sctp),
+            _ => None,
         }
     }
 }
@@ -62,7 +88,7 @@ impl PodInfo {
         let containers = pod.spec.iter().flat_map(|s| s.containers.iter().chain(s.init_containers.iter().flatten()));
         for c in containers {
             for p in c.ports.iter().flatten() {
-                let (Some(name), Ok(protocol), Ok(port)) =
+                let (Some(name), Some(protocol), Ok(port)) =
                     (&p.name, Protocol::parse(p.protocol.as_deref()), u16::try_from(p.container_port))
                 else {
                     continue;
@@ -104,37 +130,41 @@ impl Objects {
         l
     }
 
-    pub fn set_namespace(&mut self, ns: &Namespace) -> Result<String, String> {
-        let name = ns.metadata.name.clone().ok_or("a Namespace without metadata.name")?;
+    pub fn set_namespace(&mut self, ns: &Namespace) -> Result<String, ObjectError> {
+        let name = ns.metadata.name.clone().ok_or(ObjectError::NoName("Namespace"))?;
         let mut labels = ns.metadata.labels.clone().unwrap_or_default();
         labels.insert(NAMESPACE_NAME_LABEL.to_string(), name.clone());
         self.namespaces.insert(name.clone(), labels);
         Ok(name)
     }
 
-    pub fn set_pod(&mut self, pod: &Pod) -> Result<Key, String> {
+    pub fn set_pod(&mut self, pod: &Pod) -> Result<Key, ObjectError> {
         let key = object_key(&pod.metadata, "Pod")?;
         self.pods.insert(key.clone(), PodInfo::of(pod));
         Ok(key)
     }
 
-    pub fn set_policy(&mut self, p: &NetworkPolicy) -> Result<Key, String> {
+    pub fn set_policy(&mut self, p: &NetworkPolicy) -> Result<Key, ObjectError> {
         let key = object_key(&p.metadata, "NetworkPolicy")?;
         let spec = p.spec.clone().unwrap_or_default();
-        validate_spec(&spec).map_err(|e| format!("NetworkPolicy {}: {e}", key_text(&key)))?;
+        validate_spec(&spec).map_err(|reason| ObjectError::Invalid { key: key_text(&key), reason })?;
         self.policies.insert(key.clone(), spec);
         Ok(key)
     }
 }
 
-pub fn object_key(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta, kind: &str) -> Result<Key, String> {
-    let name = m.name.clone().ok_or_else(|| format!("a {kind} without metadata.name"))?;
+pub fn object_key(
+    m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    kind: &'static str,
+) -> Result<Key, ObjectError> {
+    let name = m.name.clone().ok_or(ObjectError::NoName(kind))?;
     let ns = m.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".to_string());
     Ok((ns, name))
 }
 
-/// What the API server's validation guarantees, checked again for objects applied locally.
-pub fn validate_spec(spec: &NetworkPolicySpec) -> Result<(), String> {
+/// What the API server's validation guarantees, checked again for objects applied locally:
+/// Err says what is wrong.
+fn validate_spec(spec: &NetworkPolicySpec) -> Result<(), String> {
     for t in spec.policy_types.iter().flatten() {
         if t != "Ingress" && t != "Egress" {
             return Err(format!("policyTypes entry {t:?} is neither Ingress nor Egress"));
@@ -171,7 +201,9 @@ pub fn validate_spec(spec: &NetworkPolicySpec) -> Result<(), String> {
             }
         }
         for port in ports.into_iter().flatten() {
-            Protocol::parse(port.protocol.as_deref())?;
+            if Protocol::parse(port.protocol.as_deref()).is_none() {
+                return Err(format!("protocol {:?} is not TCP, UDP or SCTP", port.protocol.as_deref().unwrap_or("")));
+            }
             use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
             match (&port.port, port.end_port) {
                 (Some(IntOrString::Int(n)), end) => {

@@ -17,9 +17,22 @@ pub struct Service {
     pub book: Arc<PolicyBook>,
     /// Who may call (the same credentials as the registry's).
     pub registry: Arc<crate::controller::server::Service>,
-    /// Local mode: objects are applied through this service; in Kubernetes mode they come
-    /// from the API.
-    pub local: bool,
+}
+
+/// The one mapping of the object books' errors (this service's and the Services service's)
+/// to gRPC codes.
+impl From<super::model::ObjectError> for Status {
+    fn from(e: super::model::ObjectError) -> Status {
+        use super::model::ObjectError::*;
+        let m = e.to_string();
+        match e {
+            NotLocal { .. } => Status::failed_precondition(m),
+            File { .. } | Store(_) => Status::internal(m),
+            NoName(_) | Invalid { .. } | NotJson(_) | NoObjects | Decode { .. } | Kind(..) => {
+                Status::invalid_argument(m)
+            }
+        }
+    }
 }
 
 type PolicyStream = Pin<Box<dyn Stream<Item = Result<pb::PolicyUpdate, Status>> + Send>>;
@@ -121,9 +134,7 @@ impl NetworkPolicies for Service {
             ));
         }
         let book = self.book.clone();
-        let (revision, isolated) = tokio::task::spawn_blocking(move || book.pod_started(&node, key, ips))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?;
+        let (revision, isolated) = crate::rpc::blocking(move || book.pod_started(&node, key, ips)).await?;
         Ok(Response::new(pb::PodStartedResponse { revision, isolated }))
     }
 
@@ -135,9 +146,7 @@ impl NetworkPolicies for Service {
         self.node(&req, &node).await?;
         let p = req.into_inner().pod.ok_or_else(|| Status::invalid_argument("pod is required"))?;
         let book = self.book.clone();
-        tokio::task::spawn_blocking(move || book.pod_stopped(&node, &(p.namespace, p.name)))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?;
+        crate::rpc::blocking(move || book.pod_stopped(&node, &(p.namespace, p.name))).await?;
         Ok(Response::new(pb::PodStoppedResponse {}))
     }
 
@@ -152,9 +161,7 @@ impl NetworkPolicies for Service {
             pods.push(self.pod_of(&node, Some(p))?);
         }
         let book = self.book.clone();
-        tokio::task::spawn_blocking(move || book.report_pods(&node, pods))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?;
+        crate::rpc::blocking(move || book.report_pods(&node, pods)).await?;
         Ok(Response::new(pb::ReportPodsResponse {}))
     }
 
@@ -163,17 +170,9 @@ impl NetworkPolicies for Service {
         req: Request<pb::ApplyObjectsRequest>,
     ) -> Result<Response<pb::ApplyObjectsResponse>, Status> {
         self.admin(&req).await?;
-        if !self.local {
-            return Err(Status::failed_precondition(
-                "this controller reads NetworkPolicies, Pods and Namespaces from the Kubernetes API: apply them with kubectl",
-            ));
-        }
         let book = self.book.clone();
         let json = req.into_inner().json;
-        let applied = tokio::task::spawn_blocking(move || book.apply_json(&json))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(Status::invalid_argument)?;
+        let applied = crate::rpc::blocking(move || book.apply_json(&json)).await??;
         Ok(Response::new(pb::ApplyObjectsResponse { applied, revision: 0 }))
     }
 
@@ -182,17 +181,9 @@ impl NetworkPolicies for Service {
         req: Request<pb::DeleteObjectsRequest>,
     ) -> Result<Response<pb::DeleteObjectsResponse>, Status> {
         self.admin(&req).await?;
-        if !self.local {
-            return Err(Status::failed_precondition(
-                "this controller reads NetworkPolicies, Pods and Namespaces from the Kubernetes API: delete them with kubectl",
-            ));
-        }
         let book = self.book.clone();
         let json = req.into_inner().json;
-        let deleted = tokio::task::spawn_blocking(move || book.delete_json(&json))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(Status::invalid_argument)?;
+        let deleted = crate::rpc::blocking(move || book.delete_json(&json)).await??;
         Ok(Response::new(pb::DeleteObjectsResponse { deleted }))
     }
 
@@ -201,12 +192,7 @@ impl NetworkPolicies for Service {
         req: Request<pb::ListObjectsRequest>,
     ) -> Result<Response<pb::ListObjectsResponse>, Status> {
         self.admin(&req).await?;
-        if !self.local {
-            return Err(Status::failed_precondition(
-                "this controller reads policy objects from the Kubernetes API: list them with kubectl",
-            ));
-        }
-        let json = self.book.list_json().map_err(Status::internal)?;
+        let json = self.book.list_json()?;
         Ok(Response::new(pb::ListObjectsResponse { json }))
     }
 }

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
+use crate::controller::policy::model::ObjectError;
 use crate::rpc::controller as pb;
 
 /// `(namespace, name)`.
@@ -59,43 +60,49 @@ struct ObjectStore(redb::Database);
 
 const OBJECTS: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("objects");
 
+fn db(e: impl Into<redb::Error>) -> ObjectError {
+    ObjectError::Store(e.into())
+}
+
 impl ObjectStore {
-    fn open(path: &std::path::Path) -> Result<Self, String> {
-        let db = redb::Database::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let tx = db.begin_write().map_err(|e| e.to_string())?;
-        tx.open_table(OBJECTS).map_err(|e| e.to_string())?;
-        tx.commit().map_err(|e| e.to_string())?;
-        Ok(ObjectStore(db))
+    fn open(path: &std::path::Path) -> Result<Self, ObjectError> {
+        let file = |e| ObjectError::File { path: path.into(), source: std::io::Error::other(e) };
+        let database = redb::Database::create(path).map_err(file)?;
+        let tx = database.begin_write().map_err(db)?;
+        tx.open_table(OBJECTS).map_err(db)?;
+        tx.commit().map_err(db)?;
+        Ok(ObjectStore(database))
     }
 
     /// Every object held: (kind, JSON).
-    fn all(&self) -> Result<Vec<(String, serde_json::Value)>, String> {
+    fn all(&self) -> Result<Vec<(String, serde_json::Value)>, ObjectError> {
         use redb::{ReadableDatabase, ReadableTable};
-        let tx = self.0.begin_read().map_err(|e| e.to_string())?;
-        let t = tx.open_table(OBJECTS).map_err(|e| e.to_string())?;
+        let tx = self.0.begin_read().map_err(db)?;
+        let t = tx.open_table(OBJECTS).map_err(db)?;
         let mut out = Vec::new();
-        for row in t.iter().map_err(|e| e.to_string())? {
-            let (k, v) = row.map_err(|e| e.to_string())?;
+        for row in t.iter().map_err(db)? {
+            let (k, v) = row.map_err(db)?;
             let kind = k.value().split('/').next().unwrap_or_default().to_string();
-            out.push((kind, serde_json::from_slice(v.value()).map_err(|e| format!("{}: {e}", k.value()))?));
+            let decode = |source| ObjectError::Decode { kind: format!("stored {}", k.value()), source };
+            out.push((kind, serde_json::from_slice(v.value()).map_err(decode)?));
         }
         Ok(out)
     }
 
     /// Write (`Some`) or delete (`None`) objects by key, in one transaction.
-    fn commit(&self, changes: &[(String, Option<Vec<u8>>)]) -> Result<(), String> {
-        let tx = self.0.begin_write().map_err(|e| e.to_string())?;
+    fn commit(&self, changes: &[(String, Option<Vec<u8>>)]) -> Result<(), ObjectError> {
+        let tx = self.0.begin_write().map_err(db)?;
         {
-            let mut t = tx.open_table(OBJECTS).map_err(|e| e.to_string())?;
+            let mut t = tx.open_table(OBJECTS).map_err(db)?;
             for (k, v) in changes {
                 match v {
                     Some(v) => t.insert(k.as_str(), v.as_slice()).map(|_| ()),
                     None => t.remove(k.as_str()).map(|_| ()),
                 }
-                .map_err(|e| e.to_string())?;
+                .map_err(db)?;
             }
         }
-        tx.commit().map_err(|e| e.to_string())
+        tx.commit().map_err(db)
     }
 }
 
@@ -114,15 +121,18 @@ pub struct ServiceBook {
     store: Option<ObjectStore>,
 }
 
-fn key_of(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Result<Key, String> {
-    let name = m.name.clone().filter(|n| !n.is_empty()).ok_or("an object without metadata.name")?;
+fn key_of(
+    m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    kind: &'static str,
+) -> Result<Key, ObjectError> {
+    let name = m.name.clone().filter(|n| !n.is_empty()).ok_or(ObjectError::NoName(kind))?;
     Ok((m.namespace.clone().unwrap_or_else(|| "default".into()), name))
 }
 
 impl ServiceBook {
     /// `store`: local mode's database of applied objects (loaded now); `None` in Kubernetes
     /// mode.
-    pub fn new(pod_cidrs: Vec<String>, store: Option<PathBuf>) -> Result<Arc<Self>, String> {
+    pub fn new(pod_cidrs: Vec<String>, store: Option<PathBuf>) -> Result<Arc<Self>, ObjectError> {
         let store = store.as_deref().map(ObjectStore::open).transpose()?;
         let book = ServiceBook {
             state: Mutex::new(State::default()),
@@ -135,9 +145,10 @@ impl ServiceBook {
         if let Some(store) = &book.store {
             let (mut svcs, mut slices) = (Vec::new(), Vec::new());
             for (kind, v) in store.all()? {
+                let decode = |source| ObjectError::Decode { kind: format!("stored {kind}"), source };
                 match kind.as_str() {
-                    "Service" => svcs.push(serde_json::from_value(v).map_err(|e| format!("a stored Service: {e}"))?),
-                    _ => slices.push(serde_json::from_value(v).map_err(|e| format!("a stored EndpointSlice: {e}"))?),
+                    "Service" => svcs.push(serde_json::from_value(v).map_err(decode)?),
+                    _ => slices.push(serde_json::from_value(v).map_err(decode)?),
                 }
             }
             book.replace_services(&svcs);
@@ -182,8 +193,8 @@ impl ServiceBook {
         Start::Snapshot { revision: st.revision, ports: st.ports.values().cloned().collect() }
     }
 
-    pub fn set_service(&self, svc: &Service) -> Result<(), String> {
-        let key = key_of(&svc.metadata)?;
+    pub fn set_service(&self, svc: &Service) -> Result<(), ObjectError> {
+        let key = key_of(&svc.metadata, "Service")?;
         let mut st = self.state.lock().unwrap();
         st.services.insert(key.clone(), svc.clone());
         self.recompile(&mut st, [key]);
@@ -197,8 +208,8 @@ impl ServiceBook {
         }
     }
 
-    pub fn set_slice(&self, slice: &EndpointSlice) -> Result<(), String> {
-        let key = key_of(&slice.metadata)?;
+    pub fn set_slice(&self, slice: &EndpointSlice) -> Result<(), ObjectError> {
+        let key = key_of(&slice.metadata, "EndpointSlice")?;
         let mut st = self.state.lock().unwrap();
         let before = st.slices.get(&key).and_then(compile::owner);
         let after = compile::owner(slice);
@@ -226,7 +237,7 @@ impl ServiceBook {
     pub fn replace_services(&self, all: &[Service]) {
         let mut st = self.state.lock().unwrap();
         let new: BTreeMap<Key, Service> =
-            all.iter().filter_map(|s| key_of(&s.metadata).ok().map(|k| (k, s.clone()))).collect();
+            all.iter().filter_map(|s| key_of(&s.metadata, "Service").ok().map(|k| (k, s.clone()))).collect();
         let touched: BTreeSet<Key> = st.services.keys().chain(new.keys()).cloned().collect();
         st.services = new;
         self.recompile(&mut st, touched);
@@ -236,7 +247,7 @@ impl ServiceBook {
     pub fn replace_slices(&self, all: &[EndpointSlice]) {
         let mut st = self.state.lock().unwrap();
         let new: BTreeMap<Key, EndpointSlice> =
-            all.iter().filter_map(|s| key_of(&s.metadata).ok().map(|k| (k, s.clone()))).collect();
+            all.iter().filter_map(|s| key_of(&s.metadata, "EndpointSlice").ok().map(|k| (k, s.clone()))).collect();
         let mut touched: BTreeSet<Key> = st.slices_of.keys().cloned().collect();
         st.slices_of.clear();
         for (k, s) in &new {
@@ -294,59 +305,60 @@ impl ServiceBook {
     // ----- local mode -----
 
     /// Apply Services and EndpointSlices given as JSON; answers "Kind namespace/name" each.
-    pub fn apply_json(&self, json: &str) -> Result<Vec<String>, String> {
+    pub fn apply_json(&self, json: &str) -> Result<Vec<String>, ObjectError> {
         self.stage_json(json, true)
     }
 
     /// Delete the objects named (kind, namespace, name) in `json`.
-    pub fn delete_json(&self, json: &str) -> Result<Vec<String>, String> {
+    pub fn delete_json(&self, json: &str) -> Result<Vec<String>, ObjectError> {
         self.stage_json(json, false)
     }
 
-    fn stage_json(&self, json: &str, apply: bool) -> Result<Vec<String>, String> {
-        let store =
-            self.store.as_ref().ok_or("Services come from the Kubernetes API here (apply them with kubectl)")?;
+    fn stage_json(&self, json: &str, apply: bool) -> Result<Vec<String>, ObjectError> {
+        let verb = if apply { "apply" } else { "delete" };
+        let store = self.store.as_ref().ok_or(ObjectError::NotLocal { what: "Services and EndpointSlices", verb })?;
         let objects = crate::controller::policy::parse_objects(json)?;
         let (mut svcs, mut slices, mut writes, mut done) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for o in &objects {
             let kind = o.get("kind").and_then(|k| k.as_str()).unwrap_or("");
-            let meta = match kind {
+            let decode = |source| ObjectError::Decode { kind: kind.into(), source };
+            let (meta, kind) = match kind {
                 "Service" => {
-                    let s: Service = serde_json::from_value(o.clone()).map_err(|e| format!("a Service: {e}"))?;
+                    let s: Service = serde_json::from_value(o.clone()).map_err(decode)?;
                     let m = s.metadata.clone();
                     svcs.push(s);
-                    m
+                    (m, "Service")
                 }
                 "EndpointSlice" => {
-                    let s: EndpointSlice =
-                        serde_json::from_value(o.clone()).map_err(|e| format!("an EndpointSlice: {e}"))?;
+                    let s: EndpointSlice = serde_json::from_value(o.clone()).map_err(decode)?;
                     let m = s.metadata.clone();
                     slices.push(s);
-                    m
+                    (m, "EndpointSlice")
                 }
-                other => return Err(format!("only Services and EndpointSlices are applied here, not {other:?}")),
+                other => return Err(ObjectError::Kind(other.into(), "Service or EndpointSlice (applied here)")),
             };
-            let (ns, name) = key_of(&meta)?;
-            let bytes = serde_json::to_vec(o).map_err(|e| e.to_string())?;
+            let (ns, name) = key_of(&meta, kind)?;
+            let bytes = serde_json::to_vec(o).expect("JSON values serialise");
             writes.push((format!("{kind}/{ns}/{name}"), apply.then_some(bytes)));
             done.push(format!("{kind} {ns}/{name}"));
         }
         store.commit(&writes)?;
         for s in &svcs {
-            if apply { self.set_service(s)? } else { self.remove_service(&key_of(&s.metadata)?) }
+            if apply { self.set_service(s)? } else { self.remove_service(&key_of(&s.metadata, "Service")?) }
         }
         for s in &slices {
-            if apply { self.set_slice(s)? } else { self.remove_slice(&key_of(&s.metadata)?) }
+            if apply { self.set_slice(s)? } else { self.remove_slice(&key_of(&s.metadata, "EndpointSlice")?) }
         }
         Ok(done)
     }
 
     /// Every applied object, as a JSON List.
-    pub fn list_json(&self) -> Result<String, String> {
-        let store = self.store.as_ref().ok_or("Services come from the Kubernetes API here (list them with kubectl)")?;
+    pub fn list_json(&self) -> Result<String, ObjectError> {
+        let store =
+            self.store.as_ref().ok_or(ObjectError::NotLocal { what: "Services and EndpointSlices", verb: "list" })?;
         let items: Vec<serde_json::Value> = store.all()?.into_iter().map(|(_, v)| v).collect();
-        serde_json::to_string_pretty(&serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items}))
-            .map_err(|e| e.to_string())
+        let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
+        Ok(serde_json::to_string_pretty(&list).expect("JSON values serialise"))
     }
 }
 

@@ -19,8 +19,6 @@ pub struct Service {
     pub book: Arc<ServiceBook>,
     /// Who may call (the registry's credentials).
     pub registry: Arc<crate::controller::server::Service>,
-    /// Local mode: objects are applied through this service.
-    pub local: bool,
 }
 
 type UpdateStream = Pin<Box<dyn Stream<Item = Result<pb::ServiceUpdate, Status>> + Send>>;
@@ -78,15 +76,6 @@ impl Service {
             Identity::Node(n) => Err(Status::permission_denied(format!("node {n:?} may not change or list Services"))),
         }
     }
-
-    fn local_only(&self, what: &str) -> Result<(), Status> {
-        if self.local {
-            return Ok(());
-        }
-        Err(Status::failed_precondition(format!(
-            "this controller reads Services and EndpointSlices from the Kubernetes API: {what} them with kubectl"
-        )))
-    }
 }
 
 #[tonic::async_trait]
@@ -135,14 +124,10 @@ impl Services for Service {
         req: Request<pb::ApplyObjectsRequest>,
     ) -> Result<Response<pb::ApplyObjectsResponse>, Status> {
         self.admin(&req).await?;
-        self.local_only("apply")?;
         let book = self.book.clone();
         let json = req.into_inner().json;
         let b = book.clone();
-        let applied = tokio::task::spawn_blocking(move || b.apply_json(&json))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(Status::invalid_argument)?;
+        let applied = crate::rpc::blocking(move || b.apply_json(&json)).await??;
         Ok(Response::new(pb::ApplyObjectsResponse { applied, revision: book.revision() }))
     }
 
@@ -151,13 +136,9 @@ impl Services for Service {
         req: Request<pb::DeleteObjectsRequest>,
     ) -> Result<Response<pb::DeleteObjectsResponse>, Status> {
         self.admin(&req).await?;
-        self.local_only("delete")?;
         let book = self.book.clone();
         let json = req.into_inner().json;
-        let deleted = tokio::task::spawn_blocking(move || book.delete_json(&json))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(Status::invalid_argument)?;
+        let deleted = crate::rpc::blocking(move || book.delete_json(&json)).await??;
         Ok(Response::new(pb::DeleteObjectsResponse { deleted }))
     }
 
@@ -166,8 +147,7 @@ impl Services for Service {
         req: Request<pb::ListObjectsRequest>,
     ) -> Result<Response<pb::ListObjectsResponse>, Status> {
         self.admin(&req).await?;
-        self.local_only("list")?;
-        let json = self.book.list_json().map_err(Status::internal)?;
+        let json = self.book.list_json()?;
         Ok(Response::new(pb::ListObjectsResponse { json }))
     }
 }

@@ -448,7 +448,7 @@ impl pb::device_plugin_server::DevicePlugin for Service {
         let r = req.into_inner();
         self.bounded(r.container_requests.len(), r.container_requests.iter().map(|c| c.available_device_i_ds.len()))?;
         let plugin = self.plugin.clone();
-        let out = tokio::task::spawn_blocking(move || {
+        let out = crate::rpc::blocking(move || {
             let mut out = Vec::new();
             for c in r.container_requests {
                 let size = usize::try_from(c.allocation_size)
@@ -458,8 +458,7 @@ impl pb::device_plugin_server::DevicePlugin for Service {
             }
             Ok::<_, Status>(out)
         })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))??;
+        .await??;
         Ok(Response::new(pb::PreferredAllocationResponse { container_responses: out }))
     }
 
@@ -472,7 +471,7 @@ impl pb::device_plugin_server::DevicePlugin for Service {
             )));
         }
         let plugin = self.plugin.clone();
-        let out = tokio::task::spawn_blocking(move || {
+        let out = crate::rpc::blocking(move || {
             let mut out = Vec::new();
             for c in r.container_requests {
                 match plugin.allocate_one(&c.devices_ids) {
@@ -491,8 +490,7 @@ impl pb::device_plugin_server::DevicePlugin for Service {
             }
             Ok(out)
         })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))??;
+        .await??;
         Ok(Response::new(pb::AllocateResponse { container_responses: out }))
     }
 
@@ -502,9 +500,7 @@ impl pb::device_plugin_server::DevicePlugin for Service {
     ) -> Result<Response<pb::PreStartContainerResponse>, Status> {
         let ids = req.into_inner().devices_ids;
         let plugin = self.plugin.clone();
-        tokio::task::spawn_blocking(move || plugin.resolve(&ids))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))??;
+        crate::rpc::blocking(move || plugin.resolve(&ids)).await??;
         Ok(Response::new(pb::PreStartContainerResponse {}))
     }
 }

@@ -76,7 +76,7 @@ pub enum NetError {
     AlreadyExists(String),
     /// The pod's network policy could not be put in force (the controller unreachable…).
     #[error("network policy: {0}")]
-    Policy(String),
+    Policy(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// No attachment of that container and interface.
     #[error("{0}")]
     UnknownContainer(String),
@@ -212,7 +212,7 @@ pub enum PodEvent<'a> {
 }
 
 /// Called with every [`PodEvent`]; installed by the agent when policy is enforced.
-pub type PodHook = Box<dyn Fn(PodEvent<'_>) -> Result<(), String> + Send + Sync>;
+pub type PodHook = Box<dyn Fn(PodEvent<'_>) -> Result<(), Box<dyn std::error::Error + Send + Sync>> + Send + Sync>;
 
 /// Publishes the node's network to the runtime, once it has a block: the agent installs the
 /// shim and writes the conflist here. Called until it succeeds once.
