@@ -341,6 +341,24 @@ def test_auto_mode_two_segments(make_cluster):
     assert_mesh(pods)
 
 
+def test_pod_mtu_derived_from_the_underlay_and_mode(make_cluster):
+    """Without `mtu` in its config, the agent derives the pods' MTU when it registers: the
+    underlay link's MTU less VXLAN's 50 bytes in vxlan mode, less nothing in direct mode.
+    The figure is kept in cluster.json for the next start; the conflist names none."""
+    c = make_cluster()
+    overhead = {"vxlan": 50, "direct": 0}
+    for host, mode in ((1, "vxlan"), (2, "direct")):
+        n = c.node(0, host, mode=mode, start=False)
+        n.cfg.pop("mtu", None)
+        n.cfg_path.write_text(json.dumps(n.cfg))
+        n.start()
+        pod = n.add_pod("p")[0]
+        want = n.ns.links()["ul0"]["mtu"] - overhead[mode]
+        assert pod.ns.links()["eth0"]["mtu"] == want, mode
+        assert cluster_state(n)["podMtu"] == want, mode
+        assert "mtu" not in json.loads(n.conflist_path.read_text())["plugins"][0], mode
+
+
 # ----- IPv6 right after a node comes up -----
 
 

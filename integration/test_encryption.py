@@ -44,8 +44,9 @@ def wireguard_kernel():
 def make_cluster():
     made = []
 
-    def make(mode="on", **kw):
-        c = cluster.Cluster(controller_extra={"encryption": {"mode": mode}}, **kw)
+    def make(mode="on", rotation=0, **kw):
+        enc = {"mode": mode, "keyRotationSeconds": rotation}
+        c = cluster.Cluster(controller_extra={"encryption": enc}, **kw)
         made.append(c)
         return c
 
@@ -58,7 +59,7 @@ def make_cluster():
 
 def node(c, host, route_mode="direct", seg=0, ipv6=True):
     n = c.node(seg, host, mode=route_mode, ipv6=ipv6, start=False)
-    n.cfg["mtu"] = POD_MTU
+    n.cfg.pop("mtu", None)  # the agent derives the pods' MTU from the underlay and the mode
     n.cfg_path.write_text(json.dumps(n.cfg))
     n.start()
     return n
@@ -169,9 +170,12 @@ def test_pod_traffic_between_nodes_is_encrypted(make_cluster, tmp_path, route_mo
     a, b = node(c, 1, route_mode, ipv6=route_mode == "direct"), node(c, 2, route_mode, ipv6=route_mode == "direct")
     keys = wait_encrypted([a, b])
     pa, pb = a.add_pod("p")[0], b.add_pod("p")[0]
-    # The device: the port, the MTU of the arithmetic, the peer's endpoint and blocks.
+    # The device and the pods: the MTU of the arithmetic; the device's port, peer and blocks.
     link = a.ns.ip_json("-d", "link", "show", WG_DEV)[0]
     assert link["mtu"] == POD_MTU, link
+    for p in (pa, pb):
+        eth0 = p.ns.links()["eth0"]
+        assert eth0["mtu"] == POD_MTU, eth0
     peers = wg_peers(a)
     endpoint, allowed, _ = peers[keys[b.ns.name]]
     assert endpoint == f"{b.underlay}:{WG_PORT}", peers
@@ -275,6 +279,25 @@ def test_rotation_keeps_tcp_and_ping_going(make_cluster):
     keyfile = a.root / "var/lib/nodeplane/wireguard.key"
     assert oct(keyfile.stat().st_mode & 0o777) == "0o600"
     assert wg_peers(b)[new_key][2] > 0
+
+
+def test_scheduled_rotation_and_readiness(make_cluster):
+    """keyRotationSeconds: each node makes a new key once its key is that old, and its peer
+    learns it; pods keep talking. The `encryption` readiness condition holds throughout."""
+    c = make_cluster("on", rotation=4)
+    a, b = node(c, 1), node(c, 2)
+    keys = wait_encrypted([a, b])
+    pa, pb = a.add_pod("p")[0], b.add_pod("p")[0]
+    conditions = lambda n: {x["name"]: x for x in n.status("status")[1]["conditions"]}
+    wait_until(lambda: conditions(a).get("encryption", {}).get("ready"), 10, "the encryption condition")
+    seen = [keys[a.ns.name]]
+    for _ in range(2):
+        new = wait_until(lambda: node_key(a) not in seen and node_key(a), 20, "a's key to rotate on schedule")
+        seen.append(new)
+        wait_until(lambda: new in wg_peers(b), 10, "b to learn a's new key")
+        assert ping(pa, pb.ip4(), count=3), "no echo reply after a scheduled rotation"
+    assert conditions(a)["encryption"]["ready"], conditions(a)
+    assert node_key(b) != keys[b.ns.name], "b rotates on the same schedule"
 
 
 def test_removed_node_peer_is_gone_everywhere(make_cluster):

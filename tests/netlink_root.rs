@@ -175,6 +175,7 @@ fn kernel_feature_probe_agrees_with_the_release() {
             Feature::LoopConfigure,
             Feature::StatxMountId,
             Feature::BridgeNetfilter,
+            Feature::Wireguard,
         ])
     })
     .join()
@@ -187,13 +188,19 @@ fn kernel_feature_probe_agrees_with_the_release() {
         Feature::NetnsCookie => (5, 14),
         Feature::Openat2 => (5, 6),
         Feature::LoopConfigure | Feature::StatxMountId => (5, 8),
-        Feature::BridgeNetfilter => unreachable!("a module, not a release"),
+        Feature::BridgeNetfilter | Feature::Wireguard => unreachable!("a module, not a release"),
     };
     for c in &report.checks {
         if c.feature == Feature::BridgeNetfilter {
             // br_netfilter makes its sysctls in every network namespace, this new one too.
             let loaded = std::path::Path::new("/proc/sys/net/bridge").exists();
             assert_eq!(c.availability == Availability::Available, loaded, "{release}: {c:?}");
+            continue;
+        }
+        if c.feature == Feature::Wireguard {
+            // The probe's request loads the module where the kernel has one (or it is built in).
+            let present = std::path::Path::new("/sys/module/wireguard").exists();
+            assert_eq!(c.availability == Availability::Available, present, "{release}: {c:?}");
             continue;
         }
         let want = version >= since(c.feature);

@@ -36,6 +36,9 @@ pub struct ClusterState {
     pub vxlan_vni: u32,
     #[serde(default)]
     pub vxlan_port: u16,
+    /// The pod MTU derived at the last registration (0: none; the config names one).
+    #[serde(default)]
+    pub pod_mtu: u32,
 }
 
 pub fn load_state(cfg: &Config) -> std::io::Result<ClusterState> {
@@ -124,6 +127,15 @@ pub fn peers_of(me: &str, nodes: &[pb::Node]) -> Vec<PeerNode> {
         .collect()
 }
 
+/// The encryption mode in a registration's answer.
+fn encryption_mode(resp: &pb::RegisterResponse) -> wireguard::Mode {
+    match pb::Encryption::try_from(resp.encryption) {
+        Ok(pb::Encryption::On) => wireguard::Mode::On,
+        Ok(pb::Encryption::Strict) => wireguard::Mode::Strict,
+        _ => wireguard::Mode::Off,
+    }
+}
+
 /// The state of the connection to the controller, for metrics.
 #[derive(Debug, Default)]
 pub struct Link {
@@ -135,6 +147,8 @@ pub struct Link {
     pub rotate: tokio::sync::Notify,
     /// The encryption mode the controller gave and the public key this node published.
     encryption: Mutex<(wireguard::Mode, String)>,
+    /// Why the WireGuard device could not be made, as the last routes programming found.
+    tunnel_error: Mutex<Option<String>>,
 }
 
 impl Link {
@@ -154,6 +168,22 @@ impl Link {
     /// registration).
     pub fn encryption(&self) -> (wireguard::Mode, String) {
         self.encryption.lock().unwrap().clone()
+    }
+
+    /// Whether encryption works as the controller asks: `Ok` when it is off, or when this
+    /// node published a key and has its device.
+    pub fn encryption_state(&self) -> Result<(), String> {
+        let (mode, key) = self.encryption();
+        if mode == wireguard::Mode::Off {
+            return Ok(());
+        }
+        if let Some(e) = self.tunnel_error.lock().unwrap().clone() {
+            return Err(format!("encryption {mode}: no wireguard device: {e}"));
+        }
+        if key.is_empty() {
+            return Err(format!("encryption {mode}: this node has no usable key (<state>/wireguard.key; see the log)"));
+        }
+        Ok(())
     }
 
     fn message(&self) {
@@ -255,6 +285,7 @@ impl Client {
             st.cluster_cidrs = parse_nets(&r.cluster_cidrs, "cluster CIDR")?;
             st.vxlan_vni = r.vxlan_vni;
             st.vxlan_port = r.vxlan_port as u16;
+            st.pod_mtu = if self.cfg.mtu.is_none() { self.dp.pod_mtu() } else { 0 };
         }
         let known: Vec<IpNetwork> = self.dp.ipam().blocks().iter().map(|b| b.net).collect();
         let changed = st.blocks != blocks || resp.is_some();
@@ -305,11 +336,7 @@ impl Client {
         keys: Option<KeyPair>,
         published: &str,
     ) -> Result<(), String> {
-        let mode = match pb::Encryption::try_from(resp.encryption) {
-            Ok(pb::Encryption::On) => wireguard::Mode::On,
-            Ok(pb::Encryption::Strict) => wireguard::Mode::Strict,
-            _ => wireguard::Mode::Off,
-        };
+        let mode = encryption_mode(resp);
         let cidrs = parse_nets(&resp.cluster_cidrs, "cluster CIDR")?;
         let mut routes = self.routes.lock().unwrap();
         let r = routes.as_mut().ok_or("route programmer not initialised")?;
@@ -318,6 +345,19 @@ impl Client {
             r.set_keys(k).map_err(|e| e.to_string())?;
         }
         *self.link.encryption.lock().unwrap() = (mode, published.to_string());
+        Ok(())
+    }
+
+    /// Derive the pod MTU from the underlay and the encryption mode the controller gave,
+    /// unless the config names one. New pods get it from now on.
+    fn derive_pod_mtu(&self, resp: &pb::RegisterResponse) -> Result<(), String> {
+        if self.cfg.mtu.is_some() {
+            return Ok(());
+        }
+        let mut routes = self.routes.lock().unwrap();
+        let r = routes.as_mut().ok_or("route programmer not initialised")?;
+        let mtu = r.pod_mtu(encryption_mode(resp)).map_err(|e| e.to_string())?;
+        self.dp.set_pod_mtu(mtu);
         Ok(())
     }
 
@@ -391,6 +431,7 @@ impl Client {
                 None => r.resync(),
             }
             .map_err(|e| e.to_string())?;
+            *me.link.tunnel_error.lock().unwrap() = r.tunnel_status().1;
             let took_us = t.elapsed().as_micros() as u64;
             if kind == "audit" && report.changes() == 0 {
                 tracing::debug!(kind, peers = r.peers().count(), took_us, "routes audited: no drift");
@@ -448,6 +489,7 @@ impl Client {
             self.link.message();
         }
         let node = resp.node.clone().ok_or("register: no node in the answer")?;
+        self.derive_pod_mtu(&resp)?;
         self.apply_self(&node, Some(&resp)).await?;
         self.set_encryption(&resp, keys.clone(), &wg_key)?;
         let rotation = Duration::from_secs(resp.key_rotation_seconds);
@@ -598,6 +640,19 @@ pub async fn run(cfg: Arc<Config>, dp: Arc<Datapath>, link: Arc<Link>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn encryption_state_needs_a_key_and_a_device_once_on() {
+        let link = Link::default();
+        assert_eq!(link.encryption_state(), Ok(()), "off: nothing to judge");
+        *link.encryption.lock().unwrap() = (wireguard::Mode::Strict, String::new());
+        assert!(link.encryption_state().unwrap_err().contains("no usable key"));
+        *link.encryption.lock().unwrap() = (wireguard::Mode::On, "a2V5".into());
+        assert_eq!(link.encryption_state(), Ok(()));
+        *link.tunnel_error.lock().unwrap() = Some("creating np.wg: Operation not supported".into());
+        let e = link.encryption_state().unwrap_err();
+        assert!(e.starts_with("encryption on: no wireguard device: creating np.wg"), "{e}");
+    }
 
     fn node(name: &str, ul: &str) -> pb::Node {
         pb::Node { name: name.into(), underlay_addresses: vec![ul.into()], ..Default::default() }

@@ -137,8 +137,10 @@ pub struct FileConfig {
     /// Cluster-wide pod/service ranges: traffic to them is never masqueraded.
     #[serde(default)]
     pub cluster_cidrs: Vec<IpNetwork>,
-    #[serde(default = "default_mtu")]
-    pub mtu: u32,
+    /// Pod interface MTU. Absent: derived from the underlay and what encapsulates pod
+    /// traffic between nodes (docs/network.md, "MTU"); 1500 without a controller.
+    #[serde(default)]
+    pub mtu: Option<u32>,
     #[serde(default = "default_bridge")]
     pub bridge: String,
     #[serde(default = "yes")]
@@ -204,12 +206,12 @@ pub struct FileConfig {
     pub health_address: String,
 }
 
+/// The pod MTU without a configured or derived one (no controller, or before it answered).
+pub const DEFAULT_POD_MTU: u32 = 1500;
+
 /// The conflist version written unless configured (see `FileConfig::cni_version`).
 pub const DEFAULT_CNI_VERSION: &str = "1.0.0";
 
-fn default_mtu() -> u32 {
-    1500
-}
 fn default_bridge() -> String {
     "np0".into()
 }
@@ -257,7 +259,8 @@ pub struct Config {
     pub node_name: String,
     pub pod_cidrs: Vec<IpNetwork>,
     pub cluster_cidrs: Vec<IpNetwork>,
-    pub mtu: u32,
+    /// The configured pod MTU; `None`: derived (see [`FileConfig::mtu`]).
+    pub mtu: Option<u32>,
     pub bridge: String,
     pub masquerade: bool,
     /// NetworkPolicy enforced (controller mode and `networkPolicy` not false).
@@ -343,8 +346,10 @@ impl Config {
         if !crate::net::cni::request::valid_ifname(&f.bridge) {
             return bad(format!("bridge {:?} is not a valid interface name", f.bridge));
         }
-        if !(68..=65535).contains(&f.mtu) {
-            return bad(format!("mtu {} is outside 68..65535", f.mtu));
+        if let Some(mtu) = f.mtu
+            && !(68..=65535).contains(&mtu)
+        {
+            return bad(format!("mtu {mtu} is outside 68..65535"));
         }
         let v4 = f.pod_cidrs.iter().filter(|c| c.is_ipv4()).count();
         let v6 = f.pod_cidrs.len() - v4;
@@ -594,7 +599,7 @@ impl Config {
     pub fn net_settings(&self) -> crate::net::datapath::Settings {
         crate::net::datapath::Settings {
             bridge: self.bridge.clone(),
-            mtu: self.mtu,
+            mtu: self.mtu.unwrap_or(DEFAULT_POD_MTU),
             dns: self.dns.clone(),
             masquerade: self.masquerade,
             cluster_cidrs: self.cluster_cidrs.clone(),

@@ -76,8 +76,11 @@ pub fn conflist(cfg: &Config, version: &str) -> Value {
         "type": PLUGIN_TYPE,
         "agentSocket": cfg.cni_socket,
         "pendingDeleteDir": cfg.pending_delete_dir(),
-        "mtu": cfg.mtu,
     });
+    // A configured MTU goes in the conflist; a derived one is the agent's to give.
+    if let Some(mtu) = cfg.mtu {
+        main["mtu"] = json!(mtu);
+    }
     if !cfg.dns.is_empty() {
         let d = &cfg.dns;
         main["dns"] = json!({"nameservers": d.nameservers, "search": d.search, "options": d.options});

@@ -21,6 +21,10 @@ pub(crate) fn features_for(cfg: &Config) -> Vec<Feature> {
     if cfg.controller.is_some() && cfg.network_policy {
         f.push(Feature::BridgeNetfilter);
     }
+    // The controller decides on encryption: probed with one, judged by `encryption`.
+    if cfg.controller.is_some() {
+        f.push(Feature::Wireguard);
+    }
     f
 }
 

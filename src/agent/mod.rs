@@ -154,6 +154,9 @@ pub fn prepare(
         None => (cfg.pod_cidrs.clone(), cfg.cluster_cidrs.clone()),
         Some(_) => {
             let st = cluster::load_state(&cfg).map_err(|e| AgentError::Setup(format!("cluster state: {e}")))?;
+            if cfg.mtu.is_none() && st.pod_mtu != 0 {
+                dp.set_pod_mtu(st.pod_mtu);
+            }
             (st.blocks, st.cluster_cidrs)
         }
     };
@@ -404,6 +407,9 @@ pub async fn serve(
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(io_ctx("signal"))?;
     let mut drain_tick = tokio::time::interval(Duration::from_secs(5));
     drain_tick.tick().await;
+    if let Some(l) = &link {
+        readiness.watch_encryption(&health, l.clone());
+    }
     let cluster_client = tokio::spawn(cluster::run(cfg.clone(), dp.clone(), link.clone().unwrap_or_default()));
     // NetworkPolicy (controller mode): the hook is in place before the first ADD is read.
     let policy = policy_sync::install(&cfg, &dp);

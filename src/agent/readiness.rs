@@ -48,6 +48,9 @@ pub(crate) struct Readiness {
     book: crate::kubelet::Registrations,
     /// NetworkPolicy that could not be enforced at start ([`Readiness::watch_policy`]).
     policy: Option<(Arc<super::policy_sync::PolicyClient>, Condition)>,
+    /// Encryption between nodes ([`Readiness::watch_encryption`]); the condition exists once
+    /// the controller asked for encryption.
+    encryption: Option<(Arc<super::cluster::Link>, Health, Option<Condition>)>,
 }
 
 /// (len, mtime seconds, mtime nanoseconds, inode) of the device file: reparse on change.
@@ -84,7 +87,19 @@ impl Readiness {
         };
         let dra = cfg.dra.clone().map(|s| (s, health.condition("dra")));
         let cni_inode = std::fs::symlink_metadata(&cfg.cni_socket).ok().map(|m| m.ino());
-        Readiness { cfg, dp, cni, cni_inode, csi, devices, dra, verified: HashMap::new(), book, policy: None }
+        Readiness {
+            cfg,
+            dp,
+            cni,
+            cni_inode,
+            csi,
+            devices,
+            dra,
+            verified: HashMap::new(),
+            book,
+            policy: None,
+            encryption: None,
+        }
     }
 
     /// Judge NetworkPolicy enforcement from now on (`networkpolicy`): registered only when
@@ -99,6 +114,12 @@ impl Readiness {
             cond.set(false, why);
             self.policy = Some((client, cond));
         }
+    }
+
+    /// Judge encryption between nodes from now on (`encryption`): registered once the
+    /// controller asks for it, so a node without encryption has the conditions it had.
+    pub(crate) fn watch_encryption(&mut self, health: &Health, link: Arc<super::cluster::Link>) {
+        self.encryption = Some((link, health.clone(), None));
     }
 
     /// Re-evaluate every `TICK` until dropped (the task is aborted at shutdown).
@@ -130,6 +151,15 @@ impl Readiness {
         }
         if let Some((client, cond)) = &self.policy {
             set(cond, client.enforcement());
+        }
+        if let Some((link, health, cond)) = &mut self.encryption {
+            let on = link.encryption().0 != crate::net::wireguard::Mode::Off;
+            if on && cond.is_none() {
+                *cond = Some(health.condition("encryption"));
+            }
+            if let Some(c) = cond {
+                set(c, link.encryption_state());
+            }
         }
     }
 

@@ -210,6 +210,18 @@ pub fn vxlan_mtu(underlay_mtu: u32, local: IpAddr) -> u32 {
     underlay_mtu.saturating_sub(overhead)
 }
 
+/// The MTU pods get over an underlay link of `underlay_mtu`: what is left after the largest
+/// encapsulation their traffic to another node may take. Encryption on or strict: the
+/// WireGuard device (a peer without a key, in mode on, takes VXLAN or a direct route, both
+/// smaller). Otherwise VXLAN in modes vxlan and auto, nothing in direct mode.
+pub fn pod_mtu(mode: RouteMode, encryption: Encryption, underlay_mtu: u32, local: IpAddr) -> u32 {
+    match (encryption, mode) {
+        (Encryption::On | Encryption::Strict, _) => wireguard::device_mtu(underlay_mtu, local),
+        (Encryption::Off, RouteMode::Direct) => underlay_mtu,
+        (Encryption::Off, RouteMode::Vxlan | RouteMode::Auto) => vxlan_mtu(underlay_mtu, local),
+    }
+}
+
 /// A stable VTEP MAC for a node: locally administered, unicast, derived from its underlay
 /// address, so a re-created device keeps the MAC its peers already have.
 pub fn vtep_mac_for(local_underlay: IpAddr) -> [u8; 6] {
@@ -1075,6 +1087,12 @@ impl Routes {
         &self.cfg
     }
 
+    /// The MTU pods get under `encryption` (see [`pod_mtu`]), from the underlay link's MTU.
+    pub fn pod_mtu(&mut self, encryption: Encryption) -> Result<u32, RoutesError> {
+        let (_, underlay_mtu) = self.underlay_link()?;
+        Ok(pod_mtu(self.cfg.mode, encryption, underlay_mtu, self.cfg.local_underlay))
+    }
+
     /// The interface holding the local underlay address: (ifindex, MTU).
     fn underlay_link(&mut self) -> Result<(u32, u32), RoutesError> {
         let local = self.cfg.local_underlay;
@@ -1690,6 +1708,19 @@ mod tests {
         assert_eq!(parse_mac("").unwrap(), None);
         assert!(parse_mac("02:00:00:00:00").is_err());
         assert!(parse_mac("02:00:00:00:00:zz").is_err());
+    }
+
+    #[test]
+    fn pod_mtu_takes_the_largest_encapsulation() {
+        let (v4, v6) = (ip("192.0.2.1"), ip("2001:db8::1"));
+        assert_eq!(pod_mtu(RouteMode::Direct, Encryption::Off, 1500, v4), 1500);
+        assert_eq!(pod_mtu(RouteMode::Vxlan, Encryption::Off, 1500, v4), 1450);
+        assert_eq!(pod_mtu(RouteMode::Auto, Encryption::Off, 1500, v6), 1430);
+        for mode in [RouteMode::Direct, RouteMode::Vxlan, RouteMode::Auto] {
+            assert_eq!(pod_mtu(mode, Encryption::On, 1500, v4), 1440, "{mode:?}");
+            assert_eq!(pod_mtu(mode, Encryption::Strict, 1500, v6), 1420, "{mode:?}");
+        }
+        assert_eq!(pod_mtu(RouteMode::Vxlan, Encryption::On, 9000, v4), 8940);
     }
 
     #[test]

@@ -26,6 +26,9 @@ pub enum Feature {
     /// `br_netfilter`'s per-namespace `net.bridge.bridge-nf-call-*` sysctls (NetworkPolicy
     /// between pods of one node).
     BridgeNetfilter,
+    /// The `wireguard` generic netlink family (encryption between nodes, when the controller
+    /// turns it on).
+    Wireguard,
 }
 
 impl Feature {
@@ -38,6 +41,7 @@ impl Feature {
             Feature::LoopConfigure => "loop-configure",
             Feature::StatxMountId => "statx-mnt-id",
             Feature::BridgeNetfilter => "br-netfilter",
+            Feature::Wireguard => "wireguard",
         }
     }
 
@@ -53,6 +57,9 @@ impl Feature {
             Feature::StatxMountId => "mount points are found in /proc/self/mountinfo",
             Feature::BridgeNetfilter => {
                 "traffic between pods of this node bypasses NetworkPolicy (load it: modprobe br_netfilter)"
+            }
+            Feature::Wireguard => {
+                "no encryption between nodes: with encryption on, pod traffic to other nodes goes in clear; strict drops it"
             }
         }
     }
@@ -132,6 +139,19 @@ fn probe_one(f: Feature) -> Availability {
         Feature::LoopConfigure => loop_configure(),
         Feature::StatxMountId => statx_mount_id(),
         Feature::BridgeNetfilter => bridge_netfilter(Path::new("/proc/sys/net/bridge")),
+        Feature::Wireguard => wireguard(),
+    }
+}
+
+/// Resolve the `wireguard` generic netlink family. The kernel loads the module for the
+/// request when it can (its `net-pf-16-proto-16-family-wireguard` alias); ENOENT: none.
+fn wireguard() -> Availability {
+    match crate::sys::wireguard::Wg::open() {
+        Ok(_) => Availability::Available,
+        Err(e) if e.errno() == Some(libc::ENOENT) => {
+            Availability::Missing("no \"wireguard\" generic netlink family (module absent)".into())
+        }
+        Err(e) => Availability::Unknown(e.to_string()),
     }
 }
 

@@ -190,7 +190,8 @@ pub type BlockSource = Box<dyn Fn(Family) -> Result<(), String> + Send + Sync>;
 pub struct Settings {
     /// The node bridge every pod's host veth is a port of.
     pub bridge: String,
-    /// MTU of pod interfaces when the network config names none.
+    /// MTU of pod interfaces when the network config names none, until
+    /// [`Datapath::set_pod_mtu`] gives the one derived from the underlay.
     pub mtu: u32,
     /// DNS answered in results when the network config has none.
     pub dns: Dns,
@@ -232,6 +233,8 @@ pub struct Datapath {
     conflist_written: std::sync::atomic::AtomicBool,
     block_source: std::sync::OnceLock<BlockSource>,
     pod_hook: std::sync::OnceLock<PodHook>,
+    /// The MTU a new pod gets when the network config names none.
+    pod_mtu: std::sync::atomic::AtomicU32,
     /// Where the time of ADD and CHECK goes, step by step (the agent exports it).
     pub steps: Histograms<StepLabels>,
 }
@@ -247,6 +250,7 @@ pub struct ReconcileReport {
 impl Datapath {
     pub fn new(settings: Settings, ipam: Ipam, reaper: Reaper, publish: Publish, kernel: Arc<dyn NetKernel>) -> Self {
         let cluster = settings.cluster_cidrs.clone();
+        let pod_mtu = settings.mtu.into();
         Datapath {
             settings,
             ipam,
@@ -259,8 +263,22 @@ impl Datapath {
             conflist_written: Default::default(),
             block_source: Default::default(),
             pod_hook: Default::default(),
+            pod_mtu,
             steps: Histograms::new_with_constructor(step_histogram),
         }
+    }
+
+    /// The MTU new pods get from now on (pods already running keep theirs).
+    pub fn set_pod_mtu(&self, mtu: u32) {
+        let old = self.pod_mtu.swap(mtu, std::sync::atomic::Ordering::SeqCst);
+        if old != mtu {
+            tracing::info!(mtu, old, "pod MTU set; pods started before keep theirs");
+        }
+    }
+
+    /// The MTU a new pod gets when the network config names none.
+    pub fn pod_mtu(&self) -> u32 {
+        self.pod_mtu.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The node's blocks and leases.
@@ -553,7 +571,7 @@ impl Datapath {
         .map_err(NetError::Ipam)?;
         steps.mark("reserve");
         let lease = reservation.lease.clone();
-        let mtu = req.conf.mtu.unwrap_or(self.settings.mtu);
+        let mtu = req.conf.mtu.unwrap_or_else(|| self.pod_mtu());
         let configured = self.create_veth(&mut *nl, netns, req, &host_if, mtu).and_then(|created| {
             steps.mark("veth");
             let pod_nl = netns.links().map_err(netns_err)?;
