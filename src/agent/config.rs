@@ -138,7 +138,7 @@ pub struct FileConfig {
     #[serde(default)]
     pub cluster_cidrs: Vec<IpNetwork>,
     /// Pod interface MTU. Absent: derived from the underlay and what encapsulates pod
-    /// traffic between nodes (docs/network.md, "MTU"); 1500 without a controller.
+    /// traffic between nodes (docs/network.md, "Pod MTU"); 1500 without a controller.
     #[serde(default)]
     pub mtu: Option<u32>,
     #[serde(default = "default_bridge")]
