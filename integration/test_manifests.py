@@ -1237,12 +1237,11 @@ EXPECTED_SIDECAR_RULES = {
 }
 LEADER_ELECTION = {("coordination.k8s.io", "leases"): {"get", "watch", "list", "delete", "update", "create"}}
 # Each sidecar's Role in the namespace: its leader election, and for the provisioner the
-# capacity tracking of upstream's Role less `get` and `patch` on CSIStorageCapacity (v5.3's
-# capacity controller lists and watches them, and creates, updates and deletes its own).
+# capacity tracking rules of upstream's Role.
 EXPECTED_SIDECAR_ROLES = {
     "nodeplane-csi-provisioner": {
         **LEADER_ELECTION,
-        ("storage.k8s.io", "csistoragecapacities"): {"list", "watch", "create", "update", "delete"},
+        ("storage.k8s.io", "csistoragecapacities"): {"get", "list", "watch", "create", "update", "patch", "delete"},
         ("", "pods"): {"get"},
         ("apps", "replicasets"): {"get"},
     },
