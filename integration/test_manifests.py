@@ -1030,7 +1030,7 @@ def test_controller_probes(deploy, controller_cfg):
 # named nodeplane-<sidecar> (test_rbac_bindings).
 SIDECAR_ARGS = {
     "csi-provisioner": {"--leader-election", "--feature-gates=Topology=true", "--strict-topology",
-                        "--immediate-topology=false", "--extra-create-metadata"},
+                        "--immediate-topology=false", "--extra-create-metadata", "--enable-capacity"},
     "csi-resizer": {"--leader-election"},
     "csi-snapshotter": {"--leader-election", "--extra-create-metadata"},
 }
@@ -1059,7 +1059,18 @@ def test_csi_sidecars(deploy, controller_cfg):
         # Locked down like the controller container; bounded memory.
         assert c["securityContext"] == ctl["securityContext"], f"{name}: securityContext"
         assert {"cpu", "memory"} <= set(c["resources"]["requests"]) and "memory" in c["resources"]["limits"], name
-        assert not c.get("env") and not c.get("ports"), f"{name}: nothing but its socket"
+        assert not c.get("ports"), f"{name}: nothing but its socket"
+        env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c.get("env", [])}
+        assert env == SIDECAR_ENV.get(name, {}), f"{name}: env {env}"
+    # Capacity tracking: the CSIStorageCapacity objects go to the pod's namespace (NAMESPACE,
+    # where the provisioner's Role grants them) and are owned by the pod's controller two
+    # levels up: pod -> ReplicaSet -> Deployment (the Role reads pods and ReplicaSets).
+    assert deploy["kind"] == "Deployment"
+    assert arg_value(container(deploy, "csi-provisioner")["args"], "--capacity-ownerref-level") == "2"
+
+
+# The downward-API environment each sidecar needs (the others have none).
+SIDECAR_ENV = {"csi-provisioner": {"NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}}
 
 
 
@@ -1195,7 +1206,7 @@ def test_controller_rbac_equals_api_calls(base, controller_cfg):
 
 EXPECTED_SIDECAR_RULES = {
     # external-provisioner v5 rbac.yaml, less secrets, volumeattachments (no
-    # ControllerPublish), CSIStorageCapacity (capacity tracking off) and VolumeAttributesClass.
+    # ControllerPublish) and VolumeAttributesClass. Capacity tracking: EXPECTED_SIDECAR_ROLES.
     "nodeplane-csi-provisioner": {
         ("", "persistentvolumes"): {"get", "list", "watch", "create", "patch", "delete"},
         ("", "persistentvolumeclaims"): {"get", "list", "watch", "update"},
@@ -1225,6 +1236,16 @@ EXPECTED_SIDECAR_RULES = {
     },
 }
 LEADER_ELECTION = {("coordination.k8s.io", "leases"): {"get", "watch", "list", "delete", "update", "create"}}
+# Each sidecar's Role in the namespace: its leader election, and for the provisioner the
+# capacity tracking rules of upstream's Role.
+EXPECTED_SIDECAR_ROLES = {
+    "nodeplane-csi-provisioner": {
+        **LEADER_ELECTION,
+        ("storage.k8s.io", "csistoragecapacities"): {"get", "list", "watch", "create", "update", "patch", "delete"},
+        ("", "pods"): {"get"},
+        ("apps", "replicasets"): {"get"},
+    },
+}
 
 
 def _rules_map(rules):
@@ -1271,7 +1292,7 @@ def test_rbac_bindings(base, deploy):
                 assert "nodeplane.dev" not in rule["apiGroups"], f"{kind} {name} touches nodeplane.dev"
     for name, expected in EXPECTED_SIDECAR_RULES.items():
         assert _rules_map(roles[("ClusterRole", None, name)]["rules"]) == expected, name
-        assert _rules_map(roles[("Role", NAMESPACE, name)]["rules"]) == LEADER_ELECTION, name
+        assert _rules_map(roles[("Role", NAMESPACE, name)]["rules"]) == EXPECTED_SIDECAR_ROLES.get(name, LEADER_ELECTION), name
 
 
 # ----------------------------------------------------------------- namespace, CSI objects
@@ -1297,7 +1318,7 @@ def test_csi_driver_and_storage_class(base):
     name = driver_name()
     drv = find(base, "CSIDriver", name)
     assert drv["spec"] == {"attachRequired": False, "podInfoOnMount": True, "fsGroupPolicy": "File",
-                           "volumeLifecycleModes": ["Persistent"], "storageCapacity": False,
+                           "volumeLifecycleModes": ["Persistent"], "storageCapacity": True,
                            "requiresRepublish": False}
     sc = find(base, "StorageClass", "nodeplane-local")
     assert sc["provisioner"] == name
