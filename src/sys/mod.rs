@@ -22,6 +22,7 @@ pub mod fs;
 pub mod fstools;
 pub mod imagecopy;
 pub mod loopdev;
+pub mod lvm;
 pub mod mount;
 pub mod net_kernel;
 pub mod netlink;

@@ -41,7 +41,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -85,6 +85,10 @@ pub enum VolumeError {
     Metadata { path: PathBuf, source: serde_json::Error },
     #[error("snapshot {id} already exists, of volume {volume} (name {name:?})")]
     SnapshotExists { id: String, volume: String, name: String },
+    #[error("volume {id}: {reason}")]
+    Backend { id: String, reason: String },
+    #[error("volume {id}: {source}")]
+    Lvm { id: String, source: crate::sys::lvm::LvmError },
     #[error(transparent)]
     Fs(#[from] FsError),
 }
@@ -100,6 +104,50 @@ impl From<InvalidFsType> for VolumeError {
 fn io_err(op: &'static str, path: &Path) -> impl FnOnce(io::Error) -> VolumeError {
     let path = path.to_path_buf();
     move |source| VolumeError::Io { op, path, source }
+}
+
+/// Where a volume's bytes live: a sparse file on a loop device (the default), or a thin
+/// logical volume in the LVM thin pool the agent's config names (`lvm`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    #[default]
+    File,
+    Lvm,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::File => "file",
+            Backend::Lvm => "lvm",
+        }
+    }
+    pub fn is_file(&self) -> bool {
+        *self == Backend::File
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A backend name that is not one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid volume backend {0:?} (want \"file\" or \"lvm\")")]
+pub struct InvalidBackend(pub String);
+
+impl std::str::FromStr for Backend {
+    type Err = InvalidBackend;
+    fn from_str(s: &str) -> Result<Self, InvalidBackend> {
+        match s {
+            "" | "file" => Ok(Backend::File),
+            "lvm" => Ok(Backend::Lvm),
+            other => Err(InvalidBackend(other.to_string())),
+        }
+    }
 }
 
 /// One volume as its metadata file records it (plus where its image is).
@@ -122,7 +170,11 @@ pub struct Volume {
     /// one claim's data to another or delete it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub name: String,
-    /// `<dir>/<id>.img` (not stored; derived from the store directory).
+    /// Where its bytes live (absent in the metadata: `file`).
+    #[serde(default, skip_serializing_if = "Backend::is_file")]
+    pub backend: Backend,
+    /// `<dir>/<id>.img`, or the thin LV's device node `/dev/<vg>/np-<id>` (not stored;
+    /// derived from the store directory or the pool).
     #[serde(skip)]
     pub path: PathBuf,
 }
@@ -137,6 +189,7 @@ impl Volume {
             fs_type,
             created_at: now_unix(),
             name: name.to_string(),
+            backend: Backend::File,
             path,
         }
     }
@@ -172,6 +225,9 @@ pub enum Orphan {
     BackingFile { path: PathBuf },
     /// Metadata whose image file is gone.
     MissingBackingFile { id: String, path: PathBuf },
+    /// A logical volume in the thin pool named like ours (`np-…`, `nps-…`) that no volume
+    /// or snapshot accounts for.
+    LogicalVolume { name: String },
 }
 
 /// Check a volume id: 1..=128 characters of `[a-z0-9._-]`, not `.` or `..`. Such an id is
@@ -250,16 +306,16 @@ fn classify(name: &str) -> Entry<'_> {
 struct Index {
     volumes: BTreeMap<String, Volume>,
     snapshots: BTreeMap<String, snapshots::Snapshot>,
-    /// Held for copies in progress (snapshots, volumes made from a source).
-    reserved: u64,
+    /// Held for copies in progress (snapshots, volumes made from a source), by backend.
+    reserved: BTreeMap<Backend, u64>,
 }
 
 impl Index {
-    /// Volumes, snapshots and copies in progress: what the capacity is spent on.
-    fn provisioned(&self) -> u64 {
-        self.volumes.values().map(|v| v.size_bytes).sum::<u64>()
-            + self.snapshots.values().map(|s| s.size_bytes).sum::<u64>()
-            + self.reserved
+    /// Volumes, snapshots and copies in progress on `backend`: what its capacity is spent on.
+    fn provisioned(&self, backend: Backend) -> u64 {
+        self.volumes.values().filter(|v| v.backend == backend).map(|v| v.size_bytes).sum::<u64>()
+            + self.snapshots.values().filter(|s| s.backend == backend).map(|s| s.size_bytes).sum::<u64>()
+            + self.reserved.get(&backend).copied().unwrap_or(0)
     }
 }
 
@@ -271,6 +327,8 @@ pub struct VolumeStore {
     locks: Mutex<HashMap<String, Arc<Mutex<()>>>>,
     /// Loop devices and `statvfs` go through it (the real kernel outside tests).
     kernel: Arc<dyn VolumeKernel>,
+    /// The thin pool of the `lvm` backend, when one is configured.
+    lvm: Option<lvm::Lvm>,
     _lock: File,
 }
 
@@ -325,12 +383,13 @@ impl VolumeStore {
         let store = VolumeStore {
             dir,
             capacity: capacity_bytes,
-            index: Mutex::new(Index { volumes, snapshots, reserved: 0 }),
+            index: Mutex::new(Index { volumes, snapshots, reserved: BTreeMap::new() }),
             locks: Mutex::new(HashMap::new()),
             kernel,
+            lvm: None,
             _lock: lock,
         };
-        let provisioned = store.index.lock().unwrap().provisioned();
+        let provisioned = store.index.lock().unwrap().provisioned(Backend::File);
         if provisioned > capacity_bytes {
             tracing::warn!(
                 dir = %store.dir.display(),
@@ -367,9 +426,37 @@ impl VolumeStore {
         &self.kernel
     }
 
-    /// Bytes still available for new volumes or expansion.
+    /// Bytes still available for new file volumes or expansion.
     pub fn available(&self) -> u64 {
-        self.capacity.saturating_sub(self.index.lock().unwrap().provisioned())
+        self.capacity.saturating_sub(self.index.lock().unwrap().provisioned(Backend::File))
+    }
+
+    /// The capacity of `backend` and what is still available on it: the configured capacity
+    /// for `file`; for `lvm`, the pool's (see [`lvm::PoolUsage`]). `None`: no such backend
+    /// here (no pool configured).
+    pub fn capacity_of(&self, backend: Backend) -> Result<Option<(u64, u64)>> {
+        match backend {
+            Backend::File => Ok(Some((self.capacity, self.available()))),
+            Backend::Lvm => match &self.lvm {
+                None => Ok(None),
+                Some(_) => self.pool_usage().map(|u| u.map(|u| (u.capacity_bytes, u.available_bytes))),
+            },
+        }
+    }
+
+    /// Check that `bytes` more fit on `backend`; the capacity error otherwise.
+    fn check_fits(&self, idx: &Index, id: &str, backend: Backend, bytes: u64) -> Result<()> {
+        let (capacity, available) = match backend {
+            Backend::File => (self.capacity, self.capacity.saturating_sub(idx.provisioned(Backend::File))),
+            Backend::Lvm => {
+                let u = self.lvm(id)?.usage(idx.provisioned(Backend::Lvm)).map_err(|source| lvm_err(id, source))?;
+                (u.capacity_bytes, u.available_bytes)
+            }
+        };
+        if bytes > available {
+            return Err(VolumeError::CapacityExceeded { id: id.to_string(), requested: bytes, available, capacity });
+        }
+        Ok(())
     }
 
     /// Where the image of volume `id` lives (whether or not it exists).
@@ -415,9 +502,14 @@ impl VolumeStore {
             let idx = self.index.lock().unwrap();
             let files =
                 idx.volumes.values().map(|v| v.path.clone()).chain(idx.snapshots.values().map(|s| s.path.clone()));
-            (idx.provisioned(), files.collect::<Vec<_>>(), idx.volumes.len())
+            (idx.provisioned(Backend::File), files.collect::<Vec<_>>(), idx.volumes.len())
         };
-        let allocated = files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.blocks() * 512).sum();
+        let allocated = files
+            .iter()
+            .filter(|p| p.starts_with(&self.dir))
+            .filter_map(|p| std::fs::metadata(p).ok())
+            .map(|m| m.blocks() * 512)
+            .sum();
         let backing_fs_free_bytes =
             self.kernel.statvfs(&self.dir).map(|s| s.blocks_available * s.fragment_size).unwrap_or(0);
         Usage {
@@ -440,13 +532,25 @@ impl VolumeStore {
     /// [`Self::create`] recording `name` (see [`Volume::name`]): an existing volume is the
     /// same one only when its name matches too.
     pub fn create_named(&self, id: &str, size_bytes: u64, fs_type: FsType, name: &str) -> Result<Volume> {
+        self.create_on(Backend::File, id, size_bytes, fs_type, name)
+    }
+
+    /// [`Self::create_named`] on `backend`.
+    pub fn create_on(
+        &self,
+        backend: Backend,
+        id: &str,
+        size_bytes: u64,
+        fs_type: FsType,
+        name: &str,
+    ) -> Result<Volume> {
         validate_id(id)?;
         let size = round_size(id, size_bytes)?;
         let lock = self.volume_lock(id);
         let _g = lock.lock().unwrap();
         let mut idx = self.index.lock().unwrap();
         if let Some(v) = idx.volumes.get(id) {
-            if v.size_bytes == size && v.fs_type == fs_type && v.name == name {
+            if v.size_bytes == size && v.fs_type == fs_type && v.name == name && v.backend == backend {
                 return Ok(v.clone());
             }
             return Err(VolumeError::AlreadyExists {
@@ -457,15 +561,11 @@ impl VolumeStore {
                 requested_fs: fs_type,
             });
         }
-        let available = self.capacity.saturating_sub(idx.provisioned());
-        if size > available {
-            return Err(VolumeError::CapacityExceeded {
-                id: id.to_string(),
-                requested: size,
-                available,
-                capacity: self.capacity,
-            });
+        if backend == Backend::Lvm {
+            drop(idx);
+            return self.create_lv(id, size, fs_type, name);
         }
+        self.check_fits(&idx, id, backend, size)?;
         let img = self.free_image_path(id)?;
         let tmp = self.dir.join(format!(".{id}.img.tmp"));
         let meta_path = self.meta_path(id);
@@ -506,6 +606,11 @@ impl VolumeStore {
         validate_id(id)?;
         let lock = self.volume_lock(id);
         let _g = lock.lock().unwrap();
+        if let Some(v) = self.get(id)?
+            && v.backend == Backend::Lvm
+        {
+            return self.delete_lv(&v);
+        }
         let img = self.dir.join(format!("{id}.img"));
         let meta_path = self.meta_path(id);
         match std::fs::metadata(&img) {
@@ -547,7 +652,11 @@ impl VolumeStore {
         let size = round_size(id, new_size)?;
         let lock = self.volume_lock(id);
         let _g = lock.lock().unwrap();
-        let img = self.get(id)?.ok_or_else(|| VolumeError::NotFound(id.to_string()))?.path;
+        let vol = self.get(id)?.ok_or_else(|| VolumeError::NotFound(id.to_string()))?;
+        if vol.backend == Backend::Lvm {
+            return self.expand_lv(vol, size);
+        }
+        let img = vol.path;
         // Open the image before touching the metadata: a volume whose image is gone is not
         // grown on paper.
         let f = OpenOptions::new()
@@ -557,22 +666,15 @@ impl VolumeStore {
             .map_err(|e| missing_or(id, &img, "opening", e))?;
         let vol = {
             let mut idx = self.index.lock().unwrap();
-            let provisioned = idx.provisioned();
-            let vol = idx.volumes.get_mut(id).ok_or_else(|| VolumeError::NotFound(id.to_string()))?;
-            if size < vol.size_bytes {
-                return Err(VolumeError::Shrink { id: id.to_string(), current: vol.size_bytes, requested: size });
+            let current = idx.volumes.get(id).ok_or_else(|| VolumeError::NotFound(id.to_string()))?.size_bytes;
+            if size < current {
+                return Err(VolumeError::Shrink { id: id.to_string(), current, requested: size });
             }
+            if size > current {
+                self.check_fits(&idx, id, Backend::File, size - current)?;
+            }
+            let vol = idx.volumes.get_mut(id).ok_or_else(|| VolumeError::NotFound(id.to_string()))?;
             if size > vol.size_bytes {
-                let available = self.capacity.saturating_sub(provisioned);
-                let extra = size - vol.size_bytes;
-                if extra > available {
-                    return Err(VolumeError::CapacityExceeded {
-                        id: id.to_string(),
-                        requested: extra,
-                        available,
-                        capacity: self.capacity,
-                    });
-                }
                 // Metadata first: it reserves the capacity, and a crash before the file
                 // grows is finished by the next expand or open.
                 let mut grown = vol.clone();
@@ -609,16 +711,32 @@ impl VolumeStore {
         Ok(self.bindings(id)?.into_iter().find(|b| !b.read_only).map(|b| b.device))
     }
 
-    /// Every loop device bound to volume `id`'s image (read-write and read-only).
+    /// Every loop device bound to volume `id`'s image (read-write and read-only). For a
+    /// volume on the `lvm` backend, its active LV counts as its read-write device, and a
+    /// read-only loop device over the LV as a read-only one.
     pub fn bindings(&self, id: &str) -> Result<Vec<loopdev::LoopBinding>> {
         validate_id(id)?;
-        let img = self.dir.join(format!("{id}.img"));
+        let img = self.image_of(id);
         let m = match std::fs::metadata(&img) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => return Err(io_err("inspecting", &img)(e)),
         };
-        self.kernel.loop_find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))
+        let mut found =
+            self.kernel.loop_find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))?;
+        if m.file_type().is_block_device() {
+            found.insert(0, lvm::lv_binding(&img));
+        }
+        Ok(found)
+    }
+
+    /// The image of volume `id`: its LV's device node on the `lvm` backend, else
+    /// `<dir>/<id>.img` (whether or not the volume exists).
+    fn image_of(&self, id: &str) -> PathBuf {
+        match self.index.lock().unwrap().volumes.get(id) {
+            Some(v) if v.backend == Backend::Lvm => v.path.clone(),
+            _ => self.dir.join(format!("{id}.img")),
+        }
     }
 
     /// Attach volume `id` read-write to a loop device and return it (`/dev/loopN`).
@@ -641,6 +759,9 @@ impl VolumeStore {
         let lock = self.volume_lock(id);
         let _g = lock.lock().unwrap();
         let vol = self.get(id)?.ok_or_else(|| VolumeError::NotFound(id.to_string()))?;
+        if vol.backend == Backend::Lvm && !read_only {
+            return self.activate_lv(&vol);
+        }
         let f = OpenOptions::new()
             .read(true)
             .write(!read_only)
@@ -686,7 +807,8 @@ impl VolumeStore {
         validate_id(id)?;
         let lock = self.volume_lock(id);
         let _g = lock.lock().unwrap();
-        let img = self.dir.join(format!("{id}.img"));
+        // A volume on the `lvm` backend stays active: only its read-only loop devices go.
+        let img = self.image_of(id);
         let m = match std::fs::metadata(&img) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
@@ -742,6 +864,7 @@ impl VolumeStore {
                 out.push(Orphan::BackingFile { path: entry.path() });
             }
         }
+        out.extend(self.orphan_lvs()?);
         Ok(out)
     }
 }
@@ -920,6 +1043,9 @@ fn recover(dir: &Path, kernel: &dyn VolumeKernel) -> Result<BTreeMap<String, Vol
     Ok(volumes)
 }
 
+mod lvm;
+use lvm::lvm_err;
+pub use lvm::{POOL_SHORT_PERCENT, PoolUsage, ThinPoolConfig};
 mod snapshots;
 pub use snapshots::{FROZEN_COPY_LIMIT, Snapshot, Source};
 

@@ -23,8 +23,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Entry, FsType, META_VERSION, Result, Volume, VolumeError, VolumeStore, classify, io_err, meta_version, now_unix,
-    remove_if_exists, round_size, sync_dir, validate_id, write_meta_unsynced_dir,
+    Backend, Entry, FsType, META_VERSION, Result, Volume, VolumeError, VolumeStore, classify, io_err, meta_version,
+    now_unix, remove_if_exists, round_size, sync_dir, validate_id, write_meta_unsynced_dir,
 };
 use crate::sys::imagecopy::{self, CopyLimits, CopyStats};
 
@@ -44,9 +44,13 @@ pub struct Snapshot {
     /// The CSI snapshot name ("" for one taken on the node directly).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub name: String,
-    /// "reflink" or "sparse-copy".
+    /// "reflink", "sparse-copy", or "thin-snapshot" (the `lvm` backend).
     pub method: String,
     pub bytes_copied: u64,
+    /// The source volume's backend, which the snapshot shares.
+    #[serde(default, skip_serializing_if = "Backend::is_file")]
+    pub backend: Backend,
+    /// `<dir>/snapshots/<id>.img`, or the thin snapshot's device node (not stored).
     #[serde(skip)]
     pub path: PathBuf,
 }
@@ -132,8 +136,9 @@ pub(super) fn recover_snapshots(dir: &Path) -> Result<std::collections::BTreeMap
             }
         }
     }
+    // Thin snapshots are checked against the pool (`lvm::recover`).
     out.retain(|id, s| {
-        let there = s.path.exists();
+        let there = s.backend == Backend::Lvm || s.path.exists();
         if !there {
             tracing::error!(snapshot = %id, path = %s.path.display(), "snapshot image is missing; not offering it");
         }
@@ -144,32 +149,26 @@ pub(super) fn recover_snapshots(dir: &Path) -> Result<std::collections::BTreeMap
 }
 
 /// Holds capacity for a volume or snapshot being copied; given back when dropped.
-struct Reservation<'a> {
+pub(super) struct Reservation<'a> {
     store: &'a VolumeStore,
+    backend: Backend,
     bytes: u64,
 }
 
 impl Drop for Reservation<'_> {
     fn drop(&mut self) {
         let mut idx = self.store.index.lock().unwrap();
-        idx.reserved = idx.reserved.saturating_sub(self.bytes);
+        let r = idx.reserved.entry(self.backend).or_default();
+        *r = r.saturating_sub(self.bytes);
     }
 }
 
 impl VolumeStore {
-    fn reserve(&self, id: &str, bytes: u64) -> Result<Reservation<'_>> {
+    pub(super) fn reserve(&self, id: &str, backend: Backend, bytes: u64) -> Result<Reservation<'_>> {
         let mut idx = self.index.lock().unwrap();
-        let available = self.capacity.saturating_sub(idx.provisioned());
-        if bytes > available {
-            return Err(VolumeError::CapacityExceeded {
-                id: id.to_string(),
-                requested: bytes,
-                available,
-                capacity: self.capacity,
-            });
-        }
-        idx.reserved += bytes;
-        Ok(Reservation { store: self, bytes })
+        self.check_fits(&idx, id, backend, bytes)?;
+        *idx.reserved.entry(backend).or_default() += bytes;
+        Ok(Reservation { store: self, backend, bytes })
     }
 
     pub fn get_snapshot(&self, id: &str) -> Result<Option<Snapshot>> {
@@ -214,7 +213,12 @@ impl VolumeStore {
         let vlock = self.volume_lock(source);
         let _vg = vlock.lock().unwrap();
         let vol = self.get(source)?.ok_or_else(|| VolumeError::NotFound(source.to_string()))?;
-        let _r = self.reserve(id, vol.size_bytes)?;
+        let _r = self.reserve(id, vol.backend, vol.size_bytes)?;
+        if vol.backend == Backend::Lvm {
+            // Device-mapper suspends the origin for the moment the snapshot takes, which
+            // flushes and freezes a filesystem on it: `prepare`'s freeze is not needed.
+            return self.snapshot_lv(id, &vol, name);
+        }
         let sdir = snapshot_dir(&self.dir);
         let img = sdir.join(format!("{id}.img"));
         let tmp = sdir.join(format!(".{id}.img.tmp"));
@@ -235,6 +239,7 @@ impl VolumeStore {
                 name: name.to_string(),
                 method: stats.method.as_str().to_string(),
                 bytes_copied: stats.bytes_copied,
+                backend: Backend::File,
                 path: img.clone(),
             };
             write_json(&meta_path, &snap)?;
@@ -265,6 +270,11 @@ impl VolumeStore {
         validate_id(id)?;
         let lock = self.volume_lock(&format!("snapshot/{id}"));
         let _g = lock.lock().unwrap();
+        if let Some(s) = self.get_snapshot(id)?
+            && s.backend == Backend::Lvm
+        {
+            return self.delete_snapshot_lv(&s);
+        }
         let sdir = snapshot_dir(&self.dir);
         let img = sdir.join(format!("{id}.img"));
         let del = sdir.join(format!(".{id}.img.del"));
@@ -306,10 +316,10 @@ impl VolumeStore {
         let size = round_size(id, size_bytes)?;
         let lock = self.volume_lock(id);
         let _g = lock.lock().unwrap();
-        let (src_path, src_size, fs_type) = match source {
+        let (src_path, src_size, fs_type, backend) = match source {
             Source::Snapshot(s) => {
                 let s = self.get_snapshot(s)?.ok_or_else(|| VolumeError::NotFound(format!("snapshot {s}")))?;
-                (s.path, s.size_bytes, s.fs_type)
+                (s.path, s.size_bytes, s.fs_type, s.backend)
             }
             Source::Volume(v) => {
                 if v == id {
@@ -319,11 +329,11 @@ impl VolumeStore {
                     });
                 }
                 let v = self.get(v)?.ok_or_else(|| VolumeError::NotFound(v.clone()))?;
-                (v.path, v.size_bytes, v.fs_type)
+                (v.path, v.size_bytes, v.fs_type, v.backend)
             }
         };
         if let Some(v) = self.get(id)? {
-            if v.size_bytes == size && v.fs_type == fs_type && v.name == name {
+            if v.size_bytes == size && v.fs_type == fs_type && v.name == name && v.backend == backend {
                 return Ok(v);
             }
             return Err(VolumeError::AlreadyExists {
@@ -344,7 +354,11 @@ impl VolumeStore {
             _vlock = self.volume_lock(v);
             _vg = _vlock.lock().unwrap();
         }
-        let _r = self.reserve(id, size)?;
+        let _r = self.reserve(id, backend, size)?;
+        if backend == Backend::Lvm {
+            // A thin snapshot of the source, made writable: instant, sharing its blocks.
+            return self.clone_lv(id, size, fs_type, name, source);
+        }
         let tmp = self.dir.join(format!(".{id}.img.tmp"));
         let meta_path = self.meta_path(id);
         let vol = Volume::new(id, size, fs_type, name, img.clone());
@@ -423,7 +437,7 @@ fn copy_into(src: &Path, dst: &Path, len: u64, limits: CopyLimits) -> io::Result
     Ok(stats)
 }
 
-fn write_json(path: &Path, snap: &Snapshot) -> Result<()> {
+pub(super) fn write_json(path: &Path, snap: &Snapshot) -> Result<()> {
     let mut data =
         serde_json::to_vec_pretty(snap).map_err(|source| VolumeError::Metadata { path: path.to_path_buf(), source })?;
     data.push(b'\n');

@@ -103,14 +103,17 @@ pub fn volume_error_code(e: &VolumeError) -> Code {
         VolumeError::InvalidId { .. } | VolumeError::InvalidSize { .. } | VolumeError::InvalidFsType(_) => {
             Code::InvalidArgument
         }
+        VolumeError::Backend { .. } => Code::FailedPrecondition,
         VolumeError::NotFound(_) => Code::NotFound,
         VolumeError::AlreadyExists { .. } | VolumeError::SnapshotExists { .. } => Code::AlreadyExists,
         VolumeError::CapacityExceeded { .. } | VolumeError::Shrink { .. } => Code::OutOfRange,
         VolumeError::Busy { .. } | VolumeError::BackingFileMissing { .. } => Code::FailedPrecondition,
         VolumeError::Fs(crate::storage::store::FsError::OnlineResizeNotPermitted(_)) => Code::FailedPrecondition,
-        VolumeError::Locked { .. } | VolumeError::Io { .. } | VolumeError::Metadata { .. } | VolumeError::Fs(_) => {
-            Code::Internal
-        }
+        VolumeError::Locked { .. }
+        | VolumeError::Io { .. }
+        | VolumeError::Metadata { .. }
+        | VolumeError::Fs(_)
+        | VolumeError::Lvm { .. } => Code::Internal,
     }
 }
 

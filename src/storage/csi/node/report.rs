@@ -129,6 +129,7 @@ pub const LOOP_WITHOUT_FILE: &str = "loop-device-without-file";
 pub const LOOP_WITHOUT_USER: &str = "loop-device-without-user";
 pub const FILE_WITHOUT_VOLUME: &str = "backing-file-without-volume";
 pub const VOLUME_WITHOUT_FILE: &str = "volume-without-backing-file";
+pub const LV_WITHOUT_VOLUME: &str = "logical-volume-without-volume";
 
 /// A loop device bound to a file in the volume directory.
 struct StoreLoop {
@@ -337,6 +338,20 @@ impl NodeService {
                         f.repair = Some(Repair::Skipped(
                             "the data is lost; the controller reports the volume abnormal: delete the claim".into(),
                         ));
+                    }
+                    f
+                }
+                crate::storage::store::Orphan::LogicalVolume { name } => {
+                    let mut f = Finding::new(
+                        LV_WITHOUT_VOLUME,
+                        name.clone(),
+                        "a logical volume in the thin pool named like the store's, without volume or snapshot metadata",
+                    );
+                    if repair {
+                        f.repair = Some(match self.store.remove_orphan_lv(&name) {
+                            Ok(()) => Repair::Done("removed".into()),
+                            Err(e) => Repair::Failed(e.to_string()),
+                        });
                     }
                     f
                 }

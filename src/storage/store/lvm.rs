@@ -1,0 +1,493 @@
+//! The `lvm` backend: volumes as thin logical volumes in an LVM thin pool the agent's config
+//! names. The store directory keeps their metadata, as for file volumes; the pool keeps the
+//! bytes.
+//!
+//! ```text
+//! <vg>/np-<id>         volume <id> (active while the store runs)
+//! <vg>/np-<id>+new     a create or clone in progress (renamed to np-<id> once the metadata is down)
+//! <vg>/np-<id>+del     a delete in progress (its metadata goes next, then the LV)
+//! <vg>/nps-<id>        snapshot <id> (a thin snapshot, inactive: LVM's activation skip)
+//! <vg>/nps-<id>+new    a snapshot in progress
+//! <vg>/nps-<id>+del    a snapshot delete in progress
+//! ```
+//!
+//! `+` cannot appear in a volume id, so no id's names collide with another's. The order is
+//! the file backend's: a create makes the LV under its temporary name, writes the metadata,
+//! renames the LV; a delete renames the LV away, removes the metadata, then removes the LV;
+//! an expansion writes the bigger size first, then extends the LV. [`VolumeStore::with_thin_pool`]
+//! finishes or rolls back whatever a crash interrupted, and activates every volume. An LV
+//! named like ours that nothing accounts for is an orphan ([`Orphan::LogicalVolume`]),
+//! reported, never removed on the store's own judgement.
+//!
+//! Capacity: the pool's data size times the configured overprovisioning ratio, less the
+//! virtual sizes of the volumes and snapshots in it. While the pool's data or metadata use is
+//! at [`POOL_SHORT_PERCENT`] or more, the pool is short: nothing new is offered (available
+//! is 0) and the agent reports it (readiness, metric, log).
+
+use std::path::{Path, PathBuf};
+
+use super::snapshots::Snapshot;
+use super::{
+    Backend, FsType, META_VERSION, Orphan, Result, Source, Volume, VolumeError, VolumeStore, io_err, now_unix,
+    remove_if_exists, snapshots::snapshot_dir, sync_dir, write_meta_unsynced_dir,
+};
+use crate::sys::loopdev::LoopBinding;
+use crate::sys::lvm::{LvmError, ThinLv, ThinPool};
+
+/// Data or metadata use, in percent, from which a pool counts as running short.
+pub const POOL_SHORT_PERCENT: f64 = 90.0;
+
+/// The thin pool of the `lvm` backend, as the agent's config names it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ThinPoolConfig {
+    pub volume_group: String,
+    pub thin_pool: String,
+    /// Virtual sizes may add up to this many times the pool's data size (≥ 1).
+    pub overprovision_ratio: f64,
+}
+
+/// What the pool holds and offers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolUsage {
+    /// `vg/pool`.
+    pub pool: String,
+    /// The pool's data size.
+    pub size_bytes: u64,
+    /// `size_bytes` × the overprovisioning ratio.
+    pub capacity_bytes: u64,
+    /// Virtual sizes of the volumes and snapshots in it (and copies in progress).
+    pub provisioned_bytes: u64,
+    /// What a new volume may take: 0 while the pool is short.
+    pub available_bytes: u64,
+    pub data_percent: f64,
+    pub metadata_percent: f64,
+    /// Data or metadata use at [`POOL_SHORT_PERCENT`] or more.
+    pub short: bool,
+}
+
+pub(super) struct Lvm {
+    pool: ThinPool,
+    ratio: f64,
+}
+
+impl Lvm {
+    /// The pool's usage, with `provisioned` bytes spent on it.
+    pub(super) fn usage(&self, provisioned: u64) -> Result<PoolUsage, LvmError> {
+        let st = self.pool.status()?;
+        let capacity = (st.size_bytes as f64 * self.ratio) as u64;
+        let short = st.data_percent >= POOL_SHORT_PERCENT || st.metadata_percent >= POOL_SHORT_PERCENT;
+        Ok(PoolUsage {
+            pool: self.pool.to_string(),
+            size_bytes: st.size_bytes,
+            capacity_bytes: capacity,
+            provisioned_bytes: provisioned,
+            available_bytes: if short { 0 } else { capacity.saturating_sub(provisioned) },
+            data_percent: st.data_percent,
+            metadata_percent: st.metadata_percent,
+            short,
+        })
+    }
+}
+
+fn volume_lv(id: &str) -> String {
+    format!("np-{id}")
+}
+fn creating_lv(id: &str) -> String {
+    format!("np-{id}+new")
+}
+fn deleting_lv(id: &str) -> String {
+    format!("np-{id}+del")
+}
+fn snapshot_lv(id: &str) -> String {
+    format!("nps-{id}")
+}
+fn snapshot_creating_lv(id: &str) -> String {
+    format!("nps-{id}+new")
+}
+fn snapshot_deleting_lv(id: &str) -> String {
+    format!("nps-{id}+del")
+}
+
+/// What one of our LV names says: (snapshot?, id, suffix "" / "new" / "del").
+fn parse_lv(name: &str) -> Option<(bool, &str, &str)> {
+    let (snap, rest) = match name.strip_prefix("nps-") {
+        Some(r) => (true, r),
+        None => (false, name.strip_prefix("np-")?),
+    };
+    let (id, suffix) = rest.split_once('+').unwrap_or((rest, ""));
+    (super::validate_id(id).is_ok() && matches!(suffix, "" | "new" | "del")).then_some((snap, id, suffix))
+}
+
+pub(super) fn lvm_err(id: &str, source: LvmError) -> VolumeError {
+    match source {
+        LvmError::InUse { lv, stderr } => VolumeError::Busy { id: id.to_string(), reason: format!("{lv}: {stderr}") },
+        source => VolumeError::Lvm { id: id.to_string(), source },
+    }
+}
+
+/// The binding [`VolumeStore::bindings`] reports for an active LV: the LV itself, read-write.
+pub(super) fn lv_binding(device: &Path) -> LoopBinding {
+    LoopBinding {
+        device: device.to_path_buf(),
+        number: u32::MAX,
+        backing_file: device.to_path_buf(),
+        deleted: false,
+        read_only: false,
+    }
+}
+
+impl VolumeStore {
+    /// Give the store the `lvm` backend: the thin pool `cfg` names. Checks the pool is
+    /// there, finishes or rolls back what a crash interrupted (see the module docs) and
+    /// activates every volume of the pool.
+    pub fn with_thin_pool(mut self, cfg: ThinPoolConfig) -> Result<Self> {
+        let pool = ThinPool::new(&cfg.volume_group, &cfg.thin_pool);
+        let id = format!("thin pool {pool}");
+        if !(cfg.overprovision_ratio >= 1.0 && cfg.overprovision_ratio.is_finite()) {
+            return Err(VolumeError::Backend {
+                id,
+                reason: format!("overprovisioning ratio {} (want a number ≥ 1)", cfg.overprovision_ratio),
+            });
+        }
+        pool.status().map_err(|e| lvm_err(&id, e))?;
+        self.lvm = Some(Lvm { pool, ratio: cfg.overprovision_ratio });
+        self.recover_lvs()?;
+        let u = self.pool_usage()?.expect("just set");
+        tracing::info!(pool = %u.pool, size = u.size_bytes, capacity = u.capacity_bytes, provisioned = u.provisioned_bytes, data_percent = u.data_percent, metadata_percent = u.metadata_percent, "lvm thin pool ready");
+        Ok(self)
+    }
+
+    /// The pool's usage; `None` without a pool.
+    pub fn pool_usage(&self) -> Result<Option<PoolUsage>> {
+        let Some(lvm) = &self.lvm else { return Ok(None) };
+        let provisioned = self.index.lock().unwrap().provisioned(Backend::Lvm);
+        lvm.usage(provisioned).map(Some).map_err(|e| lvm_err(&lvm.pool.to_string(), e))
+    }
+
+    pub(super) fn lvm(&self, id: &str) -> Result<&Lvm> {
+        self.lvm.as_ref().ok_or_else(|| VolumeError::Backend {
+            id: id.to_string(),
+            reason: "the lvm backend is not configured on this node (csi.lvm in the agent's config)".to_string(),
+        })
+    }
+
+    fn pool(&self, id: &str) -> Result<&ThinPool> {
+        self.lvm(id).map(|l| &l.pool)
+    }
+
+    /// Create volume `id` as a thin LV (capacity checked by the reservation).
+    pub(super) fn create_lv(&self, id: &str, size: u64, fs_type: FsType, name: &str) -> Result<Volume> {
+        let pool = self.pool(id)?;
+        let _r = self.reserve(id, Backend::Lvm, size)?;
+        let tmp = creating_lv(id);
+        pool.create(&tmp, size).map_err(|e| lvm_err(id, e))?;
+        crate::util::crash_point("lvm-create-after-lvcreate");
+        let vol = self.finish_lv(id, &tmp, Volume::new(id, size, fs_type, name, pool.device(&volume_lv(id))))?;
+        tracing::info!(volume = id, size, fs = fs_type.as_str(), pool = %pool, "volume created");
+        Ok(vol)
+    }
+
+    /// Volume `vol`'s LV is complete under the temporary name `tmp`: write its metadata,
+    /// rename it into place, index it. On failure the LV and metadata go.
+    fn finish_lv(&self, id: &str, tmp: &str, mut vol: Volume) -> Result<Volume> {
+        let pool = self.pool(id)?;
+        vol.backend = Backend::Lvm;
+        let meta_path = self.meta_path(id);
+        let result = write_meta_unsynced_dir(&meta_path, &vol)
+            .and_then(|()| sync_dir(&self.dir))
+            .and_then(|()| pool.rename(tmp, &volume_lv(id)).map_err(|e| lvm_err(id, e)));
+        if let Err(e) = result {
+            let _ = remove_if_exists(&meta_path).and_then(|()| sync_dir(&self.dir));
+            if let Err(r) = pool.remove(tmp) {
+                tracing::warn!(volume = id, error = %r, "rolling back a failed create: removing the LV failed");
+            }
+            return Err(e);
+        }
+        self.index.lock().unwrap().volumes.insert(id.to_string(), vol.clone());
+        Ok(vol)
+    }
+
+    /// Delete volume `vol`'s LV (the caller holds its lock). Refused while it is open.
+    pub(super) fn delete_lv(&self, vol: &Volume) -> Result<()> {
+        let id = vol.id.as_str();
+        let pool = self.pool(id)?;
+        match pool.get(&volume_lv(id)).map_err(|e| lvm_err(id, e))? {
+            Some(lv) if lv.open => {
+                return Err(VolumeError::Busy {
+                    id: id.to_string(),
+                    reason: format!("{} is open", vol.path.display()),
+                });
+            }
+            Some(_) => pool.rename(&volume_lv(id), &deleting_lv(id)).map_err(|e| lvm_err(id, e))?,
+            None => {}
+        }
+        remove_if_exists(&self.meta_path(id))?;
+        sync_dir(&self.dir)?;
+        self.index.lock().unwrap().volumes.remove(id);
+        crate::util::crash_point("lvm-delete-after-meta");
+        pool.remove(&deleting_lv(id)).map_err(|e| lvm_err(id, e))?;
+        tracing::info!(volume = id, "volume deleted");
+        Ok(())
+    }
+
+    /// Grow volume `vol` to `size` (the caller holds its lock): the metadata first, then the
+    /// LV. Read-only loop devices over it grow with it.
+    pub(super) fn expand_lv(&self, vol: Volume, size: u64) -> Result<Volume> {
+        let id = vol.id.clone();
+        let pool = self.pool(&id)?;
+        if size < vol.size_bytes {
+            return Err(VolumeError::Shrink { id, current: vol.size_bytes, requested: size });
+        }
+        let lv = pool.get(&volume_lv(&id)).map_err(|e| lvm_err(&id, e))?;
+        let Some(lv) = lv else { return Err(VolumeError::BackingFileMissing { id, path: vol.path }) };
+        let mut grown = vol.clone();
+        if size > vol.size_bytes {
+            let idx = self.index.lock().unwrap();
+            self.check_fits(&idx, &id, Backend::Lvm, size - vol.size_bytes)?;
+            grown.size_bytes = size;
+            write_meta_unsynced_dir(&self.meta_path(&id), &grown)?;
+            sync_dir(&self.dir)?;
+            drop(idx);
+            self.index.lock().unwrap().volumes.insert(id.clone(), grown.clone());
+            crate::util::crash_point("lvm-expand-after-meta");
+        }
+        if lv.size_bytes < grown.size_bytes {
+            pool.extend(&lv.name, grown.size_bytes).map_err(|e| lvm_err(&id, e))?;
+            tracing::info!(volume = %id, size = grown.size_bytes, "volume LV grown");
+        }
+        self.grow_read_only_loops(&grown)?;
+        Ok(grown)
+    }
+
+    fn grow_read_only_loops(&self, vol: &Volume) -> Result<()> {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(m) = std::fs::metadata(&vol.path) else { return Ok(()) };
+        let loops = self
+            .kernel
+            .loop_find_backed_by(&vol.path, m.dev(), m.ino())
+            .map_err(io_err("finding loop devices of", &vol.path))?;
+        for b in loops {
+            let dev_size = self.kernel.device_size(&b.device).map_err(io_err("sizing", &b.device))?;
+            if dev_size < vol.size_bytes {
+                self.kernel.loop_set_capacity(&b.device).map_err(io_err("LOOP_SET_CAPACITY on", &b.device))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Volume `vol`'s device, activating its LV when it is not (the caller holds its lock).
+    pub(super) fn activate_lv(&self, vol: &Volume) -> Result<PathBuf> {
+        let id = vol.id.as_str();
+        if !vol.path.exists() {
+            self.pool(id)?.activate(&volume_lv(id)).map_err(|e| lvm_err(id, e))?;
+            tracing::info!(volume = id, device = %vol.path.display(), "volume LV activated");
+        }
+        Ok(vol.path.clone())
+    }
+
+    /// Snapshot `id` of volume `vol` as a thin snapshot (capacity reserved by the caller).
+    pub(super) fn snapshot_lv(&self, id: &str, vol: &Volume, name: &str) -> Result<Snapshot> {
+        let pool = self.pool(id)?;
+        let tmp = snapshot_creating_lv(id);
+        pool.snapshot(&volume_lv(&vol.id), &tmp, false).map_err(|e| lvm_err(id, e))?;
+        crate::util::crash_point("lvm-snapshot-after-lvcreate");
+        let sdir = snapshot_dir(&self.dir);
+        let meta_path = sdir.join(format!("{id}.json"));
+        let snap = Snapshot {
+            version: META_VERSION,
+            id: id.to_string(),
+            source_volume: vol.id.clone(),
+            size_bytes: vol.size_bytes,
+            fs_type: vol.fs_type,
+            created_at: now_unix(),
+            name: name.to_string(),
+            method: "thin-snapshot".to_string(),
+            bytes_copied: 0,
+            backend: Backend::Lvm,
+            path: pool.device(&snapshot_lv(id)),
+        };
+        let result = super::snapshots::write_json(&meta_path, &snap)
+            .and_then(|()| pool.rename(&tmp, &snapshot_lv(id)).map_err(|e| lvm_err(id, e)));
+        if let Err(e) = result {
+            let _ = remove_if_exists(&meta_path).and_then(|()| sync_dir(&sdir));
+            if let Err(r) = pool.remove(&tmp) {
+                tracing::warn!(snapshot = id, error = %r, "rolling back a failed snapshot: removing the LV failed");
+            }
+            return Err(e);
+        }
+        self.index.lock().unwrap().snapshots.insert(id.to_string(), snap.clone());
+        tracing::info!(snapshot = id, volume = %vol.id, size = snap.size_bytes, pool = %pool, "thin snapshot taken");
+        Ok(snap)
+    }
+
+    /// Delete thin snapshot `s` (the caller holds its lock).
+    pub(super) fn delete_snapshot_lv(&self, s: &Snapshot) -> Result<()> {
+        let id = s.id.as_str();
+        let pool = self.pool(id)?;
+        if pool.get(&snapshot_lv(id)).map_err(|e| lvm_err(id, e))?.is_some() {
+            pool.rename(&snapshot_lv(id), &snapshot_deleting_lv(id)).map_err(|e| lvm_err(id, e))?;
+        }
+        self.index.lock().unwrap().snapshots.remove(id);
+        let sdir = snapshot_dir(&self.dir);
+        remove_if_exists(&sdir.join(format!("{id}.json")))?;
+        sync_dir(&sdir)?;
+        pool.remove(&snapshot_deleting_lv(id)).map_err(|e| lvm_err(id, e))?;
+        tracing::info!(snapshot = id, "snapshot deleted");
+        Ok(())
+    }
+
+    /// Volume `id` as a writable thin snapshot of `source`, grown to `size` (capacity
+    /// reserved and the volume locked by the caller).
+    pub(super) fn clone_lv(&self, id: &str, size: u64, fs_type: FsType, name: &str, source: &Source) -> Result<Volume> {
+        let pool = self.pool(id)?;
+        let origin = match source {
+            Source::Snapshot(s) => snapshot_lv(s),
+            Source::Volume(v) => volume_lv(v),
+        };
+        let tmp = creating_lv(id);
+        pool.snapshot(&origin, &tmp, true).map_err(|e| lvm_err(id, e))?;
+        let grown = pool.get(&tmp).map_err(|e| lvm_err(id, e))?.is_some_and(|lv| lv.size_bytes >= size);
+        if !grown && let Err(e) = pool.extend(&tmp, size) {
+            let _ = pool.remove(&tmp);
+            return Err(lvm_err(id, e));
+        }
+        crate::util::crash_point("lvm-clone-after-lvcreate");
+        let vol = self.finish_lv(id, &tmp, Volume::new(id, size, fs_type, name, pool.device(&volume_lv(id))))?;
+        tracing::info!(volume = id, size, from = %source, pool = %pool, "volume created from a thin snapshot");
+        Ok(vol)
+    }
+
+    /// LVs named like ours that no volume or snapshot accounts for (none without a pool).
+    pub(super) fn orphan_lvs(&self) -> Result<Vec<Orphan>> {
+        let Some(lvm) = &self.lvm else { return Ok(Vec::new()) };
+        let lvs = lvm.pool.list().map_err(|e| lvm_err(&lvm.pool.to_string(), e))?;
+        let idx = self.index.lock().unwrap();
+        Ok(lvs
+            .into_iter()
+            .filter(|lv| match parse_lv(&lv.name) {
+                Some((false, id, "")) => idx.volumes.get(id).is_none_or(|v| v.backend != Backend::Lvm),
+                Some((true, id, "")) => idx.snapshots.get(id).is_none_or(|s| s.backend != Backend::Lvm),
+                // In progress: a create, snapshot or delete holds it (or `open` finishes it).
+                Some(_) => false,
+                None => false,
+            })
+            .map(|lv| Orphan::LogicalVolume { name: lv.name })
+            .collect())
+    }
+
+    /// Remove orphan LV `name` (`doctor --repair`): only one [`Self::orphan_lvs`] reports,
+    /// and not while it is open.
+    pub fn remove_orphan_lv(&self, name: &str) -> Result<()> {
+        if !self.orphan_lvs()?.contains(&Orphan::LogicalVolume { name: name.to_string() }) {
+            return Err(VolumeError::Busy { id: name.to_string(), reason: "not an orphan LV".to_string() });
+        }
+        let pool = self.pool(name)?;
+        pool.remove(name).map_err(|e| lvm_err(name, e))?;
+        tracing::warn!(lv = name, pool = %pool, "removed an orphan LV");
+        Ok(())
+    }
+
+    /// Finish or roll back what a crash interrupted in the pool; activate every volume.
+    fn recover_lvs(&mut self) -> Result<()> {
+        let pool = self.lvm.as_ref().expect("set by the caller").pool.clone();
+        let perr = |e| lvm_err(&pool.to_string(), e);
+        let lvs = pool.list().map_err(perr)?;
+        let sdir = snapshot_dir(&self.dir);
+        let mut idx = self.index.lock().unwrap();
+        for lv in &lvs {
+            let Some((snap, id, suffix)) = parse_lv(&lv.name) else { continue };
+            match (snap, suffix) {
+                (false, "del") => {
+                    tracing::info!(volume = id, "finishing an interrupted delete");
+                    remove_if_exists(&self.dir.join(format!("{id}.json")))?;
+                    idx.volumes.remove(id);
+                    pool.remove(&lv.name).map_err(perr)?;
+                }
+                (true, "del") => {
+                    tracing::info!(snapshot = id, "finishing an interrupted snapshot delete");
+                    remove_if_exists(&sdir.join(format!("{id}.json")))?;
+                    idx.snapshots.remove(id);
+                    pool.remove(&lv.name).map_err(perr)?;
+                }
+                (false, "new") => {
+                    let known = idx.volumes.get(id).is_some_and(|v| v.backend == Backend::Lvm);
+                    if known && !lvs.iter().any(|l| l.name == volume_lv(id)) {
+                        tracing::info!(volume = id, "finishing an interrupted create");
+                        pool.rename(&lv.name, &volume_lv(id)).map_err(perr)?;
+                    } else {
+                        tracing::info!(volume = id, "rolling back an interrupted create");
+                        pool.remove(&lv.name).map_err(perr)?;
+                    }
+                }
+                (true, "new") => {
+                    let known = idx.snapshots.get(id).is_some_and(|s| s.backend == Backend::Lvm);
+                    if known && !lvs.iter().any(|l| l.name == snapshot_lv(id)) {
+                        tracing::info!(snapshot = id, "finishing an interrupted snapshot");
+                        pool.rename(&lv.name, &snapshot_lv(id)).map_err(perr)?;
+                    } else {
+                        tracing::info!(snapshot = id, "removing an unfinished snapshot");
+                        pool.remove(&lv.name).map_err(perr)?;
+                    }
+                }
+                _ => {}
+            }
+        }
+        sync_dir(&self.dir)?;
+        sync_dir(&sdir)?;
+        let lvs = pool.list().map_err(perr)?;
+        let find = |name: &str| lvs.iter().find(|l| l.name == name);
+        for v in idx.volumes.values_mut().filter(|v| v.backend == Backend::Lvm) {
+            v.path = pool.device(&volume_lv(&v.id));
+            let Some(lv) = find(&volume_lv(&v.id)) else {
+                tracing::error!(volume = %v.id, pool = %pool, "the volume's LV is missing");
+                continue;
+            };
+            recover_volume_lv(&pool, v, lv)?;
+        }
+        idx.snapshots.retain(|id, s| {
+            if s.backend != Backend::Lvm {
+                return true;
+            }
+            s.path = pool.device(&snapshot_lv(id));
+            let there = find(&snapshot_lv(id)).is_some();
+            if !there {
+                tracing::error!(snapshot = %id, pool = %pool, "the snapshot's LV is missing; not offering it");
+            }
+            there
+        });
+        Ok(())
+    }
+}
+
+/// Activate volume `v`'s LV and finish an interrupted expansion.
+fn recover_volume_lv(pool: &ThinPool, v: &Volume, lv: &ThinLv) -> Result<()> {
+    let err = |e| lvm_err(&v.id, e);
+    if lv.size_bytes < v.size_bytes {
+        tracing::info!(volume = %v.id, from = lv.size_bytes, to = v.size_bytes, "finishing an interrupted expansion");
+        pool.extend(&lv.name, v.size_bytes).map_err(err)?;
+    }
+    if !lv.active {
+        pool.activate(&lv.name).map_err(err)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lv_names_parse_back_and_never_collide() {
+        assert_eq!(parse_lv(&volume_lv("pvc-1")), Some((false, "pvc-1", "")));
+        assert_eq!(parse_lv(&creating_lv("a.new")), Some((false, "a.new", "new")));
+        assert_eq!(parse_lv(&deleting_lv("x")), Some((false, "x", "del")));
+        assert_eq!(parse_lv(&snapshot_lv("s")), Some((true, "s", "")));
+        assert_eq!(parse_lv(&snapshot_creating_lv("s")), Some((true, "s", "new")));
+        assert_eq!(parse_lv(&snapshot_deleting_lv("s")), Some((true, "s", "del")));
+        // A volume whose id ends like a temporary name is still a volume.
+        assert_ne!(volume_lv("a.new"), creating_lv("a"));
+        assert_eq!(parse_lv("pool"), None);
+        assert_eq!(parse_lv("np-UPPER"), None);
+        assert_eq!(parse_lv("np-a+old"), None);
+    }
+}
