@@ -316,7 +316,12 @@ impl Clients {
 
     async fn create(&mut self, id: &str, size: u64, fs: &str) -> napi::Volume {
         self.vols
-            .create_volume(napi::CreateVolumeRequest { id: id.into(), size_bytes: size, fs_type: fs.into() })
+            .create_volume(napi::CreateVolumeRequest {
+                id: id.into(),
+                size_bytes: size,
+                fs_type: fs.into(),
+                ..Default::default()
+            })
             .await
             .unwrap_or_else(|e| panic!("creating {id}: {e}"))
             .into_inner()

@@ -1741,6 +1741,7 @@ fn agent_csi(agent: &mut Agent, rt: &tokio::runtime::Runtime) {
         id: "vol-a".into(),
         size_bytes: 32 << 20,
         fs_type: "ext4".into(),
+        ..Default::default()
     }))
     .expect("creating vol-a");
     let symlink = kubelet.join("evil");

@@ -16,6 +16,7 @@ mod deviceplugin_root;
 mod dra_root;
 mod fuzz_inputs;
 mod kube_controller;
+mod lvm_root;
 mod netlink_root;
 mod routes_root;
 mod volume_root;

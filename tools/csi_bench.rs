@@ -137,7 +137,12 @@ impl Plugin {
         let (staging, target) = self.paths(id);
         let t = Instant::now();
         self.vols
-            .create_volume(napi::CreateVolumeRequest { id: id.into(), size_bytes: size, fs_type: "ext4".into() })
+            .create_volume(napi::CreateVolumeRequest {
+                id: id.into(),
+                size_bytes: size,
+                fs_type: "ext4".into(),
+                ..Default::default()
+            })
             .await
             .unwrap();
         self.step("1 create", t);

@@ -68,6 +68,30 @@ fn default_route_audit() -> u64 {
     60
 }
 
+/// Check `csi.lvm`: LVM's names (`[A-Za-z0-9+_.-]`, not starting with `-`), a ratio ≥ 1.
+fn lvm_config(l: &LvmFileConfig) -> Result<crate::storage::store::ThinPoolConfig, String> {
+    for (field, name) in [("volumeGroup", &l.volume_group), ("thinPool", &l.thin_pool)] {
+        let ok = !name.is_empty()
+            && name.len() <= 64
+            && !name.starts_with('-')
+            && name != "."
+            && name != ".."
+            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"+_.-".contains(&b));
+        if !ok {
+            return Err(format!("csi.lvm.{field} {name:?} is not an LVM name ([A-Za-z0-9+_.-], at most 64)"));
+        }
+    }
+    let ratio = l.overprovision_ratio.unwrap_or(1.0);
+    if !(ratio.is_finite() && ratio >= 1.0) {
+        return Err(format!("csi.lvm.overprovisionRatio {ratio} must be at least 1"));
+    }
+    Ok(crate::storage::store::ThinPoolConfig {
+        volume_group: l.volume_group.clone(),
+        thin_pool: l.thin_pool.clone(),
+        overprovision_ratio: ratio,
+    })
+}
+
 /// The CSI node plugin (on unless `enabled: false`).
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -84,6 +108,21 @@ pub struct CsiFileConfig {
     /// Serve kubelet's registration socket ourselves (default true). False when the
     /// upstream node-driver-registrar sidecar registers the driver (it owns the socket).
     pub self_register: Option<bool>,
+    /// The `lvm` backend: an LVM thin pool for volumes of classes with `backend: lvm`
+    /// (absent: only the file backend).
+    pub lvm: Option<LvmFileConfig>,
+}
+
+/// `csi.lvm`: the thin pool the `lvm` backend makes its volumes in. The operator makes
+/// the volume group and the pool (docs/storage.md, "Preparing a volume group").
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LvmFileConfig {
+    pub volume_group: String,
+    pub thin_pool: String,
+    /// Virtual sizes may add up to this many times the pool's data size (default 1: no
+    /// overprovisioning).
+    pub overprovision_ratio: Option<f64>,
 }
 
 /// Kubelet device plugins (on unless `enabled: false`).
@@ -119,6 +158,7 @@ pub struct CsiConfig {
     pub capacity_bytes: Option<u64>,
     pub max_volumes: i64,
     pub self_register: bool,
+    pub lvm: Option<crate::storage::store::ThinPoolConfig>,
 }
 
 /// The file format. Paths left out derive from `root`.
@@ -487,11 +527,16 @@ impl Config {
             if csi_file.capacity_bytes == Some(0) {
                 return bad("csi.capacityBytes must be positive (set csi.enabled false to turn volumes off)".into());
             }
+            let lvm = match &csi_file.lvm {
+                None => None,
+                Some(l) => Some(lvm_config(l).map_err(ConfigError::Invalid)?),
+            };
             Some(CsiConfig {
                 volume_dir: csi_file.volume_dir.unwrap_or_else(|| state_dir.join("volumes")),
                 capacity_bytes: csi_file.capacity_bytes,
                 max_volumes,
                 self_register: csi_file.self_register.unwrap_or(true),
+                lvm,
             })
         } else {
             None
@@ -812,6 +857,11 @@ impl Config {
                     "capacityBytes": c.capacity_bytes,
                     "maxVolumes": c.max_volumes,
                     "selfRegister": c.self_register,
+                    "lvm": c.lvm.as_ref().map(|l| json!({
+                        "volumeGroup": l.volume_group,
+                        "thinPool": l.thin_pool,
+                        "overprovisionRatio": l.overprovision_ratio,
+                    })),
                     "socket": abs(&crate::storage::csi::csi_socket(&self.kubelet_dir)),
                     "registrationSocket": abs(&crate::storage::csi::registration_socket(&self.kubelet_dir)),
                 }),

@@ -151,6 +151,39 @@ impl Collector for Sources {
                 "Sum of the sizes of the volumes in this node's store.",
                 u.provisioned_bytes,
             )?;
+            if let Some(p) = svc.store.last_pool_usage() {
+                let pool = || [("pool", p.pool.clone())];
+                gauges(
+                    enc,
+                    "nodeplane_csi_pool_size_bytes",
+                    "Data size of the lvm backend's thin pool.",
+                    [(pool(), p.size_bytes)],
+                )?;
+                gauges(
+                    enc,
+                    "nodeplane_csi_pool_provisioned_bytes",
+                    "Sum of the virtual sizes of the volumes and snapshots in the thin pool.",
+                    [(pool(), p.provisioned_bytes)],
+                )?;
+                gauges(
+                    enc,
+                    "nodeplane_csi_pool_data_used_ratio",
+                    "Share of the thin pool's data space in use (0 to 1).",
+                    [(pool(), p.data_percent / 100.0)],
+                )?;
+                gauges(
+                    enc,
+                    "nodeplane_csi_pool_metadata_used_ratio",
+                    "Share of the thin pool's metadata space in use (0 to 1).",
+                    [(pool(), p.metadata_percent / 100.0)],
+                )?;
+                gauges(
+                    enc,
+                    "nodeplane_csi_pool_short",
+                    "1 while the thin pool's data or metadata use is at the short mark (no new volumes are placed).",
+                    [(pool(), u64::from(p.short))],
+                )?;
+            }
             let m = svc.mount_counts();
             gauge(enc, "nodeplane_csi_staged", "Volumes staged on this node (NodeStageVolume done).", m.staged)?;
             gauge(

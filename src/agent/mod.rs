@@ -191,8 +191,13 @@ pub fn prepare_csi(cfg: &Config) -> Result<Option<Arc<crate::storage::csi::NodeS
             half
         }
     };
-    let store = crate::storage::store::VolumeStore::open(&c.volume_dir, capacity)
+    let mut store = crate::storage::store::VolumeStore::open(&c.volume_dir, capacity)
         .map_err(|e| AgentError::Setup(e.to_string()))?;
+    if let Some(pool) = &c.lvm {
+        store = store.with_thin_pool(pool.clone()).map_err(|e| AgentError::Setup(e.to_string()))?;
+    } else if let Some(v) = store.list().into_iter().find(|v| v.backend == crate::storage::store::Backend::Lvm) {
+        tracing::error!(volume = %v.id, "the store holds lvm volumes, but csi.lvm names no thin pool: they cannot be used");
+    }
     let settings = crate::storage::csi::NodeSettings {
         node_id: cfg.node_name.clone(),
         kubelet_dir,

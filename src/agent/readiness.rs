@@ -11,6 +11,10 @@
 //!   connections.
 //! - `networkpolicy` (only when enforcement was off at start): NetworkPolicy is enforced
 //!   (the bridge sysctls br_netfilter provides are set; tried again each tick).
+//! - `storage-pool` (when `csi.lvm` names a thin pool): the pool's data and metadata use
+//!   are below [`POOL_SHORT_PERCENT`]; checked every [`POOL_CHECK`]. A short pool fails the
+//!   condition, is logged once as it turns short, and offers no capacity for new volumes;
+//!   the volumes in it keep working.
 //! - `kernel` (only when one is missing, set once at start by [`super::kernel`]): a kernel
 //!   feature an enabled part cannot work without.
 //! - for all three, kubelet's answer ([`crate::kubelet`]): a plugin kubelet refused fails the
@@ -33,6 +37,18 @@ use crate::net::datapath::Datapath;
 use crate::obs::health::{Condition, Health};
 
 const TICK: Duration = Duration::from_millis(250);
+/// How often the thin pool's use is read (`lvs` runs a process).
+pub const POOL_CHECK: Duration = Duration::from_secs(10);
+
+use crate::storage::store::POOL_SHORT_PERCENT;
+
+/// The `storage-pool` condition and when the pool was last read.
+struct Pool {
+    svc: Arc<crate::storage::csi::NodeService>,
+    cond: Condition,
+    last: Option<std::time::Instant>,
+    short: bool,
+}
 
 pub(crate) struct Readiness {
     cfg: Arc<Config>,
@@ -51,6 +67,7 @@ pub(crate) struct Readiness {
     /// Encryption between nodes ([`Readiness::watch_encryption`]); the condition exists once
     /// the controller asked for encryption.
     encryption: Option<(Arc<super::cluster::Link>, Health, Option<Condition>)>,
+    pool: Option<Pool>,
 }
 
 /// (len, mtime seconds, mtime nanoseconds, inode) of the device file: reparse on change.
@@ -78,6 +95,12 @@ impl Readiness {
         book: crate::kubelet::Registrations,
     ) -> Self {
         let cni = health.condition("cni");
+        let pool = csi.as_ref().filter(|_| cfg.csi.as_ref().is_some_and(|c| c.lvm.is_some())).map(|svc| Pool {
+            svc: svc.clone(),
+            cond: health.condition("storage-pool"),
+            last: None,
+            short: false,
+        });
         let csi = csi.map(|svc| (svc, health.condition("csi")));
         let devices = match (cfg.device_plugins.clone(), devices_ended) {
             (Some(settings), Some(ended)) => {
@@ -99,6 +122,7 @@ impl Readiness {
             book,
             policy: None,
             encryption: None,
+            pool,
         }
     }
 
@@ -151,6 +175,21 @@ impl Readiness {
         }
         if let Some((client, cond)) = &self.policy {
             set(cond, client.enforcement());
+        }
+        if let Some(p) = &mut self.pool
+            && p.last.is_none_or(|t| t.elapsed() >= POOL_CHECK)
+        {
+            p.last = Some(std::time::Instant::now());
+            let svc = p.svc.clone();
+            let st = tokio::task::spawn_blocking(move || pool_state(&svc)).await.unwrap_or_else(|e| Err(e.to_string()));
+            let short = st.is_err();
+            if short && !p.short {
+                tracing::warn!(reason = %st.as_ref().unwrap_err(), "storage pool short: no capacity is offered for new volumes");
+            } else if !short && p.short {
+                tracing::info!("storage pool no longer short");
+            }
+            p.short = short;
+            set(&p.cond, st);
         }
         if let Some((link, health, cond)) = &mut self.encryption {
             let on = link.encryption().0 != crate::net::wireguard::Mode::Off;
@@ -283,5 +322,17 @@ fn set(cond: &Condition, state: Result<(), String>) {
     match state {
         Ok(()) => cond.set(true, "ok"),
         Err(detail) => cond.set(false, detail),
+    }
+}
+
+/// The thin pool's state for the `storage-pool` condition.
+fn pool_state(svc: &crate::storage::csi::NodeService) -> Result<(), String> {
+    match svc.store.pool_usage() {
+        Ok(Some(u)) if u.short => Err(format!(
+            "thin pool {} is short: data {:.1}%, metadata {:.1}% used (at {POOL_SHORT_PERCENT}% no new volume is placed here; extend the pool)",
+            u.pool, u.data_percent, u.metadata_percent
+        )),
+        Ok(_) => Ok(()),
+        Err(e) => Err(e.to_string()),
     }
 }

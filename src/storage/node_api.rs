@@ -8,7 +8,7 @@ use tonic::{Request, Response, Status};
 
 use super::csi::node::{CsiError, NodeService};
 use crate::rpc::node as api;
-use crate::storage::store::{FsType, VolumeError};
+use crate::storage::store::{Backend, FsType, VolumeError};
 
 #[derive(Clone)]
 pub struct NodeVolumes(pub Arc<NodeService>);
@@ -27,6 +27,7 @@ fn to_api(svc: &NodeService, v: &crate::storage::store::Volume) -> api::Volume {
             .map(|b| b.device.display().to_string())
             .collect(),
         backing_file_present: v.path.exists(),
+        backend: v.backend.as_str().to_string(),
     }
 }
 
@@ -70,8 +71,12 @@ impl api::node_volumes_server::NodeVolumes for NodeVolumes {
             .fs_type
             .parse()
             .map_err(|e: crate::storage::fs::InvalidFsType| Status::invalid_argument(e.to_string()))?;
+        let backend: Backend = r
+            .backend
+            .parse()
+            .map_err(|e: crate::storage::store::InvalidBackend| Status::invalid_argument(e.to_string()))?;
         run(&self.0, Some(r.id.clone()), move |s| {
-            let v = s.store.create(&r.id, r.size_bytes, fs).map_err(status)?;
+            let v = s.store.create_on(backend, &r.id, r.size_bytes, fs, "").map_err(status)?;
             Ok(api::CreateVolumeResponse { volume: Some(to_api(s, &v)) })
         })
         .await

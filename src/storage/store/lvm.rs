@@ -68,15 +68,23 @@ pub struct PoolUsage {
 pub(super) struct Lvm {
     pool: ThinPool,
     ratio: f64,
+    /// The last usage read (for metrics, which must not run `lvs`).
+    last: std::sync::Mutex<Option<PoolUsage>>,
 }
 
 impl Lvm {
     /// The pool's usage, with `provisioned` bytes spent on it.
     pub(super) fn usage(&self, provisioned: u64) -> Result<PoolUsage, LvmError> {
         let st = self.pool.status()?;
+        let u = self.usage_of(st, provisioned);
+        *self.last.lock().unwrap() = Some(u.clone());
+        Ok(u)
+    }
+
+    fn usage_of(&self, st: crate::sys::lvm::PoolStatus, provisioned: u64) -> PoolUsage {
         let capacity = (st.size_bytes as f64 * self.ratio) as u64;
         let short = st.data_percent >= POOL_SHORT_PERCENT || st.metadata_percent >= POOL_SHORT_PERCENT;
-        Ok(PoolUsage {
+        PoolUsage {
             pool: self.pool.to_string(),
             size_bytes: st.size_bytes,
             capacity_bytes: capacity,
@@ -85,7 +93,7 @@ impl Lvm {
             data_percent: st.data_percent,
             metadata_percent: st.metadata_percent,
             short,
-        })
+        }
     }
 }
 
@@ -150,7 +158,7 @@ impl VolumeStore {
             });
         }
         pool.status().map_err(|e| lvm_err(&id, e))?;
-        self.lvm = Some(Lvm { pool, ratio: cfg.overprovision_ratio });
+        self.lvm = Some(Lvm { pool, ratio: cfg.overprovision_ratio, last: Default::default() });
         self.recover_lvs()?;
         let u = self.pool_usage()?.expect("just set");
         tracing::info!(pool = %u.pool, size = u.size_bytes, capacity = u.capacity_bytes, provisioned = u.provisioned_bytes, data_percent = u.data_percent, metadata_percent = u.metadata_percent, "lvm thin pool ready");
@@ -162,6 +170,12 @@ impl VolumeStore {
         let Some(lvm) = &self.lvm else { return Ok(None) };
         let provisioned = self.index.lock().unwrap().provisioned(Backend::Lvm);
         lvm.usage(provisioned).map(Some).map_err(|e| lvm_err(&lvm.pool.to_string(), e))
+    }
+
+    /// The pool's usage as last read (by [`Self::pool_usage`], a create or an expansion);
+    /// reads nothing.
+    pub fn last_pool_usage(&self) -> Option<PoolUsage> {
+        self.lvm.as_ref().and_then(|l| l.last.lock().unwrap().clone())
     }
 
     pub(super) fn lvm(&self, id: &str) -> Result<&Lvm> {

@@ -14,7 +14,7 @@ use super::{
 };
 use crate::rpc::csi;
 use crate::storage::csi::capability::Capability;
-use crate::storage::store::{FsType, VolumeError};
+use crate::storage::store::{Backend, FsType, VolumeError};
 use crate::sys::mount::{self, MountOptions};
 use crate::sys::volume_kernel::MountError;
 
@@ -149,7 +149,11 @@ impl NodeService {
             return Ok(());
         }
         let fs = vol.fs_type;
-        match self.kernel.fs_probe_loop(&dev, &vol.path)? {
+        let probed = match vol.backend {
+            Backend::File => self.kernel.fs_probe_loop(&dev, &vol.path)?,
+            Backend::Lvm => self.kernel.fs_probe(&dev)?,
+        };
+        match probed {
             None => {
                 tracing::info!(volume = id, device = %dev.display(), fs = fs.as_str(), "blank device: making a filesystem");
                 self.kernel.mkfs(&dev, fs)?;

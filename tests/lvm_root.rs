@@ -1,0 +1,337 @@
+//! Root-only, device-mapper: the volume store's `lvm` backend against a real LVM thin pool
+//! (a volume group on a loop device over a sparse file), real filesystems and mounts; and
+//! the agent's CSI node plugin staging and publishing a thin volume.
+//!
+//! The VM lane runs these (scripts/vm-test: Debian's kernels have dm-thin); this host's
+//! kernel has no device-mapper, and scripts/test says so instead of running them. Without
+//! device-mapper they FAIL, never skip.
+//!
+//! Each test makes its own volume group `npt<pid><n>` and removes it (with the loop device
+//! and the file) when it ends, also on panic.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use nix::mount::{MntFlags, MsFlags};
+use nodeplane::storage::fs as vfs;
+use nodeplane::storage::store::{Backend, FsType, Orphan, Source, ThinPoolConfig, VolumeError, VolumeStore};
+
+const MIB: u64 = 1 << 20;
+
+/// Run an LVM (or other) tool, as the store does without udev; its stdout.
+fn run(tool: &str, args: &[&str]) -> String {
+    let mut cmd = Command::new(tool);
+    if !Path::new("/run/udev/control").exists() {
+        cmd.env("DM_DISABLE_UDEV", "1");
+    }
+    let out = cmd.env("LVM_SUPPRESS_FD_WARNINGS", "1").args(args).output().unwrap_or_else(|e| panic!("{tool}: {e}"));
+    assert!(out.status.success(), "{tool} {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn try_run(tool: &str, args: &[&str]) -> bool {
+    let mut cmd = Command::new(tool);
+    if !Path::new("/run/udev/control").exists() {
+        cmd.env("DM_DISABLE_UDEV", "1");
+    }
+    cmd.env("LVM_SUPPRESS_FD_WARNINGS", "1").args(args).output().is_ok_and(|o| o.status.success())
+}
+
+/// A volume group on a loop device with one thin pool, and a sandbox directory for the
+/// store and mount points. Dropped: everything unmounted, the VG, loop device and file gone.
+struct Pool {
+    vg: String,
+    dir: PathBuf,
+    loop_dev: String,
+}
+
+impl Pool {
+    fn new(name: &str, pool_mib: u64) -> Pool {
+        assert_eq!(unsafe { libc::geteuid() }, 0, "tests/lvm_root.rs needs root; it does not skip");
+        assert!(
+            try_run("modprobe", &["dm_thin_pool"]),
+            "no dm-thin (device-mapper) in this kernel: run these tests in the VM lane (scripts/vm-test)"
+        );
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let vg = format!("npt{}x{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::SeqCst));
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("lvm-root-{vg}-{name}"));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let img = dir.join("pv.img");
+        fs::File::create(&img).unwrap().set_len((pool_mib + 64) * MIB).unwrap();
+        let loop_dev = run("losetup", &["-f", "--show", img.to_str().unwrap()]).trim().to_string();
+        let p = Pool { vg: vg.clone(), dir, loop_dev: loop_dev.clone() };
+        run("pvcreate", &["-q", "-y", &loop_dev]);
+        run("vgcreate", &["-q", &vg, &loop_dev]);
+        run("lvcreate", &["-q", "-y", "-T", &format!("{vg}/pool"), "-L", &format!("{pool_mib}m")]);
+        p
+    }
+    fn config(&self, ratio: f64) -> ThinPoolConfig {
+        ThinPoolConfig { volume_group: self.vg.clone(), thin_pool: "pool".into(), overprovision_ratio: ratio }
+    }
+    fn store(&self, ratio: f64) -> VolumeStore {
+        VolumeStore::open(&self.dir.join("store"), 1 << 30).unwrap().with_thin_pool(self.config(ratio)).unwrap()
+    }
+    fn mount_point(&self, name: &str) -> PathBuf {
+        let p = self.dir.join("mnt").join(name);
+        fs::create_dir_all(&p).unwrap();
+        p
+    }
+    /// Names of the VG's LVs (hidden ones left out).
+    fn lvs(&self) -> Vec<String> {
+        run("lvs", &["--noheadings", "-o", "lv_name", &self.vg])
+            .lines()
+            .map(|l| l.trim().to_string())
+            .filter(|l| !l.is_empty() && !l.starts_with('['))
+            .collect()
+    }
+    fn lv_size(&self, lv: &str) -> u64 {
+        let out =
+            run("lvs", &["--noheadings", "--units", "b", "--nosuffix", "-o", "lv_size", &format!("{}/{lv}", self.vg)]);
+        out.trim().parse().unwrap()
+    }
+    fn data_percent(&self) -> f64 {
+        run("lvs", &["--noheadings", "-o", "data_percent", &format!("{}/pool", self.vg)]).trim().parse().unwrap()
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let mnt = self.dir.join("mnt");
+        if let Ok(entries) = fs::read_dir(&mnt) {
+            for e in entries.flatten() {
+                let _ = nix::mount::umount2(&e.path(), MntFlags::MNT_DETACH);
+            }
+        }
+        // Read-only loop devices a test bound over an LV go before the VG.
+        for line in run("losetup", &["-l", "-n", "-O", "NAME,BACK-FILE"]).lines() {
+            let mut f = line.split_whitespace();
+            if let (Some(dev), Some(back)) = (f.next(), f.next())
+                && back.contains(&self.vg)
+            {
+                let _ = try_run("losetup", &["-d", dev]);
+            }
+        }
+        let _ = try_run("vgremove", &["-q", "-y", "-f", &self.vg]);
+        let _ = try_run("pvremove", &["-q", "-y", &self.loop_dev]);
+        let _ = try_run("losetup", &["-d", &self.loop_dev]);
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn mount(dev: &Path, at: &Path, fs_type: &str) {
+    let data = if fs_type == "xfs" { Some("nouuid") } else { None };
+    nix::mount::mount(Some(dev), at, Some(fs_type), MsFlags::empty(), data)
+        .unwrap_or_else(|e| panic!("mounting {} at {}: {e}", dev.display(), at.display()));
+}
+
+fn write_file(p: &Path, data: &[u8]) {
+    let mut f = fs::File::create(p).unwrap();
+    f.write_all(data).unwrap();
+    f.sync_all().unwrap();
+}
+
+#[test]
+fn thin_volumes_snapshots_clones_and_online_expansion() {
+    let pool = Pool::new("life", 512);
+    let store = pool.store(1.0);
+    let v = store.create_on(Backend::Lvm, "pvc-a", 64 * MIB, FsType::Xfs, "claim-a").unwrap();
+    assert_eq!(v.backend, Backend::Lvm);
+    assert!(pool.lvs().contains(&"np-pvc-a".to_string()), "{:?}", pool.lvs());
+    assert_eq!(pool.lv_size("np-pvc-a"), 64 * MIB);
+    // Idempotent; another backend for the same id is another volume.
+    assert_eq!(store.create_on(Backend::Lvm, "pvc-a", 64 * MIB, FsType::Xfs, "claim-a").unwrap(), v);
+    assert!(matches!(
+        store.create_on(Backend::File, "pvc-a", 64 * MIB, FsType::Xfs, "claim-a"),
+        Err(VolumeError::AlreadyExists { .. })
+    ));
+
+    let dev = store.attach("pvc-a").unwrap();
+    assert_eq!(dev, Path::new("/dev").join(&pool.vg).join("np-pvc-a"));
+    assert_eq!(store.attached_device("pvc-a").unwrap().as_deref(), Some(dev.as_path()));
+    vfs::mkfs(&dev, FsType::Xfs).unwrap();
+    let m = pool.mount_point("a");
+    mount(&dev, &m, "xfs");
+    write_file(&m.join("marker"), b"before the snapshot");
+
+    // A snapshot of the mounted volume: thin, nothing copied, consistent without our freeze.
+    let data_before = pool.data_percent();
+    let s = store.create_snapshot("snap-1", "pvc-a", "snap-claim").unwrap();
+    assert_eq!((s.method.as_str(), s.bytes_copied, s.backend), ("thin-snapshot", 0, Backend::Lvm));
+    assert!(pool.lvs().contains(&"nps-snap-1".to_string()));
+    assert!(pool.data_percent() - data_before < 1.0, "a thin snapshot allocates no data");
+    write_file(&m.join("marker"), b"after the snapshot!");
+    // Deleting a mounted volume is refused and loses nothing.
+    assert!(matches!(store.delete("pvc-a"), Err(VolumeError::Busy { .. })));
+    assert!(pool.lvs().contains(&"np-pvc-a".to_string()));
+
+    // Online expansion: the LV grows, then the mounted xfs.
+    let grown = store.expand("pvc-a", 128 * MIB).unwrap();
+    assert_eq!(grown.size_bytes, 128 * MIB);
+    assert_eq!(pool.lv_size("np-pvc-a"), 128 * MIB);
+    vfs::grow_fs(&m, FsType::Xfs).unwrap();
+    let st = nix::sys::statvfs::statvfs(&m).unwrap();
+    assert!(st.blocks() * st.fragment_size() > 100 * MIB, "xfs grew online");
+
+    // A restore from the snapshot, bigger than its source: the data as it was.
+    let r = store.create_from("pvc-r", 96 * MIB, "claim-r", &Source::Snapshot("snap-1".into())).unwrap();
+    assert_eq!((r.backend, r.size_bytes, r.fs_type), (Backend::Lvm, 96 * MIB, FsType::Xfs));
+    assert_eq!(pool.lv_size("np-pvc-r"), 96 * MIB);
+    let rdev = store.attach("pvc-r").unwrap();
+    let rm = pool.mount_point("r");
+    mount(&rdev, &rm, "xfs");
+    assert_eq!(fs::read(rm.join("marker")).unwrap(), b"before the snapshot");
+    // A clone of the mounted volume: its data now.
+    let c = store.create_from("pvc-c", 128 * MIB, "claim-c", &Source::Volume("pvc-a".into())).unwrap();
+    let cm = pool.mount_point("c");
+    mount(&store.attach(&c.id).unwrap(), &cm, "xfs");
+    assert_eq!(fs::read(cm.join("marker")).unwrap(), b"after the snapshot!");
+    // Writes to a clone stay in the clone.
+    write_file(&cm.join("marker"), b"the clone's own");
+    assert_eq!(fs::read(m.join("marker")).unwrap(), b"after the snapshot!");
+
+    // A read-only device for a read-only publication: a loop device over the LV.
+    let ro = store.attach_read_only("pvc-a").unwrap();
+    let b = store.bindings("pvc-a").unwrap();
+    assert_eq!(b.len(), 2, "{b:?}");
+    assert!(b.iter().any(|b| b.read_only && b.device == ro));
+    store.detach_read_only("pvc-a").unwrap();
+    assert_eq!(store.bindings("pvc-a").unwrap().len(), 1);
+
+    // Deletes: after unmounting, the LVs and metadata go; the snapshot outlives its source.
+    for (at, id) in [(&m, "pvc-a"), (&rm, "pvc-r"), (&cm, "pvc-c")] {
+        nix::mount::umount2(at.as_path(), MntFlags::empty()).unwrap();
+        store.delete(id).unwrap();
+        store.delete(id).unwrap();
+        assert!(!pool.lvs().contains(&format!("np-{id}")));
+        assert!(!pool.dir.join("store").join(format!("{id}.json")).exists());
+    }
+    assert!(store.get_snapshot("snap-1").unwrap().is_some());
+    store.delete_snapshot("snap-1").unwrap();
+    assert!(!pool.lvs().iter().any(|l| l.starts_with("np")), "{:?}", pool.lvs());
+    assert!(store.orphans().unwrap().is_empty());
+}
+
+#[test]
+fn raw_block_and_ext4_volumes_keep_their_bytes_across_a_reopen() {
+    let pool = Pool::new("reopen", 256);
+    let dir = pool.dir.join("store");
+    {
+        let store = pool.store(1.0);
+        let raw = store.create_on(Backend::Lvm, "raw", 16 * MIB, FsType::Raw, "").unwrap();
+        let dev = store.attach(&raw.id).unwrap();
+        let f = fs::OpenOptions::new().write(true).open(&dev).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, b"raw bytes", MIB).unwrap();
+        f.sync_all().unwrap();
+        let e = store.create_on(Backend::Lvm, "e4", 32 * MIB, FsType::Ext4, "").unwrap();
+        vfs::mkfs(&store.attach(&e.id).unwrap(), FsType::Ext4).unwrap();
+    }
+    // Deactivated behind the store's back (a reboot): opening activates them again.
+    run("lvchange", &["-q", "-an", &format!("{}/np-raw", pool.vg)]);
+    let store = VolumeStore::open(&dir, 1 << 30).unwrap().with_thin_pool(pool.config(1.0)).unwrap();
+    let dev = store.attached_device("raw").unwrap().expect("active again");
+    let mut buf = [0u8; 9];
+    std::os::unix::fs::FileExt::read_exact_at(&fs::File::open(&dev).unwrap(), &mut buf, MIB).unwrap();
+    assert_eq!(&buf, b"raw bytes");
+    let e4 = store.attach("e4").unwrap();
+    assert_eq!(vfs::probe_type(&e4, None).unwrap().as_deref(), Some("ext4"));
+    // Without a pool configured, lvm volumes are there but cannot be made anew.
+    drop(store);
+    let plain = VolumeStore::open(&dir, 1 << 30).unwrap();
+    assert_eq!(plain.get("raw").unwrap().unwrap().backend, Backend::Lvm);
+    assert!(matches!(plain.create_on(Backend::Lvm, "x", MIB, FsType::Raw, ""), Err(VolumeError::Backend { .. })));
+}
+
+#[test]
+fn interrupted_creates_deletes_expansions_and_snapshots_are_finished_or_rolled_back() {
+    let pool = Pool::new("crash", 256);
+    let dir = pool.dir.join("store");
+    let vg = pool.vg.clone();
+    let lv = |n: &str| format!("{vg}/{n}");
+    {
+        let store = pool.store(1.0);
+        store.create_on(Backend::Lvm, "kept", 16 * MIB, FsType::Raw, "").unwrap();
+        store.create_on(Backend::Lvm, "going", 16 * MIB, FsType::Raw, "").unwrap();
+        store.create_on(Backend::Lvm, "growing", 16 * MIB, FsType::Raw, "").unwrap();
+        store.create_on(Backend::Lvm, "made", 16 * MIB, FsType::Raw, "").unwrap();
+        store.create_snapshot("snap", "kept", "").unwrap();
+        store.create_snapshot("snap-new", "kept", "").unwrap();
+    }
+    // A create killed after lvcreate, before its metadata: rolled back.
+    run("lvcreate", &["-q", "-y", "-T", &lv("pool"), "-V", "16m", "-n", "np-half+new"]);
+    // A create killed after its metadata, before the rename: finished.
+    run("lvrename", &["-q", &vg, "np-made", "np-made+new"]);
+    // A delete killed after the rename: finished (metadata and LV gone).
+    run("lvrename", &["-q", &vg, "np-going", "np-going+del"]);
+    // An expansion killed after its metadata: the LV grows at open.
+    let meta = dir.join("growing.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&fs::read(&meta).unwrap()).unwrap();
+    m["sizeBytes"] = (32 * MIB).into();
+    fs::write(&meta, serde_json::to_vec(&m).unwrap()).unwrap();
+    // A snapshot killed before its metadata (removed); one killed before its rename (kept).
+    run("lvcreate", &["-q", "-y", "-s", "-ky", &lv("np-kept"), "-n", "nps-half+new"]);
+    run("lvrename", &["-q", &vg, "nps-snap-new", "nps-snap-new+new"]);
+    // Not ours: an LV named otherwise, and an orphan named like ours.
+    run("lvcreate", &["-q", "-y", "-T", &lv("pool"), "-V", "8m", "-n", "someone-else"]);
+    run("lvcreate", &["-q", "-y", "-T", &lv("pool"), "-V", "8m", "-n", "np-orphan"]);
+
+    let store = VolumeStore::open(&dir, 1 << 30).unwrap().with_thin_pool(pool.config(1.0)).unwrap();
+    let mut lvs = pool.lvs();
+    lvs.sort();
+    assert_eq!(
+        lvs,
+        ["np-growing", "np-kept", "np-made", "np-orphan", "nps-snap", "nps-snap-new", "pool", "someone-else"],
+    );
+    assert!(store.get("going").unwrap().is_none() && !dir.join("going.json").exists());
+    assert!(store.get("half").unwrap().is_none());
+    assert_eq!(pool.lv_size("np-growing"), 32 * MIB);
+    assert!(store.attached_device("made").unwrap().is_some());
+    assert!(store.get_snapshot("snap-new").unwrap().is_some());
+    // The orphan is reported, never removed by opening; removed only when asked.
+    assert_eq!(store.orphans().unwrap(), vec![Orphan::LogicalVolume { name: "np-orphan".into() }]);
+    assert!(store.remove_orphan_lv("someone-else").is_err(), "only a reported orphan is removed");
+    assert!(store.remove_orphan_lv("np-kept").is_err());
+    store.remove_orphan_lv("np-orphan").unwrap();
+    assert!(store.orphans().unwrap().is_empty());
+    assert!(pool.lvs().contains(&"someone-else".to_string()));
+}
+
+#[test]
+fn capacity_follows_the_pool_and_its_overprovisioning() {
+    let pool = Pool::new("capacity", 64);
+    let store = pool.store(2.0);
+    let u = store.pool_usage().unwrap().unwrap();
+    assert_eq!(u.size_bytes, 64 * MIB);
+    assert_eq!((u.capacity_bytes, u.available_bytes, u.short), (128 * MIB, 128 * MIB, false));
+    assert_eq!(store.capacity_of(Backend::Lvm).unwrap(), Some((128 * MIB, 128 * MIB)));
+    // Virtual sizes beyond the pool's data size, up to the ratio.
+    store.create_on(Backend::Lvm, "big", 100 * MIB, FsType::Raw, "").unwrap();
+    let e = store.create_on(Backend::Lvm, "more", 40 * MIB, FsType::Raw, "").unwrap_err();
+    assert!(matches!(e, VolumeError::CapacityExceeded { available, .. } if available == 28 * MIB), "{e}");
+    assert!(store.get("more").unwrap().is_none() && !pool.lvs().contains(&"np-more+new".to_string()));
+    // File volumes keep their own capacity.
+    assert_eq!(store.capacity_of(Backend::File).unwrap(), Some((1 << 30, 1 << 30)));
+    // Writing real data fills the pool: past the short mark nothing new is offered, and
+    // the volume written keeps working.
+    let dev = store.attach("big").unwrap();
+    let f = fs::OpenOptions::new().write(true).open(&dev).unwrap();
+    let chunk = vec![0x5au8; MIB as usize];
+    for i in 0..60 {
+        std::os::unix::fs::FileExt::write_all_at(&f, &chunk, i * MIB).unwrap();
+    }
+    f.sync_all().unwrap();
+    let u = store.pool_usage().unwrap().unwrap();
+    assert!(u.short && u.data_percent >= 90.0, "{u:?}");
+    assert_eq!(u.available_bytes, 0);
+    assert!(matches!(
+        store.create_on(Backend::Lvm, "small", MIB, FsType::Raw, ""),
+        Err(VolumeError::CapacityExceeded { .. })
+    ));
+    assert_eq!(store.last_pool_usage().unwrap().available_bytes, 0);
+    drop(f);
+    store.delete("big").unwrap();
+    let u = store.pool_usage().unwrap().unwrap();
+    assert!(!u.short && u.available_bytes == 128 * MIB, "{u:?}");
+}
