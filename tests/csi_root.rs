@@ -54,10 +54,11 @@ fn require_root() {
 
 // ----- sandbox, agent, cleanup -----
 
-struct Sandbox {
-    dir: PathBuf,
+/// Shared with tests/lvm_root.rs, which runs the agent with a thin pool.
+pub(crate) struct Sandbox {
+    pub(crate) dir: PathBuf,
     agent: Option<Child>,
-    crash_at: Option<String>,
+    pub(crate) crash_at: Option<String>,
 }
 
 fn unescape(s: &str) -> String {
@@ -102,7 +103,7 @@ fn mounts_under(dir: &Path) -> Vec<PathBuf> {
     mounts().into_iter().map(|m| m.0).filter(|p| p.starts_with(dir)).collect()
 }
 
-fn mounted_at(p: &Path) -> Option<(String, String, String)> {
+pub(crate) fn mounted_at(p: &Path) -> Option<(String, String, String)> {
     mounts().into_iter().rev().find(|m| m.0 == p).map(|m| (m.1, m.2, m.4))
 }
 
@@ -142,6 +143,11 @@ fn cleanup(dir: &Path) -> Vec<String> {
 
 impl Sandbox {
     fn new(name: &str) -> Sandbox {
+        Self::with_csi(name, serde_json::json!({"capacityBytes": 4u64 << 30, "maxVolumes": 16}))
+    }
+
+    /// A sandbox whose agent config has `csi` as its `csi` section.
+    pub(crate) fn with_csi(name: &str, csi: serde_json::Value) -> Sandbox {
         require_root();
         // Short: Unix socket paths (kubelet dir + plugins_registry/…-reg.sock) must fit
         // in 108 bytes, so not under the (arbitrarily deep) cargo target dir.
@@ -155,7 +161,7 @@ impl Sandbox {
             "nodeName": format!("csi-{name}"),
             "root": dir.join("root"),
             "shimSource": crate::shim(),
-            "csi": {"capacityBytes": 4u64 << 30, "maxVolumes": 16},
+            "csi": csi,
         });
         fs::write(dir.join("agent.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
         Sandbox { dir, agent: None, crash_at: None }
@@ -178,11 +184,11 @@ impl Sandbox {
     fn volume_dir(&self) -> PathBuf {
         self.root().join("var/lib/nodeplane/volumes")
     }
-    fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
     }
     /// kubelet's staging path for a volume (kubelet creates its parent).
-    fn staging(&self, id: &str, block: bool) -> String {
+    pub(crate) fn staging(&self, id: &str, block: bool) -> String {
         let p = if block {
             self.kubelet().join(format!("plugins/kubernetes.io/csi/volumeDevices/staging/{id}"))
         } else {
@@ -193,7 +199,7 @@ impl Sandbox {
     }
     /// kubelet's target path for a volume in a pod (kubelet creates its parent; the plugin
     /// creates the target).
-    fn target(&self, id: &str, pod: &str, block: bool) -> String {
+    pub(crate) fn target(&self, id: &str, pod: &str, block: bool) -> String {
         let p = if block {
             self.kubelet().join(format!("plugins/kubernetes.io/csi/volumeDevices/publish/{id}/{pod}"))
         } else {
@@ -204,7 +210,7 @@ impl Sandbox {
     }
 
     /// Start the agent and wait until it is ready (registration socket served).
-    async fn start(&mut self) -> Clients {
+    pub(crate) async fn start(&mut self) -> Clients {
         assert!(self.agent.is_none(), "agent already running");
         let _ = fs::remove_file(self.reg_sock());
         let log = OpenOptions::new().create(true).append(true).open(self.dir.join("agent.log")).unwrap();
@@ -236,7 +242,7 @@ impl Sandbox {
         Clients::connect(self).await
     }
 
-    fn kill9(&mut self) {
+    pub(crate) fn kill9(&mut self) {
         if let Some(mut c) = self.agent.take() {
             let _ = c.kill();
             let _ = c.wait();
@@ -244,7 +250,7 @@ impl Sandbox {
     }
 
     /// Wait for the agent to die by itself (a crash point), up to `within`.
-    fn wait_crashed(&mut self, within: Duration) {
+    pub(crate) fn wait_crashed(&mut self, within: Duration) {
         let mut c = self.agent.take().expect("agent running");
         let deadline = Instant::now() + within;
         loop {
@@ -257,7 +263,7 @@ impl Sandbox {
         }
     }
 
-    async fn stop(&mut self) {
+    pub(crate) async fn stop(&mut self) {
         if let Some(mut c) = self.agent.take() {
             nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM)
                 .unwrap();
@@ -274,7 +280,7 @@ impl Sandbox {
     }
 
     /// Nothing of this sandbox is mounted or attached any more.
-    fn assert_clean(&self) {
+    pub(crate) fn assert_clean(&self) {
         let m = mounts_under(&self.dir);
         assert!(m.is_empty(), "leaked mounts: {m:?}");
         let l = loops_under(&self.dir);
@@ -292,10 +298,10 @@ impl Drop for Sandbox {
     }
 }
 
-struct Clients {
+pub(crate) struct Clients {
     identity: csi::identity_client::IdentityClient<Channel>,
     node: csi::node_client::NodeClient<Channel>,
-    vols: napi::node_volumes_client::NodeVolumesClient<Channel>,
+    pub(crate) vols: napi::node_volumes_client::NodeVolumesClient<Channel>,
 }
 
 impl Clients {
@@ -315,12 +321,15 @@ impl Clients {
     }
 
     async fn create(&mut self, id: &str, size: u64, fs: &str) -> napi::Volume {
+        self.create_on(id, size, fs, "").await
+    }
+    pub(crate) async fn create_on(&mut self, id: &str, size: u64, fs: &str, backend: &str) -> napi::Volume {
         self.vols
             .create_volume(napi::CreateVolumeRequest {
                 id: id.into(),
                 size_bytes: size,
                 fs_type: fs.into(),
-                ..Default::default()
+                backend: backend.into(),
             })
             .await
             .unwrap_or_else(|e| panic!("creating {id}: {e}"))
@@ -328,10 +337,15 @@ impl Clients {
             .volume
             .unwrap()
     }
-    async fn delete(&mut self, id: &str) -> Result<(), tonic::Status> {
+    pub(crate) async fn delete(&mut self, id: &str) -> Result<(), tonic::Status> {
         self.vols.delete_volume(napi::DeleteVolumeRequest { id: id.into() }).await.map(|_| ())
     }
-    async fn stage(&mut self, id: &str, staging: &str, cap: csi::VolumeCapability) -> Result<(), tonic::Status> {
+    pub(crate) async fn stage(
+        &mut self,
+        id: &str,
+        staging: &str,
+        cap: csi::VolumeCapability,
+    ) -> Result<(), tonic::Status> {
         self.node
             .node_stage_volume(csi::NodeStageVolumeRequest {
                 volume_id: id.into(),
@@ -342,7 +356,7 @@ impl Clients {
             .await
             .map(|_| ())
     }
-    async fn unstage(&mut self, id: &str, staging: &str) -> Result<(), tonic::Status> {
+    pub(crate) async fn unstage(&mut self, id: &str, staging: &str) -> Result<(), tonic::Status> {
         self.node
             .node_unstage_volume(csi::NodeUnstageVolumeRequest {
                 volume_id: id.into(),
@@ -351,7 +365,7 @@ impl Clients {
             .await
             .map(|_| ())
     }
-    async fn publish(
+    pub(crate) async fn publish(
         &mut self,
         id: &str,
         staging: &str,
@@ -371,13 +385,17 @@ impl Clients {
             .await
             .map(|_| ())
     }
-    async fn unpublish(&mut self, id: &str, target: &str) -> Result<(), tonic::Status> {
+    pub(crate) async fn unpublish(&mut self, id: &str, target: &str) -> Result<(), tonic::Status> {
         self.node
             .node_unpublish_volume(csi::NodeUnpublishVolumeRequest { volume_id: id.into(), target_path: target.into() })
             .await
             .map(|_| ())
     }
-    async fn stats(&mut self, id: &str, path: &str) -> Result<csi::NodeGetVolumeStatsResponse, tonic::Status> {
+    pub(crate) async fn stats(
+        &mut self,
+        id: &str,
+        path: &str,
+    ) -> Result<csi::NodeGetVolumeStatsResponse, tonic::Status> {
         self.node
             .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
                 volume_id: id.into(),
@@ -387,7 +405,13 @@ impl Clients {
             .await
             .map(|r| r.into_inner())
     }
-    async fn expand(&mut self, id: &str, path: &str, required: u64, limit: u64) -> Result<i64, tonic::Status> {
+    pub(crate) async fn expand(
+        &mut self,
+        id: &str,
+        path: &str,
+        required: u64,
+        limit: u64,
+    ) -> Result<i64, tonic::Status> {
         self.node
             .node_expand_volume(csi::NodeExpandVolumeRequest {
                 volume_id: id.into(),
@@ -418,19 +442,19 @@ fn block_cap(mode: Mode) -> csi::VolumeCapability {
     }
 }
 
-fn cap_for(fs: &str) -> csi::VolumeCapability {
+pub(crate) fn cap_for(fs: &str) -> csi::VolumeCapability {
     if fs.is_empty() { block_cap(Mode::SingleNodeWriter) } else { mount_cap(fs, Mode::SingleNodeWriter) }
 }
 
 #[track_caller]
-fn assert_code<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code, what: &str) -> String {
+pub(crate) fn assert_code<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code, what: &str) -> String {
     match r {
         Err(s) if s.code() == code => s.message().to_string(),
         other => panic!("{what}: expected {code:?}, got {other:?}"),
     }
 }
 
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
+pub(crate) fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
         .map(|_| {

@@ -135,16 +135,17 @@ fn write_file(p: &Path, data: &[u8]) {
 
 #[test]
 fn thin_volumes_snapshots_clones_and_online_expansion() {
-    let pool = Pool::new("life", 512);
-    let store = pool.store(1.0);
-    let v = store.create_on(Backend::Lvm, "pvc-a", 64 * MIB, FsType::Xfs, "claim-a").unwrap();
+    // xfs needs 300 MiB at least; virtual sizes add up to more than the pool (ratio 2).
+    let pool = Pool::new("life", 1024);
+    let store = pool.store(2.0);
+    let v = store.create_on(Backend::Lvm, "pvc-a", 320 * MIB, FsType::Xfs, "claim-a").unwrap();
     assert_eq!(v.backend, Backend::Lvm);
     assert!(pool.lvs().contains(&"np-pvc-a".to_string()), "{:?}", pool.lvs());
-    assert_eq!(pool.lv_size("np-pvc-a"), 64 * MIB);
+    assert_eq!(pool.lv_size("np-pvc-a"), 320 * MIB);
     // Idempotent; another backend for the same id is another volume.
-    assert_eq!(store.create_on(Backend::Lvm, "pvc-a", 64 * MIB, FsType::Xfs, "claim-a").unwrap(), v);
+    assert_eq!(store.create_on(Backend::Lvm, "pvc-a", 320 * MIB, FsType::Xfs, "claim-a").unwrap(), v);
     assert!(matches!(
-        store.create_on(Backend::File, "pvc-a", 64 * MIB, FsType::Xfs, "claim-a"),
+        store.create_on(Backend::File, "pvc-a", 320 * MIB, FsType::Xfs, "claim-a"),
         Err(VolumeError::AlreadyExists { .. })
     ));
 
@@ -168,23 +169,23 @@ fn thin_volumes_snapshots_clones_and_online_expansion() {
     assert!(pool.lvs().contains(&"np-pvc-a".to_string()));
 
     // Online expansion: the LV grows, then the mounted xfs.
-    let grown = store.expand("pvc-a", 128 * MIB).unwrap();
-    assert_eq!(grown.size_bytes, 128 * MIB);
-    assert_eq!(pool.lv_size("np-pvc-a"), 128 * MIB);
+    let grown = store.expand("pvc-a", 384 * MIB).unwrap();
+    assert_eq!(grown.size_bytes, 384 * MIB);
+    assert_eq!(pool.lv_size("np-pvc-a"), 384 * MIB);
     vfs::grow_fs(&m, FsType::Xfs).unwrap();
     let st = nix::sys::statvfs::statvfs(&m).unwrap();
-    assert!(st.blocks() * st.fragment_size() > 100 * MIB, "xfs grew online");
+    assert!(st.blocks() * st.fragment_size() > 340 * MIB, "xfs grew online");
 
     // A restore from the snapshot, bigger than its source: the data as it was.
-    let r = store.create_from("pvc-r", 96 * MIB, "claim-r", &Source::Snapshot("snap-1".into())).unwrap();
-    assert_eq!((r.backend, r.size_bytes, r.fs_type), (Backend::Lvm, 96 * MIB, FsType::Xfs));
-    assert_eq!(pool.lv_size("np-pvc-r"), 96 * MIB);
+    let r = store.create_from("pvc-r", 352 * MIB, "claim-r", &Source::Snapshot("snap-1".into())).unwrap();
+    assert_eq!((r.backend, r.size_bytes, r.fs_type), (Backend::Lvm, 352 * MIB, FsType::Xfs));
+    assert_eq!(pool.lv_size("np-pvc-r"), 352 * MIB);
     let rdev = store.attach("pvc-r").unwrap();
     let rm = pool.mount_point("r");
     mount(&rdev, &rm, "xfs");
     assert_eq!(fs::read(rm.join("marker")).unwrap(), b"before the snapshot");
     // A clone of the mounted volume: its data now.
-    let c = store.create_from("pvc-c", 128 * MIB, "claim-c", &Source::Volume("pvc-a".into())).unwrap();
+    let c = store.create_from("pvc-c", 384 * MIB, "claim-c", &Source::Volume("pvc-a".into())).unwrap();
     let cm = pool.mount_point("c");
     mount(&store.attach(&c.id).unwrap(), &cm, "xfs");
     assert_eq!(fs::read(cm.join("marker")).unwrap(), b"after the snapshot!");
@@ -334,4 +335,164 @@ fn capacity_follows_the_pool_and_its_overprovisioning() {
     store.delete("big").unwrap();
     let u = store.pool_usage().unwrap().unwrap();
     assert!(!u.short && u.available_bytes == 128 * MIB, "{u:?}");
+}
+
+// ----- crashes: a child process killed at each crash point, then the store reopened -----
+
+/// What the crash child does (run by [`crash_in_child`]; ignored when run directly).
+#[test]
+#[ignore = "run by crash_in_child with NP_LVM_CHILD set"]
+fn crash_child() {
+    let Ok(spec) = std::env::var("NP_LVM_CHILD") else { return };
+    let [op, vg, dir]: [&str; 3] = spec.splitn(3, ':').collect::<Vec<_>>().try_into().unwrap();
+    let cfg = ThinPoolConfig { volume_group: vg.into(), thin_pool: "pool".into(), overprovision_ratio: 4.0 };
+    let store = VolumeStore::open(Path::new(dir), 1 << 30).unwrap().with_thin_pool(cfg).unwrap();
+    match op {
+        "create" => drop(store.create_on(Backend::Lvm, "new", 16 * MIB, FsType::Raw, "").unwrap()),
+        "snapshot" => drop(store.create_snapshot("snap", "base", "").unwrap()),
+        "clone" => drop(store.create_from("clone", 32 * MIB, "", &Source::Volume("base".into())).unwrap()),
+        "expand" => drop(store.expand("base", 48 * MIB).unwrap()),
+        "delete" => store.delete("base").unwrap(),
+        other => panic!("unknown op {other}"),
+    }
+}
+
+/// Run `op` in a child process that aborts at `point`; assert it did.
+fn crash_in_child(pool: &Pool, op: &str, point: &str) {
+    let dir = pool.dir.join("store");
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "lvm_root::crash_child", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("NP_LVM_CHILD", format!("{op}:{}:{}", pool.vg, dir.display()))
+        .env("NODEPLANE_CRASH_AT", point)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains(&format!("crashing at {point}")), "{op} at {point}: {stderr}");
+}
+
+#[test]
+fn crash_points_in_create_snapshot_clone_expand_and_delete() {
+    let pool = Pool::new("crashpoints", 512);
+    let dir = pool.dir.join("store");
+    let reopen = || VolumeStore::open(&dir, 1 << 30).unwrap().with_thin_pool(pool.config(4.0)).unwrap();
+    {
+        let store = reopen();
+        let base = store.create_on(Backend::Lvm, "base", 32 * MIB, FsType::Raw, "").unwrap();
+        let f = fs::OpenOptions::new().write(true).open(store.attach(&base.id).unwrap()).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, b"base data", 0).unwrap();
+        f.sync_all().unwrap();
+    }
+    let ours = |pool: &Pool| -> Vec<String> {
+        let mut v: Vec<String> = pool.lvs().into_iter().filter(|l| l.starts_with("np")).collect();
+        v.sort();
+        v
+    };
+    // Before the metadata: rolled back, as if never asked.
+    crash_in_child(&pool, "create", "lvm-create-after-lvcreate");
+    assert!(reopen().get("new").unwrap().is_none());
+    crash_in_child(&pool, "snapshot", "lvm-snapshot-after-lvcreate");
+    assert!(reopen().get_snapshot("snap").unwrap().is_none());
+    crash_in_child(&pool, "clone", "lvm-clone-after-lvcreate");
+    assert!(reopen().get("clone").unwrap().is_none());
+    assert_eq!(ours(&pool), ["np-base"]);
+    // After the metadata: finished.
+    crash_in_child(&pool, "create", "lvm-create-after-meta");
+    assert_eq!(reopen().get("new").unwrap().unwrap().size_bytes, 16 * MIB);
+    crash_in_child(&pool, "snapshot", "lvm-snapshot-after-meta");
+    assert!(reopen().get_snapshot("snap").unwrap().is_some());
+    crash_in_child(&pool, "clone", "lvm-create-after-meta");
+    {
+        let store = reopen();
+        let mut buf = [0u8; 9];
+        let dev = store.attach("clone").unwrap();
+        std::os::unix::fs::FileExt::read_exact_at(&fs::File::open(dev).unwrap(), &mut buf, 0).unwrap();
+        assert_eq!(&buf, b"base data", "the clone holds its source's data");
+    }
+    crash_in_child(&pool, "expand", "lvm-expand-after-meta");
+    assert_eq!(reopen().get("base").unwrap().unwrap().size_bytes, 48 * MIB);
+    assert_eq!(pool.lv_size("np-base"), 48 * MIB);
+    crash_in_child(&pool, "delete", "lvm-delete-after-meta");
+    assert!(reopen().get("base").unwrap().is_none());
+    assert_eq!(ours(&pool), ["np-clone", "np-new", "nps-snap"]);
+    assert!(reopen().orphans().unwrap().is_empty());
+}
+
+// ----- the agent: CSI stage and publish of thin volumes, and its crash points -----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_stages_publishes_expands_and_recovers_thin_volumes() {
+    use crate::csi_root::{Sandbox, assert_code, cap_for, mounted_at};
+    let pool = Pool::new("agent", 1024);
+    let lvm = serde_json::json!({"volumeGroup": pool.vg, "thinPool": "pool", "overprovisionRatio": 2});
+    let mut sb = Sandbox::with_csi("lvm", serde_json::json!({"capacityBytes": 1u64 << 30, "lvm": lvm}));
+    let mut c = sb.start().await;
+    let id = "pvc-thin";
+    let v = c.create_on(id, 320 * MIB, "xfs", "lvm").await;
+    assert_eq!(v.backend, "lvm");
+    assert!(pool.lvs().contains(&format!("np-{id}")));
+    let staging = sb.staging(id, false);
+    let (t1, t2) = (sb.target(id, "pod-a", false), sb.target(id, "pod-b", false));
+    c.stage(id, &staging, cap_for("xfs")).await.unwrap();
+    assert_eq!(mounted_at(Path::new(&staging)).expect("staged").0, "xfs");
+    c.publish(id, &staging, &t1, cap_for("xfs"), false).await.unwrap();
+    c.publish(id, &staging, &t2, cap_for("xfs"), true).await.unwrap();
+    write_file(&Path::new(&t1).join("data"), b"thin and mounted");
+    assert_eq!(fs::read(Path::new(&t2).join("data")).unwrap(), b"thin and mounted");
+    assert_code(c.delete(id).await, tonic::Code::FailedPrecondition, "delete while staged");
+    // Online expansion through the CO's calls: the node API grows the LV, NodeExpand the xfs.
+    c.vols
+        .expand_volume(nodeplane::rpc::node::ExpandVolumeRequest { id: id.into(), size_bytes: 400 * MIB })
+        .await
+        .unwrap();
+    c.expand(id, &t1, 400 * MIB, 0).await.unwrap();
+    let st = nix::sys::statvfs::statvfs(Path::new(&t1)).unwrap();
+    assert!(st.blocks() * st.fragment_size() > 380 * MIB, "xfs grew online");
+    let stats = c.stats(id, &t1).await.unwrap();
+    assert!(stats.volume_condition.as_ref().is_none_or(|c| !c.abnormal), "{stats:?}");
+    // The agent killed and restarted: the volume stays staged and published.
+    sb.kill9();
+    let mut c = sb.start().await;
+    assert_eq!(fs::read(Path::new(&t1).join("data")).unwrap(), b"thin and mounted");
+    for t in [&t1, &t2] {
+        c.unpublish(id, t).await.unwrap();
+    }
+    c.unstage(id, &staging).await.unwrap();
+    assert!(mounted_at(Path::new(&staging)).is_none());
+    c.delete(id).await.unwrap();
+    assert!(!pool.lvs().iter().any(|l| l.starts_with("np-")), "{:?}", pool.lvs());
+
+    // A stage killed right after mkfs: the retry finds the filesystem and mounts it.
+    c.create_on("pvc-crash", 16 * MIB, "ext4", "lvm").await;
+    let staging = sb.staging("pvc-crash", false);
+    sb.stop().await;
+    sb.crash_at = Some("stage-after-mkfs".into());
+    let mut c = sb.start().await;
+    let _ = c.stage("pvc-crash", &staging, cap_for("ext4")).await;
+    sb.wait_crashed(std::time::Duration::from_secs(30));
+    sb.crash_at = None;
+    let mut c = sb.start().await;
+    c.stage("pvc-crash", &staging, cap_for("ext4")).await.unwrap();
+    assert_eq!(mounted_at(Path::new(&staging)).expect("staged").0, "ext4");
+    c.unstage("pvc-crash", &staging).await.unwrap();
+    // A create killed between lvcreate and its metadata: rolled back at the next start.
+    sb.stop().await;
+    sb.crash_at = Some("lvm-create-after-lvcreate".into());
+    let mut c2 = sb.start().await;
+    let r = c2
+        .vols
+        .create_volume(nodeplane::rpc::node::CreateVolumeRequest {
+            id: "pvc-half".into(),
+            size_bytes: 16 * MIB,
+            fs_type: "ext4".into(),
+            backend: "lvm".into(),
+        })
+        .await;
+    assert!(r.is_err());
+    sb.wait_crashed(std::time::Duration::from_secs(30));
+    sb.crash_at = None;
+    let mut c = sb.start().await;
+    assert!(!pool.lvs().iter().any(|l| l.contains("pvc-half")), "{:?}", pool.lvs());
+    c.delete("pvc-crash").await.unwrap();
+    sb.stop().await;
+    sb.assert_clean();
 }

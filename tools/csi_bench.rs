@@ -80,6 +80,8 @@ fn journaled_ext4(image: &Path, at: &Path, size: u64) -> String {
 
 struct Reference {
     dir: PathBuf,
+    /// The volume group of the `lvm` backend's pool (`None`: the file backend).
+    vg: Option<String>,
 }
 
 impl Reference {
@@ -87,8 +89,18 @@ impl Reference {
         let img = self.dir.join(format!("ref-{i}.img"));
         let staging = self.dir.join(format!("ref-stage-{i}"));
         let target = self.dir.join(format!("ref-target-{i}"));
-        run("truncate", &["-s", &GIB.to_string(), img.to_str().unwrap()]);
-        let dev = run("losetup", &["--find", "--show", img.to_str().unwrap()]);
+        let dev = match &self.vg {
+            // A thin LV, as a shell-based LVM plugin makes one.
+            Some(vg) => {
+                let pool = format!("{vg}/pool");
+                run("lvcreate", &["-q", "-y", "-T", &pool, "-V", &format!("{GIB}b"), "-n", &format!("ref-{i}")]);
+                format!("/dev/{vg}/ref-{i}")
+            }
+            None => {
+                run("truncate", &["-s", &GIB.to_string(), img.to_str().unwrap()]);
+                run("losetup", &["--find", "--show", img.to_str().unwrap()])
+            }
+        };
         let _ = run("blkid", &["-p", "-o", "value", "-s", "TYPE", &dev]);
         run("mkfs.ext4", &["-F", "-q", &dev]);
         std::fs::create_dir_all(&staging).unwrap();
@@ -101,8 +113,13 @@ impl Reference {
         run("umount", &[target.to_str().unwrap()]);
         std::fs::remove_dir(&target).unwrap();
         run("umount", &[staging.to_str().unwrap()]);
-        run("losetup", &["-d", &dev]);
-        std::fs::remove_file(&img).unwrap();
+        match &self.vg {
+            Some(_) => drop(run("lvremove", &["-q", "-y", &dev])),
+            None => {
+                run("losetup", &["-d", &dev]);
+                std::fs::remove_file(&img).unwrap();
+            }
+        }
     }
 }
 
@@ -113,6 +130,7 @@ struct Plugin {
     node: csi::node_client::NodeClient<tonic::transport::Channel>,
     vols: napi::node_volumes_client::NodeVolumesClient<tonic::transport::Channel>,
     kubelet: PathBuf,
+    backend: &'static str,
 }
 
 fn cap() -> csi::VolumeCapability {
@@ -141,7 +159,7 @@ impl Plugin {
                 id: id.into(),
                 size_bytes: size,
                 fs_type: "ext4".into(),
-                ..Default::default()
+                backend: self.backend.into(),
             })
             .await
             .unwrap();
@@ -212,17 +230,30 @@ pub fn main() {
     let singles: usize = std::env::args().nth(2).map(|s| s.parse().unwrap()).unwrap_or(20);
     let seq: usize = std::env::args().nth(3).map(|s| s.parse().unwrap()).unwrap_or(50);
     let rounds: usize = std::env::args().nth(4).map(|s| s.parse().unwrap()).unwrap_or(3).max(1);
+    let backend: &'static str = match std::env::args().nth(5).as_deref() {
+        None | Some("file") => "file",
+        Some("lvm") => "lvm",
+        Some(other) => panic!("backend {other:?}: want file or lvm"),
+    };
     assert_eq!(unsafe { libc::geteuid() }, 0, "the CSI benchmark needs root");
     let dir = std::env::temp_dir().join(format!("np-bench-csi-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let dir = dir.canonicalize().unwrap();
     let fs_image = dir.with_extension("img");
     let fs_dev = journaled_ext4(&fs_image, &dir, (seq as u64 + 8) * GIB);
+    // The lvm backend: a volume group on a loop device over a file of that ext4, with a thin
+    // pool holding what mkfs writes (virtual sizes overprovisioned 8 times).
+    let vg = (backend == "lvm").then(|| thin_pool(&dir, seq));
+    let mut csi = serde_json::json!({"capacityBytes": (seq as u64 + 2) * GIB});
+    if let Some((vg, _)) = &vg {
+        csi["lvm"] = serde_json::json!({"volumeGroup": vg, "thinPool": "pool", "overprovisionRatio": 8});
+        snapshot_figures(vg);
+    }
     let cfg = serde_json::json!({
         "nodeName": "bench",
         "root": dir.join("root"),
         "shimSource": Path::new(&agent).with_file_name("nodeplane-cni"),
-        "csi": {"capacityBytes": (seq as u64 + 2) * GIB},
+        "csi": csi,
     });
     std::fs::write(dir.join("agent.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
     let log = std::fs::File::create(dir.join("agent.log")).unwrap();
@@ -252,8 +283,9 @@ pub fn main() {
                 node: csi::node_client::NodeClient::new(ch),
                 vols: napi::node_volumes_client::NodeVolumesClient::new(nch),
                 kubelet: kubelet.clone(),
+                backend,
             };
-            let r = Reference { dir: dir.join("ref") };
+            let r = Reference { dir: dir.join("ref"), vg: vg.as_ref().map(|(v, _)| v.clone()) };
             std::fs::create_dir_all(&r.dir).unwrap();
             // Warm-up (page cache for the tools and the agent).
             p.up("warm").await;
@@ -373,7 +405,7 @@ pub fn main() {
             let pf = Figures { up_median: median(&mut pu.clone()), down_median: median(&mut pd.clone()), seq_up: p_seq_up, seq_down: p_seq_down };
             let rf = Figures { up_median: median(&mut ru), down_median: median(&mut rd), seq_up: r_seq_up, seq_down: r_seq_down };
             println!(
-                "CSI node, 1 GiB ext4 volumes, {rounds} rounds of {singles} single runs then {seq} in sequence: medians (ms)"
+                "CSI node, 1 GiB ext4 volumes on the {backend} backend, {rounds} rounds of {singles} single runs then {seq} in sequence: medians (ms)"
             );
             println!("{:<22} {:>10} {:>10} {:>12} {:>12}", "", "up (med)", "down (med)", format!("{seq} up"), format!("{seq} down"));
             print_row("nodeplane agent", &pf);
@@ -459,6 +491,11 @@ pub fn main() {
             let _ = Command::new("losetup").arg("-d").arg(format!("/dev/{}", e.file_name().to_string_lossy())).status();
         }
     }
+    if let Some((vg, pv)) = &vg {
+        let _ = Command::new("vgremove").args(["-q", "-y", "-f", vg]).status();
+        let _ = Command::new("pvremove").args(["-q", "-y", pv]).status();
+        let _ = Command::new("losetup").args(["-d", pv]).status();
+    }
     let _ = Command::new("umount").arg(&dir).status();
     let _ = Command::new("losetup").args(["-d", &fs_dev]).status();
     let _ = std::fs::remove_file(&fs_image);
@@ -466,4 +503,62 @@ pub fn main() {
     if let Err(e) = result {
         std::panic::resume_unwind(e);
     }
+}
+
+/// A volume group `npbench<pid>` on a loop device over a sparse file in `dir`, with a thin
+/// pool `pool` of 2 GiB plus 64 MiB per volume of a sequence. Returns (vg, loop device).
+fn thin_pool(dir: &Path, seq: usize) -> (String, String) {
+    let vg = format!("npbench{}", std::process::id());
+    let pool_mib = 2048 + 64 * seq as u64;
+    let pv = dir.join("pv.img");
+    std::fs::File::create(&pv).unwrap().set_len((pool_mib + 256) << 20).unwrap();
+    let dev = run("losetup", &["--find", "--show", pv.to_str().unwrap()]);
+    run("pvcreate", &["-q", "-y", &dev]);
+    run("vgcreate", &["-q", &vg, &dev]);
+    run("lvcreate", &["-q", "-y", "-T", &format!("{vg}/pool"), "-L", &format!("{pool_mib}m")]);
+    (vg, dev)
+}
+
+/// Snapshots of a 1 GiB thin volume holding 0, 256 and 768 MiB: the store's
+/// (`VolumeStore::create_snapshot`, metadata included) against `lvcreate -s` on the same
+/// volume in the same state. Thin snapshots copy nothing, so neither should grow with the
+/// data. Runs before the agent starts, with a store of its own in the same pool.
+fn snapshot_figures(vg: &str) {
+    use nodeplane::storage::store::{Backend, FsType, ThinPoolConfig, VolumeStore};
+    let dir = std::env::temp_dir().join(format!("np-bench-snap-{}", std::process::id()));
+    let cfg = ThinPoolConfig { volume_group: vg.into(), thin_pool: "pool".into(), overprovision_ratio: 8.0 };
+    let store = VolumeStore::open(&dir, GIB).unwrap().with_thin_pool(cfg).unwrap();
+    store.create_on(Backend::Lvm, "snapsrc", GIB, FsType::Raw, "").unwrap();
+    let dev = store.attach("snapsrc").unwrap();
+    println!("thin snapshots of a 1 GiB volume, median of 5 (ms):");
+    println!("{:<14} {:>12} {:>14} {:>8}", "data written", "nodeplane", "lvcreate -s", "ratio");
+    let mut written = 0u64;
+    for target in [0u64, 256, 768] {
+        let f = std::fs::OpenOptions::new().write(true).open(&dev).unwrap();
+        let chunk = vec![0xa5u8; 1 << 20];
+        while written < target {
+            std::os::unix::fs::FileExt::write_all_at(&f, &chunk, written << 20).unwrap();
+            written += 1;
+        }
+        f.sync_all().unwrap();
+        settle();
+        let (mut ours, mut cli) = (vec![], vec![]);
+        for i in 0..5 {
+            let t = Instant::now();
+            store.create_snapshot(&format!("s{target}-{i}"), "snapsrc", "").unwrap();
+            ours.push(ms(t.elapsed()));
+            let t = Instant::now();
+            run("lvcreate", &["-q", "-y", "-s", "-n", &format!("ref-s{target}-{i}"), &format!("{vg}/np-snapsrc")]);
+            cli.push(ms(t.elapsed()));
+        }
+        for i in 0..5 {
+            store.delete_snapshot(&format!("s{target}-{i}")).unwrap();
+            run("lvremove", &["-q", "-y", &format!("{vg}/ref-s{target}-{i}")]);
+        }
+        let (o, c) = (median(&mut ours), median(&mut cli));
+        println!("{:<14} {o:>12.1} {c:>14.1} {:>8.2}", format!("{target} MiB"), o / c);
+    }
+    store.delete("snapsrc").unwrap();
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -207,9 +207,10 @@ impl VolumeStore {
         let pool = self.pool(id)?;
         vol.backend = Backend::Lvm;
         let meta_path = self.meta_path(id);
-        let result = write_meta_unsynced_dir(&meta_path, &vol)
-            .and_then(|()| sync_dir(&self.dir))
-            .and_then(|()| pool.rename(tmp, &volume_lv(id)).map_err(|e| lvm_err(id, e)));
+        let result = write_meta_unsynced_dir(&meta_path, &vol).and_then(|()| sync_dir(&self.dir)).and_then(|()| {
+            crate::util::crash_point("lvm-create-after-meta");
+            pool.rename(tmp, &volume_lv(id)).map_err(|e| lvm_err(id, e))
+        });
         if let Err(e) = result {
             let _ = remove_if_exists(&meta_path).and_then(|()| sync_dir(&self.dir));
             if let Err(r) = pool.remove(tmp) {
@@ -320,8 +321,10 @@ impl VolumeStore {
             backend: Backend::Lvm,
             path: pool.device(&snapshot_lv(id)),
         };
-        let result = super::snapshots::write_json(&meta_path, &snap)
-            .and_then(|()| pool.rename(&tmp, &snapshot_lv(id)).map_err(|e| lvm_err(id, e)));
+        let result = super::snapshots::write_json(&meta_path, &snap).and_then(|()| {
+            crate::util::crash_point("lvm-snapshot-after-meta");
+            pool.rename(&tmp, &snapshot_lv(id)).map_err(|e| lvm_err(id, e))
+        });
         if let Err(e) = result {
             let _ = remove_if_exists(&meta_path).and_then(|()| sync_dir(&sdir));
             if let Err(r) = pool.remove(&tmp) {
