@@ -340,6 +340,7 @@ def test_render_top_level_is_the_base():
         ("DaemonSet", NAMESPACE, "nodeplane-agent"),
         ("CSIDriver", None, "csi.nodeplane.dev"),
         ("StorageClass", None, "nodeplane-local"),
+        ("StorageClass", None, "nodeplane-lvm"),
     }
     assert names == expected, f"missing: {expected - names}; unexpected: {names - expected}"
 
@@ -1326,6 +1327,11 @@ def test_csi_driver_and_storage_class(base):
     assert sc["allowVolumeExpansion"] is True and sc["reclaimPolicy"] == "Delete"
     assert sc["parameters"] == {"csi.storage.k8s.io/fstype": "ext4"}
     assert sc["metadata"].get("annotations", {}).get("storageclass.kubernetes.io/is-default-class", "false") == "false"
+    # One class per backend: the lvm one differs only in its backend parameter.
+    lvm = find(base, "StorageClass", "nodeplane-lvm")
+    assert lvm["parameters"] == {"csi.storage.k8s.io/fstype": "ext4", "backend": "lvm"}
+    assert {k: v for k, v in lvm.items() if k not in ("metadata", "parameters")} == \
+        {k: v for k, v in sc.items() if k not in ("metadata", "parameters")}
     assert name in (REPO / "README.md").read_text()
 
 
