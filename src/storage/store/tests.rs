@@ -257,6 +257,7 @@ fn open_finishes_or_rolls_back_interrupted_work() {
             fs_type: FsType::Ext4,
             created_at: 1,
             name: String::new(),
+            backend: Backend::File,
             path: PathBuf::new(),
         };
         fs::write(d.join(format!("{id}.json")), serde_json::to_vec(&v).unwrap()).unwrap();
