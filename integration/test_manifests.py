@@ -1407,7 +1407,8 @@ def test_crds(base):
     # Snapshots share the record: what it is, and where its data came from. Optional (records
     # written before snapshots existed have none of them), strings, described.
     assert vol["properties"]["kind"]["enum"] == ["volume", "snapshot"]
-    for f in ("kind", "sourceVolume", "sourceSnapshot"):
+    assert vol["properties"]["backend"]["enum"] == ["file", "lvm"]
+    for f in ("kind", "sourceVolume", "sourceSnapshot", "backend"):
         assert vol["properties"][f]["type"] == "string", f
         assert len(vol["properties"][f].get("description", "")) > 20, f"{f} needs a description"
         assert f not in vol["required"], f"{f} must stay optional"

@@ -259,6 +259,7 @@ fn volume_records_round_trip() {
         kind: Default::default(),
         source_volume: String::new(),
         source_snapshot: String::new(),
+        backend: Default::default(),
     };
     be.commit_volumes(&[
         ("pvc-1".into(), Some(v("pvc-1", VolState::Creating))),
@@ -271,12 +272,17 @@ fn volume_records_round_trip() {
         source_volume: "pvc-1".into(),
         ..v("snap-1", VolState::Ready)
     };
-    let restored = VolumeRecord { source_snapshot: "snap-1".into(), ..v("pvc-2", VolState::Creating) };
+    // The backend: `lvm` is recorded, `file` (the default) leaves the spec as before.
+    let lvm = nodeplane::storage::store::Backend::Lvm;
+    let snap = VolumeRecord { backend: lvm, ..snap };
+    let restored = VolumeRecord { source_snapshot: "snap-1".into(), backend: lvm, ..v("pvc-2", VolState::Creating) };
     be.commit_volumes(&[("snap-1".into(), Some(snap.clone())), ("pvc-2".into(), Some(restored.clone()))]).unwrap();
     let obj = k.get(GROUP, "nodeplanevolumes", None, "snap-1").unwrap();
     assert_eq!((obj["spec"]["kind"].as_str(), obj["spec"]["sourceVolume"].as_str()), (Some("snapshot"), Some("pvc-1")));
+    assert_eq!(obj["spec"]["backend"], "lvm");
     let obj = k.get(GROUP, "nodeplanevolumes", None, "pvc-1").unwrap();
     assert!(obj["spec"].get("kind").is_none(), "a plain volume's spec is as before: {obj}");
+    assert!(obj["spec"].get("backend").is_none(), "a file volume's spec is as before: {obj}");
     let mut loaded = backend(&k).load_volumes().unwrap();
     loaded.sort_by(|a, b| a.id.cmp(&b.id));
     assert!(loaded.contains(&snap) && loaded.contains(&restored), "{loaded:?}");
@@ -813,6 +819,7 @@ fn a_label_added_by_another_client_does_not_restart_the_leader() {
         kind: Default::default(),
         source_volume: String::new(),
         source_snapshot: String::new(),
+        backend: Default::default(),
     };
     be.commit_volumes(&[("pvc-1".into(), Some(vol.clone()))]).unwrap();
     label_as_other_client(&k, "nodeplanevolumes", "pvc-1", "backup", "yes");

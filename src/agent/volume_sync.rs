@@ -21,7 +21,7 @@ use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_client::NodeRegistryClient;
 use crate::storage::csi::NodeService;
 use crate::storage::csi::snapshot::Taken;
-use crate::storage::store::{FsType, Source, VolumeError};
+use crate::storage::store::{Backend, FsType, InvalidBackend, Source, VolumeError, VolumeStore};
 use crate::sys::loopdev;
 
 /// The node's desired set as the controller's stream built it up.
@@ -141,6 +141,131 @@ fn failure_of(id: &str, e: &VolumeError) -> pb::VolumeFailure {
     pb::VolumeFailure { id: id.to_string(), code: code_of(e) as i32, message: e.to_string() }
 }
 
+/// Why a desired volume could not be converged: the store's error, or a refusal before
+/// the store was asked.
+#[derive(Debug, thiserror::Error)]
+enum SyncError {
+    #[error(transparent)]
+    Store(#[from] VolumeError),
+    #[error("volume {id}: {source}")]
+    InvalidBackend { id: String, source: InvalidBackend },
+    #[error(
+        "volume {id}: {what} is on the {source_backend} backend, the volume asks for {backend} (a volume made from a source is on the source's backend)"
+    )]
+    SourceBackend { id: String, what: String, source_backend: Backend, backend: Backend },
+}
+
+impl SyncError {
+    /// The code reported to the controller (a refusal is the request's fault).
+    fn code(&self) -> Code {
+        match self {
+            SyncError::Store(e) => code_of(e),
+            SyncError::InvalidBackend { .. } | SyncError::SourceBackend { .. } => Code::InvalidArgument,
+        }
+    }
+
+    fn failure(&self, id: &str) -> pb::VolumeFailure {
+        pb::VolumeFailure { id: id.to_string(), code: self.code() as i32, message: self.to_string() }
+    }
+}
+
+/// Converge the store on desired volume `d`, which must be present: create it (copying its
+/// source, with backoff), grow it, or check what is held is it. `None`: a copy backs off
+/// (the caller reports its last failure again).
+fn converge_present(
+    svc: &NodeService,
+    d: &pb::DesiredVolume,
+    retries: &mut HashMap<String, Retry>,
+    pending: &mut bool,
+) -> Option<Result<(), SyncError>> {
+    let store = &svc.store;
+    let fs = match d.fs_type.parse::<FsType>() {
+        Ok(fs) => fs,
+        Err(e) => return Some(Err(VolumeError::from(e).into())),
+    };
+    let backend = match d.backend.parse::<Backend>() {
+        Ok(b) => b,
+        Err(source) => return Some(Err(SyncError::InvalidBackend { id: d.id.clone(), source })),
+    };
+    let result = match store.get(&d.id) {
+        Ok(None) if d.creating => return create_desired(svc, d, fs, backend, retries, pending),
+        // Past creation and gone: report it (the controller shows the volume abnormal);
+        // never re-create it empty under a claim that had data.
+        Ok(None) => Err(VolumeError::NotFound(d.id.clone())),
+        Ok(Some(v)) if v.name != d.name || v.fs_type != fs || v.backend != backend => Err(VolumeError::AlreadyExists {
+            id: d.id.clone(),
+            existing_size: v.size_bytes,
+            existing_fs: v.fs_type,
+            requested_size: d.size_bytes,
+            requested_fs: fs,
+        }),
+        Ok(Some(v)) if v.size_bytes < d.size_bytes => store.expand(&d.id, d.size_bytes).map(|_| ()),
+        Ok(Some(_)) => Ok(()),
+        Err(e) => Err(e),
+    };
+    Some(result.map_err(SyncError::from))
+}
+
+/// Create desired volume `d` on `backend`: empty, or as a copy of its source (which must be
+/// on the same backend). `None` as for [`converge_present`].
+fn create_desired(
+    svc: &NodeService,
+    d: &pb::DesiredVolume,
+    fs: FsType,
+    backend: Backend,
+    retries: &mut HashMap<String, Retry>,
+    pending: &mut bool,
+) -> Option<Result<(), SyncError>> {
+    let Some(src) = source_of(d) else {
+        return Some(svc.store.create_on(backend, &d.id, d.size_bytes, fs, &d.name).map(|_| ()).map_err(Into::into));
+    };
+    if let Err(e) = check_source_backend(&svc.store, &d.id, &src, backend) {
+        return Some(Err(e));
+    }
+    copy_attempt(retries, pending, &d.id, || svc.create_volume_from(&d.id, d.size_bytes, &d.name, &src))
+        .map(|r| r.map_err(Into::into))
+}
+
+/// Refuse a volume `id` on `backend` made from `src` when the store holds the source on
+/// another backend. A source the store does not hold passes: the copy reports it missing.
+fn check_source_backend(store: &VolumeStore, id: &str, src: &Source, backend: Backend) -> Result<(), SyncError> {
+    let held = match src {
+        Source::Snapshot(s) => store.get_snapshot(s)?.map(|s| s.backend),
+        Source::Volume(v) => store.get(v)?.map(|v| v.backend),
+    };
+    match held {
+        Some(b) if b != backend => {
+            Err(SyncError::SourceBackend { id: id.to_string(), what: src.to_string(), source_backend: b, backend })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Every backend the store has and its room: `file` always, `lvm` with a thin pool (left
+/// out, with a warning, while the pool cannot be read: nothing new is placed on it then).
+fn backend_capacities(store: &VolumeStore) -> Vec<pb::BackendCapacity> {
+    let file = pb::BackendCapacity {
+        backend: Backend::File.as_str().to_string(),
+        capacity_bytes: store.capacity(),
+        available_bytes: store.available(),
+        short: false,
+    };
+    // `capacity_of(Lvm)` is the pool's usage: read it once, with its `short`.
+    let lvm = match store.pool_usage() {
+        Ok(u) => u.map(|u| pb::BackendCapacity {
+            backend: Backend::Lvm.as_str().to_string(),
+            capacity_bytes: u.capacity_bytes,
+            available_bytes: u.available_bytes,
+            short: u.short,
+        }),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the lvm thin pool's usage; not offering it");
+            None
+        }
+    };
+    std::iter::once(file).chain(lvm).collect()
+}
+
 /// The content source a desired volume names, if any.
 fn source_of(d: &pb::DesiredVolume) -> Option<Source> {
     if !d.source_snapshot_id.is_empty() {
@@ -191,35 +316,12 @@ fn reconcile(
             continue;
         };
         let result = if d.present {
-            match d.fs_type.parse::<FsType>() {
-                Err(e) => Err(e.into()),
-                Ok(fs) => match store.get(&d.id) {
-                    Ok(None) if d.creating => match source_of(d) {
-                        None => store.create_named(&d.id, d.size_bytes, fs, &d.name).map(|_| ()),
-                        Some(src) => match copy_attempt(retries, &mut pending, &d.id, || {
-                            svc.create_volume_from(&d.id, d.size_bytes, &d.name, &src)
-                        }) {
-                            Some(r) => r,
-                            None => {
-                                failures.extend(waiting(retries, &d.id));
-                                continue;
-                            }
-                        },
-                    },
-                    // Past creation and gone: report it (the controller shows the volume
-                    // abnormal); never re-create it empty under a claim that had data.
-                    Ok(None) => Err(VolumeError::NotFound(d.id.clone())),
-                    Ok(Some(v)) if v.name != d.name || v.fs_type != fs => Err(VolumeError::AlreadyExists {
-                        id: d.id.clone(),
-                        existing_size: v.size_bytes,
-                        existing_fs: v.fs_type,
-                        requested_size: d.size_bytes,
-                        requested_fs: fs,
-                    }),
-                    Ok(Some(v)) if v.size_bytes < d.size_bytes => store.expand(&d.id, d.size_bytes).map(|_| ()),
-                    Ok(Some(_)) => Ok(()),
-                    Err(e) => Err(e),
-                },
+            match converge_present(svc, d, retries, &mut pending) {
+                Some(r) => r,
+                None => {
+                    failures.extend(waiting(retries, &d.id));
+                    continue;
+                }
             }
         } else {
             match store.get(&d.id) {
@@ -229,10 +331,11 @@ fn reconcile(
                 Ok(None) => Ok(()),
                 Err(e) => Err(e),
             }
+            .map_err(SyncError::from)
         };
         if let Err(e) = result {
             tracing::warn!(volume = %d.id, present = d.present, error = %e, "could not converge volume");
-            failures.push(failure_of(&d.id, &e));
+            failures.push(e.failure(&d.id));
         }
     }
     for d in &set.snapshots {
@@ -336,6 +439,7 @@ fn reconcile(
             backing_file_present: v.path.exists(),
             attached: attached(&v.path),
             name: v.name.clone(),
+            backend: v.backend.as_str().to_string(),
         })
         .collect();
     (
@@ -361,6 +465,7 @@ fn reconcile(
                     bytes_copied: s.bytes_copied,
                 })
                 .collect(),
+            backends: backend_capacities(store),
         },
         pending,
     )
@@ -461,6 +566,80 @@ mod tests {
 
     fn vol(id: &str, size: u64) -> pb::DesiredVolume {
         pb::DesiredVolume { id: id.into(), size_bytes: size, present: true, name: id.into(), ..Default::default() }
+    }
+
+    /// A node service over a store of 1 GiB on the fake kernel, without an lvm pool.
+    fn node(tag: &str) -> (crate::util::TestDir, NodeService) {
+        let dir = crate::util::TestDir::new(&format!("volume-sync-{tag}"));
+        let fake = Arc::new(crate::sys::fake_volume::FakeKernel::new());
+        let store = VolumeStore::open_with(&dir.0.join("volumes"), 1 << 30, fake).unwrap();
+        let settings = crate::storage::csi::node::NodeSettings {
+            node_id: "n1".into(),
+            kubelet_dir: dir.0.join("kubelet"),
+            record_dir: dir.0.join("state/csi"),
+            max_volumes: 8,
+        };
+        let svc = NodeService::new(settings, Arc::new(store)).unwrap();
+        (dir, svc)
+    }
+
+    fn creating(id: &str, backend: &str) -> pb::DesiredVolume {
+        pb::DesiredVolume { creating: true, fs_type: "ext4".into(), backend: backend.into(), ..vol(id, 1 << 20) }
+    }
+
+    fn failure<'a>(r: &'a pb::ReportVolumesRequest, id: &str) -> Option<&'a pb::VolumeFailure> {
+        r.failures.iter().find(|f| f.id == id)
+    }
+
+    #[test]
+    fn volumes_are_made_on_the_backend_the_controller_names() {
+        let (_d, svc) = node("backend");
+        let set = pb::VolumeSet {
+            volumes: vec![
+                creating("plain", ""),
+                creating("file", "file"),
+                creating("bad", "zfs"),
+                creating("thin", "lvm"),
+                pb::DesiredVolume { source_volume_id: "file".into(), ..creating("copy", "lvm") },
+            ],
+            revision: 3,
+            ..Default::default()
+        };
+        let (r, _) = reconcile(&svc, &set, &mut SyncState::default(), "n1");
+        let held: Vec<(String, Backend)> = svc.store.list().into_iter().map(|v| (v.id, v.backend)).collect();
+        assert_eq!(held, vec![("file".to_string(), Backend::File), ("plain".to_string(), Backend::File)]);
+        // An unknown backend: refused before the store is asked.
+        let bad = failure(&r, "bad").unwrap();
+        assert_eq!(bad.code, Code::InvalidArgument as i32);
+        assert!(bad.message.contains("invalid volume backend \"zfs\""), "{}", bad.message);
+        // lvm without a pool on this node: the store says so.
+        let thin = failure(&r, "thin").unwrap();
+        assert_eq!(thin.code, Code::FailedPrecondition as i32);
+        assert!(thin.message.contains("lvm backend is not configured"), "{}", thin.message);
+        // A copy asking for another backend than its source's: refused, nothing copied.
+        let copy = failure(&r, "copy").unwrap();
+        assert_eq!(copy.code, Code::InvalidArgument as i32);
+        assert!(
+            copy.message.contains("volume file is on the file backend, the volume asks for lvm"),
+            "{}",
+            copy.message
+        );
+        // The report: each volume's backend, and the backends the node has (file only).
+        assert!(r.volumes.iter().all(|v| v.backend == "file"), "{:?}", r.volumes);
+        assert_eq!(
+            r.backends,
+            vec![pb::BackendCapacity {
+                backend: "file".into(),
+                capacity_bytes: 1 << 30,
+                available_bytes: (1 << 30) - (2 << 20),
+                short: false,
+            }]
+        );
+        assert_eq!((r.capacity_bytes, r.available_bytes), (1 << 30, (1 << 30) - (2 << 20)));
+        // A held volume the controller now places on another backend is not it.
+        let moved = pb::VolumeSet { volumes: vec![creating("file", "lvm")], ..set };
+        let (r, _) = reconcile(&svc, &moved, &mut SyncState::default(), "n1");
+        assert_eq!(failure(&r, "file").unwrap().code, Code::AlreadyExists as i32);
     }
 
     fn ids(v: &DesiredView) -> Vec<(String, u64)> {

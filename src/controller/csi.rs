@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tonic::{Code, Request, Response, Status};
 
-use super::records::{VolState, VolumeRecord};
+use super::records::{StoreBackend, VolState, VolumeRecord};
 use super::volumes::{BookError, ContentSource, Placement, VolumeBook, failure_since, held, held_snapshot};
 use crate::rpc::csi;
 use crate::storage::csi::{TOPOLOGY_KEY, capability};
@@ -79,6 +79,27 @@ fn check_capabilities(caps: &[csi::VolumeCapability], fs_param: Option<&str>) ->
 /// The filesystem a StorageClass asks for (`csi.storage.k8s.io/fstype` or `fsType`).
 fn fs_parameter(p: &std::collections::HashMap<String, String>) -> Option<&str> {
     p.get("csi.storage.k8s.io/fstype").or_else(|| p.get("fsType")).map(String::as_str)
+}
+
+/// The StorageClass parameter that picks the node store's backend.
+pub const BACKEND_PARAMETER: &str = "backend";
+
+/// The store backend a StorageClass asks for (`backend`: "file", the default, or "lvm");
+/// any other value is INVALID_ARGUMENT.
+fn backend_parameter(p: &std::collections::HashMap<String, String>) -> Result<StoreBackend, CsiError> {
+    let Some(v) = p.get(BACKEND_PARAMETER) else { return Ok(StoreBackend::File) };
+    v.parse().map_err(|e| invalid(format!("parameter {BACKEND_PARAMETER:?}: {e}")))
+}
+
+/// A volume made from `src` (the record of `what`) must be on its backend.
+fn check_source_backend(what: &ContentSource, src: &VolumeRecord, backend: StoreBackend) -> Result<(), CsiError> {
+    if src.backend == backend {
+        return Ok(());
+    }
+    Err(invalid(format!(
+        "{what} is on the {} backend; a volume made from it must be too (the request asks for {backend})",
+        src.backend
+    )))
 }
 
 /// Turn a capacity range into a size: whole MiB, at least the required bytes, within the
@@ -241,6 +262,10 @@ impl ControllerService {
             (None, _) => None,
         };
         let mut fs = check_capabilities(&r.volume_capabilities, fs_parameter(&r.parameters))?;
+        let backend = backend_parameter(&r.parameters)?;
+        if let (Some(what), Some(src)) = (&source, &source_rec) {
+            check_source_backend(what, src, backend)?;
+        }
         if let Some(src) = &source_rec {
             // A copy holds the source's filesystem: unless the request names another one
             // (refused), the volume is of the source's type; block and filesystem volumes
@@ -288,7 +313,7 @@ impl ControllerService {
                 size = src.size_bytes;
             }
         }
-        let mut placement = Placement::default();
+        let mut placement = Placement { backend, ..Default::default() };
         if let Some(t) = &r.accessibility_requirements {
             for (i, top) in t.requisite.iter().enumerate() {
                 // A requisite topology we do not know cannot be satisfied by any node.
@@ -719,6 +744,7 @@ impl csi::controller_server::Controller for ControllerService {
         req: Request<csi::GetCapacityRequest>,
     ) -> Result<Response<csi::GetCapacityResponse>, Status> {
         let r = req.into_inner();
+        let backend = backend_parameter(&r.parameters)?;
         if !r.volume_capabilities.is_empty()
             && check_capabilities(&r.volume_capabilities, fs_parameter(&r.parameters)).is_err()
         {
@@ -731,7 +757,7 @@ impl csi::controller_server::Controller for ControllerService {
             }));
         }
         let only: Option<Vec<String>> = r.accessible_topology.as_ref().map(|t| node_of(t).into_iter().collect());
-        let caps = self.book.capacity(only.as_deref());
+        let caps = self.book.capacity(only.as_deref(), backend);
         let total: u64 = caps.iter().map(|c| c.1).sum();
         let max = caps.iter().map(|c| c.1).max().unwrap_or(0);
         Ok(Response::new(csi::GetCapacityResponse {
@@ -899,6 +925,175 @@ mod tests {
         assert_eq!(r(5, 100).unwrap_err().code(), Code::OutOfRange);
         assert_eq!(r(200, 100).unwrap_err().code(), Code::OutOfRange);
         assert_eq!(r(-1, 0).unwrap_err().code(), Code::InvalidArgument);
+    }
+
+    fn params(kv: &[(&str, &str)]) -> std::collections::HashMap<String, String> {
+        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn the_backend_parameter_is_file_lvm_or_refused() {
+        assert_eq!(backend_parameter(&params(&[])).unwrap(), StoreBackend::File);
+        assert_eq!(backend_parameter(&params(&[("backend", "file")])).unwrap(), StoreBackend::File);
+        assert_eq!(backend_parameter(&params(&[("backend", "lvm")])).unwrap(), StoreBackend::Lvm);
+        // Present but empty: the default, as the node reads it.
+        assert_eq!(backend_parameter(&params(&[("backend", "")])).unwrap(), StoreBackend::File);
+        for bad in ["zfs", "LVM", " lvm"] {
+            let e = backend_parameter(&params(&[("backend", bad)])).unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument, "{bad}");
+            assert!(e.message().starts_with("parameter \"backend\": invalid volume backend"), "{e}");
+            assert!(e.message().contains("want \"file\" or \"lvm\""), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_copy_must_ask_for_its_sources_backend() {
+        let src = VolumeRecord {
+            id: "a".into(),
+            name: "a".into(),
+            node: "n1".into(),
+            size_bytes: MIB,
+            fs_type: FsType::Ext4,
+            state: VolState::Ready,
+            created_at: 1,
+            parameters: Default::default(),
+            kind: Default::default(),
+            source_volume: String::new(),
+            source_snapshot: String::new(),
+            backend: StoreBackend::Lvm,
+        };
+        let what = ContentSource::Snapshot("snap-1".into());
+        check_source_backend(&what, &src, StoreBackend::Lvm).unwrap();
+        let e = check_source_backend(&what, &src, StoreBackend::File).unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument);
+        assert_eq!(
+            e.message(),
+            "snapshot snap-1 is on the lvm backend; a volume made from it must be too (the request asks for file)"
+        );
+    }
+
+    /// A controller service over a fresh book with nodes n1 (file 100 MiB, no lvm), n2 (file
+    /// 50 MiB, lvm 400 MiB with 300 available) and n3 (file 10 MiB, lvm pool short) connected
+    /// and reported.
+    fn service(tag: &str) -> (crate::util::TestDir, ControllerService, Vec<super::super::volumes::ConnectionGuard>) {
+        let t = crate::util::TestDir::new(tag);
+        let db = crate::controller::backend::RedbBackend::open(&t.0.join("db.redb")).unwrap();
+        let book = Arc::new(VolumeBook::open(db, Duration::from_secs(60)).unwrap());
+        let guards = ["n1", "n2", "n3"].iter().map(|n| book.connect(n)).collect();
+        let nodes = [("n1", 100, None), ("n2", 50, Some((400, 300, false))), ("n3", 10, Some((400, 400, true)))];
+        for (node, file, lvm) in nodes {
+            let backends = lvm
+                .map(|(capacity, available, short)| crate::rpc::controller::BackendCapacity {
+                    backend: "lvm".into(),
+                    capacity_bytes: capacity * MIB,
+                    available_bytes: available * MIB,
+                    short,
+                })
+                .into_iter()
+                .collect();
+            book.report(crate::rpc::controller::ReportVolumesRequest {
+                node_name: node.into(),
+                capacity_bytes: file * MIB,
+                available_bytes: file * MIB,
+                backends,
+                ..Default::default()
+            })
+            .unwrap();
+        }
+        (t, ControllerService { book, op_timeout: Duration::from_millis(50) }, guards)
+    }
+
+    /// GetCapacity's available bytes, in MiB.
+    async fn capacity(svc: &ControllerService, node: Option<&str>, p: &[(&str, &str)]) -> Result<i64, Status> {
+        use csi::controller_server::Controller;
+        let r = csi::GetCapacityRequest {
+            parameters: params(p),
+            accessible_topology: node.map(topology_of),
+            ..Default::default()
+        };
+        svc.get_capacity(Request::new(r)).await.map(|r| r.into_inner().available_capacity / MIB as i64)
+    }
+
+    #[tokio::test]
+    async fn get_capacity_answers_the_chosen_backend() {
+        let (_t, svc, _g) = service("csi-capacity");
+        assert_eq!(capacity(&svc, None, &[]).await.unwrap(), 160);
+        assert_eq!(capacity(&svc, Some("n2"), &[("backend", "file")]).await.unwrap(), 50);
+        assert_eq!(capacity(&svc, None, &[("backend", "lvm")]).await.unwrap(), 300);
+        assert_eq!(capacity(&svc, Some("n2"), &[("backend", "lvm")]).await.unwrap(), 300);
+        assert_eq!(capacity(&svc, Some("n1"), &[("backend", "lvm")]).await.unwrap(), 0, "no pool on n1");
+        assert_eq!(capacity(&svc, Some("n3"), &[("backend", "lvm")]).await.unwrap(), 0, "n3's pool is short");
+        let e = capacity(&svc, Some("n2"), &[("backend", "zfs")]).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument);
+        assert!(e.message().contains("\"zfs\""), "{e:?}");
+    }
+
+    fn create_request(name: &str, p: &[(&str, &str)]) -> csi::CreateVolumeRequest {
+        use csi::volume_capability::access_mode::Mode;
+        use csi::volume_capability::{AccessMode, AccessType, MountVolume};
+        csi::CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(csi::CapacityRange { required_bytes: 8 * MIB as i64, limit_bytes: 0 }),
+            volume_capabilities: vec![csi::VolumeCapability {
+                access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+                access_type: Some(AccessType::Mount(MountVolume::default())),
+            }],
+            parameters: params(p),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn create_volume_places_on_the_chosen_backend_and_checks_sources() {
+        let (_t, svc, _g) = service("csi-create-backend");
+        let e = svc.do_create_volume(create_request("pvc-zfs", &[("backend", "zfs")])).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument);
+        assert!(svc.book.by_name("pvc-zfs").is_none());
+        // The node does not answer within op_timeout: the record stays, on n2's pool.
+        let e = svc.do_create_volume(create_request("pvc-a", &[("backend", "lvm")])).await.unwrap_err();
+        assert_eq!(e.code(), Code::DeadlineExceeded);
+        let a = svc.book.by_name("pvc-a").unwrap();
+        assert_eq!((a.node.as_str(), a.backend), ("n2", StoreBackend::Lvm));
+        assert_eq!(svc.book.desired("n2").volumes[0].backend, "lvm");
+        // n2 holds it now: a clone that asks for the file backend is refused, on lvm it is placed.
+        svc.book
+            .report(crate::rpc::controller::ReportVolumesRequest {
+                node_name: "n2".into(),
+                capacity_bytes: 50 * MIB,
+                available_bytes: 50 * MIB,
+                volumes: vec![crate::rpc::controller::VolumeState {
+                    id: a.id.clone(),
+                    size_bytes: a.size_bytes,
+                    name: a.name.clone(),
+                    backing_file_present: true,
+                    backend: "lvm".into(),
+                    ..Default::default()
+                }],
+                backends: vec![crate::rpc::controller::BackendCapacity {
+                    backend: "lvm".into(),
+                    capacity_bytes: 400 * MIB,
+                    available_bytes: 300 * MIB - a.size_bytes,
+                    short: false,
+                }],
+                ..Default::default()
+            })
+            .unwrap();
+        let clone_of = |name: &str, p: &[(&str, &str)]| csi::CreateVolumeRequest {
+            volume_content_source: Some(csi::VolumeContentSource {
+                r#type: Some(csi::volume_content_source::Type::Volume(csi::volume_content_source::VolumeSource {
+                    volume_id: a.id.clone(),
+                })),
+            }),
+            ..create_request(name, p)
+        };
+        let e = svc.do_create_volume(clone_of("pvc-b", &[])).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument);
+        assert!(e.message().contains("volume pvc-a is on the lvm backend"), "{e}");
+        assert!(svc.book.by_name("pvc-b").is_none());
+        let e = svc.do_create_volume(clone_of("pvc-c", &[("backend", "lvm")])).await.unwrap_err();
+        assert_eq!(e.code(), Code::DeadlineExceeded, "placed, waiting for the node: {e}");
+        let c = svc.book.by_name("pvc-c").unwrap();
+        assert_eq!((c.node.as_str(), c.backend, c.source_volume.as_str()), ("n2", StoreBackend::Lvm, "pvc-a"));
     }
 
     #[test]

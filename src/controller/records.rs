@@ -8,6 +8,10 @@ use std::collections::BTreeMap;
 use ipnetwork::IpNetwork;
 use serde::{Deserialize, Serialize};
 
+/// The node store's backend (`file` or `lvm`), named apart from the controller's own
+/// storage backends (`backend`).
+pub use crate::storage::store::Backend as StoreBackend;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pool {
     pub net: IpNetwork,
@@ -108,6 +112,10 @@ pub struct VolumeRecord {
     /// A volume restored from this snapshot.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub source_snapshot: String,
+    /// The node's store backend it is on (a snapshot: its volume's). Records written
+    /// before there was a choice load as `file`.
+    #[serde(default, skip_serializing_if = "StoreBackend::is_file")]
+    pub backend: StoreBackend,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]

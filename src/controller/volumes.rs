@@ -24,17 +24,21 @@ use tokio::sync::watch;
 use tonic::Code;
 
 use super::backend::{Backend, BackendError};
-use super::records::{RecordKind, VolState, VolumeRecord};
+use super::records::{RecordKind, StoreBackend, VolState, VolumeRecord};
 use crate::rpc::controller as pb;
 use crate::storage::fs::FsType;
 
 /// What one node told the controller last.
 #[derive(Debug, Default, Clone)]
 pub struct NodeView {
+    /// The file backend's capacity.
     pub capacity_bytes: u64,
-    /// What the node's store says is left (it also counts volumes the controller does not
-    /// know: made on the node, orphans).
+    /// What the node's store says is left on the file backend (it also counts volumes the
+    /// controller does not know: made on the node, orphans).
     pub available_bytes: u64,
+    /// The other backends the node has (`lvm`), as it reported them; the file backend is
+    /// always there, in the two fields above.
+    pub backends: BTreeMap<StoreBackend, BackendRoom>,
     pub reported: bool,
     /// Open WatchVolumes streams of this node.
     pub connected: u32,
@@ -45,6 +49,40 @@ pub struct NodeView {
     pub failures: HashMap<String, (i32, String, u64)>,
     pub orphans: Vec<String>,
     pub last_report: Option<Instant>,
+}
+
+/// What a node reported of one store backend.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct BackendRoom {
+    pub capacity_bytes: u64,
+    pub available_bytes: u64,
+    /// An lvm pool running short: nothing new goes there.
+    pub short: bool,
+}
+
+impl NodeView {
+    /// The node's (capacity, available) bytes on `backend`; `None` when it does not have
+    /// it. A short pool has nothing available.
+    pub fn room(&self, backend: StoreBackend) -> Option<(u64, u64)> {
+        match backend {
+            StoreBackend::File => Some((self.capacity_bytes, self.available_bytes)),
+            b => self.backends.get(&b).map(|r| (r.capacity_bytes, if r.short { 0 } else { r.available_bytes })),
+        }
+    }
+}
+
+/// The backends of a report other than `file` (an unknown name is skipped: a newer node's).
+fn reported_backends(r: &pb::ReportVolumesRequest) -> BTreeMap<StoreBackend, BackendRoom> {
+    r.backends
+        .iter()
+        .filter_map(|b| {
+            let backend = b.backend.parse::<StoreBackend>().ok().filter(|b| !b.is_file())?;
+            Some((
+                backend,
+                BackendRoom { capacity_bytes: b.capacity_bytes, available_bytes: b.available_bytes, short: b.short },
+            ))
+        })
+        .collect()
 }
 
 /// Changes kept per node for resuming a WatchVolumes stream; an agent further behind gets
@@ -119,9 +157,10 @@ pub enum BookError {
     /// The id derived from a new volume's name belongs to a volume of another name.
     #[error("volume id {id} (for name {name:?}) is taken by volume {other:?}")]
     IdTaken { id: String, name: String, other: String },
-    /// No connected node (within the requisite ones) has room for a new volume.
-    #[error("no node can hold {size} bytes{within} (candidates: {candidates})")]
-    NoRoom { size: u64, within: String, candidates: String },
+    /// No connected node (within the requisite ones) has room for a new volume on the
+    /// backend it asks for.
+    #[error("no node can hold {size} bytes on its {backend} backend{within} (candidates: {candidates})")]
+    NoRoom { backend: StoreBackend, size: u64, within: String, candidates: String },
     #[error("volume {0} does not exist")]
     NotFound(String),
     #[error("snapshot {0} does not exist")]
@@ -137,6 +176,9 @@ pub enum BookError {
     /// A volume is still being made from this one (or this snapshot).
     #[error("volume {copy} is still being made from {id}; retry when it is")]
     SourceInUse { id: String, copy: String },
+    /// A volume made from a source is on the source's backend.
+    #[error("{what} is on the {source_backend} backend; a volume made from it must be too, not on {backend}")]
+    BackendMismatch { what: String, source_backend: StoreBackend, backend: StoreBackend },
     /// A volume made from a source is at least the source's size.
     #[error("{what} holds {source_size} bytes; the new volume may have at most {size}")]
     SourceTooLarge { what: String, source_size: u64, size: u64 },
@@ -165,6 +207,7 @@ impl BookError {
             BookError::NotFound(_) | BookError::BeingDeleted(_) | BookError::SnapshotNotFound(_) => Code::NotFound,
             BookError::SourceNotReady(_) => Code::Unavailable,
             BookError::SourceInUse { .. } => Code::FailedPrecondition,
+            BookError::BackendMismatch { .. } => Code::InvalidArgument,
             BookError::SourceTooLarge { .. } => Code::OutOfRange,
             BookError::NoRoomToGrow { .. } => Code::OutOfRange,
             BookError::Node { code, .. } => *code,
@@ -202,6 +245,9 @@ pub struct Placement {
     pub requisite: Vec<String>,
     /// Nodes from `preferred`, in order.
     pub preferred: Vec<String>,
+    /// The store backend the volume goes on: only nodes that report it with room are
+    /// candidates.
+    pub backend: StoreBackend,
 }
 
 impl VolumeBook {
@@ -356,6 +402,7 @@ impl VolumeBook {
         let view = st.nodes.entry(r.node_name.clone()).or_default();
         view.capacity_bytes = r.capacity_bytes;
         view.available_bytes = r.available_bytes;
+        view.backends = reported_backends(&r);
         view.reported = true;
         view.volumes = r.volumes.iter().map(|v| (v.id.clone(), v.clone())).collect();
         view.snapshots = r.snapshots.iter().map(|v| (v.id.clone(), v.clone())).collect();
@@ -461,15 +508,17 @@ impl VolumeBook {
         self.st.lock().unwrap().nodes.clone()
     }
 
-    /// Free bytes of a node for new volumes: its reported capacity minus everything placed
-    /// on it (including volumes still being created or deleted, and snapshots).
-    fn free(st: &BookState, node: &str) -> u64 {
+    /// Free bytes of a node's `backend` for new volumes: its reported capacity minus
+    /// everything placed on that backend of the node (including volumes still being created
+    /// or deleted, and snapshots). 0 when the node does not have the backend.
+    fn free(st: &BookState, node: &str, backend: StoreBackend) -> u64 {
         let Some(view) = st.nodes.get(node) else { return 0 };
-        let mine: Vec<&VolumeRecord> = st.records_on(node).collect();
+        let Some((capacity, available)) = view.room(backend) else { return 0 };
+        let mine: Vec<&VolumeRecord> = st.records_on(node).filter(|v| v.backend == backend).collect();
         let used: u64 = mine.iter().map(|v| v.size_bytes).sum();
         // Placed but not (fully) on the node yet: the node's own figure does not count it.
         let pending: u64 = mine.iter().map(|v| v.size_bytes.saturating_sub(held_bytes(Some(view), v))).sum();
-        view.capacity_bytes.saturating_sub(used).min(view.available_bytes.saturating_sub(pending))
+        capacity.saturating_sub(used).min(available.saturating_sub(pending))
     }
 
     /// Nodes that can take volumes now: connected and reporting.
@@ -480,14 +529,15 @@ impl VolumeBook {
         v
     }
 
-    /// Free capacity per live node, restricted to `nodes` when given.
-    pub fn capacity(&self, nodes: Option<&[String]>) -> Vec<(String, u64)> {
+    /// Free capacity of `backend` per live node, restricted to `nodes` when given (0 on a
+    /// node without the backend, or whose lvm pool is short).
+    pub fn capacity(&self, nodes: Option<&[String]>, backend: StoreBackend) -> Vec<(String, u64)> {
         let st = self.st.lock().unwrap();
         Self::live_nodes(&st)
             .into_iter()
             .filter(|n| nodes.is_none_or(|only| only.contains(n)))
             .map(|n| {
-                let f = Self::free(&st, &n);
+                let f = Self::free(&st, &n, backend);
                 (n, f)
             })
             .collect()
@@ -523,6 +573,13 @@ impl VolumeBook {
         if let Some(src) = source {
             // Made by copying on the source's node: that node or none.
             let s = Self::source_record(&st, src)?;
+            if s.backend != placement.backend {
+                return Err(BookError::BackendMismatch {
+                    what: src.to_string(),
+                    source_backend: s.backend,
+                    backend: placement.backend,
+                });
+            }
             if size < s.size_bytes {
                 return Err(BookError::SourceTooLarge { what: src.to_string(), source_size: s.size_bytes, size });
             }
@@ -545,17 +602,16 @@ impl VolumeBook {
                 ContentSource::Volume(i) => source_volume = i.clone(),
             }
         }
-        let fits = |n: &String| Self::free(&st, n) >= size;
+        let backend = placement.backend;
+        let free = |n: &String| Self::free(&st, n, backend);
+        let fits = |n: &String| free(n) >= size;
         let chosen = placement.preferred.iter().find(|p| candidates.contains(p) && fits(p)).cloned().or_else(|| {
-            candidates
-                .iter()
-                .filter(|n| fits(n))
-                .max_by_key(|n| (Self::free(&st, n), std::cmp::Reverse((*n).clone())))
-                .cloned()
+            candidates.iter().filter(|n| fits(n)).max_by_key(|n| (free(n), std::cmp::Reverse((*n).clone()))).cloned()
         });
         let Some(node) = chosen else {
-            let detail: Vec<String> = candidates.iter().map(|n| format!("{n}: {} free", Self::free(&st, n))).collect();
+            let detail: Vec<String> = candidates.iter().map(|n| no_room_detail(&st, n, backend)).collect();
             return Err(BookError::NoRoom {
+                backend,
                 size,
                 within: if placement.requisite.is_empty() {
                     String::new()
@@ -577,9 +633,10 @@ impl VolumeBook {
             kind: RecordKind::Volume,
             source_volume,
             source_snapshot,
+            backend,
         };
         self.commit(&mut st, vec![(id.clone(), Some(rec.clone()))])?;
-        tracing::info!(volume = %id, name, node = %node, size, fs = fs_type.as_str(), source = ?source, "volume placed");
+        tracing::info!(volume = %id, name, node = %node, size, fs = fs_type.as_str(), %backend, source = ?source, "volume placed");
         Ok((rec, true))
     }
 
@@ -638,9 +695,10 @@ impl VolumeBook {
                 v.node
             ))));
         }
-        let free = Self::free(&st, &v.node);
+        let free = Self::free(&st, &v.node, v.backend);
         if free < v.size_bytes {
             return Err(BookError::NoRoom {
+                backend: v.backend,
                 size: v.size_bytes,
                 within: format!(" on node {} (a snapshot is taken where its volume is)", v.node),
                 candidates: format!("{}: {free} free", v.node),
@@ -658,6 +716,7 @@ impl VolumeBook {
             kind: RecordKind::Snapshot,
             source_volume: source.to_string(),
             source_snapshot: String::new(),
+            backend: v.backend,
         };
         self.commit(&mut st, vec![(id.clone(), Some(rec.clone()))])?;
         tracing::info!(snapshot = %id, name, volume = source, node = %v.node, size = v.size_bytes, "snapshot placed");
@@ -720,7 +779,7 @@ impl VolumeBook {
         if size <= v.size_bytes {
             return Ok(v);
         }
-        let free = Self::free(&st, &v.node);
+        let free = Self::free(&st, &v.node, v.backend);
         if size - v.size_bytes > free {
             return Err(BookError::NoRoomToGrow {
                 node: v.node.clone(),
@@ -827,6 +886,7 @@ fn add_desired(set: &mut pb::VolumeSet, v: &VolumeRecord) {
             creating: v.state == VolState::Creating,
             source_snapshot_id: v.source_snapshot.clone(),
             source_volume_id: v.source_volume.clone(),
+            backend: v.backend.as_str().to_string(),
         }),
         RecordKind::Snapshot => set.snapshots.push(pb::DesiredSnapshot {
             id: v.id.clone(),
@@ -835,6 +895,16 @@ fn add_desired(set: &mut pb::VolumeSet, v: &VolumeRecord) {
             name: v.name.clone(),
             creating: v.state == VolState::Creating,
         }),
+    }
+}
+
+/// How one candidate node falls short, for [`BookError::NoRoom`].
+fn no_room_detail(st: &BookState, node: &str, backend: StoreBackend) -> String {
+    let view = st.nodes.get(node);
+    match view.and_then(|v| v.backends.get(&backend)) {
+        _ if view.is_some_and(|v| v.room(backend).is_none()) => format!("{node}: no {backend} backend"),
+        Some(r) if r.short => format!("{node}: its {backend} pool is short"),
+        _ => format!("{node}: {} free", VolumeBook::free(st, node, backend)),
     }
 }
 
@@ -944,17 +1014,17 @@ mod tests {
         assert!(new);
         assert_eq!(v.node, "n2");
         // Preferred order.
-        let p = Placement { requisite: vec![], preferred: vec!["n1".into(), "n2".into()] };
+        let p = Placement { requisite: vec![], preferred: vec!["n1".into(), "n2".into()], ..Default::default() };
         assert_eq!(b.place("b", 50, FsType::Ext4, Default::default(), &p, None).unwrap().0.node, "n1");
         // Preferred that does not fit falls through.
         assert_eq!(b.place("c", 80, FsType::Ext4, Default::default(), &p, None).unwrap().0.node, "n2");
         // Requisite restricts; impossible → RESOURCE_EXHAUSTED.
-        let only1 = Placement { requisite: vec!["n1".into()], preferred: vec![] };
+        let only1 = Placement { requisite: vec!["n1".into()], preferred: vec![], ..Default::default() };
         assert_eq!(
             b.place("d", 60, FsType::Ext4, Default::default(), &only1, None).unwrap_err().code(),
             Code::ResourceExhausted
         );
-        let ghost = Placement { requisite: vec!["n9".into()], preferred: vec![] };
+        let ghost = Placement { requisite: vec!["n9".into()], preferred: vec![], ..Default::default() };
         assert_eq!(
             b.place("e", 1, FsType::Ext4, Default::default(), &ghost, None).unwrap_err().code(),
             Code::ResourceExhausted
@@ -1031,7 +1101,7 @@ mod tests {
         assert!(d.volumes.iter().all(|v| v.id != s1.id));
         assert!(b.list().iter().all(|v| v.kind == RecordKind::Volume) && b.get(&s1.id).is_none());
         // Its size counts against the node before and after the node holds it.
-        assert_eq!(b.capacity(Some(&["n2".into()]))[0].1, 300 - 80);
+        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::File)[0].1, 300 - 80);
         let snap = ContentSource::Snapshot(s1.id.clone());
         assert_eq!(
             b.place("r", 40, FsType::Ext4, Default::default(), &Placement::default(), Some(&snap)).unwrap_err().code(),
@@ -1060,15 +1130,15 @@ mod tests {
         })
         .unwrap();
         assert_eq!(b.get_snapshot(&s1.id).unwrap().state, VolState::Ready);
-        assert_eq!(b.capacity(Some(&["n2".into()]))[0].1, 220);
+        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::File)[0].1, 220);
         // A volume from it goes to n2 whatever the preferences; a requisite without n2 cannot be met.
-        let pref1 = Placement { requisite: vec![], preferred: vec!["n1".into()] };
+        let pref1 = Placement { requisite: vec![], preferred: vec!["n1".into()], ..Default::default() };
         let (r, _) = b.place("r", 50, FsType::Ext4, Default::default(), &pref1, Some(&snap)).unwrap();
         assert_eq!((r.node.as_str(), r.source_snapshot.as_str()), ("n2", s1.id.as_str()));
         assert_eq!(b.desired("n2").volumes.iter().find(|d| d.id == r.id).unwrap().source_snapshot_id, s1.id);
         // Neither the snapshot nor a volume being cloned can go while a copy is made from it.
         assert_eq!(b.begin_delete(&s1.id).unwrap_err().code(), Code::FailedPrecondition);
-        let only1 = Placement { requisite: vec!["n1".into()], preferred: vec![] };
+        let only1 = Placement { requisite: vec!["n1".into()], preferred: vec![], ..Default::default() };
         let e = b.place("r2", 50, FsType::Ext4, Default::default(), &only1, Some(&snap)).unwrap_err();
         assert_eq!(e.code(), Code::ResourceExhausted);
         assert!(e.to_string().contains("lives on node n2"), "{e}");
@@ -1100,6 +1170,153 @@ mod tests {
         assert!(!b.desired("n2").snapshots[0].present);
         report(&b, "n2", 300, &[("a", 40)]);
         assert!(b.get_snapshot(&s1.id).is_none());
+    }
+
+    /// A report of a node with a file backend of `file` bytes (nothing held there) and,
+    /// when given, an lvm pool of (capacity, available, short) holding `lvm_vols`.
+    fn report_lvm(b: &VolumeBook, node: &str, file: u64, pool: Option<(u64, u64, bool)>, lvm_vols: &[(&str, u64)]) {
+        let backends = pool
+            .map(|(capacity_bytes, available_bytes, short)| pb::BackendCapacity {
+                backend: "lvm".into(),
+                capacity_bytes,
+                available_bytes,
+                short,
+            })
+            .into_iter()
+            .collect();
+        b.report(pb::ReportVolumesRequest {
+            node_name: node.into(),
+            capacity_bytes: file,
+            available_bytes: file,
+            volumes: lvm_vols
+                .iter()
+                .map(|(id, s)| pb::VolumeState {
+                    id: id.to_string(),
+                    size_bytes: *s,
+                    backing_file_present: true,
+                    name: id.to_string(),
+                    backend: "lvm".into(),
+                    ..Default::default()
+                })
+                .collect(),
+            backends,
+            ..Default::default()
+        })
+        .unwrap();
+    }
+
+    fn on(backend: StoreBackend) -> Placement {
+        Placement { backend, ..Default::default() }
+    }
+
+    #[test]
+    fn lvm_placement_skips_nodes_without_lvm_or_without_room_in_it() {
+        let (_t, b) = book("book-lvm-place");
+        let guards: Vec<_> = ["n1", "n2", "n3"].iter().map(|n| b.connect(n)).collect();
+        report_lvm(&b, "n1", 1000, None, &[]);
+        report_lvm(&b, "n2", 10, Some((100, 100, false)), &[]);
+        report_lvm(&b, "n3", 10, Some((500, 500, true)), &[]);
+        let lvm = on(StoreBackend::Lvm);
+        // Only n2 has an lvm pool with room: n1 has none, n3's is short.
+        let (a, _) = b.place("a", 50, FsType::Ext4, Default::default(), &lvm, None).unwrap();
+        assert_eq!((a.node.as_str(), a.backend), ("n2", StoreBackend::Lvm));
+        let d = b.desired("n2").volumes.into_iter().find(|d| d.id == "a").unwrap();
+        assert_eq!(d.backend, "lvm");
+        // A is pending on n2's pool: 50 left there, whatever n2's own figure says yet.
+        assert_eq!(b.capacity(None, StoreBackend::Lvm), vec![("n1".into(), 0), ("n2".into(), 50), ("n3".into(), 0)]);
+        let e = b.place("b", 60, FsType::Ext4, Default::default(), &lvm, None).unwrap_err();
+        assert_eq!(e.code(), Code::ResourceExhausted);
+        let msg = e.to_string();
+        for want in ["on its lvm backend", "n1: no lvm backend", "n2: 50 free", "n3: its lvm pool is short"] {
+            assert!(msg.contains(want), "{want:?} not in {msg}");
+        }
+        // Preferred nodes without lvm are passed over.
+        let pref = Placement { preferred: vec!["n1".into(), "n3".into()], ..on(StoreBackend::Lvm) };
+        assert_eq!(b.place("c", 20, FsType::Ext4, Default::default(), &pref, None).unwrap().0.node, "n2");
+        // Held now: counted once, by n2's figure.
+        report_lvm(&b, "n2", 10, Some((100, 30, false)), &[("a", 50), ("c", 20)]);
+        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::Lvm), vec![("n2".into(), 30)]);
+        // The file backend is accounted apart: lvm volumes take nothing of it.
+        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::File), vec![("n2".into(), 10)]);
+        let (f, _) = b.place("f", 900, FsType::Ext4, Default::default(), &Placement::default(), None).unwrap();
+        assert_eq!((f.node.as_str(), f.backend), ("n1", StoreBackend::File));
+        assert_eq!(b.desired("n1").volumes[0].backend, "file");
+        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::Lvm), vec![("n2".into(), 30)]);
+        // A pool that runs short takes nothing more; a node that stops listing lvm has none.
+        report_lvm(&b, "n2", 10, Some((100, 30, true)), &[("a", 50), ("c", 20)]);
+        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::Lvm), vec![("n2".into(), 0)]);
+        report_lvm(&b, "n2", 10, None, &[]);
+        assert_eq!(
+            b.place("g", 1, FsType::Ext4, Default::default(), &lvm, None).unwrap_err().code(),
+            Code::ResourceExhausted
+        );
+        drop(guards);
+    }
+
+    #[test]
+    fn copies_stay_on_their_sources_backend() {
+        let (_t, b) = book("book-lvm-source");
+        let _g = b.connect("n1");
+        report_lvm(&b, "n1", 1000, Some((1000, 1000, false)), &[]);
+        let (a, _) = b.place("a", 40, FsType::Ext4, Default::default(), &on(StoreBackend::Lvm), None).unwrap();
+        report_lvm(&b, "n1", 1000, Some((1000, 960, false)), &[("a", 40)]);
+        // A snapshot is on its volume's backend, and takes room there.
+        let (s, _) = b.place_snapshot("s", &a.id, Default::default()).unwrap();
+        assert_eq!(s.backend, StoreBackend::Lvm);
+        assert_eq!(b.capacity(None, StoreBackend::Lvm)[0].1, 1000 - 80);
+        assert_eq!(b.capacity(None, StoreBackend::File)[0].1, 1000);
+        b.report(pb::ReportVolumesRequest {
+            node_name: "n1".into(),
+            capacity_bytes: 1000,
+            available_bytes: 1000,
+            volumes: vec![pb::VolumeState {
+                id: "a".into(),
+                size_bytes: 40,
+                name: "a".into(),
+                backend: "lvm".into(),
+                ..Default::default()
+            }],
+            snapshots: vec![pb::SnapshotState {
+                id: s.id.clone(),
+                source_volume_id: "a".into(),
+                size_bytes: 40,
+                name: "s".into(),
+                ..Default::default()
+            }],
+            backends: vec![pb::BackendCapacity {
+                backend: "lvm".into(),
+                capacity_bytes: 1000,
+                available_bytes: 920,
+                short: false,
+            }],
+            ..Default::default()
+        })
+        .unwrap();
+        let snap = ContentSource::Snapshot(s.id.clone());
+        let clone = ContentSource::Volume("a".into());
+        for src in [&snap, &clone] {
+            let e = b.place("x", 40, FsType::Ext4, Default::default(), &Placement::default(), Some(src)).unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+            assert!(
+                e.to_string().contains("is on the lvm backend; a volume made from it must be too, not on file"),
+                "{e}"
+            );
+        }
+        assert!(b.by_name("x").is_none(), "nothing recorded");
+        let (r, _) = b.place("r", 40, FsType::Ext4, Default::default(), &on(StoreBackend::Lvm), Some(&snap)).unwrap();
+        assert_eq!((r.backend, r.source_snapshot.as_str()), (StoreBackend::Lvm, s.id.as_str()));
+    }
+
+    #[test]
+    fn records_keep_their_backend_and_old_ones_load_as_file() {
+        let old = r#"{"id":"a","name":"a","node":"n1","sizeBytes":1,"fsType":"ext4","state":"ready","createdAt":1}"#;
+        let rec: VolumeRecord = serde_json::from_str(old).unwrap();
+        assert_eq!(rec.backend, StoreBackend::File);
+        assert!(!serde_json::to_string(&rec).unwrap().contains("backend"), "a file record is written as before");
+        let lvm = VolumeRecord { backend: StoreBackend::Lvm, ..rec };
+        let text = serde_json::to_string(&lvm).unwrap();
+        assert!(text.contains(r#""backend":"lvm""#), "{text}");
+        assert_eq!(serde_json::from_str::<VolumeRecord>(&text).unwrap(), lvm);
     }
 
     /// Follows one node's set the way the agent does (deltas on a view it keeps).
@@ -1163,7 +1380,11 @@ mod tests {
             match rnd(6) {
                 0 | 1 => {
                     names += 1;
-                    let p = Placement { requisite: vec![], preferred: vec![nodes[rnd(3) as usize].to_string()] };
+                    let p = Placement {
+                        requisite: vec![],
+                        preferred: vec![nodes[rnd(3) as usize].to_string()],
+                        ..Default::default()
+                    };
                     b.place(&format!("v{names}"), 1 + rnd(100), FsType::Ext4, Default::default(), &p, None).unwrap();
                 }
                 2 if !ids.is_empty() => {
@@ -1219,7 +1440,7 @@ mod tests {
         let completes: usize = fs.iter().map(|f| f.completes).sum();
         assert!(completes < 60, "followers resumed with deltas, not complete sets ({completes})");
         // A change of n1 wakes n1 only, and its delta names just that volume.
-        let p = Placement { requisite: vec!["n1".into()], preferred: vec![] };
+        let p = Placement { requisite: vec!["n1".into()], preferred: vec![], ..Default::default() };
         let (v, _) = b.place("only-n1", 1, FsType::Ext4, Default::default(), &p, None).unwrap();
         assert!(
             fs[0].rx.has_changed().unwrap() && !fs[1].rx.has_changed().unwrap() && !fs[2].rx.has_changed().unwrap()
