@@ -341,6 +341,7 @@ def test_render_top_level_is_the_base():
         ("CSIDriver", None, "csi.nodeplane.dev"),
         ("StorageClass", None, "nodeplane-local"),
         ("StorageClass", None, "nodeplane-lvm"),
+        ("StorageClass", None, "nodeplane-encrypted"),
     }
     assert names == expected, f"missing: {expected - names}; unexpected: {names - expected}"
 
@@ -1284,11 +1285,12 @@ def test_rbac_bindings(base, deploy):
                 assert "*" not in rule[field], f"{kind} {name}: wildcard in {field}"
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), f"{kind} {name}: {rule}"
             if "secrets" in rule["resources"]:
-                # Only the controller's token keys and TLS pair: its own Secrets, in its namespace.
+                # Only the controller's token keys, TLS pair and volume keys: Secrets in its
+                # own namespace; update only on its own two by name.
                 assert (kind, ns, name) == ("Role", NAMESPACE, "nodeplane-controller"), f"{kind} {name} grants secrets"
                 assert rule["resources"] == ["secrets"] and (
                     rule.get("resourceNames") == ["nodeplane-controller-hmac", "nodeplane-controller-tls"]
-                    or rule["verbs"] == ["create"]), rule
+                    or rule["verbs"] in (["create"], ["get", "delete"])), rule
             if name != "nodeplane-controller":
                 assert "nodeplane.dev" not in rule["apiGroups"], f"{kind} {name} touches nodeplane.dev"
     for name, expected in EXPECTED_SIDECAR_RULES.items():
@@ -1331,6 +1333,15 @@ def test_csi_driver_and_storage_class(base):
     lvm = find(base, "StorageClass", "nodeplane-lvm")
     assert lvm["parameters"] == {"csi.storage.k8s.io/fstype": "ext4", "backend": "lvm"}
     assert {k: v for k, v in lvm.items() if k not in ("metadata", "parameters")} == \
+        {k: v for k, v in sc.items() if k not in ("metadata", "parameters")}
+    # The encrypted class: kubelet hands the node the Secret the controller makes for each
+    # volume (src/controller/keys.rs: nodeplane-key-<volume name>, in the controller's namespace).
+    enc = find(base, "StorageClass", "nodeplane-encrypted")
+    assert enc["parameters"] == {
+        "csi.storage.k8s.io/fstype": "ext4", "encryption": "luks2",
+        "csi.storage.k8s.io/node-stage-secret-name": "nodeplane-key-${pv.name}",
+        "csi.storage.k8s.io/node-stage-secret-namespace": NAMESPACE}
+    assert {k: v for k, v in enc.items() if k not in ("metadata", "parameters")} == \
         {k: v for k, v in sc.items() if k not in ("metadata", "parameters")}
     assert name in (REPO / "README.md").read_text()
 

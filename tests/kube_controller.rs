@@ -1823,3 +1823,36 @@ fn an_expired_continue_token_restarts_the_list() {
     let starts = lists.iter().filter(|q| !q.continued).count();
     assert_eq!(starts, 3, "the list started again after each expired token");
 }
+
+#[test]
+fn volume_keys_are_secrets_the_controller_makes_once_and_removes() {
+    use nodeplane::controller::keys::KeyStore;
+    let k = cluster();
+    rt().block_on(async {
+        let client = kube::Client::try_from(kube_config(&k).await).unwrap();
+        let keys = KeyStore::Secrets { client, namespace: NS.into() };
+        keys.ensure("pvc-enc-1", "pvc-enc-1").await.unwrap();
+        keys.ensure("pvc-enc-1", "pvc-enc-1").await.unwrap();
+        keys.ensure("pvc-enc-2", "pvc-enc-2").await.unwrap();
+    });
+    let key_of = |name: &str| {
+        let s = k.get("", "secrets", Some(NS), &format!("nodeplane-key-{name}")).unwrap();
+        assert_eq!(s["type"], "Opaque");
+        assert_eq!(managers_of(&s), ["nodeplane-controller".to_string()].into());
+        let b64 = s["data"]["key"].as_str().unwrap().to_string();
+        assert_eq!(b64.len(), 88, "64 hex digits, base64-encoded: {b64}");
+        b64
+    };
+    assert_ne!(key_of("pvc-enc-1"), key_of("pvc-enc-2"), "a key of its own per volume");
+    let creates = k.controller_requests().iter().filter(|r| r.resource == "secrets" && r.verb == "create").count();
+    assert_eq!(creates, 2, "made once each, then read");
+    rt().block_on(async {
+        let client = kube::Client::try_from(kube_config(&k).await).unwrap();
+        let keys = KeyStore::Secrets { client, namespace: NS.into() };
+        keys.remove("pvc-enc-1", "pvc-enc-1").await.unwrap();
+        keys.remove("pvc-enc-1", "pvc-enc-1").await.unwrap();
+    });
+    assert!(k.get("", "secrets", Some(NS), "nodeplane-key-pvc-enc-1").is_none());
+    assert!(k.get("", "secrets", Some(NS), "nodeplane-key-pvc-enc-2").is_some());
+    assert_granted(&k);
+}

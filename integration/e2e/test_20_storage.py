@@ -164,10 +164,12 @@ def selects(selector, labels):
     return True
 
 
-def driver_classes():
-    """Our WaitForFirstConsumer classes: the ones the provisioner publishes capacity for."""
+def driver_classes(backend="file"):
+    """Our WaitForFirstConsumer classes on `backend` (their `backend` parameter; none: file):
+    the ones the provisioner publishes capacity for."""
     return sorted(c["metadata"]["name"] for c in kube.get("storageclass")["items"]
-                  if c["provisioner"] == DRIVER and c.get("volumeBindingMode") == "WaitForFirstConsumer")
+                  if c["provisioner"] == DRIVER and c.get("volumeBindingMode") == "WaitForFirstConsumer"
+                  and c.get("parameters", {}).get("backend", "file") == backend)
 
 
 def published(workers, classes):
@@ -258,6 +260,11 @@ def test_scheduler_places_a_claim_by_published_capacity(ns, workers):
         reported = {w: agent_available(w) for w in workers}
         start = wait_published(workers, classes, lambda w: reported[w],
                                "CSIStorageCapacity objects equal to the agents' free space")
+        # The lvm class: these nodes have no thin pool (this kernel has no device-mapper), so
+        # the controller answers its GetCapacity with 0 and the scheduler sends none there.
+        lvm_classes = driver_classes("lvm")
+        assert lvm_classes == ["nodeplane-lvm"], lvm_classes
+        wait_published(workers, lvm_classes, lambda w: 0, "the lvm class's CSIStorageCapacity objects at 0")
         for (w, cls), (_, _, o) in start.items():
             assert o["nodeTopology"] == {"matchLabels": {TOPOLOGY_KEY: w}}, o["nodeTopology"]
             owners = [(r["kind"], r["name"]) for r in o["metadata"].get("ownerReferences", [])]

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use tonic::{Code, Request, Response, Status};
 
+use super::keys::{self, KeyStore};
 use super::records::{StoreBackend, VolState, VolumeRecord};
 use super::volumes::{BookError, ContentSource, Placement, VolumeBook, failure_since, held, held_snapshot};
 use crate::rpc::csi;
@@ -68,6 +69,19 @@ pub struct ControllerService {
     pub book: Arc<VolumeBook>,
     /// How long one call waits for a node before answering DEADLINE_EXCEEDED.
     pub op_timeout: Duration,
+    /// The encrypted volumes' keys.
+    pub keys: Arc<KeyStore>,
+}
+
+/// Whether a volume record was made encrypted (its class's `encryption: luks2`).
+fn is_encrypted(v: &VolumeRecord) -> bool {
+    v.parameters.get(keys::ENCRYPTION_PARAMETER).map(String::as_str) == Some(keys::LUKS2)
+}
+
+/// Snapshots, restores and clones of encrypted volumes are not made: a copy of a LUKS2
+/// volume shares its volume key, which a copy with a key of its own would not.
+fn refuse_encrypted_copy(what: &str) -> CsiError {
+    invalid(format!("{what}: snapshots, restores and clones of encrypted volumes are not supported"))
 }
 
 /// What the volume capabilities of a request ask a volume to hold (the reading the node
@@ -168,6 +182,9 @@ fn to_csi(v: &VolumeRecord) -> csi::Volume {
     let mut ctx = std::collections::HashMap::new();
     ctx.insert("fsType".to_string(), v.fs_type.as_str().to_string());
     ctx.insert("node".to_string(), v.node.clone());
+    if is_encrypted(v) {
+        ctx.insert(keys::ENCRYPTION_CONTEXT.to_string(), keys::LUKS2.to_string());
+    }
     let content_source = if !v.source_snapshot.is_empty() {
         Some(csi::VolumeContentSource {
             r#type: Some(Type::Snapshot(SnapshotSource { snapshot_id: v.source_snapshot.clone() })),
@@ -263,8 +280,15 @@ impl ControllerService {
         };
         let mut fs = check_capabilities(&r.volume_capabilities, fs_parameter(&r.parameters))?;
         let backend = backend_parameter(&r.parameters)?;
+        let encrypted = keys::encryption_parameter(&r.parameters).map_err(invalid)?;
         if let (Some(what), Some(src)) = (&source, &source_rec) {
             check_source_backend(what, src, backend)?;
+            if encrypted || is_encrypted(src) {
+                return Err(refuse_encrypted_copy(&what.to_string()));
+            }
+        }
+        if encrypted && matches!(*self.keys, KeyStore::Secrets { .. }) {
+            keys::secret_name(&r.name).map_err(|e| invalid(e.to_string()))?;
         }
         if let Some(src) = &source_rec {
             // A copy holds the source's filesystem: unless the request names another one
@@ -358,6 +382,10 @@ impl ControllerService {
                 ));
             }
         }
+        if encrypted {
+            // Before the node makes the volume: a volume never exists without its key.
+            self.keys.ensure(&rec.name, &rec.id).await.map_err(|e| CsiError::new(Code::Unavailable, e.to_string()))?;
+        }
         match self.await_present(&rec.id, rec.size_bytes, since).await {
             Ok(v) => Ok(csi::CreateVolumeResponse { volume: Some(to_csi(&v)) }),
             Err(e)
@@ -392,6 +420,9 @@ impl ControllerService {
         }
         if r.source_volume_id.is_empty() {
             return Err(invalid("source_volume_id is required"));
+        }
+        if self.book.get(&r.source_volume_id).is_some_and(|v| is_encrypted(&v)) {
+            return Err(refuse_encrypted_copy(&format!("volume {}", r.source_volume_id)));
         }
         let params: BTreeMap<String, String> = r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         let (book, name, src) = (self.book.clone(), r.name.clone(), r.source_volume_id.clone());
@@ -552,7 +583,15 @@ impl ControllerService {
         let node = v.node.clone();
         let out = self.await_gone(&id, &node, since).await;
         match out {
-            Ok(()) => Ok(csi::DeleteVolumeResponse {}),
+            Ok(()) => {
+                if is_encrypted(&v)
+                    && let Err(e) = self.keys.remove(&v.name, &v.id).await
+                {
+                    // The volume is gone; its key is of no use to anyone but left behind.
+                    tracing::error!(volume = %id, error = %e, "could not remove the key of a deleted encrypted volume; remove it by hand");
+                }
+                Ok(csi::DeleteVolumeResponse {})
+            }
             Err(e) if e.code() == Code::FailedPrecondition => {
                 let (book, vid) = (self.book.clone(), id.clone());
                 blocking(move || book.cancel_delete(&vid)).await?;
@@ -1000,7 +1039,8 @@ mod tests {
             })
             .unwrap();
         }
-        (t, ControllerService { book, op_timeout: Duration::from_millis(50) }, guards)
+        let keys = Arc::new(KeyStore::Dir(t.0.join("keys")));
+        (t, ControllerService { book, op_timeout: Duration::from_millis(50), keys }, guards)
     }
 
     /// GetCapacity's available bytes, in MiB.
@@ -1094,6 +1134,50 @@ mod tests {
         assert_eq!(e.code(), Code::DeadlineExceeded, "placed, waiting for the node: {e}");
         let c = svc.book.by_name("pvc-c").unwrap();
         assert_eq!((c.node.as_str(), c.backend, c.source_volume.as_str()), ("n2", StoreBackend::Lvm, "pvc-a"));
+    }
+
+    #[tokio::test]
+    async fn an_encrypted_volume_gets_its_key_first_and_no_copies() {
+        let (t, svc, _g) = service("csi-encrypted");
+        let e = svc.do_create_volume(create_request("pvc-x", &[("encryption", "aes")])).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument);
+        assert!(svc.book.by_name("pvc-x").is_none());
+        // The node does not answer: the record and its key are there before it is asked.
+        let e = svc.do_create_volume(create_request("pvc-e", &[("encryption", "luks2")])).await.unwrap_err();
+        assert_eq!(e.code(), Code::DeadlineExceeded);
+        let rec = svc.book.by_name("pvc-e").unwrap();
+        let key = std::fs::read_to_string(keys::key_file(&t.0.join("keys"), &rec.id)).unwrap();
+        assert_eq!(key.len(), 64);
+        assert_eq!(to_csi(&rec).volume_context.get("encryption").map(String::as_str), Some("luks2"));
+        let plain = svc.book.by_name("pvc-e").map(|mut r| {
+            r.parameters.clear();
+            r
+        });
+        assert!(!to_csi(&plain.unwrap()).volume_context.contains_key("encryption"));
+        // A retry keeps the key.
+        let _ = svc.do_create_volume(create_request("pvc-e", &[("encryption", "luks2")])).await;
+        assert_eq!(std::fs::read_to_string(keys::key_file(&t.0.join("keys"), &rec.id)).unwrap(), key);
+        // No snapshot of it, no clone of it, and no encrypted clone of anything.
+        let e = svc
+            .do_create_snapshot(csi::CreateSnapshotRequest {
+                name: "snap-e".into(),
+                source_volume_id: rec.id.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument);
+        assert!(e.message().contains("encrypted volumes are not supported"), "{e}");
+        let clone = csi::CreateVolumeRequest {
+            volume_content_source: Some(csi::VolumeContentSource {
+                r#type: Some(csi::volume_content_source::Type::Volume(csi::volume_content_source::VolumeSource {
+                    volume_id: rec.id.clone(),
+                })),
+            }),
+            ..create_request("pvc-c", &[])
+        };
+        assert_eq!(svc.do_create_volume(clone).await.unwrap_err().code(), Code::InvalidArgument);
+        assert!(svc.book.by_name("pvc-c").is_none());
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod certs;
 pub mod config;
 pub mod csi;
 pub mod dra;
+pub mod keys;
 pub mod kube;
 pub mod metrics;
 pub mod policy;
@@ -290,6 +291,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         .add_service(crate::rpc::csi::controller_server::ControllerServer::new(csi::ControllerService {
             book: book.clone(),
             op_timeout: cfg.volume_op_timeout,
+            keys: Arc::new(key_store(&cfg, client.as_ref())),
         }))
         .serve_with_incoming_shutdown(crate::rpc::authority::incoming(csi_listener), until_stopped(stopping.clone()));
     let csi_task = tokio::spawn(csi_server);
@@ -371,4 +373,14 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         return Err(ControllerError::LostLeadership(why));
     }
     Ok(())
+}
+
+/// Where the encrypted volumes' keys live: Secrets in Kubernetes mode, files in local mode.
+fn key_store(cfg: &config::Config, client: Option<&::kube::Client>) -> keys::KeyStore {
+    match (&cfg.store, client) {
+        (config::Store::Kubernetes(k), Some(c)) => {
+            keys::KeyStore::Secrets { client: c.clone(), namespace: k.namespace.clone() }
+        }
+        _ => keys::KeyStore::Dir(cfg.data_dir.join("keys")),
+    }
 }

@@ -61,10 +61,13 @@ pub const API_CALLS: &[ApiCall] = &[
     call("", "nodes", "watch", false),
     // agent identity
     call("authentication.k8s.io", "tokenreviews", "create", false),
-    // the token-signing secret (get/update limited to its name; create cannot be)
+    // the token-signing secret (get/update limited to its name; create cannot be), and the
+    // encrypted volumes' keys (get, create, delete: one Secret per volume, names not known
+    // ahead)
     call("", "secrets", "get", true),
     call("", "secrets", "create", true),
     call("", "secrets", "update", true),
+    call("", "secrets", "delete", true),
     // tls.bootstrap: the CA bundle agents mount (get/update limited to its name)
     call("", "configmaps", "get", true),
     call("", "configmaps", "create", true),
