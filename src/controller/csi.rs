@@ -1157,7 +1157,24 @@ mod tests {
         // A retry keeps the key.
         let _ = svc.do_create_volume(create_request("pvc-e", &[("encryption", "luks2")])).await;
         assert_eq!(std::fs::read_to_string(keys::key_file(&t.0.join("keys"), &rec.id)).unwrap(), key);
-        // No snapshot of it, no clone of it, and no encrypted clone of anything.
+        // No snapshot of it, no clone of it, and no encrypted clone of anything (once n1
+        // holds it: a source still being made is UNAVAILABLE first).
+        svc.book
+            .report(crate::rpc::controller::ReportVolumesRequest {
+                node_name: rec.node.clone(),
+                capacity_bytes: 100 * MIB,
+                available_bytes: 100 * MIB - rec.size_bytes,
+                volumes: vec![crate::rpc::controller::VolumeState {
+                    id: rec.id.clone(),
+                    size_bytes: rec.size_bytes,
+                    name: rec.name.clone(),
+                    fs_type: "ext4".into(),
+                    backing_file_present: true,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+            .unwrap();
         let e = svc
             .do_create_snapshot(csi::CreateSnapshotRequest {
                 name: "snap-e".into(),
@@ -1176,7 +1193,9 @@ mod tests {
             }),
             ..create_request("pvc-c", &[])
         };
-        assert_eq!(svc.do_create_volume(clone).await.unwrap_err().code(), Code::InvalidArgument);
+        let e = svc.do_create_volume(clone.clone()).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+        assert!(e.message().contains("encrypted volumes are not supported"), "{e}");
         assert!(svc.book.by_name("pvc-c").is_none());
     }
 
