@@ -13,7 +13,7 @@
 //! process id, so mapping names (`npc-<id>`, global in the kernel) never collide.
 
 use std::fs::{self, OpenOptions};
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -142,6 +142,10 @@ struct Sandbox {
 
 impl Sandbox {
     fn new(name: &str) -> Sandbox {
+        Sandbox::with_csi(name, serde_json::json!({"capacityBytes": 4u64 << 30, "maxVolumes": 16}))
+    }
+    /// A sandbox whose agent has `csi` as its CSI configuration.
+    fn with_csi(name: &str, csi: serde_json::Value) -> Sandbox {
         require_root();
         let dir = PathBuf::from("/tmp").join(format!("npcrypt-{}-{name}", std::process::id()));
         if dir.exists() {
@@ -153,7 +157,7 @@ impl Sandbox {
             "nodeName": format!("crypt-{name}"),
             "root": dir.join("root"),
             "shimSource": crate::shim(),
-            "csi": {"capacityBytes": 4u64 << 30, "maxVolumes": 16},
+            "csi": csi,
         });
         fs::write(dir.join("agent.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
         Sandbox { dir, agent: None }
@@ -272,8 +276,16 @@ impl Clients {
         }
     }
     async fn create(&mut self, id: &str, size: u64, fs: &str) {
-        let req =
-            napi::CreateVolumeRequest { id: id.into(), size_bytes: size, fs_type: fs.into(), ..Default::default() };
+        self.create_on(id, size, fs, "").await
+    }
+    async fn create_on(&mut self, id: &str, size: u64, fs: &str, backend: &str) {
+        let req = napi::CreateVolumeRequest {
+            id: id.into(),
+            size_bytes: size,
+            fs_type: fs.into(),
+            backend: backend.into(),
+            ..Default::default()
+        };
         self.vols.create_volume(req).await.unwrap_or_else(|e| panic!("creating {id}: {e}"));
     }
     /// NodeStageVolume; `key`: `Some` stages with `encryption: luks2` and that key
@@ -368,10 +380,13 @@ fn assert_code<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code, what
     }
 }
 
-/// Whether the file at `p` contains `needle` anywhere (read in chunks that overlap).
+/// Whether the file (or block device) at `p` contains `needle` anywhere (read in chunks
+/// that overlap).
 fn file_contains(p: &Path, needle: &[u8]) -> bool {
     let f = fs::File::open(p).unwrap();
-    let len = f.metadata().unwrap().len();
+    let md = f.metadata().unwrap();
+    let len =
+        if md.file_type().is_block_device() { nodeplane::sys::loopdev::device_size(p).unwrap() } else { md.len() };
     let chunk = 4 * MIB;
     let mut buf = vec![0u8; (chunk as usize) + needle.len()];
     let mut off = 0;
@@ -589,4 +604,84 @@ async fn expansion_of_an_encrypted_volume_shows_in_statfs() {
     c.unpublish(&id, &target).await.unwrap();
     c.unstage(&id, &staging).await.unwrap();
     sb.assert_clean();
+}
+
+/// A volume group with a thin pool on a loop device over a sparse file, for the `lvm`
+/// backend; removed (with the loop device and file) when dropped. Made before the sandbox,
+/// so dropped after it (the agent killed, the mounts gone).
+struct ThinPool {
+    vg: String,
+    img: PathBuf,
+    loop_dev: String,
+}
+
+fn lvm(args: &[&str]) -> bool {
+    let mut cmd = Command::new(args[0]);
+    if !Path::new("/run/udev/control").exists() {
+        cmd.env("DM_DISABLE_UDEV", "1");
+    }
+    cmd.env("LVM_SUPPRESS_FD_WARNINGS", "1").args(&args[1..]).status().is_ok_and(|s| s.success())
+}
+
+impl ThinPool {
+    fn new() -> ThinPool {
+        require_root();
+        assert!(lvm(&["modprobe", "dm_thin_pool"]), "no dm-thin in this kernel");
+        let vg = format!("npcr{}", std::process::id());
+        let img = PathBuf::from("/tmp").join(format!("npcrypt-{vg}.img"));
+        fs::File::create(&img).unwrap().set_len(320 * MIB).unwrap();
+        let out = Command::new("losetup").args(["-f", "--show"]).arg(&img).output().unwrap();
+        let loop_dev = String::from_utf8(out.stdout).unwrap().trim().to_string();
+        let p = ThinPool { vg: vg.clone(), img, loop_dev: loop_dev.clone() };
+        assert!(lvm(&["pvcreate", "-q", "-y", &loop_dev]));
+        assert!(lvm(&["vgcreate", "-q", &vg, &loop_dev]));
+        assert!(lvm(&["lvcreate", "-q", "-y", "-T", &format!("{vg}/pool"), "-L", "256m"]));
+        p
+    }
+}
+
+impl Drop for ThinPool {
+    fn drop(&mut self) {
+        let _ = cryptsetup(&["close", &format!("npc-{}", vol_id("thin"))]);
+        let _ = lvm(&["vgremove", "-q", "-y", "-f", &self.vg]);
+        let _ = lvm(&["pvremove", "-q", "-y", &self.loop_dev]);
+        let _ = lvm(&["losetup", "-d", &self.loop_dev]);
+        let _ = fs::remove_file(&self.img);
+    }
+}
+
+/// An encrypted thin volume (the `lvm` backend): the container is on the LV, the marker
+/// never on it in clear, a wrong key opens nothing, and the data reads back after an
+/// unstage and a new stage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encrypted_thin_volume_round_trip() {
+    let pool = ThinPool::new();
+    let csi = serde_json::json!({
+        "capacityBytes": 4u64 << 30,
+        "maxVolumes": 16,
+        "lvm": {"volumeGroup": pool.vg, "thinPool": "pool"},
+    });
+    let mut sb = Sandbox::with_csi("thin", csi);
+    let mut c = sb.start().await;
+    let id = vol_id("thin");
+    c.create_on(&id, 64 * MIB, "ext4", "lvm").await;
+    let lv = PathBuf::from(format!("/dev/{}/np-{id}", pool.vg));
+    let staging = sb.staging(&id, false);
+    c.stage(&id, &staging, mount_cap("ext4"), Some(KEY)).await.unwrap();
+    let (fs_type, num) = mounted_at(Path::new(&staging)).expect("staged");
+    assert_eq!((fs_type.as_str(), num), ("ext4", dev_of(&mapper(&id))), "the filesystem is on the mapping");
+    write_synced(&Path::new(&staging).join("marker"), &marker());
+    c.unstage(&id, &staging).await.unwrap();
+    assert!(!mapper(&id).exists(), "the mapping is gone after unstage");
+    assert!(file_contains(&lv, b"LUKS\xba\xbe"), "the LV holds a LUKS header");
+    assert!(!file_contains(&lv, &marker()), "the marker is on the LV in clear");
+    let r = c.stage(&id, &staging, mount_cap("ext4"), Some(WRONG_KEY)).await;
+    assert_code(r, Code::InvalidArgument, "wrong key");
+    assert!(!mapper(&id).exists() && mounted_at(Path::new(&staging)).is_none());
+    c.stage(&id, &staging, mount_cap("ext4"), Some(KEY)).await.unwrap();
+    assert_eq!(fs::read(Path::new(&staging).join("marker")).unwrap(), marker());
+    c.unstage(&id, &staging).await.unwrap();
+    assert!(!mapper(&id).exists());
+    assert!(mounts_under(&sb.dir).is_empty());
+    c.vols.delete_volume(napi::DeleteVolumeRequest { id: id.clone() }).await.unwrap();
 }
