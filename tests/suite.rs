@@ -9,6 +9,7 @@
 
 mod controller;
 mod controller_tls;
+mod crypt_root;
 mod csi_root;
 mod deviceplugin_kubelet_root;
 mod deviceplugin_restart_root;

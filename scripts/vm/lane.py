@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 CARGO_FULL = [
     "netlink_root::", "routes_root::", "volume_root::", "csi_root::", "deviceplugin_root::",
     "deviceplugin_kubelet_root::", "deviceplugin_restart_root::", "dra_root::", "lvm_root::",
+    "crypt_root::",
 ]
 # Not here: fuzz_inputs' root half (agent_requests_root, agent_oversized_grpc_requests_root).
 # It asserts answer times fit for the host (Allocate of 100,000 IDs within 3 s) that software
@@ -50,8 +51,8 @@ CARGO_FULL_EXCLUDE = [
 # agent's own rtnetlink requests, VXLAN and routes, loop devices (LOOP_CONFIGURE, resizing),
 # mounts (openat2, move_mount), ext4/xfs and the CSI node plugin over them. The device plugins
 # use inotify, Unix sockets and mknod'd nodes, unchanged since long before 5.10: --set full.
-# LVM thin pools (device-mapper): only here, the host's kernel has none.
-CARGO_CI = ["netlink_root::", "routes_root::", "volume_root::", "csi_root::", "lvm_root::"]
+# LVM thin pools and dm-crypt (device-mapper): only here, the host's kernel has none.
+CARGO_CI = ["netlink_root::", "routes_root::", "volume_root::", "csi_root::", "lvm_root::", "crypt_root::"]
 
 PYTEST_FULL = [
     "integration/test_datapath.py",          # veth, bridge, addresses, routes, masquerade

@@ -2,6 +2,7 @@
 //! (`netns`: entered only around one `socket` call), the mount table and descriptor-based mounts
 //! (`mount`), loop devices (`loopdev`), image copies and filesystem freezes (`imagecopy`),
 //! filesystem signatures read in-process (`probe`), filesystem tools (`fstools`: mkfs, grow),
+//! dm-crypt (`crypt`: LUKS2 through cryptsetup),
 //! capability dropping (`caps`), atomic files and Unix sockets (`fs`), descriptors passed over
 //! Unix sockets (`fdpass`).
 //!
@@ -12,6 +13,7 @@
 //! nothing here imports anything above it.
 
 pub mod caps;
+pub mod crypt;
 #[cfg(test)]
 pub mod fake_net;
 #[cfg(test)]

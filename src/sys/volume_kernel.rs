@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use nix::mount::MsFlags;
 
+use super::crypt::{CryptError, Key, Mapping};
 use super::fstools::{FsError, FsType};
 use super::loopdev::{AttachOptions, DetachError, LoopBinding, LoopInfo64};
 use super::mount::{Beneath, MountEntry, MountOptions};
@@ -109,6 +110,46 @@ pub trait VolumeKernel: Send + Sync {
     fn fs_size(&self, dev: &Path, fs: FsType) -> Result<Option<u64>, FsError>;
     /// Grow the filesystem to its device: ext4 through the device, xfs through a mount point.
     fn grow_fs(&self, dev_or_mountpoint: &Path, fs: FsType) -> Result<(), FsError>;
+
+    // dm-crypt ([`super::crypt`]). The defaults are a kernel without device-mapper (the
+    // recording fake): no mapping is ever open, and making one fails.
+
+    /// Make a fresh LUKS2 container on `dev` ([`super::crypt::format`]).
+    fn crypt_format(&self, _dev: &Path, _key: &Key) -> Result<(), CryptError> {
+        Err(CryptError::Unavailable)
+    }
+    /// Open the container on `dev` as mapping `name`; returns its device node.
+    fn crypt_open(&self, _dev: &Path, _name: &str, _key: &Key) -> Result<PathBuf, CryptError> {
+        Err(CryptError::Unavailable)
+    }
+    /// Whether `key` opens the container on `dev` (nothing is opened).
+    fn crypt_key_opens(&self, _dev: &Path, _key: &Key) -> Result<bool, CryptError> {
+        Err(CryptError::Unavailable)
+    }
+    /// Close mapping `name` (not open: success; in use: [`CryptError::InUse`]).
+    fn crypt_close(&self, _name: &str) -> Result<(), CryptError> {
+        Ok(())
+    }
+    /// Grow mapping `name` to its backing device.
+    fn crypt_resize(&self, _name: &str) -> Result<(), CryptError> {
+        Err(CryptError::Unavailable)
+    }
+    /// Whether the container on `dev` has never been given a filesystem.
+    fn crypt_is_fresh(&self, _dev: &Path) -> Result<bool, CryptError> {
+        Err(CryptError::Unavailable)
+    }
+    /// Record on `dev`'s container that its mapping now holds a filesystem.
+    fn crypt_mark_formatted(&self, _dev: &Path) -> Result<(), CryptError> {
+        Err(CryptError::Unavailable)
+    }
+    /// Mapping `name`, when open.
+    fn crypt_mapping(&self, _name: &str) -> Result<Option<Mapping>, CryptError> {
+        Ok(None)
+    }
+    /// Every open mapping named `npc-*`.
+    fn crypt_mappings(&self) -> Result<Vec<Mapping>, CryptError> {
+        Ok(Vec::new())
+    }
 }
 
 /// The real kernel.
@@ -234,5 +275,41 @@ impl VolumeKernel for Kernel {
 
     fn grow_fs(&self, dev_or_mountpoint: &Path, fs: FsType) -> Result<(), FsError> {
         super::fstools::grow_fs(dev_or_mountpoint, fs)
+    }
+
+    fn crypt_format(&self, dev: &Path, key: &Key) -> Result<(), CryptError> {
+        super::crypt::format(dev, key)
+    }
+
+    fn crypt_open(&self, dev: &Path, name: &str, key: &Key) -> Result<PathBuf, CryptError> {
+        super::crypt::open(dev, name, key)
+    }
+
+    fn crypt_key_opens(&self, dev: &Path, key: &Key) -> Result<bool, CryptError> {
+        super::crypt::key_opens(dev, key)
+    }
+
+    fn crypt_close(&self, name: &str) -> Result<(), CryptError> {
+        super::crypt::close(name)
+    }
+
+    fn crypt_resize(&self, name: &str) -> Result<(), CryptError> {
+        super::crypt::resize(name)
+    }
+
+    fn crypt_is_fresh(&self, dev: &Path) -> Result<bool, CryptError> {
+        super::crypt::is_fresh(dev)
+    }
+
+    fn crypt_mark_formatted(&self, dev: &Path) -> Result<(), CryptError> {
+        super::crypt::mark_formatted(dev)
+    }
+
+    fn crypt_mapping(&self, name: &str) -> Result<Option<Mapping>, CryptError> {
+        super::crypt::mapping(name)
+    }
+
+    fn crypt_mappings(&self) -> Result<Vec<Mapping>, CryptError> {
+        super::crypt::mappings()
     }
 }

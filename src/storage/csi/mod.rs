@@ -261,6 +261,7 @@ pub async fn serve(
             dropped_publish_records = r.dropped_publish_records,
             detached = r.detached,
             orphans = r.orphans,
+            closed_mappings = r.closed_mappings,
             "CSI node recovered; ready"
         ),
         Err(e) => return Err(format!("CSI node recovery: {e}")),

@@ -18,10 +18,11 @@
 //! so a crash at any point leaves a record for everything that might exist.
 //!
 //! By concern: the records (`records.rs`), the volume's loop devices and mounts
-//! (`mounts.rs`), stage, unstage, stats and expansion (`stage.rs`), publish and unpublish
+//! (`mounts.rs`), LUKS2 encryption (`encryption.rs`), stage, unstage, stats and expansion (`stage.rs`), publish and unpublish
 //! (`publish.rs`), and recovery, status and doctor (`report.rs`); here the errors, the
 //! settings, the service and its holds.
 
+mod encryption;
 mod mounts;
 mod publish;
 mod records;
@@ -47,8 +48,8 @@ use crate::sys::mount;
 use crate::sys::volume_kernel::VolumeKernel;
 use records::{PublishRecord, StageState};
 pub use report::{
-    FILE_WITHOUT_VOLUME, LOOP_WITHOUT_FILE, LOOP_WITHOUT_USER, MOUNT_WITHOUT_VOLUME, MountCounts, RecoveryReport,
-    VOLUME_WITHOUT_FILE,
+    FILE_WITHOUT_VOLUME, LOOP_WITHOUT_FILE, LOOP_WITHOUT_USER, MAPPING_WITHOUT_STAGE, MOUNT_WITHOUT_VOLUME,
+    MountCounts, RecoveryReport, VOLUME_WITHOUT_FILE,
 };
 
 /// A failed CSI call: the gRPC code the spec asks for and a message naming what was wrong.

@@ -1,5 +1,6 @@
-//! The kernel's side of one volume: its loop devices, whether a mount is one of them, the
-//! mount on a path, and unmounting the volume's mounts (never someone else's).
+//! The kernel's side of one volume: its devices (loop devices, and the dm-crypt mapping of
+//! an encrypted one), whether a mount is one of them, the mount on a path, and unmounting
+//! the volume's mounts (never someone else's).
 
 use std::path::{Path, PathBuf};
 
@@ -7,7 +8,7 @@ use super::records::StageRecord;
 use super::{NodeService, Result, errno_internal, internal, io_internal};
 use crate::sys::mount::{self, MountEntry};
 
-/// A loop device bound to a volume.
+/// A device of a volume: a loop device bound to its image, or its open dm-crypt mapping.
 pub(super) struct LoopDev {
     pub(super) path: PathBuf,
     /// major, minor
@@ -20,15 +21,19 @@ impl NodeService {
         self.kernel.mount_table().map_err(io_internal("reading /proc/self/mountinfo".into()))
     }
 
-    /// Every loop device bound to volume `id` (read-write first).
+    /// Every device of volume `id`: its open dm-crypt mapping first (the device an encrypted
+    /// volume is used through), then the loop devices bound to it (read-write first).
     pub(super) fn volume_devices(&self, id: &str) -> Result<Vec<LoopDev>> {
         let mut out = Vec::new();
+        if let Some(m) = self.mapping_of(id)? {
+            out.push(LoopDev { path: m.path, num: m.num, ro: false });
+        }
         for b in self.store.bindings(id)? {
             if let Ok(num) = self.kernel.dev_numbers(&b.device) {
                 out.push(LoopDev { path: b.device, num, ro: b.read_only });
             }
         }
-        out.sort_by_key(|d| d.ro);
+        out.sort_by_key(|d| d.ro); // stable: the mapping stays first
         Ok(out)
     }
 

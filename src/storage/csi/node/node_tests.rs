@@ -1050,6 +1050,7 @@ fn recover_rolls_back_an_interrupted_stage() {
     let s1 = e.staging("v1");
     e.svc.store.attach("v1").unwrap();
     let rec = |id: &str, path: &Path, state| StageRecord {
+        encrypted: false,
         volume_id: id.into(),
         staging_path: path.to_path_buf(),
         capability: parse_capability(Some(&mount_cap("ext4", &[]))).unwrap(),
@@ -1086,6 +1087,7 @@ fn recover_keeps_the_record_when_the_detach_fails() {
     let s1 = e.staging("v1");
     e.svc.store.attach("v1").unwrap();
     let r = StageRecord {
+        encrypted: false,
         volume_id: "v1".into(),
         staging_path: s1.clone(),
         capability: parse_capability(Some(&mount_cap("ext4", &[]))).unwrap(),
@@ -1202,4 +1204,43 @@ fn staging_and_target_directories_are_made_and_removed() {
     e.publish("w", &t2, &staging, mount_cap("ext4", &[]), false).unwrap();
     assert_eq!(std::fs::metadata(&t2).unwrap().ino(), before);
     assert!(!e.publish_record(&t2).unwrap().created_target);
+}
+
+fn encrypted_stage(e: &Env, id: &str, staging: &Path, encryption: &str, key: Option<&str>) -> Result<()> {
+    let mut req = csi::NodeStageVolumeRequest {
+        volume_id: id.into(),
+        staging_target_path: s(staging),
+        volume_capability: Some(mount_cap("ext4", &[])),
+        ..Default::default()
+    };
+    req.volume_context.insert("encryption".into(), encryption.into());
+    if let Some(k) = key {
+        req.secrets.insert("key".into(), k.into());
+    }
+    e.svc.stage(&req)
+}
+
+#[test]
+fn encrypted_stage_needs_a_key_and_rolls_back_when_it_cannot_unlock() {
+    let e = Env::new("encrypted");
+    let img = e.volume("v1", FsType::Ext4);
+    let staging = e.staging("v1");
+    for key in [None, Some("")] {
+        let err = encrypted_stage(&e, "v1", &staging, "luks2", key).unwrap_err();
+        assert_eq!(err.code, Code::InvalidArgument, "{err}");
+        assert!(err.msg.contains("node-stage secret has no \"key\""), "{err}");
+    }
+    let err = encrypted_stage(&e, "v1", &staging, "luks1", Some("k")).unwrap_err();
+    assert_eq!(err.code, Code::InvalidArgument, "{err}");
+    assert!(e.fake.attached().is_empty() && e.stage_record("v1").is_none(), "argument errors touch nothing");
+    // The fake kernel has no dm-crypt: the unlock fails after the attach, and the stage is
+    // rolled back (the real kernel's paths run in tests/crypt_root.rs).
+    let err = encrypted_stage(&e, "v1", &staging, "luks2", Some("k")).unwrap_err();
+    assert_eq!(err.code, Code::Internal, "{err}");
+    assert!(!err.msg.contains("\"k\""), "{err}");
+    e.assert_rolled_back("v1", &staging, "encrypted stage without dm-crypt");
+    assert_eq!(e.fake.filesystem_of(&img), None, "nothing was formatted");
+    // An unencrypted stage is unaffected, and its record says so.
+    e.stage("v1", &staging, mount_cap("ext4", &[])).unwrap();
+    assert!(!e.stage_record("v1").unwrap().encrypted);
 }

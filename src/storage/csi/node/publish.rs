@@ -66,6 +66,14 @@ impl NodeService {
         if !staged_here {
             return Err(precondition(format!("volume {id} is not staged at {}", staging.display())));
         }
+        if cap.block && read_only && stage.as_ref().is_some_and(|r| r.encrypted) {
+            // A read-only publication gets a read-only device of its own (a read-only bind
+            // mount of a device node does not stop writes); for an encrypted volume that
+            // would be a second mapping, which needs the key publish is not given.
+            return Err(precondition(format!(
+                "volume {id} is encrypted: read-only raw block publication of it is not supported"
+            )));
+        }
         let want = PublishRecord {
             volume_id: id.to_string(),
             target_path: target.clone(),
@@ -132,9 +140,7 @@ impl NodeService {
                 let dev = if read_only {
                     self.store.attach_read_only(id)?
                 } else {
-                    self.store
-                        .attached_device(id)?
-                        .ok_or_else(|| precondition(format!("volume {id} is not attached")))?
+                    self.top_device(id)?.ok_or_else(|| precondition(format!("volume {id} is not attached")))?
                 };
                 if created_target {
                     std::fs::OpenOptions::new()

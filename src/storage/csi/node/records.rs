@@ -24,6 +24,10 @@ pub(super) struct StageRecord {
     pub(super) staging_path: PathBuf,
     pub(super) capability: Capability,
     pub(super) state: StageState,
+    /// Staged through a LUKS2 mapping (`npc-<id>`): unstage closes it, recovery and the
+    /// doctor expect it. Absent in records written before encryption existed: false.
+    #[serde(default)]
+    pub(super) encrypted: bool,
 }
 
 impl StageRecord {

@@ -10,9 +10,9 @@ use super::records::{PublishRecord, StageState};
 use super::{NodeService, Result, internal, io_internal};
 use crate::obs::doctor::{Finding, Repair};
 use crate::rpc::node as api;
-use crate::sys::loopdev;
 use crate::sys::mount::{self, MountEntry};
 use crate::sys::volume_kernel::VolumeKernel;
+use crate::sys::{crypt, loopdev};
 
 /// What the records say is staged and published (cheap: two small directories).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -50,6 +50,11 @@ impl NodeService {
             let mounted = mount::mounts_at(&table, &r.staging_path).iter().any(|m| self.is_volume_mount(m, &devices));
             if r.state == StageState::Staging && !mounted {
                 let published = table.iter().any(|m| self.is_volume_mount(m, &devices));
+                if !published && let Err(e) = self.lock(&r.volume_id) {
+                    tracing::warn!(volume = %r.volume_id, error = %e, "rolling back an interrupted stage: closing its mapping failed; keeping its record for unstage or a retry");
+                    staged_ids.insert(r.volume_id.clone());
+                    continue;
+                }
                 if !published && let Err(e) = self.store.detach(&r.volume_id) {
                     // Keep the record: it is what lets NodeUnstage (or the retried stage)
                     // find and detach the device once whatever holds it lets go. Without
@@ -66,6 +71,7 @@ impl NodeService {
             staged_ids.insert(r.volume_id.clone());
             report.staged += 1;
         }
+        report.closed_mappings = self.close_stray_mappings(&table, &staged_ids);
         for r in self.publish_records() {
             let devices = self.volume_devices(&r.volume_id).unwrap_or_default();
             let mounted = mount::mounts_at(&table, &r.target_path).iter().any(|m| self.is_volume_mount(m, &devices));
@@ -108,6 +114,49 @@ impl NodeService {
         self.ready.store(true, Ordering::SeqCst);
         Ok(report)
     }
+
+    /// Close the mappings of this store's volumes that no stage accounts for, unless
+    /// mounted or otherwise open (cryptsetup refuses to close a mapping in use); returns
+    /// how many. Only this store's volumes: a mapping named `npc-*` on another device is
+    /// someone else's (the doctor reports it).
+    fn close_stray_mappings(&self, table: &[MountEntry], staged_ids: &HashSet<String>) -> usize {
+        let mut closed = 0;
+        for v in self.store.list().into_iter().filter(|v| !staged_ids.contains(&v.id)) {
+            let m = match self.kernel.crypt_mapping(&crypt::mapping_name(&v.id)) {
+                Ok(Some(m)) => m,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!(volume = %v.id, error = %e, "looking for the volume's dm-crypt mapping");
+                    continue;
+                }
+            };
+            let ours = self
+                .store
+                .bindings(&v.id)
+                .unwrap_or_default()
+                .iter()
+                .any(|b| self.kernel.dev_numbers(&b.device).is_ok_and(|n| n == m.backing_num));
+            if !ours {
+                tracing::warn!(volume = %v.id, mapping = %m.name, backing = %m.backing.display(), "a mapping named for the volume is open on another device; leaving it");
+                continue;
+            }
+            let dev = [LoopDev { path: m.path.clone(), num: m.num, ro: false }];
+            if let Some(at) = table.iter().find(|e| self.is_volume_mount(e, &dev)) {
+                tracing::warn!(volume = %v.id, mapping = %m.name, mounted_at = %at.mount_point.display(), "the mapping of a volume no stage accounts for is mounted; leaving it");
+                continue;
+            }
+            match self.kernel.crypt_close(&m.name) {
+                Ok(()) => {
+                    tracing::info!(volume = %v.id, mapping = %m.name, "closed a mapping no stage accounts for");
+                    closed += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(volume = %v.id, mapping = %m.name, error = %e, "could not close a mapping no stage accounts for")
+                }
+            }
+        }
+        closed
+    }
 }
 
 /// What [`NodeService::recover`] found.
@@ -119,6 +168,8 @@ pub struct RecoveryReport {
     pub dropped_publish_records: usize,
     pub detached: usize,
     pub orphans: usize,
+    /// `npc-*` mappings of volumes not staged, closed.
+    pub closed_mappings: usize,
 }
 
 // ----- status and doctor (`nodeplane status`, `nodeplane doctor`) -----
@@ -130,6 +181,7 @@ pub const LOOP_WITHOUT_USER: &str = "loop-device-without-user";
 pub const FILE_WITHOUT_VOLUME: &str = "backing-file-without-volume";
 pub const VOLUME_WITHOUT_FILE: &str = "volume-without-backing-file";
 pub const LV_WITHOUT_VOLUME: &str = "logical-volume-without-volume";
+pub const MAPPING_WITHOUT_STAGE: &str = "crypt-mapping-without-stage";
 
 /// A loop device bound to a file in the volume directory.
 struct StoreLoop {
@@ -251,7 +303,7 @@ impl NodeService {
     /// metadata are never removed here (they may hold data): they are reported with what the
     /// operator can do.
     pub fn doctor(&self, repair: bool) -> Result<(Vec<Finding>, Vec<String>)> {
-        let mut out = Vec::new();
+        let mut out = self.stray_mappings(repair)?;
         let mut skipped = Vec::new();
         let listed = self.store_loops()?;
         for l in listed.iter().filter(|l| l.volume.is_none()) {
@@ -359,6 +411,45 @@ impl NodeService {
             out.push(f);
         }
         Ok((out, skipped))
+    }
+}
+
+impl NodeService {
+    /// Doctor: the `npc-*` mappings no stage record accounts for. Listed before the records
+    /// are read, so a stage in progress (its record is written before its mapping is opened)
+    /// is never one; an unstage that closes its mapping meanwhile leaves nothing to repair.
+    /// Repair closes the mapping unless it is mounted or open.
+    fn stray_mappings(&self, repair: bool) -> Result<Vec<Finding>> {
+        let mappings = self.kernel.crypt_mappings().map_err(|e| internal(format!("listing dm-crypt mappings: {e}")))?;
+        let staged: HashSet<String> = self.stage_records().iter().map(|r| crypt::mapping_name(&r.volume_id)).collect();
+        let table = if mappings.is_empty() { Vec::new() } else { self.table()? };
+        let mut out = Vec::new();
+        for m in mappings.into_iter().filter(|m| !staged.contains(&m.name)) {
+            let dev = [LoopDev { path: m.path.clone(), num: m.num, ro: false }];
+            let mounted: Vec<String> = table
+                .iter()
+                .filter(|e| self.is_volume_mount(e, &dev))
+                .map(|e| e.mount_point.display().to_string())
+                .collect();
+            let detail = format!(
+                "dm-crypt mapping of {} without a stage record{}",
+                m.backing.display(),
+                if mounted.is_empty() { String::new() } else { format!("; mounted at {}", mounted.join(", ")) }
+            );
+            let mut f = Finding::new(MAPPING_WITHOUT_STAGE, m.name.clone(), detail);
+            if repair {
+                f.repair = Some(if !mounted.is_empty() {
+                    Repair::Skipped("mounted: unmount it first".into())
+                } else {
+                    match self.kernel.crypt_close(&m.name) {
+                        Ok(()) => Repair::Done("closed".into()),
+                        Err(e) => Repair::Failed(e.to_string()),
+                    }
+                });
+            }
+            out.push(f);
+        }
+        Ok(out)
     }
 }
 

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use tonic::Code;
 
+use super::encryption::{crypt_error, requested_key};
 use super::mounts::LoopDev;
 use super::records::{StageRecord, StageState};
 use super::{
@@ -15,6 +16,7 @@ use super::{
 use crate::rpc::csi;
 use crate::storage::csi::capability::Capability;
 use crate::storage::store::{Backend, FsType, VolumeError};
+use crate::sys::crypt::{CryptError, Key};
 use crate::sys::mount::{self, MountOptions};
 use crate::sys::volume_kernel::MountError;
 
@@ -32,6 +34,8 @@ impl NodeService {
         let staging = self.path("staging_target_path", &req.staging_target_path)?;
         let cap = parse_capability(req.volume_capability.as_ref())?;
         let opts = mount::parse_mount_flags(&cap.mount_flags).map_err(invalid)?;
+        let key = requested_key(req)?;
+        let encrypted = key.is_some();
         let _g = self.guard(id)?;
         let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
         check_fits(&vol, &cap)?;
@@ -53,6 +57,16 @@ impl NodeService {
                     format!("volume {id} is already staged at {} with a different capability", staging.display()),
                 ));
             }
+            if r.staging_path == staging && staged_there && r.encrypted != encrypted {
+                return Err(CsiError::new(
+                    Code::AlreadyExists,
+                    format!(
+                        "volume {id} is already staged at {} {} encryption",
+                        staging.display(),
+                        if r.encrypted { "with" } else { "without" }
+                    ),
+                ));
+            }
         }
         if let Some(top) = self.top_at(&staging)? {
             if !cap.block
@@ -65,6 +79,7 @@ impl NodeService {
                     staging_path: staging.clone(),
                     capability: cap.clone(),
                     state: StageState::Staged,
+                    encrypted,
                 });
                 if r.state != StageState::Staged || r.staging_path != staging {
                     r.state = StageState::Staged;
@@ -100,6 +115,7 @@ impl NodeService {
                 staging_path: staging.clone(),
                 capability: cap.clone(),
                 state: StageState::Staging,
+                encrypted,
             },
         )?;
         crate::util::crash_point("stage-after-record");
@@ -107,7 +123,7 @@ impl NodeService {
         // The final record is part of the work: when it cannot be written (a full state disk,
         // where the first record went into a spare that already had room) the stage is rolled
         // back like any other failure, not left mounted under a "staging" record.
-        let result = self.stage_work(&vol, &staging, &cap, &opts).and_then(|()| {
+        let result = self.stage_work(&vol, &staging, &cap, &opts, key.as_ref()).and_then(|()| {
             self.save(
                 &rec_path,
                 &StageRecord {
@@ -115,6 +131,7 @@ impl NodeService {
                     staging_path: staging.clone(),
                     capability: cap.clone(),
                     state: StageState::Staged,
+                    encrypted,
                 },
             )
         });
@@ -122,6 +139,9 @@ impl NodeService {
             // Roll back to where we started: nothing mounted, not attached (unless it was).
             if !cap.block {
                 let _ = self.unmount_ours(id, &staging);
+            }
+            if !attached_before && let Err(e) = self.lock(id) {
+                tracing::warn!(volume = id, error = %e, "rolling back a failed stage: closing the mapping failed");
             }
             if !attached_before && let Err(d) = self.store.detach(id) {
                 tracing::warn!(volume = id, error = %d, "rolling back a failed stage: detach failed");
@@ -141,23 +161,37 @@ impl NodeService {
         staging: &Path,
         cap: &Capability,
         opts: &MountOptions,
+        key: Option<&Key>,
     ) -> Result<()> {
         let id = vol.id.as_str();
-        let dev = self.store.attach(id)?;
+        let raw = self.store.attach(id)?;
         crate::util::crash_point("stage-after-attach");
+        // Encrypted: everything below works on the mapping. A fresh container's mapping
+        // reads as noise (the decryption of whatever the device held), never as data.
+        let (dev, fresh) = match key {
+            Some(k) => {
+                let u = self.unlock(vol, &raw, k)?;
+                (u.path, u.fresh)
+            }
+            None => (raw.clone(), false),
+        };
         if cap.block {
             return Ok(());
         }
         let fs = vol.fs_type;
-        let probed = match vol.backend {
-            Backend::File => self.kernel.fs_probe_loop(&dev, &vol.path)?,
-            Backend::Lvm => self.kernel.fs_probe(&dev)?,
+        let probed = match (key, vol.backend) {
+            (Some(_), _) if fresh => None,
+            (Some(_), _) | (None, Backend::Lvm) => self.kernel.fs_probe(&dev)?,
+            (None, Backend::File) => self.kernel.fs_probe_loop(&dev, &vol.path)?,
         };
         match probed {
             None => {
                 tracing::info!(volume = id, device = %dev.display(), fs = fs.as_str(), "blank device: making a filesystem");
                 self.kernel.mkfs(&dev, fs)?;
                 crate::util::crash_point("stage-after-mkfs");
+                if fresh {
+                    self.kernel.crypt_mark_formatted(&raw).map_err(|e| crypt_error(id, e))?;
+                }
             }
             Some(t) if t == fs.as_str() => {}
             Some(other) => {
@@ -277,7 +311,12 @@ impl NodeService {
         }
         let n = self.unmount_of(id, &staging, &devices)?;
         crate::util::crash_point("unstage-after-unmount");
-        match self.store.detach(id) {
+        let released = match self.lock(id) {
+            Ok(()) => self.store.detach(id),
+            Err(CryptError::InUse { stderr, .. }) => Err(VolumeError::Busy { id: id.to_string(), reason: stderr }),
+            Err(e) => return Err(crypt_error(id, e)),
+        };
+        match released {
             Err(VolumeError::Busy { .. })
                 if n > 0
                     && let Some(r) = fs_as_recorded
@@ -454,9 +493,9 @@ impl NodeService {
         }
         let vol = self.store.expand(id, rounded)?;
         crate::util::crash_point("expand-after-store");
+        self.resize_mapping(id)?;
         if !vol.fs_type.is_raw() && !block_staged {
-            let dev =
-                self.store.attached_device(id)?.ok_or_else(|| precondition(format!("volume {id} is not attached")))?;
+            let dev = self.top_device(id)?.ok_or_else(|| precondition(format!("volume {id} is not attached")))?;
             let dev_size = self.kernel.device_size(&dev).map_err(io_internal(format!("sizing {}", dev.display())))?;
             let fs_size = self.kernel.fs_size(&dev, vol.fs_type)?.unwrap_or(dev_size);
             if fs_size.saturating_add(crate::storage::store::SIZE_ALIGN) <= dev_size {
