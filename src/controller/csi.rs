@@ -125,20 +125,25 @@ pub const XFS_MIN_SIZE: u64 = 300 * MIB;
 
 /// [`size_for`], raised to the filesystem's minimum when the range allows it (an xfs volume
 /// below [`XFS_MIN_SIZE`] is OUT_OF_RANGE when `limit_bytes` forbids the minimum).
-pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: FsType) -> Result<u64, CsiError> {
+pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: FsType, encrypted: bool) -> Result<u64, CsiError> {
     let size = size_for(range)?;
-    if fs != FsType::Xfs || size >= XFS_MIN_SIZE {
+    // An encrypted volume's filesystem is its size less the LUKS2 header.
+    let min = XFS_MIN_SIZE + if encrypted { LUKS2_HEADER } else { 0 };
+    if fs != FsType::Xfs || size >= min {
         return Ok(size);
     }
     let lim = range.map_or(0, |r| r.limit_bytes.max(0) as u64);
-    if lim > 0 && lim < XFS_MIN_SIZE {
+    if lim > 0 && lim < min {
         return Err(CsiError::new(
             Code::OutOfRange,
-            format!("xfs volumes need at least {XFS_MIN_SIZE} bytes (mkfs.xfs refuses smaller); limit_bytes is {lim}"),
+            format!("xfs volumes need at least {min} bytes (mkfs.xfs refuses smaller); limit_bytes is {lim}"),
         ));
     }
-    Ok(XFS_MIN_SIZE)
+    Ok(min)
 }
+
+/// What the agent's LUKS2 header takes of an encrypted volume (`src/sys/crypt.rs`).
+pub const LUKS2_HEADER: u64 = 2 * MIB;
 
 pub fn size_for(range: Option<&csi::CapacityRange>) -> Result<u64, CsiError> {
     let (req, lim) = match range {
@@ -306,7 +311,7 @@ impl ControllerService {
             }
             fs = src.fs_type;
         }
-        let mut size = size_for_fs(r.capacity_range.as_ref(), fs)?;
+        let mut size = size_for_fs(r.capacity_range.as_ref(), fs, encrypted)?;
         if let Some(src) = &source_rec {
             let required = r.capacity_range.as_ref().map_or(0, |c| c.required_bytes.max(0) as u64);
             let limit = r.capacity_range.as_ref().map_or(0, |c| c.limit_bytes.max(0) as u64);
@@ -659,8 +664,9 @@ impl ControllerService {
         Ok(csi::ControllerExpandVolumeResponse {
             capacity_bytes: v.size_bytes as i64,
             // The filesystem grows on the node (NodeExpandVolume); a raw block volume's
-            // loop device already grew online with its file.
-            node_expansion_required: !v.fs_type.is_raw(),
+            // loop device already grew online with its file, unless it is encrypted (its
+            // dm-crypt mapping grows in NodeExpandVolume).
+            node_expansion_required: !v.fs_type.is_raw() || is_encrypted(&v),
         })
     }
 
@@ -945,14 +951,21 @@ mod tests {
     #[test]
     fn sizes_follow_the_capacity_range() {
         let x = |req: i64, lim: i64| {
-            size_for_fs(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }), FsType::Xfs)
+            size_for_fs(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }), FsType::Xfs, false)
         };
         assert_eq!(x(64 << 20, 0).unwrap(), XFS_MIN_SIZE, "small xfs volumes are raised to the minimum");
         assert_eq!(x(400 << 20, 0).unwrap(), 400 << 20);
         assert_eq!(x(0, 0).unwrap(), XFS_MIN_SIZE.max(DEFAULT_SIZE));
         assert_eq!(x(1 << 20, 64 << 20).unwrap_err().code(), Code::OutOfRange, "a limit below the minimum");
+        // Encrypted: the filesystem is 2 MiB smaller, so the minimum is 2 MiB larger.
+        let enc = |req: i64, lim: i64| {
+            size_for_fs(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }), FsType::Xfs, true)
+        };
+        assert_eq!(enc(64 << 20, 0).unwrap(), XFS_MIN_SIZE + 2 * MIB);
+        assert_eq!(enc(1 << 20, XFS_MIN_SIZE as i64).unwrap_err().code(), Code::OutOfRange);
         assert_eq!(
-            size_for_fs(Some(&csi::CapacityRange { required_bytes: 1 << 20, limit_bytes: 0 }), FsType::Ext4).unwrap(),
+            size_for_fs(Some(&csi::CapacityRange { required_bytes: 1 << 20, limit_bytes: 0 }), FsType::Ext4, false)
+                .unwrap(),
             1 << 20
         );
         let r = |req: i64, lim: i64| size_for(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }));
