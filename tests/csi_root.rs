@@ -59,6 +59,9 @@ pub(crate) struct Sandbox {
     pub(crate) dir: PathBuf,
     agent: Option<Child>,
     pub(crate) crash_at: Option<String>,
+    /// The agent's RUST_LOG (tests/crypt_root.rs runs it at debug: the key must not show
+    /// even there).
+    pub(crate) log_level: &'static str,
 }
 
 fn unescape(s: &str) -> String {
@@ -99,7 +102,7 @@ fn mounts() -> Vec<(PathBuf, String, String, String, String)> {
         .collect()
 }
 
-fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+pub(crate) fn mounts_under(dir: &Path) -> Vec<PathBuf> {
     mounts().into_iter().map(|m| m.0).filter(|p| p.starts_with(dir)).collect()
 }
 
@@ -125,6 +128,22 @@ fn loops_under(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// Device-mapper mappings (names) over the loop devices `loops` (dm-crypt mappings of
+/// encrypted volumes: tests/crypt_root.rs).
+fn mappings_over(loops: &[PathBuf]) -> Vec<String> {
+    let names: Vec<String> = loops.iter().filter_map(|l| l.file_name()).map(|n| n.to_string_lossy().into()).collect();
+    let mut out = Vec::new();
+    for e in fs::read_dir("/sys/block").unwrap().flatten() {
+        let Ok(name) = fs::read_to_string(e.path().join("dm/name")) else { continue };
+        let over = fs::read_dir(e.path().join("slaves"))
+            .is_ok_and(|d| d.flatten().any(|s| names.contains(&s.file_name().to_string_lossy().into_owned())));
+        if over {
+            out.push(name.trim().to_string());
+        }
+    }
+    out
+}
+
 fn cleanup(dir: &Path) -> Vec<String> {
     let mut leftovers = Vec::new();
     let mut ms = mounts_under(dir);
@@ -132,6 +151,10 @@ fn cleanup(dir: &Path) -> Vec<String> {
     for m in ms {
         leftovers.push(format!("mount {}", m.display()));
         let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+    }
+    for name in mappings_over(&loops_under(dir)) {
+        leftovers.push(format!("mapping {name}"));
+        let _ = Command::new("cryptsetup").env("DM_DISABLE_UDEV", "1").args(["close", &name]).status();
     }
     for d in loops_under(dir) {
         leftovers.push(format!("loop {}", d.display()));
@@ -142,7 +165,7 @@ fn cleanup(dir: &Path) -> Vec<String> {
 }
 
 impl Sandbox {
-    fn new(name: &str) -> Sandbox {
+    pub(crate) fn new(name: &str) -> Sandbox {
         Self::with_csi(name, serde_json::json!({"capacityBytes": 4u64 << 30, "maxVolumes": 16}))
     }
 
@@ -164,9 +187,9 @@ impl Sandbox {
             "csi": csi,
         });
         fs::write(dir.join("agent.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
-        Sandbox { dir, agent: None, crash_at: None }
+        Sandbox { dir, agent: None, crash_at: None, log_level: "info" }
     }
-    fn root(&self) -> PathBuf {
+    pub(crate) fn root(&self) -> PathBuf {
         self.dir.join("root")
     }
     fn kubelet(&self) -> PathBuf {
@@ -183,6 +206,13 @@ impl Sandbox {
     }
     fn volume_dir(&self) -> PathBuf {
         self.root().join("var/lib/nodeplane/volumes")
+    }
+    /// A file volume's image.
+    pub(crate) fn image(&self, id: &str) -> PathBuf {
+        self.volume_dir().join(format!("{id}.img"))
+    }
+    pub(crate) fn stage_record(&self, id: &str) -> PathBuf {
+        self.root().join("var/lib/nodeplane/csi/stage").join(format!("{id}.json"))
     }
     pub(crate) fn log(&self) -> String {
         fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
@@ -220,7 +250,7 @@ impl Sandbox {
             .arg(AGENT)
             .arg("--config")
             .arg(self.dir.join("agent.json"))
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", self.log_level)
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log);
@@ -284,6 +314,7 @@ impl Sandbox {
         let m = mounts_under(&self.dir);
         assert!(m.is_empty(), "leaked mounts: {m:?}");
         let l = loops_under(&self.dir);
+        assert!(mappings_over(&l).is_empty(), "leaked mappings: {:?}", mappings_over(&l));
         assert!(l.is_empty(), "leaked loop devices: {l:?}");
     }
 }
@@ -300,7 +331,7 @@ impl Drop for Sandbox {
 
 pub(crate) struct Clients {
     identity: csi::identity_client::IdentityClient<Channel>,
-    node: csi::node_client::NodeClient<Channel>,
+    pub(crate) node: csi::node_client::NodeClient<Channel>,
     pub(crate) vols: napi::node_volumes_client::NodeVolumesClient<Channel>,
 }
 
@@ -320,7 +351,7 @@ impl Clients {
         }
     }
 
-    async fn create(&mut self, id: &str, size: u64, fs: &str) -> napi::Volume {
+    pub(crate) async fn create(&mut self, id: &str, size: u64, fs: &str) -> napi::Volume {
         self.create_on(id, size, fs, "").await
     }
     pub(crate) async fn create_on(&mut self, id: &str, size: u64, fs: &str, backend: &str) -> napi::Volume {
@@ -346,15 +377,30 @@ impl Clients {
         staging: &str,
         cap: csi::VolumeCapability,
     ) -> Result<(), tonic::Status> {
-        self.node
-            .node_stage_volume(csi::NodeStageVolumeRequest {
-                volume_id: id.into(),
-                staging_target_path: staging.into(),
-                volume_capability: Some(cap),
-                ..Default::default()
-            })
-            .await
-            .map(|_| ())
+        self.stage_with(id, staging, cap, None).await
+    }
+    /// NodeStageVolume; `key`: `Some` stages with `encryption: luks2` and that key
+    /// (`Some("")`: encrypted, without a key), `None` without encryption.
+    pub(crate) async fn stage_with(
+        &mut self,
+        id: &str,
+        staging: &str,
+        cap: csi::VolumeCapability,
+        key: Option<&str>,
+    ) -> Result<(), tonic::Status> {
+        let mut req = csi::NodeStageVolumeRequest {
+            volume_id: id.into(),
+            staging_target_path: staging.into(),
+            volume_capability: Some(cap),
+            ..Default::default()
+        };
+        if let Some(k) = key {
+            req.volume_context.insert("encryption".into(), "luks2".into());
+            if !k.is_empty() {
+                req.secrets.insert("key".into(), k.into());
+            }
+        }
+        self.node.node_stage_volume(req).await.map(|_| ())
     }
     pub(crate) async fn unstage(&mut self, id: &str, staging: &str) -> Result<(), tonic::Status> {
         self.node
@@ -467,7 +513,7 @@ pub(crate) fn pattern(len: usize, seed: u64) -> Vec<u8> {
 }
 
 fn image(sb: &Sandbox, id: &str) -> PathBuf {
-    sb.volume_dir().join(format!("{id}.img"))
+    sb.image(id)
 }
 
 // ----- full lifecycle -----

@@ -41,14 +41,15 @@ fn try_run(tool: &str, args: &[&str]) -> bool {
 
 /// A volume group on a loop device with one thin pool, and a sandbox directory for the
 /// store and mount points. Dropped: everything unmounted, the VG, loop device and file gone.
-struct Pool {
-    vg: String,
+/// Shared with tests/crypt_root.rs (an encrypted thin volume).
+pub(crate) struct Pool {
+    pub(crate) vg: String,
     dir: PathBuf,
     loop_dev: String,
 }
 
 impl Pool {
-    fn new(name: &str, pool_mib: u64) -> Pool {
+    pub(crate) fn new(name: &str, pool_mib: u64) -> Pool {
         assert_eq!(unsafe { libc::geteuid() }, 0, "tests/lvm_root.rs needs root; it does not skip");
         assert!(
             try_run("modprobe", &["dm_thin_pool"]),
@@ -112,6 +113,20 @@ impl Drop for Pool {
                 && back.contains(&self.vg)
             {
                 let _ = try_run("losetup", &["-d", dev]);
+            }
+        }
+        // dm-crypt mappings a test left over the VG's LVs go first, or the LVs stay open.
+        for e in fs::read_dir("/sys/block").unwrap().flatten() {
+            let dm_name = |p: &Path| fs::read_to_string(p.join("dm/name")).map(|n| n.trim().to_string());
+            let Ok(name) = dm_name(&e.path()) else { continue };
+            let over_ours = fs::read_dir(e.path().join("slaves")).is_ok_and(|d| {
+                d.flatten().any(|s| {
+                    dm_name(&Path::new("/sys/block").join(s.file_name()))
+                        .is_ok_and(|n| n.starts_with(&format!("{}-", self.vg)))
+                })
+            });
+            if over_ours {
+                let _ = try_run("cryptsetup", &["close", &name]);
             }
         }
         let _ = try_run("vgremove", &["-q", "-y", "-f", &self.vg]);
