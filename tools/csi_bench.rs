@@ -448,6 +448,11 @@ pub fn main() {
             // Issue 43's targets: up within 0.75x and down within half the CLI tools' time,
             // and a call in a sequence of `seq` volumes costing about what a single one does
             // (flat in the node's volumes).
+            if backend == "lvm" {
+                // Issue 43's targets are the file backend's; the lvm backend's figures are
+                // reported against lvcreate/lvremove with no target.
+                return;
+            }
             let verdict = |ok: bool| if ok { "PASS" } else { "MISS" };
             let up = pf.up_median / rf.up_median;
             let down = pf.down_median / rf.down_median;
@@ -484,17 +489,17 @@ pub fn main() {
     for m in mps {
         let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
     }
+    // The volume group before the loop devices: its PV is one of them.
+    if let Some((vg, pv)) = &vg {
+        let _ = Command::new("vgremove").args(["-q", "-y", "-f", vg]).status();
+        let _ = Command::new("pvremove").args(["-q", "-y", pv]).status();
+    }
     for e in std::fs::read_dir("/sys/block").unwrap().flatten() {
         if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file"))
             && Path::new(b.trim().trim_end_matches(" (deleted)")).starts_with(&dir)
         {
             let _ = Command::new("losetup").arg("-d").arg(format!("/dev/{}", e.file_name().to_string_lossy())).status();
         }
-    }
-    if let Some((vg, pv)) = &vg {
-        let _ = Command::new("vgremove").args(["-q", "-y", "-f", vg]).status();
-        let _ = Command::new("pvremove").args(["-q", "-y", pv]).status();
-        let _ = Command::new("losetup").args(["-d", pv]).status();
     }
     let _ = Command::new("umount").arg(&dir).status();
     let _ = Command::new("losetup").args(["-d", &fs_dev]).status();
