@@ -520,9 +520,12 @@ def test_source_runs_no_shell():
         assert '"-c"' not in text, f'{f}: a "-c" argument'
     assert sites == {"net/masquerade.rs": ['"nft"'], "agent/install.rs": ["&bin"], "sys/fstools.rs": ["tool"],
                      "net/policy.rs": ['"nft"', '"nft"'], "sys/features.rs": ['"nft"'],
-                     "net/services.rs": ['"conntrack"', '"nft"', '"nft"']}, sites
+                     "net/services.rs": ['"conntrack"', '"nft"', '"nft"'], "sys/lvm.rs": ["tool"],
+                     "sys/crypt.rs": ['"cryptsetup"', '"cryptsetup"']}, sites
     tools = re.findall(r'\brun\(\s*"([^"]+)"', (src / "sys/fstools.rs").read_text())
     assert tools and not {os.path.basename(t) for t in tools} & SHELLS, tools
+    lvm_tools = re.findall(r'\blvm\(\s*"([^"]+)"', (src / "sys/lvm.rs").read_text())
+    assert set(lvm_tools) == {"lvs", "lvcreate", "lvrename", "lvextend", "lvchange", "lvremove"}, lvm_tools
     print(f"\nCommand::new sites: {sites}; sys/fstools.rs tools: {sorted(set(tools))}")
 
 
