@@ -106,10 +106,14 @@ impl Drop for Pool {
                 let _ = nix::mount::umount2(&e.path(), MntFlags::MNT_DETACH);
             }
         }
-        // Read-only loop devices a test bound over an LV go before the VG.
+        // Read-only loop devices a test bound over an LV go before the VG. Only those: the
+        // PV's own loop device (its file's path names the VG too) must stay bound until
+        // vgremove and pvremove have wiped its label, or the next test handed the same
+        // loop device can find a stale one.
         for line in run("losetup", &["-l", "-n", "-O", "NAME,BACK-FILE"]).lines() {
             let mut f = line.split_whitespace();
             if let (Some(dev), Some(back)) = (f.next(), f.next())
+                && back.starts_with("/dev/")
                 && back.contains(&self.vg)
             {
                 let _ = try_run("losetup", &["-d", dev]);
