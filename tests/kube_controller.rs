@@ -1856,3 +1856,33 @@ fn volume_keys_are_secrets_the_controller_makes_once_and_removes() {
     assert!(k.get("", "secrets", Some(NS), "nodeplane-key-pvc-enc-2").is_some());
     assert_granted(&k);
 }
+
+#[test]
+fn a_short_pool_is_an_event_on_its_node() {
+    use nodeplane::controller::kube::events::NodeEvents;
+    use nodeplane::controller::records::StoreBackend;
+    use nodeplane::controller::volumes::PoolChange;
+    let k = cluster();
+    let node = "pool-node-1";
+    rt().block_on(async {
+        let client = kube::Client::try_from(kube_config(&k).await).unwrap();
+        let events = NodeEvents::new(client, Some("controller-0".into()));
+        let short = PoolChange { backend: StoreBackend::Lvm, short: true };
+        events.pool(node, short).await.unwrap();
+        events.pool(node, short).await.unwrap();
+        events.pool(node, PoolChange { short: false, ..short }).await.unwrap();
+    });
+    let of_node: Vec<serde_json::Value> =
+        k.list("events.k8s.io", "events").into_iter().filter(|e| e["regarding"]["name"] == node).collect();
+    let by_reason = |reason: &str| of_node.iter().find(|e| e["reason"] == reason).cloned();
+    let short = by_reason("StoragePoolShort").expect("the short event");
+    assert_eq!(short["metadata"]["namespace"], "default", "a Node's events are in default, as kubelet's");
+    assert_eq!(short["type"], "Warning");
+    assert_eq!(short["regarding"]["kind"], "Node");
+    assert_eq!(short["reportingController"], "nodeplane-controller");
+    assert!(short["note"].as_str().unwrap().contains("lvm pool is at least 90% full"), "{short}");
+    assert_eq!(short["series"]["count"], 2, "the repeat is counted on the same event: {short}");
+    assert_eq!(by_reason("StoragePoolRecovered").expect("the recovery event")["type"], "Normal");
+    assert_eq!(of_node.len(), 2, "{of_node:?}");
+    assert_granted(&k);
+}

@@ -273,6 +273,9 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         node_gate,
         devices,
         claims,
+        node_events: client
+            .as_ref()
+            .map(|c| Arc::new(kube::events::NodeEvents::new(c.clone(), std::env::var("POD_NAME").ok()))),
     };
     let svc = Arc::new(svc);
     let policy_svc = policy::server::Service { book: policy_book.clone(), registry: svc.clone() };

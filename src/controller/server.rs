@@ -32,6 +32,8 @@ pub struct Service {
     pub devices: Arc<super::dra::DeviceBook>,
     /// Where claims are read (Kubernetes mode).
     pub claims: Option<Arc<dyn super::dra::ClaimSource>>,
+    /// Events on Node objects (Kubernetes mode).
+    pub node_events: Option<Arc<super::kube::events::NodeEvents>>,
 }
 
 impl From<RegistryError> for Status {
@@ -462,8 +464,27 @@ impl Service {
             tracing::warn!(node = %node, orphans = ?r.orphans, "node holds volumes the controller does not know");
         }
         let book = self.volumes.clone();
-        crate::rpc::blocking(move || book.report(r)).await??;
+        let pools = crate::rpc::blocking(move || book.report(r)).await??;
+        for change in pools {
+            self.pool_changed(&node, change);
+        }
         Ok(Response::new(pb::ReportVolumesResponse {}))
+    }
+
+    /// Log a node's pool change and, in a cluster, post it as an event on the Node.
+    fn pool_changed(&self, node: &str, change: super::volumes::PoolChange) {
+        let backend = change.backend.as_str();
+        match change.short {
+            true => tracing::warn!(node = %node, backend, "storage pool short: no new volumes placed there"),
+            false => tracing::info!(node = %node, backend, "storage pool has room again"),
+        }
+        let Some(events) = self.node_events.clone() else { return };
+        let node = node.to_string();
+        tokio::spawn(async move {
+            if let Err(e) = events.pool(&node, change).await {
+                tracing::warn!(node = %node, error = %e, "posting the pool event failed");
+            }
+        });
     }
 
     async fn do_report_devices(

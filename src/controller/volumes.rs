@@ -71,6 +71,28 @@ impl NodeView {
     }
 }
 
+/// A node's pool turned short, or has room again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolChange {
+    pub backend: StoreBackend,
+    pub short: bool,
+}
+
+/// How a node's pools changed between two reports. A pool short in a node's first report
+/// counts as turning short.
+fn pool_changes(
+    before: &BTreeMap<StoreBackend, BackendRoom>,
+    after: &BTreeMap<StoreBackend, BackendRoom>,
+) -> Vec<PoolChange> {
+    after
+        .iter()
+        .filter_map(|(backend, room)| {
+            let was_short = before.get(backend).is_some_and(|r| r.short);
+            (room.short != was_short).then_some(PoolChange { backend: *backend, short: room.short })
+        })
+        .collect()
+}
+
 /// The backends of a report other than `file` (an unknown name is skipped: a newer node's).
 fn reported_backends(r: &pb::ReportVolumesRequest) -> BTreeMap<StoreBackend, BackendRoom> {
     r.backends
@@ -396,13 +418,15 @@ impl VolumeBook {
     }
 
     /// Take a node's report: remember it, and move records along (Creating → Ready when the
-    /// file is there, Deleting → gone when it is not).
-    pub fn report(&self, r: pb::ReportVolumesRequest) -> Result<(), BookError> {
+    /// file is there, Deleting → gone when it is not). Returns how the node's pools changed.
+    pub fn report(&self, r: pb::ReportVolumesRequest) -> Result<Vec<PoolChange>, BookError> {
         let mut st = self.st.lock().unwrap();
         let view = st.nodes.entry(r.node_name.clone()).or_default();
         view.capacity_bytes = r.capacity_bytes;
         view.available_bytes = r.available_bytes;
-        view.backends = reported_backends(&r);
+        let backends = reported_backends(&r);
+        let pools = pool_changes(&view.backends, &backends);
+        view.backends = backends;
         view.reported = true;
         view.volumes = r.volumes.iter().map(|v| (v.id.clone(), v.clone())).collect();
         view.snapshots = r.snapshots.iter().map(|v| (v.id.clone(), v.clone())).collect();
@@ -445,7 +469,7 @@ impl VolumeBook {
         }
         if changes.is_empty() {
             self.events_tx.send_modify(|v| *v += 1);
-            return Ok(());
+            return Ok(pools);
         }
         for (id, c) in &changes {
             match c {
@@ -453,7 +477,8 @@ impl VolumeBook {
                 None => tracing::info!(id = %id, node = %r.node_name, "deleted"),
             }
         }
-        self.commit(&mut st, changes)
+        self.commit(&mut st, changes)?;
+        Ok(pools)
     }
 
     /// The volume `id` (never a snapshot).
@@ -1173,8 +1198,15 @@ mod tests {
     }
 
     /// A report of a node with a file backend of `file` bytes (nothing held there) and,
-    /// when given, an lvm pool of (capacity, available, short) holding `lvm_vols`.
-    fn report_lvm(b: &VolumeBook, node: &str, file: u64, pool: Option<(u64, u64, bool)>, lvm_vols: &[(&str, u64)]) {
+    /// when given, an lvm pool of (capacity, available, short) holding `lvm_vols`. Returns
+    /// how the node's pools changed.
+    fn report_lvm(
+        b: &VolumeBook,
+        node: &str,
+        file: u64,
+        pool: Option<(u64, u64, bool)>,
+        lvm_vols: &[(&str, u64)],
+    ) -> Vec<PoolChange> {
         let backends = pool
             .map(|(capacity_bytes, available_bytes, short)| pb::BackendCapacity {
                 backend: "lvm".into(),
@@ -1202,7 +1234,21 @@ mod tests {
             backends,
             ..Default::default()
         })
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn a_pool_turning_short_and_back_is_reported_once_each_way() {
+        let (_t, b) = book("book-lvm-short");
+        let short = PoolChange { backend: StoreBackend::Lvm, short: true };
+        let room = PoolChange { backend: StoreBackend::Lvm, short: false };
+        assert_eq!(report_lvm(&b, "n1", 10, Some((100, 100, false)), &[]), vec![]);
+        assert_eq!(report_lvm(&b, "n1", 10, Some((100, 5, true)), &[]), vec![short]);
+        assert_eq!(report_lvm(&b, "n1", 10, Some((100, 5, true)), &[]), vec![], "still short");
+        assert_eq!(report_lvm(&b, "n1", 10, Some((100, 50, false)), &[]), vec![room]);
+        assert_eq!(report_lvm(&b, "n1", 10, None, &[]), vec![], "a pool gone is not short");
+        // Short in a node's first report (a restarted controller learns it that way).
+        assert_eq!(report_lvm(&b, "n2", 10, Some((100, 5, true)), &[]), vec![short]);
     }
 
     fn on(backend: StoreBackend) -> Placement {

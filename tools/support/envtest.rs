@@ -877,6 +877,7 @@ pub fn resource(group: &str, plural: &str) -> ApiResource {
         ("", "configmaps") => ("v1", "ConfigMap"),
         ("", "serviceaccounts") => ("v1", "ServiceAccount"),
         ("coordination.k8s.io", "leases") => ("v1", "Lease"),
+        ("events.k8s.io", "events") => ("v1", "Event"),
         ("networking.k8s.io", "networkpolicies") => ("v1", "NetworkPolicy"),
         ("resource.k8s.io", "resourceslices") => ("v1", "ResourceSlice"),
         ("resource.k8s.io", "resourceclaims") => ("v1", "ResourceClaim"),

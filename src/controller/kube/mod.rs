@@ -7,6 +7,7 @@
 //! test compares them with `nodeplane-controller api-calls`).
 
 pub mod ensure;
+pub mod events;
 pub mod feed;
 pub mod lease;
 pub mod nodes;
@@ -59,6 +60,10 @@ pub const API_CALLS: &[ApiCall] = &[
     call("", "nodes", "get", false),
     call("", "nodes", "list", false),
     call("", "nodes", "watch", false),
+    // events on Nodes (a storage pool running short), in the `default` namespace as
+    // kubelet's; a repeated event is patched
+    call("events.k8s.io", "events", "create", false),
+    call("events.k8s.io", "events", "patch", false),
     // agent identity
     call("authentication.k8s.io", "tokenreviews", "create", false),
     // the token-signing secret (get/update limited to its name; create cannot be), and the
