@@ -32,7 +32,7 @@ use super::{
     remove_if_exists, snapshots::snapshot_dir, sync_dir, write_meta_unsynced_dir,
 };
 use crate::sys::loopdev::LoopBinding;
-use crate::sys::lvm::{LvmError, ThinLv, ThinPool};
+use crate::sys::lvm::{LvmError, PoolStatus, ThinLv, ThinPool};
 
 /// Data or metadata use, in percent, from which a pool counts as running short.
 pub const POOL_SHORT_PERCENT: f64 = 90.0;
@@ -65,6 +65,14 @@ pub struct PoolUsage {
     pub short: bool,
 }
 
+/// What a new volume or growth is weighed against. A pool's state is read before the
+/// store's index lock is taken: `lvs` takes tens of milliseconds, and every other store call
+/// waits on that lock.
+pub(super) enum Room {
+    File,
+    Pool(PoolStatus),
+}
+
 pub(super) struct Lvm {
     pool: ThinPool,
     ratio: f64,
@@ -75,13 +83,18 @@ pub(super) struct Lvm {
 impl Lvm {
     /// The pool's usage, with `provisioned` bytes spent on it.
     pub(super) fn usage(&self, provisioned: u64) -> Result<PoolUsage, LvmError> {
-        let st = self.pool.status()?;
-        let u = self.usage_of(st, provisioned);
-        *self.last.lock().unwrap() = Some(u.clone());
-        Ok(u)
+        Ok(self.record(&self.pool.status()?, provisioned))
     }
 
-    fn usage_of(&self, st: crate::sys::lvm::PoolStatus, provisioned: u64) -> PoolUsage {
+    /// The usage of a pool in state `st` with `provisioned` bytes spent on it, kept as the
+    /// last one read.
+    pub(super) fn record(&self, st: &PoolStatus, provisioned: u64) -> PoolUsage {
+        let u = self.usage_of(st, provisioned);
+        *self.last.lock().unwrap() = Some(u.clone());
+        u
+    }
+
+    fn usage_of(&self, st: &PoolStatus, provisioned: u64) -> PoolUsage {
         let capacity = (st.size_bytes as f64 * self.ratio) as u64;
         let short = st.data_percent >= POOL_SHORT_PERCENT || st.metadata_percent >= POOL_SHORT_PERCENT;
         PoolUsage {
@@ -185,6 +198,14 @@ impl VolumeStore {
         })
     }
 
+    /// What a request on `backend` is weighed against ([`Room`]).
+    pub(super) fn room(&self, id: &str, backend: Backend) -> Result<Room> {
+        match backend {
+            Backend::File => Ok(Room::File),
+            Backend::Lvm => self.pool(id)?.status().map(Room::Pool).map_err(|e| lvm_err(id, e)),
+        }
+    }
+
     fn pool(&self, id: &str) -> Result<&ThinPool> {
         self.lvm(id).map(|l| &l.pool)
     }
@@ -257,8 +278,9 @@ impl VolumeStore {
         let Some(lv) = lv else { return Err(VolumeError::BackingFileMissing { id, path: vol.path }) };
         let mut grown = vol.clone();
         if size > vol.size_bytes {
+            let room = self.room(&id, Backend::Lvm)?;
             let idx = self.index.lock().unwrap();
-            self.check_fits(&idx, &id, Backend::Lvm, size - vol.size_bytes)?;
+            self.check_fits(&idx, &id, &room, size - vol.size_bytes)?;
             grown.size_bytes = size;
             write_meta_unsynced_dir(&self.meta_path(&id), &grown)?;
             sync_dir(&self.dir)?;

@@ -445,11 +445,11 @@ impl VolumeStore {
     }
 
     /// Check that `bytes` more fit on `backend`; the capacity error otherwise.
-    fn check_fits(&self, idx: &Index, id: &str, backend: Backend, bytes: u64) -> Result<()> {
-        let (capacity, available) = match backend {
-            Backend::File => (self.capacity, self.capacity.saturating_sub(idx.provisioned(Backend::File))),
-            Backend::Lvm => {
-                let u = self.lvm(id)?.usage(idx.provisioned(Backend::Lvm)).map_err(|source| lvm_err(id, source))?;
+    fn check_fits(&self, idx: &Index, id: &str, room: &Room, bytes: u64) -> Result<()> {
+        let (capacity, available) = match room {
+            Room::File => (self.capacity, self.capacity.saturating_sub(idx.provisioned(Backend::File))),
+            Room::Pool(st) => {
+                let u = self.lvm(id)?.record(st, idx.provisioned(Backend::Lvm));
                 (u.capacity_bytes, u.available_bytes)
             }
         };
@@ -565,7 +565,7 @@ impl VolumeStore {
             drop(idx);
             return self.create_lv(id, size, fs_type, name);
         }
-        self.check_fits(&idx, id, backend, size)?;
+        self.check_fits(&idx, id, &Room::File, size)?;
         let img = self.free_image_path(id)?;
         let tmp = self.dir.join(format!(".{id}.img.tmp"));
         let meta_path = self.meta_path(id);
@@ -671,7 +671,7 @@ impl VolumeStore {
                 return Err(VolumeError::Shrink { id: id.to_string(), current, requested: size });
             }
             if size > current {
-                self.check_fits(&idx, id, Backend::File, size - current)?;
+                self.check_fits(&idx, id, &Room::File, size - current)?;
             }
             let vol = idx.volumes.get_mut(id).ok_or_else(|| VolumeError::NotFound(id.to_string()))?;
             if size > vol.size_bytes {
@@ -1044,7 +1044,7 @@ fn recover(dir: &Path, kernel: &dyn VolumeKernel) -> Result<BTreeMap<String, Vol
 }
 
 mod lvm;
-use lvm::lvm_err;
+use lvm::Room;
 pub use lvm::{POOL_SHORT_PERCENT, PoolUsage, ThinPoolConfig};
 mod snapshots;
 pub use snapshots::{FROZEN_COPY_LIMIT, Snapshot, Source};

@@ -165,8 +165,9 @@ impl Drop for Reservation<'_> {
 
 impl VolumeStore {
     pub(super) fn reserve(&self, id: &str, backend: Backend, bytes: u64) -> Result<Reservation<'_>> {
+        let room = self.room(id, backend)?;
         let mut idx = self.index.lock().unwrap();
-        self.check_fits(&idx, id, backend, bytes)?;
+        self.check_fits(&idx, id, &room, bytes)?;
         *idx.reserved.entry(backend).or_default() += bytes;
         Ok(Reservation { store: self, backend, bytes })
     }
