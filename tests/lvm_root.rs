@@ -129,12 +129,16 @@ impl Pool {
         // Without udev, /dev/mapper/<vg>-<lv> is the node itself.
         ours(&node) || fs::read_to_string(format!("/sys/block/{node}/dm/name")).is_ok_and(|n| ours(n.trim()))
     }
-    /// Device-mapper mappings stacked over one of the VG's LVs (dm-crypt), by name.
+    /// Device-mapper mappings stacked over one of the VG's LVs (dm-crypt), by name; not
+    /// LVM's own (the pool over its data and metadata, thin LVs over the pool).
     pub(crate) fn mappings_over_lvs(&self) -> Vec<String> {
         let dm_name = |p: &Path| fs::read_to_string(p.join("dm/name")).map(|n| n.trim().to_string());
         let mut out = Vec::new();
         for e in fs::read_dir("/sys/block").unwrap().flatten() {
             let Ok(name) = dm_name(&e.path()) else { continue };
+            if name.starts_with(&format!("{}-", self.vg)) {
+                continue;
+            }
             let over_ours = fs::read_dir(e.path().join("slaves")).is_ok_and(|d| {
                 d.flatten().any(|s| {
                     dm_name(&Path::new("/sys/block").join(s.file_name()))
