@@ -12,6 +12,11 @@
 //! Conformance: `conformance_*` tests check one MUST / error code of the Identity and Node
 //! RPCs each (the CSI spec's error tables), from real bad requests.
 //!
+//! Every test about volume behaviour runs on both backends: the test here on `file`, its
+//! namesake in [`lvm`] on `lvm` (the sandbox's agent given a thin pool, its volumes made
+//! there; device-mapper: the VM lane only). The sandbox's accessors ([`Sandbox::backing`],
+//! [`Sandbox::devices_of`], [`Sandbox::assert_clean`]) say the same thing for either.
+//!
 //! These tests need root and FAIL (never skip) without it.
 
 #[path = "../tools/support/kubelet_registration.rs"]
@@ -30,6 +35,7 @@ use nodeplane::rpc::csi;
 use nodeplane::rpc::csi::volume_capability::access_mode::Mode;
 use nodeplane::rpc::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
 use nodeplane::rpc::node as napi;
+use nodeplane::storage::store::Backend;
 use tonic::Code;
 use tonic::transport::Channel;
 
@@ -62,6 +68,11 @@ pub(crate) struct Sandbox {
     /// The agent's RUST_LOG (tests/crypt_root.rs runs it at debug: the key must not show
     /// even there).
     pub(crate) log_level: &'static str,
+    /// Where [`Clients::create`] makes volumes.
+    backend: Backend,
+    /// `lvm`: the agent's thin pool (dropped after the sandbox's own cleanup: it removes
+    /// the VG).
+    pool: Option<crate::lvm_root::Pool>,
 }
 
 fn unescape(s: &str) -> String {
@@ -169,6 +180,22 @@ impl Sandbox {
         Self::with_csi(name, serde_json::json!({"capacityBytes": 4u64 << 30, "maxVolumes": 16}))
     }
 
+    /// [`Self::new`] with its volumes on `backend`. `lvm`: a thin pool of the file
+    /// backend's capacity (4 GiB, not overprovisioned) in the agent's config, and its own
+    /// directory (both variants of a test may run at once).
+    fn on(name: &str, backend: Backend) -> Sandbox {
+        if backend == Backend::File {
+            return Self::new(name);
+        }
+        let pool = crate::lvm_root::Pool::new("csi-root", 4096);
+        let lvm = serde_json::json!({"volumeGroup": pool.vg, "thinPool": "pool", "overprovisionRatio": 1});
+        let csi = serde_json::json!({"capacityBytes": 4u64 << 30, "maxVolumes": 16, "lvm": lvm});
+        let mut sb = Self::with_csi(&format!("{name}-lvm"), csi);
+        sb.backend = backend;
+        sb.pool = Some(pool);
+        sb
+    }
+
     /// A sandbox whose agent config has `csi` as its `csi` section.
     pub(crate) fn with_csi(name: &str, csi: serde_json::Value) -> Sandbox {
         require_root();
@@ -187,7 +214,7 @@ impl Sandbox {
             "csi": csi,
         });
         fs::write(dir.join("agent.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
-        Sandbox { dir, agent: None, crash_at: None, log_level: "info" }
+        Sandbox { dir, agent: None, crash_at: None, log_level: "info", backend: Backend::File, pool: None }
     }
     pub(crate) fn root(&self) -> PathBuf {
         self.dir.join("root")
@@ -210,6 +237,56 @@ impl Sandbox {
     /// A file volume's image.
     pub(crate) fn image(&self, id: &str) -> PathBuf {
         self.volume_dir().join(format!("{id}.img"))
+    }
+    /// Where volume `id`'s bytes are: its image, or its LV's device node (`/dev/<vg>/np-<id>`).
+    pub(crate) fn backing(&self, id: &str) -> PathBuf {
+        match &self.pool {
+            None => self.image(id),
+            Some(p) => PathBuf::from("/dev").join(&p.vg).join(format!("np-{id}")),
+        }
+    }
+    /// Whether volume `id`'s bytes are still there: its image, or its LV.
+    pub(crate) fn volume_exists(&self, id: &str) -> bool {
+        match &self.pool {
+            None => self.image(id).exists(),
+            Some(p) => p.lvs().iter().any(|l| l == &format!("np-{id}") || l.starts_with(&format!("np-{id}+"))),
+        }
+    }
+    /// Where a test moves volume `id`'s backing path to lose it (the same filesystem).
+    fn aside(&self, id: &str) -> PathBuf {
+        match &self.pool {
+            None => self.dir.join("moved.img"),
+            Some(_) => self.backing(id).with_file_name(format!("moved-{id}")),
+        }
+    }
+    /// The devices volume `id` is reachable through, read-write first: the loop devices
+    /// bound to its image; or its LV (active from its create on) and the read-only loop
+    /// devices over it.
+    fn devices_of(&self, id: &str) -> Vec<PathBuf> {
+        let backing = self.backing(id);
+        let mut out = Vec::new();
+        if let Some(p) = &self.pool
+            && p.lvs().contains(&format!("np-{id}"))
+        {
+            out.push(backing.clone());
+        }
+        let target = backing.canonicalize().ok();
+        for e in fs::read_dir("/sys/block").unwrap().flatten() {
+            let Ok(b) = fs::read_to_string(e.path().join("loop/backing_file")) else { continue };
+            let b = PathBuf::from(b.trim().trim_end_matches(" (deleted)"));
+            if b == backing || (target.is_some() && b.canonicalize().ok() == target) {
+                out.push(PathBuf::from("/dev").join(e.file_name()));
+            }
+        }
+        out
+    }
+    /// Volume `id` is released by the node: no loop device bound to its image; or (`lvm`,
+    /// whose LV stays active) its LV open by nobody and no loop device over it.
+    fn released(&self, id: &str) -> bool {
+        match &self.pool {
+            None => self.devices_of(id).is_empty(),
+            Some(p) => self.devices_of(id).len() <= 1 && !p.open_lvs().contains(&format!("np-{id}")),
+        }
     }
     pub(crate) fn stage_record(&self, id: &str) -> PathBuf {
         self.root().join("var/lib/nodeplane/csi/stage").join(format!("{id}.json"))
@@ -309,20 +386,36 @@ impl Sandbox {
         }
     }
 
-    /// Nothing of this sandbox is mounted or attached any more.
+    /// Nothing of this sandbox is mounted or attached any more; on `lvm` also no mapping or
+    /// loop device over its LVs, and none of them open.
     pub(crate) fn assert_clean(&self) {
         let m = mounts_under(&self.dir);
         assert!(m.is_empty(), "leaked mounts: {m:?}");
         let l = loops_under(&self.dir);
         assert!(mappings_over(&l).is_empty(), "leaked mappings: {:?}", mappings_over(&l));
         assert!(l.is_empty(), "leaked loop devices: {l:?}");
+        if let Some(p) = &self.pool {
+            assert!(p.mappings_over_lvs().is_empty(), "leaked mappings over LVs: {:?}", p.mappings_over_lvs());
+            assert!(p.loops_over_lvs().is_empty(), "leaked loop devices over LVs: {:?}", p.loops_over_lvs());
+            assert!(p.open_lvs().is_empty(), "LVs left open: {:?}", p.open_lvs());
+        }
     }
 }
 
 impl Drop for Sandbox {
     fn drop(&mut self) {
         self.kill9();
-        let left = cleanup(&self.dir);
+        let mut left = cleanup(&self.dir);
+        // `lvm`: every test deletes its volumes; nothing of ours may be left in the pool
+        // (its own drop, next, removes the VG whatever is in it).
+        if let Some(p) = &self.pool {
+            left.extend(p.mappings_over_lvs().into_iter().map(|m| format!("mapping {m}")));
+            left.extend(p.loops_over_lvs().into_iter().map(|l| format!("loop {}", l.display())));
+            let lvs = p.volume_lvs();
+            if !lvs.is_empty() && !std::thread::panicking() {
+                panic!("LVs left in {}: {lvs:?}", p.vg);
+            }
+        }
         if !left.is_empty() && !std::thread::panicking() {
             eprintln!("sandbox cleanup removed leftovers: {left:?}");
         }
@@ -333,12 +426,19 @@ pub(crate) struct Clients {
     identity: csi::identity_client::IdentityClient<Channel>,
     pub(crate) node: csi::node_client::NodeClient<Channel>,
     pub(crate) vols: napi::node_volumes_client::NodeVolumesClient<Channel>,
+    /// Where [`Self::create`] makes volumes: the sandbox's backend ("" for `file`).
+    backend: &'static str,
 }
 
 impl Clients {
     /// Another handle on the same channels, for a spawned task.
     fn clone_for_task(&self) -> Clients {
-        Clients { identity: self.identity.clone(), node: self.node.clone(), vols: self.vols.clone() }
+        Clients {
+            identity: self.identity.clone(),
+            node: self.node.clone(),
+            vols: self.vols.clone(),
+            backend: self.backend,
+        }
     }
 
     async fn connect(sb: &Sandbox) -> Clients {
@@ -348,11 +448,14 @@ impl Clients {
             identity: csi::identity_client::IdentityClient::new(ch.clone()),
             node: csi::node_client::NodeClient::new(ch),
             vols: napi::node_volumes_client::NodeVolumesClient::new(nch),
+            backend: if sb.backend == Backend::Lvm { "lvm" } else { "" },
         }
     }
 
+    /// Create volume `id` on the sandbox's backend.
     pub(crate) async fn create(&mut self, id: &str, size: u64, fs: &str) -> napi::Volume {
-        self.create_on(id, size, fs, "").await
+        let backend = self.backend;
+        self.create_on(id, size, fs, backend).await
     }
     pub(crate) async fn create_on(&mut self, id: &str, size: u64, fs: &str, backend: &str) -> napi::Volume {
         self.vols
@@ -512,21 +615,17 @@ pub(crate) fn pattern(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-fn image(sb: &Sandbox, id: &str) -> PathBuf {
-    sb.image(id)
-}
-
 // ----- full lifecycle -----
 
-async fn lifecycle(fs_type: &str, size: u64) {
+async fn lifecycle(backend: Backend, fs_type: &str, size: u64) {
     let name = if fs_type.is_empty() { "block" } else { fs_type };
-    let mut sb = Sandbox::new(&format!("life-{name}"));
+    let mut sb = Sandbox::on(&format!("life-{name}"), backend);
     let mut c = sb.start().await;
     let block = fs_type.is_empty();
     let id = format!("pvc-life-{name}");
     let v = c.create(&id, size, fs_type).await;
     assert_eq!(v.size_bytes, size);
-    assert!(image(&sb, &id).exists());
+    assert!(sb.volume_exists(&id));
     let staging = sb.staging(&id, block);
     let t1 = sb.target(&id, "pod-a", block);
     let t2 = sb.target(&id, "pod-b", block);
@@ -538,17 +637,8 @@ async fn lifecycle(fs_type: &str, size: u64) {
         for _ in 0..2 {
             c.stage(&id, &staging, cap.clone()).await.unwrap();
         }
-        let dev = PathBuf::from(
-            fs::read_dir("/sys/block")
-                .unwrap()
-                .flatten()
-                .find(|e| {
-                    fs::read_to_string(e.path().join("loop/backing_file"))
-                        .is_ok_and(|b| Path::new(b.trim()) == image(&sb, &id))
-                })
-                .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
-                .expect("the volume is attached to a loop device after stage"),
-        );
+        let devices = sb.devices_of(&id);
+        assert_eq!(devices.len(), 1, "the volume is attached to one device after stage: {devices:?}");
         if !block {
             let (fst, _, _) = mounted_at(Path::new(&staging)).expect("staging path is a mount");
             assert_eq!(fst, fs_type);
@@ -642,17 +732,13 @@ async fn lifecycle(fs_type: &str, size: u64) {
             c.unstage(&id, &staging).await.unwrap();
         }
         assert!(mounted_at(Path::new(&staging)).is_none());
-        assert!(
-            fs::read_to_string(format!("/sys/block/{}/loop/backing_file", dev.file_name().unwrap().to_string_lossy()))
-                .map_or(true, |b| Path::new(b.trim()) != image(&sb, &id)),
-            "loop device still bound after unstage"
-        );
+        assert!(sb.released(&id), "device still bound after unstage: {:?}", sb.devices_of(&id));
         sb.assert_clean();
     }
     for _ in 0..2 {
         c.delete(&id).await.unwrap();
     }
-    assert!(!image(&sb, &id).exists(), "backing file left after delete");
+    assert!(!sb.volume_exists(&id), "backing file left after delete");
     assert!(!sb.volume_dir().join(format!("{id}.json")).exists());
     sb.stop().await;
     sb.assert_clean();
@@ -696,17 +782,17 @@ fn read_direct(dev: &Path, offset: u64, len: usize) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lifecycle_ext4() {
-    lifecycle("ext4", 64 * MIB).await;
+    lifecycle(Backend::File, "ext4", 64 * MIB).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lifecycle_xfs() {
-    lifecycle("xfs", 512 * MIB).await;
+    lifecycle(Backend::File, "xfs", 512 * MIB).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lifecycle_raw_block() {
-    lifecycle("", 64 * MIB).await;
+    lifecycle(Backend::File, "", 64 * MIB).await;
 }
 
 // ----- registration, identity, sockets -----
@@ -799,8 +885,8 @@ async fn every_socket_accepts_the_authorities_real_clients_send() {
 /// kubelet tears a shared volume down in one pass: every pod's NodeUnpublish at once, and it
 /// backs off 0.5, 1, 2 s… on ABORTED. Different targets of one volume are served
 /// concurrently; publishes of one volume are serialised (waiting, not ABORTED).
-async fn many_targets(n: usize) {
-    let mut sb = Sandbox::new(&format!("targets{n}"));
+async fn many_targets(backend: Backend, n: usize) {
+    let mut sb = Sandbox::on(&format!("targets{n}"), backend);
     let mut c = sb.start().await;
     let id = format!("pvc-shared-{n}");
     c.create(&id, 256 * MIB, "ext4").await;
@@ -874,12 +960,12 @@ async fn many_targets(n: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn six_targets_of_one_volume_unpublish_concurrently() {
-    many_targets(6).await;
+    many_targets(Backend::File, 6).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_targets_of_one_volume_unpublish_concurrently() {
-    many_targets(20).await;
+    many_targets(Backend::File, 20).await;
 }
 
 /// Per-target concurrency keeps the volume-wide rules: a stage racing a publish never leaves
@@ -887,7 +973,11 @@ async fn twenty_targets_of_one_volume_unpublish_concurrently() {
 /// publishes; concurrent read-only block unpublishes release the shared read-only device.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_stage_publish_and_access_modes_stay_safe() {
-    let mut sb = Sandbox::new("stagepub");
+    concurrent_stage_publish_and_access_modes_stay_safe_on(Backend::File).await;
+}
+
+async fn concurrent_stage_publish_and_access_modes_stay_safe_on(backend: Backend) {
+    let mut sb = Sandbox::on("stagepub", backend);
     let mut c = sb.start().await;
     // A stage and a publish of the same volume at once, several times over.
     for round in 0..5 {
@@ -958,7 +1048,7 @@ async fn concurrent_stage_publish_and_access_modes_stay_safe() {
     for t in &targets {
         c.publish(id, &staging, t, blk.clone(), true).await.unwrap();
     }
-    assert_eq!(loops_under(&sb.dir).len(), 2, "one read-write and one read-only loop device");
+    assert_eq!(sb.devices_of(id).len(), 2, "one read-write and one read-only device: {:?}", sb.devices_of(id));
     let mut calls = Vec::new();
     for t in &targets {
         let (mut cl, t) = (c.clone_for_task(), t.clone());
@@ -967,7 +1057,7 @@ async fn concurrent_stage_publish_and_access_modes_stay_safe() {
     for h in calls {
         h.await.unwrap().expect("read-only block unpublish");
     }
-    assert_eq!(loops_under(&sb.dir).len(), 1, "the read-only loop device is released: {:?}", loops_under(&sb.dir));
+    assert_eq!(sb.devices_of(id).len(), 1, "the read-only loop device is released: {:?}", sb.devices_of(id));
     c.unstage(id, &staging).await.unwrap();
     sb.assert_clean();
     c.delete(id).await.unwrap();
@@ -1013,7 +1103,11 @@ use std::os::unix::process::CommandExt;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_identity() {
-    let mut sb = Sandbox::new("identity");
+    conformance_identity_on(Backend::File).await;
+}
+
+async fn conformance_identity_on(backend: Backend) {
+    let mut sb = Sandbox::on("identity", backend);
     let mut c = sb.start().await;
     let info = c.identity.get_plugin_info(csi::GetPluginInfoRequest {}).await.unwrap().into_inner();
     assert_eq!(info.name, "csi.nodeplane.dev");
@@ -1063,7 +1157,11 @@ async fn conformance_identity() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_node_errors() {
-    let mut sb = Sandbox::new("errors");
+    conformance_node_errors_on(Backend::File).await;
+}
+
+async fn conformance_node_errors_on(backend: Backend) {
+    let mut sb = Sandbox::on("errors", backend);
     let mut c = sb.start().await;
     let id = "pvc-err";
     c.create(id, 32 * MIB, "ext4").await;
@@ -1299,12 +1397,16 @@ async fn conformance_node_errors() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn never_formats_a_device_that_holds_data() {
-    let mut sb = Sandbox::new("noformat");
+    never_formats_a_device_that_holds_data_on(Backend::File).await;
+}
+
+async fn never_formats_a_device_that_holds_data_on(backend: Backend) {
+    let mut sb = Sandbox::on("noformat", backend);
     let mut c = sb.start().await;
     let id = "pvc-holds-xfs";
     c.create(id, 512 * MIB, "ext4").await;
     // Someone's xfs data is on the image already.
-    let out = Command::new("mkfs.xfs").arg("-q").arg("-f").arg(image(&sb, id)).output().unwrap();
+    let out = Command::new("mkfs.xfs").arg("-q").arg("-f").arg(sb.backing(id)).output().unwrap();
     assert!(out.status.success(), "{out:?}");
     let staging = sb.staging(id, false);
     let msg = assert_code(
@@ -1313,7 +1415,7 @@ async fn never_formats_a_device_that_holds_data() {
         "stage over xfs",
     );
     assert!(msg.contains("xfs"), "{msg}");
-    let probe = Command::new("blkid").args(["-p", "-o", "value", "-s", "TYPE"]).arg(image(&sb, id)).output().unwrap();
+    let probe = Command::new("blkid").args(["-p", "-o", "value", "-s", "TYPE"]).arg(sb.backing(id)).output().unwrap();
     assert_eq!(String::from_utf8_lossy(&probe.stdout).trim(), "xfs", "the data was touched");
     sb.assert_clean();
     c.delete(id).await.unwrap();
@@ -1333,8 +1435,12 @@ fn usage_of(r: &csi::NodeGetVolumeStatsResponse, unit: csi::volume_usage::Unit) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expansion_is_visible_in_df_and_stats() {
+    expansion_is_visible_in_df_and_stats_on(Backend::File).await;
+}
+
+async fn expansion_is_visible_in_df_and_stats_on(backend: Backend) {
     use csi::volume_usage::Unit;
-    let mut sb = Sandbox::new("expand");
+    let mut sb = Sandbox::on("expand", backend);
     let mut c = sb.start().await;
 
     // xfs grows online.
@@ -1426,7 +1532,11 @@ async fn expansion_is_visible_in_df_and_stats() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn volume_condition_reports_a_lost_backing_file_or_mount() {
-    let mut sb = Sandbox::new("condition");
+    volume_condition_reports_a_lost_backing_file_or_mount_on(Backend::File).await;
+}
+
+async fn volume_condition_reports_a_lost_backing_file_or_mount_on(backend: Backend) {
+    let mut sb = Sandbox::on("condition", backend);
     let mut c = sb.start().await;
     let id = "pvc-cond";
     c.create(id, 32 * MIB, "ext4").await;
@@ -1437,9 +1547,10 @@ async fn volume_condition_reports_a_lost_backing_file_or_mount() {
     c.publish(id, &staging, &target, cap.clone(), false).await.unwrap();
     let cond = |r: csi::NodeGetVolumeStatsResponse| r.volume_condition.unwrap();
     assert!(!cond(c.stats(id, &target).await.unwrap()).abnormal);
-    // The backing file vanishes (the loop device keeps the inode; the data path works).
-    let img = image(&sb, id);
-    let moved = sb.dir.join("moved.img");
+    // The backing file (the LV's node) vanishes (the loop device keeps the inode, the
+    // mount its device; the data path works).
+    let img = sb.backing(id);
+    let moved = sb.aside(id);
     fs::rename(&img, &moved).unwrap();
     let cnd = cond(c.stats(id, &target).await.unwrap());
     assert!(cnd.abnormal && cnd.message.contains("backing file"), "{cnd:?}");
@@ -1460,10 +1571,14 @@ async fn volume_condition_reports_a_lost_backing_file_or_mount() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_calls_on_one_volume_get_aborted() {
-    let mut sb = Sandbox::new("concurrent");
+    concurrent_calls_on_one_volume_get_aborted_on(Backend::File).await;
+}
+
+async fn concurrent_calls_on_one_volume_get_aborted_on(backend: Backend) {
+    let mut sb = Sandbox::on("concurrent", backend);
     let c = sb.start().await;
     let id = "pvc-race";
-    let mut c0 = Clients { identity: c.identity.clone(), node: c.node.clone(), vols: c.vols.clone() };
+    let mut c0 = c.clone_for_task();
     c0.create(id, 1 << 30, "ext4").await;
     let staging = sb.staging(id, false);
     let cap = mount_cap("ext4", Mode::SingleNodeWriter);
@@ -1499,7 +1614,11 @@ async fn concurrent_calls_on_one_volume_get_aborted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_restarts_between_stage_and_publish_and_under_io() {
-    let mut sb = Sandbox::new("restart");
+    agent_restarts_between_stage_and_publish_and_under_io_on(Backend::File).await;
+}
+
+async fn agent_restarts_between_stage_and_publish_and_under_io_on(backend: Backend) {
+    let mut sb = Sandbox::on("restart", backend);
     let mut c = sb.start().await;
     let id = "pvc-restart";
     c.create(id, 64 * MIB, "ext4").await;
@@ -1562,7 +1681,11 @@ async fn agent_restarts_between_stage_and_publish_and_under_io() {
 /// call after the restart; the end state is right and nothing leaks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_inside_calls_then_retry_is_consistent() {
-    let mut sb = Sandbox::new("crash");
+    crash_inside_calls_then_retry_is_consistent_on(Backend::File).await;
+}
+
+async fn crash_inside_calls_then_retry_is_consistent_on(backend: Backend) {
+    let mut sb = Sandbox::on("crash", backend);
     let cap = mount_cap("ext4", Mode::SingleNodeWriter);
     let points = [
         "stage-after-record",
@@ -1632,7 +1755,7 @@ async fn crash_inside_calls_then_retry_is_consistent() {
         let stage_records = fs::read_dir(sb.root().join("var/lib/nodeplane/csi/stage")).unwrap().count();
         let publish_records = fs::read_dir(sb.root().join("var/lib/nodeplane/csi/publish")).unwrap().count();
         assert_eq!((stage_records, publish_records), (0, 0), "{point}: records left behind");
-        assert!(!image(&sb, id).exists(), "{point}: backing file left after delete");
+        assert!(!sb.volume_exists(id), "{point}: backing file left after delete");
     }
     sb.assert_clean();
 }
@@ -1640,7 +1763,11 @@ async fn crash_inside_calls_then_retry_is_consistent() {
 /// A volume mount group makes the volume's root group-owned and group-writable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn volume_mount_group_and_mount_flags_apply() {
-    let mut sb = Sandbox::new("group");
+    volume_mount_group_and_mount_flags_apply_on(Backend::File).await;
+}
+
+async fn volume_mount_group_and_mount_flags_apply_on(backend: Backend) {
+    let mut sb = Sandbox::on("group", backend);
     let mut c = sb.start().await;
     let id = "pvc-group";
     c.create(id, 32 * MIB, "ext4").await;
@@ -1668,4 +1795,91 @@ async fn volume_mount_group_and_mount_flags_apply() {
     sb.assert_clean();
     c.delete(id).await.unwrap();
     sb.stop().await;
+}
+
+/// The tests above about volumes on the `lvm` backend: the same bodies and assertions, the
+/// agent given a thin pool (lvm_root's [`Pool`](crate::lvm_root::Pool)) and its volumes
+/// made there. Device-mapper: the VM lane runs them; scripts/test skips them on the host.
+///
+/// File-only, about no volume at all:
+/// - `kubelet_registers_the_driver_and_again_after_a_restart`: plugin registration.
+/// - `every_socket_accepts_the_authorities_real_clients_send`: gRPC authorities.
+/// - `sockets_are_0600_and_refuse_unprivileged_users`: socket modes.
+mod lvm {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lifecycle_ext4() {
+        lifecycle(Backend::Lvm, "ext4", 64 * MIB).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lifecycle_xfs() {
+        lifecycle(Backend::Lvm, "xfs", 512 * MIB).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lifecycle_raw_block() {
+        lifecycle(Backend::Lvm, "", 64 * MIB).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn six_targets_of_one_volume_unpublish_concurrently() {
+        many_targets(Backend::Lvm, 6).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn twenty_targets_of_one_volume_unpublish_concurrently() {
+        many_targets(Backend::Lvm, 20).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_stage_publish_and_access_modes_stay_safe() {
+        concurrent_stage_publish_and_access_modes_stay_safe_on(Backend::Lvm).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn conformance_identity() {
+        conformance_identity_on(Backend::Lvm).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn conformance_node_errors() {
+        conformance_node_errors_on(Backend::Lvm).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn never_formats_a_device_that_holds_data() {
+        never_formats_a_device_that_holds_data_on(Backend::Lvm).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn expansion_is_visible_in_df_and_stats() {
+        expansion_is_visible_in_df_and_stats_on(Backend::Lvm).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn volume_condition_reports_a_lost_backing_file_or_mount() {
+        volume_condition_reports_a_lost_backing_file_or_mount_on(Backend::Lvm).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_calls_on_one_volume_get_aborted() {
+        concurrent_calls_on_one_volume_get_aborted_on(Backend::Lvm).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn agent_restarts_between_stage_and_publish_and_under_io() {
+        agent_restarts_between_stage_and_publish_and_under_io_on(Backend::Lvm).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn crash_inside_calls_then_retry_is_consistent() {
+        crash_inside_calls_then_retry_is_consistent_on(Backend::Lvm).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn volume_mount_group_and_mount_flags_apply() {
+        volume_mount_group_and_mount_flags_apply_on(Backend::Lvm).await;
+    }
 }

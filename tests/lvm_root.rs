@@ -69,7 +69,7 @@ impl Pool {
         run("lvcreate", &["-q", "-y", "-T", &format!("{vg}/pool"), "-L", &format!("{pool_mib}m")]);
         p
     }
-    fn config(&self, ratio: f64) -> ThinPoolConfig {
+    pub(crate) fn config(&self, ratio: f64) -> ThinPoolConfig {
         ThinPoolConfig { volume_group: self.vg.clone(), thin_pool: "pool".into(), overprovision_ratio: ratio }
     }
     fn store(&self, ratio: f64) -> VolumeStore {
@@ -81,7 +81,7 @@ impl Pool {
         p
     }
     /// Names of the VG's LVs (hidden ones left out).
-    fn lvs(&self) -> Vec<String> {
+    pub(crate) fn lvs(&self) -> Vec<String> {
         run("lvs", &["--noheadings", "-o", "lv_name", &self.vg])
             .lines()
             .map(|l| l.trim().to_string())
@@ -92,6 +92,64 @@ impl Pool {
         let out =
             run("lvs", &["--noheadings", "--units", "b", "--nosuffix", "-o", "lv_size", &format!("{}/{lv}", self.vg)]);
         out.trim().parse().unwrap()
+    }
+    /// The LVs of volumes and snapshots (`np-…`, `nps-…`, also half-made or half-deleted).
+    pub(crate) fn volume_lvs(&self) -> Vec<String> {
+        self.lvs().into_iter().filter(|l| l.starts_with("np")).collect()
+    }
+    /// Our LVs that are open (mounted, mapped or held by a process): `lv_attr`'s sixth
+    /// character.
+    pub(crate) fn open_lvs(&self) -> Vec<String> {
+        run("lvs", &["--noheadings", "-o", "lv_name,lv_attr", &self.vg])
+            .lines()
+            .filter_map(|l| l.split_whitespace().collect::<Vec<_>>().try_into().ok())
+            .filter(|[name, attr]: &[&str; 2]| name.starts_with("np") && attr.chars().nth(5) == Some('o'))
+            .map(|[name, _]| name.to_string())
+            .collect()
+    }
+    /// Loop devices bound over one of the VG's LVs (read-only publications), by sysfs.
+    pub(crate) fn loops_over_lvs(&self) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for e in fs::read_dir("/sys/block").unwrap().flatten() {
+            let Ok(back) = fs::read_to_string(e.path().join("loop/backing_file")) else { continue };
+            if self.is_our_lv(Path::new(back.trim().trim_end_matches(" (deleted)"))) {
+                out.push(PathBuf::from("/dev").join(e.file_name()));
+            }
+        }
+        out
+    }
+    /// Whether `dev` (as a loop device's backing file names it: `/dev/<vg>/…`,
+    /// `/dev/mapper/<vg>-…` or `/dev/dm-N`) is one of the VG's LVs.
+    pub(crate) fn is_our_lv(&self, dev: &Path) -> bool {
+        let ours = |n: &str| n.starts_with(&format!("{}-", self.vg));
+        let Some(node) = dev.canonicalize().ok().and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+        else {
+            return false;
+        };
+        // Without udev, /dev/mapper/<vg>-<lv> is the node itself.
+        ours(&node) || fs::read_to_string(format!("/sys/block/{node}/dm/name")).is_ok_and(|n| ours(n.trim()))
+    }
+    /// Device-mapper mappings stacked over one of the VG's LVs (dm-crypt), by name; not
+    /// LVM's own (the pool over its data and metadata, thin LVs over the pool).
+    pub(crate) fn mappings_over_lvs(&self) -> Vec<String> {
+        let dm_name = |p: &Path| fs::read_to_string(p.join("dm/name")).map(|n| n.trim().to_string());
+        let mut out = Vec::new();
+        for e in fs::read_dir("/sys/block").unwrap().flatten() {
+            let Ok(name) = dm_name(&e.path()) else { continue };
+            if name.starts_with(&format!("{}-", self.vg)) {
+                continue;
+            }
+            let over_ours = fs::read_dir(e.path().join("slaves")).is_ok_and(|d| {
+                d.flatten().any(|s| {
+                    dm_name(&Path::new("/sys/block").join(s.file_name()))
+                        .is_ok_and(|n| n.starts_with(&format!("{}-", self.vg)))
+                })
+            });
+            if over_ours {
+                out.push(name);
+            }
+        }
+        out
     }
     fn data_percent(&self) -> f64 {
         run("lvs", &["--noheadings", "-o", "data_percent", &format!("{}/pool", self.vg)]).trim().parse().unwrap()

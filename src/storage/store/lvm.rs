@@ -312,6 +312,26 @@ impl VolumeStore {
         Ok(())
     }
 
+    /// [`VolumeError::Busy`] while volume `vol`'s LV is open: mounted, or held by another
+    /// process (the caller holds its lock). The LV stays active either way; this is the
+    /// refusal a file volume's detach gives, which unstage relies on to find a mount of the
+    /// volume that no record names. Without a pool configured: nothing to check.
+    pub(super) fn check_lv_released(&self, vol: &Volume) -> Result<()> {
+        let id = vol.id.as_str();
+        let Ok(pool) = self.pool(id) else { return Ok(()) };
+        match pool.get(&volume_lv(id)).map_err(|e| lvm_err(id, e))? {
+            Some(lv) if lv.open => {
+                let table =
+                    crate::sys::mount::mount_table().map_err(io_err("reading the mount table of", &vol.path))?;
+                let mounted = crate::sys::mount::dev_numbers(&vol.path)
+                    .is_ok_and(|(major, minor)| !crate::sys::mount::mount_points_of(&table, major, minor).is_empty());
+                let how = if mounted { "is mounted" } else { "is open by another process" };
+                Err(VolumeError::Busy { id: id.to_string(), reason: format!("{} {how}", vol.path.display()) })
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Volume `vol`'s device, activating its LV when it is not (the caller holds its lock).
     pub(super) fn activate_lv(&self, vol: &Volume) -> Result<PathBuf> {
         let id = vol.id.as_str();

@@ -798,9 +798,16 @@ impl VolumeStore {
 
     /// Detach volume `id` from every loop device bound to its image. Idempotent: nothing
     /// attached, or no such volume, is success. A device that is mounted (or held open by
-    /// someone else) is left alone: [`VolumeError::Busy`].
+    /// someone else) is left alone: [`VolumeError::Busy`]. On the `lvm` backend the LV
+    /// stays active, and the answer is the same: `Busy` while it is open.
     pub fn detach(&self, id: &str) -> Result<()> {
-        self.detach_where(id, |_| true)
+        self.detach_where(id, |_| true)?;
+        let lock = self.volume_lock(id);
+        let _g = lock.lock().unwrap();
+        match self.get(id)? {
+            Some(v) if v.backend == Backend::Lvm => self.check_lv_released(&v),
+            _ => Ok(()),
+        }
     }
 
     fn detach_where(&self, id: &str, which: impl Fn(&loopdev::LoopBinding) -> bool) -> Result<()> {
