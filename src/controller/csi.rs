@@ -1267,16 +1267,20 @@ mod tests {
             backing_file_present: true,
             ..Default::default()
         };
-        assert_eq!(plain.node, rec.node);
-        svc.book
-            .report(crate::rpc::controller::ReportVolumesRequest {
-                node_name: rec.node.clone(),
-                capacity_bytes: 100 * MIB,
-                available_bytes: 100 * MIB - rec.size_bytes - plain.size_bytes,
-                volumes: vec![state(&rec), state(&plain)],
-                ..Default::default()
-            })
-            .unwrap();
+        let mut nodes = vec![rec.node.clone(), plain.node.clone()];
+        nodes.dedup();
+        for node in nodes {
+            let held: Vec<_> = [&rec, &plain].into_iter().filter(|v| v.node == node).collect();
+            svc.book
+                .report(crate::rpc::controller::ReportVolumesRequest {
+                    node_name: node.clone(),
+                    capacity_bytes: 100 * MIB,
+                    available_bytes: 100 * MIB - held.iter().map(|v| v.size_bytes).sum::<u64>(),
+                    volumes: held.into_iter().map(state).collect(),
+                    ..Default::default()
+                })
+                .unwrap();
+        }
         let dir = t.0.join("keys");
         let read = |id: &str, entry: &str| std::fs::read_to_string(dir.join(format!("{id}.{entry}"))).ok();
         // A snapshot: encrypted, its record a copy of the volume's, made before the node
