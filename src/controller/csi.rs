@@ -78,10 +78,36 @@ fn is_encrypted(v: &VolumeRecord) -> bool {
     v.parameters.get(keys::ENCRYPTION_PARAMETER).map(String::as_str) == Some(keys::LUKS2)
 }
 
-/// Snapshots, restores and clones of encrypted volumes are not made: a copy of a LUKS2
-/// volume shares its volume key, which a copy with a key of its own would not.
-fn refuse_encrypted_copy(what: &str) -> CsiError {
-    invalid(format!("{what}: snapshots, restores and clones of encrypted volumes are not supported"))
+/// A volume made from `src` (a snapshot or volume, `what`) is encrypted exactly when its
+/// source is. An encrypted source's blocks are a LUKS2 container, which a class without
+/// encryption would hand to the pod as it is. An unencrypted source's blocks hold a
+/// filesystem in clear: the node never encrypts a device in place (it refuses a device
+/// holding anything but LUKS2), and the clear blocks would stay readable where the copy
+/// lives.
+fn check_copy_encryption(what: &ContentSource, src: &VolumeRecord, encrypted: bool) -> Result<(), CsiError> {
+    match (is_encrypted(src), encrypted) {
+        (true, false) => Err(invalid(format!(
+            "{what} is encrypted; a volume made from it needs a class with {}: {}",
+            keys::ENCRYPTION_PARAMETER,
+            keys::LUKS2
+        ))),
+        (false, true) => Err(invalid(format!(
+            "{what} is not encrypted; a class with {}: {} cannot make a volume from it (its blocks hold data in \
+             clear, and the node does not encrypt a device in place)",
+            keys::ENCRYPTION_PARAMETER,
+            keys::LUKS2
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// A key store failure as UNAVAILABLE (the CO retries), or FAILED_PRECONDITION for a
+/// copy whose source has no key.
+fn key_error(e: keys::KeyError) -> CsiError {
+    match e {
+        keys::KeyError::SourceMissing { .. } => CsiError::new(Code::FailedPrecondition, e.to_string()),
+        e => CsiError::new(Code::Unavailable, e.to_string()),
+    }
 }
 
 /// What the volume capabilities of a request ask a volume to hold (the reading the node
@@ -288,9 +314,7 @@ impl ControllerService {
         let encrypted = keys::encryption_parameter(&r.parameters).map_err(invalid)?;
         if let (Some(what), Some(src)) = (&source, &source_rec) {
             check_source_backend(what, src, backend)?;
-            if encrypted || is_encrypted(src) {
-                return Err(refuse_encrypted_copy(&what.to_string()));
-            }
+            check_copy_encryption(what, src, encrypted)?;
         }
         if encrypted && matches!(*self.keys, KeyStore::Secrets { .. }) {
             keys::secret_name(&r.name).map_err(|e| invalid(e.to_string()))?;
@@ -389,7 +413,7 @@ impl ControllerService {
         }
         if encrypted {
             // Before the node makes the volume: a volume never exists without its key.
-            self.keys.ensure(&rec.name, &rec.id).await.map_err(|e| CsiError::new(Code::Unavailable, e.to_string()))?;
+            self.ensure_volume_key(&rec, source_rec.as_ref()).await.map_err(key_error)?;
         }
         match self.await_present(&rec.id, rec.size_bytes, since).await {
             Ok(v) => Ok(csi::CreateVolumeResponse { volume: Some(to_csi(&v)) }),
@@ -426,10 +450,17 @@ impl ControllerService {
         if r.source_volume_id.is_empty() {
             return Err(invalid("source_volume_id is required"));
         }
-        if self.book.get(&r.source_volume_id).is_some_and(|v| is_encrypted(&v)) {
-            return Err(refuse_encrypted_copy(&format!("volume {}", r.source_volume_id)));
+        let source = self.book.get(&r.source_volume_id).filter(is_encrypted);
+        if source.is_some() && matches!(*self.keys, KeyStore::Secrets { .. }) {
+            keys::secret_name(&r.name).map_err(|e| invalid(e.to_string()))?;
         }
-        let params: BTreeMap<String, String> = r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut params: BTreeMap<String, String> = r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        // Whether the snapshot's blocks are encrypted: it says so as its volume does, and
+        // only then (a class parameter of that name says nothing about them).
+        params.remove(keys::ENCRYPTION_PARAMETER);
+        if source.is_some() {
+            params.insert(keys::ENCRYPTION_PARAMETER.to_string(), keys::LUKS2.to_string());
+        }
         let (book, name, src) = (self.book.clone(), r.name.clone(), r.source_volume_id.clone());
         let (rec, _created) = blocking(move || book.place_snapshot(&name, &src, params)).await?;
         if rec.source_volume != r.source_volume_id {
@@ -443,6 +474,11 @@ impl ControllerService {
         }
         if rec.state == VolState::Deleting {
             return Err(CsiError::new(Code::Aborted, format!("snapshot {:?} is being deleted; retry", r.name)));
+        }
+        if is_encrypted(&rec) {
+            // Before the node takes it: an encrypted snapshot never exists without its keys.
+            let src = source.as_ref().filter(|s| s.id == rec.source_volume);
+            self.ensure_snapshot_key(&rec, src).await.map_err(key_error)?;
         }
         let since = self.book.revision_of(&rec.node);
         let id = rec.id.clone();
@@ -515,7 +551,56 @@ impl ControllerService {
         let (book, did) = (self.book.clone(), id.clone());
         blocking(move || book.begin_delete(&did)).await?;
         let since = self.book.revision_of(&v.node);
-        self.await_gone(&id, &v.node, since).await.map(|()| csi::DeleteSnapshotResponse {})
+        self.await_gone(&id, &v.node, since).await?;
+        if is_encrypted(&v)
+            && let Err(e) = self.keys.remove(&v.name, &v.id).await
+        {
+            // The snapshot is gone; its keys are of no use to anyone but left behind.
+            tracing::error!(snapshot = %id, error = %e, "could not remove the keys of a deleted encrypted snapshot; remove them by hand");
+        }
+        Ok(csi::DeleteSnapshotResponse {})
+    }
+
+    /// Make the key record of new encrypted volume `rec` unless it has one: a fresh key,
+    /// and for a copy the keys its source's blocks open with as its source keys
+    /// ([`keys::KeyRecord::for_copy`]).
+    async fn ensure_volume_key(&self, rec: &VolumeRecord, source: Option<&VolumeRecord>) -> Result<(), keys::KeyError> {
+        if rec.source_snapshot.is_empty() && rec.source_volume.is_empty() {
+            return self.keys.ensure(&rec.name, &rec.id).await;
+        }
+        if self.keys.read(&rec.name, &rec.id).await?.is_some() {
+            return Ok(());
+        }
+        // A retry whose source is gone since finds the volume itself as its source.
+        let Some(src) = source.filter(|s| s.id != rec.id) else {
+            let what = if rec.source_snapshot.is_empty() { &rec.source_volume } else { &rec.source_snapshot };
+            return Err(keys::KeyError::SourceMissing { what: format!("the source {what} of volume {}", rec.id) });
+        };
+        let src_keys = self.source_keys(src).await?;
+        self.keys.ensure_with(&rec.name, &rec.id, src_keys.for_copy()).await
+    }
+
+    /// Make the key record of encrypted snapshot `rec` of volume `source` unless it has
+    /// one: a copy of the volume's record (the keys the snapshot's blocks open with).
+    async fn ensure_snapshot_key(
+        &self,
+        rec: &VolumeRecord,
+        source: Option<&VolumeRecord>,
+    ) -> Result<(), keys::KeyError> {
+        if self.keys.read(&rec.name, &rec.id).await?.is_some() {
+            return Ok(());
+        }
+        let Some(src) = source else {
+            return Err(keys::KeyError::SourceMissing { what: format!("volume {}", rec.source_volume) });
+        };
+        let src_keys = self.source_keys(src).await?;
+        self.keys.ensure_with(&rec.name, &rec.id, src_keys).await
+    }
+
+    /// The key record of a copy's source (a volume or snapshot).
+    async fn source_keys(&self, src: &VolumeRecord) -> Result<keys::KeyRecord, keys::KeyError> {
+        let what = || format!("{} {}", if src.kind.is_volume() { "volume" } else { "snapshot" }, src.id);
+        self.keys.read(&src.name, &src.id).await?.ok_or_else(|| keys::KeyError::SourceMissing { what: what() })
     }
 
     /// Wait until record `id` (a volume or snapshot marked for deletion) is gone from its
@@ -1150,7 +1235,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_encrypted_volume_gets_its_key_first_and_no_copies() {
+    async fn an_encrypted_volume_gets_its_key_first_and_copies_get_theirs() {
         let (t, svc, _g) = service("csi-encrypted");
         let e = svc.do_create_volume(create_request("pvc-x", &[("encryption", "aes")])).await.unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument);
@@ -1170,46 +1255,82 @@ mod tests {
         // A retry keeps the key.
         let _ = svc.do_create_volume(create_request("pvc-e", &[("encryption", "luks2")])).await;
         assert_eq!(std::fs::read_to_string(keys::key_file(&t.0.join("keys"), &rec.id)).unwrap(), key);
-        // No snapshot of it, no clone of it, and no encrypted clone of anything (once n1
-        // holds it: a source still being made is UNAVAILABLE first).
-        svc.book
-            .report(crate::rpc::controller::ReportVolumesRequest {
-                node_name: rec.node.clone(),
-                capacity_bytes: 100 * MIB,
-                available_bytes: 100 * MIB - rec.size_bytes,
-                volumes: vec![crate::rpc::controller::VolumeState {
-                    id: rec.id.clone(),
-                    size_bytes: rec.size_bytes,
-                    name: rec.name.clone(),
-                    fs_type: "ext4".into(),
-                    backing_file_present: true,
+        // Copies (once n1 holds it: a source still being made is UNAVAILABLE first). An
+        // unencrypted volume beside it, for the refusals.
+        let _ = svc.do_create_volume(create_request("pvc-p", &[])).await;
+        let plain = svc.book.by_name("pvc-p").unwrap();
+        let state = |r: &VolumeRecord| crate::rpc::controller::VolumeState {
+            id: r.id.clone(),
+            size_bytes: r.size_bytes,
+            name: r.name.clone(),
+            fs_type: "ext4".into(),
+            backing_file_present: true,
+            ..Default::default()
+        };
+        let mut nodes = vec![rec.node.clone(), plain.node.clone()];
+        nodes.dedup();
+        for node in nodes {
+            let held: Vec<_> = [&rec, &plain].into_iter().filter(|v| v.node == node).collect();
+            svc.book
+                .report(crate::rpc::controller::ReportVolumesRequest {
+                    node_name: node.clone(),
+                    capacity_bytes: 100 * MIB,
+                    available_bytes: 100 * MIB - held.iter().map(|v| v.size_bytes).sum::<u64>(),
+                    volumes: held.into_iter().map(state).collect(),
                     ..Default::default()
-                }],
-                ..Default::default()
-            })
-            .unwrap();
-        let e = svc
+                })
+                .unwrap();
+        }
+        let dir = t.0.join("keys");
+        let read = |id: &str, entry: &str| std::fs::read_to_string(dir.join(format!("{id}.{entry}"))).ok();
+        // A snapshot: encrypted, its record a copy of the volume's, made before the node
+        // takes it (the node does not answer: not ready yet).
+        let snap = svc
             .do_create_snapshot(csi::CreateSnapshotRequest {
                 name: "snap-e".into(),
                 source_volume_id: rec.id.clone(),
                 ..Default::default()
             })
             .await
-            .unwrap_err();
-        assert_eq!(e.code(), Code::InvalidArgument);
-        assert!(e.message().contains("encrypted volumes are not supported"), "{e}");
-        let clone = csi::CreateVolumeRequest {
+            .unwrap()
+            .snapshot
+            .unwrap();
+        assert!(!snap.ready_to_use);
+        let srec = svc.book.get_snapshot(&snap.snapshot_id).unwrap();
+        assert!(is_encrypted(&srec), "the snapshot of an encrypted volume is encrypted");
+        assert_eq!(read(&srec.id, "key").as_deref(), Some(key.as_str()), "the snapshot keeps the volume's key");
+        assert_eq!(read(&srec.id, "sourceKey"), None);
+        // A clone: the class must be encrypted; its record has a fresh key and the
+        // source's as sourceKey.
+        let clone_of = |src: &str, name: &str, p: &[(&str, &str)]| csi::CreateVolumeRequest {
             volume_content_source: Some(csi::VolumeContentSource {
                 r#type: Some(csi::volume_content_source::Type::Volume(csi::volume_content_source::VolumeSource {
-                    volume_id: rec.id.clone(),
+                    volume_id: src.to_string(),
                 })),
             }),
-            ..create_request("pvc-c", &[])
+            ..create_request(name, p)
         };
-        let e = svc.do_create_volume(clone.clone()).await.unwrap_err();
+        let e = svc.do_create_volume(clone_of(&rec.id, "pvc-c", &[])).await.unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument, "{e}");
-        assert!(e.message().contains("encrypted volumes are not supported"), "{e}");
+        assert!(e.message().contains("is encrypted; a volume made from it needs a class with encryption"), "{e}");
         assert!(svc.book.by_name("pvc-c").is_none());
+        let e = svc.do_create_volume(clone_of(&rec.id, "pvc-c", &[("encryption", "luks2")])).await.unwrap_err();
+        assert_eq!(e.code(), Code::DeadlineExceeded, "placed, waiting for the node: {e}");
+        let crec = svc.book.by_name("pvc-c").unwrap();
+        let ckey = read(&crec.id, "key").unwrap();
+        assert_eq!(ckey.len(), 64);
+        assert_ne!(ckey, key, "the clone has a key of its own");
+        assert_eq!(read(&crec.id, "sourceKey").as_deref(), Some(key.as_str()));
+        assert_eq!(read(&crec.id, "sourceKey2"), None);
+        // A retry keeps it.
+        let _ = svc.do_create_volume(clone_of(&rec.id, "pvc-c", &[("encryption", "luks2")])).await;
+        assert_eq!(read(&crec.id, "key").as_deref(), Some(ckey.as_str()));
+        // An encrypted class cannot copy an unencrypted volume.
+        let e = svc.do_create_volume(clone_of(&plain.id, "pvc-d", &[("encryption", "luks2")])).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+        assert!(e.message().contains("is not encrypted; a class with encryption: luks2 cannot"), "{e}");
+        assert!(svc.book.by_name("pvc-d").is_none());
+        assert_eq!(read(&super::super::volumes::volume_id_for("pvc-d"), "key"), None);
     }
 
     #[test]

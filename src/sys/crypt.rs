@@ -178,6 +178,106 @@ pub fn key_opens(dev: &Path, key: &Key) -> Result<bool> {
     Ok(cryptsetup(&args, Some(key), &[EXIT_WRONG_KEY])?.code != Some(EXIT_WRONG_KEY))
 }
 
+/// The key slot `key` opens on the LUKS container on `dev`, `None` when it opens none
+/// (nothing is opened).
+pub fn key_slot(dev: &Path, key: &Key) -> Result<Option<u32>> {
+    let d = dev.to_string_lossy();
+    let args = ["open", "--type", "luks2", "--test-passphrase", "--verbose", "--key-file=-", &d];
+    let out = cryptsetup(&args, Some(key), &[EXIT_WRONG_KEY])?;
+    if out.code == Some(EXIT_WRONG_KEY) {
+        return Ok(None);
+    }
+    parse_unlocked_slot(&out.stdout).map(Some).ok_or_else(|| CryptError::Failed {
+        args: args.join(" "),
+        status: "0".into(),
+        stderr: "no \"Key slot N unlocked.\" line in its output".into(),
+    })
+}
+
+/// What the re-keying of a copy needs to know of a LUKS2 header (from `luksDump`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// How many passphrase key slots it has (bound or not; the reencryption slot aside).
+    pub key_slots: usize,
+    /// Whether a reencryption was started and not finished (the `online-reencrypt`
+    /// requirement): only `reencrypt` opens it until it is resumed to its end.
+    pub reencrypting: bool,
+}
+
+/// The header of the LUKS container on `dev`.
+pub fn header(dev: &Path) -> Result<Header> {
+    let d = dev.to_string_lossy();
+    let out = cryptsetup(&["luksDump", &d], None, &[])?;
+    Ok(parse_header(&out.stdout))
+}
+
+/// Add `new` as a passphrase of the container on `dev`, authorised by `existing` (which
+/// goes through stdin; `new` through a pipe the tool reads as `/proc/self/fd/3`, not
+/// `/dev/fd/3`: that symlink is udev's or the container runtime's, and a node without
+/// udev has none). The new slot
+/// uses the same cheap PBKDF2 as [`format`]'s. [`CryptError::WrongKey`] when `existing`
+/// opens no key slot.
+pub fn add_key(dev: &Path, existing: &Key, new: &Key) -> Result<()> {
+    let d = dev.to_string_lossy();
+    let args = [
+        "luksAddKey",
+        "--batch-mode",
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "1000",
+        "--key-file=-",
+        &d,
+        "/proc/self/fd/3",
+    ];
+    let out = run(&args, Some(existing), Some(new), &[EXIT_WRONG_KEY])?;
+    if out.code == Some(EXIT_WRONG_KEY) {
+        return Err(CryptError::WrongKey { device: d.into_owned() });
+    }
+    Ok(())
+}
+
+/// Start re-encrypting the container on `dev` to a new, random volume key that only
+/// `key` (in key slot `slot`) will open: every other key slot goes at the end. This only
+/// writes the reencryption's metadata (`--init-only`); [`reencrypt_resume`] does the
+/// work. Offline: no mapping of `dev` may be open.
+pub fn reencrypt_init(dev: &Path, key: &Key, slot: u32) -> Result<()> {
+    let d = dev.to_string_lossy();
+    let slot = slot.to_string();
+    let args = [
+        "reencrypt",
+        "--init-only",
+        "--batch-mode",
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "1000",
+        "--key-slot",
+        &slot,
+        "--key-file=-",
+        &d,
+    ];
+    key_run(&args, key, &d)
+}
+
+/// Run (or resume, after a crash) the reencryption started on `dev` to its end: every
+/// block is read, decrypted with the old volume key and written under the new one, so it
+/// takes time in proportion to the device's size. `key` must open it.
+pub fn reencrypt_resume(dev: &Path, key: &Key) -> Result<()> {
+    let d = dev.to_string_lossy();
+    let args = ["reencrypt", "--resume-only", "--batch-mode", "--key-file=-", &d];
+    key_run(&args, key, &d)
+}
+
+/// Run cryptsetup with `key` on stdin; exit code 2 is [`CryptError::WrongKey`].
+fn key_run(args: &[&str], key: &Key, device: &str) -> Result<()> {
+    let out = cryptsetup(args, Some(key), &[EXIT_WRONG_KEY])?;
+    if out.code == Some(EXIT_WRONG_KEY) {
+        return Err(CryptError::WrongKey { device: device.to_string() });
+    }
+    Ok(())
+}
+
 /// Close mapping `name`. A mapping that is not open is success; one in use is
 /// [`CryptError::InUse`].
 pub fn close(name: &str) -> Result<()> {
@@ -278,6 +378,31 @@ fn read_trimmed(path: &Path) -> Result<Option<String>> {
     }
 }
 
+/// `Key slot N unlocked.` in `cryptsetup --verbose` output → N.
+fn parse_unlocked_slot(stdout: &str) -> Option<u32> {
+    stdout.lines().find_map(|l| l.trim().strip_prefix("Key slot ")?.strip_suffix(" unlocked.")?.parse().ok())
+}
+
+/// The [`Header`] in a `luksDump`'s text.
+fn parse_header(dump: &str) -> Header {
+    let reencrypting =
+        dump.lines().any(|l| l.strip_prefix("Requirements:").is_some_and(|v| v.contains("online-reencrypt")));
+    let mut section = "";
+    let mut key_slots = 0;
+    for l in dump.lines() {
+        if !l.starts_with([' ', '\t']) && l.ends_with(':') {
+            section = l.trim_end_matches(':');
+        } else if section == "Keyslots"
+            && let Some((n, kind)) = l.strip_prefix("  ").and_then(|r| r.split_once(": "))
+            && n.bytes().all(|b| b.is_ascii_digit())
+            && kind.starts_with("luks2")
+        {
+            key_slots += 1;
+        }
+    }
+    Header { key_slots, reencrypting }
+}
+
 struct Output {
     code: Option<i32>,
     stdout: String,
@@ -288,6 +413,14 @@ struct Output {
 /// (so a tool that fails before reading cannot block us); success or an exit code in
 /// `ok_codes` is an [`Output`].
 fn cryptsetup(args: &[&str], key: Option<&Key>, ok_codes: &[i32]) -> Result<Output> {
+    run(args, key, None, ok_codes)
+}
+
+/// [`cryptsetup`], and `fd3` (if any) written to a pipe the tool has as its descriptor 3
+/// (`/proc/self/fd/3`): a second key that never touches a file, an argument or the environment.
+fn run(args: &[&str], key: Option<&Key>, fd3: Option<&Key>, ok_codes: &[i32]) -> Result<Output> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
     let start = Instant::now();
     let mut cmd = Command::new("cryptsetup");
     if !Path::new("/run/udev/control").exists() {
@@ -297,11 +430,39 @@ fn cryptsetup(args: &[&str], key: Option<&Key>, ok_codes: &[i32]) -> Result<Outp
         .stdin(if key.is_some() { Stdio::piped() } else { Stdio::null() })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut child = cmd.spawn().map_err(CryptError::Spawn)?;
+    // Both ends close-on-exec; the child gets a copy of the read end as its fd 3 (dup2
+    // clears close-on-exec on the copy), the write end stays with us.
+    let pipe = fd3
+        .map(|_| nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC))
+        .transpose()
+        .map_err(|e| CryptError::Spawn(std::io::Error::from(e)))?;
+    if let Some((r, _)) = &pipe {
+        let r = r.as_raw_fd();
+        // SAFETY: dup2 and fcntl are async-signal-safe; `r` is open in the child (inherited,
+        // closed only at exec), and fd 3 is ours to replace.
+        unsafe {
+            cmd.pre_exec(move || {
+                let rc = if r == 3 { libc::fcntl(3, libc::F_SETFD, 0) } else { libc::dup2(r, 3) };
+                if rc < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let spawned = cmd.spawn();
+    let writer = pipe.map(|(r, w)| {
+        drop(r);
+        std::fs::File::from(w)
+    });
+    let mut child = spawned.map_err(CryptError::Spawn)?;
     let out = std::thread::scope(|s| {
         if let (Some(k), Some(mut stdin)) = (key, child.stdin.take()) {
             // A tool that exits without reading gives EPIPE here; its exit status says why.
             s.spawn(move || drop(stdin.write_all(k.bytes())));
+        }
+        if let (Some(k), Some(mut w)) = (fd3, writer) {
+            s.spawn(move || drop(w.write_all(k.bytes())));
         }
         child.wait_with_output()
     })
@@ -338,6 +499,24 @@ mod tests {
     }
 
     #[test]
+    fn parses_key_slots_and_pending_reencryption() {
+        let dump = "LUKS header information\nVersion:       \t2\nRequirements:\tonline-reencrypt-v2 \n\n\
+                    Data segments:\n  0: crypt\n\toffset: 2097152 [bytes]\n  1: crypt\n\
+                    Keyslots:\n  0: luks2\n\tKey:        512 bits\n  1: luks2\n  2: luks2 (unbound)\n\
+                    \tKey:        512 bits\n  3: reencrypt (unbound)\n\tKey:        8 bits\nTokens:\n\
+                    Digests:\n  0: pbkdf2\n  1: pbkdf2\n";
+        assert_eq!(parse_header(dump), Header { key_slots: 3, reencrypting: true });
+        let done =
+            "Requirements:\t(no requirements)\nKeyslots:\n  2: luks2\n\tKey:        512 bits\nDigests:\n  1: pbkdf2\n";
+        assert_eq!(parse_header(done), Header { key_slots: 1, reencrypting: false });
+        assert_eq!(
+            parse_unlocked_slot("No usable token is available.\nKey slot 2 unlocked.\nCommand successful.\n"),
+            Some(2)
+        );
+        assert_eq!(parse_unlocked_slot("Command successful.\n"), None);
+    }
+
+    #[test]
     fn parses_dev_numbers() {
         assert_eq!(parse_dev("253:4"), Some((253, 4)));
         assert_eq!(parse_dev("x"), None);
@@ -361,6 +540,18 @@ mod tests {
             assert!(!key_opens(&p, &Key::new("wrong"))?);
             mark_formatted(&p)?;
             assert!(!is_fresh(&p)?);
+            // Re-keying as far as a plain file goes (running the reencryption wants a
+            // block device): a second key slot, then a pending reencryption.
+            assert_eq!(key_slot(&p, &key)?, Some(0));
+            let own = Key::new("fedcba9876543210");
+            assert!(matches!(add_key(&p, &Key::new("wrong"), &own), Err(CryptError::WrongKey { .. })));
+            assert_eq!(header(&p)?, Header { key_slots: 1, reencrypting: false });
+            add_key(&p, &key, &own)?;
+            assert_eq!(key_slot(&p, &own)?, Some(1));
+            assert_eq!(header(&p)?, Header { key_slots: 2, reencrypting: false });
+            reencrypt_init(&p, &own, 1)?;
+            assert!(header(&p)?.reencrypting);
+            assert!(key_opens(&p, &own)?);
             Ok(())
         })();
         std::fs::remove_file(&p).unwrap();

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use nix::mount::MsFlags;
 
-use super::crypt::{CryptError, Key, Mapping};
+use super::crypt::{CryptError, Header, Key, Mapping};
 use super::fstools::{FsError, FsType};
 use super::loopdev::{AttachOptions, DetachError, LoopBinding, LoopInfo64};
 use super::mount::{Beneath, MountEntry, MountOptions};
@@ -124,6 +124,26 @@ pub trait VolumeKernel: Send + Sync {
     }
     /// Whether `key` opens the container on `dev` (nothing is opened).
     fn crypt_key_opens(&self, _dev: &Path, _key: &Key) -> Result<bool, CryptError> {
+        Err(CryptError::Unavailable)
+    }
+    /// The key slot `key` opens on `dev`'s container, `None` when none.
+    fn crypt_key_slot(&self, _dev: &Path, _key: &Key) -> Result<Option<u32>, CryptError> {
+        Err(CryptError::Unavailable)
+    }
+    /// Key slots and pending reencryption of `dev`'s container ([`super::crypt::header`]).
+    fn crypt_header(&self, _dev: &Path) -> Result<Header, CryptError> {
+        Err(CryptError::Unavailable)
+    }
+    /// Add passphrase `new` to `dev`'s container, authorised by `existing`.
+    fn crypt_add_key(&self, _dev: &Path, _existing: &Key, _new: &Key) -> Result<(), CryptError> {
+        Err(CryptError::Unavailable)
+    }
+    /// Start re-encrypting `dev` to a new volume key kept by key slot `slot` alone.
+    fn crypt_reencrypt_init(&self, _dev: &Path, _key: &Key, _slot: u32) -> Result<(), CryptError> {
+        Err(CryptError::Unavailable)
+    }
+    /// Run a started reencryption of `dev` to its end.
+    fn crypt_reencrypt_resume(&self, _dev: &Path, _key: &Key) -> Result<(), CryptError> {
         Err(CryptError::Unavailable)
     }
     /// Close mapping `name` (not open: success; in use: [`CryptError::InUse`]).
@@ -287,6 +307,26 @@ impl VolumeKernel for Kernel {
 
     fn crypt_key_opens(&self, dev: &Path, key: &Key) -> Result<bool, CryptError> {
         super::crypt::key_opens(dev, key)
+    }
+
+    fn crypt_key_slot(&self, dev: &Path, key: &Key) -> Result<Option<u32>, CryptError> {
+        super::crypt::key_slot(dev, key)
+    }
+
+    fn crypt_header(&self, dev: &Path) -> Result<Header, CryptError> {
+        super::crypt::header(dev)
+    }
+
+    fn crypt_add_key(&self, dev: &Path, existing: &Key, new: &Key) -> Result<(), CryptError> {
+        super::crypt::add_key(dev, existing, new)
+    }
+
+    fn crypt_reencrypt_init(&self, dev: &Path, key: &Key, slot: u32) -> Result<(), CryptError> {
+        super::crypt::reencrypt_init(dev, key, slot)
+    }
+
+    fn crypt_reencrypt_resume(&self, dev: &Path, key: &Key) -> Result<(), CryptError> {
+        super::crypt::reencrypt_resume(dev, key)
     }
 
     fn crypt_close(&self, name: &str) -> Result<(), CryptError> {

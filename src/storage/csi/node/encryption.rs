@@ -6,8 +6,16 @@
 //! then holds the LUKS2 container: a blank device gets one ([`crate::sys::crypt::format`]),
 //! a device holding one is opened, a device holding anything else is refused. The
 //! filesystem (or, for raw block, the pod's device) lives on the mapping. The key is held
-//! only for the call and goes to cryptsetup through its stdin; it is never logged or
-//! written anywhere.
+//! only for the call and goes to cryptsetup through its stdin (or a pipe); it is never
+//! logged or written anywhere.
+//!
+//! A copy (a restore of a snapshot, a clone) starts as the source's blocks: its container
+//! opens with the source's key under the source's volume key. Its node-stage secret then
+//! carries the source's key as `sourceKey` besides its own `key`, and its first stage
+//! re-keys it ([`NodeService::rekey`]): `key` is added as a key slot, then the whole device
+//! is re-encrypted to a new volume key that `key` alone opens. The source's key and volume
+//! key open nothing of the copy afterwards. Every step can be interrupted (a crash, a
+//! kubelet timeout) and the next stage picks up where it stopped.
 
 use std::path::{Path, PathBuf};
 
@@ -21,14 +29,35 @@ pub(super) const ENCRYPTION_CONTEXT: &str = "encryption";
 pub(super) const LUKS2: &str = "luks2";
 /// The node-stage secret's entry holding the key.
 pub(super) const KEY_SECRET: &str = "key";
+/// The node-stage secret's entries holding the keys a copy's blocks may still open with:
+/// `sourceKey` (the key of the copy's source), then `sourceKey2`, `sourceKey3`, ... (the
+/// source's own sources, when the source was a copy never staged, so never re-keyed).
+pub(super) const SOURCE_KEY_SECRET: &str = "sourceKey";
 
-/// The key a NodeStageVolume request stages its volume with: `None` for a volume without
+/// The keys of an encrypted stage.
+pub(super) struct StageKeys {
+    /// The volume's own key: the one its container opens with once staged.
+    pub(super) key: Key,
+    /// The keys of its sources, in the order to try them (empty for a volume made blank).
+    pub(super) sources: Vec<Key>,
+}
+
+/// The source keys of a node-stage secret: `sourceKey`, then `sourceKey2`, `sourceKey3`,
+/// ... while they are there (empty entries ignored).
+fn source_keys(secrets: &std::collections::HashMap<String, String>) -> Vec<Key> {
+    let names = std::iter::once(SOURCE_KEY_SECRET.to_string()).chain((2..).map(|n| format!("{SOURCE_KEY_SECRET}{n}")));
+    names.map_while(|n| secrets.get(&n)).filter(|k| !k.is_empty()).map(|k| Key::new(k.as_bytes())).collect()
+}
+
+/// The keys a NodeStageVolume request stages its volume with: `None` for a volume without
 /// encryption; INVALID_ARGUMENT for an unknown `encryption` value or a missing or empty key.
-pub(super) fn requested_key(req: &csi::NodeStageVolumeRequest) -> Result<Option<Key>> {
+pub(super) fn requested_keys(req: &csi::NodeStageVolumeRequest) -> Result<Option<StageKeys>> {
     match req.volume_context.get(ENCRYPTION_CONTEXT).map(String::as_str) {
         None | Some("") => Ok(None),
         Some(LUKS2) => match req.secrets.get(KEY_SECRET) {
-            Some(k) if !k.is_empty() => Ok(Some(Key::new(k.as_bytes()))),
+            Some(k) if !k.is_empty() => {
+                Ok(Some(StageKeys { key: Key::new(k.as_bytes()), sources: source_keys(&req.secrets) }))
+            }
             _ => Err(invalid(format!(
                 "volume {} is encrypted (volume_context {ENCRYPTION_CONTEXT}: {LUKS2}) but the node-stage secret \
                  has no {KEY_SECRET:?} entry (check the StorageClass' csi.storage.k8s.io/node-stage-secret-* \
@@ -51,7 +80,9 @@ pub(super) struct Unlocked {
 /// A cryptsetup failure as the CSI code it calls for.
 pub(super) fn crypt_error(id: &str, e: CryptError) -> CsiError {
     match e {
-        CryptError::WrongKey { .. } => invalid(format!("the key in the node-stage secret does not open volume {id}")),
+        CryptError::WrongKey { .. } => invalid(format!(
+            "the key in the node-stage secret does not open volume {id} (nor does any {SOURCE_KEY_SECRET} entry)"
+        )),
         CryptError::InUse { .. } => precondition(format!("volume {id}: {e}")),
         e => internal(format!("volume {id}: {e}")),
     }
@@ -72,11 +103,13 @@ impl NodeService {
         Ok(self.store.attached_device(id)?)
     }
 
-    /// Unlock volume `vol` on its attached device `raw` with `key`: a blank device gets a
-    /// fresh LUKS2 container, a container is opened, anything else is FAILED_PRECONDITION
-    /// (never formatted). An open mapping of that device is kept after the key is checked
-    /// (a retried stage). A wrong key is INVALID_ARGUMENT and opens nothing.
-    pub(super) fn unlock(&self, vol: &Volume, raw: &Path, key: &Key) -> Result<Unlocked> {
+    /// Unlock volume `vol` on its attached device `raw` with `keys`: a blank device gets a
+    /// fresh LUKS2 container, a container is re-keyed if need be ([`Self::rekey`]) and
+    /// opened, anything else is FAILED_PRECONDITION (never formatted). An open mapping of
+    /// that device is kept after the key is checked (a retried stage). A wrong key is
+    /// INVALID_ARGUMENT and opens nothing.
+    pub(super) fn unlock(&self, vol: &Volume, raw: &Path, keys: &StageKeys) -> Result<Unlocked> {
+        let key = &keys.key;
         let id = vol.id.as_str();
         let name = crypt::mapping_name(id);
         let raw_num = self.kernel.dev_numbers(raw).map_err(|e| internal(format!("{}: {e}", raw.display())))?;
@@ -105,7 +138,10 @@ impl NodeService {
                 crate::util::crash_point("stage-after-luks-format");
                 true
             }
-            Some("crypto_LUKS") => false,
+            Some("crypto_LUKS") => {
+                self.rekey(id, raw, keys)?;
+                false
+            }
             Some(other) => {
                 return Err(precondition(format!(
                     "volume {id}: {} holds {other:?}, not a LUKS2 container; refusing to format it",
@@ -117,6 +153,59 @@ impl NodeService {
         let fresh = formatted || self.kernel.crypt_is_fresh(raw).map_err(err)?;
         tracing::info!(volume = id, device = %raw.display(), mapping = %path.display(), fresh, "volume unlocked");
         Ok(Unlocked { path, fresh })
+    }
+
+    /// Make the (closed) container on `raw` one that `keys.key` alone opens, under a volume
+    /// key of its own. Each state a crash or timeout can leave is finished from:
+    ///
+    /// - `key` opens it, one key slot, no reencryption pending: nothing to do (every stage
+    ///   but a copy's first);
+    /// - `key` opens it and a reencryption is pending: resume it to its end;
+    /// - `key` opens it and other key slots remain: start the reencryption, then run it;
+    /// - `key` does not open it but a source key does: add `key` (authorised by that source
+    ///   key), then as above;
+    /// - nothing opens it: [`CryptError::WrongKey`] (INVALID_ARGUMENT), nothing changed.
+    ///
+    /// The reencryption reads and rewrites the whole device (a thin LV ends fully
+    /// allocated), so a copy's first stage takes time in proportion to its size.
+    pub(super) fn rekey(&self, id: &str, raw: &Path, keys: &StageKeys) -> Result<()> {
+        let err = |e| crypt_error(id, e);
+        let key = &keys.key;
+        if self.kernel.crypt_key_slot(raw, key).map_err(err)?.is_none() {
+            let Some(source) = self.opening_source(id, raw, keys)? else {
+                return Err(err(CryptError::WrongKey { device: raw.display().to_string() }));
+            };
+            tracing::info!(volume = id, device = %raw.display(), "a copy: adding its own key before re-keying");
+            self.kernel.crypt_add_key(raw, source, key).map_err(err)?;
+            crate::util::crash_point("crypt-rekey-after-addkey");
+        }
+        let header = self.kernel.crypt_header(raw).map_err(err)?;
+        if !header.reencrypting && header.key_slots <= 1 {
+            return Ok(());
+        }
+        if !header.reencrypting {
+            let slot = self.kernel.crypt_key_slot(raw, key).map_err(err)?;
+            let slot = slot.ok_or_else(|| err(CryptError::WrongKey { device: raw.display().to_string() }))?;
+            self.kernel.crypt_reencrypt_init(raw, key, slot).map_err(err)?;
+            crate::util::crash_point("crypt-rekey-after-init");
+        }
+        tracing::info!(volume = id, device = %raw.display(), "re-encrypting a copy to a volume key of its own");
+        let start = std::time::Instant::now();
+        self.kernel.crypt_reencrypt_resume(raw, key).map_err(err)?;
+        crate::util::crash_point("crypt-rekey-after-reencrypt");
+        let ms = start.elapsed().as_millis() as u64;
+        tracing::info!(volume = id, device = %raw.display(), elapsed_ms = ms, "copy re-keyed");
+        Ok(())
+    }
+
+    /// The first source key that opens the container on `raw`, if any.
+    fn opening_source<'k>(&self, id: &str, raw: &Path, keys: &'k StageKeys) -> Result<Option<&'k Key>> {
+        for k in &keys.sources {
+            if self.kernel.crypt_key_opens(raw, k).map_err(|e| crypt_error(id, e))? {
+                return Ok(Some(k));
+            }
+        }
+        Ok(None)
     }
 
     /// Close the mapping of volume `id` if it is open ([`CryptError::InUse`] while something

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use tonic::Code;
 
-use super::encryption::{crypt_error, requested_key};
+use super::encryption::{StageKeys, crypt_error, requested_keys};
 use super::mounts::LoopDev;
 use super::records::{StageRecord, StageState};
 use super::{
@@ -16,7 +16,7 @@ use super::{
 use crate::rpc::csi;
 use crate::storage::csi::capability::Capability;
 use crate::storage::store::{Backend, FsType, VolumeError};
-use crate::sys::crypt::{CryptError, Key};
+use crate::sys::crypt::CryptError;
 use crate::sys::mount::{self, MountOptions};
 use crate::sys::volume_kernel::MountError;
 
@@ -34,7 +34,7 @@ impl NodeService {
         let staging = self.path("staging_target_path", &req.staging_target_path)?;
         let cap = parse_capability(req.volume_capability.as_ref())?;
         let opts = mount::parse_mount_flags(&cap.mount_flags).map_err(invalid)?;
-        let key = requested_key(req)?;
+        let key = requested_keys(req)?;
         let encrypted = key.is_some();
         let _g = self.guard(id)?;
         let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
@@ -161,7 +161,7 @@ impl NodeService {
         staging: &Path,
         cap: &Capability,
         opts: &MountOptions,
-        key: Option<&Key>,
+        key: Option<&StageKeys>,
     ) -> Result<()> {
         let id = vol.id.as_str();
         let raw = self.store.attach(id)?;
