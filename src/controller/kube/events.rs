@@ -8,6 +8,7 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 
 use crate::controller::volumes::PoolChange;
+use crate::storage::store::POOL_SHORT_PERCENT;
 
 /// Posts events about nodes.
 pub struct NodeEvents {
@@ -31,8 +32,8 @@ fn pool_event(change: PoolChange) -> Event {
     let backend = change.backend.as_str();
     let (type_, reason, note) = if change.short {
         let note = format!(
-            "The {backend} pool is at least 90% full (data or metadata). No new volume is placed on it; \
-             the volumes in it keep working."
+            "The {backend} pool is at least {POOL_SHORT_PERCENT}% full (data or metadata). No new volume is \
+             placed on it; the volumes in it keep working."
         );
         (EventType::Warning, "StoragePoolShort", note)
     } else {
