@@ -122,10 +122,6 @@ pub trait VolumeKernel: Send + Sync {
     fn crypt_open(&self, _dev: &Path, _name: &str, _key: &Key) -> Result<PathBuf, CryptError> {
         Err(CryptError::Unavailable)
     }
-    /// Whether `key` opens the container on `dev` (nothing is opened).
-    fn crypt_key_opens(&self, _dev: &Path, _key: &Key) -> Result<bool, CryptError> {
-        Err(CryptError::Unavailable)
-    }
     /// The key slot `key` opens on `dev`'s container, `None` when none.
     fn crypt_key_slot(&self, _dev: &Path, _key: &Key) -> Result<Option<u32>, CryptError> {
         Err(CryptError::Unavailable)
@@ -303,10 +299,6 @@ impl VolumeKernel for Kernel {
 
     fn crypt_open(&self, dev: &Path, name: &str, key: &Key) -> Result<PathBuf, CryptError> {
         super::crypt::open(dev, name, key)
-    }
-
-    fn crypt_key_opens(&self, dev: &Path, key: &Key) -> Result<bool, CryptError> {
-        super::crypt::key_opens(dev, key)
     }
 
     fn crypt_key_slot(&self, dev: &Path, key: &Key) -> Result<Option<u32>, CryptError> {

@@ -104,10 +104,11 @@ impl NodeService {
     }
 
     /// Unlock volume `vol` on its attached device `raw` with `keys`: a blank device gets a
-    /// fresh LUKS2 container, a container is re-keyed if need be ([`Self::rekey`]) and
-    /// opened, anything else is FAILED_PRECONDITION (never formatted). An open mapping of
-    /// that device is kept after the key is checked (a retried stage). A wrong key is
-    /// INVALID_ARGUMENT and opens nothing.
+    /// fresh LUKS2 container, a container is opened, anything else is FAILED_PRECONDITION
+    /// (never formatted). A copy's container (its keys name sources) is re-keyed first if
+    /// need be ([`Self::rekey`]); a volume made blank never needs it, so its stage runs no
+    /// more cryptsetup than the open. An open mapping of that device is kept after the key
+    /// is checked (a retried stage). A wrong key is INVALID_ARGUMENT and opens nothing.
     pub(super) fn unlock(&self, vol: &Volume, raw: &Path, keys: &StageKeys) -> Result<Unlocked> {
         let key = &keys.key;
         let id = vol.id.as_str();
@@ -122,7 +123,7 @@ impl NodeService {
                     raw.display()
                 )));
             }
-            if !self.kernel.crypt_key_opens(raw, key).map_err(err)? {
+            if self.kernel.crypt_key_slot(raw, key).map_err(err)?.is_none() {
                 return Err(crypt_error(id, CryptError::WrongKey { device: raw.display().to_string() }));
             }
             return Ok(Unlocked { path: m.path, fresh: self.kernel.crypt_is_fresh(raw).map_err(err)? });
@@ -139,7 +140,9 @@ impl NodeService {
                 true
             }
             Some("crypto_LUKS") => {
-                self.rekey(id, raw, keys)?;
+                if !keys.sources.is_empty() {
+                    self.rekey(id, raw, keys)?;
+                }
                 false
             }
             Some(other) => {
@@ -158,8 +161,8 @@ impl NodeService {
     /// Make the (closed) container on `raw` one that `keys.key` alone opens, under a volume
     /// key of its own. Each state a crash or timeout can leave is finished from:
     ///
-    /// - `key` opens it, one key slot, no reencryption pending: nothing to do (every stage
-    ///   but a copy's first);
+    /// - `key` opens it, one key slot, no reencryption pending: nothing to do (a copy's
+    ///   every stage after its first);
     /// - `key` opens it and a reencryption is pending: resume it to its end;
     /// - `key` opens it and other key slots remain: start the reencryption, then run it;
     /// - `key` does not open it but a source key does: add `key` (authorised by that source
@@ -170,22 +173,23 @@ impl NodeService {
     /// allocated), so a copy's first stage takes time in proportion to its size.
     pub(super) fn rekey(&self, id: &str, raw: &Path, keys: &StageKeys) -> Result<()> {
         let err = |e| crypt_error(id, e);
+        let wrong_key = || err(CryptError::WrongKey { device: raw.display().to_string() });
         let key = &keys.key;
-        if self.kernel.crypt_key_slot(raw, key).map_err(err)?.is_none() {
-            let Some(source) = self.opening_source(id, raw, keys)? else {
-                return Err(err(CryptError::WrongKey { device: raw.display().to_string() }));
-            };
-            tracing::info!(volume = id, device = %raw.display(), "a copy: adding its own key before re-keying");
-            self.kernel.crypt_add_key(raw, source, key).map_err(err)?;
-            crate::util::crash_point("crypt-rekey-after-addkey");
-        }
+        let slot = match self.kernel.crypt_key_slot(raw, key).map_err(err)? {
+            Some(slot) => slot,
+            None => {
+                let source = self.opening_source(id, raw, keys)?.ok_or_else(wrong_key)?;
+                tracing::info!(volume = id, device = %raw.display(), "a copy: adding its own key before re-keying");
+                self.kernel.crypt_add_key(raw, source, key).map_err(err)?;
+                crate::util::crash_point("crypt-rekey-after-addkey");
+                self.kernel.crypt_key_slot(raw, key).map_err(err)?.ok_or_else(wrong_key)?
+            }
+        };
         let header = self.kernel.crypt_header(raw).map_err(err)?;
         if !header.reencrypting && header.key_slots <= 1 {
             return Ok(());
         }
         if !header.reencrypting {
-            let slot = self.kernel.crypt_key_slot(raw, key).map_err(err)?;
-            let slot = slot.ok_or_else(|| err(CryptError::WrongKey { device: raw.display().to_string() }))?;
             self.kernel.crypt_reencrypt_init(raw, key, slot).map_err(err)?;
             crate::util::crash_point("crypt-rekey-after-init");
         }
@@ -201,7 +205,7 @@ impl NodeService {
     /// The first source key that opens the container on `raw`, if any.
     fn opening_source<'k>(&self, id: &str, raw: &Path, keys: &'k StageKeys) -> Result<Option<&'k Key>> {
         for k in &keys.sources {
-            if self.kernel.crypt_key_opens(raw, k).map_err(|e| crypt_error(id, e))? {
+            if self.kernel.crypt_key_slot(raw, k).map_err(|e| crypt_error(id, e))?.is_some() {
                 return Ok(Some(k));
             }
         }
