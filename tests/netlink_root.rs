@@ -36,48 +36,9 @@ impl Drop for Namespaces {
     }
 }
 
-/// A batch asks only its last request for an ack; a failure before it is still answered by
-/// the kernel and returned (the first in request order), and the batch's read ends with the
-/// last request's answer: nothing of it is left on the socket for the next request.
-#[test]
-fn batch_returns_the_first_failure_and_reads_every_answer() {
-    use nodeplane::sys::netlink::Req;
-    let ns = Namespaces::new(&["batch"]);
-    let name = ns.0[0].clone();
-    let (bad, good, after) = std::thread::scope(|s| {
-        s.spawn(|| {
-            let fd = File::open(format!("/run/netns/{name}")).expect("netns");
-            nix::sched::setns(&fd, CloneFlags::CLONE_NEWNET).expect("setns");
-            let mut nl = Netlink::open().expect("netlink");
-            let lo = 1;
-            // The route's gateway is on no link: ENETUNREACH, in the middle of the batch.
-            let bad = nl.batch(vec![
-                Req::link_up(lo, true),
-                Req::add_route(None, Some("10.77.0.1".parse().unwrap()), lo, false),
-                Req::add_address(lo, "10.77.1.1".parse().unwrap(), 32),
-                Req::add_address(lo, "10.77.1.1".parse().unwrap(), 32),
-            ]);
-            let good = nl.batch(vec![Req::add_address(lo, "10.77.2.1".parse().unwrap(), 32), Req::link_up(lo, true)]);
-            // The socket answers the next request with that request's answer.
-            let after = nl.links().expect("links");
-            (bad, good, after)
-        })
-        .join()
-        .expect("thread")
-    });
-    let e = bad.expect_err("a route to an unreachable gateway");
-    assert!(e.is(libc::ENETUNREACH), "the first failure, the route's: {e:?}");
-    good.expect("a batch that fails nowhere");
-    assert!(after.iter().any(|l| l.name == "lo" && l.up), "{after:?}");
-    // The kernel went on after the failure: the address after the route is there.
-    let out = Command::new("ip").args(["-n", &ns.0[0], "-4", "addr", "show", "dev", "lo"]).output().expect("ip");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("10.77.1.1/32") && text.contains("10.77.2.1/32"), "{text}");
-}
-
-/// `index_of` (an ioctl on the socket, not a netlink request) answers for the socket's own
-/// namespace, whatever namespace the calling thread is in: the agent asks from the node's
-/// namespace about the pod's end through a socket made in the pod's.
+/// `index_of` answers for the socket's own namespace, whatever namespace the calling thread
+/// is in: the agent asks from the node's namespace about the pod's end through a socket
+/// made in the pod's.
 #[test]
 fn index_of_answers_in_the_sockets_namespace() {
     let ns = Namespaces::new(&["ix"]);
@@ -95,7 +56,7 @@ fn index_of_answers_in_the_sockets_namespace() {
     let text = String::from_utf8_lossy(&out.stdout);
     let want: u32 =
         text.split(':').next().and_then(|n| n.trim().parse().ok()).unwrap_or_else(|| panic!("ifindex in {text:?}"));
-    let nl = std::thread::scope(|s| {
+    let mut nl = std::thread::scope(|s| {
         s.spawn(|| {
             let fd = File::open(format!("/run/netns/{name}")).expect("netns");
             nix::sched::setns(&fd, CloneFlags::CLONE_NEWNET).expect("setns");

@@ -19,7 +19,7 @@ use super::netns::{Netns, NetnsError};
 pub type Result<T> = std::result::Result<T, NetlinkError>;
 
 /// One step of configuring an interface inside a pod namespace; a slice of them is applied
-/// as one netlink batch, in order (addresses before the routes that need them).
+/// in order (addresses before the routes that need them).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LinkStep {
     Up {
@@ -53,7 +53,7 @@ pub struct Veth<'a> {
 pub trait Links: Send {
     fn links(&mut self) -> Result<Vec<Link>>;
     fn link_by_name(&mut self, name: &str) -> Result<Option<Link>>;
-    /// Only the index of the link named `name`: cheaper than [`Links::link_by_name`].
+    /// Only the index of the link named `name`.
     fn index_of(&mut self, name: &str) -> Result<Option<u32>>;
     /// A bridge, administratively down.
     fn create_bridge(&mut self, name: &str) -> Result<()>;
@@ -80,7 +80,7 @@ pub trait Links: Send {
     fn add_address(&mut self, index: u32, ip: IpAddr, prefix: u8) -> Result<()>;
     /// Main-table routes of both families.
     fn routes(&mut self) -> Result<Vec<Route>>;
-    /// Apply `steps` in one batch, stopping at the first failure.
+    /// Apply `steps` in order, stopping at the first failure.
     fn apply(&mut self, steps: &[LinkStep]) -> Result<()>;
     /// The namespace's cookie (never reused, unlike its inode); 0 when unknown.
     fn netns_cookie(&self) -> u64;
@@ -215,7 +215,7 @@ impl Links for Netlink {
                 LinkStep::DefaultRoute { gateway, oif } => Req::add_route(None, Some(gateway), oif, gateway.is_ipv6()),
             })
             .collect();
-        Netlink::batch(self, reqs)
+        Netlink::apply_all(self, reqs)
     }
     fn netns_cookie(&self) -> u64 {
         Netlink::netns_cookie(self)

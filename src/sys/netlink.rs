@@ -9,7 +9,8 @@ use std::net::IpAddr;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NetlinkDeserializable, NetlinkHeader,
+    NetlinkMessage, NetlinkPayload, NetlinkSerializable,
 };
 use netlink_packet_route::address::{AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage, AddressScope};
 use netlink_packet_route::link::{
@@ -44,6 +45,56 @@ pub type Result<T> = std::result::Result<T, NetlinkError>;
 
 pub(crate) fn err(op: impl Into<String>, source: io::Error) -> NetlinkError {
     NetlinkError { op: op.into(), source }
+}
+
+/// Send `msg` on `socket` as request `seq` (with `flags` besides `NLM_F_REQUEST`) and
+/// collect the answers to it until its ack or the end of its dump. An error answer is the
+/// kernel's errno. `buf` receives the datagrams (64 KiB holds any the kernel sends).
+/// Shared by rtnetlink ([`Netlink`]) and generic netlink ([`super::wireguard`]).
+pub(crate) fn exchange<T>(socket: &Socket, buf: &mut [u8], seq: u32, msg: T, flags: u16, op: &str) -> Result<Vec<T>>
+where
+    T: NetlinkSerializable + NetlinkDeserializable + std::fmt::Debug,
+{
+    let mut header = NetlinkHeader::default();
+    header.flags = NLM_F_REQUEST | flags;
+    header.sequence_number = seq;
+    let mut packet = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(msg));
+    packet.finalize();
+    let mut out = vec![0u8; packet.buffer_len()];
+    packet.serialize(&mut out);
+    socket.send(&out, 0).map_err(|e| err(op, e))?;
+    let bad = |e: String| err(op, io::Error::new(io::ErrorKind::InvalidData, e));
+    let mut answers = Vec::new();
+    loop {
+        let n = match socket.recv(&mut &mut buf[..], 0) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(err(op, e)),
+        };
+        let mut offset = 0;
+        while offset < n {
+            let msg = NetlinkMessage::<T>::deserialize(&buf[offset..n]).map_err(|e| bad(e.to_string()))?;
+            let len = msg.header.length as usize;
+            if len == 0 {
+                return Err(bad("zero-length message".into()));
+            }
+            offset += (len + 3) & !3;
+            if msg.header.sequence_number != seq {
+                continue;
+            }
+            match msg.payload {
+                NetlinkPayload::Error(e) => {
+                    return match e.code {
+                        None => Ok(answers),
+                        Some(code) => Err(err(op, io::Error::from_raw_os_error(-code.get()))),
+                    };
+                }
+                NetlinkPayload::Done(_) => return Ok(answers),
+                NetlinkPayload::InnerMessage(inner) => answers.push(inner),
+                _ => {}
+            }
+        }
+    }
 }
 
 /// What we need to know about a link.
@@ -135,158 +186,27 @@ impl Netlink {
     }
 
     /// The index of the link named `name` in this socket's namespace (`None`: no such link).
-    ///
-    /// An ioctl (SIOCGIFINDEX) on this socket, not a netlink request: the kernel looks the
-    /// name up under RCU and answers the number, without the RTNL lock and without building
-    /// the link's whole description (a GETLINK answer is 1.5 KiB: statistics, every IPv6
-    /// setting), 2 us against 25-29 us for the request and its answer on this machine. The
-    /// ioctl acts in the namespace the socket was made in, which is what a netlink request
-    /// on it does too.
-    pub fn index_of(&self, name: &str) -> Result<Option<u32>> {
-        let op = || format!("index of {name}");
-        // SAFETY: an all-zero ifreq is a valid value of the C struct.
-        let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
-        let bytes = name.as_bytes();
-        if bytes.is_empty() || bytes.len() >= ifr.ifr_name.len() || bytes.contains(&0) {
-            return Err(NetlinkError { op: op(), source: io::Error::from_raw_os_error(libc::EINVAL) });
-        }
-        for (d, s) in ifr.ifr_name.iter_mut().zip(bytes) {
-            *d = *s as libc::c_char;
-        }
-        // SAFETY: SIOCGIFINDEX reads ifr_name (NUL-terminated: the struct was zeroed and the
-        // name is shorter than the field) and writes ifr_ifindex of the ifreq we own.
-        let rc = unsafe { libc::ioctl(self.socket.as_raw_fd(), libc::SIOCGIFINDEX, &mut ifr) };
-        if rc != 0 {
-            let e = io::Error::last_os_error();
-            return match e.raw_os_error() {
-                Some(libc::ENODEV) => Ok(None),
-                _ => Err(NetlinkError { op: op(), source: e }),
-            };
-        }
-        // SAFETY: the kernel filled the ifindex member of the union on success.
-        let index = unsafe { ifr.ifr_ifru.ifru_ifindex };
-        Ok(u32::try_from(index).ok().filter(|i| *i > 0))
+    pub fn index_of(&mut self, name: &str) -> Result<Option<u32>> {
+        Ok(self.link_by_name(name)?.map(|l| l.index))
     }
 
-    fn send(&mut self, msg: RouteNetlinkMessage, flags: u16, op: &str) -> Result<u32> {
+    /// Send one request and collect its answers ([`exchange`]).
+    fn exchange(&mut self, msg: RouteNetlinkMessage, flags: u16, op: &str) -> Result<Vec<RouteNetlinkMessage>> {
         self.seq = self.seq.wrapping_add(1);
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | flags;
-        header.sequence_number = self.seq;
-        let mut packet = NetlinkMessage::new(header, NetlinkPayload::from(msg));
-        packet.finalize();
-        let mut out = vec![0u8; packet.buffer_len()];
-        packet.serialize(&mut out);
-        self.socket.send(&out, 0).map_err(|e| err(op, e))?;
-        Ok(self.seq)
-    }
-
-    /// Receive and parse messages, handing each to `on_msg` until it says it is done.
-    fn recv_each(
-        &mut self,
-        op: &str,
-        mut on_msg: impl FnMut(NetlinkMessage<RouteNetlinkMessage>) -> Result<bool>,
-    ) -> Result<()> {
-        loop {
-            let n = loop {
-                match self.socket.recv(&mut &mut self.buf[..], 0) {
-                    Ok(n) => break n,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(err(op, e)),
-                }
-            };
-            let mut offset = 0;
-            while offset < n {
-                let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&self.buf[offset..n])
-                    .map_err(|e| err(op, io::Error::new(io::ErrorKind::InvalidData, e.to_string())))?;
-                let len = msg.header.length as usize;
-                if len == 0 {
-                    return Err(err(op, io::Error::new(io::ErrorKind::InvalidData, "zero-length message")));
-                }
-                offset += (len + 3) & !3;
-                if on_msg(msg)? {
-                    return Ok(());
-                }
-            }
-        }
-    }
-
-    /// Receive messages for `seq` until an ACK/NACK or DONE; collects inner messages.
-    fn recv_until_done(&mut self, seq: u32, op: &str) -> Result<Vec<RouteNetlinkMessage>> {
-        let mut out = Vec::new();
-        self.recv_each(op, |msg| {
-            if msg.header.sequence_number != seq {
-                return Ok(false);
-            }
-            match msg.payload {
-                NetlinkPayload::Error(e) => match e.code {
-                    None => Ok(true),
-                    Some(code) => Err(err(op, io::Error::from_raw_os_error(-code.get()))),
-                },
-                NetlinkPayload::Done(_) => Ok(true),
-                NetlinkPayload::InnerMessage(inner) => {
-                    out.push(inner);
-                    Ok(false)
-                }
-                _ => Ok(false),
-            }
-        })?;
-        Ok(out)
-    }
-
-    /// Send several requests in one write; the first failure (in request order) is returned.
-    /// Saves a round trip per request on hot paths.
-    ///
-    /// Only the last request asks for an ack. The kernel handles the requests of one write in
-    /// order and answers every failure whether or not an ack was asked, so the last one's
-    /// answer comes after every other answer there is: one read instead of one per request.
-    pub fn batch(&mut self, reqs: Vec<Req>) -> Result<()> {
-        let mut out = Vec::new();
-        let mut seqs = Vec::with_capacity(reqs.len());
-        for (i, r) in reqs.iter().enumerate() {
-            self.seq = self.seq.wrapping_add(1);
-            let mut header = NetlinkHeader::default();
-            let ack = if i + 1 == reqs.len() { NLM_F_ACK } else { 0 };
-            header.flags = NLM_F_REQUEST | ack | r.flags;
-            header.sequence_number = self.seq;
-            let mut packet = NetlinkMessage::new(header, NetlinkPayload::from(r.msg.clone()));
-            packet.finalize();
-            let start = out.len();
-            out.resize(start + packet.buffer_len(), 0);
-            packet.serialize(&mut out[start..]);
-            seqs.push(self.seq);
-        }
-        if reqs.is_empty() {
-            return Ok(());
-        }
-        self.socket.send(&out, 0).map_err(|e| err(&reqs[0].op, e))?;
-        let mut first_err: Option<(usize, NetlinkError)> = None;
-        let last = seqs.len() - 1;
-        self.recv_each(&reqs[0].op, |msg| {
-            let Some(i) = seqs.iter().position(|s| *s == msg.header.sequence_number) else { return Ok(false) };
-            let NetlinkPayload::Error(e) = msg.payload else { return Ok(false) };
-            if let Some(code) = e.code {
-                let failure = err(&reqs[i].op, io::Error::from_raw_os_error(-code.get()));
-                if first_err.as_ref().is_none_or(|(j, _)| i < *j) {
-                    first_err = Some((i, failure));
-                }
-            }
-            Ok(i == last)
-        })?;
-        match first_err {
-            Some((_, e)) => Err(e),
-            None => Ok(()),
-        }
+        exchange(&self.socket, &mut self.buf, self.seq, msg, flags, op)
     }
 
     fn request(&mut self, msg: RouteNetlinkMessage, flags: u16, op: &str) -> Result<()> {
-        let seq = self.send(msg, flags | NLM_F_ACK, op)?;
-        self.recv_until_done(seq, op).map(|_| ())
+        self.exchange(msg, flags | NLM_F_ACK, op).map(drop)
     }
 
     fn dump(&mut self, msg: RouteNetlinkMessage, op: &str) -> Result<Vec<RouteNetlinkMessage>> {
-        let seq = self.send(msg, NLM_F_DUMP, op)?;
-        self.recv_until_done(seq, op)
+        self.exchange(msg, NLM_F_DUMP, op)
+    }
+
+    /// Run `reqs` in order, one after the other; the first failure stops them.
+    pub fn apply_all(&mut self, reqs: Vec<Req>) -> Result<()> {
+        reqs.into_iter().try_for_each(|r| self.request(r.msg, r.flags, &r.op))
     }
 
     // ----- links -----
@@ -302,9 +222,14 @@ impl Netlink {
             .collect())
     }
 
+    /// The link named `name`, `None` when there is none. A name no link can have (empty,
+    /// over 15 bytes, or with a NUL) is EINVAL.
     pub fn link_by_name(&mut self, name: &str) -> Result<Option<Link>> {
-        let seq = self.send(RouteNetlinkMessage::GetLink(get_link(Some(name))), NLM_F_ACK, "get link")?;
-        match self.recv_until_done(seq, &format!("get link {name}")) {
+        let op = format!("get link {name}");
+        if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains('\0') {
+            return Err(err(op, io::Error::from_raw_os_error(libc::EINVAL)));
+        }
+        match self.exchange(RouteNetlinkMessage::GetLink(get_link(Some(name))), NLM_F_ACK, &op) {
             Ok(msgs) => Ok(msgs.iter().find_map(|m| match m {
                 RouteNetlinkMessage::NewLink(l) => Some(parse_link(l)),
                 _ => None,
@@ -637,7 +562,7 @@ pub fn random_mac() -> [u8; 6] {
     mac
 }
 
-/// One request, built ahead of sending (for [`Netlink::batch`]).
+/// One request, built ahead of sending (for [`Netlink::apply_all`]).
 #[derive(Debug, Clone)]
 pub struct Req {
     msg: RouteNetlinkMessage,
@@ -917,8 +842,7 @@ impl Netlink {
     /// Look a link up by name, with its VXLAN parameters when it is a VXLAN device.
     pub fn vxlan_by_name(&mut self, name: &str) -> Result<Option<VxlanLink>> {
         let op = format!("get link {name}");
-        let seq = self.send(RouteNetlinkMessage::GetLink(get_link(Some(name))), NLM_F_ACK, &op)?;
-        let msgs = match self.recv_until_done(seq, &op) {
+        let msgs = match self.exchange(RouteNetlinkMessage::GetLink(get_link(Some(name))), NLM_F_ACK, &op) {
             Ok(m) => m,
             Err(e) if e.is(libc::ENODEV) => return Ok(None),
             Err(e) => return Err(e),

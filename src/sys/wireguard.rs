@@ -8,10 +8,7 @@ use std::io;
 use std::net::SocketAddr;
 
 use ipnetwork::IpNetwork;
-use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkDeserializable, NetlinkHeader, NetlinkMessage, NetlinkPayload,
-    NetlinkSerializable,
-};
+use netlink_packet_core::{NLM_F_ACK, NLM_F_DUMP, NetlinkDeserializable, NetlinkSerializable};
 use netlink_packet_generic::GenlMessage;
 use netlink_packet_generic::ctrl::nlas::GenlCtrlAttrs;
 use netlink_packet_generic::ctrl::{GenlCtrl, GenlCtrlCmd};
@@ -95,46 +92,7 @@ impl Wg {
         T: NetlinkSerializable + NetlinkDeserializable + std::fmt::Debug,
     {
         self.seq = self.seq.wrapping_add(1);
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | flags;
-        header.sequence_number = self.seq;
-        let mut packet = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(msg));
-        packet.finalize();
-        let mut out = vec![0u8; packet.buffer_len()];
-        packet.serialize(&mut out);
-        self.socket.send(&out, 0).map_err(|e| err(op, e))?;
-        let mut answers = Vec::new();
-        loop {
-            let n = match self.socket.recv(&mut &mut self.buf[..], 0) {
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(err(op, e)),
-            };
-            let mut offset = 0;
-            while offset < n {
-                let bad = |e: String| err(op, io::Error::new(io::ErrorKind::InvalidData, e));
-                let msg = NetlinkMessage::<T>::deserialize(&self.buf[offset..n]).map_err(|e| bad(e.to_string()))?;
-                let len = msg.header.length as usize;
-                if len == 0 {
-                    return Err(bad("zero-length message".into()));
-                }
-                offset += (len + 3) & !3;
-                if msg.header.sequence_number != self.seq {
-                    continue;
-                }
-                match msg.payload {
-                    NetlinkPayload::Error(e) => {
-                        return match e.code {
-                            None => Ok(answers),
-                            Some(code) => Err(err(op, io::Error::from_raw_os_error(-code.get()))),
-                        };
-                    }
-                    NetlinkPayload::Done(_) => return Ok(answers),
-                    NetlinkPayload::InnerMessage(inner) => answers.push(inner),
-                    _ => {}
-                }
-            }
-        }
+        super::netlink::exchange(&self.socket, &mut self.buf, self.seq, msg, flags, op)
     }
 
     fn message(&self, cmd: WireguardCmd, attributes: Vec<WireguardAttribute>) -> GenlMessage<WireguardMessage> {
