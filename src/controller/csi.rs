@@ -11,7 +11,9 @@ use tonic::{Code, Request, Response, Status};
 
 use super::keys::{self, KeyStore};
 use super::records::{StoreBackend, VolState, VolumeRecord};
-use super::volumes::{BookError, ContentSource, Placement, VolumeBook, failure_since, held, held_snapshot};
+use super::volumes::{
+    BookError, ContentSource, Placement, VolumeBook, failure_since, held, held_snapshot, volume_id_for,
+};
 use crate::rpc::csi;
 use crate::storage::csi::{TOPOLOGY_KEY, capability};
 use crate::storage::fs::FsType;
@@ -108,6 +110,12 @@ fn key_error(e: keys::KeyError) -> CsiError {
         keys::KeyError::SourceMissing { .. } => CsiError::new(Code::FailedPrecondition, e.to_string()),
         e => CsiError::new(Code::Unavailable, e.to_string()),
     }
+}
+
+/// A deleted volume's or snapshot's key not removed: UNAVAILABLE, so the CO retries the
+/// delete, which removes it ([`ControllerService::remove_left_key`]).
+fn key_left(id: &str, e: keys::KeyError) -> CsiError {
+    CsiError::new(Code::Unavailable, format!("{id} is deleted but its key is not removed yet: {e}; retry"))
 }
 
 /// What the volume capabilities of a request ask a volume to hold (the reading the node
@@ -539,6 +547,7 @@ impl ControllerService {
             return Err(invalid("snapshot_id is required"));
         }
         let Some(v) = self.book.get_snapshot(&id) else {
+            self.remove_left_key(&id).await?;
             return Ok(csi::DeleteSnapshotResponse {});
         };
         let connected = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0);
@@ -552,13 +561,26 @@ impl ControllerService {
         blocking(move || book.begin_delete(&did)).await?;
         let since = self.book.revision_of(&v.node);
         self.await_gone(&id, &v.node, since).await?;
-        if is_encrypted(&v)
-            && let Err(e) = self.keys.remove(&v.name, &v.id).await
-        {
-            // The snapshot is gone; its keys are of no use to anyone but left behind.
-            tracing::error!(snapshot = %id, error = %e, "could not remove the keys of a deleted encrypted snapshot; remove them by hand");
+        if is_encrypted(&v) {
+            self.keys.remove(&v.name, &v.id).await.map_err(|e| key_left(&id, e))?;
         }
         Ok(csi::DeleteSnapshotResponse {})
+    }
+
+    /// Remove the key record a deleted volume or snapshot `id` may have left: its removal
+    /// failed, or the controller stopped, after the record went. Only when no record of
+    /// either kind holds `id`: a key record exists only while its record does (the record
+    /// is made first). An encrypted volume's or snapshot's name is its id: a key Secret's
+    /// name is a DNS subdomain, which [`volume_id_for`] keeps. An id that is no record's id
+    /// (a path, a name it would hash) or that no Secret can be named after has no key.
+    async fn remove_left_key(&self, id: &str) -> Result<(), CsiError> {
+        if volume_id_for(id) != id || self.book.holds(id) {
+            return Ok(());
+        }
+        match self.keys.remove(id, id).await {
+            Ok(()) | Err(keys::KeyError::BadName { .. }) => Ok(()),
+            Err(e) => Err(key_left(id, e)),
+        }
     }
 
     /// Make the key record of new encrypted volume `rec` unless it has one: a fresh key,
@@ -656,6 +678,7 @@ impl ControllerService {
             return Err(invalid("volume_id is required"));
         }
         let Some(v) = self.book.get(&id) else {
+            self.remove_left_key(&id).await?;
             return Ok(csi::DeleteVolumeResponse {});
         };
         let connected = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0);
@@ -674,11 +697,8 @@ impl ControllerService {
         let out = self.await_gone(&id, &node, since).await;
         match out {
             Ok(()) => {
-                if is_encrypted(&v)
-                    && let Err(e) = self.keys.remove(&v.name, &v.id).await
-                {
-                    // The volume is gone; its key is of no use to anyone but left behind.
-                    tracing::error!(volume = %id, error = %e, "could not remove the key of a deleted encrypted volume; remove it by hand");
+                if is_encrypted(&v) {
+                    self.keys.remove(&v.name, &v.id).await.map_err(|e| key_left(&id, e))?;
                 }
                 Ok(csi::DeleteVolumeResponse {})
             }
@@ -1331,6 +1351,41 @@ mod tests {
         assert!(e.message().contains("is not encrypted; a class with encryption: luks2 cannot"), "{e}");
         assert!(svc.book.by_name("pvc-d").is_none());
         assert_eq!(read(&super::super::volumes::volume_id_for("pvc-d"), "key"), None);
+    }
+
+    /// A key left behind (its removal failed, or the controller stopped, after its record
+    /// went) goes with the retried delete; a key whose id a record holds stays, and an id
+    /// that is no record's id reaches no file.
+    #[tokio::test]
+    async fn a_retried_delete_removes_a_key_left_behind() {
+        let (t, svc, _g) = service("csi-left-key");
+        let dir = t.0.join("keys");
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |id: &str, entry: &str| dir.join(format!("{id}.{entry}"));
+        for id in ["pvc-gone", "snap-gone"] {
+            for entry in ["key", "sourceKey"] {
+                std::fs::write(file(id, entry), "k").unwrap();
+            }
+        }
+        let delete_volume = |id: &str| csi::DeleteVolumeRequest { volume_id: id.into(), ..Default::default() };
+        let delete_snapshot = |id: &str| csi::DeleteSnapshotRequest { snapshot_id: id.into(), ..Default::default() };
+        svc.do_delete_volume(delete_volume("pvc-gone")).await.unwrap();
+        svc.do_delete_snapshot(delete_snapshot("snap-gone")).await.unwrap();
+        for id in ["pvc-gone", "snap-gone"] {
+            assert!(!file(id, "key").exists() && !file(id, "sourceKey").exists(), "{id}'s key is left");
+        }
+        // A volume being made (the node does not answer) holds its id: a delete of a
+        // snapshot of that id leaves its key.
+        let e = svc.do_create_volume(create_request("pvc-live", &[("encryption", "luks2")])).await.unwrap_err();
+        assert_eq!(e.code(), Code::DeadlineExceeded);
+        let live = svc.book.by_name("pvc-live").unwrap();
+        svc.do_delete_snapshot(delete_snapshot(&live.id)).await.unwrap();
+        assert!(keys::key_file(&dir, &live.id).exists(), "a live volume's key was removed");
+        // A path is no record's id.
+        let outside = t.0.join("outside.key");
+        std::fs::write(&outside, "k").unwrap();
+        svc.do_delete_volume(delete_volume("../outside")).await.unwrap();
+        assert!(outside.exists(), "a delete of id ../outside removed {}", outside.display());
     }
 
     #[test]

@@ -486,6 +486,11 @@ impl VolumeBook {
         self.get_kind(RecordKind::Volume, id)
     }
 
+    /// Whether a record of either kind (volume or snapshot) has id `id`.
+    pub fn holds(&self, id: &str) -> bool {
+        self.st.lock().unwrap().vols.contains_key(id)
+    }
+
     /// The snapshot `id`.
     pub fn get_snapshot(&self, id: &str) -> Option<VolumeRecord> {
         self.get_kind(RecordKind::Snapshot, id)
