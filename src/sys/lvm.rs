@@ -161,20 +161,16 @@ impl ThinPool {
         lvm("lvchange", &["-q", "-ay", "-K", &self.lv(name)]).map(drop)
     }
 
-    /// Remove LV `name`. Refused with [`LvmError::InUse`] while it is open. A name that is
+    /// Remove LV `name`. `lvremove` refuses an open LV: [`LvmError::InUse`]. A name that is
     /// not there is success.
     pub fn remove(&self, name: &str) -> Result<()> {
-        match self.get(name)? {
-            None => Ok(()),
-            Some(lv) if lv.open => {
-                Err(LvmError::InUse { lv: self.lv(name), stderr: "the device is open (mounted?)".to_string() })
+        match lvm("lvremove", &["-q", "-y", &self.lv(name)]) {
+            Ok(_) => Ok(()),
+            Err(LvmError::Failed { stderr, .. }) if stderr.contains("Failed to find logical volume") => Ok(()),
+            Err(LvmError::Failed { stderr, .. }) if stderr.contains("in use") || stderr.contains("open") => {
+                Err(LvmError::InUse { lv: self.lv(name), stderr })
             }
-            Some(_) => lvm("lvremove", &["-q", "-y", &self.lv(name)]).map(drop).map_err(|e| match e {
-                LvmError::Failed { stderr, .. } if stderr.contains("in use") || stderr.contains("open") => {
-                    LvmError::InUse { lv: self.lv(name), stderr }
-                }
-                e => e,
-            }),
+            Err(e) => Err(e),
         }
     }
 }
