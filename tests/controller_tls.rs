@@ -19,8 +19,7 @@ use tonic::transport::Channel;
 
 const BIN: &str = env!("CARGO_BIN_EXE_nodeplane-controller");
 
-#[path = "../tools/support/https_get.rs"]
-mod https_get;
+use crate::https_get;
 
 type Client = NodeRegistryClient<Channel>;
 

@@ -44,7 +44,7 @@ const MIB: u64 = 1 << 20;
 
 fn require_root() {
     assert_eq!(
-        unsafe { libc::geteuid() },
+        nix::unistd::geteuid().as_raw(),
         0,
         "tests/csi_root.rs needs root (it runs the agent, binds loop devices and mounts). It does not skip."
     );

@@ -30,11 +30,9 @@
 //! killed by PID on drop (also when the test panics). Needs root; FAILS (never skips)
 //! without it. Run with `--test-threads=1` (timing bounds; two cores).
 
-#[path = "../tools/support/kubelet_devices.rs"]
-mod kubelet_emulator;
+use crate::kubelet_emulator;
 
-#[path = "../tools/support/cdi_validate.rs"]
-mod cdi_validate;
+use crate::cdi_validate;
 
 use std::collections::BTreeSet;
 use std::fs::{self, OpenOptions};
@@ -62,7 +60,7 @@ const HEALTH_PORT: u16 = 19640;
 
 fn require_root() {
     assert_eq!(
-        unsafe { libc::geteuid() },
+        nix::unistd::geteuid().as_raw(),
         0,
         "tests/deviceplugin_kubelet_root.rs needs root (network namespace, mknod). It does not skip."
     );
@@ -192,6 +190,8 @@ impl Sandbox {
             .stdout(log.try_clone().unwrap())
             .stderr(log);
         // Should this test process die without its Drop running, the agent dies too.
+        // SAFETY: the hook runs in the child between fork and exec and calls only prctl, which
+        // is async-signal-safe.
         unsafe {
             use std::os::unix::process::CommandExt;
             cmd.pre_exec(|| {
@@ -398,6 +398,7 @@ fn healthz_once(limit: Duration) -> Result<(String, Duration), String> {
 
 /// Polls `/healthz` every 50 ms until stopped; returns every answer (or error) with its
 /// latency. The thread enters the agent's network namespace and is never reused.
+#[allow(clippy::type_complexity)] // the poller's answers with their latencies
 struct HealthPoller {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<Vec<(Result<String, String>, Duration)>>>,

@@ -16,8 +16,7 @@
 //! Sandbox: `/tmp/npdr-<pid>` (short: socket paths), removed on drop, the agent (in its own
 //! network namespace, `unshare --net`) killed by PID on drop. Needs root; FAILS without it.
 
-#[path = "../tools/support/kubelet_devices.rs"]
-mod kubelet_emulator;
+use crate::kubelet_emulator;
 
 use std::collections::BTreeSet;
 use std::fs::{self, OpenOptions};
@@ -46,7 +45,7 @@ struct Sandbox {
 impl Sandbox {
     fn new() -> Sandbox {
         assert_eq!(
-            unsafe { libc::geteuid() },
+            nix::unistd::geteuid().as_raw(),
             0,
             "tests/deviceplugin_restart_root.rs needs root (network namespace, mknod). It does not skip."
         );

@@ -14,8 +14,7 @@
 //!
 //! These tests need root and FAIL (never skip) without it.
 
-#[path = "../tools/support/kubelet_devices.rs"]
-mod kubelet_emulator;
+use crate::kubelet_emulator;
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, OpenOptions};
@@ -40,7 +39,7 @@ const SLOW: Duration = Duration::from_secs(10);
 
 fn require_root() {
     assert_eq!(
-        unsafe { libc::geteuid() },
+        nix::unistd::geteuid().as_raw(),
         0,
         "tests/deviceplugin_root.rs needs root (it runs the agent in a network namespace and makes device nodes). It does not skip."
     );

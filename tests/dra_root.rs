@@ -11,8 +11,7 @@
 //! dir, state dir, CDI dir, device file) is inside it. Needs root; FAILS (never skips)
 //! without it.
 
-#[path = "../tools/support/cdi_validate.rs"]
-mod cdi_validate;
+use crate::cdi_validate;
 #[path = "../tools/support/kubelet_dra.rs"]
 mod kubelet_dra;
 
@@ -38,7 +37,7 @@ const STARTUP: Duration = Duration::from_secs(20);
 
 fn require_root() {
     assert_eq!(
-        unsafe { libc::geteuid() },
+        nix::unistd::geteuid().as_raw(),
         0,
         "tests/dra_root.rs needs root (mknod, network namespace). It does not skip."
     );
@@ -218,6 +217,8 @@ impl Sandbox {
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log);
+        // SAFETY: the hook runs in the child between fork and exec and calls only prctl, which
+        // is async-signal-safe.
         unsafe {
             use std::os::unix::process::CommandExt;
             cmd.pre_exec(|| {

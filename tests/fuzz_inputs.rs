@@ -301,6 +301,7 @@ fn command_val() -> impl Strategy<Value = EnvVal> {
 }
 
 /// A config field: Ok(value) or Err(code it must give), or absent (None) when allowed.
+#[allow(clippy::type_complexity)] // proptest strategies of pairs
 fn field(
     valid: BoxedStrategy<Value>,
     broken: BoxedStrategy<Value>,
@@ -754,12 +755,14 @@ fn run_shim(env: &[(&str, OsString)], stdin: Vec<u8>, bound: Duration) -> Result
     let pid = child.id() as libc::pid_t;
     let status = loop {
         let mut st = 0;
+        // SAFETY: `st` is a live c_int for the call to write.
         let r = unsafe { libc::waitpid(pid, &mut st, libc::WNOHANG) };
         if r == pid {
             break st;
         }
         if t.elapsed() > bound {
             let _ = child.kill();
+            // SAFETY: as above.
             unsafe { libc::waitpid(pid, &mut st, 0) };
             return Err(format!("the shim did not finish within {bound:?} (killed): a hang"));
         }
@@ -1346,7 +1349,7 @@ fn device_plugin_large_lists_are_bounded() {
 
 fn require_root() {
     assert_eq!(
-        unsafe { libc::geteuid() },
+        nix::unistd::geteuid().as_raw(),
         0,
         "tests/fuzz_inputs.rs *_root tests need root (they run the agent in a network namespace, make device nodes, \
          and the agent binds loop devices and mounts). They do not skip."
@@ -1728,6 +1731,7 @@ async fn csi_send(
     }
 }
 
+#[allow(clippy::await_holding_refcell_ref)] // one thread: block_on, one call at a time
 fn agent_csi(agent: &mut Agent, rt: &tokio::runtime::Runtime) {
     use tonic::Code;
     let kubelet = agent.kubelet();
@@ -1830,7 +1834,6 @@ fn agent_csi(agent: &mut Agent, rt: &tokio::runtime::Runtime) {
         }
         Ok(())
     });
-    drop(seen_c);
     eprintln!("agent CSI Node requests: answers by code {seen:?}");
     agent.assert_alive();
     // Undo whatever the valid requests did; then nothing of the sandbox may stay mounted or

@@ -11,8 +11,7 @@ mod api_hooks;
 mod envtest;
 #[path = "../tools/support/fault_proxy.rs"]
 mod fault_proxy;
-#[path = "../tools/support/https_get.rs"]
-mod https_get;
+use crate::https_get;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -606,6 +605,7 @@ fn two_controller_processes_fail_over_without_losing_blocks() {
     // A clean stop releases the lease: a new candidate leads at once.
     let c = controller(&dir, &kubeconfig, "ctl-c");
     wait_until("ctl-c live", Duration::from_secs(20), || http_get(c.health, "/healthz") == Some(200));
+    // SAFETY: kill(2) takes plain integers; the pid is a child this test started.
     unsafe { libc::kill(b.proc.0.id() as i32, libc::SIGTERM) };
     let t = Instant::now();
     wait_until("ctl-c leads", Duration::from_secs(20), || http_get(c.health, "/readyz") == Some(200));
@@ -1021,6 +1021,7 @@ fn an_admin_token_survives_a_controller_restart() {
     assert_eq!(rt.block_on(admin_list(a.grpc, &admin)), Ok(0));
     assert_eq!(rt.block_on(register(a.grpc, &node, "node-1")).unwrap().len(), 2);
     // A new controller pod: nothing of the old one's data dir survives (an emptyDir).
+    // SAFETY: kill(2) takes plain integers; the pid is a child this test started.
     unsafe { libc::kill(a.proc.0.id() as i32, libc::SIGTERM) };
     drop(a);
     std::fs::remove_dir_all(dir.join("ctl-a")).unwrap();
@@ -1034,6 +1035,7 @@ fn an_admin_token_survives_a_controller_restart() {
     let old_key = s["data"]["current"].clone();
     s["data"] = json!({"current": "bmV3LWtleS1uZXcta2V5LW5ldy1rZXktbmV3LWtleS0zMmJ5dGVz", "previous": old_key});
     k.put("", "secrets", Some(NS), s);
+    // SAFETY: kill(2) takes plain integers; the pid is a child this test started.
     unsafe { libc::kill(b.proc.0.id() as i32, libc::SIGTERM) };
     drop(b);
     let c = controller(&dir, &kubeconfig, "ctl-c");
@@ -1046,6 +1048,7 @@ fn an_admin_token_survives_a_controller_restart() {
     let mut s = k.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
     s["data"].as_object_mut().unwrap().remove("previous");
     k.put("", "secrets", Some(NS), s);
+    // SAFETY: kill(2) takes plain integers; the pid is a child this test started.
     unsafe { libc::kill(c.proc.0.id() as i32, libc::SIGTERM) };
     drop(c);
     let d = controller(&dir, &kubeconfig, "ctl-d");
@@ -1161,6 +1164,7 @@ fn tls_bootstrap_makes_one_ca_that_agents_verify_across_restarts() {
     CAS.lock().unwrap().insert(a.grpc, (ca_file.clone(), Some("evil.example".into())));
     assert_eq!(rt.block_on(admin_list(a.grpc, &admin)), Err(tonic::Code::Unavailable));
     let served = std::fs::read(dir.join("ctl-a/tls/tls.crt")).unwrap();
+    // SAFETY: kill(2) takes plain integers; the pid is a child this test started.
     unsafe { libc::kill(a.proc.0.id() as i32, libc::SIGTERM) };
     drop(a);
     // A new pod with an empty data dir: the same CA and certificate, from the Secret.

@@ -50,7 +50,7 @@ pub(crate) struct Pool {
 
 impl Pool {
     pub(crate) fn new(name: &str, pool_mib: u64) -> Pool {
-        assert_eq!(unsafe { libc::geteuid() }, 0, "tests/lvm_root.rs needs root; it does not skip");
+        assert_eq!(nix::unistd::geteuid().as_raw(), 0, "tests/lvm_root.rs needs root; it does not skip");
         assert!(
             try_run("modprobe", &["dm_thin_pool"]),
             "no dm-thin (device-mapper) in this kernel: run these tests in the VM lane (scripts/vm-test)"

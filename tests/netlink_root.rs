@@ -15,7 +15,7 @@ struct Namespaces(Vec<String>);
 impl Namespaces {
     fn new(names: &[&str]) -> Self {
         assert_eq!(
-            unsafe { libc::geteuid() },
+            nix::unistd::geteuid().as_raw(),
             0,
             "tests/netlink_root.rs needs root (network namespaces); it does not skip"
         );
@@ -126,7 +126,7 @@ fn a_created_bridge_delivers_frames_for_its_own_mac() {
 #[test]
 fn kernel_feature_probe_agrees_with_the_release() {
     use nodeplane::sys::features::{Availability, Feature, probe};
-    assert_eq!(unsafe { libc::geteuid() }, 0, "tests/netlink_root.rs needs root; it does not skip");
+    assert_eq!(nix::unistd::geteuid().as_raw(), 0, "tests/netlink_root.rs needs root; it does not skip");
     let report = std::thread::spawn(|| {
         nix::sched::unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
         probe(&[

@@ -26,7 +26,7 @@ const PROTO: &str = "78";
 
 fn require_root() {
     assert_eq!(
-        unsafe { libc::geteuid() },
+        nix::unistd::geteuid().as_raw(),
         0,
         "tests/routes_root.rs needs root (it creates network namespaces, veths, bridges and VXLAN \
          devices). Run it as root; it does not skip."

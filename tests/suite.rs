@@ -22,6 +22,14 @@ mod netlink_root;
 mod routes_root;
 mod volume_root;
 
+// Test support shared by several files above, compiled once.
+#[path = "../tools/support/cdi_validate.rs"]
+mod cdi_validate;
+#[path = "../tools/support/https_get.rs"]
+mod https_get;
+#[path = "../tools/support/kubelet_devices.rs"]
+mod kubelet_emulator;
+
 /// The CNI shim: built statically by scripts/build-shim (its own package, shim/) into the
 /// directory cargo puts this package's binaries in.
 pub fn shim() -> &'static str {

@@ -33,7 +33,7 @@ const MIB: u64 = 1 << 20;
 
 fn require_root() {
     assert_eq!(
-        unsafe { libc::geteuid() },
+        nix::unistd::geteuid().as_raw(),
         0,
         "tests/volume_root.rs needs root (it binds loop devices, makes filesystems and mounts them). \
          Run it as root; it does not skip."
@@ -913,7 +913,7 @@ fn in_process_probe_agrees_with_blkid() {
     ];
     for (i, (what, make, want)) in cases.iter().enumerate() {
         let img = sb.dir.join(format!("probe-{i}.img"));
-        let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+        let f = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&img).unwrap();
         f.set_len(512 * MIB).unwrap();
         let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
         make(dev.to_str().unwrap());
@@ -932,7 +932,7 @@ fn in_process_probe_agrees_with_blkid() {
     }
     // Data that is no known signature: blkid finds nothing, the probe refuses to call it blank.
     let img = sb.dir.join("probe-data.img");
-    let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+    let f = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&img).unwrap();
     f.set_len(512 * MIB).unwrap();
     f.write_all_at(&pattern(4096, 7), 300 * 1024).unwrap();
     let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
@@ -946,7 +946,7 @@ fn in_process_probe_agrees_with_blkid() {
     // Written through the device by a writer that still holds it open, not yet written back
     // to the file (so the file still shows a hole there): the probe still sees it.
     let img = sb.dir.join("probe-dirty.img");
-    let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+    let f = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&img).unwrap();
     f.set_len(512 * MIB).unwrap();
     let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
     let writer = OpenOptions::new().write(true).open(&dev).unwrap();
@@ -967,7 +967,7 @@ fn loop_lookups_agree_with_a_walk_of_every_device() {
     let mut imgs = Vec::new();
     for i in 0..4 {
         let img = sb.dir.join(format!("view-{i}.img"));
-        let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+        let f = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&img).unwrap();
         f.set_len(64 * MIB).unwrap();
         let m = f.metadata().unwrap();
         if i < 3 {
@@ -1045,7 +1045,7 @@ fn top_mount_agrees_with_the_mount_table() {
     }
     // The root of a loop device's ext4.
     let img = sb.dir.join("top.img");
-    let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+    let f = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&img).unwrap();
     f.set_len(64 * MIB).unwrap();
     let dev = loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
     vfs::mkfs(&dev, FsType::Ext4).unwrap();
@@ -1071,7 +1071,7 @@ fn mkfs_writes_little_on_a_fresh_image_and_zeroes_the_journal_otherwise() {
     let allocated = |img: &Path| fs::metadata(img).unwrap().blocks() * 512;
     let make = |name: &str, data_at: Option<u64>| {
         let img = sb.dir.join(name);
-        let f = OpenOptions::new().create(true).read(true).write(true).open(&img).unwrap();
+        let f = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&img).unwrap();
         f.set_len(1024 * MIB).unwrap();
         if let Some(at) = data_at {
             f.write_all_at(&pattern(4096, 3), at).unwrap();

@@ -40,7 +40,7 @@ fn median(v: &mut [f64]) -> f64 {
 
 /// Write back everything dirty, untimed.
 fn settle() {
-    unsafe { libc::sync() };
+    nix::unistd::sync();
 }
 
 fn ms(d: Duration) -> f64 {
@@ -53,6 +53,7 @@ fn process_cpu_ms(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let rest = stat.rsplit_once(") ").map(|(_, r)| r).unwrap_or("");
     let f: Vec<u64> = rest.split(' ').skip(11).take(2).filter_map(|x| x.parse().ok()).collect();
+    // SAFETY: sysconf takes and returns plain integers.
     let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     f.iter().sum::<u64>() as f64 * 1000.0 / tick
 }
@@ -63,6 +64,7 @@ fn machine_cpu_ms() -> (f64, f64) {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
     let f: Vec<u64> =
         stat.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    // SAFETY: sysconf takes and returns plain integers.
     let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let at = |i: usize| f.get(i).copied().unwrap_or(0) as f64 * 1000.0 / tick;
     (at(0) + at(1) + at(2) + at(5) + at(6), at(7))
@@ -235,7 +237,7 @@ pub fn main() {
         Some("lvm") => "lvm",
         Some(other) => panic!("backend {other:?}: want file or lvm"),
     };
-    assert_eq!(unsafe { libc::geteuid() }, 0, "the CSI benchmark needs root");
+    assert_eq!(nix::unistd::geteuid().as_raw(), 0, "the CSI benchmark needs root");
     let dir = std::env::temp_dir().join(format!("np-bench-csi-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let dir = dir.canonicalize().unwrap();

@@ -285,7 +285,7 @@ pub fn main() {
     let agent = std::env::args().nth(1).expect(usage);
     let arg = |i: usize, d: usize| std::env::args().nth(i).map(|s| s.parse().expect(usage)).unwrap_or(d);
     let (n_alloc, n_hot, n_pref, n_restart) = (arg(2, 1000), arg(3, 20), arg(4, 50), arg(5, 50));
-    assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (mknod)");
+    assert_eq!(nix::unistd::geteuid().as_raw(), 0, "needs root (mknod)");
     let dir = PathBuf::from(format!("/tmp/npdpb-{}", std::process::id()));
     std::fs::create_dir_all(dir.join("dev")).unwrap();
     for i in 0..8 {

@@ -83,6 +83,8 @@ fn pool(dir: &Path) -> Vec<String> {
 
 fn spawn(cmd: &mut Command, log: &Path) -> Child {
     let f = std::fs::File::create(log).unwrap();
+    // SAFETY: the hook runs in the child between fork and exec and calls only prctl, which
+    // is async-signal-safe.
     unsafe {
         use std::os::unix::process::CommandExt;
         cmd.pre_exec(|| {

@@ -314,6 +314,7 @@ fn usage(pid: Option<u32>) -> (f64, f64) {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
     let f: Vec<&str> = after.split_whitespace().collect();
+    // SAFETY: sysconf takes and returns plain integers.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let cpu = (f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
         + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0))

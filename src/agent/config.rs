@@ -664,6 +664,91 @@ impl Config {
     }
 }
 
+impl Config {
+    /// The resolved configuration as JSON, every path absolute, exactly as `serve` would use
+    /// it (`nodeplane-agent check-config`).
+    pub fn to_json(&self) -> serde_json::Value {
+        use serde_json::json;
+        let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+        let nets = |v: &[IpNetwork]| v.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        json!({
+            "nodeName": self.node_name,
+            "podCidrs": nets(&self.pod_cidrs),
+            "clusterCidrs": nets(&self.cluster_cidrs),
+            "mtu": self.mtu,
+            "bridge": self.bridge,
+            "masquerade": self.masquerade,
+            "networkPolicy": self.network_policy,
+            "services": self.services,
+            "dns": {"nameservers": self.dns.nameservers, "domain": self.dns.domain, "search": self.dns.search, "options": self.dns.options},
+            "chainedPlugins": self.chained_plugins,
+            "cniVersion": self.cni_version,
+            "pluginDirs": self.plugin_dirs.iter().map(|p| abs(p)).collect::<Vec<_>>(),
+            "cniBinDir": abs(&self.cni_bin_dir),
+            "shimPath": abs(&self.cni_bin_dir.join(crate::net::cni::PLUGIN_TYPE)),
+            "shimSource": abs(&self.shim_source),
+            "cniConfDir": abs(&self.cni_conf_dir),
+            "conflistPath": abs(&self.conflist_path()),
+            "cniSocket": abs(&self.cni_socket),
+            "nodeSocket": abs(&self.node_socket),
+            "stateDir": abs(&self.state_dir),
+            "pendingDeleteDir": abs(&self.pending_delete_dir()),
+            "kubeletDir": abs(&self.kubelet_dir),
+            "devicePluginDir": abs(&self.device_plugin_dir),
+            "requireKubeletRegistration": self.require_kubelet_registration,
+            "kubeletRegistrationGraceSeconds": self.kubelet_registration_grace.as_secs_f64(),
+            "bootIdFile": abs(&self.boot_id_file),
+            "healthAddress": self.health_address.map(|a| a.to_string()),
+            "csi": match &self.csi {
+                Some(c) => json!({
+                    "enabled": true,
+                    "volumeDir": abs(&c.volume_dir),
+                    "capacityBytes": c.capacity_bytes,
+                    "maxVolumes": c.max_volumes,
+                    "selfRegister": c.self_register,
+                    "lvm": c.lvm.as_ref().map(|l| json!({
+                        "volumeGroup": l.volume_group,
+                        "thinPool": l.thin_pool,
+                        "overprovisionRatio": l.overprovision_ratio,
+                    })),
+                    "socket": abs(&crate::storage::csi::csi_socket(&self.kubelet_dir)),
+                    "registrationSocket": abs(&crate::storage::csi::registration_socket(&self.kubelet_dir)),
+                }),
+                None => json!({"enabled": false}),
+            },
+            "devicePlugins": match &self.device_plugins {
+                Some(d) => json!({
+                    "enabled": true,
+                    "configFile": abs(&d.config_file),
+                    "pluginDir": abs(&d.plugin_dir),
+                    "cdiDir": abs(&d.cdi_dir),
+                }),
+                None => json!({"enabled": false}),
+            },
+            "dra": match &self.dra {
+                Some(d) => json!({
+                    "enabled": true,
+                    "driver": crate::devices::dra::DRIVER_NAME,
+                    "pluginDir": abs(&d.plugin_dir),
+                    "socket": abs(&d.socket()),
+                    "registrationSocket": abs(&d.registration_socket()),
+                    "configFile": abs(&d.config_file),
+                    "cdiDir": abs(&d.cdi_dir),
+                    "claimDir": abs(&crate::devices::dra::claim_dir(&d.state_dir)),
+                    "preparedDir": abs(&crate::devices::dra::prepared_dir(&d.state_dir)),
+                }),
+                None => json!({"enabled": false}),
+            },
+            "controller": self.controller.as_ref().map(|c| json!({
+                "address": c.address,
+                "tokenFile": abs(&c.token_file),
+                "underlayAddresses": c.underlay_addresses,
+                "routeMode": c.route_mode,
+            })),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -812,90 +897,5 @@ mod tests {
         assert_eq!(c.node_name, "from-env");
         assert_eq!(c.health_address, Some("127.0.0.1:19640".parse().unwrap()));
         assert!(Config::load_with_env(&path, &|_| None).is_err());
-    }
-}
-
-impl Config {
-    /// The resolved configuration as JSON, every path absolute, exactly as `serve` would use
-    /// it (`nodeplane-agent check-config`).
-    pub fn to_json(&self) -> serde_json::Value {
-        use serde_json::json;
-        let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
-        let nets = |v: &[IpNetwork]| v.iter().map(|n| n.to_string()).collect::<Vec<_>>();
-        json!({
-            "nodeName": self.node_name,
-            "podCidrs": nets(&self.pod_cidrs),
-            "clusterCidrs": nets(&self.cluster_cidrs),
-            "mtu": self.mtu,
-            "bridge": self.bridge,
-            "masquerade": self.masquerade,
-            "networkPolicy": self.network_policy,
-            "services": self.services,
-            "dns": {"nameservers": self.dns.nameservers, "domain": self.dns.domain, "search": self.dns.search, "options": self.dns.options},
-            "chainedPlugins": self.chained_plugins,
-            "cniVersion": self.cni_version,
-            "pluginDirs": self.plugin_dirs.iter().map(|p| abs(p)).collect::<Vec<_>>(),
-            "cniBinDir": abs(&self.cni_bin_dir),
-            "shimPath": abs(&self.cni_bin_dir.join(crate::net::cni::PLUGIN_TYPE)),
-            "shimSource": abs(&self.shim_source),
-            "cniConfDir": abs(&self.cni_conf_dir),
-            "conflistPath": abs(&self.conflist_path()),
-            "cniSocket": abs(&self.cni_socket),
-            "nodeSocket": abs(&self.node_socket),
-            "stateDir": abs(&self.state_dir),
-            "pendingDeleteDir": abs(&self.pending_delete_dir()),
-            "kubeletDir": abs(&self.kubelet_dir),
-            "devicePluginDir": abs(&self.device_plugin_dir),
-            "requireKubeletRegistration": self.require_kubelet_registration,
-            "kubeletRegistrationGraceSeconds": self.kubelet_registration_grace.as_secs_f64(),
-            "bootIdFile": abs(&self.boot_id_file),
-            "healthAddress": self.health_address.map(|a| a.to_string()),
-            "csi": match &self.csi {
-                Some(c) => json!({
-                    "enabled": true,
-                    "volumeDir": abs(&c.volume_dir),
-                    "capacityBytes": c.capacity_bytes,
-                    "maxVolumes": c.max_volumes,
-                    "selfRegister": c.self_register,
-                    "lvm": c.lvm.as_ref().map(|l| json!({
-                        "volumeGroup": l.volume_group,
-                        "thinPool": l.thin_pool,
-                        "overprovisionRatio": l.overprovision_ratio,
-                    })),
-                    "socket": abs(&crate::storage::csi::csi_socket(&self.kubelet_dir)),
-                    "registrationSocket": abs(&crate::storage::csi::registration_socket(&self.kubelet_dir)),
-                }),
-                None => json!({"enabled": false}),
-            },
-            "devicePlugins": match &self.device_plugins {
-                Some(d) => json!({
-                    "enabled": true,
-                    "configFile": abs(&d.config_file),
-                    "pluginDir": abs(&d.plugin_dir),
-                    "cdiDir": abs(&d.cdi_dir),
-                }),
-                None => json!({"enabled": false}),
-            },
-            "dra": match &self.dra {
-                Some(d) => json!({
-                    "enabled": true,
-                    "driver": crate::devices::dra::DRIVER_NAME,
-                    "pluginDir": abs(&d.plugin_dir),
-                    "socket": abs(&d.socket()),
-                    "registrationSocket": abs(&d.registration_socket()),
-                    "configFile": abs(&d.config_file),
-                    "cdiDir": abs(&d.cdi_dir),
-                    "claimDir": abs(&crate::devices::dra::claim_dir(&d.state_dir)),
-                    "preparedDir": abs(&crate::devices::dra::prepared_dir(&d.state_dir)),
-                }),
-                None => json!({"enabled": false}),
-            },
-            "controller": self.controller.as_ref().map(|c| json!({
-                "address": c.address,
-                "tokenFile": abs(&c.token_file),
-                "underlayAddresses": c.underlay_addresses,
-                "routeMode": c.route_mode,
-            })),
-        })
     }
 }

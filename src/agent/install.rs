@@ -501,6 +501,7 @@ mod tests {
             .open(cfg.state_dir.join("agent.lock"))
             .unwrap();
         // The same lock the agent takes (agent::prepare): another open file description.
+        // SAFETY: flock on a descriptor `lock` owns.
         assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
         let e = uninstall(&cfg, true).unwrap_err();
         assert!(matches!(e, UninstallError::AgentRunning { .. }), "{e}");

@@ -241,6 +241,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::type_complexity)] // a table of named mutations
     fn validation_catches_what_a_runtime_rejects() {
         assert_eq!(validate(&good()), Ok(()));
         let broken: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>)> = vec![

@@ -578,6 +578,7 @@ mod tests {
 
     /// Run `input` through a rewriter in pieces of `chunk` bytes; decode what came out with
     /// an independent HPACK decoder.
+    #[allow(clippy::type_complexity)] // raw bytes, header lists, frames
     fn run(
         policy: Policy,
         input: &[u8],

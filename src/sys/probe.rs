@@ -476,7 +476,7 @@ mod tests {
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = crate::util::TestDir::new(&format!("probe-{n}"));
         let p = dir.0.join("img");
-        let f = std::fs::OpenOptions::new().create(true).read(true).write(true).open(&p).unwrap();
+        let f = std::fs::OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&p).unwrap();
         f.set_len(size).unwrap();
         for (o, b) in writes {
             f.write_all_at(b, *o).unwrap();
@@ -645,7 +645,7 @@ mod tests {
     fn data_ranges_skip_holes() {
         let dir = crate::util::TestDir::new("probe-ranges");
         let p = dir.0.join("img");
-        let f = std::fs::OpenOptions::new().create(true).read(true).write(true).open(&p).unwrap();
+        let f = std::fs::OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&p).unwrap();
         f.set_len(64 * MIB).unwrap();
         assert_eq!(data_ranges(&f, 0, 64 * MIB).unwrap(), vec![]);
         f.write_all_at(b"x", 5 * MIB + 7).unwrap();

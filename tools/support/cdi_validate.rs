@@ -202,20 +202,21 @@ fn container_edits(what: &str, e: &Value, needs: &dyn Fn(&str, &str) -> Result<(
         if !path.starts_with('/') {
             return Err(format!("{w}: path {path:?} is not absolute"));
         }
-        if let Some(h) = str_field(&w, d, "hostPath")? {
-            if !h.is_empty() && !h.starts_with('/') {
-                return Err(format!("{w}: hostPath {h:?} is not absolute"));
-            }
+        if let Some(h) = str_field(&w, d, "hostPath")?
+            && !h.is_empty()
+            && !h.starts_with('/')
+        {
+            return Err(format!("{w}: hostPath {h:?} is not absolute"));
         }
-        if let Some(t) = str_field(&w, d, "type")? {
-            if !matches!(t, "" | "b" | "c" | "u" | "p") {
-                return Err(format!("{w}: type {t:?} is not one of \"\", b, c, u, p"));
-            }
+        if let Some(t) = str_field(&w, d, "type")?
+            && !matches!(t, "" | "b" | "c" | "u" | "p")
+        {
+            return Err(format!("{w}: type {t:?} is not one of \"\", b, c, u, p"));
         }
-        if let Some(p) = str_field(&w, d, "permissions")? {
-            if let Some(c) = p.chars().find(|c| !matches!(c, 'r' | 'w' | 'm')) {
-                return Err(format!("{w}: permissions {p:?} contains {c:?} (allowed: r, w, m)"));
-            }
+        if let Some(p) = str_field(&w, d, "permissions")?
+            && let Some(c) = p.chars().find(|c| !matches!(c, 'r' | 'w' | 'm'))
+        {
+            return Err(format!("{w}: permissions {p:?} contains {c:?} (allowed: r, w, m)"));
         }
         for k in ["major", "minor", "fileMode", "uid", "gid"] {
             if let Some(x) = d.get(k) {

@@ -69,10 +69,10 @@ pub fn get(port: u16, path: &str, mode: Mode) -> Result<(u16, String), String> {
             s.write_all(request.as_bytes()).map_err(|e| format!("TLS: {e}"))?;
             // A server that closes without close_notify ends in UnexpectedEof after the
             // response: what was read counts.
-            if let Err(e) = s.read_to_end(&mut raw) {
-                if raw.is_empty() {
-                    return Err(format!("TLS: {e}"));
-                }
+            if let Err(e) = s.read_to_end(&mut raw)
+                && raw.is_empty()
+            {
+                return Err(format!("TLS: {e}"));
             }
         }
     }

@@ -195,6 +195,7 @@ fn stage_read_only_flag_mounts_read_only() {
 }
 
 #[test]
+#[allow(clippy::type_complexity)] // a table of cases
 fn stage_rolls_back_whichever_step_fails() {
     // (operation that fails, fs type, filesystem already in the image (type, size), code)
     let cases: &[(&str, FsType, Option<(&str, u64)>, Code)] = &[
