@@ -106,9 +106,10 @@ impl NodeService {
     /// Unlock volume `vol` on its attached device `raw` with `keys`: a blank device gets a
     /// fresh LUKS2 container, a container is opened, anything else is FAILED_PRECONDITION
     /// (never formatted). A copy's container (its keys name sources) is re-keyed first if
-    /// need be ([`Self::rekey`]); a volume made blank never needs it, so its stage runs no
-    /// more cryptsetup than the open. An open mapping of that device is kept after the key
-    /// is checked (a retried stage). A wrong key is INVALID_ARGUMENT and opens nothing.
+    /// need be ([`Self::rekey`]); a volume made blank never needs it, so its stage runs
+    /// only the open and the fresh-label check. An open mapping of that device is kept after
+    /// the key is checked (a retried stage). A wrong key is INVALID_ARGUMENT and opens
+    /// nothing.
     pub(super) fn unlock(&self, vol: &Volume, raw: &Path, keys: &StageKeys) -> Result<Unlocked> {
         let key = &keys.key;
         let id = vol.id.as_str();
