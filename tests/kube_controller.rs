@@ -605,8 +605,7 @@ fn two_controller_processes_fail_over_without_losing_blocks() {
     // A clean stop releases the lease: a new candidate leads at once.
     let c = controller(&dir, &kubeconfig, "ctl-c");
     wait_until("ctl-c live", Duration::from_secs(20), || http_get(c.health, "/healthz") == Some(200));
-    // SAFETY: kill(2) takes plain integers; the pid is a child this test started.
-    unsafe { libc::kill(b.proc.0.id() as i32, libc::SIGTERM) };
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(b.proc.0.id() as i32), nix::sys::signal::Signal::SIGTERM);
     let t = Instant::now();
     wait_until("ctl-c leads", Duration::from_secs(20), || http_get(c.health, "/readyz") == Some(200));
     let handover = t.elapsed();
@@ -1021,8 +1020,7 @@ fn an_admin_token_survives_a_controller_restart() {
     assert_eq!(rt.block_on(admin_list(a.grpc, &admin)), Ok(0));
     assert_eq!(rt.block_on(register(a.grpc, &node, "node-1")).unwrap().len(), 2);
     // A new controller pod: nothing of the old one's data dir survives (an emptyDir).
-    // SAFETY: kill(2) takes plain integers; the pid is a child this test started.
-    unsafe { libc::kill(a.proc.0.id() as i32, libc::SIGTERM) };
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(a.proc.0.id() as i32), nix::sys::signal::Signal::SIGTERM);
     drop(a);
     std::fs::remove_dir_all(dir.join("ctl-a")).unwrap();
     assert!(!dir.join("secret").exists() && !dir.join("ctl-b").join("secret").exists());
@@ -1035,8 +1033,7 @@ fn an_admin_token_survives_a_controller_restart() {
     let old_key = s["data"]["current"].clone();
     s["data"] = json!({"current": "bmV3LWtleS1uZXcta2V5LW5ldy1rZXktbmV3LWtleS0zMmJ5dGVz", "previous": old_key});
     k.put("", "secrets", Some(NS), s);
-    // SAFETY: kill(2) takes plain integers; the pid is a child this test started.
-    unsafe { libc::kill(b.proc.0.id() as i32, libc::SIGTERM) };
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(b.proc.0.id() as i32), nix::sys::signal::Signal::SIGTERM);
     drop(b);
     let c = controller(&dir, &kubeconfig, "ctl-c");
     wait_until("ctl-c ready", Duration::from_secs(20), || http_get(c.health, "/readyz") == Some(200));
@@ -1048,8 +1045,7 @@ fn an_admin_token_survives_a_controller_restart() {
     let mut s = k.get("", "secrets", Some(NS), "nodeplane-controller-hmac").unwrap();
     s["data"].as_object_mut().unwrap().remove("previous");
     k.put("", "secrets", Some(NS), s);
-    // SAFETY: kill(2) takes plain integers; the pid is a child this test started.
-    unsafe { libc::kill(c.proc.0.id() as i32, libc::SIGTERM) };
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.proc.0.id() as i32), nix::sys::signal::Signal::SIGTERM);
     drop(c);
     let d = controller(&dir, &kubeconfig, "ctl-d");
     wait_until("ctl-d ready", Duration::from_secs(20), || http_get(d.health, "/readyz") == Some(200));
@@ -1164,8 +1160,7 @@ fn tls_bootstrap_makes_one_ca_that_agents_verify_across_restarts() {
     CAS.lock().unwrap().insert(a.grpc, (ca_file.clone(), Some("evil.example".into())));
     assert_eq!(rt.block_on(admin_list(a.grpc, &admin)), Err(tonic::Code::Unavailable));
     let served = std::fs::read(dir.join("ctl-a/tls/tls.crt")).unwrap();
-    // SAFETY: kill(2) takes plain integers; the pid is a child this test started.
-    unsafe { libc::kill(a.proc.0.id() as i32, libc::SIGTERM) };
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(a.proc.0.id() as i32), nix::sys::signal::Signal::SIGTERM);
     drop(a);
     // A new pod with an empty data dir: the same CA and certificate, from the Secret.
     std::fs::remove_dir_all(dir.join("ctl-a")).unwrap();
