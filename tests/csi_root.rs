@@ -505,14 +505,18 @@ impl Clients {
         }
         self.node.node_stage_volume(req).await.map(|_| ())
     }
+    /// NodeUnstageVolume, retried on an unmount's EBUSY ([`crate::BUSY_RETRIES`]).
     pub(crate) async fn unstage(&mut self, id: &str, staging: &str) -> Result<(), tonic::Status> {
-        self.node
-            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                volume_id: id.into(),
-                staging_target_path: staging.into(),
-            })
-            .await
-            .map(|_| ())
+        let req = csi::NodeUnstageVolumeRequest { volume_id: id.into(), staging_target_path: staging.into() };
+        let mut attempt = 1;
+        loop {
+            let r = self.node.node_unstage_volume(req.clone()).await.map(|_| ());
+            if !crate::busy_unmount(&r, attempt) {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            attempt += 1;
+        }
     }
     pub(crate) async fn publish(
         &mut self,
@@ -534,11 +538,18 @@ impl Clients {
             .await
             .map(|_| ())
     }
+    /// NodeUnpublishVolume, retried on an unmount's EBUSY ([`crate::BUSY_RETRIES`]).
     pub(crate) async fn unpublish(&mut self, id: &str, target: &str) -> Result<(), tonic::Status> {
-        self.node
-            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest { volume_id: id.into(), target_path: target.into() })
-            .await
-            .map(|_| ())
+        let req = csi::NodeUnpublishVolumeRequest { volume_id: id.into(), target_path: target.into() };
+        let mut attempt = 1;
+        loop {
+            let r = self.node.node_unpublish_volume(req.clone()).await.map(|_| ());
+            if !crate::busy_unmount(&r, attempt) {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            attempt += 1;
+        }
     }
     pub(crate) async fn stats(
         &mut self,

@@ -284,7 +284,7 @@ fn thin_volumes_snapshots_clones_and_online_expansion() {
 
     // Deletes: after unmounting, the LVs and metadata go; the snapshot outlives its source.
     for (at, id) in [(&m, "pvc-a"), (&rm, "pvc-r"), (&cm, "pvc-c")] {
-        nix::mount::umount2(at.as_path(), MntFlags::empty()).unwrap();
+        crate::umount(at);
         store.delete(id).unwrap();
         store.delete(id).unwrap();
         assert!(!pool.lvs().contains(&format!("np-{id}")));

@@ -28,6 +28,7 @@ use nodeplane::storage::store::{Backend, FsType, Orphan, Volume, VolumeError, Vo
 use nodeplane::sys::loopdev;
 
 use crate::lvm_root::Pool;
+use crate::umount;
 
 const MIB: u64 = 1 << 20;
 
@@ -277,36 +278,6 @@ fn cleanup(dir: &Path) -> Vec<String> {
 fn mount(dev: &Path, at: &Path, fs: FsType) {
     nix::mount::mount(Some(dev), at, Some(fs.as_str()), MsFlags::empty(), None::<&str>)
         .unwrap_or_else(|e| panic!("mount {} ({fs}) on {}: {e}", dev.display(), at.display()));
-}
-
-#[track_caller]
-fn umount(at: &Path) {
-    if let Err(e) = nix::mount::umount2(at, MntFlags::empty()) {
-        panic!("umount {}: {e}; held by: {:?}", at.display(), holders_under(at));
-    }
-}
-
-/// Processes with a working directory or an open file at or under `at` (`pid: path`), to
-/// tell who keeps a mount busy.
-fn holders_under(at: &Path) -> Vec<String> {
-    let mut out = Vec::new();
-    for p in fs::read_dir("/proc").unwrap().flatten() {
-        let pid = p.file_name().to_string_lossy().into_owned();
-        if !pid.bytes().all(|b| b.is_ascii_digit()) {
-            continue;
-        }
-        let cwd = fs::read_link(p.path().join("cwd")).into_iter();
-        let fds = fs::read_dir(p.path().join("fd"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|f| fs::read_link(f.path()).ok());
-        for l in cwd.chain(fds).filter(|l| l.starts_with(at)) {
-            let comm = fs::read_to_string(p.path().join("comm")).unwrap_or_default();
-            out.push(format!("{pid} ({}): {}", comm.trim(), l.display()));
-        }
-    }
-    out
 }
 
 fn fs_size(at: &Path) -> u64 {
