@@ -225,13 +225,18 @@ impl Netlink {
     /// The link named `name`, `None` when there is none. A name no link can have (empty,
     /// over 15 bytes, or with a NUL) is EINVAL.
     pub fn link_by_name(&mut self, name: &str) -> Result<Option<Link>> {
+        Ok(self.link_message(name)?.as_ref().map(parse_link))
+    }
+
+    /// The kernel's message for the link named `name` ([`Self::link_by_name`]).
+    fn link_message(&mut self, name: &str) -> Result<Option<LinkMessage>> {
         let op = format!("get link {name}");
         if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains('\0') {
             return Err(err(op, io::Error::from_raw_os_error(libc::EINVAL)));
         }
         match self.exchange(RouteNetlinkMessage::GetLink(get_link(Some(name))), NLM_F_ACK, &op) {
-            Ok(msgs) => Ok(msgs.iter().find_map(|m| match m {
-                RouteNetlinkMessage::NewLink(l) => Some(parse_link(l)),
+            Ok(msgs) => Ok(msgs.into_iter().find_map(|m| match m {
+                RouteNetlinkMessage::NewLink(l) => Some(l),
                 _ => None,
             })),
             Err(e) if e.is(libc::ENODEV) => Ok(None),
@@ -841,19 +846,8 @@ impl Netlink {
 
     /// Look a link up by name, with its VXLAN parameters when it is a VXLAN device.
     pub fn vxlan_by_name(&mut self, name: &str) -> Result<Option<VxlanLink>> {
-        let op = format!("get link {name}");
-        let msgs = match self.exchange(RouteNetlinkMessage::GetLink(get_link(Some(name))), NLM_F_ACK, &op) {
-            Ok(m) => m,
-            Err(e) if e.is(libc::ENODEV) => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        let Some(l) = msgs.iter().find_map(|m| match m {
-            RouteNetlinkMessage::NewLink(l) => Some(l),
-            _ => None,
-        }) else {
-            return Ok(None);
-        };
-        let mut out = VxlanLink { link: parse_link(l), vni: None, local: None, port: None, learning: None };
+        let Some(l) = self.link_message(name)? else { return Ok(None) };
+        let mut out = VxlanLink { link: parse_link(&l), vni: None, local: None, port: None, learning: None };
         for a in &l.attributes {
             let LinkAttribute::LinkInfo(infos) = a else { continue };
             for i in infos {
