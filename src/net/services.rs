@@ -571,6 +571,15 @@ impl Proxy {
             updates.insert(p.id.clone(), Some(p));
         }
         let large = whole || updates.len() >= 256;
+        let stale: Vec<Vec<String>> =
+            updates.iter().flat_map(|(id, p)| stale_udp_flows(st.ports.get(id), p.as_ref())).collect();
+        if replace {
+            // Gone before the new table is made, so two tables' ports are never held at
+            // once. A failed write leaves the agent unsynced, and it asks for a snapshot.
+            st.ports.clear();
+            st.services.clear();
+            st.endpoints = 0;
+        }
         let mut result = Ok(());
         if !whole {
             let script = self.changes(&mut st, &updates);
@@ -583,7 +592,7 @@ impl Proxy {
             // The ports as they will be, by id, borrowed: a copy would double the agent's
             // memory for the time of the write. The bookkeeping is made anew.
             st.elements = Elements::default();
-            let kept = st.ports.iter().filter(|(id, _)| !replace && !updates.contains_key(*id));
+            let kept = st.ports.iter().filter(|(id, _)| !updates.contains_key(*id));
             let mut next: Vec<(&String, &pb::ServicePort)> =
                 kept.chain(updates.iter().filter_map(|(id, p)| Some(id).zip(p.as_ref()))).collect();
             next.sort_unstable_by_key(|(id, _)| *id);
@@ -595,13 +604,6 @@ impl Proxy {
                 return Err(e);
             }
             (st.elements, st.shared) = (elements, shared);
-        }
-        let stale: Vec<Vec<String>> =
-            updates.iter().flat_map(|(id, p)| stale_udp_flows(st.ports.get(id), p.as_ref())).collect();
-        if replace {
-            st.ports.clear();
-            st.services.clear();
-            st.endpoints = 0;
         }
         for (id, p) in updates {
             st.set_port(id, p);
