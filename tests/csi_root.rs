@@ -422,6 +422,24 @@ impl Drop for Sandbox {
     }
 }
 
+/// `call`, on a copy of the client, until its answer is anything but an unmount's EBUSY
+/// ([`crate::BUSY_RETRIES`]).
+async fn retry_busy<F, Fut>(node: &csi::node_client::NodeClient<Channel>, call: F) -> Result<(), tonic::Status>
+where
+    F: Fn(csi::node_client::NodeClient<Channel>) -> Fut,
+    Fut: std::future::Future<Output = Result<(), tonic::Status>>,
+{
+    let mut attempt = 1;
+    loop {
+        let r = call(node.clone()).await;
+        if !crate::busy_unmount(&r, attempt) {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        attempt += 1;
+    }
+}
+
 pub(crate) struct Clients {
     identity: csi::identity_client::IdentityClient<Channel>,
     pub(crate) node: csi::node_client::NodeClient<Channel>,
@@ -508,15 +526,11 @@ impl Clients {
     /// NodeUnstageVolume, retried on an unmount's EBUSY ([`crate::BUSY_RETRIES`]).
     pub(crate) async fn unstage(&mut self, id: &str, staging: &str) -> Result<(), tonic::Status> {
         let req = csi::NodeUnstageVolumeRequest { volume_id: id.into(), staging_target_path: staging.into() };
-        let mut attempt = 1;
-        loop {
-            let r = self.node.node_unstage_volume(req.clone()).await.map(|_| ());
-            if !crate::busy_unmount(&r, attempt) {
-                return r;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            attempt += 1;
-        }
+        retry_busy(&self.node, |mut n| {
+            let req = req.clone();
+            async move { n.node_unstage_volume(req).await.map(|_| ()) }
+        })
+        .await
     }
     pub(crate) async fn publish(
         &mut self,
@@ -541,15 +555,11 @@ impl Clients {
     /// NodeUnpublishVolume, retried on an unmount's EBUSY ([`crate::BUSY_RETRIES`]).
     pub(crate) async fn unpublish(&mut self, id: &str, target: &str) -> Result<(), tonic::Status> {
         let req = csi::NodeUnpublishVolumeRequest { volume_id: id.into(), target_path: target.into() };
-        let mut attempt = 1;
-        loop {
-            let r = self.node.node_unpublish_volume(req.clone()).await.map(|_| ());
-            if !crate::busy_unmount(&r, attempt) {
-                return r;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            attempt += 1;
-        }
+        retry_busy(&self.node, |mut n| {
+            let req = req.clone();
+            async move { n.node_unpublish_volume(req).await.map(|_| ()) }
+        })
+        .await
     }
     pub(crate) async fn stats(
         &mut self,
