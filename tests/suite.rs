@@ -61,6 +61,7 @@ pub fn time_scale() -> f64 {
 pub const BUSY_RETRIES: u32 = 50;
 
 /// Unmount `at` (no flags), retrying EBUSY ([`BUSY_RETRIES`]); panics naming the holders.
+#[track_caller]
 pub fn umount(at: &std::path::Path) {
     for attempt in 1.. {
         match nix::mount::umount2(at, nix::mount::MntFlags::empty()) {

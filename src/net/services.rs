@@ -456,7 +456,12 @@ struct Elements(BTreeMap<(String, String), Vec<(String, String)>>);
 
 impl Elements {
     fn value(&self, k: &(String, String)) -> Option<&String> {
-        self.0.get(k).and_then(|o| o.first()).map(|(_, v)| v)
+        self.0.get(k).map(|o| winner(o))
+    }
+
+    /// Every element with the value in force, in key order.
+    fn in_force(&self) -> impl Iterator<Item = (&(String, String), &String)> {
+        self.0.iter().map(|(k, o)| (k, winner(o)))
     }
 
     /// Port `id` gives element `k` the value `v` (instead of what it gave before).
@@ -597,7 +602,6 @@ impl Proxy {
                 kept.chain(updates.iter().filter_map(|(id, p)| Some(id).zip(p.as_ref()))).collect();
             next.sort_unstable_by_key(|(id, _)| *id);
             let (script, elements, shared) = self.whole(&st, &next);
-            drop(next);
             if let Err(e) = (self.run)(&script) {
                 // Whatever the kernel holds now, the next change writes the whole table.
                 st.synced = false;
@@ -736,6 +740,12 @@ impl Proxy {
     }
 }
 
+/// The value in force among an element's owners: the first port's. An element is kept
+/// only while it has an owner.
+fn winner(owners: &[(String, String)]) -> &String {
+    &owners[0].1
+}
+
 /// Give the heap's free pages back to the kernel. After a large update glibc keeps what the
 /// update freed (at 100,000 Services, hundreds of MiB) for later use, and until then it
 /// counts against the agent's memory limit.
@@ -751,7 +761,7 @@ fn release_free_memory() {
 /// `add element` lines for every element, 4,096 to a line, in the bookkeeping's order.
 fn write_elements(s: &mut String, elements: &Elements) {
     let mut line: Option<(&str, usize)> = None; // the map of the line being written, its items
-    for ((m, k), owners) in &elements.0 {
+    for ((m, k), v) in elements.in_force() {
         let n = match line {
             Some((open, n)) if open == m && n < 4096 => {
                 s.push_str(", ");
@@ -767,7 +777,6 @@ fn write_elements(s: &mut String, elements: &Elements) {
         };
         line = Some((m, n + 1));
         s.push_str(k);
-        let v = &owners[0].1;
         if !v.is_empty() {
             s.push_str(" : ");
             s.push_str(v);
