@@ -100,6 +100,11 @@ class Controller:
         """Call the controller's CSI socket (Identity + Controller) with `nodeplane csi`."""
         return harness.csi_call(self.csi_socket, *args, check=check)
 
+    def placeable(self, node):
+        """Whether the controller can place a volume on `node` now: its capacity is known and
+        not 0. (While an away node's capacity is unknown, GetCapacity answers UNAVAILABLE.)"""
+        return self.csi("capacity", "--node", node, check=False).get("maximumVolumeSize", 0) > 0
+
     def volumes(self):
         """volume id -> entry, every page of ListVolumes."""
         out, token = {}, ""
@@ -276,12 +281,8 @@ class Cluster:
 
     def wait_connected(self, nodes, timeout=10):
         """Until every node's capacity is known to the controller (it can place there)."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if all(self.controller.csi("capacity", "--node", n.ns.name)["maximumVolumeSize"] > 0 for n in nodes):
-                return
-            time.sleep(0.05)
-        raise AssertionError("nodes did not report their volume capacity")
+        harness.wait_until(lambda: all(self.controller.placeable(n.ns.name) for n in nodes), timeout=timeout,
+                           what="the nodes' volume capacity at the controller")
 
     def close(self):
         errors = []

@@ -246,8 +246,7 @@ def test_controller_and_agent_metrics_in_a_cluster():
         ctl = c.controller
         n1 = c.node(1, 1, csi={"capacityBytes": 512 * MIB})
         n2 = c.node(1, 2, csi={"capacityBytes": 512 * MIB})
-        wait_for(lambda: all(ctl.csi("capacity", "--node", n.ns.name)["maximumVolumeSize"] > 0 for n in (n1, n2)),
-                 what="both nodes' volume capacity at the controller")
+        c.wait_connected([n1, n2], timeout=20)
 
         s = scrape()
         assert s.value("nodeplane_controller_leader") == 1

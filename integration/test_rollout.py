@@ -439,8 +439,7 @@ def test_restart_crash_and_upgrade_under_traffic():
         a.start()
         b = c.node(1, 2, ipv6=True)
         ctl = c.controller
-        wait_until(lambda: ctl.csi("capacity", "--node", a.ns.name)["maximumVolumeSize"] > 0,
-                   what="node A's volume capacity at the controller")
+        c.wait_connected([a], timeout=15)
         blocks_before = ctl.nodes()[a.ns.name]["blocks"]
 
         pa, _ = a.add_pod("pa")

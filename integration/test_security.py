@@ -193,8 +193,7 @@ def test_kept_file_capabilities_serve_a_volume_root_a_pod_has_taken():
     try:
         node = c.node(1, 1, csi={"capacityBytes": 1024 * MIB})
         ctl = c.controller
-        wait_until(lambda: ctl.csi("capacity", "--node", node.ns.name)["maximumVolumeSize"] > 0, timeout=20,
-                   what="the node's capacity at the controller")
+        c.wait_connected([node], timeout=20)
         for fs, size in (("ext4", 64 * MIB), ("xfs", 320 * MIB)):
             vid = ctl.csi("create-volume", "--name", f"pvc-own-{fs}", "--size", size, "--fs", fs,
                           "--node", node.ns.name)["volumeId"]
@@ -435,8 +434,7 @@ def test_no_shell_is_ever_executed():
         rt.delete(pod.cid, pod.ns.path, pod_name="shp", capability_args=caps)
 
         # CSI: both filesystems through stage, publish, stats, expansion and back.
-        wait_until(lambda: ctl.csi("capacity", "--node", node.ns.name)["maximumVolumeSize"] > 0, timeout=20,
-                   what="the node's capacity at the controller")
+        wait_until(lambda: ctl.placeable(node.ns.name), timeout=20, what="the node's capacity at the controller")
         for fs, size in (("ext4", 64 * MIB), ("xfs", 320 * MIB)):  # mkfs.xfs wants 300 MB at least
             vid = ctl.csi("create-volume", "--name", f"pvc-sh-{fs}", "--size", size, "--fs", fs,
                           "--node", node.ns.name)["volumeId"]
@@ -588,8 +586,7 @@ def test_a_node_credential_cannot_act_for_another_node():
         csi = {"capacityBytes": 256 * MIB}
         a, b = c.node(0, 1, csi=csi), c.node(0, 2, csi=csi)
         ctl = c.controller
-        wait_until(lambda: all(ctl.csi("capacity", "--node", n.ns.name)["maximumVolumeSize"] > 0 for n in (a, b)),
-                   timeout=20, what="both nodes' capacity at the controller")
+        c.wait_connected([a, b], timeout=20)
         before = ctl.nodes()
         b_capacity = ctl.csi("capacity", "--node", b.ns.name)
         token_a = ctl.token(a.ns.name)
@@ -657,8 +654,7 @@ def test_request_paths_cannot_leave_the_kubelet_dir():
     try:
         node = c.node(1, 1, csi={"capacityBytes": 512 * MIB})
         ctl = c.controller
-        wait_until(lambda: ctl.csi("capacity", "--node", node.ns.name)["maximumVolumeSize"] > 0, timeout=20,
-                   what="the node's capacity at the controller")
+        c.wait_connected([node], timeout=20)
         va = ctl.csi("create-volume", "--name", "pvc-pa", "--size", 32 * MIB, "--node", node.ns.name)["volumeId"]
         vb = ctl.csi("create-volume", "--name", "pvc-pb", "--size", 32 * MIB, "--fs", "xfs",
                      "--node", node.ns.name)["volumeId"]

@@ -68,6 +68,10 @@ pub struct FileConfig {
     /// How long a node may keep a volume the controller does not know before reclaiming it.
     #[serde(default = "default_grace")]
     pub orphan_grace_seconds: u64,
+    /// How long GetCapacity answers UNAVAILABLE rather than 0 for a node whose agent is away
+    /// (since the controller started, or since the agent left).
+    #[serde(default = "default_capacity_grace")]
+    pub capacity_grace_seconds: u64,
     /// How long one CSI call waits for a node before answering DEADLINE_EXCEEDED (retried).
     #[serde(default = "default_op_timeout")]
     pub volume_op_timeout_seconds: u64,
@@ -199,6 +203,9 @@ pub enum AgentAuth {
 fn default_grace() -> u64 {
     600
 }
+fn default_capacity_grace() -> u64 {
+    crate::controller::volumes::DEFAULT_CAPACITY_GRACE.as_secs()
+}
 fn default_op_timeout() -> u64 {
     60
 }
@@ -222,6 +229,7 @@ pub struct Config {
     pub token_secret: TokenSecret,
     pub csi_socket: PathBuf,
     pub orphan_grace: std::time::Duration,
+    pub capacity_grace: std::time::Duration,
     pub volume_op_timeout: std::time::Duration,
     pub health_address: Option<std::net::SocketAddr>,
     pub store: Store,
@@ -354,6 +362,7 @@ impl Config {
             token_secret,
             csi_socket,
             orphan_grace: std::time::Duration::from_secs(f.orphan_grace_seconds),
+            capacity_grace: std::time::Duration::from_secs(f.capacity_grace_seconds),
             volume_op_timeout: std::time::Duration::from_secs(f.volume_op_timeout_seconds),
         })
     }
@@ -399,7 +408,8 @@ impl Config {
             "healthAddress": self.health_address.map(|a| a.to_string()),
             "pools": self.pools.iter().map(|p| serde_json::json!({"cidr": p.net.to_string(), "blockPrefix": p.block_prefix})).collect::<Vec<_>>(),
             "vxlanVni": self.vxlan_vni, "vxlanPort": self.vxlan_port,
-            "orphanGraceSeconds": self.orphan_grace.as_secs(), "volumeOpTimeoutSeconds": self.volume_op_timeout.as_secs(),
+            "orphanGraceSeconds": self.orphan_grace.as_secs(), "capacityGraceSeconds": self.capacity_grace.as_secs(),
+            "volumeOpTimeoutSeconds": self.volume_op_timeout.as_secs(),
             "store": store, "agentAuth": agent_auth,
             "tls": self.tls.as_ref().map(|t| serde_json::json!({
                 "certFile": t.files.cert_file, "keyFile": t.files.key_file, "clientCaFile": t.files.client_ca_file,

@@ -907,7 +907,7 @@ impl csi::controller_server::Controller for ControllerService {
             }));
         }
         let only: Option<Vec<String>> = r.accessible_topology.as_ref().map(|t| node_of(t).into_iter().collect());
-        let caps = self.book.capacity(only.as_deref(), backend);
+        let caps = self.book.capacity(only.as_deref(), backend)?;
         let total: u64 = caps.iter().map(|c| c.1).sum();
         let max = caps.iter().map(|c| c.1).max().unwrap_or(0);
         Ok(Response::new(csi::GetCapacityResponse {

@@ -203,9 +203,11 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     });
     let (registry, book) = {
         let (b, pools, grace) = (backend.clone(), cfg.pools.clone(), cfg.orphan_grace);
+        let capacity_grace = cfg.capacity_grace;
         tokio::task::spawn_blocking(move || -> Result<_, ControllerError> {
             let registry = store::Registry::with_backend(b.clone(), pools)?;
-            let book = volumes::VolumeBook::open(b, grace).map_err(|e| ControllerError::Volumes(e.to_string()))?;
+            let mut book = volumes::VolumeBook::open(b, grace).map_err(|e| ControllerError::Volumes(e.to_string()))?;
+            book.capacity_grace = capacity_grace;
             Ok((Arc::new(registry), Arc::new(book)))
         })
         .await

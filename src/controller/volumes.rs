@@ -49,6 +49,8 @@ pub struct NodeView {
     pub failures: HashMap<String, (i32, String, u64)>,
     pub orphans: Vec<String>,
     pub last_report: Option<Instant>,
+    /// When the node's last stream closed.
+    pub left: Option<Instant>,
 }
 
 /// What a node reported of one store backend.
@@ -167,7 +169,14 @@ pub struct VolumeBook {
     /// Wakes waiters after every report or record change.
     events_tx: watch::Sender<u64>,
     pub orphan_grace: Duration,
+    /// How long a node that is away (since the controller started, or since its stream
+    /// closed) has an unknown capacity rather than none.
+    pub capacity_grace: Duration,
+    started: Instant,
 }
+
+/// [`VolumeBook::capacity_grace`] unless the configuration says otherwise.
+pub const DEFAULT_CAPACITY_GRACE: Duration = Duration::from_secs(60);
 
 /// Why the volume book refused or could not do something. [`BookError::code`] is the one
 /// place that decides which gRPC code each answers with.
@@ -214,6 +223,9 @@ pub enum BookError {
     Node { code: Code, message: String },
     #[error("controller shutting down")]
     ShuttingDown,
+    /// The node's agent is away, maybe only for a restart: its capacity is not known now.
+    #[error("node {0} is not connected and may be back soon; its capacity is not known yet, retry")]
+    CapacityUnknown(String),
     /// A wait ran out of time before the node finished.
     #[error("the node has not finished the operation yet; retry")]
     NotYet,
@@ -223,7 +235,7 @@ impl BookError {
     /// The gRPC code this error answers with (CSI and the agent API alike).
     pub fn code(&self) -> Code {
         match self {
-            BookError::Store(_) | BookError::ShuttingDown => Code::Unavailable,
+            BookError::Store(_) | BookError::ShuttingDown | BookError::CapacityUnknown(_) => Code::Unavailable,
             BookError::IdTaken { .. } => Code::AlreadyExists,
             BookError::NoRoom { .. } | BookError::SourceOutside { .. } => Code::ResourceExhausted,
             BookError::NotFound(_) | BookError::BeingDeleted(_) | BookError::SnapshotNotFound(_) => Code::NotFound,
@@ -301,6 +313,8 @@ impl VolumeBook {
             epoch: u64::from_le_bytes(seed).max(1),
             events_tx,
             orphan_grace,
+            capacity_grace: DEFAULT_CAPACITY_GRACE,
+            started: Instant::now(),
         })
     }
 
@@ -560,17 +574,32 @@ impl VolumeBook {
     }
 
     /// Free capacity of `backend` per live node, restricted to `nodes` when given (0 on a
-    /// node without the backend, or whose lvm pool is short).
-    pub fn capacity(&self, nodes: Option<&[String]>, backend: StoreBackend) -> Vec<(String, u64)> {
+    /// node without the backend, or whose lvm pool is short). A node asked for that is away
+    /// for less than `capacity_grace` is [`BookError::CapacityUnknown`]: the provisioner then
+    /// keeps what it published and asks again, so an agent's restart does not show as 0.
+    pub fn capacity(&self, nodes: Option<&[String]>, backend: StoreBackend) -> Result<Vec<(String, u64)>, BookError> {
         let st = self.st.lock().unwrap();
-        Self::live_nodes(&st)
+        if let Some(n) = nodes.unwrap_or_default().iter().find(|n| self.briefly_away(&st, n)) {
+            return Err(BookError::CapacityUnknown(n.clone()));
+        }
+        Ok(Self::live_nodes(&st)
             .into_iter()
             .filter(|n| nodes.is_none_or(|only| only.contains(n)))
             .map(|n| {
                 let f = Self::free(&st, &n, backend);
                 (n, f)
             })
-            .collect()
+            .collect())
+    }
+
+    /// Not live, and gone (or not seen since the controller started) for less than
+    /// `capacity_grace`.
+    fn briefly_away(&self, st: &BookState, node: &str) -> bool {
+        let view = st.nodes.get(node);
+        if view.is_some_and(|v| v.connected > 0 && v.reported) {
+            return false;
+        }
+        view.and_then(|v| v.left).unwrap_or(self.started).elapsed() < self.capacity_grace
     }
 
     /// Record a new volume `name` of `size` on a node chosen by `placement`, or return the
@@ -899,6 +928,9 @@ impl Drop for ConnectionGuard {
     fn drop(&mut self) {
         if let Some(n) = self.book.st.lock().unwrap().nodes.get_mut(&self.node) {
             n.connected = n.connected.saturating_sub(1);
+            if n.connected == 0 {
+                n.left = Some(Instant::now());
+            }
         }
         self.book.events_tx.send_modify(|v| *v += 1);
     }
@@ -1072,6 +1104,33 @@ mod tests {
     }
 
     #[test]
+    fn an_away_node_has_unknown_capacity_for_the_grace_then_none() {
+        let t = crate::util::TestDir::new("book-capacity");
+        let db = crate::controller::backend::RedbBackend::open(&t.0.join("db.redb")).unwrap();
+        let mut b = VolumeBook::open(db, Duration::from_secs(60)).unwrap();
+        b.capacity_grace = Duration::from_millis(300);
+        let b = Arc::new(b);
+        let [n1, n9] = ["n1", "n9"].map(|n| vec![n.to_string()]);
+        let unknown = |only: &[String]| match b.capacity(Some(only), StoreBackend::File) {
+            Err(e @ BookError::CapacityUnknown(_)) => e.code() == Code::Unavailable,
+            other => panic!("{other:?}"),
+        };
+        // Just started: a node not seen yet may still come.
+        assert!(unknown(&n9));
+        let g = b.connect("n1");
+        report(&b, "n1", 100, &[]);
+        assert_eq!(b.capacity(Some(&n1), StoreBackend::File).unwrap(), [("n1".to_string(), 100)]);
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(b.capacity(Some(&n9), StoreBackend::File).unwrap(), [], "the grace after the start is over");
+        // Its agent leaves: unknown for the grace, then none. The sum counts live nodes only.
+        drop(g);
+        assert!(unknown(&n1));
+        assert_eq!(b.capacity(None, StoreBackend::File).unwrap(), []);
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(b.capacity(Some(&n1), StoreBackend::File).unwrap(), []);
+    }
+
+    #[test]
     fn reports_move_records_and_survive_reopen() {
         let t = crate::util::TestDir::new("book-reopen");
         let path = t.0.join("db.redb");
@@ -1131,7 +1190,7 @@ mod tests {
         assert!(d.volumes.iter().all(|v| v.id != s1.id));
         assert!(b.list().iter().all(|v| v.kind == RecordKind::Volume) && b.get(&s1.id).is_none());
         // Its size counts against the node before and after the node holds it.
-        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::File)[0].1, 300 - 80);
+        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::File).unwrap()[0].1, 300 - 80);
         let snap = ContentSource::Snapshot(s1.id.clone());
         assert_eq!(
             b.place("r", 40, FsType::Ext4, Default::default(), &Placement::default(), Some(&snap)).unwrap_err().code(),
@@ -1160,7 +1219,7 @@ mod tests {
         })
         .unwrap();
         assert_eq!(b.get_snapshot(&s1.id).unwrap().state, VolState::Ready);
-        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::File)[0].1, 220);
+        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::File).unwrap()[0].1, 220);
         // A volume from it goes to n2 whatever the preferences; a requisite without n2 cannot be met.
         let pref1 = Placement { requisite: vec![], preferred: vec!["n1".into()], ..Default::default() };
         let (r, _) = b.place("r", 50, FsType::Ext4, Default::default(), &pref1, Some(&snap)).unwrap();
@@ -1274,7 +1333,10 @@ mod tests {
         let d = b.desired("n2").volumes.into_iter().find(|d| d.id == "a").unwrap();
         assert_eq!(d.backend, "lvm");
         // A is pending on n2's pool: 50 left there, whatever n2's own figure says yet.
-        assert_eq!(b.capacity(None, StoreBackend::Lvm), vec![("n1".into(), 0), ("n2".into(), 50), ("n3".into(), 0)]);
+        assert_eq!(
+            b.capacity(None, StoreBackend::Lvm).unwrap(),
+            vec![("n1".into(), 0), ("n2".into(), 50), ("n3".into(), 0)]
+        );
         let e = b.place("b", 60, FsType::Ext4, Default::default(), &lvm, None).unwrap_err();
         assert_eq!(e.code(), Code::ResourceExhausted);
         let msg = e.to_string();
@@ -1286,16 +1348,16 @@ mod tests {
         assert_eq!(b.place("c", 20, FsType::Ext4, Default::default(), &pref, None).unwrap().0.node, "n2");
         // Held now: counted once, by n2's figure.
         report_lvm(&b, "n2", 10, Some((100, 30, false)), &[("a", 50), ("c", 20)]);
-        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::Lvm), vec![("n2".into(), 30)]);
+        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::Lvm).unwrap(), vec![("n2".into(), 30)]);
         // The file backend is accounted apart: lvm volumes take nothing of it.
-        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::File), vec![("n2".into(), 10)]);
+        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::File).unwrap(), vec![("n2".into(), 10)]);
         let (f, _) = b.place("f", 900, FsType::Ext4, Default::default(), &Placement::default(), None).unwrap();
         assert_eq!((f.node.as_str(), f.backend), ("n1", StoreBackend::File));
         assert_eq!(b.desired("n1").volumes[0].backend, "file");
-        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::Lvm), vec![("n2".into(), 30)]);
+        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::Lvm).unwrap(), vec![("n2".into(), 30)]);
         // A pool that runs short takes nothing more; a node that stops listing lvm has none.
         report_lvm(&b, "n2", 10, Some((100, 30, true)), &[("a", 50), ("c", 20)]);
-        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::Lvm), vec![("n2".into(), 0)]);
+        assert_eq!(b.capacity(Some(&["n2".into()]), StoreBackend::Lvm).unwrap(), vec![("n2".into(), 0)]);
         report_lvm(&b, "n2", 10, None, &[]);
         assert_eq!(
             b.place("g", 1, FsType::Ext4, Default::default(), &lvm, None).unwrap_err().code(),
@@ -1314,8 +1376,8 @@ mod tests {
         // A snapshot is on its volume's backend, and takes room there.
         let (s, _) = b.place_snapshot("s", &a.id, Default::default()).unwrap();
         assert_eq!(s.backend, StoreBackend::Lvm);
-        assert_eq!(b.capacity(None, StoreBackend::Lvm)[0].1, 1000 - 80);
-        assert_eq!(b.capacity(None, StoreBackend::File)[0].1, 1000);
+        assert_eq!(b.capacity(None, StoreBackend::Lvm).unwrap()[0].1, 1000 - 80);
+        assert_eq!(b.capacity(None, StoreBackend::File).unwrap()[0].1, 1000);
         b.report(pb::ReportVolumesRequest {
             node_name: "n1".into(),
             capacity_bytes: 1000,
