@@ -576,7 +576,7 @@ impl VolumeBook {
     /// Free capacity of `backend` per live node, restricted to `nodes` when given (0 on a
     /// node without the backend, or whose lvm pool is short). A node asked for that is away
     /// for less than `capacity_grace` is [`BookError::CapacityUnknown`]: the provisioner then
-    /// keeps what it published and asks again, so an agent's restart does not show as 0.
+    /// keeps what it published and asks again, so a controller's restart does not show as 0.
     pub fn capacity(&self, nodes: Option<&[String]>, backend: StoreBackend) -> Result<Vec<(String, u64)>, BookError> {
         let st = self.st.lock().unwrap();
         if let Some(n) = nodes.unwrap_or_default().iter().find(|n| self.briefly_away(&st, n)) {
