@@ -737,7 +737,7 @@ impl ControllerService {
         // Connected is not enough: until the node's first report (after a controller restart,
         // for one) its free space reads 0, and the growth would be refused as OUT_OF_RANGE,
         // which the resizer takes as final.
-        let live = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0 && n.reported);
+        let live = self.book.node_views().get(&v.node).is_some_and(|n| n.live());
         if !live {
             return Err(CsiError::new(
                 Code::Unavailable,

@@ -202,8 +202,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         })
     });
     let (registry, book) = {
-        let (b, pools, grace) = (backend.clone(), cfg.pools.clone(), cfg.orphan_grace);
-        let capacity_grace = cfg.capacity_grace;
+        let (b, pools, grace, capacity_grace) =
+            (backend.clone(), cfg.pools.clone(), cfg.orphan_grace, cfg.capacity_grace);
         tokio::task::spawn_blocking(move || -> Result<_, ControllerError> {
             let registry = store::Registry::with_backend(b.clone(), pools)?;
             let mut book = volumes::VolumeBook::open(b, grace).map_err(|e| ControllerError::Volumes(e.to_string()))?;

@@ -63,6 +63,11 @@ pub struct BackendRoom {
 }
 
 impl NodeView {
+    /// Connected and reporting: it can take volumes now.
+    pub fn live(&self) -> bool {
+        self.connected > 0 && self.reported
+    }
+
     /// The node's (capacity, available) bytes on `backend`; `None` when it does not have
     /// it. A short pool has nothing available.
     pub fn room(&self, backend: StoreBackend) -> Option<(u64, u64)> {
@@ -567,8 +572,7 @@ impl VolumeBook {
 
     /// Nodes that can take volumes now: connected and reporting.
     fn live_nodes(st: &BookState) -> Vec<String> {
-        let mut v: Vec<String> =
-            st.nodes.iter().filter(|(_, n)| n.connected > 0 && n.reported).map(|(k, _)| k.clone()).collect();
+        let mut v: Vec<String> = st.nodes.iter().filter(|(_, n)| n.live()).map(|(k, _)| k.clone()).collect();
         v.sort();
         v
     }
@@ -596,7 +600,7 @@ impl VolumeBook {
     /// `capacity_grace`.
     fn briefly_away(&self, st: &BookState, node: &str) -> bool {
         let view = st.nodes.get(node);
-        if view.is_some_and(|v| v.connected > 0 && v.reported) {
+        if view.is_some_and(NodeView::live) {
             return false;
         }
         view.and_then(|v| v.left).unwrap_or(self.started).elapsed() < self.capacity_grace
