@@ -135,16 +135,9 @@ def write_file(path, data):
 
 
 def leftovers(node):
-    """Temporary files in the node's store (a copy or delete that did not finish). A deleted
-    volume's image (`.<id>.img.del`) is freed by the store's unlink thread once deletes pause
-    (2 s at most): those are waited for, up to 5 s."""
-    deadline = time.time() + 5
-    while True:
-        out = [p.name for p in node.volume_dir.glob(".*.img.*")]
-        out += [p.name for p in (node.volume_dir / "snapshots").glob(".*")]
-        if not out or time.time() > deadline or not all(n.endswith(".img.del") for n in out):
-            return out
-        time.sleep(0.05)
+    """Temporary files in the node's store (a copy or delete that did not finish)."""
+    out = [p.name for p in node.volume_dir.glob(".*.img.*")]
+    return out + [p.name for p in (node.volume_dir / "snapshots").glob(".*")]
 
 
 def tmp_reflinks():

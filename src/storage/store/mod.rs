@@ -7,7 +7,7 @@
 //! <dir>/<id>.img          the volume's bytes (sparse; `File::set_len`)
 //! <dir>/<id>.json         its metadata (id, sizeBytes, fsType, createdAt), written atomically
 //! <dir>/.<id>.img.tmp     a create in progress (renamed to <id>.img once the metadata is down)
-//! <dir>/.<id>.img.del     a deleted volume's image (freed by the unlink thread, or at start)
+//! <dir>/.<id>.img.del     a delete in progress (finished at start)
 //! <dir>/snapshots/         snapshots, and the copies volumes are made from (`snapshots`)
 //! ```
 //!
@@ -630,9 +630,8 @@ impl VolumeStore {
                 std::fs::rename(&img, &del).map_err(io_err("renaming for delete", &img))?;
                 remove_if_exists(&meta_path)?;
                 sync_dir(&self.dir)?;
-                // The volume is gone from here on (a restart finishes the delete); its
-                // blocks are freed off the caller's path.
-                unlink_later(del);
+                // The volume is gone from here on (a restart finishes the delete).
+                remove_if_exists(&del)?;
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => remove_if_exists(&meta_path)?,
             Err(e) => return Err(io_err("inspecting", &img)(e)),
@@ -886,51 +885,6 @@ fn missing_or(id: &str, path: &Path, op: &'static str, e: io::Error) -> VolumeEr
 
 /// How long [`VolumeStore::open_with`] retries a store lock that is taken.
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(250);
-
-/// How long the store's unlink thread waits for deletes to stop coming before it frees
-/// the images of those deleted, and the longest it lets one wait.
-const UNLINK_IDLE: std::time::Duration = std::time::Duration::from_millis(100);
-const UNLINK_MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// Remove `path` (a deleted volume's image, renamed to `.<id>.img.del`) on the store's
-/// unlink thread. Freeing an image's blocks costs the backing filesystem a millisecond or
-/// more (more with online discard), and it competes with the unmounts of a teardown burst
-/// (kubelet tears a node's pods down together): the thread frees them once deletes have
-/// stopped for [`UNLINK_IDLE`], or after [`UNLINK_MAX_WAIT`] at most. Capacity is
-/// accounted by the index, which forgot the volume already; a file a crash leaves is
-/// removed by [`recover`].
-fn unlink_later(path: PathBuf) {
-    static QUEUE: std::sync::OnceLock<Mutex<std::sync::mpsc::Sender<PathBuf>>> = std::sync::OnceLock::new();
-    let q = QUEUE.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel::<PathBuf>();
-        std::thread::Builder::new()
-            .name("store-unlink".into())
-            .spawn(move || {
-                while let Ok(first) = rx.recv() {
-                    let since = std::time::Instant::now();
-                    let mut pending = vec![first];
-                    while since.elapsed() < UNLINK_MAX_WAIT {
-                        match rx.recv_timeout(UNLINK_IDLE.min(UNLINK_MAX_WAIT.saturating_sub(since.elapsed()))) {
-                            Ok(p) => pending.push(p),
-                            Err(_) => break,
-                        }
-                    }
-                    for p in pending {
-                        if let Err(e) = std::fs::remove_file(&p)
-                            && e.kind() != io::ErrorKind::NotFound
-                        {
-                            tracing::warn!(file = %p.display(), error = %e, "removing a deleted volume's image");
-                        }
-                    }
-                }
-            })
-            .expect("spawning the unlink thread");
-        Mutex::new(tx)
-    });
-    if let Err(std::sync::mpsc::SendError(p)) = q.lock().unwrap().send(path) {
-        let _ = std::fs::remove_file(p);
-    }
-}
 
 /// Write a volume's metadata: its content fsync'd, renamed into place; the caller syncs the
 /// directory (several renames then share one sync).
