@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use tonic::Code;
 
 use super::encryption::{StageKeys, crypt_error, requested_keys};
-use super::mounts::LoopDev;
 use super::records::{StageRecord, StageState};
 use super::{
     CsiError, NodeService, Result, check_fits, errno_internal, internal, invalid, io_internal, not_at, not_found,
@@ -293,21 +292,14 @@ impl NodeService {
                 recorded.join(", ")
             )));
         }
-        // A mount of the volume no record names (someone else's bind mount of it): for a
-        // filesystem staged as recorded, the device itself tells, after the unmount below —
-        // the filesystem holds its device exclusively while any mount of it is left, so
-        // the detach is refused — and the mount table is read only then, to name the mounts
-        // and put the staging mount back. Otherwise (raw block: a bind-mounted device node
-        // does not hold the device; or no record) the table is read first, as the rule.
-        let fs_as_recorded = rec.as_ref().filter(|r| r.staging_path == staging && !r.capability.block && ours_here);
-        if fs_as_recorded.is_none() {
-            let publications = self.unrecorded_mounts(&staging, &devices, rec.as_ref())?;
-            if !publications.is_empty() {
-                return Err(precondition(format!(
-                    "volume {id} is still published at {}; unpublish it first",
-                    publications.join(", ")
-                )));
-            }
+        // A mount of the volume no record names (someone else's bind mount of it), read from
+        // the mount table before anything is unmounted.
+        let publications = self.unrecorded_mounts(&staging, &devices, rec.as_ref())?;
+        if !publications.is_empty() {
+            return Err(precondition(format!(
+                "volume {id} is still published at {}; unpublish it first",
+                publications.join(", ")
+            )));
         }
         let n = self.unmount_of(id, &staging, &devices)?;
         crate::util::crash_point("unstage-after-unmount");
@@ -317,22 +309,6 @@ impl NodeService {
             Err(e) => return Err(crypt_error(id, e)),
         };
         match released {
-            Err(VolumeError::Busy { .. })
-                if n > 0
-                    && let Some(r) = fs_as_recorded
-                    && let publications = self.unrecorded_mounts(&staging, &devices, rec.as_ref())?
-                    && !publications.is_empty() =>
-            {
-                let restored = self.restage_after_refusal(id, &staging, r, &devices);
-                return Err(precondition(format!(
-                    "volume {id} is still published at {}; unpublish it first{}",
-                    publications.join(", "),
-                    match restored {
-                        Ok(()) => String::new(),
-                        Err(e) => format!(" (and mounting it back at {} failed: {e})", staging.display()),
-                    }
-                )));
-            }
             Err(e @ VolumeError::Busy { .. }) => {
                 return Err(precondition(format!("volume {id} unmounted but its device is still in use: {e}")));
             }
@@ -342,21 +318,6 @@ impl NodeService {
         tracing::info!(volume = id, staging = %staging.display(), unmounted = n, "volume unstaged");
         Ok(())
     }
-    /// Mount the volume back at its staging path after an unstage that found it still in use
-    /// (the filesystem is still mounted elsewhere, so this mounts that same filesystem).
-    fn restage_after_refusal(&self, id: &str, staging: &Path, rec: &StageRecord, devices: &[LoopDev]) -> Result<()> {
-        let dev =
-            devices.iter().find(|d| !d.ro).ok_or_else(|| internal(format!("volume {id} has no read-write device")))?;
-        let vol = self.store.get(id)?.ok_or_else(|| not_found(id))?;
-        let mut opts = mount::parse_mount_flags(&rec.capability.mount_flags).map_err(invalid)?;
-        if vol.fs_type == FsType::Xfs && !opts.data.iter().any(|d| d == "nouuid") {
-            opts.data.push("nouuid".to_string());
-        }
-        self.kernel
-            .mount_device(&dev.path, &self.settings.kubelet_dir, staging, vol.fs_type.as_str(), &opts)
-            .map_err(|e| internal(format!("mounting {} at {}: {e:?}", dev.path.display(), staging.display())))
-    }
-
     pub fn stats(&self, req: &csi::NodeGetVolumeStatsRequest) -> Result<csi::NodeGetVolumeStatsResponse> {
         use csi::volume_usage::Unit;
         required("volume_id", &req.volume_id)?;
