@@ -1,10 +1,9 @@
-//! Filesystem tools for volumes: probe (in-process, [`super::probe`]; `blkid` as the
-//! reference), make (`mkfs.ext4`, `mkfs.xfs`) and grow
-//! (`resize2fs`, `xfs_growfs`). Every tool runs with an argument vector, never a shell;
-//! failures carry the tool, its arguments, exit status and stderr.
+//! Filesystem tools for volumes: probe (in-process, [`super::probe`]), make (`mkfs.ext4`,
+//! `mkfs.xfs`) and grow (`resize2fs`, `xfs_growfs`). Every tool runs with an argument vector,
+//! never a shell; failures carry the tool, its arguments, exit status and stderr.
 //!
-//! Debian packages: `util-linux` (blkid), `e2fsprogs` (mkfs.ext4, e2fsck, resize2fs),
-//! `xfsprogs` (mkfs.xfs, xfs_growfs).
+//! Debian packages: `e2fsprogs` (mkfs.ext4, e2fsck, resize2fs), `xfsprogs` (mkfs.xfs,
+//! xfs_growfs).
 
 use std::ffi::OsStr;
 use std::path::Path;
@@ -79,13 +78,7 @@ pub enum FsError {
     Ambiguous { path: String, types: Vec<String> },
 }
 
-#[derive(Debug)]
-struct Output {
-    code: Option<i32>,
-    stdout: String,
-}
-
-fn run(tool: &str, args: &[&OsStr], ok_codes: &[i32]) -> Result<Output, FsError> {
+fn run(tool: &str, args: &[&OsStr], ok_codes: &[i32]) -> Result<(), FsError> {
     let start = Instant::now();
     let out = Command::new(tool)
         .args(args)
@@ -98,7 +91,7 @@ fn run(tool: &str, args: &[&OsStr], ok_codes: &[i32]) -> Result<Output, FsError>
     let args_text = || args.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ");
     tracing::debug!(tool, args = %args_text(), ?code, elapsed_ms = start.elapsed().as_millis() as u64, "ran");
     if out.status.success() || code.is_some_and(|c| ok_codes.contains(&c)) {
-        return Ok(Output { code, stdout: String::from_utf8_lossy(&out.stdout).into_owned() });
+        return Ok(());
     }
     let mut stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
     if stderr.is_empty() {
@@ -134,33 +127,6 @@ pub fn probe_type(dev: &Path, image: Option<&Path>) -> Result<Option<String>, Fs
     }
 }
 
-/// The filesystem (or other signature: swap, LVM, a partition table…) on `dev`, probed from
-/// the device itself (`blkid -p`, no cache). The reference [`probe_type`] is checked against
-/// (the agent itself no longer runs it). `None` when blkid finds nothing (exit 2). An
-/// ambiguous probe (several signatures) is an error, so a caller never formats over it.
-pub fn blkid_type(dev: &Path) -> Result<Option<String>, FsError> {
-    let out = run(
-        "blkid",
-        &["-p".as_ref(), "-o".as_ref(), "value".as_ref(), "-s".as_ref(), "TYPE".as_ref(), dev.as_os_str()],
-        &[2],
-    )?;
-    if out.code == Some(2) {
-        return Ok(None);
-    }
-    let t = out.stdout.trim();
-    if t.is_empty() {
-        // A signature without a TYPE (e.g. a bare partition table is reported as PTTYPE).
-        let pt = run(
-            "blkid",
-            &["-p".as_ref(), "-o".as_ref(), "value".as_ref(), "-s".as_ref(), "PTTYPE".as_ref(), dev.as_os_str()],
-            &[2],
-        )?;
-        let pt = pt.stdout.trim();
-        return Ok(if pt.is_empty() { Some("unknown".to_string()) } else { Some(format!("partition-table:{pt}")) });
-    }
-    Ok(Some(t.to_string()))
-}
-
 /// Make a filesystem on `dev`. Forces (`-F` / `-f`): the caller checks [`probe_type`] first
 /// and never calls this on a device that has data.
 ///
@@ -176,10 +142,9 @@ pub fn mkfs(dev: &Path, fs: FsType) -> Result<(), FsError> {
             "mkfs.ext4",
             &["-F".as_ref(), "-q".as_ref(), "-E".as_ref(), "lazy_itable_init=1,lazy_journal_init=1".as_ref(), d],
             &[],
-        )
-        .map(|_| ()),
-        FsType::Ext4 => run("mkfs.ext4", &["-F".as_ref(), "-q".as_ref(), d], &[]).map(|_| ()),
-        FsType::Xfs => run("mkfs.xfs", &["-f".as_ref(), "-q".as_ref(), d], &[]).map(|_| ()),
+        ),
+        FsType::Ext4 => run("mkfs.ext4", &["-F".as_ref(), "-q".as_ref(), d], &[]),
+        FsType::Xfs => run("mkfs.xfs", &["-f".as_ref(), "-q".as_ref(), d], &[]),
         FsType::Raw => Err(FsError::Raw("make")),
     }
 }
@@ -214,9 +179,9 @@ pub fn grow_fs(dev_or_mountpoint: &Path, fs: FsType) -> Result<(), FsError> {
                 // 0: clean, 1: errors corrected. Anything else: not safe to resize.
                 run("e2fsck", &["-f".as_ref(), "-p".as_ref(), p], &[1])?;
             }
-            run("resize2fs", &[p], &[]).map(|_| ())
+            run("resize2fs", &[p], &[])
         }
-        FsType::Xfs => run("xfs_growfs", &[p], &[]).map(|_| ()),
+        FsType::Xfs => run("xfs_growfs", &[p], &[]),
         FsType::Raw => Err(FsError::Raw("grow")),
     }
 }
@@ -299,40 +264,12 @@ mod tests {
         let e = run("nodeplane-no-such-tool", &[], &[]).unwrap_err();
         assert!(matches!(e, FsError::Spawn { .. }), "{e}");
         // Accepted non-zero codes are not failures.
-        let out = run("ls", &["/nonexistent/nodeplane-volume-test".as_ref()], &[2]).unwrap();
-        assert_eq!(out.code, Some(2));
+        run("ls", &["/nonexistent/nodeplane-volume-test".as_ref()], &[2]).unwrap();
     }
 
     #[test]
     fn raw_has_no_filesystem() {
         assert!(matches!(mkfs(Path::new("/dev/null"), FsType::Raw), Err(FsError::Raw(_))));
         assert!(matches!(grow_fs(Path::new("/dev/null"), FsType::Raw), Err(FsError::Raw(_))));
-    }
-
-    #[test]
-    fn blkid_on_a_blank_file_is_none() {
-        let p = std::env::temp_dir().join(format!("np-blkid-{}.img", std::process::id()));
-        let f = std::fs::File::create(&p).unwrap();
-        f.set_len(4 << 20).unwrap();
-        let got = blkid_type(&p);
-        std::fs::remove_file(&p).unwrap();
-        assert_eq!(got.unwrap(), None);
-    }
-
-    #[test]
-    fn blkid_reports_a_bare_partition_table() {
-        // An MBR with one partition and no filesystem: not blank, never to be formatted.
-        let p = std::env::temp_dir().join(format!("np-blkid-pt-{}.img", std::process::id()));
-        let mut mbr = vec![0u8; 512];
-        mbr[446 + 4] = 0x83;
-        mbr[446 + 8..446 + 12].copy_from_slice(&2048u32.to_le_bytes());
-        mbr[446 + 12..446 + 16].copy_from_slice(&4096u32.to_le_bytes());
-        mbr[510] = 0x55;
-        mbr[511] = 0xAA;
-        std::fs::write(&p, &mbr).unwrap();
-        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(8 << 20).unwrap();
-        let got = blkid_type(&p);
-        std::fs::remove_file(&p).unwrap();
-        assert_eq!(got.unwrap().as_deref(), Some("partition-table:dos"));
     }
 }
