@@ -630,8 +630,11 @@ impl VolumeStore {
                 std::fs::rename(&img, &del).map_err(io_err("renaming for delete", &img))?;
                 remove_if_exists(&meta_path)?;
                 sync_dir(&self.dir)?;
-                // The volume is gone from here on (a restart finishes the delete).
-                remove_if_exists(&del)?;
+                // The volume is gone from here on: an image this cannot remove is removed
+                // by the next start (`recover`), so the delete still succeeds.
+                if let Err(e) = remove_if_exists(&del) {
+                    tracing::warn!(volume = id, error = %e, "removing a deleted volume's image");
+                }
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => remove_if_exists(&meta_path)?,
             Err(e) => return Err(io_err("inspecting", &img)(e)),

@@ -1013,7 +1013,7 @@ fn unknown_volume_with_a_record_left_is_still_torn_down() {
 // ----- cost per call -----
 
 #[test]
-fn the_node_path_reads_no_table_of_every_mount_or_loop_device() {
+fn the_node_path_reads_the_mount_table_only_at_unstage_and_walks_no_loop_device() {
     // Stage, publish, unpublish and unstage decide from the volume's own paths (statx of
     // each) and its own loop devices: the mount table is read once per unstage (a mount no
     // record names). Nothing walks every loop device.
