@@ -1655,6 +1655,78 @@ fn network_policy_follows_the_apis_policies_pods_and_namespaces() {
     }
 }
 
+/// Found in review: a node removed from the registry (its Node object deleted) kept its
+/// pods in every policy view. Its blocks return to the pools, so a pod on a new node could be
+/// given one of those addresses and be admitted as the gone pod. Here y/b, on node-2, is the
+/// only pod a policy on node-1 admits; node-2's Node is deleted, and node-1's set empties
+/// although y/b's Pod object is still in the API.
+#[test]
+fn a_removed_nodes_pods_leave_every_policy_view() {
+    use nodeplane::rpc::controller as pb;
+    let k = cluster();
+    let dir = tempdir("kube-netpol-gone");
+    let kubeconfig = dir.join("kubeconfig");
+    k.write_controller_kubeconfig(&kubeconfig);
+    for n in ["node-1", "node-2"] {
+        k.create("", "nodes", None, node_object(n));
+    }
+    k.namespace("x", json!({"team": "a"}));
+    k.namespace("y", json!({"team": "b"}));
+    for (ns, pod) in [("x", "a"), ("y", "b")] {
+        k.create(
+            "",
+            "pods",
+            Some(ns),
+            json!({"metadata": {"namespace": ns, "name": pod, "labels": {"pod": pod}},
+            "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}}),
+        );
+    }
+    k.create(
+        "networking.k8s.io",
+        "networkpolicies",
+        Some("x"),
+        json!({"metadata": {"namespace": "x", "name": "from-team-b"},
+        "spec": {"podSelector": {"matchLabels": {"pod": "a"}},
+                 "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"team": "b"}}}]}]}}),
+    );
+    let ctl = controller(&dir, &kubeconfig, "ctl");
+    wait_until("controller ready", Duration::from_secs(20), || http_get(ctl.health, "/readyz") == Some(200));
+    let rt = rt();
+    rt.block_on(async {
+        let mut c = pb::network_policies_client::NetworkPoliciesClient::new(channel(ctl.grpc).await.unwrap());
+        let mut addresses = BTreeMap::new();
+        for (node, ns, pod) in [("node-1", "x", "a"), ("node-2", "y", "b")] {
+            let token = k.agent_token(node);
+            let blocks = register(ctl.grpc, &token, node).await.unwrap();
+            let v4: ipnetwork::Ipv4Network = blocks.iter().find_map(|b| b.parse().ok()).unwrap();
+            let ip = std::net::Ipv4Addr::from(u32::from(v4.network()) + 2).to_string();
+            let pa = pb::PodAddress { namespace: ns.into(), name: pod.into(), ips: vec![ip.clone()] };
+            c.pod_started(bearer(pb::PodStartedRequest { node_name: node.into(), pod: Some(pa) }, &token))
+                .await
+                .unwrap();
+            addresses.insert(node, ip);
+        }
+        let watch = bearer(pb::WatchPolicyRequest { node_name: "node-1".into() }, &k.agent_token("node-1"));
+        let mut stream = c.watch_policy(watch).await.unwrap().into_inner();
+        let mut view = nodeplane::net::policy::View::default();
+        let admitted = |view: &nodeplane::net::policy::View| -> Vec<String> {
+            view.address_sets.values().flat_map(|s| s.cidrs.clone()).collect()
+        };
+        let want = vec![format!("{}/32", addresses["node-2"])];
+        while admitted(&view) != want {
+            let u = tokio::time::timeout(Duration::from_secs(5), stream.message()).await.expect("y/b admitted");
+            view = view.applied(&u.unwrap().unwrap()).unwrap();
+        }
+        assert!(k.delete("", "nodes", None, "node-2"));
+        while !admitted(&view).is_empty() {
+            let u = tokio::time::timeout(Duration::from_secs(10), stream.message()).await.expect("y/b gone");
+            view = view.applied(&u.unwrap().unwrap()).unwrap();
+        }
+        assert!(!view.pods["x/a"].ingress_group.is_empty(), "x/a stays isolated: {view:?}");
+    });
+    assert!(k.get("", "pods", Some("y"), "b").is_some(), "the Pod object stays; only the node went");
+}
+
 /// Found against the real API server: a controller that has just started (or taken over)
 /// answered PodStarted, and sent agents their first policy view, before it had read the
 /// NetworkPolicies, Pods and Namespaces from the API: "not isolated" for a pod a policy

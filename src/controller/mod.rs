@@ -242,6 +242,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     // NetworkPolicy: objects from the API in a cluster, applied with `nodeplane policy` here.
     let local_policy = !cfg.uses_kubernetes();
     let policy_book = policy::PolicyBook::new(local_policy.then(|| cfg.data_dir.join("policy-objects.json")))?;
+    let book_of_policy = policy_book.clone();
+    registry.on_removal(Arc::new(move |node| book_of_policy.forget_node(node)));
     metrics.registry.register(
         "nodeplane_controller_policy_compile_seconds",
         "Time to recompile every node's NetworkPolicy view after a change.",

@@ -91,6 +91,10 @@ impl State {
 /// it must not block: it answers from what is already known.
 pub type Admission = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
+/// Told the name of a node just removed, under the registry's lock: it must not wait on the
+/// registry.
+pub type Removal = Arc<dyn Fn(&str) + Send + Sync>;
+
 pub struct Registry {
     backend: Arc<dyn Backend>,
     pools: Vec<Pool>,
@@ -103,6 +107,7 @@ pub struct Registry {
     /// This registry instance: revisions are comparable only within one epoch.
     epoch: u64,
     admission: Mutex<Option<Admission>>,
+    removal: Mutex<Option<Removal>>,
 }
 
 fn valid_mac(mac: &str) -> bool {
@@ -144,7 +149,16 @@ impl Registry {
         let mut seed = [0u8; 8];
         crate::util::fill_random(&mut seed);
         let epoch = u64::from_le_bytes(seed).max(1);
-        Ok(Registry { backend, pools, state: Mutex::new(state), tx, changes, epoch, admission: Mutex::new(None) })
+        Ok(Registry {
+            backend,
+            pools,
+            state: Mutex::new(state),
+            tx,
+            changes,
+            epoch,
+            admission: Mutex::new(None),
+            removal: Mutex::new(None),
+        })
     }
 
     /// Every registration from now on asks `admission` first, under the registry's lock: a
@@ -152,6 +166,12 @@ impl Registry {
     /// registration that was already on its way.
     pub fn set_admission(&self, admission: Admission) {
         *self.admission.lock().unwrap() = Some(admission);
+    }
+
+    /// `removal` runs with the name of each node removed from now on, under the registry's
+    /// lock: no registration comes between the removal and it.
+    pub fn on_removal(&self, removal: Removal) {
+        *self.removal.lock().unwrap() = Some(removal);
     }
 
     /// The backend, shared with the volume book.
@@ -382,6 +402,9 @@ impl Registry {
         let mut st = self.state.lock().unwrap();
         let rec = st.nodes.get(name).cloned().ok_or_else(|| RegistryError::NotFound(name.to_string()))?;
         self.commit(&mut st, vec![(name.to_string(), None)])?;
+        if let Some(removal) = self.removal.lock().unwrap().clone() {
+            removal(name);
+        }
         Ok(rec.blocks)
     }
 }

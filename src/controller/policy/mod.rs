@@ -164,7 +164,8 @@ impl PolicyBook {
         });
     }
 
-    /// A node left the cluster: its pods go.
+    /// A node left the registry: its pods go. Its blocks return to the pools, and a pod of
+    /// another node may be given one of its addresses.
     pub fn forget_node(&self, node: &str) {
         self.change(|o| o.attached.retain(|_, a| a.node != node));
     }
