@@ -2,7 +2,6 @@
 //! tasks of each plane it runs (cluster client, CSI, device plugins, node API, health).
 //! It wires the planes together and owns the configuration; no plane imports it.
 
-mod acceptors;
 pub mod cluster;
 pub mod config;
 pub mod device_sync;
@@ -350,6 +349,52 @@ fn serve_conn(dp: &Datapath, cni: &metrics::CniMetrics, stream: std::os::unix::n
     r
 }
 
+/// Serve the CNI socket until `stop`, each connection start to end on a blocking thread (50
+/// ADDs at once are served at once). At `stop` (the socket file is gone by then), what is
+/// queued already is accepted and served too; returns when every connection is served.
+async fn serve_cni(
+    listener: tokio::net::UnixListener,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    serve: impl Fn(std::os::unix::net::UnixStream) + Clone + Send + Sync + 'static,
+) {
+    let mut conns = tokio::task::JoinSet::new();
+    let spawn = |conns: &mut tokio::task::JoinSet<()>, stream: std::io::Result<std::os::unix::net::UnixStream>| {
+        let serve = serve.clone();
+        match stream.and_then(|s| s.set_nonblocking(false).map(|()| s)) {
+            Ok(stream) => drop(conns.spawn_blocking(move || serve(stream))),
+            Err(e) => tracing::warn!(error = %e, "accepting a CNI connection"),
+        }
+    };
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => spawn(&mut conns, stream.into_std()),
+                Err(e) => {
+                    // EMFILE, ENOMEM: the connection stays queued; try again shortly.
+                    tracing::warn!(error = %e, "accepting a CNI connection");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            _ = stop.changed() => break,
+        }
+    }
+    // What is queued already, without waiting for more: a non-blocking accept answers
+    // WouldBlock once the queue is empty.
+    match listener.into_std() {
+        Ok(listener) => loop {
+            match listener.accept() {
+                Ok((stream, _)) => spawn(&mut conns, Ok(stream)),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => break tracing::warn!(error = %e, "accepting a queued CNI connection"),
+            }
+        },
+        Err(e) => tracing::warn!(error = %e, "accepting the queued CNI connections"),
+    }
+    while conns.join_next().await.is_some() {}
+}
+
 /// Serve the CNI socket until SIGTERM/SIGINT, then finish in-flight requests.
 ///
 /// The health endpoint (`healthAddress`) is bound first, so a bad or taken address fails
@@ -473,14 +518,16 @@ pub async fn serve(
         }))
     });
     // The CNI socket is served from here on: the policy hook is in place (above).
-    let acceptors = {
+    let (cni_stop, cni_stopping) = tokio::sync::watch::channel(false);
+    let cni_task = {
+        listener.set_nonblocking(true).map_err(io_ctx("serving the CNI socket"))?;
+        let listener = tokio::net::UnixListener::from_std(listener).map_err(io_ctx("serving the CNI socket"))?;
         let (dp, cni) = (dp.clone(), cni_metrics.clone());
-        acceptors::Acceptors::start(listener, move |stream| {
+        tokio::spawn(serve_cni(listener, cni_stopping, move |stream| {
             if let Err(e) = serve_conn(&dp, &cni, stream) {
                 tracing::warn!(error = %e, "CNI connection");
             }
-        })
-        .map_err(io_ctx("starting the CNI acceptors"))?
+        }))
     };
     loop {
         tokio::select! {
@@ -507,7 +554,7 @@ pub async fn serve(
     // New shims must find no socket (they wait for the next agent) rather than queue on a
     // listener nobody will accept from; what is queued already is served.
     let _ = fs::remove_file(&cfg.cni_socket);
-    acceptors.stop();
+    let _ = cni_stop.send(true);
     // Not ready from here on; liveness keeps answering until the end.
     readiness_task.abort();
     let _ = readiness_task.await;
@@ -544,8 +591,7 @@ pub async fn serve(
     if let Some(t) = services_task {
         t.abort();
     }
-    let finished = tokio::task::spawn_blocking(move || acceptors.wait(Duration::from_secs(30))).await;
-    if !matches!(finished, Ok(true)) {
+    if tokio::time::timeout(Duration::from_secs(30), cni_task).await.is_err() {
         tracing::warn!("in-flight requests did not finish within 30s");
     }
     let _ = health_stop.send(());
@@ -557,6 +603,127 @@ pub async fn serve(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod cni_socket_tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::os::unix::net::{UnixListener, UnixStream};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Condvar, Mutex};
+
+    type Gate = Arc<(Mutex<bool>, Condvar)>;
+
+    /// `serve_cni` on a socket of its own, every connection held at `gate` (closed), then
+    /// answered with the byte it sent.
+    struct Served {
+        _dir: crate::util::TestDir,
+        path: std::path::PathBuf,
+        rt: tokio::runtime::Runtime,
+        stop: tokio::sync::watch::Sender<bool>,
+        task: Option<tokio::task::JoinHandle<()>>,
+        gate: Gate,
+        inside: Arc<AtomicUsize>,
+        most: Arc<AtomicUsize>,
+        served: Arc<AtomicUsize>,
+    }
+
+    fn serve(tag: &str) -> Served {
+        let dir = crate::util::TestDir::new(tag);
+        let path = dir.0.join("s.sock");
+        let l = UnixListener::bind(&path).unwrap();
+        l.set_nonblocking(true).unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let gate: Gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let [inside, most, served] = [(); 3].map(|_| Arc::new(AtomicUsize::new(0)));
+        let (stop, stopping) = tokio::sync::watch::channel(false);
+        let (g, i, m, sv) = (gate.clone(), inside.clone(), most.clone(), served.clone());
+        let handler = move |mut s: UnixStream| {
+            m.fetch_max(i.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+            let mut open = g.0.lock().unwrap();
+            while !*open {
+                open = g.1.wait(open).unwrap();
+            }
+            drop(open);
+            i.fetch_sub(1, Ordering::SeqCst);
+            let mut b = [0u8; 1];
+            if s.read_exact(&mut b).is_ok() {
+                let _ = s.write_all(&b);
+            }
+            sv.fetch_add(1, Ordering::SeqCst);
+        };
+        let l = {
+            let _rt = rt.enter();
+            tokio::net::UnixListener::from_std(l).unwrap()
+        };
+        let task = rt.spawn(serve_cni(l, stopping, handler));
+        Served { _dir: dir, path, rt, stop, task: Some(task), gate, inside, most, served }
+    }
+
+    /// A failing test ends rather than hangs: the runtime's drop waits for the handlers.
+    impl Drop for Served {
+        fn drop(&mut self) {
+            self.open();
+        }
+    }
+
+    impl Served {
+        fn connect(&self, n: u8) -> UnixStream {
+            let mut c = UnixStream::connect(&self.path).unwrap();
+            c.write_all(&[n]).unwrap();
+            c
+        }
+        fn open(&self) {
+            *self.gate.0.lock().unwrap() = true;
+            self.gate.1.notify_all();
+        }
+        /// Whether `serve_cni` returned within `limit`.
+        fn ended_within(&mut self, limit: Duration) -> bool {
+            let task = self.task.take().unwrap();
+            let waited = self.rt.block_on(async { tokio::time::timeout(limit, task).await });
+            waited.is_ok()
+        }
+    }
+
+    #[test]
+    fn many_connections_at_once_are_served_at_once() {
+        let mut s = serve("cni-burst");
+        let clients: Vec<_> = (0..20u8).map(|n| (n, s.connect(n))).collect();
+        // All 20 are inside the handler together: none waits for another to finish.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while s.inside.load(Ordering::SeqCst) < 20 {
+            assert!(Instant::now() < deadline, "only {} served at once", s.inside.load(Ordering::SeqCst));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        s.open();
+        for (n, mut c) in clients {
+            let mut b = [0u8; 1];
+            c.read_exact(&mut b).unwrap();
+            assert_eq!(b[0], n);
+        }
+        assert_eq!(s.most.load(Ordering::SeqCst), 20);
+        s.stop.send(true).unwrap();
+        assert!(s.ended_within(Duration::from_secs(5)));
+    }
+
+    #[test]
+    fn stopping_serves_what_is_queued_and_then_ends() {
+        let mut s = serve("cni-stop");
+        let mut clients: Vec<_> = (0..5u8).map(|n| s.connect(n)).collect();
+        s.stop.send(true).unwrap();
+        // Not done while requests are held inside the handler.
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!s.task.as_ref().unwrap().is_finished());
+        s.open();
+        assert!(s.ended_within(Duration::from_secs(10)), "still serving after stop");
+        assert_eq!(s.served.load(Ordering::SeqCst), 5);
+        for (n, c) in clients.iter_mut().enumerate() {
+            let mut b = [0u8; 1];
+            c.read_exact(&mut b).unwrap();
+            assert_eq!(b[0] as usize, n);
+        }
+    }
 }
 
 #[cfg(test)]
