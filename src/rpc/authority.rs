@@ -104,28 +104,26 @@ pub struct Rewriter {
     decoder: loona_hpack::Decoder<'static>,
     state: State,
     block: Option<PendingBlock>,
-    /// Header blocks whose `:authority` was changed.
-    pub rewritten: u64,
 }
 
 impl Rewriter {
     pub fn new(policy: Policy) -> Self {
         let mut decoder = loona_hpack::Decoder::new();
         decoder.set_max_allowed_table_size(MAX_TABLE);
-        Rewriter { policy, decoder, state: State::Preface(PREFACE_LEN), block: None, rewritten: 0 }
+        Rewriter { policy, decoder, state: State::Preface(PREFACE_LEN), block: None }
     }
 
-    /// Bytes of the current frame's payload that may be copied straight through, if the
-    /// rewriter is in the middle of a frame it does not touch.
-    pub fn passthrough_left(&self) -> usize {
+    /// Bytes of the current frame's payload still to pass on untouched, if the rewriter is
+    /// in the middle of a frame it does not touch.
+    fn passthrough_left(&self) -> usize {
         match self.state {
             State::Preface(n) | State::Passthrough(n) => n,
             State::Frame => 0,
         }
     }
 
-    /// Account for `n` bytes copied straight through (at most [`Self::passthrough_left`]).
-    pub fn consumed_passthrough(&mut self, n: usize) {
+    /// Account for `n` bytes passed on untouched (at most [`Self::passthrough_left`]).
+    fn consumed_passthrough(&mut self, n: usize) {
         self.state = match self.state {
             State::Preface(left) if left > n => State::Preface(left - n),
             State::Passthrough(left) if left > n => State::Passthrough(left - n),
@@ -228,11 +226,7 @@ impl Rewriter {
         }
         let block = self.block.take().expect("a header block is open here");
         let fields = self.decode(&block.fragment)?;
-        let (fields, changed) = apply(&self.policy, fields);
-        if changed {
-            self.rewritten += 1;
-        }
-        emit(&block, &encode(&fields), out);
+        emit(&block, &encode(&apply(&self.policy, fields)), out);
         Ok(())
     }
 
@@ -262,31 +256,27 @@ pub fn valid_authority(v: &[u8]) -> bool {
 /// A header block's fields: name and value.
 type Fields = Vec<(Vec<u8>, Vec<u8>)>;
 
-fn apply(policy: &Policy, mut fields: Fields) -> (Fields, bool) {
+fn apply(policy: &Policy, mut fields: Fields) -> Fields {
     let is_authority = |n: &[u8]| n == b":authority";
     match policy {
         Policy::Normalise => {
-            let mut changed = false;
             for (n, v) in fields.iter_mut() {
                 if is_authority(n) && !valid_authority(v) {
                     *v = LOCALHOST.to_vec();
-                    changed = true;
                 }
             }
-            (fields, changed)
         }
         Policy::Set(value) => {
             // Only request header blocks carry pseudo-headers; trailers stay as they are.
-            if !fields.iter().any(|(n, _)| n.first() == Some(&b':')) {
-                return (fields, false);
+            if fields.iter().any(|(n, _)| n.first() == Some(&b':')) {
+                fields.retain(|(n, _)| !is_authority(n));
+                if let Some(v) = value {
+                    fields.insert(0, (b":authority".to_vec(), v.clone()));
+                }
             }
-            fields.retain(|(n, _)| !is_authority(n));
-            if let Some(v) = value {
-                fields.insert(0, (b":authority".to_vec(), v.clone()));
-            }
-            (fields, true)
         }
     }
+    fields
 }
 
 /// HPACK literal header fields without indexing, new name, no Huffman (RFC 7541 §6.2.2).
@@ -351,10 +341,6 @@ impl<S> NormalisedStream<S> {
             eof: false,
         }
     }
-
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for NormalisedStream<S> {
@@ -375,27 +361,6 @@ impl<S: AsyncRead + Unpin> AsyncRead for NormalisedStream<S> {
                 }
                 return Poll::Ready(Ok(()));
             }
-            let left = me.rw.passthrough_left();
-            if left > 0 && me.raw.is_empty() && buf.remaining() > 0 {
-                // Inside a frame we do not touch: read straight into the caller's buffer, and
-                // keep back whatever came after the frame's end.
-                let before = buf.filled().len();
-                ready!(Pin::new(&mut me.inner).poll_read(cx, buf))?;
-                let got = buf.filled().len() - before;
-                if got == 0 {
-                    me.eof = true;
-                    continue;
-                }
-                if got > left {
-                    me.raw.extend_from_slice(&buf.filled()[before + left..]);
-                    buf.set_filled(before + left);
-                    me.rw.consumed_passthrough(left);
-                    me.rw.process(&mut me.raw, &mut me.out)?;
-                } else {
-                    me.rw.consumed_passthrough(got);
-                }
-                return Poll::Ready(Ok(()));
-            }
             let mut scratch = [0u8; 8192];
             let mut rb = ReadBuf::new(&mut scratch);
             ready!(Pin::new(&mut me.inner).poll_read(cx, &mut rb))?;
@@ -412,16 +377,6 @@ impl<S: AsyncRead + Unpin> AsyncRead for NormalisedStream<S> {
 impl<S: AsyncWrite + Unpin> AsyncWrite for NormalisedStream<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
-    }
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().inner).poll_flush(cx)
@@ -811,6 +766,5 @@ mod tests {
         }
         writer.await.unwrap();
         assert_eq!(got, want);
-        assert_eq!(s.rw.rewritten, 2);
     }
 }
