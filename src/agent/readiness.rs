@@ -70,18 +70,11 @@ pub(crate) struct Readiness {
     pool: Option<Pool>,
 }
 
-/// (len, mtime seconds, mtime nanoseconds, inode) of the device file: reparse on change.
-type FileKey = (u64, i64, i64, u64);
-/// (socket file name, resource name) of one configured resource.
-type PluginSocket = (String, String);
-
 struct Devices {
     settings: crate::devices::deviceplugin::Settings,
     cond: Condition,
     /// Set when the manager task ended (it only does on a start-up failure or at shutdown).
     ended: Arc<AtomicBool>,
-    /// The device file as last parsed (by `FileKey`): its sockets, or why it is unusable.
-    parsed: Option<(FileKey, Result<Vec<PluginSocket>, String>)>,
 }
 
 impl Readiness {
@@ -103,9 +96,7 @@ impl Readiness {
         });
         let csi = csi.map(|svc| (svc, health.condition("csi")));
         let devices = match (cfg.device_plugins.clone(), devices_ended) {
-            (Some(settings), Some(ended)) => {
-                Some(Devices { settings, cond: health.condition("deviceplugins"), ended, parsed: None })
-            }
+            (Some(settings), Some(ended)) => Some(Devices { settings, cond: health.condition("deviceplugins"), ended }),
             _ => None,
         };
         let dra = cfg.dra.clone().map(|s| (s, health.condition("dra")));
@@ -164,8 +155,8 @@ impl Readiness {
             let st = self.csi_state(&svc).await;
             set(&cond, st);
         }
-        if let Some(mut d) = self.devices.take() {
-            let st = self.devices_state(&mut d).await;
+        if let Some(d) = self.devices.take() {
+            let st = self.devices_state(&d).await;
             set(&d.cond, st);
             self.devices = Some(d);
         }
@@ -253,40 +244,25 @@ impl Readiness {
         self.book.condition(crate::kubelet::Kind::Csi)
     }
 
-    async fn devices_state(&mut self, d: &mut Devices) -> Result<(), String> {
+    async fn devices_state(&mut self, d: &Devices) -> Result<(), String> {
         if d.ended.load(Ordering::SeqCst) {
             return Err("the device plugin manager stopped (see the log)".into());
         }
         let file = &d.settings.config_file;
-        let key = match std::fs::metadata(file) {
-            Ok(m) => (m.len(), m.mtime(), m.mtime_nsec(), m.ino()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (0, 0, 0, 0),
-            Err(e) => return Err(format!("device file {}: {e}", file.display())),
-        };
-        if d.parsed.as_ref().is_none_or(|(k, _)| *k != key) {
-            let parsed = match std::fs::read(file) {
-                Ok(b) => crate::devices::config::parse(&b)
-                    .map(|(resources, _)| {
-                        crate::devices::deviceplugin::offered_here(resources)
-                            .iter()
-                            .map(|r| (r.socket_name(), r.resource_name()))
-                            .collect()
-                    })
-                    .map_err(|e| format!("device file {} unusable: {e}", file.display())),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-                Err(e) => Err(format!("device file {}: {e}", file.display())),
-            };
-            d.parsed = Some((key, parsed));
-        }
-        let sockets = match &d.parsed {
-            Some((_, Ok(s))) => s.clone(),
-            Some((_, Err(e))) => return Err(e.clone()),
-            None => unreachable!("parsed above"),
+        let resources = match crate::devices::config::load(file) {
+            Ok((resources, _)) => crate::devices::deviceplugin::offered_here(resources),
+            Err(crate::devices::config::LoadError::Parse(e)) => {
+                return Err(format!("device file {} unusable: {e}", file.display()));
+            }
+            Err(crate::devices::config::LoadError::Read(e)) => {
+                return Err(format!("device file {}: {e}", file.display()));
+            }
         };
         let mut waiting = Vec::new();
-        for (socket, resource) in sockets {
+        for r in resources {
+            let socket = r.socket_name();
             if !self.served(&d.settings.plugin_dir.join(&socket)).await {
-                waiting.push(format!("{resource} ({socket})"));
+                waiting.push(format!("{} ({socket})", r.resource_name()));
             }
         }
         if waiting.is_empty() {

@@ -254,6 +254,24 @@ pub fn parse(text: &[u8]) -> Result<(Vec<Resource>, Vec<String>), String> {
     Ok((ok, problems))
 }
 
+/// Why the device file at a path could not be used (see [`load`]).
+#[derive(Debug)]
+pub enum LoadError {
+    /// Reading the file failed (other than it being absent).
+    Read(std::io::Error),
+    /// The file as a whole is unusable ([`parse`]'s `Err`).
+    Parse(String),
+}
+
+/// Read and [`parse`] the device file at `path`; an absent file offers no resources.
+pub fn load(path: &std::path::Path) -> Result<(Vec<Resource>, Vec<String>), LoadError> {
+    match std::fs::read(path) {
+        Ok(b) => parse(&b).map_err(LoadError::Parse),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((Vec::new(), Vec::new())),
+        Err(e) => Err(LoadError::Read(e)),
+    }
+}
+
 /// Shell-style match of one path component: `*`, `?`, `[abc]`, `[a-z]`, `[!a-z]`.
 /// `Err` for a malformed pattern (an unclosed `[`).
 pub fn glob_match(pattern: &str, name: &str) -> Result<bool, String> {

@@ -293,19 +293,16 @@ impl Devices {
     }
 
     fn rescan(&self, config_file: &Path) {
-        let resources = match std::fs::read(config_file) {
-            Ok(b) => match config::parse(&b) {
-                Ok((ok, _problems)) => ok,
-                Err(e) => {
-                    self.warn_once(format!(
-                        "DRA: device file {} unusable ({e}); keeping the current devices",
-                        config_file.display()
-                    ));
-                    return;
-                }
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => {
+        let resources = match config::load(config_file) {
+            Ok((ok, _problems)) => ok,
+            Err(config::LoadError::Parse(e)) => {
+                self.warn_once(format!(
+                    "DRA: device file {} unusable ({e}); keeping the current devices",
+                    config_file.display()
+                ));
+                return;
+            }
+            Err(config::LoadError::Read(e)) => {
                 self.warn_once(format!("DRA: reading {}: {e}; keeping the current devices", config_file.display()));
                 return;
             }

@@ -179,21 +179,18 @@ impl Manager {
     /// Read the device file; start, restart and stop resource tasks to match it. A file
     /// that cannot be used at all keeps the running set; bad entries are reported and skipped.
     async fn reload(&mut self) {
-        let wanted = match std::fs::read(&self.s.config_file) {
-            Ok(b) => match config::parse(&b) {
-                Ok((ok, problems)) => {
-                    for p in &problems {
-                        tracing::error!(file = %self.s.config_file.display(), "invalid device plugin entry, skipped: {p}");
-                    }
-                    offered_here(ok)
+        let wanted = match config::load(&self.s.config_file) {
+            Ok((ok, problems)) => {
+                for p in &problems {
+                    tracing::error!(file = %self.s.config_file.display(), "invalid device plugin entry, skipped: {p}");
                 }
-                Err(e) => {
-                    tracing::error!(file = %self.s.config_file.display(), error = %e, "device file unusable; keeping the current device plugins");
-                    return;
-                }
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => {
+                offered_here(ok)
+            }
+            Err(config::LoadError::Parse(e)) => {
+                tracing::error!(file = %self.s.config_file.display(), error = %e, "device file unusable; keeping the current device plugins");
+                return;
+            }
+            Err(config::LoadError::Read(e)) => {
                 tracing::error!(file = %self.s.config_file.display(), error = %e, "reading the device file; keeping the current device plugins");
                 return;
             }
