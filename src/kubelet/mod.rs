@@ -130,18 +130,6 @@ impl Registrations {
         });
     }
 
-    /// Every plugin of `kind` waits for kubelet again (kubelet restarted).
-    pub fn kubelet_restarted(&self, kind: Kind) {
-        self.with(|m| {
-            for e in m.values_mut().filter(|e| e.kind == kind) {
-                e.state = State::Waiting;
-                e.since = SystemTime::now();
-                e.waiting_since = Instant::now();
-                e.warned = false;
-            }
-        });
-    }
-
     /// `name` waits for kubelet again (the kubelet it was registered with restarted).
     pub fn waiting(&self, name: &str) {
         self.with(|m| {
@@ -311,7 +299,7 @@ mod tests {
         );
         req.registered("x/gpu");
         assert_eq!(req.condition(Kind::DevicePlugin), Ok(()));
-        req.kubelet_restarted(Kind::DevicePlugin);
+        req.waiting("x/gpu");
         assert_eq!(req.state("x/gpu"), Some(State::Waiting));
         assert!(req.condition(Kind::DevicePlugin).is_err());
         req.withdrawn("x/gpu");
