@@ -202,10 +202,6 @@ impl Acceptor {
         Ok(Configs { digest, grpc: Arc::new(grpc), http1: Arc::new(http1) })
     }
 
-    pub fn files(&self) -> &ServerFiles {
-        &self.files
-    }
-
     /// The config for gRPC (HTTP/2).
     pub fn config(&self) -> Arc<rustls::ServerConfig> {
         self.current.read().expect("TLS config lock").grpc.clone()
