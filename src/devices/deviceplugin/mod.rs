@@ -589,12 +589,7 @@ async fn register(kubelet: &Path, res: &Resource) -> Result<Option<SockId>, Regi
 }
 
 /// Run the device plugins until `shutdown` turns true; then stop them and remove their
-/// sockets.
-pub async fn run(s: Settings, shutdown: watch::Receiver<bool>) {
-    run_with(s, shutdown, Inventory::default(), crate::kubelet::Registrations::default()).await
-}
-
-/// [`run`], keeping `inventory` up to date with the plugins served and `book` with what
+/// sockets. Keeps `inventory` up to date with the plugins served and `book` with what
 /// kubelet answered their registrations.
 pub async fn run_with(
     s: Settings,
