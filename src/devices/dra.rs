@@ -55,7 +55,7 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
 use crate::devices::config::{self, Offer, Resource};
-use crate::devices::{cdi, inventory};
+use crate::devices::{SockId, cdi, inventory, sock_id, stopped};
 use crate::rpc::dra as pb;
 use crate::rpc::drahealth as hpb;
 
@@ -765,21 +765,9 @@ impl hpb::dra_resource_health_server::DraResourceHealth for Service {
     }
 }
 
-/// Until `rx` turns true (the guard `wait_for` returns is not held across awaits).
-async fn stopped(rx: &mut watch::Receiver<bool>) {
-    let _ = rx.wait_for(|v| *v).await;
-}
-
-/// Which socket file is at a path (a re-created one differs).
-fn sock_id(p: &Path) -> Option<(u64, u64, i64, i64)> {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt};
-    let m = std::fs::symlink_metadata(p).ok()?;
-    m.file_type().is_socket().then(|| (m.dev(), m.ino(), m.ctime(), m.ctime_nsec()))
-}
-
 /// A served registration socket.
 struct Offered {
-    id: Option<(u64, u64, i64, i64)>,
+    id: Option<SockId>,
     stop: watch::Sender<bool>,
     task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
 }

@@ -18,7 +18,7 @@
 
 pub mod plugin;
 
-use crate::devices::config;
+use crate::devices::{SockId, config, sock_id, stopped};
 
 use std::collections::{BTreeMap, HashSet};
 use std::os::fd::{AsFd, AsRawFd};
@@ -63,22 +63,6 @@ const BACKOFF_MAX: Duration = Duration::from_millis(200);
 const REFUSED_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// A socket that cannot be bound (a file in the way, a full disk) is retried at most this often.
 const SERVE_BACKOFF_MAX: Duration = Duration::from_secs(1);
-
-/// Which socket file is at a path: a restarted kubelet (or a re-served plugin) binds a new
-/// one, with a new inode or at least a new change time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct SockId {
-    dev: u64,
-    ino: u64,
-    ctime: i64,
-    ctime_ns: i64,
-}
-
-fn sock_id(p: &Path) -> Option<SockId> {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt};
-    let m = std::fs::symlink_metadata(p).ok()?;
-    m.file_type().is_socket().then(|| SockId { dev: m.dev(), ino: m.ino(), ctime: m.ctime(), ctime_ns: m.ctime_nsec() })
-}
 
 /// What the manager can ask of a resource's task. Both coalesce: any number of requests
 /// before the task looks is one.
@@ -515,11 +499,6 @@ impl Task {
             }
         }
     }
-}
-
-/// Until `rx` turns true (the guard `wait_for` returns is not held across awaits).
-async fn stopped(rx: &mut watch::Receiver<bool>) {
-    let _ = rx.wait_for(|s| *s).await;
 }
 
 /// Bind and serve one plugin socket.
