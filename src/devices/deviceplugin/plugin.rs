@@ -3,7 +3,7 @@
 //! plugin's socket.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -261,9 +261,8 @@ impl Plugin {
     /// A preferred allocation: `must` first, then devices on the NUMA node already most used
     /// (alignment) when the nodes report NUMA, else spread over physical devices (fewest
     /// already chosen from the same node first); healthy before unhealthy, IDs we do not
-    /// know last, ties by ID. O(n log n) in the available IDs: each device node keeps its
-    /// free IDs in order and sits in a heap of its (health, NUMA node) group keyed by how
-    /// many IDs were taken from it, so a pick is a heap pop over a handful of groups.
+    /// know last, ties by ID. Each device node keeps its free IDs in order; a pick scans the
+    /// device nodes: O(n log n + size × device nodes) in the n available IDs.
     pub fn preferred(&self, available: &[String], must: &[String], size: usize) -> Result<Vec<String>, Status> {
         self.preferred_by(available, must, size, None)
     }
@@ -319,13 +318,6 @@ impl Plugin {
             f.sort_unstable_by(|a, b| b.cmp(a));
         }
         unknown.sort_unstable_by(|a, b| b.cmp(a));
-        type Heap<'a> = BinaryHeap<Reverse<(usize, &'a str, usize)>>;
-        let mut groups: BTreeMap<(bool, Option<i64>), Heap<'_>> = BTreeMap::new();
-        for (i, n) in node_list.iter().enumerate() {
-            if let Some(first) = free[i].last() {
-                groups.entry((n.healthy, n.numa)).or_default().push(Reverse((used[i], first, i)));
-            }
-        }
         let mut steps = 0usize;
         while chosen.len() < size {
             steps += 1;
@@ -335,35 +327,27 @@ impl Plugin {
                     avail.len()
                 )));
             }
-            let best = groups
-                .iter()
-                .filter_map(|(&(healthy, numa), heap)| {
-                    let Reverse(top) = heap.peek()?;
-                    let numa_pref = numa.and_then(|n| on_numa.get(&n).copied()).unwrap_or(0);
-                    Some(((!healthy, Reverse(numa_pref), top.0, top.1), (healthy, numa)))
+            // An ID belongs to one node, so the smallest free IDs make every key distinct.
+            let best = (0..node_list.len())
+                .filter_map(|i| {
+                    let (n, first) = (node_list[i], *free[i].last()?);
+                    let numa_pref = n.numa.and_then(|x| on_numa.get(&x).copied()).unwrap_or(0);
+                    Some(((!n.healthy, Reverse(numa_pref), used[i], first), i))
                 })
-                .min()
-                .map(|(_, k)| k);
-            let Some(key) = best else {
-                match unknown.pop() {
-                    Some(id) => {
-                        chosen.push(id.to_string());
-                        continue;
+                .min_by_key(|&(key, _)| key)
+                .map(|(_, i)| i);
+            let id = match best {
+                Some(i) => {
+                    used[i] += 1;
+                    if let Some(numa) = node_list[i].numa {
+                        *on_numa.entry(numa).or_default() += 1;
                     }
-                    None => break,
+                    free[i].pop()
                 }
+                None => unknown.pop(),
             };
-            let heap = groups.get_mut(&key).expect("group chosen from the map");
-            let Reverse((_, id, i)) = heap.pop().expect("non-empty group");
+            let Some(id) = id else { break };
             chosen.push(id.to_string());
-            free[i].pop();
-            used[i] += 1;
-            if let Some(numa) = key.1 {
-                *on_numa.entry(numa).or_default() += 1;
-            }
-            if let Some(next) = free[i].last() {
-                heap.push(Reverse((used[i], next, i)));
-            }
         }
         Ok(chosen)
     }
