@@ -99,6 +99,25 @@ impl Token {
     }
 }
 
+/// The pause before the next session with the controller: 100 ms, doubled after each
+/// session up to 2 s, and 100 ms again after one the caller counts as having worked.
+pub(crate) struct Backoff(Duration);
+
+impl Backoff {
+    pub(crate) fn new() -> Self {
+        Backoff(Duration::from_millis(100))
+    }
+
+    /// Sleep after a session ended; `worked`: it counts as a working one.
+    pub(crate) async fn pause(&mut self, worked: bool) {
+        if worked {
+            *self = Self::new();
+        }
+        tokio::time::sleep(self.0).await;
+        self.0 = (self.0 * 2).min(Duration::from_secs(2));
+    }
+}
+
 /// The token in `path` (none for an empty path).
 pub(crate) fn read_token(path: &Path) -> Result<Token, LinkError> {
     if path.as_os_str().is_empty() {
@@ -621,7 +640,7 @@ pub async fn run(cfg: Arc<Config>, dp: Arc<Datapath>, link: Arc<Link>) {
     let handle = tokio::runtime::Handle::current();
     let c = client.clone();
     dp.set_block_source(Box::new(move |family| request_block(&handle, &c, family)));
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::new();
     loop {
         let mut connected = false;
         let ended = client.session(&mut connected).await;
@@ -629,11 +648,7 @@ pub async fn run(cfg: Arc<Config>, dp: Arc<Datapath>, link: Arc<Link>) {
         if let Err(e) = ended {
             tracing::warn!(error = %e, "controller session ended");
         }
-        if connected {
-            backoff = Duration::from_millis(100);
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
+        backoff.pause(connected).await;
     }
 }
 

@@ -14,7 +14,7 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::cluster::{LinkError, read_token};
+use super::cluster::{Backoff, LinkError, read_token};
 use super::config::{Config, ControllerConfig};
 use crate::net::datapath::{Datapath, PodEvent};
 use crate::net::policy::{Enforcer, NftError, PolicyError};
@@ -302,7 +302,7 @@ pub fn install(cfg: &Arc<Config>, dp: &Arc<Datapath>) -> Option<Arc<PolicyClient
 
 /// Follow the controller's policy stream forever (reconnecting with backoff).
 pub async fn run(client: Arc<PolicyClient>, dp: Arc<Datapath>) {
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::new();
     loop {
         let started = std::time::Instant::now();
         let r = client.session(&dp).await;
@@ -310,11 +310,7 @@ pub async fn run(client: Arc<PolicyClient>, dp: Arc<Datapath>) {
         if let Err(e) = r {
             tracing::warn!(error = %e, "policy stream ended");
         }
-        if started.elapsed() > Duration::from_secs(10) {
-            backoff = Duration::from_millis(100);
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
+        backoff.pause(started.elapsed() > Duration::from_secs(10)).await;
     }
 }
 

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::cluster::read_token;
+use super::cluster::{Backoff, read_token};
 use super::config::{Config, ControllerConfig, ServicesMode};
 use crate::net::services::Proxy;
 use crate::obs::metrics::Histogram;
@@ -219,7 +219,7 @@ impl ServiceClient {
 
 /// Follow the controller's Services forever (reconnecting with backoff).
 pub async fn run(client: Arc<ServiceClient>) {
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::new();
     loop {
         if let Some(why) = client.left_to_kube_proxy() {
             let first = client.standing.lock().unwrap().idle.as_deref() != Some(why.as_str());
@@ -239,10 +239,6 @@ pub async fn run(client: Arc<ServiceClient>) {
         if let Err(e) = r {
             tracing::warn!(error = %e, "Services stream ended");
         }
-        if started.elapsed() > Duration::from_secs(10) {
-            backoff = Duration::from_millis(100);
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
+        backoff.pause(started.elapsed() > Duration::from_secs(10)).await;
     }
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use tonic::Code;
 
-use super::cluster::read_token;
+use super::cluster::{Backoff, read_token};
 use super::config::{Config, ControllerConfig};
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_client::NodeRegistryClient;
@@ -546,17 +546,13 @@ pub async fn run(cfg: Arc<Config>, svc: Arc<NodeService>) {
     }
     let mut first_orphaned = SyncState::default();
     let mut view = DesiredView::default();
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::new();
     loop {
         let mut connected = false;
         if let Err(e) = session(&cfg, &cc, &svc, &mut first_orphaned, &mut view, &mut connected).await {
             tracing::warn!(error = %e, "controller volume session ended");
         }
-        if connected {
-            backoff = Duration::from_millis(100);
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
+        backoff.pause(connected).await;
     }
 }
 
