@@ -174,11 +174,6 @@ impl Registry {
         *self.removal.lock().unwrap() = Some(removal);
     }
 
-    /// The backend, shared with the volume book.
-    pub fn backend(&self) -> Arc<dyn Backend> {
-        self.backend.clone()
-    }
-
     /// The registry now (a copy: O(nodes)).
     pub fn snapshot(&self) -> Arc<Snapshot> {
         self.state.lock().unwrap().snapshot()

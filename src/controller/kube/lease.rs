@@ -63,13 +63,9 @@ pub struct LeaseRef {
 }
 
 impl Fence {
-    pub fn new(valid: Duration) -> Self {
-        Fence { valid, state: std::sync::Mutex::new((None, None)), lease: None }
-    }
-
     /// A fence for holding this Lease.
     pub fn for_lease(valid: Duration, lease: LeaseRef) -> Self {
-        Fence { lease: Some(lease), ..Fence::new(valid) }
+        Fence { valid, state: std::sync::Mutex::new((None, None)), lease: Some(lease) }
     }
 
     pub fn lease(&self) -> Option<&LeaseRef> {
@@ -136,10 +132,6 @@ impl Elector {
     /// The fence this elector keeps up to date.
     pub fn fence(&self) -> std::sync::Arc<Fence> {
         self.fence.clone()
-    }
-
-    pub fn settings(&self) -> &LeaseSettings {
-        &self.s
     }
 
     fn spec(&self, prev: Option<&LeaseSpec>) -> LeaseSpec {

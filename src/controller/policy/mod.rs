@@ -310,12 +310,6 @@ impl PolicyBook {
         let body = serde_json::to_vec_pretty(s).expect("objects serialise");
         crate::sys::fs::atomic_write(f, &body, 0o600).map_err(|source| ObjectError::File { path: f.clone(), source })
     }
-
-    /// How many objects of each kind and attached pods (for metrics and status).
-    pub fn counts(&self) -> (usize, usize, usize, usize) {
-        let st = self.state.lock().unwrap();
-        (st.objects.namespaces.len(), st.objects.pods.len(), st.objects.policies.len(), st.objects.attached.len())
-    }
 }
 
 /// The objects in a JSON text: one object, a List, or several documents one after another.

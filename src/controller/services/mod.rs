@@ -176,12 +176,6 @@ impl ServiceBook {
         self.state.lock().unwrap().revision
     }
 
-    /// How many Services and service ports are compiled now.
-    pub fn counts(&self) -> (usize, usize) {
-        let st = self.state.lock().unwrap();
-        (st.ports_of.len(), st.ports.len())
-    }
-
     /// The changes after `revision` of `epoch`, when they are all still kept; else a snapshot.
     pub fn follow(&self, epoch: u64, revision: u64) -> Start {
         let st = self.state.lock().unwrap();
