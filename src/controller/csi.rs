@@ -12,7 +12,7 @@ use tonic::{Code, Request, Response, Status};
 use super::keys::{self, KeyStore};
 use super::records::{StoreBackend, VolState, VolumeRecord};
 use super::volumes::{
-    BookError, ContentSource, Placement, VolumeBook, failure_since, held, held_snapshot, volume_id_for,
+    BookError, ContentSource, NodeView, Placement, VolumeBook, failure_since, held, held_snapshot, volume_id_for,
 };
 use crate::rpc::csi;
 use crate::storage::csi::{TOPOLOGY_KEY, capability};
@@ -274,17 +274,28 @@ fn unimplemented<T>(what: &str) -> Result<Response<T>, Status> {
 impl ControllerService {
     /// Wait until volume `id` is on its node at `size` or more (Ready), or the node failed it.
     async fn await_present(&self, id: &str, size: u64, since: u64) -> Result<VolumeRecord, CsiError> {
-        let id = id.to_string();
+        self.await_held("volume", id, since, |view, v| held(view, v).is_some_and(|h| h.size_bytes >= size)).await
+    }
+
+    /// Wait until record `id` (a `what`: volume or snapshot) is Ready and its node holds it
+    /// as `holds` says, or the node failed it.
+    async fn await_held(
+        &self,
+        what: &str,
+        id: &str,
+        since: u64,
+        holds: impl Fn(Option<&NodeView>, &VolumeRecord) -> bool,
+    ) -> Result<VolumeRecord, CsiError> {
         self.book
             .wait(self.op_timeout, |_, nodes, vols| {
-                let Some(v) = vols.get(&id) else {
-                    return Some(Err(CsiError::new(Code::Aborted, format!("volume {id} was deleted meanwhile"))));
+                let Some(v) = vols.get(id) else {
+                    return Some(Err(CsiError::new(Code::Aborted, format!("{what} {id} was deleted meanwhile"))));
                 };
                 let view = nodes.get(&v.node);
-                if let Some(f) = failure_since(view, &id, since) {
+                if let Some(f) = failure_since(view, id, since) {
                     return Some(Err(f.into()));
                 }
-                if v.state == VolState::Ready && held(view, v).is_some_and(|h| h.size_bytes >= size) {
+                if v.state == VolState::Ready && holds(view, v) {
                     return Some(Ok(v.clone()));
                 }
                 if view.is_none_or(|n| n.connected == 0) {
@@ -489,31 +500,9 @@ impl ControllerService {
             self.ensure_snapshot_key(&rec, src).await.map_err(key_error)?;
         }
         let since = self.book.revision_of(&rec.node);
-        let id = rec.id.clone();
         // Wait for the node to finish; after op_timeout answer "not ready yet" (the
         // snapshotter calls again until ready_to_use).
-        let out = self
-            .book
-            .wait(self.op_timeout, |_, nodes, vols| {
-                let Some(v) = vols.get(&id) else {
-                    return Some(Err(CsiError::new(Code::Aborted, format!("snapshot {id} was deleted meanwhile"))));
-                };
-                let view = nodes.get(&v.node);
-                if let Some(f) = failure_since(view, &id, since) {
-                    return Some(Err(f.into()));
-                }
-                if v.state == VolState::Ready && held_snapshot(view, v).is_some() {
-                    return Some(Ok(v.clone()));
-                }
-                if view.is_none_or(|n| n.connected == 0) {
-                    return Some(Err(CsiError::new(
-                        Code::Unavailable,
-                        format!("node {} is not connected; retry", v.node),
-                    )));
-                }
-                None
-            })
-            .await;
+        let out = self.await_held("snapshot", &rec.id, since, |view, v| held_snapshot(view, v).is_some()).await;
         match out {
             Ok(v) => Ok(csi::CreateSnapshotResponse { snapshot: Some(snapshot_to_csi(&v, true)) }),
             Err(e) if e.code() == Code::DeadlineExceeded => {
