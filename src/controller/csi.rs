@@ -358,20 +358,8 @@ impl ControllerService {
         if let Some(src) = &source_rec {
             let required = r.capacity_range.as_ref().map_or(0, |c| c.required_bytes.max(0) as u64);
             let limit = r.capacity_range.as_ref().map_or(0, |c| c.limit_bytes.max(0) as u64);
-            if required == 0 {
-                size = src.size_bytes; // nothing asked: the source's size
-                if limit > 0 && size > limit {
-                    return Err(CsiError::new(
-                        Code::OutOfRange,
-                        format!(
-                            "{} holds {} bytes; limit_bytes {limit} is smaller",
-                            source.as_ref().unwrap(),
-                            src.size_bytes
-                        ),
-                    ));
-                }
-            }
-            if size < src.size_bytes {
+            // Nothing asked, or less than the source holds: the source's size.
+            if required == 0 || size < src.size_bytes {
                 if limit > 0 && limit < src.size_bytes {
                     return Err(CsiError::new(
                         Code::OutOfRange,
