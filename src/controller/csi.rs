@@ -384,10 +384,7 @@ impl ControllerService {
         let params: BTreeMap<String, String> = r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         let book = self.book.clone();
         let (name, fs2, pl, src2) = (r.name.clone(), fs, placement.clone(), source.clone());
-        let (rec, created) =
-            tokio::task::spawn_blocking(move || book.place(&name, size, fs2, params, &pl, src2.as_ref()))
-                .await
-                .map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
+        let (rec, created) = blocking(move || book.place(&name, size, fs2, params, &pl, src2.as_ref())).await?;
         // Node failures count only from reconciles of a desired set that holds this call's
         // change (a report computed against an older set may still arrive after it).
         let since = self.book.revision_of(&rec.node);
@@ -666,9 +663,7 @@ impl ControllerService {
             ));
         }
         let (book, did) = (self.book.clone(), id.clone());
-        tokio::task::spawn_blocking(move || book.begin_delete(&did))
-            .await
-            .map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
+        blocking(move || book.begin_delete(&did)).await?;
         let since = self.book.revision_of(&v.node);
         let node = v.node.clone();
         let out = self.await_gone(&id, &node, since).await;
@@ -724,9 +719,7 @@ impl ControllerService {
         let before = v.size_bytes;
         let book = self.book.clone();
         let vid = v.id.clone();
-        let grown = tokio::task::spawn_blocking(move || book.begin_expand(&vid, size))
-            .await
-            .map_err(|e| CsiError::new(Code::Internal, e.to_string()))??;
+        let grown = blocking(move || book.begin_expand(&vid, size)).await?;
         let since = self.book.revision_of(&grown.node);
         let v = match self.await_present(&grown.id, grown.size_bytes, since).await {
             Ok(v) => v,
