@@ -14,7 +14,7 @@ use std::net::IpAddr;
 use k8s_openapi::api::networking::v1::{NetworkPolicyPeer, NetworkPolicySpec};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use super::model::{self, Key, Objects, Protocol, key_text, matches};
+use super::model::{self, Key, Objects, key_text, matches};
 use crate::rpc::controller as pb;
 
 /// What one node is sent: every item the node's isolated pods need, by id.
@@ -90,14 +90,6 @@ fn policy_id(key: &Key, egress: bool) -> String {
     id_of(&[key.0.as_bytes(), key.1.as_bytes(), if egress { b"e" } else { b"i" }])
 }
 
-fn pb_protocol(p: Protocol) -> pb::Protocol {
-    match p {
-        Protocol::Tcp => pb::Protocol::Tcp,
-        Protocol::Udp => pb::Protocol::Udp,
-        Protocol::Sctp => pb::Protocol::Sctp,
-    }
-}
-
 fn host_cidr(ip: &IpAddr) -> String {
     match ip {
         IpAddr::V4(_) => format!("{ip}/32"),
@@ -165,17 +157,15 @@ impl Compiler<'_> {
             }
             let mut named = Vec::new();
             for port in ports.into_iter().flatten() {
-                let protocol = Protocol::parse(port.protocol.as_deref()).unwrap_or(Protocol::Tcp);
+                let protocol = model::protocol(port.protocol.as_deref()).unwrap_or(pb::Protocol::Tcp);
                 match &port.port {
                     Some(IntOrString::String(name)) => named.push((name.clone(), protocol)),
                     Some(IntOrString::Int(n)) => rule.ports.push(pb::PortMatch {
-                        protocol: pb_protocol(protocol) as i32,
+                        protocol: protocol as i32,
                         port: *n as u32,
                         end_port: port.end_port.unwrap_or(0).max(0) as u32,
                     }),
-                    None => {
-                        rule.ports.push(pb::PortMatch { protocol: pb_protocol(protocol) as i32, port: 0, end_port: 0 })
-                    }
+                    None => rule.ports.push(pb::PortMatch { protocol: protocol as i32, port: 0, end_port: 0 }),
                 }
             }
             for (name, protocol) in named {
@@ -248,7 +238,7 @@ impl Compiler<'_> {
                         for ip in &at.ips {
                             targets.push(pb::PortTarget {
                                 ip: ip.to_string(),
-                                protocol: pb_protocol(protocol) as i32,
+                                protocol: protocol as i32,
                                 port: p.port as u32,
                             });
                         }

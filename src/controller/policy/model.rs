@@ -9,6 +9,8 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicySpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
+use crate::rpc::controller as pb;
+
 /// The label the API server puts on every namespace (and that cannot be changed).
 pub const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
 
@@ -47,22 +49,14 @@ pub enum ObjectError {
     Store(#[from] redb::Error),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Protocol {
-    Tcp,
-    Udp,
-    Sctp,
-}
-
-impl Protocol {
-    /// `protocol` of a NetworkPolicyPort or a ContainerPort: TCP when absent.
-    pub fn parse(p: Option<&str>) -> Option<Self> {
-        match p.unwrap_or("TCP") {
-            "TCP" => Some(Protocol::Tcp),
-            "UDP" => Some(Protocol::Udp),
-            "SCTP" => Some(Protocol::Sctp),
-            _ => None,
-        }
+/// `protocol` of a NetworkPolicyPort, a ContainerPort, a Service or a slice port: TCP when
+/// absent, as the API defaults it.
+pub fn protocol(p: Option<&str>) -> Option<pb::Protocol> {
+    match p.unwrap_or("TCP") {
+        "TCP" => Some(pb::Protocol::Tcp),
+        "UDP" => Some(pb::Protocol::Udp),
+        "SCTP" => Some(pb::Protocol::Sctp),
+        _ => None,
     }
 }
 
@@ -70,7 +64,7 @@ impl Protocol {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct NamedPort {
     pub name: String,
-    pub protocol: Protocol,
+    pub protocol: pb::Protocol,
     pub port: u16,
 }
 
@@ -89,7 +83,7 @@ impl PodInfo {
         for c in containers {
             for p in c.ports.iter().flatten() {
                 let (Some(name), Some(protocol), Ok(port)) =
-                    (&p.name, Protocol::parse(p.protocol.as_deref()), u16::try_from(p.container_port))
+                    (&p.name, protocol(p.protocol.as_deref()), u16::try_from(p.container_port))
                 else {
                     continue;
                 };
@@ -201,7 +195,7 @@ fn validate_spec(spec: &NetworkPolicySpec) -> Result<(), String> {
             }
         }
         for port in ports.into_iter().flatten() {
-            if Protocol::parse(port.protocol.as_deref()).is_none() {
+            if protocol(port.protocol.as_deref()).is_none() {
                 return Err(format!("protocol {:?} is not TCP, UDP or SCTP", port.protocol.as_deref().unwrap_or("")));
             }
             use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -297,6 +291,17 @@ mod tests {
             operator: op.into(),
             values: if values.is_empty() { None } else { Some(values.iter().map(|s| s.to_string()).collect()) },
         }
+    }
+
+    #[test]
+    fn protocols_print_and_sort_as_before() {
+        // Port-set ids hash `{protocol:?}`, and a pod's named ports sort by protocol: the
+        // generated enum must print and order TCP, UDP and SCTP as the names below.
+        let parsed = [None, Some("TCP"), Some("UDP"), Some("SCTP")].map(|p| protocol(p).unwrap());
+        assert_eq!(parsed.map(|p| format!("{p:?}")), ["Tcp", "Tcp", "Udp", "Sctp"]);
+        assert!(parsed[1] < parsed[2] && parsed[2] < parsed[3]);
+        assert_eq!(protocol(Some("ICMP")), None);
+        assert_eq!(protocol(Some("tcp")), None);
     }
 
     #[test]

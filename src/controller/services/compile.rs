@@ -14,22 +14,13 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
+use crate::controller::policy::model::protocol;
 use crate::rpc::controller as pb;
 
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 /// kube-apiserver's default for `sessionAffinityConfig.clientIP.timeoutSeconds`.
 pub const DEFAULT_AFFINITY_SECONDS: u32 = 10800;
-
-/// The protocol of a Service or slice port (TCP when absent, as the API defaults it).
-pub fn protocol(p: Option<&str>) -> Option<pb::Protocol> {
-    match p.unwrap_or("TCP") {
-        "TCP" => Some(pb::Protocol::Tcp),
-        "UDP" => Some(pb::Protocol::Udp),
-        "SCTP" => Some(pb::Protocol::Sctp),
-        _ => None,
-    }
-}
 
 fn protocol_name(p: pb::Protocol) -> &'static str {
     match p {
