@@ -236,30 +236,21 @@ impl PolicyBook {
     /// Local mode: apply objects given as JSON (one object, a `List`, or several documents).
     /// All are checked before any is applied. Returns "Kind namespace/name" of each.
     pub fn apply_json(&self, json: &str) -> Result<Vec<String>, ObjectError> {
-        let mut stored = self.stored("apply")?;
-        let objects = parse_objects(json)?;
-        let mut applied = Vec::new();
-        let mut staged = self.state.lock().unwrap().objects.clone();
-        for obj in &objects {
-            applied.push(stage(&mut staged, &mut stored, obj, true)?);
-        }
-        self.save(&stored)?;
-        self.change(|o| {
-            o.namespaces = staged.namespaces;
-            o.pods = staged.pods;
-            o.policies = staged.policies;
-        });
-        Ok(applied)
+        self.stage_json(json, true)
     }
 
     /// Local mode: delete the objects named (kind, namespace, name) in `json`.
     pub fn delete_json(&self, json: &str) -> Result<Vec<String>, ObjectError> {
-        let mut stored = self.stored("delete")?;
+        self.stage_json(json, false)
+    }
+
+    fn stage_json(&self, json: &str, apply: bool) -> Result<Vec<String>, ObjectError> {
+        let mut stored = self.stored(if apply { "apply" } else { "delete" })?;
         let objects = parse_objects(json)?;
         let mut staged = self.state.lock().unwrap().objects.clone();
-        let mut deleted = Vec::new();
+        let mut done = Vec::new();
         for obj in &objects {
-            deleted.push(stage(&mut staged, &mut stored, obj, false)?);
+            done.push(stage(&mut staged, &mut stored, obj, apply)?);
         }
         self.save(&stored)?;
         self.change(|o| {
@@ -267,7 +258,7 @@ impl PolicyBook {
             o.pods = staged.pods;
             o.policies = staged.policies;
         });
-        Ok(deleted)
+        Ok(done)
     }
 
     /// Every applied object (local mode), as a JSON List.
