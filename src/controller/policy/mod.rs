@@ -261,24 +261,19 @@ impl PolicyBook {
         Ok(done)
     }
 
-    /// Every applied object (local mode), as a JSON List.
+    /// Every applied object (local mode), as a JSON List (each object says its apiVersion
+    /// and kind: k8s-openapi writes them).
     pub fn list_json(&self) -> Result<String, ObjectError> {
         let s = self.stored("list")?;
         let mut items: Vec<serde_json::Value> = Vec::new();
-        let with_kind = |kind: &str, v: serde_json::Value, api: &str| {
-            let mut v = v;
-            v["kind"] = kind.into();
-            v["apiVersion"] = api.into();
-            v
-        };
         for n in &s.namespaces {
-            items.push(with_kind("Namespace", serde_json::to_value(n).unwrap_or_default(), "v1"));
+            items.push(serde_json::to_value(n).unwrap_or_default());
         }
         for p in &s.pods {
-            items.push(with_kind("Pod", serde_json::to_value(p).unwrap_or_default(), "v1"));
+            items.push(serde_json::to_value(p).unwrap_or_default());
         }
         for p in &s.policies {
-            items.push(with_kind("NetworkPolicy", serde_json::to_value(p).unwrap_or_default(), "networking.k8s.io/v1"));
+            items.push(serde_json::to_value(p).unwrap_or_default());
         }
         let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
         Ok(serde_json::to_string_pretty(&list).expect("JSON values serialise"))
@@ -362,5 +357,32 @@ fn stage(o: &mut Objects, stored: &mut Stored, obj: &serde_json::Value, apply: b
             Ok(format!("NetworkPolicy {}", model::key_text(&key)))
         }
         other => Err(ObjectError::Kind(other.into(), "Namespace, Pod or NetworkPolicy")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listed_objects_say_their_api_version_and_kind() {
+        let dir = crate::util::TestDir::new("policy-list-json");
+        let book = PolicyBook::new(Some(dir.0.join("objects.json"))).unwrap();
+        let json = r#"{"apiVersion": "v1", "kind": "List", "items": [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "web"}},
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"namespace": "web", "name": "a"}},
+            {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+             "metadata": {"namespace": "web", "name": "deny"}, "spec": {"podSelector": {}}}
+        ]}"#;
+        assert_eq!(book.apply_json(json).unwrap(), ["Namespace web", "Pod web/a", "NetworkPolicy web/deny"]);
+        let list: serde_json::Value = serde_json::from_str(&book.list_json().unwrap()).unwrap();
+        assert_eq!((list["apiVersion"].as_str(), list["kind"].as_str()), (Some("v1"), Some("List")));
+        let items: Vec<(&str, &str)> = list["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| (i["apiVersion"].as_str().unwrap(), i["kind"].as_str().unwrap()))
+            .collect();
+        assert_eq!(items, [("v1", "Namespace"), ("v1", "Pod"), ("networking.k8s.io/v1", "NetworkPolicy")]);
     }
 }
