@@ -250,16 +250,6 @@ impl DeviceBook {
     }
 }
 
-/// FNV-1a, for names that must be cut.
-fn short_hash(s: &str) -> String {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in s.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    format!("{h:016x}")
-}
-
 /// The name of slice `index` of `node`'s pool (a DNS subdomain of at most 253 characters).
 pub fn slice_name(node: &str, index: usize) -> String {
     let suffix = format!("-{DRIVER_NAME}-{index}");
@@ -269,7 +259,7 @@ pub fn slice_name(node: &str, index: usize) -> String {
     let keep = 253 - suffix.len() - 17;
     let mut cut = node[..keep].trim_end_matches(|c: char| !c.is_ascii_alphanumeric()).to_string();
     cut.push('-');
-    cut.push_str(&short_hash(node));
+    cut.push_str(&format!("{:016x}", crate::util::fnv1a(&[node.as_bytes()])));
     format!("{cut}{suffix}")
 }
 
