@@ -57,13 +57,9 @@ impl Default for DeviceBook {
     }
 }
 
+/// A DNS-1123 label: a subdomain of one part, at most 63 characters.
 fn dns_label(s: &str) -> bool {
-    let b = s.as_bytes();
-    !b.is_empty()
-        && b.len() <= 63
-        && b[0].is_ascii_alphanumeric()
-        && b[b.len() - 1].is_ascii_alphanumeric()
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+    s.len() <= 63 && !s.contains('.') && super::records::subdomain_error(s).is_none()
 }
 
 /// A C identifier of at most 32 characters (an attribute or capacity name without domain).

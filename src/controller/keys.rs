@@ -228,14 +228,10 @@ pub fn key_file(dir: &Path, id: &str) -> PathBuf {
 /// The Secret holding volume `name`'s key: what `nodeplane-key-${pv.name}` resolves to.
 pub fn secret_name(name: &str) -> Result<String, KeyError> {
     let s = format!("{SECRET_PREFIX}{name}");
-    let ok = s.len() <= 253
-        && s.split('.').all(|l| {
-            !l.is_empty()
-                && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        });
-    if ok { Ok(s) } else { Err(KeyError::BadName { name: name.to_string() }) }
+    match super::records::subdomain_error(&s) {
+        None => Ok(s),
+        Some(_) => Err(KeyError::BadName { name: name.to_string() }),
+    }
 }
 
 /// 32 random bytes as 64 hex digits.
