@@ -385,7 +385,6 @@ async fn serve_cni(
         Ok(listener) => loop {
             match listener.accept() {
                 Ok((stream, _)) => spawn(&mut conns, Ok(stream)),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) => break tracing::warn!(error = %e, "accepting a queued CNI connection"),
             }
