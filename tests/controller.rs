@@ -664,6 +664,24 @@ async fn auth_rejects_missing_invalid_and_foreign_credentials() {
     assert_code(watch(&mut c, &ta, "node-b").await, Code::PermissionDenied, "node-a watching as node-b");
     assert_code(remove_node(&mut c, &ta, "node-b").await, Code::PermissionDenied, "node token on RemoveNode (other)");
 
+    // Only the admin changes or lists the policy and Services objects.
+    let ch = nodeplane::rpc::connect(&ctl.address()).await.unwrap();
+    let mut policies = pb::network_policies_client::NetworkPoliciesClient::new(ch.clone());
+    let mut services = pb::services_client::ServicesClient::new(ch);
+    let apply = || pb::ApplyObjectsRequest { json: "[]".into() };
+    let e = assert_code(policies.apply_objects(authed(apply(), &ta)).await, Code::PermissionDenied, "policy apply");
+    assert!(e.message().contains("may not change or list policy objects"), "{e:?}");
+    assert_code(policies.list_objects(authed(pb::ListObjectsRequest {}, &ta)).await, Code::PermissionDenied, "list");
+    let e = assert_code(services.apply_objects(authed(apply(), &ta)).await, Code::PermissionDenied, "Services apply");
+    assert!(e.message().contains("may not change or list Services"), "{e:?}");
+    assert_code(
+        services.delete_objects(authed(pb::DeleteObjectsRequest { json: "[]".into() }, &tb)).await,
+        Code::PermissionDenied,
+        "Services delete",
+    );
+    assert!(policies.list_objects(authed(pb::ListObjectsRequest {}, &admin)).await.is_ok());
+    assert!(services.list_objects(authed(pb::ListObjectsRequest {}, &admin)).await.is_ok());
+
     // Nothing was changed by the rejected calls.
     let list = node_list(&mut c, &admin).await;
     let nodes = by_name(&list);

@@ -138,9 +138,12 @@ impl Service {
         }
     }
 
-    /// The caller's identity (for the policy service, which shares these credentials).
-    pub(crate) async fn caller<T>(&self, req: &Request<T>) -> Result<Identity, Status> {
-        self.identity(req).await
+    /// For the object calls of the other services: only the admin may `what`.
+    pub(crate) async fn admin<T>(&self, req: &Request<T>, what: &str) -> Result<(), Status> {
+        match self.identity(req).await? {
+            Identity::Admin => Ok(()),
+            Identity::Node(n) => Err(Status::permission_denied(format!("node {n:?} may not {what}"))),
+        }
     }
 
     /// [`Self::authorize`] for another service of the controller.

@@ -9,7 +9,6 @@ use tonic::{Request, Response, Status};
 
 use super::PolicyBook;
 use super::compile::is_empty;
-use crate::controller::auth::Identity;
 use crate::rpc::controller as pb;
 use crate::rpc::controller::network_policies_server::NetworkPolicies;
 
@@ -47,12 +46,7 @@ impl Service {
     }
 
     async fn admin(&self, req: &Request<impl Sized>) -> Result<(), Status> {
-        match self.registry.caller(req).await? {
-            Identity::Admin => Ok(()),
-            Identity::Node(n) => {
-                Err(Status::permission_denied(format!("node {n:?} may not change or list policy objects")))
-            }
-        }
+        self.registry.admin(req, "change or list policy objects").await
     }
 
     /// The pod's key and addresses, checked: a valid namespace/name, and addresses inside

@@ -8,7 +8,6 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use super::{Change, ServiceBook, Start};
-use crate::controller::auth::Identity;
 use crate::rpc::controller as pb;
 use crate::rpc::controller::services_server::Services;
 
@@ -71,10 +70,7 @@ pub fn delta(book: &ServiceBook, base: u64, changes: &[Arc<Change>]) -> pb::Serv
 
 impl Service {
     async fn admin(&self, req: &Request<impl Sized>) -> Result<(), Status> {
-        match self.registry.caller(req).await? {
-            Identity::Admin => Ok(()),
-            Identity::Node(n) => Err(Status::permission_denied(format!("node {n:?} may not change or list Services"))),
-        }
+        self.registry.admin(req, "change or list Services").await
     }
 }
 
