@@ -95,11 +95,6 @@ pub fn mounts_at<'a>(table: &'a [MountEntry], path: &Path) -> Vec<&'a MountEntry
     table.iter().filter(|m| m.mount_point == path).collect()
 }
 
-/// The topmost mount on `path` (what a lookup of the path sees).
-pub fn top_mount_at<'a>(table: &'a [MountEntry], path: &Path) -> Option<&'a MountEntry> {
-    table.iter().rev().find(|m| m.mount_point == path)
-}
-
 /// The topmost mount on `path`, without reading the mount table: `statx` tells whether the
 /// path is the root of a mount (`STATX_ATTR_MOUNT_ROOT`), its mount id and its filesystem's
 /// device numbers; `statfs` the filesystem type and whether the mount is read-only. `None` when
@@ -405,7 +400,6 @@ mod tests {
         assert_eq!(t[3].source, "udev");
         assert_eq!(mount_points_of(&t, 7, 3).len(), 2);
         assert_eq!(mounts_at(&t, Path::new("/var/lib/kubelet/pods/p1/volumes/v")).len(), 1);
-        assert!(top_mount_at(&t, Path::new("/nope")).is_none());
         assert!(parse_mountinfo("garbage line\n").is_empty());
     }
 

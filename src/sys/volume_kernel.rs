@@ -47,10 +47,8 @@ pub trait VolumeKernel: Send + Sync {
     /// This process' mount table (`/proc/self/mountinfo`).
     fn mount_table(&self) -> io::Result<Vec<MountEntry>>;
     /// The topmost mount on `path` (what a lookup of the path sees), `None` when nothing is
-    /// mounted there. The default reads the whole mount table.
-    fn top_mount(&self, path: &Path) -> io::Result<Option<MountEntry>> {
-        Ok(self.mount_table()?.into_iter().rev().find(|m| m.mount_point == path))
-    }
+    /// mounted there.
+    fn top_mount(&self, path: &Path) -> io::Result<Option<MountEntry>>;
     /// Major and minor numbers of the device node `dev` (`st_rdev`).
     fn dev_numbers(&self, dev: &Path) -> io::Result<(u32, u32)>;
     /// When `path` (followed) is a block device node: its major and minor numbers.
