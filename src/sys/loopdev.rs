@@ -30,8 +30,6 @@ const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 
 pub const LO_FLAGS_READ_ONLY: u32 = 1;
 pub const LO_FLAGS_AUTOCLEAR: u32 = 4;
-pub const LO_FLAGS_PARTSCAN: u32 = 8;
-pub const LO_FLAGS_DIRECT_IO: u32 = 16;
 
 const LO_NAME_SIZE: usize = 64;
 const LO_KEY_SIZE: usize = 32;
@@ -120,29 +118,32 @@ fn bound_devices_in(sys_block: &Path) -> io::Result<Vec<LoopBinding>> {
             continue;
         };
         // Absent while unbound; a device can also be torn down between the walk and the read.
-        let Ok(raw) = fs::read(entry.path().join("loop/backing_file")) else { continue };
-        let mut raw = raw;
-        while raw.last() == Some(&b'\n') {
-            raw.pop();
-        }
-        if raw.is_empty() {
+        let Some((backing_file, deleted)) = read_backing_file(&entry.path().join("loop/backing_file")) else {
+            continue;
+        };
+        if backing_file.as_os_str().is_empty() {
             continue;
         }
-        const DELETED: &[u8] = b" (deleted)";
-        let deleted = raw.ends_with(DELETED);
-        if deleted {
-            raw.truncate(raw.len() - DELETED.len());
-        }
-        out.push(LoopBinding {
-            device: PathBuf::from(format!("/dev/loop{number}")),
-            number,
-            backing_file: PathBuf::from(OsString::from_vec(raw)),
-            deleted,
-            read_only: false,
-        });
+        let device = PathBuf::from(format!("/dev/loop{number}"));
+        out.push(LoopBinding { device, number, backing_file, deleted, read_only: false });
     }
     out.sort_by_key(|b| b.number);
     Ok(out)
+}
+
+/// A sysfs `loop/backing_file`: the path as the kernel prints it now, without the
+/// ` (deleted)` suffix, and whether it had one. `None` when it cannot be read (unbound).
+pub(crate) fn read_backing_file(sysfs: &Path) -> Option<(PathBuf, bool)> {
+    let mut raw = fs::read(sysfs).ok()?;
+    while raw.last() == Some(&b'\n') {
+        raw.pop();
+    }
+    const DELETED: &[u8] = b" (deleted)";
+    let deleted = raw.ends_with(DELETED);
+    if deleted {
+        raw.truncate(raw.len() - DELETED.len());
+    }
+    Some((PathBuf::from(OsString::from_vec(raw)), deleted))
 }
 
 /// Open `/dev/loopN`, creating the node from sysfs' major:minor when /dev lacks it (a /dev
@@ -186,7 +187,8 @@ fn make_node(number: u32, path: &Path) -> io::Result<()> {
     }
 }
 
-fn device_number(device: &Path) -> io::Result<u32> {
+/// `N` of `/dev/loopN`.
+pub fn device_number(device: &Path) -> io::Result<u32> {
     device
         .file_name()
         .and_then(|n| n.to_str())
@@ -195,11 +197,6 @@ fn device_number(device: &Path) -> io::Result<u32> {
         .ok_or_else(|| {
             io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not a loop device", device.display()))
         })
-}
-
-/// `N` of `/dev/loopN`.
-pub fn device_number_of(device: &Path) -> io::Result<u32> {
-    device_number(device)
 }
 
 /// `LOOP_GET_STATUS64` on an open device.
@@ -271,22 +268,10 @@ fn confirm(number: u32, st_dev: u64, st_ino: u64) -> io::Result<Option<LoopBindi
         Err(e) if e.raw_os_error() == Some(libc::ENXIO) => return Ok(None),
         Err(e) => return Err(ctx("LOOP_GET_STATUS64 on", &device)(e)),
     };
-    let Ok(mut raw) = fs::read(format!("/sys/block/loop{number}/loop/backing_file")) else { return Ok(None) };
-    while raw.last() == Some(&b'\n') {
-        raw.pop();
-    }
-    const DELETED: &[u8] = b" (deleted)";
-    let deleted = raw.ends_with(DELETED);
-    if deleted {
-        raw.truncate(raw.len() - DELETED.len());
-    }
-    Ok(Some(LoopBinding {
-        device,
-        number,
-        backing_file: PathBuf::from(OsString::from_vec(raw)),
-        deleted,
-        read_only: info.lo_flags & LO_FLAGS_READ_ONLY != 0,
-    }))
+    let sysfs = format!("/sys/block/loop{number}/loop/backing_file");
+    let Some((backing_file, deleted)) = read_backing_file(Path::new(&sysfs)) else { return Ok(None) };
+    let read_only = info.lo_flags & LO_FLAGS_READ_ONLY != 0;
+    Ok(Some(LoopBinding { device, number, backing_file, deleted, read_only }))
 }
 
 /// The loop devices bound to the file `(st_dev, st_ino)`, whose canonical path is `path`.

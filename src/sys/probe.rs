@@ -27,7 +27,6 @@
 
 use std::fs::File;
 use std::io::{self, Seek};
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -112,12 +111,10 @@ pub fn loop_image_is_all_holes(dev: &Path) -> bool {
             return Ok(false);
         }
         write_back(&f)?;
-        let number = super::loopdev::device_number_of(dev)?;
-        let mut raw = std::fs::read(format!("/sys/block/loop{number}/loop/backing_file"))?;
-        while raw.last() == Some(&b'\n') {
-            raw.pop();
-        }
-        let img = File::open(Path::new(std::ffi::OsStr::from_bytes(&raw)))?;
+        let number = super::loopdev::device_number(dev)?;
+        let sysfs = format!("/sys/block/loop{number}/loop/backing_file");
+        let (path, _) = super::loopdev::read_backing_file(Path::new(&sysfs)).ok_or(io::ErrorKind::NotFound)?;
+        let img = File::open(path)?;
         let md = img.metadata()?;
         if (md.dev(), md.ino()) != (info.lo_device, info.lo_inode) {
             return Ok(false);
