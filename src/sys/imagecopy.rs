@@ -60,13 +60,14 @@ fn reflink(src: &File, dst: &File) -> io::Result<bool> {
     }
 }
 
-fn seek(f: &File, off: u64, whence: libc::c_int) -> io::Result<Option<u64>> {
+/// `lseek`; `None` for ENXIO (no data, or hole, at or after `off`).
+pub(crate) fn seek(f: &File, off: u64, whence: libc::c_int) -> io::Result<Option<u64>> {
     // SAFETY: lseek on our own descriptor.
     let r = unsafe { libc::lseek(f.as_raw_fd(), off as libc::off_t, whence) };
     if r < 0 {
         let e = io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::ENXIO) {
-            return Ok(None); // no data (or hole) at or after `off`
+            return Ok(None);
         }
         return Err(e);
     }

@@ -138,21 +138,11 @@ fn write_back(f: &File) -> io::Result<()> {
 /// The ranges of `[start, end)` where `f` holds data (the whole range when the filesystem
 /// cannot say).
 pub(crate) fn data_ranges(f: &File, start: u64, end: u64) -> io::Result<Vec<(u64, u64)>> {
-    use std::os::unix::io::AsRawFd;
-    let fd = f.as_raw_fd();
-    let seek = |off: u64, whence: libc::c_int| -> io::Result<Option<u64>> {
-        // SAFETY: lseek on a descriptor this function borrows; no memory is passed.
-        let r = unsafe { libc::lseek(fd, off as libc::off_t, whence) };
-        if r >= 0 {
-            return Ok(Some(r as u64));
-        }
-        let e = io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::ENXIO) { Ok(None) } else { Err(e) }
-    };
+    use super::imagecopy::seek;
     let mut out = Vec::new();
     let mut at = start;
     while at < end {
-        let data = match seek(at, libc::SEEK_DATA) {
+        let data = match seek(f, at, libc::SEEK_DATA) {
             Ok(Some(d)) => d,
             Ok(None) => break, // no data from here to the end of the file
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(vec![(start, end)]),
@@ -161,7 +151,7 @@ pub(crate) fn data_ranges(f: &File, start: u64, end: u64) -> io::Result<Vec<(u64
         if data >= end {
             break;
         }
-        let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
+        let hole = seek(f, data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
         out.push((data, hole));
         at = hole;
     }
