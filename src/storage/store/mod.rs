@@ -459,12 +459,6 @@ impl VolumeStore {
         Ok(())
     }
 
-    /// Where the image of volume `id` lives (whether or not it exists).
-    pub fn image_path(&self, id: &str) -> Result<PathBuf> {
-        validate_id(id)?;
-        Ok(self.dir.join(format!("{id}.img")))
-    }
-
     /// Where a new volume `id`'s image goes: refused while an image nobody's metadata claims
     /// is there (possibly someone's data; not ours to reuse or overwrite; `orphans`
     /// reports it).

@@ -12,6 +12,14 @@ const MIB: u64 = 1 << 20;
 
 struct TempDir(PathBuf);
 
+impl VolumeStore {
+    /// Where the image of volume `id` lives (whether or not it exists).
+    pub fn image_path(&self, id: &str) -> Result<PathBuf> {
+        validate_id(id)?;
+        Ok(self.dir.join(format!("{id}.img")))
+    }
+}
+
 impl TempDir {
     fn new(tag: &str) -> Self {
         static N: AtomicU32 = AtomicU32::new(0);
