@@ -327,36 +327,6 @@ fn forget_for(k: &mut Known, key: (u64, u64), number: u32) {
     }
 }
 
-/// The walk [`find_backed_by`] did before it kept a view of the loop devices: every bound
-/// device's sysfs name compared, each candidate confirmed. Kept as the reference the view
-/// is tested against.
-pub fn find_backed_by_walking(path: &Path, st_dev: u64, st_ino: u64) -> io::Result<Vec<LoopBinding>> {
-    let mut found = Vec::new();
-    for b in bound_devices()? {
-        let same_name = b.backing_file == path;
-        let same_inode = !b.deleted
-            && fs::metadata(&b.backing_file).map(|m| m.dev() == st_dev && m.ino() == st_ino).unwrap_or(false);
-        if !same_name && !same_inode {
-            continue;
-        }
-        let dev = match open_device(b.number, false, false) {
-            Ok(d) => d,
-            // Torn down since the walk.
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO) | Some(libc::ENOENT)) => continue,
-            Err(e) => return Err(ctx("opening", &b.device)(e)),
-        };
-        match status(&dev) {
-            Ok(info) if info.lo_inode == st_ino && info.lo_device == st_dev => {
-                found.push(LoopBinding { read_only: info.lo_flags & LO_FLAGS_READ_ONLY != 0, ..b })
-            }
-            Ok(_) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {}
-            Err(e) => return Err(ctx("LOOP_GET_STATUS64 on", &b.device)(e)),
-        }
-    }
-    Ok(found)
-}
-
 /// How a file is bound to a device.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct AttachOptions {
