@@ -11,7 +11,7 @@
 
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
-use std::io;
+use std::io::{self, Seek};
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStringExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
@@ -25,8 +25,6 @@ const LOOP_GET_STATUS64: libc::c_ulong = 0x4C05;
 const LOOP_SET_CAPACITY: libc::c_ulong = 0x4C07;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
-/// `_IOR(0x12, 114, size_t)`
-const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 
 pub const LO_FLAGS_READ_ONLY: u32 = 1;
 pub const LO_FLAGS_AUTOCLEAR: u32 = 4;
@@ -207,14 +205,10 @@ pub fn status(dev: &File) -> io::Result<LoopInfo64> {
     Ok(info)
 }
 
-/// Size of a block device in bytes (`BLKGETSIZE64`).
+/// Size of a block device in bytes: where its end is (what `BLKGETSIZE64` says).
 pub fn device_size(device: &Path) -> io::Result<u64> {
-    let f = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(device).map_err(ctx("opening", device))?;
-    let mut size: u64 = 0;
-    // SAFETY: BLKGETSIZE64 writes one u64.
-    errno_result(unsafe { libc::ioctl(f.as_raw_fd(), BLKGETSIZE64 as _, &mut size as *mut u64) })
-        .map_err(ctx("BLKGETSIZE64 on", device))?;
-    Ok(size)
+    let mut f = File::open(device).map_err(ctx("opening", device))?;
+    f.seek(io::SeekFrom::End(0)).map_err(ctx("seeking to the end of", device))
 }
 
 /// This process' view of which loop devices are bound to which file (`(st_dev, st_ino)` →
