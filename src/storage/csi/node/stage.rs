@@ -107,33 +107,22 @@ impl NodeService {
             return Ok(()); // already staged (kubelet repeats NodeStage for every pod)
         }
         let rec_path = self.stage_record_path(id);
-        self.save(
-            &rec_path,
-            &StageRecord {
-                volume_id: id.to_string(),
-                staging_path: staging.clone(),
-                capability: cap.clone(),
-                state: StageState::Staging,
-                encrypted,
-            },
-        )?;
+        let staging_rec = StageRecord {
+            volume_id: id.to_string(),
+            staging_path: staging.clone(),
+            capability: cap.clone(),
+            state: StageState::Staging,
+            encrypted,
+        };
+        self.save(&rec_path, &staging_rec)?;
         crate::util::crash_point("stage-after-record");
         let attached_before = devices.iter().any(|d| !d.ro);
         // The final record is part of the work: when it cannot be written (a full state disk,
         // where the first record went into a spare that already had room) the stage is rolled
         // back like any other failure, not left mounted under a "staging" record.
-        let result = self.stage_work(&vol, &staging, &cap, &opts, key.as_ref()).and_then(|()| {
-            self.save(
-                &rec_path,
-                &StageRecord {
-                    volume_id: id.to_string(),
-                    staging_path: staging.clone(),
-                    capability: cap.clone(),
-                    state: StageState::Staged,
-                    encrypted,
-                },
-            )
-        });
+        let result = self
+            .stage_work(&vol, &staging, &cap, &opts, key.as_ref())
+            .and_then(|()| self.save(&rec_path, &StageRecord { state: StageState::Staged, ..staging_rec }));
         if result.is_err() {
             // Roll back to where we started: nothing mounted, not attached (unless it was).
             if !cap.block {
