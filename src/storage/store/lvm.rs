@@ -292,24 +292,11 @@ impl VolumeStore {
             pool.extend(&lv.name, grown.size_bytes).map_err(|e| lvm_err(&id, e))?;
             tracing::info!(volume = %id, size = grown.size_bytes, "volume LV grown");
         }
-        self.grow_read_only_loops(&grown)?;
-        Ok(grown)
-    }
-
-    fn grow_read_only_loops(&self, vol: &Volume) -> Result<()> {
-        use std::os::unix::fs::MetadataExt;
-        let Ok(m) = std::fs::metadata(&vol.path) else { return Ok(()) };
-        let loops = self
-            .kernel
-            .loop_find_backed_by(&vol.path, m.dev(), m.ino())
-            .map_err(io_err("finding loop devices of", &vol.path))?;
-        for b in loops {
-            let dev_size = self.kernel.device_size(&b.device).map_err(io_err("sizing", &b.device))?;
-            if dev_size < vol.size_bytes {
-                self.kernel.loop_set_capacity(&b.device).map_err(io_err("LOOP_SET_CAPACITY on", &b.device))?;
-            }
+        // The read-only loop devices over the LV.
+        if let Ok(m) = std::fs::metadata(&grown.path) {
+            self.grow_loops(&grown, &m)?;
         }
-        Ok(())
+        Ok(grown)
     }
 
     /// [`VolumeError::Busy`] while volume `vol`'s LV is open: mounted, or held by another

@@ -687,6 +687,12 @@ impl VolumeStore {
             f.sync_all().map_err(io_err("syncing", &vol.path))?;
             tracing::info!(volume = id, size = vol.size_bytes, "volume image grown");
         }
+        self.grow_loops(&vol, &m)?;
+        Ok(vol)
+    }
+
+    /// Tell every loop device bound to `vol`'s image or LV (`m`, its metadata) that it grew.
+    fn grow_loops(&self, vol: &Volume, m: &std::fs::Metadata) -> Result<()> {
         for b in self
             .kernel
             .loop_find_backed_by(&vol.path, m.dev(), m.ino())
@@ -696,10 +702,10 @@ impl VolumeStore {
             if dev_size < vol.size_bytes {
                 let now =
                     self.kernel.loop_set_capacity(&b.device).map_err(io_err("LOOP_SET_CAPACITY on", &b.device))?;
-                tracing::info!(volume = id, device = %b.device.display(), size = now, "loop device grown online");
+                tracing::info!(volume = %vol.id, device = %b.device.display(), size = now, "loop device grown online");
             }
         }
-        Ok(vol)
+        Ok(())
     }
 
     /// The read-write loop device bound to volume `id`'s image, if any (without attaching).
