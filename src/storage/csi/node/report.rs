@@ -75,14 +75,12 @@ impl NodeService {
         for r in self.publish_records() {
             let devices = self.volume_devices(&r.volume_id).unwrap_or_default();
             let mounted = mount::mounts_at(&table, &r.target_path).iter().any(|m| self.is_volume_mount(m, &devices));
-            if mounted {
-                report.published += 1;
-            } else if !r.target_path.exists() {
+            if !mounted && !r.target_path.exists() {
                 self.remove_publish(&r.target_path)?;
                 report.dropped_publish_records += 1;
             } else {
-                // The target exists unmounted (interrupted publish or reboot): kubelet's
-                // retry or unpublish settles it.
+                // Mounted, or the target exists unmounted (interrupted publish or reboot):
+                // kubelet's retry or unpublish settles it.
                 report.published += 1;
             }
         }
