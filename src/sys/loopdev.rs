@@ -461,13 +461,15 @@ pub enum DetachError {
 /// again and `Busy` is returned, so a detach either happens or changes nothing.
 pub fn detach(device: &Path, st_dev: u64, st_ino: u64) -> Result<(), DetachError> {
     let number = device_number(device).map_err(DetachError::Io)?;
+    // Bound to the file `(st_dev, st_ino)`, by the status of the open device `f`.
+    let bound_to_file = |f: &File| match status(f) {
+        Ok(info) => Ok(info.lo_inode == st_ino && info.lo_device == st_dev),
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => Ok(false),
+        Err(e) => Err(DetachError::Io(ctx("LOOP_GET_STATUS64 on", device)(e))),
+    };
     let still_ours = || -> Result<bool, DetachError> {
         match open_device(number, false, false) {
-            Ok(f) => match status(&f) {
-                Ok(info) => Ok(info.lo_inode == st_ino && info.lo_device == st_dev),
-                Err(e) if e.raw_os_error() == Some(libc::ENXIO) => Ok(false),
-                Err(e) => Err(DetachError::Io(ctx("LOOP_GET_STATUS64 on", device)(e))),
-            },
+            Ok(f) => bound_to_file(&f),
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO) | Some(libc::ENOENT)) => Ok(false),
             Err(e) => Err(DetachError::Io(ctx("opening", device)(e))),
         }
@@ -477,11 +479,8 @@ pub fn detach(device: &Path, st_dev: u64, st_ino: u64) -> Result<(), DetachError
     }
     let Some(dev) = open_exclusive(number, device, CLAIM_WAIT)? else { return Ok(()) };
     // Re-check on the exclusive fd: the device may have been cleared and rebound meanwhile.
-    match status(&dev) {
-        Ok(info) if info.lo_inode == st_ino && info.lo_device == st_dev => {}
-        Ok(_) => return Ok(()),
-        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => return Ok(()),
-        Err(e) => return Err(DetachError::Io(ctx("LOOP_GET_STATUS64 on", device)(e))),
+    if !bound_to_file(&dev)? {
+        return Ok(());
     }
     // SAFETY: LOOP_CLR_FD takes no argument.
     match errno_result(unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CLR_FD as _, 0) }) {
