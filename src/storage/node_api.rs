@@ -45,9 +45,7 @@ async fn run<T: Send + 'static>(
     id: Option<String>,
     f: impl FnOnce(&NodeService) -> Result<T, Status> + Send + 'static,
 ) -> Result<Response<T>, Status> {
-    if !svc.ready() {
-        return Err(Status::unavailable("the node plugin is still initialising"));
-    }
+    super::csi::ready_or_unavailable(svc)?;
     let svc = svc.clone();
     crate::rpc::blocking(move || {
         let _g = match &id {

@@ -34,7 +34,7 @@ pub fn registration_socket(kubelet_dir: &Path) -> PathBuf {
     kubelet_dir.join("plugins_registry").join(format!("{DRIVER_NAME}-reg.sock"))
 }
 
-fn ready_or_unavailable(svc: &NodeService) -> Result<(), Status> {
+pub(crate) fn ready_or_unavailable(svc: &NodeService) -> Result<(), Status> {
     if svc.ready() { Ok(()) } else { Err(Status::unavailable("the node plugin is still initialising")) }
 }
 
