@@ -212,7 +212,7 @@ impl Links for Netlink {
             .map(|s| match *s {
                 LinkStep::Up { index } => Req::link_up(index, true),
                 LinkStep::Address { index, ip, prefix } => Req::add_address(index, ip, prefix),
-                LinkStep::DefaultRoute { gateway, oif } => Req::add_route(None, Some(gateway), oif, gateway.is_ipv6()),
+                LinkStep::DefaultRoute { gateway, oif } => Req::default_route(gateway, oif),
             })
             .collect();
         Netlink::apply_all(self, reqs)

@@ -453,12 +453,6 @@ impl Netlink {
 
     // ----- routes -----
 
-    /// Add a route in the main table: `dst` (None = default) via `gateway` out of `oif`.
-    pub fn add_route(&mut self, dst: Option<(IpAddr, u8)>, gateway: Option<IpAddr>, oif: u32, v6: bool) -> Result<()> {
-        let r = Req::add_route(dst, gateway, oif, v6);
-        self.request(r.msg, r.flags, &r.op)
-    }
-
     /// Routes of the main table, both families, in one dump (`AF_UNSPEC`: the kernel walks
     /// every family's routes for it).
     pub fn routes(&mut self) -> Result<Vec<Route>> {
@@ -613,29 +607,23 @@ impl Req {
         }
     }
 
-    /// Add a route in the main table: `dst` (None = default) via `gateway` out of `oif`.
-    pub fn add_route(dst: Option<(IpAddr, u8)>, gateway: Option<IpAddr>, oif: u32, v6: bool) -> Self {
+    /// Add a default route in the main table via `gateway` out of `oif`.
+    pub fn default_route(gateway: IpAddr, oif: u32) -> Self {
         let mut msg = RouteMessage::default();
         msg.header = RouteHeader {
-            address_family: if v6 { AddressFamily::Inet6 } else { AddressFamily::Inet },
-            destination_prefix_length: dst.map(|d| d.1).unwrap_or(0),
+            address_family: family_of(&gateway),
             table: RouteHeader::RT_TABLE_MAIN,
             protocol: RouteProtocol::Boot,
-            scope: if gateway.is_some() { RouteScope::Universe } else { RouteScope::Link },
+            scope: RouteScope::Universe,
             kind: RouteType::Unicast,
             ..Default::default()
         };
-        if let Some((ip, _)) = dst {
-            msg.attributes.push(RouteAttribute::Destination(RouteAddress::from(ip)));
-        }
-        if let Some(gw) = gateway {
-            msg.attributes.push(RouteAttribute::Gateway(RouteAddress::from(gw)));
-        }
+        msg.attributes.push(RouteAttribute::Gateway(RouteAddress::from(gateway)));
         msg.attributes.push(RouteAttribute::Oif(oif));
         Req {
             msg: RouteNetlinkMessage::NewRoute(msg),
             flags: NLM_F_CREATE | NLM_F_EXCL,
-            op: format!("add route {dst:?} via {gateway:?} dev {oif}"),
+            op: format!("add default route via {gateway} dev {oif}"),
         }
     }
 }
