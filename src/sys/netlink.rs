@@ -458,28 +458,17 @@ impl Netlink {
     pub fn routes(&mut self) -> Result<Vec<Route>> {
         let msgs = self.dump(RouteNetlinkMessage::GetRoute(RouteMessage::default()), "dump routes")?;
         Ok(msgs
-            .into_iter()
+            .iter()
             .filter_map(|m| match m {
-                RouteNetlinkMessage::NewRoute(r) if r.header.table == RouteHeader::RT_TABLE_MAIN => {
-                    let v6 = match r.header.address_family {
-                        AddressFamily::Inet => false,
-                        AddressFamily::Inet6 => true,
-                        _ => return None,
-                    };
-                    let mut route = Route { v6, dst: None, gateway: None, oif: None };
-                    for a in &r.attributes {
-                        match a {
-                            RouteAttribute::Destination(d) => {
-                                route.dst = route_ip(d).map(|ip| (ip, r.header.destination_prefix_length))
-                            }
-                            RouteAttribute::Gateway(g) => route.gateway = route_ip(g),
-                            RouteAttribute::Oif(i) => route.oif = Some(*i),
-                            _ => {}
-                        }
-                    }
-                    Some(route)
-                }
+                RouteNetlinkMessage::NewRoute(r) => parse_route_entry(r),
                 _ => None,
+            })
+            .filter(|e| e.table == u32::from(RouteHeader::RT_TABLE_MAIN))
+            .map(|e| Route {
+                v6: e.v6,
+                dst: (e.prefix > 0).then_some((e.dst, e.prefix)),
+                gateway: e.gateway,
+                oif: e.oif,
             })
             .collect())
     }
