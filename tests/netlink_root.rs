@@ -93,7 +93,7 @@ fn a_created_bridge_delivers_frames_for_its_own_mac() {
             assert_eq!(mac[0] & 0x03, 0x02, "unicast, locally administered: {mac:02x?}");
             nl.set_mac(br.index, mac).expect("pin the MAC");
             nl.add_address(br.index, "10.78.0.1".parse().unwrap(), 24).expect("gateway address");
-            nl.set_link(br.index, Some(true), None, None).expect("bridge up");
+            nl.set_link(br.index, Some(true), None, None, None).expect("bridge up");
         })
         .join()
         .expect("thread")

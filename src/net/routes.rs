@@ -1153,7 +1153,7 @@ impl Routes {
                 }
                 if !dev.link.up {
                     self.nl
-                        .set_link(dev.link.index, Some(true), None, None)
+                        .set_link(dev.link.index, Some(true), None, None, None)
                         .map_err(RoutesError::netlink(format!("bringing {name} up")))?;
                 }
                 let mac = dev.link.mac.ok_or_else(|| vtep_err("device has no MAC address".into()))?;

@@ -298,7 +298,7 @@ impl Tunnel {
                     nl.set_mtu(l.link.index, mtu).map_err(nl_err(format!("setting MTU {mtu} on {DEVICE}")))?;
                 }
                 if !l.link.up {
-                    nl.set_link(l.link.index, Some(true), None, None)
+                    nl.set_link(l.link.index, Some(true), None, None, None)
                         .map_err(nl_err(format!("bringing {DEVICE} up")))?;
                 }
                 l.link.index

@@ -186,7 +186,7 @@ impl Links for Netlink {
         rename: Option<&str>,
         group: Option<u32>,
     ) -> Result<()> {
-        Netlink::set_link_group(self, index, up, master, rename, group)
+        Netlink::set_link(self, index, up, master, rename, group)
     }
     fn retire_named(&mut self, name: &str, group: u32) -> Result<bool> {
         Netlink::retire_named(self, name, group)

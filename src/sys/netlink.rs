@@ -334,13 +334,8 @@ impl Netlink {
         self.request(RouteNetlinkMessage::NewLink(msg), NLM_F_CREATE | NLM_F_EXCL, &format!("create bridge {name}"))
     }
 
-    /// Change a link: up/down, master (Some(0) detaches), new name.
-    pub fn set_link(&mut self, index: u32, up: Option<bool>, master: Option<u32>, rename: Option<&str>) -> Result<()> {
-        self.set_link_group(index, up, master, rename, None)
-    }
-
-    /// [`Netlink::set_link`] that can also move the link into a link group.
-    pub fn set_link_group(
+    /// Change a link: up/down, master (Some(0) detaches), new name, link group.
+    pub fn set_link(
         &mut self,
         index: u32,
         up: Option<bool>,
