@@ -9,16 +9,19 @@ use std::net::IpAddr;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NetlinkDeserializable, NetlinkHeader,
-    NetlinkMessage, NetlinkPayload, NetlinkSerializable,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST, NetlinkDeserializable,
+    NetlinkHeader, NetlinkMessage, NetlinkPayload, NetlinkSerializable,
 };
 use netlink_packet_route::address::{AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage, AddressScope};
 use netlink_packet_route::link::{
-    InfoBridge, InfoBridgePort, InfoData, InfoKind, InfoPortData, InfoPortKind, InfoVeth, LinkAttribute,
+    InfoBridge, InfoBridgePort, InfoData, InfoKind, InfoPortData, InfoPortKind, InfoVeth, InfoVxlan, LinkAttribute,
     LinkExtentMask, LinkFlags, LinkInfo, LinkMessage,
 };
+use netlink_packet_route::neighbour::{
+    NeighbourAddress, NeighbourAttribute, NeighbourFlags, NeighbourMessage, NeighbourState,
+};
 use netlink_packet_route::route::{
-    RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
+    RouteAddress, RouteAttribute, RouteFlags, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
 use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
@@ -321,12 +324,9 @@ impl Netlink {
     /// are flooded to the ports instead of delivered to it: pods reach each other but not
     /// their gateway. An address in the creating request installs both entries.
     pub fn create_bridge(&mut self, name: &str, mtu: Option<u32>) -> Result<()> {
-        let mut mac = [0u8; 6];
-        crate::util::fill_random(&mut mac);
-        mac[0] = (mac[0] & 0xfe) | 0x02; // unicast, locally administered
         let mut msg = LinkMessage::default();
         msg.attributes.push(LinkAttribute::IfName(name.to_string()));
-        msg.attributes.push(LinkAttribute::Address(mac.to_vec()));
+        msg.attributes.push(LinkAttribute::Address(random_mac().to_vec()));
         if let Some(mtu) = mtu {
             msg.attributes.push(LinkAttribute::Mtu(mtu));
         }
@@ -502,11 +502,7 @@ fn parse_link(l: &LinkMessage) -> Link {
     for a in &l.attributes {
         match a {
             LinkAttribute::IfName(n) => link.name = n.clone(),
-            LinkAttribute::Address(m) if m.len() == 6 => {
-                let mut mac = [0u8; 6];
-                mac.copy_from_slice(m);
-                link.mac = Some(mac);
-            }
+            LinkAttribute::Address(m) if m.len() == 6 => link.mac = mac6(m),
             LinkAttribute::Mtu(m) => link.mtu = Some(*m),
             LinkAttribute::Controller(m) => link.master = Some(*m),
             LinkAttribute::Group(g) => link.group = *g,
@@ -612,17 +608,8 @@ impl Req {
     }
 }
 
-// ----- cross-node routes: VXLAN devices, routes with a protocol, neighbours, FDB -----
-//
-// Used by `crate::net::routes`. Everything below is additive: the functions above keep their
-// signatures.
-
-use netlink_packet_core::NLM_F_REPLACE;
-use netlink_packet_route::link::InfoVxlan;
-use netlink_packet_route::neighbour::{
-    NeighbourAddress, NeighbourAttribute, NeighbourFlags, NeighbourMessage, NeighbourState,
-};
-use netlink_packet_route::route::RouteFlags;
+// ----- cross-node routes (`crate::net::routes`): VXLAN devices, routes with a protocol,
+// neighbours, FDB -----
 
 /// `NUD_PERMANENT`: a neighbour or FDB entry that never expires.
 pub const NUD_PERMANENT: u16 = 0x80;
