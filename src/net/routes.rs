@@ -230,9 +230,7 @@ pub fn vtep_mac_for(local_underlay: IpAddr) -> [u8; 6] {
         IpAddr::V6(a) => a.octets().to_vec(),
     };
     let h = crate::util::fnv1a(&[b"nodeplane-vtep", &bytes]).to_be_bytes();
-    let mut mac = [0x02, h[0], h[1], h[2], h[3], h[4]];
-    mac[0] = (mac[0] & 0xfe) | 0x02;
-    mac
+    [0x02, h[0], h[1], h[2], h[3], h[4]]
 }
 
 /// Parse `aa:bb:cc:dd:ee:ff` (as the controller carries VTEP MACs). Empty string: `None`.
@@ -424,7 +422,7 @@ impl LocalView {
 fn is_link_local(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(a) => a.is_link_local(),
-        IpAddr::V6(a) => (a.segments()[0] & 0xffc0) == 0xfe80,
+        IpAddr::V6(a) => a.is_unicast_link_local(),
     }
 }
 
