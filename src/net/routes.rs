@@ -916,6 +916,14 @@ fn gone(e: &NetlinkError) -> bool {
     e.is(libc::ENOENT) || e.is(libc::ESRCH) || e.is(libc::ENODEV)
 }
 
+/// The answer to a deletion: already gone is success.
+fn deleted(r: Result<(), NetlinkError>, context: impl FnOnce() -> String) -> Result<(), RoutesError> {
+    match r {
+        Err(e) if !gone(&e) => Err(RoutesError::Netlink { context: context(), source: e }),
+        _ => Ok(()),
+    }
+}
+
 impl Routes {
     /// Validate the configuration and open a netlink socket in the calling thread's
     /// network namespace.
@@ -1163,11 +1171,7 @@ impl Routes {
                 vni = ?dev.vni, local = ?dev.local, port = ?dev.port, learning = ?dev.learning,
                 "VXLAN device parameters differ from the configuration: re-creating it"
             );
-            match self.nl.delete_link(dev.link.index) {
-                Ok(()) => {}
-                Err(e) if gone(&e) => {}
-                Err(e) => return Err(RoutesError::netlink(format!("deleting outdated vxlan device {name}"))(e)),
-            }
+            deleted(self.nl.delete_link(dev.link.index), || format!("deleting outdated vxlan device {name}"))?;
         }
         let spec = VxlanSpec {
             name: &name,
@@ -1374,16 +1378,12 @@ impl Routes {
             }
             Op::SetRoute { route, spec, new, remove_first } => {
                 if let Some(old) = remove_first {
-                    match self.nl.delete_route(old) {
-                        Ok(()) => {}
-                        Err(e) if gone(&e) => {}
-                        Err(e) => {
-                            return Err(RoutesError::netlink(format!(
-                                "peer {}: removing the old route to block {} via {:?}",
-                                route.peer, route.block, old.gateway
-                            ))(e));
-                        }
-                    }
+                    deleted(self.nl.delete_route(old), || {
+                        format!(
+                            "peer {}: removing the old route to block {} via {:?}",
+                            route.peer, route.block, old.gateway
+                        )
+                    })?;
                 }
                 self.nl.replace_route(spec).map_err(RoutesError::netlink(format!(
                     "peer {}: {} route to block {} via {}{}",
@@ -1405,41 +1405,23 @@ impl Routes {
                 count(&mut report.routes, *new);
             }
             Op::DelRoute { entry } => {
-                match self.nl.delete_route(entry) {
-                    Ok(()) => {}
-                    Err(e) if gone(&e) => {}
-                    Err(e) => {
-                        return Err(RoutesError::netlink(format!(
-                            "removing stale route {}/{} via {:?}",
-                            entry.dst, entry.prefix, entry.gateway
-                        ))(e));
-                    }
-                }
+                deleted(self.nl.delete_route(entry), || {
+                    format!("removing stale route {}/{} via {:?}", entry.dst, entry.prefix, entry.gateway)
+                })?;
                 tracing::info!(dst = %entry.dst, prefix = entry.prefix, via = ?entry.gateway, "stale route removed");
                 report.routes.removed += 1;
             }
             Op::DelNeigh { ip } => {
                 let index = vxlan_index.expect("neighbours are found only on a VXLAN device");
-                match self.nl.delete_neighbour(index, *ip) {
-                    Ok(()) => {}
-                    Err(e) if gone(&e) => {}
-                    Err(e) => return Err(RoutesError::netlink(format!("removing stale neighbour {ip} on {dev}"))(e)),
-                }
+                deleted(self.nl.delete_neighbour(index, *ip), || format!("removing stale neighbour {ip} on {dev}"))?;
                 tracing::debug!(%ip, "stale neighbour removed");
                 report.neigh.removed += 1;
             }
             Op::DelFdb { mac, dst } => {
                 let index = vxlan_index.expect("FDB entries are found only on a VXLAN device");
-                match self.nl.delete_fdb(index, *mac, *dst) {
-                    Ok(()) => {}
-                    Err(e) if gone(&e) => {}
-                    Err(e) => {
-                        return Err(RoutesError::netlink(format!(
-                            "removing stale FDB entry {} on {dev}",
-                            format_mac(mac)
-                        ))(e));
-                    }
-                }
+                deleted(self.nl.delete_fdb(index, *mac, *dst), || {
+                    format!("removing stale FDB entry {} on {dev}", format_mac(mac))
+                })?;
                 tracing::debug!(mac = %format_mac(mac), dst = ?dst, "stale fdb entry removed");
                 report.fdb.removed += 1;
             }
