@@ -388,7 +388,7 @@ impl Client {
         token: &Token,
         register: &impl Fn(String) -> pb::RegisterRequest,
     ) -> Result<(), String> {
-        let new = KeyPair::generate().map_err(|e| e.to_string())?;
+        let new = KeyPair::generate();
         new.save(&self.key_path()).map_err(|e| e.to_string())?;
         {
             let mut routes = self.routes.lock().unwrap();

@@ -84,8 +84,6 @@ pub enum KeyError {
         path.display()
     )]
     Exposed { path: PathBuf, mode: u32 },
-    #[error("no random bytes for a wireguard key: {0}")]
-    Random(#[source] std::io::Error),
 }
 
 /// The node's key pair. Its `Debug` shows the public key only.
@@ -109,22 +107,10 @@ impl KeyPair {
     }
 
     /// A new key pair from the kernel's random source.
-    pub fn generate() -> Result<Self, KeyError> {
+    pub fn generate() -> Self {
         let mut k = [0u8; 32];
-        let mut filled = 0;
-        while filled < k.len() {
-            // SAFETY: getrandom writes at most the given length into the buffer we own.
-            let n = unsafe { libc::getrandom(k[filled..].as_mut_ptr().cast(), k.len() - filled, 0) };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    return Err(KeyError::Random(e));
-                }
-                continue;
-            }
-            filled += n as usize;
-        }
-        Ok(Self::from_private(k))
+        crate::util::fill_random(&mut k);
+        Self::from_private(k)
     }
 
     pub fn public(&self) -> &Key {
@@ -149,7 +135,7 @@ impl KeyPair {
                 Ok(Self::from_private(key))
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let pair = Self::generate()?;
+                let pair = Self::generate();
                 pair.save(path)?;
                 tracing::info!(public_key = %encode_key(&pair.public), "made this node's wireguard key");
                 Ok(pair)
@@ -413,7 +399,7 @@ mod tests {
         let short = base64::engine::general_purpose::STANDARD.encode([1u8; 31]);
         std::fs::write(&path, &short).unwrap();
         assert!(matches!(KeyPair::load_or_create(&path), Err(KeyError::Corrupt { .. })));
-        KeyPair::generate().unwrap().save(&path).unwrap();
+        KeyPair::generate().save(&path).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
         let e = KeyPair::load_or_create(&path).unwrap_err();
         assert!(matches!(e, KeyError::Exposed { mode: 0o644, .. }), "{e}");
@@ -423,7 +409,7 @@ mod tests {
 
     #[test]
     fn keys_round_trip_as_text() {
-        let k = KeyPair::generate().unwrap();
+        let k = KeyPair::generate();
         assert_eq!(parse_key(&encode_key(k.public())), Some(*k.public()));
         assert_eq!(encode_key(k.public()).len(), 44);
         assert_eq!(parse_key("AAAA"), None);
