@@ -3,10 +3,9 @@
 //! Rules are per block, not per pod, so ADD and DEL never touch the firewall. `nft` is run
 //! with an argument vector and the ruleset on stdin (no shell).
 
-use std::io::Write;
-use std::process::{Command, Stdio};
-
 use ipnetwork::IpNetwork;
+
+use crate::net::policy::{NftError, nft};
 
 pub const TABLE: &str = "nodeplane";
 
@@ -38,25 +37,8 @@ pub fn ruleset(blocks: &[IpNetwork], cluster: &[IpNetwork]) -> String {
 }
 
 /// Apply the ruleset in the calling process's network namespace.
-pub fn apply(blocks: &[IpNetwork], cluster: &[IpNetwork]) -> std::io::Result<()> {
-    let rules = ruleset(blocks, cluster);
-    let mut child = Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| std::io::Error::new(e.kind(), format!("running nft: {e}")))?;
-    child.stdin.take().expect("piped").write_all(rules.as_bytes())?;
-    let out = child.wait_with_output()?;
-    if !out.status.success() {
-        return Err(std::io::Error::other(format!(
-            "nft failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
-    }
-    Ok(())
+pub fn apply(blocks: &[IpNetwork], cluster: &[IpNetwork]) -> Result<(), NftError> {
+    nft(&ruleset(blocks, cluster))
 }
 
 #[cfg(test)]
