@@ -29,7 +29,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
-use std::str::FromStr;
 
 use ipnetwork::IpNetwork;
 use serde::{Deserialize, Serialize};
@@ -74,18 +73,6 @@ pub enum RouteMode {
     Direct,
     /// VXLAN to every peer.
     Vxlan,
-}
-
-impl FromStr for RouteMode {
-    type Err = RoutesError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "auto" => Ok(RouteMode::Auto),
-            "direct" => Ok(RouteMode::Direct),
-            "vxlan" => Ok(RouteMode::Vxlan),
-            other => Err(RoutesError::Config(format!("route mode {other:?}: expected auto, direct or vxlan"))),
-        }
-    }
 }
 
 impl fmt::Display for RouteMode {
@@ -1089,10 +1076,6 @@ impl Routes {
         Ok(())
     }
 
-    pub fn config(&self) -> &RouteConfig {
-        &self.cfg
-    }
-
     /// The MTU pods get under `encryption` (see [`pod_mtu`]), from the underlay link's MTU.
     pub fn pod_mtu(&mut self, encryption: Encryption) -> Result<u32, RoutesError> {
         let (_, underlay_mtu) = self.underlay_link()?;
@@ -1647,11 +1630,9 @@ mod tests {
     fn mode_parses_from_config_strings() {
         for (s, m) in [("auto", RouteMode::Auto), ("direct", RouteMode::Direct), ("vxlan", RouteMode::Vxlan)] {
             assert_eq!(serde_json::from_str::<RouteMode>(&format!("\"{s}\"")).unwrap(), m);
-            assert_eq!(s.parse::<RouteMode>().unwrap(), m);
             assert_eq!(m.to_string(), s);
         }
         assert!(serde_json::from_str::<RouteMode>("\"bgp\"").is_err());
-        assert!("Direct".parse::<RouteMode>().is_err());
     }
 
     #[test]
