@@ -450,7 +450,7 @@ impl Client {
                 None => r.resync(),
             }
             .map_err(|e| e.to_string())?;
-            *me.link.tunnel_error.lock().unwrap() = r.tunnel_status().1;
+            *me.link.tunnel_error.lock().unwrap() = r.tunnel_error();
             let took_us = t.elapsed().as_micros() as u64;
             if kind == "audit" && report.changes() == 0 {
                 tracing::debug!(kind, peers = r.peers().count(), took_us, "routes audited: no drift");

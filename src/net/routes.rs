@@ -985,11 +985,9 @@ impl Routes {
         }
     }
 
-    /// The WireGuard device as the kernel has it (`None`: encryption off or no device), and
-    /// why the device could not be made, if it could not.
-    pub fn tunnel_status(&mut self) -> (Option<crate::sys::wireguard::Device>, Option<String>) {
-        let dev = self.tunnel.as_mut().and_then(|(t, _)| t.device().ok());
-        (dev, self.tunnel_error.clone())
+    /// Why the WireGuard device could not be made, if it could not.
+    pub fn tunnel_error(&self) -> Option<String> {
+        self.tunnel_error.clone()
     }
 
     /// Make (or remove, encryption off) the WireGuard device; its ifindex. A device that
