@@ -410,39 +410,16 @@ pub fn render_delta(old: &View, new: &View) -> String {
     for (id, set) in &new.address_sets {
         let before = old.address_sets.get(id);
         for (fam, is6, ty) in [("4", false, "ipv4_addr"), ("6", true, "ipv6_addr")] {
-            if before.is_none() {
-                let _ = writeln!(adds, "add set {t} a_{id}{fam} {{ type {ty}; flags interval; }}");
-            }
-            let had: BTreeSet<String> =
-                before.map(|b| set_elements(&b.cidrs, is6).into_iter().collect()).unwrap_or_default();
-            let has: BTreeSet<String> = set_elements(&set.cidrs, is6).into_iter().collect();
-            let gone: Vec<&String> = had.difference(&has).collect();
-            let came: Vec<&String> = has.difference(&had).collect();
-            if !gone.is_empty() {
-                let _ = writeln!(adds, "delete element {t} a_{id}{fam} {{ {} }}", join(&gone));
-            }
-            if !came.is_empty() {
-                let _ = writeln!(adds, "add element {t} a_{id}{fam} {{ {} }}", join(&came));
-            }
+            let (had, has) = (before.map(|b| set_elements(&b.cidrs, is6)), set_elements(&set.cidrs, is6));
+            set_delta(&mut adds, &format!("a_{id}{fam}"), &format!("type {ty}; flags interval;"), had, has);
         }
     }
     for (id, set) in &new.port_sets {
         let before = old.port_sets.get(id);
         for (fam, is6, ty) in [("4", false, "ipv4_addr"), ("6", true, "ipv6_addr")] {
-            if before.is_none() {
-                let _ = writeln!(adds, "add set {t} n_{id}{fam} {{ type {ty} . inet_proto . inet_service; }}");
-            }
-            let had: BTreeSet<String> =
-                before.map(|b| port_elements(&b.targets, is6).into_iter().collect()).unwrap_or_default();
-            let has: BTreeSet<String> = port_elements(&set.targets, is6).into_iter().collect();
-            let gone: Vec<&String> = had.difference(&has).collect();
-            let came: Vec<&String> = has.difference(&had).collect();
-            if !gone.is_empty() {
-                let _ = writeln!(adds, "delete element {t} n_{id}{fam} {{ {} }}", join(&gone));
-            }
-            if !came.is_empty() {
-                let _ = writeln!(adds, "add element {t} n_{id}{fam} {{ {} }}", join(&came));
-            }
+            let (had, has) = (before.map(|b| port_elements(&b.targets, is6)), port_elements(&set.targets, is6));
+            let decl = format!("type {ty} . inet_proto . inet_service;");
+            set_delta(&mut adds, &format!("n_{id}{fam}"), &decl, had, has);
         }
     }
     // Chains: policies before the groups that jump to them. A new chain is made, a changed
@@ -505,8 +482,23 @@ pub fn render_delta(old: &View, new: &View) -> String {
     adds + &deletes
 }
 
-fn join(v: &[&String]) -> String {
-    v.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+/// Set `name` made (with `decl`) when it did not exist (`had` is None), and its elements
+/// brought from those it `had` to those it `has`, one by one.
+fn set_delta(out: &mut String, name: &str, decl: &str, had: Option<Vec<String>>, has: Vec<String>) {
+    let t = format!("inet {TABLE}");
+    if had.is_none() {
+        let _ = writeln!(out, "add set {t} {name} {{ {decl} }}");
+    }
+    let had: BTreeSet<String> = had.unwrap_or_default().into_iter().collect();
+    let has: BTreeSet<String> = has.into_iter().collect();
+    let gone: Vec<&str> = had.difference(&has).map(String::as_str).collect();
+    let came: Vec<&str> = has.difference(&had).map(String::as_str).collect();
+    if !gone.is_empty() {
+        let _ = writeln!(out, "delete element {t} {name} {{ {} }}", gone.join(", "));
+    }
+    if !came.is_empty() {
+        let _ = writeln!(out, "add element {t} {name} {{ {} }}", came.join(", "));
+    }
 }
 
 /// The anti-spoofing table with these pods (host veth → addresses), replacing any other.
