@@ -1277,14 +1277,8 @@ impl Routes {
         let vxlan_index = self.vtep.map(|(i, _)| i);
         let wg_index = self.ensure_tunnel()?;
         let addrs = self.nl.addresses(None).map_err(RoutesError::netlink("listing addresses"))?;
-        let mut main = Vec::new();
-        for v6 in [false, true] {
-            let all = self
-                .nl
-                .route_entries(v6)
-                .map_err(RoutesError::netlink(format!("listing {} routes", Family::from_v6(v6))))?;
-            main.extend(all.into_iter().filter(|r| r.table == RT_TABLE_MAIN));
-        }
+        let all = self.nl.route_entries().map_err(RoutesError::netlink("listing routes"))?;
+        let main: Vec<RouteEntry> = all.into_iter().filter(|r| r.table == RT_TABLE_MAIN).collect();
         let (fdb, neigh) = if vxlan_index.is_some() {
             (
                 self.nl.fdb_entries().map_err(RoutesError::netlink("listing FDB entries"))?,
@@ -1417,27 +1411,23 @@ impl Routes {
         self.applied = None;
         let mut failures = Vec::new();
         let mut removed = 0;
-        for v6 in [false, true] {
-            match self.nl.route_entries(v6) {
-                Ok(all) => {
-                    let ours = |r: &&RouteEntry| {
-                        r.table == RT_TABLE_MAIN && [RTPROT_NODEPLANE, wireguard::RTPROT_STRICT].contains(&r.protocol)
-                    };
-                    for r in all.iter().filter(ours) {
-                        match self.nl.delete_route(r) {
-                            Ok(()) => removed += 1,
-                            Err(e) if gone(&e) => {}
-                            Err(e) => failures.push(RoutesError::netlink(format!(
-                                "teardown: removing route {}/{} via {:?}",
-                                r.dst, r.prefix, r.gateway
-                            ))(e)),
-                        }
+        match self.nl.route_entries() {
+            Ok(all) => {
+                let ours = |r: &&RouteEntry| {
+                    r.table == RT_TABLE_MAIN && [RTPROT_NODEPLANE, wireguard::RTPROT_STRICT].contains(&r.protocol)
+                };
+                for r in all.iter().filter(ours) {
+                    match self.nl.delete_route(r) {
+                        Ok(()) => removed += 1,
+                        Err(e) if gone(&e) => {}
+                        Err(e) => failures.push(RoutesError::netlink(format!(
+                            "teardown: removing route {}/{} via {:?}",
+                            r.dst, r.prefix, r.gateway
+                        ))(e)),
                     }
                 }
-                Err(e) => {
-                    failures.push(RoutesError::netlink(format!("teardown: listing {} routes", Family::from_v6(v6)))(e))
-                }
             }
+            Err(e) => failures.push(RoutesError::netlink("teardown: listing routes")(e)),
         }
         let name = self.cfg.vxlan_name.clone();
         match self.nl.vxlan_by_name(&name) {

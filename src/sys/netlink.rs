@@ -448,16 +448,11 @@ impl Netlink {
 
     // ----- routes -----
 
-    /// Routes of the main table, both families, in one dump (`AF_UNSPEC`: the kernel walks
-    /// every family's routes for it).
+    /// Routes of the main table, both families ([`Self::route_entries`]).
     pub fn routes(&mut self) -> Result<Vec<Route>> {
-        let msgs = self.dump(RouteNetlinkMessage::GetRoute(RouteMessage::default()), "dump routes")?;
-        Ok(msgs
-            .iter()
-            .filter_map(|m| match m {
-                RouteNetlinkMessage::NewRoute(r) => parse_route_entry(r),
-                _ => None,
-            })
+        Ok(self
+            .route_entries()?
+            .into_iter()
             .filter(|e| e.table == u32::from(RouteHeader::RT_TABLE_MAIN))
             .map(|e| Route {
                 v6: e.v6,
@@ -834,12 +829,10 @@ impl Netlink {
         self.request(RouteNetlinkMessage::SetLink(msg), 0, &format!("set mtu {mtu} on link {index}"))
     }
 
-    /// Every route of one family, all tables, with protocol, metric, type and flags.
-    pub fn route_entries(&mut self, v6: bool) -> Result<Vec<RouteEntry>> {
-        let mut req = RouteMessage::default();
-        req.header.address_family = if v6 { AddressFamily::Inet6 } else { AddressFamily::Inet };
-        let op = if v6 { "dump ipv6 routes" } else { "dump ipv4 routes" };
-        let msgs = self.dump(RouteNetlinkMessage::GetRoute(req), op)?;
+    /// Every route of both families, all tables, with protocol, metric, type and flags, in
+    /// one dump (`AF_UNSPEC`: the kernel walks every family's routes for it).
+    pub fn route_entries(&mut self) -> Result<Vec<RouteEntry>> {
+        let msgs = self.dump(RouteNetlinkMessage::GetRoute(RouteMessage::default()), "dump routes")?;
         Ok(msgs
             .iter()
             .filter_map(|m| match m {
