@@ -108,8 +108,7 @@ impl Block {
     /// Offsets usable for pods: skip network, gateway and (IPv4) broadcast.
     fn host_range(&self) -> (u128, u128) {
         let bits = if self.net.is_ipv4() { 32 } else { 128 };
-        let size: u128 =
-            if bits - self.net.prefix() as u32 >= 128 { u128::MAX } else { 1u128 << (bits - self.net.prefix() as u32) };
+        let size = 1u128.checked_shl(bits - self.net.prefix() as u32).unwrap_or(u128::MAX);
         let last = if self.net.is_ipv4() { size - 2 } else { size - 1 };
         (2, last)
     }
