@@ -880,7 +880,6 @@ impl Datapath {
         let Some(host) = nl.link_by_name(&lease.host_if).map_err(|e| netlink_err("lookup", e))? else {
             return fail(format!("host veth {} is missing", lease.host_if));
         };
-        // Only the bridge's index is needed: an ioctl, not a second GETLINK.
         let Some(bridge) = nl.index_of(&self.settings.bridge).map_err(|e| netlink_err("lookup", e))? else {
             return fail(format!("bridge {} is missing", self.settings.bridge));
         };
