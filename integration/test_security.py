@@ -516,7 +516,7 @@ def test_source_runs_no_shell():
         named = re.findall(r'"(?:/usr)?(?:/s?bin/)?(' + "|".join(SHELLS) + r')"', text)
         assert not named, f"{f}: a string naming a shell: {named}"
         assert '"-c"' not in text, f'{f}: a "-c" argument'
-    assert sites == {"net/masquerade.rs": ['"nft"'], "agent/install.rs": ["&bin"], "sys/fstools.rs": ["tool"],
+    assert sites == {"agent/install.rs": ["&bin"], "sys/fstools.rs": ["tool"],
                      "net/policy.rs": ['"nft"', '"nft"'], "sys/features.rs": ['"nft"'],
                      "net/services.rs": ['"conntrack"', '"nft"', '"nft"'], "sys/lvm.rs": ["tool"],
                      "sys/crypt.rs": ['"cryptsetup"', '"cryptsetup"']}, sites
