@@ -31,15 +31,19 @@ impl std::fmt::Display for Family {
     }
 }
 
-/// Fill `buf` from the kernel's random source.
+/// Fill `buf` from the kernel's random source. getrandom(2) without flags fails only when
+/// interrupted (retried) or on a kernel older than 3.17; that panics rather than spin.
 pub fn fill_random(buf: &mut [u8]) {
     let mut filled = 0;
     while filled < buf.len() {
         // SAFETY: writing into our own buffer, bounded by its length.
         let n = unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
-        if n > 0 {
+        if n >= 0 {
             filled += n as usize;
+            continue;
         }
+        let e = std::io::Error::last_os_error();
+        assert!(e.kind() == std::io::ErrorKind::Interrupted, "the kernel's random source failed: {e}");
     }
 }
 
