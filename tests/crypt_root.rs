@@ -22,6 +22,10 @@ use nodeplane::rpc::csi;
 use nodeplane::rpc::node as napi;
 use tonic::Code;
 
+use nodeplane::storage::csi::snapshot::Taken;
+use nodeplane::storage::csi::{NodeService, NodeSettings};
+use nodeplane::storage::store::{Backend, FsType, Source, VolumeStore};
+
 use crate::csi_root::{Sandbox, assert_code, cap_for, mounted_at, mounts_under};
 
 const MIB: u64 = 1 << 20;
@@ -516,5 +520,81 @@ async fn a_thin_copy_of_an_encrypted_volume_gets_its_own_key() {
     assert!(!mapper(&copy).exists() && mounts_under(&sb.dir).is_empty());
     for id in [&src, &copy] {
         c.vols.delete_volume(napi::DeleteVolumeRequest { id: id.clone() }).await.unwrap();
+    }
+}
+
+/// A NodeStageVolumeRequest of encrypted volume `id` with `key` (and a copy's `sourceKey`).
+fn encrypted_stage(id: &str, staging: &Path, key: &str, source_key: Option<&str>) -> csi::NodeStageVolumeRequest {
+    let mut req = csi::NodeStageVolumeRequest {
+        volume_id: id.into(),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(cap_for("ext4")),
+        ..Default::default()
+    };
+    req.volume_context.insert("encryption".into(), "luks2".into());
+    req.secrets.insert("key".into(), key.into());
+    if let Some(k) = source_key {
+        req.secrets.insert("sourceKey".into(), k.into());
+    }
+    req
+}
+
+fn unstage_request(id: &str, staging: &Path) -> csi::NodeUnstageVolumeRequest {
+    csi::NodeUnstageVolumeRequest { volume_id: id.into(), staging_target_path: staging.display().to_string() }
+}
+
+/// A snapshot and a clone of a staged encrypted volume, taken by the node service as the
+/// agent's volume sync calls it (here in this process, over the sandbox's directories),
+/// freeze the filesystem on the volume's mapping: both hold a file written just before
+/// and never synced. Without that freeze the file backend, on a store without reflink
+/// (the VM lane's ext4), refuses to copy a volume in use; on the lvm backend, the thin
+/// snapshot's suspend of the LV does not reach the filesystem on the mapping above it.
+#[test]
+fn copies_of_a_staged_encrypted_volume_are_taken_frozen() {
+    require_root();
+    for backend in [Backend::File, Backend::Lvm] {
+        let sb = Sandbox::on("crypt-frozen", backend);
+        let mut store = VolumeStore::open(&sb.volume_dir(), 4 << 30).unwrap();
+        if let Some(pool) = sb.thin_pool() {
+            store = store.with_thin_pool(pool).unwrap();
+        }
+        fs::create_dir_all(sb.kubelet()).unwrap();
+        let settings = NodeSettings {
+            node_id: "crypt-frozen".into(),
+            kubelet_dir: sb.kubelet().canonicalize().unwrap(),
+            record_dir: sb.root().join("state/csi"),
+            max_volumes: 16,
+        };
+        let svc = NodeService::new(settings, std::sync::Arc::new(store)).unwrap();
+        svc.recover().unwrap();
+
+        let id = vol_id(&format!("frz-{backend:?}").to_lowercase());
+        svc.store.create_on(backend, &id, 64 * MIB, FsType::Ext4, "").unwrap();
+        let staging = PathBuf::from(sb.staging(&id, false));
+        svc.stage(&encrypted_stage(&id, &staging, KEY, None)).unwrap();
+        // Into the page cache only: the copies hold it only if the filesystem was frozen.
+        fs::write(staging.join("marker"), marker()).unwrap();
+        let snap = format!("{id}-s");
+        let Taken::Done(_) = svc.take_snapshot(&snap, &id, "").unwrap() else { panic!("{backend:?}: snapshot busy") };
+        let clone = format!("{id}-c");
+        let Taken::Done(_) = svc.create_volume_from(&clone, 64 * MIB, "", &Source::Volume(id.clone())).unwrap() else {
+            panic!("{backend:?}: clone busy")
+        };
+        svc.unstage(&unstage_request(&id, &staging)).unwrap();
+        let restored = format!("{id}-r");
+        svc.store.create_from(&restored, 64 * MIB, "", &Source::Snapshot(snap.clone())).unwrap();
+
+        for copy in [&clone, &restored] {
+            let st = PathBuf::from(sb.staging(copy, false));
+            svc.stage(&encrypted_stage(copy, &st, COPY_KEY, Some(KEY))).unwrap();
+            let read = fs::read(st.join("marker")).unwrap_or_default();
+            assert!(read == marker(), "{backend:?}: {copy} lacks the data written before the copy");
+            svc.unstage(&unstage_request(copy, &st)).unwrap();
+        }
+        for v in [&clone, &restored, &id] {
+            svc.store.delete(v).unwrap();
+        }
+        svc.store.delete_snapshot(&snap).unwrap();
+        sb.assert_clean();
     }
 }

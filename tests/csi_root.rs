@@ -183,7 +183,7 @@ impl Sandbox {
     /// [`Self::new`] with its volumes on `backend`. `lvm`: a thin pool of the file
     /// backend's capacity (4 GiB, not overprovisioned) in the agent's config, and its own
     /// directory (both variants of a test may run at once).
-    fn on(name: &str, backend: Backend) -> Sandbox {
+    pub(crate) fn on(name: &str, backend: Backend) -> Sandbox {
         if backend == Backend::File {
             return Self::new(name);
         }
@@ -216,10 +216,14 @@ impl Sandbox {
         fs::write(dir.join("agent.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
         Sandbox { dir, agent: None, crash_at: None, log_level: "info", backend: Backend::File, pool: None }
     }
+    /// `lvm`: the thin pool the agent's config names.
+    pub(crate) fn thin_pool(&self) -> Option<nodeplane::storage::store::ThinPoolConfig> {
+        self.pool.as_ref().map(|p| p.config(1.0))
+    }
     pub(crate) fn root(&self) -> PathBuf {
         self.dir.join("root")
     }
-    fn kubelet(&self) -> PathBuf {
+    pub(crate) fn kubelet(&self) -> PathBuf {
         self.root().join("var/lib/kubelet")
     }
     fn csi_sock(&self) -> PathBuf {
@@ -231,7 +235,7 @@ impl Sandbox {
     fn node_sock(&self) -> PathBuf {
         self.root().join("run/nodeplane/node.sock")
     }
-    fn volume_dir(&self) -> PathBuf {
+    pub(crate) fn volume_dir(&self) -> PathBuf {
         self.root().join("var/lib/nodeplane/volumes")
     }
     /// A file volume's image.

@@ -6,7 +6,8 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
-use crate::storage::store::{FROZEN_COPY_LIMIT, Snapshot, Source, Volume, VolumeError};
+use crate::storage::store::{Backend, FROZEN_COPY_LIMIT, Snapshot, Source, Volume, VolumeError};
+use crate::sys::crypt;
 use crate::sys::imagecopy::{self, CopyLimits};
 
 use super::NodeService;
@@ -20,19 +21,29 @@ pub enum Taken<T> {
 
 impl NodeService {
     /// The staging mount point of volume `id` when its filesystem is mounted there right
-    /// now (its loop device is what the mount point's filesystem lives on). Errors are
-    /// errors: a copy is never taken unfrozen because a check could not be made.
-    fn mounted_staging(&self, id: &str) -> Result<Option<PathBuf>, VolumeError> {
+    /// now, and whether that filesystem lives on the volume's dm-crypt mapping (else on its
+    /// loop device or LV). Errors are errors: a copy is never taken unfrozen because a check
+    /// could not be made.
+    fn mounted_staging(&self, id: &str) -> Result<Option<(PathBuf, bool)>, VolumeError> {
         let Some(staging) = self.staged_filesystem_path(id) else { return Ok(None) };
-        let Some(dev) = self.store.attached_device(id)? else { return Ok(None) };
-        let (maj, min) = self.kernel().dev_numbers(&dev).map_err(|e| VolumeError::Io {
-            op: "inspecting",
-            path: dev.clone(),
-            source: e,
-        })?;
+        let mapping = self
+            .kernel()
+            .crypt_mapping(&crypt::mapping_name(id))
+            .map_err(|e| VolumeError::Backend { id: id.to_string(), reason: e.to_string() })?;
+        let (maj, min) = match &mapping {
+            Some(m) => m.num,
+            None => {
+                let Some(dev) = self.store.attached_device(id)? else { return Ok(None) };
+                self.kernel().dev_numbers(&dev).map_err(|e| VolumeError::Io {
+                    op: "inspecting",
+                    path: dev.clone(),
+                    source: e,
+                })?
+            }
+        };
         match std::fs::metadata(&staging) {
             Ok(m) if nix::sys::stat::major(m.dev()) as u32 == maj && nix::sys::stat::minor(m.dev()) as u32 == min => {
-                Ok(Some(staging))
+                Ok(Some((staging, mapping.is_some())))
             }
             Ok(_) => Ok(None),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -43,8 +54,16 @@ impl NodeService {
     /// How to copy volume `id` consistently, decided right before the copy: its filesystem
     /// frozen when it is mounted (and the copy bounded in time); a reflink only when it is
     /// attached otherwise (a raw block volume a pod may be writing); anything when idle.
+    ///
+    /// A filesystem right on a thin LV is not frozen here: the thin snapshot suspends the
+    /// LV, which freezes it, and a freeze of ours first can make that suspend fail (older
+    /// kernels refuse a second freeze). One on a dm-crypt mapping above the LV is frozen
+    /// here, since the suspend of the LV below does not reach it.
     fn quiesce(&self, id: &str) -> Result<(Option<imagecopy::Frozen>, CopyLimits), VolumeError> {
-        if let Some(p) = self.mounted_staging(id)? {
+        if let Some((p, on_mapping)) = self.mounted_staging(id)? {
+            if !on_mapping && self.store.get(id)?.is_some_and(|v| v.backend == Backend::Lvm) {
+                return Ok((None, CopyLimits::default()));
+            }
             let f =
                 imagecopy::freeze(&p).map_err(|e| VolumeError::Io { op: "freezing", path: p.clone(), source: e })?;
             tracing::info!(volume = id, mount = %p.display(), "filesystem frozen for a copy");
@@ -92,7 +111,7 @@ impl NodeService {
     pub fn thaw_staged(&self) -> usize {
         let mut n = 0;
         for v in self.store.list() {
-            let Ok(Some(p)) = self.mounted_staging(&v.id) else { continue };
+            let Ok(Some((p, _))) = self.mounted_staging(&v.id) else { continue };
             match imagecopy::thaw(&p) {
                 Ok(true) => {
                     tracing::warn!(volume = %v.id, mount = %p.display(), "thawed a filesystem a crash left frozen");

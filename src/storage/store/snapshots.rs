@@ -217,7 +217,9 @@ impl VolumeStore {
         let _r = self.reserve(id, vol.backend, vol.size_bytes)?;
         if vol.backend == Backend::Lvm {
             // Device-mapper suspends the origin for the moment the snapshot takes, which
-            // flushes and freezes a filesystem on it: `prepare`'s freeze is not needed.
+            // flushes and freezes a filesystem right on it. `prepare` freezes one on a
+            // dm-crypt mapping above it, which that suspend does not reach.
+            let (_held, _) = prepare()?;
             return self.snapshot_lv(id, &vol, name);
         }
         let sdir = snapshot_dir(&self.dir);
@@ -358,6 +360,8 @@ impl VolumeStore {
         let _r = self.reserve(id, backend, size)?;
         if backend == Backend::Lvm {
             // A thin snapshot of the source, made writable: instant, sharing its blocks.
+            // `prepare` as for a snapshot.
+            let (_held, _) = prepare()?;
             return self.clone_lv(id, size, fs_type, name, source);
         }
         let tmp = self.dir.join(format!(".{id}.img.tmp"));
