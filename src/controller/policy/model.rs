@@ -29,9 +29,9 @@ pub fn key_text(k: &Key) -> String {
 pub enum ObjectError {
     #[error("a {0} without metadata.name")]
     NoName(&'static str),
-    /// A NetworkPolicy the API server would have refused, and why.
-    #[error("NetworkPolicy {key}: {reason}")]
-    Invalid { key: String, reason: String },
+    /// An object the API server would have refused, and why.
+    #[error("{kind} {key}: {reason}")]
+    Invalid { kind: &'static str, key: String, reason: String },
     #[error("not JSON: {0}")]
     NotJson(serde_json::Error),
     #[error("no objects given")]
@@ -141,7 +141,11 @@ impl Objects {
     pub fn set_policy(&mut self, p: &NetworkPolicy) -> Result<Key, ObjectError> {
         let key = object_key(&p.metadata, "NetworkPolicy")?;
         let spec = p.spec.clone().unwrap_or_default();
-        validate_spec(&spec).map_err(|reason| ObjectError::Invalid { key: key_text(&key), reason })?;
+        validate_spec(&spec).map_err(|reason| ObjectError::Invalid {
+            kind: "NetworkPolicy",
+            key: key_text(&key),
+            reason,
+        })?;
         self.policies.insert(key.clone(), spec);
         Ok(key)
     }

@@ -58,7 +58,7 @@ pub fn compile(svc: &Service, slices: &[&EndpointSlice]) -> Vec<pb::ServicePort>
     let mut out = Vec::new();
     for p in spec.ports.iter().flatten() {
         let Some(proto) = protocol(p.protocol.as_deref()) else { continue };
-        let Ok(port) = u32::try_from(p.port) else { continue };
+        let Some(port) = port_number(p.port) else { continue };
         let port_name = p.name.clone().unwrap_or_default();
         out.push(pb::ServicePort {
             id: port_id(ns, name, proto, &port_name),
@@ -66,7 +66,7 @@ pub fn compile(svc: &Service, slices: &[&EndpointSlice]) -> Vec<pb::ServicePort>
             port,
             cluster_ips: cluster_ips.clone(),
             external_ips: external_ips.clone(),
-            node_port: if node_ports { p.node_port.and_then(|n| u32::try_from(n).ok()).unwrap_or(0) } else { 0 },
+            node_port: if node_ports { p.node_port.and_then(port_number).unwrap_or(0) } else { 0 },
             external_local: spec.external_traffic_policy.as_deref() == Some("Local"),
             internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
             affinity_seconds: affinity,
@@ -74,6 +74,29 @@ pub fn compile(svc: &Service, slices: &[&EndpointSlice]) -> Vec<pb::ServicePort>
         });
     }
     out
+}
+
+/// A port number as the API allows it: 1 to 65535.
+fn port_number(n: i32) -> Option<u32> {
+    u16::try_from(n).ok().filter(|p| *p > 0).map(u32::from)
+}
+
+/// Why the API server would refuse the ports of `svc` or `slice`, if it would: local mode
+/// refuses such objects (the API server does in Kubernetes mode), and [`compile`] skips
+/// such a port, so no node is ever sent one that nftables cannot take.
+pub fn invalid_ports(svc: Option<&Service>, slice: Option<&EndpointSlice>) -> Option<String> {
+    let svc_ports = svc.and_then(|s| s.spec.as_ref()).and_then(|s| s.ports.as_ref());
+    for p in svc_ports.into_iter().flatten() {
+        if port_number(p.port).is_none() {
+            return Some(format!("port {} is not in 1-65535", p.port));
+        }
+        if let Some(n) = p.node_port.filter(|n| *n != 0 && port_number(*n).is_none()) {
+            return Some(format!("nodePort {n} is not in 1-65535"));
+        }
+    }
+    let slice_ports = slice.and_then(|s| s.ports.as_ref());
+    let bad = slice_ports.into_iter().flatten().filter_map(|p| p.port).find(|n| port_number(*n).is_none());
+    bad.map(|n| format!("port {n} is not in 1-65535"))
 }
 
 fn cluster_ips(spec: &k8s_openapi::api::core::v1::ServiceSpec) -> Vec<String> {
@@ -119,7 +142,7 @@ fn endpoints(slices: &[&EndpointSlice], port_name: &str, proto: pb::Protocol) ->
         let port = s.ports.iter().flatten().find(|p| {
             p.name.as_deref().unwrap_or_default() == port_name && protocol(p.protocol.as_deref()) == Some(proto)
         });
-        let Some(port) = port.and_then(|p| p.port).and_then(|n| u32::try_from(n).ok()).filter(|n| *n > 0) else {
+        let Some(port) = port.and_then(|p| p.port).and_then(port_number) else {
             continue;
         };
         for e in &s.endpoints {
@@ -191,6 +214,26 @@ mod tests {
         assert!(!http.endpoints[1].ready && http.endpoints[1].serving && http.endpoints[1].terminating);
         assert_eq!(ports[1].id, "a/web/UDP/dns");
         assert_eq!(ports[1].endpoints[0].port, 5353);
+    }
+
+    #[test]
+    fn ports_out_of_range_are_refused_and_never_compiled() {
+        let s = svc(json!({"metadata": {"namespace": "a", "name": "web"}, "spec": {
+            "type": "NodePort", "clusterIP": "10.96.0.10",
+            "ports": [{"name": "a", "port": 70000}, {"name": "b", "port": 80, "nodePort": 70000},
+                      {"name": "c", "port": 81, "nodePort": 30081}]}}));
+        let sl = slice(json!({"metadata": {"namespace": "a", "name": "web-1",
+                                           "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4", "ports": [{"name": "c", "port": 65536}],
+            "endpoints": [{"addresses": ["10.244.0.5"]}]}));
+        assert_eq!(invalid_ports(Some(&s), None).as_deref(), Some("port 70000 is not in 1-65535"));
+        assert_eq!(invalid_ports(None, Some(&sl)).as_deref(), Some("port 65536 is not in 1-65535"));
+        let ports = compile(&s, &[&sl]);
+        let got: Vec<_> = ports.iter().map(|p| (p.port, p.node_port, p.endpoints.len())).collect();
+        assert_eq!(got, vec![(80, 0, 0), (81, 30081, 0)], "no port, nodePort or endpoint port out of range");
+        let mut ok = s.clone();
+        ok.spec.as_mut().unwrap().ports.as_mut().unwrap().drain(..2);
+        assert_eq!(invalid_ports(Some(&ok), None), None);
     }
 
     #[test]

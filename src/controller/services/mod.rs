@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::controller::policy::model::ObjectError;
 use crate::rpc::controller as pb;
@@ -319,12 +320,14 @@ impl ServiceBook {
             let (meta, kind) = match kind {
                 "Service" => {
                     let s: Service = serde_json::from_value(o.clone()).map_err(decode)?;
+                    refuse_bad_ports(apply, "Service", &s.metadata, compile::invalid_ports(Some(&s), None))?;
                     let m = s.metadata.clone();
                     svcs.push(s);
                     (m, "Service")
                 }
                 "EndpointSlice" => {
                     let s: EndpointSlice = serde_json::from_value(o.clone()).map_err(decode)?;
+                    refuse_bad_ports(apply, "EndpointSlice", &s.metadata, compile::invalid_ports(None, Some(&s)))?;
                     let m = s.metadata.clone();
                     slices.push(s);
                     (m, "EndpointSlice")
@@ -353,6 +356,22 @@ impl ServiceBook {
         let items: Vec<serde_json::Value> = store.all()?.into_iter().map(|(_, v)| v).collect();
         let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
         Ok(serde_json::to_string_pretty(&list).expect("JSON values serialise"))
+    }
+}
+
+/// An object being applied with a port the API server would refuse: INVALID_ARGUMENT.
+fn refuse_bad_ports(
+    apply: bool,
+    kind: &'static str,
+    meta: &ObjectMeta,
+    why: Option<String>,
+) -> Result<(), ObjectError> {
+    match why {
+        Some(reason) if apply => {
+            let (ns, name) = key_of(meta, kind)?;
+            Err(ObjectError::Invalid { kind, key: format!("{ns}/{name}"), reason })
+        }
+        _ => Ok(()),
     }
 }
 
@@ -432,6 +451,20 @@ mod tests {
         assert_eq!(c.len(), 1);
         assert_eq!(c[0].upserts.iter().map(|p| p.id.as_str()).collect::<Vec<_>>(), vec!["a/db/TCP/http"]);
         assert!(snapshot(&b)["a/db/TCP/http"].endpoints.is_empty());
+    }
+
+    #[test]
+    fn local_mode_refuses_a_port_the_api_would_and_keeps_nothing() {
+        let dir = crate::util::TestDir::new("svc-ports");
+        let b = ServiceBook::new(vec!["10.244.0.0/16".into()], Some(dir.0.join("objects.redb"))).unwrap();
+        let bad = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"namespace": "a", "name": "web"},
+            "spec": {"type": "NodePort", "clusterIP": "10.96.0.10", "ports": [{"port": 80, "nodePort": 70000}]}});
+        let err = b.apply_json(&bad.to_string()).unwrap_err();
+        assert!(matches!(err, ObjectError::Invalid { .. }), "{err:?}");
+        assert_eq!(err.to_string(), "Service a/web: nodePort 70000 is not in 1-65535");
+        assert!(snapshot(&b).is_empty(), "nothing reaches the nodes");
+        assert!(!b.list_json().unwrap().contains("web"), "nothing is stored");
+        b.delete_json(&bad.to_string()).unwrap();
     }
 
     #[test]
