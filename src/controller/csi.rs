@@ -436,8 +436,7 @@ impl ControllerService {
                 // another claim): the record goes (the node deletes only a file carrying
                 // this claim's name), so a retry places the volume anew.
                 tracing::warn!(volume = %rec.id, node = %rec.node, error = %Status::from(e.clone()), "node failed to create the volume; abandoning it");
-                let (book, vid) = (self.book.clone(), rec.id.clone());
-                blocking(move || book.abandon(&vid)).await?;
+                self.abandon(&rec).await?;
                 Err(e)
             }
             Err(e) => Err(e),
@@ -507,8 +506,7 @@ impl ControllerService {
                 // raw block volume in use on a store that cannot reflink): the record goes,
                 // so a retry starts over.
                 tracing::warn!(snapshot = %rec.id, node = %rec.node, error = %Status::from(e.clone()), "node failed to take the snapshot; abandoning it");
-                let (book, sid) = (self.book.clone(), rec.id.clone());
-                blocking(move || book.abandon(&sid)).await?;
+                self.abandon(&rec).await?;
                 Err(e)
             }
             Err(e) => Err(e),
@@ -539,6 +537,21 @@ impl ControllerService {
             self.keys.remove(&v.name, &v.id).await.map_err(|e| key_left(&id, e))?;
         }
         Ok(csi::DeleteSnapshotResponse {})
+    }
+
+    /// Drop record `rec`, which its node refused for good, and its key record if it is
+    /// encrypted: the provisioner never deletes what it never got, so nothing else would
+    /// remove the key. A key that cannot be removed is logged; the node's refusal stays the
+    /// answer.
+    async fn abandon(&self, rec: &VolumeRecord) -> Result<(), CsiError> {
+        let (book, id) = (self.book.clone(), rec.id.clone());
+        blocking(move || book.abandon(&id)).await?;
+        if is_encrypted(rec)
+            && let Err(e) = self.keys.remove(&rec.name, &rec.id).await
+        {
+            tracing::warn!(id = %rec.id, error = %e, "removing the key of an abandoned record");
+        }
+        Ok(())
     }
 
     /// Remove the key record a deleted volume or snapshot `id` may have left: its removal
@@ -1321,6 +1334,45 @@ mod tests {
         assert!(e.message().contains("is not encrypted; a class with encryption: luks2 cannot"), "{e}");
         assert!(svc.book.by_name("pvc-d").is_none());
         assert_eq!(read(&super::super::volumes::volume_id_for("pvc-d"), "key"), None);
+    }
+
+    /// A volume its node refuses for good is abandoned (deleted there like any other), and
+    /// its key record goes at once: nothing would ever remove it later.
+    #[tokio::test]
+    async fn an_abandoned_encrypted_volume_leaves_no_key() {
+        let (t, mut svc, _g) = service("csi-abandon-key");
+        svc.op_timeout = Duration::from_secs(30);
+        let refuse = async {
+            let (rec, key) = loop {
+                let placed = svc.book.by_name("pvc-e").map(|r| (keys::key_file(&t.0.join("keys"), &r.id), r));
+                if let Some((key, rec)) = placed.filter(|(key, _)| key.exists()) {
+                    break (rec, key);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            };
+            let failure = crate::rpc::controller::VolumeFailure {
+                id: rec.id.clone(),
+                code: Code::ResourceExhausted as i32,
+                message: "the store is full".into(),
+            };
+            svc.book
+                .report(crate::rpc::controller::ReportVolumesRequest {
+                    node_name: rec.node.clone(),
+                    capacity_bytes: 100 * MIB,
+                    available_bytes: 100 * MIB,
+                    failures: vec![failure],
+                    revision: svc.book.revision_of(&rec.node),
+                    ..Default::default()
+                })
+                .unwrap();
+            key
+        };
+        let (out, key) =
+            tokio::join!(svc.do_create_volume(create_request("pvc-e", &[("encryption", "luks2")])), refuse);
+        assert_eq!(out.unwrap_err().code(), Code::ResourceExhausted);
+        let state = svc.book.by_name("pvc-e").map(|r| r.state);
+        assert_eq!(state, Some(VolState::Deleting), "abandoned: deleted on the node like any other");
+        assert!(!key.exists(), "the abandoned volume's key is left at {}", key.display());
     }
 
     /// A key left behind (its removal failed, or the controller stopped, after its record
