@@ -91,12 +91,6 @@ pub struct Registrations {
     pub required: bool,
 }
 
-impl Default for Registrations {
-    fn default() -> Self {
-        Registrations::new(DEFAULT_GRACE, false)
-    }
-}
-
 fn unix(t: SystemTime) -> f64 {
     t.duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
