@@ -96,7 +96,6 @@ fn lvm_config(l: &LvmFileConfig) -> Result<crate::storage::store::ThinPoolConfig
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct CsiFileConfig {
-    #[serde(default)]
     pub enabled: Option<bool>,
     /// Where volume images live (default `<stateDir>/volumes`).
     pub volume_dir: Option<PathBuf>,
@@ -129,7 +128,6 @@ pub struct LvmFileConfig {
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DevicePluginFileConfig {
-    #[serde(default)]
     pub enabled: Option<bool>,
     /// The device file (default `<root>/etc/nodeplane/devices.json`), reloaded on change.
     pub config_file: Option<PathBuf>,
@@ -141,7 +139,6 @@ pub struct DevicePluginFileConfig {
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DraFileConfig {
-    #[serde(default)]
     pub enabled: Option<bool>,
     /// Where `dra.sock` is served (default `<kubeletDir>/plugins/dra.nodeplane.dev`).
     pub plugin_dir: Option<PathBuf>,
@@ -166,10 +163,8 @@ pub struct CsiConfig {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FileConfig {
     /// Absent: env `NODE_NAME` (one ConfigMap for every node of a DaemonSet).
-    #[serde(default)]
     pub node_name: Option<String>,
     /// Prefix for every default path ("/" in production; a temp dir per simulated node).
-    #[serde(default)]
     pub root: Option<PathBuf>,
     /// Pod address blocks of this node (one IPv4 and/or one IPv6 block in standalone mode).
     #[serde(default)]
@@ -179,7 +174,6 @@ pub struct FileConfig {
     pub cluster_cidrs: Vec<IpNetwork>,
     /// Pod interface MTU. Absent: derived from the underlay and what encapsulates pod
     /// traffic between nodes (docs/network.md, "Pod MTU"); 1500 without a controller.
-    #[serde(default)]
     pub mtu: Option<u32>,
     #[serde(default = "default_bridge")]
     pub bridge: String,
@@ -192,7 +186,6 @@ pub struct FileConfig {
     /// kube-proxy programs the node, `on` even then, `off` never.
     #[serde(default)]
     pub services: ServicesMode,
-    #[serde(default)]
     pub dns: Option<DnsConfig>,
     /// Extra plugin entries appended to the conflist after nodeplane (portmap, bandwidth…).
     #[serde(default)]
@@ -201,7 +194,6 @@ pub struct FileConfig {
     /// predates spec 1.1.0 (podman 4, containerd 1.x) cannot read 1.1.0 results; set
     /// "1.1.0" for runtimes that send STATUS and GC. Lowered automatically to what every
     /// chained plugin supports.
-    #[serde(default)]
     pub cni_version: Option<String>,
     /// Where chained plugins are looked up to ask their supported versions
     /// (default: the CNI bin dir).
@@ -223,23 +215,17 @@ pub struct FileConfig {
     /// Fail readiness when kubelet has not registered a served plugin within
     /// `kubeletRegistrationGraceSeconds` (the DaemonSet sets this; default false: local
     /// clusters run without a kubelet). A plugin kubelet refused fails readiness either way.
-    #[serde(default)]
     pub require_kubelet_registration: Option<bool>,
     /// How long kubelet may take to register a served plugin before a warning (default 30).
-    #[serde(default)]
     pub kubelet_registration_grace_seconds: Option<f64>,
-    #[serde(default)]
     pub csi: Option<CsiFileConfig>,
-    #[serde(default)]
     pub device_plugins: Option<DevicePluginFileConfig>,
-    #[serde(default)]
     pub dra: Option<DraFileConfig>,
     /// The shim binary to install; default: `nodeplane-cni` next to the agent binary.
     pub shim_source: Option<PathBuf>,
     /// Where the kernel boot id is read (tests point this elsewhere to simulate a reboot).
     pub boot_id_file: Option<PathBuf>,
     /// Get blocks from the controller instead of `podCidrs`.
-    #[serde(default)]
     pub controller: Option<ControllerConfig>,
     /// `IP:port` of the HTTP health endpoint (`/healthz`, `/readyz`); "" turns it off.
     #[serde(default = "default_health_address")]

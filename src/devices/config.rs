@@ -45,7 +45,6 @@ struct Entry {
     devices: Vec<String>,
     #[serde(default = "one")]
     share: u32,
-    #[serde(default)]
     permissions: Option<String>,
     #[serde(default)]
     mounts: Vec<MountSpec>,
@@ -55,11 +54,8 @@ struct Entry {
     cdi: bool,
     #[serde(default)]
     pre_start: bool,
-    #[serde(default)]
     offer: Option<String>,
-    #[serde(default)]
     vendor: Option<String>,
-    #[serde(default)]
     model: Option<String>,
 }
 
