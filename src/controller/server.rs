@@ -146,17 +146,13 @@ impl Service {
         }
     }
 
-    /// [`Self::authorize`] for another service of the controller.
-    pub(crate) async fn authorize_node<T>(&self, req: &Request<T>, node: &str) -> Result<(), Status> {
-        self.authorize(req, node).await.map(|_| ())
-    }
-
     /// The pod blocks the registry gave `node` (none: not registered).
     pub(crate) fn node_blocks(&self, node: &str) -> Vec<String> {
         self.registry.snapshot().nodes.iter().find(|n| n.name == node).map(|n| n.blocks.clone()).unwrap_or_default()
     }
 
-    async fn authorize<T>(&self, req: &Request<T>, node: &str) -> Result<Identity, Status> {
+    /// May the caller act for `node`? (also for the controller's other services)
+    pub(crate) async fn authorize<T>(&self, req: &Request<T>, node: &str) -> Result<Identity, Status> {
         let who = self.identity(req).await?;
         if !who.may_act_for(node) {
             tracing::warn!(caller = ?who, node, "rejected: a node may act only for itself");

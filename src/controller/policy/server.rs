@@ -42,7 +42,7 @@ const UNTIL_COMPLETE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Service {
     async fn node(&self, req: &Request<impl Sized>, node: &str) -> Result<(), Status> {
-        self.registry.authorize_node(req, node).await
+        self.registry.authorize(req, node).await.map(|_| ())
     }
 
     async fn admin(&self, req: &Request<impl Sized>) -> Result<(), Status> {

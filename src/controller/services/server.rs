@@ -80,7 +80,7 @@ impl Services for Service {
 
     async fn watch_services(&self, req: Request<pb::WatchServicesRequest>) -> Result<Response<UpdateStream>, Status> {
         let r = req.get_ref().clone();
-        self.registry.authorize_node(&req, &r.node_name).await?;
+        self.registry.authorize(&req, &r.node_name).await?;
         let book = self.book.clone();
         let mut stopping = self.registry.stopping.clone();
         let mut changed = book.subscribe();
