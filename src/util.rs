@@ -47,6 +47,11 @@ pub fn fill_random(buf: &mut [u8]) {
     }
 }
 
+/// Whole seconds since the Unix epoch (0 on a clock set before it).
+pub fn unix_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
 /// A Unix time (whole seconds) as RFC 3339 in UTC, `YYYY-MM-DDTHH:MM:SSZ` (as Kubernetes
 /// writes timestamps).
 pub fn utc_rfc3339(unix_secs: i64) -> String {

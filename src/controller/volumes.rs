@@ -18,7 +18,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 use tonic::Code;
@@ -259,10 +259,6 @@ impl From<BookError> for tonic::Status {
     fn from(e: BookError) -> Self {
         tonic::Status::new(e.code(), e.to_string())
     }
-}
-
-fn now_unix() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 /// The volume id for a CSI volume name: the name itself when it is a valid store id (the
@@ -691,7 +687,7 @@ impl VolumeBook {
             size_bytes: size,
             fs_type,
             state: VolState::Creating,
-            created_at: now_unix(),
+            created_at: crate::util::unix_secs(),
             parameters,
             kind: RecordKind::Volume,
             source_volume,
@@ -774,7 +770,7 @@ impl VolumeBook {
             size_bytes: v.size_bytes,
             fs_type: v.fs_type,
             state: VolState::Creating,
-            created_at: now_unix(),
+            created_at: crate::util::unix_secs(),
             parameters,
             kind: RecordKind::Snapshot,
             source_volume: source.to_string(),

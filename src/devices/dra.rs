@@ -48,7 +48,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -249,10 +249,6 @@ pub struct Devices {
     warned: Mutex<HashSet<String>>,
 }
 
-fn unix_now() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
-}
-
 impl Default for Devices {
     fn default() -> Self {
         Devices {
@@ -356,7 +352,7 @@ impl Devices {
                 next.insert(name.clone(), Device { resource: res.clone(), healthy: false, ..old.clone() });
             }
         }
-        *self.checked.lock().unwrap() = unix_now();
+        *self.checked.lock().unwrap() = crate::util::unix_secs() as i64;
         if *list != next {
             *list = next;
             drop(list);

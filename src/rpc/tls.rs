@@ -130,10 +130,6 @@ pub fn node_of_certificate(der: &[u8]) -> Result<String, TlsError> {
     }
 }
 
-fn now() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
-}
-
 /// The server config from the files' contents (no ALPN protocols set).
 fn server_config(
     files: &ServerFiles,
@@ -144,7 +140,7 @@ fn server_config(
     let cert_file = files.cert_file.display().to_string();
     let certs = certs_of(cert, &cert_file)?;
     let key = key_of(key, &files.key_file.display().to_string())?;
-    if not_after(&certs[0], &cert_file)? < now() {
+    if not_after(&certs[0], &cert_file)? < crate::util::unix_secs() as i64 {
         tracing::error!(cert = %cert_file, "the serving certificate has expired: agents will refuse it until it is renewed");
     }
     let builder = rustls::ServerConfig::builder_with_provider(provider())

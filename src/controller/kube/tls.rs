@@ -32,9 +32,7 @@ fn text(data: &BTreeMap<String, ByteString>, k: &str) -> Option<String> {
 fn serving_ok(cert_pem: &str, dns_names: &[String]) -> bool {
     let Ok(certs) = crate::rpc::tls::certs_of(cert_pem.as_bytes(), "tls.crt") else { return false };
     let Ok((_, c)) = x509_parser::parse_x509_certificate(&certs[0]) else { return false };
-    let now =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
-    if c.validity().not_after.timestamp() < now + RENEW_BEFORE_SECS {
+    if c.validity().not_after.timestamp() < crate::util::unix_secs() as i64 + RENEW_BEFORE_SECS {
         return false;
     }
     let names: Vec<String> = match c.subject_alternative_name() {
