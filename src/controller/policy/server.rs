@@ -81,38 +81,38 @@ impl NetworkPolicies for Service {
         let book = self.book.clone();
         let mut stopping = self.registry.stopping.clone();
         let mut changed = book.subscribe();
-        let stream =
-            async_stream_updates(move |tx: tokio::sync::mpsc::Sender<Result<pb::PolicyUpdate, Status>>| async move {
-                // No view before every object is known: an incomplete one would lift the
-                // node's policies until the objects are listed.
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            // No view before every object is known: an incomplete one would lift the
+            // node's policies until the objects are listed.
+            tokio::select! {
+                _ = book.until_complete() => {}
+                _ = stopping.wait_for(|s| *s) => return,
+            }
+            let mut sent = None::<Arc<super::compile::NodeView>>;
+            loop {
+                changed.borrow_and_update();
+                let v = book.view(&node);
+                let update = match &sent {
+                    None => Some(v.view.snapshot(v.revision)),
+                    Some(last) if !Arc::ptr_eq(last, &v.view) => {
+                        Some(v.view.delta_from(last, v.revision)).filter(|u| !is_empty(u))
+                    }
+                    Some(_) => None,
+                };
+                if let Some(u) = update {
+                    if tx.send(Ok(u)).await.is_err() {
+                        return;
+                    }
+                    sent = Some(v.view.clone());
+                }
                 tokio::select! {
-                    _ = book.until_complete() => {}
+                    r = changed.changed() => if r.is_err() { return },
                     _ = stopping.wait_for(|s| *s) => return,
                 }
-                let mut sent = None::<Arc<super::compile::NodeView>>;
-                loop {
-                    changed.borrow_and_update();
-                    let v = book.view(&node);
-                    let update = match &sent {
-                        None => Some(v.view.snapshot(v.revision)),
-                        Some(last) if !Arc::ptr_eq(last, &v.view) => {
-                            Some(v.view.delta_from(last, v.revision)).filter(|u| !is_empty(u))
-                        }
-                        Some(_) => None,
-                    };
-                    if let Some(u) = update {
-                        if tx.send(Ok(u)).await.is_err() {
-                            return;
-                        }
-                        sent = Some(v.view.clone());
-                    }
-                    tokio::select! {
-                        r = changed.changed() => if r.is_err() { return },
-                        _ = stopping.wait_for(|s| *s) => return,
-                    }
-                }
-            });
-        Ok(Response::new(stream))
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 
     async fn pod_started(
@@ -189,15 +189,4 @@ impl NetworkPolicies for Service {
         let json = self.book.list_json()?;
         Ok(Response::new(pb::ListObjectsResponse { json }))
     }
-}
-
-/// A stream fed by a task (bounded: a consumer that does not read holds only its own task).
-fn async_stream_updates<F, Fut>(f: F) -> PolicyStream
-where
-    F: FnOnce(tokio::sync::mpsc::Sender<Result<pb::PolicyUpdate, Status>>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    tokio::spawn(f(tx));
-    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
