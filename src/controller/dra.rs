@@ -604,13 +604,6 @@ impl SliceSink for DirSink {
     }
 }
 
-/// Reads ResourceClaims (Kubernetes mode).
-#[tonic::async_trait]
-pub trait ClaimSource: Send + Sync + 'static {
-    /// The claim, `None` when it does not exist.
-    async fn get(&self, namespace: &str, name: &str) -> Result<Option<Value>, SinkError>;
-}
-
 /// The allocation results of `claim` (None: it does not exist) for the node `r` comes from,
 /// in its pool of this driver; else [`DraError::NotServed`] (saying why, for the log).
 pub fn claim_results(claim: Option<&Value>, r: &pb::GetClaimRequest) -> Result<Vec<pb::ClaimResult>, DraError> {

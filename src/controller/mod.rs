@@ -230,7 +230,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     };
     // DRA: the nodes' devices as ResourceSlices (the API in a cluster, files locally).
     let devices = Arc::new(dra::DeviceBook::default());
-    let (sink, claims): (Arc<dyn dra::SliceSink>, Option<Arc<dyn dra::ClaimSource>>) = match &client {
+    let (sink, claims): (Arc<dyn dra::SliceSink>, _) = match &client {
         Some(c) if cfg.uses_kubernetes() => (
             Arc::new(kube::slices::KubeSlices::new(c.clone())),
             Some(Arc::new(kube::slices::KubeClaims::new(c.clone()))),

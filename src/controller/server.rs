@@ -31,7 +31,7 @@ pub struct Service {
     /// The DRA devices nodes report (published as ResourceSlices).
     pub devices: Arc<super::dra::DeviceBook>,
     /// Where claims are read (Kubernetes mode).
-    pub claims: Option<Arc<dyn super::dra::ClaimSource>>,
+    pub claims: Option<Arc<super::kube::slices::KubeClaims>>,
     /// Events on Node objects (Kubernetes mode).
     pub node_events: Option<Arc<super::kube::events::NodeEvents>>,
 }

@@ -7,7 +7,7 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
 use kube::core::ApiResource;
 use serde_json::Value;
 
-use crate::controller::dra::{API_GROUP, ClaimSource, SinkError, SliceSink};
+use crate::controller::dra::{API_GROUP, SinkError, SliceSink};
 
 fn resource(kind: &str, plural: &str) -> ApiResource {
     ApiResource {
@@ -111,6 +111,7 @@ impl SliceSink for KubeSlices {
     }
 }
 
+/// Reads ResourceClaims (Kubernetes mode).
 pub struct KubeClaims {
     client: kube::Client,
     res: ApiResource,
@@ -120,11 +121,9 @@ impl KubeClaims {
     pub fn new(client: kube::Client) -> KubeClaims {
         KubeClaims { client, res: resource("ResourceClaim", "resourceclaims") }
     }
-}
 
-#[tonic::async_trait]
-impl ClaimSource for KubeClaims {
-    async fn get(&self, namespace: &str, name: &str) -> Result<Option<Value>, SinkError> {
+    /// The claim, `None` when it does not exist.
+    pub async fn get(&self, namespace: &str, name: &str) -> Result<Option<Value>, SinkError> {
         let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), namespace, &self.res);
         match api.get_opt(name).await.map_err(api_error)? {
             Some(o) => Ok(Some(to_value(o)?)),
