@@ -54,11 +54,10 @@ pub(crate) async fn check(cfg: &Config, health: &Health) -> KernelReport {
     let fatal: Vec<String> = report
         .checks
         .iter()
-        .filter(|c| c.feature != Feature::BridgeNetfilter)
-        .filter(|c| c.feature.required() && matches!(c.availability, Availability::Missing(_)))
-        .map(|c| match &c.availability {
-            Availability::Missing(why) => format!("{}: {why} ({})", c.feature.name(), c.feature.without()),
-            _ => unreachable!("filtered"),
+        .filter(|c| c.feature != Feature::BridgeNetfilter && c.feature.required())
+        .filter_map(|c| match &c.availability {
+            Availability::Missing(why) => Some(format!("{}: {why} ({})", c.feature.name(), c.feature.without())),
+            _ => None,
         })
         .collect();
     tracing::info!(
