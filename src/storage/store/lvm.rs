@@ -28,8 +28,8 @@ use std::path::{Path, PathBuf};
 
 use super::snapshots::Snapshot;
 use super::{
-    Backend, FsType, META_VERSION, Orphan, Result, Source, Volume, VolumeError, VolumeStore, io_err, now_unix,
-    remove_if_exists, snapshots::snapshot_dir, sync_dir, write_meta_unsynced_dir,
+    Backend, FsType, META_VERSION, Orphan, Result, Source, Volume, VolumeError, VolumeStore, io_err, remove_if_exists,
+    snapshots::snapshot_dir, sync_dir, write_meta_unsynced_dir,
 };
 use crate::sys::loopdev::LoopBinding;
 use crate::sys::lvm::{LvmError, PoolStatus, ThinLv, ThinPool};
@@ -343,7 +343,7 @@ impl VolumeStore {
             source_volume: vol.id.clone(),
             size_bytes: vol.size_bytes,
             fs_type: vol.fs_type,
-            created_at: now_unix(),
+            created_at: crate::util::unix_secs(),
             name: name.to_string(),
             method: "thin-snapshot".to_string(),
             bytes_copied: 0,

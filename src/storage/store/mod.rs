@@ -44,7 +44,6 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -187,7 +186,7 @@ impl Volume {
             id: id.to_string(),
             size_bytes,
             fs_type,
-            created_at: now_unix(),
+            created_at: crate::util::unix_secs(),
             name: name.to_string(),
             backend: Backend::File,
             path,
@@ -258,10 +257,6 @@ pub fn round_size(id: &str, size: u64) -> Result<u64> {
         .checked_mul(SIZE_ALIGN)
         .filter(|s| *s <= i64::MAX as u64)
         .ok_or(VolumeError::InvalidSize { id: id.to_string(), size, reason: "too large" })
-}
-
-fn now_unix() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 /// Names in the store directory, by suffix (each suffix belongs to one kind only).

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     Backend, Entry, FsType, META_VERSION, Result, Volume, VolumeError, VolumeStore, classify, io_err, meta_version,
-    now_unix, remove_if_exists, round_size, sync_dir, validate_id, write_meta_unsynced_dir,
+    remove_if_exists, round_size, sync_dir, validate_id, write_meta_unsynced_dir,
 };
 use crate::sys::imagecopy::{self, CopyLimits, CopyStats};
 
@@ -238,7 +238,7 @@ impl VolumeStore {
                 source_volume: source.to_string(),
                 size_bytes: vol.size_bytes,
                 fs_type: vol.fs_type,
-                created_at: now_unix(),
+                created_at: crate::util::unix_secs(),
                 name: name.to_string(),
                 method: stats.method.as_str().to_string(),
                 bytes_copied: stats.bytes_copied,
