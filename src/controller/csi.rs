@@ -18,49 +18,10 @@ use crate::rpc::csi;
 use crate::storage::csi::{TOPOLOGY_KEY, capability};
 use crate::storage::fs::FsType;
 
-/// An error of the controller's CSI service: the gRPC code and the message it answers with.
-/// Every error of this service is one of these; the volume book's errors get their code
-/// from [`BookError::code`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CsiError {
-    code: Code,
-    msg: String,
-}
-
-impl CsiError {
-    pub fn new(code: Code, msg: impl Into<String>) -> Self {
-        CsiError { code, msg: msg.into() }
-    }
-
-    pub fn code(&self) -> Code {
-        self.code
-    }
-
-    pub fn message(&self) -> &str {
-        &self.msg
-    }
-}
-
-impl std::fmt::Display for CsiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.msg)
-    }
-}
-
-impl From<CsiError> for Status {
-    fn from(e: CsiError) -> Self {
-        Status::new(e.code, e.msg)
-    }
-}
-
-impl From<BookError> for CsiError {
-    fn from(e: BookError) -> Self {
-        CsiError::new(e.code(), e.to_string())
-    }
-}
-
-fn invalid(msg: impl Into<String>) -> CsiError {
-    CsiError::new(Code::InvalidArgument, msg)
+/// Every error of this service is a `Status`; the volume book's errors get their code from
+/// [`BookError::code`].
+fn invalid(msg: impl Into<String>) -> Status {
+    Status::invalid_argument(msg)
 }
 
 /// Size of a volume when the request names none.
@@ -86,7 +47,7 @@ fn is_encrypted(v: &VolumeRecord) -> bool {
 /// filesystem in clear: the node never encrypts a device in place (it refuses a device
 /// holding anything but LUKS2), and the clear blocks would stay readable where the copy
 /// lives.
-fn check_copy_encryption(what: &ContentSource, src: &VolumeRecord, encrypted: bool) -> Result<(), CsiError> {
+fn check_copy_encryption(what: &ContentSource, src: &VolumeRecord, encrypted: bool) -> Result<(), Status> {
     match (is_encrypted(src), encrypted) {
         (true, false) => Err(invalid(format!(
             "{what} is encrypted; a volume made from it needs a class with {}: {}",
@@ -105,22 +66,22 @@ fn check_copy_encryption(what: &ContentSource, src: &VolumeRecord, encrypted: bo
 
 /// A key store failure as UNAVAILABLE (the CO retries), or FAILED_PRECONDITION for a
 /// copy whose source has no key.
-fn key_error(e: keys::KeyError) -> CsiError {
+fn key_error(e: keys::KeyError) -> Status {
     match e {
-        keys::KeyError::SourceMissing { .. } => CsiError::new(Code::FailedPrecondition, e.to_string()),
-        e => CsiError::new(Code::Unavailable, e.to_string()),
+        keys::KeyError::SourceMissing { .. } => Status::failed_precondition(e.to_string()),
+        e => Status::unavailable(e.to_string()),
     }
 }
 
 /// A deleted volume's or snapshot's key not removed: UNAVAILABLE, so the CO retries the
 /// delete, which removes it ([`ControllerService::remove_left_key`]).
-fn key_left(id: &str, e: keys::KeyError) -> CsiError {
-    CsiError::new(Code::Unavailable, format!("{id} is deleted but its key is not removed yet: {e}; retry"))
+fn key_left(id: &str, e: keys::KeyError) -> Status {
+    Status::unavailable(format!("{id} is deleted but its key is not removed yet: {e}; retry"))
 }
 
 /// What the volume capabilities of a request ask a volume to hold (the reading the node
 /// shares, `storage::csi::capability`); every refusal is INVALID_ARGUMENT here.
-fn check_capabilities(caps: &[csi::VolumeCapability], fs_param: Option<&str>) -> Result<FsType, CsiError> {
+fn check_capabilities(caps: &[csi::VolumeCapability], fs_param: Option<&str>) -> Result<FsType, Status> {
     capability::volume_kind(caps, fs_param).map_err(|e| invalid(e.to_string()))
 }
 
@@ -134,13 +95,13 @@ pub const BACKEND_PARAMETER: &str = "backend";
 
 /// The store backend a StorageClass asks for (`backend`: "file", the default, or "lvm");
 /// any other value is INVALID_ARGUMENT.
-fn backend_parameter(p: &std::collections::HashMap<String, String>) -> Result<StoreBackend, CsiError> {
+fn backend_parameter(p: &std::collections::HashMap<String, String>) -> Result<StoreBackend, Status> {
     let Some(v) = p.get(BACKEND_PARAMETER) else { return Ok(StoreBackend::File) };
     v.parse().map_err(|e| invalid(format!("parameter {BACKEND_PARAMETER:?}: {e}")))
 }
 
 /// A volume made from `src` (the record of `what`) must be on its backend.
-fn check_source_backend(what: &ContentSource, src: &VolumeRecord, backend: StoreBackend) -> Result<(), CsiError> {
+fn check_source_backend(what: &ContentSource, src: &VolumeRecord, backend: StoreBackend) -> Result<(), Status> {
     if src.backend == backend {
         return Ok(());
     }
@@ -159,7 +120,7 @@ pub const XFS_MIN_SIZE: u64 = 300 * MIB;
 
 /// [`size_for`], raised to the filesystem's minimum when the range allows it (an xfs volume
 /// below [`XFS_MIN_SIZE`] is OUT_OF_RANGE when `limit_bytes` forbids the minimum).
-pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: FsType, encrypted: bool) -> Result<u64, CsiError> {
+pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: FsType, encrypted: bool) -> Result<u64, Status> {
     let size = size_for(range)?;
     // An encrypted volume's filesystem is its size less the LUKS2 header.
     let min = XFS_MIN_SIZE + if encrypted { LUKS2_HEADER } else { 0 };
@@ -168,10 +129,9 @@ pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: FsType, encrypted: bo
     }
     let lim = range.map_or(0, |r| r.limit_bytes.max(0) as u64);
     if lim > 0 && lim < min {
-        return Err(CsiError::new(
-            Code::OutOfRange,
-            format!("xfs volumes need at least {min} bytes (mkfs.xfs refuses smaller); limit_bytes is {lim}"),
-        ));
+        return Err(Status::out_of_range(format!(
+            "xfs volumes need at least {min} bytes (mkfs.xfs refuses smaller); limit_bytes is {lim}"
+        )));
     }
     Ok(min)
 }
@@ -179,7 +139,7 @@ pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: FsType, encrypted: bo
 /// What the agent's LUKS2 header takes of an encrypted volume (`src/sys/crypt.rs`).
 pub const LUKS2_HEADER: u64 = 2 * MIB;
 
-pub fn size_for(range: Option<&csi::CapacityRange>) -> Result<u64, CsiError> {
+pub fn size_for(range: Option<&csi::CapacityRange>) -> Result<u64, Status> {
     let (req, lim) = match range {
         Some(r) => (r.required_bytes, r.limit_bytes),
         None => (0, 0),
@@ -189,7 +149,7 @@ pub fn size_for(range: Option<&csi::CapacityRange>) -> Result<u64, CsiError> {
     }
     let (req, lim) = (req as u64, lim as u64);
     if lim > 0 && req > lim {
-        return Err(CsiError::new(Code::OutOfRange, format!("required_bytes {req} exceeds limit_bytes {lim}")));
+        return Err(Status::out_of_range(format!("required_bytes {req} exceeds limit_bytes {lim}")));
     }
     let want = if req == 0 { if lim > 0 { lim.min(DEFAULT_SIZE) } else { DEFAULT_SIZE } } else { req };
     let size = want.div_ceil(MIB).saturating_mul(MIB);
@@ -199,7 +159,7 @@ pub fn size_for(range: Option<&csi::CapacityRange>) -> Result<u64, CsiError> {
         if down >= req.max(1) && down > 0 {
             return Ok(down);
         }
-        return Err(CsiError::new(Code::OutOfRange, format!("volumes are whole MiB: no size in [{req}, {lim}] bytes")));
+        return Err(Status::out_of_range(format!("volumes are whole MiB: no size in [{req}, {lim}] bytes")));
     }
     Ok(size)
 }
@@ -244,7 +204,7 @@ fn to_csi(v: &VolumeRecord) -> csi::Volume {
     }
 }
 
-fn content_source_of(c: &csi::VolumeContentSource) -> Result<ContentSource, CsiError> {
+fn content_source_of(c: &csi::VolumeContentSource) -> Result<ContentSource, Status> {
     use csi::volume_content_source::Type;
     match &c.r#type {
         Some(Type::Snapshot(s)) if !s.snapshot_id.is_empty() => Ok(ContentSource::Snapshot(s.snapshot_id.clone())),
@@ -268,12 +228,23 @@ fn snapshot_to_csi(v: &VolumeRecord, ready: bool) -> csi::Snapshot {
 }
 
 fn unimplemented<T>(what: &str) -> Result<Response<T>, Status> {
-    Err(CsiError::new(Code::Unimplemented, format!("{what} is not supported by csi.nodeplane.dev")).into())
+    Err(Status::unimplemented(format!("{what} is not supported by csi.nodeplane.dev")))
 }
 
 impl ControllerService {
+    /// Run a volume book change off the async workers (the backend commits synchronously).
+    async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&VolumeBook) -> Result<T, BookError> + Send + 'static,
+    ) -> Result<T, Status> {
+        let book = self.book.clone();
+        Ok(tokio::task::spawn_blocking(move || f(&book))
+            .await
+            .map_err(|e| Status::internal(format!("volume book task: {e}")))??)
+    }
+
     /// Wait until volume `id` is on its node at `size` or more (Ready), or the node failed it.
-    async fn await_present(&self, id: &str, size: u64, since: u64) -> Result<VolumeRecord, CsiError> {
+    async fn await_present(&self, id: &str, size: u64, since: u64) -> Result<VolumeRecord, Status> {
         self.await_held("volume", id, since, |view, v| held(view, v).is_some_and(|h| h.size_bytes >= size)).await
     }
 
@@ -285,11 +256,11 @@ impl ControllerService {
         id: &str,
         since: u64,
         holds: impl Fn(Option<&NodeView>, &VolumeRecord) -> bool,
-    ) -> Result<VolumeRecord, CsiError> {
+    ) -> Result<VolumeRecord, Status> {
         self.book
             .wait(self.op_timeout, |_, nodes, vols| {
                 let Some(v) = vols.get(id) else {
-                    return Some(Err(CsiError::new(Code::Aborted, format!("{what} {id} was deleted meanwhile"))));
+                    return Some(Err(Status::aborted(format!("{what} {id} was deleted meanwhile"))));
                 };
                 let view = nodes.get(&v.node);
                 if let Some(f) = failure_since(view, id, since) {
@@ -299,17 +270,14 @@ impl ControllerService {
                     return Some(Ok(v.clone()));
                 }
                 if view.is_none_or(|n| n.connected == 0) {
-                    return Some(Err(CsiError::new(
-                        Code::Unavailable,
-                        format!("node {} is not connected; retry", v.node),
-                    )));
+                    return Some(Err(Status::unavailable(format!("node {} is not connected; retry", v.node))));
                 }
                 None
             })
             .await
     }
 
-    async fn do_create_volume(&self, r: csi::CreateVolumeRequest) -> Result<csi::CreateVolumeResponse, CsiError> {
+    async fn do_create_volume(&self, r: csi::CreateVolumeRequest) -> Result<csi::CreateVolumeResponse, Status> {
         if r.name.is_empty() {
             return Err(invalid("name is required"));
         }
@@ -361,14 +329,11 @@ impl ControllerService {
             // Nothing asked, or less than the source holds: the source's size.
             if required == 0 || size < src.size_bytes {
                 if limit > 0 && limit < src.size_bytes {
-                    return Err(CsiError::new(
-                        Code::OutOfRange,
-                        format!(
-                            "{} holds {} bytes; limit_bytes {limit} is smaller",
-                            source.as_ref().unwrap(),
-                            src.size_bytes
-                        ),
-                    ));
+                    return Err(Status::out_of_range(format!(
+                        "{} holds {} bytes; limit_bytes {limit} is smaller",
+                        source.as_ref().unwrap(),
+                        src.size_bytes
+                    )));
                 }
                 size = src.size_bytes;
             }
@@ -382,9 +347,9 @@ impl ControllerService {
             placement.preferred = t.preferred.iter().filter_map(node_of).collect();
         }
         let params: BTreeMap<String, String> = r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        let book = self.book.clone();
         let (name, fs2, pl, src2) = (r.name.clone(), fs, placement.clone(), source.clone());
-        let (rec, created) = blocking(move || book.place(&name, size, fs2, params, &pl, src2.as_ref())).await?;
+        let (rec, created) =
+            self.blocking(move |book| book.place(&name, size, fs2, params, &pl, src2.as_ref())).await?;
         // Node failures count only from reconciles of a desired set that holds this call's
         // change (a report computed against an older set may still arrive after it).
         let since = self.book.revision_of(&rec.node);
@@ -396,7 +361,7 @@ impl ControllerService {
             });
             let topo_ok = placement.requisite.is_empty() || placement.requisite.contains(&rec.node);
             if rec.state == VolState::Deleting {
-                return Err(CsiError::new(Code::Aborted, format!("volume {:?} is being deleted; retry", r.name)));
+                return Err(Status::aborted(format!("volume {:?} is being deleted; retry", r.name)));
             }
             let params_ok =
                 rec.parameters == r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<BTreeMap<_, _>>();
@@ -406,13 +371,10 @@ impl ControllerService {
                 Some(ContentSource::Volume(v)) => &rec.source_volume == v,
             };
             if !range_ok || rec.fs_type != fs || !topo_ok || !params_ok || !source_ok {
-                return Err(CsiError::new(
-                    Code::AlreadyExists,
-                    format!(
-                        "volume {:?} exists ({} bytes, fs {:?}, node {}, its own parameters and content source) and does not match this request",
-                        r.name, rec.size_bytes, rec.fs_type, rec.node
-                    ),
-                ));
+                return Err(Status::already_exists(format!(
+                    "volume {:?} exists ({} bytes, fs {:?}, node {}, its own parameters and content source) and does not match this request",
+                    r.name, rec.size_bytes, rec.fs_type, rec.node
+                )));
             }
         }
         if encrypted {
@@ -435,7 +397,7 @@ impl ControllerService {
                 // The node refused for good (its store is full, the id is taken there by
                 // another claim): the record goes (the node deletes only a file carrying
                 // this claim's name), so a retry places the volume anew.
-                tracing::warn!(volume = %rec.id, node = %rec.node, error = %Status::from(e.clone()), "node failed to create the volume; abandoning it");
+                tracing::warn!(volume = %rec.id, node = %rec.node, error = %e, "node failed to create the volume; abandoning it");
                 self.abandon(&rec).await?;
                 Err(e)
             }
@@ -443,7 +405,7 @@ impl ControllerService {
         }
     }
 
-    async fn do_create_snapshot(&self, r: csi::CreateSnapshotRequest) -> Result<csi::CreateSnapshotResponse, CsiError> {
+    async fn do_create_snapshot(&self, r: csi::CreateSnapshotRequest) -> Result<csi::CreateSnapshotResponse, Status> {
         if r.name.is_empty() {
             return Err(invalid("name is required"));
         }
@@ -464,19 +426,16 @@ impl ControllerService {
         if source.is_some() {
             params.insert(keys::ENCRYPTION_PARAMETER.to_string(), keys::LUKS2.to_string());
         }
-        let (book, name, src) = (self.book.clone(), r.name.clone(), r.source_volume_id.clone());
-        let (rec, _created) = blocking(move || book.place_snapshot(&name, &src, params)).await?;
+        let (name, src) = (r.name.clone(), r.source_volume_id.clone());
+        let (rec, _created) = self.blocking(move |book| book.place_snapshot(&name, &src, params)).await?;
         if rec.source_volume != r.source_volume_id {
-            return Err(CsiError::new(
-                Code::AlreadyExists,
-                format!(
-                    "snapshot {:?} exists and is of volume {}, not {}",
-                    r.name, rec.source_volume, r.source_volume_id
-                ),
-            ));
+            return Err(Status::already_exists(format!(
+                "snapshot {:?} exists and is of volume {}, not {}",
+                r.name, rec.source_volume, r.source_volume_id
+            )));
         }
         if rec.state == VolState::Deleting {
-            return Err(CsiError::new(Code::Aborted, format!("snapshot {:?} is being deleted; retry", r.name)));
+            return Err(Status::aborted(format!("snapshot {:?} is being deleted; retry", r.name)));
         }
         if is_encrypted(&rec) {
             // Before the node takes it: an encrypted snapshot never exists without its keys.
@@ -505,7 +464,7 @@ impl ControllerService {
                 // The node cannot take it (its store is full, the source is gone there, a
                 // raw block volume in use on a store that cannot reflink): the record goes,
                 // so a retry starts over.
-                tracing::warn!(snapshot = %rec.id, node = %rec.node, error = %Status::from(e.clone()), "node failed to take the snapshot; abandoning it");
+                tracing::warn!(snapshot = %rec.id, node = %rec.node, error = %e, "node failed to take the snapshot; abandoning it");
                 self.abandon(&rec).await?;
                 Err(e)
             }
@@ -513,39 +472,49 @@ impl ControllerService {
         }
     }
 
-    async fn do_delete_snapshot(&self, r: csi::DeleteSnapshotRequest) -> Result<csi::DeleteSnapshotResponse, CsiError> {
-        let id = r.snapshot_id;
-        if id.is_empty() {
+    async fn do_delete_snapshot(&self, r: csi::DeleteSnapshotRequest) -> Result<csi::DeleteSnapshotResponse, Status> {
+        if r.snapshot_id.is_empty() {
             return Err(invalid("snapshot_id is required"));
         }
-        let Some(v) = self.book.get_snapshot(&id) else {
-            self.remove_left_key(&id).await?;
-            return Ok(csi::DeleteSnapshotResponse {});
-        };
+        let v = self.book.get_snapshot(&r.snapshot_id);
+        self.delete("snapshot", &r.snapshot_id, v).await?;
+        Ok(csi::DeleteSnapshotResponse {})
+    }
+
+    /// Delete volume or snapshot `id` (a `what`), record `v` (none: only the key it may
+    /// have left), once its node has deleted it; then its key. A volume its node refuses to
+    /// delete because it is in use stays.
+    async fn delete(&self, what: &str, id: &str, v: Option<VolumeRecord>) -> Result<(), Status> {
+        let Some(v) = v else { return self.remove_left_key(id).await };
         let connected = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0);
         if !connected {
-            return Err(CsiError::new(
-                Code::Unavailable,
-                format!("node {} holding snapshot {id} is not connected; retry", v.node),
-            ));
+            return Err(Status::unavailable(format!("node {} holding {what} {id} is not connected; retry", v.node)));
         }
-        let (book, did) = (self.book.clone(), id.clone());
-        blocking(move || book.begin_delete(&did)).await?;
+        let did = id.to_string();
+        self.blocking(move |book| book.begin_delete(&did)).await?;
         let since = self.book.revision_of(&v.node);
-        self.await_gone(&id, &v.node, since).await?;
-        if is_encrypted(&v) {
-            self.keys.remove(&v.name, &v.id).await.map_err(|e| key_left(&id, e))?;
+        match self.await_gone(id, &v.node, since).await {
+            Err(e) if e.code() == Code::FailedPrecondition && v.kind.is_volume() => {
+                let vid = id.to_string();
+                self.blocking(move |book| book.cancel_delete(&vid)).await?;
+                let why = format!("volume {id} is in use on node {}: {}", v.node, e.message());
+                return Err(Status::failed_precondition(why));
+            }
+            gone => gone?,
         }
-        Ok(csi::DeleteSnapshotResponse {})
+        if is_encrypted(&v) {
+            self.keys.remove(&v.name, &v.id).await.map_err(|e| key_left(id, e))?;
+        }
+        Ok(())
     }
 
     /// Drop record `rec`, which its node refused for good, and its key record if it is
     /// encrypted: the provisioner never deletes what it never got, so nothing else would
     /// remove the key. A key that cannot be removed is logged; the node's refusal stays the
     /// answer.
-    async fn abandon(&self, rec: &VolumeRecord) -> Result<(), CsiError> {
-        let (book, id) = (self.book.clone(), rec.id.clone());
-        blocking(move || book.abandon(&id)).await?;
+    async fn abandon(&self, rec: &VolumeRecord) -> Result<(), Status> {
+        let id = rec.id.clone();
+        self.blocking(move |book| book.abandon(&id)).await?;
         if is_encrypted(rec)
             && let Err(e) = self.keys.remove(&rec.name, &rec.id).await
         {
@@ -560,7 +529,7 @@ impl ControllerService {
     /// is made first). An encrypted volume's or snapshot's name is its id: a key Secret's
     /// name is a DNS subdomain, which [`volume_id_for`] keeps. An id that is no record's id
     /// (a path, a name it would hash) or that no Secret can be named after has no key.
-    async fn remove_left_key(&self, id: &str) -> Result<(), CsiError> {
+    async fn remove_left_key(&self, id: &str) -> Result<(), Status> {
         if volume_id_for(id) != id || self.book.holds(id) {
             return Ok(());
         }
@@ -614,7 +583,7 @@ impl ControllerService {
 
     /// Wait until record `id` (a volume or snapshot marked for deletion) is gone from its
     /// `node`, or the node failed the delete (in a reconcile of revision `since` or later).
-    async fn await_gone(&self, id: &str, node: &str, since: u64) -> Result<(), CsiError> {
+    async fn await_gone(&self, id: &str, node: &str, since: u64) -> Result<(), Status> {
         self.book
             .wait(self.op_timeout, |_, nodes, vols| {
                 if !vols.contains_key(id) {
@@ -625,7 +594,7 @@ impl ControllerService {
                     return Some(Err(f.into()));
                 }
                 if view.is_none_or(|n| n.connected == 0) {
-                    return Some(Err(CsiError::new(Code::Unavailable, format!("node {node} went away; retry"))));
+                    return Some(Err(Status::unavailable(format!("node {node} went away; retry"))));
                 }
                 None
             })
@@ -640,7 +609,7 @@ impl ControllerService {
         v.state == VolState::Ready && held_snapshot(views.get(&v.node), v).is_some()
     }
 
-    async fn do_list_snapshots(&self, r: csi::ListSnapshotsRequest) -> Result<csi::ListSnapshotsResponse, CsiError> {
+    async fn do_list_snapshots(&self, r: csi::ListSnapshotsRequest) -> Result<csi::ListSnapshotsResponse, Status> {
         let views = self.book.node_views();
         // Filters: an unknown snapshot or source volume lists nothing (not an error).
         let all = self
@@ -659,50 +628,19 @@ impl ControllerService {
         Ok(csi::ListSnapshotsResponse { entries, next_token })
     }
 
-    async fn do_delete_volume(&self, r: csi::DeleteVolumeRequest) -> Result<csi::DeleteVolumeResponse, CsiError> {
-        let id = r.volume_id;
-        if id.is_empty() {
+    async fn do_delete_volume(&self, r: csi::DeleteVolumeRequest) -> Result<csi::DeleteVolumeResponse, Status> {
+        if r.volume_id.is_empty() {
             return Err(invalid("volume_id is required"));
         }
-        let Some(v) = self.book.get(&id) else {
-            self.remove_left_key(&id).await?;
-            return Ok(csi::DeleteVolumeResponse {});
-        };
-        let connected = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0);
-        if !connected {
-            return Err(CsiError::new(
-                Code::Unavailable,
-                format!("node {} holding volume {id} is not connected; retry", v.node),
-            ));
-        }
-        let (book, did) = (self.book.clone(), id.clone());
-        blocking(move || book.begin_delete(&did)).await?;
-        let since = self.book.revision_of(&v.node);
-        let node = v.node.clone();
-        let out = self.await_gone(&id, &node, since).await;
-        match out {
-            Ok(()) => {
-                if is_encrypted(&v) {
-                    self.keys.remove(&v.name, &v.id).await.map_err(|e| key_left(&id, e))?;
-                }
-                Ok(csi::DeleteVolumeResponse {})
-            }
-            Err(e) if e.code() == Code::FailedPrecondition => {
-                let (book, vid) = (self.book.clone(), id.clone());
-                blocking(move || book.cancel_delete(&vid)).await?;
-                Err(CsiError::new(
-                    Code::FailedPrecondition,
-                    format!("volume {id} is in use on node {}: {}", v.node, e.message()),
-                ))
-            }
-            Err(e) => Err(e),
-        }
+        let v = self.book.get(&r.volume_id);
+        self.delete("volume", &r.volume_id, v).await?;
+        Ok(csi::DeleteVolumeResponse {})
     }
 
     async fn do_controller_expand_volume(
         &self,
         r: csi::ControllerExpandVolumeRequest,
-    ) -> Result<csi::ControllerExpandVolumeResponse, CsiError> {
+    ) -> Result<csi::ControllerExpandVolumeResponse, Status> {
         if r.volume_id.is_empty() {
             return Err(invalid("volume_id is required"));
         }
@@ -724,25 +662,24 @@ impl ControllerService {
         // which the resizer takes as final.
         let live = self.book.node_views().get(&v.node).is_some_and(|n| n.live());
         if !live {
-            return Err(CsiError::new(
-                Code::Unavailable,
-                format!("node {} holding volume {} is not connected (or has not reported yet); retry", v.node, v.id),
-            ));
+            return Err(Status::unavailable(format!(
+                "node {} holding volume {} is not connected (or has not reported yet); retry",
+                v.node, v.id
+            )));
         }
         let before = v.size_bytes;
-        let book = self.book.clone();
         let vid = v.id.clone();
-        let grown = blocking(move || book.begin_expand(&vid, size)).await?;
+        let grown = self.blocking(move |book| book.begin_expand(&vid, size)).await?;
         let since = self.book.revision_of(&grown.node);
         let v = match self.await_present(&grown.id, grown.size_bytes, since).await {
             Ok(v) => v,
             Err(e) if !matches!(e.code(), Code::DeadlineExceeded | Code::Unavailable) => {
                 // The node could not grow it (its store is full): the desired size goes
                 // back, so the node stops trying and the space is not held.
-                let (book, vid) = (self.book.clone(), grown.id.clone());
-                blocking(move || book.revert_expand(&vid, before)).await?;
+                let vid = grown.id.clone();
+                self.blocking(move |book| book.revert_expand(&vid, before)).await?;
                 return Err(if e.code() == Code::ResourceExhausted || e.code() == Code::OutOfRange {
-                    CsiError::new(Code::OutOfRange, e.message())
+                    Status::out_of_range(e.message())
                 } else {
                     e
                 });
@@ -761,7 +698,7 @@ impl ControllerService {
     async fn do_validate_volume_capabilities(
         &self,
         r: csi::ValidateVolumeCapabilitiesRequest,
-    ) -> Result<csi::ValidateVolumeCapabilitiesResponse, CsiError> {
+    ) -> Result<csi::ValidateVolumeCapabilitiesResponse, Status> {
         if r.volume_id.is_empty() {
             return Err(invalid("volume_id is required"));
         }
@@ -806,7 +743,7 @@ impl ControllerService {
         })
     }
 
-    async fn do_list_volumes(&self, r: csi::ListVolumesRequest) -> Result<csi::ListVolumesResponse, CsiError> {
+    async fn do_list_volumes(&self, r: csi::ListVolumesRequest) -> Result<csi::ListVolumesResponse, Status> {
         let views = self.book.node_views();
         let (page, next_token) = page_of(self.book.list(), r.max_entries, &r.starting_token)?;
         let entries = page
@@ -959,13 +896,13 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
         let r = req.into_inner();
         if r.snapshot_id.is_empty() {
-            return Err(invalid("snapshot_id is required").into());
+            return Err(invalid("snapshot_id is required"));
         }
         let v = self
             .book
             .get_snapshot(&r.snapshot_id)
             .filter(|v| v.state != VolState::Deleting)
-            .ok_or_else(|| CsiError::from(BookError::SnapshotNotFound(r.snapshot_id.clone())))?;
+            .ok_or_else(|| BookError::SnapshotNotFound(r.snapshot_id.clone()))?;
         let ready = self.snapshot_ready(&v, &self.book.node_views());
         Ok(Response::new(csi::GetSnapshotResponse { snapshot: Some(snapshot_to_csi(&v, ready)) }))
     }
@@ -989,18 +926,18 @@ fn page_of(
     records: impl IntoIterator<Item = VolumeRecord>,
     max_entries: i32,
     starting_token: &str,
-) -> Result<(Vec<VolumeRecord>, String), CsiError> {
+) -> Result<(Vec<VolumeRecord>, String), Status> {
     if max_entries < 0 {
         return Err(invalid("max_entries must not be negative"));
     }
-    let after =
-        if starting_token.is_empty() {
-            None
-        } else {
-            Some(decode_token(starting_token).ok_or_else(|| {
-                CsiError::new(Code::Aborted, format!("starting_token {starting_token:?} is not valid"))
-            })?)
-        };
+    let after = if starting_token.is_empty() {
+        None
+    } else {
+        Some(
+            decode_token(starting_token)
+                .ok_or_else(|| Status::aborted(format!("starting_token {starting_token:?} is not valid")))?,
+        )
+    };
     let mut all: Vec<VolumeRecord> = records
         .into_iter()
         .filter(|v| v.state != VolState::Deleting)
@@ -1023,13 +960,6 @@ fn decode_token(t: &str) -> Option<String> {
     let id = String::from_utf8(hex::decode(h).ok()?).ok()?;
     crate::storage::store::validate_id(&id).ok()?;
     Some(id)
-}
-
-/// Run a volume book change off the async workers (the backend commits synchronously).
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, BookError> + Send + 'static) -> Result<T, CsiError> {
-    Ok(tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| CsiError::new(Code::Internal, format!("volume book task: {e}")))??)
 }
 
 #[cfg(test)]
