@@ -114,16 +114,10 @@ fn quantity(s: &str) -> bool {
 /// gRPC codes in one place (`From<DraError> for Status`).
 #[derive(Debug, thiserror::Error)]
 pub enum DraError {
-    #[error("driver {0:?} is not {DRIVER_NAME:?}")]
-    Driver(String),
-    #[error("{0} devices, more than {MAX_DEVICES_PER_NODE}")]
-    TooManyDevices(usize),
-    /// A reported device this controller cannot publish, and why.
-    #[error("device {device:?}: {problem}")]
-    Device { device: String, problem: String },
-    /// A GetClaim field that is not valid.
-    #[error("{field} {value:?} {problem}")]
-    Request { field: &'static str, value: String, problem: String },
+    /// A report this controller cannot publish, or a GetClaim field that is not valid: what
+    /// is wrong, and why.
+    #[error("{0}")]
+    Invalid(String),
     #[error(
         "this controller has no Kubernetes API (local mode): give the claim to the agent as a claim file (nodeplane dra prepare)"
     )]
@@ -141,9 +135,7 @@ impl From<DraError> for Status {
     fn from(e: DraError) -> Status {
         let m = e.to_string();
         match e {
-            DraError::Driver(_) | DraError::TooManyDevices(_) | DraError::Device { .. } | DraError::Request { .. } => {
-                Status::invalid_argument(m)
-            }
+            DraError::Invalid(_) => Status::invalid_argument(m),
             DraError::NoApi => Status::failed_precondition(m),
             DraError::Source { .. } => Status::unavailable(m),
             DraError::NotServed { .. } => Status::not_found(m),
@@ -166,14 +158,14 @@ pub enum SinkError {
 /// Why a report cannot be published, if it cannot (INVALID_ARGUMENT).
 pub fn check_report(r: &pb::ReportDevicesRequest) -> Result<(), DraError> {
     if r.driver != DRIVER_NAME {
-        return Err(DraError::Driver(r.driver.clone()));
+        return Err(DraError::Invalid(format!("driver {:?} is not {DRIVER_NAME:?}", r.driver)));
     }
     if r.devices.len() > MAX_DEVICES_PER_NODE {
-        return Err(DraError::TooManyDevices(r.devices.len()));
+        return Err(DraError::Invalid(format!("{} devices, more than {MAX_DEVICES_PER_NODE}", r.devices.len())));
     }
     let mut seen = BTreeSet::new();
     for d in &r.devices {
-        let bad = |problem: String| Err(DraError::Device { device: d.name.clone(), problem });
+        let bad = |problem: String| Err(DraError::Invalid(format!("device {:?}: {problem}", d.name)));
         if !dns_label(&d.name) {
             return bad("the name is not a DNS label".into());
         }
@@ -640,9 +632,7 @@ pub fn claim_results(claim: Option<&Value>, r: &pb::GetClaimRequest) -> Result<V
 
 /// Checks a GetClaim request's names (INVALID_ARGUMENT).
 pub fn check_claim_request(r: &pb::GetClaimRequest) -> Result<(), DraError> {
-    let bad = |field, value: &str, problem: &str| {
-        Err(DraError::Request { field, value: value.into(), problem: problem.into() })
-    };
+    let bad = |field: &str, value: &str, problem: &str| Err(DraError::Invalid(format!("{field} {value:?} {problem}")));
     if !dns_label(&r.namespace) {
         return bad("namespace", &r.namespace, "is not a DNS label");
     }
