@@ -45,20 +45,6 @@ pub enum BackendError {
     Io(String),
 }
 
-impl BackendError {
-    /// The message alone (what `Display` prints).
-    pub fn message(&self) -> &str {
-        match self {
-            BackendError::Conflict(m)
-            | BackendError::NotLeader(m)
-            | BackendError::Unavailable(m)
-            | BackendError::Refused(m)
-            | BackendError::Corrupt(m)
-            | BackendError::Io(m) => m,
-        }
-    }
-}
-
 pub trait Backend: Send + Sync + 'static {
     /// Every node record and the registry revision last committed.
     fn load_nodes(&self) -> Result<(Vec<NodeRecord>, u64), BackendError>;
@@ -190,6 +176,5 @@ mod tests {
         let e = db.load_nodes().unwrap_err();
         assert!(matches!(e, BackendError::Corrupt(_)), "{e:?}");
         assert!(e.to_string().starts_with("node record \"node-a\": "), "{e}");
-        assert_eq!(e.to_string(), e.message());
     }
 }

@@ -47,8 +47,6 @@ pub struct NodeView {
     pub snapshots: HashMap<String, pb::SnapshotState>,
     /// id -> (code, message, revision of the desired set the failing reconcile ran against)
     pub failures: HashMap<String, (i32, String, u64)>,
-    pub orphans: Vec<String>,
-    pub last_report: Option<Instant>,
     /// When the node's last stream closed.
     pub left: Option<Instant>,
 }
@@ -450,8 +448,6 @@ impl VolumeBook {
         }
         // A failure not repeated in this report is resolved.
         view.failures.retain(|id, _| r.failures.iter().any(|f| &f.id == id));
-        view.orphans = r.orphans.clone();
-        view.last_report = Some(Instant::now());
         let mut changes = Vec::new();
         for v in st.records_on(&r.node_name) {
             let held = match v.kind {
