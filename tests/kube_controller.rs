@@ -303,7 +303,7 @@ fn volume_records_round_trip() {
 fn settings(identity: &str) -> LeaseSettings {
     LeaseSettings {
         namespace: NS.into(),
-        name: "nodeplane-controller".into(),
+        lease_name: "nodeplane-controller".into(),
         identity: identity.into(),
         lease_duration: Duration::from_secs(2),
         renew_deadline: Duration::from_millis(1500),

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use ipnetwork::IpNetwork;
 use serde::Deserialize;
 
+use super::kube::lease::LeaseSettings;
 use super::records::Pool;
 use crate::rpc::{Listen, parse_listen};
 use crate::util::Family;
@@ -170,19 +171,9 @@ pub struct AgentAuthFile {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KubeStore {
-    pub namespace: String,
-    pub lease_name: String,
-    pub identity: String,
-    pub lease_duration: std::time::Duration,
-    pub renew_deadline: std::time::Duration,
-    pub retry_period: std::time::Duration,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Store {
     Embedded,
-    Kubernetes(KubeStore),
+    Kubernetes(LeaseSettings),
 }
 
 /// Where the token-signing (HMAC) keys live.
@@ -543,7 +534,7 @@ fn resolve_store(f: Option<&StoreFile>, env: &dyn Fn(&str) -> Option<String>) ->
                     lease_duration.as_secs()
                 ));
             }
-            Ok(Store::Kubernetes(KubeStore {
+            Ok(Store::Kubernetes(LeaseSettings {
                 namespace,
                 lease_name,
                 identity,

@@ -146,17 +146,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     let mut elector = None;
     let backend: Arc<dyn backend::Backend> = match (&cfg.store, &client) {
         (config::Store::Kubernetes(k), Some(c)) => {
-            let mut el = kube::lease::Elector::new(
-                c.clone(),
-                kube::lease::LeaseSettings {
-                    namespace: k.namespace.clone(),
-                    name: k.lease_name.clone(),
-                    identity: k.identity.clone(),
-                    lease_duration: k.lease_duration,
-                    renew_deadline: k.renew_deadline,
-                    retry_period: k.retry_period,
-                },
-            );
+            let mut el = kube::lease::Elector::new(c.clone(), k.clone());
             leading.set(false, "waiting for the leader lease");
             tracing::info!(lease = %format!("{}/{}", k.namespace, k.lease_name), identity = %k.identity, "waiting to lead");
             let mut s = stopping.clone();

@@ -21,10 +21,12 @@ use kube::api::{Api, ObjectMeta};
 
 use crate::controller::backend::BackendError;
 
-#[derive(Debug, Clone)]
+/// The Lease, this candidate's name in it and the election's timings (`store` in the
+/// configuration).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseSettings {
     pub namespace: String,
-    pub name: String,
+    pub lease_name: String,
     /// This candidate (the pod name).
     pub identity: String,
     pub lease_duration: Duration,
@@ -50,26 +52,19 @@ pub enum Attempt {
 pub struct Fence {
     valid: Duration,
     state: std::sync::Mutex<(Option<Instant>, Option<String>)>,
-    lease: Option<LeaseRef>,
-}
-
-/// The Lease a fence stands for and this candidate's name in it: a writer that meets a
-/// conflict reads it to tell another controller (a new holder) from any other client.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaseRef {
-    pub namespace: String,
-    pub name: String,
-    pub identity: String,
+    /// The Lease it stands for: a writer that meets a conflict reads it to tell another
+    /// controller (a new holder) from any other client.
+    lease: LeaseSettings,
 }
 
 impl Fence {
     /// A fence for holding this Lease.
-    pub fn for_lease(valid: Duration, lease: LeaseRef) -> Self {
-        Fence { valid, state: std::sync::Mutex::new((None, None)), lease: Some(lease) }
+    pub fn for_lease(valid: Duration, lease: LeaseSettings) -> Self {
+        Fence { valid, state: std::sync::Mutex::new((None, None)), lease }
     }
 
-    pub fn lease(&self) -> Option<&LeaseRef> {
-        self.lease.as_ref()
+    pub fn lease(&self) -> &LeaseSettings {
+        &self.lease
     }
 
     /// A renewal that started at `at` succeeded.
@@ -124,8 +119,7 @@ fn now() -> MicroTime {
 
 impl Elector {
     pub fn new(client: kube::Client, s: LeaseSettings) -> Self {
-        let lease = LeaseRef { namespace: s.namespace.clone(), name: s.name.clone(), identity: s.identity.clone() };
-        let fence = std::sync::Arc::new(Fence::for_lease(s.renew_deadline, lease));
+        let fence = std::sync::Arc::new(Fence::for_lease(s.renew_deadline, s.clone()));
         Elector { api: Api::namespaced(client, &s.namespace), s, fence, observed: None }
     }
 
@@ -166,11 +160,11 @@ impl Elector {
     }
 
     async fn attempt(&mut self, was_ours: &mut bool) -> Result<Attempt, kube::Error> {
-        let current = match self.api.get_opt(&self.s.name).await? {
+        let current = match self.api.get_opt(&self.s.lease_name).await? {
             None => {
                 let lease = Lease {
                     metadata: ObjectMeta {
-                        name: Some(self.s.name.clone()),
+                        name: Some(self.s.lease_name.clone()),
                         namespace: Some(self.s.namespace.clone()),
                         ..Default::default()
                     },
@@ -208,7 +202,7 @@ impl Elector {
         }
         let mut next = current.clone();
         next.spec = Some(self.spec(Some(&spec)));
-        match self.api.replace(&self.s.name, &super::post_params(), &next).await {
+        match self.api.replace(&self.s.lease_name, &super::post_params(), &next).await {
             Ok(l) => {
                 let s = l.spec.clone().unwrap_or_default();
                 self.observed = Some((
@@ -219,7 +213,7 @@ impl Elector {
                     Instant::now(),
                 ));
                 if !ours {
-                    tracing::info!(lease = %self.s.name, previous = %holder, "leader lease acquired");
+                    tracing::info!(lease = %self.s.lease_name, previous = %holder, "leader lease acquired");
                 }
                 Ok(Attempt::Leading)
             }
@@ -236,7 +230,7 @@ impl Elector {
                 Ok(Attempt::HeldBy(h)) => waiting(&format!("held by {h}")),
                 Ok(Attempt::Raced) => waiting("lost a race for the lease"),
                 Err(e) => {
-                    tracing::warn!(error = %e, lease = %self.s.name, "leader election: API error");
+                    tracing::warn!(error = %e, lease = %self.s.lease_name, "leader election: API error");
                     waiting(&format!("API error: {e}"));
                 }
             }
@@ -279,10 +273,10 @@ impl Elector {
                 }
                 Ok(Ok((Attempt::HeldBy(h), _))) => return lost(format!("the lease is now held by {h}")),
                 Ok(Ok((Attempt::Raced, _))) => {
-                    tracing::warn!(lease = %self.s.name, "lease renewal raced with another writer")
+                    tracing::warn!(lease = %self.s.lease_name, "lease renewal raced with another writer")
                 }
-                Ok(Err(e)) => tracing::warn!(error = %e, lease = %self.s.name, "lease renewal failed"),
-                Err(_) => tracing::warn!(lease = %self.s.name, "lease renewal timed out"),
+                Ok(Err(e)) => tracing::warn!(error = %e, lease = %self.s.lease_name, "lease renewal failed"),
+                Err(_) => tracing::warn!(lease = %self.s.lease_name, "lease renewal timed out"),
             }
             if last_renew.elapsed() >= self.s.renew_deadline {
                 return lost(format!("could not renew the lease for {:?}", self.s.renew_deadline));
@@ -292,7 +286,7 @@ impl Elector {
 
     /// Give the lease up (empty holder) if we still hold it, so a successor need not wait.
     pub async fn release(&mut self) {
-        let Ok(Some(mut l)) = self.api.get_opt(&self.s.name).await else { return };
+        let Ok(Some(mut l)) = self.api.get_opt(&self.s.lease_name).await else { return };
         let Some(spec) = l.spec.as_mut() else { return };
         if spec.holder_identity.as_deref() != Some(self.s.identity.as_str()) {
             return;
@@ -300,9 +294,9 @@ impl Elector {
         spec.holder_identity = None;
         spec.lease_duration_seconds = Some(1);
         spec.renew_time = Some(now());
-        match self.api.replace(&self.s.name, &super::post_params(), &l).await {
-            Ok(_) => tracing::info!(lease = %self.s.name, "leader lease released"),
-            Err(e) => tracing::warn!(error = %e, lease = %self.s.name, "could not release the leader lease"),
+        match self.api.replace(&self.s.lease_name, &super::post_params(), &l).await {
+            Ok(_) => tracing::info!(lease = %self.s.lease_name, "leader lease released"),
+            Err(e) => tracing::warn!(error = %e, lease = %self.s.lease_name, "could not release the leader lease"),
         }
     }
 }

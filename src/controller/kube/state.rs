@@ -206,7 +206,7 @@ struct Known {
 #[derive(Clone)]
 struct Leadership {
     leases: Api<k8s_openapi::api::coordination::v1::Lease>,
-    lease: super::lease::LeaseRef,
+    lease: super::lease::LeaseSettings,
     fence: Arc<super::lease::Fence>,
 }
 
@@ -222,7 +222,7 @@ impl Leadership {
             )));
         };
         l.fence.check().map_err(PutError::Refused)?;
-        match l.leases.get_opt(&l.lease.name).await {
+        match l.leases.get_opt(&l.lease.lease_name).await {
             Ok(Some(lease)) => {
                 let holder = lease.spec.and_then(|s| s.holder_identity).unwrap_or_default();
                 if holder == l.lease.identity {
@@ -231,14 +231,14 @@ impl Leadership {
                     Err(PutError::Conflict(format!(
                         "{what} was changed by another writer ({e}) and the leader Lease {}/{} is now held by {holder:?}: \
                          another controller leads. This controller stops serving",
-                        l.lease.namespace, l.lease.name
+                        l.lease.namespace, l.lease.lease_name
                     )))
                 }
             }
             Ok(None) => Err(PutError::Refused(BackendError::Unavailable(format!(
                 "{what} was changed by another writer ({e}) and the leader Lease {}/{} is missing: not writing until it \
                  is renewed",
-                l.lease.namespace, l.lease.name
+                l.lease.namespace, l.lease.lease_name
             )))),
             Err(g) => Err(PutError::Refused(BackendError::Unavailable(format!(
                 "{what} was changed by another writer ({e}); reading the leader Lease to tell who: {g}"
@@ -354,9 +354,9 @@ impl KubeBackend {
         let client = rt.run(async move {
             kube::Client::try_from(config).map_err(|e| BackendError::Unavailable(format!("Kubernetes client: {e}")))
         })?;
-        let leadership = fence.as_ref().and_then(|f| {
-            let lease = f.lease()?.clone();
-            Some(Leadership { leases: Api::namespaced(client.clone(), &lease.namespace), lease, fence: f.clone() })
+        let leadership = fence.as_ref().map(|f| {
+            let lease = f.lease().clone();
+            Leadership { leases: Api::namespaced(client.clone(), &lease.namespace), lease, fence: f.clone() }
         });
         Ok(KubeBackend {
             leadership,
