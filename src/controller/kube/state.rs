@@ -401,19 +401,26 @@ impl KubeBackend {
         }
     }
 
-    async fn unlock_block(blocks: &Api<DynamicObject>, cidr: &str) -> Result<(), BackendError> {
-        let name = block_object_name(cidr);
-        match blocks.delete(&name, &DeleteParams::default()).await {
-            Ok(_) => Ok(()),
-            Err(e) if is_not_found(&e) => Ok(()),
-            Err(e) => Err(api_error(&e, format!("releasing block {cidr} (IPBlock {name}): {e}"))),
+    /// Release the locks of `cidrs`; a lock left behind (logged) is released at a later load.
+    async fn unlock_blocks(blocks: &Api<DynamicObject>, cidrs: &[String]) {
+        for cidr in cidrs {
+            let name = block_object_name(cidr);
+            match blocks.delete(&name, &DeleteParams::default()).await {
+                Err(e) if !is_not_found(&e) => {
+                    let e = api_error(&e, format!("releasing block {cidr} (IPBlock {name}): {e}"));
+                    tracing::warn!(error = %e, "block lock left behind");
+                }
+                _ => {}
+            }
         }
     }
 
-    fn trip(&self, e: &PutError) {
-        if let (PutError::Conflict(_), Some(f)) = (e, &self.fence) {
+    /// A write's outcome as the backend answers it; a conflict trips the fence.
+    fn settle<T>(&self, outcome: Result<T, PutError>) -> Result<T, BackendError> {
+        if let (Err(PutError::Conflict(_)), Some(f)) = (&outcome, &self.fence) {
             f.lose("another writer changed the controller's objects");
         }
+        outcome.map_err(BackendError::from)
     }
 
     fn check_fence(&self) -> Result<(), BackendError> {
@@ -656,79 +663,50 @@ impl Backend for KubeBackend {
             let outcome: Result<Option<Seen>, PutError> = self.rt.run(async move {
                 let old_blocks: Vec<String> = old.as_ref().map(|(r, _)| r.blocks.clone()).unwrap_or_default();
                 let seen = old.map(|(_, seen)| seen);
-                Ok(match rec2 {
-                    Some(rec) => {
-                        // Lock the new blocks before the record names them.
-                        let mut locked = Vec::new();
-                        let mut result = Ok(Seen::default());
-                        for b in rec.blocks.iter().filter(|b| !old_blocks.contains(b)) {
-                            match KubeBackend::lock_block(&blocks, b, &name2).await {
-                                Ok(()) => locked.push(b.clone()),
-                                Err(e) => {
-                                    result = Err(e);
-                                    break;
-                                }
-                            }
-                        }
-                        if result.is_ok() {
-                            let spec = NodeSpec {
-                                underlay: rec.underlay.clone(),
-                                vtep_mac: rec.vtep_mac.clone(),
-                                blocks: rec.blocks.clone(),
-                                wireguard_key: rec.wireguard_key.clone(),
-                            };
-                            let spec = serde_json::to_value(spec).map_err(|e| BackendError::Corrupt(e.to_string()))?;
-                            result = match object(&node_resource(), &name2, &name2, spec, seen.as_ref()) {
-                                Ok(obj) => put(&nodes, obj, &format!("NodeplaneNode {name2}"), &leader).await,
-                                Err(e) => Err(PutError::Refused(e)),
-                            };
-                        }
-                        match result {
-                            Ok(new_rv) => {
-                                for b in old_blocks.iter().filter(|b| !rec.blocks.contains(b)) {
-                                    // The record no longer names it: a lock left behind is
-                                    // released at a later load.
-                                    if let Err(e) = KubeBackend::unlock_block(&blocks, b).await {
-                                        tracing::warn!(error = %e, "block lock left behind");
-                                    }
-                                }
-                                Ok(Some(new_rv))
-                            }
-                            Err(e) => {
-                                // Nothing written: give the new locks back. Unknown: keep
-                                // them (a later load releases them if no record names them).
-                                if matches!(e, PutError::Refused(_) | PutError::Conflict(_)) {
-                                    for b in &locked {
-                                        if let Err(u) = KubeBackend::unlock_block(&blocks, b).await {
-                                            tracing::warn!(error = %u, "block lock left behind");
-                                        }
-                                    }
-                                }
-                                Err(e)
-                            }
-                        }
+                let what = format!("NodeplaneNode {name2}");
+                let Some(rec) = rec2 else {
+                    let removed = remove(&nodes, &name2, seen.map(|s| s.rv), &what, &leader).await;
+                    if removed.is_ok() {
+                        KubeBackend::unlock_blocks(&blocks, &old_blocks).await;
                     }
-                    None => {
-                        match remove(&nodes, &name2, seen.map(|s| s.rv), &format!("NodeplaneNode {name2}"), &leader)
-                            .await
-                        {
-                            Ok(()) => {
-                                for b in &old_blocks {
-                                    if let Err(e) = KubeBackend::unlock_block(&blocks, b).await {
-                                        tracing::warn!(error = %e, "block lock left behind");
-                                    }
-                                }
-                                Ok(None)
-                            }
-                            Err(e) => Err(e),
-                        }
+                    return Ok(removed.map(|()| None));
+                };
+                // Lock the new blocks before the record names them.
+                let mut locked = Vec::new();
+                let written = async {
+                    for b in rec.blocks.iter().filter(|b| !old_blocks.contains(b)) {
+                        KubeBackend::lock_block(&blocks, b, &name2).await?;
+                        locked.push(b.clone());
                     }
-                })
+                    let spec = NodeSpec {
+                        underlay: rec.underlay.clone(),
+                        vtep_mac: rec.vtep_mac.clone(),
+                        blocks: rec.blocks.clone(),
+                        wireguard_key: rec.wireguard_key.clone(),
+                    };
+                    let spec = serde_json::to_value(spec).map_err(|e| BackendError::Corrupt(e.to_string()));
+                    let obj = spec.and_then(|spec| object(&node_resource(), &name2, &name2, spec, seen.as_ref()));
+                    put(&nodes, obj.map_err(PutError::Refused)?, &what, &leader).await
+                }
+                .await;
+                match &written {
+                    // The record no longer names them: a lock left behind is released at a
+                    // later load.
+                    Ok(_) => {
+                        let given_up: Vec<String> =
+                            old_blocks.iter().filter(|b| !rec.blocks.contains(b)).cloned().collect();
+                        KubeBackend::unlock_blocks(&blocks, &given_up).await;
+                    }
+                    // Nothing written: give the new locks back. Unknown: keep them (a later
+                    // load releases them if no record names them).
+                    Err(PutError::Refused(_) | PutError::Conflict(_)) => {
+                        KubeBackend::unlock_blocks(&blocks, &locked).await
+                    }
+                    Err(PutError::Unknown(_)) => {}
+                }
+                Ok(written.map(Some))
             })?;
-            let new_rv = outcome.map_err(|e| {
-                self.trip(&e);
-                BackendError::from(e)
-            })?;
+            let new_rv = self.settle(outcome)?;
             match (rec, new_rv) {
                 (Some(r), Some(rv)) => {
                     known.nodes.insert(name.clone(), (r.clone(), rv));
@@ -787,10 +765,7 @@ impl Backend for KubeBackend {
                     None => remove(&volumes, &name2, seen.map(|s| s.rv), &what, &leader).await.map(|_| None),
                 })
             })?;
-            let new_rv = outcome.map_err(|e| {
-                self.trip(&e);
-                BackendError::from(e)
-            })?;
+            let new_rv = self.settle(outcome)?;
             match new_rv {
                 Some(rv) => known.volumes.insert(name, rv),
                 None => known.volumes.remove(&name),
