@@ -51,10 +51,10 @@ pub struct FileConfig {
     /// `unix:/path/to.sock` or `host:port`.
     pub listen: String,
     pub pools: Vec<PoolConfig>,
-    #[serde(default = "default_vni")]
-    pub vxlan_vni: u32,
-    #[serde(default = "default_port")]
-    pub vxlan_port: u16,
+    /// Default 4242.
+    pub vxlan_vni: Option<u32>,
+    /// Default 4789.
+    pub vxlan_port: Option<u16>,
     /// Encryption of pod traffic between nodes (WireGuard): `{"mode": "off"|"on"|"strict",
     /// "port": 51871, "keyRotationSeconds": 0}`. Default off.
     #[serde(default)]
@@ -66,16 +66,15 @@ pub struct FileConfig {
     /// Unix socket for CSI Identity + Controller (the provisioner and resizer sidecars);
     /// default `<dataDir>/csi.sock`.
     pub csi_socket: Option<PathBuf>,
-    /// How long a node may keep a volume the controller does not know before reclaiming it.
-    #[serde(default = "default_grace")]
-    pub orphan_grace_seconds: u64,
+    /// How long a node may keep a volume the controller does not know before reclaiming it
+    /// (default 600).
+    pub orphan_grace_seconds: Option<u64>,
     /// How long GetCapacity answers UNAVAILABLE rather than 0 for a node whose agent is away
-    /// (since the controller started, or since the agent left).
-    #[serde(default = "default_capacity_grace")]
-    pub capacity_grace_seconds: u64,
-    /// How long one CSI call waits for a node before answering DEADLINE_EXCEEDED (retried).
-    #[serde(default = "default_op_timeout")]
-    pub volume_op_timeout_seconds: u64,
+    /// (since the controller started, or since the agent left; default 60).
+    pub capacity_grace_seconds: Option<u64>,
+    /// How long one CSI call waits for a node before answering DEADLINE_EXCEEDED (retried;
+    /// default 60).
+    pub volume_op_timeout_seconds: Option<u64>,
     /// `host:port` of the health endpoint (`/healthz`, `/readyz`); none by default.
     pub health_address: Option<String>,
     /// Where the state lives: `{"kind": "embedded"}` (default: a redb file in dataDir) or
@@ -191,23 +190,6 @@ pub enum AgentAuth {
     TokenReview { audience: String, service_account: String },
 }
 
-fn default_grace() -> u64 {
-    600
-}
-fn default_capacity_grace() -> u64 {
-    crate::controller::volumes::DEFAULT_CAPACITY_GRACE.as_secs()
-}
-fn default_op_timeout() -> u64 {
-    60
-}
-
-fn default_vni() -> u32 {
-    4242
-}
-fn default_port() -> u16 {
-    4789
-}
-
 #[derive(Debug, Clone)]
 pub struct Config {
     pub data_dir: PathBuf,
@@ -281,13 +263,14 @@ impl Config {
             }
             pools.push(Pool { net, block_prefix: p.block_prefix });
         }
-        if f.vxlan_vni == 0 || f.vxlan_vni > 0xff_ffff {
-            return Err(bad(format!("vxlanVni {} is outside 1..=16777215 (a VXLAN id has 24 bits)", f.vxlan_vni)));
+        let (vxlan_vni, vxlan_port) = (f.vxlan_vni.unwrap_or(4242), f.vxlan_port.unwrap_or(4789));
+        if vxlan_vni == 0 || vxlan_vni > 0xff_ffff {
+            return Err(bad(format!("vxlanVni {vxlan_vni} is outside 1..=16777215 (a VXLAN id has 24 bits)")));
         }
         if f.encryption.port == 0 {
             return Err(bad("encryption.port must not be 0".into()));
         }
-        if f.vxlan_port == 0 {
+        if vxlan_port == 0 {
             return Err(bad("vxlanPort must not be 0".into()));
         }
         let secret_file = f.secret_file.clone().unwrap_or_else(|| f.data_dir.join("secret"));
@@ -295,7 +278,8 @@ impl Config {
         if !csi_socket.is_absolute() {
             return Err(bad(format!("csiSocket {} must be absolute", csi_socket.display())));
         }
-        if f.volume_op_timeout_seconds == 0 {
+        let volume_op_timeout = f.volume_op_timeout_seconds.unwrap_or(60);
+        if volume_op_timeout == 0 {
             return Err(bad("volumeOpTimeoutSeconds must be positive".into()));
         }
         let health_address = match f.health_address.as_deref() {
@@ -346,15 +330,17 @@ impl Config {
             data_dir: f.data_dir,
             listen,
             pools,
-            vxlan_vni: f.vxlan_vni,
-            vxlan_port: f.vxlan_port,
+            vxlan_vni,
+            vxlan_port,
             encryption: f.encryption,
             secret_file,
             token_secret,
             csi_socket,
-            orphan_grace: std::time::Duration::from_secs(f.orphan_grace_seconds),
-            capacity_grace: std::time::Duration::from_secs(f.capacity_grace_seconds),
-            volume_op_timeout: std::time::Duration::from_secs(f.volume_op_timeout_seconds),
+            orphan_grace: std::time::Duration::from_secs(f.orphan_grace_seconds.unwrap_or(600)),
+            capacity_grace: f
+                .capacity_grace_seconds
+                .map_or(super::volumes::DEFAULT_CAPACITY_GRACE, std::time::Duration::from_secs),
+            volume_op_timeout: std::time::Duration::from_secs(volume_op_timeout),
         })
     }
 
