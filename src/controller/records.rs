@@ -1,7 +1,8 @@
 //! The controller's records: what its backends store (nodes and their blocks, volumes) and
 //! the pools blocks are cut from. Plain data, below the registry (`store`), the volume book
 //! (`volumes`), the backends (`backend`, `kube`) and the configuration (`config`), which all
-//! use it: none of them needs another to name a record.
+//! use it: none of them needs another to name a record. Also what their revisioned streams
+//! share: epochs, and the last states a run of changes leaves.
 
 use std::collections::BTreeMap;
 
@@ -11,6 +12,30 @@ use serde::{Deserialize, Serialize};
 /// The node store's backend (`file` or `lvm`), named apart from the controller's own
 /// storage backends (`backend`).
 pub use crate::storage::store::Backend as StoreBackend;
+
+/// A new epoch for a registry or book instance (never 0): its revisions compare only with
+/// those of the same epoch.
+pub fn random_epoch() -> u64 {
+    let mut seed = [0u8; 8];
+    crate::util::fill_random(&mut seed);
+    u64::from_le_bytes(seed).max(1)
+}
+
+/// The last state of everything `changes` (consecutive, in order: the records each wrote
+/// and the names it removed) touch, each named once, in name order: the records written and
+/// the names removed.
+pub fn last_states<'a, T: 'a>(
+    changes: impl IntoIterator<Item = (&'a [T], &'a [String])>,
+    name: impl Fn(&'a T) -> &'a str,
+) -> (Vec<&'a T>, Vec<String>) {
+    let mut last = BTreeMap::new();
+    for (upserts, removed) in changes {
+        last.extend(upserts.iter().map(|r| (name(r), Some(r))));
+        last.extend(removed.iter().map(|n| (n.as_str(), None)));
+    }
+    let (written, removed): (Vec<_>, Vec<_>) = last.into_iter().partition(|(_, r)| r.is_some());
+    (written.into_iter().filter_map(|(_, r)| r).collect(), removed.into_iter().map(|(n, _)| n.to_string()).collect())
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pool {

@@ -9,7 +9,7 @@ use tonic::{Request, Response, Status};
 use super::auth::{Authority, Identity};
 use super::config::Config;
 use super::dra::DraError;
-use super::records::NodeRecord;
+use super::records::{NodeRecord, last_states};
 use super::store::{Change, Registry, RegistryError, Snapshot, Start};
 use crate::net::wireguard::Mode;
 use crate::obs::metrics::{Counters, GrpcLabels};
@@ -76,28 +76,15 @@ fn node_list(s: &Snapshot, epoch: u64) -> pb::NodeList {
 /// One delta from the registry at `base` through `changes` (consecutive, in order): the
 /// last state of every node touched, each named once.
 fn delta(base: u64, changes: &[Arc<Change>], epoch: u64) -> pb::NodeList {
-    let mut last: std::collections::BTreeMap<&str, Option<&NodeRecord>> = std::collections::BTreeMap::new();
-    for c in changes {
-        for r in &c.upserts {
-            last.insert(&r.name, Some(r));
-        }
-        for n in &c.removed {
-            last.insert(n, None);
-        }
-    }
-    let mut out = pb::NodeList {
+    let (written, removed) = last_states(changes.iter().map(|c| (&c.upserts[..], &c.removed[..])), |r| &r.name);
+    pb::NodeList {
+        nodes: written.into_iter().map(to_pb).collect(),
+        removed,
         revision: changes.last().map_or(base, |c| c.revision),
         base_revision: base,
         epoch,
         ..Default::default()
-    };
-    for (name, rec) in last {
-        match rec {
-            Some(r) => out.nodes.push(to_pb(r)),
-            None => out.removed.push(name.to_string()),
-        }
     }
-    out
 }
 
 impl Service {

@@ -14,7 +14,7 @@ use ipnetwork::IpNetwork;
 use tokio::sync::watch;
 
 use super::backend::{Backend, BackendError, RedbBackend};
-use super::records::{NodeRecord, Pool, subdomain_error};
+use super::records::{NodeRecord, Pool, random_epoch, subdomain_error};
 use crate::util::Family;
 
 #[derive(Debug, thiserror::Error)]
@@ -146,16 +146,13 @@ impl Registry {
         let (tx, _) = watch::channel(revision);
         let (changes, _) = tokio::sync::broadcast::channel(STREAM_BUFFER);
         let state = State { nodes, owner, revision, history: Default::default(), snapshot: None };
-        let mut seed = [0u8; 8];
-        crate::util::fill_random(&mut seed);
-        let epoch = u64::from_le_bytes(seed).max(1);
         Ok(Registry {
             backend,
             pools,
             state: Mutex::new(state),
             tx,
             changes,
-            epoch,
+            epoch: random_epoch(),
             admission: Mutex::new(None),
             removal: Mutex::new(None),
         })

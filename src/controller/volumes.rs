@@ -297,8 +297,6 @@ impl VolumeBook {
             vols.insert(rec.id.clone(), rec);
         }
         let (events_tx, _) = watch::channel(0);
-        let mut seed = [0u8; 8];
-        crate::util::fill_random(&mut seed);
         Ok(VolumeBook {
             backend,
             st: Mutex::new(BookState {
@@ -309,7 +307,7 @@ impl VolumeBook {
                 revision: FIRST_REVISION,
                 logs: HashMap::new(),
             }),
-            epoch: u64::from_le_bytes(seed).max(1),
+            epoch: super::records::random_epoch(),
             events_tx,
             orphan_grace,
             capacity_grace: DEFAULT_CAPACITY_GRACE,

@@ -139,7 +139,7 @@ impl ServiceBook {
             state: Mutex::new(State::default()),
             changed: tokio::sync::watch::channel(0).0,
             complete: tokio::sync::watch::channel(store.is_some()).0,
-            epoch: random_epoch(),
+            epoch: crate::controller::records::random_epoch(),
             pod_cidrs,
             store,
         };
@@ -373,12 +373,6 @@ fn refuse_bad_ports(
         }
         _ => Ok(()),
     }
-}
-
-fn random_epoch() -> u64 {
-    let mut seed = [0u8; 8];
-    crate::util::fill_random(&mut seed);
-    u64::from_le_bytes(seed).max(1)
 }
 
 fn unlink(index: &mut BTreeMap<Key, BTreeSet<Key>>, owner: &Key, slice: &Key) {

@@ -1,6 +1,5 @@
 //! The gRPC face of the service book (`nodeplane.controller.v1.Services`).
 
-use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -8,6 +7,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use super::{Change, ServiceBook, Start};
+use crate::controller::records::last_states;
 use crate::rpc::controller as pb;
 use crate::rpc::controller::services_server::Services;
 
@@ -44,28 +44,15 @@ pub fn snapshot(book: &ServiceBook, revision: u64, ports: &[Arc<pb::ServicePort>
 
 /// One update from `base` through `changes` (consecutive): the last state of each port.
 pub fn delta(book: &ServiceBook, base: u64, changes: &[Arc<Change>]) -> pb::ServiceUpdate {
-    let mut last: BTreeMap<&str, Option<&pb::ServicePort>> = BTreeMap::new();
-    for c in changes {
-        for p in &c.upserts {
-            last.insert(&p.id, Some(p));
-        }
-        for id in &c.removed {
-            last.insert(id, None);
-        }
-    }
-    let mut out = pb::ServiceUpdate {
+    let (ports, removed) = last_states(changes.iter().map(|c| (&c.upserts[..], &c.removed[..])), |p| &p.id);
+    pb::ServiceUpdate {
         epoch: book.epoch,
         revision: changes.last().map_or(base, |c| c.revision),
         base_revision: base,
+        ports: ports.into_iter().map(|p| (**p).clone()).collect(),
+        removed,
         ..Default::default()
-    };
-    for (id, p) in last {
-        match p {
-            Some(p) => out.ports.push(p.clone()),
-            None => out.removed.push(id.to_string()),
-        }
     }
-    out
 }
 
 impl Service {
