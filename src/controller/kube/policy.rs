@@ -21,40 +21,57 @@ fn key_of(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> (St
 
 impl Feed<PolicyBook> for Namespace {
     const KIND: &'static str = "Namespace";
-    fn set(book: &PolicyBook, o: &Self) -> Result<(), ObjectError> {
-        book.set_namespace(o)
+    fn set(book: &PolicyBook, n: &Self) -> Result<(), ObjectError> {
+        book.change(|o| o.set_namespace(n).map(|_| ()))
     }
-    fn remove(book: &PolicyBook, o: &Self) {
-        book.remove_namespace(o.metadata.name.as_deref().unwrap_or_default())
+    fn remove(book: &PolicyBook, n: &Self) {
+        book.change(|o| o.namespaces.remove(n.metadata.name.as_deref().unwrap_or_default()));
     }
     fn replace(book: &PolicyBook, all: &[Self]) {
-        book.replace_all(Some(all), None, None)
+        book.change(|o| {
+            o.namespaces.clear();
+            for n in all {
+                let _ = o.set_namespace(n);
+            }
+        })
     }
 }
 
 impl Feed<PolicyBook> for Pod {
     const KIND: &'static str = "Pod";
-    fn set(book: &PolicyBook, o: &Self) -> Result<(), ObjectError> {
-        book.set_pod(o)
+    fn set(book: &PolicyBook, p: &Self) -> Result<(), ObjectError> {
+        book.change(|o| o.set_pod(p).map(|_| ()))
     }
-    fn remove(book: &PolicyBook, o: &Self) {
-        book.remove_pod(&key_of(&o.metadata))
+    fn remove(book: &PolicyBook, p: &Self) {
+        book.change(|o| o.pods.remove(&key_of(&p.metadata)));
     }
     fn replace(book: &PolicyBook, all: &[Self]) {
-        book.replace_all(None, Some(all), None)
+        book.change(|o| {
+            o.pods.clear();
+            for p in all {
+                let _ = o.set_pod(p);
+            }
+        })
     }
 }
 
 impl Feed<PolicyBook> for NetworkPolicy {
     const KIND: &'static str = "NetworkPolicy";
-    fn set(book: &PolicyBook, o: &Self) -> Result<(), ObjectError> {
-        book.set_policy(o)
+    fn set(book: &PolicyBook, p: &Self) -> Result<(), ObjectError> {
+        book.change(|o| o.set_policy(p).map(|_| ()))
     }
-    fn remove(book: &PolicyBook, o: &Self) {
-        book.remove_policy(&key_of(&o.metadata))
+    fn remove(book: &PolicyBook, p: &Self) {
+        book.change(|o| o.policies.remove(&key_of(&p.metadata)));
     }
     fn replace(book: &PolicyBook, all: &[Self]) {
-        book.replace_all(None, None, Some(all))
+        book.change(|o| {
+            o.policies.clear();
+            for p in all {
+                if let Err(e) = o.set_policy(p) {
+                    tracing::warn!(error = %e, "ignoring a NetworkPolicy");
+                }
+            }
+        })
     }
 }
 

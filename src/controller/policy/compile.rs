@@ -68,17 +68,9 @@ impl NodeView {
     }
 }
 
+/// Does `u` change nothing (every list empty)?
 pub fn is_empty(u: &pb::PolicyUpdate) -> bool {
-    u.address_sets.is_empty()
-        && u.removed_address_sets.is_empty()
-        && u.port_sets.is_empty()
-        && u.removed_port_sets.is_empty()
-        && u.policies.is_empty()
-        && u.removed_policies.is_empty()
-        && u.groups.is_empty()
-        && u.removed_groups.is_empty()
-        && u.pods.is_empty()
-        && u.removed_pods.is_empty()
+    *u == pb::PolicyUpdate { revision: u.revision, snapshot: u.snapshot, ..Default::default() }
 }
 
 /// A short stable id of `parts` (nftables object names are built from it).

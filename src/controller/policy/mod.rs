@@ -108,7 +108,7 @@ impl PolicyBook {
     }
 
     /// Change the objects (under the lock), then recompile and publish.
-    fn change<T>(&self, f: impl FnOnce(&mut Objects) -> T) -> T {
+    pub(crate) fn change<T>(&self, f: impl FnOnce(&mut Objects) -> T) -> T {
         let mut st = self.state.lock().unwrap();
         let out = f(&mut st.objects);
         let started = std::time::Instant::now();
@@ -170,68 +170,7 @@ impl PolicyBook {
         self.change(|o| o.attached.retain(|_, a| a.node != node));
     }
 
-    // ----- the objects (Kubernetes watches, or local mode) -----
-
-    pub fn set_namespace(&self, ns: &Namespace) -> Result<(), ObjectError> {
-        self.change(|o| o.set_namespace(ns).map(|_| ()))
-    }
-
-    pub fn remove_namespace(&self, name: &str) {
-        self.change(|o| {
-            o.namespaces.remove(name);
-        });
-    }
-
-    pub fn set_pod(&self, pod: &Pod) -> Result<(), ObjectError> {
-        self.change(|o| o.set_pod(pod).map(|_| ()))
-    }
-
-    pub fn remove_pod(&self, key: &Key) {
-        self.change(|o| {
-            o.pods.remove(key);
-        });
-    }
-
-    pub fn set_policy(&self, p: &NetworkPolicy) -> Result<(), ObjectError> {
-        self.change(|o| o.set_policy(p).map(|_| ()))
-    }
-
-    pub fn remove_policy(&self, key: &Key) {
-        self.change(|o| {
-            o.policies.remove(key);
-        });
-    }
-
-    /// Replace every object of one kind at once (a relist of the API).
-    pub fn replace_all(
-        &self,
-        namespaces: Option<&[Namespace]>,
-        pods: Option<&[Pod]>,
-        policies: Option<&[NetworkPolicy]>,
-    ) {
-        self.change(|o| {
-            if let Some(list) = namespaces {
-                o.namespaces.clear();
-                for n in list {
-                    let _ = o.set_namespace(n);
-                }
-            }
-            if let Some(list) = pods {
-                o.pods.clear();
-                for p in list {
-                    let _ = o.set_pod(p);
-                }
-            }
-            if let Some(list) = policies {
-                o.policies.clear();
-                for p in list {
-                    if let Err(e) = o.set_policy(p) {
-                        tracing::warn!(error = %e, "ignoring a NetworkPolicy");
-                    }
-                }
-            }
-        })
-    }
+    // ----- the objects (local mode; the Kubernetes watches change them in `kube::policy`) -----
 
     /// Local mode: apply objects given as JSON (one object, a `List`, or several documents).
     /// All are checked before any is applied. Returns "Kind namespace/name" of each.
@@ -265,16 +204,11 @@ impl PolicyBook {
     /// and kind: k8s-openapi writes them).
     pub fn list_json(&self) -> Result<String, ObjectError> {
         let s = self.stored("list")?;
-        let mut items: Vec<serde_json::Value> = Vec::new();
-        for n in &s.namespaces {
-            items.push(serde_json::to_value(n).unwrap_or_default());
-        }
-        for p in &s.pods {
-            items.push(serde_json::to_value(p).unwrap_or_default());
-        }
-        for p in &s.policies {
-            items.push(serde_json::to_value(p).unwrap_or_default());
-        }
+        let items: Vec<serde_json::Value> = (s.namespaces.iter().map(serde_json::to_value))
+            .chain(s.pods.iter().map(serde_json::to_value))
+            .chain(s.policies.iter().map(serde_json::to_value))
+            .map(Result::unwrap_or_default)
+            .collect();
         let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
         Ok(serde_json::to_string_pretty(&list).expect("JSON values serialise"))
     }
@@ -299,7 +233,6 @@ impl PolicyBook {
 }
 
 /// The objects in a JSON text: one object, a List, or several documents one after another.
-/// Objects given as JSON: one object, a List, or several documents.
 pub(crate) fn parse_objects(json: &str) -> Result<Vec<serde_json::Value>, ObjectError> {
     let mut out = Vec::new();
     for doc in serde_json::Deserializer::from_str(json).into_iter::<serde_json::Value>() {

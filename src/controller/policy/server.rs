@@ -41,10 +41,6 @@ type PolicyStream = Pin<Box<dyn Stream<Item = Result<pb::PolicyUpdate, Status>> 
 const UNTIL_COMPLETE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Service {
-    async fn node(&self, req: &Request<impl Sized>, node: &str) -> Result<(), Status> {
-        self.registry.authorize(req, node).await.map(|_| ())
-    }
-
     async fn admin(&self, req: &Request<impl Sized>) -> Result<(), Status> {
         self.registry.admin(req, "change or list policy objects").await
     }
@@ -77,7 +73,7 @@ impl NetworkPolicies for Service {
 
     async fn watch_policy(&self, req: Request<pb::WatchPolicyRequest>) -> Result<Response<PolicyStream>, Status> {
         let node = req.get_ref().node_name.clone();
-        self.node(&req, &node).await?;
+        self.registry.authorize(&req, &node).await?;
         let book = self.book.clone();
         let mut stopping = self.registry.stopping.clone();
         let mut changed = book.subscribe();
@@ -120,7 +116,7 @@ impl NetworkPolicies for Service {
         req: Request<pb::PodStartedRequest>,
     ) -> Result<Response<pb::PodStartedResponse>, Status> {
         let node = req.get_ref().node_name.clone();
-        self.node(&req, &node).await?;
+        self.registry.authorize(&req, &node).await?;
         let (key, ips) = self.pod_of(&node, req.into_inner().pod)?;
         if tokio::time::timeout(UNTIL_COMPLETE, self.book.until_complete()).await.is_err() {
             return Err(Status::unavailable(
@@ -137,7 +133,7 @@ impl NetworkPolicies for Service {
         req: Request<pb::PodStoppedRequest>,
     ) -> Result<Response<pb::PodStoppedResponse>, Status> {
         let node = req.get_ref().node_name.clone();
-        self.node(&req, &node).await?;
+        self.registry.authorize(&req, &node).await?;
         let p = req.into_inner().pod.ok_or_else(|| Status::invalid_argument("pod is required"))?;
         let book = self.book.clone();
         crate::rpc::blocking(move || book.pod_stopped(&node, &(p.namespace, p.name))).await?;
@@ -149,7 +145,7 @@ impl NetworkPolicies for Service {
         req: Request<pb::ReportPodsRequest>,
     ) -> Result<Response<pb::ReportPodsResponse>, Status> {
         let node = req.get_ref().node_name.clone();
-        self.node(&req, &node).await?;
+        self.registry.authorize(&req, &node).await?;
         let mut pods = Vec::new();
         for p in req.into_inner().pods {
             pods.push(self.pod_of(&node, Some(p))?);
