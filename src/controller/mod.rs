@@ -348,13 +348,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     let _ = csi_task.await;
     let _ = publisher.await;
     let _ = std::fs::remove_file(&cfg.csi_socket);
-    if let Some(f) = follower {
-        let _ = f.await;
-    }
-    if let Some(f) = policy_follower {
-        let _ = f.await;
-    }
-    if let Some(f) = service_follower {
+    for f in [follower, policy_follower, service_follower].into_iter().flatten() {
         let _ = f.await;
     }
     // Nothing is served any more: only now may a successor take over.
