@@ -1843,7 +1843,7 @@ mod tests {
         FdbEntry { ifindex: 9, mac, dst: Some(ip(dst)), state: NUD_PERMANENT, flags: NTF_SELF }
     }
     fn neigh(addr: &str, mac: [u8; 6]) -> Neighbour {
-        Neighbour { ifindex: 9, ip: ip(addr), mac: Some(mac), state: NUD_PERMANENT, flags: 0, protocol: None }
+        Neighbour { ifindex: 9, ip: ip(addr), mac: Some(mac), state: NUD_PERMANENT }
     }
 
     /// What the kernel would hold after applying `plan` (oif of direct routes: eth0 = 2).

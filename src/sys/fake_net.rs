@@ -7,13 +7,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::net_kernel::{LinkStep, Links, NetKernel, PodNetns, Result, Veth};
-use super::netlink::{Addr, Link, NetlinkError, Route};
+use super::net_kernel::{Links, NetKernel, PodNetns, Result, Veth};
+use super::netlink::{Addr, Link, LinkStep, NetlinkError, RTN_UNICAST, RouteEntry};
 use super::netns::NetnsError;
 
 const HOST: u64 = 0;
@@ -22,7 +22,7 @@ const HOST: u64 = 0;
 pub struct FakeNs {
     pub links: Vec<Link>,
     pub addrs: Vec<Addr>,
-    pub routes: Vec<Route>,
+    pub routes: Vec<RouteEntry>,
     pub cookie: u64,
     pub inode: u64,
 }
@@ -445,7 +445,7 @@ impl Links for FakeLinks {
         add_address(st.space(self.ns, "add_address")?, index, ip, prefix, "add_address")
     }
 
-    fn routes(&mut self) -> Result<Vec<Route>> {
+    fn routes(&mut self) -> Result<Vec<RouteEntry>> {
         let mut st = self.lock();
         st.enter(self.ns, "routes", String::new())?;
         Ok(st.space(self.ns, "routes")?.routes.clone())
@@ -471,10 +471,22 @@ impl Links for FakeLinks {
                         return Err(errno("apply: route", libc::ENETUNREACH));
                     }
                     let v6 = gateway.is_ipv6();
-                    if space.routes.iter().any(|x| x.v6 == v6 && x.dst.is_none()) {
+                    if space.routes.iter().any(|x| x.v6 == v6 && x.prefix == 0) {
                         return Err(errno("apply: route", libc::EEXIST));
                     }
-                    space.routes.push(Route { v6, dst: None, gateway: Some(gateway), oif: Some(oif) });
+                    let dst = if v6 { Ipv6Addr::UNSPECIFIED.into() } else { Ipv4Addr::UNSPECIFIED.into() };
+                    space.routes.push(RouteEntry {
+                        v6,
+                        dst,
+                        prefix: 0,
+                        gateway: Some(gateway),
+                        oif: Some(oif),
+                        table: 254,
+                        protocol: 3,
+                        priority: if v6 { 1024 } else { 0 },
+                        kind: RTN_UNICAST,
+                        onlink: false,
+                    });
                 }
             }
         }

@@ -13,29 +13,10 @@ use std::net::IpAddr;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
 
-use super::netlink::{Addr, Link, Netlink, NetlinkError, Req, Route, VethSpec};
+use super::netlink::{Addr, Link, LinkStep, Netlink, NetlinkError, RouteEntry, VethSpec};
 use super::netns::{Netns, NetnsError};
 
 pub type Result<T> = std::result::Result<T, NetlinkError>;
-
-/// One step of configuring an interface inside a pod namespace; a slice of them is applied
-/// in order (addresses before the routes that need them).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LinkStep {
-    Up {
-        index: u32,
-    },
-    Address {
-        index: u32,
-        ip: IpAddr,
-        prefix: u8,
-    },
-    /// A default route of the address family of `gateway`, out of `oif`.
-    DefaultRoute {
-        gateway: IpAddr,
-        oif: u32,
-    },
-}
 
 /// A veth pair to create: the host end in the namespace of the [`Links`] asked, the peer
 /// moved into `peer`.
@@ -79,7 +60,7 @@ pub trait Links: Send {
     fn addresses(&mut self, index: Option<u32>) -> Result<Vec<Addr>>;
     fn add_address(&mut self, index: u32, ip: IpAddr, prefix: u8) -> Result<()>;
     /// Main-table routes of both families.
-    fn routes(&mut self) -> Result<Vec<Route>>;
+    fn routes(&mut self) -> Result<Vec<RouteEntry>>;
     /// Apply `steps` in order, stopping at the first failure.
     fn apply(&mut self, steps: &[LinkStep]) -> Result<()>;
     /// The namespace's cookie (never reused, unlike its inode); 0 when unknown.
@@ -203,19 +184,11 @@ impl Links for Netlink {
     fn add_address(&mut self, index: u32, ip: IpAddr, prefix: u8) -> Result<()> {
         Netlink::add_address(self, index, ip, prefix)
     }
-    fn routes(&mut self) -> Result<Vec<Route>> {
+    fn routes(&mut self) -> Result<Vec<RouteEntry>> {
         Netlink::routes(self)
     }
     fn apply(&mut self, steps: &[LinkStep]) -> Result<()> {
-        let reqs = steps
-            .iter()
-            .map(|s| match *s {
-                LinkStep::Up { index } => Req::link_up(index, true),
-                LinkStep::Address { index, ip, prefix } => Req::add_address(index, ip, prefix),
-                LinkStep::DefaultRoute { gateway, oif } => Req::default_route(gateway, oif),
-            })
-            .collect();
-        Netlink::apply_all(self, reqs)
+        Netlink::apply(self, steps)
     }
     fn netns_cookie(&self) -> u64 {
         Netlink::netns_cookie(self)

@@ -125,15 +125,6 @@ pub struct Addr {
     pub prefix: u8,
 }
 
-/// A route in the main table (only the parts we program and verify).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Route {
-    pub v6: bool,
-    pub dst: Option<(IpAddr, u8)>,
-    pub gateway: Option<IpAddr>,
-    pub oif: Option<u32>,
-}
-
 /// Parameters for creating a veth pair.
 pub struct VethSpec<'a> {
     pub host_name: &'a str,
@@ -143,6 +134,25 @@ pub struct VethSpec<'a> {
     pub peer_netns: BorrowedFd<'a>,
     pub mtu: u32,
     pub master: Option<u32>,
+}
+
+/// One step of configuring an interface inside a pod namespace; a slice of them is applied
+/// in order (addresses before the routes that need them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkStep {
+    Up {
+        index: u32,
+    },
+    Address {
+        index: u32,
+        ip: IpAddr,
+        prefix: u8,
+    },
+    /// A default route of the address family of `gateway`, out of `oif`.
+    DefaultRoute {
+        gateway: IpAddr,
+        oif: u32,
+    },
 }
 
 pub struct Netlink {
@@ -207,9 +217,37 @@ impl Netlink {
         self.exchange(msg, NLM_F_DUMP, op)
     }
 
-    /// Run `reqs` in order, one after the other; the first failure stops them.
-    pub fn apply_all(&mut self, reqs: Vec<Req>) -> Result<()> {
-        reqs.into_iter().try_for_each(|r| self.request(r.msg, r.flags, &r.op))
+    /// Apply `steps` in order, one request each; the first failure stops them.
+    pub fn apply(&mut self, steps: &[LinkStep]) -> Result<()> {
+        for step in steps {
+            let (msg, flags, op) = match *step {
+                LinkStep::Up { index } => {
+                    let mut msg = LinkMessage::default();
+                    msg.header.index = index;
+                    msg.header.flags = LinkFlags::Up;
+                    msg.header.change_mask = LinkFlags::Up;
+                    (RouteNetlinkMessage::SetLink(msg), 0, format!("set link {index} up=true"))
+                }
+                LinkStep::Address { index, ip, prefix } => address_request(index, ip, prefix),
+                LinkStep::DefaultRoute { gateway, oif } => {
+                    let mut msg = RouteMessage::default();
+                    msg.header = RouteHeader {
+                        address_family: family_of(&gateway),
+                        table: RouteHeader::RT_TABLE_MAIN,
+                        protocol: RouteProtocol::Boot,
+                        scope: RouteScope::Universe,
+                        kind: RouteType::Unicast,
+                        ..Default::default()
+                    };
+                    msg.attributes.push(RouteAttribute::Gateway(RouteAddress::from(gateway)));
+                    msg.attributes.push(RouteAttribute::Oif(oif));
+                    let op = format!("add default route via {gateway} dev {oif}");
+                    (RouteNetlinkMessage::NewRoute(msg), NLM_F_CREATE | NLM_F_EXCL, op)
+                }
+            };
+            self.request(msg, flags, &op)?;
+        }
+        Ok(())
     }
 
     // ----- links -----
@@ -424,8 +462,8 @@ impl Netlink {
     /// Add an address. IPv6 addresses skip duplicate address detection (they come from
     /// the node's own IPAM, which already guarantees uniqueness) so they work at once.
     pub fn add_address(&mut self, index: u32, ip: IpAddr, prefix: u8) -> Result<()> {
-        let r = Req::add_address(index, ip, prefix);
-        self.request(r.msg, r.flags, &r.op)
+        let (msg, flags, op) = address_request(index, ip, prefix);
+        self.request(msg, flags, &op)
     }
 
     pub fn addresses(&mut self, index: Option<u32>) -> Result<Vec<Addr>> {
@@ -449,18 +487,9 @@ impl Netlink {
     // ----- routes -----
 
     /// Routes of the main table, both families ([`Self::route_entries`]).
-    pub fn routes(&mut self) -> Result<Vec<Route>> {
-        Ok(self
-            .route_entries()?
-            .into_iter()
-            .filter(|e| e.table == u32::from(RouteHeader::RT_TABLE_MAIN))
-            .map(|e| Route {
-                v6: e.v6,
-                dst: (e.prefix > 0).then_some((e.dst, e.prefix)),
-                gateway: e.gateway,
-                oif: e.oif,
-            })
-            .collect())
+    pub fn routes(&mut self) -> Result<Vec<RouteEntry>> {
+        let main = u32::from(RouteHeader::RT_TABLE_MAIN);
+        Ok(self.route_entries()?.into_iter().filter(|e| e.table == main).collect())
     }
 }
 
@@ -536,71 +565,28 @@ pub fn random_mac() -> [u8; 6] {
     mac
 }
 
-/// One request, built ahead of sending (for [`Netlink::apply_all`]).
-#[derive(Debug, Clone)]
-pub struct Req {
-    msg: RouteNetlinkMessage,
-    flags: u16,
-    op: String,
-}
-
-impl Req {
-    /// Set a link up or down.
-    pub fn link_up(index: u32, up: bool) -> Self {
-        let mut msg = LinkMessage::default();
-        msg.header.index = index;
-        msg.header.flags = if up { LinkFlags::Up } else { LinkFlags::empty() };
-        msg.header.change_mask = LinkFlags::Up;
-        Req { msg: RouteNetlinkMessage::SetLink(msg), flags: 0, op: format!("set link {index} up={up}") }
-    }
-
-    /// Add an address. IPv6 addresses skip duplicate address detection (they come from
-    /// the node's own IPAM, which already guarantees uniqueness) so they work at once.
-    pub fn add_address(index: u32, ip: IpAddr, prefix: u8) -> Self {
-        let mut msg = AddressMessage::default();
-        msg.header.family = family_of(&ip);
-        msg.header.prefix_len = prefix;
-        msg.header.index = index;
-        msg.header.scope = AddressScope::Universe;
-        if let IpAddr::V4(v4) = ip {
-            msg.attributes.push(AddressAttribute::Local(ip));
-            msg.attributes.push(AddressAttribute::Address(ip));
-            if prefix < 31 {
-                let mask = u32::MAX.checked_shr(prefix as u32).unwrap_or(0);
-                let bcast = std::net::Ipv4Addr::from(u32::from(v4) | mask);
-                msg.attributes.push(AddressAttribute::Broadcast(bcast));
-            }
-        } else {
-            msg.header.flags = AddressHeaderFlags::Nodad;
-            msg.attributes.push(AddressAttribute::Address(ip));
-            msg.attributes.push(AddressAttribute::Flags(AddressFlags::Nodad));
+/// The request that adds an address ([`Netlink::add_address`]): (message, flags, what).
+fn address_request(index: u32, ip: IpAddr, prefix: u8) -> (RouteNetlinkMessage, u16, String) {
+    let mut msg = AddressMessage::default();
+    msg.header.family = family_of(&ip);
+    msg.header.prefix_len = prefix;
+    msg.header.index = index;
+    msg.header.scope = AddressScope::Universe;
+    if let IpAddr::V4(v4) = ip {
+        msg.attributes.push(AddressAttribute::Local(ip));
+        msg.attributes.push(AddressAttribute::Address(ip));
+        if prefix < 31 {
+            let mask = u32::MAX.checked_shr(prefix as u32).unwrap_or(0);
+            let bcast = std::net::Ipv4Addr::from(u32::from(v4) | mask);
+            msg.attributes.push(AddressAttribute::Broadcast(bcast));
         }
-        Req {
-            msg: RouteNetlinkMessage::NewAddress(msg),
-            flags: NLM_F_CREATE | NLM_F_EXCL,
-            op: format!("add address {ip}/{prefix} to link {index}"),
-        }
+    } else {
+        msg.header.flags = AddressHeaderFlags::Nodad;
+        msg.attributes.push(AddressAttribute::Address(ip));
+        msg.attributes.push(AddressAttribute::Flags(AddressFlags::Nodad));
     }
-
-    /// Add a default route in the main table via `gateway` out of `oif`.
-    pub fn default_route(gateway: IpAddr, oif: u32) -> Self {
-        let mut msg = RouteMessage::default();
-        msg.header = RouteHeader {
-            address_family: family_of(&gateway),
-            table: RouteHeader::RT_TABLE_MAIN,
-            protocol: RouteProtocol::Boot,
-            scope: RouteScope::Universe,
-            kind: RouteType::Unicast,
-            ..Default::default()
-        };
-        msg.attributes.push(RouteAttribute::Gateway(RouteAddress::from(gateway)));
-        msg.attributes.push(RouteAttribute::Oif(oif));
-        Req {
-            msg: RouteNetlinkMessage::NewRoute(msg),
-            flags: NLM_F_CREATE | NLM_F_EXCL,
-            op: format!("add default route via {gateway} dev {oif}"),
-        }
-    }
+    let op = format!("add address {ip}/{prefix} to link {index}");
+    (RouteNetlinkMessage::NewAddress(msg), NLM_F_CREATE | NLM_F_EXCL, op)
 }
 
 // ----- cross-node routes (`crate::net::routes`): VXLAN devices, routes with a protocol,
@@ -682,9 +668,6 @@ pub struct Neighbour {
     pub mac: Option<[u8; 6]>,
     /// `NUD_*` bits.
     pub state: u16,
-    /// `NTF_*` bits.
-    pub flags: u8,
-    pub protocol: Option<u8>,
 }
 
 /// A bridge-family forwarding database entry (for a VXLAN device: MAC -> remote VTEP).
@@ -935,29 +918,15 @@ impl Netlink {
                 if !matches!(n.header.family, AddressFamily::Inet | AddressFamily::Inet6) {
                     return None;
                 }
-                let mut out = Neighbour {
-                    ifindex: n.header.ifindex,
-                    ip: IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
-                    mac: None,
-                    state: u16::from(n.header.state),
-                    flags: n.header.flags.bits(),
-                    protocol: None,
-                };
-                let mut have_ip = false;
+                let (mut ip, mut mac) = (None, None);
                 for a in &n.attributes {
                     match a {
-                        NeighbourAttribute::Destination(d) => {
-                            if let Some(ip) = neighbour_ip(d) {
-                                out.ip = ip;
-                                have_ip = true;
-                            }
-                        }
-                        NeighbourAttribute::LinkLayerAddress(l) => out.mac = mac6(l),
-                        NeighbourAttribute::Protocol(p) => out.protocol = Some(u8::from(*p)),
+                        NeighbourAttribute::Destination(d) => ip = neighbour_ip(d).or(ip),
+                        NeighbourAttribute::LinkLayerAddress(l) => mac = mac6(l),
                         _ => {}
                     }
                 }
-                have_ip.then_some(out)
+                Some(Neighbour { ifindex: n.header.ifindex, ip: ip?, mac, state: u16::from(n.header.state) })
             })
             .collect())
     }

@@ -19,8 +19,8 @@ use crate::obs::doctor::{Finding, Repair};
 use crate::obs::metrics::{Histograms, StepLabels, Steps, step_histogram};
 use crate::rpc::node as api;
 pub use crate::sys::net_kernel::NetKernel;
-use crate::sys::net_kernel::{LinkStep, Links, PodNetns, Veth};
-use crate::sys::netlink::{Link, NetlinkError, format_mac, random_mac};
+use crate::sys::net_kernel::{Links, PodNetns, Veth};
+use crate::sys::netlink::{Link, LinkStep, NetlinkError, format_mac, random_mac};
 use crate::sys::netns::NetnsError;
 use crate::util::Family;
 
@@ -866,7 +866,7 @@ impl Datapath {
             let gw = self.ipam.block_of(ip.ip()).map(|b| b.gateway());
             let ok = routes
                 .iter()
-                .any(|r| r.v6 == ip.is_ipv6() && r.dst.is_none() && r.gateway == gw && r.oif == Some(peer.index));
+                .any(|r| r.v6 == ip.is_ipv6() && r.prefix == 0 && r.gateway == gw && r.oif == Some(peer.index));
             if !ok {
                 return fail(format!(
                     "default route via {} on {} is missing in {ns}",
