@@ -169,13 +169,7 @@ impl RouteConfig {
             return bad("vxlan port 0".into());
         }
         let n = &self.vxlan_name;
-        if n.is_empty()
-            || n.len() > 15
-            || n.contains('/')
-            || n.chars().any(|c| c.is_whitespace())
-            || n == "."
-            || n == ".."
-        {
+        if !crate::net::cni::request::valid_ifname(n) {
             return bad(format!("vxlan device name {n:?} is not a valid interface name"));
         }
         let l = self.local_underlay;
@@ -226,19 +220,10 @@ pub fn parse_mac(s: &str) -> Result<Option<[u8; 6]>, RoutesError> {
     if s.is_empty() {
         return Ok(None);
     }
-    let bad = || RoutesError::Config(format!("bad MAC address {s:?}"));
-    let parts: Vec<&str> = s.split(':').collect();
-    if parts.len() != 6 {
-        return Err(bad());
-    }
-    let mut mac = [0u8; 6];
-    for (i, p) in parts.iter().enumerate() {
-        if p.len() != 2 {
-            return Err(bad());
-        }
-        mac[i] = u8::from_str_radix(p, 16).map_err(|_| bad())?;
-    }
-    Ok(Some(mac))
+    let bytes: Option<Vec<u8>> =
+        s.split(':').map(|p| if p.len() == 2 { u8::from_str_radix(p, 16).ok() } else { None }).collect();
+    let mac = bytes.and_then(|b| <[u8; 6]>::try_from(b).ok());
+    mac.map(Some).ok_or_else(|| RoutesError::Config(format!("bad MAC address {s:?}")))
 }
 
 // ----- errors and reports -----
