@@ -89,15 +89,12 @@ pub struct View {
     pub pods: BTreeMap<String, pb::LocalPod>,
 }
 
-fn ok_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 24 && id.bytes().all(|b| b.is_ascii_alphanumeric())
-}
-
 fn v6(s: &str) -> bool {
     s.contains(':')
 }
 
-fn proto_name(p: i32) -> Option<&'static str> {
+/// The nft name of a protocol (`None`: unspecified or unknown).
+pub(crate) fn proto_name(p: i32) -> Option<&'static str> {
     match pb::Protocol::try_from(p).ok()? {
         pb::Protocol::Tcp => Some("tcp"),
         pb::Protocol::Udp => Some("udp"),
@@ -230,7 +227,8 @@ impl View {
 }
 
 fn check_id(id: &str) -> Result<(), PolicyError> {
-    if ok_id(id) { Ok(()) } else { Err(PolicyError::BadId(id.into())) }
+    let ok = !id.is_empty() && id.len() <= 24 && id.bytes().all(|b| b.is_ascii_alphanumeric());
+    if ok { Ok(()) } else { Err(PolicyError::BadId(id.into())) }
 }
 
 // ----- rendering -----
@@ -344,28 +342,6 @@ pub fn render_snapshot(v: &View) -> String {
     for m in ["in6", "out6"] {
         let _ = writeln!(s, "  map {m} {{ type ipv6_addr : verdict; }}");
     }
-    for set in v.address_sets.values() {
-        let _ = writeln!(s, "  set a_{}4 {{ type ipv4_addr; flags interval; }}", set.id);
-        let _ = writeln!(s, "  set a_{}6 {{ type ipv6_addr; flags interval; }}", set.id);
-    }
-    for set in v.port_sets.values() {
-        let _ = writeln!(s, "  set n_{}4 {{ type ipv4_addr . inet_proto . inet_service; }}", set.id);
-        let _ = writeln!(s, "  set n_{}6 {{ type ipv6_addr . inet_proto . inet_service; }}", set.id);
-    }
-    for p in v.policies.values() {
-        let _ = writeln!(s, "  chain p_{} {{", p.id);
-        for r in policy_rules(p) {
-            let _ = writeln!(s, "    {r}");
-        }
-        s.push_str("  }\n");
-    }
-    for g in v.groups.values() {
-        let _ = writeln!(s, "  chain g_{} {{", g.id);
-        for r in group_rules(g) {
-            let _ = writeln!(s, "    {r}");
-        }
-        s.push_str("  }\n");
-    }
     for (name, prio, addr, maps) in
         [("egress", -2, "saddr", ("out4", "out6")), ("ingress", -1, "daddr", ("in4", "in6"))]
     {
@@ -376,28 +352,8 @@ pub fn render_snapshot(v: &View) -> String {
         );
     }
     s.push_str("}\n");
-    // Elements after the definitions (sets and maps exist, chains they jump to too).
-    for set in v.address_sets.values() {
-        for (fam, is6) in [("4", false), ("6", true)] {
-            let el = set_elements(&set.cidrs, is6);
-            if !el.is_empty() {
-                let _ = writeln!(s, "add element inet {TABLE} a_{}{fam} {{ {} }}", set.id, el.join(", "));
-            }
-        }
-    }
-    for set in v.port_sets.values() {
-        for (fam, is6) in [("4", false), ("6", true)] {
-            let el = port_elements(&set.targets, is6);
-            if !el.is_empty() {
-                let _ = writeln!(s, "add element inet {TABLE} n_{}{fam} {{ {} }}", set.id, el.join(", "));
-            }
-        }
-    }
-    for p in v.pods.values() {
-        for (map, el) in dispatch(p) {
-            let _ = writeln!(s, "add element inet {TABLE} {map} {{ {el} }}");
-        }
-    }
+    // Sets, chains and elements as a change from nothing.
+    s.push_str(&render_delta(&View::default(), v));
     s
 }
 

@@ -72,14 +72,6 @@ impl Fam {
     }
 }
 
-fn proto_name(p: i32) -> &'static str {
-    match pb::Protocol::try_from(p).unwrap_or(pb::Protocol::Tcp) {
-        pb::Protocol::Udp => "udp",
-        pb::Protocol::Sctp => "sctp",
-        _ => "tcp",
-    }
-}
-
 /// One endpoint as the node dials it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Ep {
@@ -230,7 +222,7 @@ pub fn render(p: &pb::ServicePort, node: &str) -> Rendered {
     let plan = plan(p, node);
     let mut r = Rendered::default();
     let h = format!("{:012x}", crate::util::fnv1a(&[p.id.as_bytes()]) & 0xffff_ffff_ffff);
-    let proto = proto_name(p.protocol);
+    let proto = crate::net::policy::proto_name(p.protocol).unwrap_or("tcp");
     let mut keys: Vec<(Key, Target, bool)> = Vec::new();
     // Hairpin: a pod of this node that is an endpoint may reach itself through the port.
     for ip in p.endpoints.iter().filter(|e| e.node == node).filter_map(|e| e.ip.parse::<IpAddr>().ok()) {
