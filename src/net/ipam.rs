@@ -242,10 +242,8 @@ impl Ipam {
 
     /// Families that still have a free address (for STATUS).
     pub fn free_by_family(&self) -> Vec<(Family, u128)> {
-        let inner = self.inner.lock().unwrap();
         let mut out: Vec<(Family, u128)> = Vec::new();
-        for b in &inner.blocks {
-            let used = inner.used.iter().filter(|ip| b.net.contains(**ip)).count() as u128;
+        for (b, used) in self.block_usage() {
             let free = b.capacity().saturating_sub(used);
             match out.iter_mut().find(|(f, _)| *f == b.family()) {
                 Some((_, n)) => *n = n.saturating_add(free),

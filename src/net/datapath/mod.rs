@@ -998,8 +998,7 @@ impl Datapath {
         let by_name: HashMap<&str, &Link> = links.iter().map(|l| (l.name.as_str(), l)).collect();
         let bridge = by_name.get(self.settings.bridge.as_str()).copied();
         let usage = self.ipam.block_usage();
-        let mut leases = self.ipam.leases();
-        leases.sort_by(|a, b| a.owner.cmp(&b.owner));
+        let leases = self.ipam.leases();
         let attachments = leases
             .iter()
             .map(|l| {
