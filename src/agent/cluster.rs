@@ -17,6 +17,7 @@ use std::time::Duration;
 use ipnetwork::IpNetwork;
 use serde::{Deserialize, Serialize};
 use tonic::Request;
+use tonic::transport::Channel;
 
 use super::config::{Config, ControllerConfig};
 use crate::net::datapath::Datapath;
@@ -129,6 +130,39 @@ pub(crate) fn read_token(path: &Path) -> Result<Token, LinkError> {
         .parse()
         .map_err(|_| bad(std::io::Error::new(std::io::ErrorKind::InvalidData, "not valid header text")))?;
     Ok(Token(Some(v)))
+}
+
+/// The token and a new channel to the controller (a stream's session).
+pub(crate) async fn open(cc: &ControllerConfig) -> Result<(Token, Channel), LinkError> {
+    let token = read_token(&cc.token_file)?;
+    Ok((token, crate::rpc::connect_with(&cc.address, cc.tls.as_ref()).await?))
+}
+
+/// One channel to the controller for single calls: made on first use, and again after
+/// [`Conn::reset`] (a failed call).
+pub(crate) struct Conn {
+    pub(crate) cc: ControllerConfig,
+    channel: tokio::sync::Mutex<Option<Channel>>,
+}
+
+impl Conn {
+    pub(crate) fn new(cc: ControllerConfig) -> Self {
+        Conn { cc, channel: tokio::sync::Mutex::new(None) }
+    }
+
+    /// The token and the channel.
+    pub(crate) async fn get(&self) -> Result<(Token, Channel), LinkError> {
+        let token = read_token(&self.cc.token_file)?;
+        let mut ch = self.channel.lock().await;
+        if ch.is_none() {
+            *ch = Some(crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref()).await?);
+        }
+        Ok((token, ch.clone().expect("set above")))
+    }
+
+    pub(crate) async fn reset(&self) {
+        *self.channel.lock().await = None;
+    }
 }
 
 /// The peers of `me` in a node list.
@@ -471,10 +505,7 @@ impl Client {
 
     /// One connection: register, then follow the membership stream until it breaks.
     async fn session(self: &Arc<Self>, connected: &mut bool) -> Result<(), String> {
-        let token = read_token(&self.cc.token_file).map_err(|e| e.to_string())?;
-        let channel = crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref())
-            .await
-            .map_err(|e| format!("connect: {e}"))?;
+        let (token, channel) = open(&self.cc).await.map_err(|e| e.to_string())?;
         let mut client = NodeRegistryClient::new(channel);
         let underlay: Vec<String> = self.cc.underlay_addresses.iter().map(|a| a.to_string()).collect();
         let me = self.cfg.node_name.clone();
@@ -599,9 +630,7 @@ impl Client {
 fn request_block(handle: &tokio::runtime::Handle, client: &Arc<Client>, family: Family) -> Result<(), String> {
     let c = client.clone();
     handle.block_on(async move {
-        let token = read_token(&c.cc.token_file).map_err(|e| e.to_string())?;
-        let channel =
-            crate::rpc::connect_with(&c.cc.address, c.cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?;
+        let (token, channel) = open(&c.cc).await.map_err(|e| e.to_string())?;
         let family = match family {
             Family::V4 => pb::Family::Ipv4,
             Family::V6 => pb::Family::Ipv6,

@@ -7,11 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Mutex;
-use tonic::transport::Channel;
-
-use super::cluster::{LinkError, Token, read_token};
-use super::config::{Config, ControllerConfig};
+use super::cluster::{Conn, LinkError};
+use super::config::Config;
 use crate::devices::dra::{self, AllocationResult, Attr, ClaimLookup, Devices};
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_client::NodeRegistryClient;
@@ -45,33 +42,12 @@ pub fn report_of(node: &str, devices: &[dra::Device], epoch: u64) -> pb::ReportD
     pb::ReportDevicesRequest { node_name: node.to_string(), driver: dra::DRIVER_NAME.to_string(), devices, epoch }
 }
 
-/// One connection to the controller, made on first use and again after a failure.
-struct Link {
-    cc: ControllerConfig,
-    channel: Mutex<Option<Channel>>,
-}
-
-impl Link {
-    async fn client(&self) -> Result<(NodeRegistryClient<Channel>, Token), LinkError> {
-        let token = read_token(&self.cc.token_file)?;
-        let mut ch = self.channel.lock().await;
-        if ch.is_none() {
-            *ch = Some(crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref()).await?);
-        }
-        Ok((NodeRegistryClient::new(ch.clone().expect("set above")), token))
-    }
-
-    async fn broken(&self) {
-        *self.channel.lock().await = None;
-    }
-}
-
 /// Report the devices until the process ends (reconnecting with backoff). The epoch is how
 /// often kubelet has registered the DRA plugin: a new registration (kubelet restarted, and
 /// deleted the node's slices) is reported at once.
 pub async fn run(cfg: Arc<Config>, devices: Arc<Devices>, book: crate::kubelet::Registrations) {
     let Some(cc) = cfg.controller.clone() else { return };
-    let link = Link { cc, channel: Mutex::new(None) };
+    let link = Conn::new(cc);
     let mut changed = devices.subscribe();
     // The first report says what the first scan found (not an empty set before it).
     while !devices.scanned() {
@@ -84,10 +60,11 @@ pub async fn run(cfg: Arc<Config>, devices: Arc<Devices>, book: crate::kubelet::
         let epoch = book.registrations(dra::DRIVER_NAME);
         let report = report_of(&cfg.node_name, &devices.list(), epoch);
         let count = report.devices.len();
-        let sent = match link.client().await {
-            Ok((mut client, token)) => {
-                client.report_devices(token.authed(report)).await.map_err(LinkError::call("report devices"))
-            }
+        let sent = match link.get().await {
+            Ok((token, ch)) => NodeRegistryClient::new(ch)
+                .report_devices(token.authed(report))
+                .await
+                .map_err(LinkError::call("report devices")),
             Err(e) => Err(e),
         };
         match sent {
@@ -111,7 +88,7 @@ pub async fn run(cfg: Arc<Config>, devices: Arc<Devices>, book: crate::kubelet::
                 }
             }
             Err(e) => {
-                link.broken().await;
+                link.reset().await;
                 let e = e.to_string();
                 if last_error.as_ref() != Some(&e) {
                     tracing::warn!(error = %e, "cannot report DRA devices to the controller; retrying");
@@ -128,14 +105,14 @@ pub async fn run(cfg: Arc<Config>, devices: Arc<Devices>, book: crate::kubelet::
 pub fn claim_lookup(cfg: &Config) -> Option<ClaimLookup> {
     let cc = cfg.controller.clone()?;
     let node = cfg.node_name.clone();
-    let link = Arc::new(Link { cc, channel: Mutex::new(None) });
+    let link = Arc::new(Conn::new(cc));
     Some(Arc::new(move |c: crate::rpc::dra::Claim| {
         let (link, node) = (link.clone(), node.clone());
         Box::pin(async move {
-            let (mut client, token) = link.client().await.map_err(|e| e.to_string())?;
+            let (token, ch) = link.get().await.map_err(|e| e.to_string())?;
             let req =
                 token.authed(pb::GetClaimRequest { node_name: node, namespace: c.namespace, name: c.name, uid: c.uid });
-            match client.get_claim(req).await {
+            match NodeRegistryClient::new(ch).get_claim(req).await {
                 Ok(r) => Ok(r
                     .into_inner()
                     .results
@@ -144,7 +121,7 @@ pub fn claim_lookup(cfg: &Config) -> Option<ClaimLookup> {
                     .collect()),
                 Err(s) => {
                     if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal) {
-                        link.broken().await;
+                        link.reset().await;
                     }
                     Err(format!("{:?}: {}", s.code(), s.message()))
                 }

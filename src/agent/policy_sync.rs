@@ -14,8 +14,8 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::cluster::{Backoff, LinkError, read_token};
-use super::config::{Config, ControllerConfig};
+use super::cluster::{Backoff, Conn, LinkError, open};
+use super::config::Config;
 use crate::net::datapath::{Datapath, PodEvent};
 use crate::net::policy::{Enforcer, NftError, PolicyError};
 use crate::rpc::controller as pb;
@@ -45,10 +45,9 @@ pub enum SyncError {
 
 pub struct PolicyClient {
     cfg: Arc<Config>,
-    cc: ControllerConfig,
     pub enforcer: Arc<Enforcer>,
-    /// One connection for the calls of ADD and DEL (made on first use, dropped on failure).
-    channel: tokio::sync::Mutex<Option<tonic::transport::Channel>>,
+    /// The connection for the calls of ADD and DEL.
+    conn: Conn,
     handle: tokio::runtime::Handle,
     /// Whether the policy stream is connected (for status and readiness).
     pub connected: std::sync::atomic::AtomicBool,
@@ -129,18 +128,6 @@ impl PolicyClient {
         self.broken.lock().unwrap_or_else(|p| p.into_inner()).recheck(std::path::Path::new(BRIDGE_SYSCTL_DIR))
     }
 
-    async fn client(&self) -> Result<NetworksClient, LinkError> {
-        let mut ch = self.channel.lock().await;
-        if ch.is_none() {
-            *ch = Some(crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref()).await?);
-        }
-        Ok(NetworkPoliciesClient::new(ch.clone().expect("set above")))
-    }
-
-    async fn forget_channel(&self) {
-        *self.channel.lock().await = None;
-    }
-
     fn pod_address(ns: &str, name: &str, ips: &[IpAddr]) -> pb::PodAddress {
         pb::PodAddress {
             namespace: ns.to_string(),
@@ -162,25 +149,21 @@ impl PolicyClient {
                     pod: Some(Self::pod_address(ns, name, &ips)),
                 };
                 let answer = self.handle.block_on(async move {
-                    let token = read_token(&me.cc.token_file)?;
                     let call = async {
-                        let mut c = me.client().await?;
-                        c.pod_started(token.authed(req))
+                        let (token, ch) = me.conn.get().await?;
+                        NetworkPoliciesClient::new(ch)
+                            .pod_started(token.authed(req))
                             .await
                             .map(|r| r.into_inner())
                             .map_err(LinkError::call("PodStarted"))
                     };
-                    match tokio::time::timeout(ADD_WAIT, call).await {
-                        Ok(Ok(a)) => Ok(a),
-                        Ok(Err(e)) => {
-                            me.forget_channel().await;
-                            Err(e)
-                        }
-                        Err(_) => {
-                            me.forget_channel().await;
-                            Err(LinkError::Timeout("PodStarted", ADD_WAIT))
-                        }
+                    let r = tokio::time::timeout(ADD_WAIT, call)
+                        .await
+                        .unwrap_or_else(|_| Err(LinkError::Timeout("PodStarted", ADD_WAIT)));
+                    if r.is_err() {
+                        me.conn.reset().await;
                     }
+                    r
                 });
                 let a = answer.map_err(|source| SyncError::Unconfirmed { pod: pod.to_string(), source })?;
                 if a.isolated && !self.enforcer.wait_for(a.revision, ADD_WAIT) {
@@ -202,9 +185,11 @@ impl PolicyClient {
                 };
                 self.handle.spawn(async move {
                     let r = async {
-                        let token = read_token(&me.cc.token_file)?;
-                        let mut c = me.client().await?;
-                        c.pod_stopped(token.authed(req)).await.map_err(LinkError::call("PodStopped"))
+                        let (token, ch) = me.conn.get().await?;
+                        NetworkPoliciesClient::new(ch)
+                            .pod_stopped(token.authed(req))
+                            .await
+                            .map_err(LinkError::call("PodStopped"))
                     };
                     let after = Duration::from_secs(10);
                     if let Err(e) = tokio::time::timeout(after, r)
@@ -212,7 +197,7 @@ impl PolicyClient {
                         .unwrap_or_else(|_| Err(LinkError::Timeout("PodStopped", after)))
                     {
                         tracing::warn!(error = %e, "PodStopped");
-                        me.forget_channel().await;
+                        me.conn.reset().await;
                     }
                 });
                 Ok(())
@@ -235,9 +220,7 @@ impl PolicyClient {
 
     /// One stream: report the node's pods, then apply the view as it comes.
     async fn session(self: &Arc<Self>, dp: &Arc<Datapath>) -> Result<(), SyncError> {
-        let token = read_token(&self.cc.token_file)?;
-        let channel =
-            crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref()).await.map_err(LinkError::from)?;
+        let (token, channel) = open(&self.conn.cc).await?;
         let mut client = NetworkPoliciesClient::new(channel);
         let me = self.cfg.node_name.clone();
         let mut stream = client
@@ -264,8 +247,6 @@ impl PolicyClient {
     }
 }
 
-type NetworksClient = NetworkPoliciesClient<tonic::transport::Channel>;
-
 /// Set up enforcement on this node (controller mode with `networkPolicy`): the bridge
 /// sysctls, the anti-spoofing table from the node's leases, the datapath hook. Returns the
 /// client whose [`run`] follows the controller.
@@ -277,9 +258,8 @@ pub fn install(cfg: &Arc<Config>, dp: &Arc<Datapath>) -> Option<Arc<PolicyClient
     }
     let client = Arc::new(PolicyClient {
         cfg: cfg.clone(),
-        cc,
         enforcer: Arc::new(Enforcer::new()),
-        channel: tokio::sync::Mutex::new(None),
+        conn: Conn::new(cc),
         handle: tokio::runtime::Handle::current(),
         connected: Default::default(),
         broken: Mutex::new(Broken::default()),

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::cluster::{Backoff, read_token};
+use super::cluster::{Backoff, open};
 use super::config::{Config, ControllerConfig, ServicesMode};
 use crate::net::services::Proxy;
 use crate::obs::metrics::Histogram;
@@ -124,10 +124,7 @@ impl ServiceClient {
 
     /// One stream: apply what comes until it ends, or until kube-proxy shows up.
     async fn session(&self) -> Result<(), String> {
-        let token = read_token(&self.cc.token_file).map_err(|e| e.to_string())?;
-        let channel = crate::rpc::connect_with(&self.cc.address, self.cc.tls.as_ref())
-            .await
-            .map_err(|e| format!("connect: {e}"))?;
+        let (token, channel) = open(&self.cc).await.map_err(|e| e.to_string())?;
         let (epoch, since) = {
             let s = self.standing.lock().unwrap();
             if s.synced { (s.epoch, s.revision) } else { (0, 0) }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use tonic::Code;
 
-use super::cluster::{Backoff, read_token};
+use super::cluster::{Backoff, open};
 use super::config::{Config, ControllerConfig};
 use crate::rpc::controller as pb;
 use crate::rpc::controller::node_registry_client::NodeRegistryClient;
@@ -479,8 +479,7 @@ async fn session(
     view: &mut DesiredView,
     connected: &mut bool,
 ) -> Result<(), String> {
-    let token = read_token(&cc.token_file).map_err(|e| e.to_string())?;
-    let channel = crate::rpc::connect_with(&cc.address, cc.tls.as_ref()).await.map_err(|e| format!("connect: {e}"))?;
+    let (token, channel) = open(cc).await.map_err(|e| e.to_string())?;
     let mut client = NodeRegistryClient::new(channel);
     let node = cfg.node_name.clone();
     let (since_revision, epoch) = view.resume();
