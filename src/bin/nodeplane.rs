@@ -18,6 +18,7 @@ use nodeplane::cli::{self, document, summary};
 use nodeplane::rpc::csi;
 use nodeplane::rpc::csi::volume_capability::access_mode::Mode;
 use nodeplane::rpc::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+use nodeplane::rpc::node::node_status_client::NodeStatusClient;
 use serde_json::json;
 
 /// Why a `nodeplane` command failed (printed after `nodeplane: `, exit status 2).
@@ -713,13 +714,15 @@ async fn call(endpoint: PathBuf, c: Call) -> Result<serde_json::Value, tonic::St
     })
 }
 
-/// What the agent answered: its status or its doctor's report, rendered as the JSON
-/// document `--json` prints and the human summary reads.
+/// A client of the agent's node API socket.
+async fn agent(socket: PathBuf) -> Result<NodeStatusClient<tonic::transport::Channel>, CliError> {
+    Ok(NodeStatusClient::new(connect_unix(&socket, " (is the agent running?)").await?))
+}
+
 /// `nodeplane wireguard rotate`: the old and the new public key.
 async fn rotate(socket: PathBuf) -> Result<String, CliError> {
-    let ch = connect_unix(&socket, " (is the agent running?)").await?;
-    let mut c = nodeplane::rpc::node::node_status_client::NodeStatusClient::new(ch);
-    let r = c
+    let r = agent(socket)
+        .await?
         .rotate_wireguard_key(nodeplane::rpc::node::RotateWireguardKeyRequest {})
         .await
         .map_err(CliError::call("RotateWireguardKey"))?
@@ -727,9 +730,10 @@ async fn rotate(socket: PathBuf) -> Result<String, CliError> {
     Ok(format!("wireguard key rotated: {} -> {}", r.old_public_key, r.public_key))
 }
 
+/// What the agent answered: its status or its doctor's report, rendered as the JSON
+/// document `--json` prints and the human summary reads.
 async fn node_status(socket: PathBuf, doctor: Option<bool>) -> Result<serde_json::Value, CliError> {
-    let ch = connect_unix(&socket, " (is the agent running?)").await?;
-    let mut c = nodeplane::rpc::node::node_status_client::NodeStatusClient::new(ch);
+    let mut c = agent(socket).await?;
     let call = async {
         match doctor {
             None => c
@@ -753,12 +757,6 @@ async fn node_status(socket: PathBuf, doctor: Option<bool>) -> Result<serde_json
     // hang the operator's shell.
     let limit = std::time::Duration::from_secs(120);
     tokio::time::timeout(limit, call).await.map_err(|_| CliError::Timeout(limit))?
-}
-
-/// Which of the controller's object APIs a call goes to.
-enum Objects {
-    Policy(nodeplane::rpc::controller::network_policies_client::NetworkPoliciesClient<tonic::transport::Channel>),
-    Services(nodeplane::rpc::controller::services_client::ServicesClient<tonic::transport::Channel>),
 }
 
 async fn policy_call(at: ControllerAt, call: PolicyCall, services: bool) -> Result<String, CliError> {
@@ -787,68 +785,49 @@ async fn policy_call(at: ControllerAt, call: PolicyCall, services: bool) -> Resu
         source: Box::new(source),
         hint: "",
     })?;
-    let mut c = if services {
-        Objects::Services(pb::services_client::ServicesClient::new(ch))
-    } else {
-        Objects::Policy(pb::network_policies_client::NetworkPoliciesClient::new(ch))
-    };
-    fn with<T>(m: T, bearer: &tonic::metadata::MetadataValue<tonic::metadata::Ascii>) -> tonic::Request<T> {
-        let mut r = tonic::Request::new(m);
-        r.metadata_mut().insert("authorization", bearer.clone());
-        r
-    }
-    match call {
-        PolicyCall::Apply { file } => {
-            let req = with(pb::ApplyObjectsRequest { json: read(&file)? }, &bearer);
-            let r = match &mut c {
-                Objects::Policy(c) => c.apply_objects(req).await,
-                Objects::Services(c) => c.apply_objects(req).await,
+    // The same three calls on either of the controller's object APIs.
+    macro_rules! objects {
+        ($method:ident, $name:literal, $msg:expr) => {{
+            let mut req = tonic::Request::new($msg);
+            req.metadata_mut().insert("authorization", bearer);
+            let r = if services {
+                pb::services_client::ServicesClient::new(ch).$method(req).await
+            } else {
+                pb::network_policies_client::NetworkPoliciesClient::new(ch).$method(req).await
             };
-            Ok(r.map_err(CliError::call("ApplyObjects"))?
-                .into_inner()
-                .applied
-                .iter()
-                .map(|a| format!("{a} applied"))
-                .collect::<Vec<_>>()
-                .join("\n"))
+            r.map_err(CliError::call($name))?.into_inner()
+        }};
+    }
+    let lines =
+        |names: Vec<String>, what: &str| names.iter().map(|a| format!("{a} {what}")).collect::<Vec<_>>().join("\n");
+    Ok(match call {
+        PolicyCall::Apply { file } => {
+            let r = objects!(apply_objects, "ApplyObjects", pb::ApplyObjectsRequest { json: read(&file)? });
+            lines(r.applied, "applied")
         }
         PolicyCall::Delete { file } => {
-            let req = with(pb::DeleteObjectsRequest { json: read(&file)? }, &bearer);
-            let r = match &mut c {
-                Objects::Policy(c) => c.delete_objects(req).await,
-                Objects::Services(c) => c.delete_objects(req).await,
-            };
-            Ok(r.map_err(CliError::call("DeleteObjects"))?
-                .into_inner()
-                .deleted
-                .iter()
-                .map(|a| format!("{a} deleted"))
-                .collect::<Vec<_>>()
-                .join("\n"))
+            let r = objects!(delete_objects, "DeleteObjects", pb::DeleteObjectsRequest { json: read(&file)? });
+            lines(r.deleted, "deleted")
         }
-        PolicyCall::List => {
-            let req = with(pb::ListObjectsRequest {}, &bearer);
-            let r = match &mut c {
-                Objects::Policy(c) => c.list_objects(req).await,
-                Objects::Services(c) => c.list_objects(req).await,
-            };
-            Ok(r.map_err(CliError::call("ListObjects"))?.into_inner().json)
-        }
-    }
+        PolicyCall::List => objects!(list_objects, "ListObjects", pb::ListObjectsRequest {}).json,
+    })
 }
 
-/// `nodeplane policy|service …`: print the answer, or the error with exit status 2.
-fn objects(rt: &tokio::runtime::Runtime, at: ControllerAt, call: PolicyCall, services: bool) -> ! {
-    match rt.block_on(policy_call(at, call, services)) {
+/// Print `out` (exit status 0), or fail with the error.
+fn finish(out: Result<String, CliError>) -> ! {
+    match out {
         Ok(out) => {
             println!("{out}");
             std::process::exit(0);
         }
-        Err(e) => {
-            eprintln!("nodeplane: {e}");
-            std::process::exit(2);
-        }
+        Err(e) => fail(e),
     }
+}
+
+/// Print the error after `nodeplane: `, exit status 2.
+fn fail(e: CliError) -> ! {
+    eprintln!("nodeplane: {e}");
+    std::process::exit(2);
 }
 
 fn main() {
@@ -870,33 +849,15 @@ fn main() {
                 println!("{}", serde_json::to_string_pretty(&doc).expect("JSON values serialise"));
                 std::process::exit(if ok { 0 } else { 1 });
             }
-            Err(e) => {
-                eprintln!("nodeplane: {e}");
-                std::process::exit(2);
-            }
+            Err(e) => fail(e),
         },
-        Top::Policy { at, call: c } => objects(&rt, at, c, false),
-        Top::Service { at, call: c } => objects(&rt, at, c, true),
-        Top::Wireguard { at, call: WireguardCall::Rotate } => match at.path().and_then(|p| rt.block_on(rotate(p))) {
-            Ok(line) => {
-                println!("{line}");
-                return;
-            }
-            Err(e) => {
-                eprintln!("nodeplane: {e}");
-                std::process::exit(2);
-            }
-        },
+        Top::Policy { at, call: c } => finish(rt.block_on(policy_call(at, c, false))),
+        Top::Service { at, call: c } => finish(rt.block_on(policy_call(at, c, true))),
+        Top::Wireguard { at, call: WireguardCall::Rotate } => finish(at.path().and_then(|p| rt.block_on(rotate(p)))),
         Top::Status { at, json } => (at, None, json),
         Top::Doctor { at, repair, json } => (at, Some(repair), json),
     };
-    let doc = match at.path().and_then(|p| rt.block_on(node_status(p, doctor))) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("nodeplane: {e}");
-            std::process::exit(2);
-        }
-    };
+    let doc = at.path().and_then(|p| rt.block_on(node_status(p, doctor))).unwrap_or_else(|e| fail(e));
     if as_json {
         println!("{}", serde_json::to_string_pretty(&doc).expect("JSON values serialise"));
     } else if doctor.is_some() {
