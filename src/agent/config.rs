@@ -9,18 +9,6 @@ use crate::net::cni::result::Dns;
 
 pub use crate::util::ConfigError;
 
-#[derive(Debug, Clone, Deserialize, Default)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct DnsConfig {
-    #[serde(default)]
-    pub nameservers: Vec<String>,
-    pub domain: Option<String>,
-    #[serde(default)]
-    pub search: Vec<String>,
-    #[serde(default)]
-    pub options: Vec<String>,
-}
-
 /// Whether the agent serves Kubernetes Services (see [`FileConfig::services`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -186,7 +174,7 @@ pub struct FileConfig {
     /// kube-proxy programs the node, `on` even then, `off` never.
     #[serde(default)]
     pub services: ServicesMode,
-    pub dns: Option<DnsConfig>,
+    pub dns: Option<Dns>,
     /// Extra plugin entries appended to the conflist after nodeplane (portmap, bandwidth…).
     #[serde(default)]
     pub chained_plugins: Vec<serde_json::Value>,
@@ -333,10 +321,6 @@ impl Config {
         Self::resolve_with_env(crate::util::load_json(path)?, env)
     }
 
-    pub fn resolve(f: FileConfig) -> Result<Self, ConfigError> {
-        Self::resolve_with_env(f, &process_env)
-    }
-
     pub fn resolve_with_env(mut f: FileConfig, env: EnvLookup) -> Result<Self, ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         let env = |key: &str| env(key).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
@@ -448,7 +432,8 @@ impl Config {
                 }
             }
         }
-        for ns in f.dns.iter().flat_map(|d| &d.nameservers) {
+        let dns = f.dns.unwrap_or_default();
+        for ns in &dns.nameservers {
             if ns.parse::<std::net::IpAddr>().is_err() {
                 return bad(format!("dns.nameservers: {ns:?} is not an IP address"));
             }
@@ -528,10 +513,12 @@ impl Config {
             None
         };
         let dpf = f.device_plugins.clone().unwrap_or_default();
+        let device_file = dpf.config_file.unwrap_or_else(|| under(&root, "/etc/nodeplane/devices.json"));
+        let cdi_dir = dpf.cdi_dir.unwrap_or_else(|| under(&root, "/var/run/cdi"));
         let device_plugins = dpf.enabled.unwrap_or(true).then(|| crate::devices::deviceplugin::Settings {
-            config_file: dpf.config_file.clone().unwrap_or_else(|| under(&root, "/etc/nodeplane/devices.json")),
+            config_file: device_file.clone(),
             plugin_dir: device_plugin_dir.clone(),
-            cdi_dir: dpf.cdi_dir.clone().unwrap_or_else(|| under(&root, "/var/run/cdi")),
+            cdi_dir: cdi_dir.clone(),
         });
         let draf = f.dra.clone().unwrap_or_default();
         let dra = if draf.enabled.unwrap_or(false) {
@@ -544,14 +531,8 @@ impl Config {
             }
             Some(crate::devices::dra::Settings {
                 node_name: node_name.clone(),
-                config_file: draf.config_file.clone().unwrap_or_else(|| match &device_plugins {
-                    Some(d) => d.config_file.clone(),
-                    None => dpf.config_file.clone().unwrap_or_else(|| under(&root, "/etc/nodeplane/devices.json")),
-                }),
-                cdi_dir: draf.cdi_dir.clone().unwrap_or_else(|| match &device_plugins {
-                    Some(d) => d.cdi_dir.clone(),
-                    None => dpf.cdi_dir.clone().unwrap_or_else(|| under(&root, "/var/run/cdi")),
-                }),
+                config_file: draf.config_file.clone().unwrap_or(device_file),
+                cdi_dir: draf.cdi_dir.clone().unwrap_or(cdi_dir),
                 plugin_dir,
                 registry_dir: kubelet_dir.join("plugins_registry"),
                 state_dir: state_dir.clone(),
@@ -559,15 +540,10 @@ impl Config {
         } else {
             None
         };
-        let dns = f
-            .dns
-            .map(|d| Dns { nameservers: d.nameservers, domain: d.domain, search: d.search, options: d.options })
-            .unwrap_or_default();
+        let cni_socket = f.cni_socket.unwrap_or_else(|| under(&root, crate::net::shim::DEFAULT_SOCKET));
+        let node_socket = f.node_socket.unwrap_or_else(|| under(&root, "/run/nodeplane/node.sock"));
         // Unix socket paths must fit sun_path (108 bytes with the NUL).
-        let mut sockets = vec![
-            f.cni_socket.clone().unwrap_or_else(|| under(&root, crate::net::shim::DEFAULT_SOCKET)),
-            f.node_socket.clone().unwrap_or_else(|| under(&root, "/run/nodeplane/node.sock")),
-        ];
+        let mut sockets = vec![cni_socket.clone(), node_socket.clone()];
         if let Some(c) = &csi {
             sockets.push(crate::storage::csi::csi_socket(&kubelet_dir));
             if c.self_register {
@@ -604,8 +580,8 @@ impl Config {
             } else {
                 f.plugin_dirs
             },
-            cni_socket: f.cni_socket.unwrap_or_else(|| under(&root, crate::net::shim::DEFAULT_SOCKET)),
-            node_socket: f.node_socket.unwrap_or_else(|| under(&root, "/run/nodeplane/node.sock")),
+            cni_socket,
+            node_socket,
             state_dir,
             kubelet_dir,
             device_plugin_dir,

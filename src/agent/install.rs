@@ -393,7 +393,7 @@ mod tests {
             "devicePlugins": {"enabled": false},
         }))
         .unwrap();
-        Config::resolve(f).unwrap()
+        Config::resolve_with_env(f, &|_| None).unwrap()
     }
 
     fn install(cfg: &Config) {

@@ -7,7 +7,9 @@ use serde_json::{Map, Value, json};
 
 use super::version_cmp;
 
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// Also the agent config's `dns` (same keys).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct Dns {
     pub nameservers: Vec<String>,
     pub domain: Option<String>,
