@@ -40,9 +40,10 @@ impl CniMetrics {
     }
 }
 
-/// What the collectors read.
+/// What the collectors read (and the node API's status).
+#[derive(Clone)]
 pub struct Sources {
-    pub node: String,
+    pub cfg: Arc<super::config::Config>,
     pub dp: Arc<Datapath>,
     pub csi: Option<Arc<crate::storage::csi::NodeService>>,
     /// Set when device plugins are configured.
@@ -57,7 +58,7 @@ pub struct Sources {
 
 impl fmt::Debug for Sources {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Sources").field("node", &self.node).finish_non_exhaustive()
+        f.debug_struct("Sources").field("node", &self.cfg.node_name).finish_non_exhaustive()
     }
 }
 
@@ -115,7 +116,7 @@ impl Collector for Sources {
             enc,
             "nodeplane_build_info",
             "The running agent: 1, labelled with its version and node.",
-            [([("version", env!("CARGO_PKG_VERSION")), ("node", self.node.as_str())], 1)],
+            [([("version", env!("CARGO_PKG_VERSION")), ("node", self.cfg.node_name.as_str())], 1)],
         )?;
         let usage = self.dp.ipam().block_usage();
         gauges(

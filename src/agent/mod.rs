@@ -208,20 +208,11 @@ pub fn prepare_csi(cfg: &Config) -> Result<Option<Arc<crate::storage::csi::NodeS
     Ok(Some(Arc::new(svc)))
 }
 
-/// Answer one CNI invocation (blocking). `netns`: the pod's network namespace as the shim
-/// opened it and passed it with the request (ADD and CHECK need it; the runtime's path in
-/// `CNI_NETNS` is never resolved here).
-pub fn handle(dp: &Datapath, env: &Env, stdin: &[u8], netns: Option<std::os::fd::OwnedFd>) -> Reply {
-    handle_coded(dp, env, stdin, netns).0
-}
-
-/// [`handle`], also returning the CNI error code answered (`None`: success).
-pub fn handle_coded(
-    dp: &Datapath,
-    env: &Env,
-    stdin: &[u8],
-    netns: Option<std::os::fd::OwnedFd>,
-) -> (Reply, Option<u32>) {
+/// Answer one CNI invocation (blocking), with the CNI error code answered (`None`:
+/// success). `netns`: the pod's network namespace as the shim opened it and passed it with
+/// the request (ADD and CHECK need it; the runtime's path in `CNI_NETNS` is never resolved
+/// here).
+pub fn handle(dp: &Datapath, env: &Env, stdin: &[u8], netns: Option<std::os::fd::OwnedFd>) -> (Reply, Option<u32>) {
     let version = request::sniff_version(stdin);
     let command = match request::parse_command(env) {
         Ok(c) => c,
@@ -337,7 +328,7 @@ fn serve_conn(dp: &Datapath, cni: &metrics::CniMetrics, stream: std::os::unix::n
     // Only known commands become label values: the environment is the caller's input.
     let label = Command::parse(&cmd).map_or("unknown", |c| c.as_str());
     dp.steps.get_or_create(&StepLabels { command: label, step: "read" }).observe((started - accepted).as_secs_f64());
-    let (reply, code) = handle_coded(dp, &req.env, req.stdin.as_bytes(), netns);
+    let (reply, code) = handle(dp, &req.env, req.stdin.as_bytes(), netns);
     let elapsed = started.elapsed();
     cni.observe(label, code, elapsed.as_secs_f64());
     tracing::debug!(command = %cmd, exit = reply.exit_code, micros = elapsed.as_micros() as u64, "cni");
@@ -411,15 +402,16 @@ pub async fn serve(
     let book = crate::kubelet::Registrations::new(cfg.kubelet_registration_grace, cfg.require_kubelet_registration);
     // Services (controller mode): the hairpin hook is in place before the first ADD is read.
     let services = service_sync::install(&cfg);
-    let (registry, cni_metrics) = metrics::build(metrics::Sources {
-        node: cfg.node_name.clone(),
+    let sources = metrics::Sources {
+        cfg: cfg.clone(),
         dp: dp.clone(),
         csi: csi.clone(),
         devices: inventory.clone(),
         link: link.clone(),
         kubelet: book.clone(),
         services: services.clone(),
-    });
+    };
+    let (registry, cni_metrics) = metrics::build(sources.clone());
     let health = crate::obs::health::Health::new().with_metrics(Arc::new(move || registry.render()));
     // The conditions exist before the endpoint answers: it never says ready too early.
     let devices_ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -491,18 +483,8 @@ pub async fn serve(
         (plugin, reporter)
     });
     let readiness_task = tokio::spawn(readiness.run());
-    let node_api = status::NodeStatus {
-        cfg: cfg.clone(),
-        dp: dp.clone(),
-        csi: csi.clone(),
-        devices: inventory.clone(),
-        link: link.clone(),
-        health: health.clone(),
-        kubelet: book.clone(),
-        kernel: kernel.clone(),
-        services: services.clone(),
-        started: std::time::SystemTime::now(),
-    };
+    let node_api =
+        status::NodeStatus { src: sources, health: health.clone(), kernel, started: std::time::SystemTime::now() };
     let node_api_task = {
         let mut rx = stop_rx.clone();
         tokio::spawn(status::serve_node_api(node_api, node_listener, async move {

@@ -7,9 +7,6 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use super::cluster::Link;
-use super::config::Config;
-use crate::net::datapath::Datapath;
 use crate::obs::doctor::{Finding, Repair};
 use crate::rpc::node as api;
 
@@ -19,24 +16,19 @@ pub const FORMAT: u32 = 1;
 
 #[derive(Clone)]
 pub struct NodeStatus {
-    pub cfg: Arc<Config>,
-    pub dp: Arc<Datapath>,
-    pub csi: Option<Arc<crate::storage::csi::NodeService>>,
-    pub devices: Option<crate::devices::deviceplugin::Inventory>,
-    pub link: Option<Arc<Link>>,
+    /// The parts of the agent, as the metrics read them.
+    pub src: super::metrics::Sources,
     pub health: crate::obs::health::Health,
-    pub kubelet: crate::kubelet::Registrations,
     /// The kernel features probed at start-up.
     pub kernel: Arc<crate::sys::features::KernelReport>,
-    pub services: Option<Arc<super::service_sync::ServiceClient>>,
     pub started: std::time::SystemTime,
 }
 
 impl NodeStatus {
     fn status(&self) -> api::StatusReport {
-        let cfg = &self.cfg;
+        let cfg = &self.src.cfg;
         let controller = cfg.controller.as_ref().map(|c| {
-            let link = self.link.as_ref();
+            let link = self.src.link.as_ref();
             let last = link.and_then(|l| l.last_message());
             let persisted = super::cluster::load_state(cfg).ok();
             api::ControllerLink {
@@ -63,13 +55,13 @@ impl NodeStatus {
             started_unix: self.started.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             mode: if cfg.controller.is_some() { api::Mode::Controller } else { api::Mode::Standalone } as i32,
             conditions,
-            network: Some(self.dp.report()),
+            network: Some(self.src.dp.report()),
             controller,
-            storage: self.csi.as_ref().map(|c| c.report()),
-            device_plugins: self.devices.as_ref().map(|d| d.report()),
-            kubelet: Some(self.kubelet.report()),
+            storage: self.src.csi.as_ref().map(|c| c.report()),
+            device_plugins: self.src.devices.as_ref().map(|d| d.report()),
+            kubelet: Some(self.src.kubelet.report()),
             kernel: Some(super::kernel::status(&self.kernel)),
-            services: self.services.as_ref().map(|s| s.report()),
+            services: self.src.services.as_ref().map(|s| s.report()),
         }
     }
 
@@ -79,14 +71,14 @@ impl NodeStatus {
         let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
         let mut findings: Vec<Finding> = Vec::new();
         let mut errors: Vec<String> = Vec::new();
-        match self.dp.doctor(repair) {
+        match self.src.dp.doctor(repair) {
             Ok((f, skipped)) => {
                 findings.extend(f);
                 errors.extend(skipped.into_iter().map(|s| format!("network: {s}")));
             }
             Err(e) => errors.push(format!("network: {e}")),
         }
-        if let Some(csi) = &self.csi {
+        if let Some(csi) = &self.src.csi {
             if !csi.ready() {
                 errors.push("storage: CSI recovery has not finished; storage not checked".into());
             } else {
@@ -110,7 +102,7 @@ impl NodeStatus {
         }
         api::DoctorReport {
             format: FORMAT,
-            node: self.cfg.node_name.clone(),
+            node: self.src.cfg.node_name.clone(),
             repair,
             findings: findings.into_iter().map(finding).collect(),
             errors,
@@ -176,7 +168,8 @@ impl api::node_status_server::NodeStatus for NodeStatus {
         &self,
         _: Request<api::RotateWireguardKeyRequest>,
     ) -> Result<Response<api::RotateWireguardKeyResponse>, Status> {
-        let link = self.link.as_ref().ok_or_else(|| Status::failed_precondition("standalone mode: no encryption"))?;
+        let link =
+            self.src.link.as_ref().ok_or_else(|| Status::failed_precondition("standalone mode: no encryption"))?;
         let (mode, old) = link.encryption();
         if mode == crate::net::wireguard::Mode::Off || old.is_empty() || !link.connected() {
             return Err(Status::failed_precondition(format!(
@@ -203,8 +196,9 @@ pub async fn serve_node_api(
     listener: tokio::net::UnixListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
-    let path = status.cfg.node_socket.clone();
+    let path = status.src.cfg.node_socket.clone();
     let volumes = status
+        .src
         .csi
         .clone()
         .map(|svc| api::node_volumes_server::NodeVolumesServer::new(crate::storage::node_api::NodeVolumes(svc)));
