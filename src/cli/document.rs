@@ -5,6 +5,15 @@
 use crate::rpc::node as api;
 use serde_json::{Value, json};
 
+/// A proto enum value's name in the documents: its name after the enum's `prefix`, lower
+/// case, without `_` (`PLUGIN_KIND_DEVICE_PLUGIN` → `deviceplugin`); UNSPECIFIED is `unknown`.
+fn name(value: &str, prefix: &str) -> String {
+    match value.strip_prefix(prefix).unwrap_or(value) {
+        "UNSPECIFIED" => "unknown".into(),
+        v => v.replace('_', "").to_lowercase(),
+    }
+}
+
 /// `nodeplane status --json`: the agent's status report as its JSON document.
 pub fn status(r: &api::StatusReport) -> Value {
     json!({
@@ -13,11 +22,7 @@ pub fn status(r: &api::StatusReport) -> Value {
         "version": r.version,
         "pid": r.pid,
         "startedUnix": r.started_unix,
-        "mode": match r.mode() {
-            api::Mode::Controller => "controller",
-            api::Mode::Standalone => "standalone",
-            api::Mode::Unspecified => "unknown",
-        },
+        "mode": name(r.mode().as_str_name(), "MODE_"),
         "conditions": r.conditions.iter().map(|c| json!({"name": c.name, "ready": c.ready, "detail": c.detail})).collect::<Vec<_>>(),
         "network": r.network.as_ref().map(network),
         "controller": r.controller.as_ref().map(|c| json!({
@@ -55,11 +60,7 @@ pub fn status(r: &api::StatusReport) -> Value {
             "release": k.release,
             "features": k.features.iter().map(|f| json!({
                 "name": f.name,
-                "state": match f.state() {
-                    api::KernelFeatureState::Available => "available",
-                    api::KernelFeatureState::Missing => "missing",
-                    api::KernelFeatureState::Unknown | api::KernelFeatureState::Unspecified => "unknown",
-                },
+                "state": name(f.state().as_str_name(), "KERNEL_FEATURE_STATE_"),
                 "required": f.required,
                 "detail": f.detail,
             })).collect::<Vec<_>>(),
@@ -91,11 +92,7 @@ fn network(n: &api::NetworkStatus) -> Value {
             "containerId": a.container_id,
             "ifname": a.ifname,
             "pod": a.pod,
-            "state": match a.state() {
-                api::LeaseState::Adding => "adding",
-                api::LeaseState::Ready => "ready",
-                api::LeaseState::Unspecified => "unknown",
-            },
+            "state": name(a.state().as_str_name(), "LEASE_STATE_"),
             "ips": a.ips,
             "netns": a.netns,
             "netnsPresent": a.netns_present,
@@ -125,11 +122,7 @@ fn storage(s: &api::StorageStatus) -> Value {
             "loopDevices": v.loop_devices.iter().map(|l| json!({"device": l.device, "mountedAt": l.mounted_at})).collect::<Vec<_>>(),
             "staged": v.staged.as_ref().map(|st| json!({
                 "path": st.path,
-                "state": match st.state() {
-                    api::StageState::Staged => "staged",
-                    api::StageState::Staging => "staging",
-                    api::StageState::Unspecified => "unknown",
-                },
+                "state": name(st.state().as_str_name(), "STAGE_STATE_"),
                 "mounted": st.mounted,
             })),
             "published": v.published.iter().map(|p| json!({"path": p.path, "readOnly": p.read_only, "mounted": p.mounted})).collect::<Vec<_>>(),
@@ -143,20 +136,9 @@ fn kubelet(k: &api::KubeletStatus) -> Value {
         "required": k.required,
         "plugins": k.plugins.iter().map(|p| json!({
             "name": p.name,
-            "kind": match p.kind() {
-                api::PluginKind::Csi => "csi",
-                api::PluginKind::DevicePlugin => "deviceplugin",
-                api::PluginKind::Dra => "dra",
-                api::PluginKind::Unspecified => "unknown",
-            },
+            "kind": name(p.kind().as_str_name(), "PLUGIN_KIND_"),
             "socket": p.socket,
-            "state": match p.state() {
-                api::RegistrationState::Waiting => "waiting",
-                api::RegistrationState::Registered => "registered",
-                api::RegistrationState::Refused => "refused",
-                api::RegistrationState::Unreachable => "unreachable",
-                api::RegistrationState::Unspecified => "unknown",
-            },
+            "state": name(p.state().as_str_name(), "REGISTRATION_STATE_"),
             "error": p.error,
             "sinceUnix": p.since_unix,
             "registeredUnix": p.registered_unix,
@@ -175,12 +157,7 @@ pub fn doctor(d: &api::DoctorReport) -> Value {
         "findings": d.findings.iter().map(|f| {
             let mut v = json!({"kind": f.kind, "subject": f.subject, "detail": f.detail});
             if let Some(r) = &f.repair {
-                let result = match r.result() {
-                    api::RepairResult::Done => "done",
-                    api::RepairResult::Failed => "failed",
-                    api::RepairResult::Skipped => "skipped",
-                    api::RepairResult::Unspecified => "unknown",
-                };
+                let result = name(r.result().as_str_name(), "REPAIR_RESULT_");
                 v["repair"] = json!({"result": result, "message": r.message});
             }
             v
