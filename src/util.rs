@@ -53,20 +53,11 @@ pub fn unix_secs() -> u64 {
 }
 
 /// A Unix time (whole seconds) as RFC 3339 in UTC, `YYYY-MM-DDTHH:MM:SSZ` (as Kubernetes
-/// writes timestamps).
+/// writes timestamps). Times beyond the years ±9999 (`time`'s range) read as the epoch.
 pub fn utc_rfc3339(unix_secs: i64) -> String {
-    let (days, rem) = (unix_secs.div_euclid(86_400), unix_secs.rem_euclid(86_400));
-    // Days since 1970-01-01 to a civil date (proleptic Gregorian, eras of 400 years).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+    let t = time::OffsetDateTime::from_unix_timestamp(unix_secs).unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+    let (y, m, d) = (t.year(), t.month() as u8, t.day());
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", t.hour(), t.minute(), t.second())
 }
 
 /// Fault injection for the crash-safety tests: when the environment variable
