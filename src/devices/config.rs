@@ -67,15 +67,6 @@ pub enum Offer {
     Dra,
 }
 
-impl Offer {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Offer::DevicePlugin => "devicePlugin",
-            Offer::Dra => "dra",
-        }
-    }
-}
-
 fn parse_offer(o: Option<&str>) -> Result<Offer, String> {
     match o {
         None | Some("devicePlugin") => Ok(Offer::DevicePlugin),

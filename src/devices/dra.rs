@@ -55,7 +55,7 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
 use crate::devices::config::{self, Offer, Resource};
-use crate::devices::{SockId, cdi, inventory, sock_id, stopped};
+use crate::devices::{SockId, cdi, inventory, sock_id, stop_task, stopped};
 use crate::rpc::dra as pb;
 use crate::rpc::drahealth as hpb;
 
@@ -788,11 +788,7 @@ fn offer(s: &Settings, book: &crate::kubelet::Registrations) -> Result<Offered, 
 }
 
 async fn withdraw(o: Offered) {
-    let _ = o.stop.send(true);
-    let mut task = o.task;
-    if tokio::time::timeout(Duration::from_secs(2), &mut task).await.is_err() {
-        task.abort();
-    }
+    stop_task(&o.stop, o.task, Duration::from_secs(2)).await;
 }
 
 /// Serve the DRA plugin until `shutdown` turns true; then remove its sockets (registration
@@ -879,11 +875,7 @@ pub async fn run(
         book.withdrawn(DRIVER_NAME);
         withdraw(o).await;
     }
-    let _ = stop_tx.send(true);
-    let mut server = server;
-    if tokio::time::timeout(Duration::from_secs(5), &mut server).await.is_err() {
-        server.abort();
-    }
+    stop_task(&stop_tx, server, Duration::from_secs(5)).await;
     let _ = std::fs::remove_file(&sock);
     tracing::info!("DRA plugin stopped");
 }

@@ -7,6 +7,7 @@
 //! planes.
 
 use std::path::Path;
+use std::time::Duration;
 
 use tokio::sync::watch;
 
@@ -35,4 +36,15 @@ fn sock_id(p: &Path) -> Option<SockId> {
 /// Until `rx` turns true (the guard `wait_for` returns is not held across awaits).
 async fn stopped(rx: &mut watch::Receiver<bool>) {
     let _ = rx.wait_for(|s| *s).await;
+}
+
+/// Tell a server task to stop through `stop` and give it `grace` to end; abort it then.
+/// `false`: it had to be aborted.
+async fn stop_task<T>(stop: &watch::Sender<bool>, mut task: tokio::task::JoinHandle<T>, grace: Duration) -> bool {
+    let _ = stop.send(true);
+    let ended = tokio::time::timeout(grace, &mut task).await.is_ok();
+    if !ended {
+        task.abort();
+    }
+    ended
 }

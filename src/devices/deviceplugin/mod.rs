@@ -18,7 +18,7 @@
 
 pub mod plugin;
 
-use crate::devices::{SockId, config, sock_id, stopped};
+use crate::devices::{SockId, config, sock_id, stop_task, stopped};
 
 use std::collections::{BTreeMap, HashSet};
 use std::os::fd::{AsFd, AsRawFd};
@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use tokio::io::unix::AsyncFd;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 
 use crate::rpc::deviceplugin as pb;
 use crate::rpc::node as api;
@@ -64,20 +64,14 @@ const REFUSED_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// A socket that cannot be bound (a file in the way, a full disk) is retried at most this often.
 const SERVE_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
-/// What the manager can ask of a resource's task. Both coalesce: any number of requests
-/// before the task looks is one.
-#[derive(Default)]
-struct Wake {
-    /// Look at the sockets now (something changed in the device-plugins directory). A
-    /// rescan is asked through `Plugin::rescan_wanted` (a pattern's directory changed, or
-    /// Allocate found a device gone bad).
-    check: tokio::sync::Notify,
-}
-
 /// A running resource, as the manager holds it.
 struct Handle {
     plugin: Arc<Plugin>,
-    wake: Arc<Wake>,
+    /// Asks the task to look at the sockets now (something changed in the device-plugins
+    /// directory). A rescan is asked through `Plugin::rescan_wanted` (a pattern's directory
+    /// changed, or Allocate found a device gone bad). Both coalesce: any number of requests
+    /// before the task looks is one.
+    check: Arc<Notify>,
     stop: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -206,12 +200,12 @@ impl Manager {
         for r in wanted {
             if !self.handles.contains_key(&r.name) {
                 let plugin = Plugin::unscanned(Arc::new(r));
-                let wake = Arc::new(Wake::default());
+                let check = Arc::new(Notify::new());
                 let (stop, stop_rx) = watch::channel(false);
                 let task =
-                    Task { s: self.s.clone(), book: self.book.clone(), plugin: plugin.clone(), wake: wake.clone() };
+                    Task { s: self.s.clone(), book: self.book.clone(), plugin: plugin.clone(), check: check.clone() };
                 let task = tokio::spawn(task.run(stop_rx));
-                self.handles.insert(plugin.res.name.clone(), Handle { plugin, wake, stop, task });
+                self.handles.insert(plugin.res.name.clone(), Handle { plugin, check, stop, task });
             }
         }
         self.publish_inventory();
@@ -220,7 +214,7 @@ impl Manager {
     /// Ask every task to look at the sockets.
     fn check_all(&self) {
         for h in self.handles.values() {
-            h.wake.check.notify_one();
+            h.check.notify_one();
         }
     }
 
@@ -256,10 +250,8 @@ async fn stop(handles: Vec<Handle>) {
         let _ = h.stop.send(true);
     }
     for h in handles {
-        let mut task = h.task;
-        if tokio::time::timeout(Duration::from_secs(5), &mut task).await.is_err() {
+        if !stop_task(&h.stop, h.task, Duration::from_secs(5)).await {
             tracing::warn!(resource = %h.plugin.res.resource_name(), "device plugin task did not stop within 5 s; aborted");
-            task.abort();
         }
     }
 }
@@ -312,7 +304,7 @@ struct Task {
     s: Settings,
     book: crate::kubelet::Registrations,
     plugin: Arc<Plugin>,
-    wake: Arc<Wake>,
+    check: Arc<Notify>,
 }
 
 /// A registration in flight; it yields the `kubelet.sock` seen once connected (the instance
@@ -448,7 +440,7 @@ impl Task {
             }
             tokio::select! {
                 _ = stopped(&mut stop) => break,
-                _ = self.wake.check.notified() => {}
+                _ = self.check.notified() => {}
                 _ = self.plugin.rescan_wanted.notified() => self.refresh(&mut cdi).await,
                 outcome = async { attempt.as_mut().expect("branch enabled only with an attempt").as_mut().await }, if attempt.is_some() => {
                     attempt = None;
@@ -488,11 +480,7 @@ impl Task {
             }
         }
         if let Some(s) = served.take() {
-            let _ = s.stop.send(true);
-            let mut server = s.server;
-            if tokio::time::timeout(Duration::from_secs(2), &mut server).await.is_err() {
-                server.abort();
-            }
+            stop_task(&s.stop, s.server, Duration::from_secs(2)).await;
             // Only the socket this task bound: a successor may have bound the path already.
             if sock_id(&sock) == Some(s.id) {
                 let _ = std::fs::remove_file(&sock);
