@@ -11,6 +11,11 @@
 //! after it.
 
 use std::os::unix::process::CommandExt;
+use std::path::Path;
+
+use nix::sys::stat::{Mode, SFlag, makedev, mknod};
+use nodeplane::rpc::csi;
+use nodeplane::rpc::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode};
 
 #[path = "csi_bench.rs"]
 mod csi_bench;
@@ -40,6 +45,34 @@ const TOOLS: [(&str, fn()); 8] = [
     ("register_load", register_load::main),
     ("services_bench", services_bench::main),
 ];
+
+/// The value at the rounded position `p * (n - 1)` of `v`, sorted here (NaN when `v` is
+/// empty); `p` = 0.5 is the median (the upper one of an even count).
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// A figure against its target, as printed; a miss does not fail the run.
+fn verdict(ok: bool) -> &'static str {
+    if ok { "PASS" } else { "MISS" }
+}
+
+/// A test device node at `p`: a character device with /dev/null's numbers.
+fn mkdev(p: &Path) {
+    mknod(p, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(1, 3)).expect("mknod");
+}
+
+/// The benchmarks' volumes: ext4, mounted, one node writing.
+fn ext4_cap() -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_mode: Some(AccessMode { mode: access_mode::Mode::SingleNodeWriter as i32 }),
+        access_type: Some(AccessType::Mount(MountVolume { fs_type: "ext4".into(), ..Default::default() })),
+    }
+}
 
 fn tool(name: &str) -> Option<fn()> {
     TOOLS.iter().find(|(n, _)| *n == name).map(|(_, main)| *main)

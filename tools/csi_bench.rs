@@ -17,9 +17,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nodeplane::rpc::csi;
-use nodeplane::rpc::csi::volume_capability::access_mode::Mode;
-use nodeplane::rpc::csi::volume_capability::{AccessMode, AccessType, MountVolume};
 use nodeplane::rpc::node as napi;
+
+use crate::{ext4_cap, pct, verdict};
 
 const GIB: u64 = 1 << 30;
 
@@ -31,11 +31,6 @@ fn run(tool: &str, args: &[&str]) -> String {
         panic!("{tool} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
     String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
 }
 
 /// Write back everything dirty, untimed.
@@ -135,13 +130,6 @@ struct Plugin {
     backend: &'static str,
 }
 
-fn cap() -> csi::VolumeCapability {
-    csi::VolumeCapability {
-        access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
-        access_type: Some(AccessType::Mount(MountVolume { fs_type: "ext4".into(), ..Default::default() })),
-    }
-}
-
 impl Plugin {
     fn paths(&self, id: &str) -> (String, String) {
         let staging = self.kubelet.join(format!("plugins/kubernetes.io/csi/pv/{id}/globalmount"));
@@ -171,7 +159,7 @@ impl Plugin {
             .node_stage_volume(csi::NodeStageVolumeRequest {
                 volume_id: id.into(),
                 staging_target_path: staging.clone(),
-                volume_capability: Some(cap()),
+                volume_capability: Some(ext4_cap()),
                 ..Default::default()
             })
             .await
@@ -183,7 +171,7 @@ impl Plugin {
                 volume_id: id.into(),
                 staging_target_path: staging,
                 target_path: target,
-                volume_capability: Some(cap()),
+                volume_capability: Some(ext4_cap()),
                 ..Default::default()
             })
             .await
@@ -402,10 +390,10 @@ pub fn main() {
                 pu.extend(round_up);
                 pd.extend(round_down);
             }
-            let col = |k: usize| median(&mut seq_totals.iter().map(|t| t[k]).collect::<Vec<_>>());
+            let col = |k: usize| pct(&mut seq_totals.iter().map(|t| t[k]).collect::<Vec<_>>(), 0.5);
             let (p_seq_up, p_seq_down, r_seq_up, r_seq_down) = (col(0), col(1), col(2), col(3));
-            let pf = Figures { up_median: median(&mut pu.clone()), down_median: median(&mut pd.clone()), seq_up: p_seq_up, seq_down: p_seq_down };
-            let rf = Figures { up_median: median(&mut ru), down_median: median(&mut rd), seq_up: r_seq_up, seq_down: r_seq_down };
+            let pf = Figures { up_median: pct(&mut pu.clone(), 0.5), down_median: pct(&mut pd.clone(), 0.5), seq_up: p_seq_up, seq_down: p_seq_down };
+            let rf = Figures { up_median: pct(&mut ru, 0.5), down_median: pct(&mut rd, 0.5), seq_up: r_seq_up, seq_down: r_seq_down };
             println!(
                 "CSI node, 1 GiB ext4 volumes on the {backend} backend, {rounds} rounds of {singles} single runs then {seq} in sequence: medians (ms)"
             );
@@ -421,7 +409,7 @@ pub fn main() {
             );
             println!("up = create + stage (mkfs) + publish; down = unpublish + unstage + delete");
             let steps: Vec<String> =
-                p.steps.iter_mut().map(|(k, v)| format!("{} {:.2}", &k[2..], median(v))).collect();
+                p.steps.iter_mut().map(|(k, v)| format!("{} {:.2}", &k[2..], pct(v, 0.5))).collect();
             println!("nodeplane per call (median ms): {}", steps.join(", "));
             let tenth = (seq / 10).max(1);
             let growth: Vec<String> = seq_rounds[0]
@@ -455,7 +443,6 @@ pub fn main() {
                 // reported against lvcreate/lvremove with no target.
                 return;
             }
-            let verdict = |ok: bool| if ok { "PASS" } else { "MISS" };
             let up = pf.up_median / rf.up_median;
             let down = pf.down_median / rf.down_median;
             let rounds_of = |v: &[f64]| v.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>().join(" ");
@@ -467,8 +454,8 @@ pub fn main() {
             // The verdict takes the median round: one round's total of 50 calls moves by
             // a tenth with the machine's noise (a writeback, another process), in either
             // direction; every round is printed above.
-            let flat_up = median(&mut flat_ups);
-            let flat_down = median(&mut flat_downs);
+            let flat_up = pct(&mut flat_ups, 0.5);
+            let flat_down = pct(&mut flat_downs, 0.5);
             println!("{}  up: {up:.3}x reference (target <= 0.75x)", verdict(up <= 0.75));
             println!("{}  down: {down:.3}x reference (target <= 0.5x)", verdict(down <= 0.5));
             println!("{}  {seq} up in sequence: {flat_up:.3}x {seq} singles, median round (target <= 1.15x)", verdict(flat_up <= 1.15));
@@ -562,7 +549,7 @@ fn snapshot_figures(vg: &str) {
             store.delete_snapshot(&format!("s{target}-{i}")).unwrap();
             run("lvremove", &["-q", "-y", &format!("{vg}/ref-s{target}-{i}")]);
         }
-        let (o, c) = (median(&mut ours), median(&mut cli));
+        let (o, c) = (pct(&mut ours, 0.5), pct(&mut cli, 0.5));
         println!("{:<14} {o:>12.1} {c:>14.1} {:>8.2}", format!("{target} MiB"), o / c);
     }
     store.delete("snapsrc").unwrap();

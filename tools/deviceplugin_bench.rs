@@ -31,10 +31,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::stat::{Mode, SFlag, makedev, mknod};
 use nodeplane::rpc::deviceplugin as dp;
 use nodeplane::rpc::deviceplugin::device_plugin_client::DevicePluginClient;
 use tonic::transport::Channel;
+
+use crate::{mkdev, pct, verdict};
 
 /// Each GetPreferredAllocation figure stops starting calls after this long.
 const PREFERRED_BUDGET: Duration = Duration::from_secs(90);
@@ -43,22 +44,6 @@ const ALLOCATE_P99_MS: f64 = 1.0;
 const HOTPLUG_MAX_MS: f64 = 1000.0;
 const PREFERRED_10K_MS: f64 = 20.0;
 const REREGISTER_P99_MS: f64 = 100.0;
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[((v.len() as f64 - 1.0) * p).round() as usize]
-}
-
-fn verdict(ok: bool) -> &'static str {
-    if ok { "PASS" } else { "MISS" }
-}
-
-fn mkdev(p: &Path) {
-    mknod(p, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(1, 3)).expect("mknod");
-}
 
 /// An agent with its own root under `dir` and the device file `devices`, in a new network
 /// namespace; its device plugin directory is `<dir>/root/var/lib/kubelet/device-plugins`.

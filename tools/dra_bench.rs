@@ -22,21 +22,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::stat::{Mode, SFlag, makedev, mknod};
 use nodeplane::rpc::dra as pb;
 use serde_json::{Value, json};
+
+use crate::{mkdev, pct, verdict};
 
 const NODE: &str = "bench-node";
 const DRIVER: &str = "dra.nodeplane.dev";
 const SLICE_UPDATE_MAX_MS: f64 = 1000.0;
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[((v.len() as f64 - 1.0) * p).round() as usize]
-}
 
 struct Procs(Vec<Child>, PathBuf);
 
@@ -114,8 +107,7 @@ pub async fn main() {
     }
     let mut procs = Procs(Vec::new(), dir.clone());
     for i in 0..8 {
-        mknod(&dir.join(format!("dev/acc{i}")), SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(1, 3))
-            .expect("mknod");
+        mkdev(&dir.join(format!("dev/acc{i}")));
     }
     std::fs::write(
         dir.join("devices.json"),
@@ -219,7 +211,7 @@ pub async fn main() {
         // Out of phase with the agent's 100 ms scan, as a real hot-plug is.
         std::thread::sleep(Duration::from_millis(((r * 37) % 100) as u64));
         let t = Instant::now();
-        mknod(&node, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(1, 3)).expect("mknod");
+        mkdev(&node);
         wait("the new device in the pool", Duration::from_secs(10), || pool(&slices).contains(&name));
         add.push(t.elapsed().as_secs_f64() * 1e3);
         std::thread::sleep(Duration::from_millis(((r * 53) % 100) as u64));
@@ -235,13 +227,13 @@ pub async fn main() {
         "  device node added:   median {:.1} ms, p99 {:.1} ms, max {add_max:.1} ms (target max {SLICE_UPDATE_MAX_MS} ms: {})",
         pct(&mut add, 0.5),
         pct(&mut add, 0.99),
-        if add_max <= SLICE_UPDATE_MAX_MS { "PASS" } else { "MISS" }
+        verdict(add_max <= SLICE_UPDATE_MAX_MS)
     );
     println!(
         "  device node removed: median {:.1} ms, p99 {:.1} ms, max {del_max:.1} ms (target max {SLICE_UPDATE_MAX_MS} ms: {})",
         pct(&mut del, 0.5),
         pct(&mut del, 0.99),
-        if del_max <= SLICE_UPDATE_MAX_MS { "PASS" } else { "MISS" }
+        verdict(del_max <= SLICE_UPDATE_MAX_MS)
     );
     drop(procs);
 }

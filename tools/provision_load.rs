@@ -9,20 +9,8 @@
 use std::time::Instant;
 
 use nodeplane::rpc::csi;
-use nodeplane::rpc::csi::volume_capability::access_mode::Mode;
-use nodeplane::rpc::csi::volume_capability::{AccessMode, AccessType, MountVolume};
 
-fn cap() -> csi::VolumeCapability {
-    csi::VolumeCapability {
-        access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
-        access_type: Some(AccessType::Mount(MountVolume { fs_type: "ext4".into(), ..Default::default() })),
-    }
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[((v.len() as f64 - 1.0) * p).round() as usize]
-}
+use crate::{ext4_cap, pct};
 
 type Client = csi::controller_client::ControllerClient<tonic::transport::Channel>;
 
@@ -30,7 +18,7 @@ async fn create(c: &mut Client, name: String, size: i64) -> String {
     c.create_volume(csi::CreateVolumeRequest {
         name,
         capacity_range: Some(csi::CapacityRange { required_bytes: size, limit_bytes: 0 }),
-        volume_capabilities: vec![cap()],
+        volume_capabilities: vec![ext4_cap()],
         ..Default::default()
     })
     .await

@@ -13,17 +13,14 @@ use std::time::Instant;
 
 use nodeplane::storage::store::{FsType, VolumeStore};
 
+use crate::pct;
+
 const MIB: u64 = 1 << 20;
 
 fn sh(cmd: &[&str]) -> String {
     let out = Command::new(cmd[0]).args(&cmd[1..]).output().expect("spawn");
     assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
 }
 
 /// Fill 100 MiB of `img` (1 GiB) with data, in 1 MiB pieces spread over the image.
@@ -72,7 +69,7 @@ fn bench(dir: &Path, runs: usize, cp_flag: &str) -> Figures {
         std::fs::remove_file(&dst).unwrap();
     }
     store.delete("pvc-bench").unwrap();
-    Figures { ours_ms: median(ours), cp_ms: median(cp), method, bytes_copied: bytes }
+    Figures { ours_ms: pct(&mut ours, 0.5), cp_ms: pct(&mut cp, 0.5), method, bytes_copied: bytes }
 }
 
 struct Cleanup {
