@@ -464,9 +464,6 @@ pub fn main() {
     }));
     let _ = child.kill();
     let _ = child.wait();
-    if let Some(keep) = std::env::var_os("CSI_BENCH_KEEP_LOG") {
-        let _ = std::fs::copy(dir.join("agent.log"), keep);
-    }
     // Clean up whatever a failure left: mounts under the dir, loop devices of its files.
     let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     let mut mps: Vec<PathBuf> = info

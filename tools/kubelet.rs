@@ -1,12 +1,12 @@
 //! A kubelet as a process, for tests that restart or kill it (test code), and the kubelet of
 //! every node of `scripts/local-cluster` (which also makes its one-shot Allocate): the device
-//! manager of `tools/support/kubelet_devices.rs` and, unless `--no-csi`, the plugin watcher of
+//! manager of `tools/support/kubelet_devices.rs`, the plugin watcher of
 //! `tools/support/kubelet_registration.rs` for CSI drivers and the DRA manager of
 //! `tools/support/kubelet_dra.rs` for DRA drivers (registration, health stream).
 //!
 //! ```text
 //! cargo build --release --example kubelet
-//! target/release/examples/kubelet --kubelet-dir DIR --state FILE [--no-csi]
+//! target/release/examples/kubelet --kubelet-dir DIR --state FILE
 //! target/release/examples/kubelet --kubelet-dir DIR --state FILE --allocate RES=ID,ID [--allocate …]
 //! ```
 //!
@@ -89,10 +89,6 @@ struct Args {
     /// The state file (written when serving, read by --allocate).
     #[arg(long)]
     state: PathBuf,
-
-    /// Do not watch plugins_registry/ for CSI drivers.
-    #[arg(long)]
-    no_csi: bool,
 
     /// One-shot: Allocate RES=ID,ID on the plugin the serving kubelet registered (repeatable).
     #[arg(long = "allocate", value_name = "RES=ID,ID")]
@@ -230,9 +226,7 @@ async fn serve(args: Args) -> ExitCode {
     let mut csi = csi_watcher::KubeletEmulator::new(&args.kubelet_dir);
     let mut book = CsiBook::default();
     let mut dra = dra_manager::DraKubelet::new(&args.kubelet_dir);
-    if !args.no_csi {
-        dra.start();
-    }
+    dra.start();
     let mut writes = 0u64;
     let mut last: Option<Value> = None;
     let mut tick = tokio::time::interval(Duration::from_millis(50));
@@ -272,7 +266,7 @@ async fn serve(args: Args) -> ExitCode {
             _ = term.recv() => break,
             _ = int.recv() => break,
             r = changes.changed() => if r.is_err() { break },
-            _ = tick.tick(), if !args.no_csi => {
+            _ = tick.tick() => {
                 // A plugin that does not answer must not stall this loop (nor SIGTERM) for long.
                 let before: Vec<PathBuf> = csi.registered.keys().cloned().collect();
                 match tokio::time::timeout(Duration::from_secs(2), csi.sync()).await {

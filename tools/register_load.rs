@@ -9,7 +9,7 @@
 //! Credentials are minted like `nodeplane-controller token NODE` does: with the controller's
 //! signing secret, read from the `secretFile` of its configuration (the controller must have
 //! started once, which creates it). Each registration opens its own connection, like an agent
-//! starting up (`--shared-channel` multiplexes every call over one HTTP/2 connection instead).
+//! starting up.
 //! Every answer is checked: one block per configured family, and no block handed to two nodes.
 //! Exit status 1 when any call failed or a check did not hold.
 
@@ -43,9 +43,6 @@ struct Args {
     /// Node name prefix (names are `<prefix>-<i>`).
     #[arg(long, default_value = "loadnode")]
     prefix: String,
-    /// Send every call over one shared connection instead of one connection per registration.
-    #[arg(long)]
-    shared_channel: bool,
     /// TLS to a TCP controller: the CA bundle its certificate chains to (each new connection
     /// then includes a TLS handshake, as a starting agent's does).
     #[arg(long)]
@@ -81,16 +78,11 @@ fn round3(x: f64) -> f64 {
 
 async fn register_one(
     address: &str,
-    shared: Option<tonic::transport::Channel>,
     name: &str,
     token: &str,
     underlay: String,
 ) -> Result<pb::RegisterResponse, String> {
-    let channel = match shared {
-        Some(c) => c,
-        None => connect(address).await?,
-    };
-    let mut client = NodeRegistryClient::new(channel);
+    let mut client = NodeRegistryClient::new(connect(address).await?);
     let mut req = tonic::Request::new(pb::RegisterRequest {
         node_name: name.to_string(),
         underlay_addresses: vec![underlay],
@@ -145,7 +137,6 @@ pub fn main() {
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let result = rt.block_on(async move {
-        let shared = if args.shared_channel { Some(connect(&args.controller).await?) } else { None };
         let queue = Arc::new(Mutex::new(work.into_iter()));
         let out = Arc::new(Mutex::new(Outcome {
             latencies: Vec::new(),
@@ -158,13 +149,12 @@ pub fn main() {
         let t0 = Instant::now();
         let mut tasks = Vec::new();
         for _ in 0..args.concurrency.min(args.n) {
-            let (queue, out, address, shared, families) =
-                (queue.clone(), out.clone(), address.clone(), shared.clone(), families.clone());
+            let (queue, out, address, families) = (queue.clone(), out.clone(), address.clone(), families.clone());
             tasks.push(tokio::spawn(async move {
                 loop {
                     let Some((name, token, underlay)) = queue.lock().await.next() else { break };
                     let t = Instant::now();
-                    let r = register_one(&address, shared.clone(), &name, &token, underlay).await;
+                    let r = register_one(&address, &name, &token, underlay).await;
                     let took = t.elapsed();
                     let mut o = out.lock().await;
                     match r {
@@ -209,7 +199,7 @@ pub fn main() {
         "ok": ok,
         "errors": o.errors.len(),
         "concurrency": args.concurrency,
-        "connection": if args.shared_channel { "shared" } else { "per-registration" },
+        "connection": "per-registration",
         "seconds": round3(secs),
         "per_second": round3(ok as f64 / secs),
         "p50_ms": round3(pctl(&o.latencies, 0.50)),

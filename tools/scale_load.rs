@@ -46,23 +46,11 @@ struct Args {
     joins: usize,
     #[arg(long, default_value_t = 20)]
     leaves: usize,
-    /// HTTP/2 connections the agents' calls are spread over (0: one per 100 agents).
-    #[arg(long, default_value_t = 0)]
-    conns: usize,
-    /// Registrations in flight at once.
-    #[arg(long, default_value_t = 32)]
-    concurrency: usize,
-    /// Streams opened at once while the agents connect (each waits for its snapshot).
-    #[arg(long, default_value_t = 64)]
-    connect_wave: usize,
     /// The controller's PID, for its RSS and CPU.
     #[arg(long)]
     controller_pid: Option<u32>,
     #[arg(long, default_value = "sim")]
     prefix: String,
-    /// How long one change may take to reach every agent before the run fails.
-    #[arg(long, default_value_t = 30.0)]
-    change_timeout: f64,
     /// Register the N nodes and stop (peers for a real agent).
     #[arg(long)]
     register_only: bool,
@@ -77,6 +65,13 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     volumes: usize,
 }
+
+/// Registrations in flight at once.
+const CONCURRENCY: usize = 32;
+/// Streams opened at once while the agents connect (each waits for its snapshot).
+const CONNECT_WAVE: usize = 64;
+/// How long one change may take to reach every agent before the run fails (seconds).
+const CHANGE_TIMEOUT: u64 = 30;
 
 static OFFSET: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -339,7 +334,7 @@ async fn volume_phase(
         let (tx, rx) = tokio::sync::oneshot::channel();
         tokio::spawn(volume_agent(chans[i % chans.len()].clone(), names[i].clone(), tokens[i].clone(), sh.clone(), tx));
         waiting.push(rx);
-        if waiting.len() == args.connect_wave || i == n - 1 {
+        if waiting.len() == CONNECT_WAVE || i == n - 1 {
             for rx in waiting.drain(..) {
                 tokio::time::timeout(Duration::from_secs(120), rx)
                     .await
@@ -452,7 +447,8 @@ fn main() {
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let result: Result<serde_json::Value, String> = rt.block_on(async {
-        let conns = if args.conns == 0 { n.div_ceil(100).max(1) } else { args.conns };
+        // The agents' calls are spread over HTTP/2 connections, one per 100 agents.
+        let conns = n.div_ceil(100).max(1);
         let mut chans = Vec::new();
         for _ in 0..conns {
             let tls = args.ca_file.clone().map(|ca_file| nodeplane::rpc::tls::ClientFiles { ca_file, ..Default::default() });
@@ -464,7 +460,7 @@ fn main() {
         let t = Instant::now();
         let next = Arc::new(AtomicUsize::new(0));
         let mut tasks = Vec::new();
-        for _ in 0..args.concurrency.min(n).max(1) {
+        for _ in 0..CONCURRENCY.min(n).max(1) {
             let (next, chans, names, tokens) = (next.clone(), chans.clone(), names.clone(), tokens.clone());
             tasks.push(tokio::spawn(async move {
                 loop {
@@ -492,7 +488,7 @@ fn main() {
             let (tx, rx) = tokio::sync::oneshot::channel();
             tokio::spawn(agent(i, chans[i % chans.len()].clone(), names[i].clone(), tokens[i].clone(), sh.clone(), tx));
             waiting.push(rx);
-            if waiting.len() == args.connect_wave || i == n - 1 {
+            if waiting.len() == CONNECT_WAVE || i == n - 1 {
                 for rx in waiting.drain(..) {
                     tokio::time::timeout(Duration::from_secs(120), rx).await.map_err(|_| "an agent got no snapshot in 120 s")?.map_err(|_| "agent ended")?;
                 }
@@ -525,7 +521,7 @@ fn main() {
                     let req = pb::RemoveNodeRequest { node_name: names[i].clone() };
                     NodeRegistryClient::new(ch.clone()).remove_node(bearer(req, &tokens[i])).await.map_err(|s| format!("remove {}: {s}", names[i]))?;
                 }
-                let deadline = t0 + Duration::from_secs_f64(args.change_timeout);
+                let deadline = t0 + Duration::from_secs(CHANGE_TIMEOUT);
                 let all = loop {
                     let notified = sh.seen_all.notified();
                     if sh.seen.lock().unwrap().len() >= n {
@@ -537,7 +533,7 @@ fn main() {
                     }
                 };
                 if !all {
-                    failures.push(format!("{phase} of {}: seen by {} of {n} agents in {} s", names[i], sh.seen.lock().unwrap().len(), args.change_timeout));
+                    failures.push(format!("{phase} of {}: seen by {} of {n} agents in {CHANGE_TIMEOUT} s", names[i], sh.seen.lock().unwrap().len()));
                     continue;
                 }
                 let seen = sh.seen.lock().unwrap().clone();
