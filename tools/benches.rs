@@ -12,6 +12,7 @@
 
 use std::os::unix::process::CommandExt;
 use std::path::Path;
+use std::process::{Command, Stdio};
 
 use nix::sys::stat::{Mode, SFlag, makedev, mknod};
 use nodeplane::rpc::csi;
@@ -54,6 +55,17 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     }
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// Runs `tool` (stdin empty) and returns its output, trimmed; panics when it fails.
+fn run(tool: &str, args: &[&str]) -> String {
+    let out = Command::new(tool).args(args).stdin(Stdio::null()).output().unwrap_or_else(|e| panic!("{tool}: {e}"));
+    // blkid exits 2 on a blank device: that is its answer, not a failure.
+    let blank_probe = tool == "blkid" && out.status.code() == Some(2);
+    if !(out.status.success() || blank_probe) {
+        panic!("{tool} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 /// A figure against its target, as printed; a miss does not fail the run.

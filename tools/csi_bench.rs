@@ -13,25 +13,15 @@
 //! Run through `scripts/bench-csi`. Everything lives under a temp dir that is cleaned up.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use nodeplane::rpc::csi;
 use nodeplane::rpc::node as napi;
 
-use crate::{ext4_cap, pct, verdict};
+use crate::{ext4_cap, pct, run, verdict};
 
 const GIB: u64 = 1 << 30;
-
-fn run(tool: &str, args: &[&str]) -> String {
-    let out = Command::new(tool).args(args).stdin(Stdio::null()).output().unwrap_or_else(|e| panic!("{tool}: {e}"));
-    // blkid exits 2 on a blank device: that is its answer, not a failure.
-    let blank_probe = tool == "blkid" && out.status.code() == Some(2);
-    if !(out.status.success() || blank_probe) {
-        panic!("{tool} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
 
 /// Write back everything dirty, untimed.
 fn settle() {

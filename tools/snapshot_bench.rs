@@ -13,15 +13,9 @@ use std::time::Instant;
 
 use nodeplane::storage::store::{FsType, VolumeStore};
 
-use crate::pct;
+use crate::{pct, run};
 
 const MIB: u64 = 1 << 20;
-
-fn sh(cmd: &[&str]) -> String {
-    let out = Command::new(cmd[0]).args(&cmd[1..]).output().expect("spawn");
-    assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
 
 /// Fill 100 MiB of `img` (1 GiB) with data, in 1 MiB pieces spread over the image.
 fn fill(img: &Path) {
@@ -63,8 +57,8 @@ fn bench(dir: &Path, runs: usize, cp_flag: &str) -> Figures {
         store.delete_snapshot(&id).unwrap();
         let dst = dir.join(format!("cp-{i}.img"));
         let t = Instant::now();
-        sh(&["cp", cp_flag, v.path.to_str().unwrap(), dst.to_str().unwrap()]);
-        sh(&["sync", "-f", dst.to_str().unwrap()]);
+        run("cp", &[cp_flag, v.path.to_str().unwrap(), dst.to_str().unwrap()]);
+        run("sync", &["-f", dst.to_str().unwrap()]);
         cp.push(t.elapsed().as_secs_f64() * 1e3);
         std::fs::remove_file(&dst).unwrap();
     }
@@ -95,7 +89,7 @@ pub fn main() {
     let base = std::env::temp_dir().join(format!("np-snapbench-{}", std::process::id()));
     std::fs::create_dir_all(&base).unwrap();
     let mut guard = Cleanup { dir: base.clone(), mount: None, loopdev: None };
-    let fs_under = sh(&["stat", "-f", "-c", "%T", base.to_str().unwrap()]);
+    let fs_under = run("stat", &["-f", "-c", "%T", base.to_str().unwrap()]);
 
     let plain = base.join("plain");
     std::fs::create_dir_all(&plain).unwrap();
@@ -103,12 +97,12 @@ pub fn main() {
 
     let img = base.join("xfs.img");
     std::fs::File::create(&img).unwrap().set_len(8 << 30).unwrap();
-    let dev = sh(&["losetup", "--find", "--show", img.to_str().unwrap()]);
+    let dev = run("losetup", &["--find", "--show", img.to_str().unwrap()]);
     guard.loopdev = Some(dev.clone());
-    sh(&["mkfs.xfs", "-q", "-f", "-m", "reflink=1", &dev]);
+    run("mkfs.xfs", &["-q", "-f", "-m", "reflink=1", &dev]);
     let mnt = base.join("xfs");
     std::fs::create_dir_all(&mnt).unwrap();
-    sh(&["mount", &dev, mnt.to_str().unwrap()]);
+    run("mount", &[&dev, mnt.to_str().unwrap()]);
     guard.mount = Some(mnt.clone());
     let reflink = bench(&mnt, runs, "--reflink=always");
 
