@@ -1,13 +1,13 @@
-//! Filesystem tools for volumes: probe (in-process, [`super::probe`]), make (`mkfs.ext4`,
-//! `mkfs.xfs`) and grow (`resize2fs`, `xfs_growfs`). Every tool runs with an argument vector,
-//! never a shell; failures carry the tool, its arguments, exit status and stderr.
+//! Filesystem tools for volumes: probe (`blkid`), make (`mkfs.ext4`, `mkfs.xfs`) and grow
+//! (`resize2fs`, `xfs_growfs`). Every tool runs with an argument vector, never a shell;
+//! failures carry the tool, its arguments, exit status and stderr.
 //!
-//! Debian packages: `e2fsprogs` (mkfs.ext4, e2fsck, resize2fs), `xfsprogs` (mkfs.xfs,
-//! xfs_growfs).
+//! Debian packages: `util-linux` (blkid), `e2fsprogs` (mkfs.ext4, e2fsck, resize2fs),
+//! `xfsprogs` (mkfs.xfs, xfs_growfs).
 
 use std::ffi::OsStr;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -74,11 +74,9 @@ pub enum FsError {
     OnlineResizeNotPermitted(String),
     #[error("inspecting {path}: {source}")]
     Io { path: String, source: std::io::Error },
-    #[error("{path} holds several signatures at once ({}); refusing to guess", types.join(", "))]
-    Ambiguous { path: String, types: Vec<String> },
 }
 
-fn run(tool: &str, args: &[&OsStr], ok_codes: &[i32]) -> Result<(), FsError> {
+fn run(tool: &str, args: &[&OsStr], ok_codes: &[i32]) -> Result<Output, FsError> {
     let start = Instant::now();
     let out = Command::new(tool)
         .args(args)
@@ -91,7 +89,7 @@ fn run(tool: &str, args: &[&OsStr], ok_codes: &[i32]) -> Result<(), FsError> {
     let args_text = || args.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ");
     tracing::debug!(tool, args = %args_text(), ?code, elapsed_ms = start.elapsed().as_millis() as u64, "ran");
     if out.status.success() || code.is_some_and(|c| ok_codes.contains(&c)) {
-        return Ok(());
+        return Ok(out);
     }
     let mut stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
     if stderr.is_empty() {
@@ -100,30 +98,32 @@ fn run(tool: &str, args: &[&OsStr], ok_codes: &[i32]) -> Result<(), FsError> {
     Err(FsError::Failed { tool: tool.to_string(), args: args_text(), status: out.status.to_string(), stderr })
 }
 
-/// The filesystem (or other signature: swap, LVM, LUKS, a partition table…) on `dev`, read
-/// in-process ([`super::probe`]: no tool spawned). `None` only when the probed regions are
-/// all zeros; data matching no known signature is `unknown data …`, so nothing holding data
-/// is ever taken for blank. Several filesystem signatures at once are an error, as with
-/// blkid. Names follow blkid's `TYPE` (a bare partition table: `partition-table:dos`).
+/// The filesystem (or other signature: swap, LVM, LUKS, a partition table…) on `dev`, as
+/// `blkid -p` (the device itself, no cache) names its `TYPE`; a bare partition table is
+/// `partition-table:dos` or `partition-table:gpt`. `None` only when blkid finds nothing and
+/// the regions where signatures lie are all zeros ([`super::probe::first_nonzero`]): data
+/// matching no known signature is `unknown data …`, so nothing holding data is ever taken for
+/// blank. An ambivalent result (several signatures at once) is blkid's failure, never a guess.
 ///
-/// `image`: the file bound to the loop device `dev`, when it is one; then only the parts of
-/// the probed regions where the file holds data are read ([`super::probe::probe_loop`]).
+/// `image`: the file bound to the loop device `dev`, when it is one; a file holding no data
+/// at all (a new volume's sparse image) is blank without spawning blkid or reading anything.
 pub fn probe_type(dev: &Path, image: Option<&Path>) -> Result<Option<String>, FsError> {
-    use super::probe::Probe;
-    let started = Instant::now();
-    let p = match image {
-        Some(img) => super::probe::probe_loop(dev, img),
-        None => super::probe::probe(dev),
+    if image.is_some_and(|img| super::probe::loop_image_holds_no_data(dev, img)) {
+        return Ok(None);
     }
-    .map_err(|source| FsError::Io { path: dev.display().to_string(), source })?;
-    tracing::debug!(device = %dev.display(), result = ?p, elapsed_us = started.elapsed().as_micros() as u64, "probed");
-    match p {
-        Probe::Blank => Ok(None),
-        Probe::Found(t) => Ok(Some(t)),
-        Probe::Unknown { offset } => {
-            Ok(Some(format!("unknown data (a non-zero byte at offset {offset}, no known signature)")))
-        }
-        Probe::Ambiguous(types) => Err(FsError::Ambiguous { path: dev.display().to_string(), types }),
+    // Exit 2: nothing found.
+    let out = run("blkid", &["-p".as_ref(), "-o".as_ref(), "export".as_ref(), dev.as_os_str()], &[2])?;
+    let tags = String::from_utf8_lossy(&out.stdout);
+    let tag = |key: &str| tags.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix('=')).filter(|v| !v.is_empty());
+    if let Some(t) = tag("TYPE") {
+        return Ok(Some(t.to_string()));
+    }
+    if let Some(pt) = tag("PTTYPE") {
+        return Ok(Some(format!("partition-table:{pt}")));
+    }
+    match super::probe::first_nonzero(dev).map_err(|source| FsError::Io { path: dev.display().to_string(), source })? {
+        Some(offset) => Ok(Some(format!("unknown data (a non-zero byte at offset {offset}, no known signature)"))),
+        None => Ok(None),
     }
 }
 
@@ -145,8 +145,9 @@ pub fn mkfs(dev: &Path, fs: FsType) -> Result<(), FsError> {
         ),
         FsType::Ext4 => run("mkfs.ext4", &["-F".as_ref(), "-q".as_ref(), d], &[]),
         FsType::Xfs => run("mkfs.xfs", &["-f".as_ref(), "-q".as_ref(), d], &[]),
-        FsType::Raw => Err(FsError::Raw("make")),
-    }
+        FsType::Raw => return Err(FsError::Raw("make")),
+    }?;
+    Ok(())
 }
 
 /// Grow the filesystem to fill its (already grown) device.
@@ -182,8 +183,9 @@ pub fn grow_fs(dev_or_mountpoint: &Path, fs: FsType) -> Result<(), FsError> {
             run("resize2fs", &[p], &[])
         }
         FsType::Xfs => run("xfs_growfs", &[p], &[]),
-        FsType::Raw => Err(FsError::Raw("grow")),
-    }
+        FsType::Raw => return Err(FsError::Raw("grow")),
+    }?;
+    Ok(())
 }
 
 /// The size in bytes the filesystem on `dev` spans, from its superblock (ext4: block count

@@ -1,8 +1,8 @@
 //! Kernel primitives, without policy: rtnetlink (`netlink`), network namespace handles
 //! (`netns`: entered only around one `socket` call), the mount table and descriptor-based mounts
 //! (`mount`), loop devices (`loopdev`), image copies and filesystem freezes (`imagecopy`),
-//! filesystem signatures read in-process (`probe`), filesystem tools (`fstools`: mkfs, grow),
-//! dm-crypt (`crypt`: LUKS2 through cryptsetup),
+//! what a device holds beyond blkid's signatures (`probe`), filesystem tools (`fstools`:
+//! blkid, mkfs, grow), dm-crypt (`crypt`: LUKS2 through cryptsetup),
 //! capability dropping (`caps`), atomic files and Unix sockets (`fs`), descriptors passed over
 //! Unix sockets (`fdpass`).
 //!

@@ -98,8 +98,8 @@ pub trait VolumeKernel: Send + Sync {
 
     /// The filesystem (or other signature) on `dev`; `None` when blank.
     fn fs_probe(&self, dev: &Path) -> Result<Option<String>, FsError>;
-    /// [`Self::fs_probe`] of the loop device `dev` bound to `image`: the real kernel reads
-    /// only where the image holds data.
+    /// [`Self::fs_probe`] of the loop device `dev` bound to `image`: the real kernel spawns
+    /// no blkid when the image holds no data at all.
     fn fs_probe_loop(&self, dev: &Path, _image: &Path) -> Result<Option<String>, FsError> {
         self.fs_probe(dev)
     }
