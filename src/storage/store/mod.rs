@@ -60,8 +60,8 @@ pub enum VolumeError {
     InvalidId { id: String, reason: &'static str },
     #[error("invalid size {size} for volume {id}: {reason}")]
     InvalidSize { id: String, size: u64, reason: &'static str },
-    #[error("invalid filesystem type {0:?} (want \"ext4\", \"xfs\" or \"\" for raw block)")]
-    InvalidFsType(String),
+    #[error(transparent)]
+    InvalidFsType(#[from] InvalidFsType),
     #[error("volume {0} not found")]
     NotFound(String),
     #[error(
@@ -93,12 +93,6 @@ pub enum VolumeError {
 }
 
 pub type Result<T, E = VolumeError> = std::result::Result<T, E>;
-
-impl From<InvalidFsType> for VolumeError {
-    fn from(e: InvalidFsType) -> Self {
-        VolumeError::InvalidFsType(e.0)
-    }
-}
 
 fn io_err(op: &'static str, path: &Path) -> impl FnOnce(io::Error) -> VolumeError {
     let path = path.to_path_buf();
