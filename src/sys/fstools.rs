@@ -231,13 +231,11 @@ pub fn fs_size_bytes(dev: &Path, fs: FsType) -> Result<Option<u64>, FsError> {
 /// Whether the block device `dev` is mounted anywhere in this mount namespace (by its
 /// major:minor in `/proc/self/mountinfo`, so any name for the device counts).
 pub fn is_mounted(dev: &Path) -> Result<bool, FsError> {
-    use std::os::unix::fs::MetadataExt;
-    let io = |source| FsError::Io { path: dev.display().to_string(), source };
-    let rdev = std::fs::metadata(dev).map_err(io)?.rdev();
-    let want = format!("{}:{}", nix::sys::stat::major(rdev), nix::sys::stat::minor(rdev));
-    let info = std::fs::read_to_string("/proc/self/mountinfo")
-        .map_err(|source| FsError::Io { path: "/proc/self/mountinfo".into(), source })?;
-    Ok(info.lines().any(|l| l.split(' ').nth(2) == Some(want.as_str())))
+    let (major, minor) =
+        super::mount::dev_numbers(dev).map_err(|source| FsError::Io { path: dev.display().to_string(), source })?;
+    let table =
+        super::mount::mount_table().map_err(|source| FsError::Io { path: "/proc/self/mountinfo".into(), source })?;
+    Ok(!super::mount::mount_points_of(&table, major, minor).is_empty())
 }
 
 /// Whether this process has CAP_SYS_RESOURCE in its effective set (online ext4 resize needs
