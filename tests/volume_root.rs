@@ -984,7 +984,7 @@ fn loop_lookups_agree_with_a_walk_of_every_device() {
             loopdev::attach(&f, &img, loopdev::AttachOptions::default()).unwrap();
         }
         if i == 0 {
-            loopdev::attach(&f, &img, loopdev::AttachOptions { read_only: true, autoclear: false }).unwrap();
+            loopdev::attach(&f, &img, loopdev::AttachOptions { read_only: true }).unwrap();
         }
         imgs.push((img, m.dev(), m.ino()));
     }

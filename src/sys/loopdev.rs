@@ -321,14 +321,10 @@ fn forget_for(k: &mut Known, key: (u64, u64), number: u32) {
     }
 }
 
-/// How a file is bound to a device.
+/// How a file is bound to a device (never with auto-clear: see the store's module docs).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct AttachOptions {
     pub read_only: bool,
-    /// Detach on last close. Wrong for volumes that must stay attached with nothing holding
-    /// the device open (raw block volumes are published by bind-mounting the device node,
-    /// which does not open it; an agent restart closes every fd): the store never sets it.
-    pub autoclear: bool,
 }
 
 /// The loop driver's control device, `/dev/loop-control`.
@@ -356,11 +352,7 @@ fn free_device(ctl: &File) -> io::Result<u32> {
 /// same free device between `LOOP_CTL_GET_FREE` and `LOOP_CONFIGURE`) are retried.
 pub fn attach(backing: &File, name: &Path, opts: AttachOptions) -> io::Result<PathBuf> {
     let ctl = open_control()?;
-    let mut info = LoopInfo64 {
-        lo_flags: if opts.read_only { LO_FLAGS_READ_ONLY } else { 0 }
-            | if opts.autoclear { LO_FLAGS_AUTOCLEAR } else { 0 },
-        ..Default::default()
-    };
+    let mut info = LoopInfo64 { lo_flags: if opts.read_only { LO_FLAGS_READ_ONLY } else { 0 }, ..Default::default() };
     let bytes = name.as_os_str().as_encoded_bytes();
     let n = bytes.len().min(LO_NAME_SIZE - 1);
     info.lo_file_name[..n].copy_from_slice(&bytes[..n]);

@@ -776,7 +776,7 @@ impl VolumeStore {
         }
         let dev = self
             .kernel
-            .loop_attach(&f, &vol.path, loopdev::AttachOptions { read_only, autoclear: false })
+            .loop_attach(&f, &vol.path, loopdev::AttachOptions { read_only })
             .map_err(io_err("attaching", &vol.path))?;
         tracing::info!(volume = id, device = %dev.display(), read_only, "volume attached");
         Ok(dev)
