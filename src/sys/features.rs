@@ -98,22 +98,11 @@ pub struct KernelReport {
 /// is the node's). Costs a few system calls each, and one `nft --check` run for
 /// [`Feature::NftInetNat`]; commits nothing.
 pub fn probe(features: &[Feature]) -> KernelReport {
-    let release = uname_release().unwrap_or_else(|e| format!("unknown (uname: {e})"));
+    // uname(2)'s release, as the kernel also gives it here.
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map_or_else(|e| format!("unknown (/proc/sys/kernel/osrelease: {e})"), |r| r.trim().to_string());
     let checks = features.iter().map(|&feature| Check { feature, availability: probe_one(feature) }).collect();
     KernelReport { release, checks }
-}
-
-/// `uname(2)`'s release.
-fn uname_release() -> io::Result<String> {
-    // SAFETY: zeroed utsname is a valid buffer the kernel fills with NUL-terminated fields.
-    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
-    // SAFETY: `u` outlives the call.
-    if unsafe { libc::uname(&mut u) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the kernel NUL-terminates the field within its length.
-    let r = unsafe { std::ffi::CStr::from_ptr(u.release.as_ptr()) };
-    Ok(r.to_string_lossy().into_owned())
 }
 
 fn probe_one(f: Feature) -> Availability {
