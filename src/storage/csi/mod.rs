@@ -92,41 +92,36 @@ pub struct Identity {
     pub node: Option<Arc<NodeService>>,
 }
 
-pub fn plugin_info() -> csi::GetPluginInfoResponse {
-    csi::GetPluginInfoResponse {
-        name: DRIVER_NAME.into(),
-        vendor_version: env!("CARGO_PKG_VERSION").into(),
-        manifest: Default::default(),
-    }
-}
-
-pub fn plugin_capabilities() -> csi::GetPluginCapabilitiesResponse {
-    use csi::plugin_capability::{Service, Type, VolumeExpansion, service, volume_expansion};
-    let svc = |t: service::Type| csi::PluginCapability { r#type: Some(Type::Service(Service { r#type: t as i32 })) };
-    csi::GetPluginCapabilitiesResponse {
-        capabilities: vec![
-            svc(service::Type::ControllerService),
-            svc(service::Type::VolumeAccessibilityConstraints),
-            csi::PluginCapability {
-                r#type: Some(Type::VolumeExpansion(VolumeExpansion { r#type: volume_expansion::Type::Online as i32 })),
-            },
-        ],
-    }
-}
-
 #[tonic::async_trait]
 impl csi::identity_server::Identity for Identity {
     async fn get_plugin_info(
         &self,
         _: Request<csi::GetPluginInfoRequest>,
     ) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
-        Ok(Response::new(plugin_info()))
+        Ok(Response::new(csi::GetPluginInfoResponse {
+            name: DRIVER_NAME.into(),
+            vendor_version: env!("CARGO_PKG_VERSION").into(),
+            manifest: Default::default(),
+        }))
     }
     async fn get_plugin_capabilities(
         &self,
         _: Request<csi::GetPluginCapabilitiesRequest>,
     ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
-        Ok(Response::new(plugin_capabilities()))
+        use csi::plugin_capability::{Service, Type, VolumeExpansion, service, volume_expansion};
+        let svc =
+            |t: service::Type| csi::PluginCapability { r#type: Some(Type::Service(Service { r#type: t as i32 })) };
+        Ok(Response::new(csi::GetPluginCapabilitiesResponse {
+            capabilities: vec![
+                svc(service::Type::ControllerService),
+                svc(service::Type::VolumeAccessibilityConstraints),
+                csi::PluginCapability {
+                    r#type: Some(Type::VolumeExpansion(VolumeExpansion {
+                        r#type: volume_expansion::Type::Online as i32,
+                    })),
+                },
+            ],
+        }))
     }
     async fn probe(&self, _: Request<csi::ProbeRequest>) -> Result<Response<csi::ProbeResponse>, Status> {
         let ready = self.node.as_ref().is_none_or(|n| n.ready());
