@@ -305,7 +305,7 @@ pub fn mark_formatted(dev: &Path) -> Result<()> {
 /// dm-crypt mapping of that name.
 pub fn mapping(name: &str) -> Result<Option<Mapping>> {
     let path = mapper_path(name);
-    let Some(num) = block_numbers(&path) else { return Ok(None) };
+    let Some(num) = super::mount::block_node(&path) else { return Ok(None) };
     let sys = PathBuf::from(format!("/sys/dev/block/{}:{}", num.0, num.1));
     if read_trimmed(&sys.join("dm/name"))?.as_deref() != Some(name) {
         return Ok(None);
@@ -348,12 +348,6 @@ fn describe(name: String, path: PathBuf, num: (u32, u32), sys: &Path) -> Result<
     };
     let backing = Path::new("/dev").join(slave.file_name());
     Ok(Some(Mapping { name, path, num, backing, backing_num }))
-}
-
-fn block_numbers(path: &Path) -> Option<(u32, u32)> {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt};
-    let md = std::fs::metadata(path).ok().filter(|m| m.file_type().is_block_device())?;
-    Some((nix::sys::stat::major(md.rdev()) as u32, nix::sys::stat::minor(md.rdev()) as u32))
 }
 
 /// `"253:4"` → (253, 4).

@@ -163,6 +163,13 @@ pub fn dev_numbers(dev: &Path) -> io::Result<(u32, u32)> {
     Ok((nix::sys::stat::major(rdev) as u32, nix::sys::stat::minor(rdev) as u32))
 }
 
+/// When `path` (followed) is a block device node: its major and minor numbers.
+pub fn block_node(path: &Path) -> Option<(u32, u32)> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let md = std::fs::metadata(path).ok().filter(|m| m.file_type().is_block_device())?;
+    Some((nix::sys::stat::major(md.rdev()) as u32, nix::sys::stat::minor(md.rdev()) as u32))
+}
+
 /// Mount points (anywhere) of the filesystem on device `major:minor`.
 pub fn mount_points_of(table: &[MountEntry], major: u32, minor: u32) -> Vec<PathBuf> {
     table.iter().filter(|m| m.major == major && m.minor == minor).map(|m| m.mount_point.clone()).collect()

@@ -189,10 +189,7 @@ impl VolumeKernel for Kernel {
     }
 
     fn block_node(&self, path: &Path) -> Option<(u32, u32)> {
-        use std::os::unix::fs::{FileTypeExt, MetadataExt};
-        let md = std::fs::metadata(path).ok().filter(|md| md.file_type().is_block_device())?;
-        let rdev = md.rdev();
-        Some((nix::sys::stat::major(rdev) as u32, nix::sys::stat::minor(rdev) as u32))
+        super::mount::block_node(path)
     }
 
     fn mount_device(
