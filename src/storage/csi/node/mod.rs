@@ -282,8 +282,10 @@ impl NodeService {
         for d in ["stage", "publish"] {
             std::fs::DirBuilder::new().recursive(true).mode(0o700).create(settings.record_dir.join(d))?;
         }
-        let publishes =
-            Self::read_publish_records(&settings.record_dir).into_iter().map(|r| (r.target_path.clone(), r)).collect();
+        let publishes = Self::load_all::<PublishRecord>(&settings.record_dir.join("publish"))
+            .into_iter()
+            .map(|r| (r.target_path.clone(), r))
+            .collect();
         Ok(NodeService {
             settings,
             kernel: store.kernel().clone(),

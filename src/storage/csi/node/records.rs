@@ -135,23 +135,17 @@ impl NodeService {
         self.publishes_lock().values().filter(|r| r.volume_id == id).cloned().collect()
     }
 
-    pub(super) fn read_publish_records(record_dir: &Path) -> Vec<PublishRecord> {
-        let dir = record_dir.join("publish");
-        let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
+    /// Every record in `dir` (unreadable ones logged and left out).
+    pub(super) fn load_all<T: serde::de::DeserializeOwned>(dir: &Path) -> Vec<T> {
+        let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
         entries
             .flatten()
             .filter(|e| e.file_name().as_encoded_bytes().ends_with(b".json"))
-            .filter_map(|e| Self::load::<PublishRecord>(&e.path()).ok().flatten())
+            .filter_map(|e| Self::load(&e.path()).ok().flatten())
             .collect()
     }
 
     pub(super) fn stage_records(&self) -> Vec<StageRecord> {
-        let dir = self.settings.record_dir.join("stage");
-        let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
-        entries
-            .flatten()
-            .filter(|e| e.file_name().as_encoded_bytes().ends_with(b".json"))
-            .filter_map(|e| Self::load::<StageRecord>(&e.path()).ok().flatten())
-            .collect()
+        Self::load_all(&self.settings.record_dir.join("stage"))
     }
 }
