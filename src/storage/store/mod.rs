@@ -596,12 +596,8 @@ impl VolumeStore {
         }
         let img = self.dir.join(format!("{id}.img"));
         let meta_path = self.meta_path(id);
-        match std::fs::metadata(&img) {
-            Ok(m) => {
-                let devices = self
-                    .kernel
-                    .loop_find_backed_by(&img, m.dev(), m.ino())
-                    .map_err(io_err("finding loop devices of", &img))?;
+        match loops_of(&*self.kernel, &img)? {
+            Some((_, devices)) => {
                 if !devices.is_empty() {
                     let names: Vec<String> = devices.iter().map(|d| d.device.display().to_string()).collect();
                     return Err(VolumeError::Busy {
@@ -619,8 +615,7 @@ impl VolumeStore {
                     tracing::warn!(volume = id, error = %e, "removing a deleted volume's image");
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => remove_if_exists(&meta_path)?,
-            Err(e) => return Err(io_err("inspecting", &img)(e)),
+            None => remove_if_exists(&meta_path)?,
         }
         if self.index.lock().unwrap().volumes.remove(id).is_some() {
             tracing::info!(volume = id, "volume deleted");
@@ -708,13 +703,7 @@ impl VolumeStore {
     pub fn bindings(&self, id: &str) -> Result<Vec<loopdev::LoopBinding>> {
         validate_id(id)?;
         let img = self.image_of(id);
-        let m = match std::fs::metadata(&img) {
-            Ok(m) => m,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(io_err("inspecting", &img)(e)),
-        };
-        let mut found =
-            self.kernel.loop_find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))?;
+        let Some((m, mut found)) = loops_of(&*self.kernel, &img)? else { return Ok(Vec::new()) };
         if m.file_type().is_block_device() {
             found.insert(0, lvm::lv_binding(&img));
         }
@@ -807,13 +796,7 @@ impl VolumeStore {
         let _g = lock.lock().unwrap();
         // A volume on the `lvm` backend stays active: only its read-only loop devices go.
         let img = self.image_of(id);
-        let m = match std::fs::metadata(&img) {
-            Ok(m) => m,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(io_err("inspecting", &img)(e)),
-        };
-        let found =
-            self.kernel.loop_find_backed_by(&img, m.dev(), m.ino()).map_err(io_err("finding loop devices of", &img))?;
+        let Some((m, found)) = loops_of(&*self.kernel, &img)? else { return Ok(()) };
         let mut busy = Vec::new();
         for b in found.into_iter().filter(|b| which(b)) {
             match self.kernel.loop_detach(&b.device, m.dev(), m.ino()) {
@@ -904,13 +887,16 @@ fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("syncing", dir))
 }
 
-/// Whether a loop device is bound to `path` (by inode; a file we cannot stat is not).
-fn is_attached(path: &Path, kernel: &dyn VolumeKernel) -> io::Result<bool> {
-    match std::fs::metadata(path) {
-        Ok(m) => Ok(!kernel.loop_find_backed_by(path, m.dev(), m.ino())?.is_empty()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(e),
-    }
+/// The file at `path` (its metadata) and the loop devices bound to it (by inode); `None`
+/// when there is no such file.
+fn loops_of(kernel: &dyn VolumeKernel, path: &Path) -> Result<Option<(std::fs::Metadata, Vec<loopdev::LoopBinding>)>> {
+    let m = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_err("inspecting", path)(e)),
+    };
+    let found = kernel.loop_find_backed_by(path, m.dev(), m.ino()).map_err(io_err("finding loop devices of", path))?;
+    Ok(Some((m, found)))
 }
 
 /// Load the metadata in `dir` and finish or roll back interrupted creates and deletes.
@@ -942,7 +928,7 @@ fn recover(dir: &Path, kernel: &dyn VolumeKernel) -> Result<BTreeMap<String, Vol
     // (unless the renamed image is still attached: then it stays, reported as an orphan).
     for id in &delete_tmps {
         let del = dir.join(format!(".{id}.img.del"));
-        if is_attached(&del, kernel).map_err(io_err("checking loop devices of", &del))? {
+        if loops_of(kernel, &del)?.is_some_and(|(_, found)| !found.is_empty()) {
             tracing::warn!(volume = %id, file = %del.display(), "interrupted delete left an attached image; leaving it");
             continue;
         }
