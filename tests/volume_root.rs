@@ -849,10 +849,11 @@ fn blkid_type(dev: &Path) -> Option<String> {
     Some(if pt.is_empty() { "unknown".to_string() } else { format!("partition-table:{pt}") })
 }
 
-/// The in-process probe (`fstools::probe_type`, what the agent runs before mkfs) against
-/// `blkid -p` ([`blkid_type`]) on real loop devices holding what the real tools make.
+/// The probe the agent runs before mkfs (`fstools::probe_type`: an image file without data
+/// is blank, anything else is blkid's verdict) against `blkid -p` ([`blkid_type`]) on real
+/// loop devices holding what the real tools make.
 #[test]
-fn in_process_probe_agrees_with_blkid() {
+fn probe_before_mkfs_names_what_the_tools_made() {
     use nodeplane::sys::fstools::probe_type;
     let sb = Sandbox::new("probe");
     for tool in ["mkswap", "sfdisk", "mkfs.ext2", "mkfs.ext3"] {
@@ -1120,7 +1121,7 @@ fn mkfs_writes_little_on_a_fresh_image_and_zeroes_the_journal_otherwise() {
 /// - `orphans_and_replaced_files`: orphaned and replaced image files (LV orphans:
 ///   lvm_root's interrupted-operations test).
 /// - `the_sandbox_cleans_up_after_a_panic`: the sandbox's loop cleanup itself.
-/// - `in_process_probe_agrees_with_blkid`: the in-process probe of loop images.
+/// - `probe_before_mkfs_names_what_the_tools_made`: the probe of loop images.
 /// - `loop_lookups_agree_with_a_walk_of_every_device`: the process' view of loop devices.
 /// - `top_mount_agrees_with_the_mount_table`: the mount table, no volume of the store.
 /// - `mkfs_writes_little_on_a_fresh_image_and_zeroes_the_journal_otherwise`: holes in an

@@ -145,9 +145,9 @@ pub fn mkfs(dev: &Path, fs: FsType) -> Result<(), FsError> {
         ),
         FsType::Ext4 => run("mkfs.ext4", &["-F".as_ref(), "-q".as_ref(), d], &[]),
         FsType::Xfs => run("mkfs.xfs", &["-f".as_ref(), "-q".as_ref(), d], &[]),
-        FsType::Raw => return Err(FsError::Raw("make")),
-    }?;
-    Ok(())
+        FsType::Raw => Err(FsError::Raw("make")),
+    }
+    .map(drop)
 }
 
 /// Grow the filesystem to fill its (already grown) device.
@@ -183,9 +183,9 @@ pub fn grow_fs(dev_or_mountpoint: &Path, fs: FsType) -> Result<(), FsError> {
             run("resize2fs", &[p], &[])
         }
         FsType::Xfs => run("xfs_growfs", &[p], &[]),
-        FsType::Raw => return Err(FsError::Raw("grow")),
-    }?;
-    Ok(())
+        FsType::Raw => Err(FsError::Raw("grow")),
+    }
+    .map(drop)
 }
 
 /// The size in bytes the filesystem on `dev` spans, from its superblock (ext4: block count
