@@ -20,14 +20,14 @@ import harness
 from harness import run
 from test_cluster import PROTO, VXLAN_DEV, net, our_routes
 
-SCALE_BIN = harness.TARGET / "examples" / "scale_load"
+SCALE_BIN = harness.TARGET / "examples" / "benches"  # run as `benches scale_load ...`
 POOLS = [{"cidr": "10.0.0.0/8", "blockPrefix": 24}, {"cidr": "fd00:10::/32", "blockPrefix": 64}]
 PEERS = 1000
 AUDIT_S = 2
 
 
 def register(c, n, prefix, offset=0):
-    argv = [str(SCALE_BIN), "--controller", c.controller.address, "--config", str(c.controller.cfg_path),
+    argv = [str(SCALE_BIN), "scale_load", "--controller", c.controller.address, "--config", str(c.controller.cfg_path),
             "--nodes", str(n), "--prefix", prefix, "--register-only", "--ca-file", str(c.controller.ca),
             "--index-offset", str(offset)]
     out = run(c.controller.in_netns(argv), timeout=300).stdout

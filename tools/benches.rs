@@ -2,13 +2,13 @@
 //!
 //!     benches TOOL [ARGS...]      TOOL: csi_bench, snapshot_bench, deviceplugin_bench,
 //!                                 dra_bench, policy_bench, provision_load, register_load,
-//!                                 services_bench
+//!                                 scale_load, services_bench
 //!
-//! One binary, not seven: CI only compiles these (the bench scripts run them), and every
-//! binary is linked with the release profile's thin LTO over all of the dependencies, about
-//! 30 s each on two cores. Each tool reads its arguments from `std::env::args()` as its own
-//! program did, so `benches TOOL ARGS` runs itself again with `TOOL` as argv[0] and `ARGS`
-//! after it.
+//! One binary, not nine: CI compiles these (the bench scripts run them, and
+//! `integration/test_scale.py` runs scale_load), and every binary is linked with the release
+//! profile's thin LTO over all of the dependencies, about 30 s each on two cores. Each tool
+//! reads its arguments from `std::env::args()` as its own program did, so `benches TOOL ARGS`
+//! runs itself again with `TOOL` as argv[0] and `ARGS` after it.
 
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -30,13 +30,15 @@ mod policy_bench;
 mod provision_load;
 #[path = "register_load.rs"]
 mod register_load;
+#[path = "scale_load.rs"]
+mod scale_load;
 #[path = "services_bench.rs"]
 mod services_bench;
 #[path = "snapshot_bench.rs"]
 mod snapshot_bench;
 
 /// Each tool by the name it answers to (its old program name).
-const TOOLS: [(&str, fn()); 8] = [
+const TOOLS: [(&str, fn()); 9] = [
     ("csi_bench", csi_bench::main),
     ("snapshot_bench", snapshot_bench::main),
     ("deviceplugin_bench", deviceplugin_bench::main),
@@ -44,6 +46,7 @@ const TOOLS: [(&str, fn()); 8] = [
     ("policy_bench", policy_bench::main),
     ("provision_load", provision_load::main),
     ("register_load", register_load::main),
+    ("scale_load", scale_load::main),
     ("services_bench", services_bench::main),
 ];
 
@@ -55,6 +58,38 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     }
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// Nearest rank: the smallest value of `sorted` with a share `q` of the values at or below it
+/// (0 when empty).
+fn pctl(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+/// `x` rounded to three decimals, as the JSON summaries print figures.
+fn r3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// CPU time (ms) the process `pid` has used so far, all its threads, dead ones included
+/// (`/proc/<pid>/stat`'s utime + stime: clock ticks, 10 ms apart).
+fn process_cpu_ms(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let rest = stat.rsplit_once(") ").map(|(_, r)| r).unwrap_or("");
+    let f: Vec<u64> = rest.split(' ').skip(11).take(2).filter_map(|x| x.parse().ok()).collect();
+    // SAFETY: sysconf takes and returns plain integers.
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    f.iter().sum::<u64>() as f64 * 1000.0 / tick
+}
+
+/// `msg` with the bearer token `token`, as every call to the controller carries one.
+fn bearer<T>(msg: T, token: &str) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.metadata_mut().insert("authorization", format!("Bearer {token}").parse().expect("token is header text"));
+    r
 }
 
 /// Runs `tool` (stdin empty) and returns its output, trimmed; panics when it fails.

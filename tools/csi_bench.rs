@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use nodeplane::rpc::csi;
 use nodeplane::rpc::node as napi;
 
-use crate::{ext4_cap, pct, run, verdict};
+use crate::{ext4_cap, pct, process_cpu_ms, run, verdict};
 
 const GIB: u64 = 1 << 30;
 
@@ -30,17 +30,6 @@ fn settle() {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
-}
-
-/// CPU time (ms) the process `pid` has used so far, all its threads, dead ones included
-/// (`/proc/<pid>/stat`'s utime + stime: clock ticks, 10 ms apart).
-fn process_cpu_ms(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let rest = stat.rsplit_once(") ").map(|(_, r)| r).unwrap_or("");
-    let f: Vec<u64> = rest.split(' ').skip(11).take(2).filter_map(|x| x.parse().ok()).collect();
-    // SAFETY: sysconf takes and returns plain integers.
-    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    f.iter().sum::<u64>() as f64 * 1000.0 / tick
 }
 
 /// The machine's CPU time so far (ms): busy (user, nice, system, irq, softirq) and stolen by

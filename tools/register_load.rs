@@ -25,6 +25,8 @@ use nodeplane::util::Family;
 use pb::node_registry_client::NodeRegistryClient;
 use tokio::sync::Mutex;
 
+use crate::{bearer, pctl, r3};
+
 #[derive(Parser)]
 #[command(about = "Fire N Register calls at a nodeplane-controller")]
 struct Args {
@@ -64,18 +66,6 @@ struct Outcome {
     problems: Vec<String>,
 }
 
-fn pctl(sorted: &[Duration], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1;
-    sorted[i].as_secs_f64() * 1000.0
-}
-
-fn round3(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
-}
-
 async fn register_one(
     address: &str,
     name: &str,
@@ -83,15 +73,17 @@ async fn register_one(
     underlay: String,
 ) -> Result<pb::RegisterResponse, String> {
     let mut client = NodeRegistryClient::new(connect(address).await?);
-    let mut req = tonic::Request::new(pb::RegisterRequest {
+    let req = pb::RegisterRequest {
         node_name: name.to_string(),
         underlay_addresses: vec![underlay],
         vtep_mac: String::new(),
         wireguard_key: String::new(),
-    });
-    let value = format!("Bearer {token}").parse().map_err(|_| "token is not header text".to_string())?;
-    req.metadata_mut().insert("authorization", value);
-    client.register(req).await.map(|r| r.into_inner()).map_err(|s| format!("{}: {}", s.code(), s.message()))
+    };
+    client
+        .register(bearer(req, token))
+        .await
+        .map(|r| r.into_inner())
+        .map_err(|s| format!("{}: {}", s.code(), s.message()))
 }
 
 pub fn main() {
@@ -185,27 +177,28 @@ pub fn main() {
         let o = Arc::try_unwrap(out).map_err(|_| "outcome still shared".to_string())?.into_inner();
         Ok::<_, String>((secs, o))
     });
-    let (secs, mut o) = match result {
+    let (secs, o) = match result {
         Ok(x) => x,
         Err(e) => {
             eprintln!("register_load: {e}");
             std::process::exit(1);
         }
     };
-    o.latencies.sort();
-    let ok = o.latencies.len();
+    let mut latencies: Vec<f64> = o.latencies.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+    latencies.sort_by(f64::total_cmp);
+    let ok = latencies.len();
     let summary = serde_json::json!({
         "n": args.n,
         "ok": ok,
         "errors": o.errors.len(),
         "concurrency": args.concurrency,
         "connection": "per-registration",
-        "seconds": round3(secs),
-        "per_second": round3(ok as f64 / secs),
-        "p50_ms": round3(pctl(&o.latencies, 0.50)),
-        "p90_ms": round3(pctl(&o.latencies, 0.90)),
-        "p99_ms": round3(pctl(&o.latencies, 0.99)),
-        "max_ms": round3(pctl(&o.latencies, 1.0)),
+        "seconds": r3(secs),
+        "per_second": r3(ok as f64 / secs),
+        "p50_ms": r3(pctl(&latencies, 0.50)),
+        "p90_ms": r3(pctl(&latencies, 0.90)),
+        "p99_ms": r3(pctl(&latencies, 0.99)),
+        "max_ms": r3(pctl(&latencies, 1.0)),
         "distinct_blocks": o.blocks.len(),
         "problems": o.problems.iter().take(10).collect::<Vec<_>>(),
         "first_errors": o.errors.iter().take(10).collect::<Vec<_>>(),

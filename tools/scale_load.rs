@@ -10,7 +10,7 @@
 //! socket, one at a time: the call latency and how many volume-stream messages (and bytes)
 //! all agents together received per change, which must not grow with N.
 //!
-//!     target/release/examples/scale_load --controller unix:/tmp/x/controller.sock \
+//!     target/release/examples/benches scale_load --controller unix:/tmp/x/controller.sock \
 //!         --config /tmp/x/controller.json --nodes 5000 --joins 100 --leaves 100
 //!
 //! Each agent keeps its view as a bitmap over the names this tool knows (N + joins), so the
@@ -30,6 +30,8 @@ use nodeplane::rpc::controller as pb;
 use pb::node_registry_client::NodeRegistryClient;
 use prost::Message;
 use serde_json::json;
+
+use crate::{bearer, pctl, process_cpu_ms, r3};
 
 #[derive(Parser)]
 #[command(about = "N simulated agents against a nodeplane-controller")]
@@ -120,12 +122,6 @@ impl Shared {
             }
         }
     }
-}
-
-fn bearer<T>(msg: T, token: &str) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(msg);
-    r.metadata_mut().insert("authorization", format!("Bearer {token}").parse().expect("token is header text"));
-    r
 }
 
 fn underlay(i: usize) -> String {
@@ -285,18 +281,6 @@ async fn volume_agent(
     }
 }
 
-fn pctl(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1;
-    sorted[i]
-}
-
-fn r3(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
-}
-
 /// (RSS in MiB, CPU seconds) of a process.
 fn usage(pid: Option<u32>) -> (f64, f64) {
     let Some(pid) = pid else { return (0.0, 0.0) };
@@ -306,15 +290,7 @@ fn usage(pid: Option<u32>) -> (f64, f64) {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .unwrap_or(0.0);
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<&str> = after.split_whitespace().collect();
-    // SAFETY: sysconf takes and returns plain integers.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let cpu = (f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
-        + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0))
-        / ticks;
-    (rss_kib / 1024.0, cpu)
+    (rss_kib / 1024.0, process_cpu_ms(pid) / 1000.0)
 }
 
 async fn volume_phase(
@@ -404,7 +380,7 @@ async fn volume_phase(
     }))
 }
 
-fn main() {
+pub fn main() {
     let args = Args::parse();
     if args.index_offset + args.nodes + args.joins > 62_000 {
         eprintln!(
