@@ -259,11 +259,11 @@ pub fn load(path: &std::path::Path) -> Result<(Vec<Resource>, Vec<String>), Load
     }
 }
 
-/// Shell-style match of one path component: `*`, `?`, `[abc]`, `[a-z]`, `[!a-z]`.
-/// `Err` for a malformed pattern (an unclosed `[`).
+/// Shell-style match of one path component: `*`, `?`, `[abc]`, `[a-z]`, `[!a-z]`, by the C
+/// library's fnmatch(3) with no escapes (a backslash is itself). `Err` for a malformed
+/// pattern (an unclosed `[`, which fnmatch would take literally).
 pub fn glob_match(pattern: &str, name: &str) -> Result<bool, String> {
     let p: Vec<char> = pattern.chars().collect();
-    let n: Vec<char> = name.chars().collect();
     // Validate brackets first, so a bad pattern fails even against the empty name.
     let mut i = 0;
     while i < p.len() {
@@ -276,86 +276,10 @@ pub fn glob_match(pattern: &str, name: &str) -> Result<bool, String> {
         }
         i += 1;
     }
-    Ok(match_from(&p, &n))
-}
-
-fn class_end(p: &[char], start: usize) -> usize {
-    // `start` is just past '['; a ']' right there (or after '!') is a literal member.
-    let mut j = start;
-    if j < p.len() && p[j] == '!' {
-        j += 1;
-    }
-    if j < p.len() && p[j] == ']' {
-        j += 1;
-    }
-    while j < p.len() && p[j] != ']' {
-        j += 1;
-    }
-    j
-}
-
-fn class_matches(p: &[char], start: usize, end: usize, c: char) -> bool {
-    let (neg, mut j) = if p.get(start) == Some(&'!') { (true, start + 1) } else { (false, start) };
-    let mut hit = false;
-    let first = j;
-    while j < end {
-        if j + 2 < end && p[j + 1] == '-' && !(j == first && p[j] == ']') {
-            if p[j] <= c && c <= p[j + 2] {
-                hit = true;
-            }
-            j += 3;
-        } else {
-            if p[j] == c {
-                hit = true;
-            }
-            j += 1;
-        }
-    }
-    hit != neg
-}
-
-fn match_from(p: &[char], n: &[char]) -> bool {
-    let (mut pi, mut ni) = (0, 0);
-    let mut star: Option<(usize, usize)> = None;
-    while ni < n.len() {
-        if pi < p.len() {
-            match p[pi] {
-                '*' => {
-                    star = Some((pi, ni));
-                    pi += 1;
-                    continue;
-                }
-                '?' => {
-                    pi += 1;
-                    ni += 1;
-                    continue;
-                }
-                '[' => {
-                    let end = class_end(p, pi + 1);
-                    if end < p.len() && class_matches(p, pi + 1, end, n[ni]) {
-                        pi = end + 1;
-                        ni += 1;
-                        continue;
-                    }
-                }
-                c if c == n[ni] => {
-                    pi += 1;
-                    ni += 1;
-                    continue;
-                }
-                _ => {}
-            }
-        }
-        match star {
-            Some((sp, sn)) => {
-                pi = sp + 1;
-                ni = sn + 1;
-                star = Some((sp, sn + 1));
-            }
-            None => return false,
-        }
-    }
-    p[pi..].iter().all(|c| *c == '*')
+    // A NUL byte is in no file name.
+    let (Ok(p), Ok(n)) = (std::ffi::CString::new(pattern), std::ffi::CString::new(name)) else { return Ok(false) };
+    // SAFETY: two NUL-terminated strings that fnmatch only reads.
+    Ok(unsafe { libc::fnmatch(p.as_ptr(), n.as_ptr(), libc::FNM_NOESCAPE) } == 0)
 }
 
 #[cfg(test)]
