@@ -4,9 +4,8 @@
 //! docs/install.md ("Kernel requirements") lists them with the mainline release that
 //! brought each and what the agent does without it.
 
-use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::path::Path;
 
 /// A kernel feature the agent uses where the kernel may lack it (5.10 is the stated minimum;
@@ -165,52 +164,27 @@ fn nft_inet_nat() -> Availability {
 }
 
 fn netns_cookie() -> Availability {
-    const SO_NETNS_COOKIE: libc::c_int = 71;
-    // SAFETY: plain syscall; the descriptor is owned right away.
-    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Availability::Unknown(format!("socket: {}", io::Error::last_os_error()));
-    }
-    // SAFETY: `fd` is a fresh descriptor nothing else owns.
-    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-    let mut cookie: u64 = 0;
-    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-    // SAFETY: the kernel writes at most `len` bytes into `cookie`.
-    let rc = unsafe {
-        libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, SO_NETNS_COOKIE, (&raw mut cookie).cast(), &mut len)
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
+    let sock = match socket(AddressFamily::Unix, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None) {
+        Ok(s) => s,
+        Err(e) => return Availability::Unknown(format!("socket: {}", io::Error::from(e))),
     };
-    if rc == 0 {
-        return Availability::Available;
-    }
-    let e = io::Error::last_os_error();
-    match e.raw_os_error() {
-        Some(libc::ENOPROTOOPT) => Availability::Missing(format!("getsockopt(SO_NETNS_COOKIE): {}", errno_name(&e))),
-        _ => Availability::Unknown(format!("getsockopt(SO_NETNS_COOKIE): {e}")),
+    match super::netlink::netns_cookie_of(sock.as_raw_fd()) {
+        Ok(_) => Availability::Available,
+        Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => {
+            Availability::Missing(format!("getsockopt(SO_NETNS_COOKIE): {}", errno_name(&e)))
+        }
+        Err(e) => Availability::Unknown(format!("getsockopt(SO_NETNS_COOKIE): {e}")),
     }
 }
 
-/// `openat2` on a bad directory descriptor: EBADF from a kernel that has it, ENOSYS from one
-/// that does not.
+/// `openat2` of `/` beneath itself ([`super::mount::Beneath`]): ENOSYS from a kernel without
+/// it (std's `Unsupported`).
 fn openat2() -> Availability {
-    // SAFETY: open_how is plain data; zeroed then filled.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = (libc::O_RDONLY | libc::O_CLOEXEC) as u64;
-    how.resolve = libc::RESOLVE_BENEATH;
-    let path = CString::new("nodeplane-probe").expect("no NUL");
-    // SAFETY: the kernel reads `how` (its size passed) and the NUL-terminated path.
-    let rc = unsafe {
-        libc::syscall(libc::SYS_openat2, -1 as libc::c_int, path.as_ptr(), &raw const how, size_of::<libc::open_how>())
-    };
-    if rc >= 0 {
-        // SAFETY: a descriptor the call just returned (it cannot, with a bad dirfd).
-        drop(unsafe { OwnedFd::from_raw_fd(rc as i32) });
-        return Availability::Available;
-    }
-    let e = io::Error::last_os_error();
-    match e.raw_os_error() {
-        Some(libc::EBADF) => Availability::Available,
-        Some(libc::ENOSYS) => Availability::Missing(format!("openat2: {}", errno_name(&e))),
-        _ => Availability::Unknown(format!("openat2 on a bad descriptor: {e}")),
+    match super::mount::Beneath::open(Path::new("/"), Path::new("/")) {
+        Ok(_) => Availability::Available,
+        Err(e) if e.kind() == io::ErrorKind::Unsupported => Availability::Missing("openat2: ENOSYS".into()),
+        Err(e) => Availability::Unknown(e.to_string()),
     }
 }
 
@@ -222,23 +196,16 @@ fn loop_configure() -> Availability {
     }
 }
 
+/// [`super::mount::top_mount`] of `/`: statx with `STATX_MNT_ID` and the mount-root attribute
+/// (both 5.8).
 fn statx_mount_id() -> Availability {
-    let root = CString::new("/").expect("no NUL");
-    // SAFETY: zeroed statx is a valid buffer the kernel fills.
-    let mut st: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: the kernel fills `st`; the path is NUL-terminated.
-    let rc = unsafe { libc::statx(libc::AT_FDCWD, root.as_ptr(), 0, libc::STATX_MNT_ID, &mut st) };
-    if rc != 0 {
-        let e = io::Error::last_os_error();
-        return match e.raw_os_error() {
-            Some(libc::ENOSYS) => Availability::Missing(format!("statx: {}", errno_name(&e))),
-            _ => Availability::Unknown(format!("statx /: {e}")),
-        };
-    }
-    if st.stx_mask & libc::STATX_MNT_ID != 0 {
-        Availability::Available
-    } else {
-        Availability::Missing("statx does not return STATX_MNT_ID".into())
+    match super::mount::top_mount(Path::new("/")) {
+        Ok(_) => Availability::Available,
+        Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => Availability::Missing(format!("statx: {}", errno_name(&e))),
+        Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+            Availability::Missing("statx does not return STATX_MNT_ID".into())
+        }
+        Err(e) => Availability::Unknown(format!("statx /: {e}")),
     }
 }
 

@@ -168,6 +168,16 @@ fn family_of(ip: &IpAddr) -> AddressFamily {
     }
 }
 
+/// `getsockopt(SO_NETNS_COOKIE)` of the socket `fd`: the cookie of its network namespace.
+pub fn netns_cookie_of(fd: std::os::fd::RawFd) -> io::Result<u64> {
+    const SO_NETNS_COOKIE: libc::c_int = 71;
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: getsockopt into a properly sized u64.
+    let rc = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, SO_NETNS_COOKIE, (&raw mut cookie).cast(), &mut len) };
+    if rc == 0 { Ok(cookie) } else { Err(io::Error::last_os_error()) }
+}
+
 impl Netlink {
     /// Open an rtnetlink socket in the calling thread's current network namespace.
     pub fn open() -> Result<Self> {
@@ -182,20 +192,7 @@ impl Netlink {
     /// The cookie of the network namespace this socket lives in: unique for the life of
     /// the kernel and never reused (unlike a namespace's inode number). 0 if unsupported.
     pub fn netns_cookie(&self) -> u64 {
-        const SO_NETNS_COOKIE: libc::c_int = 71;
-        let mut cookie: u64 = 0;
-        let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-        // SAFETY: getsockopt into a properly sized u64 on a socket we own.
-        let rc = unsafe {
-            libc::getsockopt(
-                self.socket.as_raw_fd(),
-                libc::SOL_SOCKET,
-                SO_NETNS_COOKIE,
-                (&mut cookie as *mut u64).cast(),
-                &mut len,
-            )
-        };
-        if rc == 0 { cookie } else { 0 }
+        netns_cookie_of(self.socket.as_raw_fd()).unwrap_or(0)
     }
 
     /// The index of the link named `name` in this socket's namespace (`None`: no such link).
