@@ -447,13 +447,14 @@ fn shared_chain(s: &mut String, name: &str) {
 struct Elements(BTreeMap<(String, String), Vec<(String, String)>>);
 
 impl Elements {
+    /// The value in force: the first owner's (an element is kept only while it has one).
     fn value(&self, k: &(String, String)) -> Option<&String> {
-        self.0.get(k).map(|o| winner(o))
+        self.0.get(k).map(|o| &o[0].1)
     }
 
     /// Every element with the value in force, in key order.
     fn in_force(&self) -> impl Iterator<Item = (&(String, String), &String)> {
-        self.0.iter().map(|(k, o)| (k, winner(o)))
+        self.0.iter().map(|(k, o)| (k, &o[0].1))
     }
 
     /// Port `id` gives element `k` the value `v` (instead of what it gave before).
@@ -730,12 +731,6 @@ impl Proxy {
         }
         s
     }
-}
-
-/// The value in force among an element's owners: the first port's. An element is kept
-/// only while it has an owner.
-fn winner(owners: &[(String, String)]) -> &String {
-    &owners[0].1
 }
 
 /// Give the heap's free pages back to the kernel. After a large update glibc keeps what the
