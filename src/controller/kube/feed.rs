@@ -20,6 +20,11 @@ pub trait Feed<B>:
     fn replace(book: &B, all: &[Self]);
 }
 
+/// `(namespace, name)` of an object the API sent.
+pub fn key_of(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> (String, String) {
+    (m.namespace.clone().unwrap_or_default(), m.name.clone().unwrap_or_default())
+}
+
 /// Counts the kinds a book waits for: once each has been listed the first time, `done` runs
 /// (the book then holds every object).
 pub struct Listed {

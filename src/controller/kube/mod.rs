@@ -19,7 +19,7 @@ pub mod slices;
 pub mod state;
 pub mod tls;
 
-use kube::core::ApiResource;
+use kube::core::{ApiResource, GroupVersionKind};
 use serde::Serialize;
 
 pub const GROUP: &str = "nodeplane.dev";
@@ -103,13 +103,7 @@ pub const API_CALLS: &[ApiCall] = &[
 ];
 
 fn resource(kind: &str, plural: &str) -> ApiResource {
-    ApiResource {
-        group: GROUP.into(),
-        version: VERSION.into(),
-        api_version: format!("{GROUP}/{VERSION}"),
-        kind: kind.into(),
-        plural: plural.into(),
-    }
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, VERSION, kind), plural)
 }
 
 pub fn node_resource() -> ApiResource {
@@ -243,11 +237,6 @@ pub(crate) fn is_already_exists(e: &kube::Error) -> bool {
 }
 pub(crate) fn is_conflict(e: &kube::Error) -> bool {
     api_status(e).is_some_and(|s| s.is_conflict() && !s.is_already_exists())
-}
-
-/// A DNS-1123 subdomain (Kubernetes object names).
-pub fn valid_object_name(name: &str) -> bool {
-    crate::controller::records::valid_node_name(name)
 }
 
 /// Kubernetes' rule for label values, as an error message names it.

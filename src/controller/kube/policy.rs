@@ -11,13 +11,9 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::Api;
 
-use super::feed::{Feed, Listed, follow_kind};
+use super::feed::{Feed, Listed, follow_kind, key_of};
 use crate::controller::policy::PolicyBook;
 use crate::controller::policy::model::ObjectError;
-
-fn key_of(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> (String, String) {
-    (m.namespace.clone().unwrap_or_default(), m.name.clone().unwrap_or_default())
-}
 
 impl Feed<PolicyBook> for Namespace {
     const KIND: &'static str = "Namespace";

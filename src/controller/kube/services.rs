@@ -7,13 +7,9 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
 
-use super::feed::{Feed, Listed, follow_kind};
+use super::feed::{Feed, Listed, follow_kind, key_of};
 use crate::controller::policy::model::ObjectError;
-use crate::controller::services::{Key, ServiceBook};
-
-fn key_of(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Key {
-    (m.namespace.clone().unwrap_or_default(), m.name.clone().unwrap_or_default())
-}
+use crate::controller::services::ServiceBook;
 
 impl Feed<ServiceBook> for Service {
     const KIND: &'static str = "Service";

@@ -4,19 +4,13 @@
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
-use kube::core::ApiResource;
+use kube::core::{ApiResource, GroupVersionKind};
 use serde_json::Value;
 
 use crate::controller::dra::{API_GROUP, SinkError, SliceSink};
 
 fn resource(kind: &str, plural: &str) -> ApiResource {
-    ApiResource {
-        group: API_GROUP.into(),
-        version: "v1".into(),
-        api_version: crate::controller::dra::API_VERSION.into(),
-        kind: kind.into(),
-        plural: plural.into(),
-    }
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(API_GROUP, "v1", kind), plural)
 }
 
 fn to_value(o: DynamicObject) -> Result<Value, SinkError> {

@@ -95,7 +95,7 @@ pub fn block_object_name(cidr: &str) -> String {
 /// The object name of a volume's record: the id itself when it is a valid object name,
 /// else `v-` and a hash of it.
 pub fn volume_object_name(id: &str) -> String {
-    if super::valid_object_name(id) {
+    if crate::controller::records::valid_node_name(id) {
         return id.to_string();
     }
     use sha2::Digest;
@@ -790,10 +790,10 @@ mod tests {
         assert_eq!(block_object_name("fd00:8:0:1::/64"), "v6-fd00-8-0-1---64");
         assert_eq!(block_object_name("::/64"), "v6----64");
         for n in ["v4-10-8-1-0-24", "v6-fd00-8---64", "v6----64"] {
-            assert!(super::super::valid_object_name(n), "{n}");
+            assert!(crate::controller::records::valid_node_name(n), "{n}");
         }
         assert_eq!(volume_object_name("pvc-0a1b"), "pvc-0a1b");
         let odd = volume_object_name("Vol_1");
-        assert!(odd.starts_with("v-") && super::super::valid_object_name(&odd), "{odd}");
+        assert!(odd.starts_with("v-") && crate::controller::records::valid_node_name(&odd), "{odd}");
     }
 }
