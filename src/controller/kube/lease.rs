@@ -50,7 +50,6 @@ pub enum Attempt {
 /// last saw a change). The state backend checks this before every API call, and trips it
 /// when it finds another writer's change.
 pub struct Fence {
-    valid: Duration,
     state: std::sync::Mutex<(Option<Instant>, Option<String>)>,
     /// The Lease it stands for: a writer that meets a conflict reads it to tell another
     /// controller (a new holder) from any other client.
@@ -58,11 +57,6 @@ pub struct Fence {
 }
 
 impl Fence {
-    /// A fence for holding this Lease.
-    pub fn for_lease(valid: Duration, lease: LeaseSettings) -> Self {
-        Fence { valid, state: std::sync::Mutex::new((None, None)), lease }
-    }
-
     pub fn lease(&self) -> &LeaseSettings {
         &self.lease
     }
@@ -94,10 +88,10 @@ impl Fence {
             return Err(BackendError::NotLeader(format!("not the leader any more ({why}): refusing to write")));
         }
         match st.0 {
-            Some(t) if t.elapsed() < self.valid => Ok(()),
+            Some(t) if t.elapsed() < self.lease.renew_deadline => Ok(()),
             Some(_) => Err(BackendError::NotLeader(format!(
                 "the leader lease was not renewed within {:?}: refusing to write",
-                self.valid
+                self.lease.renew_deadline
             ))),
             None => Err(BackendError::NotLeader("not the leader: refusing to write".into())),
         }
@@ -119,7 +113,7 @@ fn now() -> MicroTime {
 
 impl Elector {
     pub fn new(client: kube::Client, s: LeaseSettings) -> Self {
-        let fence = std::sync::Arc::new(Fence::for_lease(s.renew_deadline, s.clone()));
+        let fence = std::sync::Arc::new(Fence { state: Default::default(), lease: s.clone() });
         Elector { api: Api::namespaced(client, &s.namespace), s, fence, observed: None }
     }
 
