@@ -309,9 +309,8 @@ pub fn desired_slices(node: &str, devices: &[pb::DraDevice], generation: i64) ->
 pub trait SliceSink: Send + Sync + 'static {
     /// Every slice this controller may have written (its label), any driver.
     async fn list(&self) -> Result<Vec<Value>, SinkError>;
-    async fn create(&self, obj: Value) -> Result<Value, SinkError>;
-    /// Replace (the object carries the `resourceVersion` it replaces).
-    async fn replace(&self, obj: Value) -> Result<Value, SinkError>;
+    /// Create, or replace when the object carries the `resourceVersion` it replaces.
+    async fn write(&self, obj: Value) -> Result<Value, SinkError>;
     /// Delete; one already gone is fine.
     async fn delete(&self, name: &str) -> Result<(), SinkError>;
     fn describe(&self) -> String;
@@ -387,14 +386,10 @@ impl Publisher {
         let mut next = Pool { generation, slices: BTreeMap::new() };
         for mut obj in desired_slices(node, devices, generation) {
             let name = name_of(&obj).unwrap_or_default().to_string();
-            let written = match current.slices.get(&name) {
-                Some((rv, _)) => {
-                    obj["metadata"]["resourceVersion"] = json!(rv);
-                    self.sink.replace(obj).await
-                }
-                None => self.sink.create(obj).await,
-            };
-            let written = match written {
+            if let Some((rv, _)) = current.slices.get(&name) {
+                obj["metadata"]["resourceVersion"] = json!(rv);
+            }
+            let written = match self.sink.write(obj).await {
                 Ok(w) => w,
                 Err(source) => {
                     pools.remove(node);
@@ -542,16 +537,6 @@ impl DirSink {
     pub fn new(dir: PathBuf) -> DirSink {
         DirSink { dir, counter: std::sync::atomic::AtomicU64::new(1) }
     }
-
-    fn write(&self, mut obj: Value) -> Result<Value, SinkError> {
-        let path = self.dir.join(format!("{}.json", name_of(&obj).expect("slices are named")));
-        let rv = self.counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        obj["metadata"]["resourceVersion"] = json!(rv.to_string());
-        std::fs::create_dir_all(&self.dir).map_err(file(&self.dir))?;
-        let body = serde_json::to_vec_pretty(&obj)?;
-        crate::sys::fs::atomic_write(&path, &body, 0o644).map_err(file(&path))?;
-        Ok(obj)
-    }
 }
 
 #[tonic::async_trait]
@@ -578,11 +563,14 @@ impl SliceSink for DirSink {
         }
         Ok(out)
     }
-    async fn create(&self, obj: Value) -> Result<Value, SinkError> {
-        self.write(obj)
-    }
-    async fn replace(&self, obj: Value) -> Result<Value, SinkError> {
-        self.write(obj)
+    async fn write(&self, mut obj: Value) -> Result<Value, SinkError> {
+        let path = self.dir.join(format!("{}.json", name_of(&obj).expect("slices are named")));
+        let rv = self.counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        obj["metadata"]["resourceVersion"] = json!(rv.to_string());
+        std::fs::create_dir_all(&self.dir).map_err(file(&self.dir))?;
+        let body = serde_json::to_vec_pretty(&obj)?;
+        crate::sys::fs::atomic_write(&path, &body, 0o644).map_err(file(&path))?;
+        Ok(obj)
     }
     async fn delete(&self, name: &str) -> Result<(), SinkError> {
         let path = self.dir.join(format!("{name}.json"));

@@ -73,24 +73,21 @@ impl SliceSink for KubeSlices {
         let (items, _) = super::list_all(&self.api, &lp).await.map_err(api_error)?;
         items.into_iter().map(to_value).collect()
     }
-    async fn create(&self, obj: Value) -> Result<Value, SinkError> {
+    async fn write(&self, obj: Value) -> Result<Value, SinkError> {
         let mut o = self.owned(to_object(obj)?).await;
-        match self.api.create(&super::post_params(), &o).await {
-            Ok(made) => to_value(made),
-            // A slice of this name the list did not show (its label removed, or written by
-            // an older release): the name is this driver's and this node's, so take it over.
-            Err(e) if super::is_already_exists(&e) => {
-                let name = o.metadata.name.clone().unwrap_or_default();
-                let have = self.api.get(&name).await.map_err(api_error)?;
-                o.metadata.resource_version = have.metadata.resource_version;
-                to_value(self.api.replace(&name, &super::post_params(), &o).await.map_err(api_error)?)
-            }
-            Err(e) => Err(api_error(e)),
-        }
-    }
-    async fn replace(&self, obj: Value) -> Result<Value, SinkError> {
-        let o = self.owned(to_object(obj)?).await;
         let name = o.metadata.name.clone().unwrap_or_default();
+        if o.metadata.resource_version.is_none() {
+            match self.api.create(&super::post_params(), &o).await {
+                Ok(made) => return to_value(made),
+                // A slice of this name the list did not show (its label removed, or written by
+                // an older release): the name is this driver's and this node's, so take it over.
+                Err(e) if super::is_already_exists(&e) => {
+                    o.metadata.resource_version =
+                        self.api.get(&name).await.map_err(api_error)?.metadata.resource_version;
+                }
+                Err(e) => return Err(api_error(e)),
+            }
+        }
         to_value(self.api.replace(&name, &super::post_params(), &o).await.map_err(api_error)?)
     }
     async fn delete(&self, name: &str) -> Result<(), SinkError> {
