@@ -122,10 +122,7 @@ pub struct ServiceBook {
     store: Option<ObjectStore>,
 }
 
-fn key_of(
-    m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-    kind: &'static str,
-) -> Result<Key, ObjectError> {
+fn key_of(m: &ObjectMeta, kind: &'static str) -> Result<Key, ObjectError> {
     let name = m.name.clone().filter(|n| !n.is_empty()).ok_or(ObjectError::NoName(kind))?;
     Ok((m.namespace.clone().unwrap_or_else(|| "default".into()), name))
 }
@@ -317,24 +314,28 @@ impl ServiceBook {
         for o in &objects {
             let kind = o.get("kind").and_then(|k| k.as_str()).unwrap_or("");
             let decode = |source| ObjectError::Decode { kind: kind.into(), source };
-            let (meta, kind) = match kind {
+            let (meta, kind, bad_ports) = match kind {
                 "Service" => {
                     let s: Service = serde_json::from_value(o.clone()).map_err(decode)?;
-                    refuse_bad_ports(apply, "Service", &s.metadata, compile::invalid_ports(Some(&s), None))?;
+                    let why = compile::invalid_ports(Some(&s), None);
                     let m = s.metadata.clone();
                     svcs.push(s);
-                    (m, "Service")
+                    (m, "Service", why)
                 }
                 "EndpointSlice" => {
                     let s: EndpointSlice = serde_json::from_value(o.clone()).map_err(decode)?;
-                    refuse_bad_ports(apply, "EndpointSlice", &s.metadata, compile::invalid_ports(None, Some(&s)))?;
+                    let why = compile::invalid_ports(None, Some(&s));
                     let m = s.metadata.clone();
                     slices.push(s);
-                    (m, "EndpointSlice")
+                    (m, "EndpointSlice", why)
                 }
                 other => return Err(ObjectError::Kind(other.into(), "Service or EndpointSlice (applied here)")),
             };
             let (ns, name) = key_of(&meta, kind)?;
+            // Applied with a port the API server would refuse: INVALID_ARGUMENT.
+            if let Some(reason) = bad_ports.filter(|_| apply) {
+                return Err(ObjectError::Invalid { kind, key: format!("{ns}/{name}"), reason });
+            }
             let bytes = serde_json::to_vec(o).expect("JSON values serialise");
             writes.push((format!("{kind}/{ns}/{name}"), apply.then_some(bytes)));
             done.push(format!("{kind} {ns}/{name}"));
@@ -356,22 +357,6 @@ impl ServiceBook {
         let items: Vec<serde_json::Value> = store.all()?.into_iter().map(|(_, v)| v).collect();
         let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
         Ok(serde_json::to_string_pretty(&list).expect("JSON values serialise"))
-    }
-}
-
-/// An object being applied with a port the API server would refuse: INVALID_ARGUMENT.
-fn refuse_bad_ports(
-    apply: bool,
-    kind: &'static str,
-    meta: &ObjectMeta,
-    why: Option<String>,
-) -> Result<(), ObjectError> {
-    match why {
-        Some(reason) if apply => {
-            let (ns, name) = key_of(meta, kind)?;
-            Err(ObjectError::Invalid { kind, key: format!("{ns}/{name}"), reason })
-        }
-        _ => Ok(()),
     }
 }
 

@@ -109,9 +109,8 @@ impl Services for Service {
         self.admin(&req).await?;
         let book = self.book.clone();
         let json = req.into_inner().json;
-        let b = book.clone();
-        let applied = crate::rpc::blocking(move || b.apply_json(&json)).await??;
-        Ok(Response::new(pb::ApplyObjectsResponse { applied, revision: book.revision() }))
+        let applied = crate::rpc::blocking(move || book.apply_json(&json)).await??;
+        Ok(Response::new(pb::ApplyObjectsResponse { applied, revision: self.book.revision() }))
     }
 
     async fn delete_objects(
