@@ -729,15 +729,7 @@ impl VolumeBook {
         if let Some(id) = st.by_name.get(&(RecordKind::Snapshot, name.to_string())) {
             return Ok((st.vols[id].clone(), false));
         }
-        let v = st
-            .vols
-            .get(source)
-            .filter(|v| v.kind == RecordKind::Volume && v.state != VolState::Deleting)
-            .cloned()
-            .ok_or_else(|| BookError::NotFound(source.to_string()))?;
-        if v.state != VolState::Ready {
-            return Err(BookError::SourceNotReady(format!("volume {source}")));
-        }
+        let v = Self::source_record(&st, &ContentSource::Volume(source.to_string()))?.clone();
         let id = volume_id_for(name);
         if let Some(other) = st.vols.get(&id) {
             return Err(BookError::IdTaken { id, name: name.to_string(), other: other.name.clone() });
