@@ -184,14 +184,10 @@ fn to_csi(v: &VolumeRecord) -> csi::Volume {
     if is_encrypted(v) {
         ctx.insert(keys::ENCRYPTION_CONTEXT.to_string(), keys::LUKS2.to_string());
     }
-    let content_source = if !v.source_snapshot.is_empty() {
-        Some(csi::VolumeContentSource {
-            r#type: Some(Type::Snapshot(SnapshotSource { snapshot_id: v.source_snapshot.clone() })),
-        })
+    let source = if !v.source_snapshot.is_empty() {
+        Some(Type::Snapshot(SnapshotSource { snapshot_id: v.source_snapshot.clone() }))
     } else if !v.source_volume.is_empty() {
-        Some(csi::VolumeContentSource {
-            r#type: Some(Type::Volume(VolumeSource { volume_id: v.source_volume.clone() })),
-        })
+        Some(Type::Volume(VolumeSource { volume_id: v.source_volume.clone() }))
     } else {
         None
     };
@@ -199,7 +195,7 @@ fn to_csi(v: &VolumeRecord) -> csi::Volume {
         capacity_bytes: v.size_bytes as i64,
         volume_id: v.id.clone(),
         volume_context: ctx,
-        content_source,
+        content_source: source.map(|t| csi::VolumeContentSource { r#type: Some(t) }),
         accessible_topology: vec![topology_of(&v.node)],
     }
 }
@@ -213,6 +209,11 @@ fn content_source_of(c: &csi::VolumeContentSource) -> Result<ContentSource, Stat
         Some(Type::Volume(_)) => Err(invalid("volume_content_source.volume.volume_id is required")),
         None => Err(invalid("volume_content_source names neither a snapshot nor a volume")),
     }
+}
+
+/// Whether snapshot `v` is complete on its node.
+fn snapshot_ready(v: &VolumeRecord, views: &std::collections::HashMap<String, NodeView>) -> bool {
+    v.state == VolState::Ready && held_snapshot(views.get(&v.node), v).is_some()
 }
 
 /// A snapshot record as CSI shows it; `ready` when the node holds it complete.
@@ -238,9 +239,7 @@ impl ControllerService {
         f: impl FnOnce(&VolumeBook) -> Result<T, BookError> + Send + 'static,
     ) -> Result<T, Status> {
         let book = self.book.clone();
-        Ok(tokio::task::spawn_blocking(move || f(&book))
-            .await
-            .map_err(|e| Status::internal(format!("volume book task: {e}")))??)
+        Ok(crate::rpc::blocking(move || f(&book)).await??)
     }
 
     /// Wait until volume `id` is on its node at `size` or more (Ready), or the node failed it.
@@ -601,14 +600,6 @@ impl ControllerService {
             .await
     }
 
-    fn snapshot_ready(
-        &self,
-        v: &VolumeRecord,
-        views: &std::collections::HashMap<String, super::volumes::NodeView>,
-    ) -> bool {
-        v.state == VolState::Ready && held_snapshot(views.get(&v.node), v).is_some()
-    }
-
     async fn do_list_snapshots(&self, r: csi::ListSnapshotsRequest) -> Result<csi::ListSnapshotsResponse, Status> {
         let views = self.book.node_views();
         // Filters: an unknown snapshot or source volume lists nothing (not an error).
@@ -622,7 +613,7 @@ impl ControllerService {
         let entries = page
             .iter()
             .map(|v| csi::list_snapshots_response::Entry {
-                snapshot: Some(snapshot_to_csi(v, self.snapshot_ready(v, &views))),
+                snapshot: Some(snapshot_to_csi(v, snapshot_ready(v, &views))),
             })
             .collect();
         Ok(csi::ListSnapshotsResponse { entries, next_token })
@@ -903,7 +894,7 @@ impl csi::controller_server::Controller for ControllerService {
             .get_snapshot(&r.snapshot_id)
             .filter(|v| v.state != VolState::Deleting)
             .ok_or_else(|| BookError::SnapshotNotFound(r.snapshot_id.clone()))?;
-        let ready = self.snapshot_ready(&v, &self.book.node_views());
+        let ready = snapshot_ready(&v, &self.book.node_views());
         Ok(Response::new(csi::GetSnapshotResponse { snapshot: Some(snapshot_to_csi(&v, ready)) }))
     }
     async fn controller_get_volume(
