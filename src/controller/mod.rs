@@ -231,7 +231,8 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         tokio::spawn(dra::Publisher { book: devices.clone(), registry: registry.clone(), sink }.run(stopping.clone()));
     // NetworkPolicy: objects from the API in a cluster, applied with `nodeplane policy` here.
     let local_policy = !cfg.uses_kubernetes();
-    let policy_book = policy::PolicyBook::new(local_policy.then(|| cfg.data_dir.join("policy-objects.json")))?;
+    let local_file = |name: &str| local_policy.then(|| cfg.data_dir.join(name));
+    let policy_book = policy::PolicyBook::new(local_file("policy-objects.json"))?;
     let book_of_policy = policy_book.clone();
     registry.on_removal(Arc::new(move |node| book_of_policy.forget_node(node)));
     metrics.registry.register(
@@ -239,22 +240,16 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
         "Time to recompile every node's NetworkPolicy view after a change.",
         policy_book.compile_seconds.clone(),
     );
-    let policy_follower = match &client {
-        Some(c) if !local_policy => {
-            Some(tokio::spawn(kube::policy::follow(c.clone(), policy_book.clone(), stopping.clone())))
-        }
-        _ => None,
-    };
     // Services: from the API in a cluster, applied with `nodeplane service` here.
-    let pod_cidrs = cfg.pools.iter().map(|p| p.net.to_string()).collect();
-    let service_book =
-        services::ServiceBook::new(pod_cidrs, local_policy.then(|| cfg.data_dir.join("service-objects.redb")))?;
-    let service_follower = match &client {
-        Some(c) if !local_policy => {
-            Some(tokio::spawn(kube::services::follow(c.clone(), service_book.clone(), stopping.clone())))
-        }
-        _ => None,
-    };
+    let service_book = services::ServiceBook::new(cfg.cluster_cidrs(), local_file("service-objects.redb"))?;
+    // In a cluster both books follow the API.
+    let book_follower = client.as_ref().filter(|_| !local_policy).map(|c| {
+        let policy = kube::policy::follow(c.clone(), policy_book.clone(), stopping.clone());
+        let services = kube::services::follow(c.clone(), service_book.clone(), stopping.clone());
+        tokio::spawn(async move {
+            tokio::join!(policy, services);
+        })
+    });
     let authority = Arc::new(authority);
     let cfg = Arc::new(cfg);
     let svc = server::Service {
@@ -348,7 +343,7 @@ pub async fn serve(cfg: Config) -> Result<(), ControllerError> {
     let _ = csi_task.await;
     let _ = publisher.await;
     let _ = std::fs::remove_file(&cfg.csi_socket);
-    for f in [follower, policy_follower, service_follower].into_iter().flatten() {
+    for f in [follower, book_follower].into_iter().flatten() {
         let _ = f.await;
     }
     // Nothing is served any more: only now may a successor take over.
