@@ -7,13 +7,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use ipnetwork::IpNetwork;
 use tokio::sync::watch;
 
-use super::backend::{Backend, BackendError, RedbBackend};
+use super::backend::{Backend, BackendError};
 use super::records::{NodeRecord, Pool, random_epoch, subdomain_error};
 use crate::util::Family;
 
@@ -115,11 +114,6 @@ fn valid_mac(mac: &str) -> bool {
 }
 
 impl Registry {
-    /// The embedded store at `path` (local mode).
-    pub fn open(path: &Path, pools: Vec<Pool>) -> Result<Self, RegistryError> {
-        Self::with_backend(RedbBackend::open(path)?, pools)
-    }
-
     pub fn with_backend(backend: Arc<dyn Backend>, pools: Vec<Pool>) -> Result<Self, RegistryError> {
         let (records, revision) = backend.load_nodes()?;
         let mut nodes = BTreeMap::new();
@@ -404,6 +398,7 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::controller::backend::RedbBackend;
 
     fn pools() -> Vec<Pool> {
         vec![
@@ -416,7 +411,7 @@ mod tests {
     fn register_is_idempotent_and_durable() {
         let dir = crate::util::TestDir::new("reg-idem");
         let path = dir.0.join("registry.redb");
-        let r = Registry::open(&path, pools()).unwrap();
+        let r = Registry::with_backend(RedbBackend::open(&path).unwrap(), pools()).unwrap();
         let a = r.register("node-a", &["192.0.2.1".into()], "").unwrap();
         assert_eq!(a.blocks, vec!["10.8.0.0/24", "fd00:8::/64"]);
         let again = r.register("node-a", &["192.0.2.1".into()], "").unwrap();
@@ -425,7 +420,7 @@ mod tests {
         assert_eq!(b.blocks, vec!["10.8.1.0/24", "fd00:8:0:1::/64"]);
         let rev = r.snapshot().revision;
         drop(r);
-        let r = Registry::open(&path, pools()).unwrap();
+        let r = Registry::with_backend(RedbBackend::open(&path).unwrap(), pools()).unwrap();
         assert_eq!(r.snapshot().revision, rev);
         assert_eq!(r.get("node-b").unwrap(), b);
         // Removal frees the blocks for the next node.
@@ -437,7 +432,7 @@ mod tests {
     #[test]
     fn exhaustion_and_extra_blocks() {
         let dir = crate::util::TestDir::new("reg-exh");
-        let r = Registry::open(&dir.0.join("registry.redb"), pools()).unwrap();
+        let r = Registry::with_backend(RedbBackend::open(&dir.0.join("registry.redb")).unwrap(), pools()).unwrap();
         for i in 0..4 {
             r.register(&format!("n{i}"), &["192.0.2.1".into()], "").unwrap();
         }
@@ -457,7 +452,7 @@ mod tests {
     #[test]
     fn validates_input() {
         let dir = crate::util::TestDir::new("reg-val");
-        let r = Registry::open(&dir.0.join("registry.redb"), pools()).unwrap();
+        let r = Registry::with_backend(RedbBackend::open(&dir.0.join("registry.redb")).unwrap(), pools()).unwrap();
         assert!(matches!(r.register("Bad_Name", &["192.0.2.1".into()], ""), Err(RegistryError::InvalidArgument(_))));
         assert!(matches!(r.register("ok", &["nope".into()], ""), Err(RegistryError::InvalidArgument(_))));
         assert!(matches!(r.register("ok", &[], ""), Err(RegistryError::InvalidArgument(_))));
