@@ -600,25 +600,6 @@ impl ControllerService {
             .await
     }
 
-    async fn do_list_snapshots(&self, r: csi::ListSnapshotsRequest) -> Result<csi::ListSnapshotsResponse, Status> {
-        let views = self.book.node_views();
-        // Filters: an unknown snapshot or source volume lists nothing (not an error).
-        let all = self
-            .book
-            .list_snapshots()
-            .into_iter()
-            .filter(|v| r.snapshot_id.is_empty() || v.id == r.snapshot_id)
-            .filter(|v| r.source_volume_id.is_empty() || v.source_volume == r.source_volume_id);
-        let (page, next_token) = page_of(all, r.max_entries, &r.starting_token)?;
-        let entries = page
-            .iter()
-            .map(|v| csi::list_snapshots_response::Entry {
-                snapshot: Some(snapshot_to_csi(v, snapshot_ready(v, &views))),
-            })
-            .collect();
-        Ok(csi::ListSnapshotsResponse { entries, next_token })
-    }
-
     async fn do_delete_volume(&self, r: csi::DeleteVolumeRequest) -> Result<csi::DeleteVolumeResponse, Status> {
         if r.volume_id.is_empty() {
             return Err(invalid("volume_id is required"));
@@ -627,11 +608,29 @@ impl ControllerService {
         self.delete("volume", &r.volume_id, v).await?;
         Ok(csi::DeleteVolumeResponse {})
     }
+}
 
-    async fn do_controller_expand_volume(
+#[tonic::async_trait]
+impl csi::controller_server::Controller for ControllerService {
+    async fn create_volume(
         &self,
-        r: csi::ControllerExpandVolumeRequest,
-    ) -> Result<csi::ControllerExpandVolumeResponse, Status> {
+        req: Request<csi::CreateVolumeRequest>,
+    ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
+        Ok(Response::new(self.do_create_volume(req.into_inner()).await?))
+    }
+
+    async fn delete_volume(
+        &self,
+        req: Request<csi::DeleteVolumeRequest>,
+    ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
+        Ok(Response::new(self.do_delete_volume(req.into_inner()).await?))
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        req: Request<csi::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
+        let r = req.into_inner();
         if r.volume_id.is_empty() {
             return Err(invalid("volume_id is required"));
         }
@@ -677,19 +676,20 @@ impl ControllerService {
             }
             Err(e) => return Err(e),
         };
-        Ok(csi::ControllerExpandVolumeResponse {
+        Ok(Response::new(csi::ControllerExpandVolumeResponse {
             capacity_bytes: v.size_bytes as i64,
             // The filesystem grows on the node (NodeExpandVolume); a raw block volume's
             // loop device already grew online with its file, unless it is encrypted (its
             // dm-crypt mapping grows in NodeExpandVolume).
             node_expansion_required: !v.fs_type.is_raw() || is_encrypted(&v),
-        })
+        }))
     }
 
-    async fn do_validate_volume_capabilities(
+    async fn validate_volume_capabilities(
         &self,
-        r: csi::ValidateVolumeCapabilitiesRequest,
-    ) -> Result<csi::ValidateVolumeCapabilitiesResponse, Status> {
+        req: Request<csi::ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
+        let r = req.into_inner();
         if r.volume_id.is_empty() {
             return Err(invalid("volume_id is required"));
         }
@@ -720,7 +720,7 @@ impl ControllerService {
             };
             if fits { Ok(()) } else { Err(invalid(format!("volume holds {:?}", v.fs_type.as_str()))) }
         });
-        Ok(match verdict {
+        Ok(Response::new(match verdict {
             Ok(()) => csi::ValidateVolumeCapabilitiesResponse {
                 confirmed: Some(csi::validate_volume_capabilities_response::Confirmed {
                     volume_context: r.volume_context,
@@ -731,10 +731,14 @@ impl ControllerService {
                 message: String::new(),
             },
             Err(e) => csi::ValidateVolumeCapabilitiesResponse { confirmed: None, message: e.message().to_string() },
-        })
+        }))
     }
 
-    async fn do_list_volumes(&self, r: csi::ListVolumesRequest) -> Result<csi::ListVolumesResponse, Status> {
+    async fn list_volumes(
+        &self,
+        req: Request<csi::ListVolumesRequest>,
+    ) -> Result<Response<csi::ListVolumesResponse>, Status> {
+        let r = req.into_inner();
         let views = self.book.node_views();
         let (page, next_token) = page_of(self.book.list(), r.max_entries, &r.starting_token)?;
         let entries = page
@@ -759,45 +763,7 @@ impl ControllerService {
                 }
             })
             .collect();
-        Ok(csi::ListVolumesResponse { entries, next_token })
-    }
-}
-
-#[tonic::async_trait]
-impl csi::controller_server::Controller for ControllerService {
-    async fn create_volume(
-        &self,
-        req: Request<csi::CreateVolumeRequest>,
-    ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
-        Ok(Response::new(self.do_create_volume(req.into_inner()).await?))
-    }
-
-    async fn delete_volume(
-        &self,
-        req: Request<csi::DeleteVolumeRequest>,
-    ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
-        Ok(Response::new(self.do_delete_volume(req.into_inner()).await?))
-    }
-
-    async fn controller_expand_volume(
-        &self,
-        req: Request<csi::ControllerExpandVolumeRequest>,
-    ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
-        Ok(Response::new(self.do_controller_expand_volume(req.into_inner()).await?))
-    }
-
-    async fn validate_volume_capabilities(
-        &self,
-        req: Request<csi::ValidateVolumeCapabilitiesRequest>,
-    ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
-        Ok(Response::new(self.do_validate_volume_capabilities(req.into_inner()).await?))
-    }
-
-    async fn list_volumes(
-        &self,
-        req: Request<csi::ListVolumesRequest>,
-    ) -> Result<Response<csi::ListVolumesResponse>, Status> {
-        Ok(Response::new(self.do_list_volumes(req.into_inner()).await?))
+        Ok(Response::new(csi::ListVolumesResponse { entries, next_token }))
     }
 
     async fn get_capacity(
@@ -879,7 +845,23 @@ impl csi::controller_server::Controller for ControllerService {
         &self,
         req: Request<csi::ListSnapshotsRequest>,
     ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
-        Ok(Response::new(self.do_list_snapshots(req.into_inner()).await?))
+        let r = req.into_inner();
+        let views = self.book.node_views();
+        // Filters: an unknown snapshot or source volume lists nothing (not an error).
+        let all = self
+            .book
+            .list_snapshots()
+            .into_iter()
+            .filter(|v| r.snapshot_id.is_empty() || v.id == r.snapshot_id)
+            .filter(|v| r.source_volume_id.is_empty() || v.source_volume == r.source_volume_id);
+        let (page, next_token) = page_of(all, r.max_entries, &r.starting_token)?;
+        let entries = page
+            .iter()
+            .map(|v| csi::list_snapshots_response::Entry {
+                snapshot: Some(snapshot_to_csi(v, snapshot_ready(v, &views))),
+            })
+            .collect();
+        Ok(Response::new(csi::ListSnapshotsResponse { entries, next_token }))
     }
     async fn get_snapshot(
         &self,
