@@ -345,10 +345,9 @@ impl ControllerService {
             }
             placement.preferred = t.preferred.iter().filter_map(node_of).collect();
         }
-        let params: BTreeMap<String, String> = r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        let (name, fs2, pl, src2) = (r.name.clone(), fs, placement.clone(), source.clone());
-        let (rec, created) =
-            self.blocking(move |book| book.place(&name, size, fs2, params, &pl, src2.as_ref())).await?;
+        let params: BTreeMap<String, String> = r.parameters.clone().into_iter().collect();
+        let (name, fs2, pl, src2, p) = (r.name.clone(), fs, placement.clone(), source.clone(), params.clone());
+        let (rec, created) = self.blocking(move |book| book.place(&name, size, fs2, p, &pl, src2.as_ref())).await?;
         // Node failures count only from reconciles of a desired set that holds this call's
         // change (a report computed against an older set may still arrive after it).
         let since = self.book.revision_of(&rec.node);
@@ -362,8 +361,7 @@ impl ControllerService {
             if rec.state == VolState::Deleting {
                 return Err(Status::aborted(format!("volume {:?} is being deleted; retry", r.name)));
             }
-            let params_ok =
-                rec.parameters == r.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<BTreeMap<_, _>>();
+            let params_ok = rec.parameters == params;
             let source_ok = match &source {
                 None => rec.source_snapshot.is_empty() && rec.source_volume.is_empty(),
                 Some(ContentSource::Snapshot(s)) => &rec.source_snapshot == s,
@@ -513,7 +511,8 @@ impl ControllerService {
     /// answer.
     async fn abandon(&self, rec: &VolumeRecord) -> Result<(), Status> {
         let id = rec.id.clone();
-        self.blocking(move |book| book.abandon(&id)).await?;
+        // Deleted on its node (if anything was made there) like any other.
+        self.blocking(move |book| book.begin_delete(&id)).await?;
         if is_encrypted(rec)
             && let Err(e) = self.keys.remove(&rec.name, &rec.id).await
         {

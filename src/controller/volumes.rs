@@ -839,12 +839,6 @@ impl VolumeBook {
         Ok(grown)
     }
 
-    /// Drop a record whose creation failed on its node: it is deleted there (if anything
-    /// was made) like any other.
-    pub fn abandon(&self, id: &str) -> Result<(), BookError> {
-        self.begin_delete(id).map(|_| ())
-    }
-
     /// Wait until `check` decides, re-checking after every report or record change, or
     /// until `timeout` (DEADLINE_EXCEEDED: the CO retries the call, which resumes the wait).
     pub async fn wait<T, E: From<BookError>>(
@@ -1232,8 +1226,8 @@ mod tests {
             "a"
         );
         assert_eq!(b.begin_delete("a").unwrap_err().code(), Code::FailedPrecondition);
-        b.abandon(&r.id).unwrap();
-        b.abandon("c").unwrap();
+        b.begin_delete(&r.id).unwrap();
+        b.begin_delete("c").unwrap();
         // Snapshot and volume names are separate: a volume named like a snapshot is a new record
         // only if its id is free.
         assert_eq!(
