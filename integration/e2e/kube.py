@@ -2,6 +2,7 @@
 inside a node (its network and mount namespaces) for the kernel state a check asserts."""
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -145,12 +146,14 @@ class Pinger:
                                     f"echo $! > /tmp/{self.tag}.pid"])
 
     def stop(self):
-        """(transmitted, received)."""
+        """(transmitted, the sequence numbers never answered). The last one sent is not
+        counted: SIGINT can stop the ping while its reply is still on the way."""
         exec_(self.pod, self.ns, ["sh", "-c", f"kill -INT $(cat /tmp/{self.tag}.pid)"])
         wait_for(lambda: "packets received" in self.log(), 10, f"{self.tag}'s statistics")
-        line = next(x for x in self.log().splitlines() if "packets transmitted" in x)
-        words = line.split()
-        return int(words[0]), int(words[3])
+        out = self.log()
+        sent = int(next(x for x in out.splitlines() if "packets transmitted" in x).split()[0])
+        answered = {int(n) for n in re.findall(r"\bseq=(\d+)", out)}
+        return sent, [n for n in range(sent - 1) if n not in answered]
 
     def log(self):
         return exec_(self.pod, self.ns, ["cat", f"/tmp/{self.tag}.log"], check=False).stdout

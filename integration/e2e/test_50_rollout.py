@@ -47,9 +47,11 @@ def start_traffic(ns, workers):
 def lost(pingers):
     total = 0
     for p in pingers:
-        sent, got = p.stop()
+        sent, unanswered = p.stop()
         assert sent > 0
-        total += sent - got
+        if unanswered:
+            log(f"{p.tag} from {p.pod}: no reply to seq {unanswered} of {sent} sent")
+        total += len(unanswered)
     return total
 
 
