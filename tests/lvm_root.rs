@@ -434,6 +434,7 @@ fn crash_child() {
         "clone" => drop(store.create_from("clone", 32 * MIB, "", &Source::Volume("base".into())).unwrap()),
         "expand" => drop(store.expand("base", 48 * MIB).unwrap()),
         "delete" => store.delete("base").unwrap(),
+        "leftovers" => leftovers(&store, &Path::new(dir).parent().unwrap().join("tools")),
         other => panic!("unknown op {other}"),
     }
 }
@@ -496,6 +497,71 @@ fn crash_points_in_create_snapshot_clone_expand_and_delete() {
     assert!(reopen().get("base").unwrap().is_none());
     assert_eq!(ours(&pool), ["np-clone", "np-new", "nps-snap"]);
     assert!(reopen().orphans().unwrap().is_empty());
+}
+
+// ----- a failed lvremove: the LV kept, reported, removed later -----
+
+/// `lvremove` and `lvrename` wrappers in `tools` that fail as LVM does for an LV in use
+/// while `tools/fail-<tool>` exists, and run the real tool otherwise.
+fn failing_tools(tools: &Path) {
+    fs::create_dir_all(tools).unwrap();
+    for tool in ["lvremove", "lvrename"] {
+        let real = run("sh", &["-c", &format!("command -v {tool}")]).trim().to_string();
+        let marker = tools.join(format!("fail-{tool}"));
+        let script = format!(
+            "#!/bin/sh\nif [ -e {m} ]; then echo '  Logical volume contains a filesystem in use.' >&2; exit 5; fi\nexec {real} \"$@\"\n",
+            m = marker.display()
+        );
+        let path = tools.join(tool);
+        fs::write(&path, script).unwrap();
+        fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+}
+
+/// What the child of the test below does, its `lvremove` and `lvrename` those of
+/// [`failing_tools`].
+fn leftovers(store: &VolumeStore, tools: &Path) {
+    let fail = |tool: &str| fs::write(tools.join(format!("fail-{tool}")), "").unwrap();
+    let heal = |tool: &str| fs::remove_file(tools.join(format!("fail-{tool}"))).unwrap();
+    let lv = |name: &str| Orphan::LogicalVolume { name: name.into() };
+    store.create_on(Backend::Lvm, "gone", 16 * MIB, FsType::Raw, "").unwrap();
+    store.create_snapshot("snap", "gone", "").unwrap();
+    fail("lvremove");
+    // The deletes succeed; the LVs they could not remove are reported.
+    store.delete_snapshot("snap").unwrap();
+    store.delete("gone").unwrap();
+    assert!(store.get("gone").unwrap().is_none() && store.get_snapshot("snap").unwrap().is_none());
+    assert_eq!(store.orphans().unwrap(), [lv("np-gone+del"), lv("nps-snap+del")]);
+    // A create whose rename and rollback both fail leaves its `+new` LV, reported too.
+    fail("lvrename");
+    assert!(store.create_on(Backend::Lvm, "again", 16 * MIB, FsType::Raw, "").is_err());
+    assert!(store.get("again").unwrap().is_none());
+    assert_eq!(store.orphans().unwrap(), [lv("np-again+new"), lv("np-gone+del"), lv("nps-snap+del")]);
+    // Still failing: kept.
+    store.remove_leftover_lvs();
+    assert_eq!(store.orphans().unwrap().len(), 3);
+    heal("lvremove");
+    heal("lvrename");
+    // The create's retry removes its own leftover first; the sweep takes the rest.
+    store.create_on(Backend::Lvm, "again", 16 * MIB, FsType::Raw, "").unwrap();
+    assert_eq!(store.orphans().unwrap(), [lv("np-gone+del"), lv("nps-snap+del")]);
+    store.remove_leftover_lvs();
+    assert!(store.orphans().unwrap().is_empty());
+}
+
+#[test]
+fn an_lv_whose_removal_fails_is_kept_reported_and_removed_later() {
+    let pool = Pool::new("leftovers", 256);
+    let tools = pool.dir.join("tools");
+    failing_tools(&tools);
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "lvm_root::crash_child", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("NP_LVM_CHILD", format!("leftovers:{}:{}", pool.vg, pool.dir.join("store").display()))
+        .env("PATH", format!("{}:{}", tools.display(), std::env::var("PATH").unwrap()))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(pool.volume_lvs(), ["np-again"]);
 }
 
 // ----- the agent: CSI stage and publish of thin volumes, and its crash points -----

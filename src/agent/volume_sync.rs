@@ -308,6 +308,7 @@ fn reconcile(
     let first_orphaned = &mut state.first_orphaned;
     let retries = &mut state.retries;
     let store = &svc.store;
+    store.remove_leftover_lvs();
     let mut failures = Vec::new();
     let mut pending = false;
     for d in &set.volumes {

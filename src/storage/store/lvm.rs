@@ -19,11 +19,18 @@
 //! named like ours that nothing accounts for is an orphan ([`Orphan::LogicalVolume`]),
 //! reported, never removed on the store's own judgement.
 //!
+//! A `+del` or `+new` LV whose `lvremove` failed (the device held open for a moment, say)
+//! is a leftover: the delete still succeeds, as a file volume's does when its image cannot
+//! be unlinked. The store keeps its name, reports it as an orphan, and removes it when the
+//! agent asks ([`VolumeStore::remove_leftover_lvs`], every volume sync), when its id is used
+//! again, or at the next start.
+//!
 //! Capacity: the pool's data size times the configured overprovisioning ratio, less the
 //! virtual sizes of the volumes and snapshots in it. While the pool's data or metadata use is
 //! at [`POOL_SHORT_PERCENT`] or more, the pool is short: nothing new is offered (available
 //! is 0) and the agent reports it (readiness, metric, log).
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use super::snapshots::Snapshot;
@@ -78,6 +85,8 @@ pub(super) struct Lvm {
     ratio: f64,
     /// The last usage read (for metrics, which must not run `lvs`).
     last: std::sync::Mutex<Option<PoolUsage>>,
+    /// LVs the store failed to remove: see the module docs.
+    leftovers: std::sync::Mutex<BTreeSet<String>>,
 }
 
 impl Lvm {
@@ -139,6 +148,11 @@ fn parse_lv(name: &str) -> Option<(bool, &str, &str)> {
     (super::validate_id(id).is_ok() && matches!(suffix, "" | "new" | "del")).then_some((snap, id, suffix))
 }
 
+/// The store lock an LV named `name` is changed under (its volume's or its snapshot's).
+fn lock_key(name: &str) -> Option<String> {
+    parse_lv(name).map(|(snap, id, _)| if snap { format!("snapshot/{id}") } else { id.to_string() })
+}
+
 pub(super) fn lvm_err(id: &str, source: LvmError) -> VolumeError {
     match source {
         LvmError::InUse { lv, stderr } => VolumeError::Busy { id: id.to_string(), reason: format!("{lv}: {stderr}") },
@@ -171,7 +185,8 @@ impl VolumeStore {
             });
         }
         pool.status().map_err(|e| lvm_err(&id, e))?;
-        self.lvm = Some(Lvm { pool, ratio: cfg.overprovision_ratio, last: Default::default() });
+        self.lvm =
+            Some(Lvm { pool, ratio: cfg.overprovision_ratio, last: Default::default(), leftovers: Default::default() });
         self.recover_lvs()?;
         let u = self.pool_usage()?.expect("just set");
         tracing::info!(pool = %u.pool, size = u.size_bytes, capacity = u.capacity_bytes, provisioned = u.provisioned_bytes, data_percent = u.data_percent, metadata_percent = u.metadata_percent, "lvm thin pool ready");
@@ -215,6 +230,7 @@ impl VolumeStore {
         let pool = self.pool(id)?;
         let _r = self.reserve(id, Backend::Lvm, size)?;
         let tmp = creating_lv(id);
+        self.clear_leftover(id, &tmp)?;
         pool.create(&tmp, size).map_err(|e| lvm_err(id, e))?;
         crate::util::crash_point("lvm-create-after-lvcreate");
         let vol = self.finish_lv(id, &tmp, Volume::new(id, size, fs_type, name, pool.device(&volume_lv(id))))?;
@@ -234,9 +250,7 @@ impl VolumeStore {
         });
         if let Err(e) = result {
             let _ = remove_if_exists(&meta_path).and_then(|()| sync_dir(&self.dir));
-            if let Err(r) = pool.remove(tmp) {
-                tracing::warn!(volume = id, error = %r, "rolling back a failed create: removing the LV failed");
-            }
+            self.remove_or_keep(tmp);
             return Err(e);
         }
         self.index.lock().unwrap().volumes.insert(id.to_string(), vol.clone());
@@ -254,14 +268,17 @@ impl VolumeStore {
                     reason: format!("{} is open", vol.path.display()),
                 });
             }
-            Some(_) => pool.rename(&volume_lv(id), &deleting_lv(id)).map_err(|e| lvm_err(id, e))?,
+            Some(_) => {
+                self.clear_leftover(id, &deleting_lv(id))?;
+                pool.rename(&volume_lv(id), &deleting_lv(id)).map_err(|e| lvm_err(id, e))?;
+            }
             None => {}
         }
         remove_if_exists(&self.meta_path(id))?;
         sync_dir(&self.dir)?;
         self.index.lock().unwrap().volumes.remove(id);
         crate::util::crash_point("lvm-delete-after-meta");
-        pool.remove(&deleting_lv(id)).map_err(|e| lvm_err(id, e))?;
+        self.remove_or_keep(&deleting_lv(id));
         tracing::info!(volume = id, "volume deleted");
         Ok(())
     }
@@ -333,6 +350,7 @@ impl VolumeStore {
     pub(super) fn snapshot_lv(&self, id: &str, vol: &Volume, name: &str) -> Result<Snapshot> {
         let pool = self.pool(id)?;
         let tmp = snapshot_creating_lv(id);
+        self.clear_leftover(id, &tmp)?;
         pool.snapshot(&volume_lv(&vol.id), &tmp, false).map_err(|e| lvm_err(id, e))?;
         crate::util::crash_point("lvm-snapshot-after-lvcreate");
         let sdir = snapshot_dir(&self.dir);
@@ -356,9 +374,7 @@ impl VolumeStore {
         });
         if let Err(e) = result {
             let _ = remove_if_exists(&meta_path).and_then(|()| sync_dir(&sdir));
-            if let Err(r) = pool.remove(&tmp) {
-                tracing::warn!(snapshot = id, error = %r, "rolling back a failed snapshot: removing the LV failed");
-            }
+            self.remove_or_keep(&tmp);
             return Err(e);
         }
         self.index.lock().unwrap().snapshots.insert(id.to_string(), snap.clone());
@@ -371,13 +387,14 @@ impl VolumeStore {
         let id = s.id.as_str();
         let pool = self.pool(id)?;
         if pool.get(&snapshot_lv(id)).map_err(|e| lvm_err(id, e))?.is_some() {
+            self.clear_leftover(id, &snapshot_deleting_lv(id))?;
             pool.rename(&snapshot_lv(id), &snapshot_deleting_lv(id)).map_err(|e| lvm_err(id, e))?;
         }
         self.index.lock().unwrap().snapshots.remove(id);
         let sdir = snapshot_dir(&self.dir);
         remove_if_exists(&sdir.join(format!("{id}.json")))?;
         sync_dir(&sdir)?;
-        pool.remove(&snapshot_deleting_lv(id)).map_err(|e| lvm_err(id, e))?;
+        self.remove_or_keep(&snapshot_deleting_lv(id));
         tracing::info!(snapshot = id, "snapshot deleted");
         Ok(())
     }
@@ -391,10 +408,11 @@ impl VolumeStore {
             Source::Volume(v) => volume_lv(v),
         };
         let tmp = creating_lv(id);
+        self.clear_leftover(id, &tmp)?;
         pool.snapshot(&origin, &tmp, true).map_err(|e| lvm_err(id, e))?;
         let grown = pool.get(&tmp).map_err(|e| lvm_err(id, e))?.is_some_and(|lv| lv.size_bytes >= size);
         if !grown && let Err(e) = pool.extend(&tmp, size) {
-            let _ = pool.remove(&tmp);
+            self.remove_or_keep(&tmp);
             return Err(lvm_err(id, e));
         }
         crate::util::crash_point("lvm-clone-after-lvcreate");
@@ -407,14 +425,16 @@ impl VolumeStore {
     pub(super) fn orphan_lvs(&self) -> Result<Vec<Orphan>> {
         let Some(lvm) = &self.lvm else { return Ok(Vec::new()) };
         let lvs = lvm.pool.list().map_err(|e| lvm_err(&lvm.pool.to_string(), e))?;
+        let leftovers = lvm.leftovers.lock().unwrap().clone();
         let idx = self.index.lock().unwrap();
         Ok(lvs
             .into_iter()
             .filter(|lv| match parse_lv(&lv.name) {
                 Some((false, id, "")) => idx.volumes.get(id).is_none_or(|v| v.backend != Backend::Lvm),
                 Some((true, id, "")) => idx.snapshots.get(id).is_none_or(|s| s.backend != Backend::Lvm),
-                // In progress: a create, snapshot or delete holds it (or `open` finishes it).
-                Some(_) => false,
+                // In progress: a create, snapshot or delete holds it (or `open` finishes it),
+                // unless its removal failed.
+                Some(_) => leftovers.contains(&lv.name),
                 None => false,
             })
             .map(|lv| Orphan::LogicalVolume { name: lv.name })
@@ -422,15 +442,50 @@ impl VolumeStore {
     }
 
     /// Remove orphan LV `name` (`doctor --repair`): only one [`Self::orphan_lvs`] reports,
-    /// and not while it is open.
+    /// and not while it is open. Its id's lock is held: a create of that id is not racing.
     pub fn remove_orphan_lv(&self, name: &str) -> Result<()> {
+        let not_orphan = || VolumeError::Busy { id: name.to_string(), reason: "not an orphan LV".to_string() };
+        let lock = self.volume_lock(&lock_key(name).ok_or_else(not_orphan)?);
+        let _g = lock.lock().unwrap();
         if !self.orphan_lvs()?.contains(&Orphan::LogicalVolume { name: name.to_string() }) {
-            return Err(VolumeError::Busy { id: name.to_string(), reason: "not an orphan LV".to_string() });
+            return Err(not_orphan());
         }
-        let pool = self.pool(name)?;
-        pool.remove(name).map_err(|e| lvm_err(name, e))?;
-        tracing::warn!(lv = name, pool = %pool, "removed an orphan LV");
+        let lvm = self.lvm(name)?;
+        lvm.pool.remove(name).map_err(|e| lvm_err(name, e))?;
+        lvm.leftovers.lock().unwrap().remove(name);
+        tracing::warn!(lv = name, pool = %lvm.pool, "removed an orphan LV");
         Ok(())
+    }
+
+    /// Remove LV `name`; when that fails, keep it as a leftover (see the module docs).
+    fn remove_or_keep(&self, name: &str) {
+        let Some(lvm) = &self.lvm else { return };
+        if let Err(e) = lvm.pool.remove(name) {
+            tracing::warn!(lv = name, pool = %lvm.pool, error = %e, "could not remove the LV; kept to remove later");
+            lvm.leftovers.lock().unwrap().insert(name.to_string());
+        }
+    }
+
+    /// Remove leftover `name` before its id uses the name again (the caller holds the lock).
+    fn clear_leftover(&self, id: &str, name: &str) -> Result<()> {
+        let lvm = self.lvm(id)?;
+        if lvm.leftovers.lock().unwrap().contains(name) {
+            lvm.pool.remove(name).map_err(|e| lvm_err(id, e))?;
+            lvm.leftovers.lock().unwrap().remove(name);
+            tracing::info!(lv = name, pool = %lvm.pool, "removed a leftover LV");
+        }
+        Ok(())
+    }
+
+    /// Try again to remove the LVs a failed `lvremove` left (those whose id is not busy).
+    pub fn remove_leftover_lvs(&self) {
+        let Some(lvm) = &self.lvm else { return };
+        let names: Vec<String> = lvm.leftovers.lock().unwrap().iter().cloned().collect();
+        for name in names {
+            let lock = self.volume_lock(&lock_key(&name).expect("our own name"));
+            let Ok(_g) = lock.try_lock() else { continue };
+            let _ = self.clear_leftover(&name, &name);
+        }
     }
 
     /// Finish or roll back what a crash interrupted in the pool; activate every volume.
@@ -447,13 +502,13 @@ impl VolumeStore {
                     tracing::info!(volume = id, "finishing an interrupted delete");
                     remove_if_exists(&self.dir.join(format!("{id}.json")))?;
                     idx.volumes.remove(id);
-                    pool.remove(&lv.name).map_err(perr)?;
+                    self.remove_or_keep(&lv.name);
                 }
                 (true, "del") => {
                     tracing::info!(snapshot = id, "finishing an interrupted snapshot delete");
                     remove_if_exists(&sdir.join(format!("{id}.json")))?;
                     idx.snapshots.remove(id);
-                    pool.remove(&lv.name).map_err(perr)?;
+                    self.remove_or_keep(&lv.name);
                 }
                 (false, "new") => {
                     let known = idx.volumes.get(id).is_some_and(|v| v.backend == Backend::Lvm);
@@ -462,7 +517,7 @@ impl VolumeStore {
                         pool.rename(&lv.name, &volume_lv(id)).map_err(perr)?;
                     } else {
                         tracing::info!(volume = id, "rolling back an interrupted create");
-                        pool.remove(&lv.name).map_err(perr)?;
+                        self.remove_or_keep(&lv.name);
                     }
                 }
                 (true, "new") => {
@@ -472,7 +527,7 @@ impl VolumeStore {
                         pool.rename(&lv.name, &snapshot_lv(id)).map_err(perr)?;
                     } else {
                         tracing::info!(snapshot = id, "removing an unfinished snapshot");
-                        pool.remove(&lv.name).map_err(perr)?;
+                        self.remove_or_keep(&lv.name);
                     }
                 }
                 _ => {}
