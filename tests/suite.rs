@@ -21,6 +21,7 @@ mod lvm_root;
 mod netlink_root;
 mod routes_root;
 mod volume_root;
+mod wireguard_root;
 
 // Test support shared by several files above, compiled once.
 #[path = "../tools/support/cdi_validate.rs"]

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 CARGO_FULL = [
     "netlink_root::", "routes_root::", "volume_root::", "csi_root::", "deviceplugin_root::",
     "deviceplugin_kubelet_root::", "deviceplugin_restart_root::", "dra_root::", "lvm_root::",
-    "crypt_root::",
+    "crypt_root::", "wireguard_root::",
 ]
 # Not here: fuzz_inputs' root half (agent_requests_root, agent_oversized_grpc_requests_root).
 # It asserts answer times fit for the host (Allocate of 100,000 IDs within 3 s) that software
@@ -53,7 +53,11 @@ CARGO_FULL_EXCLUDE = [
 # mounts (openat2, move_mount), ext4/xfs and the CSI node plugin over them. The device plugins
 # use inotify, Unix sockets and mknod'd nodes, unchanged since long before 5.10: --set full.
 # LVM thin pools and dm-crypt (device-mapper): only here, the host's kernel has none.
-CARGO_CI = ["netlink_root::", "routes_root::", "volume_root::", "csi_root::", "lvm_root::", "crypt_root::"]
+# WireGuard's generic netlink family: only here too.
+CARGO_CI = [
+    "netlink_root::", "routes_root::", "volume_root::", "csi_root::", "lvm_root::", "crypt_root::",
+    "wireguard_root::",
+]
 # volume_root's and csi_root's suites on the lvm backend (their `lvm::` modules, which
 # scripts/test skips on the host): --set full runs all 24. CI runs csi_root's conformance
 # specs on lvm; the others cost about 8 min under TCG (each makes its own volume group), and

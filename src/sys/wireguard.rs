@@ -111,7 +111,9 @@ impl Wg {
             match a {
                 WireguardAttribute::PublicKey(k) => dev.public_key = Some(k).filter(|k| *k != [0; 32]),
                 WireguardAttribute::ListenPort(p) => dev.listen_port = p,
-                WireguardAttribute::Peers(peers) => dev.peers.extend(peers.iter().filter_map(parse_peer)),
+                WireguardAttribute::Peers(peers) => {
+                    peers.iter().filter_map(parse_peer).for_each(|p| add_peer(&mut dev, p))
+                }
                 _ => {}
             }
         }
@@ -142,6 +144,16 @@ impl Wg {
             self.exchange(msg, NLM_F_ACK, &op)?;
         }
         Ok(())
+    }
+}
+
+/// Add `peer` to `dev`. A peer whose allowed IPs do not fit in one message comes again at
+/// the start of the next, with its key and the rest of them (`linux/wireguard.h`): those
+/// are added to the peer before it.
+fn add_peer(dev: &mut Device, peer: Peer) {
+    match dev.peers.last_mut() {
+        Some(last) if last.public_key == peer.public_key => last.allowed.extend(peer.allowed),
+        _ => dev.peers.push(peer),
     }
 }
 

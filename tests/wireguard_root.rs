@@ -1,0 +1,87 @@
+//! Root-only, WireGuard: how the kernel answers the agent's generic netlink requests
+//! (`nodeplane::sys::wireguard`), in a private network namespace `npwg<pid>-…` (removed by
+//! a guard, also when a test panics). Nothing touches the host's own network namespace.
+//!
+//! The VM lane runs these (scripts/vm-test: Debian's kernels have WireGuard); this host's
+//! kernel has none, and scripts/test says so instead of running them. Without WireGuard
+//! they FAIL, never skip.
+
+use std::fs::File;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::process::Command;
+
+use ipnetwork::IpNetwork;
+use nix::sched::CloneFlags;
+use nodeplane::net::wireguard::{KeyPair, PeerInput, changes, wanted};
+use nodeplane::sys::wireguard::Wg;
+
+/// A network namespace of the test's own, deleted when dropped.
+struct Namespace(String);
+
+impl Namespace {
+    fn new(name: &str) -> Self {
+        assert_eq!(nix::unistd::geteuid().as_raw(), 0, "tests/wireguard_root.rs needs root; it does not skip");
+        let ns = Namespace(format!("npwg{}-{name}", std::process::id()));
+        let out = Command::new("ip").args(["netns", "add", &ns.0]).output().expect("ip");
+        assert!(out.status.success(), "ip netns add {}: {}", ns.0, String::from_utf8_lossy(&out.stderr));
+        ns
+    }
+}
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+/// A device with 41 peers, one of them with 1,500 allowed IPs (about 42 KB: more than one
+/// dump message holds, 32 KB at most), reads back as the kernel holds it: 41 peers, each
+/// whole, so the agent's next sync has nothing to change.
+#[test]
+fn a_peer_split_across_dump_messages_reads_back_whole() {
+    let ns = Namespace::new("split");
+    let out = Command::new("ip").args(["-n", &ns.0, "link", "add", "npwg0", "type", "wireguard"]).output().expect("ip");
+    assert!(
+        out.status.success(),
+        "no WireGuard in this kernel (run this in the VM lane, scripts/vm-test): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let big: Vec<IpNetwork> =
+        (0..1500u32).map(|j| IpNetwork::new(IpAddr::V4(Ipv4Addr::from(0x0a80_0000 + j * 64)), 26).unwrap()).collect();
+    let small: Vec<Vec<IpNetwork>> = (0..40u16)
+        .map(|i| {
+            vec![
+                IpNetwork::new(IpAddr::V4(Ipv4Addr::new(10, i as u8, 0, 0)), 24).unwrap(),
+                IpNetwork::new(IpAddr::V6(Ipv6Addr::new(0xfd00, i, 0, 0, 0, 0, 0, 0)), 64).unwrap(),
+            ]
+        })
+        .collect();
+    let names: Vec<String> = (0..=40).map(|i| format!("node-{i:02}")).collect();
+    let keys: Vec<KeyPair> = (0..=40).map(|_| KeyPair::generate()).collect();
+    let peers: Vec<PeerInput> = (0..=40)
+        .map(|i| PeerInput {
+            name: &names[i],
+            key: *keys[i].public(),
+            endpoint: IpAddr::V4(Ipv4Addr::new(192, 0, 2, i as u8 + 1)),
+            blocks: if i == 0 { &big } else { &small[i - 1] },
+        })
+        .collect();
+    let want = wanted(&peers, 51871);
+    let dev = std::thread::scope(|s| {
+        s.spawn(|| {
+            let fd = File::open(format!("/run/netns/{}", ns.0)).expect("netns");
+            nix::sched::setns(&fd, CloneFlags::CLONE_NEWNET).expect("setns");
+            let mut wg = Wg::open().expect("the wireguard netlink family");
+            wg.configure("npwg0", None, None, &changes(&[], &want)).expect("configure");
+            wg.device("npwg0").expect("read back")
+        })
+        .join()
+        .expect("thread")
+    });
+    assert_eq!(dev.peers.len(), 41, "one entry per peer");
+    let first = dev.peers.iter().find(|p| p.public_key == *keys[0].public()).expect("the big peer");
+    let mut allowed = first.allowed.clone();
+    allowed.sort();
+    assert_eq!(allowed, big);
+    assert_eq!(changes(&dev.peers, &want), [], "the kernel holds what was asked");
+}
