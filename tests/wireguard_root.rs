@@ -34,9 +34,11 @@ impl Drop for Namespace {
     }
 }
 
-/// A device with 41 peers, one of them with 1,500 allowed IPs (about 42 KB: more than one
-/// dump message holds, 32 KB at most), reads back as the kernel holds it: 41 peers, each
-/// whole, so the agent's next sync has nothing to change.
+/// A device given 41 peers, one of them with 3,000 allowed IPs (about 84 KB: more than a
+/// netlink attribute's 16-bit length can say, so the agent sends it in fragments), reads
+/// back whole: the kernel splits that peer across dump messages (32 KB at most), and the
+/// agent joins it again. 41 peers, each with all of its allowed IPs: the agent's next sync
+/// has nothing to change.
 #[test]
 fn a_peer_split_across_dump_messages_reads_back_whole() {
     let ns = Namespace::new("split");
@@ -47,7 +49,7 @@ fn a_peer_split_across_dump_messages_reads_back_whole() {
         String::from_utf8_lossy(&out.stderr)
     );
     let big: Vec<IpNetwork> =
-        (0..1500u32).map(|j| IpNetwork::new(IpAddr::V4(Ipv4Addr::from(0x0a80_0000 + j * 64)), 26).unwrap()).collect();
+        (0..3000u32).map(|j| IpNetwork::new(IpAddr::V4(Ipv4Addr::from(0x0a80_0000 + j * 64)), 26).unwrap()).collect();
     let small: Vec<Vec<IpNetwork>> = (0..40u16)
         .map(|i| {
             vec![

@@ -8,7 +8,7 @@ use std::io;
 use std::net::SocketAddr;
 
 use ipnetwork::IpNetwork;
-use netlink_packet_core::{NLM_F_ACK, NLM_F_DUMP, NetlinkDeserializable, NetlinkSerializable};
+use netlink_packet_core::{Emitable, NLM_F_ACK, NLM_F_DUMP, NetlinkDeserializable, NetlinkSerializable};
 use netlink_packet_generic::GenlMessage;
 use netlink_packet_generic::ctrl::nlas::GenlCtrlAttrs;
 use netlink_packet_generic::ctrl::{GenlCtrl, GenlCtrlCmd};
@@ -23,8 +23,12 @@ use super::netlink::{NetlinkError, err};
 /// A Curve25519 key (private or public), 32 bytes.
 pub type Key = [u8; 32];
 
-/// Peers per SET_DEVICE message (each is about 150 bytes with a few allowed IPs).
-const PEERS_PER_MESSAGE: usize = 64;
+/// Bytes of peers per SET_DEVICE message. An attribute's length is 16 bits, so the peers'
+/// nest must stay under 64 KiB.
+const PEER_BYTES: usize = 16 * 1024;
+
+/// Allowed IPs per message of a peer that has more (about 28 bytes each).
+const ALLOWED_PER_FRAGMENT: usize = 256;
 
 /// A peer as the kernel reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,7 +125,7 @@ impl Wg {
     }
 
     /// Set the private key and port (when given) and apply `changes` to the peers, in
-    /// messages of at most [`PEERS_PER_MESSAGE`] peers.
+    /// messages of at most [`PEER_BYTES`] of peers.
     pub fn configure(
         &mut self,
         ifname: &str,
@@ -137,9 +141,9 @@ impl Wg {
             let msg = self.message(WireguardCmd::SetDevice, device);
             return self.exchange(msg, NLM_F_ACK, &op).map(drop);
         }
-        for (i, chunk) in changes.chunks(PEERS_PER_MESSAGE).enumerate() {
+        for (i, peers) in batches(changes).into_iter().enumerate() {
             let mut attrs = if i == 0 { device.clone() } else { vec![WireguardAttribute::IfName(ifname.into())] };
-            attrs.push(WireguardAttribute::Peers(chunk.iter().map(peer_attrs).collect()));
+            attrs.push(WireguardAttribute::Peers(peers));
             let msg = self.message(WireguardCmd::SetDevice, attrs);
             self.exchange(msg, NLM_F_ACK, &op)?;
         }
@@ -157,19 +161,44 @@ fn add_peer(dev: &mut Device, peer: Peer) {
     }
 }
 
-fn peer_attrs(c: &PeerChange) -> WireguardPeer {
+/// `changes` as the peers of successive SET_DEVICE messages, at most [`PEER_BYTES`] each.
+fn batches(changes: &[PeerChange]) -> Vec<Vec<WireguardPeer>> {
+    let mut out: Vec<Vec<WireguardPeer>> = Vec::new();
+    let mut size = PEER_BYTES;
+    for peer in changes.iter().flat_map(peer_attrs) {
+        let n = peer.buffer_len();
+        if size + n > PEER_BYTES {
+            out.push(Vec::new());
+            size = 0;
+        }
+        size += n;
+        out.last_mut().expect("pushed above").push(peer);
+    }
+    out
+}
+
+/// One change as peer entries: one, or for a peer with more than [`ALLOWED_PER_FRAGMENT`]
+/// allowed IPs, one per fragment of them. The first replaces the peer's allowed IPs; the
+/// others only add theirs (`linux/wireguard.h`).
+fn peer_attrs(c: &PeerChange) -> Vec<WireguardPeer> {
     match c {
-        PeerChange::Remove(k) => WireguardPeer(vec![
+        PeerChange::Remove(k) => vec![WireguardPeer(vec![
             WireguardPeerAttribute::PublicKey(*k),
             WireguardPeerAttribute::Flags(WireguardPeerFlags::RemoveMe),
-        ]),
-        PeerChange::Set { public_key, endpoint, allowed, keepalive } => WireguardPeer(vec![
-            WireguardPeerAttribute::PublicKey(*public_key),
-            WireguardPeerAttribute::Flags(WireguardPeerFlags::ReplaceAllowedIps),
-            WireguardPeerAttribute::Endpoint(*endpoint),
-            WireguardPeerAttribute::PersistentKeepalive(*keepalive),
-            WireguardPeerAttribute::AllowedIps(allowed.iter().map(allowed_ip).collect()),
-        ]),
+        ])],
+        PeerChange::Set { public_key, endpoint, allowed, keepalive } => {
+            let ips = |chunk: &[IpNetwork]| WireguardPeerAttribute::AllowedIps(chunk.iter().map(allowed_ip).collect());
+            let mut chunks = allowed.chunks(ALLOWED_PER_FRAGMENT);
+            let mut out = vec![WireguardPeer(vec![
+                WireguardPeerAttribute::PublicKey(*public_key),
+                WireguardPeerAttribute::Flags(WireguardPeerFlags::ReplaceAllowedIps),
+                WireguardPeerAttribute::Endpoint(*endpoint),
+                WireguardPeerAttribute::PersistentKeepalive(*keepalive),
+                ips(chunks.next().unwrap_or_default()),
+            ])];
+            out.extend(chunks.map(|c| WireguardPeer(vec![WireguardPeerAttribute::PublicKey(*public_key), ips(c)])));
+            out
+        }
     }
 }
 
@@ -212,4 +241,37 @@ fn parse_allowed(a: &WireguardAllowedIp) -> Option<IpNetwork> {
     let ip = a.iter().find_map(|x| if let WireguardAllowedIpAttr::IpAddr(ip) = x { Some(*ip) } else { None })?;
     let cidr = a.iter().find_map(|x| if let WireguardAllowedIpAttr::Cidr(c) = x { Some(*c) } else { None })?;
     IpNetwork::new(ip, cidr).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changes_go_in_messages_under_the_attribute_limit() {
+        let ip = |j: u32| IpNetwork::new(std::net::Ipv4Addr::from(0x0a00_0000 + j * 4).into(), 30).unwrap();
+        let set = |k: u8, n: u32| PeerChange::Set {
+            public_key: [k; 32],
+            endpoint: "192.0.2.1:51871".parse().unwrap(),
+            allowed: (0..n).map(ip).collect(),
+            keepalive: 25,
+        };
+        let batches = batches(&[set(1, 3000), PeerChange::Remove([2; 32]), set(3, 2)]);
+        assert!(batches.len() > 1 && batches.iter().all(|b| b.as_slice().buffer_len() <= PEER_BYTES));
+        let entries: Vec<&WireguardPeer> = batches.iter().flatten().collect();
+        // 3,000 allowed IPs in 12 fragments, then the removal and the small peer.
+        assert_eq!(entries.len(), 14);
+        let replaces = |p: &WireguardPeer| {
+            p.iter()
+                .any(|a| matches!(a, WireguardPeerAttribute::Flags(f) if *f == WireguardPeerFlags::ReplaceAllowedIps))
+        };
+        assert!(replaces(entries[0]) && !entries[1..12].iter().any(|p| replaces(p)) && replaces(entries[13]));
+        assert!(entries[..12].iter().all(|p| p.contains(&WireguardPeerAttribute::PublicKey([1; 32]))));
+        let allowed: usize = entries[..12]
+            .iter()
+            .flat_map(|p| p.iter())
+            .map(|a| if let WireguardPeerAttribute::AllowedIps(v) = a { v.len() } else { 0 })
+            .sum();
+        assert_eq!(allowed, 3000);
+    }
 }
