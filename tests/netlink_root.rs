@@ -10,15 +10,13 @@ use std::process::Command;
 use nix::sched::CloneFlags;
 use nodeplane::sys::netlink::Netlink;
 
-struct Namespaces(Vec<String>);
+/// Network namespaces of a test's own, deleted when dropped (shared with
+/// tests/wireguard_root.rs).
+pub(crate) struct Namespaces(pub(crate) Vec<String>);
 
 impl Namespaces {
-    fn new(names: &[&str]) -> Self {
-        assert_eq!(
-            nix::unistd::geteuid().as_raw(),
-            0,
-            "tests/netlink_root.rs needs root (network namespaces); it does not skip"
-        );
+    pub(crate) fn new(names: &[&str]) -> Self {
+        assert_eq!(nix::unistd::geteuid().as_raw(), 0, "network namespaces need root; these tests do not skip");
         let ns = Namespaces(names.iter().map(|n| format!("npnl{}-{n}", std::process::id())).collect());
         for n in &ns.0 {
             let out = Command::new("ip").args(["netns", "add", n]).output().expect("ip");

@@ -1,6 +1,6 @@
 //! Root-only, WireGuard: how the kernel answers the agent's generic netlink requests
-//! (`nodeplane::sys::wireguard`), in a private network namespace `npwg<pid>-…` (removed by
-//! a guard, also when a test panics). Nothing touches the host's own network namespace.
+//! (`nodeplane::sys::wireguard`), in a private network namespace (netlink_root's guard: removed
+//! also when a test panics). Nothing touches the host's own network namespace.
 //!
 //! The VM lane runs these (scripts/vm-test: Debian's kernels have WireGuard); this host's
 //! kernel has none, and scripts/test says so instead of running them. Without WireGuard
@@ -15,25 +15,6 @@ use nix::sched::CloneFlags;
 use nodeplane::net::wireguard::{KeyPair, PeerInput, changes, wanted};
 use nodeplane::sys::wireguard::Wg;
 
-/// A network namespace of the test's own, deleted when dropped.
-struct Namespace(String);
-
-impl Namespace {
-    fn new(name: &str) -> Self {
-        assert_eq!(nix::unistd::geteuid().as_raw(), 0, "tests/wireguard_root.rs needs root; it does not skip");
-        let ns = Namespace(format!("npwg{}-{name}", std::process::id()));
-        let out = Command::new("ip").args(["netns", "add", &ns.0]).output().expect("ip");
-        assert!(out.status.success(), "ip netns add {}: {}", ns.0, String::from_utf8_lossy(&out.stderr));
-        ns
-    }
-}
-
-impl Drop for Namespace {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
-    }
-}
-
 /// A device given 41 peers, one of them with 3,000 allowed IPs (about 84 KB: more than a
 /// netlink attribute's 16-bit length can say, so the agent sends it in fragments), reads
 /// back whole: the kernel splits that peer across dump messages (32 KB at most), and the
@@ -41,8 +22,9 @@ impl Drop for Namespace {
 /// has nothing to change.
 #[test]
 fn a_peer_split_across_dump_messages_reads_back_whole() {
-    let ns = Namespace::new("split");
-    let out = Command::new("ip").args(["-n", &ns.0, "link", "add", "npwg0", "type", "wireguard"]).output().expect("ip");
+    let ns = crate::netlink_root::Namespaces::new(&["wg-split"]);
+    let name = &ns.0[0];
+    let out = Command::new("ip").args(["-n", name, "link", "add", "npwg0", "type", "wireguard"]).output().expect("ip");
     assert!(
         out.status.success(),
         "no WireGuard in this kernel (run this in the VM lane, scripts/vm-test): {}",
@@ -71,7 +53,7 @@ fn a_peer_split_across_dump_messages_reads_back_whole() {
     let want = wanted(&peers, 51871);
     let dev = std::thread::scope(|s| {
         s.spawn(|| {
-            let fd = File::open(format!("/run/netns/{}", ns.0)).expect("netns");
+            let fd = File::open(format!("/run/netns/{name}")).expect("netns");
             nix::sched::setns(&fd, CloneFlags::CLONE_NEWNET).expect("setns");
             let mut wg = Wg::open().expect("the wireguard netlink family");
             wg.configure("npwg0", None, None, &changes(&[], &want)).expect("configure");
