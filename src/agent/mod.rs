@@ -17,7 +17,7 @@ pub mod volume_sync;
 
 use std::fs;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -133,17 +133,7 @@ pub fn prepare(
     crate::sys::fs::atomic_write(&boot_file, boot_id.as_bytes(), 0o644).map_err(io_ctx("writing boot id"))?;
 
     let sock = &cfg.cni_socket;
-    if let Some(dir) = sock.parent() {
-        fs::create_dir_all(dir).map_err(io_ctx(format!("creating {}", dir.display())))?;
-    }
-    match fs::remove_file(sock) {
-        Ok(()) => tracing::info!(socket = %sock.display(), "removed stale socket"),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(io_ctx(format!("removing stale {}", sock.display()))(e)),
-    }
-    let listener =
-        std::os::unix::net::UnixListener::bind(sock).map_err(io_ctx(format!("binding {}", sock.display())))?;
-    fs::set_permissions(sock, fs::Permissions::from_mode(0o600)).map_err(io_ctx("socket permissions"))?;
+    let listener = crate::sys::fs::bind_unix_listener(sock).map_err(io_ctx(format!("binding {}", sock.display())))?;
 
     dp.drain_pending();
 

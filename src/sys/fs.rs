@@ -25,28 +25,110 @@ pub fn read_boot_id(path: &Path) -> io::Result<String> {
     Ok(fs::read_to_string(path)?.trim().to_string())
 }
 
-/// Bind a Unix socket for a gRPC server: parent directory created (0750), a stale socket
-/// removed, the new one 0600 before anyone can be told about it.
-pub fn bind_unix_socket(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+/// Bind a listening Unix socket at `path`, mode 0600, parent directory created (0750). A
+/// stale socket is replaced; anything else at `path` is left alone and is an error.
+///
+/// The mode is set on the socket before `bind`, which makes its file with that mode: the
+/// socket is never at `path` with another one, not even for a moment. (Bound under another
+/// name and renamed into place, it would list under that name in `ss -xl` and
+/// `/proc/net/unix`.)
+pub fn bind_unix_listener(path: &Path) -> io::Result<std::os::unix::net::UnixListener> {
+    use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
     if let Some(dir) = path.parent() {
-        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o750).create(dir)?;
+        std::os::unix::fs::DirBuilderExt::mode(fs::DirBuilder::new().recursive(true), 0o750).create(dir)?;
     }
-    match std::fs::symlink_metadata(path) {
+    match fs::symlink_metadata(path) {
         Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
-            std::fs::remove_file(path)?;
+            fs::remove_file(path)?;
             tracing::info!(socket = %path.display(), "removed stale socket");
         }
         Ok(_) => {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
                 format!("{} exists and is not a socket; not removing it", path.display()),
             ));
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
-    let l = std::os::unix::net::UnixListener::bind(path)?;
-    std::fs::set_permissions(path, <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600))?;
+    let fd = nix::sys::socket::socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    nix::sys::stat::fchmod(&fd, nix::sys::stat::Mode::from_bits_truncate(0o600))?;
+    nix::sys::socket::bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &UnixAddr::new(path)?)?;
+    nix::sys::socket::listen(&fd, Backlog::MAXCONN)?;
+    Ok(std::os::unix::net::UnixListener::from(fd))
+}
+
+/// [`bind_unix_listener`] for a tokio server.
+pub fn bind_unix_socket(path: &Path) -> io::Result<tokio::net::UnixListener> {
+    let l = bind_unix_listener(path)?;
     l.set_nonblocking(true)?;
     tokio::net::UnixListener::from_std(l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    fn scratch(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("nodeplane-fs-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        d
+    }
+
+    fn mode(p: &Path) -> u32 {
+        fs::symlink_metadata(p).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn a_socket_is_made_0600_in_a_0750_directory_and_replaces_only_a_socket() {
+        let d = scratch("bind");
+        let path = d.join("run/x.sock");
+        let stale = bind_unix_listener(&path).unwrap();
+        assert_eq!((mode(&d.join("run")), mode(&path)), (0o750, 0o600));
+        drop(stale);
+        let _l = bind_unix_listener(&path).unwrap();
+        std::os::unix::net::UnixStream::connect(&path).unwrap();
+
+        let file = d.join("run/data");
+        fs::write(&file, b"keep").unwrap();
+        let e = bind_unix_listener(&file).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AlreadyExists);
+        assert_eq!(fs::read(&file).unwrap(), b"keep");
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A peer watching the path (kubelet's plugin watcher) never finds the socket there with
+    /// another mode while sockets replace each other.
+    #[test]
+    fn a_watcher_never_sees_the_socket_with_another_mode() {
+        let d = scratch("watch");
+        let path = d.join("x.sock");
+        let (stop, seen) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
+        let watcher = {
+            let (path, stop, seen) = (path.clone(), stop.clone(), seen.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if let Ok(m) = fs::symlink_metadata(&path)
+                        && m.file_type().is_socket()
+                    {
+                        seen.lock().unwrap().push(m.permissions().mode() & 0o777);
+                    }
+                }
+            })
+        };
+        for _ in 0..300 {
+            drop(bind_unix_listener(&path).unwrap());
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        stop.store(true, Ordering::Relaxed);
+        watcher.join().unwrap();
+        let seen = seen.lock().unwrap();
+        assert!(!seen.is_empty());
+        let other: Vec<_> = seen.iter().filter(|m| **m != 0o600).collect();
+        assert!(other.is_empty(), "{} of {} looks saw another mode, first {:o}", other.len(), seen.len(), other[0]);
+        fs::remove_dir_all(&d).unwrap();
+    }
 }
