@@ -70,12 +70,16 @@ def probe(t):
             with socket.create_connection((ip, port), timeout=timeout) as s:
                 s.settimeout(timeout)
                 return s.recv(2) == b"ok"
-        s = socket.socket(fam, socket.SOCK_DGRAM)
-        s.settimeout(timeout)
-        s.sendto(b"ping", (ip, port))
-        d, _ = s.recvfrom(16)
-        s.close()
-        return d == b"ping"
+        # UDP may lose a datagram: three pings over the timeout, any answer counts.
+        with socket.socket(fam, socket.SOCK_DGRAM) as s:
+            for _ in range(3):
+                s.sendto(b"ping", (ip, port))
+                s.settimeout(timeout / 3)
+                try:
+                    return s.recvfrom(16)[0] == b"ping"
+                except socket.timeout:
+                    pass
+            return False
     except OSError:
         return False
 with cf.ThreadPoolExecutor(len(targets) or 1) as ex:
