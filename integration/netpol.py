@@ -72,9 +72,9 @@ def probe(t):
                 return s.recv(2) == b"ok"
         # UDP may lose a datagram: three pings over the timeout, any answer counts.
         with socket.socket(fam, socket.SOCK_DGRAM) as s:
+            s.settimeout(timeout / 3)
             for _ in range(3):
                 s.sendto(b"ping", (ip, port))
-                s.settimeout(timeout / 3)
                 try:
                     return s.recvfrom(16)[0] == b"ping"
                 except socket.timeout:

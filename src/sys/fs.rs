@@ -1,6 +1,6 @@
 //! Files and sockets the way state must be written on a node: atomic replacement (with and
-//! without fsync), the kernel's boot id, and Unix sockets for gRPC servers (0600, a stale
-//! socket replaced, anything else refused).
+//! without fsync), the kernel's boot id, and the Unix sockets every server listens on (CNI
+//! and gRPC: made 0600, a stale socket replaced, anything else refused).
 
 use std::fs;
 use std::io;
