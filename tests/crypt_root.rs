@@ -326,6 +326,73 @@ async fn encrypted_thin_volume_round_trip() {
     c.vols.delete_volume(napi::DeleteVolumeRequest { id: id.clone() }).await.unwrap();
 }
 
+/// Encrypted thin volumes after a reboot, as far as a volume sees one: the LV is active
+/// again (the agent activates every LV at start) and the mapping is gone, the stage record
+/// kept. A raw block volume's first stage drops the container's "fresh" label (the pod owns
+/// what it holds); it is "not staged" until NodeStage opens the mapping again, and
+/// then publishes the mapping, never the LV under it. A stage that fails after opening the
+/// mapping (a mount option ext4 rejects) closes it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encrypted_thin_volumes_reopen_after_a_reboot_and_close_on_a_failed_stage() {
+    use nodeplane::rpc::csi::volume_capability::{AccessType, MountVolume};
+    require_root();
+    let pool = crate::lvm_root::Pool::new("crypt-boot", 256);
+    let csi = serde_json::json!({
+        "capacityBytes": 4u64 << 30,
+        "maxVolumes": 16,
+        "lvm": {"volumeGroup": pool.vg, "thinPool": "pool"},
+    });
+    let mut sb = Sandbox::with_csi("crypt-boot", csi);
+    let mut c = sb.start().await;
+    let id = vol_id("boot");
+    c.create_on(&id, 64 * MIB, "", "lvm").await;
+    let lv = PathBuf::from(format!("/dev/{}/np-{id}", pool.vg));
+    let staging = sb.staging(&id, true);
+    let target = sb.target(&id, "pod-b", true);
+    c.stage_with(&id, &staging, cap_for(""), Some(KEY)).await.unwrap();
+    let dump = Command::new("cryptsetup").arg("luksDump").arg(&lv).output().unwrap();
+    let dump = String::from_utf8_lossy(&dump.stdout);
+    assert!(dump.contains("LUKS header") && !dump.contains("nodeplane-fresh"), "the pod owns it now: {dump}");
+    c.publish(&id, &staging, &target, cap_for(""), false).await.unwrap();
+    let dev = OpenOptions::new().read(true).write(true).open(&target).unwrap();
+    dev.write_all_at(&marker(), 5 * MIB).unwrap();
+    dev.sync_all().unwrap();
+    drop(dev);
+    c.unpublish(&id, &target).await.unwrap();
+    let closed = Command::new("cryptsetup").args(["close", &format!("npc-{id}")]).status().unwrap();
+    assert!(closed.success() && lv.exists() && !mapper(&id).exists());
+
+    assert_code(c.publish(&id, &staging, &target, cap_for(""), false).await, Code::FailedPrecondition, "no mapping");
+    c.stage_with(&id, &staging, cap_for(""), Some(KEY)).await.unwrap();
+    assert!(mapper(&id).exists(), "the stage opened the mapping again");
+    c.publish(&id, &staging, &target, cap_for(""), false).await.unwrap();
+    assert_eq!(dev_of(Path::new(&target)), dev_of(&mapper(&id)), "the pod's device is the mapping");
+    let mut buf = vec![0u8; marker().len()];
+    fs::File::open(&target).unwrap().read_exact_at(&mut buf, 5 * MIB).unwrap();
+    assert_eq!(buf, marker(), "the marker reads back through the mapping");
+    c.unpublish(&id, &target).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    assert!(!mapper(&id).exists());
+
+    let fs_id = vol_id("badopt");
+    c.create_on(&fs_id, 64 * MIB, "ext4", "lvm").await;
+    let fs_staging = sb.staging(&fs_id, false);
+    let mut cap = cap_for("ext4");
+    cap.access_type = Some(AccessType::Mount(MountVolume {
+        fs_type: "ext4".into(),
+        mount_flags: vec!["no_such_option".into()],
+        volume_mount_group: String::new(),
+    }));
+    let r = c.stage_with(&fs_id, &fs_staging, cap, Some(KEY)).await;
+    assert_code(r, Code::InvalidArgument, "a mount option ext4 rejects");
+    assert!(!mapper(&fs_id).exists(), "the failed stage left its mapping open");
+    assert!(mounts_under(&sb.dir).is_empty());
+    for v in [id, fs_id] {
+        c.vols.delete_volume(napi::DeleteVolumeRequest { id: v }).await.unwrap();
+    }
+    assert!(pool.volume_lvs().is_empty(), "{:?}", pool.volume_lvs());
+}
+
 /// The copy's own key (the controller makes a fresh one per volume).
 const COPY_KEY: &str = "a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
 

@@ -19,6 +19,8 @@
 
 use std::path::{Path, PathBuf};
 
+use super::mounts::LoopDev;
+use super::records::StageRecord;
 use super::{CsiError, NodeService, Result, internal, invalid, precondition};
 use crate::rpc::csi;
 use crate::storage::store::{Backend, Volume};
@@ -92,6 +94,17 @@ impl NodeService {
     /// The open mapping of volume `id`, if any (one `stat` and a few sysfs reads).
     pub(super) fn mapping_of(&self, id: &str) -> Result<Option<Mapping>> {
         self.kernel.crypt_mapping(&crypt::mapping_name(id)).map_err(|e| crypt_error(id, e))
+    }
+
+    /// Whether volume `id`, staged for raw block access as `rec` says, still has the device
+    /// a publication binds: its open mapping when encrypted, else its read-write loop device
+    /// or LV. After a reboot an encrypted volume's LV is active again but its mapping is
+    /// not; that LV holds the LUKS container, never what the pod wrote.
+    pub(super) fn block_staged(&self, id: &str, rec: &StageRecord, devices: &[LoopDev]) -> Result<bool> {
+        if rec.encrypted {
+            return Ok(self.mapping_of(id)?.is_some());
+        }
+        Ok(devices.iter().any(|d| !d.ro))
     }
 
     /// The device volume `id` is used through: its mapping when open, else its read-write

@@ -42,8 +42,8 @@ impl NodeService {
         let rec = self.load_stage(id)?;
         if let Some(r) = &rec {
             let mounted_there = self.ours_at(&r.staging_path, &devices)?;
-            let staged_there =
-                r.state == StageState::Staged && (mounted_there || (r.capability.block && !devices.is_empty()));
+            let staged_there = r.state == StageState::Staged
+                && (mounted_there || (r.capability.block && self.block_staged(id, r, &devices)?));
             if r.staging_path != staging && staged_there {
                 return Err(precondition(format!(
                     "volume {id} is already staged at {}; unstage it there first",
@@ -102,7 +102,7 @@ impl NodeService {
             && r.state == StageState::Staged
             && r.staging_path == staging
             && r.same(&cap)
-            && devices.iter().any(|d| !d.ro)
+            && self.block_staged(id, r, &devices)?
         {
             return Ok(()); // already staged (kubelet repeats NodeStage for every pod)
         }
@@ -116,7 +116,10 @@ impl NodeService {
         };
         self.save(&rec_path, &staging_rec)?;
         crate::util::crash_point("stage-after-record");
+        // An LV counts as attached while active, so a mapping this stage opens on it is
+        // closed on failure by what `mapped_before` says, not `attached_before`.
         let attached_before = devices.iter().any(|d| !d.ro);
+        let mapped_before = self.mapping_of(id)?.is_some();
         // The final record is part of the work: when it cannot be written (a full state disk,
         // where the first record went into a spare that already had room) the stage is rolled
         // back like any other failure, not left mounted under a "staging" record.
@@ -128,7 +131,7 @@ impl NodeService {
             if !cap.block {
                 let _ = self.unmount_ours(id, &staging);
             }
-            if !attached_before && let Err(e) = self.lock(id) {
+            if !mapped_before && let Err(e) = self.lock(id) {
                 tracing::warn!(volume = id, error = %e, "rolling back a failed stage: closing the mapping failed");
             }
             if !attached_before && let Err(d) = self.store.detach(id) {
@@ -164,6 +167,11 @@ impl NodeService {
             None => (raw.clone(), false),
         };
         if cap.block {
+            // The pod owns the contents from now on: a later filesystem stage must probe
+            // them, not take the container for blank.
+            if fresh {
+                self.kernel.crypt_mark_formatted(&raw).map_err(|e| crypt_error(id, e))?;
+            }
             return Ok(());
         }
         let fs = vol.fs_type;
