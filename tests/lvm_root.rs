@@ -338,6 +338,8 @@ fn interrupted_creates_deletes_expansions_and_snapshots_are_finished_or_rolled_b
         store.create_on(Backend::Lvm, "going", 16 * MIB, FsType::Raw, "").unwrap();
         store.create_on(Backend::Lvm, "growing", 16 * MIB, FsType::Raw, "").unwrap();
         store.create_on(Backend::Lvm, "made", 16 * MIB, FsType::Raw, "").unwrap();
+        store.create_on(Backend::Lvm, "reborn", 16 * MIB, FsType::Raw, "").unwrap();
+        store.create_on(Backend::Lvm, "garbled", 16 * MIB, FsType::Raw, "").unwrap();
         store.create_snapshot("snap", "kept", "").unwrap();
         store.create_snapshot("snap-new", "kept", "").unwrap();
     }
@@ -355,6 +357,10 @@ fn interrupted_creates_deletes_expansions_and_snapshots_are_finished_or_rolled_b
     // A snapshot killed before its metadata (removed); one killed before its rename (kept).
     run("lvcreate", &["-q", "-y", "-s", "-ky", &lv("np-kept"), "-n", "nps-half+new"]);
     run("lvrename", &["-q", &vg, "nps-snap-new", "nps-snap-new+new"]);
+    // A removal that failed before the id was made again: the `+del` goes, the volume stays.
+    run("lvcreate", &["-q", "-y", "-T", &lv("pool"), "-V", "8m", "-n", "np-reborn+del"]);
+    // Metadata that cannot be read: its LV is reported, and repair leaves it.
+    fs::write(dir.join("garbled.json"), b"{not json").unwrap();
     // Not ours: an LV named otherwise, and an orphan named like ours.
     run("lvcreate", &["-q", "-y", "-T", &lv("pool"), "-V", "8m", "-n", "someone-else"]);
     run("lvcreate", &["-q", "-y", "-T", &lv("pool"), "-V", "8m", "-n", "np-orphan"]);
@@ -364,19 +370,35 @@ fn interrupted_creates_deletes_expansions_and_snapshots_are_finished_or_rolled_b
     lvs.sort();
     assert_eq!(
         lvs,
-        ["np-growing", "np-kept", "np-made", "np-orphan", "nps-snap", "nps-snap-new", "pool", "someone-else"],
+        [
+            "np-garbled",
+            "np-growing",
+            "np-kept",
+            "np-made",
+            "np-orphan",
+            "np-reborn",
+            "nps-snap",
+            "nps-snap-new",
+            "pool",
+            "someone-else"
+        ],
     );
     assert!(store.get("going").unwrap().is_none() && !dir.join("going.json").exists());
+    assert!(store.get("reborn").unwrap().is_some() && dir.join("reborn.json").exists());
     assert!(store.get("half").unwrap().is_none());
     assert_eq!(pool.lv_size("np-growing"), 32 * MIB);
     assert!(store.attached_device("made").unwrap().is_some());
     assert!(store.get_snapshot("snap-new").unwrap().is_some());
     // The orphan is reported, never removed by opening; removed only when asked.
-    assert_eq!(store.orphans().unwrap(), vec![Orphan::LogicalVolume { name: "np-orphan".into() }]);
+    let orphan = |name: &str| Orphan::LogicalVolume { name: name.into() };
+    assert_eq!(store.orphans().unwrap(), [orphan("np-garbled"), orphan("np-orphan")]);
     assert!(store.remove_orphan_lv("someone-else").is_err(), "only a reported orphan is removed");
     assert!(store.remove_orphan_lv("np-kept").is_err());
+    let e = store.remove_orphan_lv("np-garbled").unwrap_err().to_string();
+    assert!(e.contains("garbled.json") && e.contains("unreadable"), "{e}");
     store.remove_orphan_lv("np-orphan").unwrap();
-    assert!(store.orphans().unwrap().is_empty());
+    assert_eq!(store.orphans().unwrap(), [orphan("np-garbled")]);
+    assert!(pool.lvs().contains(&"np-garbled".to_string()));
     assert!(pool.lvs().contains(&"someone-else".to_string()));
 }
 
@@ -434,7 +456,7 @@ fn crash_child() {
         "clone" => drop(store.create_from("clone", 32 * MIB, "", &Source::Volume("base".into())).unwrap()),
         "expand" => drop(store.expand("base", 48 * MIB).unwrap()),
         "delete" => store.delete("base").unwrap(),
-        "leftovers" => leftovers(&store, &Path::new(dir).parent().unwrap().join("tools")),
+        "leftovers" => leftovers(&store, vg, Path::new(dir)),
         other => panic!("unknown op {other}"),
     }
 }
@@ -501,11 +523,11 @@ fn crash_points_in_create_snapshot_clone_expand_and_delete() {
 
 // ----- a failed lvremove: the LV kept, reported, removed later -----
 
-/// `lvremove` and `lvrename` wrappers in `tools` that fail as LVM does for an LV in use
-/// while `tools/fail-<tool>` exists, and run the real tool otherwise.
+/// `lvremove`, `lvrename` and `lvchange` wrappers in `tools` that fail as LVM does for an
+/// LV in use while `tools/fail-<tool>` exists, and run the real tool otherwise.
 fn failing_tools(tools: &Path) {
     fs::create_dir_all(tools).unwrap();
-    for tool in ["lvremove", "lvrename"] {
+    for tool in ["lvremove", "lvrename", "lvchange"] {
         let real = run("sh", &["-c", &format!("command -v {tool}")]).trim().to_string();
         let marker = tools.join(format!("fail-{tool}"));
         let script = format!(
@@ -518,9 +540,9 @@ fn failing_tools(tools: &Path) {
     }
 }
 
-/// What the child of the test below does, its `lvremove` and `lvrename` those of
-/// [`failing_tools`].
-fn leftovers(store: &VolumeStore, tools: &Path) {
+/// What the child of the test below does, its LVM tools those of [`failing_tools`].
+fn leftovers(store: &VolumeStore, vg: &str, dir: &Path) {
+    let tools = dir.parent().unwrap().join("tools");
     let fail = |tool: &str| fs::write(tools.join(format!("fail-{tool}")), "").unwrap();
     let heal = |tool: &str| fs::remove_file(tools.join(format!("fail-{tool}"))).unwrap();
     let lv = |name: &str| Orphan::LogicalVolume { name: name.into() };
@@ -547,6 +569,18 @@ fn leftovers(store: &VolumeStore, tools: &Path) {
     assert_eq!(store.orphans().unwrap(), [lv("np-gone+del"), lv("nps-snap+del")]);
     store.remove_leftover_lvs();
     assert!(store.orphans().unwrap().is_empty());
+
+    // A volume whose LV cannot be activated at start fails alone; the store opens, and the
+    // volume attaches once the LV can be activated again.
+    store.create_on(Backend::Lvm, "stuck", 16 * MIB, FsType::Raw, "").unwrap();
+    run("lvchange", &["-q", "-an", &format!("{vg}/np-stuck")]);
+    fail("lvchange");
+    let cfg = ThinPoolConfig { volume_group: vg.into(), thin_pool: "pool".into(), overprovision_ratio: 4.0 };
+    let reopened = VolumeStore::open(dir, 1 << 30).unwrap().with_thin_pool(cfg).unwrap();
+    assert!(reopened.attach("stuck").is_err());
+    heal("lvchange");
+    assert!(reopened.attach("stuck").unwrap().exists());
+    reopened.delete("stuck").unwrap();
 }
 
 #[test]

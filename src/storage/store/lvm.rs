@@ -450,11 +450,21 @@ impl VolumeStore {
         if !self.orphan_lvs()?.contains(&Orphan::LogicalVolume { name: name.to_string() }) {
             return Err(not_orphan());
         }
+        if let Some(meta) = self.metadata_of_lv(name).filter(|m| m.exists()) {
+            let reason = format!("its metadata {} is there but unreadable: move it away first", meta.display());
+            return Err(VolumeError::Busy { id: name.to_string(), reason });
+        }
         let lvm = self.lvm(name)?;
         lvm.pool.remove(name).map_err(|e| lvm_err(name, e))?;
         lvm.leftovers.lock().unwrap().remove(name);
         tracing::warn!(lv = name, pool = %lvm.pool, "removed an orphan LV");
         Ok(())
+    }
+
+    /// Where the metadata of the volume or snapshot LV `name` is kept.
+    fn metadata_of_lv(&self, name: &str) -> Option<PathBuf> {
+        let (snap, id, _) = parse_lv(name)?;
+        Some(if snap { snapshot_dir(&self.dir).join(format!("{id}.json")) } else { self.meta_path(id) })
     }
 
     /// Remove LV `name`; when that fails, keep it as a leftover (see the module docs).
@@ -498,6 +508,10 @@ impl VolumeStore {
         for lv in &lvs {
             let Some((snap, id, suffix)) = parse_lv(&lv.name) else { continue };
             match (snap, suffix) {
+                // The name's own LV there too: the `+del` is a failed removal from before the
+                // id was created again, not this volume's delete.
+                (false, "del") if lvs.iter().any(|l| l.name == volume_lv(id)) => self.remove_or_keep(&lv.name),
+                (true, "del") if lvs.iter().any(|l| l.name == snapshot_lv(id)) => self.remove_or_keep(&lv.name),
                 (false, "del") => {
                     tracing::info!(volume = id, "finishing an interrupted delete");
                     remove_if_exists(&self.dir.join(format!("{id}.json")))?;
@@ -543,7 +557,11 @@ impl VolumeStore {
                 tracing::error!(volume = %v.id, pool = %pool, "the volume's LV is missing");
                 continue;
             };
-            recover_volume_lv(&pool, v, lv)?;
+            // One volume that cannot be finished or activated fails its own stage, not the
+            // agent: the node's network and its other volumes are served.
+            if let Err(e) = recover_volume_lv(&pool, v, lv) {
+                tracing::error!(volume = %v.id, pool = %pool, error = %e, "could not recover the volume's LV");
+            }
         }
         idx.snapshots.retain(|id, s| {
             if s.backend != Backend::Lvm {
