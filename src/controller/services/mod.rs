@@ -5,8 +5,9 @@
 //!
 //! A change recompiles only the Service it touches and records what differs: ports added
 //! or changed, ids removed. The cost of a change is the size of that Service, whatever the
-//! number of Services. The last [`HISTORY`] changes are kept, so a node that reconnects gets
-//! what it missed rather than everything.
+//! number of Services. The last [`HISTORY`] changes are kept (fewer when they hold more than
+//! [`HISTORY_ENDPOINTS`] endpoints), so a node that reconnects gets what it missed rather
+//! than everything.
 
 pub mod compile;
 pub mod server;
@@ -27,6 +28,10 @@ pub type Key = (String, String);
 
 /// Changes kept for streams that fall behind or reconnect.
 pub const HISTORY: usize = 4096;
+/// Endpoints the kept changes may hold at most: a change holds every port it touched whole,
+/// so the rolling update of a large Deployment would otherwise keep thousands of copies of
+/// its Service (about 100 bytes an endpoint: 25 MiB).
+pub const HISTORY_ENDPOINTS: usize = 1 << 18;
 
 /// One change: the ports written and the ids removed, at `revision`.
 #[derive(Debug, Default)]
@@ -52,6 +57,12 @@ struct State {
     ports_of: BTreeMap<Key, BTreeSet<String>>,
     revision: u64,
     history: VecDeque<Arc<Change>>,
+    /// The endpoints `history` holds.
+    history_endpoints: usize,
+}
+
+fn endpoints_of(c: &Change) -> usize {
+    c.upserts.iter().map(|p| p.endpoints.len()).sum()
 }
 
 /// Local mode's applied objects: one redb table, key `Kind/namespace/name`, value the
@@ -287,9 +298,11 @@ impl ServiceBook {
         }
         st.revision += 1;
         change.revision = st.revision;
+        st.history_endpoints += endpoints_of(&change);
         st.history.push_back(Arc::new(change));
-        while st.history.len() > HISTORY {
-            st.history.pop_front();
+        while st.history.len() > HISTORY || (st.history.len() > 1 && st.history_endpoints > HISTORY_ENDPOINTS) {
+            let oldest = st.history.pop_front().expect("not empty");
+            st.history_endpoints -= endpoints_of(&oldest);
         }
         self.changed.send_replace(st.revision);
     }
@@ -454,5 +467,24 @@ mod tests {
         }
         assert!(matches!(b.follow(b.epoch, 1), Start::Snapshot { .. }));
         assert!(matches!(b.follow(b.epoch, b.revision() - 10), Start::Changes(c) if c.len() == 10));
+    }
+
+    #[test]
+    fn history_holds_a_bounded_number_of_endpoints() {
+        let b = book();
+        b.set_service(&svc("web", "10.96.0.10")).unwrap();
+        let ips: Vec<String> = (0..10_000).map(|i| format!("10.244.{}.{}", i / 250, i % 250 + 1)).collect();
+        let refs: Vec<&str> = ips.iter().map(String::as_str).collect();
+        let first = b.revision();
+        let rounds = HISTORY_ENDPOINTS / 10_000 + 2;
+        for r in 0..rounds {
+            // A rolling update: the Service's one slice changes, whole, every time.
+            b.set_slice(&slice("web-1", "web", &refs[..10_000 - r])).unwrap();
+        }
+        let Start::Changes(kept) = b.follow(b.epoch, b.revision() - 3) else { panic!("recent: changes") };
+        assert_eq!(kept.len(), 3);
+        assert!(matches!(b.follow(b.epoch, first), Start::Snapshot { .. }), "the oldest went for their size");
+        let held: usize = b.state.lock().unwrap().history.iter().map(|c| endpoints_of(c)).sum();
+        assert!(held <= HISTORY_ENDPOINTS, "{held}");
     }
 }

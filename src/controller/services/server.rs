@@ -22,28 +22,31 @@ pub struct Service {
 
 type UpdateStream = Pin<Box<dyn Stream<Item = Result<pb::ServiceUpdate, Status>> + Send>>;
 
-/// The parts of a snapshot at `revision`.
-pub fn snapshot(book: &ServiceBook, revision: u64, ports: &[Arc<pb::ServicePort>]) -> Vec<pb::ServiceUpdate> {
-    let chunks: Vec<&[Arc<pb::ServicePort>]> =
-        if ports.is_empty() { vec![&[]] } else { ports.chunks(SNAPSHOT_PART).collect() };
-    let last = chunks.len() - 1;
-    chunks
-        .into_iter()
-        .enumerate()
-        .map(|(i, c)| pb::ServiceUpdate {
+/// The parts of a snapshot at `revision`, each made as it is taken: a part holds copies of
+/// its ports, and all parts at once would hold the whole table again for every agent that
+/// asks (every agent asks at once after a controller restart).
+fn snapshot<'a>(
+    book: &'a ServiceBook,
+    revision: u64,
+    ports: &'a [Arc<pb::ServicePort>],
+) -> impl Iterator<Item = pb::ServiceUpdate> + Send + 'a {
+    let parts = ports.len().div_ceil(SNAPSHOT_PART).max(1);
+    (0..parts).map(move |i| {
+        let part = &ports[i * SNAPSHOT_PART..ports.len().min((i + 1) * SNAPSHOT_PART)];
+        pb::ServiceUpdate {
             epoch: book.epoch,
             revision,
             snapshot: i == 0,
-            more: i < last,
-            ports: c.iter().map(|p| (**p).clone()).collect(),
+            more: i + 1 < parts,
+            ports: part.iter().map(|p| (**p).clone()).collect(),
             pod_cidrs: if i == 0 { book.pod_cidrs.clone() } else { Vec::new() },
             ..Default::default()
-        })
-        .collect()
+        }
+    })
 }
 
 /// One update from `base` through `changes` (consecutive): the last state of each port.
-pub fn delta(book: &ServiceBook, base: u64, changes: &[Arc<Change>]) -> pb::ServiceUpdate {
+fn delta(book: &ServiceBook, base: u64, changes: &[Arc<Change>]) -> pb::ServiceUpdate {
     let (ports, removed) = last_states(changes.iter().map(|c| (&c.upserts[..], &c.removed[..])), |p| &p.id);
     pb::ServiceUpdate {
         epoch: book.epoch,
@@ -53,6 +56,22 @@ pub fn delta(book: &ServiceBook, base: u64, changes: &[Arc<Change>]) -> pb::Serv
         removed,
         ..Default::default()
     }
+}
+
+/// Send `updates` in order, keeping `at` (epoch, revision) at the last one sent; false when
+/// the client is gone.
+async fn send(
+    tx: &tokio::sync::mpsc::Sender<Result<pb::ServiceUpdate, Status>>,
+    updates: impl Iterator<Item = pb::ServiceUpdate>,
+    at: &mut (u64, u64),
+) -> bool {
+    for u in updates {
+        *at = (u.epoch, u.revision);
+        if tx.send(Ok(u)).await.is_err() {
+            return false;
+        }
+    }
+    true
 }
 
 impl Service {
@@ -78,24 +97,25 @@ impl Services for Service {
             tokio::select! {
                 _ = book.until_complete() => {}
                 _ = stopping.wait_for(|s| *s) => return,
+                _ = tx.closed() => return,
             }
-            let (mut epoch, mut sent) = (r.epoch, r.since_revision);
+            let mut at = (r.epoch, r.since_revision);
             loop {
                 changed.borrow_and_update();
-                let updates = match book.follow(epoch, sent) {
-                    Start::Snapshot { revision, ports } => snapshot(&book, revision, &ports),
-                    Start::Changes(c) if c.is_empty() => Vec::new(),
-                    Start::Changes(c) => vec![delta(&book, sent, &c)],
+                let (epoch, since) = at;
+                let sent_all = match book.follow(epoch, since) {
+                    Start::Snapshot { revision, ports } => send(&tx, snapshot(&book, revision, &ports), &mut at).await,
+                    Start::Changes(c) if c.is_empty() => true,
+                    Start::Changes(c) => send(&tx, std::iter::once(delta(&book, since, &c)), &mut at).await,
                 };
-                for u in updates {
-                    (epoch, sent) = (u.epoch, u.revision);
-                    if tx.send(Ok(u)).await.is_err() {
-                        return;
-                    }
+                if !sent_all {
+                    return;
                 }
+                // A client gone is noticed here too, not only at the next change's send.
                 tokio::select! {
                     r = changed.changed() => if r.is_err() { return },
                     _ = stopping.wait_for(|s| *s) => return,
+                    _ = tx.closed() => return,
                 }
             }
         });
@@ -131,5 +151,24 @@ impl Services for Service {
         self.admin(&req).await?;
         let json = self.book.list_json()?;
         Ok(Response::new(pb::ListObjectsResponse { json }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_comes_in_parts_of_a_thousand_ports_and_an_empty_one_in_one() {
+        let book = ServiceBook::new(vec!["10.244.0.0/16".into()], None).unwrap();
+        let ports: Vec<_> =
+            (0..2500).map(|i| Arc::new(pb::ServicePort { id: format!("p{i}"), ..Default::default() })).collect();
+        let parts: Vec<_> = snapshot(&book, 7, &ports).collect();
+        let shape: Vec<_> = parts.iter().map(|u| (u.snapshot, u.more, u.ports.len(), u.pod_cidrs.len())).collect();
+        assert_eq!(shape, [(true, true, 1000, 1), (false, true, 1000, 0), (false, false, 500, 0)]);
+        assert!(parts.iter().all(|u| u.revision == 7 && u.epoch == book.epoch));
+        assert_eq!(parts[2].ports[499].id, "p2499");
+        let empty: Vec<_> = snapshot(&book, 8, &[]).map(|u| (u.snapshot, u.more, u.ports.len())).collect();
+        assert_eq!(empty, [(true, false, 0)]);
     }
 }
