@@ -274,3 +274,56 @@ def test_a_deleted_service_is_gone_and_the_table_has_only_what_is_applied(env):
     for n in (env.n1, env.n2):
         table = n.ns.exec(["nft", "list", "map", "inet", "nodeplane-svc", "vip4"]).stdout
         assert "10.96.0.14" not in table and "10.96.0.10 . tcp . 80" in table, table
+
+
+def test_services_off_removes_the_table_an_earlier_run_left(env):
+    """A node handed back to kube-proxy (`services: off`): the agent removes the table it
+    programmed before, whose DNAT would otherwise run beside kube-proxy's."""
+    n = env.n2
+
+    def has_table():
+        return n.ns.exec(["nft", "list", "table", "inet", "nodeplane-svc"], check=False).returncode == 0
+
+    assert has_table()
+    n.stop()
+    n.cfg["services"] = "off"
+    n.cfg_path.write_text(json.dumps(n.cfg))
+    try:
+        n.start()
+        until(lambda: not has_table(), "the table gone with services: off")
+        assert "removed the Services table an earlier run left" in n.log()[n.log_offset:]
+    finally:
+        n.stop()
+        del n.cfg["services"]
+        n.cfg_path.write_text(json.dumps(n.cfg))
+        n.start()
+    until(has_table, "the table back with services on")
+
+
+@pytest.mark.parametrize("found", ["nft table", "ipvs device"])
+def test_auto_leaves_a_node_to_kube_proxy_and_takes_it_back(env, found):
+    """`services: auto` (the default): an agent that finds kube-proxy programming its node
+    (its nftables table, or its IPVS mode's device) removes its own table at start and
+    programs nothing; once kube-proxy is gone it programs the node again."""
+    n = env.n2
+    if found == "nft table":
+        mark = (["nft", "add", "table", "ip", "kube-proxy"], ["nft", "delete", "table", "ip", "kube-proxy"])
+    else:
+        # kube-proxy makes a dummy link; this host's kernel has none, and the name is what counts.
+        mark = (["ip", "link", "add", "kube-ipvs0", "type", "bridge"], ["ip", "link", "del", "kube-ipvs0"])
+
+    def has_table():
+        return n.ns.exec(["nft", "list", "table", "inet", "nodeplane-svc"], check=False).returncode == 0
+
+    assert has_table()
+    n.stop()
+    n.ns.exec(mark[0])
+    try:
+        n.start()
+        until(lambda: not has_table(), "the table gone with kube-proxy there")
+        assert "kube-proxy programs this node" in n.log()[n.log_offset:]
+    finally:
+        n.stop()
+        n.ns.exec(mark[1])
+        n.start()
+    until(has_table, "the table back without kube-proxy")

@@ -48,6 +48,7 @@ pub fn install(cfg: &Arc<Config>) -> Option<Arc<ServiceClient>> {
     let cc = cfg.controller.clone()?;
     if cfg.services == ServicesMode::Off {
         tracing::info!("services: off: Services are not served on this node");
+        remove_left_table(cfg);
         return None;
     }
     // A reply between two pods on the node's bridge must pass conntrack to be translated
@@ -66,6 +67,18 @@ pub fn install(cfg: &Arc<Config>) -> Option<Arc<ServiceClient>> {
         standing: Mutex::default(),
         sync_seconds: Histogram::new(SYNC_BUCKETS.iter().copied()),
     }))
+}
+
+/// A node handed back to kube-proxy (`services: off`) may hold the table an earlier run
+/// programmed: its DNAT would run beside kube-proxy's, to endpoints no one follows.
+fn remove_left_table(cfg: &Config) {
+    if !crate::net::services::table_present() {
+        return;
+    }
+    match Proxy::new(&cfg.node_name, Vec::new()).remove() {
+        Ok(()) => tracing::warn!("removed the Services table an earlier run left (services: off)"),
+        Err(e) => tracing::error!(error = %e, "removing the Services table an earlier run left"),
+    }
 }
 
 /// The largest Services message the agent reads (see `session`).
@@ -195,9 +208,13 @@ impl ServiceClient {
         revision: u64,
     ) -> Result<(), String> {
         let proxy = self.proxy.clone();
-        let applied = tokio::task::spawn_blocking(move || proxy.apply(replace, pod_cidrs.as_deref(), ports, removed))
-            .await
-            .map_err(|e| e.to_string())?;
+        let applied = tokio::task::spawn_blocking(move || {
+            let applied = proxy.apply(replace, pod_cidrs.as_deref(), ports, removed)?;
+            applied.stale_flows.iter().for_each(|f| crate::net::services::forget_flows(f));
+            Ok::<_, crate::net::policy::NftError>(applied)
+        })
+        .await
+        .map_err(|e| e.to_string())?;
         let applied = match applied {
             Ok(a) => a,
             Err(e) => {

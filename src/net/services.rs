@@ -522,10 +522,13 @@ pub struct Proxy {
 }
 
 /// What one apply did, for metrics and status.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub struct Applied {
     pub seconds: f64,
     pub whole_table: bool,
+    /// The UDP flows the update left pointing the wrong way ([`stale_udp_flows`]), for
+    /// [`forget_flows`].
+    pub stale_flows: Vec<Vec<String>>,
 }
 
 impl Proxy {
@@ -569,9 +572,12 @@ impl Proxy {
             updates.insert(p.id.clone(), Some(p));
         }
         let large = whole || updates.len() >= 256;
-        let stale: Vec<Vec<String>> =
+        let mut stale: Vec<Vec<String>> =
             updates.iter().flat_map(|(id, p)| stale_udp_flows(st.ports.get(id), p.as_ref())).collect();
         if replace {
+            // A port the snapshot no longer has is removed by it.
+            let gone = st.ports.iter().filter(|(id, _)| !updates.contains_key(*id));
+            stale.extend(gone.flat_map(|(_, p)| stale_udp_flows(Some(p), None)));
             // Gone before the new table is made, so two tables' ports are never held at
             // once. A failed write leaves the agent unsynced, and it asks for a snapshot.
             st.ports.clear();
@@ -607,13 +613,10 @@ impl Proxy {
         }
         st.synced = true;
         drop(st);
-        for args in &stale {
-            forget_flows(args);
-        }
         if large {
             release_free_memory();
         }
-        Ok(Applied { seconds: started.elapsed().as_secs_f64(), whole_table: whole })
+        Ok(Applied { seconds: started.elapsed().as_secs_f64(), whole_table: whole, stale_flows: stale })
     }
 
     /// Remove the table (Services turned off, or left to kube-proxy).
@@ -826,20 +829,29 @@ fn write_sets_and_chains(
 /// ClusterIPs and external IPs, and for the NodePort.
 pub fn stale_udp_flows(old: Option<&pb::ServicePort>, new: Option<&pb::ServicePort>) -> Vec<Vec<String>> {
     let Some(old) = old.filter(|p| p.protocol == pb::Protocol::Udp as i32) else { return Vec::new() };
-    let udp = |dst: Option<&str>, port: u32| {
+    // conntrack matches IPv4 unless told otherwise: an IPv6 flow list says `-f ipv6`.
+    let udp = |dst: Option<&str>, port: u32, v6: bool| {
         let mut f = vec!["-p".to_string(), "udp".into()];
+        if v6 {
+            f.extend(["-f".into(), "ipv6".into()]);
+        }
         if let Some(dst) = dst {
             f.extend(["--orig-dst".into(), dst.to_string()]);
         }
         f.extend(["--orig-port-dst".into(), port.to_string()]);
         f
     };
-    let mut entries: Vec<(Option<&str>, u32, bool)> =
-        old.cluster_ips.iter().chain(&old.external_ips).map(|v| (Some(v.as_str()), old.port, false)).collect();
+    let is_v6 = |ip: &str| ip.contains(':');
+    // (address, port, IPv6, still there): a NodePort is an entry point of each family.
+    let mut entries: Vec<(Option<&str>, u32, bool, bool)> = old
+        .cluster_ips
+        .iter()
+        .chain(&old.external_ips)
+        .map(|v| (Some(v.as_str()), old.port, is_v6(v), false))
+        .collect();
     if old.node_port > 0 {
-        entries.push((None, old.node_port, false));
+        entries.extend([(None, old.node_port, false, false), (None, old.node_port, true, false)]);
     }
-    // Each entry point: still there (same address and port) or gone.
     if let Some(new) = new {
         let kept: BTreeSet<(Option<&str>, u32)> = new
             .cluster_ips
@@ -849,7 +861,7 @@ pub fn stale_udp_flows(old: Option<&pb::ServicePort>, new: Option<&pb::ServicePo
             .chain((new.node_port > 0).then_some((None, new.node_port)))
             .collect();
         for e in &mut entries {
-            e.2 = kept.contains(&(e.0, e.1));
+            e.3 = kept.contains(&(e.0, e.1));
         }
     }
     let eps = |p: &pb::ServicePort| -> BTreeSet<(String, u32)> {
@@ -858,13 +870,14 @@ pub fn stale_udp_flows(old: Option<&pb::ServicePort>, new: Option<&pb::ServicePo
     let before = eps(old);
     let after = new.map(eps).unwrap_or_default();
     let mut out = Vec::new();
-    for (dst, port, kept) in entries {
+    for (dst, port, v6, kept) in entries {
         if !kept || (before.is_empty() && !after.is_empty()) {
-            out.push(udp(dst, port));
+            out.push(udp(dst, port, v6));
             continue;
         }
-        for (ip, ep_port) in before.difference(&after) {
-            let mut f = udp(dst, port);
+        // An entry point translates only to endpoints of its own family.
+        for (ip, ep_port) in before.difference(&after).filter(|(ip, _)| is_v6(ip) == v6) {
+            let mut f = udp(dst, port, v6);
             f.extend(["--reply-src".into(), ip.clone(), "--reply-port-src".into(), ep_port.to_string()]);
             out.push(f);
         }
@@ -873,7 +886,7 @@ pub fn stale_udp_flows(old: Option<&pb::ServicePort>, new: Option<&pb::ServicePo
 }
 
 /// Delete conntrack entries (`conntrack -D ARGS`); none to delete is fine.
-fn forget_flows(args: &[String]) {
+pub fn forget_flows(args: &[String]) {
     match std::process::Command::new("conntrack").arg("-D").args(args).output() {
         Ok(o) if o.status.success() || o.status.code() == Some(1) => {}
         Ok(o) => tracing::warn!(args = ?args, error = %String::from_utf8_lossy(&o.stderr).trim(), "conntrack -D"),
@@ -881,9 +894,21 @@ fn forget_flows(args: &[String]) {
     }
 }
 
+/// Whether this node holds our table (`nft list tables`; read only).
+pub fn table_present() -> bool {
+    let out = std::process::Command::new("nft").args(["list", "tables", "inet"]).output();
+    out.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).lines().any(|l| l.trim() == format!("table inet {TABLE}")))
+}
+
 /// Whether kube-proxy (or another proxy of its family) programs this node: its nftables
-/// tables, or its iptables chains through iptables-nft. Returns what was found.
+/// tables, its iptables chains through iptables-nft, or its IPVS mode's device. Returns what
+/// was found. (Its iptables chains through iptables-legacy are not seen.)
 pub fn kube_proxy_present() -> Option<String> {
+    // /proc/net follows the reader's network namespace (sysfs would show the mounter's).
+    let devices = std::fs::read_to_string("/proc/net/dev").unwrap_or_default();
+    if devices.lines().any(|l| l.trim_start().starts_with("kube-ipvs0:")) {
+        return Some("kube-proxy's IPVS device kube-ipvs0".into());
+    }
     let out = std::process::Command::new("nft").args(["list", "tables"]).output().ok()?;
     let tables = String::from_utf8_lossy(&out.stdout);
     for t in ["ip kube-proxy", "ip6 kube-proxy"] {

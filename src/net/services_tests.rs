@@ -105,9 +105,12 @@ fn a_change_of_one_service_writes_only_its_elements_whatever_the_number_of_servi
     second.protocol = pb::Protocol::Udp as i32;
     proxy.apply(false, None, vec![second], vec![]).unwrap();
     assert_eq!(proxy.counts(), (1999, 2000, 2000));
-    // A snapshot replaces everything, counts included.
-    proxy.apply(true, None, many[..3].to_vec(), vec![]).unwrap();
+    // A snapshot replaces everything, counts included; the UDP port it drops has its
+    // flows forgotten, as a removal would.
+    let applied = proxy.apply(true, None, many[..3].to_vec(), vec![]).unwrap();
     assert_eq!(proxy.counts(), (3, 3, 3));
+    let flows: Vec<String> = applied.stale_flows.iter().map(|f| f.join(" ")).collect();
+    assert_eq!(flows, [format!("-p udp --orig-dst {} --orig-port-dst 80", many[8].cluster_ips[0])]);
 }
 
 #[test]
@@ -222,4 +225,25 @@ fn udp_flows_to_a_gone_endpoint_port_or_a_port_that_had_none_are_forgotten() {
     moved.cluster_ips = vec!["10.96.0.54".into()];
     let gone: Vec<String> = stale_udp_flows(Some(&old), Some(&moved)).iter().map(|f| f.join(" ")).collect();
     assert_eq!(gone, ["-p udp --orig-dst 10.96.0.53 --orig-port-dst 80"], "the NodePort and endpoints stay");
+    // IPv6: conntrack is told the family, and an entry point forgets only flows to
+    // endpoints of its own family.
+    let mut dual = old.clone();
+    dual.cluster_ips = vec!["10.96.0.53".into(), "fd00:96::53".into()];
+    dual.endpoints.push(ep("fd00:244::2", "n1", true, true, false));
+    let mut fewer = dual.clone();
+    fewer.endpoints.retain(|e| e.ip != "fd00:244::2");
+    let gone: Vec<String> = stale_udp_flows(Some(&dual), Some(&fewer)).iter().map(|f| f.join(" ")).collect();
+    assert_eq!(
+        gone,
+        [
+            "-p udp -f ipv6 --orig-dst fd00:96::53 --orig-port-dst 80 --reply-src fd00:244::2 --reply-port-src 8080",
+            "-p udp -f ipv6 --orig-port-dst 30053 --reply-src fd00:244::2 --reply-port-src 8080",
+        ]
+    );
+    // A NodePort that had no endpoint: its flows of both families.
+    let mut none = dual.clone();
+    none.endpoints.clear();
+    let gone: Vec<String> = stale_udp_flows(Some(&none), Some(&dual)).iter().map(|f| f.join(" ")).collect();
+    assert!(gone.contains(&"-p udp --orig-port-dst 30053".to_string()), "{gone:?}");
+    assert!(gone.contains(&"-p udp -f ipv6 --orig-port-dst 30053".to_string()), "{gone:?}");
 }
