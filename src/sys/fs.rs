@@ -72,19 +72,14 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
 
-    fn scratch(name: &str) -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!("nodeplane-fs-{name}-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&d);
-        d
-    }
-
     fn mode(p: &Path) -> u32 {
         fs::symlink_metadata(p).unwrap().permissions().mode() & 0o777
     }
 
     #[test]
     fn a_socket_is_made_0600_in_a_0750_directory_and_replaces_only_a_socket() {
-        let d = scratch("bind");
+        let t = crate::util::TestDir::new("fs-bind");
+        let d = &t.0;
         let path = d.join("run/x.sock");
         let stale = bind_unix_listener(&path).unwrap();
         assert_eq!((mode(&d.join("run")), mode(&path)), (0o750, 0o600));
@@ -97,15 +92,14 @@ mod tests {
         let e = bind_unix_listener(&file).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::AlreadyExists);
         assert_eq!(fs::read(&file).unwrap(), b"keep");
-        fs::remove_dir_all(&d).unwrap();
     }
 
     /// A peer watching the path (kubelet's plugin watcher) never finds the socket there with
     /// another mode while sockets replace each other.
     #[test]
     fn a_watcher_never_sees_the_socket_with_another_mode() {
-        let d = scratch("watch");
-        let path = d.join("x.sock");
+        let t = crate::util::TestDir::new("fs-watch");
+        let path = t.0.join("x.sock");
         let (stop, seen) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
         let watcher = {
             let (path, stop, seen) = (path.clone(), stop.clone(), seen.clone());
@@ -129,6 +123,5 @@ mod tests {
         assert!(!seen.is_empty());
         let other: Vec<_> = seen.iter().filter(|m| **m != 0o600).collect();
         assert!(other.is_empty(), "{} of {} looks saw another mode, first {:o}", other.len(), seen.len(), other[0]);
-        fs::remove_dir_all(&d).unwrap();
     }
 }
