@@ -232,6 +232,48 @@ def test_strict_mode_drops_traffic_to_a_node_without_a_key(make_cluster, tmp_pat
     assert doc["controller"]["encryption"] == "strict", doc["controller"]
 
 
+def test_strict_mode_holds_from_the_start_after_a_reboot_with_the_controller_away(make_cluster, tmp_path):
+    """A strict node that comes back from a reboot while the controller is away serves its
+    pods from the blocks it saved; their traffic to other nodes is dropped, never sent in
+    clear by the node's default route."""
+    c = make_cluster("strict")
+    a, b = node(c, 1, ipv6=False), node(c, 2, ipv6=False)
+    wait_encrypted([a, b])
+    pa, pb = a.add_pod("p")[0], b.add_pod("p")[0]
+    assert ping(pa, pb.ip4())
+    # a's reboot, as its kernel state goes: the wireguard device (and the routes through it)
+    # and the strict blackholes are gone. The controller is away.
+    a.stop()
+    c.controller.stop()
+    a.ns.exec(["ip", "link", "del", WG_DEV])
+    a.ns.exec(["ip", "route", "flush", "proto", "79"])
+    # A node's default route, over the underlay: what has no better route leaves there.
+    a.ns.exec(["ip", "route", "replace", "default", "via", b.underlay])
+    a.start()
+    blackholes = a.ns.exec(["ip", "route", "show", "type", "blackhole", "proto", "79"]).stdout
+    assert "10.244.0.0/16" in blackholes, blackholes
+    under = Capture(a.ns, "ul0", tmp_path / "underlay.pcap", ["not", "host", cluster.CONTROLLER_IP])
+    assert not ping(pa, pb.ip4(), "-p", MARKER.hex())
+    assert MARKER not in under.stop(), "pod traffic left in clear before the controller came back"
+
+
+def test_a_node_without_a_device_withdraws_its_key_and_is_reached_in_clear(make_cluster):
+    """Mode on: a node whose wireguard device cannot be made (a link of another kind holds
+    its name) publishes no key, so its peers reach it in clear rather than through a tunnel
+    no one answers."""
+    c = make_cluster("on")
+    a = node(c, 1, ipv6=False)
+    b = c.node(0, 2, mode="direct", ipv6=False, start=False)
+    b.cfg.pop("mtu", None)
+    b.cfg_path.write_text(json.dumps(b.cfg))
+    b.ns.exec(["ip", "link", "add", WG_DEV, "type", "bridge"])
+    b.start()
+    pa, pb = a.add_pod("p")[0], b.add_pod("p")[0]
+    wait_until(lambda: ping(pa, pb.ip4()), 20, "a's pod to reach b's pod")
+    assert node_key(b) == "" and not wg_peers(a), (node_key(b), wg_peers(a))
+    assert "withdrew its key" in b.log()
+
+
 def test_rotation_keeps_tcp_and_ping_going(make_cluster):
     c = make_cluster("on")
     a, b = node(c, 1), node(c, 2)

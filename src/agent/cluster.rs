@@ -40,6 +40,22 @@ pub struct ClusterState {
     /// The pod MTU derived at the last registration (0: none; the config names one).
     #[serde(default)]
     pub pod_mtu: u32,
+    /// Encryption strict at the last registration: at start the cluster CIDRs are
+    /// blackholed before pods are served ([`hold_strict`]).
+    #[serde(default)]
+    pub strict: bool,
+}
+
+/// Strict encryption before the route programmer's first sync: the blackhole per cluster
+/// CIDR it keeps, so pod traffic to another node never leaves in clear meanwhile (after a
+/// reboot, or while the controller is away). Idempotent.
+pub fn hold_strict(cidrs: &[IpNetwork]) -> Result<(), String> {
+    let mut nl = crate::sys::netlink::Netlink::open().map_err(|e| e.to_string())?;
+    for c in cidrs {
+        nl.replace_blackhole(c.network(), c.prefix(), wireguard::RTPROT_STRICT)
+            .map_err(|e| format!("blackhole {c} (encryption strict): {e}"))?;
+    }
+    Ok(())
 }
 
 pub fn load_state(cfg: &Config) -> std::io::Result<ClusterState> {
@@ -339,6 +355,10 @@ impl Client {
             st.vxlan_vni = r.vxlan_vni;
             st.vxlan_port = r.vxlan_port as u16;
             st.pod_mtu = if self.cfg.mtu.is_none() { self.dp.pod_mtu() } else { 0 };
+            st.strict = encryption_mode(r) == wireguard::Mode::Strict;
+            if st.strict {
+                hold_strict(&st.cluster_cidrs)?;
+            }
         }
         let known: Vec<IpNetwork> = self.dp.ipam().blocks().iter().map(|b| b.net).collect();
         let changed = st.blocks != blocks || resp.is_some();
@@ -438,6 +458,37 @@ impl Client {
         self.link.message();
         self.link.encryption.lock().unwrap().1 = public.clone();
         tracing::info!(public_key = %public, "wireguard key rotated and published");
+        Ok(())
+    }
+
+    /// Publish our key only while our WireGuard device works: peers send what they route to
+    /// a node with a key through their tunnels, so a node without a device would get none
+    /// of it. Without our key, mode on reaches this node in clear (strict: not at all).
+    async fn publish_key_as_tunnel_allows(
+        &self,
+        client: &mut NodeRegistryClient<tonic::transport::Channel>,
+        token: &Token,
+        register: &impl Fn(String) -> pb::RegisterRequest,
+    ) -> Result<(), String> {
+        let (mode, published) = self.link.encryption();
+        let works = self.link.tunnel_error.lock().unwrap().is_none();
+        let key = match self.keys.lock().unwrap().as_ref() {
+            Some(k) if works => wireguard::encode_key(k.public()),
+            _ => String::new(),
+        };
+        if mode == wireguard::Mode::Off || key == published {
+            return Ok(());
+        }
+        let mut req = register(self.vtep_mac.lock().unwrap().clone());
+        req.wireguard_key = key.clone();
+        client.register(token.authed(req)).await.map_err(|s| grpc_err("register (wireguard key)", &s))?;
+        self.link.message();
+        self.link.encryption.lock().unwrap().1 = key.clone();
+        if key.is_empty() {
+            tracing::warn!(%mode, "no wireguard device: this node withdrew its key from its peers");
+        } else {
+            tracing::info!(public_key = %key, "wireguard device up: key published");
+        }
         Ok(())
     }
 
@@ -576,6 +627,7 @@ impl Client {
                     _ = audit.tick() => {
                         if self.members.lock().unwrap().revision != 0 {
                             self.program_routes(None).await?;
+                            self.publish_key_as_tunnel_allows(&mut client, &token, &register).await?;
                         }
                         continue;
                     }
@@ -609,6 +661,7 @@ impl Client {
                     continue;
                 }
                 self.program_routes(Some(applied)).await?;
+                self.publish_key_as_tunnel_allows(&mut client, &token, &register).await?;
                 match own {
                     Ok(n) if n.name.is_empty() => {}
                     Ok(n) => self.apply_self(&n, None).await?,

@@ -143,6 +143,9 @@ pub fn prepare(
         None => (cfg.pod_cidrs.clone(), cfg.cluster_cidrs.clone()),
         Some(_) => {
             let st = cluster::load_state(&cfg).map_err(|e| AgentError::Setup(format!("cluster state: {e}")))?;
+            if st.strict {
+                cluster::hold_strict(&st.cluster_cidrs).map_err(AgentError::Setup)?;
+            }
             if cfg.mtu.is_none() && st.pod_mtu != 0 {
                 dp.set_pod_mtu(st.pod_mtu);
             }
