@@ -456,7 +456,7 @@ fn crash_child() {
         "clone" => drop(store.create_from("clone", 32 * MIB, "", &Source::Volume("base".into())).unwrap()),
         "expand" => drop(store.expand("base", 48 * MIB).unwrap()),
         "delete" => store.delete("base").unwrap(),
-        "leftovers" => leftovers(&store, vg, Path::new(dir)),
+        "leftovers" => leftovers(store, vg, Path::new(dir)),
         other => panic!("unknown op {other}"),
     }
 }
@@ -541,7 +541,7 @@ fn failing_tools(tools: &Path) {
 }
 
 /// What the child of the test below does, its LVM tools those of [`failing_tools`].
-fn leftovers(store: &VolumeStore, vg: &str, dir: &Path) {
+fn leftovers(store: VolumeStore, vg: &str, dir: &Path) {
     let tools = dir.parent().unwrap().join("tools");
     let fail = |tool: &str| fs::write(tools.join(format!("fail-{tool}")), "").unwrap();
     let heal = |tool: &str| fs::remove_file(tools.join(format!("fail-{tool}"))).unwrap();
@@ -573,6 +573,7 @@ fn leftovers(store: &VolumeStore, vg: &str, dir: &Path) {
     // A volume whose LV cannot be activated at start fails alone; the store opens, and the
     // volume attaches once the LV can be activated again.
     store.create_on(Backend::Lvm, "stuck", 16 * MIB, FsType::Raw, "").unwrap();
+    drop(store);
     run("lvchange", &["-q", "-an", &format!("{vg}/np-stuck")]);
     fail("lvchange");
     let cfg = ThinPoolConfig { volume_group: vg.into(), thin_pool: "pool".into(), overprovision_ratio: 4.0 };

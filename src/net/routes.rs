@@ -1230,7 +1230,11 @@ impl Routes {
         plan_into(&self.cfg, &local, &mut plan, again.iter().copied());
         let after = plan.copy_entries(&again);
         let ops = plan_diff(&before, &after);
-        self.sync_tunnel_peers()?;
+        if let Err(e) = self.sync_tunnel_peers() {
+            // The plan in force is taken: a complete sync, which also programs the routes.
+            tracing::warn!(error = %e, "wireguard peers not updated; syncing completely");
+            return self.resync();
+        }
         let mut report = SyncReport {
             unroutable: after.unroutable.clone(),
             vtep_mac: self.vtep.map(|(_, m)| m),
@@ -1273,7 +1277,13 @@ impl Routes {
             (Vec::new(), Vec::new())
         };
         self.sync_strict(&main)?;
-        self.sync_tunnel_peers()?;
+        // A peer the device lacks drops what is routed to it: the routes are programmed
+        // anyway, and the failure reported with theirs.
+        let mut failures = Vec::new();
+        if let Err(e) = self.sync_tunnel_peers() {
+            tracing::warn!(error = %e, "wireguard peers not updated");
+            failures.push(e);
+        }
         let mut local = LocalView::from_kernel(&addrs, &main, vxlan_index);
         local.wg_index = wg_index;
         let plan = plan_of(&self.cfg, &local, self.peers.values());
@@ -1286,7 +1296,6 @@ impl Routes {
             vtep_mac,
             ..Default::default()
         };
-        let mut failures = Vec::new();
         for op in ops {
             if let Err(e) = self.apply(&op, vxlan_index, &mut report) {
                 tracing::warn!(error = %e, "route change failed");
