@@ -276,28 +276,40 @@ def test_a_deleted_service_is_gone_and_the_table_has_only_what_is_applied(env):
         assert "10.96.0.14" not in table and "10.96.0.10 . tcp . 80" in table, table
 
 
+def has_table(n):
+    return n.ns.exec(["nft", "list", "table", "inet", "nodeplane-svc"], check=False).returncode == 0
+
+
+def restarted_with(n, change, undo, gone_because, says):
+    """Restart node `n` after `change()`: its Services table must go, its log say `says`;
+    then restart it after `undo()`: the table must come back."""
+    assert has_table(n)
+    n.stop()
+    change()
+    try:
+        n.start()
+        until(lambda: not has_table(n), f"the table gone with {gone_because}")
+        assert says in n.log()[n.log_offset:]
+    finally:
+        n.stop()
+        undo()
+        n.start()
+    until(lambda: has_table(n), "the table back")
+
+
 def test_services_off_removes_the_table_an_earlier_run_left(env):
     """A node handed back to kube-proxy (`services: off`): the agent removes the table it
     programmed before, whose DNAT would otherwise run beside kube-proxy's."""
     n = env.n2
 
-    def has_table():
-        return n.ns.exec(["nft", "list", "table", "inet", "nodeplane-svc"], check=False).returncode == 0
-
-    assert has_table()
-    n.stop()
-    n.cfg["services"] = "off"
-    n.cfg_path.write_text(json.dumps(n.cfg))
-    try:
-        n.start()
-        until(lambda: not has_table(), "the table gone with services: off")
-        assert "removed the Services table an earlier run left" in n.log()[n.log_offset:]
-    finally:
-        n.stop()
-        del n.cfg["services"]
+    def services(mode):
+        n.cfg.pop("services", None)
+        if mode:
+            n.cfg["services"] = mode
         n.cfg_path.write_text(json.dumps(n.cfg))
-        n.start()
-    until(has_table, "the table back with services on")
+
+    restarted_with(n, lambda: services("off"), lambda: services(None), "services: off",
+                   "removed the Services table an earlier run left")
 
 
 @pytest.mark.parametrize("found", ["nft table", "ipvs device"])
@@ -311,19 +323,5 @@ def test_auto_leaves_a_node_to_kube_proxy_and_takes_it_back(env, found):
     else:
         # kube-proxy makes a dummy link; this host's kernel has none, and the name is what counts.
         mark = (["ip", "link", "add", "kube-ipvs0", "type", "bridge"], ["ip", "link", "del", "kube-ipvs0"])
-
-    def has_table():
-        return n.ns.exec(["nft", "list", "table", "inet", "nodeplane-svc"], check=False).returncode == 0
-
-    assert has_table()
-    n.stop()
-    n.ns.exec(mark[0])
-    try:
-        n.start()
-        until(lambda: not has_table(), "the table gone with kube-proxy there")
-        assert "kube-proxy programs this node" in n.log()[n.log_offset:]
-    finally:
-        n.stop()
-        n.ns.exec(mark[1])
-        n.start()
-    until(has_table, "the table back without kube-proxy")
+    restarted_with(n, lambda: n.ns.exec(mark[0]), lambda: n.ns.exec(mark[1]), f"kube-proxy's {found} there",
+                   "kube-proxy programs this node")
