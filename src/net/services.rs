@@ -896,8 +896,14 @@ pub fn forget_flows(args: &[String]) {
 
 /// Whether this node holds our table (`nft list tables`; read only).
 pub fn table_present() -> bool {
-    let out = std::process::Command::new("nft").args(["list", "tables", "inet"]).output();
-    out.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).lines().any(|l| l.trim() == format!("table inet {TABLE}")))
+    nft_tables().is_some_and(|t| t.contains(&format!("table inet {TABLE}")))
+}
+
+/// The node's nftables tables (`nft list tables`: "table <family> <name>" each); `None`
+/// when nft cannot be run.
+fn nft_tables() -> Option<Vec<String>> {
+    let out = std::process::Command::new("nft").args(["list", "tables"]).output().ok()?;
+    Some(String::from_utf8_lossy(&out.stdout).lines().map(|l| l.trim().to_string()).collect())
 }
 
 /// Whether kube-proxy (or another proxy of its family) programs this node: its nftables
@@ -909,15 +915,14 @@ pub fn kube_proxy_present() -> Option<String> {
     if devices.lines().any(|l| l.trim_start().starts_with("kube-ipvs0:")) {
         return Some("kube-proxy's IPVS device kube-ipvs0".into());
     }
-    let out = std::process::Command::new("nft").args(["list", "tables"]).output().ok()?;
-    let tables = String::from_utf8_lossy(&out.stdout);
+    let tables = nft_tables()?;
     for t in ["ip kube-proxy", "ip6 kube-proxy"] {
-        if tables.lines().any(|l| l.trim() == format!("table {t}")) {
+        if tables.contains(&format!("table {t}")) {
             return Some(format!("nftables table {t}"));
         }
     }
     for fam in ["ip", "ip6"] {
-        if tables.lines().any(|l| l.trim() == format!("table {fam} nat")) {
+        if tables.contains(&format!("table {fam} nat")) {
             let ok = std::process::Command::new("nft")
                 .args(["list", "chain", fam, "nat", "KUBE-SERVICES"])
                 .stdout(std::process::Stdio::null())
