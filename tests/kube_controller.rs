@@ -1090,7 +1090,10 @@ fn register_through_the_controller_checks_the_name_then_the_node_object() {
     wait_until("node-2 admitted", Duration::from_secs(10), || rt.block_on(register(a.grpc, &admin, "node-2")).is_ok());
     // Deleted while its agent runs: released, and refused from then on.
     k.delete("", "nodes", None, "node-2");
-    wait_until("node-2 released", Duration::from_secs(10), || k.get(GROUP, "nodeplanenodes", None, "node-2").is_none());
+    // Its record and its block locks go in separate writes: wait for both.
+    wait_until("node-2 released", Duration::from_secs(10), || {
+        k.get(GROUP, "nodeplanenodes", None, "node-2").is_none() && !locks(&k).iter().any(|(_, n)| n == "node-2")
+    });
     assert_eq!(rt.block_on(register(a.grpc, &admin, "node-2")).unwrap_err().code(), tonic::Code::FailedPrecondition);
     assert!(!locks(&k).iter().any(|(_, n)| n == "node-2"));
     drop(a);
