@@ -1192,6 +1192,10 @@ def test_controller_rbac_equals_api_calls(base, controller_cfg):
         if g == "nodeplane.dev":
             assert (g, res) in crds, f"the controller uses {res}.{g}, which no CRD defines"
             assert namespaced == (crds[(g, res)] == "Namespaced")
+    # The volume records' CRD is read for its uid (their store's identity), and no other.
+    crd_rules = [r for r in cr["rules"] if "customresourcedefinitions" in r["resources"]]
+    assert crd_rules == [{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+                          "resourceNames": ["nodeplanevolumes.nodeplane.dev"], "verbs": ["get"]}]
     # Reads and updates are limited to the controller's own Lease, Secrets (the token keys:
     # store.hmacSecretName, default nodeplane-controller-hmac; the bootstrap TLS pair:
     # tls.bootstrap.secretName) and CA ConfigMap; create cannot be limited by name.

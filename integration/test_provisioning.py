@@ -266,29 +266,52 @@ def test_offline_node_answers_unavailable(prov):
     assert vid not in n1.volume_files()
 
 
-def test_orphans_are_reclaimed_and_lost_files_reported(prov):
+def test_orphans_are_reclaimed_only_under_the_store_that_made_them(prov):
     c = prov()
     n1 = c.node(71)
     c.wait_connected([n1])
     ctl = c.controller
-    # A backing file the controller never heard of (left by a lost controller database).
+    meta = lambda vid: json.loads((n1.volume_dir / f"{vid}.json").read_text())
+    kept = ctl.csi("create-volume", "--name", "pvc-kept", "--size", 4 * MIB)["volumeId"]
+    wait_until(lambda: meta(kept).get("controllerStore", "").startswith("redb-"), what="the volume names its store")
+    store = meta(kept)["controllerStore"]
     n1.stop()
     n1.volume_dir.mkdir(parents=True, exist_ok=True)
-    (n1.volume_dir / "pvc-orphan.json").write_text(json.dumps(
-        {"version": 1, "id": "pvc-orphan", "sizeBytes": 4 * MIB, "fsType": "ext4", "createdAt": 0,
-         "name": "pvc-orphan"}))
-    # One made on the node directly (no claim name): reported, never reclaimed.
-    (n1.volume_dir / "local-scratch.json").write_text(json.dumps(
-        {"version": 1, "id": "local-scratch", "sizeBytes": 4 * MIB, "fsType": "ext4", "createdAt": 0}))
-    with open(n1.volume_dir / "local-scratch.img", "wb") as f:
-        f.truncate(4 * MIB)
-    with open(n1.volume_dir / "pvc-orphan.img", "wb") as f:
-        f.truncate(4 * MIB)
+
+    def plant(vid, **extra):
+        (n1.volume_dir / f"{vid}.json").write_text(json.dumps(
+            {"version": 1, "id": vid, "sizeBytes": 4 * MIB, "fsType": "ext4", "createdAt": 0, **extra}))
+        with open(n1.volume_dir / f"{vid}.img", "wb") as f:
+            f.truncate(4 * MIB)
+
+    # Listed once by this controller's store, which no longer lists it: reclaimed.
+    plant("pvc-orphan", name="pvc-orphan", controllerStore=store)
+    # Listed by another store (one that was lost), from a node older than stores, or made
+    # on the node directly: reported, never reclaimed.
+    plant("pvc-foreign", name="pvc-foreign", controllerStore="redb-00000000000000ff")
+    plant("pvc-unowned", name="pvc-unowned")
+    plant("local-scratch")
     n1.start()
     wait_until(lambda: "pvc-orphan" in ctl.log() and "does not know" in ctl.log(), what="orphan reported")
     wait_until(lambda: "pvc-orphan" not in n1.volume_files(), timeout=15, what="orphan reclaimed after the grace period")
-    assert "local-scratch" in n1.volume_files()
-    assert "local-scratch" in ctl.log()
+    time.sleep(1.5)  # a few reconcile passes past the others' grace too
+    assert {"pvc-foreign", "pvc-unowned", "local-scratch", kept} <= set(n1.volume_files())
+    for vid in ("pvc-foreign", "pvc-unowned", "local-scratch"):
+        assert vid in ctl.log()
+    assert "orphan volume kept" in n1.log()
+
+    # The controller's database lost: its new store never knew `kept`, whose claim may
+    # still be bound. The volume is reported and stays past the grace period.
+    ctl.stop()
+    (ctl.root / "data/registry.redb").unlink()
+    since = len(ctl.log())
+    ctl.start()
+    reported = lambda: [l for l in ctl.log()[since:].splitlines() if "does not know" in l and kept in l]
+    wait_until(reported, timeout=20, what="the lost store's volume reported")
+    time.sleep(3 * 2 + 1.5)  # three grace periods and a few passes
+    assert kept in n1.volume_files(), "a volume of a lost store was reclaimed"
+    assert meta(kept)["controllerStore"] == store
+
     # A ready volume that vanished completely (file and metadata) is not re-created empty.
     gone = ctl.csi("create-volume", "--name", "pvc-gone", "--size", 4 * MIB)["volumeId"]
     n1.stop()

@@ -246,6 +246,12 @@ fn a_failed_record_write_releases_the_new_locks() {
 fn volume_records_round_trip() {
     let k = cluster();
     let be = backend(&k);
+    // The records' store is named by the uid of their CRD, read under the controller's RBAC.
+    let crd =
+        k.get("apiextensions.k8s.io", "customresourcedefinitions", None, "nodeplanevolumes.nodeplane.dev").unwrap();
+    let uid = crd["metadata"]["uid"].as_str().unwrap();
+    assert_eq!(be.volume_store_id().unwrap(), format!("crd-{uid}"));
+    assert_granted(&k);
     let v = |id: &str, state: VolState| VolumeRecord {
         id: id.into(),
         name: format!("claim-{id}"),

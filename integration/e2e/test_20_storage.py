@@ -73,6 +73,11 @@ def test_volume_provisioned_expanded_snapshotted_restored_and_deleted_cleanly(ns
     assert kube.exec_("writer", ns, ["cat", "/data/mark"]).stdout.strip() == MARK
     assert volume_mounts(node, handle), "the volume is mounted on its node"
     assert kube.loop_devices_of(node), "a loop device backs it"
+    # The volume names the controller's store: the uid of the volume records' CRD, read by
+    # the controller under its RBAC. Orphan reclaim trusts nothing else.
+    crd_uid = kube.get("crd", "nodeplanevolumes.nodeplane.dev")["metadata"]["uid"]
+    meta = lambda: json.loads(kube.on_node(node, ["cat", f"/var/lib/nodeplane/volumes/{handle}.json"]).stdout)
+    wait_for(lambda: meta().get("controllerStore") == f"crd-{crd_uid}", 30, "the volume to name the CRD's uid")
 
     # Expansion while in use: the resizer grows the volume, kubelet the filesystem (online).
     before = df_kib("writer", ns)

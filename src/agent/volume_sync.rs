@@ -32,6 +32,7 @@ pub struct DesiredView {
     epoch: u64,
     revision: u64,
     orphan_grace_seconds: u64,
+    store_id: String,
     volumes: BTreeMap<String, pb::DesiredVolume>,
     snapshots: BTreeMap<String, pb::DesiredSnapshot>,
 }
@@ -48,6 +49,7 @@ impl DesiredView {
                 epoch: set.epoch,
                 revision: set.revision,
                 orphan_grace_seconds: set.orphan_grace_seconds,
+                store_id: set.store_id,
                 volumes: set.volumes.into_iter().map(|v| (v.id.clone(), v)).collect(),
                 snapshots: set.snapshots.into_iter().map(|s| (s.id.clone(), s)).collect(),
             };
@@ -73,6 +75,7 @@ impl DesiredView {
         }
         self.revision = set.revision;
         self.orphan_grace_seconds = set.orphan_grace_seconds;
+        self.store_id = set.store_id;
         Ok(())
     }
 
@@ -90,6 +93,7 @@ impl DesiredView {
             orphan_grace_seconds: self.orphan_grace_seconds,
             complete: true,
             epoch: self.epoch,
+            store_id: self.store_id.clone(),
             ..Default::default()
         }
     }
@@ -277,8 +281,25 @@ fn source_of(d: &pb::DesiredVolume) -> Option<Source> {
     }
 }
 
-/// Converge the store on `set`; returns the report to send. Volumes another operation holds
-/// right now are skipped (retried at the next tick); `pending` says whether any were.
+/// Whether an orphan may be reclaimed: the controller made it (it carries a CSI name), and
+/// the store the set comes from listed it before. One made on the node directly, or known
+/// only to a controller store that was lost since (whose successor never knew it, so its
+/// PV may still be bound), is kept and reported.
+fn reclaimable(name: &str, owner: &str, set: &pb::VolumeSet) -> bool {
+    !name.is_empty() && !owner.is_empty() && owner == set.store_id
+}
+
+/// Record that the set's store lists volume `d` ([`crate::storage::store::Volume::controller_store`]),
+/// once the node holds it under the same name.
+fn own_volume(store: &VolumeStore, d: &pb::DesiredVolume, owner: &str) -> Result<(), SyncError> {
+    match store.get(&d.id)? {
+        Some(v) if !owner.is_empty() && v.name == d.name && v.controller_store != owner => {
+            Ok(store.set_controller_store(&d.id, owner)?)
+        }
+        _ => Ok(()),
+    }
+}
+
 /// What the volume client remembers between passes.
 #[derive(Default)]
 struct SyncState {
@@ -299,6 +320,8 @@ struct Retry {
 const RETRY_FIRST: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(60);
 
+/// Converge the store on `set`; returns the report to send. Volumes another operation holds
+/// right now are skipped (retried at the next tick); `pending` says whether any were.
 fn reconcile(
     svc: &NodeService,
     set: &pb::VolumeSet,
@@ -318,7 +341,7 @@ fn reconcile(
         };
         let result = if d.present {
             match converge_present(svc, d, retries, &mut pending) {
-                Some(r) => r,
+                Some(r) => r.and_then(|()| own_volume(store, d, &set.store_id)),
                 None => {
                     failures.extend(waiting(retries, &d.id));
                     continue;
@@ -356,7 +379,8 @@ fn reconcile(
                 Ok(Some(s)) if s.name != d.name || s.source_volume != d.source_volume_id => {
                     Err(VolumeError::SnapshotExists { id: d.id.clone(), volume: s.source_volume, name: s.name })
                 }
-                Ok(Some(_)) => Ok(()),
+                Ok(Some(_)) if set.store_id.is_empty() => Ok(()),
+                Ok(Some(_)) => store.set_snapshot_controller_store(&d.id, &set.store_id),
                 Err(e) => Err(e),
             }
         } else {
@@ -390,10 +414,14 @@ fn reconcile(
         if listed.contains(v.id.as_str()) {
             continue;
         }
-        let since = *first_orphaned.entry(v.id.clone()).or_insert_with(Instant::now);
-        // Only volumes the controller made (they carry a claim name) are reclaimed; one made
-        // on the node directly is reported, never deleted.
-        if !v.name.is_empty()
+        let keep = !reclaimable(&v.name, &v.controller_store, set);
+        let since = *first_orphaned.entry(v.id.clone()).or_insert_with(|| {
+            if keep {
+                tracing::warn!(volume = %v.id, store = %v.controller_store, "orphan volume kept: not made under the controller's store");
+            }
+            Instant::now()
+        });
+        if !keep
             && since.elapsed() >= grace
             && !attached(&v.path)
             && let Ok(_g) = svc.guard(&v.id)
@@ -409,16 +437,22 @@ fn reconcile(
         }
         orphans.push(v.id.clone());
     }
-    // Snapshots the set does not list: kept for the grace period, then reclaimed (only
-    // those the controller made: they carry a name).
+    // Snapshots the set does not list: kept for the grace period, then reclaimed (as
+    // volumes).
     let listed_snaps: std::collections::HashSet<&str> = set.snapshots.iter().map(|d| d.id.as_str()).collect();
     for s in store.list_snapshots() {
         if listed_snaps.contains(s.id.as_str()) {
             continue;
         }
         let key = format!("snapshot/{}", s.id);
-        let since = *first_orphaned.entry(key.clone()).or_insert_with(Instant::now);
-        if !s.name.is_empty() && since.elapsed() >= grace {
+        let keep = !reclaimable(&s.name, &s.controller_store, set);
+        let since = *first_orphaned.entry(key.clone()).or_insert_with(|| {
+            if keep {
+                tracing::warn!(snapshot = %s.id, store = %s.controller_store, "orphan snapshot kept: not made under the controller's store");
+            }
+            Instant::now()
+        });
+        if !keep && since.elapsed() >= grace {
             match store.delete_snapshot(&s.id) {
                 Ok(()) => {
                     tracing::warn!(snapshot = %s.id, grace_s = grace.as_secs(), "reclaimed an orphan snapshot the controller does not know");
@@ -636,6 +670,54 @@ mod tests {
         let moved = pb::VolumeSet { volumes: vec![creating("file", "lvm")], ..set };
         let (r, _) = reconcile(&svc, &moved, &mut SyncState::default(), "n1");
         assert_eq!(failure(&r, "file").unwrap().code, Code::AlreadyExists as i32);
+    }
+
+    #[test]
+    fn orphans_go_only_when_the_store_that_listed_them_drops_them() {
+        let (_d, svc) = node("owner");
+        let mut state = SyncState::default();
+        let set = |store: &str, volumes: Vec<pb::DesiredVolume>, snapshots: Vec<pb::DesiredSnapshot>| pb::VolumeSet {
+            volumes,
+            snapshots,
+            store_id: store.into(),
+            ..Default::default()
+        };
+        let snap = pb::DesiredSnapshot {
+            id: "s".into(),
+            source_volume_id: "a".into(),
+            name: "snap".into(),
+            present: true,
+            creating: true,
+        };
+        let owner = |id: &str| svc.store.get(id).unwrap().map(|v| v.controller_store);
+        let snap_owner = || svc.store.get_snapshot("s").unwrap().map(|s| s.controller_store);
+        let s1 = set("s1", vec![creating("a", ""), creating("b", "")], vec![snap.clone()]);
+        for _ in 0..2 {
+            let (r, _) = reconcile(&svc, &s1, &mut state, "n1");
+            assert!(r.failures.is_empty(), "{:?}", r.failures);
+        }
+        assert_eq!((owner("a"), owner("b"), snap_owner()), (Some("s1".into()), Some("s1".into()), Some("s1".into())));
+        // An older controller (no store) lists them: their store stays.
+        let old = pb::VolumeSet { store_id: String::new(), ..s1.clone() };
+        reconcile(&svc, &old, &mut state, "n1");
+        assert_eq!(owner("a"), Some("s1".into()));
+        // The controller's store made again (s2) lists nothing: all kept past the grace (0 s).
+        for _ in 0..2 {
+            let (r, _) = reconcile(&svc, &set("s2", vec![], vec![]), &mut state, "n1");
+            assert_eq!(r.orphans, vec!["a", "b", "snapshot/s"]);
+        }
+        // s2 lists `a` and the snapshot, which become its own; s2 drops them: reclaimed.
+        reconcile(&svc, &set("s2", vec![creating("a", "")], vec![snap]), &mut state, "n1");
+        assert_eq!((owner("a"), snap_owner()), (Some("s2".into()), Some("s2".into())));
+        let (r, _) = reconcile(&svc, &set("s2", vec![], vec![]), &mut state, "n1");
+        assert_eq!((owner("a"), snap_owner()), (None, None));
+        assert_eq!(r.orphans, vec!["b"]);
+        // A set without a store reclaims nothing.
+        let (r, _) = reconcile(&svc, &set("", vec![], vec![]), &mut state, "n1");
+        assert_eq!((r.orphans, owner("b")), (vec!["b".to_string()], Some("s1".into())));
+        // The store that made `b` (s1) is back and no longer lists it: reclaimed.
+        let (r, _) = reconcile(&svc, &set("s1", vec![], vec![]), &mut state, "n1");
+        assert_eq!((r.orphans, owner("b")), (Vec::<String>::new(), None));
     }
 
     fn ids(v: &DesiredView) -> Vec<(String, u64)> {

@@ -58,6 +58,10 @@ pub trait Backend: Send + Sync + 'static {
     }
     fn load_volumes(&self) -> Result<Vec<VolumeRecord>, BackendError>;
     fn commit_volumes(&self, changes: &[Change<VolumeRecord>]) -> Result<(), BackendError>;
+    /// The identity of the store the volume records live in: the same for as long as the
+    /// records are kept, a new one when they are lost and the store is made again. Nodes
+    /// reclaim orphans only of the store they were made under.
+    fn volume_store_id(&self) -> Result<String, BackendError>;
     /// For logs.
     fn describe(&self) -> String;
 }
@@ -65,6 +69,8 @@ pub trait Backend: Send + Sync + 'static {
 const NODES: TableDefinition<&str, &[u8]> = TableDefinition::new("nodes");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("volumes");
+/// The key in `META` of the database's random identity ([`Backend::volume_store_id`]).
+const STORE_ID: &str = "store-id";
 
 /// The embedded store: one redb file; every commit is one fsync'd write transaction, so a
 /// `kill -9` at any instant leaves either the old or the new state.
@@ -84,7 +90,13 @@ impl RedbBackend {
         // Make sure the tables exist.
         let w = db.begin_write().map_err(e)?;
         w.open_table(NODES).map_err(e)?;
-        w.open_table(META).map_err(e)?;
+        {
+            let mut meta = w.open_table(META).map_err(e)?;
+            // The store's identity, made with the database.
+            if meta.get(STORE_ID).map_err(e)?.is_none() {
+                meta.insert(STORE_ID, super::records::random_epoch()).map_err(e)?;
+            }
+        }
         w.open_table(VOLUMES).map_err(e)?;
         w.commit().map_err(e)?;
         Ok(Arc::new(RedbBackend { db, path: path.to_path_buf() }))
@@ -157,6 +169,13 @@ impl Backend for RedbBackend {
         self.commit_table(VOLUMES, changes, None)
     }
 
+    fn volume_store_id(&self) -> Result<String, BackendError> {
+        let r = self.db.begin_read().map_err(e)?;
+        let id = r.open_table(META).map_err(e)?.get(STORE_ID).map_err(e)?.map(|v| v.value());
+        let id = id.ok_or_else(|| BackendError::Corrupt(format!("{}: no {STORE_ID}", self.path.display())))?;
+        Ok(format!("redb-{id:016x}"))
+    }
+
     fn describe(&self) -> String {
         format!("embedded database {}", self.path.display())
     }
@@ -176,5 +195,16 @@ mod tests {
         let e = db.load_nodes().unwrap_err();
         assert!(matches!(e, BackendError::Corrupt(_)), "{e:?}");
         assert!(e.to_string().starts_with("node record \"node-a\": "), "{e}");
+    }
+
+    #[test]
+    fn the_store_id_stays_with_the_database_and_a_new_one_gets_another() {
+        let dir = crate::util::TestDir::new("backend-store-id");
+        let path = dir.0.join("db.redb");
+        let first = RedbBackend::open(&path).unwrap().volume_store_id().unwrap();
+        assert!(first.starts_with("redb-") && first.len() == 21, "{first}");
+        assert_eq!(RedbBackend::open(&path).unwrap().volume_store_id().unwrap(), first);
+        std::fs::remove_file(&path).unwrap();
+        assert_ne!(RedbBackend::open(&path).unwrap().volume_store_id().unwrap(), first);
     }
 }

@@ -169,6 +169,9 @@ pub struct VolumeBook {
     st: Mutex<BookState>,
     /// This book instance: revisions are comparable only within one epoch.
     epoch: u64,
+    /// The backend's [`Backend::volume_store_id`] ("" when it may not be read): nodes
+    /// reclaim only orphans of this store.
+    store_id: String,
     /// Wakes waiters after every report or record change.
     events_tx: watch::Sender<u64>,
     pub orphan_grace: Duration,
@@ -296,8 +299,19 @@ impl VolumeBook {
             by_node.entry(rec.node.clone()).or_default().insert(rec.id.clone());
             vols.insert(rec.id.clone(), rec);
         }
+        let store_id = match backend.volume_store_id() {
+            Ok(id) => id,
+            // Not allowed to read it (an RBAC from before the identity): nodes keep orphans.
+            Err(BackendError::Refused(e)) => {
+                tracing::warn!(error = %e, "the volume store's identity cannot be read: nodes will reclaim no orphan");
+                String::new()
+            }
+            Err(e) => return Err(e.into()),
+        };
+        tracing::info!(store = %store_id, "volume store");
         let (events_tx, _) = watch::channel(0);
         Ok(VolumeBook {
+            store_id,
             backend,
             st: Mutex::new(BookState {
                 vols,
@@ -384,6 +398,7 @@ impl VolumeBook {
             orphan_grace_seconds: self.orphan_grace.as_secs(),
             complete: true,
             epoch: self.epoch,
+            store_id: self.store_id.clone(),
             ..Default::default()
         };
         for v in st.records_on(node) {
@@ -407,6 +422,7 @@ impl VolumeBook {
             orphan_grace_seconds: self.orphan_grace.as_secs(),
             base_revision: since,
             epoch: self.epoch,
+            store_id: self.store_id.clone(),
             ..Default::default()
         };
         let Some(log) = st.logs.get(node) else { return (set, false) };

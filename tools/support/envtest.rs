@@ -882,6 +882,7 @@ pub fn resource(group: &str, plural: &str) -> ApiResource {
         ("resource.k8s.io", "resourceslices") => ("v1", "ResourceSlice"),
         ("resource.k8s.io", "resourceclaims") => ("v1", "ResourceClaim"),
         ("admissionregistration.k8s.io", "validatingwebhookconfigurations") => ("v1", "ValidatingWebhookConfiguration"),
+        ("apiextensions.k8s.io", "customresourcedefinitions") => ("v1", "CustomResourceDefinition"),
         (GROUP, "nodeplanenodes") => ("v1alpha1", "NodeplaneNode"),
         (GROUP, "ipblocks") => ("v1alpha1", "IPBlock"),
         (GROUP, "nodeplanevolumes") => ("v1alpha1", "NodeplaneVolume"),

@@ -56,6 +56,8 @@ pub const API_CALLS: &[ApiCall] = &[
     call(GROUP, "nodeplanevolumes", "create", false),
     call(GROUP, "nodeplanevolumes", "update", false),
     call(GROUP, "nodeplanevolumes", "delete", false),
+    // the volume records' identity: the uid of their CRD (get limited to its name)
+    call("apiextensions.k8s.io", "customresourcedefinitions", "get", false),
     // Node deletions release blocks
     call("", "nodes", "get", false),
     call("", "nodes", "list", false),
@@ -114,6 +116,16 @@ pub fn block_resource() -> ApiResource {
 }
 pub fn volume_resource() -> ApiResource {
     resource("NodeplaneVolume", "nodeplanevolumes")
+}
+
+/// The CustomResourceDefinition of the volume records.
+pub fn volume_crd_name() -> String {
+    format!("nodeplanevolumes.{GROUP}")
+}
+
+pub fn crd_resource() -> ApiResource {
+    let gvk = GroupVersionKind::gvk("apiextensions.k8s.io", "v1", "CustomResourceDefinition");
+    ApiResource::from_gvk_with_plural(&gvk, "customresourcedefinitions")
 }
 
 /// The field manager of every write (`?fieldManager=`): what `managedFields` and audit logs

@@ -255,6 +255,8 @@ pub struct KubeBackend {
     nodes: Api<DynamicObject>,
     blocks: Api<DynamicObject>,
     volumes: Api<DynamicObject>,
+    /// The CustomResourceDefinitions: the volume records' own is their store's identity.
+    crds: Api<DynamicObject>,
     leadership: Option<Leadership>,
     known: Mutex<Known>,
 }
@@ -362,7 +364,8 @@ impl KubeBackend {
             leadership,
             nodes: Api::all_with(client.clone(), &node_resource()),
             blocks: Api::all_with(client.clone(), &block_resource()),
-            volumes: Api::all_with(client, &volume_resource()),
+            volumes: Api::all_with(client.clone(), &volume_resource()),
+            crds: Api::all_with(client, &super::crd_resource()),
             rt,
             fence,
             reserved: Mutex::new(Vec::new()),
@@ -742,6 +745,20 @@ impl Backend for KubeBackend {
         let mut known = self.known.lock().unwrap();
         known.volumes = items.iter().map(|(_, n, seen)| (n.clone(), seen.clone())).collect();
         Ok(items.into_iter().map(|(r, _, _)| r).collect())
+    }
+
+    /// The uid of the NodeplaneVolume CRD: deleting the CRD deletes every record, and the
+    /// CRD made again has another uid.
+    fn volume_store_id(&self) -> Result<String, BackendError> {
+        let (crds, name) = (self.crds.clone(), super::volume_crd_name());
+        self.rt.run(async move {
+            let crd = crds.get(&name).await.map_err(err(format!("reading CustomResourceDefinition {name}")))?;
+            let uid = crd.metadata.uid.unwrap_or_default();
+            if uid.is_empty() {
+                return Err(BackendError::Corrupt(format!("CustomResourceDefinition {name} has no uid")));
+            }
+            Ok(format!("crd-{uid}"))
+        })
     }
 
     fn commit_volumes(&self, changes: &[Change<VolumeRecord>]) -> Result<(), BackendError> {

@@ -366,6 +366,7 @@ impl VolumeStore {
             method: "thin-snapshot".to_string(),
             bytes_copied: 0,
             backend: Backend::Lvm,
+            controller_store: String::new(),
             path: pool.device(&snapshot_lv(id)),
         };
         let result = super::snapshots::write_json(&meta_path, &snap).and_then(|()| {

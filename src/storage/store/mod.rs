@@ -166,6 +166,11 @@ pub struct Volume {
     /// Where its bytes live (absent in the metadata: `file`).
     #[serde(default, skip_serializing_if = "Backend::is_file")]
     pub backend: Backend,
+    /// The controller store that last listed it (`VolumeSet.store_id`; "" until one did).
+    /// Orphan reclaim deletes only a volume of the store that no longer lists it: never
+    /// one of a store that was lost and made again, which never knew it.
+    #[serde(default, rename = "controllerStore", skip_serializing_if = "String::is_empty")]
+    pub controller_store: String,
     /// `<dir>/<id>.img`, or the thin LV's device node `/dev/<vg>/np-<id>` (not stored;
     /// derived from the store directory or the pool).
     #[serde(skip)]
@@ -183,6 +188,7 @@ impl Volume {
             created_at: crate::util::unix_secs(),
             name: name.to_string(),
             backend: Backend::File,
+            controller_store: String::new(),
             path,
         }
     }
@@ -580,6 +586,23 @@ impl VolumeStore {
         idx.volumes.insert(id.to_string(), vol.clone());
         tracing::info!(volume = id, size, fs = fs_type.as_str(), "volume created");
         Ok(vol)
+    }
+
+    /// Record that controller store `store` lists volume `id` ([`Volume::controller_store`]).
+    pub fn set_controller_store(&self, id: &str, store: &str) -> Result<()> {
+        validate_id(id)?;
+        let lock = self.volume_lock(id);
+        let _g = lock.lock().unwrap();
+        let mut idx = self.index.lock().unwrap();
+        let vol = idx.volumes.get_mut(id).ok_or_else(|| VolumeError::NotFound(id.to_string()))?;
+        if vol.controller_store != store {
+            let mut owned = vol.clone();
+            owned.controller_store = store.to_string();
+            write_meta_unsynced_dir(&self.meta_path(id), &owned)?;
+            sync_dir(&self.dir)?;
+            *vol = owned;
+        }
+        Ok(())
     }
 
     /// Delete volume `id`: image and metadata. Idempotent (an unknown id is success). An

@@ -50,6 +50,9 @@ pub struct Snapshot {
     /// The source volume's backend, which the snapshot shares.
     #[serde(default, skip_serializing_if = "Backend::is_file")]
     pub backend: Backend,
+    /// As [`super::Volume::controller_store`].
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub controller_store: String,
     /// `<dir>/snapshots/<id>.img`, or the thin snapshot's device node (not stored).
     #[serde(skip)]
     pub path: PathBuf,
@@ -243,6 +246,7 @@ impl VolumeStore {
                 method: stats.method.as_str().to_string(),
                 bytes_copied: stats.bytes_copied,
                 backend: Backend::File,
+                controller_store: String::new(),
                 path: img.clone(),
             };
             write_json(&meta_path, &snap)?;
@@ -266,6 +270,21 @@ impl VolumeStore {
                 Err(e)
             }
         }
+    }
+
+    /// Record that controller store `store` lists snapshot `id` (see
+    /// [`Snapshot::controller_store`]).
+    pub fn set_snapshot_controller_store(&self, id: &str, store: &str) -> Result<()> {
+        validate_id(id)?;
+        let mut idx = self.index.lock().unwrap();
+        let snap = idx.snapshots.get_mut(id).ok_or_else(|| VolumeError::NotFound(format!("snapshot {id}")))?;
+        if snap.controller_store != store {
+            let mut owned = snap.clone();
+            owned.controller_store = store.to_string();
+            write_json(&snapshot_dir(&self.dir).join(format!("{id}.json")), &owned)?;
+            *snap = owned;
+        }
+        Ok(())
     }
 
     /// Delete snapshot `id`. Idempotent: an unknown id is success.

@@ -266,6 +266,7 @@ fn open_finishes_or_rolls_back_interrupted_work() {
             created_at: 1,
             name: String::new(),
             backend: Default::default(),
+            controller_store: String::new(),
             path: PathBuf::new(),
         };
         fs::write(d.join(format!("{id}.json")), serde_json::to_vec(&v).unwrap()).unwrap();
