@@ -17,7 +17,7 @@
 //! set costs the node's records (an index by node), never a scan of the cluster's.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
@@ -166,6 +166,10 @@ const FIRST_REVISION: u64 = 1;
 
 pub struct VolumeBook {
     backend: Arc<dyn Backend>,
+    /// Held by a change from its decision to its end: changes come one at a time, each
+    /// decided on the state it is applied to. `st` itself is never held while the backend
+    /// commits, so readers (gRPC handlers, lease renewal's runtime) never wait on the API.
+    writer: Mutex<()>,
     st: Mutex<BookState>,
     /// This book instance: revisions are comparable only within one epoch.
     epoch: u64,
@@ -313,6 +317,7 @@ impl VolumeBook {
         Ok(VolumeBook {
             store_id,
             backend,
+            writer: Mutex::new(()),
             st: Mutex::new(BookState {
                 vols,
                 by_name,
@@ -329,8 +334,23 @@ impl VolumeBook {
         })
     }
 
-    fn commit(&self, st: &mut BookState, changes: Vec<(String, Option<VolumeRecord>)>) -> Result<(), BookError> {
+    /// Begin a change: the writer lock, then the state to decide on.
+    fn write(&self) -> (MutexGuard<'_, ()>, MutexGuard<'_, BookState>) {
+        let w = self.writer.lock().unwrap();
+        (w, self.st.lock().unwrap())
+    }
+
+    /// Commit `changes` (decided on `st` under `_w`, from [`Self::write`]) to the backend with
+    /// the state unlocked, then apply them.
+    fn commit(
+        &self,
+        _w: &MutexGuard<'_, ()>,
+        st: MutexGuard<'_, BookState>,
+        changes: Vec<(String, Option<VolumeRecord>)>,
+    ) -> Result<(), BookError> {
+        drop(st);
         self.backend.commit_volumes(&changes)?;
+        let mut st = self.st.lock().unwrap();
         let rev = st.revision + 1;
         // (node, id) of every set that changed: the record's old node and its new one.
         let mut touched = BTreeSet::new();
@@ -447,7 +467,7 @@ impl VolumeBook {
     /// Take a node's report: remember it, and move records along (Creating → Ready when the
     /// file is there, Deleting → gone when it is not). Returns how the node's pools changed.
     pub fn report(&self, r: pb::ReportVolumesRequest) -> Result<Vec<PoolChange>, BookError> {
-        let mut st = self.st.lock().unwrap();
+        let (w, mut st) = self.write();
         let view = st.nodes.entry(r.node_name.clone()).or_default();
         view.capacity_bytes = r.capacity_bytes;
         view.available_bytes = r.available_bytes;
@@ -502,7 +522,7 @@ impl VolumeBook {
                 None => tracing::info!(id = %id, node = %r.node_name, "deleted"),
             }
         }
-        self.commit(&mut st, changes)?;
+        self.commit(&w, st, changes)?;
         Ok(pools)
     }
 
@@ -624,7 +644,7 @@ impl VolumeBook {
         placement: &Placement,
         source: Option<&ContentSource>,
     ) -> Result<(VolumeRecord, bool), BookError> {
-        let mut st = self.st.lock().unwrap();
+        let (w, st) = self.write();
         if let Some(id) = st.by_name.get(&(RecordKind::Volume, name.to_string())) {
             return Ok((st.vols[id].clone(), false));
         }
@@ -704,7 +724,7 @@ impl VolumeBook {
             source_snapshot,
             backend,
         };
-        self.commit(&mut st, vec![(id.clone(), Some(rec.clone()))])?;
+        self.commit(&w, st, vec![(id.clone(), Some(rec.clone()))])?;
         tracing::info!(volume = %id, name, node = %node, size, fs = fs_type.as_str(), %backend, source = ?source, "volume placed");
         Ok((rec, true))
     }
@@ -741,7 +761,7 @@ impl VolumeBook {
         source: &str,
         parameters: BTreeMap<String, String>,
     ) -> Result<(VolumeRecord, bool), BookError> {
-        let mut st = self.st.lock().unwrap();
+        let (w, st) = self.write();
         if let Some(id) = st.by_name.get(&(RecordKind::Snapshot, name.to_string())) {
             return Ok((st.vols[id].clone(), false));
         }
@@ -779,7 +799,7 @@ impl VolumeBook {
             source_snapshot: String::new(),
             backend: v.backend,
         };
-        self.commit(&mut st, vec![(id.clone(), Some(rec.clone()))])?;
+        self.commit(&w, st, vec![(id.clone(), Some(rec.clone()))])?;
         tracing::info!(snapshot = %id, name, volume = source, node = %v.node, size = v.size_bytes, "snapshot placed");
         Ok((rec, true))
     }
@@ -787,7 +807,7 @@ impl VolumeBook {
     /// Mark a volume or snapshot for deletion (durably). `None`: no such record. Refused
     /// while a volume is still being made from it.
     pub fn begin_delete(&self, id: &str) -> Result<Option<VolumeRecord>, BookError> {
-        let mut st = self.st.lock().unwrap();
+        let (w, st) = self.write();
         let Some(v) = st.vols.get(id).cloned() else { return Ok(None) };
         if let Some(copy) = st.vols.values().find(|c| {
             c.kind == RecordKind::Volume
@@ -799,7 +819,7 @@ impl VolumeBook {
         }
         if v.state != VolState::Deleting {
             let d = VolumeRecord { state: VolState::Deleting, ..v };
-            self.commit(&mut st, vec![(id.to_string(), Some(d.clone()))])?;
+            self.commit(&w, st, vec![(id.to_string(), Some(d.clone()))])?;
             return Ok(Some(d));
         }
         Ok(Some(v))
@@ -807,32 +827,32 @@ impl VolumeBook {
 
     /// Undo `begin_delete` when the node refused (the volume is in use).
     pub fn cancel_delete(&self, id: &str) -> Result<(), BookError> {
-        let mut st = self.st.lock().unwrap();
+        let (w, st) = self.write();
         if let Some(v) = st.vols.get(id).cloned()
             && v.state == VolState::Deleting
         {
             // The node refused because the volume is in use: it holds it, so it is ready
             // (a volume it does not hold would have been deleted, not refused).
             let state = if held(st.nodes.get(&v.node), &v).is_some() { VolState::Ready } else { VolState::Creating };
-            self.commit(&mut st, vec![(id.to_string(), Some(VolumeRecord { state, ..v }))])?;
+            self.commit(&w, st, vec![(id.to_string(), Some(VolumeRecord { state, ..v }))])?;
         }
         Ok(())
     }
 
     /// Put a volume's desired size back after the node refused to grow it.
     pub fn revert_expand(&self, id: &str, size: u64) -> Result<(), BookError> {
-        let mut st = self.st.lock().unwrap();
+        let (w, st) = self.write();
         if let Some(v) = st.vols.get(id).cloned()
             && v.size_bytes > size
         {
-            self.commit(&mut st, vec![(id.to_string(), Some(VolumeRecord { size_bytes: size, ..v }))])?;
+            self.commit(&w, st, vec![(id.to_string(), Some(VolumeRecord { size_bytes: size, ..v }))])?;
         }
         Ok(())
     }
 
     /// Raise a volume's desired size (durably), checking the node has room.
     pub fn begin_expand(&self, id: &str, size: u64) -> Result<VolumeRecord, BookError> {
-        let mut st = self.st.lock().unwrap();
+        let (w, st) = self.write();
         let v = st.vols.get(id).cloned().ok_or_else(|| BookError::NotFound(id.to_string()))?;
         if v.state == VolState::Deleting {
             return Err(BookError::BeingDeleted(id.to_string()));
@@ -851,7 +871,7 @@ impl VolumeBook {
             });
         }
         let grown = VolumeRecord { size_bytes: size, ..v };
-        self.commit(&mut st, vec![(id.to_string(), Some(grown.clone()))])?;
+        self.commit(&w, st, vec![(id.to_string(), Some(grown.clone()))])?;
         Ok(grown)
     }
 
@@ -1058,6 +1078,71 @@ mod tests {
             ..Default::default()
         })
         .unwrap();
+    }
+
+    /// A backend whose volume commits wait until the test lets each go.
+    struct Gated {
+        inner: Arc<crate::controller::backend::RedbBackend>,
+        entered: Mutex<std::sync::mpsc::Sender<()>>,
+        go: Mutex<std::sync::mpsc::Receiver<()>>,
+    }
+
+    impl Backend for Gated {
+        fn load_nodes(&self) -> Result<(Vec<super::super::records::NodeRecord>, u64), BackendError> {
+            self.inner.load_nodes()
+        }
+        fn commit_nodes(
+            &self,
+            changes: &[super::super::backend::Change<super::super::records::NodeRecord>],
+            revision: u64,
+        ) -> Result<(), BackendError> {
+            self.inner.commit_nodes(changes, revision)
+        }
+        fn load_volumes(&self) -> Result<Vec<VolumeRecord>, BackendError> {
+            self.inner.load_volumes()
+        }
+        fn commit_volumes(&self, changes: &[super::super::backend::Change<VolumeRecord>]) -> Result<(), BackendError> {
+            self.entered.lock().unwrap().send(()).unwrap();
+            self.go.lock().unwrap().recv().unwrap();
+            self.inner.commit_volumes(changes)
+        }
+        fn volume_store_id(&self) -> Result<String, BackendError> {
+            self.inner.volume_store_id()
+        }
+        fn describe(&self) -> String {
+            "gated".into()
+        }
+    }
+
+    #[test]
+    fn readers_do_not_wait_for_a_slow_commit_and_writers_do() {
+        let t = crate::util::TestDir::new("book-gated");
+        let (entered_tx, entered) = std::sync::mpsc::channel();
+        let (go, go_rx) = std::sync::mpsc::channel();
+        let inner = crate::controller::backend::RedbBackend::open(&t.0.join("db.redb")).unwrap();
+        let gated = Gated { inner, entered: Mutex::new(entered_tx), go: Mutex::new(go_rx) };
+        let b = Arc::new(VolumeBook::open(Arc::new(gated), Duration::from_secs(60)).unwrap());
+        let _g = b.connect("n1");
+        report(&b, "n1", 100, &[]);
+        let place = |name: &'static str| {
+            let b = b.clone();
+            std::thread::spawn(move || b.place(name, 10, FsType::Ext4, Default::default(), &Placement::default(), None))
+        };
+        let first = place("a");
+        entered.recv().unwrap();
+        // The API is slow: readers answer at once, from the state before the change.
+        assert!(b.by_name("a").is_none());
+        assert!(b.desired("n1").volumes.is_empty());
+        // A second change waits for the first to end, then decides on its outcome.
+        let second = place("a");
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(entered.try_recv().is_err(), "a second commit began during the first");
+        go.send(()).unwrap();
+        let (rec, created) = first.join().unwrap().unwrap();
+        assert!(created);
+        assert_eq!(second.join().unwrap().unwrap(), (rec.clone(), false));
+        assert_eq!(b.desired("n1").volumes.len(), 1);
+        assert_eq!(b.by_name("a").map(|r| r.id), Some(rec.id));
     }
 
     #[test]
