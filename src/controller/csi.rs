@@ -111,26 +111,32 @@ fn check_source_backend(what: &ContentSource, src: &VolumeRecord, backend: Store
     )))
 }
 
-/// Turn a capacity range into a size: whole MiB, at least the required bytes, within the
-/// limit (OUT_OF_RANGE when rounding cannot fit), DEFAULT_SIZE (capped by the limit) when
-/// nothing is required.
 /// The smallest filesystem `mkfs.xfs` (xfsprogs 6) makes: a smaller xfs volume could be
 /// created but never staged.
 pub const XFS_MIN_SIZE: u64 = 300 * MIB;
 
-/// [`size_for`], raised to the filesystem's minimum when the range allows it (an xfs volume
-/// below [`XFS_MIN_SIZE`] is OUT_OF_RANGE when `limit_bytes` forbids the minimum).
+/// The smallest volume of `fs` the node can stage: [`XFS_MIN_SIZE`] for xfs, else 1 MiB,
+/// and with encryption the LUKS2 header on top.
+fn min_size(fs: FsType, encrypted: bool) -> u64 {
+    let data = if fs == FsType::Xfs { XFS_MIN_SIZE } else { MIB };
+    data + if encrypted { LUKS2_HEADER } else { 0 }
+}
+
+/// [`size_for`], raised to [`min_size`] when the range allows it (OUT_OF_RANGE when
+/// `limit_bytes` forbids the minimum).
 pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: FsType, encrypted: bool) -> Result<u64, Status> {
     let size = size_for(range)?;
-    // An encrypted volume's filesystem is its size less the LUKS2 header.
-    let min = XFS_MIN_SIZE + if encrypted { LUKS2_HEADER } else { 0 };
-    if fs != FsType::Xfs || size >= min {
+    let min = min_size(fs, encrypted);
+    if size >= min {
         return Ok(size);
     }
     let lim = range.map_or(0, |r| r.limit_bytes.max(0) as u64);
     if lim > 0 && lim < min {
+        let why = if fs == FsType::Xfs { "mkfs.xfs refuses smaller" } else { "the LUKS2 header takes 2 MiB" };
+        let kind = if encrypted { "encrypted volumes" } else { "volumes" };
+        let fs = if fs == FsType::Raw { "block" } else { fs.as_str() };
         return Err(Status::out_of_range(format!(
-            "xfs volumes need at least {min} bytes (mkfs.xfs refuses smaller); limit_bytes is {lim}"
+            "{fs} {kind} need at least {min} bytes ({why}); limit_bytes is {lim}"
         )));
     }
     Ok(min)
@@ -139,6 +145,9 @@ pub fn size_for_fs(range: Option<&csi::CapacityRange>, fs: FsType, encrypted: bo
 /// What the agent's LUKS2 header takes of an encrypted volume (`src/sys/crypt.rs`).
 pub const LUKS2_HEADER: u64 = 2 * MIB;
 
+/// Turn a capacity range into a size: whole MiB, at least the required bytes, within the
+/// limit (OUT_OF_RANGE when rounding cannot fit), DEFAULT_SIZE (capped by the limit) when
+/// nothing is required.
 pub fn size_for(range: Option<&csi::CapacityRange>) -> Result<u64, Status> {
     let (req, lim) = match range {
         Some(r) => (r.required_bytes, r.limit_bytes),
@@ -958,6 +967,17 @@ mod tests {
                 .unwrap(),
             1 << 20
         );
+        // An encrypted ext4 or raw volume holds the header and at least 1 MiB of data.
+        for fs in [FsType::Ext4, FsType::Raw] {
+            let r = |req: i64, lim: i64| {
+                size_for_fs(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }), fs, true)
+            };
+            assert_eq!(r(1, 0).unwrap(), 3 * MIB);
+            assert_eq!(r(8 << 20, 0).unwrap(), 8 * MIB);
+            let e = r(1, 2 << 20).unwrap_err();
+            assert_eq!(e.code(), Code::OutOfRange);
+            assert!(e.message().contains("need at least 3145728 bytes (the LUKS2 header"), "{}", e.message());
+        }
         let r = |req: i64, lim: i64| size_for(Some(&csi::CapacityRange { required_bytes: req, limit_bytes: lim }));
         assert_eq!(size_for(None).unwrap(), DEFAULT_SIZE);
         assert_eq!(r(1, 0).unwrap(), MIB);
