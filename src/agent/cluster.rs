@@ -452,12 +452,26 @@ impl Client {
         }
         let public = wireguard::encode_key(new.public());
         *self.keys.lock().unwrap() = Some(new);
-        let mut req = register(self.vtep_mac.lock().unwrap().clone());
-        req.wireguard_key = public.clone();
-        client.register(token.authed(req)).await.map_err(|s| grpc_err("register (new wireguard key)", &s))?;
-        self.link.message();
-        self.link.encryption.lock().unwrap().1 = public.clone();
+        self.publish_key(client, token, register, &public, "register (new wireguard key)").await?;
         tracing::info!(public_key = %public, "wireguard key rotated and published");
+        Ok(())
+    }
+
+    /// Register again with `key` ("": none) as this node's WireGuard key; the other nodes
+    /// learn it from the membership stream. Once registered, it is the key published.
+    async fn publish_key(
+        &self,
+        client: &mut NodeRegistryClient<tonic::transport::Channel>,
+        token: &Token,
+        register: &impl Fn(String) -> pb::RegisterRequest,
+        key: &str,
+        what: &str,
+    ) -> Result<(), String> {
+        let mut req = register(self.vtep_mac.lock().unwrap().clone());
+        req.wireguard_key = key.to_string();
+        client.register(token.authed(req)).await.map_err(|s| grpc_err(what, &s))?;
+        self.link.message();
+        self.link.encryption.lock().unwrap().1 = key.to_string();
         Ok(())
     }
 
@@ -479,11 +493,7 @@ impl Client {
         if mode == wireguard::Mode::Off || key == published {
             return Ok(());
         }
-        let mut req = register(self.vtep_mac.lock().unwrap().clone());
-        req.wireguard_key = key.clone();
-        client.register(token.authed(req)).await.map_err(|s| grpc_err("register (wireguard key)", &s))?;
-        self.link.message();
-        self.link.encryption.lock().unwrap().1 = key.clone();
+        self.publish_key(client, token, register, &key, "register (wireguard key)").await?;
         if key.is_empty() {
             tracing::warn!(%mode, "no wireguard device: this node withdrew its key from its peers");
         } else {
