@@ -96,15 +96,16 @@ impl NodeService {
         self.kernel.crypt_mapping(&crypt::mapping_name(id)).map_err(|e| crypt_error(id, e))
     }
 
-    /// Whether volume `id`, staged for raw block access as `rec` says, still has the device
-    /// a publication binds: its open mapping when encrypted, else its read-write loop device
-    /// or LV. After a reboot an encrypted volume's LV is active again but its mapping is
-    /// not; that LV holds the LUKS container, never what the pod wrote.
-    pub(super) fn block_staged(&self, id: &str, rec: &StageRecord, devices: &[LoopDev]) -> Result<bool> {
+    /// Whether a volume staged for raw block access as `rec` says still has, among its
+    /// `devices` (from `volume_devices`), the device a publication binds: its open mapping
+    /// when encrypted, else its read-write loop device or LV. After a reboot an encrypted
+    /// volume's LV is active again but its mapping is not; that LV holds the LUKS
+    /// container, never what the pod wrote.
+    pub(super) fn block_staged(rec: &StageRecord, devices: &[LoopDev]) -> bool {
         if rec.encrypted {
-            return Ok(self.mapping_of(id)?.is_some());
+            return devices.iter().any(|d| d.mapping);
         }
-        Ok(devices.iter().any(|d| !d.ro))
+        devices.iter().any(|d| !d.ro)
     }
 
     /// The device volume `id` is used through: its mapping when open, else its read-write

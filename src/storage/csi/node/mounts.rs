@@ -14,6 +14,8 @@ pub(super) struct LoopDev {
     /// major, minor
     pub(super) num: (u32, u32),
     pub(super) ro: bool,
+    /// The volume's open dm-crypt mapping (not a loop device or LV).
+    pub(super) mapping: bool,
 }
 
 impl NodeService {
@@ -26,11 +28,11 @@ impl NodeService {
     pub(super) fn volume_devices(&self, id: &str) -> Result<Vec<LoopDev>> {
         let mut out = Vec::new();
         if let Some(m) = self.mapping_of(id)? {
-            out.push(LoopDev { path: m.path, num: m.num, ro: false });
+            out.push(LoopDev { path: m.path, num: m.num, ro: false, mapping: true });
         }
         for b in self.store.bindings(id)? {
             if let Ok(num) = self.kernel.dev_numbers(&b.device) {
-                out.push(LoopDev { path: b.device, num, ro: b.read_only });
+                out.push(LoopDev { path: b.device, num, ro: b.read_only, mapping: false });
             }
         }
         out.sort_by_key(|d| d.ro); // stable: the mapping stays first

@@ -56,7 +56,7 @@ impl NodeService {
                     )));
                 }
                 if cap.block {
-                    self.block_staged(id, r, &devices)?
+                    Self::block_staged(r, &devices)
                 } else {
                     self.top_at(&staging)?.is_some_and(|m| self.is_volume_mount(&m, &devices))
                 }

@@ -138,7 +138,7 @@ impl NodeService {
                 tracing::warn!(volume = %v.id, mapping = %m.name, backing = %m.backing.display(), "a mapping named for the volume is open on another device; leaving it");
                 continue;
             }
-            let dev = [LoopDev { path: m.path.clone(), num: m.num, ro: false }];
+            let dev = [LoopDev { path: m.path.clone(), num: m.num, ro: false, mapping: true }];
             if let Some(at) = table.iter().find(|e| self.is_volume_mount(e, &dev)) {
                 tracing::warn!(volume = %v.id, mapping = %m.name, mounted_at = %at.mount_point.display(), "the mapping of a volume no stage accounts for is mounted; leaving it");
                 continue;
@@ -220,7 +220,7 @@ impl NodeService {
     }
 
     fn volume_mounts<'a>(&self, table: &'a [MountEntry], l: &StoreLoop) -> Vec<&'a MountEntry> {
-        let dev = [LoopDev { path: l.binding.device.clone(), num: l.num, ro: l.binding.read_only }];
+        let dev = [LoopDev { path: l.binding.device.clone(), num: l.num, ro: l.binding.read_only, mapping: false }];
         table.iter().filter(|m| self.is_volume_mount(m, &dev)).collect()
     }
 
@@ -423,7 +423,7 @@ impl NodeService {
         let table = if mappings.is_empty() { Vec::new() } else { self.table()? };
         let mut out = Vec::new();
         for m in mappings.into_iter().filter(|m| !staged.contains(&m.name)) {
-            let dev = [LoopDev { path: m.path.clone(), num: m.num, ro: false }];
+            let dev = [LoopDev { path: m.path.clone(), num: m.num, ro: false, mapping: true }];
             let mounted: Vec<String> = table
                 .iter()
                 .filter(|e| self.is_volume_mount(e, &dev))

@@ -43,7 +43,7 @@ impl NodeService {
         if let Some(r) = &rec {
             let mounted_there = self.ours_at(&r.staging_path, &devices)?;
             let staged_there = r.state == StageState::Staged
-                && (mounted_there || (r.capability.block && self.block_staged(id, r, &devices)?));
+                && (mounted_there || (r.capability.block && Self::block_staged(r, &devices)));
             if r.staging_path != staging && staged_there {
                 return Err(precondition(format!(
                     "volume {id} is already staged at {}; unstage it there first",
@@ -102,7 +102,7 @@ impl NodeService {
             && r.state == StageState::Staged
             && r.staging_path == staging
             && r.same(&cap)
-            && self.block_staged(id, r, &devices)?
+            && Self::block_staged(r, &devices)
         {
             return Ok(()); // already staged (kubelet repeats NodeStage for every pod)
         }
@@ -119,7 +119,7 @@ impl NodeService {
         // An LV counts as attached while active, so a mapping this stage opens on it is
         // closed on failure by what `mapped_before` says, not `attached_before`.
         let attached_before = devices.iter().any(|d| !d.ro);
-        let mapped_before = self.mapping_of(id)?.is_some();
+        let mapped_before = devices.iter().any(|d| d.mapping);
         // The final record is part of the work: when it cannot be written (a full state disk,
         // where the first record went into a spare that already had room) the stage is rolled
         // back like any other failure, not left mounted under a "staging" record.
