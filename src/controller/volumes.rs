@@ -622,6 +622,17 @@ impl VolumeBook {
             .collect())
     }
 
+    /// A volume still being made on a node away for longer than `capacity_grace`. It was
+    /// never ready, so nothing can be on it: it may be placed again. One made from a source
+    /// stays (only the source's node can make it).
+    fn stranded(&self, st: &BookState, v: &VolumeRecord) -> bool {
+        v.state == VolState::Creating
+            && v.source_volume.is_empty()
+            && v.source_snapshot.is_empty()
+            && !st.nodes.get(&v.node).is_some_and(NodeView::live)
+            && !self.briefly_away(st, &v.node)
+    }
+
     /// Not live, and gone (or not seen since the controller started) for less than
     /// `capacity_grace`.
     fn briefly_away(&self, st: &BookState, node: &str) -> bool {
@@ -646,10 +657,15 @@ impl VolumeBook {
     ) -> Result<(VolumeRecord, bool), BookError> {
         let (w, st) = self.write();
         if let Some(id) = st.by_name.get(&(RecordKind::Volume, name.to_string())) {
-            return Ok((st.vols[id].clone(), false));
+            let v = &st.vols[id];
+            let same = v.size_bytes == size && v.fs_type == fs_type && v.parameters == parameters;
+            if !(same && source.is_none() && self.stranded(&st, v)) {
+                return Ok((v.clone(), false));
+            }
+            tracing::warn!(volume = %id, node = %v.node, "placing the volume again: its node went away before making it");
         }
         let id = volume_id_for(name);
-        if let Some(other) = st.vols.get(&id) {
+        if let Some(other) = st.vols.get(&id).filter(|o| o.name != name || o.kind != RecordKind::Volume) {
             return Err(BookError::IdTaken { id, name: name.to_string(), other: other.name.clone() });
         }
         let live = Self::live_nodes(&st);
@@ -1143,6 +1159,36 @@ mod tests {
         assert_eq!(second.join().unwrap().unwrap(), (rec.clone(), false));
         assert_eq!(b.desired("n1").volumes.len(), 1);
         assert_eq!(b.by_name("a").map(|r| r.id), Some(rec.id));
+    }
+
+    #[test]
+    fn a_volume_whose_node_went_away_before_making_it_is_placed_again() {
+        let t = crate::util::TestDir::new("book-stranded");
+        let db = crate::controller::backend::RedbBackend::open(&t.0.join("db.redb")).unwrap();
+        let mut book = VolumeBook::open(db, Duration::from_secs(60)).unwrap();
+        book.capacity_grace = Duration::ZERO;
+        let b = Arc::new(book);
+        let g1 = b.connect("n1");
+        let _g2 = b.connect("n2");
+        report(&b, "n1", 100, &[]);
+        report(&b, "n2", 50, &[]);
+        let place = |size: u64| b.place("a", size, FsType::Ext4, Default::default(), &Placement::default(), None);
+        let (v, _) = place(10).unwrap();
+        assert_eq!(v.node, "n1");
+        assert_eq!(place(10).unwrap(), (v.clone(), false), "its node is there: the same record");
+        drop(g1);
+        // Another request under the name is not this volume's retry: the caller refuses it.
+        assert_eq!(place(20).unwrap(), (v.clone(), false));
+        let (moved, created) = place(10).unwrap();
+        assert!(created);
+        assert_eq!((moved.id.as_str(), moved.node.as_str()), (v.id.as_str(), "n2"));
+        assert!(b.desired("n1").volumes.is_empty(), "n1's set no longer lists it");
+        assert_eq!(b.desired("n2").volumes[0].id, v.id);
+        // A volume its node made (ready) stays with it, away or not.
+        report(&b, "n2", 50, &[(v.id.as_str(), 10)]);
+        drop(_g2);
+        let (kept, created) = place(10).unwrap();
+        assert_eq!((kept.node.as_str(), kept.state, created), ("n2", VolState::Ready, false));
     }
 
     #[test]
