@@ -449,14 +449,12 @@ impl ControllerService {
             self.ensure_snapshot_key(&rec, src).await.map_err(key_error)?;
         }
         let since = self.book.revision_of(&rec.node);
-        // Wait for the node to finish; after op_timeout answer "not ready yet" (the
-        // snapshotter calls again until ready_to_use).
+        // Wait for the node to cut it. After op_timeout: DEADLINE_EXCEEDED, never a response,
+        // which would tell the snapshotter that the snapshot is cut (it may then let the
+        // application write again). Its next call resumes the wait.
         let out = self.await_held("snapshot", &rec.id, since, |view, v| held_snapshot(view, v).is_some()).await;
         match out {
             Ok(v) => Ok(csi::CreateSnapshotResponse { snapshot: Some(snapshot_to_csi(&v, true)) }),
-            Err(e) if e.code() == Code::DeadlineExceeded => {
-                Ok(csi::CreateSnapshotResponse { snapshot: Some(snapshot_to_csi(&rec, false)) })
-            }
             Err(e)
                 if matches!(
                     e.code(),
@@ -1209,19 +1207,17 @@ mod tests {
         let dir = t.0.join("keys");
         let read = |id: &str, entry: &str| std::fs::read_to_string(dir.join(format!("{id}.{entry}"))).ok();
         // A snapshot: encrypted, its record a copy of the volume's, made before the node
-        // takes it (the node does not answer: not ready yet).
-        let snap = svc
+        // takes it. The node does not answer: not cut, so an error, never a response.
+        let e = svc
             .do_create_snapshot(csi::CreateSnapshotRequest {
                 name: "snap-e".into(),
                 source_volume_id: rec.id.clone(),
                 ..Default::default()
             })
             .await
-            .unwrap()
-            .snapshot
-            .unwrap();
-        assert!(!snap.ready_to_use);
-        let srec = svc.book.get_snapshot(&snap.snapshot_id).unwrap();
+            .unwrap_err();
+        assert_eq!(e.code(), Code::DeadlineExceeded, "{e}");
+        let srec = svc.book.get_snapshot(&super::super::volumes::volume_id_for("snap-e")).unwrap();
         assert!(is_encrypted(&srec), "the snapshot of an encrypted volume is encrypted");
         assert_eq!(read(&srec.id, "key").as_deref(), Some(key.as_str()), "the snapshot keeps the volume's key");
         assert_eq!(read(&srec.id, "sourceKey"), None);
