@@ -656,14 +656,16 @@ impl csi::controller_server::Controller for ControllerService {
         // Connected is not enough: until the node's first report (after a controller restart,
         // for one) its free space reads 0, and the growth would be refused as OUT_OF_RANGE,
         // which the resizer takes as final.
-        let live = self.book.node_views().get(&v.node).is_some_and(|n| n.live());
-        if !live {
+        let view = self.book.node_views().remove(&v.node);
+        if !view.as_ref().is_some_and(|n| n.live()) {
             return Err(Status::unavailable(format!(
                 "node {} holding volume {} is not connected (or has not reported yet); retry",
                 v.node, v.id
             )));
         }
-        let before = v.size_bytes;
+        // What a refused growth goes back to: the size the node holds. A retry after
+        // DEADLINE_EXCEEDED finds the record at the new size already.
+        let before = held(view.as_ref(), &v).map_or(v.size_bytes, |h| h.size_bytes.min(v.size_bytes));
         let vid = v.id.clone();
         let grown = self.blocking(move |book| book.begin_expand(&vid, size)).await?;
         let since = self.book.revision_of(&grown.node);
@@ -1252,6 +1254,51 @@ mod tests {
         assert!(e.message().contains("is not encrypted; a class with encryption: luks2 cannot"), "{e}");
         assert!(svc.book.by_name("pvc-d").is_none());
         assert_eq!(read(&super::super::volumes::volume_id_for("pvc-d"), "key"), None);
+    }
+
+    #[tokio::test]
+    async fn a_refused_growth_goes_back_to_the_size_the_node_holds_also_on_a_retry() {
+        use crate::rpc::controller as pb;
+        use csi::controller_server::Controller;
+        let (_t, svc, _g) = service("csi-expand-revert");
+        let _ = svc.do_create_volume(create_request("pvc-g", &[])).await;
+        let rec = svc.book.by_name("pvc-g").unwrap();
+        let report = |failures: Vec<pb::VolumeFailure>| pb::ReportVolumesRequest {
+            node_name: rec.node.clone(),
+            capacity_bytes: 100 * MIB,
+            available_bytes: 100 * MIB - rec.size_bytes,
+            volumes: vec![pb::VolumeState {
+                id: rec.id.clone(),
+                size_bytes: rec.size_bytes,
+                name: rec.name.clone(),
+                fs_type: "ext4".into(),
+                backing_file_present: true,
+                ..Default::default()
+            }],
+            failures,
+            revision: svc.book.revision_of(&rec.node),
+            ..Default::default()
+        };
+        svc.book.report(report(vec![])).unwrap();
+        let grow = || {
+            Request::new(csi::ControllerExpandVolumeRequest {
+                volume_id: rec.id.clone(),
+                capacity_range: Some(csi::CapacityRange {
+                    required_bytes: (rec.size_bytes + 8 * MIB) as i64,
+                    limit_bytes: 0,
+                }),
+                ..Default::default()
+            })
+        };
+        // The node does not answer in time; the record holds the new size.
+        assert_eq!(svc.controller_expand_volume(grow()).await.unwrap_err().code(), Code::DeadlineExceeded);
+        assert_eq!(svc.book.get(&rec.id).unwrap().size_bytes, rec.size_bytes + 8 * MIB);
+        // Then it cannot grow it: the retry learns so and puts back the size the node holds.
+        let refused =
+            pb::VolumeFailure { id: rec.id.clone(), code: Code::ResourceExhausted as i32, message: "full".into() };
+        svc.book.report(report(vec![refused])).unwrap();
+        assert_eq!(svc.controller_expand_volume(grow()).await.unwrap_err().code(), Code::OutOfRange);
+        assert_eq!(svc.book.get(&rec.id).unwrap().size_bytes, rec.size_bytes);
     }
 
     /// A volume its node refuses for good is abandoned (deleted there like any other), and
