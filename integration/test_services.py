@@ -213,6 +213,25 @@ def test_session_affinity_keeps_a_client_on_one_backend(env):
         for ip in ("10.96.0.12", "fd00:96::12"):
             got = names(ask(path, ip, 80, n=20))
             assert len(got) == 1, (client, ip, got)
+    # An agent restart writes its table anew, and keeps the clients' sets: each client
+    # stays with its backend (as with kube-proxy), where a new table would pick again.
+    before = {(c, ip): names(ask(env.pods[c].netns.path, ip, 80)) for c in ("c1", "c2")
+              for ip in ("10.96.0.12", "fd00:96::12")}
+    for n in (env.n1, env.n2):
+        handle = nat_handle(n)
+        n.stop()
+        n.start()
+        until(lambda: nat_handle(n) not in (None, handle), "the table written anew")
+    for (c, ip), got in before.items():
+        assert names(ask(env.pods[c].netns.path, ip, 80, n=5)) == {k: 5 * v for k, v in got.items()}, (c, ip)
+
+
+def nat_handle(n):
+    """The handle of the rule in the Services table's prerouting chain: a new one each time
+    the table is written anew."""
+    r = n.ns.exec(["nft", "-a", "list", "chain", "inet", "nodeplane-svc", "nat-pre"], check=False)
+    found = [l.split("# handle ")[1].strip() for l in r.stdout.splitlines() if "jump services" in l]
+    return found[0] if r.returncode == 0 and found else None
 
 
 def test_endpoints_follow_readiness_and_terminating_ones_serve_only_when_none_is_ready(env):

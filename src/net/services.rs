@@ -519,7 +519,13 @@ pub struct Proxy {
     st: Mutex<State>,
     /// Runs a transaction (nft; replaced in unit tests).
     run: crate::net::policy::Runner,
+    /// Lists our table without elements ([`list_table`]; replaced in unit tests).
+    list: Lister,
 }
+
+/// Lists the table's objects: `nft -t list table` output, `None` when there is no table or
+/// it cannot be read.
+pub type Lister = Box<dyn Fn() -> Option<String> + Send + Sync>;
 
 /// What one apply did, for metrics and status.
 #[derive(Debug, Default, Clone)]
@@ -533,11 +539,16 @@ pub struct Applied {
 
 impl Proxy {
     pub fn new(node: &str, node_ips: Vec<IpAddr>) -> Self {
-        Self::with_runner(node, node_ips, Box::new(crate::net::policy::nft))
+        Self::with_runner(node, node_ips, Box::new(crate::net::policy::nft)).with_lister(Box::new(list_table))
     }
 
+    /// A proxy whose transactions go to `run`, and which sees no table left by anyone.
     pub fn with_runner(node: &str, node_ips: Vec<IpAddr>, run: crate::net::policy::Runner) -> Self {
-        Proxy { node: node.to_string(), node_ips, st: Mutex::default(), run }
+        Proxy { node: node.to_string(), node_ips, st: Mutex::default(), run, list: Box::new(|| None) }
+    }
+
+    pub fn with_lister(self, list: Lister) -> Self {
+        Proxy { list, ..self }
     }
 
     /// The ports in force, by id.
@@ -600,7 +611,8 @@ impl Proxy {
             let mut next: Vec<(&String, &pb::ServicePort)> =
                 kept.chain(updates.iter().filter_map(|(id, p)| Some(id).zip(p.as_ref()))).collect();
             next.sort_unstable_by_key(|(id, _)| *id);
-            let (script, elements, shared) = self.whole(&st, &next);
+            let listing = (self.list)();
+            let (script, elements, shared) = self.whole(&st, &next, listing.as_deref());
             if let Err(e) = (self.run)(&script) {
                 // Whatever the kernel holds now, the next change writes the whole table.
                 st.synced = false;
@@ -628,26 +640,50 @@ impl Proxy {
     }
 
     /// The whole table for `ports` (sorted by id), and the element bookkeeping it makes.
-    fn whole(&self, st: &State, ports: &[(&String, &pb::ServicePort)]) -> (String, Elements, BTreeSet<String>) {
-        let mut s = format!("table inet {TABLE}\ndelete table inet {TABLE}\n");
-        s.push_str(&render_base(&st.pod_cidrs, &self.node_ips));
+    /// The table `listing` shows is emptied object by object, but for the session affinity
+    /// sets the ports still have: their clients stay with their endpoints across an agent
+    /// restart, as with kube-proxy. Without a listing the table is deleted and made anew.
+    fn whole(
+        &self,
+        st: &State,
+        ports: &[(&String, &pb::ServicePort)],
+        listing: Option<&str>,
+    ) -> (String, Elements, BTreeSet<String>) {
         // Each port is rendered twice, once for its elements and once for its chains:
         // keeping 100,000 renderings between the two would add a third to the agent's peak
         // memory, and rendering is cheap.
+        let objects = listing.map(table_objects).unwrap_or_default();
+        let listed_sets: BTreeSet<&str> = objects.iter().filter(|(k, _)| *k == "set").map(|(_, n)| *n).collect();
         let mut elements = Elements::default();
         let mut shared = BTreeSet::new();
+        let mut kept: BTreeSet<String> = BTreeSet::new();
         for (id, p) in ports {
             let r = render(p, &self.node);
             for (m, k, v) in r.elements {
                 elements.own((m, k), id, &v);
             }
             shared.extend(r.shared);
+            kept.extend(r.sets.into_iter().map(|(n, _)| n).filter(|n| listed_sets.contains(n.as_str())));
         }
+        let mut s = match listing {
+            None => format!("table inet {TABLE}\ndelete table inet {TABLE}\n"),
+            // Rules first (flush), then what they named: maps (whose verdicts name chains),
+            // sets, chains.
+            Some(_) => format!("add table inet {TABLE}\nflush table inet {TABLE}\n"),
+        };
+        for kind in ["map", "set", "chain"] {
+            for (_, name) in objects.iter().filter(|(k, n)| *k == kind && !(kind == "set" && kept.contains(*n))) {
+                let _ = writeln!(s, "delete {kind} inet {TABLE} {name}");
+            }
+        }
+        s.push_str(&render_base(&st.pod_cidrs, &self.node_ips));
         for name in shared_order(&shared) {
             shared_chain(&mut s, &name);
         }
         for (_, p) in ports {
-            write_sets_and_chains(&mut s, &render(p, &self.node), &[], &BTreeMap::new());
+            let r = render(p, &self.node);
+            let old: Vec<&String> = r.sets.iter().map(|(n, _)| n).filter(|n| kept.contains(*n)).collect();
+            write_sets_and_chains(&mut s, &r, &old, &BTreeMap::new());
         }
         write_elements(&mut s, &elements);
         (s, elements, shared)
@@ -891,6 +927,27 @@ pub fn forget_flows(args: &[String]) {
         Ok(o) if o.status.success() || o.status.code() == Some(1) => {}
         Ok(o) => tracing::warn!(args = ?args, error = %String::from_utf8_lossy(&o.stderr).trim(), "conntrack -D"),
         Err(e) => tracing::warn!(error = %e, "running conntrack (stale UDP flows stay until they time out)"),
+    }
+}
+
+/// Our table without the sets' and maps' contents (`nft -t list table`), `None` when there
+/// is none (or nft cannot be run).
+fn list_table() -> Option<String> {
+    let out = std::process::Command::new("nft").args(["-t", "list", "table", "inet", TABLE]).output().ok()?;
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The (kind, name) of every set, map and chain a table listing shows: the lines
+/// `<kind> <name> {`.
+pub fn table_objects(listing: &str) -> Vec<(&str, &str)> {
+    listing.lines().filter_map(object_line).collect()
+}
+
+fn object_line(line: &str) -> Option<(&str, &str)> {
+    let w: Vec<&str> = line.split_whitespace().collect();
+    match w[..] {
+        [kind @ ("set" | "map" | "chain"), name, "{"] => Some((kind, name)),
+        _ => None,
     }
 }
 

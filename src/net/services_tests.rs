@@ -247,3 +247,34 @@ fn udp_flows_to_a_gone_endpoint_port_or_a_port_that_had_none_are_forgotten() {
     assert!(gone.contains(&"-p udp --orig-port-dst 30053".to_string()), "{gone:?}");
     assert!(gone.contains(&"-p udp -f ipv6 --orig-port-dst 30053".to_string()), "{gone:?}");
 }
+
+#[test]
+fn a_whole_write_keeps_the_affinity_sets_its_ports_still_have() {
+    let (proxy, log) = recording();
+    let mut sticky = port("a/sticky/TCP/", "10.96.0.12", vec![ep("10.0.0.2", "n2", true, true, false)]);
+    sticky.affinity_seconds = 60;
+    let set = render(&sticky, "n1").sets[0].0.clone();
+    // What an earlier agent left: the port's set (with its clients), a set of a port gone
+    // since, a map and a chain whose rule names the map.
+    let listing = format!(
+        "table inet {TABLE} {{\n\tset {set} {{\n\t\ttype ipv4_addr\n\t\tflags dynamic,timeout\n\t}}\n\n\tset s1_00000000 {{\n\t\ttype ipv4_addr\n\t}}\n\n\tmap vip4 {{\n\t\ttypeof ip daddr : verdict\n\t}}\n\n\tchain services {{\n\t\tip daddr . meta l4proto . th dport vmap @vip4\n\t}}\n}}\n"
+    );
+    assert_eq!(
+        table_objects(&listing),
+        vec![("set", set.as_str()), ("set", "s1_00000000"), ("map", "vip4"), ("chain", "services")]
+    );
+    let proxy = proxy.with_lister(Box::new(move || Some(listing.clone())));
+    proxy.apply(true, Some(&["10.0.0.0/8".into()]), vec![sticky], vec![]).unwrap();
+    let script = log.lock().unwrap()[0].clone();
+    let t = TABLE;
+    let emptied = format!(
+        "add table inet {t}\nflush table inet {t}\ndelete map inet {t} vip4\ndelete set inet {t} s1_00000000\ndelete chain inet {t} services\ntable inet {t} {{\n"
+    );
+    assert!(script.starts_with(&emptied), "{script}");
+    assert!(!script.contains(&format!(" set inet {t} {set} ")), "the set is kept as it is: {script}");
+    assert!(script.contains(&format!("update @{set} ")), "{script}");
+    // Without a table (or a listing): deleted and made anew, as before.
+    let (proxy, log) = recording();
+    proxy.apply(true, None, vec![port("a/web/TCP/", "10.96.0.10", vec![])], vec![]).unwrap();
+    assert!(log.lock().unwrap()[0].starts_with(&format!("table inet {t}\ndelete table inet {t}\n")));
+}
