@@ -41,6 +41,18 @@ fn sandbox(name: &str) -> Sandbox {
     sb
 }
 
+/// A thin pool (`pool`, of `mib` MiB) and a sandbox whose agent puts volumes there.
+fn thin_sandbox(pool: &str, mib: u64, name: &str) -> (crate::lvm_root::Pool, Sandbox) {
+    let pool = crate::lvm_root::Pool::new(pool, mib);
+    let csi = serde_json::json!({
+        "capacityBytes": 4u64 << 30,
+        "maxVolumes": 16,
+        "lvm": {"volumeGroup": pool.vg, "thinPool": "pool"},
+    });
+    let sb = Sandbox::with_csi(name, csi);
+    (pool, sb)
+}
+
 fn require_root() {
     assert!(nix::unistd::geteuid().is_root(), "tests/crypt_root.rs needs root; it does not skip");
     let ok = Command::new("modprobe").arg("dm_crypt").status().is_ok_and(|s| s.success());
@@ -294,13 +306,7 @@ async fn expansion_of_an_encrypted_volume_shows_in_statfs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn encrypted_thin_volume_round_trip() {
     require_root();
-    let pool = crate::lvm_root::Pool::new("crypt", 256);
-    let csi = serde_json::json!({
-        "capacityBytes": 4u64 << 30,
-        "maxVolumes": 16,
-        "lvm": {"volumeGroup": pool.vg, "thinPool": "pool"},
-    });
-    let mut sb = Sandbox::with_csi("crypt-thin", csi);
+    let (pool, mut sb) = thin_sandbox("crypt", 256, "crypt-thin");
     sb.log_level = "debug";
     let mut c = sb.start().await;
     let id = vol_id("thin");
@@ -336,13 +342,7 @@ async fn encrypted_thin_volume_round_trip() {
 async fn encrypted_thin_volumes_reopen_after_a_reboot_and_close_on_a_failed_stage() {
     use nodeplane::rpc::csi::volume_capability::{AccessType, MountVolume};
     require_root();
-    let pool = crate::lvm_root::Pool::new("crypt-boot", 256);
-    let csi = serde_json::json!({
-        "capacityBytes": 4u64 << 30,
-        "maxVolumes": 16,
-        "lvm": {"volumeGroup": pool.vg, "thinPool": "pool"},
-    });
-    let mut sb = Sandbox::with_csi("crypt-boot", csi);
+    let (pool, mut sb) = thin_sandbox("crypt-boot", 256, "crypt-boot");
     let mut c = sb.start().await;
     let id = vol_id("boot");
     c.create_on(&id, 64 * MIB, "", "lvm").await;
@@ -554,13 +554,7 @@ async fn a_copy_of_an_encrypted_volume_gets_its_own_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thin_copy_of_an_encrypted_volume_gets_its_own_key() {
     require_root();
-    let pool = crate::lvm_root::Pool::new("crcopy", 1024);
-    let csi = serde_json::json!({
-        "capacityBytes": 4u64 << 30,
-        "maxVolumes": 16,
-        "lvm": {"volumeGroup": pool.vg, "thinPool": "pool"},
-    });
-    let mut sb = Sandbox::with_csi("crypt-thincopy", csi);
+    let (pool, mut sb) = thin_sandbox("crcopy", 1024, "crypt-thincopy");
     sb.log_level = "debug";
     let mut c = sb.start().await;
     let (src, copy) = (vol_id("tsrc"), vol_id("tcopy"));
