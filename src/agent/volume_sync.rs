@@ -289,6 +289,17 @@ fn reclaimable(name: &str, owner: &str, set: &pb::VolumeSet) -> bool {
     !name.is_empty() && !owner.is_empty() && owner == set.store_id
 }
 
+/// Since when `key` (a `what`) has been an orphan. One that is `kept` is logged once, when
+/// first seen.
+fn orphaned_since(first: &mut HashMap<String, Instant>, key: &str, what: &str, kept: bool, store: &str) -> Instant {
+    *first.entry(key.to_string()).or_insert_with(|| {
+        if kept {
+            tracing::warn!(orphan = %key, %store, "orphan {what} kept: not made under the controller's store");
+        }
+        Instant::now()
+    })
+}
+
 /// Record that the set's store lists volume `d` ([`crate::storage::store::Volume::controller_store`]),
 /// once the node holds it under the same name.
 fn own_volume(store: &VolumeStore, d: &pb::DesiredVolume, owner: &str) -> Result<(), SyncError> {
@@ -415,12 +426,7 @@ fn reconcile(
             continue;
         }
         let keep = !reclaimable(&v.name, &v.controller_store, set);
-        let since = *first_orphaned.entry(v.id.clone()).or_insert_with(|| {
-            if keep {
-                tracing::warn!(volume = %v.id, store = %v.controller_store, "orphan volume kept: not made under the controller's store");
-            }
-            Instant::now()
-        });
+        let since = orphaned_since(first_orphaned, &v.id, "volume", keep, &v.controller_store);
         if !keep
             && since.elapsed() >= grace
             && !attached(&v.path)
@@ -446,12 +452,7 @@ fn reconcile(
         }
         let key = format!("snapshot/{}", s.id);
         let keep = !reclaimable(&s.name, &s.controller_store, set);
-        let since = *first_orphaned.entry(key.clone()).or_insert_with(|| {
-            if keep {
-                tracing::warn!(snapshot = %s.id, store = %s.controller_store, "orphan snapshot kept: not made under the controller's store");
-            }
-            Instant::now()
-        });
+        let since = orphaned_since(first_orphaned, &key, "snapshot", keep, &s.controller_store);
         if !keep && since.elapsed() >= grace {
             match store.delete_snapshot(&s.id) {
                 Ok(()) => {
