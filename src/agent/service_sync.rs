@@ -160,7 +160,14 @@ impl ServiceClient {
                 m = stream.message() => match m {
                     Ok(Some(u)) => u,
                     Ok(None) => return Err("the controller closed the Services stream".into()),
-                    Err(s) => return Err(format!("WatchServices: {:?}: {}", s.code(), s.message())),
+                    Err(s) => {
+                        if s.code() == tonic::Code::OutOfRange {
+                            // Over MAX_MESSAGE (a delta from an older controller): a
+                            // snapshot, which comes in parts, instead of the same delta.
+                            self.standing.lock().unwrap().synced = false;
+                        }
+                        return Err(format!("WatchServices: {:?}: {}", s.code(), s.message()));
+                    }
                 },
                 _ = check.tick() => {
                     if let Some(why) = self.left_to_kube_proxy() {

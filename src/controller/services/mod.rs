@@ -193,7 +193,15 @@ impl ServiceBook {
             let changes = st.history.iter().filter(|c| c.revision > revision).cloned().collect();
             return Start::Changes(changes);
         }
-        Start::Snapshot { revision: st.revision, ports: st.ports.values().cloned().collect() }
+        drop(st);
+        let (revision, ports) = self.whole();
+        Start::Snapshot { revision, ports }
+    }
+
+    /// Every port, at the revision it stands at.
+    pub fn whole(&self) -> (u64, Vec<Arc<pb::ServicePort>>) {
+        let st = self.state.lock().unwrap();
+        (st.revision, st.ports.values().cloned().collect())
     }
 
     pub fn set_service(&self, svc: &Service) -> Result<(), ObjectError> {

@@ -3,6 +3,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 
+use prost::Message;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
@@ -13,6 +14,11 @@ use crate::rpc::controller::services_server::Services;
 
 /// Ports per part of a snapshot (a few hundred bytes each: well under gRPC's 4 MiB).
 const SNAPSHOT_PART: usize = 1000;
+
+/// The largest delta sent as one message. A larger one (a client away through many changes)
+/// goes as a snapshot in parts instead: agents read messages up to 256 MiB, and one they
+/// cannot read would be asked for again forever.
+const MAX_DELTA_BYTES: usize = 64 << 20;
 
 pub struct Service {
     pub book: Arc<ServiceBook>,
@@ -55,6 +61,28 @@ fn delta(book: &ServiceBook, base: u64, changes: &[Arc<Change>]) -> pb::ServiceU
         ports: ports.into_iter().map(|p| (**p).clone()).collect(),
         removed,
         ..Default::default()
+    }
+}
+
+/// What a client at `since` of `epoch` gets next.
+enum Next {
+    Nothing,
+    Delta(pb::ServiceUpdate),
+    Snapshot { revision: u64, ports: Vec<Arc<pb::ServicePort>> },
+}
+
+fn next(book: &ServiceBook, epoch: u64, since: u64, max_delta: usize) -> Next {
+    match book.follow(epoch, since) {
+        Start::Snapshot { revision, ports } => Next::Snapshot { revision, ports },
+        Start::Changes(c) if c.is_empty() => Next::Nothing,
+        Start::Changes(c) => match delta(book, since, &c) {
+            d if d.encoded_len() <= max_delta => Next::Delta(d),
+            d => {
+                tracing::info!(since, bytes = d.encoded_len(), "a delta too large for one message: a snapshot instead");
+                let (revision, ports) = book.whole();
+                Next::Snapshot { revision, ports }
+            }
+        },
     }
 }
 
@@ -103,10 +131,10 @@ impl Services for Service {
             loop {
                 changed.borrow_and_update();
                 let (epoch, since) = at;
-                let sent_all = match book.follow(epoch, since) {
-                    Start::Snapshot { revision, ports } => send(&tx, snapshot(&book, revision, &ports), &mut at).await,
-                    Start::Changes(c) if c.is_empty() => true,
-                    Start::Changes(c) => send(&tx, std::iter::once(delta(&book, since, &c)), &mut at).await,
+                let sent_all = match next(&book, epoch, since, MAX_DELTA_BYTES) {
+                    Next::Nothing => true,
+                    Next::Delta(d) => send(&tx, std::iter::once(d), &mut at).await,
+                    Next::Snapshot { revision, ports } => send(&tx, snapshot(&book, revision, &ports), &mut at).await,
                 };
                 if !sent_all {
                     return;
@@ -170,5 +198,27 @@ mod tests {
         assert_eq!(parts[2].ports[499].id, "p2499");
         let empty: Vec<_> = snapshot(&book, 8, &[]).map(|u| (u.snapshot, u.more, u.ports.len())).collect();
         assert_eq!(empty, [(true, false, 0)]);
+    }
+
+    #[test]
+    fn a_delta_too_large_for_one_message_goes_as_a_snapshot() {
+        let book = ServiceBook::new(vec!["10.244.0.0/16".into()], None).unwrap();
+        let svc = |name: &str, ip: &str| -> k8s_openapi::api::core::v1::Service {
+            serde_json::from_value(serde_json::json!({"metadata": {"namespace": "a", "name": name},
+                "spec": {"clusterIP": ip, "ports": [{"name": "http", "port": 80}]}}))
+            .unwrap()
+        };
+        book.set_service(&svc("web", "10.96.0.10")).unwrap();
+        let since = book.revision();
+        book.set_service(&svc("db", "10.96.0.11")).unwrap();
+        let Next::Delta(d) = next(&book, book.epoch, since, MAX_DELTA_BYTES) else {
+            panic!("one small change: a delta")
+        };
+        assert_eq!((d.base_revision, d.revision, d.ports.len()), (since, book.revision(), 1));
+        let Next::Snapshot { revision, ports } = next(&book, book.epoch, since, d.encoded_len() - 1) else {
+            panic!("a delta over the limit: a snapshot")
+        };
+        assert_eq!((revision, ports.len()), (book.revision(), 2));
+        assert!(matches!(next(&book, book.epoch, book.revision(), 1), Next::Nothing));
     }
 }
