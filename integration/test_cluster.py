@@ -520,6 +520,27 @@ def test_removed_node_with_running_agent_stops_using_released_blocks(make_cluste
         assert all(in_block(ip, mine) for ip in ips), f"{ips} outside {b.ns.name}'s blocks {mine}"
 
 
+def test_node_back_after_removal_reaches_the_node_with_its_old_blocks(make_cluster):
+    """A node removed while down, then started again, gets new blocks; the node that took its
+    old ones is routed to from it. Its bridge must no longer hold the old blocks' gateways
+    (no pod uses them): their connected routes would send that node's pods' traffic onto
+    the bridge, and the peer routes were refused beside them."""
+    c = make_cluster()
+    a, b = c.node(0, 1), c.node(0, 2)
+    old = c.controller.nodes()[b.ns.name]["blocks"]
+    b.stop()
+    c.controller.remove_node(b.ns.name)
+    d = c.node(0, 3)
+    assert sorted(c.controller.nodes()[d.ns.name]["blocks"]) == sorted(old), "precondition: d took b's blocks"
+    b.start()
+    wait_until(lambda: c.controller.nodes().get(b.ns.name, {}).get("blocks"), what=f"{b.ns.name} to register again")
+    recs = wait_routes([a, b, d], c.controller, lambda n, p, v6: "vxlan" if v6 else "direct")
+    assert not set(recs[b.ns.name]["blocks"]) & set(old), recs[b.ns.name]
+    pods = [n.add_pod("p")[0] for n in (a, b, d)]
+    assert_pods_in_blocks(pods, recs)
+    assert_mesh(pods)
+
+
 # ----- 4. controller kill -9 -----
 
 

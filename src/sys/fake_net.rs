@@ -445,6 +445,13 @@ impl Links for FakeLinks {
         add_address(st.space(self.ns, "add_address")?, index, ip, prefix, "add_address")
     }
 
+    fn delete_address(&mut self, index: u32, ip: IpAddr, prefix: u8) -> Result<()> {
+        let mut st = self.lock();
+        st.enter(self.ns, "delete_address", format!("{index} {ip}/{prefix}"))?;
+        st.space(self.ns, "delete_address")?.addrs.retain(|a| !(a.index == index && a.ip == ip && a.prefix == prefix));
+        Ok(())
+    }
+
     fn routes(&mut self) -> Result<Vec<RouteEntry>> {
         let mut st = self.lock();
         st.enter(self.ns, "routes", String::new())?;

@@ -59,6 +59,8 @@ pub trait Links: Send {
     fn set_mcast_snooping(&mut self, index: u32, on: bool) -> Result<()>;
     fn addresses(&mut self, index: Option<u32>) -> Result<Vec<Addr>>;
     fn add_address(&mut self, index: u32, ip: IpAddr, prefix: u8) -> Result<()>;
+    /// Remove an address; one already gone is not an error.
+    fn delete_address(&mut self, index: u32, ip: IpAddr, prefix: u8) -> Result<()>;
     /// Main-table routes of both families.
     fn routes(&mut self) -> Result<Vec<RouteEntry>>;
     /// Apply `steps` in order, stopping at the first failure.
@@ -183,6 +185,9 @@ impl Links for Netlink {
     }
     fn add_address(&mut self, index: u32, ip: IpAddr, prefix: u8) -> Result<()> {
         Netlink::add_address(self, index, ip, prefix)
+    }
+    fn delete_address(&mut self, index: u32, ip: IpAddr, prefix: u8) -> Result<()> {
+        Netlink::delete_address(self, index, ip, prefix)
     }
     fn routes(&mut self) -> Result<Vec<RouteEntry>> {
         Netlink::routes(self)

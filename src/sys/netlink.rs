@@ -463,6 +463,17 @@ impl Netlink {
         self.request(msg, flags, &op)
     }
 
+    /// Remove an address; one already gone is not an error.
+    pub fn delete_address(&mut self, index: u32, ip: IpAddr, prefix: u8) -> Result<()> {
+        let (RouteNetlinkMessage::NewAddress(msg), _, _) = address_request(index, ip, prefix) else {
+            unreachable!("address_request makes a NewAddress")
+        };
+        match self.request(RouteNetlinkMessage::DelAddress(msg), 0, &format!("delete address {ip}/{prefix}")) {
+            Err(e) if e.is(libc::EADDRNOTAVAIL) => Ok(()),
+            other => other,
+        }
+    }
+
     pub fn addresses(&mut self, index: Option<u32>) -> Result<Vec<Addr>> {
         let msgs = self.dump(RouteNetlinkMessage::GetAddress(AddressMessage::default()), "dump addresses")?;
         Ok(msgs

@@ -166,6 +166,42 @@ fn add_plumbs_the_pod_and_del_removes_everything() {
     assert_eq!(n.dp.ipam().get(&owner("ctr-b")).unwrap().ips.len(), 2);
 }
 
+/// A block the controller withdrew keeps its gateway on the bridge while a pod uses it, and
+/// loses it with the last one (its connected route would hide the block's new owner).
+#[test]
+fn a_withdrawn_blocks_gateway_leaves_the_bridge_with_its_last_pod() {
+    let n = node("withdrawn");
+    let gateways = |n: &Node| -> Vec<String> {
+        let bridge = n.fake.host_link("np0").unwrap();
+        let mut v: Vec<_> = n
+            .fake
+            .host_addrs()
+            .iter()
+            .filter(|a| a.index == bridge.index)
+            .map(|a| format!("{}/{}", a.ip, a.prefix))
+            .collect();
+        v.sort();
+        v
+    };
+    let ns = n.netns("pod-a");
+    n.add("ctr-a", &ns).unwrap();
+    let (new4, new6) = ("10.88.9.0/24", "fd00:88:9::/64");
+    n.dp.ipam().retain_blocks(&[new4.parse().unwrap(), new6.parse().unwrap()]);
+    n.dp.apply_network(&[new4.parse().unwrap(), new6.parse().unwrap()], None).unwrap();
+    assert_eq!(
+        gateways(&n),
+        ["10.88.3.1/24", "10.88.9.1/24", "fd00:88:3::1/64", "fd00:88:9::1/64"],
+        "a pod uses the old"
+    );
+    n.del("ctr-a", Some(&ns)).unwrap();
+    assert_eq!(gateways(&n), ["10.88.9.1/24", "fd00:88:9::1/64"]);
+    // Without a pod in it, a withdrawn block's gateway goes at once.
+    let (last4, last6) = ("10.88.10.0/24", "fd00:88:10::/64");
+    n.dp.ipam().retain_blocks(&[last4.parse().unwrap(), last6.parse().unwrap()]);
+    n.dp.apply_network(&[last4.parse().unwrap(), last6.parse().unwrap()], None).unwrap();
+    assert_eq!(gateways(&n), ["10.88.10.1/24", "fd00:88:10::1/64"]);
+}
+
 /// Every kernel step of ADD, failed in turn: the ADD fails with the right code, and nothing
 /// is left behind — no lease, no host veth, nothing in the pod — so the retry succeeds.
 #[test]

@@ -4,6 +4,7 @@
 //! switching only ever happens inside [`crate::sys::netns::netlink_in`].
 
 use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -20,7 +21,7 @@ use crate::obs::metrics::{Histograms, StepLabels, Steps, step_histogram};
 use crate::rpc::node as api;
 pub use crate::sys::net_kernel::NetKernel;
 use crate::sys::net_kernel::{Links, PodNetns, Veth};
-use crate::sys::netlink::{Link, LinkStep, NetlinkError, format_mac, random_mac};
+use crate::sys::netlink::{Addr, Link, LinkStep, NetlinkError, format_mac, random_mac};
 use crate::sys::netns::NetnsError;
 use crate::util::Family;
 
@@ -332,6 +333,39 @@ impl Datapath {
 
     // ----- node setup -----
 
+    /// Remove from the bridge (`index`, holding `have`) the gateway of every block the
+    /// controller withdrew once no lease lies in it: its connected route would keep this
+    /// node from the block's new owner. An IPv6 link-local address stays.
+    fn drop_withdrawn_gateways(&self, nl: &mut dyn Links, index: u32, have: &[Addr]) -> Result<(), NetError> {
+        let blocks = self.ipam.blocks();
+        let leases = self.ipam.leases();
+        for a in have.iter().filter(|a| a.index == index) {
+            let Ok(net) = IpNetwork::new(a.ip, a.prefix) else { continue };
+            let link_local = matches!(a.ip, IpAddr::V6(v6) if v6.is_unicast_link_local());
+            let current = blocks.iter().any(|b| b.gateway_net() == net);
+            let used = leases.iter().flat_map(|l| &l.ips).any(|ip| net.contains(ip.ip()));
+            if link_local || current || used {
+                continue;
+            }
+            nl.delete_address(index, a.ip, a.prefix).map_err(|e| netlink_err(&format!("removing gateway {net}"), e))?;
+            tracing::info!(gateway = %net, "withdrawn block's gateway removed from the bridge: no pod uses it");
+        }
+        Ok(())
+    }
+
+    /// After a lease of a withdrawn block is released: its gateway may go now.
+    fn after_withdrawn_lease(&self, lease: &Lease) -> Result<(), NetError> {
+        if lease.ips.iter().all(|ip| self.ipam.block_of(ip.ip()).is_some()) {
+            return Ok(());
+        }
+        let mut nl = self.kernel.host().map_err(|e| netlink_err("netlink", e))?;
+        let Some(index) = nl.index_of(&self.settings.bridge).map_err(|e| netlink_err("bridge lookup", e))? else {
+            return Ok(());
+        };
+        let have = nl.addresses(Some(index)).map_err(|e| netlink_err("bridge addresses", e))?;
+        self.drop_withdrawn_gateways(&mut *nl, index, &have)
+    }
+
     /// Create (or adopt) the node bridge with one gateway address per block, and turn on
     /// forwarding in the agent's own network namespace.
     pub fn ensure_bridge(&self) -> Result<(), NetError> {
@@ -388,6 +422,7 @@ impl Datapath {
                 }
             }
         }
+        self.drop_withdrawn_gateways(&mut *nl, link.index, &have)?;
         // Pods attached before the bridge was lost (or replaced) are put back on it. Each
         // under its attachment's lock, re-checked, so a concurrent DEL is never undone.
         // Leases still being added are left to their own ADD.
@@ -773,6 +808,9 @@ impl Datapath {
         let _ = std::fs::remove_file(pending);
         steps.mark("release");
         if let Some(l) = released {
+            if let Err(e) = self.after_withdrawn_lease(&l) {
+                tracing::warn!(error = %e, "removing a withdrawn block's gateway");
+            }
             if let Some(hook) = self.pod_hook.get() {
                 if let Err(e) = hook(PodEvent::Stopped { pod: &l.pod, host_if: &l.host_if }) {
                     tracing::warn!(pod = %l.pod, error = %e, "policy: pod stopped");
