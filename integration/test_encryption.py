@@ -7,7 +7,9 @@
 - the pods' MTU is the device's: the largest unfragmented ping passes, one byte more does not;
 - strict mode: a node whose key is withdrawn is unreachable, nothing leaves in clear;
 - a rotation during a 10 ms ping and a TCP stream: no reset, the longest silence bounded;
-- a removed node's peer is gone from the others.
+- a removed node's peer is gone from the others;
+- the device holds the gateways of the node's blocks only: a block the node lost (now another
+  node's) leaves it.
 
 This host's kernel has no WireGuard: the file runs in the VM lane (scripts/vm-test, on
 Debian's 5.10, 6.1 and 6.12), and scripts/test leaves it out of the host lane, saying so.
@@ -360,3 +362,25 @@ def test_removed_node_peer_is_gone_everywhere(make_cluster):
     os.chmod(keyfile, 0o600)
     fake.start(wait=False)
     wait_until(lambda: "a node publishes only its own key" in fake.log(), 20, "the controller to refuse a copied key")
+
+
+def wg_addresses(n):
+    """The addresses on the node's np.wg."""
+    return {a["local"] for i in n.ns.ip_json("addr", "show", "dev", WG_DEV) for a in i.get("addr_info", [])}
+
+
+def test_a_block_the_node_lost_leaves_its_device(make_cluster):
+    c = make_cluster("on")
+    a, b = node(c, 1), node(c, 2)
+    wait_encrypted([a, b])
+    old = wait_until(lambda: wg_addresses(b), 10, "b's gateways on its device")
+    b.stop()
+    c.controller.remove_node(b.ns.name)
+    # A new node takes the blocks b held; b, back, gets others.
+    d = node(c, 3)
+    wait_until(lambda: old <= wg_addresses(d), 20, "the new node to hold b's old gateways")
+    b.start()
+    wait_encrypted([a, b, d])
+    new = wait_until(lambda: wg_addresses(b) - old, 20, "b's new gateways on its device")
+    wait_until(lambda: not (wg_addresses(b) & old), 10, "b's old gateways to leave its device")
+    assert wg_addresses(b) == new, (wg_addresses(b), new)

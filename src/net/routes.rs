@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 use crate::net::ipam::Block;
 use crate::net::wireguard::{self, KeyPair, Mode as Encryption, Tunnel};
 use crate::sys::netlink::{
-    FdbEntry, NTF_SELF, NUD_PERMANENT, Neighbour, Netlink, NetlinkError, RTN_BLACKHOLE, RTN_UNICAST, RouteEntry,
+    Addr, FdbEntry, NTF_SELF, NUD_PERMANENT, Neighbour, Netlink, NetlinkError, RTN_BLACKHOLE, RTN_UNICAST, RouteEntry,
     RouteSpec, VxlanSpec, format_mac,
 };
 use crate::util::Family;
@@ -931,10 +931,24 @@ impl Routes {
         }
     }
 
+    /// Make the device's addresses the gateways of our blocks: those of a block we no
+    /// longer hold go (it may be another node's now). An IPv6 link-local one stays.
     fn sync_tunnel_addresses(&mut self, index: u32) -> Result<(), RoutesError> {
         let have = self.nl.addresses(Some(index)).map_err(RoutesError::netlink("listing addresses"))?;
+        let stale = |a: &&Addr| {
+            let link_local = matches!(a.ip, IpAddr::V6(v6) if v6.is_unicast_link_local());
+            !link_local && !self.gateways.contains(&(a.ip, a.prefix))
+        };
+        for a in have.iter().filter(stale) {
+            self.nl.delete_address(index, a.ip, a.prefix).map_err(RoutesError::netlink(format!(
+                "removing {}/{} from {}",
+                a.ip,
+                a.prefix,
+                wireguard::DEVICE
+            )))?;
+        }
         for (ip, prefix) in self.gateways.clone() {
-            if !have.iter().any(|a| a.index == index && a.ip == ip) {
+            if !have.iter().any(|a| a.ip == ip && a.prefix == prefix) {
                 self.nl
                     .add_address(index, ip, prefix)
                     .map_err(RoutesError::netlink(format!("adding {ip}/{prefix} to {}", wireguard::DEVICE)))?;
