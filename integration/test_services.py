@@ -331,16 +331,23 @@ def test_services_off_removes_the_table_an_earlier_run_left(env):
                    "removed the Services table an earlier run left")
 
 
-@pytest.mark.parametrize("found", ["nft table", "ipvs device"])
+@pytest.mark.parametrize("found", ["nft table", "ipvs device", "iptables-legacy chain", "ip6tables-legacy chain"])
 def test_auto_leaves_a_node_to_kube_proxy_and_takes_it_back(env, found):
     """`services: auto` (the default): an agent that finds kube-proxy programming its node
-    (its nftables table, or its IPVS mode's device) removes its own table at start and
-    programs nothing; once kube-proxy is gone it programs the node again."""
+    (its nftables table, its iptables chain through the legacy backend, which nft does not
+    see, or its IPVS mode's device) removes its own table at start and programs nothing;
+    once kube-proxy is gone it programs the node again."""
     n = env.n2
     if found == "nft table":
         mark = (["nft", "add", "table", "ip", "kube-proxy"], ["nft", "delete", "table", "ip", "kube-proxy"])
+        says = "nftables table ip kube-proxy"
+    elif found.endswith("tables-legacy chain"):
+        tool = found.split()[0]
+        mark = ([tool, "-t", "nat", "-N", "KUBE-SERVICES"], [tool, "-t", "nat", "-X", "KUBE-SERVICES"])
+        says = f"iptables-legacy chain KUBE-SERVICES ({'ip6' if tool.startswith('ip6') else 'ip'} nat)"
     else:
         # kube-proxy makes a dummy link; this host's kernel has none, and the name is what counts.
         mark = (["ip", "link", "add", "kube-ipvs0", "type", "bridge"], ["ip", "link", "del", "kube-ipvs0"])
+        says = "kube-proxy's IPVS device kube-ipvs0"
     restarted_with(n, lambda: n.ns.exec(mark[0]), lambda: n.ns.exec(mark[1]), f"kube-proxy's {found} there",
-                   "kube-proxy programs this node")
+                   f"kube-proxy programs this node ({says})")

@@ -964,13 +964,18 @@ fn nft_tables() -> Option<Vec<String>> {
 }
 
 /// Whether kube-proxy (or another proxy of its family) programs this node: its nftables
-/// tables, its iptables chains through iptables-nft, or its IPVS mode's device. Returns what
-/// was found. (Its iptables chains through iptables-legacy are not seen.)
+/// tables, its iptables chains (through iptables-nft or iptables-legacy), or its IPVS mode's
+/// device. Returns what was found.
 pub fn kube_proxy_present() -> Option<String> {
     // /proc/net follows the reader's network namespace (sysfs would show the mounter's).
     let devices = std::fs::read_to_string("/proc/net/dev").unwrap_or_default();
     if devices.lines().any(|l| l.trim_start().starts_with("kube-ipvs0:")) {
         return Some("kube-proxy's IPVS device kube-ipvs0".into());
+    }
+    for (v6, fam) in [(false, "ip"), (true, "ip6")] {
+        if crate::sys::xtables::legacy_chain_exists(v6, "nat", "KUBE-SERVICES") {
+            return Some(format!("iptables-legacy chain KUBE-SERVICES ({fam} nat)"));
+        }
     }
     let tables = nft_tables()?;
     for t in ["ip kube-proxy", "ip6 kube-proxy"] {

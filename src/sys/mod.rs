@@ -4,7 +4,7 @@
 //! what a device holds beyond blkid's signatures (`probe`), filesystem tools (`fstools`:
 //! blkid, mkfs, grow), dm-crypt (`crypt`: LUKS2 through cryptsetup),
 //! capability dropping (`caps`), atomic files and Unix sockets (`fs`), descriptors passed over
-//! Unix sockets (`fdpass`).
+//! Unix sockets (`fdpass`), the legacy iptables tables, read only (`xtables`).
 //!
 //! The planes reach the kernel through two seams: `net_kernel` (links, addresses, routes,
 //! namespaces for the pod network) and `volume_kernel` (loop devices, mounts, filesystem
@@ -32,3 +32,4 @@ pub mod netns;
 pub mod probe;
 pub mod volume_kernel;
 pub mod wireguard;
+pub mod xtables;
