@@ -221,8 +221,8 @@ fn content_source_of(c: &csi::VolumeContentSource) -> Result<ContentSource, Stat
 }
 
 /// Whether snapshot `v` is complete on its node.
-fn snapshot_ready(v: &VolumeRecord, views: &std::collections::HashMap<String, NodeView>) -> bool {
-    v.state == VolState::Ready && held_snapshot(views.get(&v.node), v).is_some()
+fn snapshot_ready(v: &VolumeRecord, view: Option<&NodeView>) -> bool {
+    v.state == VolState::Ready && held_snapshot(view, v).is_some()
 }
 
 /// A snapshot record as CSI shows it; `ready` when the node holds it complete.
@@ -490,7 +490,7 @@ impl ControllerService {
     /// delete because it is in use stays.
     async fn delete(&self, what: &str, id: &str, v: Option<VolumeRecord>) -> Result<(), Status> {
         let Some(v) = v else { return self.remove_left_key(id).await };
-        let connected = self.book.node_views().get(&v.node).is_some_and(|n| n.connected > 0);
+        let connected = self.book.node_view(&v.node).is_some_and(|n| n.connected > 0);
         if !connected {
             return Err(Status::unavailable(format!("node {} holding {what} {id} is not connected; retry", v.node)));
         }
@@ -656,7 +656,7 @@ impl csi::controller_server::Controller for ControllerService {
         // Connected is not enough: until the node's first report (after a controller restart,
         // for one) its free space reads 0, and the growth would be refused as OUT_OF_RANGE,
         // which the resizer takes as final.
-        let view = self.book.node_views().remove(&v.node);
+        let view = self.book.node_view(&v.node);
         if !view.as_ref().is_some_and(|n| n.live()) {
             return Err(Status::unavailable(format!(
                 "node {} holding volume {} is not connected (or has not reported yet); retry",
@@ -866,7 +866,7 @@ impl csi::controller_server::Controller for ControllerService {
         let entries = page
             .iter()
             .map(|v| csi::list_snapshots_response::Entry {
-                snapshot: Some(snapshot_to_csi(v, snapshot_ready(v, &views))),
+                snapshot: Some(snapshot_to_csi(v, snapshot_ready(v, views.get(&v.node)))),
             })
             .collect();
         Ok(Response::new(csi::ListSnapshotsResponse { entries, next_token }))
@@ -884,7 +884,7 @@ impl csi::controller_server::Controller for ControllerService {
             .get_snapshot(&r.snapshot_id)
             .filter(|v| v.state != VolState::Deleting)
             .ok_or_else(|| BookError::SnapshotNotFound(r.snapshot_id.clone()))?;
-        let ready = snapshot_ready(&v, &self.book.node_views());
+        let ready = snapshot_ready(&v, self.book.node_view(&v.node).as_ref());
         Ok(Response::new(csi::GetSnapshotResponse { snapshot: Some(snapshot_to_csi(&v, ready)) }))
     }
     async fn controller_get_volume(

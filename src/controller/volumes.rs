@@ -583,6 +583,11 @@ impl VolumeBook {
         self.st.lock().unwrap().nodes.clone()
     }
 
+    /// One node's view, when the node is known.
+    pub fn node_view(&self, node: &str) -> Option<NodeView> {
+        self.st.lock().unwrap().nodes.get(node).cloned()
+    }
+
     /// Free bytes of a node's `backend` for new volumes: its reported capacity minus
     /// everything placed on that backend of the node (including volumes still being created
     /// or deleted, and snapshots). 0 when the node does not have the backend.
