@@ -90,17 +90,18 @@ def wg_peers(n):
     return out
 
 
-def node_key(n):
-    """The node's public key as its status says."""
-    _, doc = n.status("status")
-    return ((doc.get("controller") or {}).get("wireguard") or {}).get("publicKey") or ""
+def node_key(n, check=True):
+    """The node's public key as its status says. Unchecked: "" while its node API is not up
+    yet (an agent serves it once registered)."""
+    _, doc = n.status("status", check=check)
+    return (((doc or {}).get("controller") or {}).get("wireguard") or {}).get("publicKey") or ""
 
 
 def wait_encrypted(nodes):
     """Every node holds every other node as a peer, with its blocks as allowed IPs, and
     routes the other nodes' blocks through np.wg."""
     def ready():
-        keys = {n.ns.name: node_key(n) for n in nodes}
+        keys = {n.ns.name: node_key(n, check=False) for n in nodes}
         if not all(keys.values()):
             return False
         for n in nodes:
